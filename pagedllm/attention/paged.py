@@ -1,0 +1,90 @@
+"""PyTorch paged attention: the reference backend that runs on every device.
+
+Decodes of the whole batch are one gather by block table and one SDPA call,
+with the query heads of each KV head folded into the query-length axis (GQA
+without repeating K/V). Prefill chunks attend one sequence at a time: they are
+compute bound and differ in length, so padding them together would only waste.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..kv.cache import PagedKVCache
+from .metadata import AttentionMetadata, causal_mask
+
+
+class PagedAttentionBackend:
+    name = "torch-paged"
+    uses_block_tables = True
+
+    def __init__(self, cache: PagedKVCache) -> None:
+        self.cache = cache
+
+    def layer(self, index: int, window: int | None, scale: float) -> "PagedAttentionLayer":
+        k, v = self.cache.layer(index)
+        return PagedAttentionLayer(k, v, window, scale)
+
+    def free_seq(self, seq_id: int) -> None:  # blocks are owned by the block manager
+        pass
+
+
+class PagedAttentionLayer:
+    def __init__(self, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 window: int | None, scale: float) -> None:
+        self.k_cache, self.v_cache = k_cache, v_cache
+        self.block_size = k_cache.shape[1]
+        self.k_slots = k_cache.view(-1, *k_cache.shape[2:])
+        self.v_slots = v_cache.view(-1, *v_cache.shape[2:])
+        self.window = window
+        self.scale = scale
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 meta: AttentionMetadata) -> torch.Tensor:
+        self.k_slots.index_copy_(0, meta.slot_mapping, k.to(self.k_slots.dtype))
+        self.v_slots.index_copy_(0, meta.slot_mapping, v.to(self.v_slots.dtype))
+        nd = meta.num_decodes
+        if nd == meta.num_seqs:
+            return self._decode(q, meta)
+        out = torch.empty_like(q)
+        if nd:
+            out[:nd] = self._decode(q[:nd], meta)
+        for i in range(nd, meta.num_seqs):
+            s, e = meta.query_start_loc[i], meta.query_start_loc[i + 1]
+            out[s:e] = self._prefill(q[s:e], k[s:e], v[s:e], meta.context_lens[i],
+                                     meta.block_tables[i])
+        return out
+
+    def _decode(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        nd, hq, d = q.shape
+        tables = meta.block_tables[:nd]
+        keys = self.k_cache[tables].flatten(1, 2)  # [nd, L, Hkv, D]
+        vals = self.v_cache[tables].flatten(1, 2)
+        hkv = keys.shape[2]
+        mask = meta.decode_mask(self.window, keys.shape[1])
+        qh = q.view(nd, hkv, hq // hkv, d)
+        out = F.scaled_dot_product_attention(
+            qh, keys.transpose(1, 2).to(q.dtype), vals.transpose(1, 2).to(q.dtype),
+            attn_mask=mask, scale=self.scale)
+        return out.reshape(nd, hq, d)
+
+    def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 ctx_len: int, table: torch.Tensor) -> torch.Tensor:
+        n = q.shape[0]
+        if ctx_len > n:  # earlier chunks or cached prefix: read the context from the cache
+            nb = -(-ctx_len // self.block_size)
+            k = self.k_cache[table[:nb]].flatten(0, 1)[:ctx_len].to(q.dtype)
+            v = self.v_cache[table[:nb]].flatten(0, 1)[:ctx_len].to(q.dtype)
+        return sdpa_one(q, k, v, ctx_len, self.window, self.scale)
+
+
+def sdpa_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx_len: int,
+             window: int | None, scale: float) -> torch.Tensor:
+    """Attention of one sequence's n newest queries over its ctx_len keys. q: [n, Hq, D]."""
+    n = q.shape[0]
+    mask = causal_mask(n, ctx_len, window, q.device)
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+        attn_mask=mask, is_causal=mask is None and n > 1, scale=scale,
+        enable_gqa=k.shape[1] != q.shape[1])
+    return out[0].transpose(0, 1)

@@ -1,0 +1,159 @@
+"""Plain configuration dataclasses shared by the loader, the engine and the CLI."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+SUPPORTED_BLOCK_SIZES = (8, 16, 32, 64, 128)
+
+
+@dataclass
+class ModelConfig:
+    """What the engine needs to know about a decoder-only transformer.
+
+    Built from a transformers-style config.json dict, whether it came from a
+    Hugging Face folder or was synthesised from GGUF metadata.
+    """
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    # Bias on o_proj: Llama ties it to attention_bias, Qwen2 has none.
+    o_proj_bias: bool | None = None
+    sliding_window: int | None = None
+    # Per layer: window size, or None for full attention.
+    layer_windows: list[int | None] = field(default_factory=list)
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+    hf_config: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def all_layers_sliding(self) -> bool:
+        return bool(self.layer_windows) and all(w is not None for w in self.layer_windows)
+
+    @classmethod
+    def from_hf_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+        archs = d.get("architectures") or []
+        if not archs:
+            raise ValueError(
+                "config.json has no 'architectures' entry; cannot tell which model family to build"
+            )
+        n_heads = int(d["num_attention_heads"])
+        hidden = int(d["hidden_size"])
+        n_layers = int(d["num_hidden_layers"])
+        head_dim = d.get("head_dim") or hidden // n_heads
+        window = d.get("sliding_window")
+        layer_windows = _layer_windows(d, n_layers, window)
+        eos = d.get("eos_token_id")
+        eos_ids = [] if eos is None else ([int(eos)] if isinstance(eos, int) else [int(e) for e in eos])
+        rope_theta = d.get("rope_theta")
+        rope_scaling = d.get("rope_scaling")
+        # transformers >= 5 nests theta and scaling under rope_parameters.
+        rp = d.get("rope_parameters")
+        if isinstance(rp, dict):
+            rope_theta = rp.get("rope_theta", rope_theta)
+            if rp.get("rope_type", "default") != "default":
+                rope_scaling = rp
+        return cls(
+            architecture=archs[0],
+            vocab_size=int(d["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(d["intermediate_size"]),
+            num_layers=n_layers,
+            num_heads=n_heads,
+            num_kv_heads=int(d.get("num_key_value_heads") or n_heads),
+            head_dim=int(head_dim),
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
+            rope_scaling=rope_scaling,
+            max_position_embeddings=int(d.get("max_position_embeddings") or 4096),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            attention_bias=bool(d.get("attention_bias", False)),
+            mlp_bias=bool(d.get("mlp_bias", False)),
+            sliding_window=int(window) if window and any(layer_windows) else None,
+            layer_windows=layer_windows,
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            hf_config=d,
+        )
+
+
+def _layer_windows(d: dict, n_layers: int, window: int | None) -> list[int | None]:
+    """Which layers use a sliding window, following the transformers config conventions."""
+    if not window:
+        return [None] * n_layers
+    layer_types = d.get("layer_types")
+    if layer_types:
+        return [int(window) if t == "sliding_attention" else None for t in layer_types]
+    if d.get("model_type") == "qwen2" or "use_sliding_window" in d:
+        if not d.get("use_sliding_window", False):
+            return [None] * n_layers
+        first = int(d.get("max_window_layers", 0))
+        return [int(window) if i >= first else None for i in range(n_layers)]
+    return [int(window)] * n_layers
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 32
+    kv_cache_memory_mb: float | None = None
+    kv_cache_memory_fraction: float | None = None
+    kv_cache_context_len: int | None = None
+    kv_cache_dtype: str = "auto"
+    paged_attention: bool = True
+
+    def validate(self) -> None:
+        if self.block_size not in SUPPORTED_BLOCK_SIZES:
+            raise ValueError(
+                f"block_size={self.block_size} is not supported; use one of {SUPPORTED_BLOCK_SIZES}"
+            )
+        given = [
+            n
+            for n, v in (
+                ("kv_cache_memory_mb", self.kv_cache_memory_mb),
+                ("kv_cache_memory_fraction", self.kv_cache_memory_fraction),
+                ("kv_cache_context_len", self.kv_cache_context_len),
+            )
+            if v is not None
+        ]
+        if len(given) > 1:
+            raise ValueError(f"set at most one of {', '.join(given)} to size the KV cache")
+        if self.kv_cache_memory_mb is not None and self.kv_cache_memory_mb <= 0:
+            raise ValueError(f"kv_cache_memory_mb must be > 0, got {self.kv_cache_memory_mb}")
+        f = self.kv_cache_memory_fraction
+        if f is not None and not (0 < f <= 1):
+            raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {f}")
+        if self.kv_cache_context_len is not None and self.kv_cache_context_len < 1:
+            raise ValueError(f"kv_cache_context_len must be >= 1, got {self.kv_cache_context_len}")
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 4096
+
+    def validate(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+__all__ = ["ModelConfig", "CacheConfig", "SchedulerConfig", "cdiv", "SUPPORTED_BLOCK_SIZES"]

@@ -1,0 +1,56 @@
+"""Choosing the device and the compute dtype."""
+from __future__ import annotations
+
+import logging
+from functools import lru_cache
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32, "f32": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16, "f16": torch.float16, "half": torch.float16,
+}
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    if device is None or str(device) == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if getattr(torch.backends, "mps", None) and torch.backends.mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' was asked for but this torch build sees no CUDA GPU")
+    if dev.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError("device 'mps' was asked for but MPS is not available here")
+    return dev
+
+
+@lru_cache(maxsize=1)
+def cpu_has_fast_bf16() -> bool:
+    """bf16 matmuls are only faster than fp32 on CPUs with native bf16 dot products."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype != "auto":
+        try:
+            return DTYPES[dtype]
+        except KeyError:
+            raise ValueError(f"unknown dtype {dtype!r}; use auto, float32, bfloat16 or float16") from None
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    if device.type == "mps":
+        return torch.float16
+    return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32

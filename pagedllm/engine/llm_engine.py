@@ -1,0 +1,279 @@
+"""The engine loop: admit requests, schedule, run, record, detokenize.
+
+State flows one way each step: Scheduler.schedule() decides, ModelRunner
+computes, then the engine appends tokens, checks stop conditions and frees
+finished sequences.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ..attention.contiguous import ContiguousBackend
+from ..attention.paged import PagedAttentionBackend
+from ..config import CacheConfig, SchedulerConfig, cdiv
+from ..kv.cache import KVCacheSpec, PagedKVCache, plan_cache
+from ..loading.loader import LoadedModel
+from ..outputs import CompletionOutput, RequestMetrics, RequestOutput
+from ..sampling.params import SamplingParams
+from ..sampling.sampler import Sampler
+from ..tokenizer import IncrementalDetokenizer
+from .block_manager import BlockManager
+from .model_runner import ModelRunner
+from .scheduler import ScheduledSeq, Scheduler
+from .sequence import Sequence
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _SeqOutputState:
+    """Per-sequence text state kept by the engine (the scheduler never sees text)."""
+    detok: IncrementalDetokenizer
+    emitted: int = 0  # characters of seq.text already handed out as deltas
+    emitted_tokens: int = 0
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    metrics: RequestMetrics
+    states: list[_SeqOutputState] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)
+
+
+class LLMEngine:
+    def __init__(self, loaded: LoadedModel, cache_cfg: CacheConfig, sched_cfg: SchedulerConfig,
+                 device: torch.device, dtype: torch.dtype, seed: int = 0) -> None:
+        cache_cfg.validate()
+        sched_cfg.validate()
+        self.model = loaded.model
+        self.model_config = cfg = loaded.config
+        self.tokenizer = loaded.tokenizer
+        self.cache_config = cache_cfg
+        self.sched_config = sched_cfg
+        self.device, self.dtype = device, dtype
+        self.eos_token_ids = set(cfg.eos_token_ids) | set(self.tokenizer.eos_token_ids)
+
+        self.kv_spec = KVCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
+                                   cache_cfg.block_size, dtype)
+        self.cache_plan = plan_cache(self.kv_spec, cache_cfg, device, sched_cfg.max_model_len,
+                                     sched_cfg.max_num_seqs)
+        logger.info(self.cache_plan.describe(self.kv_spec))
+        self.block_manager = BlockManager(self.cache_plan.num_blocks, cache_cfg.block_size)
+        if cache_cfg.paged_attention:
+            self.kv_cache: PagedKVCache | None = PagedKVCache(self.kv_spec, self.cache_plan.num_blocks, device)
+            backend = PagedAttentionBackend(self.kv_cache)
+        else:
+            self.kv_cache = None
+            backend = ContiguousBackend(dtype, device)
+        self.backend = backend
+        window = cfg.sliding_window if cfg.all_layers_sliding else None
+        self.scheduler = Scheduler(sched_cfg, self.block_manager, window)
+        self.runner = ModelRunner(self.model, backend, cache_cfg.block_size, device, Sampler(device, seed))
+        self.requests: dict[str, Request] = {}
+        self._ids = itertools.count()
+        self.stats = {"prompt_tokens": 0, "generated_tokens": 0, "steps": 0}
+
+    # -- requests ---------------------------------------------------------
+    def add_request(self, prompt: str | list[int] | None, params: SamplingParams | None = None,
+                    request_id: str | None = None, prompt_token_ids: list[int] | None = None) -> str:
+        params = params or SamplingParams()
+        params.validate()
+        text = prompt if isinstance(prompt, str) else None
+        if prompt_token_ids is None:
+            if isinstance(prompt, str):
+                if not prompt:
+                    raise ValueError("prompt is empty: give at least one character or token id")
+                prompt_token_ids = self.tokenizer.encode(prompt)
+            elif prompt is None:
+                raise ValueError("no prompt given: pass a string or a list of token ids")
+            else:
+                prompt_token_ids = list(prompt)
+        prompt_token_ids = self._check_prompt(prompt_token_ids, params)
+        rid = request_id if request_id is not None else str(next(self._ids))
+        if rid in self.requests:
+            raise ValueError(f"request id {rid!r} is already in use")
+        seqs = []
+        for i in range(params.n):
+            seq = Sequence(rid, prompt_token_ids, params, prompt=text, index=i)
+            if params.seed is not None:
+                seq.generator = torch.Generator(device=self.device)
+                seq.generator.manual_seed(params.seed + i)
+            seqs.append(seq)
+        req = Request(rid, text, prompt_token_ids, params, seqs,
+                      RequestMetrics(arrival_time=time.perf_counter(),
+                                     num_prompt_tokens=len(prompt_token_ids)))
+        req.states = [_SeqOutputState(IncrementalDetokenizer(self.tokenizer, prompt_token_ids,
+                                                             params.skip_special_tokens))
+                      for _ in seqs]
+        self.requests[rid] = req
+        for s in seqs:
+            self.scheduler.add(s)
+        self.stats["prompt_tokens"] += len(prompt_token_ids)
+        return rid
+
+    def _check_prompt(self, ids: list[int], params: SamplingParams) -> list[int]:
+        if len(ids) == 0:
+            raise ValueError("prompt is empty: give at least one character or token id")
+        vocab = self.model_config.vocab_size
+        if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
+            bad = next(t for t in ids if not (isinstance(t, int) and 0 <= t < vocab))
+            raise ValueError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})")
+        max_len = self.sched_config.max_model_len
+        if len(ids) >= max_len:
+            raise ValueError(
+                f"prompt has {len(ids)} tokens but max_model_len is {max_len}: it leaves no room "
+                f"to generate; shorten the prompt or raise max_model_len")
+        need = min(len(ids) + params.max_tokens, max_len)
+        if self.scheduler.sliding_window is not None:
+            need = min(need, self.scheduler.sliding_window + self.sched_config.max_num_batched_tokens)
+        blocks = cdiv(need, self.cache_config.block_size) + (1 if self.scheduler.sliding_window else 0)
+        usable = self.block_manager.num_usable_blocks
+        if blocks * params.n > usable:
+            raise ValueError(
+                f"request needs {need} tokens of KV cache ({blocks * params.n} blocks for n={params.n}) "
+                f"but the cache holds {usable} blocks of {self.cache_config.block_size} tokens; "
+                "lower max_tokens or give the KV cache more memory")
+        return list(ids)
+
+    def abort(self, request_id: str) -> bool:
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return False
+        for s in req.seqs:
+            if not s.is_finished:
+                s.finish_reason = "abort"
+                self._finish(s)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def prompt_logits(self, token_ids: list[int], chunk_size: int | None = None) -> torch.Tensor:
+        """Logits [T, vocab] (float32) at every position of a prompt, computed through the
+        same KV cache and attention path as generation, `chunk_size` tokens at a time
+        (1 = token by token through the decode path). Blocks are returned afterwards."""
+        ids = self._check_prompt(list(token_ids), SamplingParams(max_tokens=1))
+        seq = Sequence("__score__", ids, SamplingParams(max_tokens=1))
+        chunk = chunk_size or self.sched_config.max_num_batched_tokens
+        parts = []
+        try:
+            while seq.num_computed_tokens < seq.num_tokens:
+                n = min(chunk, seq.num_uncomputed_tokens)
+                self.scheduler.release_window(seq)
+                self.block_manager.grow(seq, seq.num_computed_tokens + n)
+                parts.append(self.runner.chunk_logits(ScheduledSeq(seq, n)))
+                seq.num_computed_tokens += n
+        finally:
+            self.block_manager.free(seq)
+            self.backend.free_seq(seq.seq_id)
+        return torch.cat(parts)
+
+    # -- the step ---------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        for s in sched.preempted:
+            self.backend.free_seq(s.seq_id)
+        if not sched:
+            if self.scheduler.has_unfinished():
+                raise RuntimeError("scheduler made no progress although requests are waiting")
+            return []
+        now = time.perf_counter()
+        for it in sched.scheduled:
+            if it.seq.times.first_scheduled is None:
+                it.seq.times.first_scheduled = now
+        out = self.runner.execute(sched.scheduled)
+        self.stats["steps"] += 1
+        for it in sched.scheduled:
+            it.seq.num_computed_tokens += it.num_new_tokens
+        touched: dict[str, Request] = {}
+        if out is not None:
+            now = time.perf_counter()
+            for row, (seq, tok) in enumerate(zip(out.seqs, out.token_ids)):
+                lp = out.logprobs[row] if out.logprobs else None
+                self._append(seq, tok, lp, now)
+                req = self.requests.get(seq.request_id)
+                if req is not None:
+                    touched[req.request_id] = req
+        return [self._make_output(r) for r in touched.values()]
+
+    def _append(self, seq: Sequence, tok: int, lp, now: float) -> None:
+        req = self.requests[seq.request_id]
+        st = req.states[seq.index]
+        seq.append_token(tok)
+        self.stats["generated_tokens"] += 1
+        if req.metrics.first_token_time is None:
+            req.metrics.first_token_time = now
+        if lp is not None:
+            seq.logprobs = (seq.logprobs or []) + [{"token_id": tok, "logprob": lp[0], "top": lp[1]}]
+        p = seq.params
+        is_eos = tok in self.eos_token_ids and not p.ignore_eos
+        if not is_eos:
+            seq.text += st.detok.add([tok])
+        if is_eos:
+            seq.finish_reason, seq.stop_reason = "stop", None
+        elif tok in p.stop_token_ids:
+            seq.finish_reason, seq.stop_reason = "stop", tok
+        elif p.stop and self._hit_stop_string(seq):
+            pass
+        elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.sched_config.max_model_len:
+            seq.finish_reason = "length"
+        if seq.finish_reason is not None:
+            if not isinstance(seq.stop_reason, str):  # a stop string already cut the text
+                seq.text += st.detok.flush()
+            self._finish(seq)
+
+    def _hit_stop_string(self, seq: Sequence) -> bool:
+        # Only the tail can hold a new match: the last token's text plus the longest stop string.
+        longest = max(len(s) for s in seq.params.stop)
+        tail_start = max(0, len(seq.text) - longest - 16)
+        best = None
+        for s in seq.params.stop:
+            pos = seq.text.find(s, tail_start)
+            if pos != -1 and (best is None or pos < best[0]):
+                best = (pos, s)
+        if best is None:
+            return False
+        seq.text = seq.text[: best[0]]
+        seq.finish_reason, seq.stop_reason = "stop", best[1]
+        return True
+
+    def _finish(self, seq: Sequence) -> None:
+        seq.times.finished = time.perf_counter()
+        self.scheduler.finish(seq)
+        self.backend.free_seq(seq.seq_id)
+        req = self.requests.get(seq.request_id)
+        if req is not None and req.finished:
+            req.metrics.finished_time = seq.times.finished
+
+    def _make_output(self, req: Request) -> RequestOutput:
+        outs = []
+        hold = max((len(s) for s in req.params.stop), default=1) - 1
+        for seq, st in zip(req.seqs, req.states):
+            # While running, hold back what could be the start of a stop string.
+            upto = len(seq.text) if seq.is_finished else max(st.emitted, len(seq.text) - hold)
+            delta = seq.text[st.emitted:upto]
+            st.emitted = upto
+            new_tokens = seq.output_token_ids[st.emitted_tokens:]
+            st.emitted_tokens = seq.num_output_tokens
+            outs.append(CompletionOutput(seq.index, seq.text[:upto], list(seq.output_token_ids),
+                                         seq.finish_reason, seq.stop_reason, seq.logprobs,
+                                         delta, new_tokens))
+        req.metrics.num_output_tokens = sum(s.num_output_tokens for s in req.seqs)
+        finished = req.finished
+        if finished:
+            self.requests.pop(req.request_id, None)
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, finished,
+                             req.metrics, num_cached_tokens=min(s.num_cached_tokens for s in req.seqs))

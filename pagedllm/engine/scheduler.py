@@ -1,0 +1,142 @@
+"""Decides, each step, which sequences run and how many tokens each computes.
+
+Continuous batching with chunked prefill: running sequences (decodes and
+unfinished prefills) go first, in admission order, then waiting ones are
+admitted while the token budget, the sequence cap and free blocks allow.
+When blocks run out the most recently admitted sequence is preempted: its
+blocks are freed and it goes back to the front of the queue to be recomputed.
+"""
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+
+from ..config import SchedulerConfig
+from .block_manager import BlockManager
+from .sequence import Sequence, SequenceStatus
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """True when this chunk reaches the end of the sequence, so it yields a token."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    def __bool__(self) -> bool:
+        return bool(self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
+                 sliding_window: int | None = None) -> None:
+        self.config = config
+        self.bm = block_manager
+        # Set only when every layer slides: then blocks behind the window are released.
+        self.sliding_window = sliding_window
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    # -- queue ------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    # -- the decision -----------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_uncomputed_tokens, budget)
+            if not self._make_room(seq, n, out):
+                break  # seq itself was preempted; everything after it already was
+            self._grow(seq, n)
+            out.scheduled.append(ScheduledSeq(seq, n))
+            budget -= n
+            i += 1
+
+        if not out.preempted:
+            while (self.waiting and budget > 0
+                   and len(self.running) < self.config.max_num_seqs):
+                seq = self.waiting[0]
+                n = min(seq.num_uncomputed_tokens, budget)
+                self.release_window(seq)
+                if not self.bm.can_grow(seq, seq.num_computed_tokens + n):
+                    break
+                self.waiting.popleft()
+                self._grow(seq, n)
+                seq.status = SequenceStatus.RUNNING
+                self.running.append(seq)
+                out.scheduled.append(ScheduledSeq(seq, n))
+                budget -= n
+        return out
+
+    def _make_room(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
+        """Preempt the newest running sequences until `seq` can grow by n tokens."""
+        self.release_window(seq)
+        while not self.bm.can_grow(seq, seq.num_computed_tokens + n):
+            victim = self.running[-1]
+            self._preempt(victim)
+            out.preempted.append(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def _grow(self, seq: Sequence, n: int) -> None:
+        self.bm.grow(seq, seq.num_computed_tokens + n)
+
+    def release_window(self, seq: Sequence) -> None:
+        # The next query sits at num_computed_tokens and sees keys > pos - window.
+        if self.sliding_window is not None and seq.block_table:
+            self.bm.release_before(seq, seq.num_computed_tokens - self.sliding_window + 1)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.bm.free(seq)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+        logger.debug("preempted %s (%d tokens) to free KV blocks", seq.request_id, seq.num_tokens)
+
+    # -- after the step ---------------------------------------------------
+    def finish(self, seq: Sequence) -> None:
+        """Remove a sequence from the queues and return its blocks."""
+        seq.status = SequenceStatus.FINISHED
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.bm.free(seq)

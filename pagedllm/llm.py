@@ -1,0 +1,119 @@
+"""The vLLM-style Python API: `LLM(...).generate / chat / stream`."""
+from __future__ import annotations
+
+import logging
+from typing import Iterator, Sequence as Seq
+
+import torch
+from tqdm.auto import tqdm
+
+from .config import CacheConfig, SchedulerConfig
+from .device import resolve_device, resolve_dtype
+from .engine.llm_engine import LLMEngine
+from .loading.loader import load_model
+from .loading.source import resolve
+from .outputs import RequestOutput
+from .sampling.params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+Prompt = str | list[int]
+
+
+class LLM:
+    def __init__(self, model: str = "default", dtype: str | torch.dtype = "auto", block_size: int = 32,
+                 kv_cache_memory_mb: float | None = None, kv_cache_memory_fraction: float | None = None,
+                 kv_cache_context_len: int | None = None, paged_attention: bool = True,
+                 max_num_seqs: int = 64, max_model_len: int | None = None, seed: int = 0,
+                 device: str | None = "auto", max_num_batched_tokens: int | None = None,
+                 tokenizer: str | None = None, gguf_file: str | None = None,
+                 kv_cache_dtype: str = "auto") -> None:
+        cache_cfg = CacheConfig(block_size, kv_cache_memory_mb, kv_cache_memory_fraction,
+                                kv_cache_context_len, kv_cache_dtype, paged_attention)
+        cache_cfg.validate()
+        dev = resolve_device(device)
+        dt = resolve_dtype(dtype, dev)
+        source = resolve(model, tokenizer, gguf_file)
+        torch.manual_seed(seed)
+        loaded = load_model(source, dt, dev, max_positions=max_model_len)
+        limit = loaded.config.max_position_embeddings
+        if max_model_len is None:
+            max_model_len = limit
+        elif max_model_len > limit:
+            logger.warning("max_model_len=%d exceeds the model's %d positions", max_model_len, limit)
+        sched_cfg = SchedulerConfig(
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens or max(1024, max_num_seqs),
+            max_model_len=max_model_len)
+        if loaded.model.rope.cos.shape[0] < max_model_len:
+            raise ValueError("internal: rope table shorter than max_model_len")
+        self.engine = LLMEngine(loaded, cache_cfg, sched_cfg, dev, dt, seed)
+        self.tokenizer = loaded.tokenizer
+        self.model_name = source.name
+
+    # -- batch generation --------------------------------------------------
+    def generate(self, prompts: Prompt | Seq[Prompt],
+                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
+                                        and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(f"{len(prompts)} prompts but {len(params_list)} SamplingParams")
+        ids = []
+        try:
+            for p, sp in zip(prompts, params_list):
+                ids.append(self.engine.add_request(p, sp))
+        except Exception:
+            for rid in ids:
+                self.engine.abort(rid)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        done: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="generating", unit="req", disable=not use_tqdm)
+        try:
+            while len(done) < len(ids) and self.engine.has_unfinished():
+                for out in self.engine.step():
+                    if out.finished:
+                        done[out.request_id] = out
+                        bar.update(1)
+        except BaseException:
+            for rid in ids:
+                self.engine.abort(rid)
+            raise
+        finally:
+            bar.close()
+        return [done[r] for r in ids]
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
+             add_generation_prompt: bool = True, **template_kwargs) -> RequestOutput | list[RequestOutput]:
+        single = bool(messages) and isinstance(messages[0], dict)
+        convs = [messages] if single else messages
+        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt,
+                                                      tokenize=True, **template_kwargs)
+                   for c in convs]
+        outs = self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return outs[0] if single else outs
+
+    def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[str]:
+        """Yields text deltas of one completion as they are produced (whole UTF-8 characters)."""
+        rid = self.engine.add_request(prompt, sampling_params)
+        finished = False
+        try:
+            while not finished:
+                for out in self.engine.step():
+                    if out.request_id == rid:
+                        if out.outputs[0].delta_text:
+                            yield out.outputs[0].delta_text
+                        finished = out.finished
+        finally:
+            if not finished:
+                self.engine.abort(rid)

@@ -1,0 +1,170 @@
+"""The Llama family: Llama 2/3, SmolLM, and (through small subclasses) Mistral and Qwen2.
+
+The model works on a flat run of tokens from many sequences ([T] ids and
+positions); attention storage is behind `self.attn`, set by the runner.
+q/k/v and gate/up projections are fused at load time so each is one matmul.
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..attention.metadata import AttentionMetadata
+from ..config import ModelConfig
+from .rope import RotaryEmbedding, apply_rope
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, 
+                                bias=cfg.attention_bias if cfg.o_proj_bias is None else cfg.o_proj_bias)
+        self.window = cfg.layer_windows[layer_idx] if cfg.layer_windows else None
+        self.scale = self.head_dim ** -0.5
+        self.attn = None  # set by the model runner: an attention backend layer
+
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        o = self.attn(q, k, v, meta)
+        return self.o_proj(o.reshape(t, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.inter = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.inter, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(self.inter, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg, layer_idx)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], h: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        h = h + self.self_attn(rope, self.input_layernorm(h), meta)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaForCausalLM(nn.Module):
+    # HF checkpoint name fragment -> (our parameter fragment, shard index)
+    packed = {
+        "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+        super().__init__()
+        self.config = cfg
+        self.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def tie_weights(self) -> None:
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        h = self.embed_tokens(input_ids)
+        rope = self.rope.lookup(positions, h.dtype)
+        for layer in self.layers:
+            h = layer(rope, h, meta)
+        return self.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def attention_modules(self) -> list[Attention]:
+        return [layer.self_attn for layer in self.layers]
+
+    # -- weights ----------------------------------------------------------
+    def shard_sizes(self, fused: str) -> list[int]:
+        a = self.layers[0].self_attn
+        if fused == "qkv_proj":
+            return [a.q_size, a.kv_size, a.kv_size]
+        return [self.config.intermediate_size] * 2
+
+    def map_weight_name(self, name: str) -> tuple[str, int | None] | None:
+        """HF name -> (our name, shard index or None); None to skip."""
+        if "rotary_emb" in name:
+            return None
+        name = name.removeprefix("model.")
+        if name == "lm_head.weight" and self.config.tie_word_embeddings:
+            return None
+        for frag, (ours, shard) in self.packed.items():
+            if f".{frag}." in name:
+                return name.replace(frag, ours), shard
+        return name, None
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        seen_shards: dict[str, set[int]] = {}
+        for hf_name, tensor in weights:
+            mapped = self.map_weight_name(hf_name)
+            if mapped is None:
+                continue
+            name, shard = mapped
+            param = params.get(name)
+            if param is None:
+                raise ValueError(f"checkpoint tensor {hf_name!r} has no place in {type(self).__name__}")
+            if shard is None:
+                _copy_checked(param, tensor, hf_name)
+                loaded.add(name)
+            else:
+                sizes = self.shard_sizes(name.split(".")[-2])
+                start = sum(sizes[:shard])
+                _copy_checked(param.narrow(0, start, sizes[shard]), tensor, hf_name)
+                seen_shards.setdefault(name, set()).add(shard)
+                if len(seen_shards[name]) == len(sizes):
+                    loaded.add(name)
+        if self.config.tie_word_embeddings:
+            loaded.add("lm_head.weight")
+        missing = sorted(set(params) - loaded)
+        if missing:
+            raise ValueError(f"checkpoint is missing weights: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+
+
+def _copy_checked(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
+    if tuple(dst.shape) != tuple(src.shape):
+        raise ValueError(f"weight {name!r} has shape {tuple(src.shape)}, expected {tuple(dst.shape)}")
+    dst.copy_(src)

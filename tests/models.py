@@ -1,0 +1,41 @@
+"""Random-weight checkpoints built with transformers and saved like a user's model folder."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+FAMILIES = ("llama", "mistral", "qwen2")
+
+
+def build_checkpoint(family: str, out: Path, tokenizer, vocab_size: int, seed: int = 0) -> Path:
+    """Save a small random model of `family` with `tokenizer` into `out`; returns `out`."""
+    import transformers as tf
+
+    common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=160,
+                  num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=1024, rms_norm_eps=1e-5,
+                  # Wider init than the default 0.02 keeps greedy choices away from near-ties.
+                  initializer_range=0.15, tie_word_embeddings=False,
+                  bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    if family == "llama":
+        cfg = tf.LlamaConfig(**common, rope_theta=50000.0,
+                             rope_scaling={"rope_type": "llama3", "factor": 8.0,
+                                           "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                           "original_max_position_embeddings": 128})
+    elif family == "mistral":
+        cfg = tf.MistralConfig(**common, sliding_window=48)
+    elif family == "qwen2":
+        cfg = tf.Qwen2Config(**{**common, "tie_word_embeddings": True})
+    else:
+        raise ValueError(family)
+    torch.manual_seed(seed)
+    model = tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    if family == "qwen2":  # random biases, so a bias that is dropped cannot go unnoticed
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0, 0.5)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
