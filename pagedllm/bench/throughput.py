@@ -1,0 +1,192 @@
+"""`pagedllm bench throughput`: a fixed, seeded offline workload through our engine and,
+in the same run, through transformers `generate` in static batches (the peer).
+
+All requests arrive at t=0 (offline serving); every request generates exactly its
+output length (EOS ignored) on both sides so the work is identical.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import random
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .common import machine_info, median_of_runs, percentile, write_json
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Workload:
+    prompts: list[list[int]]
+    output_lens: list[int]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(self.output_lens)
+
+
+def make_workload(n: int, vocab: int, seed: int, prompt_range=(16, 512), output_range=(16, 256),
+                  avoid: set[int] | None = None) -> Workload:
+    rng = random.Random(seed)
+    avoid = avoid or set()
+    prompts, outs = [], []
+    for _ in range(n):
+        plen = rng.randint(*prompt_range)
+        ids = []
+        while len(ids) < plen:
+            t = rng.randrange(vocab)
+            if t not in avoid:
+                ids.append(t)
+        prompts.append(ids)
+        outs.append(rng.randint(*output_range))
+    return Workload(prompts, outs)
+
+
+def run_pagedllm(llm, wl: Workload) -> dict:
+    from ..sampling.params import SamplingParams
+
+    params = [SamplingParams(max_tokens=o, temperature=0.0, ignore_eos=True) for o in wl.output_lens]
+    t0 = time.perf_counter()
+    outs = llm.generate(wl.prompts, params, use_tqdm=False)
+    dt = time.perf_counter() - t0
+    n_out = sum(len(o.token_ids) for o in outs)
+    ttft = [o.metrics.time_to_first_token for o in outs]
+    tpot = [(o.metrics.finished_time - o.metrics.first_token_time) / (len(o.token_ids) - 1)
+            for o in outs if len(o.token_ids) > 1]
+    return {"elapsed_s": dt, "requests_per_s": len(outs) / dt, "output_tokens_per_s": n_out / dt,
+            "total_tokens_per_s": (n_out + sum(map(len, wl.prompts))) / dt,
+            "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
+            "tpot_p50_ms": 1000 * percentile(tpot, 50), "tpot_p99_ms": 1000 * percentile(tpot, 99),
+            "output_tokens": n_out, "preemptions": llm.engine.scheduler.num_preemptions}
+
+
+def load_transformers_peer(model: str, dtype: torch.dtype):
+    import transformers as tf
+
+    from ..loading.source import resolve
+
+    src = resolve(model)
+    if src.kind == "gguf":
+        return tf.AutoModelForCausalLM.from_pretrained(src.path.parent, gguf_file=src.path.name,
+                                                       dtype=dtype).eval()
+    return tf.AutoModelForCausalLM.from_pretrained(src.path, dtype=dtype).eval()
+
+
+@torch.inference_mode()
+def run_transformers(model, wl: Workload, batch_size: int, pad_id: int) -> dict:
+    """Static batches in arrival order, left-padded; each batch runs to its longest output."""
+    t0 = time.perf_counter()
+    ttft, n_out, probe = [], 0, 0.0
+    for s in range(0, len(wl.prompts), batch_size):
+        prompts = wl.prompts[s:s + batch_size]
+        lens = wl.output_lens[s:s + batch_size]
+        width = max(map(len, prompts))
+        ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, p in enumerate(prompts):
+            ids[i, width - len(p):] = torch.tensor(p)
+            mask[i, width - len(p):] = 1
+        new = max(lens)
+        b0 = time.perf_counter()
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=1, min_new_tokens=1,
+                       do_sample=False, pad_token_id=pad_id)
+        first = time.perf_counter() - b0  # a batch's first token costs one prefill
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                       do_sample=False, pad_token_id=pad_id)
+        ttft += [b0 - t0 - probe + first] * len(prompts)
+        probe += first
+        n_out += sum(lens)
+    # The extra 1-token generate per batch only measured TTFT: take its time back out.
+    dt = time.perf_counter() - t0 - probe
+    return {"elapsed_s": dt, "requests_per_s": len(wl.prompts) / dt, "output_tokens_per_s": n_out / dt,
+            "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
+            "output_tokens": n_out}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="default")
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--min-prompt", type=int, default=16)
+    p.add_argument("--max-prompt", type=int, default=512)
+    p.add_argument("--min-output", type=int, default=16)
+    p.add_argument("--max-output", type=int, default=256)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--runs", type=int, default=1, help="repeat and report medians")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--max-seqs", type=int, default=64)
+    p.add_argument("--pa-gpu-mem", type=float, default=None, help="KV cache MB")
+    p.add_argument("--pa-blk-size", type=int, default=32)
+    p.add_argument("--pa-cache-type", default="auto")
+    p.add_argument("--no-paged-attn", action="store_true")
+    p.add_argument("--peer", choices=["transformers", "none"], default="transformers")
+    p.add_argument("--peer-batch-size", type=int, default=32)
+    p.add_argument("--profile", action="store_true", help="print a torch profile of one decode step")
+    p.add_argument("--output", default="bench-results/throughput.json")
+
+
+def run(args: argparse.Namespace) -> dict:
+    from .. import LLM
+
+    llm = LLM(args.model, dtype=args.dtype, max_num_seqs=args.max_seqs,
+              kv_cache_memory_mb=args.pa_gpu_mem, block_size=args.pa_blk_size,
+              kv_cache_dtype=args.pa_cache_type, paged_attention=not args.no_paged_attn)
+    eng = llm.engine
+    avoid = set(eng.eos_token_ids)
+    wl = make_workload(args.num_requests, eng.model_config.vocab_size, args.seed,
+                       (args.min_prompt, args.max_prompt), (args.min_output, args.max_output), avoid)
+    print(f"workload: {args.num_requests} requests, prompts {args.min_prompt}-{args.max_prompt}, "
+          f"outputs {args.min_output}-{args.max_output} ({wl.num_output_tokens} output tokens), "
+          f"seed {args.seed}; dtype {eng.dtype}, {torch.get_num_threads()} threads")
+    run_pagedllm(llm, make_workload(4, eng.model_config.vocab_size, 99, (16, 64), (4, 8), avoid))  # warm up
+    ours = median_of_runs([run_pagedllm(llm, wl) for _ in range(args.runs)])
+    _print("pagedllm", ours)
+    result = {"machine": machine_info(), "args": vars(args), "pagedllm": ours}
+    if args.profile:
+        print(profile_decode_step(llm))
+    if args.peer == "transformers":
+        del llm
+        peer = load_transformers_peer(args.model, eng.dtype)
+        pad = eng.tokenizer.eos_token_id or 0
+        theirs = median_of_runs([run_transformers(peer, wl, args.peer_batch_size, pad)
+                                 for _ in range(args.runs)])
+        _print(f"transformers (static batches of {args.peer_batch_size})", theirs)
+        ratio = ours["output_tokens_per_s"] / theirs["output_tokens_per_s"]
+        print(f"ratio pagedllm / transformers output tokens/s: {ratio:.2f}x")
+        result.update(transformers=theirs, ratio_output_tokens_per_s=ratio)
+    path = write_json(args.output, result)
+    print(f"results written to {path}")
+    return result
+
+
+def _print(name: str, r: dict) -> None:
+    line = (f"{name}: {r['requests_per_s']:.2f} req/s, {r['output_tokens_per_s']:.1f} output tok/s, "
+            f"TTFT p50 {r['ttft_p50_s']:.2f} s p99 {r['ttft_p99_s']:.2f} s")
+    if "tpot_p50_ms" in r:
+        line += f", TPOT p50 {r['tpot_p50_ms']:.1f} ms p99 {r['tpot_p99_ms']:.1f} ms"
+    print(line + f" ({r['elapsed_s']:.1f} s)")
+
+
+def profile_decode_step(llm, batch: int = 32, context: int = 256) -> str:
+    """Top operators of one batched decode step, to show where the time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from ..sampling.params import SamplingParams
+
+    eng = llm.engine
+    wl = make_workload(batch, eng.model_config.vocab_size, 7, (context, context), (8, 8),
+                       set(eng.eos_token_ids))
+    for p in wl.prompts:
+        eng.add_request(p, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    while any(s.num_computed_tokens < s.num_prompt_tokens for s in eng.scheduler.running) \
+            or eng.scheduler.waiting:
+        eng.step()
+    eng.step()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        eng.step()
+    while eng.has_unfinished():
+        eng.step()
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15)

@@ -1,0 +1,65 @@
+"""`pagedllm demo` (what `make run` runs): a handful of chat requests served together."""
+from __future__ import annotations
+
+import argparse
+import time
+
+QUESTIONS = [
+    "What is the capital of France? Answer in one sentence.",
+    "Write a haiku about the sea.",
+    "Give me three short tips for sleeping better.",
+    "Explain in two sentences what a hash table is.",
+    "Name three planets of the solar system.",
+    "Translate 'good morning' into Spanish and French.",
+]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="default")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--pa-gpu-mem", type=float, default=256, help="KV cache size in MB")
+
+
+def run(args: argparse.Namespace) -> int:
+    from .. import LLM, SamplingParams
+
+    print(f"loading {args.model} ...", flush=True)
+    llm = LLM(args.model, kv_cache_memory_mb=args.pa_gpu_mem)
+    eng = llm.engine
+    print(f"model: {eng.model_config.architecture}, {eng.model_config.num_layers} layers, "
+          f"dtype {eng.dtype}, device {eng.device}")
+    convs = [[{"role": "user", "content": q}] for q in QUESTIONS]
+    sp = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
+    t0 = time.perf_counter()
+    # Track the cache while the requests run together.
+    prompts = [llm.tokenizer.apply_chat_template(c, tokenize=True) for c in convs]
+    ids = [eng.add_request(p, sp) for p in prompts]
+    done, peak_blocks, peak_tokens = {}, 0, 0
+    while eng.has_unfinished():
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = out
+        peak_blocks = max(peak_blocks, eng.block_manager.num_used_blocks)
+        peak_tokens = max(peak_tokens, sum(s.num_computed_tokens for s in eng.scheduler.running))
+    dt = time.perf_counter() - t0
+    for q, rid in zip(QUESTIONS, ids):
+        o = done[rid]
+        print(f"\n>>> {q}\n{o.text.strip()}\n[{len(o.token_ids)} tokens, {o.finish_reason}, "
+              f"TTFT {o.metrics.time_to_first_token:.2f} s]")
+    n_out = sum(len(o.token_ids) for o in done.values())
+    bm = eng.block_manager
+    print(f"\n{len(ids)} requests served together in {dt:.1f} s: {n_out} tokens, "
+          f"{n_out / dt:.1f} tokens/s aggregate")
+    print(f"KV cache: {bm.num_usable_blocks} blocks of {bm.block_size} tokens; peak {peak_blocks} "
+          f"blocks used holding {peak_tokens} tokens; now {bm.num_used_blocks} used, "
+          f"{bm.num_free_blocks} free; preemptions {eng.scheduler.num_preemptions}")
+    return 0
+
+
+if __name__ == "__main__":
+    import logging
+
+    logging.basicConfig(level=logging.WARNING)
+    parser = argparse.ArgumentParser(prog="pagedllm demo")
+    add_arguments(parser)
+    raise SystemExit(run(parser.parse_args()))
