@@ -1,0 +1,165 @@
+"""The vLLM-style API on the default model: seeds, stops, streaming, bad input, no leaks."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM("default", kv_cache_memory_mb=128)
+
+
+def _no_leaks(llm: LLM) -> None:
+    eng = llm.engine
+    assert not eng.scheduler.has_unfinished() and not eng.requests
+    assert eng.block_manager.num_free_blocks == eng.block_manager.num_usable_blocks
+
+
+def test_seeded_request_same_alone_and_in_batch():
+    # float32: bf16 CPU GEMMs round differently with the batch's shape, so a bf16 logit can
+    # move by an ulp between batch compositions; the seeded random stream itself never does.
+    llm = LLM("default", dtype="float32", kv_cache_memory_mb=64)
+    prompt = "Once upon a time, in a small village by the sea,"
+    sp = SamplingParams(max_tokens=40, temperature=0.9, top_p=0.95, top_k=50, seed=1234,
+                        ignore_eos=True)
+    alone = llm.generate([prompt], sp, use_tqdm=False)[0].token_ids
+    others = [SamplingParams(max_tokens=40, temperature=1.0, ignore_eos=True) for _ in range(15)]
+    batch_prompts = [f"Story number {i}: the dragon" for i in range(15)]
+    batch_prompts.insert(7, prompt)
+    outs = llm.generate(batch_prompts, others[:7] + [sp] + others[7:], use_tqdm=False)
+    assert outs[7].token_ids == alone
+    # A different seed gives a different continuation (the seed is actually used).
+    sp2 = SamplingParams(max_tokens=40, temperature=0.9, top_p=0.95, top_k=50, seed=99, ignore_eos=True)
+    assert llm.generate([prompt], sp2, use_tqdm=False)[0].token_ids != alone
+    _no_leaks(llm)
+
+
+def test_stop_string_cuts_text(llm):
+    sp = SamplingParams(max_tokens=64, temperature=0.0)
+    full = llm.chat([{"role": "user", "content": "Count from 1 to 10, comma separated."}], sp,
+                    use_tqdm=False).text
+    assert "4" in full
+    stop_at = full[full.index("4"):full.index("4") + 1]
+    out = llm.chat([{"role": "user", "content": "Count from 1 to 10, comma separated."}],
+                   SamplingParams(max_tokens=64, temperature=0.0, stop=[stop_at]), use_tqdm=False)
+    assert out.finish_reason == "stop" and out.outputs[0].stop_reason == stop_at
+    assert out.text == full[:full.index(stop_at)]
+    _no_leaks(llm)
+
+
+def test_stop_token_ids_and_length(llm):
+    sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    out = llm.generate(["The quick brown fox"], sp, use_tqdm=False)[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 8
+    stop_tok = out.token_ids[3]
+    out2 = llm.generate(["The quick brown fox"],
+                        SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True,
+                                       stop_token_ids=[stop_tok]), use_tqdm=False)[0]
+    assert out2.finish_reason == "stop" and out2.token_ids == out.token_ids[:out.token_ids.index(stop_tok) + 1]
+
+
+def test_eos_ends_chat_answer(llm):
+    out = llm.chat([{"role": "user", "content": "Say hello."}], SamplingParams(max_tokens=200, temperature=0.0),
+                   use_tqdm=False)
+    assert out.finish_reason == "stop"
+    assert out.token_ids[-1] in llm.engine.eos_token_ids
+    assert "<|im_end|>" not in out.text
+
+
+def test_stream_concatenates_to_generate(llm):
+    sp = SamplingParams(max_tokens=48, temperature=0.0)
+    prompt = "Les élèves ont écrit 日本語の文章 and emoji 🎉🚀 in their notes:"
+    deltas = list(llm.stream(prompt, sp))
+    assert len(deltas) > 3
+    assert "".join(deltas) == llm.generate([prompt], sp, use_tqdm=False)[0].text
+    assert all("\ufffd" not in d for d in deltas)
+    _no_leaks(llm)
+
+
+def test_penalties_and_min_p_change_output(llm):
+    prompt = "List of fruits: apple, apple, apple,"
+    base = llm.generate([prompt], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True),
+                        use_tqdm=False)[0]
+    pen = llm.generate([prompt], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True,
+                                                repetition_penalty=1.5, frequency_penalty=1.0),
+                       use_tqdm=False)[0]
+    assert base.token_ids != pen.token_ids
+    apple = llm.tokenizer.encode(" apple", add_special_tokens=False)[0]
+    assert pen.token_ids.count(apple) < base.token_ids.count(apple)
+    # min_p=1 keeps only the argmax: sampling becomes greedy.
+    mp = llm.generate([prompt], SamplingParams(max_tokens=24, temperature=1.0, min_p=1.0, ignore_eos=True),
+                      use_tqdm=False)[0]
+    assert mp.token_ids == base.token_ids
+
+
+def test_top_k_one_is_greedy(llm):
+    prompt = "The three primary colors are"
+    g = llm.generate([prompt], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True), use_tqdm=False)[0]
+    k1 = llm.generate([prompt], SamplingParams(max_tokens=16, temperature=1.5, top_k=1, ignore_eos=True),
+                      use_tqdm=False)[0]
+    assert g.token_ids == k1.token_ids
+
+
+def test_outputs_carry_timing(llm):
+    out = llm.generate(["Hello there"], SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)[0]
+    m = out.metrics
+    assert m.time_to_first_token is not None and m.time_to_first_token > 0
+    assert m.decode_tokens_per_s is not None and m.decode_tokens_per_s > 0
+    assert out.prompt_token_ids == llm.tokenizer.encode("Hello there")
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda llm: llm.generate([""], SamplingParams()), "prompt is empty"),
+    (lambda llm: llm.generate([[]], SamplingParams()), "prompt is empty"),
+    (lambda llm: SamplingParams(max_tokens=0), "max_tokens must be"),
+    (lambda llm: SamplingParams(temperature=-0.5), "temperature must be >= 0"),
+    (lambda llm: SamplingParams(top_p=0.0), "top_p"),
+    (lambda llm: llm.generate([[1] * 9000], SamplingParams()), "max_model_len"),
+    (lambda llm: llm.generate([[10**9]], SamplingParams()), "outside the vocabulary"),
+    (lambda llm: llm.generate(["hi"], SamplingParams(max_tokens=10**7)), "KV cache"),
+])
+def test_bad_input_is_a_clear_error(llm, make, match):
+    with pytest.raises(ValueError, match=match):
+        make(llm)
+    _no_leaks(llm)
+
+
+def test_bad_engine_settings():
+    with pytest.raises(ValueError, match="block_size"):
+        LLM("default", block_size=12)
+    with pytest.raises(ValueError, match="at most one"):
+        LLM("default", kv_cache_memory_mb=10, kv_cache_context_len=100)
+    with pytest.raises(ValueError, match="dtype"):
+        LLM("default", dtype="float64x")
+    with pytest.raises(FileNotFoundError, match="neither a file, a folder, nor a hub id"):
+        LLM("no/such/model/here")
+
+
+def test_unknown_architecture_is_named(tmp_path, hf_smollm2_tokenizer):
+    import json
+
+    import transformers as tf
+
+    cfg = tf.LlamaConfig(vocab_size=len(hf_smollm2_tokenizer), hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=1, num_attention_heads=2)
+    model = tf.AutoModelForCausalLM.from_config(cfg)
+    model.save_pretrained(tmp_path)
+    hf_smollm2_tokenizer.save_pretrained(tmp_path)
+    d = json.loads((tmp_path / "config.json").read_text())
+    d["architectures"] = ["FancyNewForCausalLM"]
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    with pytest.raises(ValueError, match="unknown model architecture 'FancyNewForCausalLM'"):
+        LLM(str(tmp_path), dtype="float32")
+
+
+def test_truncated_gguf_is_a_clear_error(tmp_path, smollm2_gguf_path):
+    cut = tmp_path / "cut.gguf"
+    data = smollm2_gguf_path.read_bytes()
+    cut.write_bytes(data[: len(data) // 2])
+    from pagedllm.loading.gguf import GGUFError
+
+    with pytest.raises(GGUFError, match="truncated"):
+        LLM(str(cut))

@@ -1,0 +1,58 @@
+"""The embedded default model (SmolLM2-135M-Instruct GGUF) against transformers reading the same file."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm import LLM, SamplingParams
+
+PROMPT_LENS = [1, 5, 17, 40, 80, 150, 220, 300]
+
+
+@pytest.fixture(scope="module")
+def hf_model(smollm2_gguf_path):
+    import transformers as tf
+
+    return tf.AutoModelForCausalLM.from_pretrained(
+        str(smollm2_gguf_path.parent), gguf_file=smollm2_gguf_path.name, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM("default", dtype="float32", kv_cache_memory_mb=64)
+
+
+@pytest.fixture(scope="module")
+def prompts(hf_smollm2_tokenizer):
+    text = ("The history of the printing press begins in the fifteenth century, when movable type "
+            "changed how books were made and read across Europe. ") * 12
+    ids = hf_smollm2_tokenizer(text)["input_ids"]
+    return [ids[:n] for n in PROMPT_LENS]
+
+
+def test_prefill_logits_match_transformers(llm, hf_model, prompts):
+    for p in (prompts[3], prompts[-1]):
+        with torch.no_grad():
+            want = hf_model(torch.tensor([p])).logits[0]
+        got = llm.engine.prompt_logits(p)
+        err = (got - want).abs().max().item()
+        assert err < 1e-4, f"prompt of {len(p)} tokens: max abs logit error {err}"
+
+
+def test_greedy_tokens_match_transformers_in_one_batch(llm, hf_model, prompts):
+    want = []
+    with torch.no_grad():
+        for p in prompts:
+            out = hf_model.generate(torch.tensor([p]), max_new_tokens=32, min_new_tokens=32,
+                                    do_sample=False, pad_token_id=0)
+            want.append(out[0, len(p):].tolist())
+    outs = llm.generate(prompts, SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True),
+                        use_tqdm=False)
+    assert [o.token_ids for o in outs] == want
+
+
+def test_chat_answers_in_english(llm):
+    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                   SamplingParams(max_tokens=24, temperature=0.0), use_tqdm=False)
+    assert "Paris" in out.text
+    assert out.finish_reason in ("stop", "length")
