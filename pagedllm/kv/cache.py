@@ -103,3 +103,12 @@ class PagedKVCache:
     @property
     def nbytes(self) -> int:
         return self.data.numel() * self.data.element_size()
+
+    # -- copies for prefix caching and copy-on-write ------------------------
+    def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy whole blocks src[i] -> dst[i] in every layer (K and V)."""
+        self.data[:, :, dst] = self.data[:, :, src]
+
+    def copy_block_prefix(self, src: int, dst: int, n: int) -> None:
+        """Copy the first n token slots of block src into block dst in every layer."""
+        self.data[:, :, dst, :n] = self.data[:, :, src, :n]
