@@ -28,6 +28,11 @@ class ContiguousBackend:
     def free_seq(self, seq_id: int) -> None:
         self.store.pop(seq_id, None)
 
+    def fork_seq(self, parent_id: int, child_id: int) -> None:
+        """n > 1: the child starts from a copy of the parent's K/V (no sharing without pages)."""
+        parent = self.store.get(parent_id, {})
+        self.store[child_id] = {i: [b.clone() for b in bufs] for i, bufs in parent.items()}
+
     @property
     def num_seqs_held(self) -> int:
         return len(self.store)

@@ -28,6 +28,9 @@ class PagedAttentionBackend:
     def free_seq(self, seq_id: int) -> None:  # blocks are owned by the block manager
         pass
 
+    def fork_seq(self, parent_id: int, child_id: int) -> None:  # forks share blocks
+        pass
+
 
 class PagedAttentionLayer:
     def __init__(self, k_cache: torch.Tensor, v_cache: torch.Tensor,
