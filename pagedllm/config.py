@@ -5,6 +5,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 SUPPORTED_BLOCK_SIZES = (8, 16, 32, 64, 128)
+# KV cache element types; pagedllm/kv/quant.py says what each one stores.
+KV_CACHE_DTYPES = ("auto", "f8e4m3", "int8")
+
+
+def normalize_kv_cache_dtype(value: Any) -> str:
+    """'int8', 'INT8' or an enum whose value is 'int8' -> 'int8' (unknown names pass through)."""
+    return str(getattr(value, "value", value)).strip().lower()
 
 
 @dataclass
@@ -113,6 +120,8 @@ class CacheConfig:
     kv_cache_context_len: int | None = None
     kv_cache_dtype: str = "auto"
     paged_attention: bool = True
+    enable_prefix_caching: bool = True
+    prefix_cache_n: int = 16  # finished sequences kept as reusable prefixes
 
     def validate(self) -> None:
         if self.block_size not in SUPPORTED_BLOCK_SIZES:
@@ -130,11 +139,16 @@ class CacheConfig:
         ]
         if len(given) > 1:
             raise ValueError(f"set at most one of {', '.join(given)} to size the KV cache")
+        if normalize_kv_cache_dtype(self.kv_cache_dtype) not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported; use one of "
+                             f"{'|'.join(KV_CACHE_DTYPES)}")
         if self.kv_cache_memory_mb is not None and self.kv_cache_memory_mb <= 0:
             raise ValueError(f"kv_cache_memory_mb must be > 0, got {self.kv_cache_memory_mb}")
         f = self.kv_cache_memory_fraction
         if f is not None and not (0 < f <= 1):
             raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {f}")
+        if self.prefix_cache_n < 0:
+            raise ValueError(f"prefix_cache_n must be >= 0, got {self.prefix_cache_n}")
         if self.kv_cache_context_len is not None and self.kv_cache_context_len < 1:
             raise ValueError(f"kv_cache_context_len must be >= 1, got {self.kv_cache_context_len}")
 
@@ -156,4 +170,5 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-__all__ = ["ModelConfig", "CacheConfig", "SchedulerConfig", "cdiv", "SUPPORTED_BLOCK_SIZES"]
+__all__ = ["ModelConfig", "CacheConfig", "SchedulerConfig", "cdiv", "SUPPORTED_BLOCK_SIZES",
+           "KV_CACHE_DTYPES", "normalize_kv_cache_dtype"]

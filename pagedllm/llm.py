@@ -27,9 +27,11 @@ class LLM:
                  max_num_seqs: int = 64, max_model_len: int | None = None, seed: int = 0,
                  device: str | None = "auto", max_num_batched_tokens: int | None = None,
                  tokenizer: str | None = None, gguf_file: str | None = None,
-                 kv_cache_dtype: str = "auto") -> None:
+                 kv_cache_dtype: str = "auto", enable_prefix_caching: bool = True,
+                 prefix_cache_n: int = 16) -> None:
         cache_cfg = CacheConfig(block_size, kv_cache_memory_mb, kv_cache_memory_fraction,
-                                kv_cache_context_len, kv_cache_dtype, paged_attention)
+                                kv_cache_context_len, kv_cache_dtype, paged_attention,
+                                enable_prefix_caching, prefix_cache_n)
         cache_cfg.validate()
         dev = resolve_device(device)
         dt = resolve_dtype(dtype, dev)

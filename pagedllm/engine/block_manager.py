@@ -1,31 +1,86 @@
-"""Logical KV blocks: a free list and reference counts.
+"""Logical KV blocks: free list, reference counts, and the prefix cache.
 
 Block 0 is the null block: never handed out, kept zeroed, and used to pad block
 tables and to stand in for blocks a sliding window has released, so gathers
 always read finite values that the attention mask then ignores.
+
+Prefix caching. Every full block gets a chained hash (parent hash, its token
+ids, an extra key); a new sequence reuses the longest run of cached blocks
+that matches its prompt. Past block granularity, a block whose first tokens
+match the prompt's next ones (a diverging prompt, or the partial tail a
+finished sequence left) is copied up to the match into a fresh block instead
+of recomputing those tokens. Blocks nobody references stay cached in an LRU
+until their memory is needed; a finished sequence's blocks enter it leaf
+first so eviction frees leaves before the shared trunk. At most
+`max_cached_seqs` finished sequences are kept as reusable prefixes.
 """
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from typing import Callable
 
 from ..config import cdiv
 from .sequence import Sequence
 
 NULL_BLOCK = 0
+ROOT_HASH = 0  # the parent of every sequence's first block
 
 
 class NoFreeBlocksError(RuntimeError):
     pass
 
 
+@dataclass
+class BlockMeta:
+    ref_count: int = 0
+    hash: int | None = None  # set once the block is full and registered
+    parent: int = ROOT_HASH  # hash of the block before it in its sequence
+    tokens: tuple[int, ...] = ()  # the tokens whose K/V the block holds (cached blocks)
+    retained_by: int = 0  # finished sequences keeping it as a reusable prefix
+
+
+@dataclass
+class PrefixCacheStats:
+    queries: int = 0  # prompt tokens looked up
+    hits: int = 0  # prompt tokens served from the cache (full blocks + partial copies)
+    partial_hits: int = 0  # of which served by copying part of a block
+    evictions: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+def block_hash(parent: int, tokens: tuple[int, ...], extra: object = None) -> int:
+    return hash((parent, tokens, extra))
+
+
+@dataclass
+class _Retained:
+    blocks: list[int] = field(default_factory=list)
+
+
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False,
+                 max_cached_seqs: int = 16,
+                 copy_fn: Callable[[int, int, int], None] | None = None) -> None:
         if num_blocks < 2:
             raise ValueError(f"the KV cache needs at least 2 blocks, got {num_blocks}")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.ref_counts = [0] * num_blocks
-        self.free_ids: deque[int] = deque(range(1, num_blocks))
+        self.enable_caching = enable_caching
+        self.max_cached_seqs = max_cached_seqs
+        # copy_fn(src, dst, n_tokens): copies K/V slots between physical blocks.
+        self.copy_fn = copy_fn
+        self.blocks = [BlockMeta() for _ in range(num_blocks)]
+        self.free_ids: deque[int] = deque(range(1, num_blocks))  # no content
+        self.evictable: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced; LRU first
+        self.by_hash: dict[int, int] = {}
+        self.children: dict[int, set[int]] = {}  # parent hash -> cached blocks that follow it
+        self.retained: OrderedDict[int, _Retained] = OrderedDict()  # finished seq id -> blocks
+        self.stats = PrefixCacheStats()
+        self._last_match = (0, 0)  # (cached tokens, of which partial) of the last match_prefix
 
     # -- capacity ---------------------------------------------------------
     @property
@@ -34,28 +89,77 @@ class BlockManager:
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_ids)
+        """Blocks that can be handed out now (free or evictable)."""
+        return len(self.free_ids) + len(self.evictable)
 
     @property
     def num_used_blocks(self) -> int:
+        """Blocks referenced by live sequences."""
         return self.num_usable_blocks - self.num_free_blocks
 
-    def blocks_to_grow(self, seq: Sequence, num_tokens: int) -> int:
-        """Blocks `seq` must gain so its table covers `num_tokens` tokens."""
-        return max(0, cdiv(num_tokens, self.block_size) - len(seq.block_table))
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks holding reusable content (referenced or not)."""
+        return sum(1 for b in self.blocks[1:] if b.hash is not None or b.tokens)
+
+    def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
+        """Blocks `seq` must take so its table covers `num_tokens`, plus a copy-on-write
+        copy when the block its next token goes into is shared."""
+        need = max(0, cdiv(num_tokens, self.block_size) - len(seq.block_table))
+        i = seq.num_computed_tokens // self.block_size
+        if i < len(seq.block_table) and self.blocks[seq.block_table[i]].ref_count > 1:
+            need += 1
+        return need
 
     def can_grow(self, seq: Sequence, num_tokens: int) -> bool:
-        return self.blocks_to_grow(seq, num_tokens) <= self.num_free_blocks
+        return self.blocks_needed(seq, num_tokens) <= self.num_free_blocks
 
-    # -- mutation ---------------------------------------------------------
-    def grow(self, seq: Sequence, num_tokens: int) -> None:
-        need = self.blocks_to_grow(seq, num_tokens)
-        if need > self.num_free_blocks:
-            raise NoFreeBlocksError(f"need {need} blocks, {self.num_free_blocks} free")
-        for _ in range(need):
+    # -- allocation -------------------------------------------------------
+    def _take(self) -> int:
+        if self.free_ids:
             bid = self.free_ids.popleft()
-            self.ref_counts[bid] = 1
-            seq.block_table.append(bid)
+        elif self.evictable:
+            bid, _ = self.evictable.popitem(last=False)
+            self._uncache(bid)
+            self.stats.evictions += 1
+        else:
+            raise NoFreeBlocksError("no free KV block")
+        self.blocks[bid].ref_count = 1
+        return bid
+
+    def grow(self, seq: Sequence, num_tokens: int) -> None:
+        """Extend seq's table to cover num_tokens; copy a shared block it is about to write."""
+        if self.blocks_needed(seq, num_tokens) > self.num_free_blocks:
+            raise NoFreeBlocksError(f"{seq.request_id}: not enough free KV blocks")
+        self._copy_on_write(seq)
+        while len(seq.block_table) * self.block_size < num_tokens:
+            seq.block_table.append(self._take())
+
+    def _copy_on_write(self, seq: Sequence) -> None:
+        i = seq.num_computed_tokens // self.block_size
+        if i >= len(seq.block_table):
+            return
+        old = seq.block_table[i]
+        if self.blocks[old].ref_count <= 1:
+            return
+        new = self._take()
+        self._copy(old, new, seq.num_computed_tokens - i * self.block_size)
+        self._decref(old)
+        seq.block_table[i] = new
+
+    def _copy(self, src: int, dst: int, n: int) -> None:
+        if n > 0:
+            if self.copy_fn is None:
+                raise RuntimeError("block copy requested but no copy function is set")
+            self.copy_fn(src, dst, n)
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """The child shares every block of the parent (copy-on-write on its first write)."""
+        child.block_table = list(parent.block_table)
+        child.block_hashes = list(parent.block_hashes)
+        for bid in child.block_table:
+            if bid != NULL_BLOCK:
+                self.blocks[bid].ref_count += 1
 
     def release_before(self, seq: Sequence, first_needed_token: int) -> int:
         """Free blocks whose tokens all lie before `first_needed_token` (sliding windows)."""
@@ -69,16 +173,196 @@ class BlockManager:
                 freed += 1
         return freed
 
-    def free(self, seq: Sequence) -> None:
-        for bid in seq.block_table:
+    def free(self, seq: Sequence, mode: str = "drop") -> None:
+        """Drop seq's references. With caching on, `mode` says what happens to its content:
+        "retain" (finished: kept as one of the max_cached_seqs reusable prefixes, its partial
+        tail included), "keep" (preempted: stays cached until evicted, so the recompute
+        hits it), "drop" (aborted: only blocks others retain stay cached)."""
+        table = seq.block_table
+        keep = self.enable_caching and mode in ("keep", "retain")
+        if self.enable_caching and mode == "retain" and self.max_cached_seqs > 0:
+            self._register_tail(seq)
+            kept = [b for b in table if b != NULL_BLOCK and self._has_content(b)]
+            for b in kept:
+                self.blocks[b].retained_by += 1
+            self.retained[seq.seq_id] = _Retained(kept)
+        # Leaf first: the sequence's last block becomes the least recently used of its chain.
+        for bid in reversed(table):
             if bid != NULL_BLOCK:
-                self._decref(bid)
+                self._decref(bid, keep)
         seq.block_table = []
+        seq.block_hashes = []
+        while len(self.retained) > (self.max_cached_seqs if self.enable_caching else 0):
+            _, old = self.retained.popitem(last=False)
+            for bid in old.blocks:
+                self._unretain(bid)
 
-    def _decref(self, bid: int) -> None:
-        rc = self.ref_counts[bid] - 1
-        if rc < 0:
-            raise AssertionError(f"block {bid} freed more often than it was allocated")
-        self.ref_counts[bid] = rc
-        if rc == 0:
+    def _has_content(self, bid: int) -> bool:
+        b = self.blocks[bid]
+        return b.hash is not None or bool(b.tokens)
+
+    def _unretain(self, bid: int) -> None:
+        b = self.blocks[bid]
+        if b.retained_by > 0:
+            b.retained_by -= 1
+        if b.retained_by == 0 and b.ref_count == 0 and bid in self.evictable:
+            del self.evictable[bid]
+            self._uncache(bid)
             self.free_ids.append(bid)
+
+    def _decref(self, bid: int, keep: bool = True) -> None:
+        b = self.blocks[bid]
+        if b.ref_count <= 0:
+            raise AssertionError(f"block {bid} freed more often than it was allocated")
+        b.ref_count -= 1
+        if b.ref_count == 0:
+            if self.enable_caching and self._has_content(bid) and (keep or b.retained_by > 0):
+                self.evictable[bid] = None  # most recently used end
+            else:
+                self._uncache(bid)
+                self.free_ids.append(bid)
+
+    def _uncache(self, bid: int) -> None:
+        b = self.blocks[bid]
+        if b.hash is not None and self.by_hash.get(b.hash) == bid:
+            del self.by_hash[b.hash]
+        kids = self.children.get(b.parent)
+        if kids is not None:
+            kids.discard(bid)
+            if not kids:
+                del self.children[b.parent]
+        b.hash, b.parent, b.tokens, b.retained_by = None, ROOT_HASH, (), 0
+
+    # -- prefix cache -----------------------------------------------------
+    def commit_full_blocks(self, seq: Sequence, extra: object = None) -> None:
+        """Register blocks that became full of computed tokens so others can share them."""
+        if not self.enable_caching:
+            return
+        bs = self.block_size
+        n_full = seq.num_computed_tokens // bs
+        while len(seq.block_hashes) < n_full:
+            i = len(seq.block_hashes)
+            parent = seq.block_hashes[-1] if seq.block_hashes else ROOT_HASH
+            tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+            h = block_hash(parent, tokens, extra)
+            seq.block_hashes.append(h)
+            bid = seq.block_table[i]
+            b = self.blocks[bid]
+            if bid == NULL_BLOCK or b.hash is not None:
+                continue
+            b.hash, b.parent, b.tokens = h, parent, tokens
+            self.by_hash.setdefault(h, bid)
+            self.children.setdefault(parent, set()).add(bid)
+
+    def _register_tail(self, seq: Sequence) -> None:
+        """Make a finished sequence's partial last block matchable token-exactly."""
+        bs = self.block_size
+        i = len(seq.block_hashes)
+        n = seq.num_computed_tokens - i * bs
+        if not (0 < n < bs) or i >= len(seq.block_table):
+            return
+        bid = seq.block_table[i]
+        b = self.blocks[bid]
+        if bid == NULL_BLOCK or b.hash is not None or b.tokens or b.ref_count != 1:
+            return  # shared with a fork that may still write into it
+        b.parent = seq.block_hashes[-1] if seq.block_hashes else ROOT_HASH
+        b.tokens = tuple(seq.token_ids[i * bs:i * bs + n])
+        self.children.setdefault(b.parent, set()).add(bid)
+
+    def match_prefix(self, seq: Sequence, extra: object = None) -> None:
+        """Give a new (or preempted) sequence the cached blocks matching its prompt.
+
+        Full blocks are shared; then the best partial match is copied into a new block.
+        The last prompt token is always left to compute, so the step has logits."""
+        if not self.enable_caching or seq.block_table:
+            return
+        bs = self.block_size
+        ids = seq.token_ids
+        limit = len(ids) - 1
+        parent, hit = ROOT_HASH, 0
+        while hit + bs <= limit:
+            tokens = tuple(ids[hit:hit + bs])
+            h = block_hash(parent, tokens, extra)
+            bid = self.by_hash.get(h)
+            if bid is None or self.blocks[bid].tokens != tokens:
+                break
+            self._ref_cached(bid)
+            seq.block_table.append(bid)
+            seq.block_hashes.append(h)
+            parent, hit = h, hit + bs
+        copied = self._match_partial(seq, parent, hit, limit)
+        seq.num_computed_tokens = hit + copied
+        self._last_match = (hit + copied, copied)
+
+    def record_admission(self, seq: Sequence) -> None:
+        """Count a lookup once its sequence is actually admitted (lookups may be retried).
+        A recompute after preemption counts for the stats, not as the request's cached prompt."""
+        if not self.enable_caching:
+            return
+        cached, partial = self._last_match
+        self._last_match = (0, 0)
+        self.stats.queries += seq.num_tokens
+        self.stats.hits += cached
+        self.stats.partial_hits += partial
+        if seq.num_preemptions == 0:
+            seq.num_cached_tokens = cached
+            seq.num_partial_cached_tokens = partial
+
+    def _match_partial(self, seq: Sequence, parent: int, start: int, limit: int) -> int:
+        want = seq.token_ids[start:min(start + self.block_size, limit)]
+        if not want:
+            return 0
+        best, best_n = None, 0
+        for bid in self.children.get(parent, ()):
+            n = _common_prefix(self.blocks[bid].tokens, want)
+            if n > best_n:
+                best, best_n = bid, n
+        if best is None:
+            return 0
+        # Hold the source out of the LRU while a block is taken for the copy.
+        self._ref_cached(best)
+        if self.num_free_blocks == 0:
+            self._decref(best)
+            return 0
+        dst = self._take()
+        self._copy(best, dst, best_n)
+        self._decref(best)
+        seq.block_table.append(dst)
+        return best_n
+
+    def _ref_cached(self, bid: int) -> None:
+        b = self.blocks[bid]
+        if b.ref_count == 0:
+            self.evictable.pop(bid, None)
+        b.ref_count += 1
+
+    # -- checks -----------------------------------------------------------
+    def check_invariants(self, live: list[Sequence]) -> None:
+        """Every block is free, referenced by live tables (ref count = holders), or cached."""
+        holders = [0] * self.num_blocks
+        for s in live:
+            for bid in s.block_table:
+                if bid != NULL_BLOCK:
+                    holders[bid] += 1
+        free = set(self.free_ids)
+        assert len(free) == len(self.free_ids), "a block is on the free list twice"
+        for bid in range(1, self.num_blocks):
+            b = self.blocks[bid]
+            assert b.ref_count == holders[bid], f"block {bid}: ref {b.ref_count} != {holders[bid]} tables"
+            states = (bid in free) + (bid in self.evictable) + (b.ref_count > 0)
+            assert states == 1, f"block {bid} is in {states} states (free/evictable/referenced)"
+            if bid in self.evictable:
+                assert self._has_content(bid), f"evictable block {bid} holds nothing"
+            if bid in free:
+                assert not self._has_content(bid), f"free block {bid} still holds cached content"
+        for h, bid in self.by_hash.items():
+            assert self.blocks[bid].hash == h, f"hash index points at block {bid} with another hash"
+
+
+def _common_prefix(a: tuple[int, ...], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n

@@ -17,6 +17,7 @@ from ..attention.contiguous import ContiguousBackend
 from ..attention.paged import PagedAttentionBackend
 from ..config import CacheConfig, SchedulerConfig, cdiv
 from ..kv.cache import KVCacheSpec, PagedKVCache, plan_cache
+from ..kv.calibration import resolve_fp8_scales
 from ..loading.loader import LoadedModel
 from ..outputs import CompletionOutput, RequestMetrics, RequestOutput
 from ..sampling.params import SamplingParams
@@ -67,17 +68,28 @@ class LLMEngine:
         self.eos_token_ids = set(cfg.eos_token_ids) | set(self.tokenizer.eos_token_ids)
 
         self.kv_spec = KVCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
-                                   cache_cfg.block_size, dtype)
+                                   cache_cfg.block_size, dtype, cache_cfg.kv_cache_dtype)
+        head_scales = None  # f8e4m3: per-(layer, kv head) scales, fixed for the engine's life
+        if self.kv_spec.mode.head_scales:
+            head_scales, self.kv_spec.scale_source = resolve_fp8_scales(
+                self.model, self.tokenizer, loaded.kv_scales, cfg.num_layers, cfg.num_kv_heads, device)
         self.cache_plan = plan_cache(self.kv_spec, cache_cfg, device, sched_cfg.max_model_len,
                                      sched_cfg.max_num_seqs)
         logger.info(self.cache_plan.describe(self.kv_spec))
-        self.block_manager = BlockManager(self.cache_plan.num_blocks, cache_cfg.block_size)
         if cache_cfg.paged_attention:
-            self.kv_cache: PagedKVCache | None = PagedKVCache(self.kv_spec, self.cache_plan.num_blocks, device)
+            self.kv_cache: PagedKVCache | None = PagedKVCache(self.kv_spec, self.cache_plan.num_blocks, device,
+                                                                head_scales)
             backend = PagedAttentionBackend(self.kv_cache)
+            copy_fn = self.kv_cache.copy_block_prefix
         else:
             self.kv_cache = None
-            backend = ContiguousBackend(dtype, device)
+            backend = ContiguousBackend(dtype, device, self.kv_spec.mode, head_scales)
+            copy_fn = _no_copy  # each sequence's K/V is private; forks copy in the backend
+        self.prefix_caching, self.prefix_caching_note = _prefix_caching_mode(cache_cfg, cfg)
+        if cache_cfg.enable_prefix_caching and not self.prefix_caching:
+            logger.info("prefix caching is off: %s", self.prefix_caching_note)
+        self.block_manager = BlockManager(self.cache_plan.num_blocks, cache_cfg.block_size,
+                                          self.prefix_caching, cache_cfg.prefix_cache_n, copy_fn)
         self.backend = backend
         window = cfg.sliding_window if cfg.all_layers_sliding else None
         self.scheduler = Scheduler(sched_cfg, self.block_manager, window)
@@ -112,6 +124,9 @@ class LLMEngine:
                 seq.generator = torch.Generator(device=self.device)
                 seq.generator.manual_seed(params.seed + i)
             seqs.append(seq)
+        # n > 1: the prompt is computed once by the first sequence; the others fork from it
+        # when it samples, sharing its blocks copy-on-write.
+        seqs[0].fork_children = seqs[1:]
         req = Request(rid, text, prompt_token_ids, params, seqs,
                       RequestMetrics(arrival_time=time.perf_counter(),
                                      num_prompt_tokens=len(prompt_token_ids)))
@@ -119,8 +134,7 @@ class LLMEngine:
                                                              params.skip_special_tokens))
                       for _ in seqs]
         self.requests[rid] = req
-        for s in seqs:
-            self.scheduler.add(s)
+        self.scheduler.add(seqs[0])
         self.stats["prompt_tokens"] += len(prompt_token_ids)
         return rid
 
@@ -155,6 +169,7 @@ class LLMEngine:
         for s in req.seqs:
             if not s.is_finished:
                 s.finish_reason = "abort"
+                s.fork_children = []
                 self._finish(s)
         return True
 
@@ -181,6 +196,63 @@ class LLMEngine:
             self.backend.free_seq(seq.seq_id)
         return torch.cat(parts)
 
+    def score_prompts(self, prompts: list[list[int]], chunk_size: int = 1) -> list[torch.Tensor]:
+        """For each prompt, log p(token[t+1] | tokens[:t+1]) for every t ([T-1] float32),
+        with all prompts advancing together, `chunk_size` tokens each per forward (1 = every
+        token through the batched decode path, reading K/V back from the cache). For
+        perplexity over many windows at once; blocks are returned afterwards."""
+        params = SamplingParams(max_tokens=1)
+        seqs = [Sequence("__score__", self._check_prompt(list(p), params), params) for p in prompts]
+        bs = self.cache_config.block_size
+        need = sum(cdiv(s.num_tokens, bs) for s in seqs)
+        if self.scheduler.sliding_window is None and need > self.block_manager.num_free_blocks:
+            raise ValueError(f"scoring {len(seqs)} prompts at once needs {need} KV blocks but "
+                             f"{self.block_manager.num_free_blocks} are free; score fewer at a time "
+                             "or give the KV cache more memory")
+        index = {s.seq_id: i for i, s in enumerate(seqs)}
+        vals, seq_idx, positions = [], [], []
+        try:
+            while True:
+                batch = [ScheduledSeq(s, min(chunk_size, s.num_uncomputed_tokens))
+                         for s in seqs if s.num_uncomputed_tokens > 0]
+                if not batch:
+                    break
+                batch.sort(key=lambda it: it.num_new_tokens != 1)  # decodes first
+                rows, targets = [], []
+                r = 0
+                for it in batch:
+                    s, start = it.seq, it.seq.num_computed_tokens
+                    self.scheduler.release_window(s)
+                    self.block_manager.grow(s, start + it.num_new_tokens)
+                    for p in range(start, start + it.num_new_tokens):
+                        if p + 1 < s.num_tokens:
+                            rows.append(r)
+                            targets.append(s.token_ids[p + 1])
+                            seq_idx.append(index[s.seq_id])
+                            positions.append(p)
+                        r += 1
+                with torch.inference_mode():
+                    ids, pos, meta, _ = self.runner.prepare(batch)
+                    hidden = self.model(ids, pos, meta)
+                    if rows:
+                        sel = torch.tensor(rows, device=self.device)
+                        logits = self.model.compute_logits(hidden.index_select(0, sel))
+                        tgt = torch.tensor(targets, device=self.device)[:, None]
+                        vals.append((logits.gather(1, tgt)[:, 0] - logits.logsumexp(-1)).cpu())
+                for it in batch:
+                    it.seq.num_computed_tokens += it.num_new_tokens
+        finally:
+            for s in seqs:
+                self.block_manager.free(s)
+                self.backend.free_seq(s.seq_id)
+        out = [torch.empty(s.num_tokens - 1) for s in seqs]
+        if vals:
+            v, si, pi = torch.cat(vals), torch.tensor(seq_idx), torch.tensor(positions)
+            for i in range(len(seqs)):
+                m = si == i
+                out[i][pi[m]] = v[m]
+        return out
+
     # -- the step ---------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
@@ -197,7 +269,11 @@ class LLMEngine:
         out = self.runner.execute(sched.scheduled)
         self.stats["steps"] += 1
         for it in sched.scheduled:
+            forks = it.samples and it.seq.fork_children
             it.seq.num_computed_tokens += it.num_new_tokens
+            self.block_manager.commit_full_blocks(it.seq)
+            if forks:
+                self._fork(it.seq)
         touched: dict[str, Request] = {}
         if out is not None:
             now = time.perf_counter()
@@ -208,6 +284,15 @@ class LLMEngine:
                 if req is not None:
                     touched[req.request_id] = req
         return [self._make_output(r) for r in touched.values()]
+
+    def _fork(self, parent: Sequence) -> None:
+        for child in parent.fork_children:
+            self.block_manager.fork(parent, child)
+            self.backend.fork_seq(parent.seq_id, child.seq_id)
+            child.num_computed_tokens = parent.num_computed_tokens
+            child.num_cached_tokens = parent.num_cached_tokens
+            self.scheduler.add_running(child)
+        parent.fork_children = []
 
     def _append(self, seq: Sequence, tok: int, lp, now: float) -> None:
         req = self.requests[seq.request_id]
@@ -252,7 +337,7 @@ class LLMEngine:
 
     def _finish(self, seq: Sequence) -> None:
         seq.times.finished = time.perf_counter()
-        self.scheduler.finish(seq)
+        self.scheduler.finish(seq, keep_prefix=seq.finish_reason != "abort")
         self.backend.free_seq(seq.seq_id)
         req = self.requests.get(seq.request_id)
         if req is not None and req.finished:
@@ -277,3 +362,19 @@ class LLMEngine:
             self.requests.pop(req.request_id, None)
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, finished,
                              req.metrics, num_cached_tokens=min(s.num_cached_tokens for s in req.seqs))
+
+
+def _no_copy(src: int, dst: int, n: int) -> None:
+    pass
+
+
+def _prefix_caching_mode(cache_cfg: CacheConfig, cfg) -> tuple[bool, str]:
+    """Whether prefix caching is really on, and why not when it was asked for."""
+    if not cache_cfg.enable_prefix_caching:
+        return False, "disabled by the user"
+    if not cache_cfg.paged_attention:
+        return False, "needs paged attention (a contiguous per-sequence cache cannot share blocks)"
+    if any(w is not None for w in cfg.layer_windows):
+        return False, ("sliding-window layers release blocks outside the window, so a cached "
+                       "prefix would not stay whole; it is never reused across the window")
+    return True, f"on: chained block hashes, up to {cache_cfg.prefix_cache_n} finished sequences kept"

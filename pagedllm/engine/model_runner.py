@@ -75,7 +75,15 @@ class ModelRunner:
             return None
         idx = torch.tensor(logits_idx, dtype=torch.int64, device=self.device)
         logits = self.model.compute_logits(hidden.index_select(0, idx))
-        sampling_seqs = [it.seq for it in batch if it.samples]
+        # One row per sampling sequence; n > 1 siblings waiting to fork sample from their
+        # parent's row (the prompt is computed once).
+        sampling_seqs, rows = [], []
+        for k, seq in enumerate(it.seq for it in batch if it.samples):
+            for s in (seq, *seq.fork_children):
+                sampling_seqs.append(s)
+                rows.append(k)
+        if len(rows) != logits.shape[0]:
+            logits = logits[torch.tensor(rows, device=self.device)]
         out = self.sampler(logits, sampling_seqs)
         out.seqs = sampling_seqs
         return out

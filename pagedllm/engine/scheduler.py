@@ -90,11 +90,15 @@ class Scheduler:
             while (self.waiting and budget > 0
                    and len(self.running) < self.config.max_num_seqs):
                 seq = self.waiting[0]
+                self.bm.match_prefix(seq)
                 n = min(seq.num_uncomputed_tokens, budget)
                 self.release_window(seq)
                 if not self.bm.can_grow(seq, seq.num_computed_tokens + n):
+                    self.bm.free(seq, "keep")  # give back what the prefix match took
+                    seq.num_computed_tokens = 0
                     break
                 self.waiting.popleft()
+                self.bm.record_admission(seq)
                 self._grow(seq, n)
                 seq.status = SequenceStatus.RUNNING
                 self.running.append(seq)
@@ -123,7 +127,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self.bm.free(seq)
+        self.bm.free(seq, "keep")  # its blocks stay cached: the recompute may hit them
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
@@ -132,11 +136,17 @@ class Scheduler:
         logger.debug("preempted %s (%d tokens) to free KV blocks", seq.request_id, seq.num_tokens)
 
     # -- after the step ---------------------------------------------------
-    def finish(self, seq: Sequence) -> None:
-        """Remove a sequence from the queues and return its blocks."""
+    def add_running(self, seq: Sequence) -> None:
+        """A forked sibling joins the running set directly (its blocks are shared)."""
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
+    def finish(self, seq: Sequence, keep_prefix: bool = True) -> None:
+        """Remove a sequence from the queues and return its blocks; a normally finished
+        sequence stays cached as a reusable prefix."""
         seq.status = SequenceStatus.FINISHED
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.bm.free(seq)
+        self.bm.free(seq, "retain" if keep_prefix else "drop")

@@ -45,7 +45,10 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     num_preemptions: int = 0
-    num_cached_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    num_partial_cached_tokens: int = 0  # of which copied from part of a block
+    block_hashes: list[int] = field(default_factory=list)  # chained hashes of its full blocks
+    fork_children: list["Sequence"] = field(default_factory=list)  # n > 1: siblings to fork
     generator: torch.Generator | None = None
     times: SequenceTimes = field(default_factory=SequenceTimes)
     # Filled by the output processor.

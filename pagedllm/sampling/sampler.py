@@ -1,8 +1,11 @@
 """Batched sampling on the model's device: one set of tensor ops for the whole batch.
 
-Sampling is by inverse CDF with one uniform number per row, so a request with
-a seed draws from its own generator and gets the same tokens whatever else
-shares the batch; rows without a seed share the engine's generator.
+Sampling is an exponential race: token = argmax(p_i / E_i) with E_i ~ Exp(1),
+which draws exactly from p. Unlike inverse-CDF sampling over a long cumulative
+sum, it only flips when the two best candidates nearly tie, so round-off in the
+logits (a different batch shape, a cached prefix) leaves the sample alone. A
+request with a seed draws its noise from its own generator and gets the same
+tokens whatever else shares the batch; other rows share the engine's generator.
 """
 from __future__ import annotations
 
@@ -44,6 +47,14 @@ class Sampler:
             lp = _logprobs(raw, tokens, params)
         return SamplerOutput(token_list, lp)
 
+    def _noise(self, probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        q = torch.empty_like(probs)
+        q.exponential_(generator=self.generator)
+        for i, s in enumerate(seqs):
+            if s.generator is not None:
+                q[i].exponential_(generator=s.generator)
+        return q
+
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence], greedy: list[bool]) -> torch.Tensor:
         params = [s.params for s in seqs]
         dev = logits.device
@@ -66,19 +77,9 @@ class Sampler:
             peak = probs.amax(dim=-1, keepdim=True)
             probs = probs.masked_fill(probs < min_p[:, None] * peak, 0.0)
 
-        u = torch.rand(len(seqs), generator=self.generator, device=dev)
-        for i, s in enumerate(seqs):
-            if s.generator is not None:
-                u[i] = torch.rand(1, generator=s.generator, device=s.generator.device)[0]
-        cdf = probs.cumsum(dim=-1)
-        target = (u * cdf[:, -1]).unsqueeze(1)
-        idx = torch.searchsorted(cdf, target, right=True).squeeze(1)
-        idx = idx.clamp_(max=probs.shape[-1] - 1)
-        # Never land on a zeroed-out token (float round-off at the top of the cdf).
-        bad = probs.gather(1, idx[:, None]).squeeze(1) <= 0
-        if bool(bad.any()):
-            idx = torch.where(bad, probs.argmax(dim=-1), idx)
-        tokens = idx if order is None else order.gather(1, idx[:, None]).squeeze(1)
+        if order is not None:  # back to vocabulary order, so each token meets the same noise
+            probs = torch.zeros_like(probs).scatter_(1, order, probs)
+        tokens = (probs / self._noise(probs, seqs)).argmax(dim=-1)
         if any(greedy):
             g = torch.tensor(greedy, device=dev)
             tokens = torch.where(g, logits.argmax(dim=-1), tokens)

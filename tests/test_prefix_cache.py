@@ -1,0 +1,206 @@
+"""Prefix caching: a property test of the block manager, and engine outputs with caching on vs off."""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.engine.block_manager import BlockManager
+from pagedllm.engine.sequence import Sequence
+from models import build_checkpoint
+
+BS = 4
+PREFIXES = [[1, 2, 3, 4, 5, 6, 7, 8, 9], [1, 2, 3, 4, 5, 9, 9], [7, 7, 7, 7, 7, 7, 7, 7, 1, 2], [5]]
+
+
+class BlockManagerMachine(RuleBasedStateMachine):
+    """Random admit / decode / fork / finish / preempt / abort against a shadow of the
+    physical cache: every computed slot of a live table must hold that sequence's token."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.phys: dict[int, list[int | None]] = {}
+        self.bm = BlockManager(14, BS, enable_caching=True, max_cached_seqs=3, copy_fn=self._copy)
+        self.live: list[Sequence] = []
+
+    def _copy(self, src: int, dst: int, n: int) -> None:
+        s = self.phys.setdefault(src, [None] * BS)
+        d = self.phys.setdefault(dst, [None] * BS)
+        d[:n] = s[:n]
+
+    def _compute(self, seq: Sequence, upto: int) -> None:
+        for p in range(seq.num_computed_tokens, upto):
+            self.phys.setdefault(seq.block_table[p // BS], [None] * BS)[p % BS] = seq.token_ids[p]
+        seq.num_computed_tokens = upto
+        self.bm.commit_full_blocks(seq)
+
+    @rule(prefix=st.sampled_from(PREFIXES), tail=st.lists(st.integers(0, 3), max_size=6))
+    def admit(self, prefix, tail):
+        seq = Sequence("r", prefix + tail, SamplingParams())
+        self.bm.match_prefix(seq)
+        if not self.bm.can_grow(seq, seq.num_tokens):
+            self.bm.free(seq, "keep")
+            return
+        self.bm.record_admission(seq)
+        self.bm.grow(seq, seq.num_tokens)
+        self._compute(seq, seq.num_tokens)
+        self.live.append(seq)
+
+    @precondition(lambda self: self.live)
+    @rule(i=st.integers(0, 100), tok=st.integers(0, 3))
+    def decode(self, i, tok):
+        seq = self.live[i % len(self.live)]
+        seq.append_token(tok)
+        if not self.bm.can_grow(seq, seq.num_tokens):
+            self.bm.free(seq, "keep")  # preempted for lack of blocks
+            self.live.remove(seq)
+            return
+        self.bm.grow(seq, seq.num_tokens)
+        self._compute(seq, seq.num_tokens)
+
+    @precondition(lambda self: self.live)
+    @rule(i=st.integers(0, 100))
+    def fork(self, i):
+        parent = self.live[i % len(self.live)]
+        child = Sequence("r", list(parent.token_ids), SamplingParams())
+        self.bm.fork(parent, child)
+        child.num_computed_tokens = parent.num_computed_tokens
+        self.live.append(child)
+
+    @precondition(lambda self: self.live)
+    @rule(i=st.integers(0, 100), mode=st.sampled_from(["retain", "keep", "drop"]))
+    def release(self, i, mode):
+        seq = self.live.pop(i % len(self.live))
+        self.bm.free(seq, mode)
+
+    @invariant()
+    def blocks_consistent(self):
+        self.bm.check_invariants(self.live)
+        assert len(self.bm.retained) <= 3
+        for seq in self.live:
+            assert len(seq.block_table) >= -(-seq.num_computed_tokens // BS)
+            for p in range(seq.num_computed_tokens):
+                got = self.phys[seq.block_table[p // BS]][p % BS]
+                assert got == seq.token_ids[p], f"slot {p} holds {got}, expected {seq.token_ids[p]}"
+
+    def teardown(self):
+        for seq in self.live:
+            self.bm.free(seq, "retain")
+        self.bm.check_invariants([])
+        assert self.bm.num_used_blocks == 0
+
+
+TestBlockManagerMachine = BlockManagerMachine.TestCase
+TestBlockManagerMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+# -- engine level, on a random-weight Llama ---------------------------------------
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory, hf_smollm2_tokenizer):
+    tok = hf_smollm2_tokenizer
+    return build_checkpoint("llama", tmp_path_factory.mktemp("llama-pc"), tok, len(tok))
+
+
+def _llm(path, **kw):
+    return LLM(str(path), dtype="float32", kv_cache_memory_mb=kw.pop("mb", 32), **kw)
+
+
+def _assert_clean(llm):
+    eng = llm.engine
+    assert not eng.requests and not eng.scheduler.has_unfinished()
+    assert eng.block_manager.num_used_blocks == 0
+    eng.block_manager.check_invariants([])
+
+
+def _multi_turn(llm, n_convs=3, turns=6, sampled=False):
+    """n_convs conversations advanced together, turn by turn; returns every answer."""
+    convs = [[{"role": "system", "content": f"You are assistant number {c}."}] for c in range(n_convs)]
+    answers = []
+    for t in range(turns):
+        for c in convs:
+            c.append({"role": "user", "content": f"Turn {t}: tell me about topic {t * 7 + len(c)}."})
+        sp = [SamplingParams(max_tokens=20, temperature=0.8 if sampled else 0.0,
+                             seed=(100 + i) if sampled else None, ignore_eos=True) for i in range(n_convs)]
+        prompts = [llm.tokenizer.apply_chat_template(c, tokenize=True) for c in convs]
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+        for c, o in zip(convs, outs):
+            c.append({"role": "assistant", "content": o.text})
+            answers.append((o.token_ids, o.num_cached_tokens, len(o.prompt_token_ids)))
+    return answers
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_multi_turn_same_with_and_without_cache(ckpt, sampled):
+    on, off = _llm(ckpt), _llm(ckpt, enable_prefix_caching=False)
+    a_on, a_off = _multi_turn(on, sampled=sampled), _multi_turn(off, sampled=sampled)
+    assert [a[0] for a in a_on] == [a[0] for a in a_off]
+    # Later turns are served mostly from the cache; with caching off nothing is.
+    last = a_on[-3:]
+    assert all(cached >= 0.8 * plen for _, cached, plen in last), last
+    assert all(cached == 0 for _, cached, _ in a_off)
+    _assert_clean(on)
+    _assert_clean(off)
+
+
+def test_shared_system_prompt_32_requests(ckpt):
+    system = "You are a careful assistant. " * 30
+    msgs = [[{"role": "system", "content": system}, {"role": "user", "content": f"Question {i}?"}]
+            for i in range(32)]
+    on, off = _llm(ckpt), _llm(ckpt, enable_prefix_caching=False)
+    sp = [SamplingParams(max_tokens=12, temperature=0.7, seed=i, ignore_eos=True) for i in range(32)]
+    prompts = [on.tokenizer.apply_chat_template(m, tokenize=True) for m in msgs]
+    o_on = on.generate(prompts, sp, use_tqdm=False)
+    o_off = off.generate(prompts, sp, use_tqdm=False)
+    assert [o.token_ids for o in o_on] == [o.token_ids for o in o_off]
+    assert on.engine.block_manager.stats.hits > 0
+    _assert_clean(on)
+
+
+def test_n4_shares_prompt_and_equals_separate_requests(ckpt):
+    llm = _llm(ckpt)
+    prompt = list(range(1000, 1100))  # 100 tokens: 3 full blocks + a shared partial one
+    sp = SamplingParams(n=4, max_tokens=16, temperature=1.0, seed=7, ignore_eos=True)
+    eng = llm.engine
+    eng.add_request(prompt, sp, request_id="fork")
+    eng.step()  # prefill once, sample 4 first tokens, fork
+    seqs = eng.requests["fork"].seqs
+    assert all(s.block_table == seqs[0].block_table for s in seqs)  # the prompt is held once
+    assert all(eng.block_manager.blocks[b].ref_count == 4 for b in seqs[0].block_table)
+    outs = [o for o in eng.step() if o.finished]  # first decode writes into the partial block
+    tables = [s.block_table for s in seqs]
+    assert all(t[:3] == tables[0][:3] for t in tables)
+    assert all(eng.block_manager.blocks[b].ref_count == 4 for b in tables[0][:3])
+    held = {b for t in tables for b in t}
+    assert len(held) == 3 + 4  # full prompt blocks once; the partial one copied on write
+    while eng.has_unfinished():
+        outs += [o for o in eng.step() if o.finished]
+    forked = [c.token_ids for c in outs[0].outputs]
+    separate = [llm.generate([prompt], SamplingParams(max_tokens=16, temperature=1.0, seed=7 + i,
+                                                      ignore_eos=True), use_tqdm=False)[0].token_ids
+                for i in range(4)]
+    assert forked == separate
+    assert len(set(map(tuple, forked))) > 1
+    _assert_clean(llm)
+
+
+def test_eviction_and_preemption_keep_outputs(ckpt):
+    big = _llm(ckpt, mb=32)
+    # 48 blocks of 8: far less than 12 sequences of up to ~170 tokens need together.
+    small = LLM(str(ckpt), dtype="float32", block_size=8, kv_cache_context_len=384,
+                max_num_batched_tokens=64, prefix_cache_n=4)
+    g = torch.Generator().manual_seed(5)
+    shared = torch.randint(0, 40000, (60,), generator=g).tolist()
+    prompts = [shared + torch.randint(0, 40000, (int(n),), generator=g).tolist()
+               for n in torch.randint(1, 90, (12,), generator=g)]
+    sp = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    want = [o.token_ids for o in big.generate(prompts, sp, use_tqdm=False)]
+    got = [o.token_ids for o in small.generate(prompts, sp, use_tqdm=False)]
+    assert got == want
+    eng = small.engine
+    assert eng.scheduler.num_preemptions > 0
+    assert eng.block_manager.stats.evictions > 0
+    _assert_clean(small)
+    assert len(eng.block_manager.retained) <= 4
