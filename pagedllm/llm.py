@@ -53,6 +53,11 @@ class LLM:
         self.tokenizer = loaded.tokenizer
         self.model_name = source.name
 
+    def kv_cache_trace(self):
+        """What the KV cache is and does: layout, dtype, capacity, occupancy, prefix-cache
+        hits, preemptions and waste (a `KVCacheTrace`; `.to_dict()`, `.table()`)."""
+        return self.engine.kv_cache_trace()
+
     # -- batch generation --------------------------------------------------
     def generate(self, prompts: Prompt | Seq[Prompt],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,

@@ -97,6 +97,8 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.stats = {"prompt_tokens": 0, "generated_tokens": 0, "steps": 0}
+        # Running share of allocated-but-empty token slots, for the trace.
+        self.waste_sum, self.waste_steps = 0.0, 0
 
     # -- requests ---------------------------------------------------------
     def add_request(self, prompt: str | list[int] | None, params: SamplingParams | None = None,
@@ -268,6 +270,7 @@ class LLMEngine:
                 it.seq.times.first_scheduled = now
         out = self.runner.execute(sched.scheduled)
         self.stats["steps"] += 1
+        self._track_waste()
         for it in sched.scheduled:
             forks = it.samples and it.seq.fork_children
             it.seq.num_computed_tokens += it.num_new_tokens
@@ -284,6 +287,21 @@ class LLMEngine:
                 if req is not None:
                     touched[req.request_id] = req
         return [self._make_output(r) for r in touched.values()]
+
+    def _track_waste(self) -> None:
+        bs = self.cache_config.block_size
+        alloc = held = 0
+        for s in self.scheduler.running:  # O(running), no tensors: cheap enough per step
+            alloc += sum(1 for b in s.block_table if b) * bs
+            held += s.num_tokens - (len(s.block_table) - sum(1 for b in s.block_table if b)) * bs
+        if alloc:
+            self.waste_sum += max(0.0, 1 - held / alloc)
+            self.waste_steps += 1
+
+    def kv_cache_trace(self):
+        from ..kv.trace import build_trace
+
+        return build_trace(self)
 
     def _fork(self, parent: Sequence) -> None:
         for child in parent.fork_children:

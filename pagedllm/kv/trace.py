@@ -1,0 +1,134 @@
+"""The KV-cache trace: what the cache is (layout, dtype, capacity) and what it does
+(occupancy, prefix-cache hits, preemptions, waste), as one dataclass."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+
+@dataclass
+class KVCacheTrace:
+    dtype: str  # effective storage dtype, never "auto"
+    compute_dtype: str
+    quant_mode: str
+    scale_granularity: str
+    scale_source: str
+    decode_attention: str  # the path decode really uses, and why
+    block_size: int
+    physical_page_key: str
+    prefix_cache: bool  # effective
+    prefix_cache_note: str
+    paged_attention: bool  # effective
+    paged_attention_min_context: int
+    entry_count: int  # layers with a cache
+    cached_tokens: int  # tokens held in blocks the prefix cache can hand out again
+    resident_token_slots: int  # token slots of blocks that are in use or cached
+    capacity_blocks: int
+    capacity_tokens: int
+    memory_mb: float
+    sized_by: str
+    blocks_used: int
+    blocks_free: int
+    blocks_cached: int
+    max_seqs_at_max_model_len: int
+    max_model_len: int
+    prefix_cache_hit_rate: float
+    prefix_tokens_saved: int
+    prefix_partial_tokens_saved: int
+    evictions: int
+    preemptions: int
+    waste: float  # share of allocated token slots (live sequences) not holding a token, now
+    waste_avg: float  # the same averaged over every engine step so far
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def table(self) -> str:
+        d = self.to_dict()
+        w = max(map(len, d))
+        return "\n".join(f"{k:<{w}}  {_fmt(v)}" for k, v in d.items())
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
+
+
+def _dtype_name(dt) -> str:
+    return str(dt).removeprefix("torch.")
+
+
+def live_waste(seqs, block_size: int) -> tuple[int, int]:
+    """(allocated slots, slots holding a token) over live sequences, shared blocks once."""
+    filled: dict[int, int] = {}
+    for s in seqs:
+        n = s.num_tokens
+        for i, bid in enumerate(s.block_table):
+            if bid:
+                filled[bid] = max(filled.get(bid, 0), min(block_size, max(0, n - i * block_size)))
+    return len(filled) * block_size, sum(filled.values())
+
+
+def build_trace(engine) -> KVCacheTrace:
+    bm = engine.block_manager
+    spec = engine.kv_spec
+    plan = engine.cache_plan
+    info = plan.info(spec) if hasattr(plan, "info") else {}
+    bs = bm.block_size
+    alloc, held = live_waste(engine.scheduler.running, bs)
+    stats = bm.stats
+    cached_blocks = [b for b in bm.blocks[1:] if b.hash is not None or b.tokens]
+    max_len = engine.sched_config.max_model_len
+    per_seq = -(-max_len // bs)
+    paged = engine.cache_config.paged_attention
+    steps = max(1, engine.waste_steps)
+    return KVCacheTrace(
+        dtype=info.get("dtype", _dtype_name(spec.dtype)),
+        compute_dtype=info.get("compute_dtype", _dtype_name(engine.dtype)),
+        quant_mode=info.get("quant_mode", "none"),
+        scale_granularity=info.get("scale_granularity", "none"),
+        scale_source=info.get("scale_source", "none"),
+        decode_attention=_decode_path(engine),
+        block_size=bs,
+        physical_page_key=("(layer, block id): each layer's K and V pools hold a page of "
+                           f"[{bs} tokens, {spec.num_kv_heads} kv heads, {spec.head_dim}] per block id; "
+                           "a block's reusable content is keyed by the chained hash of "
+                           "(parent block hash, its token ids)") if paged else
+                          "(sequence id, layer): one contiguous growing K and V buffer per sequence",
+        prefix_cache=engine.prefix_caching,
+        prefix_cache_note=engine.prefix_caching_note,
+        paged_attention=paged,
+        paged_attention_min_context=0 if paged else -1,
+        entry_count=spec.num_layers,
+        cached_tokens=sum(bs if b.hash is not None else len(b.tokens) for b in cached_blocks),
+        resident_token_slots=(bm.num_used_blocks + len(bm.evictable)) * bs,
+        capacity_blocks=bm.num_usable_blocks,
+        capacity_tokens=bm.num_usable_blocks * bs,
+        memory_mb=info.get("memory_mb", plan.num_blocks * spec.bytes_per_block / 2**20),
+        sized_by=plan.source,
+        blocks_used=bm.num_used_blocks,
+        blocks_free=len(bm.free_ids),
+        blocks_cached=len(cached_blocks),
+        max_seqs_at_max_model_len=bm.num_usable_blocks // per_seq,
+        max_model_len=max_len,
+        prefix_cache_hit_rate=stats.hit_rate,
+        prefix_tokens_saved=stats.hits,
+        prefix_partial_tokens_saved=stats.partial_hits,
+        evictions=stats.evictions,
+        preemptions=engine.scheduler.num_preemptions,
+        waste=(1 - held / alloc) if alloc else 0.0,
+        waste_avg=engine.waste_sum / steps if engine.waste_steps else 0.0,
+    )
+
+
+def _decode_path(engine) -> str:
+    backend = engine.backend
+    dev = engine.device.type
+    if not engine.cache_config.paged_attention:
+        return (f"{backend.name}: one SDPA call per sequence over its contiguous buffer "
+                "(paged attention off)")
+    return (f"{backend.name}: all decodes of a step in one batched gather of their blocks by block "
+            f"table and one SDPA call per layer, on {dev}; the PyTorch path is used because no "
+            "native paged kernel is built for this device yet")
