@@ -80,6 +80,7 @@ class BlockManager:
         self.children: dict[int, set[int]] = {}  # parent hash -> cached blocks that follow it
         self.retained: OrderedDict[int, _Retained] = OrderedDict()  # finished seq id -> blocks
         self.stats = PrefixCacheStats()
+        self.token_exact = True  # also reuse part of a block (off: block-granular, for comparison)
         self._last_match = (0, 0)  # (cached tokens, of which partial) of the last match_prefix
 
     # -- capacity ---------------------------------------------------------
@@ -310,7 +311,7 @@ class BlockManager:
 
     def _match_partial(self, seq: Sequence, parent: int, start: int, limit: int) -> int:
         want = seq.token_ids[start:min(start + self.block_size, limit)]
-        if not want:
+        if not want or not self.token_exact:
             return 0
         best, best_n = None, 0
         for bid in self.children.get(parent, ()):
