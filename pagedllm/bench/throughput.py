@@ -50,6 +50,8 @@ def run_pagedllm(llm, wl: Workload) -> dict:
     from ..sampling.params import SamplingParams
 
     params = [SamplingParams(max_tokens=o, temperature=0.0, ignore_eos=True) for o in wl.output_lens]
+    eng = llm.engine
+    eng.waste_sum, eng.waste_steps = 0.0, 0  # the trace's waste average covers this run only
     t0 = time.perf_counter()
     outs = llm.generate(wl.prompts, params, use_tqdm=False)
     dt = time.perf_counter() - t0
@@ -61,7 +63,8 @@ def run_pagedllm(llm, wl: Workload) -> dict:
             "total_tokens_per_s": (n_out + sum(map(len, wl.prompts))) / dt,
             "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
             "tpot_p50_ms": 1000 * percentile(tpot, 50), "tpot_p99_ms": 1000 * percentile(tpot, 99),
-            "output_tokens": n_out, "preemptions": llm.engine.scheduler.num_preemptions}
+            "output_tokens": n_out, "preemptions": llm.engine.scheduler.num_preemptions,
+            "kv_waste_avg": eng.waste_sum / max(1, eng.waste_steps)}
 
 
 def load_transformers_peer(model: str, dtype: torch.dtype):
@@ -167,6 +170,8 @@ def _print(name: str, r: dict) -> None:
             f"TTFT p50 {r['ttft_p50_s']:.2f} s p99 {r['ttft_p99_s']:.2f} s")
     if "tpot_p50_ms" in r:
         line += f", TPOT p50 {r['tpot_p50_ms']:.1f} ms p99 {r['tpot_p99_ms']:.1f} ms"
+    if "kv_waste_avg" in r:
+        line += f", KV waste {r['kv_waste_avg']:.1%}"
     print(line + f" ({r['elapsed_s']:.1f} s)")
 
 
