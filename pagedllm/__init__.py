@@ -2,6 +2,8 @@
 from .llm import LLM
 from .outputs import CompletionOutput, RequestOutput
 from .sampling.params import SamplingParams
+from .api import Architecture, ChatCompletionRequest, PagedCacheType, Runner, Which
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput",
+           "Runner", "Which", "ChatCompletionRequest", "Architecture", "PagedCacheType"]
 __version__ = "0.1.0"

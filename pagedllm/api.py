@@ -1,0 +1,346 @@
+"""A mistral.rs-style Python API beside the vLLM-style `LLM`.
+
+    from pagedllm import Runner, Which, ChatCompletionRequest, Architecture, PagedCacheType
+
+    runner = Runner(which=Which.Plain(model_id="default", arch=Architecture.Llama),
+                    pa_gpu_mem=256, pa_blk_size=32, pa_cache_type=PagedCacheType.Auto)
+    res = runner.send_chat_completion_request(ChatCompletionRequest(
+        model="default", messages=[{"role": "user", "content": "Hi"}], max_tokens=32))
+    print(res.choices[0].message.content, res.usage)
+
+It is a thin layer over the same engine: requests are validated and answered by
+the code the HTTP server uses. `EngineOptions` maps mistral.rs's engine settings
+(and the CLI flags of the same names) onto `LLM` keyword arguments.
+"""
+from __future__ import annotations
+
+import enum
+import inspect
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+from .server.protocol import (
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+)
+from .server.serving import (
+    ApiError,
+    ChatStreamer,
+    CompletionStreamer,
+    ServingContext,
+    TokenText,
+    chat_response,
+    completion_response,
+    new_id,
+    prepare_chat,
+    prepare_completion,
+)
+
+logger = logging.getLogger(__name__)
+
+# The model families the engine implements, by the config.json architecture names.
+_ARCH_NAMES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
+
+
+class Architecture(enum.Enum):
+    """mistral.rs's architecture names. The engine reads the real one from the checkpoint, so
+    this is only a hint: a mismatch is logged, not an error."""
+
+    Mistral = "mistral"
+    Llama = "llama"
+    Qwen2 = "qwen2"
+    Gemma = "gemma"
+    Gemma2 = "gemma2"
+    Mixtral = "mixtral"
+    Phi2 = "phi2"
+    Phi3 = "phi3"
+    Starcoder2 = "starcoder2"
+
+
+class PagedCacheType(enum.Enum):
+    """The KV cache element type (mistral.rs's `--pa-cache-type`)."""
+
+    Auto = "auto"
+    F8E4M3 = "f8e4m3"
+    Int8 = "int8"
+
+
+class UnsupportedOption(ValueError):
+    """An engine option this build does not implement yet."""
+
+
+class Which:
+    """Where the model comes from, mistral.rs style: `Which.Plain(...)` or `Which.GGUF(...)`."""
+
+    @dataclass
+    class Plain:
+        model_id: str
+        arch: Architecture | str | None = None
+        tokenizer_json: str | None = None
+        dtype: str = "auto"
+
+    @dataclass
+    class GGUF:
+        quantized_model_id: str
+        quantized_filename: str
+        tok_model_id: str | None = None
+        dtype: str = "auto"
+
+
+def _local_tokenizer_dir(tok: str | None) -> str | None:
+    """A tokenizer given as a local folder or tokenizer.json file, or None (a hub id is ignored:
+    the checkpoint's own tokenizer is used instead)."""
+    if not tok:
+        return None
+    path = Path(tok).expanduser()
+    if path.is_dir():
+        return str(path)
+    if path.is_file() and path.name.endswith(".json"):
+        return str(path.parent)
+    logger.info("tokenizer %r is not a local folder; using the model's own tokenizer", tok)
+    return None
+
+
+@dataclass
+class EngineOptions:
+    """Engine settings under mistral.rs's names; `llm_kwargs()` turns them into `LLM(...)` kwargs."""
+
+    model: str = "default"
+    tokenizer: str | None = None
+    gguf_file: str | None = None
+    arch: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    pa_gpu_mem: float | None = None  # KV cache MB
+    pa_gpu_mem_usage: float | None = None  # KV cache share of free memory
+    pa_ctxt_len: int | None = None  # KV cache sized for this many tokens
+    pa_blk_size: int | None = None
+    pa_cache_type: str | None = None
+    no_paged_attn: bool = False
+    prefix_cache_n: int | None = None
+    max_seqs: int | None = None
+    max_model_len: int | None = None
+    max_num_batched_tokens: int | None = None
+    seed: int | None = None
+    isq: str | None = None
+    chat_template: str | None = None
+
+    @classmethod
+    def from_which(cls, which: Which.Plain | Which.GGUF, **kw: Any) -> "EngineOptions":
+        if isinstance(which, Which.Plain):
+            arch = which.arch.value if isinstance(which.arch, Architecture) else which.arch
+            return cls(model=which.model_id, tokenizer=_local_tokenizer_dir(which.tokenizer_json),
+                       arch=arch, dtype=which.dtype, **kw)
+        if isinstance(which, Which.GGUF):
+            model, gguf_file, tok = gguf_source(which.quantized_model_id, which.quantized_filename,
+                                                which.tok_model_id)
+            return cls(model=model, gguf_file=gguf_file, tokenizer=tok, dtype=which.dtype, **kw)
+        raise TypeError(f"which must be Which.Plain or Which.GGUF, got {type(which).__name__}")
+
+    def llm_kwargs(self) -> dict[str, Any]:
+        from .llm import LLM
+
+        accepted = inspect.signature(LLM.__init__).parameters
+        sizes = [n for n, v in (("pa_gpu_mem", self.pa_gpu_mem), ("pa_gpu_mem_usage", self.pa_gpu_mem_usage),
+                                ("pa_ctxt_len", self.pa_ctxt_len)) if v is not None]
+        if len(sizes) > 1:
+            raise ValueError(f"give only one of {', '.join(sizes)} to size the KV cache")
+        kw: dict[str, Any] = dict(model=self.model, dtype=self.dtype, device=self.device,
+                                  paged_attention=not self.no_paged_attn)
+        optional = {"tokenizer": self.tokenizer, "gguf_file": self.gguf_file,
+                    "kv_cache_memory_mb": self.pa_gpu_mem,
+                    "kv_cache_memory_fraction": self.pa_gpu_mem_usage,
+                    "kv_cache_context_len": self.pa_ctxt_len, "block_size": self.pa_blk_size,
+                    "kv_cache_dtype": self.pa_cache_type, "max_num_seqs": self.max_seqs,
+                    "max_model_len": self.max_model_len,
+                    "max_num_batched_tokens": self.max_num_batched_tokens, "seed": self.seed}
+        kw.update({k: v for k, v in optional.items() if v is not None})
+        if self.isq:
+            if "isq" not in accepted:
+                raise UnsupportedOption("--isq (in-situ quantization) is not supported yet")
+            kw["isq"] = self.isq
+        if self.prefix_cache_n is not None:
+            n = self.prefix_cache_n
+            if n < 0:
+                raise ValueError(f"prefix_cache_n must be >= 0, got {n}")
+            if "prefix_cache_n" in accepted:
+                kw["prefix_cache_n"] = n
+            if "enable_prefix_caching" in accepted:
+                kw["enable_prefix_caching"] = n > 0
+            elif "prefix_cache_n" not in accepted and n > 0:
+                raise UnsupportedOption("--prefix-cache-n (prefix caching) is not supported yet; "
+                                        "leave it out or pass 0")
+        return kw
+
+    def load(self) -> Any:
+        """Build the `LLM` (loading takes a few seconds)."""
+        from .llm import LLM
+
+        llm = LLM(**self.llm_kwargs())
+        self._check_arch(llm)
+        if self.chat_template:
+            llm.tokenizer.chat_template = read_chat_template(self.chat_template)
+        return llm
+
+    def _check_arch(self, llm: Any) -> None:
+        if not self.arch:
+            return
+        actual = llm.engine.model_config.architecture
+        if _ARCH_NAMES.get(actual, actual).lower() != str(self.arch).lower():
+            logger.warning("arch %s was given but the checkpoint is %s; using the checkpoint's",
+                           self.arch, actual)
+
+
+def gguf_source(model_id: str, filename: str, tok: str | None) -> tuple[str, str | None, str | None]:
+    """mistral.rs's `gguf -m MODEL -f FILE [-t TOK]` as (model, gguf_file, tokenizer) for `LLM`."""
+    if ";" in filename:
+        raise UnsupportedOption("several GGUF files (FILE1;FILE2) are not supported; give one")
+    tok_dir = _local_tokenizer_dir(tok)
+    folder = Path(model_id).expanduser()
+    if folder.is_dir() and tok_dir is None and not (folder / "tokenizer.json").is_file():
+        # No tokenizer folder to pair with: load the file on its own, with the GGUF's tokenizer.
+        path = folder / filename
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} does not exist")
+        return str(path), None, None
+    return model_id, filename, tok_dir
+
+
+def read_chat_template(path: str) -> str:
+    """A chat template from a .jinja file or a JSON file with a "chat_template" key."""
+    import json
+
+    text = Path(path).expanduser().read_text()
+    if path.endswith(".json"):
+        data = json.loads(text)
+        if not isinstance(data, dict) or not isinstance(data.get("chat_template"), str):
+            raise ValueError(f"{path} has no \"chat_template\" string")
+        return data["chat_template"]
+    return text
+
+
+class Runner:
+    """Loads a model and answers requests in-process, mistral.rs style. Not thread-safe: use one
+    Runner per thread, or the HTTP server for concurrent clients."""
+
+    def __init__(self, which: Which.Plain | Which.GGUF, max_seqs: int = 16,
+                 prefix_cache_n: int | None = None, chat_template: str | None = None,
+                 in_situ_quant: str | None = None, pa_gpu_mem: float | None = None,
+                 pa_gpu_mem_usage: float | None = None, pa_ctxt_len: int | None = None,
+                 pa_blk_size: int | None = None, pa_cache_type: PagedCacheType | str | None = None,
+                 no_paged_attn: bool = False, paged_attn: bool | None = None, seed: int | None = None,
+                 device: str = "auto", max_model_len: int | None = None,
+                 token_source: str | None = None) -> None:
+        del token_source  # mistral.rs's hub credential source; the hub client reads its own
+        cache_type = pa_cache_type.value if isinstance(pa_cache_type, PagedCacheType) else pa_cache_type
+        opts = EngineOptions.from_which(
+            which, device=device, pa_gpu_mem=pa_gpu_mem, pa_gpu_mem_usage=pa_gpu_mem_usage,
+            pa_ctxt_len=pa_ctxt_len, pa_blk_size=pa_blk_size, pa_cache_type=cache_type,
+            no_paged_attn=no_paged_attn and not paged_attn, prefix_cache_n=prefix_cache_n,
+            max_seqs=max_seqs, max_model_len=max_model_len, seed=seed, isq=in_situ_quant,
+            chat_template=chat_template)
+        self.llm = opts.load()
+        self._ctx = ServingContext.from_llm(self.llm)
+        self._tt = TokenText(self.llm.tokenizer)
+
+    @property
+    def engine(self) -> Any:
+        return self.llm.engine
+
+    # -- chat -----------------------------------------------------------------------------
+    def send_chat_completion_request(self, request: ChatCompletionRequest | dict
+                                     ) -> ChatCompletionResponse | Iterator[ChatCompletionChunk]:
+        """The answer, or with `stream=True` an iterator of chunks (closing it early aborts)."""
+        req = request if isinstance(request, ChatCompletionRequest) else ChatCompletionRequest(**request)
+        ids, params = self._call(prepare_chat, req)
+        rid = new_id("chatcmpl")
+        tt = self._tt if req.logprobs else None
+        model = req.model or self._ctx.model_name
+        self._add([(rid, ids, params)])
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            s = ChatStreamer(rid, model, req.n, tt)
+            return self._stream([rid], s.start(), s.update, s.usage_chunk if include_usage else None)
+        return chat_response(rid, model, self._run([rid])[0], tt)
+
+    # -- text completion ----------------------------------------------------------------------
+    def send_completion_request(self, request: CompletionRequest | dict
+                                ) -> CompletionResponse | Iterator[CompletionResponse]:
+        req = request if isinstance(request, CompletionRequest) else CompletionRequest(**request)
+        prompts, params = self._call(prepare_completion, req)
+        rid = new_id("cmpl")
+        rids = [f"{rid}-{i}" for i in range(len(prompts))]
+        tt = self._tt if req.logprobs is not None else None
+        model = req.model or self._ctx.model_name
+        echo = [p if isinstance(p, str) else self.llm.tokenizer.decode(p) for p in prompts] if req.echo else None
+        self._add(list(zip(rids, prompts, params)))
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            s = CompletionStreamer(rid, model, req.n, {r: i for i, r in enumerate(rids)}, tt, echo)
+            return self._stream(rids, [], s.update, s.usage_chunk if include_usage else None)
+        return completion_response(rid, model, self._run(rids), req.n, tt, echo)
+
+    # -- tokenizer helpers (mistral.rs has these too) ---------------------------------------------
+    def tokenize_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.llm.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def detokenize_text(self, tokens: list[int], skip_special_tokens: bool = True) -> str:
+        return self.llm.tokenizer.decode(tokens, skip_special_tokens=skip_special_tokens)
+
+    # -- engine driving -------------------------------------------------------------------------
+    def _call(self, fn: Any, req: Any) -> Any:
+        try:
+            return fn(req, self._ctx)
+        except ApiError as e:
+            raise ValueError(e.message) from None
+
+    def _add(self, items: list) -> None:
+        added = []
+        try:
+            for rid, prompt, params in items:
+                self.engine.add_request(prompt, params, request_id=rid)
+                added.append(rid)
+        except Exception:
+            for rid in added:
+                self.engine.abort(rid)
+            raise
+
+    def _run(self, rids: list[str]) -> list:
+        finals: dict[str, Any] = {}
+        try:
+            while len(finals) < len(rids):
+                for out in self.engine.step():
+                    if out.finished and out.request_id in rids:
+                        finals[out.request_id] = out
+        finally:
+            for rid in rids:
+                if rid not in finals:
+                    self.engine.abort(rid)
+        return [finals[r] for r in rids]
+
+    def _stream(self, rids: list[str], start: list, update: Any, usage: Any) -> Iterator[Any]:
+        finals: dict[str, Any] = {}
+        try:
+            yield from start
+            while len(finals) < len(rids):
+                for out in self.engine.step():
+                    if out.request_id not in rids:
+                        continue
+                    if out.finished:
+                        finals[out.request_id] = out
+                    yield from update(out)
+            if usage is not None:
+                yield usage([finals[r] for r in rids])
+        finally:
+            for rid in rids:
+                if rid not in finals:
+                    self.engine.abort(rid)
+
+
+__all__ = ["Runner", "Which", "ChatCompletionRequest", "CompletionRequest", "Architecture",
+           "PagedCacheType", "EngineOptions", "UnsupportedOption"]

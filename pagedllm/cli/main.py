@@ -1,0 +1,440 @@
+"""The `pagedllm` command.
+
+    pagedllm serve [MODEL] [--host 127.0.0.1] [--port 8000] [--api-key KEY] [engine flags]
+    pagedllm chat [MODEL] [engine flags]             interactive chat in the terminal
+    pagedllm generate [PROMPT] [-m MODEL]            one-shot; the prompt may come on stdin
+    pagedllm bench throughput|serve ...
+    pagedllm trace [MODEL]                           KV cache figures while a request runs
+    pagedllm demo
+
+and mistral.rs's form, global flags first, then where the model comes from:
+
+    pagedllm [-i] [--port N] [engine flags] plain -m MODEL_DIR [-a ARCH] [-t TOKENIZER]
+    pagedllm [-i] [--port N] [engine flags] gguf [-t TOKENIZER_DIR] -m MODEL_DIR -f FILE.gguf
+
+(`-i` chats in the terminal; without it the model is served.)
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import logging
+import sys
+from typing import Any, Callable
+
+from ..api import EngineOptions, UnsupportedOption, gguf_source
+
+logger = logging.getLogger("pagedllm.cli")
+
+_UNSET = argparse.SUPPRESS
+
+
+def _engine_flags(p: argparse.ArgumentParser, top: bool) -> None:
+    """Engine flags, under mistral.rs's names. On subcommands they default to 'not given' so a
+    value set before the subcommand is not overwritten by the subcommand's default."""
+    d = (lambda v: v) if top else (lambda v: _UNSET)
+    g = p.add_argument_group("engine")
+    g.add_argument("--pa-gpu-mem", "--pa-memory-mb", type=float, metavar="MB", default=d(None),
+                   help="KV cache size in MB")
+    g.add_argument("--pa-gpu-mem-usage", "--pa-memory-fraction", type=float, metavar="F", default=d(None),
+                   help="KV cache size as a share of free device memory (0-1]")
+    g.add_argument("--pa-ctxt-len", "--pa-context-len", type=int, metavar="N", default=d(None),
+                   help="KV cache sized to hold N tokens")
+    g.add_argument("--pa-blk-size", "--pa-block-size", type=int, metavar="N", default=d(None),
+                   help="tokens per KV cache block (8, 16, 32, 64, 128; default 32)")
+    g.add_argument("--pa-cache-type", choices=["auto", "f8e4m3", "int8"], default=d(None),
+                   help="KV cache element type")
+    g.add_argument("--no-paged-attn", action="store_true", default=d(False),
+                   help="contiguous per-sequence KV cache instead of paged attention")
+    g.add_argument("--prefix-cache-n", type=int, metavar="N", default=d(None),
+                   help="prefix cache size (0 disables prefix caching)")
+    g.add_argument("--max-seqs", type=int, metavar="N", default=d(None),
+                   help="most sequences running at once (default 64)")
+    g.add_argument("--max-model-len", "--max-seq-len", type=int, metavar="N", default=d(None),
+                   help="longest prompt + output in tokens (default: the model's)")
+    g.add_argument("--max-num-batched-tokens", type=int, metavar="N", default=d(None),
+                   help="token budget of one engine step")
+    g.add_argument("--dtype", default=d(None), help="auto, float32, bfloat16 or float16")
+    g.add_argument("--device", default=d(None), help="auto, cpu, cuda, cuda:N or mps")
+    g.add_argument("--seed", type=int, default=d(None), help="sampling seed of the engine")
+    g.add_argument("--isq", metavar="TYPE", default=d(None), help="in-situ quantization of the weights")
+    g.add_argument("--chat-template", metavar="FILE", default=d(None),
+                   help="chat template (.jinja, or JSON with a chat_template key) to use instead "
+                        "of the model's")
+
+
+def _log_flag(p: argparse.ArgumentParser, top: bool) -> None:
+    p.add_argument("--log-level", default="warning" if top else _UNSET,
+                   choices=["debug", "info", "warning", "error"])
+
+
+def _server_flags(p: argparse.ArgumentParser, top: bool) -> None:
+    d = (lambda v: v) if top else (lambda v: _UNSET)
+    g = p.add_argument_group("server")
+    g.add_argument("--host", "--serve-ip", default=d("127.0.0.1"),
+                   help="address to bind (default 127.0.0.1: this machine only)")
+    g.add_argument("--port", "-p", type=int, default=d(8000))
+    g.add_argument("--api-key", default=d(None), help="require 'Authorization: Bearer KEY'")
+    g.add_argument("--served-model-name", default=d(None), help="model name the API reports")
+    g.add_argument("--max-body-bytes", type=int, default=d(4 * 2**20), help="request body size limit")
+    g.add_argument("--access-log", action="store_true", default=d(False))
+
+
+def _sampling_flags(p: argparse.ArgumentParser, max_tokens: int, temperature: float) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=max_tokens)
+    g.add_argument("--temperature", type=float, default=temperature)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=-1)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--presence-penalty", type=float, default=0.0)
+    g.add_argument("--frequency-penalty", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+
+
+def _model_arg(p: argparse.ArgumentParser, positional: bool = True) -> None:
+    if positional:
+        p.add_argument("model_pos", nargs="?", metavar="MODEL",
+                       help="'default', a .gguf file, a model folder or a hub id")
+    p.add_argument("-m", "--model", default=None, help="the model (instead of MODEL)")
+
+
+def _wants(argv: list[str], *words: str) -> bool:
+    return all(w in argv for w in words)
+
+
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    argv = sys.argv[1:] if argv is None else argv
+    p = argparse.ArgumentParser(prog="pagedllm", description="LLM inference with a paged KV cache",
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p.add_argument("-i", "--interactive-mode", action="store_true",
+                   help="with plain/gguf: chat in the terminal instead of serving")
+    _log_flag(p, top=True)
+    p.add_argument("--version", action="version", version=_version())
+    _engine_flags(p, top=True)
+    _server_flags(p, top=True)
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    _log_flag(s, top=False)
+    _model_arg(s)
+    _engine_flags(s, top=False)
+    _server_flags(s, top=False)
+
+    c = sub.add_parser("chat", help="interactive chat in the terminal")
+    _log_flag(c, top=False)
+    _model_arg(c)
+    _engine_flags(c, top=False)
+    c.add_argument("--system", default=None, help="system message to start with")
+    _sampling_flags(c, max_tokens=512, temperature=0.7)
+
+    g = sub.add_parser("generate", help="one-shot generation (prompt argument or stdin)")
+    g.add_argument("prompt", nargs="?", help="the prompt; '-' or nothing reads stdin")
+    _log_flag(g, top=False)
+    _model_arg(g, positional=False)
+    _engine_flags(g, top=False)
+    _sampling_flags(g, max_tokens=256, temperature=0.0)
+    g.add_argument("-n", type=int, default=1, help="completions to generate")
+    g.add_argument("--raw", action="store_true", help="no chat template: continue the text as is")
+    g.add_argument("--system", default=None)
+    g.add_argument("--stats", action="store_true", help="print token counts and speed to stderr")
+
+    t = sub.add_parser("trace", help="run a request and show the KV cache as it fills and empties")
+    _log_flag(t, top=False)
+    _model_arg(t)
+    _engine_flags(t, top=False)
+    t.add_argument("--prompt", default="Write a short poem about memory pages.")
+    t.add_argument("-n", type=int, default=1)
+    t.add_argument("--max-tokens", type=int, default=32)
+    t.add_argument("--json", action="store_true", help="print the trace as JSON")
+
+    b = sub.add_parser("bench", help="benchmarks")
+    bsub = b.add_subparsers(dest="bench", metavar="KIND")
+    bt = bsub.add_parser("throughput", help="offline throughput (pagedllm.bench.throughput)")
+    if _wants(argv, "bench", "throughput"):
+        _add_module_args(bt, "pagedllm.bench.throughput")
+    else:
+        bt.add_argument("rest", nargs=argparse.REMAINDER)
+    bs = bsub.add_parser("serve", help="load test of a running server (streaming clients)")
+    from ..server import loadtest
+
+    loadtest.add_arguments(bs)
+
+    dm = sub.add_parser("demo", help="a few chat requests served together")
+    if _wants(argv, "demo"):
+        _add_module_args(dm, "pagedllm.cli.demo")
+    else:
+        dm.add_argument("rest", nargs=argparse.REMAINDER)
+
+    pl = sub.add_parser("plain", help="mistral.rs form: a safetensors model folder or hub id")
+    _log_flag(pl, top=False)
+    pl.add_argument("-m", "--model-id", required=True)
+    pl.add_argument("-a", "--arch", default=None, help="architecture hint (read from the model anyway)")
+    pl.add_argument("-t", "--tokenizer-json", "--tokenizer", default=None)
+    pl.add_argument("--dtype", default=_UNSET)
+
+    gg = sub.add_parser("gguf", help="mistral.rs form: a GGUF file in a folder or hub repo")
+    _log_flag(gg, top=False)
+    gg.add_argument("-m", "--quantized-model-id", required=True)
+    gg.add_argument("-f", "--quantized-filename", required=True)
+    gg.add_argument("-t", "--tok-model-id", default=None,
+                    help="tokenizer folder (a hub id is ignored: the GGUF's tokenizer is used)")
+    gg.add_argument("--dtype", default=_UNSET)
+    return p
+
+
+def _add_module_args(p: argparse.ArgumentParser, module: str) -> None:
+    try:
+        mod = importlib.import_module(module)
+    except ImportError:
+        p.add_argument("rest", nargs=argparse.REMAINDER)
+        return
+    if hasattr(mod, "add_arguments"):
+        mod.add_arguments(p)
+
+
+def _version() -> str:
+    from .. import __version__
+
+    return f"pagedllm {__version__}"
+
+
+# -- engine options from the command line --------------------------------------------------
+
+
+def engine_options(args: argparse.Namespace, model: str | None = None) -> EngineOptions:
+    return EngineOptions(
+        model=model or "default", dtype=args.dtype or "auto", device=args.device or "auto",
+        pa_gpu_mem=args.pa_gpu_mem, pa_gpu_mem_usage=args.pa_gpu_mem_usage,
+        pa_ctxt_len=args.pa_ctxt_len, pa_blk_size=args.pa_blk_size, pa_cache_type=args.pa_cache_type,
+        no_paged_attn=args.no_paged_attn, prefix_cache_n=args.prefix_cache_n, max_seqs=args.max_seqs,
+        max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
+        seed=args.seed, isq=args.isq, chat_template=args.chat_template)
+
+
+def _model_of(args: argparse.Namespace) -> str:
+    return args.model or getattr(args, "model_pos", None) or "default"
+
+
+def load_llm(opts: EngineOptions) -> Any:
+    opts.llm_kwargs()  # refuse unsupported options before the slow load
+    print(f"loading {opts.model if not opts.gguf_file else opts.gguf_file} ...", file=sys.stderr,
+          flush=True)
+    return opts.load()
+
+
+# -- commands ---------------------------------------------------------------------------------
+
+
+def cmd_serve(args: argparse.Namespace, opts: EngineOptions) -> int:
+    from ..server.app import ServerConfig, run_server
+
+    llm = load_llm(opts)
+    eng = llm.engine
+    cfg = ServerConfig(model_name=args.served_model_name, api_key=args.api_key,
+                       max_body_bytes=args.max_body_bytes)
+    print(f"serving {args.served_model_name or llm.model_name} on http://{args.host}:{args.port}/v1 "
+          f"({eng.block_manager.num_usable_blocks} KV blocks of {eng.cache_config.block_size} tokens"
+          f"{', API key required' if args.api_key else ''})", file=sys.stderr, flush=True)
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
+        logger.warning("serving on %s without --api-key: anyone who can reach it may use it", args.host)
+    run_server(llm, args.host, args.port, cfg, log_level=args.log_level, access_log=args.access_log)
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace, opts: EngineOptions) -> int:
+    from .chat import ChatSession, ChatSettings
+
+    llm = load_llm(opts)
+    settings = ChatSettings(
+        max_tokens=getattr(args, "max_tokens", 512), temperature=getattr(args, "temperature", 0.7),
+        top_p=getattr(args, "top_p", 1.0), top_k=getattr(args, "top_k", -1),
+        min_p=getattr(args, "min_p", 0.0), presence_penalty=getattr(args, "presence_penalty", 0.0),
+        frequency_penalty=getattr(args, "frequency_penalty", 0.0),
+        repetition_penalty=getattr(args, "repetition_penalty", 1.0))
+    return ChatSession(llm, settings, system=getattr(args, "system", None)).run()
+
+
+def cmd_generate(args: argparse.Namespace, opts: EngineOptions) -> int:
+    from ..sampling.params import SamplingParams
+
+    prompt = args.prompt
+    if prompt is None or prompt == "-":
+        prompt = sys.stdin.read()
+    if not prompt.strip():
+        print("error: the prompt is empty (give it as an argument or on stdin)", file=sys.stderr)
+        return 2
+    llm = load_llm(opts)
+    try:
+        params = SamplingParams(
+            n=args.n, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+            top_k=args.top_k, min_p=args.min_p, presence_penalty=args.presence_penalty,
+            frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    tok = llm.tokenizer
+    if args.raw or not getattr(tok, "chat_template", None):
+        inputs: str | list[int] = prompt
+    else:
+        msgs = ([{"role": "system", "content": args.system}] if args.system else [])
+        inputs = tok.apply_chat_template(msgs + [{"role": "user", "content": prompt.strip()}],
+                                         tokenize=True)
+    eng = llm.engine
+    rid = eng.add_request(inputs, params)
+    final = None
+    try:
+        while final is None:
+            for out in eng.step():
+                if out.request_id != rid:
+                    continue
+                if args.n == 1:
+                    sys.stdout.write(out.outputs[0].delta_text)
+                    sys.stdout.flush()
+                if out.finished:
+                    final = out
+    except KeyboardInterrupt:
+        eng.abort(rid)
+        print(file=sys.stderr)
+        return 130
+    if args.n == 1:
+        print()
+    else:
+        for c in final.outputs:
+            print(f"--- completion {c.index} ({c.finish_reason}) ---\n{c.text}")
+    if args.stats:
+        m = final.metrics
+        print(f"[{m.num_prompt_tokens} prompt tokens, {m.num_output_tokens} generated, "
+              f"TTFT {m.time_to_first_token or 0:.2f} s, {m.decode_tokens_per_s or 0:.1f} tok/s]",
+              file=sys.stderr)
+    return 0
+
+
+def cmd_trace(args: argparse.Namespace, opts: EngineOptions) -> int:
+    from .chat import kv_report
+    from ..sampling.params import SamplingParams
+
+    llm = load_llm(opts)
+    eng = llm.engine
+    tok = llm.tokenizer
+    prompt: str | list[int] = args.prompt
+    if getattr(tok, "chat_template", None):
+        prompt = tok.apply_chat_template([{"role": "user", "content": args.prompt}], tokenize=True)
+    params = SamplingParams(n=args.n, max_tokens=args.max_tokens, temperature=0.0)
+    rows = [_snapshot(eng, 0)]
+    eng.add_request(prompt, params)
+    step = 0
+    while eng.has_unfinished():
+        eng.step()
+        step += 1
+        rows.append(_snapshot(eng, step))
+    trace_fn = getattr(llm, "kv_cache_trace", None)
+    if args.json:
+        out: dict[str, Any] = {"steps": rows}
+        if callable(trace_fn):
+            out["kv_cache_trace"] = _jsonable(trace_fn())
+        print(json.dumps(out, indent=2, default=str))
+        return 0
+    print(f"{'step':>5} {'running':>8} {'waiting':>8} {'used':>6} {'free':>6} {'preempt':>8}")
+    for r in rows:
+        print(f"{r['step']:>5} {r['running']:>8} {r['waiting']:>8} {r['used_blocks']:>6} "
+              f"{r['free_blocks']:>6} {r['preemptions']:>8}")
+    print(kv_report(llm))
+    return 0
+
+
+def _snapshot(eng: Any, step: int) -> dict:
+    bm, sched = eng.block_manager, eng.scheduler
+    return {"step": step, "running": sched.num_running, "waiting": sched.num_waiting,
+            "used_blocks": bm.num_used_blocks, "free_blocks": bm.num_free_blocks,
+            "preemptions": sched.num_preemptions}
+
+
+def _jsonable(x: Any) -> Any:
+    if hasattr(x, "to_dict"):
+        return x.to_dict()
+    if hasattr(x, "__dataclass_fields__"):
+        import dataclasses
+
+        return dataclasses.asdict(x)
+    return x
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    if args.bench == "serve":
+        from ..server import loadtest
+
+        return loadtest.run(args)
+    if args.bench == "throughput":
+        return _run_module("pagedllm.bench.throughput", args)
+    print("usage: pagedllm bench {throughput,serve} ...", file=sys.stderr)
+    return 2
+
+
+def _run_module(module: str, args: argparse.Namespace) -> int:
+    try:
+        mod = importlib.import_module(module)
+    except ImportError as e:
+        print(f"error: {module} is not available in this build ({e})", file=sys.stderr)
+        return 2
+    if not hasattr(mod, "run"):
+        print(f"error: {module} has no run(args)", file=sys.stderr)
+        return 2
+    result = mod.run(args)
+    return result if isinstance(result, int) else 0
+
+
+def _mistralrs_options(args: argparse.Namespace) -> EngineOptions:
+    """`plain -m DIR` / `gguf -t TOK -m DIR -f FILE` as engine options (global flags apply)."""
+    if args.command == "plain":
+        opts = engine_options(args, args.model_id)
+        opts.tokenizer = _tokenizer_dir(args.tokenizer_json)
+        opts.arch = args.arch
+        return opts
+    model, gguf_file, tok = gguf_source(args.quantized_model_id, args.quantized_filename, args.tok_model_id)
+    opts = engine_options(args, model)
+    opts.gguf_file, opts.tokenizer = gguf_file, tok
+    return opts
+
+
+def _tokenizer_dir(tok: str | None) -> str | None:
+    from ..api import _local_tokenizer_dir
+
+    return _local_tokenizer_dir(tok)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(argv)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=getattr(logging, args.log_level.upper()),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.command is None and not args.interactive_mode:
+        parser.print_help()
+        return 2
+    handlers: dict[str, Callable[..., int]] = {"serve": cmd_serve, "chat": cmd_chat,
+                                               "generate": cmd_generate, "trace": cmd_trace}
+    try:
+        if args.command == "bench":
+            return cmd_bench(args)
+        if args.command == "demo":
+            return _run_module("pagedllm.cli.demo", args)
+        if args.command in ("plain", "gguf"):
+            opts = _mistralrs_options(args)
+            return cmd_chat(args, opts) if args.interactive_mode else cmd_serve(args, opts)
+        if args.command is None:  # `pagedllm -i`: chat with the default model
+            return cmd_chat(args, engine_options(args))
+        return handlers[args.command](args, engine_options(args, _model_of(args)))
+    except UnsupportedOption as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except (ValueError, FileNotFoundError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,377 @@
+"""The OpenAI-compatible HTTP server: FastAPI routes over the threaded engine.
+
+Every generation is an async stream from the engine thread. A client that goes
+away (streaming or not) aborts its requests, which frees their KV blocks at the
+next engine step. Errors always use OpenAI's error body; bad input gets a 4xx and
+nothing ever returns a stack trace.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Callable
+
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Receive, Scope, Send
+
+from .async_engine import AsyncEngine, EngineError, Submission
+from .metrics import CONTENT_TYPE, ServerMetrics
+from .protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ErrorInfo,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+)
+from .serving import (
+    ApiError,
+    ChatStreamer,
+    CompletionStreamer,
+    ServingContext,
+    TokenText,
+    chat_response,
+    completion_response,
+    new_id,
+    prepare_chat,
+    prepare_completion,
+)
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_BODY_BYTES = 4 * 2**20
+_STATUS_TYPES = {401: "authentication_error", 404: "not_found_error", 413: "invalid_request_error",
+                 429: "rate_limit_error"}
+
+
+@dataclass
+class ServerConfig:
+    model_name: str | None = None
+    api_key: str | None = None
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_n: int | None = None
+
+
+# -- errors ----------------------------------------------------------------------------
+
+
+def error_response(status: int, message: str, type: str | None = None, param: str | None = None,
+                   code: str | None = None, headers: dict | None = None) -> JSONResponse:
+    if type is None:
+        type = _STATUS_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
+    body = ErrorResponse(error=ErrorInfo(message=message, type=type, param=param, code=code))
+    return JSONResponse(body.model_dump(), status_code=status, headers=headers)
+
+
+def _validation_message(err: ValidationError | RequestValidationError) -> tuple[str, str | None]:
+    errors = err.errors()
+    parts, first_param = [], None
+    for e in errors[:3]:
+        # Union members add their type name ('str', 'list[int]', 'function-plain[...]') to the
+        # path; it only confuses the client.
+        loc = [str(x) for x in e.get("loc", ()) if not _is_type_tag(x)]
+        param = ".".join(loc) or None
+        first_param = first_param or param
+        msg = str(e.get("msg", "invalid value")).removeprefix("Value error, ")
+        parts.append(f"{param}: {msg}" if param else msg)
+    more = f" (and {len(errors) - 3} more)" if len(errors) > 3 else ""
+    return "invalid request: " + "; ".join(parts) + more, first_param
+
+
+def _is_type_tag(part: Any) -> bool:
+    if not isinstance(part, str):
+        return False
+    return part in _TYPE_TAGS or "[" in part or part.startswith("function-")
+
+
+_TYPE_TAGS = {"body", "str", "int", "float", "bool", "dict", "list", "none"}
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
+        return error_response(exc.status, exc.message, exc.type, exc.param, exc.code)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        msg = exc.detail if isinstance(exc.detail, str) else "request failed"
+        return error_response(exc.status_code, msg, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        msg, param = _validation_message(exc)
+        return error_response(400, msg, param=param)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error")  # the trace goes to the log, never to the client
+        return error_response(500, "internal server error", "server_error")
+
+
+class AuthMiddleware:
+    """Plain ASGI (not BaseHTTPMiddleware, which would hide client disconnects from the routes)."""
+
+    def __init__(self, app: Any, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope.get("path") != "/health":
+            given = dict(scope.get("headers") or []).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                msg = ("missing API key: send 'Authorization: Bearer KEY'" if not given
+                       else "invalid API key")
+                resp = error_response(401, msg, code="invalid_api_key",
+                                      headers={"WWW-Authenticate": "Bearer"})
+                await resp(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+# -- request bodies ------------------------------------------------------------------------
+
+
+async def read_json(request: Request, limit: int) -> Any:
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        try:
+            too_big = int(declared) > limit
+        except ValueError:
+            raise ApiError("invalid Content-Length header") from None
+        if too_big:
+            raise ApiError(f"request body is larger than the {limit} byte limit", status=413)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(f"request body is larger than the {limit} byte limit", status=413)
+        chunks.append(chunk)
+    raw = b"".join(chunks)
+    if not raw.strip():
+        raise ApiError("request body is empty; send a JSON object")
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ApiError(f"request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise ApiError(f"request body must be a JSON object, not {type(body).__name__}")
+    return body
+
+
+def parse(model: type[BaseModel], body: dict) -> Any:
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        msg, param = _validation_message(e)
+        raise ApiError(msg, param=param) from None
+
+
+# -- streaming -------------------------------------------------------------------------------
+
+
+class SSEResponse(StreamingResponse):
+    """Server-sent events that stop (cancelling the generator) as soon as the client goes away,
+    even while no token is being sent, so queued requests are aborted too."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+        super().__init__(content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            async with anyio.create_task_group() as tg:
+                async def stream() -> None:
+                    try:
+                        await self.stream_response(send)
+                    except OSError:  # the connection broke while sending
+                        pass
+                    tg.cancel_scope.cancel()
+
+                tg.start_soon(stream)
+                await self.listen_for_disconnect(receive)
+                tg.cancel_scope.cancel()
+        finally:
+            # Also covers a client gone before the first event, when the generator never ran.
+            self.on_close()
+
+
+def _sse(chunk: BaseModel, include_usage: bool) -> str:
+    data = chunk.model_dump_json(exclude=None if include_usage else {"usage"})
+    return f"data: {data}\n\n"
+
+
+def _sse_error(exc: Exception) -> str:
+    body = ErrorResponse(error=ErrorInfo(message=str(exc), type="server_error"))
+    return f"data: {body.model_dump_json()}\n\n"
+
+
+async def _events(sub: Submission, start: list, update: Callable, usage: Callable | None,
+                  include_usage: bool) -> AsyncIterator[str]:
+    try:
+        for c in start:
+            yield _sse(c, include_usage)
+        async for out in sub:
+            for c in update(out):
+                yield _sse(c, include_usage)
+        if usage is not None:
+            yield _sse(usage(sub.final_outputs()), True)
+        yield "data: [DONE]\n\n"
+    except EngineError as e:
+        yield _sse_error(e)
+        yield "data: [DONE]\n\n"
+    finally:
+        # Runs on normal end, on error and on cancellation (client gone): abort what is left.
+        sub.abort_unfinished()
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _collect(sub: Submission, request: Request) -> list | None:
+    """Wait for every request of `sub` to finish; None if the client left first (then abort)."""
+    async def consume() -> None:
+        async for _ in sub:
+            pass
+
+    work = asyncio.ensure_future(consume())
+    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if work in done:
+            work.result()  # re-raises an EngineError
+            return sub.final_outputs()
+        logger.info("client went away; aborting %s", ", ".join(sub.request_ids))
+        return None
+    finally:
+        work.cancel()
+        watcher.cancel()
+        sub.abort_unfinished()
+
+
+# -- the app -------------------------------------------------------------------------------
+
+
+def create_app(llm: Any, config: ServerConfig | None = None) -> FastAPI:
+    cfg = config or ServerConfig()
+    metrics = ServerMetrics()
+    engine = AsyncEngine(llm.engine, metrics)
+    ctx = ServingContext.from_llm(llm, cfg.model_name, cfg.max_n)
+    token_text = TokenText(llm.tokenizer)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        engine.start()
+        logger.info("serving %s (max_model_len %d, %d KV blocks of %d tokens)", ctx.model_name,
+                    ctx.max_model_len, ctx.usable_blocks, ctx.block_size)
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(engine.shutdown)
+
+    app = FastAPI(title="pagedllm", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)
+    app.state.engine = engine
+    app.state.metrics = metrics
+    _install_error_handlers(app)
+    if cfg.api_key:
+        app.add_middleware(AuthMiddleware, api_key=cfg.api_key)
+
+    async def submit(items: list) -> Submission:
+        try:
+            return await engine.submit(items)
+        except ValueError as e:
+            msg = str(e)
+            code = "context_length_exceeded" if "max_model_len" in msg else None
+            raise ApiError(msg, code=code) from None
+        except EngineError as e:
+            raise ApiError(str(e), status=503, type="server_error") from None
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not engine.alive:
+            return error_response(503, "the engine is not running", "server_error")
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        card = ModelCard(id=ctx.model_name, max_model_len=ctx.max_model_len)
+        return JSONResponse(ModelList(data=[card]).model_dump())
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        req: ChatCompletionRequest = parse(ChatCompletionRequest, await read_json(request, cfg.max_body_bytes))
+        ids, params = prepare_chat(req, ctx)
+        rid = new_id("chatcmpl")
+        tt = token_text if req.logprobs else None
+        sub = await submit([(rid, ids, params)])
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            s = ChatStreamer(rid, ctx.model_name, req.n, tt)
+            events = _events(sub, s.start(), s.update, s.usage_chunk if include_usage else None,
+                             include_usage)
+            return SSEResponse(events, sub.abort_unfinished)
+        finals = await _collect_or_fail(sub, request)
+        if finals is None:
+            return Response(status_code=499)
+        return JSONResponse(chat_response(rid, ctx.model_name, finals[0], tt).model_dump())
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        req: CompletionRequest = parse(CompletionRequest, await read_json(request, cfg.max_body_bytes))
+        prompts, params = prepare_completion(req, ctx)
+        rid = new_id("cmpl")
+        rids = [rid if len(prompts) == 1 else f"{rid}-{i}" for i in range(len(prompts))]
+        tt = token_text if req.logprobs is not None else None
+        echo = None
+        if req.echo:
+            echo = [p if isinstance(p, str) else llm.tokenizer.decode(p) for p in prompts]
+        sub = await submit(list(zip(rids, prompts, params)))
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            s = CompletionStreamer(rid, ctx.model_name, req.n, {r: i for i, r in enumerate(rids)}, tt, echo)
+            events = _events(sub, [], s.update, s.usage_chunk if include_usage else None, include_usage)
+            return SSEResponse(events, sub.abort_unfinished)
+        finals = await _collect_or_fail(sub, request)
+        if finals is None:
+            return Response(status_code=499)
+        resp = completion_response(rid, ctx.model_name, finals, req.n, tt, echo)
+        return JSONResponse(resp.model_dump())
+
+    return app
+
+
+async def _collect_or_fail(sub: Submission, request: Request) -> list | None:
+    try:
+        return await _collect(sub, request)
+    except EngineError as e:
+        raise ApiError(str(e), status=500, type="server_error") from None
+
+
+def run_server(llm: Any, host: str = "127.0.0.1", port: int = 8000, config: ServerConfig | None = None,
+               log_level: str = "info", access_log: bool = False) -> None:
+    """Serve `llm` until interrupted (Ctrl-C / SIGTERM), then stop the engine thread cleanly."""
+    import uvicorn
+
+    app = create_app(llm, config)
+    uv = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=access_log,
+                        timeout_graceful_shutdown=5)
+    uvicorn.Server(uv).run()

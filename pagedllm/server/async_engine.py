@@ -1,0 +1,251 @@
+"""The engine on its own thread, with an asyncio face for request handlers.
+
+The engine is not thread-safe, so exactly one thread touches it. Handlers send
+commands (add, abort) through a thread-safe queue; the thread applies them
+between steps and hands each step's outputs back to the handler's event loop
+through a per-submission asyncio queue. With no work the thread blocks on the
+command queue, so an idle server costs no CPU.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+from ..outputs import RequestOutput
+from ..sampling.params import SamplingParams
+from .metrics import ServerMetrics
+
+logger = logging.getLogger(__name__)
+
+
+class EngineError(RuntimeError):
+    """The engine failed (or is shutting down) while a request was in flight."""
+
+
+@dataclass
+class _Add:
+    items: list[tuple[str, str | list[int], SamplingParams]]
+    loop: asyncio.AbstractEventLoop
+    outputs: asyncio.Queue
+    accepted: asyncio.Future
+
+
+@dataclass
+class _Abort:
+    request_id: str
+    asked_at_step: int
+
+
+_STOP = object()
+
+
+@dataclass
+class Submission:
+    """The engine requests of one API call, whose outputs arrive on one queue."""
+
+    request_ids: list[str]
+    outputs: asyncio.Queue
+    engine: "AsyncEngine"
+    finals: dict[str, RequestOutput] = field(default_factory=dict)
+
+    @property
+    def finished(self) -> bool:
+        return len(self.finals) == len(self.request_ids)
+
+    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        while not self.finished:
+            item = await self.outputs.get()
+            if isinstance(item, BaseException):
+                raise item
+            if item.finished:
+                self.finals[item.request_id] = item
+            yield item
+
+    def final_outputs(self) -> list[RequestOutput]:
+        return [self.finals[r] for r in self.request_ids]
+
+    def abort_unfinished(self) -> None:
+        for rid in self.request_ids:
+            if rid not in self.finals:
+                self.engine.abort(rid)
+
+
+class AsyncEngine:
+    def __init__(self, engine: Any, metrics: ServerMetrics | None = None) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self._cmds: queue.SimpleQueue = queue.SimpleQueue()
+        # Only the engine thread reads or writes these.
+        self._routes: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._steps = 0
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._run, name="pagedllm-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        if self._thread is None:
+            return
+        self._cmds.put(_STOP)
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            logger.warning("engine thread did not stop within %.0f s", timeout)
+        self._thread = None
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    # -- handler side (any thread with a running event loop) ----------------------------
+    async def submit(self, items: list[tuple[str, str | list[int], SamplingParams]]) -> Submission:
+        """Add the requests atomically (all or none); raises ValueError for bad input.
+
+        Callers must call `abort_unfinished()` on the result when they stop early, and
+        should do so even when this raises (a cancelled wait may still have added them).
+        """
+        if not self.alive:
+            raise EngineError("the engine is not running")
+        loop = asyncio.get_running_loop()
+        sub = Submission([rid for rid, _, _ in items], asyncio.Queue(), self)
+        accepted = loop.create_future()
+        self._cmds.put(_Add(items, loop, sub.outputs, accepted))
+        try:
+            await accepted
+        except asyncio.CancelledError:
+            sub.abort_unfinished()
+            raise
+        return sub
+
+    def abort(self, request_id: str) -> None:
+        self._cmds.put(_Abort(request_id, self._steps))
+
+    # -- engine thread -------------------------------------------------------------------
+    def _run(self) -> None:
+        logger.info("engine thread started")
+        try:
+            while True:
+                idle = not self.engine.has_unfinished()
+                if not self._apply_commands(block=idle):
+                    break
+                if self.engine.has_unfinished():
+                    self._step()
+                elif self.metrics is not None:
+                    self.metrics.on_engine_state(self.engine, len(self._routes))
+        finally:
+            self._fail_all(EngineError("the server is shutting down"))
+            logger.info("engine thread stopped")
+
+    def _apply_commands(self, block: bool) -> bool:
+        """Apply queued commands (waiting for one if `block`); False once asked to stop."""
+        try:
+            cmd = self._cmds.get(block=block)
+        except queue.Empty:
+            return True
+        while True:
+            if cmd is _STOP:
+                return False
+            if isinstance(cmd, _Add):
+                self._add(cmd)
+            elif isinstance(cmd, _Abort):
+                self._abort(cmd)
+            try:
+                cmd = self._cmds.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _add(self, cmd: _Add) -> None:
+        added: list[str] = []
+        try:
+            for rid, prompt, params in cmd.items:
+                self.engine.add_request(prompt, params, request_id=rid)
+                added.append(rid)
+        except Exception as e:  # bad input: undo the part already added, report to the caller
+            for rid in added:
+                self.engine.abort(rid)
+            err = e if isinstance(e, ValueError) else EngineError(f"{type(e).__name__}: {e}")
+            if not isinstance(e, ValueError):
+                logger.exception("adding a request failed")
+            _call_soon(cmd.loop, _settle, cmd.accepted, err)
+            return
+        for rid in added:
+            self._routes[rid] = (cmd.loop, cmd.outputs)
+            if self.metrics is not None:
+                req = self.engine.requests.get(rid)
+                if req is not None:
+                    self.metrics.on_prompt(len(req.prompt_token_ids))
+        _call_soon(cmd.loop, _settle, cmd.accepted, None)
+
+    def _abort(self, cmd: _Abort) -> None:
+        if self._routes.pop(cmd.request_id, None) is None:
+            return  # finished already, or never added
+        self.engine.abort(cmd.request_id)
+        logger.info("aborted request %s", cmd.request_id)
+        if self.metrics is not None:
+            self.metrics.aborts.inc()
+            self.metrics.abort_delay_steps.observe(self._steps - cmd.asked_at_step)
+            self.metrics.forget(cmd.request_id)
+            self.metrics.on_engine_state(self.engine, len(self._routes))
+
+    def _step(self) -> None:
+        try:
+            outs = self.engine.step()
+        except Exception as e:
+            logger.exception("engine step failed; failing the requests in flight")
+            if self.metrics is not None:
+                self.metrics.engine_errors.inc()
+            self._fail_all(EngineError(f"internal engine error ({type(e).__name__})"))
+            return
+        self._steps += 1
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = defaultdict(list)
+        for out in outs:
+            route = self._routes.get(out.request_id)
+            if route is None:
+                continue
+            if out.finished:
+                del self._routes[out.request_id]
+            batches[route[0]].append((route[1], out))
+        for loop, items in batches.items():
+            _call_soon(loop, _deliver, items)
+        if self.metrics is not None:
+            self.metrics.on_step_outputs(outs)
+            self.metrics.on_engine_state(self.engine, len(self._routes))
+
+    def _fail_all(self, err: BaseException) -> None:
+        routes, self._routes = self._routes, {}
+        for rid, (loop, q) in routes.items():
+            try:
+                self.engine.abort(rid)
+            except Exception:  # the engine may be broken; the request is dropped either way
+                logger.exception("abort of %s failed", rid)
+            _call_soon(loop, _deliver, [(q, err)])
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, fn: Any, *args: Any) -> None:
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:  # that loop is closed: nobody is listening any more
+        pass
+
+
+def _settle(fut: asyncio.Future, err: BaseException | None) -> None:
+    if fut.done():  # the waiting handler was cancelled
+        return
+    if err is None:
+        fut.set_result(None)
+    else:
+        fut.set_exception(err)
+
+
+def _deliver(items: list[tuple[asyncio.Queue, Any]]) -> None:
+    for q, item in items:
+        q.put_nowait(item)

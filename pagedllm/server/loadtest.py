@@ -1,0 +1,239 @@
+"""`pagedllm bench serve`: concurrent streaming clients against a running `pagedllm serve`.
+
+Each client loops for the whole duration: one streamed chat completion at a
+time, timing the first content token and the whole answer. The report gives
+requests/s, TTFT and latency percentiles, token throughput, errors, and the
+server's resident memory (from its /metrics) at start and end. With `--spawn`
+the server is started here, in its own process, and stopped at the end.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Give me three tips for sleeping better.",
+    "Explain what a hash table is.",
+    "Name three planets of the solar system.",
+    "Translate 'good morning' into Spanish.",
+    "What is 17 times 3?",
+    "Describe a cat in one sentence.",
+]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--duration", type=float, default=60.0, help="seconds of load")
+    p.add_argument("--concurrency", type=int, default=16, help="streaming clients at once")
+    p.add_argument("--min-tokens", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--timeout", type=float, default=300.0, help="per-request timeout (s)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--spawn", action="store_true",
+                   help="start `pagedllm serve` here (flags after --server-args) and stop it after")
+    p.add_argument("--server-args", nargs=argparse.REMAINDER, default=[],
+                   help="with --spawn: arguments for `pagedllm serve` (must come last)")
+    p.add_argument("--output", default=None, help="also write the report as JSON here")
+
+
+@dataclass
+class Result:
+    ok: bool
+    ttft: float | None = None
+    latency: float = 0.0
+    tokens: int = 0
+    error: str | None = None
+
+
+@dataclass
+class Report:
+    duration_s: float
+    concurrency: int
+    requests: int
+    errors: int
+    requests_per_s: float
+    ttft_p50_s: float | None
+    ttft_p99_s: float | None
+    latency_p50_s: float | None
+    latency_p99_s: float | None
+    output_tokens: int
+    output_tokens_per_s: float
+    server_rss_start_mb: float | None
+    server_rss_end_mb: float | None
+    kv_blocks_used_after: float | None
+    error_samples: list[str] = field(default_factory=list)
+
+
+def percentile(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    s = sorted(xs)
+    k = (len(s) - 1) * q / 100
+    lo, hi = int(k), min(int(k) + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            try:
+                out[name] = float(value)
+            except ValueError:
+                pass
+    return out
+
+
+async def _metrics(client: Any, url: str) -> dict[str, float]:
+    try:
+        r = await client.get(f"{url}/metrics", timeout=10)
+        return parse_metrics(r.text) if r.status_code == 200 else {}
+    except Exception:
+        return {}
+
+
+async def _one(client: Any, url: str, body: dict, timeout: float) -> Result:
+    t0 = time.perf_counter()
+    ttft, tokens = None, 0
+    try:
+        async with client.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=timeout) as r:
+            if r.status_code != 200:
+                text = (await r.aread()).decode(errors="replace")[:200]
+                return Result(False, error=f"HTTP {r.status_code}: {text}")
+            done = False
+            async for line in r.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[6:]
+                if data == "[DONE]":
+                    done = True
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    return Result(False, error=str(chunk["error"])[:200])
+                for ch in chunk.get("choices", []):
+                    if ch.get("delta", {}).get("content"):
+                        ttft = ttft if ttft is not None else time.perf_counter() - t0
+                if chunk.get("usage"):
+                    tokens = chunk["usage"]["completion_tokens"]
+            if not done:
+                return Result(False, error="stream ended without [DONE]")
+    except Exception as e:  # a load test counts failures, it does not stop on them
+        return Result(False, error=f"{type(e).__name__}: {e}"[:200])
+    return Result(True, ttft, time.perf_counter() - t0, tokens)
+
+
+async def _client(client: Any, args: argparse.Namespace, deadline: float, rng: random.Random,
+                  results: list[Result]) -> None:
+    while time.perf_counter() < deadline:
+        body = {"model": "default", "stream": True, "stream_options": {"include_usage": True},
+                "messages": [{"role": "user", "content": rng.choice(PROMPTS)}],
+                "max_tokens": rng.randint(args.min_tokens, args.max_tokens),
+                "temperature": args.temperature}
+        results.append(await _one(client, args.url, body, args.timeout))
+
+
+async def _run(args: argparse.Namespace) -> Report:
+    import httpx
+
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    limits = httpx.Limits(max_connections=args.concurrency + 4)
+    async with httpx.AsyncClient(headers=headers, limits=limits) as client:
+        before = await _metrics(client, args.url)
+        results: list[Result] = []
+        t0 = time.perf_counter()
+        deadline = t0 + args.duration
+        await asyncio.gather(*[_client(client, args, deadline, random.Random(args.seed + i), results)
+                               for i in range(args.concurrency)])
+        elapsed = time.perf_counter() - t0
+        await asyncio.sleep(0.5)  # let the engine thread publish its idle state
+        after = await _metrics(client, args.url)
+    ok = [r for r in results if r.ok]
+    ttfts = [r.ttft for r in ok if r.ttft is not None]
+    rss = "process_resident_memory_bytes"
+    return Report(
+        duration_s=elapsed, concurrency=args.concurrency, requests=len(ok),
+        errors=len(results) - len(ok), requests_per_s=len(ok) / elapsed,
+        ttft_p50_s=percentile(ttfts, 50), ttft_p99_s=percentile(ttfts, 99),
+        latency_p50_s=percentile([r.latency for r in ok], 50),
+        latency_p99_s=percentile([r.latency for r in ok], 99),
+        output_tokens=sum(r.tokens for r in ok), output_tokens_per_s=sum(r.tokens for r in ok) / elapsed,
+        server_rss_start_mb=before[rss] / 2**20 if rss in before else None,
+        server_rss_end_mb=after[rss] / 2**20 if rss in after else None,
+        kv_blocks_used_after=after.get("pagedllm_kv_blocks_used"),
+        error_samples=sorted({r.error for r in results if r.error})[:5])
+
+
+def _wait_ready(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
+    import httpx
+
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with code {proc.returncode}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError("the server did not become ready")
+
+
+def format_report(r: Report) -> str:
+    def f(x: float | None, unit: str = "s") -> str:
+        return "n/a" if x is None else f"{x:.3f} {unit}"
+
+    lines = [
+        f"{r.requests} requests in {r.duration_s:.1f} s with {r.concurrency} streaming clients: "
+        f"{r.requests_per_s:.2f} req/s, {r.output_tokens_per_s:.1f} output tok/s, {r.errors} errors",
+        f"TTFT p50 {f(r.ttft_p50_s)}, p99 {f(r.ttft_p99_s)}; "
+        f"latency p50 {f(r.latency_p50_s)}, p99 {f(r.latency_p99_s)}",
+        f"server memory (RSS): start {f(r.server_rss_start_mb, 'MB')}, end {f(r.server_rss_end_mb, 'MB')}; "
+        f"KV blocks in use after the run: {r.kv_blocks_used_after}",
+    ]
+    if r.error_samples:
+        lines.append("errors: " + " | ".join(r.error_samples))
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        import httpx  # noqa: F401
+    except ImportError:
+        print("error: the load test needs httpx (pip install httpx)", file=sys.stderr)
+        return 2
+    proc = None
+    if args.spawn:
+        cmd = [sys.executable, "-m", "pagedllm.cli.main", "serve", *args.server_args]
+        print("starting:", " ".join(cmd), file=sys.stderr, flush=True)
+        proc = subprocess.Popen(cmd)
+    try:
+        if proc is not None:
+            _wait_ready(args.url, proc)
+        report = asyncio.run(_run(args))
+    finally:
+        if proc is not None:
+            proc.terminate()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    print(format_report(report))
+    if args.output:
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.output).write_text(json.dumps(asdict(report), indent=2))
+    return 0 if report.errors == 0 else 1

@@ -1,0 +1,421 @@
+"""Turning OpenAI-style requests into engine inputs, and engine outputs into responses.
+
+Shared by the HTTP server and the mistral.rs-style `Runner`: nothing here touches
+the engine itself, so it is safe to call from any thread.
+"""
+from __future__ import annotations
+
+import logging
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import jinja2
+
+from ..outputs import RequestOutput
+from ..sampling.params import SamplingParams
+from .protocol import (
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChunkChoice,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    Delta,
+    PromptTokensDetails,
+    ResponseMessage,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+)
+
+logger = logging.getLogger(__name__)
+
+SYSTEM_FINGERPRINT = "pagedllm"
+MAX_STOP_STRINGS = 16
+CHAT_ROLES = {"system", "user", "assistant", "tool", "developer"}
+
+
+class ApiError(Exception):
+    """A request the server refuses; rendered as OpenAI's error body."""
+
+    def __init__(self, message: str, status: int = 400, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message, self.status, self.type, self.param, self.code = message, status, type, param, code
+
+
+@dataclass
+class ServingContext:
+    """What request preparation needs to know about the loaded model and its cache."""
+
+    tokenizer: Any
+    model_name: str
+    max_model_len: int
+    block_size: int
+    usable_blocks: int
+    max_n: int
+
+    @classmethod
+    def from_llm(cls, llm: Any, model_name: str | None = None, max_n: int | None = None) -> "ServingContext":
+        eng = llm.engine
+        return cls(tokenizer=llm.tokenizer, model_name=model_name or llm.model_name,
+                   max_model_len=eng.sched_config.max_model_len,
+                   block_size=eng.cache_config.block_size,
+                   usable_blocks=eng.block_manager.num_usable_blocks,
+                   max_n=max_n or min(128, eng.sched_config.max_num_seqs))
+
+    def default_max_tokens(self, prompt_len: int, n: int) -> int:
+        """Without max_tokens a request may run to the context end, as far as the cache can hold
+        n copies of it (a larger default would be refused as never fitting)."""
+        room = min(self.max_model_len, self.usable_blocks * self.block_size // max(n, 1))
+        return max(1, room - prompt_len)
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+# -- request preparation ---------------------------------------------------------
+
+
+def _common_checks(req: ChatCompletionRequest | CompletionRequest, ctx: ServingContext, count: int) -> None:
+    if req.n * count > ctx.max_n:
+        what = f"n={req.n}" if count == 1 else f"n={req.n} x {count} prompts"
+        raise ApiError(f"{what} asks for {req.n * count} completions; this server allows at most "
+                       f"{ctx.max_n} per request", param="n")
+    if req.logit_bias:
+        raise ApiError("logit_bias is not supported", param="logit_bias")
+    if req.stream_options is not None and not req.stream:
+        raise ApiError("stream_options is only allowed when stream is true", param="stream_options")
+    stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
+    if len(stops) > MAX_STOP_STRINGS:
+        raise ApiError(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(stops)}",
+                       param="stop")
+    if any(not s for s in stops):
+        raise ApiError("stop strings must be non-empty", param="stop")
+
+
+def sampling_params(req: ChatCompletionRequest | CompletionRequest, ctx: ServingContext,
+                    prompt_len: int, max_tokens: int | None, default_max_tokens: int | None,
+                    logprobs: int | None) -> SamplingParams:
+    if max_tokens is None:
+        max_tokens = default_max_tokens or ctx.default_max_tokens(prompt_len, req.n)
+    top_k = req.top_k if req.top_k is not None else -1
+    try:
+        return SamplingParams(
+            n=req.n, max_tokens=max_tokens,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_k=-1 if top_k == 0 else top_k,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            min_p=req.min_p or 0.0,
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            seed=req.seed, stop=req.stop, stop_token_ids=list(req.stop_token_ids or []),
+            ignore_eos=req.ignore_eos, logprobs=logprobs)
+    except ValueError as e:
+        raise ApiError(str(e).removeprefix("invalid SamplingParams: ")) from None
+
+
+def _message_text(msg: Any, i: int) -> str:
+    content = msg.content
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    parts = []
+    for j, part in enumerate(content):
+        if part.type != "text" or part.text is None:
+            raise ApiError(f"content part type {part.type!r} is not supported: this server handles "
+                           "text only", param=f"messages.{i}.content.{j}")
+        parts.append(part.text)
+    return "".join(parts)
+
+
+def chat_prompt(req: ChatCompletionRequest, ctx: ServingContext) -> list[int]:
+    if not req.messages:
+        raise ApiError("messages must hold at least one message", param="messages")
+    messages = []
+    for i, m in enumerate(req.messages):
+        if m.role not in CHAT_ROLES:
+            raise ApiError(f"unknown role {m.role!r}; use one of {sorted(CHAT_ROLES)}",
+                           param=f"messages.{i}.role")
+        msg = {"role": "system" if m.role == "developer" else m.role, "content": _message_text(m, i)}
+        if m.name:
+            msg["name"] = m.name
+        messages.append(msg)
+    try:
+        return ctx.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    except (ValueError, jinja2.TemplateError) as e:
+        raise ApiError(f"cannot format the messages with the model's chat template: {e}",
+                       param="messages") from None
+
+
+def prepare_chat(req: ChatCompletionRequest, ctx: ServingContext) -> tuple[list[int], SamplingParams]:
+    _common_checks(req, ctx, 1)
+    if req.tools:
+        raise ApiError("tools are not supported", param="tools")
+    if req.response_format is not None and req.response_format.type != "text":
+        raise ApiError(f"response_format {req.response_format.type!r} is not supported; only 'text'",
+                       param="response_format")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise ApiError("top_logprobs needs logprobs to be true", param="top_logprobs")
+    ids = chat_prompt(req, ctx)
+    max_tokens = req.max_completion_tokens or req.max_tokens
+    lp = (req.top_logprobs or 0) if req.logprobs else None
+    return ids, sampling_params(req, ctx, len(ids), max_tokens, None, lp)
+
+
+def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
+    p = req.prompt
+    if isinstance(p, str):
+        return [p]
+    if not p:
+        raise ApiError("prompt is empty", param="prompt")
+    if all(isinstance(x, int) for x in p):
+        return [list(p)]
+    return list(p)
+
+
+def prepare_completion(req: CompletionRequest, ctx: ServingContext
+                       ) -> tuple[list[str | list[int]], list[SamplingParams]]:
+    prompts = completion_prompts(req)
+    _common_checks(req, ctx, len(prompts))
+    if req.suffix:
+        raise ApiError("suffix is not supported", param="suffix")
+    if req.best_of is not None and req.best_of != req.n:
+        raise ApiError("best_of is not supported (other than best_of == n)", param="best_of")
+    if req.echo and req.logprobs is not None:
+        raise ApiError("echo together with logprobs is not supported", param="echo")
+    if any(isinstance(p, str) and not p for p in prompts):
+        raise ApiError("prompt is empty: give at least one character or token id", param="prompt")
+    # OpenAI's default of 16 tokens for text completions, so the prompt length is not needed.
+    params = [sampling_params(req, ctx, 0, req.max_tokens, 16, req.logprobs) for _ in prompts]
+    return prompts, params
+
+
+# -- logprobs ------------------------------------------------------------------------
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte <-> printable-character table used by byte-level BPE vocabularies."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
+        list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    extra = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + extra)
+            extra += 1
+    return dict(zip(bs, map(chr, cs)))
+
+
+_UNICODE_TO_BYTE = {c: b for b, c in _bytes_to_unicode().items()}
+
+
+class TokenText:
+    """The exact bytes and a printable string of single tokens, cached."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tok = tokenizer
+        backend = getattr(tokenizer, "backend", None)
+        self._byte_level = "ByteLevel" in repr(getattr(backend, "decoder", None))
+        self._special = getattr(tokenizer, "special_token_ids", set())
+        self._cache: dict[int, bytes] = {}
+
+    def bytes(self, tid: int) -> bytes:
+        b = self._cache.get(tid)
+        if b is None:
+            b = self._compute(tid)
+            self._cache[tid] = b
+        return b
+
+    def _compute(self, tid: int) -> bytes:
+        piece = self._tok.id_to_token(tid) if hasattr(self._tok, "id_to_token") else None
+        if piece is not None and self._byte_level and tid not in self._special \
+                and all(c in _UNICODE_TO_BYTE for c in piece):
+            return bytes(_UNICODE_TO_BYTE[c] for c in piece)
+        return self._tok.decode([tid], skip_special_tokens=False).encode("utf-8")
+
+    def text(self, tid: int) -> str:
+        return self.bytes(tid).decode("utf-8", errors="replace")
+
+
+def chat_logprobs(entries: list[dict], tt: TokenText) -> ChatLogprobs:
+    content = []
+    for e in entries:
+        tid = e["token_id"]
+        tops = [TopLogprob(token=tt.text(t), logprob=lp, bytes=list(tt.bytes(t))) for t, lp in e["top"]]
+        content.append(TokenLogprob(token=tt.text(tid), logprob=e["logprob"],
+                                    bytes=list(tt.bytes(tid)), top_logprobs=tops))
+    return ChatLogprobs(content=content)
+
+
+def completion_logprobs(entries: list[dict], tt: TokenText, offset: int) -> CompletionLogprobs:
+    out = CompletionLogprobs()
+    for e in entries:
+        tok = tt.text(e["token_id"])
+        out.tokens.append(tok)
+        out.token_logprobs.append(e["logprob"])
+        out.top_logprobs.append({tt.text(t): lp for t, lp in e["top"]})
+        out.text_offset.append(offset)
+        offset += len(tok)
+    return out
+
+
+# -- usage ---------------------------------------------------------------------------
+
+
+def usage_from(finals: list[RequestOutput]) -> Usage:
+    """Token counts and mistral.rs's timing figures over one or more finished requests."""
+    prompt = sum(o.metrics.num_prompt_tokens for o in finals)
+    completion = sum(len(c.token_ids) for o in finals for c in o.outputs)
+    cached = sum(o.num_cached_tokens for o in finals)
+    arrival = min(o.metrics.arrival_time for o in finals)
+    firsts = [o.metrics.first_token_time for o in finals if o.metrics.first_token_time is not None]
+    ends = [o.metrics.finished_time for o in finals if o.metrics.finished_time is not None]
+    end = max(ends) if ends else arrival
+    first = max(firsts) if firsts else end
+    total = max(0.0, end - arrival)
+    prompt_time = max(0.0, first - arrival)
+    compl_time = max(0.0, end - first)
+
+    def rate(n: int, t: float) -> float:
+        return n / t if t > 0 else 0.0
+
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+                 avg_tok_per_sec=rate(prompt + completion, total),
+                 avg_prompt_tok_per_sec=rate(prompt, prompt_time),
+                 avg_compl_tok_per_sec=rate(completion, compl_time),
+                 total_time_sec=total, total_prompt_time_sec=prompt_time,
+                 total_completion_time_sec=compl_time)
+
+
+# -- whole responses -----------------------------------------------------------------
+
+
+def chat_response(rid: str, model: str, final: RequestOutput, tt: TokenText | None) -> ChatCompletionResponse:
+    choices = []
+    for c in final.outputs:
+        lp = chat_logprobs(c.logprobs or [], tt) if tt is not None else None
+        choices.append(ChatChoice(index=c.index, message=ResponseMessage(content=c.text),
+                                  logprobs=lp, finish_reason=c.finish_reason))
+    return ChatCompletionResponse(id=rid, model=model, choices=choices, usage=usage_from([final]),
+                                  system_fingerprint=SYSTEM_FINGERPRINT)
+
+
+def completion_response(rid: str, model: str, finals: list[RequestOutput], n: int,
+                        tt: TokenText | None, echo: list[str] | None) -> CompletionResponse:
+    choices = []
+    for p, out in enumerate(finals):
+        prefix = echo[p] if echo else ""
+        for c in out.outputs:
+            lp = completion_logprobs(c.logprobs or [], tt, len(prefix)) if tt is not None else None
+            choices.append(CompletionChoice(index=p * n + c.index, text=prefix + c.text,
+                                            logprobs=lp, finish_reason=c.finish_reason))
+    return CompletionResponse(id=rid, model=model, choices=choices, usage=usage_from(finals),
+                              system_fingerprint=SYSTEM_FINGERPRINT)
+
+
+# -- streaming -------------------------------------------------------------------------
+
+
+@dataclass
+class _ChoiceState:
+    sent_logprobs: int = 0
+    text_len: int = 0  # characters sent so far (for completion logprobs' text_offset)
+    echoed: bool = False
+    done: bool = False
+
+
+@dataclass
+class ChatStreamer:
+    """Builds the chunks of one streamed chat completion from successive engine outputs."""
+
+    rid: str
+    model: str
+    n: int
+    tt: TokenText | None = None  # set when logprobs were asked for
+    states: list[_ChoiceState] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.states = [_ChoiceState() for _ in range(self.n)]
+
+    def _chunk(self, choices: list[ChunkChoice], usage: Usage | None = None) -> ChatCompletionChunk:
+        return ChatCompletionChunk(id=self.rid, model=self.model, choices=choices, usage=usage,
+                                   system_fingerprint=SYSTEM_FINGERPRINT)
+
+    def start(self) -> list[ChatCompletionChunk]:
+        return [self._chunk([ChunkChoice(index=i, delta=Delta(role="assistant", content=""))])
+                for i in range(self.n)]
+
+    def update(self, out: RequestOutput) -> list[ChatCompletionChunk]:
+        chunks = []
+        for c in out.outputs:
+            st = self.states[c.index]
+            if st.done:
+                continue
+            lp = None
+            if self.tt is not None and c.logprobs and len(c.logprobs) > st.sent_logprobs:
+                lp = chat_logprobs(c.logprobs[st.sent_logprobs:], self.tt)
+                st.sent_logprobs = len(c.logprobs)
+            if not c.delta_text and lp is None and c.finish_reason is None:
+                continue
+            st.done = c.finish_reason is not None
+            chunks.append(self._chunk([ChunkChoice(index=c.index, delta=Delta(content=c.delta_text),
+                                                   logprobs=lp, finish_reason=c.finish_reason)]))
+        return chunks
+
+    def usage_chunk(self, finals: list[RequestOutput]) -> ChatCompletionChunk:
+        return self._chunk([], usage_from(finals))
+
+
+@dataclass
+class CompletionStreamer:
+    """Builds the chunks of one streamed text completion (one or more prompts, n each)."""
+
+    rid: str
+    model: str
+    n: int
+    prompt_index: dict[str, int]  # engine request id -> prompt position
+    tt: TokenText | None = None
+    echo: list[str] | None = None
+    states: dict[int, _ChoiceState] = field(default_factory=dict)
+
+    def _chunk(self, choices: list[CompletionChoice], usage: Usage | None = None) -> CompletionResponse:
+        return CompletionResponse(id=self.rid, model=self.model, choices=choices, usage=usage,
+                                  system_fingerprint=SYSTEM_FINGERPRINT)
+
+    def update(self, out: RequestOutput) -> list[CompletionResponse]:
+        p = self.prompt_index[out.request_id]
+        chunks = []
+        for c in out.outputs:
+            idx = p * self.n + c.index
+            st = self.states.setdefault(idx, _ChoiceState())
+            if st.done:
+                continue
+            prefix = ""
+            if self.echo and not st.echoed:
+                prefix, st.echoed = self.echo[p], True
+            text = prefix + c.delta_text
+            lp = None
+            if self.tt is not None and c.logprobs and len(c.logprobs) > st.sent_logprobs:
+                lp = completion_logprobs(c.logprobs[st.sent_logprobs:], self.tt, st.text_len + len(prefix))
+                st.sent_logprobs = len(c.logprobs)
+            if not text and lp is None and c.finish_reason is None:
+                continue
+            st.text_len += len(text)
+            st.done = c.finish_reason is not None
+            chunks.append(self._chunk([CompletionChoice(index=idx, text=text, logprobs=lp,
+                                                        finish_reason=c.finish_reason)]))
+        return chunks
+
+    def usage_chunk(self, finals: list[RequestOutput]) -> CompletionResponse:
+        return self._chunk([], usage_from(finals))

@@ -1,0 +1,132 @@
+"""The mistral.rs-style Python API: Runner, Which, ChatCompletionRequest, Architecture, PagedCacheType."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from pagedllm import Architecture, ChatCompletionRequest, PagedCacheType, Runner, Which
+from pagedllm.api import CompletionRequest
+
+# mistral.rs's PagedAttention docs example, with only the import and the model id changed.
+DOCS_EXAMPLE = '''
+from pagedllm import Runner, Which, ChatCompletionRequest, Architecture, PagedCacheType
+
+runner = Runner(
+    which=Which.Plain(
+        model_id="default",
+        arch=Architecture.Mistral,
+    ),
+    pa_gpu_mem = 4096,
+    pa_blk_size = 32,
+    pa_cache_type = PagedCacheType.F8E4M3,
+)
+
+res = runner.send_chat_completion_request(
+    ChatCompletionRequest(
+        model="mistral",
+        messages=[
+            {"role": "user", "content": "Tell me a story about the Rust type system."}
+        ],
+        max_tokens=256,
+        presence_penalty=1.0,
+        top_p=0.1,
+        temperature=0.1,
+    )
+)
+print(res.choices[0].message.content)
+print(res.usage)
+'''
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def runner(smollm2_gguf_path):
+    return Runner(which=Which.GGUF(tok_model_id="HuggingFaceTB/SmolLM2-135M-Instruct",
+                                   quantized_model_id=str(smollm2_gguf_path.parent),
+                                   quantized_filename=smollm2_gguf_path.name),
+                  pa_gpu_mem=128, pa_blk_size=32, pa_cache_type=PagedCacheType.Auto)
+
+
+def test_docs_example_runs(smollm2_gguf_path):
+    code = DOCS_EXAMPLE
+    if os.environ.get("PAGEDLLM_FULL_EXAMPLE") != "1":
+        # As written it zero-fills 4 GB of KV cache and generates 256 tokens on the CPU (minutes);
+        # PAGEDLLM_FULL_EXAMPLE=1 runs it verbatim.
+        code = code.replace("pa_gpu_mem = 4096", "pa_gpu_mem = 256").replace("max_tokens=256", "max_tokens=16")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    assert r.returncode == 0, r.stderr
+    assert "Rust" in r.stdout or len(r.stdout.splitlines()[0]) > 10
+    assert "avg_prompt_tok_per_sec=" in r.stdout and "avg_compl_tok_per_sec=" in r.stdout
+
+
+def test_chat_completion(runner):
+    res = runner.send_chat_completion_request(ChatCompletionRequest(
+        model="default", messages=QUESTION, max_tokens=12, temperature=0.0))
+    assert "Paris" in res.choices[0].message.content
+    assert res.choices[0].finish_reason in ("stop", "length")
+    u = res.usage
+    assert u.prompt_tokens > 5 and u.completion_tokens >= 1
+    assert u.avg_prompt_tok_per_sec > 0 and u.avg_compl_tok_per_sec > 0 and u.total_time_sec > 0
+
+
+def test_stream_gives_chunks_equal_to_the_answer(runner):
+    kw = dict(model="default", messages=QUESTION, max_tokens=10, temperature=0.8, seed=42, top_p=0.9)
+    whole = runner.send_chat_completion_request(ChatCompletionRequest(**kw))
+    chunks = list(runner.send_chat_completion_request(ChatCompletionRequest(
+        stream=True, stream_options={"include_usage": True}, **kw)))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_closing_a_stream_aborts_the_request(runner):
+    stream = runner.send_chat_completion_request(ChatCompletionRequest(
+        model="default", messages=QUESTION, max_tokens=200, ignore_eos=True, stream=True))
+    for i, _ in enumerate(stream):
+        if i == 3:
+            break
+    stream.close()
+    eng = runner.engine
+    assert not eng.has_unfinished() and eng.block_manager.num_used_blocks == 0
+
+
+def test_mistralrs_field_names_and_dict_requests(runner):
+    res = runner.send_chat_completion_request(ChatCompletionRequest(
+        model="default", messages=QUESTION, n_choices=2, stop_seqs=["Paris"], max_tokens=12,
+        temperature=0.0))
+    assert len(res.choices) == 2
+    assert all("Paris" not in c.message.content for c in res.choices)
+    res = runner.send_chat_completion_request({"messages": QUESTION, "max_tokens": 2})
+    assert res.usage.completion_tokens <= 2
+
+
+def test_completion_request(runner):
+    res = runner.send_completion_request(CompletionRequest(
+        model="default", prompt="The capital of France is", max_tokens=4, temperature=0.0, echo=True))
+    assert res.choices[0].text.startswith("The capital of France is")
+    assert res.usage.completion_tokens <= 4
+
+
+def test_bad_requests_raise_value_error(runner):
+    with pytest.raises(ValueError):
+        ChatCompletionRequest(model="default", messages=QUESTION, temperature=-1)
+    with pytest.raises(ValueError, match="at most"):
+        runner.send_chat_completion_request(ChatCompletionRequest(model="default", messages=QUESTION, n=500))
+    with pytest.raises(ValueError, match="max_model_len"):
+        runner.send_chat_completion_request(ChatCompletionRequest(
+            model="default", messages=[{"role": "user", "content": "hi " * 9000}]))
+    assert not runner.engine.has_unfinished()
+
+
+def test_names_and_hints():
+    assert Architecture.Mistral.value == "mistral" and PagedCacheType.F8E4M3.value == "f8e4m3"
+    w = Which.Plain(model_id="default", arch=Architecture.Llama)
+    assert w.model_id == "default"
+    with pytest.raises(TypeError):
+        Runner(which="default")

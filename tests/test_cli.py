@@ -1,0 +1,193 @@
+"""The `pagedllm` command: mistral.rs's PagedAttention command lines, chat in a terminal
+(pexpect), generate, trace, and the flag checks."""
+from __future__ import annotations
+
+import inspect
+import os
+import subprocess
+import sys
+
+import psutil
+import pytest
+
+from test_server import ServerProcess, free_port
+
+httpx = pytest.importorskip("httpx")
+
+# mistral.rs's docs give the KV cache 8 GB, or 95% of GPU memory. On CPU that is RAM, zero-filled
+# up front: keep the command lines' shape but use small figures unless the machine is roomy.
+ROOMY = psutil.virtual_memory().available > 48 * 2**30
+PA_MEM = "8192" if ROOMY else "256"
+PA_USAGE = ".95" if ROOMY else ".02"
+ENV = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1")
+
+
+def cli(*args: str, input: str | None = None, timeout: float = 180) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pagedllm.cli.main", *args], input=input, text=True,
+                          capture_output=True, timeout=timeout, env=ENV)
+
+
+@pytest.fixture(scope="module")
+def plain_dir(tmp_path_factory, hf_smollm2_tokenizer):
+    """A small random Llama saved like a user's safetensors model folder (loads in a second)."""
+    from models import build_checkpoint
+
+    tok = hf_smollm2_tokenizer
+    return build_checkpoint("llama", tmp_path_factory.mktemp("plain"), tok, len(tok))
+
+
+def _llm_accepts(name: str) -> bool:
+    from pagedllm import LLM
+
+    return name in inspect.signature(LLM.__init__).parameters
+
+
+# -- mistral.rs's command lines ---------------------------------------------------------------------
+
+
+def test_mistralrs_plain_interactive_through_stdin(plain_dir):
+    r = cli("-i", "--pa-gpu-mem", PA_MEM, "--pa-blk-size", "32", "plain", "-m", str(plain_dir),
+            input="/max_tokens 8\nHello there\n/trace\n/exit\n")
+    assert r.returncode == 0, r.stderr
+    assert "max_tokens = 8" in r.stdout
+    assert "blocks used" in r.stdout and "preemptions" in r.stdout
+    assert r.stdout.count(">>> ") >= 3
+
+
+def test_mistralrs_plain_serves_without_i(plain_dir, tmp_path):
+    port = free_port()
+    srv = ServerProcess(["--port", str(port), "--pa-gpu-mem", PA_MEM, "--pa-blk-size", "32",
+                         "plain", "-m", str(plain_dir)], port, tmp_path / "plain.log")
+    try:
+        srv.wait_ready()
+        r = httpx.post(f"{srv.url}/v1/completions", timeout=60,
+                       json={"model": "x", "prompt": "Hello", "max_tokens": 4, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 4
+    finally:
+        assert srv.stop() in (0, 130), srv.log()
+
+
+def test_mistralrs_gguf_interactive_through_stdin(smollm2_gguf_path):
+    # -t names a hub repo: it is not a local folder, so the GGUF's own tokenizer is used.
+    r = cli("-i", "--pa-gpu-mem-usage", PA_USAGE, "--pa-blk-size", "32", "--log-level", "info",
+            "gguf", "-t", "HuggingFaceTB/SmolLM2-135M-Instruct", "-m", str(smollm2_gguf_path.parent),
+            "-f", smollm2_gguf_path.name,
+            input="/temperature 0\n/max_tokens 12\nWhat is the capital of France?\n/exit\n")
+    assert r.returncode == 0, r.stderr
+    assert "Paris" in r.stdout
+    assert "not a local folder" in r.stderr
+
+
+# -- chat in a terminal ------------------------------------------------------------------------------
+
+
+def test_chat_in_a_terminal(smollm2_gguf_path):
+    pexpect = pytest.importorskip("pexpect")
+    child = pexpect.spawn(sys.executable, ["-m", "pagedllm.cli.main", "chat", "--pa-gpu-mem", "128",
+                                           "--max-tokens", "12", "--temperature", "0"],
+                          encoding="utf-8", timeout=120, env=ENV, dimensions=(40, 200))
+    try:
+        child.expect_exact(">>> ")
+        child.sendline("/help")
+        child.expect_exact("/system MESSAGE")
+        child.expect_exact(">>> ")
+        child.sendline("/temperature 0.5")
+        child.expect_exact("temperature = 0.5")
+        child.sendline("/temperature -3")
+        child.expect_exact("error:")
+        child.sendline("/temperature 0")
+        child.expect_exact("temperature = 0.0")
+        child.sendline("What is the capital of France?")
+        child.expect_exact("Paris")
+        child.expect_exact(">>> ")
+        child.sendline("And of Italy?")  # the conversation is kept
+        child.expect_exact(">>> ")
+        child.sendline("/trace")
+        child.expect("blocks used")
+        child.sendline("/system You are a terse assistant.")
+        child.expect_exact("system message set")
+        child.sendline("/clear")
+        child.expect_exact("conversation cleared")
+        child.sendline("/exit")
+        child.expect(pexpect.EOF)
+    finally:
+        child.close()
+    assert child.exitstatus == 0
+
+
+# -- one-shot commands --------------------------------------------------------------------------------
+
+
+def test_generate_prompt_from_stdin(plain_dir):
+    r = cli("generate", "-m", str(plain_dir), "--max-tokens", "4", "--pa-gpu-mem", "16",
+            input="What is the capital of France?")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip()
+
+
+def test_generate_prompt_argument_raw(plain_dir):
+    r = cli("generate", "-m", str(plain_dir), "--raw", "--max-tokens", "4", "--pa-gpu-mem", "16",
+            "--stats", "Hello")
+    assert r.returncode == 0, r.stderr
+    assert "generated" in r.stderr and r.stdout.strip()
+
+
+def test_trace_shows_blocks(plain_dir):
+    r = cli("trace", str(plain_dir), "--max-tokens", "4", "--pa-gpu-mem", "16")
+    assert r.returncode == 0, r.stderr
+    assert "running" in r.stdout and "free" in r.stdout
+    assert "preemptions" in r.stdout
+
+
+# -- flags --------------------------------------------------------------------------------------------
+
+
+def test_help_and_dispatch(capsys):
+    from pagedllm.cli.main import main
+
+    for args in (["--help"], ["demo", "--help"], ["bench", "throughput", "--help"],
+                 ["bench", "serve", "--help"], ["serve", "--help"], ["chat", "--help"],
+                 ["generate", "--help"], ["trace", "--help"], ["plain", "--help"], ["gguf", "--help"]):
+        with pytest.raises(SystemExit) as exc:
+            main(args)
+        assert exc.value.code == 0, args
+    out = capsys.readouterr().out
+    assert "--pa-gpu-mem" in out and "--pa-blk-size" in out and "--quantized-filename" in out
+
+
+def test_isq_is_a_clear_error_until_supported():
+    # A missing model file makes the command fail fast even once ISQ exists: never a server here.
+    r = cli("serve", "--isq", "q4k", "-m", "/nonexistent/model.gguf", timeout=60)
+    if _llm_accepts("isq"):
+        assert r.returncode == 1
+    else:
+        assert r.returncode == 2 and "--isq" in r.stderr and "not supported yet" in r.stderr
+
+
+def test_engine_flags_map_to_llm_kwargs():
+    from pagedllm.cli.main import build_parser, engine_options
+
+    argv = ["--pa-blk-size", "16", "serve", "mymodel", "--pa-gpu-mem", "512", "--pa-cache-type", "int8",
+            "--max-seqs", "8", "--max-model-len", "2048", "--no-paged-attn", "--dtype", "float32",
+            "--device", "cpu", "--seed", "3"]
+    args = build_parser(argv).parse_args(argv)
+    kw = engine_options(args, args.model_pos).llm_kwargs()
+    assert kw["model"] == "mymodel" and kw["block_size"] == 16 and kw["kv_cache_memory_mb"] == 512
+    assert kw["kv_cache_dtype"] == "int8" and kw["max_num_seqs"] == 8 and kw["max_model_len"] == 2048
+    assert kw["paged_attention"] is False and kw["dtype"] == "float32" and kw["device"] == "cpu"
+    assert kw["seed"] == 3
+    argv = ["-i", "--pa-gpu-mem-usage", ".5", "--pa-ctxt-len", "100", "gguf", "-m", "d", "-f", "x.gguf"]
+    args = build_parser(argv).parse_args(argv)
+    assert args.interactive_mode and args.pa_gpu_mem_usage == 0.5 and args.quantized_filename == "x.gguf"
+    with pytest.raises(ValueError, match="only one of"):
+        engine_options(args).llm_kwargs()
+    args = build_parser().parse_args(["serve", "--prefix-cache-n", "0"])
+    kw_off = engine_options(args).llm_kwargs() if _llm_accepts("enable_prefix_caching") else None
+    if kw_off is not None:
+        assert kw_off["enable_prefix_caching"] is False
+
+
+def test_conflicting_cache_sizes_are_refused():
+    r = cli("serve", "--pa-gpu-mem", "64", "--pa-ctxt-len", "1000")
+    assert r.returncode == 1 and "only one of" in r.stderr
