@@ -123,6 +123,7 @@ class EngineOptions:
     pa_cache_type: str | None = None
     no_paged_attn: bool = False
     prefix_cache_n: int | None = None
+    no_prefix_cache: bool = False
     max_seqs: int | None = None
     max_model_len: int | None = None
     max_num_batched_tokens: int | None = None
@@ -164,6 +165,8 @@ class EngineOptions:
             if "isq" not in accepted:
                 raise UnsupportedOption("--isq (in-situ quantization) is not supported yet")
             kw["isq"] = self.isq
+        if self.no_prefix_cache:
+            kw["enable_prefix_caching"] = False
         if self.prefix_cache_n is not None:
             n = self.prefix_cache_n
             if n < 0:
@@ -171,7 +174,7 @@ class EngineOptions:
             if "prefix_cache_n" in accepted:
                 kw["prefix_cache_n"] = n
             if "enable_prefix_caching" in accepted:
-                kw["enable_prefix_caching"] = n > 0
+                kw["enable_prefix_caching"] = n > 0 and not self.no_prefix_cache
             elif "prefix_cache_n" not in accepted and n > 0:
                 raise UnsupportedOption("--prefix-cache-n (prefix caching) is not supported yet; "
                                         "leave it out or pass 0")

@@ -48,7 +48,10 @@ def _engine_flags(p: argparse.ArgumentParser, top: bool) -> None:
     g.add_argument("--no-paged-attn", action="store_true", default=d(False),
                    help="contiguous per-sequence KV cache instead of paged attention")
     g.add_argument("--prefix-cache-n", type=int, metavar="N", default=d(None),
-                   help="prefix cache size (0 disables prefix caching)")
+                   help="finished sequences kept as reusable prefixes (default 16; 0 disables "
+                        "prefix caching, as in mistral.rs)")
+    g.add_argument("--no-prefix-cache", action="store_true", default=d(False),
+                   help="turn prefix caching off")
     g.add_argument("--max-seqs", type=int, metavar="N", default=d(None),
                    help="most sequences running at once (default 64)")
     g.add_argument("--max-model-len", "--max-seq-len", type=int, metavar="N", default=d(None),
@@ -98,6 +101,13 @@ def _model_arg(p: argparse.ArgumentParser, positional: bool = True) -> None:
         p.add_argument("model_pos", nargs="?", metavar="MODEL",
                        help="'default', a .gguf file, a model folder or a hub id")
     p.add_argument("-m", "--model", default=None, help="the model (instead of MODEL)")
+
+
+BENCHES = {
+    "throughput": "offline throughput against transformers generate, in one run",
+    "prefix": "multi-turn and shared-system-prompt workload, prefix caching on and off",
+    "quality": "perplexity and greedy agreement of the KV cache types",
+}
 
 
 def _wants(argv: list[str], *words: str) -> bool:
@@ -151,11 +161,12 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench", metavar="KIND")
-    bt = bsub.add_parser("throughput", help="offline throughput (pagedllm.bench.throughput)")
-    if _wants(argv, "bench", "throughput"):
-        _add_module_args(bt, "pagedllm.bench.throughput")
-    else:
-        bt.add_argument("rest", nargs=argparse.REMAINDER)
+    for kind, text in BENCHES.items():
+        bt = bsub.add_parser(kind, help=text)
+        if _wants(argv, "bench", kind):
+            _add_module_args(bt, f"pagedllm.bench.{kind}")
+        else:
+            bt.add_argument("rest", nargs=argparse.REMAINDER)
     bs = bsub.add_parser("serve", help="load test of a running server (streaming clients)")
     from ..server import loadtest
 
@@ -208,7 +219,8 @@ def engine_options(args: argparse.Namespace, model: str | None = None) -> Engine
         model=model or "default", dtype=args.dtype or "auto", device=args.device or "auto",
         pa_gpu_mem=args.pa_gpu_mem, pa_gpu_mem_usage=args.pa_gpu_mem_usage,
         pa_ctxt_len=args.pa_ctxt_len, pa_blk_size=args.pa_blk_size, pa_cache_type=args.pa_cache_type,
-        no_paged_attn=args.no_paged_attn, prefix_cache_n=args.prefix_cache_n, max_seqs=args.max_seqs,
+        no_paged_attn=args.no_paged_attn, prefix_cache_n=args.prefix_cache_n,
+        no_prefix_cache=args.no_prefix_cache, max_seqs=args.max_seqs,
         max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
         seed=args.seed, isq=args.isq, chat_template=args.chat_template)
 
@@ -366,9 +378,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from ..server import loadtest
 
         return loadtest.run(args)
-    if args.bench == "throughput":
-        return _run_module("pagedllm.bench.throughput", args)
-    print("usage: pagedllm bench {throughput,serve} ...", file=sys.stderr)
+    if args.bench in BENCHES:
+        return _run_module(f"pagedllm.bench.{args.bench}", args)
+    print(f"usage: pagedllm bench {{{','.join([*BENCHES, 'serve'])}}} ...", file=sys.stderr)
     return 2
 
 

@@ -48,7 +48,7 @@ def resolve(model: str | os.PathLike, tokenizer: str | os.PathLike | None = None
         return ModelSource("gguf", path, name, tok_dir)
     if path.is_dir():
         if gguf_file:
-            return ModelSource("gguf", path / gguf_file, name, tok_dir or path)
+            return ModelSource("gguf", path / gguf_file, name, tok_dir or _tokenizer_dir(path))
         ggufs = sorted(path.glob("*.gguf"))
         if not (path / "config.json").is_file() and len(ggufs) == 1:
             return ModelSource("gguf", ggufs[0], name, tok_dir)
@@ -60,9 +60,14 @@ def resolve(model: str | os.PathLike, tokenizer: str | os.PathLike | None = None
     if name.count("/") == 1 and not name.startswith((".", "/")):
         local = _hub_snapshot(name, gguf_file)
         if gguf_file:
-            return ModelSource("gguf", local / gguf_file, name, tok_dir or local)
+            return ModelSource("gguf", local / gguf_file, name, tok_dir or _tokenizer_dir(local))
         return ModelSource("hf", local, name, tok_dir)
     raise FileNotFoundError(f"model {name!r} is neither a file, a folder, nor a hub id (owner/name)")
+
+
+def _tokenizer_dir(path: Path) -> Path | None:
+    """A GGUF repo rarely has tokenizer.json: then the GGUF's own tokenizer is used."""
+    return path if (path / "tokenizer.json").is_file() else None
 
 
 def _hub_snapshot(repo_id: str, gguf_file: str | None) -> Path:
