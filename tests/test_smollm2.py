@@ -10,11 +10,8 @@ PROMPT_LENS = [1, 5, 17, 40, 80, 150, 220, 300]
 
 
 @pytest.fixture(scope="module")
-def hf_model(smollm2_gguf_path):
-    import transformers as tf
-
-    return tf.AutoModelForCausalLM.from_pretrained(
-        str(smollm2_gguf_path.parent), gguf_file=smollm2_gguf_path.name, dtype=torch.float32).eval()
+def hf_model(hf_smollm2_model):
+    return hf_smollm2_model
 
 
 @pytest.fixture(scope="module")
