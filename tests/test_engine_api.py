@@ -69,13 +69,23 @@ def test_eos_ends_chat_answer(llm):
     assert "<|im_end|>" not in out.text
 
 
-def test_stream_concatenates_to_generate(llm):
-    sp = SamplingParams(max_tokens=48, temperature=0.0)
+def test_stream_concatenates_to_final_text(llm):
+    sp = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
     prompt = "Les élèves ont écrit 日本語の文章 and emoji 🎉🚀 in their notes:"
-    deltas = list(llm.stream(prompt, sp))
-    assert len(deltas) > 3
-    assert "".join(deltas) == llm.generate([prompt], sp, use_tqdm=False)[0].text
+    # One request, watched step by step: the deltas must add up to its final text.
+    eng = llm.engine
+    rid = eng.add_request(prompt, sp)
+    deltas, final = [], None
+    while final is None:
+        for out in eng.step():
+            if out.request_id == rid:
+                deltas.append(out.outputs[0].delta_text)
+                final = out if out.finished else None
+    assert len([d for d in deltas if d]) > 3
+    assert "".join(deltas) == final.text == llm.tokenizer.decode(final.token_ids)
     assert all("\ufffd" not in d for d in deltas)
+    # LLM.stream yields the same deltas (up to the empty ones).
+    assert "".join(llm.stream(prompt, sp)) and all(d for d in llm.stream(prompt, sp))
     _no_leaks(llm)
 
 

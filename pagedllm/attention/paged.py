@@ -4,13 +4,16 @@ Decodes of the whole batch are one gather by block table and one SDPA call,
 with the query heads of each KV head folded into the query-length axis (GQA
 without repeating K/V). Prefill chunks attend one sequence at a time: they are
 compute bound and differ in length, so padding them together would only waste.
+
+The cache may be quantized (int8, f8e4m3): `KVLayer.write` quantizes the new
+tokens, `KVLayer.gather` dequantizes only the blocks a step reads.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from ..kv.cache import PagedKVCache
+from ..kv.cache import KVLayer, PagedKVCache
 from .metadata import AttentionMetadata, causal_mask
 
 
@@ -22,8 +25,7 @@ class PagedAttentionBackend:
         self.cache = cache
 
     def layer(self, index: int, window: int | None, scale: float) -> "PagedAttentionLayer":
-        k, v = self.cache.layer(index)
-        return PagedAttentionLayer(k, v, window, scale)
+        return PagedAttentionLayer(self.cache.layer(index), window, scale)
 
     def free_seq(self, seq_id: int) -> None:  # blocks are owned by the block manager
         pass
@@ -33,19 +35,15 @@ class PagedAttentionBackend:
 
 
 class PagedAttentionLayer:
-    def __init__(self, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 window: int | None, scale: float) -> None:
-        self.k_cache, self.v_cache = k_cache, v_cache
-        self.block_size = k_cache.shape[1]
-        self.k_slots = k_cache.view(-1, *k_cache.shape[2:])
-        self.v_slots = v_cache.view(-1, *v_cache.shape[2:])
+    def __init__(self, kv: KVLayer, window: int | None, scale: float) -> None:
+        self.kv = kv
+        self.block_size = kv.block_size
         self.window = window
         self.scale = scale
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  meta: AttentionMetadata) -> torch.Tensor:
-        self.k_slots.index_copy_(0, meta.slot_mapping, k.to(self.k_slots.dtype))
-        self.v_slots.index_copy_(0, meta.slot_mapping, v.to(self.v_slots.dtype))
+        self.kv.write(k, v, meta.slot_mapping)
         nd = meta.num_decodes
         if nd == meta.num_seqs:
             return self._decode(q, meta)
@@ -60,24 +58,25 @@ class PagedAttentionLayer:
 
     def _decode(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         nd, hq, d = q.shape
-        tables = meta.block_tables[:nd]
-        keys = self.k_cache[tables].flatten(1, 2)  # [nd, L, Hkv, D]
-        vals = self.v_cache[tables].flatten(1, 2)
+        keys, vals = self.kv.gather(meta.block_tables[:nd], q.dtype)  # [nd, nb, bs, Hkv, D]
+        keys, vals = keys.flatten(1, 2), vals.flatten(1, 2)  # [nd, L, Hkv, D]
         hkv = keys.shape[2]
         mask = meta.decode_mask(self.window, keys.shape[1])
         qh = q.view(nd, hkv, hq // hkv, d)
         out = F.scaled_dot_product_attention(
-            qh, keys.transpose(1, 2).to(q.dtype), vals.transpose(1, 2).to(q.dtype),
-            attn_mask=mask, scale=self.scale)
+            qh, keys.transpose(1, 2), vals.transpose(1, 2), attn_mask=mask, scale=self.scale)
         return out.reshape(nd, hq, d)
 
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  ctx_len: int, table: torch.Tensor) -> torch.Tensor:
         n = q.shape[0]
-        if ctx_len > n:  # earlier chunks or cached prefix: read the context from the cache
+        # Earlier chunks or a cached prefix live only in the cache. A quantized cache is read
+        # back even for the chunk's own tokens, so every query sees the same stored values
+        # however the sequence was chunked, preempted or shared through the prefix cache.
+        if ctx_len > n or self.kv.quantized:
             nb = -(-ctx_len // self.block_size)
-            k = self.k_cache[table[:nb]].flatten(0, 1)[:ctx_len].to(q.dtype)
-            v = self.v_cache[table[:nb]].flatten(0, 1)[:ctx_len].to(q.dtype)
+            k, v = self.kv.gather(table[:nb], q.dtype)
+            k, v = k.flatten(0, 1)[:ctx_len], v.flatten(0, 1)[:ctx_len]
         return sdpa_one(q, k, v, ctx_len, self.window, self.scale)
 
 

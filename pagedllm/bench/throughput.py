@@ -7,6 +7,7 @@ output length (EOS ignored) on both sides so the work is identical.
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import random
 import time
@@ -124,6 +125,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pa-gpu-mem", type=float, default=None, help="KV cache MB")
     p.add_argument("--pa-blk-size", type=int, default=32)
     p.add_argument("--pa-cache-type", default="auto")
+    p.add_argument("--cache-types", default=None, metavar="LIST",
+                   help="comma-separated KV cache types (auto,f8e4m3,int8): our engine runs the "
+                        "workload once per type, in this run; overrides --pa-cache-type")
     p.add_argument("--no-paged-attn", action="store_true")
     p.add_argument("--peer", choices=["transformers", "none"], default="transformers")
     p.add_argument("--peer-batch-size", type=int, default=32)
@@ -132,28 +136,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from .. import LLM
-
-    llm = LLM(args.model, dtype=args.dtype, max_num_seqs=args.max_seqs,
-              kv_cache_memory_mb=args.pa_gpu_mem, block_size=args.pa_blk_size,
-              kv_cache_dtype=args.pa_cache_type, paged_attention=not args.no_paged_attn)
-    eng = llm.engine
-    avoid = set(eng.eos_token_ids)
-    wl = make_workload(args.num_requests, eng.model_config.vocab_size, args.seed,
-                       (args.min_prompt, args.max_prompt), (args.min_output, args.max_output), avoid)
-    print(f"workload: {args.num_requests} requests, prompts {args.min_prompt}-{args.max_prompt}, "
-          f"outputs {args.min_output}-{args.max_output} ({wl.num_output_tokens} output tokens), "
-          f"seed {args.seed}; dtype {eng.dtype}, {torch.get_num_threads()} threads")
-    run_pagedllm(llm, make_workload(4, eng.model_config.vocab_size, 99, (16, 64), (4, 8), avoid))  # warm up
-    ours = median_of_runs([run_pagedllm(llm, wl) for _ in range(args.runs)])
-    _print("pagedllm", ours)
-    result = {"machine": machine_info(), "args": vars(args), "pagedllm": ours}
-    if args.profile:
-        print(profile_decode_step(llm))
+    types = _cache_types(args)
+    result: dict = {"machine": machine_info(), "args": vars(args)}
+    by_type: dict[str, dict] = {}
+    for ct in types:
+        llm, wl, ours = _run_one_cache_type(args, ct, first=not by_type)
+        label = "pagedllm" if len(types) == 1 else f"pagedllm [{ct}]"
+        _print(label, ours)
+        by_type[ct] = ours
+        if args.profile:
+            print(profile_decode_step(llm))
+        dtype, pad = llm.engine.dtype, llm.engine.tokenizer.eos_token_id or 0
+        del llm  # one engine (and its KV cache) at a time
+        gc.collect()
+    ours = by_type[types[0]]
+    result["pagedllm"] = ours
+    if len(types) > 1:
+        result["pagedllm_by_cache_type"] = by_type
+        base = ours["output_tokens_per_s"]
+        print("output tok/s by KV cache type: " + ", ".join(
+            f"{ct} {r['output_tokens_per_s']:.1f} ({r['output_tokens_per_s'] / base:.2f}x, "
+            f"{r['kv_blocks']} blocks)" for ct, r in by_type.items()))
     if args.peer == "transformers":
-        del llm
-        peer = load_transformers_peer(args.model, eng.dtype)
-        pad = eng.tokenizer.eos_token_id or 0
+        peer = load_transformers_peer(args.model, dtype)
         theirs = median_of_runs([run_transformers(peer, wl, args.peer_batch_size, pad)
                                  for _ in range(args.runs)])
         _print(f"transformers (static batches of {args.peer_batch_size})", theirs)
@@ -163,6 +168,39 @@ def run(args: argparse.Namespace) -> dict:
     path = write_json(args.output, result)
     print(f"results written to {path}")
     return result
+
+
+def _cache_types(args: argparse.Namespace) -> list[str]:
+    from ..config import normalize_kv_cache_dtype
+    from ..kv.quant import get_mode
+
+    raw = args.cache_types.split(",") if args.cache_types else [args.pa_cache_type]
+    types = [get_mode(t).name for t in (normalize_kv_cache_dtype(x) for x in raw) if t]
+    if not types:
+        raise ValueError("--cache-types is empty; give e.g. auto,f8e4m3,int8")
+    return list(dict.fromkeys(types))
+
+
+def _run_one_cache_type(args: argparse.Namespace, cache_type: str, first: bool):
+    """A fresh engine with this KV cache type: warm up, then the workload `args.runs` times."""
+    from .. import LLM
+
+    llm = LLM(args.model, dtype=args.dtype, max_num_seqs=args.max_seqs,
+              kv_cache_memory_mb=args.pa_gpu_mem, block_size=args.pa_blk_size,
+              kv_cache_dtype=cache_type, paged_attention=not args.no_paged_attn)
+    eng = llm.engine
+    avoid = set(eng.eos_token_ids)
+    wl = make_workload(args.num_requests, eng.model_config.vocab_size, args.seed,
+                       (args.min_prompt, args.max_prompt), (args.min_output, args.max_output), avoid)
+    if first:
+        print(f"workload: {args.num_requests} requests, prompts {args.min_prompt}-{args.max_prompt}, "
+              f"outputs {args.min_output}-{args.max_output} ({wl.num_output_tokens} output tokens), "
+              f"seed {args.seed}; dtype {eng.dtype}, {torch.get_num_threads()} threads")
+    run_pagedllm(llm, make_workload(4, eng.model_config.vocab_size, 99, (16, 64), (4, 8), avoid))  # warm up
+    ours = median_of_runs([run_pagedllm(llm, wl) for _ in range(args.runs)])
+    ours.update(kv_cache_dtype=cache_type, kv_blocks=eng.block_manager.num_usable_blocks,
+                kv_capacity_tokens=eng.block_manager.num_usable_blocks * eng.cache_config.block_size)
+    return llm, wl, ours
 
 
 def _print(name: str, r: dict) -> None:

@@ -1,4 +1,4 @@
-"""The physical KV cache: one pool of fixed-size blocks per layer, and its sizing."""
+"""The physical KV cache: one pool of fixed-size blocks per layer, its scales, and its sizing."""
 from __future__ import annotations
 
 import logging
@@ -8,6 +8,7 @@ import psutil
 import torch
 
 from ..config import CacheConfig, cdiv
+from .quant import KVCodec, KVQuantMode, as_bytes, get_mode
 
 logger = logging.getLogger(__name__)
 
@@ -17,20 +18,49 @@ DEFAULT_FRACTION = {"cuda": 0.9, "mps": 0.5, "cpu": 0.15}
 
 @dataclass
 class KVCacheSpec:
+    """Shape and element type of the cache. `compute_dtype` is what attention reads;
+    `dtype` is what the cache stores (the same for kv_cache_dtype="auto")."""
+
     num_layers: int
     num_kv_heads: int
     head_dim: int
     block_size: int
-    dtype: torch.dtype
+    compute_dtype: torch.dtype
+    kv_cache_dtype: str = "auto"
+    # Where the f8e4m3 scales came from ("checkpoint" / "calibrated ..."), set by the engine.
+    scale_source: str = ""
+
+    def __post_init__(self) -> None:
+        self.mode: KVQuantMode = get_mode(self.kv_cache_dtype)
+        self.kv_cache_dtype = self.mode.name
+        if not self.scale_source:
+            self.scale_source = {"int8": "computed per token on write"}.get(self.mode.name, "none")
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.mode.storage(self.compute_dtype)
 
     @property
     def bytes_per_token(self) -> int:
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
+        """K and V of one token in every layer, per-token scales included."""
+        return self.mode.bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim,
+                                         self.compute_dtype)
 
     @property
     def bytes_per_block(self) -> int:
         return self.bytes_per_token * self.block_size
+
+    @property
+    def fixed_bytes(self) -> int:
+        """Bytes that do not scale with blocks (f8e4m3's per-(layer, head) scales)."""
+        return self.mode.fixed_bytes(self.num_layers, self.num_kv_heads)
+
+    def info(self) -> dict:
+        m = self.mode
+        return {"kv_cache_dtype": m.name, "dtype": _dtype_name(self.dtype),
+                "compute_dtype": _dtype_name(self.compute_dtype), "quant_mode": m.quant_mode,
+                "scale_granularity": m.scale_granularity, "scale_source": self.scale_source,
+                "bytes_per_token": self.bytes_per_token}
 
 
 @dataclass
@@ -38,10 +68,27 @@ class CachePlan:
     num_blocks: int
     source: str  # which setting decided the size, for the log and the trace
 
+    def info(self, spec: KVCacheSpec) -> dict:
+        """What the trace reports: dtype, quantization, and capacity in tokens."""
+        usable = self.num_blocks - 1  # block 0 is the null block
+        return {**spec.info(), "num_blocks": usable, "block_size": spec.block_size,
+                "capacity_tokens": usable * spec.block_size,
+                "memory_mb": (self.num_blocks * spec.bytes_per_block + spec.fixed_bytes) / 2**20,
+                "sized_by": self.source}
+
     def describe(self, spec: KVCacheSpec) -> str:
-        mb = self.num_blocks * spec.bytes_per_block / 2**20
-        return (f"KV cache: {mb:.1f} MB, {self.num_blocks} blocks of {spec.block_size} tokens "
-                f"= {self.num_blocks * spec.block_size} token slots ({self.source})")
+        i = self.info(spec)
+        quant = ""
+        if spec.mode.quantized:
+            quant = (f", {i['quant_mode']}, scales {i['scale_granularity']} "
+                     f"({i['scale_source']}), compute {i['compute_dtype']}")
+        return (f"KV cache: {i['memory_mb']:.1f} MB, {i['num_blocks']} blocks of {spec.block_size} "
+                f"tokens = {i['capacity_tokens']} token slots ({self.source}); "
+                f"dtype {i['kv_cache_dtype']} ({i['dtype']}){quant}")
+
+
+def _dtype_name(dt: torch.dtype) -> str:
+    return str(dt).removeprefix("torch.")
 
 
 def available_memory_bytes(device: torch.device) -> int:
@@ -55,10 +102,13 @@ def available_memory_bytes(device: torch.device) -> int:
 
 def plan_cache(spec: KVCacheSpec, cfg: CacheConfig, device: torch.device,
                max_model_len: int, max_num_seqs: int) -> CachePlan:
-    """Turn exactly one of the three size settings (or the default) into a block count."""
+    """Turn exactly one of the three size settings (or the default) into a block count.
+
+    A byte budget pays for the per-token scales too (int8), so it buys
+    bytes_per_token(auto) / bytes_per_token(mode) times the blocks of `auto`."""
     bpb = spec.bytes_per_block
     if cfg.kv_cache_memory_mb is not None:
-        n = int(cfg.kv_cache_memory_mb * 2**20 // bpb)
+        n = int(max(0, cfg.kv_cache_memory_mb * 2**20 - spec.fixed_bytes) // bpb)
         plan = CachePlan(n, f"kv_cache_memory_mb={cfg.kv_cache_memory_mb:g}")
     elif cfg.kv_cache_context_len is not None:
         n = cdiv(cfg.kv_cache_context_len, spec.block_size)
@@ -84,31 +134,125 @@ def plan_cache(spec: KVCacheSpec, cfg: CacheConfig, device: torch.device,
     return plan
 
 
+class KVLayer:
+    """One layer's view of the cache: K/V pages [num_blocks, block_size, H, D] in the
+    storage dtype and, for int8, their scales [num_blocks, block_size, H].
+
+    `write` quantizes the new tokens into their slots; `gather` reads whole blocks by
+    id and dequantizes only those, straight into the compute dtype."""
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, k_scale: torch.Tensor | None,
+                 v_scale: torch.Tensor | None, codec: KVCodec) -> None:
+        self.k, self.v = k, v
+        self.k_scale, self.v_scale = k_scale, v_scale
+        self.codec = codec
+        self.num_blocks, self.block_size = k.shape[0], k.shape[1]
+        self.block_shape = tuple(k.shape[1:])
+        # Flat views: [slots, H, D] for writes, [blocks, block_size * H * D] for gathers
+        # (index_select on a 2-D contiguous tensor is a row memcpy; on 4-D it goes element-wise).
+        self._k_slots = as_bytes(k).view(-1, *k.shape[2:])
+        self._v_slots = as_bytes(v).view(-1, *v.shape[2:])
+        self._k_rows = as_bytes(k).view(self.num_blocks, -1)
+        self._v_rows = as_bytes(v).view(self.num_blocks, -1)
+        if k_scale is not None:
+            self._ks_slots = k_scale.view(-1, k_scale.shape[-1])
+            self._vs_slots = v_scale.view(-1, v_scale.shape[-1])
+            self._ks_rows = k_scale.view(self.num_blocks, -1)
+            self._vs_rows = v_scale.view(self.num_blocks, -1)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.k.dtype
+
+    @property
+    def quantized(self) -> bool:
+        return self.codec.mode.quantized
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """k, v: [T, H, D] of the new tokens; slot_mapping: [T] flat slot ids."""
+        kq, ks = self.codec.encode(k, 0)
+        vq, vs = self.codec.encode(v, 1)
+        self._k_slots.index_copy_(0, slot_mapping, as_bytes(kq.to(self.k.dtype)))
+        self._v_slots.index_copy_(0, slot_mapping, as_bytes(vq.to(self.v.dtype)))
+        if ks is not None:
+            self._ks_slots.index_copy_(0, slot_mapping, ks)
+            self._vs_slots.index_copy_(0, slot_mapping, vs)
+
+    def gather(self, block_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of the blocks in `block_ids` (any shape S), as S + [block_size, H, D] in `dtype`."""
+        ids = block_ids.reshape(-1)
+        shape = (*block_ids.shape, *self.block_shape)
+        kq = self._k_rows.index_select(0, ids).view(self.k.dtype).view(shape)
+        vq = self._v_rows.index_select(0, ids).view(self.v.dtype).view(shape)
+        ks = vs = None
+        if self.k_scale is not None:
+            ks = self._ks_rows.index_select(0, ids).view(shape[:-1])
+            vs = self._vs_rows.index_select(0, ids).view(shape[:-1])
+        return self.codec.decode(kq, ks, 0, dtype), self.codec.decode(vq, vs, 1, dtype)
+
+
 class PagedKVCache:
-    """K and V pools, [num_layers][num_blocks, block_size, num_kv_heads, head_dim] each.
+    """K and V pools, [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim], in the
+    storage dtype; int8 adds float32 scales [num_layers, 2, num_blocks, block_size, num_kv_heads]
+    and f8e4m3 holds fixed per-head scales [num_layers, 2, num_kv_heads].
 
     Zero-filled so never-written slots read as finite numbers (masked out, but
-    0 * NaN would still poison the attention output).
+    0 * NaN would still poison the attention output); zero scales read back as zeros.
     """
 
-    def __init__(self, spec: KVCacheSpec, num_blocks: int, device: torch.device) -> None:
+    def __init__(self, spec: KVCacheSpec, num_blocks: int, device: torch.device,
+                 head_scales: torch.Tensor | None = None) -> None:
         self.spec = spec
         self.num_blocks = num_blocks
+        mode = spec.mode
         shape = (spec.num_layers, 2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
         self.data = torch.zeros(shape, dtype=spec.dtype, device=device)
+        self.scales: torch.Tensor | None = None
+        if mode.token_scales:
+            self.scales = torch.zeros(shape[:-1], dtype=torch.float32, device=device)
+        self.head_scales: torch.Tensor | None = None
+        if mode.head_scales:
+            want = (spec.num_layers, 2, spec.num_kv_heads)
+            if head_scales is None or tuple(head_scales.shape) != want:
+                raise ValueError(f"{mode.name} needs head scales of shape {want}")
+            self.head_scales = head_scales.to(device=device, dtype=torch.float32)
+        self._layers = [self._make_layer(i) for i in range(spec.num_layers)]
 
-    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.data[i, 0], self.data[i, 1]
+    def _make_layer(self, i: int) -> KVLayer:
+        hs = None if self.head_scales is None else self.head_scales[i]
+        ks = vs = None
+        if self.scales is not None:
+            ks, vs = self.scales[i, 0], self.scales[i, 1]
+        return KVLayer(self.data[i, 0], self.data[i, 1], ks, vs, KVCodec(self.spec.mode, hs))
+
+    def layer(self, i: int) -> KVLayer:
+        return self._layers[i]
 
     @property
     def nbytes(self) -> int:
-        return self.data.numel() * self.data.element_size()
+        n = self.data.numel() * self.data.element_size()
+        for t in (self.scales, self.head_scales):
+            if t is not None:
+                n += t.numel() * t.element_size()
+        return n
 
-    # -- copies for prefix caching and copy-on-write ------------------------
-    def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Copy whole blocks src[i] -> dst[i] in every layer (K and V)."""
-        self.data[:, :, dst] = self.data[:, :, src]
+    # -- block copies (prefix caching, copy-on-write) ----------------------
+    def copy_blocks(self, src_ids: torch.Tensor, dst_ids: torch.Tensor) -> None:
+        """Copy whole blocks src_ids[i] -> dst_ids[i] in every layer: K, V and their scales."""
+        src = torch.as_tensor(src_ids, dtype=torch.int64, device=self.data.device)
+        dst = torch.as_tensor(dst_ids, dtype=torch.int64, device=self.data.device)
+        for t in self._block_tensors():
+            t.index_copy_(2, dst, t.index_select(2, src))
 
     def copy_block_prefix(self, src: int, dst: int, n: int) -> None:
-        """Copy the first n token slots of block src into block dst in every layer."""
-        self.data[:, :, dst, :n] = self.data[:, :, src, :n]
+        """Copy the first n token slots of block src into block dst, in every layer."""
+        if n <= 0:
+            return
+        for t in self._block_tensors():
+            t[:, :, dst, :n] = t[:, :, src, :n]
+
+    def _block_tensors(self) -> list[torch.Tensor]:
+        ts = [as_bytes(self.data)]
+        if self.scales is not None:
+            ts.append(self.scales)
+        return ts

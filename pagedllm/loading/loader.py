@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
@@ -11,6 +11,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..config import ModelConfig
+from ..kv.calibration import kv_scale_key
 from ..models import model_class
 from ..tokenizer import Tokenizer
 from .source import ModelSource
@@ -25,6 +26,8 @@ class LoadedModel:
     tokenizer: Tokenizer
     source: ModelSource
     weight_bytes: int
+    # KV-cache scales the checkpoint carries (fp8 KV), by (layer, 0=K / 1=V / 2=both).
+    kv_scales: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
 
 
 def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
@@ -61,13 +64,26 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
     model.rope.to(device)
     model.tie_weights()
     desc = f"loading {source.path.name}"
+    kv_scales: dict[tuple[int, int], torch.Tensor] = {}
+    weights = _set_aside_kv_scales(weights, kv_scales)
     model.load_weights(tqdm(weights, total=total, desc=desc, unit="tensor", leave=False,
                             disable=None))
     model.eval()
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
     logger.info("loaded %s (%s, %d layers, %.1f MB of weights in %s)", source.name,
                 cfg.architecture, cfg.num_layers, nbytes / 2**20, dtype)
-    return LoadedModel(model, cfg, tokenizer, source, nbytes)
+    return LoadedModel(model, cfg, tokenizer, source, nbytes, kv_scales)
+
+
+def _set_aside_kv_scales(weights: Iterator[tuple[str, torch.Tensor]],
+                         out: dict[tuple[int, int], torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+    """KV-cache scales are not weights: keep them for the cache (kv/calibration.py)."""
+    for name, t in weights:
+        key = kv_scale_key(name)
+        if key is None:
+            yield name, t
+        else:
+            out[key] = t.float()
 
 
 def _read_json(path: Path) -> dict:
@@ -83,4 +99,6 @@ def _safetensors(files: list[Path], dtype: torch.dtype) -> Iterator[tuple[str, t
     for f in files:
         with safe_open(str(f), framework="pt", device="cpu") as st:
             for name in st.keys():
-                yield name, st.get_tensor(name).to(dtype)
+                t = st.get_tensor(name)
+                # KV-cache scales keep their float32 precision.
+                yield name, t if kv_scale_key(name) is not None else t.to(dtype)
