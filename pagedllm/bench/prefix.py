@@ -82,7 +82,8 @@ def measure(llm, args) -> dict:
 def turn_n_alone(llm, args) -> dict:
     """One conversation alone: the last turn's TTFT and cached share (TTFT is not diluted by
     other requests sharing the step)."""
-    turns = run_conversations(llm, 1, args.turns, args.answer_tokens, args.user_words, args.seed + 7)
+    turns = run_conversations(llm, 1, args.turns, args.alone_answer_tokens, args.alone_user_words,
+                              args.seed + 7)
     o = turns[-1][0]
     return {"prompt_tokens": len(o.prompt_token_ids), "cached_tokens": o.num_cached_tokens,
             "ttft_s": o.metrics.time_to_first_token}
@@ -94,6 +95,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--turns", type=int, default=6)
     p.add_argument("--answer-tokens", type=int, default=160)
     p.add_argument("--user-words", type=int, default=90)
+    p.add_argument("--alone-user-words", type=int, default=30,
+                   help="user turn length of the single conversation timed alone (chat-like)")
+    p.add_argument("--alone-answer-tokens", type=int, default=220)
     p.add_argument("--shared-requests", type=int, default=32)
     p.add_argument("--system-words", type=int, default=400)
     p.add_argument("--seed", type=int, default=0)
