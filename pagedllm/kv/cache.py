@@ -115,15 +115,20 @@ def plan_cache(spec: KVCacheSpec, cfg: CacheConfig, device: torch.device,
         plan = CachePlan(n, f"kv_cache_context_len={cfg.kv_cache_context_len}")
     else:
         avail = available_memory_bytes(device)
+        # No point reserving more than every sequence at full length could use.
+        cap = cdiv(max_model_len, spec.block_size) * max_num_seqs
         if cfg.kv_cache_memory_fraction is not None:
             frac = cfg.kv_cache_memory_fraction
-            plan = CachePlan(int(avail * frac // bpb),
-                             f"kv_cache_memory_fraction={frac:g} of {avail / 2**20:.0f} MB free")
+            n = int(avail * frac // bpb)
+            note = f"kv_cache_memory_fraction={frac:g} of {avail / 2**20:.0f} MB free"
+            if device.type == "cpu" and n > cap:
+                # On CPU the cache is zero-filled RAM the whole process shares: don't take
+                # .95 of it for slots no sequence could ever fill.
+                n, note = cap, note + ", capped at max_num_seqs x max_model_len"
+            plan = CachePlan(n, note)
         else:
             frac = DEFAULT_FRACTION.get(device.type, 0.15)
             n = int(avail * frac // bpb)
-            # No point reserving more than every sequence at full length could use.
-            cap = cdiv(max_model_len, spec.block_size) * max_num_seqs
             plan = CachePlan(min(n, cap), f"default: {frac:g} of {avail / 2**20:.0f} MB free, "
                              f"capped at max_num_seqs x max_model_len")
     plan.num_blocks += 1  # the null block
