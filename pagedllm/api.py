@@ -99,7 +99,10 @@ def _local_tokenizer_dir(tok: str | None) -> str | None:
         return None
     path = Path(tok).expanduser()
     if path.is_dir():
-        return str(path)
+        if (path / "tokenizer.json").is_file():
+            return str(path)
+        logger.info("%s has no tokenizer.json; using the model's own tokenizer", path)
+        return None
     if path.is_file() and path.name.endswith(".json"):
         return str(path.parent)
     logger.info("tokenizer %r is not a local folder; using the model's own tokenizer", tok)
