@@ -82,6 +82,7 @@ class BlockManager:
         self.stats = PrefixCacheStats()
         self.token_exact = True  # also reuse part of a block (off: block-granular, for comparison)
         self._last_match = (0, 0)  # (cached tokens, of which partial) of the last match_prefix
+        self._num_cached = 0  # blocks with content: see _has_content
 
     # -- capacity ---------------------------------------------------------
     @property
@@ -100,8 +101,9 @@ class BlockManager:
 
     @property
     def num_cached_blocks(self) -> int:
-        """Blocks holding reusable content (referenced or not)."""
-        return sum(1 for b in self.blocks[1:] if b.hash is not None or b.tokens)
+        """Blocks holding reusable content (referenced or not); kept as a count because
+        the server's metrics read it every step."""
+        return self._num_cached
 
     def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
         """Blocks `seq` must take so its table covers `num_tokens`, plus a copy-on-write
@@ -225,6 +227,8 @@ class BlockManager:
 
     def _uncache(self, bid: int) -> None:
         b = self.blocks[bid]
+        if self._has_content(bid):
+            self._num_cached -= 1
         if b.hash is not None and self.by_hash.get(b.hash) == bid:
             del self.by_hash[b.hash]
         kids = self.children.get(b.parent)
@@ -252,6 +256,7 @@ class BlockManager:
             if bid == NULL_BLOCK or b.hash is not None:
                 continue
             b.hash, b.parent, b.tokens = h, parent, tokens
+            self._num_cached += 1
             self.by_hash.setdefault(h, bid)
             self.children.setdefault(parent, set()).add(bid)
 
@@ -268,6 +273,7 @@ class BlockManager:
             return  # shared with a fork that may still write into it
         b.parent = seq.block_hashes[-1] if seq.block_hashes else ROOT_HASH
         b.tokens = tuple(seq.token_ids[i * bs:i * bs + n])
+        self._num_cached += 1
         self.children.setdefault(b.parent, set()).add(bid)
 
     def match_prefix(self, seq: Sequence, extra: object = None) -> None:
@@ -358,6 +364,8 @@ class BlockManager:
                 assert not self._has_content(bid), f"free block {bid} still holds cached content"
         for h, bid in self.by_hash.items():
             assert self.blocks[bid].hash == h, f"hash index points at block {bid} with another hash"
+        content = sum(1 for bid in range(1, self.num_blocks) if self._has_content(bid))
+        assert self._num_cached == content, f"cached-block count {self._num_cached} != {content}"
 
 
 def _common_prefix(a: tuple[int, ...], b: list[int]) -> int:
