@@ -32,13 +32,19 @@ def smollm2_gguf_path() -> Path:
 
 
 @pytest.fixture(scope="session")
-def hf_smollm2_tokenizer(smollm2_gguf_path):
-    """transformers' tokenizer built from the same GGUF: the reference for ours."""
+def hf_smollm2_tokenizer(request):
+    """transformers' tokenizer built from the same GGUF: the reference for ours.
+
+    PAGEDLLM_TEST_TOKENIZER_DIR names a saved copy of it instead, so the random-weight model
+    tests can run on a machine where the 94 MB model package cannot be installed (a GPU box
+    reached with a size-limited copy of the tree); the SmolLM2 tests still skip there."""
     transformers = pytest.importorskip("transformers")
     transformers.logging.set_verbosity_error()
-    return transformers.AutoTokenizer.from_pretrained(
-        str(smollm2_gguf_path.parent), gguf_file=smollm2_gguf_path.name
-    )
+    saved = os.environ.get("PAGEDLLM_TEST_TOKENIZER_DIR")
+    if saved:
+        return transformers.AutoTokenizer.from_pretrained(saved)
+    path = request.getfixturevalue("smollm2_gguf_path")
+    return transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
 
 
 @pytest.fixture(scope="session")

@@ -8,7 +8,7 @@ from pagedllm import LLM, SamplingParams
 
 
 @pytest.fixture(scope="module")
-def llm():
+def llm(smollm2_gguf_path):  # the fixture skips where the default model is not installed
     return LLM("default", kv_cache_memory_mb=128)
 
 
@@ -18,7 +18,7 @@ def _no_leaks(llm: LLM) -> None:
     assert eng.block_manager.num_free_blocks == eng.block_manager.num_usable_blocks
 
 
-def test_seeded_request_same_alone_and_in_batch():
+def test_seeded_request_same_alone_and_in_batch(smollm2_gguf_path):
     # float32: bf16 CPU GEMMs round differently with the batch's shape, so a bf16 logit can
     # move by an ulp between batch compositions; the seeded random stream itself never does.
     llm = LLM("default", dtype="float32", kv_cache_memory_mb=64)

@@ -262,7 +262,7 @@ def test_checkpoint_fp8_scales_are_used(tmp_path, hf_smollm2_tokenizer):
     llm = LLM(str(path), dtype="float32", kv_cache_memory_mb=4, kv_cache_dtype="f8e4m3")
     eng = llm.engine
     assert eng.kv_spec.scale_source == "checkpoint"
-    hs = eng.kv_cache.head_scales
+    hs = eng.kv_cache.head_scales.cpu()
     assert torch.equal(hs[:, 0], torch.tensor([[0.25, 0.5]] * 3))
     assert torch.equal(hs[:, 1], torch.full((3, 2), 0.125))
     assert len(_greedy(llm, _prompts(2, 1000), n=4)[0]) == 4

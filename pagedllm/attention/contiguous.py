@@ -57,7 +57,8 @@ class ContiguousBackend:
         self.device = device
         self.mode = mode if isinstance(mode, KVQuantMode) else get_mode(mode)
         self.storage_dtype = self.mode.storage(dtype)
-        self.head_scales = head_scales  # [num_layers, 2, H] for f8e4m3
+        # [num_layers, 2, H] for f8e4m3, on the device the K/V are quantized on
+        self.head_scales = None if head_scales is None else head_scales.to(device, torch.float32)
         # seq_id -> layer -> its K/V
         self.store: dict[int, dict[int, _SeqKV]] = {}
 

@@ -68,16 +68,19 @@ def run_pagedllm(llm, wl: Workload) -> dict:
             "kv_waste_avg": eng.waste_sum / max(1, eng.waste_steps)}
 
 
-def load_transformers_peer(model: str, dtype: torch.dtype):
+def load_transformers_peer(model: str, dtype: torch.dtype, device: torch.device):
+    """transformers on the device and dtype our engine used, so the two do the same work."""
     import transformers as tf
 
     from ..loading.source import resolve
 
     src = resolve(model)
     if src.kind == "gguf":
-        return tf.AutoModelForCausalLM.from_pretrained(src.path.parent, gguf_file=src.path.name,
-                                                       dtype=dtype).eval()
-    return tf.AutoModelForCausalLM.from_pretrained(src.path, dtype=dtype).eval()
+        model = tf.AutoModelForCausalLM.from_pretrained(src.path.parent, gguf_file=src.path.name,
+                                                        dtype=dtype)
+    else:
+        model = tf.AutoModelForCausalLM.from_pretrained(src.path, dtype=dtype)
+    return model.to(device).eval()
 
 
 @torch.inference_mode()
@@ -94,6 +97,7 @@ def run_transformers(model, wl: Workload, batch_size: int, pad_id: int) -> dict:
         for i, p in enumerate(prompts):
             ids[i, width - len(p):] = torch.tensor(p)
             mask[i, width - len(p):] = 1
+        ids, mask = ids.to(model.device), mask.to(model.device)
         new = max(lens)
         b0 = time.perf_counter()
         model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=1, min_new_tokens=1,
@@ -146,7 +150,8 @@ def run(args: argparse.Namespace) -> dict:
         by_type[ct] = ours
         if args.profile:
             print(profile_decode_step(llm))
-        dtype, pad = llm.engine.dtype, llm.engine.tokenizer.eos_token_id or 0
+        dtype, device = llm.engine.dtype, llm.engine.device
+        pad = llm.engine.tokenizer.eos_token_id or 0
         del llm  # one engine (and its KV cache) at a time
         gc.collect()
     ours = by_type[types[0]]
@@ -158,7 +163,7 @@ def run(args: argparse.Namespace) -> dict:
             f"{ct} {r['output_tokens_per_s']:.1f} ({r['output_tokens_per_s'] / base:.2f}x, "
             f"{r['kv_blocks']} blocks)" for ct, r in by_type.items()))
     if args.peer == "transformers":
-        peer = load_transformers_peer(args.model, dtype)
+        peer = load_transformers_peer(args.model, dtype, device)
         theirs = median_of_runs([run_transformers(peer, wl, args.peer_batch_size, pad)
                                  for _ in range(args.runs)])
         _print(f"transformers (static batches of {args.peer_batch_size})", theirs)

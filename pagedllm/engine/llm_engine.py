@@ -179,7 +179,7 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     def prompt_logits(self, token_ids: list[int], chunk_size: int | None = None) -> torch.Tensor:
-        """Logits [T, vocab] (float32) at every position of a prompt, computed through the
+        """Logits [T, vocab] (float32, on the CPU) at every position of a prompt, computed through the
         same KV cache and attention path as generation, `chunk_size` tokens at a time
         (1 = token by token through the decode path). Blocks are returned afterwards."""
         ids = self._check_prompt(list(token_ids), SamplingParams(max_tokens=1))
@@ -196,7 +196,7 @@ class LLMEngine:
         finally:
             self.block_manager.free(seq)
             self.backend.free_seq(seq.seq_id)
-        return torch.cat(parts)
+        return torch.cat(parts).float().cpu()
 
     def score_prompts(self, prompts: list[list[int]], chunk_size: int = 1) -> list[torch.Tensor]:
         """For each prompt, log p(token[t+1] | tokens[:t+1]) for every t ([T-1] float32),
