@@ -1,9 +1,11 @@
 """PyTorch paged attention: the reference backend that runs on every device.
 
-Decodes of the whole batch are one gather by block table and one SDPA call,
-with the query heads of each KV head folded into the query-length axis (GQA
-without repeating K/V). Prefill chunks attend one sequence at a time: they are
-compute bound and differ in length, so padding them together would only waste.
+On the CPU, with a plain (unquantized) cache, decodes run the native kernel
+(`native.py`): it reads K/V in place by block table, with no gather copy. Elsewhere
+decodes of the whole batch are one gather by block table and one SDPA call, with
+the query heads of each KV head folded into the query-length axis (GQA without
+repeating K/V). Prefill chunks attend one sequence at a time: they are compute
+bound and differ in length, so padding them together would only waste.
 
 The cache may be quantized (int8, f8e4m3): `KVLayer.write` quantizes the new
 tokens, `KVLayer.gather` dequantizes only the blocks a step reads.
@@ -15,6 +17,7 @@ import torch.nn.functional as F
 
 from ..kv.cache import KVLayer, PagedKVCache
 from .metadata import AttentionMetadata, causal_mask
+from .native import cpu_kernels
 
 
 class PagedAttentionBackend:
@@ -23,9 +26,17 @@ class PagedAttentionBackend:
 
     def __init__(self, cache: PagedKVCache) -> None:
         self.cache = cache
+        # The native decode kernel reads the storage dtype as the compute dtype: plain caches only.
+        self.native = None
+        if cache.data.device.type == "cpu" and not cache.spec.mode.quantized:
+            self.native = cpu_kernels()
+
+    @property
+    def decode_kernel(self) -> str:
+        return "native-cpu" if self.native is not None else "torch"
 
     def layer(self, index: int, window: int | None, scale: float) -> "PagedAttentionLayer":
-        return PagedAttentionLayer(self.cache.layer(index), window, scale)
+        return PagedAttentionLayer(self.cache.layer(index), window, scale, self.native)
 
     def free_seq(self, seq_id: int) -> None:  # blocks are owned by the block manager
         pass
@@ -35,11 +46,12 @@ class PagedAttentionBackend:
 
 
 class PagedAttentionLayer:
-    def __init__(self, kv: KVLayer, window: int | None, scale: float) -> None:
+    def __init__(self, kv: KVLayer, window: int | None, scale: float, native=None) -> None:
         self.kv = kv
         self.block_size = kv.block_size
         self.window = window
         self.scale = scale
+        self.native = native
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  meta: AttentionMetadata) -> torch.Tensor:
@@ -58,6 +70,11 @@ class PagedAttentionLayer:
 
     def _decode(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         nd, hq, d = q.shape
+        if self.native is not None and q.dtype == self.kv.dtype:
+            if q.stride(-1) != 1:
+                q = q.contiguous()
+            return self.native.paged_decode(q, self.kv.k, self.kv.v, meta.block_tables[:nd],
+                                            meta.decode_context_lens, self.scale, self.window or 0)
         keys, vals = self.kv.gather(meta.block_tables[:nd], q.dtype)  # [nd, nb, bs, Hkv, D]
         keys, vals = keys.flatten(1, 2), vals.flatten(1, 2)  # [nd, L, Hkv, D]
         hkv = keys.shape[2]

@@ -129,6 +129,17 @@ def _decode_path(engine) -> str:
     if not engine.cache_config.paged_attention:
         return (f"{backend.name}: one SDPA call per sequence over its contiguous buffer "
                 "(paged attention off)")
+    if getattr(backend, "decode_kernel", "torch") == "native-cpu":
+        return (f"{backend.name} with the native CPU decode kernel: each (sequence, KV head) reads "
+                "its K/V in place by block table, all query heads of a KV head at once, with no "
+                "gather copy; prefill chunks use SDPA")
+    from ..attention.native import disabled_reason
+
+    native_off = disabled_reason()
+    why = ("the KV cache is quantized and the native kernel reads plain caches only"
+           if dev == "cpu" and engine.kv_spec.mode.quantized else
+           f"the native CPU kernel is off ({native_off})" if dev == "cpu" and native_off else
+           "the native CPU kernel could not be built here (see the log)" if dev == "cpu" else
+           f"no native paged kernel is built for {dev} yet")
     return (f"{backend.name}: all decodes of a step in one batched gather of their blocks by block "
-            f"table and one SDPA call per layer, on {dev}; the PyTorch path is used because no "
-            "native paged kernel is built for this device yet")
+            f"table and one SDPA call per layer, on {dev}; the PyTorch path is used because {why}")

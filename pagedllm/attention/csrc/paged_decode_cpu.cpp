@@ -1,0 +1,178 @@
+// Paged decode attention on the CPU: one query token per sequence attends its context
+// straight from the block pool, so no step copies K/V out of the cache first.
+//
+// Work items are (sequence, KV head) pairs, spread over ATen's threads. Each item loads
+// the G = Hq / Hkv query rows that share its KV head once, reads every key of the
+// sequence once for all G rows (GQA without repeating K/V), keeps the scores in a
+// per-thread buffer, and accumulates the values in float32. The cache is read in place
+// by block table; nothing is written to it.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+inline float to_float(float x) { return x; }
+inline float to_float(c10::Half x) { return static_cast<float>(x); }
+inline float to_float(c10::BFloat16 x) {
+  // bf16 is the high half of a float32: a shift, which the compiler vectorizes.
+  uint32_t u = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+template <typename T>
+inline void load_row(const T* src, float* dst, int64_t d) {
+#pragma omp simd
+  for (int64_t i = 0; i < d; ++i) dst[i] = to_float(src[i]);
+}
+
+// D > 0 fixes the head dim at compile time (64, 128: unrolled, no remainder loops);
+// D == 0 reads it at run time.
+template <typename T, typename I, int D>
+void decode(const T* q, int64_t q_sn, int64_t q_sh, const T* kc, const T* vc,
+            int64_t blk_stride, int64_t tok_stride, const I* tables, int64_t max_blocks,
+            const I* lens, T* out, int64_t n_seqs, int64_t hq, int64_t hkv, int64_t d_run,
+            int64_t block_size, int64_t window, float scale) {
+  const int64_t d = D > 0 ? D : d_run;
+  const int64_t g_per_kv = hq / hkv;
+  at::parallel_for(0, n_seqs * hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(g_per_kv * d), acc(g_per_kv * d), row(d), scores, denom(g_per_kv);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t n = item / hkv, h = item % hkv;
+      const int64_t ctx = static_cast<int64_t>(lens[n]);
+      const int64_t start = window > 0 ? std::max<int64_t>(0, ctx - window) : 0;
+      const int64_t len = ctx - start;
+      const I* table = tables + n * max_blocks;
+      for (int64_t g = 0; g < g_per_kv; ++g) {
+        const T* src = q + n * q_sn + (h * g_per_kv + g) * q_sh;
+        float* dst = qf.data() + g * d;
+        load_row(src, dst, d);
+#pragma omp simd
+        for (int64_t i = 0; i < d; ++i) dst[i] *= scale;
+      }
+      scores.resize(g_per_kv * len);
+      // Scores: each key row is converted once and used by all G query rows.
+      for (int64_t t = start; t < ctx; ++t) {
+        const T* k = kc + static_cast<int64_t>(table[t / block_size]) * blk_stride +
+                     (t % block_size) * tok_stride + h * d;
+        load_row(k, row.data(), d);
+        for (int64_t g = 0; g < g_per_kv; ++g) {
+          const float* qg = qf.data() + g * d;
+          float s = 0.f;
+#pragma omp simd reduction(+ : s)
+          for (int64_t i = 0; i < d; ++i) s += qg[i] * row[i];
+          scores[g * len + (t - start)] = s;
+        }
+      }
+      for (int64_t g = 0; g < g_per_kv; ++g) {
+        float* sg = scores.data() + g * len;
+        float m = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : m)
+        for (int64_t t = 0; t < len; ++t) m = std::max(m, sg[t]);
+#pragma omp simd
+        for (int64_t t = 0; t < len; ++t) sg[t] = expf(sg[t] - m);  // libmvec's vector expf
+        float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t t = 0; t < len; ++t) sum += sg[t];
+        denom[g] = sum;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t t = start; t < ctx; ++t) {
+        const T* v = vc + static_cast<int64_t>(table[t / block_size]) * blk_stride +
+                     (t % block_size) * tok_stride + h * d;
+        load_row(v, row.data(), d);
+        for (int64_t g = 0; g < g_per_kv; ++g) {
+          const float p = scores[g * len + (t - start)];
+          float* ag = acc.data() + g * d;
+#pragma omp simd
+          for (int64_t i = 0; i < d; ++i) ag[i] += p * row[i];
+        }
+      }
+      for (int64_t g = 0; g < g_per_kv; ++g) {
+        const float inv = denom[g] > 0.f ? 1.f / denom[g] : 0.f;
+        T* o = out + (n * hq + h * g_per_kv + g) * d;
+        const float* ag = acc.data() + g * d;
+        for (int64_t i = 0; i < d; ++i) o[i] = static_cast<T>(ag[i] * inv);
+      }
+    }
+  });
+}
+
+template <typename T, typename I>
+void dispatch_dim(const T* qp, int64_t q_sn, int64_t q_sh, const T* kp, const T* vp, int64_t blk,
+                  int64_t tok, const I* tables, int64_t max_blocks, const I* lens, T* op, int64_t n,
+                  int64_t hq, int64_t hkv, int64_t d, int64_t bs, int64_t window, float scale) {
+  switch (d) {
+    case 64: decode<T, I, 64>(qp, q_sn, q_sh, kp, vp, blk, tok, tables, max_blocks, lens, op, n, hq, hkv, d, bs, window, scale); break;
+    case 128: decode<T, I, 128>(qp, q_sn, q_sh, kp, vp, blk, tok, tables, max_blocks, lens, op, n, hq, hkv, d, bs, window, scale); break;
+    default: decode<T, I, 0>(qp, q_sn, q_sh, kp, vp, blk, tok, tables, max_blocks, lens, op, n, hq, hkv, d, bs, window, scale);
+  }
+}
+
+template <typename T>
+void dispatch_index(const torch::Tensor& q, const torch::Tensor& kc, const torch::Tensor& vc,
+                    const torch::Tensor& tables, const torch::Tensor& lens, torch::Tensor& out,
+                    int64_t window, double scale) {
+  const int64_t n = q.size(0), hq = q.size(1), d = q.size(2);
+  const int64_t bs = kc.size(1), hkv = kc.size(2);
+  const T* qp = q.data_ptr<T>();
+  const T* kp = kc.data_ptr<T>();
+  const T* vp = vc.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const int64_t blk = kc.stride(0), tok = kc.stride(1);
+  if (tables.scalar_type() == torch::kInt64) {
+    dispatch_dim<T, int64_t>(qp, q.stride(0), q.stride(1), kp, vp, blk, tok, tables.data_ptr<int64_t>(),
+                       tables.size(1), lens.data_ptr<int64_t>(), op, n, hq, hkv, d, bs, window,
+                       static_cast<float>(scale));
+  } else {
+    dispatch_dim<T, int32_t>(qp, q.stride(0), q.stride(1), kp, vp, blk, tok, tables.data_ptr<int32_t>(),
+                       tables.size(1), lens.data_ptr<int32_t>(), op, n, hq, hkv, d, bs, window,
+                       static_cast<float>(scale));
+  }
+}
+
+}  // namespace
+
+// q [N, Hq, D] (last dim contiguous); k_cache, v_cache [num_blocks, block_size, Hkv, D]
+// contiguous, same dtype as q; block_tables [N, max_blocks]; context_lens [N] (int32 or
+// int64, both the same). window <= 0 means no sliding window. Returns [N, Hq, D].
+torch::Tensor paged_decode(const torch::Tensor& q, const torch::Tensor& k_cache,
+                           const torch::Tensor& v_cache, const torch::Tensor& block_tables,
+                           const torch::Tensor& context_lens, double scale, int64_t window) {
+  TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu(), "paged_decode runs on the CPU");
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [N, Hq, D] with a contiguous last dim");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  k_cache.sizes() == v_cache.sizes(),
+              "k_cache and v_cache must be contiguous [num_blocks, block_size, Hkv, D]");
+  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
+              "q and the cache must share a dtype");
+  TORCH_CHECK(k_cache.size(3) == q.size(2) && q.size(1) % k_cache.size(2) == 0,
+              "head dims differ or query heads are not a multiple of KV heads");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.is_contiguous() && context_lens.is_contiguous() &&
+                  block_tables.size(0) >= q.size(0) && context_lens.size(0) >= q.size(0) &&
+                  block_tables.scalar_type() == context_lens.scalar_type() &&
+                  (block_tables.scalar_type() == torch::kInt64 || block_tables.scalar_type() == torch::kInt32),
+              "block_tables [N, max_blocks] and context_lens [N] must be contiguous int32 or int64");
+  auto out = torch::empty({q.size(0), q.size(1), q.size(2)}, q.options());
+  switch (q.scalar_type()) {
+    case torch::kFloat: dispatch_index<float>(q, k_cache, v_cache, block_tables, context_lens, out, window, scale); break;
+    case torch::kBFloat16: dispatch_index<c10::BFloat16>(q, k_cache, v_cache, block_tables, context_lens, out, window, scale); break;
+    case torch::kHalf: dispatch_index<c10::Half>(q, k_cache, v_cache, block_tables, context_lens, out, window, scale); break;
+    default: TORCH_CHECK(false, "paged_decode supports float32, bfloat16 and float16");
+  }
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode", &paged_decode, "paged decode attention, read in place (CPU)");
+}

@@ -1,0 +1,74 @@
+"""Native CPU kernels, built on first use with torch.utils.cpp_extension and cached.
+
+The build needs a C++ compiler and ninja; it is compiled for this machine's CPU
+(-march=native), so the cache key carries the CPU's instruction-set flags and a
+shared home directory never hands one CPU's build to another. Where the build
+fails, the engine logs why once and keeps the PyTorch path: nothing requires it.
+`PAGEDLLM_NATIVE=0` turns it off.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+from functools import lru_cache
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "paged_decode_cpu.cpp"
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]
+
+
+def _cpu_key() -> str:
+    """Hash of the CPU's feature flags: a -march=native build is valid only where they match."""
+    flags = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    flags = line
+                    break
+    except OSError:
+        pass
+    return hashlib.sha1((platform.machine() + flags).encode()).hexdigest()[:10]
+
+
+def disabled_reason() -> str | None:
+    if os.environ.get("PAGEDLLM_NATIVE", "1").strip().lower() in ("0", "false", "no", "off"):
+        return "PAGEDLLM_NATIVE=0"
+    return None
+
+
+@lru_cache(maxsize=1)
+def cpu_kernels():
+    """The compiled module (with `paged_decode`), or None where it cannot be built."""
+    why = disabled_reason()
+    if why:
+        logger.info("native CPU kernels off (%s): decode attention uses the PyTorch path", why)
+        return None
+    try:
+        from torch.utils.cpp_extension import load
+
+        src_hash = hashlib.sha1(SOURCE.read_bytes()).hexdigest()[:8]
+        name = f"pagedllm_cpu_{_cpu_key()}_{src_hash}"
+        logger.info("loading the native CPU decode kernel (%s); the first build takes a minute", name)
+        return load(name=name, sources=[str(SOURCE)], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
+                    verbose=False)
+    except Exception as e:  # no compiler, no ninja, a failed build: the torch path still works
+        logger.warning("native CPU decode kernel unavailable (%s: %s); using the PyTorch path",
+                       type(e).__name__, str(e).strip().splitlines()[-1] if str(e).strip() else "")
+        return None
+
+
+def main() -> int:
+    """`python -m pagedllm.attention.native`: build (or find) the kernel ahead of first use."""
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    mod = cpu_kernels()
+    print("native CPU kernel: " + ("ready" if mod is not None else "not available, PyTorch path used"))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
