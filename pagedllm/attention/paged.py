@@ -1,7 +1,7 @@
 """PyTorch paged attention: the reference backend that runs on every device.
 
 On the CPU, with a plain (unquantized) cache, decodes run the native kernel
-(`native.py`): it reads K/V in place by block table, with no gather copy. Elsewhere
+(`pagedllm/native`): it reads K/V in place by block table, with no gather copy. Elsewhere
 decodes of the whole batch are one gather by block table and one SDPA call, with
 the query heads of each KV head folded into the query-length axis (GQA without
 repeating K/V). Prefill chunks attend one sequence at a time: they are compute
@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from ..kv.cache import KVLayer, PagedKVCache
 from .metadata import AttentionMetadata, causal_mask
-from .native import cpu_kernels
+from ..native import cpu_kernels
 
 
 class PagedAttentionBackend:

@@ -133,7 +133,7 @@ def _decode_path(engine) -> str:
         return (f"{backend.name} with the native CPU decode kernel: each (sequence, KV head) reads "
                 "its K/V in place by block table, all query heads of a KV head at once, with no "
                 "gather copy; prefill chunks use SDPA")
-    from ..attention.native import disabled_reason
+    from ..native import disabled_reason
 
     native_off = disabled_reason()
     why = ("the KV cache is quantized and the native kernel reads plain caches only"

@@ -1,4 +1,6 @@
-"""Native CPU kernels, built on first use with torch.utils.cpp_extension and cached.
+"""Native CPU kernels, built on first use with torch.utils.cpp_extension and cached:
+paged decode attention that reads K/V in place (attention/paged.py) and a bf16
+matrix-vector product for decode at batch 1-2 (models/linear.py).
 
 The build needs a C++ compiler and ninja; it is compiled for this machine's CPU
 (-march=native), so the cache key carries the CPU's instruction-set flags and a
@@ -17,7 +19,7 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "paged_decode_cpu.cpp"
+SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]
 
 
@@ -43,32 +45,28 @@ def disabled_reason() -> str | None:
 
 @lru_cache(maxsize=1)
 def cpu_kernels():
-    """The compiled module (with `paged_decode`), or None where it cannot be built."""
+    """The compiled module (`paged_decode`, `linear_small_m`), or None where it cannot be built."""
     why = disabled_reason()
     if why:
-        logger.info("native CPU kernels off (%s): decode attention uses the PyTorch path", why)
+        logger.info("native CPU kernels off (%s): the PyTorch paths are used", why)
         return None
     try:
         from torch.utils.cpp_extension import load
 
         src_hash = hashlib.sha1(SOURCE.read_bytes()).hexdigest()[:8]
         name = f"pagedllm_cpu_{_cpu_key()}_{src_hash}"
-        logger.info("loading the native CPU decode kernel (%s); the first build takes a minute", name)
+        logger.info("loading the native CPU kernels (%s); the first build takes about 30 s", name)
         return load(name=name, sources=[str(SOURCE)], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
                     verbose=False)
     except Exception as e:  # no compiler, no ninja, a failed build: the torch path still works
-        logger.warning("native CPU decode kernel unavailable (%s: %s); using the PyTorch path",
+        logger.warning("native CPU kernels unavailable (%s: %s); using the PyTorch paths",
                        type(e).__name__, str(e).strip().splitlines()[-1] if str(e).strip() else "")
         return None
 
 
 def main() -> int:
-    """`python -m pagedllm.attention.native`: build (or find) the kernel ahead of first use."""
+    """`python -m pagedllm.native`: build (or find) the kernels ahead of first use."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     mod = cpu_kernels()
-    print("native CPU kernel: " + ("ready" if mod is not None else "not available, PyTorch path used"))
+    print("native CPU kernels: " + ("ready" if mod is not None else "not available, PyTorch paths used"))
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -173,6 +173,48 @@ torch::Tensor paged_decode(const torch::Tensor& q, const torch::Tensor& k_cache,
   return out;
 }
 
+
+// y [M, N] = x [M, K] @ w [N, K]^T for one or two rows of x (decode at batch 1 or 2), w in
+// bf16. A matrix-vector product is bound by reading w once; oneDNN's bf16 GEMM streams it at
+// about half the memory bandwidth when M is this small, so each thread here walks its own
+// rows of w once and dots the x rows against each (x stays in L1, in float32). From three
+// rows on, the per-row reductions cost more than oneDNN's blocking saves.
+template <int MR>
+void gemv_bf16_rows(const float* x, const c10::BFloat16* w, float* y, int64_t n0, int64_t n1,
+                    int64_t k, int64_t n_total) {
+  for (int64_t n = n0; n < n1; ++n) {
+    const c10::BFloat16* row = w + n * k;
+    for (int m = 0; m < MR; ++m) {  // the row stays in L1 for the second x row
+      const float* xm = x + m * k;
+      float s = 0.f;
+#pragma omp simd reduction(+ : s)
+      for (int64_t i = 0; i < k; ++i) s += xm[i] * to_float(row[i]);
+      y[m * n_total + n] = s;
+    }
+  }
+}
+
+torch::Tensor linear_small_m(const torch::Tensor& x, const torch::Tensor& w) {
+  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "linear_small_m runs on the CPU");
+  TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.scalar_type() == torch::kBFloat16,
+              "w must be a contiguous bfloat16 [N, K] matrix");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == w.size(1) && x.size(0) >= 1 && x.size(0) <= 2,
+              "x must be [M, K] with M = 1 or 2 and K matching w");
+  const int64_t m = x.size(0), k = w.size(1), n = w.size(0);
+  auto xf = x.to(torch::kFloat).contiguous();
+  auto y = torch::empty({m, n}, xf.options());
+  const float* xp = xf.data_ptr<float>();
+  const c10::BFloat16* wp = w.data_ptr<c10::BFloat16>();
+  float* yp = y.data_ptr<float>();
+  // Grain: enough rows that a thread's share is a long sequential read.
+  at::parallel_for(0, n, 256, [&](int64_t b, int64_t e) {
+    if (m == 1) gemv_bf16_rows<1>(xp, wp, yp, b, e, k, n);
+    else gemv_bf16_rows<2>(xp, wp, yp, b, e, k, n);
+  });
+  return x.scalar_type() == torch::kFloat ? y : y.to(x.scalar_type());
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged decode attention, read in place (CPU)");
+  m.def("linear_small_m", &linear_small_m, "x @ w.T for 1 or 2 rows of x, w bf16 (CPU)");
 }
