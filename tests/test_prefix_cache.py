@@ -204,3 +204,20 @@ def test_eviction_and_preemption_keep_outputs(ckpt):
     assert eng.block_manager.stats.evictions > 0
     _assert_clean(small)
     assert len(eng.block_manager.retained) <= 4
+
+
+def test_waste_counts_only_computed_tokens(ckpt):
+    """Waste is allocated slots not holding a token. A prompt prefilled in chunks holds
+    blocks for its chunks so far, so its not-yet-computed tokens must not count as held."""
+    llm = _llm(ckpt, block_size=16, max_num_batched_tokens=40)
+    eng = llm.engine
+    eng.add_request(list(range(2000, 2100)), SamplingParams(max_tokens=4, ignore_eos=True))
+    eng.step()  # one 40-token chunk of the 100-token prompt: 3 blocks, 48 slots, 40 held
+    tr = llm.kv_cache_trace()
+    assert eng.scheduler.running[0].block_table and len(eng.scheduler.running[0].block_table) == 3
+    assert tr.waste == pytest.approx(8 / 48) and tr.waste_avg == pytest.approx(8 / 48)
+    while eng.has_unfinished():
+        eng.step()
+    # Then 40 + 20 more prompt tokens, then 3 decodes: every later step had some waste too.
+    assert 0 < llm.kv_cache_trace().waste_avg < 8 / 48
+    _assert_clean(llm)

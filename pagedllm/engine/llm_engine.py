@@ -270,13 +270,13 @@ class LLMEngine:
                 it.seq.times.first_scheduled = now
         out = self.runner.execute(sched.scheduled)
         self.stats["steps"] += 1
-        self._track_waste()
         for it in sched.scheduled:
             forks = it.samples and it.seq.fork_children
             it.seq.num_computed_tokens += it.num_new_tokens
             self.block_manager.commit_full_blocks(it.seq)
             if forks:
                 self._fork(it.seq)
+        self._track_waste()
         touched: dict[str, Request] = {}
         if out is not None:
             now = time.perf_counter()
@@ -295,7 +295,9 @@ class LLMEngine:
         for s in self.scheduler.running:  # O(running); list.count runs in C
             released = s.block_table.count(0) if sliding else 0  # null entries behind a window
             alloc += (len(s.block_table) - released) * bs
-            held += s.num_tokens - released * bs
+            # Computed tokens are the ones holding a slot: a prompt still being prefilled in
+            # chunks has blocks only for its chunks so far.
+            held += s.num_computed_tokens - released * bs
         if alloc:
             self.waste_sum += max(0.0, 1 - held / alloc)
             self.waste_steps += 1

@@ -64,7 +64,7 @@ def live_waste(seqs, block_size: int) -> tuple[int, int]:
     """(allocated slots, slots holding a token) over live sequences, shared blocks once."""
     filled: dict[int, int] = {}
     for s in seqs:
-        n = s.num_tokens
+        n = s.num_computed_tokens  # tokens with K/V in a slot (a chunked prompt: so far)
         for i, bid in enumerate(s.block_table):
             if bid:
                 filled[bid] = max(filled.get(bid, 0), min(block_size, max(0, n - i * block_size)))
