@@ -61,7 +61,11 @@ def _engine_flags(p: argparse.ArgumentParser, top: bool) -> None:
     g.add_argument("--dtype", default=d(None), help="auto, float32, bfloat16 or float16")
     g.add_argument("--device", default=d(None), help="auto, cpu, cuda, cuda:N or mps")
     g.add_argument("--seed", type=int, default=d(None), help="sampling seed of the engine")
-    g.add_argument("--isq", metavar="TYPE", default=d(None), help="in-situ quantization of the weights")
+    g.add_argument("--isq", metavar="TYPE", default=d(None),
+                   help="quantize a safetensors model's linear weights at load: Q8_0, Q4_0 or Q4_K")
+    g.add_argument("--dequantize-weights", action="store_true", default=d(False),
+                   help="dequantize GGUF weights to the compute dtype at load instead of running "
+                        "them quantized (the exact reference; more memory, slower decode)")
     g.add_argument("--chat-template", metavar="FILE", default=d(None),
                    help="chat template (.jinja, or JSON with a chat_template key) to use instead "
                         "of the model's")
@@ -222,7 +226,8 @@ def engine_options(args: argparse.Namespace, model: str | None = None) -> Engine
         no_paged_attn=args.no_paged_attn, prefix_cache_n=args.prefix_cache_n,
         no_prefix_cache=args.no_prefix_cache, max_seqs=args.max_seqs,
         max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
-        seed=args.seed, isq=args.isq, chat_template=args.chat_template)
+        seed=args.seed, isq=args.isq, dequantize_weights=bool(args.dequantize_weights),
+        chat_template=args.chat_template)
 
 
 def _model_of(args: argparse.Namespace) -> str:

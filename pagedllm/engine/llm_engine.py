@@ -62,6 +62,7 @@ class LLMEngine:
         self.model = loaded.model
         self.model_config = cfg = loaded.config
         self.tokenizer = loaded.tokenizer
+        self.weights = loaded.weights  # formats, resident bytes, kernel path (for the trace)
         self.cache_config = cache_cfg
         self.sched_config = sched_cfg
         self.device, self.dtype = device, dtype

@@ -14,7 +14,8 @@ from torch import nn
 
 from ..attention.metadata import AttentionMetadata
 from ..config import ModelConfig
-from .linear import Linear
+from ..quant.formats import QuantTensor
+from .linear import Embedding, Linear
 from .rope import RotaryEmbedding, apply_rope
 
 
@@ -91,13 +92,17 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     def tie_weights(self) -> None:
-        if self.config.tie_word_embeddings:
+        if not self.config.tie_word_embeddings:
+            return
+        if self.embed_tokens.qweight is not None:  # the head reads the same quantized blocks
+            self.lm_head.set_quantized([self.embed_tokens.qweight])
+        else:
             self.lm_head.weight = self.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -133,16 +138,31 @@ class LlamaForCausalLM(nn.Module):
                 return name.replace(frag, ours), shard
         return name, None
 
+    def expect_quantized(self, hf_names: set[str]) -> None:
+        """Before materializing (the model is on the meta device): the weights named will
+        arrive quantized, so their float parameters are dropped instead of allocated."""
+        for hf_name in hf_names:
+            mapped = self.map_weight_name(hf_name)
+            if mapped is not None:
+                module = self.get_submodule(mapped[0].rsplit(".", 1)[0])
+                module.weight = None
+        if self.config.tie_word_embeddings and self.embed_tokens.weight is None:
+            self.lm_head.weight = None
+
     @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantTensor]],
+                     dtype: torch.dtype = torch.float32) -> None:
         params = dict(self.named_parameters())
         loaded: set[str] = set()
-        seen_shards: dict[str, set[int]] = {}
+        seen_shards: dict[str, dict[int, QuantTensor | None]] = {}
         for hf_name, tensor in weights:
             mapped = self.map_weight_name(hf_name)
             if mapped is None:
                 continue
             name, shard = mapped
+            if isinstance(tensor, QuantTensor):
+                self._place_quantized(name, shard, tensor, hf_name, dtype, seen_shards, loaded)
+                continue
             param = params.get(name)
             if param is None:
                 raise ValueError(f"checkpoint tensor {hf_name!r} has no place in {type(self).__name__}")
@@ -153,14 +173,40 @@ class LlamaForCausalLM(nn.Module):
                 sizes = self.shard_sizes(name.split(".")[-2])
                 start = sum(sizes[:shard])
                 _copy_checked(param.narrow(0, start, sizes[shard]), tensor, hf_name)
-                seen_shards.setdefault(name, set()).add(shard)
+                seen_shards.setdefault(name, {})[shard] = None
                 if len(seen_shards[name]) == len(sizes):
                     loaded.add(name)
+        self.tie_weights()
         if self.config.tie_word_embeddings:
             loaded.add("lm_head.weight")
-        missing = sorted(set(params) - loaded)
+        expected = set(params) | {n for n in seen_shards} | loaded
+        missing = sorted(expected - loaded)
         if missing:
             raise ValueError(f"checkpoint is missing weights: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+
+    def _place_quantized(self, name: str, shard: int | None, qt: QuantTensor, hf_name: str,
+                         dtype: torch.dtype, seen: dict, loaded: set[str]) -> None:
+        module = self.get_submodule(name.rsplit(".", 1)[0])
+        if isinstance(module, Embedding):
+            module.set_quantized(qt, dtype)
+            loaded.add(name)
+            return
+        if not isinstance(module, Linear):
+            raise ValueError(f"checkpoint tensor {hf_name!r} is quantized but {name} is not a linear weight")
+        if shard is None:
+            module.set_quantized([qt])
+            loaded.add(name)
+            return
+        sizes = self.shard_sizes(name.split(".")[-2])
+        if qt.shape != (sizes[shard], module.in_features):
+            raise ValueError(f"weight {hf_name!r} has shape {qt.shape}, expected {(sizes[shard], module.in_features)}")
+        parts = seen.setdefault(name, {})
+        parts[shard] = qt
+        if len(parts) == len(sizes):
+            if any(p is None for p in parts.values()):
+                raise ValueError(f"{name}: some shards are quantized and others are not")
+            module.set_quantized([parts[i] for i in range(len(sizes))])  # one kernel call, no copy
+            loaded.add(name)
 
 
 def _copy_checked(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
