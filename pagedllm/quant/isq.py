@@ -100,7 +100,9 @@ def _q4_k(x: torch.Tensor) -> torch.Tensor:
     dmin = mins.amax(dim=1, keepdim=True) / 63
     d16, dmin16 = d.to(torch.float16), dmin.to(torch.float16)
     dq, dminq = d16.float(), dmin16.float()
+    # A sub-block with any spread keeps a scale of at least 1: rounding it to 0 would flatten it.
     sc = torch.where(dq > 0, torch.round(scale / dq.clamp(min=1e-30)), 0).clamp(0, 63)
+    sc = torch.where(scale > 0, sc.clamp(min=1), sc)
     m = torch.where(dminq > 0, torch.round(mins / dminq.clamp(min=1e-30)), 0).clamp(0, 63)
     s_eff = (dq * sc).unsqueeze(2)
     m_eff = (dminq * m).unsqueeze(2)
