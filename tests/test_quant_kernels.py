@@ -150,3 +150,24 @@ def test_paged_decode_refuses_a_corrupt_block_table():
         ops.paged_decode(q, k, v, torch.tensor([[0, -1], [2, 3]]), lens, 0.125, 0)
     with pytest.raises(RuntimeError, match="context length"):
         ops.paged_decode(q, k, v, tables, torch.tensor([20, 40]), 0.125, 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_linear_equals_the_unfused_ops(dtype):
+    """quant_linear (RMSNorm, projection, bias, silu(gate) * up, residual in one call) against the
+    same steps as separate ops on the integer kernel."""
+    rng = np.random.default_rng(11)
+    k, n = 256, 64
+    raw = torch.from_numpy(random_blocks("Q4_K", 2 * n, k, rng))
+    x = torch.randn(3, k).to(dtype)
+    w = (1 + 0.1 * torch.randn(k)).to(dtype)
+    bias = torch.randn(2 * n).to(dtype)
+    res = torch.randn(3, n).to(dtype)
+    xn = torch.nn.functional.rms_norm(x, (k,), w, 1e-5)
+    y = ops.quant_matmul(xn, [raw], [12], k, 0).to(dtype) + bias
+    gate, up = y.chunk(2, dim=-1)
+    want = res + torch.nn.functional.silu(gate) * up
+    got = ops.quant_linear(x, [raw], [12], k, w, 1e-5, bias, res, 1, 0)
+    assert got.dtype == dtype and got.shape == (3, n)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: a rounding step may land either side
+    assert (got.float() - want.float()).abs().max().item() <= tol * want.float().abs().max().item()

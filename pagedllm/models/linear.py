@@ -43,6 +43,19 @@ class Linear(nn.Linear):
             return sum(p.nbytes for p in self.qparts)
         return self.weight.numel() * self.weight.element_size()
 
+    def fused(self, x: torch.Tensor, norm: nn.Module | None = None, residual: torch.Tensor | None = None,
+              silu_mul: bool = False) -> torch.Tensor:
+        """residual + act(self(norm(x))), where act is silu(gate) * up over the output's halves.
+        With quantized weights and few rows it is one native call (the norm, the bias, the
+        activation and the residual folded into the projection); otherwise the plain ops."""
+        if self.qparts is not None and x.shape[0] <= qk.INT_ROWS and x.dim() == 2:
+            return qk.linear(x, self.qparts, norm, self.bias, residual, silu_mul)
+        y = self(norm(x) if norm is not None else x)
+        if silu_mul:
+            gate, up = y.chunk(2, dim=-1)
+            y = F.silu(gate) * up
+        return y if residual is None else residual + y
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.qparts is not None:
             y = qk.matmul(x.reshape(-1, x.shape[-1]), self.qparts).view(*x.shape[:-1], self.out_features)

@@ -44,15 +44,23 @@ class Attention(nn.Module):
         self.attn = None  # set by the model runner: an attention backend layer
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        t = x.shape[0]
-        qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
-        # Rotate q and k heads together: one set of rope ops per layer, not two.
-        qk = apply_rope(qk.view(t, self.num_heads + self.num_kv_heads, self.head_dim), *rope)
-        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
-        o = self.attn(q, k, v, meta)
-        return self.o_proj(o.reshape(t, self.q_size))
+                meta: AttentionMetadata, norm: nn.Module | None = None,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+        """residual + o_proj(attention(norm(x)))."""
+        qkv = self.qkv_proj.fused(x, norm=norm)
+        # A pure decode step on the native paged backend: rope, the cache write and attention
+        # in one call (the same values as the ops below).
+        decode_qkv = getattr(self.attn, "decode_qkv", None)
+        o = decode_qkv(qkv, rope, meta, self.num_heads, self.num_kv_heads) if decode_qkv else None
+        if o is None:
+            t = x.shape[0]
+            qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+            # Rotate q and k heads together: one set of rope ops per layer, not two.
+            qk = apply_rope(qk.view(t, self.num_heads + self.num_kv_heads, self.head_dim), *rope)
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+            v = v.view(t, self.num_kv_heads, self.head_dim)
+            o = self.attn(q, k, v, meta).reshape(t, self.q_size)
+        return self.o_proj.fused(o, residual=residual)
 
 
 class MLP(nn.Module):
@@ -62,9 +70,10 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.inter, bias=cfg.mlp_bias)
         self.down_proj = Linear(self.inter, cfg.hidden_size, bias=cfg.mlp_bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, norm: nn.Module | None = None,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+        """residual + down(silu(gate) * up), gate|up = gate_up(norm(x))."""
+        return self.down_proj.fused(self.gate_up_proj.fused(x, norm=norm, silu_mul=True), residual=residual)
 
 
 class DecoderLayer(nn.Module):
@@ -77,8 +86,10 @@ class DecoderLayer(nn.Module):
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], h: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
-        h = h + self.self_attn(rope, self.input_layernorm(h), meta)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        # The norms and residual adds travel with the projections, which fold them into one
+        # native call where they can (quantized weights, few rows).
+        h = self.self_attn(rope, h, meta, norm=self.input_layernorm, residual=h)
+        return self.mlp(h, norm=self.post_attention_layernorm, residual=h)
 
 
 class LlamaForCausalLM(nn.Module):

@@ -79,6 +79,16 @@ def matmul(x: torch.Tensor, parts: list[QuantTensor], isa: str | None = None) ->
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
 
+def linear(x: torch.Tensor, parts: list[QuantTensor], norm, bias: torch.Tensor | None,
+           residual: torch.Tensor | None, silu_mul: bool) -> torch.Tensor:
+    """The integer path with the layer's RMSNorm (`norm`: weight and eps), bias, silu(gate) * up
+    and residual folded into one native call; output in x's dtype."""
+    return cpu_kernels().quant_linear(
+        x, [p.data for p in parts], [p.type_id for p in parts], parts[0].shape[1],
+        None if norm is None else norm.weight, 0.0 if norm is None else norm.eps, bias, residual,
+        1 if silu_mul else 0, _isa_id(None))
+
+
 def dequantize(w: QuantTensor, dtype: torch.dtype = torch.float32, isa: str | None = None) -> torch.Tensor:
     """The float values w stands for, [rows, cols]."""
     ops = cpu_kernels()

@@ -200,6 +200,86 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache,
 }
 
 
+namespace {
+// Rotate-half rope of one head, rounding each product and sum to T as the PyTorch path's
+// elementwise ops do (x1*cos - x2*sin, x2*cos + x1*sin), so both paths give the same bits.
+template <typename T>
+__attribute__((optimize("fp-contract=off"))) void rope_head(const T* x, const T* c, const T* s, T* o,
+                                                             int64_t half) {
+  for (int64_t i = 0; i < half; ++i) {
+    const T x1 = x[i], x2 = x[i + half];
+    const T a = static_cast<T>(static_cast<float>(x1) * static_cast<float>(c[i]));
+    const T b = static_cast<T>(static_cast<float>(x2) * static_cast<float>(s[i]));
+    const T e = static_cast<T>(static_cast<float>(x2) * static_cast<float>(c[i]));
+    const T f = static_cast<T>(static_cast<float>(x1) * static_cast<float>(s[i]));
+    o[i] = static_cast<T>(static_cast<float>(a) - static_cast<float>(b));
+    o[i + half] = static_cast<T>(static_cast<float>(e) + static_cast<float>(f));
+  }
+}
+
+template <typename T>
+void rope_and_write(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& kc,
+                    at::Tensor& vc, const int64_t* slots, at::Tensor& q, int64_t hq, int64_t hkv) {
+  const int64_t n = qkv.size(0), d = kc.size(3), half = d / 2, tok = kc.stride(1);
+  const int64_t bs = kc.size(1);
+  const T* src = qkv.data_ptr<T>();
+  const T* cp = cos.data_ptr<T>();
+  const T* sp = sin.data_ptr<T>();
+  T* kp = kc.data_ptr<T>();
+  T* vp = vc.data_ptr<T>();
+  T* qp = q.data_ptr<T>();
+  const int64_t row = qkv.stride(0);
+  at::parallel_for(0, n, 1, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      const T* x = src + t * row;
+      const T* c = cp + t * half;
+      const T* s = sp + t * half;
+      for (int64_t h = 0; h < hq; ++h) rope_head(x + h * d, c, s, qp + (t * hq + h) * d, half);
+      const int64_t slot = slots[t];
+      T* kdst = kp + (slot / bs) * kc.stride(0) + (slot % bs) * tok;
+      T* vdst = vp + (slot / bs) * vc.stride(0) + (slot % bs) * tok;
+      for (int64_t h = 0; h < hkv; ++h) rope_head(x + (hq + h) * d, c, s, kdst + h * d, half);
+      std::memcpy(vdst, x + (hq + hkv) * d, sizeof(T) * hkv * d);
+    }
+  });
+}
+}  // namespace
+
+// One decode step of attention from the fused q|k|v projection: rope on q and k, k and v
+// written to their cache slots, then paged_decode, in one call instead of a dozen ops.
+// qkv [N, (Hq + 2 Hkv) D]; cos, sin [N, 1, D/2] in the same dtype; slot_mapping [N] int64.
+// Returns [N, Hq * D].
+at::Tensor paged_decode_qkv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                            at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slot_mapping,
+                            const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t hq,
+                            int64_t hkv, double scale, int64_t window) {
+  TORCH_CHECK(qkv.device().is_cpu() && qkv.dim() == 2 && qkv.stride(1) == 1, "qkv must be a CPU [N, W] tensor");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  k_cache.sizes() == v_cache.sizes() && k_cache.size(2) == hkv,
+              "k_cache and v_cache must be contiguous [num_blocks, block_size, Hkv, D]");
+  const int64_t n = qkv.size(0), d = k_cache.size(3);
+  TORCH_CHECK(qkv.size(1) == (hq + 2 * hkv) * d && d % 2 == 0 && hq % hkv == 0, "qkv width does not match the heads");
+  TORCH_CHECK(k_cache.scalar_type() == qkv.scalar_type() && cos.scalar_type() == qkv.scalar_type() &&
+                  sin.scalar_type() == qkv.scalar_type(), "qkv, cos, sin and the cache must share a dtype");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == n * d / 2 && sin.numel() == n * d / 2,
+              "cos and sin must be contiguous [N, 1, D/2]");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() && slot_mapping.numel() == n,
+              "slot_mapping must be [N] int64");
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  const int64_t n_slots = k_cache.size(0) * k_cache.size(1);
+  for (int64_t t = 0; t < n; ++t)
+    TORCH_CHECK(slots[t] >= 0 && slots[t] < n_slots, "paged_decode_qkv: slot ", slots[t], " of token ", t,
+                " is outside the pool of ", n_slots, " slots");
+  auto q = at::empty({n, hq, d}, qkv.options());
+  switch (qkv.scalar_type()) {
+    case at::kFloat: rope_and_write<float>(qkv, cos, sin, k_cache, v_cache, slots, q, hq, hkv); break;
+    case at::kBFloat16: rope_and_write<c10::BFloat16>(qkv, cos, sin, k_cache, v_cache, slots, q, hq, hkv); break;
+    case at::kHalf: rope_and_write<c10::Half>(qkv, cos, sin, k_cache, v_cache, slots, q, hq, hkv); break;
+    default: TORCH_CHECK(false, "paged_decode_qkv supports float32, bfloat16 and float16");
+  }
+  return paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale, window).view({n, hq * d});
+}
+
 // y [M, N] = x [M, K] @ w [N, K]^T for one or two rows of x (decode at batch 1 or 2), w in
 // bf16. A matrix-vector product is bound by reading w once; oneDNN's bf16 GEMM streams it at
 // about half the memory bandwidth when M is this small, so each thread here walks its own
@@ -247,4 +327,7 @@ TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
   m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor context_lens, "
         "float scale, int window) -> Tensor", &paged_decode);
   m.def("linear_small_m(Tensor x, Tensor w) -> Tensor", &linear_small_m);
+  m.def("paged_decode_qkv(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+        "Tensor slot_mapping, Tensor block_tables, Tensor context_lens, int hq, int hkv, float scale, "
+        "int window) -> Tensor", &paged_decode_qkv);
 }

@@ -535,20 +535,102 @@ void gemv_fast(const uint8_t* w, int64_t rb, int64_t n0, int64_t n1, const QAct&
   }
 }
 
+// Chunk j (32 values) of a block, straight into a register: the few-rows path needs no buffer.
+template <int64_t TYPE>
+PQ_AVX2 __m256i unpack_chunk(const uint8_t* b, int j) {
+  const __m256i m4 = _mm256_set1_epi8(0x0F), m3 = _mm256_set1_epi8(3);
+  if constexpr (TYPE == Q4_0 || TYPE == Q4_1) {
+    const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + (TYPE == Q4_0 ? 2 : 4)));
+    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(x, 4), x), m4);
+  } else if constexpr (TYPE == Q5_0 || TYPE == Q5_1) {
+    constexpr int off = TYPE == Q5_0 ? 2 : 4;
+    const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + off + 4));
+    const __m256i lo = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(x, 4), x), m4);
+    return _mm256_or_si256(lo, bits_to_bytes(u32(b + off), 0x10));
+  } else if constexpr (TYPE == Q8_0) {
+    return ld(b + 2);
+  } else if constexpr (TYPE == Q2_K) {
+    const __m256i x = ld(b + 16 + 32 * (j / 4));
+    return _mm256_and_si256(_mm256_srli_epi16(x, 2 * (j % 4)), m3);
+  } else if constexpr (TYPE == Q3_K) {
+    const __m256i x = ld(b + 32 + 32 * (j / 4));
+    const __m256i lo = _mm256_and_si256(_mm256_srli_epi16(x, 2 * (j % 4)), m3);
+    return _mm256_or_si256(lo, test_bit(ld(b), static_cast<uint8_t>(1u << j), 4));
+  } else if constexpr (TYPE == Q4_K) {
+    const __m256i x = ld(b + 16 + 32 * (j / 2));
+    return j % 2 ? nib_hi(x) : nib_lo(x);
+  } else if constexpr (TYPE == Q5_K) {
+    const __m256i x = ld(b + 48 + 32 * (j / 2));
+    return _mm256_or_si256(j % 2 ? nib_hi(x) : nib_lo(x), test_bit(ld(b + 16), static_cast<uint8_t>(1u << j), 0x10));
+  } else {  // Q6_K
+    const int n = j / 4, jj = j % 4;
+    const __m256i l = ld(b + 64 * n + 32 * (jj % 2));
+    const __m256i lo = jj / 2 ? nib_hi(l) : nib_lo(l);
+    const __m256i h = _mm256_and_si256(_mm256_srli_epi16(ld(b + 128 + 32 * n), 2 * jj), m3);
+    return _mm256_or_si256(lo, _mm256_slli_epi16(h, 4));
+  }
+}
+
+// Up to 4 activation rows (decode at small batch): every weight chunk is unpacked in a register
+// and used at once by each row; scales are read per block.
+template <int ISA, int64_t TYPE, int MR>
+void gemv_direct(const uint8_t* w, int64_t rb, int64_t n0, int64_t n1, const QAct& x, float* y, int64_t ldy) {
+  constexpr bool SIGNED = TYPE == Q8_0;
+  constexpr bool K = TYPE == Q2_K || TYPE == Q3_K || TYPE == Q4_K || TYPE == Q5_K || TYPE == Q6_K;
+  constexpr int VALS = K ? 256 : 32, NCH = VALS / 32;
+  const Fmt f = fmt_of(TYPE);
+  const int64_t kc = x.k / 32, nblk = x.k / VALS;
+  float sc[16], mn[16];
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = w + n * rb;
+    __m256 acc[MR];
+    float macc[MR];
+    for (int r = 0; r < MR; ++r) { acc[r] = _mm256_setzero_ps(); macc[r] = 0.f; }
+    for (int64_t blk = 0; blk < nblk; ++blk) {
+      const uint8_t* b = row + blk * f.bytes;
+      block_scales(TYPE, b, sc, mn);
+      for (int j = 0; j < NCH; ++j) {
+        const __m256i wv = unpack_chunk<TYPE>(b, j);
+        const __m256 sv = K ? _mm256_set_m128(_mm_set1_ps(sc[2 * j + 1]), _mm_set1_ps(sc[2 * j])) : _mm256_set1_ps(sc[0]);
+        const int64_t c0 = blk * NCH + j;
+        for (int r = 0; r < MR; ++r) {
+          const int64_t c = r * kc + c0;
+          const __m256i av = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.a.data() + c * 32));
+          const __m256i p = ISA == AVX512VNNI ? dot_vnni<SIGNED>(wv, av) : dot_avx2<SIGNED>(wv, av);
+          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(sv, _mm256_set1_ps(x.d[c])), acc[r]);
+          if (!SIGNED) macc[r] += mn[2 * j] * x.ds16[2 * c] + mn[2 * j + 1] * x.ds16[2 * c + 1];
+        }
+      }
+    }
+    for (int r = 0; r < MR; ++r) y[r * ldy + n] = hsum(acc[r]) + macc[r];
+  }
+}
+
+template <int ISA, int64_t TYPE>
+void gemv_dispatch(const uint8_t* w, int64_t rb, int64_t n0, int64_t n1, const QAct& x, float* y, int64_t ldy) {
+  switch (x.m) {
+    case 1: gemv_direct<ISA, TYPE, 1>(w, rb, n0, n1, x, y, ldy); return;
+    case 2: gemv_direct<ISA, TYPE, 2>(w, rb, n0, n1, x, y, ldy); return;
+    case 3: gemv_direct<ISA, TYPE, 3>(w, rb, n0, n1, x, y, ldy); return;
+    case 4: gemv_direct<ISA, TYPE, 4>(w, rb, n0, n1, x, y, ldy); return;
+    default: gemv_fast<ISA, TYPE>(w, rb, n0, n1, x, y, ldy);
+  }
+}
+
 template <int ISA>
 void gemv_fast_any(int64_t type, const uint8_t* w, int64_t rb, int64_t n0, int64_t n1, const QAct& x, float* y,
                    int64_t ldy) {
   switch (type) {
-    case Q4_0: gemv_fast<ISA, Q4_0>(w, rb, n0, n1, x, y, ldy); break;
-    case Q4_1: gemv_fast<ISA, Q4_1>(w, rb, n0, n1, x, y, ldy); break;
-    case Q5_0: gemv_fast<ISA, Q5_0>(w, rb, n0, n1, x, y, ldy); break;
-    case Q5_1: gemv_fast<ISA, Q5_1>(w, rb, n0, n1, x, y, ldy); break;
-    case Q8_0: gemv_fast<ISA, Q8_0>(w, rb, n0, n1, x, y, ldy); break;
-    case Q2_K: gemv_fast<ISA, Q2_K>(w, rb, n0, n1, x, y, ldy); break;
-    case Q3_K: gemv_fast<ISA, Q3_K>(w, rb, n0, n1, x, y, ldy); break;
-    case Q4_K: gemv_fast<ISA, Q4_K>(w, rb, n0, n1, x, y, ldy); break;
-    case Q5_K: gemv_fast<ISA, Q5_K>(w, rb, n0, n1, x, y, ldy); break;
-    case Q6_K: gemv_fast<ISA, Q6_K>(w, rb, n0, n1, x, y, ldy); break;
+    case Q4_0: gemv_dispatch<ISA, Q4_0>(w, rb, n0, n1, x, y, ldy); break;
+    case Q4_1: gemv_dispatch<ISA, Q4_1>(w, rb, n0, n1, x, y, ldy); break;
+    case Q5_0: gemv_dispatch<ISA, Q5_0>(w, rb, n0, n1, x, y, ldy); break;
+    case Q5_1: gemv_dispatch<ISA, Q5_1>(w, rb, n0, n1, x, y, ldy); break;
+    case Q8_0: gemv_dispatch<ISA, Q8_0>(w, rb, n0, n1, x, y, ldy); break;
+    case Q2_K: gemv_dispatch<ISA, Q2_K>(w, rb, n0, n1, x, y, ldy); break;
+    case Q3_K: gemv_dispatch<ISA, Q3_K>(w, rb, n0, n1, x, y, ldy); break;
+    case Q4_K: gemv_dispatch<ISA, Q4_K>(w, rb, n0, n1, x, y, ldy); break;
+    case Q5_K: gemv_dispatch<ISA, Q5_K>(w, rb, n0, n1, x, y, ldy); break;
+    case Q6_K: gemv_dispatch<ISA, Q6_K>(w, rb, n0, n1, x, y, ldy); break;
   }
 }
 #endif  // PQ_X86
@@ -636,6 +718,100 @@ at::Tensor quant_matmul(const at::Tensor& x, at::TensorList ws, at::IntArrayRef 
     }
   });
   return y;
+}
+
+namespace pq {
+// RMSNorm of each row into a float buffer, each value rounded through T as F.rms_norm's output
+// in T would be, so the fused path quantizes the same activations as the unfused one.
+template <typename T>
+void rms_norm_rows(const T* x, const T* w, int64_t m, int64_t k, double eps, float* out) {
+  at::parallel_for(0, m, 1, [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      const T* xr = x + r * k;
+      float ss = 0.f;
+      for (int64_t i = 0; i < k; ++i) {
+        const float v = static_cast<float>(xr[i]);
+        ss += v * v;
+      }
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(k) + static_cast<float>(eps));
+      for (int64_t i = 0; i < k; ++i)
+        out[r * k + i] = static_cast<float>(static_cast<T>(static_cast<float>(xr[i]) * inv * static_cast<float>(w[i])));
+    }
+  });
+}
+
+template <typename T>
+at::Tensor epilogue(const at::Tensor& y, const c10::optional<at::Tensor>& bias,
+                    const c10::optional<at::Tensor>& residual, int64_t act, const at::TensorOptions& opts) {
+  const int64_t m = y.size(0), n = y.size(1), no = act == 1 ? n / 2 : n;
+  auto out = at::empty({m, no}, opts);
+  const float* yp = y.data_ptr<float>();
+  at::Tensor bc, rc;
+  const T* bp = nullptr;
+  const T* rp = nullptr;
+  if (bias.has_value()) { bc = bias->contiguous(); bp = bc.data_ptr<T>(); }
+  if (residual.has_value()) { rc = residual->contiguous(); rp = rc.data_ptr<T>(); }
+  T* op = out.data_ptr<T>();
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t j = 0; j < no; ++j) {
+      // Each step rounds to T where the unfused ops would: the projection's output, + bias,
+      // silu(gate) * up, + residual.
+      auto val = [&](int64_t c) {
+        T v = static_cast<T>(yp[r * n + c]);
+        if (bp) v = static_cast<T>(static_cast<float>(v) + static_cast<float>(bp[c]));
+        return static_cast<float>(v);
+      };
+      float v;
+      if (act == 1) {
+        const float g = val(j), u = val(j + no);
+        const T sg = static_cast<T>(g / (1.f + std::exp(-g)));
+        v = static_cast<float>(static_cast<T>(static_cast<float>(sg) * u));
+      } else {
+        v = val(j);
+      }
+      if (rp) v = static_cast<float>(rp[r * no + j]) + v;
+      op[r * no + j] = static_cast<T>(v);
+    }
+  return out;
+}
+}  // namespace pq
+
+// quant_matmul with what surrounds a projection in a decoder layer folded in: an RMSNorm of x
+// before it, a bias, silu(gate) * up over the two halves (act = 1), and a residual added after.
+// Output in x's dtype: [M, N], or [M, N / 2] with act = 1.
+at::Tensor quant_linear(const at::Tensor& x, at::TensorList ws, at::IntArrayRef types, int64_t k,
+                        const c10::optional<at::Tensor>& norm_weight, double eps,
+                        const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& residual,
+                        int64_t act, int64_t isa) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == k, "x must be [M, ", k, "]");
+  TORCH_CHECK(act == 0 || act == 1, "act must be 0 (none) or 1 (silu(gate) * up)");
+  at::Tensor xin = x;
+  if (norm_weight.has_value()) {
+    TORCH_CHECK(norm_weight->numel() == k && norm_weight->scalar_type() == x.scalar_type(),
+                "norm_weight must be [", k, "] in x's dtype");
+    const auto xc = x.contiguous();
+    const auto wc = norm_weight->contiguous();
+    xin = at::empty({x.size(0), k}, x.options().dtype(at::kFloat));
+    switch (x.scalar_type()) {
+      case at::kFloat: rms_norm_rows(xc.data_ptr<float>(), wc.data_ptr<float>(), x.size(0), k, eps, xin.data_ptr<float>()); break;
+      case at::kBFloat16: rms_norm_rows(xc.data_ptr<c10::BFloat16>(), wc.data_ptr<c10::BFloat16>(), x.size(0), k, eps, xin.data_ptr<float>()); break;
+      case at::kHalf: rms_norm_rows(xc.data_ptr<c10::Half>(), wc.data_ptr<c10::Half>(), x.size(0), k, eps, xin.data_ptr<float>()); break;
+      default: TORCH_CHECK(false, "quant_linear: x must be float32, bfloat16 or float16");
+    }
+  }
+  const auto y = quant_matmul(xin, ws, types, k, isa);
+  const int64_t n = y.size(1);
+  TORCH_CHECK(act == 0 || n % 2 == 0, "silu(gate) * up needs an even width");
+  if (bias.has_value()) TORCH_CHECK(bias->numel() == n && bias->scalar_type() == x.scalar_type(), "bias must be [", n, "] in x's dtype");
+  if (residual.has_value())
+    TORCH_CHECK(residual->dim() == 2 && residual->size(0) == x.size(0) && residual->size(1) == (act == 1 ? n / 2 : n) &&
+                    residual->scalar_type() == x.scalar_type(), "residual must be [M, N] in x's dtype");
+  switch (x.scalar_type()) {
+    case at::kFloat: return epilogue<float>(y, bias, residual, act, x.options());
+    case at::kBFloat16: return epilogue<c10::BFloat16>(y, bias, residual, act, x.options());
+    case at::kHalf: return epilogue<c10::Half>(y, bias, residual, act, x.options());
+    default: TORCH_CHECK(false, "quant_linear: x must be float32, bfloat16 or float16");
+  }
 }
 
 namespace pq {
@@ -742,6 +918,8 @@ TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
   m.def("quant_matmul(Tensor x, Tensor[] ws, int[] types, int k, int isa=0) -> Tensor", &quant_matmul);
   m.def("quant_dequant(Tensor w, int type, int k, Tensor? ids=None, int start=0, int count=-1, "
         "ScalarType dtype=float, int isa=0) -> Tensor", &quant_dequant);
+  m.def("quant_linear(Tensor x, Tensor[] ws, int[] types, int k, Tensor? norm_weight=None, float eps=0., "
+        "Tensor? bias=None, Tensor? residual=None, int act=0, int isa=0) -> Tensor", &quant_linear);
   m.def("quant_bad_scales(Tensor w, int type, int k) -> int", &quant_bad_scales);
   m.def("quant_isas() -> int", &quant_isas);
 }
