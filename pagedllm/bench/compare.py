@@ -87,6 +87,7 @@ def _run(args: argparse.Namespace) -> dict:
         print(f"llama.cpp side skipped: {MISSING_HINT}", file=sys.stderr)
     engine_kwargs = pagedllm_kwargs(args)
     weights = weight_bytes(model)
+    vocab = weights.pop("vocab")
     result: dict = {"model": str(model), "machine": {**machine_info(), **cpu_info()},
                     "threads": args.threads, "repeats": args.repeats, "weights": weights,
                     "engine_kwargs": engine_kwargs, "measures": {}}
@@ -94,7 +95,6 @@ def _run(args: argparse.Namespace) -> dict:
     if args.bandwidth_mib > 0 and "decode1" in measures:
         result["read_bandwidth"] = _spawn("bandwidth", {"mib": args.bandwidth_mib, "threads": args.threads,
                                                         "repeats": 7})
-    vocab = _vocab_size(model)
     for kind in measures:
         spec = _spec(kind, args, str(model), vocab) | {"engine_kwargs": engine_kwargs}
         row: dict = {"kv_tokens": spec["kv_tokens"], "sequences": len(spec["prompts"]),
@@ -142,13 +142,6 @@ def _has_llama_cpp() -> bool:
     import importlib.util
 
     return importlib.util.find_spec("llama_cpp") is not None
-
-
-def _vocab_size(model: Path) -> int:
-    import gguf
-
-    reader = gguf.GGUFReader(str(model))
-    return len(reader.fields["tokenizer.ggml.tokens"].data)
 
 
 def _spec(kind: str, args: argparse.Namespace, model: str, vocab: int) -> dict:
@@ -205,12 +198,15 @@ def _summarise(r: dict) -> dict:
     out = {"tok_s": statistics.median(rates), "tok_s_runs": rates, "peak_rss_mb": r["peak_rss_mb"]}
     if r.get("outputs"):
         out["first_output"] = r["outputs"][0][:16]
+    if "dtype" in r:
+        out["dtype"] = r["dtype"]
     return out
 
 
 def weight_bytes(model: Path) -> dict:
     """Bytes of the GGUF's tensors, and of those read per generated token: all of them, less an
-    untied embedding table (only its prompt rows are gathered; a tied one is the output head)."""
+    untied embedding table (only its prompt rows are gathered; a tied one is the output head).
+    Also the vocabulary size, read from the same header."""
     import gguf
 
     reader = gguf.GGUFReader(str(model))
@@ -218,7 +214,8 @@ def weight_bytes(model: Path) -> dict:
     total = sum(sizes.values())
     tied = "output.weight" not in sizes
     per_token = total if tied else total - sizes.get("token_embd.weight", 0)
-    return {"total_bytes": total, "per_token_bytes": per_token, "tied_embeddings": tied}
+    return {"total_bytes": total, "per_token_bytes": per_token, "tied_embeddings": tied,
+            "vocab": len(reader.fields["tokenizer.ggml.tokens"].data)}
 
 
 def streaming(result: dict) -> dict:
@@ -279,7 +276,10 @@ def format_report(result: dict) -> str:
                          f"{result['read_bandwidth']['mib']} MiB tensor, median of "
                          f"{len(result['read_bandwidth']['runs'])}): batch-1 ceiling "
                          f"{s['ceiling_tok_s']:.0f} tok/s; share reached: {shares}")
-    lines.append("ratio = pagedllm / llama.cpp (for RSS, lower is better)")
+    dtypes = {r["pagedllm"]["dtype"] for r in result["measures"].values() if "dtype" in r.get("pagedllm", {})}
+    opts = ", ".join(f"{k}={v}" for k, v in result.get("engine_kwargs", {}).items())
+    lines.append(f"pagedllm compute dtype {'/'.join(sorted(dtypes)) or '?'}{'; ' + opts if opts else ''}; "
+                 "ratio = pagedllm / llama.cpp (for RSS, lower is better)")
     for engine in ENGINES:
         skipped = {r[engine]["skipped"] for r in result["measures"].values()
                    if "skipped" in r.get(engine, {})}

@@ -40,7 +40,7 @@ def open_model(path: str, n_ctx: int, threads: int, n_seq: int = 1) -> Iterator[
     import llama_cpp as L
 
     L.llama_backend_init()
-    _silence(L)
+    silence(L)
     mparams = L.llama_model_default_params()
     model = L.llama_model_load_from_file(path.encode(), mparams)
     if not model:
@@ -64,7 +64,7 @@ def open_model(path: str, n_ctx: int, threads: int, n_seq: int = 1) -> Iterator[
 _QUIET: list = []  # the log callback, kept alive for the process's life
 
 
-def _silence(L: Any) -> None:
+def silence(L: Any) -> None:
     """llama.cpp logs every tensor at load; keep stderr for our own messages."""
     if not _QUIET:
         _QUIET.append(L.llama_log_callback(lambda level, text, user_data: None))

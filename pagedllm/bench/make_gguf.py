@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .llamacpp_peer import MISSING_HINT
+from .llamacpp_peer import MISSING_HINT, silence
 
 logger = logging.getLogger(__name__)
 
@@ -142,6 +142,7 @@ def quantize_with_llama_cpp(src: Path, dst: Path, ftype: str, threads: int) -> N
         import llama_cpp
     except ImportError:
         raise RuntimeError(f"quantizing to {ftype} uses llama.cpp's quantizer: {MISSING_HINT}") from None
+    silence(llama_cpp)  # it logs every tensor; the summary after names the types it chose
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = LLAMA_FTYPES[ftype]
     params.nthread = threads
