@@ -82,6 +82,7 @@ def run(args: argparse.Namespace) -> dict | int:
 def _run(args: argparse.Namespace) -> dict:
     model = _model_path(args.model)
     measures = _measures(args.measures)
+    out = args.output or f"bench-results/compare-{model.stem}.json"
     peer_ok = args.peer == "llama.cpp" and _has_llama_cpp()
     if args.peer == "llama.cpp" and not peer_ok:
         print(f"llama.cpp side skipped: {MISSING_HINT}", file=sys.stderr)
@@ -103,13 +104,15 @@ def _run(args: argparse.Namespace) -> dict:
             if engine == "llama.cpp" and not peer_ok:
                 row[engine] = {"skipped": MISSING_HINT if args.peer == "llama.cpp" else "--peer none"}
                 continue
-            print(f"{kind}: {engine} ...", file=sys.stderr, flush=True)
+            print(f"{kind}: {engine} ...", file=sys.stderr, end=" ", flush=True)
             row[engine] = _summarise(_spawn(engine, spec))
+            print(f"{row[engine]['tok_s']:.1f} tok/s, peak RSS {row[engine]['peak_rss_mb']:.0f} MB",
+                  file=sys.stderr, flush=True)
         result["measures"][kind] = row
+        write_json(out, result)  # what is done so far survives an interrupted run
     if "decode1" in result["measures"]:
         result["streaming"] = streaming(result)
     print(format_report(result))
-    out = args.output or f"bench-results/compare-{model.stem}.json"
     print(f"results written to {write_json(out, result)}")
     return result
 
