@@ -3,7 +3,7 @@
     pagedllm serve [MODEL] [--host 127.0.0.1] [--port 8000] [--api-key KEY] [engine flags]
     pagedllm chat [MODEL] [engine flags]             interactive chat in the terminal
     pagedllm generate [PROMPT] [-m MODEL]            one-shot; the prompt may come on stdin
-    pagedllm bench throughput|serve ...
+    pagedllm bench throughput|prefix|quality|compare|make-gguf|serve ...
     pagedllm trace [MODEL]                           KV cache figures while a request runs
     pagedllm demo
 
@@ -111,7 +111,13 @@ BENCHES = {
     "throughput": "offline throughput against transformers generate, in one run",
     "prefix": "multi-turn and shared-system-prompt workload, prefix caching on and off",
     "quality": "perplexity and greedy agreement of the KV cache types",
+    "compare": "pagedllm beside llama.cpp on the same GGUF file, one process per figure",
+    "make-gguf": "write a GGUF with a real model's shape and random weights (llama.cpp quantizes it)",
 }
+
+
+def _bench_module(kind: str) -> str:
+    return "pagedllm.bench." + kind.replace("-", "_")
 
 
 def _wants(argv: list[str], *words: str) -> bool:
@@ -168,7 +174,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     for kind, text in BENCHES.items():
         bt = bsub.add_parser(kind, help=text)
         if _wants(argv, "bench", kind):
-            _add_module_args(bt, f"pagedllm.bench.{kind}")
+            _add_module_args(bt, _bench_module(kind))
         else:
             bt.add_argument("rest", nargs=argparse.REMAINDER)
     bs = bsub.add_parser("serve", help="load test of a running server (streaming clients)")
@@ -384,7 +390,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         return loadtest.run(args)
     if args.bench in BENCHES:
-        return _run_module(f"pagedllm.bench.{args.bench}", args)
+        return _run_module(_bench_module(args.bench), args)
     print(f"usage: pagedllm bench {{{','.join([*BENCHES, 'serve'])}}} ...", file=sys.stderr)
     return 2
 
