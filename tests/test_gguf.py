@@ -447,3 +447,39 @@ def test_synthetic_truncated_by_one_byte(tmp_path):
     with pytest.raises(GGUFError, match=rf"but the file has {len(data) - 1}$"):
         read_gguf(path)
     read_gguf(tmp_path / "ok.gguf")
+
+
+@pytest.mark.parametrize("dequantize", [False, True], ids=["quantized", "dequantized"])
+def test_nan_block_scale_is_refused_at_load(tmp_path, dequantize):
+    """A NaN (or inf) block scale never reaches the logits: the load fails naming the tensor."""
+    from pagedllm import LLM
+
+    path = tmp_path / "nan.gguf"
+    write_tiny_gguf(path, Q.Q4_0)
+    reader = gguf.GGUFReader(str(path))
+    t = next(t for t in reader.tensors if t.name == "blk.1.ffn_down.weight")
+    offset = int(t.data_offset) + 18 * 3  # the fp16 scale of the fourth block
+    del reader
+    data = bytearray(path.read_bytes())
+    data[offset:offset + 2] = np.array([np.nan], dtype=np.float16).tobytes()
+    path.write_bytes(bytes(data))
+    with pytest.raises(GGUFError, match=r"blk\.1\.ffn_down\.weight \(Q4_0\).*NaN or inf scale"):
+        LLM(str(path), dtype="float32", kv_cache_memory_mb=4, dequantize_weights=dequantize)
+
+
+def test_quantized_load_matches_dequantized_and_leaks_no_float_copy(tmp_path):
+    """Every kernel format from a real file: the quantized model's long-prefill logits (tile
+    dequantize + GEMM) equal the dequantized model's, and no float weight matrix is allocated."""
+    from pagedllm import LLM
+
+    for qtype in (Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1):
+        path = tmp_path / f"{qtype.name}.gguf"
+        write_tiny_gguf(path, qtype, tied=False)
+        q = LLM(str(path), dtype="float32", kv_cache_memory_mb=4)
+        d = LLM(str(path), dtype="float32", kv_cache_memory_mb=4, dequantize_weights=True)
+        # q, k, v, o, gate, up, down per layer, the embedding and the untied head.
+        assert q.engine.weights.formats[qtype.name] == LAYERS * 7 + 2
+        assert not any(p.dim() == 2 for p in q.engine.model.parameters())
+        prompt = list(range(3, 60))  # 57 rows: the GEMM route
+        err = (q.engine.prompt_logits(prompt) - d.engine.prompt_logits(prompt)).abs().max().item()
+        assert err < 1e-4, (qtype.name, err)
