@@ -12,7 +12,7 @@ from tqdm.auto import tqdm
 
 from ..config import ModelConfig
 from ..kv.calibration import kv_scale_key
-from ..models import model_class
+from ..models import materialize, model_class
 from ..tokenizer import Tokenizer
 from .source import ModelSource
 
@@ -57,7 +57,7 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
     positions = max_positions or cfg.max_position_embeddings
     with torch.device("meta"):
         model = cls(cfg, positions)
-    model = model.to_empty(device=device).to(dtype)
+    model = materialize(model, device, dtype)
     for m in model.modules():
         if hasattr(m, "reset_buffers"):
             m.reset_buffers()
