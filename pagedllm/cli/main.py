@@ -20,6 +20,7 @@ import argparse
 import importlib
 import json
 import logging
+import os
 import sys
 from typing import Any, Callable
 
@@ -251,8 +252,21 @@ def cmd_serve(args: argparse.Namespace, opts: EngineOptions) -> int:
           f"{', API key required' if args.api_key else ''})", file=sys.stderr, flush=True)
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         logger.warning("serving on %s without --api-key: anyone who can reach it may use it", args.host)
-    run_server(llm, args.host, args.port, cfg, log_level=args.log_level, access_log=args.access_log)
+    result = run_server(llm, args.host, args.port, cfg, log_level=args.log_level,
+                        access_log=args.access_log)
+    if result.stopped_by:
+        print(f"stopped by {result.stopped_by}: {result.requests_ended} request(s) in flight ended "
+              f"with an error; {eng.block_manager.num_used_blocks} KV blocks in use", file=sys.stderr)
+        # Everything is stopped and said; tearing down torch's modules would add 1-2 s more.
+        _exit_now(0)
     return 0
+
+
+def _exit_now(code: int) -> None:
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def cmd_chat(args: argparse.Namespace, opts: EngineOptions) -> int:

@@ -11,6 +11,8 @@ import asyncio
 import hmac
 import json
 import logging
+import os
+import signal
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
@@ -23,7 +25,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
-from .async_engine import AsyncEngine, EngineError, Submission
+from .async_engine import AsyncEngine, EngineError, ShuttingDown, Submission
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .protocol import (
     ChatCompletionRequest,
@@ -363,15 +365,41 @@ async def _collect_or_fail(sub: Submission, request: Request) -> list | None:
     try:
         return await _collect(sub, request)
     except EngineError as e:
-        raise ApiError(str(e), status=500, type="server_error") from None
+        status = 503 if isinstance(e, ShuttingDown) else 500
+        raise ApiError(str(e), status=status, type="server_error") from None
+
+
+@dataclass
+class ServeResult:
+    stopped_by: str | None  # the signal's name, e.g. "SIGINT"
+    requests_ended: int  # requests in flight that the shutdown ended with an error
 
 
 def run_server(llm: Any, host: str = "127.0.0.1", port: int = 8000, config: ServerConfig | None = None,
-               log_level: str = "info", access_log: bool = False) -> None:
-    """Serve `llm` until interrupted (Ctrl-C / SIGTERM), then stop the engine thread cleanly."""
+               log_level: str = "info", access_log: bool = False) -> ServeResult:
+    """Serve `llm` until SIGINT or SIGTERM. The first one stops admitting requests and ends
+    those in flight (streams get an error event and [DONE], the others a 503), so the
+    connections close at once and the engine thread stops; a second one exits at once."""
     import uvicorn
 
+    class Server(uvicorn.Server):
+        stopped_by: str | None = None
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            # Not recorded in uvicorn's captured signals: it would re-raise the signal after
+            # the shutdown and turn a clean stop into a KeyboardInterrupt.
+            if self.should_exit:
+                os.write(2, b"second interrupt: exiting now\n")
+                os._exit(130)
+            self.stopped_by = signal.Signals(sig).name
+            engine.drain()
+            self.should_exit = True
+
     app = create_app(llm, config)
+    engine: AsyncEngine = app.state.engine
+    # Requests end within a step of the signal; the timeout only guards against a stuck client.
     uv = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=access_log,
-                        timeout_graceful_shutdown=5)
-    uvicorn.Server(uv).run()
+                        timeout_graceful_shutdown=1)
+    server = Server(uv)
+    server.run()
+    return ServeResult(server.stopped_by, engine.num_ended_at_shutdown)
