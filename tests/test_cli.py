@@ -54,18 +54,29 @@ def test_mistralrs_plain_interactive_through_stdin(plain_dir):
     assert r.stdout.count(">>> ") >= 3
 
 
-def test_mistralrs_plain_serves_without_i(plain_dir, tmp_path):
+def test_mistralrs_plain_serves_without_i(plain_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("PAGEDLLM_API_KEY", "sk-from-env")  # not on the command line, where ps shows it
     port = free_port()
     # Global flags before `plain` (mistral.rs's order) and after it, as after `serve`.
     srv = ServerProcess(["--pa-gpu-mem", PA_MEM, "--pa-blk-size", "32",
                          "plain", "-m", str(plain_dir), "--port", str(port), "--max-seqs", "4"],
-                        port, tmp_path / "plain.log")
+                        port, tmp_path / "plain.log", api_key="sk-from-env")
     try:
         srv.wait_ready()
-        r = httpx.post(f"{srv.url}/v1/completions", timeout=60,
-                       json={"model": "x", "prompt": "Hello", "max_tokens": 4, "ignore_eos": True})
+        body = {"model": plain_dir.name, "prompt": "Hello", "max_tokens": 4, "ignore_eos": True}
+        assert httpx.post(f"{srv.url}/v1/completions", json=body, timeout=60).status_code == 401
+        r = httpx.post(f"{srv.url}/v1/completions", json=body, headers=srv.headers, timeout=60)
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["completion_tokens"] == 4
+        # Served under the folder's name, never its path.
+        assert r.json()["model"] == plain_dir.name
+        models = httpx.get(f"{srv.url}/v1/models", headers=srv.headers, timeout=10).json()
+        assert [m["id"] for m in models["data"]] == [plain_dir.name]
+        # A model this server does not serve: 404, as vLLM and OpenAI answer.
+        r = httpx.post(f"{srv.url}/v1/completions", json={**body, "model": "gpt-4o"},
+                       headers=srv.headers, timeout=60)
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found", r.text
+        assert "`gpt-4o` does not exist" in r.json()["error"]["message"]
     finally:
         assert srv.stop() in (0, 130), srv.log()
 

@@ -130,7 +130,9 @@ def _server_flags(p: argparse.ArgumentParser, top: bool) -> None:
     g.add_argument("--api-key", default=d(None),
                    help="require 'Authorization: Bearer KEY' (better: set PAGEDLLM_API_KEY, which "
                         "ps does not show)")
-    g.add_argument("--served-model-name", default=d(None), help="model name the API reports")
+    g.add_argument("--served-model-name", nargs="+", metavar="NAME", default=d(None),
+                   help="names requests may use for the model; responses carry the first "
+                        "(default: 'default', the GGUF file's stem or the folder's name)")
     g.add_argument("--max-body-bytes", type=int, default=d(4 * 2**20), help="request body size limit")
     g.add_argument("--access-log", action="store_true", default=d(False))
 
@@ -327,9 +329,10 @@ def cmd_serve(args: argparse.Namespace, opts: EngineOptions) -> int:
     llm = load_llm(opts)
     eng = llm.engine
     api_key = args.api_key or os.environ.get("PAGEDLLM_API_KEY") or None
-    cfg = ServerConfig(model_name=args.served_model_name, api_key=api_key,
+    names = args.served_model_name or [llm.model_name]
+    cfg = ServerConfig(model_name=names[0], aliases=tuple(names[1:]), api_key=api_key,
                        max_body_bytes=args.max_body_bytes)
-    print(f"serving {args.served_model_name or llm.model_name} on http://{args.host}:{args.port}/v1 "
+    print(f"serving {' = '.join(names)} on http://{args.host}:{args.port}/v1 "
           f"({eng.block_manager.num_usable_blocks} KV blocks of {eng.cache_config.block_size} tokens"
           f"{', API key required' if api_key else ''})", file=sys.stderr, flush=True)
     if args.host not in ("127.0.0.1", "localhost", "::1") and not api_key:

@@ -57,7 +57,8 @@ _STATUS_TYPES = {401: "authentication_error", 404: "not_found_error", 413: "inva
 
 @dataclass
 class ServerConfig:
-    model_name: str | None = None
+    model_name: str | None = None  # the name responses carry (default: the model's short name)
+    aliases: tuple[str, ...] = ()  # other names requests may use
     api_key: str | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_n: int | None = None
@@ -274,6 +275,13 @@ def create_app(llm: Any, config: ServerConfig | None = None) -> FastAPI:
     engine = AsyncEngine(llm.engine, metrics)
     ctx = ServingContext.from_llm(llm, cfg.model_name, cfg.max_n)
     token_text = TokenText(llm.tokenizer)
+    names = list(dict.fromkeys([ctx.model_name, *cfg.aliases]))
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name not in names:
+            served = ", ".join(f"`{n}`" for n in names)
+            raise ApiError(f"the model `{name}` does not exist; this server serves {served}",
+                           status=404, param="model", code="model_not_found")
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -311,8 +319,8 @@ def create_app(llm: Any, config: ServerConfig | None = None) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> Response:
-        card = ModelCard(id=ctx.model_name, max_model_len=ctx.max_model_len)
-        return JSONResponse(ModelList(data=[card]).model_dump())
+        cards = [ModelCard(id=n, max_model_len=ctx.max_model_len) for n in names]
+        return JSONResponse(ModelList(data=cards).model_dump())
 
     @app.get("/metrics")
     async def prometheus() -> Response:
@@ -321,6 +329,7 @@ def create_app(llm: Any, config: ServerConfig | None = None) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         req: ChatCompletionRequest = parse(ChatCompletionRequest, await read_json(request, cfg.max_body_bytes))
+        check_model(req.model)
         ids, params = prepare_chat(req, ctx)
         rid = new_id("chatcmpl")
         tt = token_text if req.logprobs else None
@@ -339,6 +348,7 @@ def create_app(llm: Any, config: ServerConfig | None = None) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         req: CompletionRequest = parse(CompletionRequest, await read_json(request, cfg.max_body_bytes))
+        check_model(req.model)
         prompts, params = prepare_completion(req, ctx)
         rid = new_id("cmpl")
         rids = [rid if len(prompts) == 1 else f"{rid}-{i}" for i in range(len(prompts))]
