@@ -177,6 +177,7 @@ BENCHES = {
     "throughput": "offline throughput against transformers generate, in one run",
     "prefix": "multi-turn and shared-system-prompt workload, prefix caching on and off",
     "quality": "perplexity and greedy agreement of the KV cache types",
+    "startup": "time from starting `pagedllm generate` to its first token (median of 5)",
 }
 
 
