@@ -158,8 +158,9 @@ def _sampling_flags(p: argparse.ArgumentParser, max_tokens: int, temperature: fl
                    help="lower the logits of generated tokens by X per occurrence, in [-2, 2] "
                         "(default: %(default)s)")
     g.add_argument("--repetition-penalty", type=float, default=1.0, metavar="X",
-                   help="divide the logits of tokens in the prompt or output by X (> 1 repeats "
-                        "less; default: %(default)s, off)")
+                   help="make tokens of the prompt or output X times less likely to return "
+                        "(positive logits divided, negative multiplied; > 1 repeats less; "
+                        "default: %(default)s, off)")
 
 
 MODEL_HELP = "'default' (the embedded SmolLM2-135M), a .gguf file, a model folder or a hub id"

@@ -8,6 +8,7 @@ nothing ever returns a stack trace.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
 import logging
@@ -138,6 +139,56 @@ class AuthMiddleware:
                 await resp(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+class ShutdownGate:
+    """Plain ASGI. Once the server is stopping, a request still in its handler after a short
+    grace (a client still sending its body, a stream that cannot be written) is cancelled here
+    and answered with a 503 if nothing was sent yet. Left to uvicorn, its graceful-shutdown
+    timeout would cancel it later and log the CancelledError's traceback."""
+
+    GRACE_S = 0.5
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+        self.tasks: set[asyncio.Task] = set()
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.closing = False
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        task = asyncio.current_task()
+        if scope["type"] != "http" or task is None:
+            await self.app(scope, receive, send)
+            return
+        self.loop = asyncio.get_running_loop()
+        self.tasks.add(task)
+        started = False
+
+        async def send_started(message: dict) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_started)
+        except asyncio.CancelledError:
+            if not self.closing:
+                raise
+            if not started:
+                with contextlib.suppress(Exception):
+                    await error_response(503, str(ShuttingDown()), "server_error")(scope, receive, send)
+        finally:
+            self.tasks.discard(task)
+
+    def close(self) -> None:
+        """Start the grace period; safe from a signal handler."""
+        self.closing = True
+        if self.loop is not None:
+            self.loop.call_soon_threadsafe(self.loop.call_later, self.GRACE_S, self._cancel_rest)
+
+    def _cancel_rest(self) -> None:
+        for task in list(self.tasks):
+            task.cancel()
 
 
 # -- request bodies ------------------------------------------------------------------------
@@ -403,12 +454,14 @@ def run_server(llm: Any, host: str = "127.0.0.1", port: int = 8000, config: Serv
                 os._exit(130)
             self.stopped_by = signal.Signals(sig).name
             engine.drain()
+            gate.close()
             self.should_exit = True
 
     app = create_app(llm, config)
     engine: AsyncEngine = app.state.engine
+    gate = ShutdownGate(app)
     # Requests end within a step of the signal; the timeout only guards against a stuck client.
-    uv = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=access_log,
+    uv = uvicorn.Config(gate, host=host, port=port, log_level=log_level, access_log=access_log,
                         timeout_graceful_shutdown=1)
     server = Server(uv)
     server.run()
