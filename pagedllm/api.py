@@ -132,6 +132,7 @@ class EngineOptions:
     max_num_batched_tokens: int | None = None
     seed: int | None = None
     isq: str | None = None
+    dequantize_weights: bool = False
     chat_template: str | None = None
 
     @classmethod
@@ -165,9 +166,11 @@ class EngineOptions:
                     "max_num_batched_tokens": self.max_num_batched_tokens, "seed": self.seed}
         kw.update({k: v for k, v in optional.items() if v is not None})
         if self.isq:
-            if "isq" not in accepted:
-                raise UnsupportedOption("--isq (in-situ quantization) is not supported yet")
-            kw["isq"] = self.isq
+            from .quant.isq import check_isq_type
+
+            kw["isq"] = check_isq_type(self.isq)
+        if self.dequantize_weights:
+            kw["dequantize_weights"] = True
         if self.no_prefix_cache:
             kw["enable_prefix_caching"] = False
         if self.prefix_cache_n is not None:

@@ -28,16 +28,22 @@ class LLM:
                  device: str | None = "auto", max_num_batched_tokens: int | None = None,
                  tokenizer: str | None = None, gguf_file: str | None = None,
                  kv_cache_dtype: str = "auto", enable_prefix_caching: bool = True,
-                 prefix_cache_n: int = 16) -> None:
+                 prefix_cache_n: int = 16, dequantize_weights: bool = False,
+                 isq: str | None = None) -> None:
         cache_cfg = CacheConfig(block_size, kv_cache_memory_mb, kv_cache_memory_fraction,
                                 kv_cache_context_len, kv_cache_dtype, paged_attention,
                                 enable_prefix_caching, prefix_cache_n)
         cache_cfg.validate()
+        if isq is not None:
+            from .quant.isq import check_isq_type
+
+            isq = check_isq_type(isq)
         dev = resolve_device(device)
         dt = resolve_dtype(dtype, dev)
         source = resolve(model, tokenizer, gguf_file)
         torch.manual_seed(seed)
-        loaded = load_model(source, dt, dev, max_positions=max_model_len)
+        loaded = load_model(source, dt, dev, max_positions=max_model_len,
+                            dequantize_weights=dequantize_weights, isq=isq)
         limit = loaded.config.max_position_embeddings
         if max_model_len is None:
             max_model_len = limit

@@ -68,6 +68,17 @@ class PagedAttentionLayer:
                                      meta.block_tables[i])
         return out
 
+    def decode_qkv(self, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                   meta: AttentionMetadata, hq: int, hkv: int) -> torch.Tensor | None:
+        """A step of decodes only, on the native kernel: rope, the cache write and attention from
+        the fused q|k|v projection in one call; None where that path does not apply."""
+        if self.native is None or meta.num_decodes != meta.num_seqs or qkv.dtype != self.kv.dtype:
+            return None
+        cos, sin = rope
+        return self.native.paged_decode_qkv(qkv, cos, sin, self.kv.k, self.kv.v, meta.slot_mapping,
+                                            meta.block_tables, meta.decode_context_lens, hq, hkv,
+                                            self.scale, self.window or 0)
+
     def _decode(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         nd, hq, d = q.shape
         if self.native is not None and q.dtype == self.kv.dtype:

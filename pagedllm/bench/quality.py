@@ -1,4 +1,5 @@
-"""`pagedllm bench quality`: what a quantized KV cache costs in quality, and buys in capacity.
+"""`pagedllm bench quality`: what a quantized KV cache costs in quality, and buys in capacity;
+with `--weights`, what quantized weights cost against the same model dequantized to float32.
 
 For each cache type (auto, f8e4m3, int8), in one run:
 - capacity: blocks that the same `--kv-mb` buys (scales counted);
@@ -169,10 +170,68 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="KV cache budget for the capacity column (blocks it buys per type)")
     p.add_argument("--block-size", type=int, default=32)
     p.add_argument("--text-file", default=None, help="plain English text instead of the plays")
+    p.add_argument("--weights", action="store_true",
+                   help="compare quantized weights (GGUF blocks or --isq) with dequantize_weights=True "
+                        "in float32 instead of KV cache types: perplexity and top-1 agreement, "
+                        "teacher-forced through the decode and the prefill paths")
+    p.add_argument("--isq", default=None, help="with --weights: ISQ type for a safetensors model")
     p.add_argument("--output", default="bench-results/quality.json")
 
 
+def run_weights(args: argparse.Namespace) -> dict:
+    """Quantized weights against the dequantized float32 model on the same windows. Decode path:
+    chunk 1, every window one row of a batch of at most 32 (the integer kernels). Prefill path:
+    whole windows at once (tile dequantize + GEMM)."""
+    from .. import LLM
+    from ..quant.kernels import INT_ROWS
+
+    if args.windows > INT_ROWS:
+        print(f"--weights: {args.windows} windows would leave the integer kernels (at most {INT_ROWS} "
+              f"rows); scoring {INT_ROWS}", flush=True)
+        args.windows = INT_ROWS
+    args.prompts = 0
+    windows, _, _, n_texts = _prepare_text(args)
+    n = len(windows) * args.window_len
+    print(f"text: {n_texts} texts; {len(windows)} windows x {args.window_len} tokens = {n} scored tokens; "
+          f"{torch.get_num_threads()} threads", flush=True)
+    ctx = len(windows) * (args.window_len + 1 + args.block_size)
+    runs = [("dequantized fp32 (reference)", dict(dtype="float32", dequantize_weights=True), 1),
+            ("quantized fp32, decode path", dict(dtype="float32"), 1),
+            ("quantized fp32, prefill path", dict(dtype="float32"), args.window_len + 1)]
+    if args.dtype not in ("float32", "fp32"):
+        runs.append((f"quantized {args.dtype}, decode path", dict(dtype=args.dtype), 1))
+    results = []
+    for label, kw, chunk in runs:
+        llm = LLM(args.model, kv_cache_context_len=ctx, max_num_seqs=len(windows), block_size=args.block_size,
+                  max_num_batched_tokens=max(2048, len(windows) * chunk), isq=args.isq if "dequant" not in label
+                  else None, **kw)
+        t0 = time.perf_counter()
+        top1: list[torch.Tensor] = []
+        lps = llm.engine.score_prompts(windows, chunk_size=chunk, top1=top1)
+        nll = -torch.cat(lps).double().mean()
+        r = {"run": label, "weights": llm.engine.weights.summary(), "perplexity": math.exp(float(nll)),
+             "scored_tokens": n, "seconds": time.perf_counter() - t0, "top1": torch.cat(top1)}
+        print(f"  {label}: perplexity {r['perplexity']:.4f} ({r['seconds']:.0f} s); weights {r['weights']}",
+              flush=True)
+        results.append(r)
+        del llm
+    ref = results[0]
+    for r in results:
+        r["ppl_delta_pct"] = 100 * (r["perplexity"] / ref["perplexity"] - 1)
+        r["top1_agree_pct"] = 100 * (r["top1"] == ref["top1"]).double().mean().item()
+    head = f"{'run':<32} {'perplexity':>11} {'delta':>8} {'top-1 agree':>12}"
+    print("\n".join([head, "-" * len(head)] + [
+        f"{r['run']:<32} {r['perplexity']:>11.4f} {r['ppl_delta_pct']:>+7.2f}% {r['top1_agree_pct']:>11.2f}%"
+        for r in results]))
+    out = {"machine": machine_info(), "args": vars(args),
+           "results": [{k: v for k, v in r.items() if k != "top1"} for r in results]}
+    print(f"results written to {write_json(args.output.replace('quality.json', 'quality-weights.json'), out)}")
+    return out
+
+
 def run(args: argparse.Namespace) -> dict:
+    if args.weights:
+        return run_weights(args)
     from ..config import normalize_kv_cache_dtype
     from ..kv.quant import get_mode
 

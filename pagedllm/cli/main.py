@@ -3,7 +3,7 @@
     pagedllm serve [MODEL] [--host 127.0.0.1] [--port 8000] [--api-key KEY] [engine flags]
     pagedllm chat [MODEL] [engine flags]             interactive chat in the terminal
     pagedllm generate [PROMPT] [-m MODEL]            one-shot; the prompt may come on stdin
-    pagedllm bench throughput|serve ...
+    pagedllm bench throughput|prefix|quality|compare|make-gguf|serve ...
     pagedllm trace [MODEL]                           KV cache figures while a request runs
     pagedllm demo
 
@@ -110,7 +110,11 @@ def _engine_flags(p: argparse.ArgumentParser, top: bool) -> None:
     g.add_argument("--dtype", default=d(None), help="auto, float32, bfloat16 or float16")
     g.add_argument("--device", default=d(None), help="auto, cpu, cuda, cuda:N or mps")
     g.add_argument("--seed", type=int, default=d(None), help="sampling seed of the engine")
-    g.add_argument("--isq", metavar="TYPE", default=d(None), help="in-situ quantization of the weights")
+    g.add_argument("--isq", metavar="TYPE", default=d(None),
+                   help="quantize a safetensors model's linear weights at load: Q8_0, Q4_0 or Q4_K")
+    g.add_argument("--dequantize-weights", action="store_true", default=d(False),
+                   help="dequantize GGUF weights to the compute dtype at load instead of running "
+                        "them quantized (the exact reference; more memory, slower decode)")
     g.add_argument("--chat-template", metavar="FILE", default=d(None),
                    help="chat template (.jinja, or JSON with a chat_template key) to use instead "
                         "of the model's")
@@ -178,8 +182,14 @@ BENCHES = {
     "throughput": "offline throughput against transformers generate, in one run",
     "prefix": "multi-turn and shared-system-prompt workload, prefix caching on and off",
     "quality": "perplexity and greedy agreement of the KV cache types",
+    "compare": "pagedllm beside llama.cpp on the same GGUF file, one process per figure",
+    "make-gguf": "write a GGUF with a real model's shape and random weights (llama.cpp quantizes it)",
     "startup": "time from starting `pagedllm generate` to its first token (median of 5)",
 }
+
+
+def _bench_module(kind: str) -> str:
+    return "pagedllm.bench." + kind.replace("-", "_")
 
 
 def _wants(argv: list[str], *words: str) -> bool:
@@ -245,7 +255,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     for kind, text in BENCHES.items():
         bt = bsub.add_parser(kind, help=text)
         if _wants(argv, "bench", kind):
-            _add_module_args(bt, f"pagedllm.bench.{kind}")
+            _add_module_args(bt, _bench_module(kind))
         else:
             bt.add_argument("rest", nargs=argparse.REMAINDER)
     bs = bsub.add_parser("serve", help="load test of a running server (streaming clients)")
@@ -308,7 +318,8 @@ def engine_options(args: argparse.Namespace, model: str | None = None) -> Engine
         no_paged_attn=args.no_paged_attn, prefix_cache_n=args.prefix_cache_n,
         no_prefix_cache=args.no_prefix_cache, max_seqs=args.max_seqs,
         max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
-        seed=args.seed, isq=args.isq, chat_template=args.chat_template)
+        seed=args.seed, isq=args.isq, dequantize_weights=bool(args.dequantize_weights),
+        chat_template=args.chat_template)
 
 
 def _model_of(args: argparse.Namespace) -> str:
@@ -485,7 +496,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         return loadtest.run(args)
     if args.bench in BENCHES:
-        return _run_module(f"pagedllm.bench.{args.bench}", args)
+        return _run_module(_bench_module(args.bench), args)
     print(f"usage: pagedllm bench {{{','.join([*BENCHES, 'serve'])}}} ...", file=sys.stderr)
     return 2
 

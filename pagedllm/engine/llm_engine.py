@@ -62,6 +62,7 @@ class LLMEngine:
         self.model = loaded.model
         self.model_config = cfg = loaded.config
         self.tokenizer = loaded.tokenizer
+        self.weights = loaded.weights  # formats, resident bytes, kernel path (for the trace)
         self.cache_config = cache_cfg
         self.sched_config = sched_cfg
         self.device, self.dtype = device, dtype
@@ -198,11 +199,13 @@ class LLMEngine:
             self.backend.free_seq(seq.seq_id)
         return torch.cat(parts).float().cpu()
 
-    def score_prompts(self, prompts: list[list[int]], chunk_size: int = 1) -> list[torch.Tensor]:
+    def score_prompts(self, prompts: list[list[int]], chunk_size: int = 1,
+                      top1: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
         """For each prompt, log p(token[t+1] | tokens[:t+1]) for every t ([T-1] float32),
         with all prompts advancing together, `chunk_size` tokens each per forward (1 = every
         token through the batched decode path, reading K/V back from the cache). For
-        perplexity over many windows at once; blocks are returned afterwards."""
+        perplexity over many windows at once; blocks are returned afterwards. A list passed
+        as `top1` receives each prompt's argmax predictions ([T-1] int64) too."""
         params = SamplingParams(max_tokens=1)
         seqs = [Sequence("__score__", self._check_prompt(list(p), params), params) for p in prompts]
         bs = self.cache_config.block_size
@@ -240,7 +243,10 @@ class LLMEngine:
                         sel = torch.tensor(rows, device=self.device)
                         logits = self.model.compute_logits(hidden.index_select(0, sel))
                         tgt = torch.tensor(targets, device=self.device)[:, None]
-                        vals.append((logits.gather(1, tgt)[:, 0] - logits.logsumexp(-1)).cpu())
+                        lp = logits.gather(1, tgt)[:, 0] - logits.logsumexp(-1)
+                        if top1 is not None:  # carried beside the logprob, exactly as an integer
+                            lp = torch.stack([lp.double(), logits.argmax(-1).double()], dim=1)
+                        vals.append(lp.cpu())
                 for it in batch:
                     it.seq.num_computed_tokens += it.num_new_tokens
         finally:
@@ -248,11 +254,17 @@ class LLMEngine:
                 self.block_manager.free(s)
                 self.backend.free_seq(s.seq_id)
         out = [torch.empty(s.num_tokens - 1) for s in seqs]
+        if top1 is not None:
+            top1[:] = [torch.empty(s.num_tokens - 1, dtype=torch.int64) for s in seqs]
         if vals:
             v, si, pi = torch.cat(vals), torch.tensor(seq_idx), torch.tensor(positions)
             for i in range(len(seqs)):
                 m = si == i
-                out[i][pi[m]] = v[m]
+                if top1 is not None:
+                    out[i][pi[m]] = v[m, 0].float()
+                    top1[i][pi[m]] = v[m, 1].long()
+                else:
+                    out[i][pi[m]] = v[m]
         return out
 
     # -- the step ---------------------------------------------------------

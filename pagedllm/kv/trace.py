@@ -40,6 +40,9 @@ class KVCacheTrace:
     preemptions: int
     waste: float  # share of allocated token slots (live sequences) not holding a token, now
     waste_avg: float  # the same averaged over every engine step so far
+    # The weights beside the cache: each format held, resident MB, and the kernel path (or why not).
+    weight_formats: str = ""
+    weight_kernel: str = ""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -120,6 +123,8 @@ def build_trace(engine) -> KVCacheTrace:
         preemptions=engine.scheduler.num_preemptions,
         waste=(1 - held / alloc) if alloc else 0.0,
         waste_avg=engine.waste_sum / steps if engine.waste_steps else 0.0,
+        weight_formats=_weight_formats(engine),
+        weight_kernel=_weight_kernel(engine),
     )
 
 
@@ -143,3 +148,20 @@ def _decode_path(engine) -> str:
            f"no native paged kernel is built for {dev} yet")
     return (f"{backend.name}: all decodes of a step in one batched gather of their blocks by block "
             f"table and one SDPA call per layer, on {dev}; the PyTorch path is used because {why}")
+
+
+def _weight_formats(engine) -> str:
+    w = getattr(engine, "weights", None)
+    if w is None:
+        return ""
+    fmts = ", ".join(f"{n} x{c}" for n, c in sorted(w.formats.items(), key=lambda kv: -kv[1]))
+    return f"{fmts} ({w.resident_bytes / 2**20:.1f} MB resident)"
+
+
+def _weight_kernel(engine) -> str:
+    w = getattr(engine, "weights", None)
+    if w is None:
+        return ""
+    if w.kernel:
+        return f"quantized {w.kernel} integer kernels at decode, tile dequantize + GEMM for long prefills ({w.reason})"
+    return f"float GEMMs on dequantized weights ({w.reason})"

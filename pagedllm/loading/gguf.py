@@ -13,6 +13,7 @@ import mmap
 import os
 import re
 import struct
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from pagedllm.quant.formats import QuantTensor
 from pagedllm.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -121,8 +123,16 @@ class GGUFCheckpoint:
             hf: t.tensor_type.name for t in self._reader.tensors if (hf := _hf_tensor_name(t.name)) is not None
         }
 
-    def tensors(self, dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield (HF name, tensor of `dtype` in HF [out, in] orientation), one tensor at a time."""
+    def quantized_names(self) -> set[str]:
+        """HF names of the tensors `tensors(keep_quantized=True)` yields as QuantTensor."""
+        return {hf for t in self._reader.tensors
+                if (hf := _hf_tensor_name(t.name)) is not None and _keeps_blocks(t)}
+
+    def tensors(self, dtype: torch.dtype = torch.float32,
+                keep_quantized: bool = False) -> Iterator[tuple[str, torch.Tensor | QuantTensor]]:
+        """Yield (HF name, tensor in HF [out, in] orientation), one tensor at a time: `dtype`
+        floats, or with `keep_quantized` the file's own blocks (QuantTensor, mmap'd) for every
+        matrix in a format the kernels run."""
         import gguf
 
         arch = self.metadata["general.architecture"]
@@ -134,19 +144,67 @@ class GGUFCheckpoint:
                 if tensor.name not in _NON_HF_TENSORS:
                     logger.warning("%s: skipping tensor %s, which has no HF counterpart", self.path, tensor.name)
                 continue
+            heads = None
+            if arch in _PERMUTED_QK_ARCHS:
+                heads = n_heads if ".attn_q." in tensor.name else n_kv_heads if ".attn_k." in tensor.name else None
+            if keep_quantized and _keeps_blocks(tensor):
+                yield hf_name, self._quant_tensor(tensor, heads)
+                continue
             try:
                 array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
             except (NotImplementedError, ValueError) as exc:
                 raise GGUFError(f"{self.path}: cannot dequantize tensor {tensor.name}: {exc}") from exc
             array = array.reshape(tuple(reversed([int(d) for d in tensor.shape])))
-            if arch in _PERMUTED_QK_ARCHS:
-                if ".attn_q." in tensor.name:
-                    array = _undo_rope_permute(array, n_heads)
-                elif ".attn_k." in tensor.name:
-                    array = _undo_rope_permute(array, n_kv_heads)
+            if heads is not None:
+                array = _undo_rope_permute(array, heads)
+            if tensor.tensor_type.name not in ("F32", "F16", "BF16") and not np.isfinite(array).all():
+                raise GGUFError(f"{self.path}: tensor {tensor.name} ({tensor.tensor_type.name}) has blocks "
+                                "with a NaN or inf scale; the file is corrupt")
             if not array.flags.writeable:  # memmap views (F32) are read-only; torch wants to own the data
                 array = np.array(array)
             yield hf_name, torch.from_numpy(array).to(dtype)
+
+    def _quant_tensor(self, tensor: Any, heads: int | None) -> QuantTensor:
+        from ..quant.kernels import bad_scale_blocks
+
+        rows, cols = int(tensor.shape[1]), int(tensor.shape[0])
+        with warnings.catch_warnings():  # a read-only view of the mmap'd file: never written
+            warnings.simplefilter("ignore", UserWarning)
+            data = torch.from_numpy(tensor.data.reshape(rows, -1))
+        qt = QuantTensor(tensor.tensor_type.name, data, (rows, cols))
+        bad = bad_scale_blocks(qt)
+        if bad:
+            raise GGUFError(f"{self.path}: tensor {tensor.name} ({qt.fmt}) has {bad} block(s) with a NaN or "
+                            "inf scale; the file is corrupt")
+        if heads is not None:
+            # Undo llama.cpp's q/k row permutation on whole block rows; the copy replaces the
+            # file's pages, which are handed back so they are not held twice.
+            half = rows // heads // 2
+            index = torch.arange(rows).view(heads, half, 2).transpose(1, 2).reshape(-1)
+            qt = qt.permute_rows(index)
+            _release_pages(self._reader, int(tensor.data_offset), int(tensor.n_bytes))
+        return qt
+
+
+def _keeps_blocks(tensor: Any) -> bool:
+    from ..quant.formats import FORMATS
+
+    return tensor.tensor_type.name in FORMATS and len(tensor.shape) == 2
+
+
+def _release_pages(reader: Any, offset: int, nbytes: int) -> None:
+    """Drop our mapping of a file range we copied (the page cache keeps it; RSS stops counting it)."""
+    mm = getattr(getattr(reader, "data", None), "_mmap", None)
+    if mm is None or not hasattr(mm, "madvise"):
+        return
+    page = mmap.PAGESIZE
+    start = -(-offset // page) * page
+    stop = (offset + nbytes) // page * page
+    if stop > start:
+        try:
+            mm.madvise(mmap.MADV_DONTNEED, start, stop - start)
+        except (OSError, ValueError):
+            pass
 
 
 def read_gguf(path: str | os.PathLike) -> GGUFCheckpoint:

@@ -13,10 +13,26 @@ from tqdm.auto import tqdm
 from ..config import ModelConfig
 from ..kv.calibration import kv_scale_key
 from ..models import materialize, model_class
+from ..quant.formats import QuantTensor
 from ..tokenizer import Tokenizer
 from .source import ModelSource
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class WeightsInfo:
+    """What the weights are in memory: formats, resident bytes, and the kernel that runs them."""
+
+    formats: dict[str, int]  # format name -> number of weight matrices (or float dtype -> count)
+    resident_bytes: int
+    kernel: str | None  # the quantized kernel path ("avx512-vnni", "avx2", ...) or None
+    reason: str  # why that path (or why weights are dequantized)
+
+    def summary(self) -> str:
+        fmts = ", ".join(f"{n} x{c}" for n, c in sorted(self.formats.items(), key=lambda kv: -kv[1]))
+        path = f"quantized kernels: {self.kernel}" if self.kernel else "dequantized, float GEMMs"
+        return f"{self.resident_bytes / 2**20:.1f} MB ({fmts}); {path} ({self.reason})"
 
 
 @dataclass
@@ -28,18 +44,37 @@ class LoadedModel:
     weight_bytes: int
     # KV-cache scales the checkpoint carries (fp8 KV), by (layer, 0=K / 1=V / 2=both).
     kv_scales: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    weights: WeightsInfo | None = None
+
+
+def quantized_path(device: torch.device, dequantize_weights: bool) -> tuple[str | None, str]:
+    """The kernel path quantized weights will run on, or None and why they are dequantized."""
+    if dequantize_weights:
+        return None, "dequantize_weights=True"
+    if device.type != "cpu":
+        return None, f"no quantized kernels for {device.type} yet"
+    from ..quant.kernels import kernel_path
+
+    return kernel_path()
 
 
 def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
-               max_positions: int | None = None) -> LoadedModel:
+               max_positions: int | None = None, dequantize_weights: bool = False,
+               isq: str | None = None) -> LoadedModel:
+    qpath, qwhy = quantized_path(device, dequantize_weights)
+    quantized: set[str] = set()
     if source.kind == "gguf":
         from .gguf import read_gguf
 
+        if isq:
+            raise ValueError(f"isq={isq!r} quantizes a safetensors model at load; {source.path.name} is a GGUF "
+                             "file whose weights are already quantized (drop isq)")
         ckpt = read_gguf(source.path)
         hf_config = ckpt.config
         tokenizer = (Tokenizer.from_pretrained_dir(source.tokenizer_dir)
                      if source.tokenizer_dir else ckpt.tokenizer)
-        weights = ckpt.tensors(dtype)
+        weights = ckpt.tensors(dtype, keep_quantized=qpath is not None)
+        quantized = ckpt.quantized_names() if qpath is not None else set()
         total = len(ckpt.tensor_names())
     else:
         hf_config = _read_json(source.path / "config.json")
@@ -47,8 +82,8 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
         files = sorted(source.path.glob("*.safetensors"))
         if not files:
             raise FileNotFoundError(f"{source.path} has no *.safetensors weight files")
-        weights = _safetensors(files, dtype)
-        total = None
+        weights = _safetensors(files)
+        total = len(_safetensors_keys(files))
 
     cfg = ModelConfig.from_hf_dict(hf_config)
     if not cfg.eos_token_ids and tokenizer.eos_token_id is not None:
@@ -57,6 +92,15 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
     positions = max_positions or cfg.max_position_embeddings
     with torch.device("meta"):
         model = cls(cfg, positions)
+    if isq:
+        from ..quant.isq import isq_stream, linear_weight_names
+
+        if qpath is None:
+            raise ValueError(f"isq={isq!r} needs the quantized CPU kernels, which are not in use here: {qwhy}")
+        quantized = linear_weight_names(model, _safetensors_keys(files))
+        weights = isq_stream(weights, isq, quantized)
+        qwhy = f"{qwhy}; ISQ {isq} at load"
+    model.expect_quantized(quantized)
     model = materialize(model, device, dtype)
     for m in model.modules():
         if hasattr(m, "reset_buffers"):
@@ -66,13 +110,41 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
     desc = f"loading {source.path.name}"
     kv_scales: dict[tuple[int, int], torch.Tensor] = {}
     weights = _set_aside_kv_scales(weights, kv_scales)
-    model.load_weights(tqdm(weights, total=total, desc=desc, unit="tensor", leave=False,
-                            disable=None))
+    weights = ((n, t if isinstance(t, QuantTensor) else t.to(dtype)) for n, t in weights)
+    model.load_weights(tqdm(weights, total=total, desc=desc, unit="tensor", leave=False, disable=None),
+                       dtype)
     model.eval()
-    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    logger.info("loaded %s (%s, %d layers, %.1f MB of weights in %s)", source.name,
-                cfg.architecture, cfg.num_layers, nbytes / 2**20, dtype)
-    return LoadedModel(model, cfg, tokenizer, source, nbytes, kv_scales)
+    info = _weights_info(model, qpath if quantized else None, qwhy)
+    logger.info("loaded %s (%s, %d layers); weights: %s", source.name, cfg.architecture, cfg.num_layers,
+                info.summary())
+    return LoadedModel(model, cfg, tokenizer, source, info.resident_bytes, kv_scales, info)
+
+
+def _weights_info(model: torch.nn.Module, kernel: str | None, reason: str) -> WeightsInfo:
+    from collections import Counter
+
+    from ..models.linear import Embedding, Linear
+
+    formats: Counter[str] = Counter()
+    nbytes, seen = 0, set()
+    for m in model.modules():
+        if isinstance(m, Linear) and m.qparts:
+            formats.update(p.fmt for p in m.qparts)
+        elif isinstance(m, Embedding) and m.qweight is not None:
+            formats[m.qweight.fmt] += 1
+            if id(m.qweight.data) not in seen:
+                seen.add(id(m.qweight.data))
+                nbytes += m.qweight.nbytes
+        if isinstance(m, Linear) and m.qparts:
+            for p in m.qparts:
+                if id(p.data) not in seen:
+                    seen.add(id(p.data))
+                    nbytes += p.nbytes
+    for p in model.parameters():
+        nbytes += p.numel() * p.element_size()
+        if p.dim() == 2:
+            formats[str(p.dtype).removeprefix("torch.")] += 1
+    return WeightsInfo(dict(formats), nbytes, kernel, reason)
 
 
 def _set_aside_kv_scales(weights: Iterator[tuple[str, torch.Tensor]],
@@ -93,12 +165,22 @@ def _read_json(path: Path) -> dict:
         return json.load(f)
 
 
-def _safetensors(files: list[Path], dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+def _safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors as stored, one at a time (the consumer casts or quantizes)."""
     from safetensors import safe_open
 
     for f in files:
         with safe_open(str(f), framework="pt", device="cpu") as st:
             for name in st.keys():
-                t = st.get_tensor(name)
-                # KV-cache scales keep their float32 precision.
-                yield name, t if kv_scale_key(name) is not None else t.to(dtype)
+                yield name, st.get_tensor(name)
+
+
+def _safetensors_keys(files: list[Path]) -> list[str]:
+    from safetensors import safe_open
+
+    keys: list[str] = []
+    for f in files:
+        with safe_open(str(f), framework="pt", device="cpu") as st:
+            keys.extend(st.keys())
+    return keys
+

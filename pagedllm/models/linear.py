@@ -1,6 +1,13 @@
-"""The models' linear layer: nn.Linear, except that decode at batch 1-2 on the CPU with
-bf16 weights goes to the native matrix-vector product, which streams the weight at about
-twice the rate oneDNN's GEMM reaches at that size (weights, not arithmetic, bound it)."""
+"""The models' linear layer and embedding: nn.Linear / nn.Embedding, plus two CPU paths.
+
+- Quantized weights (GGUF blocks or ISQ): the layer holds `QuantTensor` parts instead of a
+  float weight; a fused projection may have parts in different formats (Q4_K_M files keep
+  v in Q6_K beside q/k in Q4_K). quant/kernels.py picks the integer kernel or the
+  dequantize + GEMM route by row count.
+- Decode at batch 1-2 with bf16 weights goes to the native matrix-vector product, which
+  streams the weight at about twice the rate oneDNN's GEMM reaches at that size (weights,
+  not arithmetic, bound it).
+"""
 from __future__ import annotations
 
 import torch
@@ -8,12 +15,51 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..native import cpu_kernels
+from ..quant import kernels as qk
+from ..quant.formats import QuantTensor
 
 MAX_ROWS = 2  # from three rows on oneDNN's blocked GEMM is as fast or faster
 
 
 class Linear(nn.Linear):
+    qparts: list[QuantTensor] | None = None
+
+    def set_quantized(self, parts: list[QuantTensor]) -> None:
+        """Hold `parts` (stacked by rows) as the weight; the float parameter goes away."""
+        rows = sum(p.shape[0] for p in parts)
+        if rows != self.out_features or any(p.shape[1] != self.in_features for p in parts):
+            raise ValueError(f"quantized weight of {rows}x{parts[0].shape[1]} for a "
+                             f"{self.out_features}x{self.in_features} layer")
+        self.qparts = parts
+        self.weight = None  # nn.Module keeps the slot; parameters() skips it
+
+    @property
+    def weight_formats(self) -> list[str]:
+        return [p.fmt for p in self.qparts] if self.qparts else [str(self.weight.dtype).removeprefix("torch.")]
+
+    @property
+    def weight_nbytes(self) -> int:
+        if self.qparts:
+            return sum(p.nbytes for p in self.qparts)
+        return self.weight.numel() * self.weight.element_size()
+
+    def fused(self, x: torch.Tensor, norm: nn.Module | None = None, residual: torch.Tensor | None = None,
+              silu_mul: bool = False) -> torch.Tensor:
+        """residual + act(self(norm(x))), where act is silu(gate) * up over the output's halves.
+        With quantized weights and few rows it is one native call (the norm, the bias, the
+        activation and the residual folded into the projection); otherwise the plain ops."""
+        if self.qparts is not None and x.shape[0] <= qk.INT_ROWS and x.dim() == 2:
+            return qk.linear(x, self.qparts, norm, self.bias, residual, silu_mul)
+        y = self(norm(x) if norm is not None else x)
+        if silu_mul:
+            gate, up = y.chunk(2, dim=-1)
+            y = F.silu(gate) * up
+        return y if residual is None else residual + y
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.qparts is not None:
+            y = qk.matmul(x.reshape(-1, x.shape[-1]), self.qparts).view(*x.shape[:-1], self.out_features)
+            return y if self.bias is None else y + self.bias
         w = self.weight
         if (x.dim() == 2 and x.shape[0] <= MAX_ROWS and w.dtype == torch.bfloat16
                 and w.device.type == "cpu" and w.is_contiguous() and not torch.is_grad_enabled()):
@@ -22,3 +68,22 @@ class Linear(nn.Linear):
                 y = native.linear_small_m(x, w)
                 return y if self.bias is None else y + self.bias
         return F.linear(x, w, self.bias)
+
+
+class Embedding(nn.Embedding):
+    """An embedding table; quantized, a lookup dequantizes only the rows it reads."""
+
+    qweight: QuantTensor | None = None
+    out_dtype: torch.dtype = torch.float32
+
+    def set_quantized(self, w: QuantTensor, dtype: torch.dtype) -> None:
+        if w.shape != (self.num_embeddings, self.embedding_dim):
+            raise ValueError(f"quantized embedding of {w.shape} for a "
+                             f"{self.num_embeddings}x{self.embedding_dim} table")
+        self.qweight, self.out_dtype = w, dtype
+        self.weight = None
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.qweight is not None:
+            return qk.embedding(self.qweight, ids.reshape(-1), self.out_dtype).view(*ids.shape, -1)
+        return super().forward(ids)

@@ -14,7 +14,8 @@ from torch import nn
 
 from ..attention.metadata import AttentionMetadata
 from ..config import ModelConfig
-from .linear import Linear
+from ..quant.formats import QuantTensor
+from .linear import Embedding, Linear
 from .rope import RotaryEmbedding, apply_rope
 
 
@@ -43,15 +44,23 @@ class Attention(nn.Module):
         self.attn = None  # set by the model runner: an attention backend layer
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        t = x.shape[0]
-        qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
-        # Rotate q and k heads together: one set of rope ops per layer, not two.
-        qk = apply_rope(qk.view(t, self.num_heads + self.num_kv_heads, self.head_dim), *rope)
-        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
-        o = self.attn(q, k, v, meta)
-        return self.o_proj(o.reshape(t, self.q_size))
+                meta: AttentionMetadata, norm: nn.Module | None = None,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+        """residual + o_proj(attention(norm(x)))."""
+        qkv = self.qkv_proj.fused(x, norm=norm)
+        # A pure decode step on the native paged backend: rope, the cache write and attention
+        # in one call (the same values as the ops below).
+        decode_qkv = getattr(self.attn, "decode_qkv", None)
+        o = decode_qkv(qkv, rope, meta, self.num_heads, self.num_kv_heads) if decode_qkv else None
+        if o is None:
+            t = x.shape[0]
+            qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+            # Rotate q and k heads together: one set of rope ops per layer, not two.
+            qk = apply_rope(qk.view(t, self.num_heads + self.num_kv_heads, self.head_dim), *rope)
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+            v = v.view(t, self.num_kv_heads, self.head_dim)
+            o = self.attn(q, k, v, meta).reshape(t, self.q_size)
+        return self.o_proj.fused(o, residual=residual)
 
 
 class MLP(nn.Module):
@@ -61,9 +70,10 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.inter, bias=cfg.mlp_bias)
         self.down_proj = Linear(self.inter, cfg.hidden_size, bias=cfg.mlp_bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, norm: nn.Module | None = None,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+        """residual + down(silu(gate) * up), gate|up = gate_up(norm(x))."""
+        return self.down_proj.fused(self.gate_up_proj.fused(x, norm=norm, silu_mul=True), residual=residual)
 
 
 class DecoderLayer(nn.Module):
@@ -76,8 +86,10 @@ class DecoderLayer(nn.Module):
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], h: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
-        h = h + self.self_attn(rope, self.input_layernorm(h), meta)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        # The norms and residual adds travel with the projections, which fold them into one
+        # native call where they can (quantized weights, few rows).
+        h = self.self_attn(rope, h, meta, norm=self.input_layernorm, residual=h)
+        return self.mlp(h, norm=self.post_attention_layernorm, residual=h)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -93,14 +105,18 @@ class LlamaForCausalLM(nn.Module):
         self.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
         # An uninitialised table: the checkpoint fills it. (nn.Embedding's own init draws
         # normal_ values, whose meta-device kernel imports sympy: 2 s of startup.)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
-                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size,
+                                      _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     def tie_weights(self) -> None:
-        if self.config.tie_word_embeddings:
+        if not self.config.tie_word_embeddings:
+            return
+        if self.embed_tokens.qweight is not None:  # the head reads the same quantized blocks
+            self.lm_head.set_quantized([self.embed_tokens.qweight])
+        else:
             self.lm_head.weight = self.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -136,16 +152,31 @@ class LlamaForCausalLM(nn.Module):
                 return name.replace(frag, ours), shard
         return name, None
 
+    def expect_quantized(self, hf_names: set[str]) -> None:
+        """Before materializing (the model is on the meta device): the weights named will
+        arrive quantized, so their float parameters are dropped instead of allocated."""
+        for hf_name in hf_names:
+            mapped = self.map_weight_name(hf_name)
+            if mapped is not None:
+                module = self.get_submodule(mapped[0].rsplit(".", 1)[0])
+                module.weight = None
+        if self.config.tie_word_embeddings and self.embed_tokens.weight is None:
+            self.lm_head.weight = None
+
     @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantTensor]],
+                     dtype: torch.dtype = torch.float32) -> None:
         params = dict(self.named_parameters())
         loaded: set[str] = set()
-        seen_shards: dict[str, set[int]] = {}
+        seen_shards: dict[str, dict[int, QuantTensor | None]] = {}
         for hf_name, tensor in weights:
             mapped = self.map_weight_name(hf_name)
             if mapped is None:
                 continue
             name, shard = mapped
+            if isinstance(tensor, QuantTensor):
+                self._place_quantized(name, shard, tensor, hf_name, dtype, seen_shards, loaded)
+                continue
             param = params.get(name)
             if param is None:
                 raise ValueError(f"checkpoint tensor {hf_name!r} has no place in {type(self).__name__}")
@@ -156,14 +187,40 @@ class LlamaForCausalLM(nn.Module):
                 sizes = self.shard_sizes(name.split(".")[-2])
                 start = sum(sizes[:shard])
                 _copy_checked(param.narrow(0, start, sizes[shard]), tensor, hf_name)
-                seen_shards.setdefault(name, set()).add(shard)
+                seen_shards.setdefault(name, {})[shard] = None
                 if len(seen_shards[name]) == len(sizes):
                     loaded.add(name)
+        self.tie_weights()
         if self.config.tie_word_embeddings:
             loaded.add("lm_head.weight")
-        missing = sorted(set(params) - loaded)
+        expected = set(params) | {n for n in seen_shards} | loaded
+        missing = sorted(expected - loaded)
         if missing:
             raise ValueError(f"checkpoint is missing weights: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+
+    def _place_quantized(self, name: str, shard: int | None, qt: QuantTensor, hf_name: str,
+                         dtype: torch.dtype, seen: dict, loaded: set[str]) -> None:
+        module = self.get_submodule(name.rsplit(".", 1)[0])
+        if isinstance(module, Embedding):
+            module.set_quantized(qt, dtype)
+            loaded.add(name)
+            return
+        if not isinstance(module, Linear):
+            raise ValueError(f"checkpoint tensor {hf_name!r} is quantized but {name} is not a linear weight")
+        if shard is None:
+            module.set_quantized([qt])
+            loaded.add(name)
+            return
+        sizes = self.shard_sizes(name.split(".")[-2])
+        if qt.shape != (sizes[shard], module.in_features):
+            raise ValueError(f"weight {hf_name!r} has shape {qt.shape}, expected {(sizes[shard], module.in_features)}")
+        parts = seen.setdefault(name, {})
+        parts[shard] = qt
+        if len(parts) == len(sizes):
+            if any(p is None for p in parts.values()):
+                raise ValueError(f"{name}: some shards are quantized and others are not")
+            module.set_quantized([parts[i] for i in range(len(sizes))])  # one kernel call, no copy
+            loaded.add(name)
 
 
 def _copy_checked(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:

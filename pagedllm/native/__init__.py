@@ -1,6 +1,8 @@
-"""Native CPU kernels, built on first use with torch.utils.cpp_extension and cached:
-paged decode attention that reads K/V in place (attention/paged.py) and a bf16
-matrix-vector product for decode at batch 1-2 (models/linear.py).
+"""Native CPU kernels, built on first use with torch.utils.cpp_extension and cached, and
+registered as torch ops (`torch.ops.pagedllm.*`, visible to torch.profiler):
+paged decode attention that reads K/V in place (attention/paged.py), a bf16
+matrix-vector product for decode at batch 1-2 (models/linear.py), and products with
+GGUF-quantized weights (quant/, models/linear.py).
 
 The build needs a C++ compiler and ninja; it is compiled for this machine's CPU
 (-march=native), so the cache key carries the CPU's instruction-set flags and a
@@ -19,7 +21,7 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
+SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.cpp"))
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]
 
 
@@ -45,19 +47,29 @@ def disabled_reason() -> str | None:
 
 @lru_cache(maxsize=1)
 def cpu_kernels():
-    """The compiled module (`paged_decode`, `linear_small_m`), or None where it cannot be built."""
+    """The op namespace `torch.ops.pagedllm` (`paged_decode`, `linear_small_m`, `quant_*`), or
+    None where the kernels cannot be built."""
     why = disabled_reason()
     if why:
         logger.info("native CPU kernels off (%s): the PyTorch paths are used", why)
         return None
     try:
-        from torch.utils.cpp_extension import load
+        import torch
+        from torch.utils.cpp_extension import _get_build_directory, load
 
-        src_hash = hashlib.sha1(SOURCE.read_bytes()).hexdigest()[:8]
-        name = f"pagedllm_cpu_{_cpu_key()}_{src_hash}"
-        logger.info("loading the native CPU kernels (%s); the first build takes about 30 s", name)
-        return load(name=name, sources=[str(SOURCE)], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
-                    verbose=False)
+        # The cache key covers every source file and the flags, so any edit rebuilds.
+        digest = hashlib.sha1(" ".join(FLAGS).encode())
+        for src in SOURCES:
+            digest.update(src.name.encode() + src.read_bytes())
+        name = f"pagedllm_cpu_{_cpu_key()}_{digest.hexdigest()[:10]}"
+        built = Path(_get_build_directory(name, verbose=False)) / f"{name}.so"
+        if built.is_file():
+            logger.debug("loading the native CPU kernels (%s)", name)
+        else:
+            logger.info("building the native CPU kernels (%s); this takes about a minute, once", name)
+        load(name=name, sources=[str(s) for s in SOURCES], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
+             is_python_module=False, verbose=False)
+        return torch.ops.pagedllm
     except Exception as e:  # no compiler, no ninja, a failed build: the torch path still works
         logger.warning("native CPU kernels unavailable (%s: %s); using the PyTorch paths",
                        type(e).__name__, str(e).strip().splitlines()[-1] if str(e).strip() else "")

@@ -6,7 +6,8 @@
 // sequence once for all G rows (GQA without repeating K/V), keeps the scores in a
 // per-thread buffer, and accumulates the values in float32. The cache is read in place
 // by block table; nothing is written to it.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/library.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -120,8 +121,8 @@ void dispatch_dim(const T* qp, int64_t q_sn, int64_t q_sh, const T* kp, const T*
 }
 
 template <typename T>
-void dispatch_index(const torch::Tensor& q, const torch::Tensor& kc, const torch::Tensor& vc,
-                    const torch::Tensor& tables, const torch::Tensor& lens, torch::Tensor& out,
+void dispatch_index(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
+                    const at::Tensor& tables, const at::Tensor& lens, at::Tensor& out,
                     int64_t window, double scale) {
   const int64_t n = q.size(0), hq = q.size(1), d = q.size(2);
   const int64_t bs = kc.size(1), hkv = kc.size(2);
@@ -130,7 +131,7 @@ void dispatch_index(const torch::Tensor& q, const torch::Tensor& kc, const torch
   const T* vp = vc.data_ptr<T>();
   T* op = out.data_ptr<T>();
   const int64_t blk = kc.stride(0), tok = kc.stride(1);
-  if (tables.scalar_type() == torch::kInt64) {
+  if (tables.scalar_type() == at::kLong) {
     dispatch_dim<T, int64_t>(qp, q.stride(0), q.stride(1), kp, vp, blk, tok, tables.data_ptr<int64_t>(),
                        tables.size(1), lens.data_ptr<int64_t>(), op, n, hq, hkv, d, bs, window,
                        static_cast<float>(scale));
@@ -141,14 +142,38 @@ void dispatch_index(const torch::Tensor& q, const torch::Tensor& kc, const torch
   }
 }
 
+// Every block id a sequence's length reaches must name a block of the pool, and every length
+// fit its table: a bookkeeping bug then raises here instead of reading stray memory. O(blocks).
+template <typename I>
+void check_tables_t(const I* tables, int64_t width, const I* lens, int64_t n, int64_t num_blocks, int64_t bs) {
+  for (int64_t s = 0; s < n; ++s) {
+    const int64_t len = static_cast<int64_t>(lens[s]);
+    TORCH_CHECK(len >= 1 && len <= width * bs, "paged_decode: sequence ", s, " has context length ", len,
+                " but its block table holds ", width, " blocks of ", bs);
+    const int64_t used = (len + bs - 1) / bs;
+    for (int64_t i = 0; i < used; ++i) {
+      const int64_t b = static_cast<int64_t>(tables[s * width + i]);
+      TORCH_CHECK(b >= 0 && b < num_blocks, "paged_decode: sequence ", s, " names block ", b,
+                  " at table position ", i, ", outside the pool of ", num_blocks, " blocks");
+    }
+  }
+}
+
+void check_tables(const at::Tensor& tables, const at::Tensor& lens, int64_t n, int64_t num_blocks, int64_t bs) {
+  if (tables.scalar_type() == at::kLong)
+    check_tables_t(tables.data_ptr<int64_t>(), tables.size(1), lens.data_ptr<int64_t>(), n, num_blocks, bs);
+  else
+    check_tables_t(tables.data_ptr<int32_t>(), tables.size(1), lens.data_ptr<int32_t>(), n, num_blocks, bs);
+}
+
 }  // namespace
 
 // q [N, Hq, D] (last dim contiguous); k_cache, v_cache [num_blocks, block_size, Hkv, D]
 // contiguous, same dtype as q; block_tables [N, max_blocks]; context_lens [N] (int32 or
 // int64, both the same). window <= 0 means no sliding window. Returns [N, Hq, D].
-torch::Tensor paged_decode(const torch::Tensor& q, const torch::Tensor& k_cache,
-                           const torch::Tensor& v_cache, const torch::Tensor& block_tables,
-                           const torch::Tensor& context_lens, double scale, int64_t window) {
+at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache,
+                           const at::Tensor& v_cache, const at::Tensor& block_tables,
+                           const at::Tensor& context_lens, double scale, int64_t window) {
   TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu(), "paged_decode runs on the CPU");
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [N, Hq, D] with a contiguous last dim");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
@@ -161,18 +186,99 @@ torch::Tensor paged_decode(const torch::Tensor& q, const torch::Tensor& k_cache,
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.is_contiguous() && context_lens.is_contiguous() &&
                   block_tables.size(0) >= q.size(0) && context_lens.size(0) >= q.size(0) &&
                   block_tables.scalar_type() == context_lens.scalar_type() &&
-                  (block_tables.scalar_type() == torch::kInt64 || block_tables.scalar_type() == torch::kInt32),
+                  (block_tables.scalar_type() == at::kLong || block_tables.scalar_type() == at::kInt),
               "block_tables [N, max_blocks] and context_lens [N] must be contiguous int32 or int64");
-  auto out = torch::empty({q.size(0), q.size(1), q.size(2)}, q.options());
+  check_tables(block_tables, context_lens, q.size(0), k_cache.size(0), k_cache.size(1));
+  auto out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
   switch (q.scalar_type()) {
-    case torch::kFloat: dispatch_index<float>(q, k_cache, v_cache, block_tables, context_lens, out, window, scale); break;
-    case torch::kBFloat16: dispatch_index<c10::BFloat16>(q, k_cache, v_cache, block_tables, context_lens, out, window, scale); break;
-    case torch::kHalf: dispatch_index<c10::Half>(q, k_cache, v_cache, block_tables, context_lens, out, window, scale); break;
+    case at::kFloat: dispatch_index<float>(q, k_cache, v_cache, block_tables, context_lens, out, window, scale); break;
+    case at::kBFloat16: dispatch_index<c10::BFloat16>(q, k_cache, v_cache, block_tables, context_lens, out, window, scale); break;
+    case at::kHalf: dispatch_index<c10::Half>(q, k_cache, v_cache, block_tables, context_lens, out, window, scale); break;
     default: TORCH_CHECK(false, "paged_decode supports float32, bfloat16 and float16");
   }
   return out;
 }
 
+
+namespace {
+// Rotate-half rope of one head, rounding each product and sum to T as the PyTorch path's
+// elementwise ops do (x1*cos - x2*sin, x2*cos + x1*sin), so both paths give the same bits.
+template <typename T>
+__attribute__((optimize("fp-contract=off"))) void rope_head(const T* x, const T* c, const T* s, T* o,
+                                                             int64_t half) {
+  for (int64_t i = 0; i < half; ++i) {
+    const T x1 = x[i], x2 = x[i + half];
+    const T a = static_cast<T>(static_cast<float>(x1) * static_cast<float>(c[i]));
+    const T b = static_cast<T>(static_cast<float>(x2) * static_cast<float>(s[i]));
+    const T e = static_cast<T>(static_cast<float>(x2) * static_cast<float>(c[i]));
+    const T f = static_cast<T>(static_cast<float>(x1) * static_cast<float>(s[i]));
+    o[i] = static_cast<T>(static_cast<float>(a) - static_cast<float>(b));
+    o[i + half] = static_cast<T>(static_cast<float>(e) + static_cast<float>(f));
+  }
+}
+
+template <typename T>
+void rope_and_write(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& kc,
+                    at::Tensor& vc, const int64_t* slots, at::Tensor& q, int64_t hq, int64_t hkv) {
+  const int64_t n = qkv.size(0), d = kc.size(3), half = d / 2, tok = kc.stride(1);
+  const int64_t bs = kc.size(1);
+  const T* src = qkv.data_ptr<T>();
+  const T* cp = cos.data_ptr<T>();
+  const T* sp = sin.data_ptr<T>();
+  T* kp = kc.data_ptr<T>();
+  T* vp = vc.data_ptr<T>();
+  T* qp = q.data_ptr<T>();
+  const int64_t row = qkv.stride(0);
+  at::parallel_for(0, n, 1, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      const T* x = src + t * row;
+      const T* c = cp + t * half;
+      const T* s = sp + t * half;
+      for (int64_t h = 0; h < hq; ++h) rope_head(x + h * d, c, s, qp + (t * hq + h) * d, half);
+      const int64_t slot = slots[t];
+      T* kdst = kp + (slot / bs) * kc.stride(0) + (slot % bs) * tok;
+      T* vdst = vp + (slot / bs) * vc.stride(0) + (slot % bs) * tok;
+      for (int64_t h = 0; h < hkv; ++h) rope_head(x + (hq + h) * d, c, s, kdst + h * d, half);
+      std::memcpy(vdst, x + (hq + hkv) * d, sizeof(T) * hkv * d);
+    }
+  });
+}
+}  // namespace
+
+// One decode step of attention from the fused q|k|v projection: rope on q and k, k and v
+// written to their cache slots, then paged_decode, in one call instead of a dozen ops.
+// qkv [N, (Hq + 2 Hkv) D]; cos, sin [N, 1, D/2] in the same dtype; slot_mapping [N] int64.
+// Returns [N, Hq * D].
+at::Tensor paged_decode_qkv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                            at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slot_mapping,
+                            const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t hq,
+                            int64_t hkv, double scale, int64_t window) {
+  TORCH_CHECK(qkv.device().is_cpu() && qkv.dim() == 2 && qkv.stride(1) == 1, "qkv must be a CPU [N, W] tensor");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  k_cache.sizes() == v_cache.sizes() && k_cache.size(2) == hkv,
+              "k_cache and v_cache must be contiguous [num_blocks, block_size, Hkv, D]");
+  const int64_t n = qkv.size(0), d = k_cache.size(3);
+  TORCH_CHECK(qkv.size(1) == (hq + 2 * hkv) * d && d % 2 == 0 && hq % hkv == 0, "qkv width does not match the heads");
+  TORCH_CHECK(k_cache.scalar_type() == qkv.scalar_type() && cos.scalar_type() == qkv.scalar_type() &&
+                  sin.scalar_type() == qkv.scalar_type(), "qkv, cos, sin and the cache must share a dtype");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == n * d / 2 && sin.numel() == n * d / 2,
+              "cos and sin must be contiguous [N, 1, D/2]");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() && slot_mapping.numel() == n,
+              "slot_mapping must be [N] int64");
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  const int64_t n_slots = k_cache.size(0) * k_cache.size(1);
+  for (int64_t t = 0; t < n; ++t)
+    TORCH_CHECK(slots[t] >= 0 && slots[t] < n_slots, "paged_decode_qkv: slot ", slots[t], " of token ", t,
+                " is outside the pool of ", n_slots, " slots");
+  auto q = at::empty({n, hq, d}, qkv.options());
+  switch (qkv.scalar_type()) {
+    case at::kFloat: rope_and_write<float>(qkv, cos, sin, k_cache, v_cache, slots, q, hq, hkv); break;
+    case at::kBFloat16: rope_and_write<c10::BFloat16>(qkv, cos, sin, k_cache, v_cache, slots, q, hq, hkv); break;
+    case at::kHalf: rope_and_write<c10::Half>(qkv, cos, sin, k_cache, v_cache, slots, q, hq, hkv); break;
+    default: TORCH_CHECK(false, "paged_decode_qkv supports float32, bfloat16 and float16");
+  }
+  return paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale, window).view({n, hq * d});
+}
 
 // y [M, N] = x [M, K] @ w [N, K]^T for one or two rows of x (decode at batch 1 or 2), w in
 // bf16. A matrix-vector product is bound by reading w once; oneDNN's bf16 GEMM streams it at
@@ -194,27 +300,34 @@ void gemv_bf16_rows(const float* x, const c10::BFloat16* w, float* y, int64_t n0
   }
 }
 
-torch::Tensor linear_small_m(const torch::Tensor& x, const torch::Tensor& w) {
+at::Tensor linear_small_m(const at::Tensor& x, const at::Tensor& w) {
   TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "linear_small_m runs on the CPU");
-  TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.scalar_type() == torch::kBFloat16,
+  TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.scalar_type() == at::kBFloat16,
               "w must be a contiguous bfloat16 [N, K] matrix");
   TORCH_CHECK(x.dim() == 2 && x.size(1) == w.size(1) && x.size(0) >= 1 && x.size(0) <= 2,
               "x must be [M, K] with M = 1 or 2 and K matching w");
   const int64_t m = x.size(0), k = w.size(1), n = w.size(0);
-  auto xf = x.to(torch::kFloat).contiguous();
-  auto y = torch::empty({m, n}, xf.options());
+  auto xf = x.to(at::kFloat).contiguous();
+  auto y = at::empty({m, n}, xf.options());
   const float* xp = xf.data_ptr<float>();
   const c10::BFloat16* wp = w.data_ptr<c10::BFloat16>();
   float* yp = y.data_ptr<float>();
-  // Grain: enough rows that a thread's share is a long sequential read.
-  at::parallel_for(0, n, 256, [&](int64_t b, int64_t e) {
+  // Grain from the thread count: every core gets rows, each share a long sequential read.
+  const int64_t grain = std::max<int64_t>(16, n / (4 * std::max<int64_t>(1, at::get_num_threads())));
+  at::parallel_for(0, n, grain, [&](int64_t b, int64_t e) {
     if (m == 1) gemv_bf16_rows<1>(xp, wp, yp, b, e, k, n);
     else gemv_bf16_rows<2>(xp, wp, yp, b, e, k, n);
   });
-  return x.scalar_type() == torch::kFloat ? y : y.to(x.scalar_type());
+  return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode", &paged_decode, "paged decode attention, read in place (CPU)");
-  m.def("linear_small_m", &linear_small_m, "x @ w.T for 1 or 2 rows of x, w bf16 (CPU)");
+// Registered as torch ops (torch.ops.pagedllm.*): they show in torch.profiler by name and
+// torch.compile sees them as opaque calls.
+TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
+  m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor context_lens, "
+        "float scale, int window) -> Tensor", &paged_decode);
+  m.def("linear_small_m(Tensor x, Tensor w) -> Tensor", &linear_small_m);
+  m.def("paged_decode_qkv(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+        "Tensor slot_mapping, Tensor block_tables, Tensor context_lens, int hq, int hkv, float scale, "
+        "int window) -> Tensor", &paged_decode_qkv);
 }

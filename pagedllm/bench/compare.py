@@ -1,0 +1,374 @@
+"""`pagedllm bench compare MODEL.gguf`: pagedllm beside llama.cpp on the same GGUF file, in one run.
+
+Every figure comes from a fresh process of one engine doing one measurement (a warm-up, then
+`--repeats` timed runs; the median is reported), so each engine's peak RSS (`ru_maxrss` of that
+process) is its own. Both engines get the same threads, the same prompt tokens, greedy decoding
+with EOS ignored, and the same KV room:
+
+- decode at batch 1: a short prompt, then `--max-tokens` tokens; the rate counts the steps after
+  the first token (prefill excluded);
+- `--parallel` sequences decoded together (32): aggregate output tok/s of the decode steps, the KV
+  room being `--parallel` x (prompt + max-tokens, rounded up to 256) tokens
+  (llama.cpp: n_ctx of that size with n_seq_max = --parallel);
+- one `--prefill-tokens` prefill (512; llama.cpp n_batch = n_ubatch = 512);
+- at batch 1, the weight-streaming rate: the bytes of weights read per token (the GGUF's tensor
+  data, less an untied embedding table, which is only row-gathered) x tok/s, against a read
+  bandwidth measured in the same run (a large float32 tensor summed with the same threads).
+
+llama.cpp runs through llama-cpp-python (optional: `make bench-deps`); without it our side still
+runs and the report says what to install.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from .common import machine_info, write_json
+from .llamacpp_peer import MISSING_HINT, peak_rss_mb
+
+logger = logging.getLogger(__name__)
+
+MEASURES = ("decode1", "parallel", "prefill")
+ENGINES = ("pagedllm", "llama.cpp")
+CPU_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_tile", "amx_bf16",
+             "amx_int8")
+_CHILD = "--child"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", default="default", metavar="MODEL.gguf",
+                   help="a GGUF file; 'default' is the embedded SmolLM2 Q4_1")
+    p.add_argument("--threads", type=int, default=2, help="threads of both engines (default 2)")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per figure; medians reported")
+    p.add_argument("--max-tokens", type=int, default=128, help="tokens generated per sequence")
+    p.add_argument("--prompt-tokens", type=int, default=16, help="prompt length of the decode tests")
+    p.add_argument("--context", type=int, default=1024,
+                   help="KV room of the batch-1 and prefill tests, in tokens (default 1024)")
+    p.add_argument("--parallel", type=int, default=32, help="sequences decoded together (default 32)")
+    p.add_argument("--prefill-tokens", type=int, default=512)
+    p.add_argument("--measures", default=",".join(MEASURES),
+                   help=f"comma-separated subset of {','.join(MEASURES)}")
+    p.add_argument("--peer", choices=["llama.cpp", "none"], default="llama.cpp")
+    p.add_argument("--bandwidth-mib", type=int, default=1024,
+                   help="size of the tensor summed to measure read bandwidth (0: skip)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the prompt tokens")
+    p.add_argument("--dtype", default=None, help="pagedllm's dtype (default: the engine's choice)")
+    p.add_argument("--dequantize-weights", action="store_true", default=None,
+                   help="pagedllm keeps today's dequantized float weights (passed only when given)")
+    p.add_argument("--output", default=None,
+                   help="JSON file (default bench-results/compare-<model>.json)")
+
+
+# -- the parent: plan, spawn, report --------------------------------------------------------------
+
+
+def run(args: argparse.Namespace) -> dict | int:
+    try:
+        return _run(args)
+    except RuntimeError as e:  # a child failed: its message says which and why
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+
+
+def _run(args: argparse.Namespace) -> dict:
+    model = _model_path(args.model)
+    measures = _measures(args.measures)
+    out = args.output or f"bench-results/compare-{model.stem}.json"
+    peer_ok = args.peer == "llama.cpp" and _has_llama_cpp()
+    if args.peer == "llama.cpp" and not peer_ok:
+        print(f"llama.cpp side skipped: {MISSING_HINT}", file=sys.stderr)
+    engine_kwargs = pagedllm_kwargs(args)
+    weights = weight_bytes(model)
+    vocab = weights.pop("vocab")
+    result: dict = {"model": str(model), "machine": {**machine_info(), **cpu_info()},
+                    "threads": args.threads, "repeats": args.repeats, "weights": weights,
+                    "engine_kwargs": engine_kwargs, "measures": {}}
+    result["machine"]["threads"] = args.threads
+    if args.bandwidth_mib > 0 and "decode1" in measures:
+        result["read_bandwidth"] = _spawn("bandwidth", {"mib": args.bandwidth_mib, "threads": args.threads,
+                                                        "repeats": 7})
+    for kind in measures:
+        spec = _spec(kind, args, str(model), vocab) | {"engine_kwargs": engine_kwargs}
+        row: dict = {"kv_tokens": spec["kv_tokens"], "sequences": len(spec["prompts"]),
+                     "prompt_tokens": len(spec["prompts"][0]), "max_tokens": spec["max_tokens"]}
+        for engine in ENGINES:
+            if engine == "llama.cpp" and not peer_ok:
+                row[engine] = {"skipped": MISSING_HINT if args.peer == "llama.cpp" else "--peer none"}
+                continue
+            print(f"{kind}: {engine} ...", file=sys.stderr, end=" ", flush=True)
+            row[engine] = _summarise(_spawn(engine, spec))
+            print(f"{row[engine]['tok_s']:.1f} tok/s, peak RSS {row[engine]['peak_rss_mb']:.0f} MB",
+                  file=sys.stderr, flush=True)
+        result["measures"][kind] = row
+        write_json(out, result)  # what is done so far survives an interrupted run
+    if "decode1" in result["measures"]:
+        result["streaming"] = streaming(result)
+    print(format_report(result))
+    print(f"results written to {write_json(out, result)}")
+    return result
+
+
+def pagedllm_kwargs(args: argparse.Namespace) -> dict:
+    """Engine options given on the command line, and only those: an option the engine does not
+    know yet (dequantize_weights, before quantized weights land) is never passed by default."""
+    return {k: v for k, v in (("dtype", args.dtype), ("dequantize_weights", args.dequantize_weights))
+            if v is not None}
+
+
+def _model_path(model: str) -> Path:
+    from ..loading.source import default_model_path
+
+    path = default_model_path() if model == "default" else Path(model).expanduser()
+    if path.suffix != ".gguf" or not path.is_file():
+        raise FileNotFoundError(f"{path}: bench compare needs a .gguf file (llama.cpp reads only GGUF)")
+    return path
+
+
+def _measures(text: str) -> list[str]:
+    wanted = [m.strip() for m in text.split(",") if m.strip()]
+    bad = [m for m in wanted if m not in MEASURES]
+    if bad or not wanted:
+        raise ValueError(f"--measures: unknown {bad or 'empty list'}; choose from {', '.join(MEASURES)}")
+    return wanted
+
+
+def _has_llama_cpp() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("llama_cpp") is not None
+
+
+def _spec(kind: str, args: argparse.Namespace, model: str, vocab: int) -> dict:
+    """What one child does: the same for both engines."""
+    rng = random.Random(args.seed)
+    # Ordinary tokens only: the first few hundred ids of these vocabularies are control tokens
+    # and single bytes; the random tail of a padded vocabulary is never reached.
+    lo, hi = 256, min(vocab, 32000)
+
+    def prompt(n: int) -> list[int]:
+        return [rng.randrange(lo, hi) for _ in range(n)]
+
+    if kind == "prefill":
+        prompts, max_tokens = [prompt(args.prefill_tokens)], 1
+        kv = max(args.context, args.prefill_tokens + 1)
+    elif kind == "decode1":
+        prompts, max_tokens = [prompt(args.prompt_tokens)], args.max_tokens
+        kv = max(args.context, args.prompt_tokens + args.max_tokens)
+    else:
+        prompts, max_tokens = [prompt(args.prompt_tokens) for _ in range(args.parallel)], args.max_tokens
+        per_seq = -(-(args.prompt_tokens + args.max_tokens) // 256) * 256
+        kv = per_seq * args.parallel
+    return {"measure": kind, "model": model, "threads": args.threads, "repeats": args.repeats,
+            "prompts": prompts, "max_tokens": max_tokens, "kv_tokens": kv}
+
+
+def _spawn(engine: str, spec: dict) -> dict:
+    """One fresh process for one measurement of one engine; its JSON result."""
+    env = dict(os.environ, OMP_NUM_THREADS=str(spec["threads"]))
+    root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
+    with tempfile.TemporaryDirectory(prefix="pagedllm-compare-") as tmp:
+        spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "out.json"
+        spec_path.write_text(json.dumps(spec))
+        if engine == "llama.cpp":  # by path: that process must not import torch
+            cmd = [sys.executable, str(Path(__file__).with_name("llamacpp_peer.py"))]
+        else:
+            cmd = [sys.executable, "-m", "pagedllm.bench.compare", _CHILD, engine]
+        proc = subprocess.run([*cmd, str(spec_path), str(out_path)], env=env, capture_output=True, text=True)
+        if proc.returncode != 0 or not out_path.exists():
+            tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-15:])
+            if proc.returncode == -4:  # SIGILL: a -DGGML_NATIVE=ON build made on another CPU
+                tail += ("\n(illegal instruction: the installed llama-cpp-python was built for another "
+                         "CPU; run `make bench-deps` again on this one)")
+            raise RuntimeError(f"the {engine} process failed (exit {proc.returncode}):\n{tail}")
+        result = json.loads(out_path.read_text())
+    if "error" in result:
+        raise RuntimeError(f"{engine}: {result['error']}")
+    return result
+
+
+def _summarise(r: dict) -> dict:
+    rates = r["tok_s"]
+    out = {"tok_s": statistics.median(rates), "tok_s_runs": rates, "peak_rss_mb": r["peak_rss_mb"]}
+    if r.get("outputs"):
+        out["first_output"] = r["outputs"][0][:16]
+    if "dtype" in r:
+        out["dtype"] = r["dtype"]
+    return out
+
+
+def weight_bytes(model: Path) -> dict:
+    """Bytes of the GGUF's tensors, and of those read per generated token: all of them, less an
+    untied embedding table (only its prompt rows are gathered; a tied one is the output head).
+    Also the vocabulary size, read from the same header."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(model))
+    sizes = {t.name: int(t.n_bytes) for t in reader.tensors}
+    total = sum(sizes.values())
+    tied = "output.weight" not in sizes
+    per_token = total if tied else total - sizes.get("token_embd.weight", 0)
+    return {"total_bytes": total, "per_token_bytes": per_token, "tied_embeddings": tied,
+            "vocab": len(reader.fields["tokenizer.ggml.tokens"].data)}
+
+
+def streaming(result: dict) -> dict:
+    per_token = result["weights"]["per_token_bytes"]
+    bw = result.get("read_bandwidth", {}).get("gb_s")
+    out: dict = {"read_bandwidth_gb_s": bw, "ceiling_tok_s": bw * 1e9 / per_token if bw else None}
+    for engine in ENGINES:
+        r = result["measures"]["decode1"].get(engine, {})
+        if "tok_s" in r:
+            gb_s = r["tok_s"] * per_token / 1e9
+            out[engine] = {"gb_s": gb_s, "share_of_bandwidth": gb_s / bw if bw else None}
+    return out
+
+
+def cpu_info() -> dict:
+    flags: set[str] = set()
+    name = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "flags" and not flags:
+                flags = set(value.split())
+            elif key.strip() == "model name" and not name:
+                name = value.strip()
+    except OSError:  # not Linux: leave the flags unknown rather than guess
+        pass
+    return {"cpu": name, "cpu_flags": [f for f in CPU_FLAGS if f in flags]}
+
+
+# -- the report ----------------------------------------------------------------------------------
+
+_LABELS = {"decode1": "decode, batch 1 (tok/s)", "parallel": "{n} sequences decoded together (tok/s)",
+           "prefill": "prefill of {p} tokens (tok/s)"}
+
+
+def format_report(result: dict) -> str:
+    m, w = result["machine"], result["weights"]
+    lines = [f"model: {result['model']} ({w['total_bytes'] / 1e6:.0f} MB of tensors, "
+             f"{w['per_token_bytes'] / 1e6:.0f} MB read per token)",
+             f"cpu: {m.get('cpu') or m.get('machine')}; flags: {' '.join(m['cpu_flags']) or 'none of note'}; "
+             f"{result['threads']} threads; medians of {result['repeats']}",
+             ""]
+    head = f"{'':<42}{'pagedllm':>12}{'llama.cpp':>12}{'ratio':>9}"
+    lines += [head, "-" * len(head)]
+    for kind, row in result["measures"].items():
+        label = _LABELS[kind].format(n=row["sequences"], p=row["prompt_tokens"])
+        lines.append(_row(label, row, "tok_s", "{:.1f}"))
+    for kind, row in result["measures"].items():
+        lines.append(_row(f"peak RSS, {kind} (MB; KV room {row['kv_tokens']} tokens)", row,
+                          "peak_rss_mb", "{:.0f}"))
+    s = result.get("streaming")
+    if s:
+        cells = [f"{s[e]['gb_s']:.1f}" if e in s else "-" for e in ENGINES]
+        lines.append(f"{'weights streamed at batch 1 (GB/s)':<42}{cells[0]:>12}{cells[1]:>12}")
+        if s["read_bandwidth_gb_s"]:
+            shares = ", ".join(f"{e} {s[e]['share_of_bandwidth']:.0%}" for e in ENGINES if e in s)
+            lines.append(f"read bandwidth {s['read_bandwidth_gb_s']:.1f} GB/s (sum of a "
+                         f"{result['read_bandwidth']['mib']} MiB tensor, median of "
+                         f"{len(result['read_bandwidth']['runs'])}): batch-1 ceiling "
+                         f"{s['ceiling_tok_s']:.0f} tok/s; share reached: {shares}")
+    dtypes = {r["pagedllm"]["dtype"] for r in result["measures"].values() if "dtype" in r.get("pagedllm", {})}
+    opts = ", ".join(f"{k}={v}" for k, v in result.get("engine_kwargs", {}).items())
+    lines.append(f"pagedllm compute dtype {'/'.join(sorted(dtypes)) or '?'}{'; ' + opts if opts else ''}; "
+                 "ratio = pagedllm / llama.cpp (for RSS, lower is better)")
+    for engine in ENGINES:
+        skipped = {r[engine]["skipped"] for r in result["measures"].values()
+                   if "skipped" in r.get(engine, {})}
+        lines += [f"{engine} not run: {why}" for why in skipped]
+    return "\n".join(lines)
+
+
+def _row(label: str, row: dict, key: str, fmt: str) -> str:
+    vals = [row.get(e, {}).get(key) for e in ENGINES]
+    cells = [fmt.format(v) if v is not None else "-" for v in vals]
+    ratio = f"{vals[0] / vals[1]:.2f}x" if None not in vals and vals[1] else "-"
+    return f"{label:<42}{cells[0]:>12}{cells[1]:>12}{ratio:>9}"
+
+
+# -- the children ---------------------------------------------------------------------------------
+
+
+def _pagedllm_child(spec: dict) -> dict:
+    import torch
+
+    torch.set_num_threads(spec["threads"])
+    from .. import LLM
+
+    n_seq = len(spec["prompts"])
+    llm = LLM(spec["model"], kv_cache_context_len=spec["kv_tokens"], max_num_seqs=n_seq,
+              max_model_len=spec["kv_tokens"] // n_seq, enable_prefix_caching=False, seed=0,
+              max_num_batched_tokens=max(1024, len(spec["prompts"][0]) + 1), **spec["engine_kwargs"])
+    eng = llm.engine
+    _drive(eng, [p[:8] for p in spec["prompts"]], 3)  # warm-up
+    rates, outputs = [], None
+    for _ in range(spec["repeats"]):
+        prefill_s, decode_s, decoded, outputs = _drive(eng, spec["prompts"], spec["max_tokens"])
+        if spec["measure"] == "prefill":
+            rates.append(len(spec["prompts"][0]) / prefill_s)
+        else:
+            rates.append(decoded / decode_s)
+    return {"tok_s": rates, "outputs": outputs, "peak_rss_mb": peak_rss_mb(), "dtype": str(eng.dtype)}
+
+
+def _drive(eng, prompts: list[list[int]], max_tokens: int) -> tuple[float, float, int, list[list[int]]]:
+    """Greedy, EOS ignored. Seconds until every sequence has its first token (the prefill), seconds
+    of the steps after that, tokens those steps made, and the outputs."""
+    from ..sampling.params import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    t0 = time.perf_counter()
+    ids = [eng.add_request(p, params) for p in prompts]
+    made: dict[str, list[int]] = {}
+    while (len(made) < len(ids) or not all(made.values())) and eng.has_unfinished():
+        for out in eng.step():
+            made[out.request_id] = out.outputs[0].token_ids
+    t1 = time.perf_counter()
+    at_t1 = sum(len(t) for t in made.values())
+    while eng.has_unfinished():
+        for out in eng.step():
+            made[out.request_id] = out.outputs[0].token_ids
+    t2 = time.perf_counter()
+    outputs = [list(made[i]) for i in ids]
+    return t1 - t0, t2 - t1, sum(map(len, outputs)) - at_t1, outputs
+
+
+def _bandwidth_child(spec: dict) -> dict:
+    """Read bandwidth: a float32 tensor of `mib` MiB summed with the bench's threads."""
+    import torch
+
+    torch.set_num_threads(spec["threads"])
+    x = torch.ones(spec["mib"] * 2**20 // 4, dtype=torch.float32)  # pages touched before timing
+    x.sum()
+    runs = []
+    for _ in range(spec["repeats"]):
+        t0 = time.perf_counter()
+        x.sum()
+        runs.append(x.numel() * 4 / (time.perf_counter() - t0) / 1e9)
+    return {"gb_s": statistics.median(runs), "runs": runs, "mib": spec["mib"]}
+
+
+def _child_main(argv: list[str]) -> int:
+    engine, spec_path, out_path = argv
+    spec = json.loads(Path(spec_path).read_text())
+    logging.basicConfig(level=logging.WARNING)
+    result = _bandwidth_child(spec) if engine == "bandwidth" else _pagedllm_child(spec)
+    Path(out_path).write_text(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == _CHILD:
+        sys.exit(_child_main(sys.argv[2:]))
+    sys.exit("use `pagedllm bench compare MODEL.gguf`")

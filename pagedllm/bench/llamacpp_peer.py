@@ -1,0 +1,176 @@
+"""llama.cpp's side of `pagedllm bench compare`, through llama-cpp-python's low-level API.
+
+Run as a script by its path (`python .../llamacpp_peer.py SPEC.json OUT.json`), never as part of
+the package: that process imports only the standard library, numpy and llama_cpp, so its peak RSS
+is llama.cpp's own and not torch's. One process runs one measurement (`repeats` timed runs after
+a warm-up) and writes its figures and `ru_maxrss` as JSON.
+
+The timing follows what pagedllm's side times: decode rates count the steps after the first
+token (each step: one llama_decode plus a greedy argmax of the logits, as our step samples), and
+the prefill rate times one llama_decode of the whole prompt.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import resource
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+MISSING_HINT = ("llama-cpp-python is not installed. Run `make bench-deps` (it installs the wheel kept "
+                "in ~/.cache/pagedllm/wheels, or builds one from the PyPI sdist: about 8 minutes on "
+                "2 cores), or `pip install 'pagedllm[bench]'`.")
+BATCH = 512  # n_batch = n_ubatch: the 512-token prefill is one ubatch
+
+
+@dataclass
+class Model:
+    lib: Any
+    model: Any
+    ctx: Any
+    n_vocab: int
+
+
+@contextlib.contextmanager
+def open_model(path: str, n_ctx: int, threads: int, n_seq: int = 1) -> Iterator[Model]:
+    """A model and one context with `n_ctx` KV cells shared by up to `n_seq` sequences."""
+    import llama_cpp as L
+
+    L.llama_backend_init()
+    silence(L)
+    mparams = L.llama_model_default_params()
+    model = L.llama_model_load_from_file(path.encode(), mparams)
+    if not model:
+        raise RuntimeError(f"llama.cpp could not load {path}")
+    cparams = L.llama_context_default_params()
+    cparams.n_ctx, cparams.n_seq_max = n_ctx, n_seq
+    cparams.n_batch = cparams.n_ubatch = BATCH
+    cparams.n_threads = cparams.n_threads_batch = threads
+    ctx = L.llama_init_from_model(model, cparams)
+    if not ctx:
+        L.llama_model_free(model)
+        raise RuntimeError(f"llama.cpp could not make a context of {n_ctx} tokens for {path}")
+    try:
+        n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(model))
+        yield Model(L, model, ctx, n_vocab)
+    finally:
+        L.llama_free(ctx)
+        L.llama_model_free(model)
+
+
+_QUIET: list = []  # the log callback, kept alive for the process's life
+
+
+def silence(L: Any) -> None:
+    """llama.cpp logs every tensor at load; keep stderr for our own messages."""
+    if not _QUIET:
+        _QUIET.append(L.llama_log_callback(lambda level, text, user_data: None))
+    L.llama_log_set(_QUIET[0], None)
+
+
+class Runner:
+    """Greedy decoding of many sequences with one llama_batch per step."""
+
+    def __init__(self, m: Model, capacity: int) -> None:
+        self.m, self.L = m, m.lib
+        self.batch = self.L.llama_batch_init(max(capacity, 1), 0, 1)
+
+    def close(self) -> None:
+        self.L.llama_batch_free(self.batch)
+
+    def clear(self) -> None:
+        self.L.llama_memory_clear(self.L.llama_get_memory(self.m.ctx), True)
+
+    def decode(self, entries: list[tuple[int, int, int, bool]]) -> None:
+        """entries: (token, position, sequence id, wants logits)."""
+        b = self.batch
+        b.n_tokens = len(entries)
+        for i, (tok, pos, seq, logits) in enumerate(entries):
+            b.token[i], b.pos[i], b.n_seq_id[i] = tok, pos, 1
+            b.seq_id[i][0], b.logits[i] = seq, int(logits)
+        rc = self.L.llama_decode(self.m.ctx, b)
+        if rc != 0:
+            raise RuntimeError(f"llama_decode returned {rc} for a batch of {len(entries)} tokens")
+
+    def argmax(self, rows: int) -> list[int]:
+        import numpy as np
+
+        logits = np.ctypeslib.as_array(self.L.llama_get_logits(self.m.ctx), shape=(rows, self.m.n_vocab))
+        return logits.argmax(axis=1).tolist()
+
+    def prefill(self, prompts: list[list[int]]) -> list[int]:
+        """Each prompt in its own llama_decode call(s), sequence i = prompt i; the first tokens."""
+        first = []
+        for seq, p in enumerate(prompts):
+            for s in range(0, len(p), BATCH):
+                chunk = p[s:s + BATCH]
+                self.decode([(t, s + j, seq, s + j == len(p) - 1) for j, t in enumerate(chunk)])
+            first += self.argmax(1)
+        return first
+
+    def generate(self, prompts: list[list[int]], max_tokens: int) -> tuple[float, int, list[list[int]]]:
+        """All sequences decoded together; (seconds of the decode steps, tokens they made, outputs)."""
+        self.clear()
+        outs = [[t] for t in self.prefill(prompts)]
+        pos = [len(p) for p in prompts]
+        t0 = time.perf_counter()
+        for _ in range(max_tokens - 1):
+            self.decode([(o[-1], pos[i], i, True) for i, o in enumerate(outs)])
+            for i, t in enumerate(self.argmax(len(outs))):
+                outs[i].append(t)
+                pos[i] += 1
+        dt = time.perf_counter() - t0
+        return dt, len(prompts) * (max_tokens - 1), outs
+
+    def prefill_time(self, prompt: list[int]) -> float:
+        self.clear()
+        t0 = time.perf_counter()
+        self.prefill([prompt])
+        self.L.llama_synchronize(self.m.ctx)
+        return time.perf_counter() - t0
+
+
+def measure(spec: dict) -> dict:
+    prompts, kind = spec["prompts"], spec["measure"]
+    with open_model(spec["model"], spec["kv_tokens"], spec["threads"], len(prompts)) as m:
+        run = Runner(m, max(BATCH, len(prompts)))
+        try:
+            run.generate([p[:8] for p in prompts], 3)  # warm-up: first-call allocations
+            rates, outputs = [], None
+            for _ in range(spec["repeats"]):
+                if kind == "prefill":
+                    rates.append(len(prompts[0]) / run.prefill_time(prompts[0]))
+                else:
+                    dt, n, outputs = run.generate(prompts, spec["max_tokens"])
+                    rates.append(n / dt)
+        finally:
+            run.close()
+    return {"tok_s": rates, "outputs": outputs, "peak_rss_mb": peak_rss_mb(), "n_vocab": m.n_vocab}
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident set (ru_maxrss: KiB on Linux, bytes on macOS), in MB."""
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss / 1e6 if sys.platform == "darwin" else rss * 1024 / 1e6
+
+
+def main(argv: list[str]) -> int:
+    spec_path, out_path = argv
+    with open(spec_path) as f:
+        spec = json.load(f)
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        result: dict = {"error": MISSING_HINT}
+    else:
+        result = measure(spec)
+    with open(out_path, "w") as f:
+        json.dump(result, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,210 @@
+"""`pagedllm bench make-gguf OUT.gguf`: a GGUF with a real model's dimensions and seeded random
+weights, for speed and memory benchmarks where no hub can be reached.
+
+The shapes are real (Qwen2.5-0.5B: hidden 896, 24 layers, 14 heads, 2 KV heads, ...), so the
+bytes streamed per token and the GEMM shapes are those of the real model; only the values are
+random (std 0.02, like a fresh init), so the text it generates is meaningless. The tokenizer is
+the default model's byte-level BPE (SmolLM2), padded with unused tokens up to the vocabulary size,
+so that both llama.cpp and our loader accept the file.
+
+The file is written as F16 (F32 for norms and biases) through `gguf.GGUFWriter`; any other type
+(Q4_K_M, Q8_0, ...) is then made by llama.cpp's own quantizer (llama-cpp-python), exactly as a
+user would make it, including its per-tensor choices (e.g. fallbacks where rows are not a
+multiple of 256).
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import logging
+import os
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .llamacpp_peer import MISSING_HINT, silence
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Shape:
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    vocab: int
+    context: int
+    rope_theta: float
+    rms_eps: float = 1e-6
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+
+SHAPES = {
+    # Qwen2.5-0.5B(-Instruct)'s config.json: 494M parameters, embeddings tied.
+    "qwen2.5-0.5b": Shape(hidden=896, layers=24, heads=14, kv_heads=2, intermediate=4864,
+                          vocab=151936, context=32768, rope_theta=1e6),
+    # A few MB, for tests: still pads the tokenizer, so the padding path is exercised.
+    "tiny": Shape(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128,
+                  vocab=49152 + 64, context=2048, rope_theta=1e6),
+}
+
+# The llama.cpp file types this command can make (name -> llama_ftype value in llama.h).
+LLAMA_FTYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9,
+                "Q2_K": 10, "Q3_K_M": 12, "Q4_K_S": 14, "Q4_K_M": 15, "Q5_K_S": 16,
+                "Q5_K_M": 17, "Q6_K": 18}
+
+
+def tokenizer_metadata(vocab: int) -> dict:
+    """The default model's byte-level BPE tokenizer, padded with unused tokens to `vocab`."""
+    import gguf
+
+    from ..loading.source import default_model_path
+
+    reader = gguf.GGUFReader(str(default_model_path()))
+    meta = {k: f.contents() for k, f in reader.fields.items() if k.startswith("tokenizer.")}
+    tokens, types = list(meta["tokenizer.ggml.tokens"]), list(meta["tokenizer.ggml.token_type"])
+    if vocab < len(tokens):
+        raise ValueError(f"vocab {vocab} is smaller than the tokenizer's {len(tokens)} tokens")
+    # Unique, and unreachable by the merges: as Qwen's own GGUFs pad their vocabulary.
+    tokens += [f"[PAD{i}]" for i in range(len(tokens), vocab)]
+    types += [int(gguf.TokenType.UNUSED)] * (vocab - len(types))
+    meta["tokenizer.ggml.tokens"], meta["tokenizer.ggml.token_type"] = tokens, types
+    return meta
+
+
+def write_qwen2(path: Path, shape: Shape, seed: int, ftype: str = "F16", std: float = 0.02) -> None:
+    """A Qwen2-architecture GGUF: F16 (or F32) matrices, F32 norms and q/k/v biases, tied
+    embeddings."""
+    import gguf
+
+    mat_dtype = {"F16": np.float16, "F32": np.float32}[ftype]
+    rng = np.random.default_rng(seed)
+    tok = tokenizer_metadata(shape.vocab)
+    w = gguf.GGUFWriter(str(path), arch="qwen2")
+    w.add_name(f"random qwen2 {shape.hidden}x{shape.layers} (seed {seed})")
+    w.add_file_type(LLAMA_FTYPES[ftype])
+    w.add_block_count(shape.layers)
+    w.add_context_length(shape.context)
+    w.add_embedding_length(shape.hidden)
+    w.add_feed_forward_length(shape.intermediate)
+    w.add_head_count(shape.heads)
+    w.add_head_count_kv(shape.kv_heads)
+    w.add_rope_freq_base(shape.rope_theta)
+    w.add_layer_norm_rms_eps(shape.rms_eps)
+    w.add_vocab_size(shape.vocab)
+    w.add_tokenizer_model(tok["tokenizer.ggml.model"])
+    w.add_tokenizer_pre(tok["tokenizer.ggml.pre"])
+    w.add_token_list(tok["tokenizer.ggml.tokens"])
+    w.add_token_types(tok["tokenizer.ggml.token_type"])
+    w.add_token_merges(tok["tokenizer.ggml.merges"])
+    w.add_bos_token_id(int(tok["tokenizer.ggml.bos_token_id"]))
+    w.add_eos_token_id(int(tok["tokenizer.ggml.eos_token_id"]))
+    w.add_add_bos_token(False)
+    if "tokenizer.chat_template" in tok:
+        w.add_chat_template(tok["tokenizer.chat_template"])
+
+    def matrix(rows: int, cols: int) -> np.ndarray:  # [out, in], as GGUFWriter expects numpy order
+        return (rng.standard_normal((rows, cols), dtype=np.float32) * std).astype(mat_dtype)
+
+    def vector(n: int, base: float) -> np.ndarray:
+        return (base + rng.standard_normal(n, dtype=np.float32) * std).astype(np.float32)
+
+    h, kv = shape.hidden, shape.kv_heads * shape.head_dim
+    w.add_tensor("token_embd.weight", matrix(shape.vocab, h))
+    for i in range(shape.layers):
+        b = f"blk.{i}."
+        w.add_tensor(b + "attn_norm.weight", vector(h, 1.0))
+        for name, rows in (("attn_q", h), ("attn_k", kv), ("attn_v", kv)):
+            w.add_tensor(b + name + ".weight", matrix(rows, h))
+            w.add_tensor(b + name + ".bias", vector(rows, 0.0))
+        w.add_tensor(b + "attn_output.weight", matrix(h, h))
+        w.add_tensor(b + "ffn_norm.weight", vector(h, 1.0))
+        w.add_tensor(b + "ffn_gate.weight", matrix(shape.intermediate, h))
+        w.add_tensor(b + "ffn_up.weight", matrix(shape.intermediate, h))
+        w.add_tensor(b + "ffn_down.weight", matrix(h, shape.intermediate))
+    w.add_tensor("output_norm.weight", vector(h, 1.0))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def quantize_with_llama_cpp(src: Path, dst: Path, ftype: str, threads: int) -> None:
+    try:
+        import llama_cpp
+    except ImportError:
+        raise RuntimeError(f"quantizing to {ftype} uses llama.cpp's quantizer: {MISSING_HINT}") from None
+    silence(llama_cpp)  # it logs every tensor; the summary after names the types it chose
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = LLAMA_FTYPES[ftype]
+    params.nthread = threads
+    rc = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params))
+    if rc != 0:
+        raise RuntimeError(f"llama.cpp could not quantize {src} to {ftype} (code {rc})")
+
+
+def check_opens(path: Path, with_llama_cpp: bool) -> dict:
+    """Open the file with our loader and (when installed) with llama.cpp; a summary of its tensors."""
+    from collections import Counter
+
+    from ..loading.gguf import read_gguf
+
+    ckpt = read_gguf(path)
+    reader = ckpt._reader
+    types = Counter(t.tensor_type.name for t in reader.tensors)
+    params = sum(int(np.prod(t.shape)) for t in reader.tensors)
+    summary = {"path": str(path), "bytes": path.stat().st_size, "parameters": params,
+               "tensor_types": dict(types), "architecture": ckpt.config["architectures"][0]}
+    if with_llama_cpp:
+        from .llamacpp_peer import open_model
+
+        with open_model(str(path), n_ctx=64, threads=1) as m:
+            summary["llama_cpp_n_vocab"] = m.n_vocab
+    return summary
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("output", metavar="OUT.gguf", help="file to write (best outside the repository)")
+    p.add_argument("--shape", choices=sorted(SHAPES), default="qwen2.5-0.5b")
+    p.add_argument("--type", dest="ftype", choices=list(LLAMA_FTYPES), default="Q4_K_M",
+                   help="file type; anything but F16 is made by llama.cpp's quantizer")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--keep-f16", metavar="PATH", default=None,
+                   help="also keep the F16 file it was quantized from, here")
+
+
+def run(args: argparse.Namespace) -> int:
+    out = Path(args.output).expanduser()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    shape = SHAPES[args.shape]
+    t0 = time.perf_counter()
+    if args.ftype in ("F16", "F32"):
+        write_qwen2(out, shape, args.seed, args.ftype)
+    else:
+        keep = Path(args.keep_f16).expanduser() if args.keep_f16 else None
+        with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+            f16 = keep or Path(tmp) / "f16.gguf"
+            print(f"writing {args.shape} F16 weights to {f16} ...", flush=True)
+            write_qwen2(f16, shape, args.seed)
+            print(f"quantizing to {args.ftype} with llama.cpp ...", flush=True)
+            quantize_with_llama_cpp(f16, out, args.ftype, args.threads)
+    summary = check_opens(out, with_llama_cpp=_has_llama_cpp())
+    print(f"wrote {out} in {time.perf_counter() - t0:.0f} s: {summary['parameters'] / 1e6:.0f}M parameters, "
+          f"{summary['bytes'] / 1e6:.0f} MB, tensor types {summary['tensor_types']}; "
+          f"opens with pagedllm{' and llama.cpp' if 'llama_cpp_n_vocab' in summary else ''}")
+    return 0
+
+
+def _has_llama_cpp() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("llama_cpp") is not None

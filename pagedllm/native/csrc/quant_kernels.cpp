@@ -1,0 +1,925 @@
+// Matrix products with weights kept in GGUF's quantized block formats (the llama.cpp
+// formats Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K), read straight from
+// the file's bytes: nothing is repacked and no float copy of a weight is ever kept.
+//
+// Every format is read through one shape: a block of 32 (legacy) or 256 (K-quants) values
+// is unpacked into small unsigned integers q (Q8_0: signed) and, per 16 values, a float
+// scale s and offset m, so that w = s * q + m exactly as gguf's reference dequantization
+// computes it. The activation row is quantized once per call to int8 with one float scale
+// per 32 values (da) and its sums per 16 values kept, so
+//     sum_i w_i x_i = sum_groups da * (s * sum(q * a) + m * sum(a)).
+// The integer dot products sum(q * a) are where the ISA paths differ: AVX2 maddubs/madd,
+// AVX-512 VNNI vpdpbusd (256-bit, AVX512VL), and a plain C++ reference that every machine
+// can run and that the tests compare all paths against. The path is picked at run time
+// from the CPU's flags (isa = 0), or forced by the caller (tests, benchmarks).
+//
+// Many rows (prefill, wide batches) take the other route: `quant_dequant` writes tiles of
+// the weight as float/bf16 into a reused buffer and the caller runs the GEMM.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+// The build is per CPU (-march=native, keyed by the CPU's flags), so the SIMD paths are
+// compiled where this CPU's compiler flags allow them and chosen at run time among those.
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define PQ_X86 1
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX512BW__)
+#define PQ_HAS_VNNI 1
+#endif
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace pq {
+
+// ggml type ids (gguf.GGMLQuantizationType).
+enum Type : int64_t {
+  Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8,
+  Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14,
+};
+
+struct Fmt {
+  int64_t type;
+  int vals;    // values per block: 32 or 256
+  int bytes;   // bytes per block
+  bool is_signed;  // q is int8 (Q8_0), else uint8
+};
+
+inline Fmt fmt_of(int64_t t) {
+  switch (t) {
+    case Q4_0: return {t, 32, 18, false};
+    case Q4_1: return {t, 32, 20, false};
+    case Q5_0: return {t, 32, 22, false};
+    case Q5_1: return {t, 32, 24, false};
+    case Q8_0: return {t, 32, 34, true};
+    case Q2_K: return {t, 256, 84, false};
+    case Q3_K: return {t, 256, 110, false};
+    case Q4_K: return {t, 256, 144, false};
+    case Q5_K: return {t, 256, 176, false};
+    case Q6_K: return {t, 256, 210, false};
+  }
+  TORCH_CHECK(false, "quantized kernels: unsupported ggml type id ", t);
+}
+
+enum Isa : int64_t { AUTO = 0, SCALAR = 1, AVX2 = 2, AVX512VNNI = 3 };
+
+inline float half(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+#if defined(__F16C__)
+  return _cvtsh_ss(h);  // one instruction; the bit-twiddling fallback below costs ~15
+#else
+  return c10::detail::fp16_ieee_to_fp32_value(h);
+#endif
+}
+inline bool half_finite(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return (h & 0x7C00) != 0x7C00;
+}
+inline uint32_t u32(const uint8_t* p) {
+  uint32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+// 6-bit scale and min j of a Q4_K / Q5_K block (12 packed bytes for 8 sub-blocks).
+inline void scale_min_k4(int j, const uint8_t* s, int& sc, int& m) {
+  if (j < 4) {
+    sc = s[j] & 63;
+    m = s[j + 4] & 63;
+  } else {
+    sc = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
+    m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+  }
+}
+
+// Scales and offsets of one block, per 16 values (a 32-value group fills two entries).
+inline void block_scales(int64_t t, const uint8_t* b, float* sc, float* mn) {
+  switch (t) {
+    case Q4_0: { float d = half(b); sc[0] = sc[1] = d; mn[0] = mn[1] = -8.f * d; break; }
+    case Q4_1: { float d = half(b), m = half(b + 2); sc[0] = sc[1] = d; mn[0] = mn[1] = m; break; }
+    case Q5_0: { float d = half(b); sc[0] = sc[1] = d; mn[0] = mn[1] = -16.f * d; break; }
+    case Q5_1: { float d = half(b), m = half(b + 2); sc[0] = sc[1] = d; mn[0] = mn[1] = m; break; }
+    case Q8_0: { float d = half(b); sc[0] = sc[1] = d; mn[0] = mn[1] = 0.f; break; }
+    case Q2_K: {
+      const float d = half(b + 80), dmin = half(b + 82);
+      for (int g = 0; g < 16; ++g) {
+        sc[g] = d * static_cast<float>(b[g] & 0xF);
+        mn[g] = -dmin * static_cast<float>(b[g] >> 4);
+      }
+      break;
+    }
+    case Q3_K: {
+      const uint8_t* s = b + 96;
+      const float d = half(b + 108);
+      for (int k = 0; k < 16; ++k) {
+        const int lo = (s[k % 8] >> (4 * (k / 8))) & 0xF;
+        const int hi = (s[8 + k % 4] >> (2 * (k / 4))) & 3;
+        const float v = d * static_cast<float>((lo | (hi << 4)) - 32);
+        sc[k] = v;
+        mn[k] = -4.f * v;  // q is stored as 0..7 here, the format's value is q - 4
+      }
+      break;
+    }
+    case Q4_K:
+    case Q5_K: {
+      const float d = half(b), dmin = half(b + 2);
+      for (int j = 0; j < 8; ++j) {
+        int s, m;
+        scale_min_k4(j, b + 4, s, m);
+        sc[2 * j] = sc[2 * j + 1] = d * static_cast<float>(s);
+        mn[2 * j] = mn[2 * j + 1] = -dmin * static_cast<float>(m);
+      }
+      break;
+    }
+    case Q6_K: {
+      const float d = half(b + 208);
+      const int8_t* s = reinterpret_cast<const int8_t*>(b + 192);
+      for (int g = 0; g < 16; ++g) {
+        sc[g] = d * static_cast<float>(s[g]);
+        mn[g] = -32.f * sc[g];
+      }
+      break;
+    }
+  }
+}
+
+// Reference unpacking of a block's quantized values (plain C++; the layouts follow gguf).
+inline void unpack_ref(int64_t t, const uint8_t* b, uint8_t* q) {
+  switch (t) {
+    case Q4_0:
+    case Q4_1: {
+      const uint8_t* qs = b + (t == Q4_0 ? 2 : 4);
+      for (int l = 0; l < 16; ++l) { q[l] = qs[l] & 0xF; q[l + 16] = qs[l] >> 4; }
+      break;
+    }
+    case Q5_0:
+    case Q5_1: {
+      const int off = t == Q5_0 ? 2 : 4;
+      const uint32_t qh = u32(b + off);
+      const uint8_t* qs = b + off + 4;
+      for (int l = 0; l < 16; ++l) {
+        q[l] = (qs[l] & 0xF) | (((qh >> l) & 1) << 4);
+        q[l + 16] = (qs[l] >> 4) | (((qh >> (l + 16)) & 1) << 4);
+      }
+      break;
+    }
+    case Q8_0: std::memcpy(q, b + 2, 32); break;
+    case Q2_K: {
+      const uint8_t* qs = b + 16;
+      for (int n = 0; n < 2; ++n)
+        for (int j = 0; j < 4; ++j)
+          for (int l = 0; l < 32; ++l) q[n * 128 + j * 32 + l] = (qs[n * 32 + l] >> (2 * j)) & 3;
+      break;
+    }
+    case Q3_K: {
+      const uint8_t* hm = b;
+      const uint8_t* qs = b + 32;
+      for (int n = 0; n < 2; ++n)
+        for (int j = 0; j < 4; ++j)
+          for (int l = 0; l < 32; ++l)
+            q[n * 128 + j * 32 + l] = ((qs[n * 32 + l] >> (2 * j)) & 3) | (((hm[l] >> (4 * n + j)) & 1) << 2);
+      break;
+    }
+    case Q4_K: {
+      const uint8_t* qs = b + 16;
+      for (int p = 0; p < 4; ++p)
+        for (int l = 0; l < 32; ++l) {
+          q[64 * p + l] = qs[32 * p + l] & 0xF;
+          q[64 * p + 32 + l] = qs[32 * p + l] >> 4;
+        }
+      break;
+    }
+    case Q5_K: {
+      const uint8_t* qh = b + 16;
+      const uint8_t* qs = b + 48;
+      for (int j = 0; j < 8; ++j)
+        for (int l = 0; l < 32; ++l)
+          q[32 * j + l] = ((qs[32 * (j / 2) + l] >> (4 * (j % 2))) & 0xF) | (((qh[l] >> j) & 1) << 4);
+      break;
+    }
+    case Q6_K: {
+      const uint8_t* ql = b;
+      const uint8_t* qh = b + 128;
+      for (int n = 0; n < 2; ++n)
+        for (int j = 0; j < 4; ++j)
+          for (int l = 0; l < 32; ++l)
+            q[n * 128 + j * 32 + l] = ((ql[64 * n + (j % 2) * 32 + l] >> (4 * (j / 2))) & 0xF) |
+                                      (((qh[32 * n + l] >> (2 * j)) & 3) << 4);
+      break;
+    }
+  }
+}
+
+#ifdef PQ_X86
+// The same unpacking with AVX2 byte operations: each 32-value chunk is one register.
+#define PQ_AVX2 inline
+
+PQ_AVX2 __m256i nib_lo(__m256i x) { return _mm256_and_si256(x, _mm256_set1_epi8(0x0F)); }
+PQ_AVX2 __m256i nib_hi(__m256i x) {
+  return _mm256_and_si256(_mm256_srli_epi16(x, 4), _mm256_set1_epi8(0x0F));
+}
+// byte l of the result is `val` where bit l of the 32-bit mask is set, else 0.
+PQ_AVX2 __m256i bits_to_bytes(uint32_t bits, uint8_t val) {
+  const __m256i shuf = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                        2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+  const __m256i sel = _mm256_set1_epi64x(0x8040201008040201LL);
+  __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(bits)), shuf);
+  v = _mm256_cmpeq_epi8(_mm256_and_si256(v, sel), sel);
+  return _mm256_and_si256(v, _mm256_set1_epi8(static_cast<char>(val)));
+}
+// byte l: `val` where (x_l & bit) != 0.
+PQ_AVX2 __m256i test_bit(__m256i x, uint8_t bit, uint8_t val) {
+  const __m256i b = _mm256_set1_epi8(static_cast<char>(bit));
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(x, b), b), _mm256_set1_epi8(static_cast<char>(val)));
+}
+PQ_AVX2 void st(uint8_t* q, __m256i v) { _mm256_store_si256(reinterpret_cast<__m256i*>(q), v); }
+PQ_AVX2 __m256i ld(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+
+PQ_AVX2 void unpack_avx2(int64_t t, const uint8_t* b, uint8_t* q) {
+  switch (t) {
+    case Q4_0:
+    case Q4_1: {
+      const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + (t == Q4_0 ? 2 : 4)));
+      const __m256i xx = _mm256_set_m128i(_mm_srli_epi16(x, 4), x);
+      st(q, _mm256_and_si256(xx, _mm256_set1_epi8(0x0F)));
+      break;
+    }
+    case Q5_0:
+    case Q5_1: {
+      const int off = t == Q5_0 ? 2 : 4;
+      const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + off + 4));
+      const __m256i xx = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(x, 4), x), _mm256_set1_epi8(0x0F));
+      st(q, _mm256_or_si256(xx, bits_to_bytes(u32(b + off), 0x10)));
+      break;
+    }
+    case Q8_0: st(q, ld(b + 2)); break;
+    case Q2_K: {
+      const __m256i m3 = _mm256_set1_epi8(3);
+      for (int n = 0; n < 2; ++n) {
+        const __m256i x = ld(b + 16 + 32 * n);
+        st(q + n * 128, _mm256_and_si256(x, m3));
+        st(q + n * 128 + 32, _mm256_and_si256(_mm256_srli_epi16(x, 2), m3));
+        st(q + n * 128 + 64, _mm256_and_si256(_mm256_srli_epi16(x, 4), m3));
+        st(q + n * 128 + 96, _mm256_and_si256(_mm256_srli_epi16(x, 6), m3));
+      }
+      break;
+    }
+    case Q3_K: {
+      const __m256i m3 = _mm256_set1_epi8(3);
+      const __m256i hm = ld(b);
+      for (int n = 0; n < 2; ++n) {
+        const __m256i x = ld(b + 32 + 32 * n);
+        for (int j = 0; j < 4; ++j) {
+          const __m256i lo = _mm256_and_si256(_mm256_srli_epi16(x, 2 * j), m3);
+          st(q + n * 128 + 32 * j, _mm256_or_si256(lo, test_bit(hm, static_cast<uint8_t>(1u << (4 * n + j)), 4)));
+        }
+      }
+      break;
+    }
+    case Q4_K: {
+      for (int p = 0; p < 4; ++p) {
+        const __m256i x = ld(b + 16 + 32 * p);
+        st(q + 64 * p, nib_lo(x));
+        st(q + 64 * p + 32, nib_hi(x));
+      }
+      break;
+    }
+    case Q5_K: {
+      const __m256i qh = ld(b + 16);
+      for (int p = 0; p < 4; ++p) {
+        const __m256i x = ld(b + 48 + 32 * p);
+        st(q + 64 * p, _mm256_or_si256(nib_lo(x), test_bit(qh, static_cast<uint8_t>(1u << (2 * p)), 0x10)));
+        st(q + 64 * p + 32, _mm256_or_si256(nib_hi(x), test_bit(qh, static_cast<uint8_t>(1u << (2 * p + 1)), 0x10)));
+      }
+      break;
+    }
+    case Q6_K: {
+      const __m256i m3 = _mm256_set1_epi8(3);
+      for (int n = 0; n < 2; ++n) {
+        const __m256i l0 = ld(b + 64 * n), l1 = ld(b + 64 * n + 32), h = ld(b + 128 + 32 * n);
+        const __m256i h0 = _mm256_slli_epi16(_mm256_and_si256(h, m3), 4);
+        const __m256i h1 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2), m3), 4);
+        const __m256i h2 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 4), m3), 4);
+        const __m256i h3 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 6), m3), 4);
+        st(q + n * 128, _mm256_or_si256(nib_lo(l0), h0));
+        st(q + n * 128 + 32, _mm256_or_si256(nib_lo(l1), h1));
+        st(q + n * 128 + 64, _mm256_or_si256(nib_hi(l0), h2));
+        st(q + n * 128 + 96, _mm256_or_si256(nib_hi(l1), h3));
+      }
+      break;
+    }
+  }
+}
+
+// 8 int32 lanes, lanes 0-3 summing q*a over bytes 0-15 and lanes 4-7 over bytes 16-31.
+template <bool SIGNED>
+PQ_AVX2 __m256i dot_avx2(__m256i w, __m256i a) {
+  if (SIGNED) {  // maddubs wants unsigned x signed: move w's sign onto a
+    a = _mm256_sign_epi8(a, w);
+    w = _mm256_sign_epi8(w, w);
+  }
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(w, a), _mm256_set1_epi16(1));
+}
+
+template <bool SIGNED>
+inline __m256i dot_vnni(__m256i w, __m256i a) {
+#ifdef PQ_HAS_VNNI
+  if (SIGNED) {
+    a = _mm256_sign_epi8(a, w);
+    w = _mm256_sign_epi8(w, w);
+  }
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, a);
+#else
+  return dot_avx2<SIGNED>(w, a);  // never dispatched: isa_supported() says no
+#endif
+}
+
+PQ_AVX2 float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+#endif  // PQ_X86
+
+// The activation rows, quantized: int8 values, a scale per 32 and sums per 16.
+struct QAct {
+  std::vector<int8_t> a;
+  std::vector<float> d;
+  std::vector<int32_t> s16;
+  std::vector<float> ds16;  // d * s16: what the weights' offsets multiply
+  int64_t m = 0, k = 0;
+};
+
+template <typename T>
+void quantize_rows(const T* x, int64_t m, int64_t k, QAct& out) {
+  out.m = m;
+  out.k = k;
+  out.a.resize(m * k);
+  out.d.resize(m * (k / 32));
+  out.s16.resize(m * (k / 16));
+  out.ds16.resize(m * (k / 16));
+  at::parallel_for(0, m * (k / 32), 64, [&](int64_t b, int64_t e) {
+    for (int64_t c = b; c < e; ++c) {
+      const T* src = x + c * 32;  // rows are contiguous, k % 32 == 0
+      float v[32];
+      float amax = 0.f;
+      for (int i = 0; i < 32; ++i) {
+        v[i] = static_cast<float>(src[i]);
+        amax = std::max(amax, std::fabs(v[i]));
+      }
+      const float d = amax / 127.f;
+      const float id = d > 0.f ? 1.f / d : 0.f;
+      int8_t* dst = out.a.data() + c * 32;
+      int32_t s0 = 0, s1 = 0;
+      for (int i = 0; i < 32; ++i) {
+        const int qv = static_cast<int>(std::nearbyint(v[i] * id));
+        dst[i] = static_cast<int8_t>(qv);
+        (i < 16 ? s0 : s1) += qv;
+      }
+      out.d[c] = d;
+      out.s16[2 * c] = s0;
+      out.s16[2 * c + 1] = s1;
+      out.ds16[2 * c] = d * static_cast<float>(s0);
+      out.ds16[2 * c + 1] = d * static_cast<float>(s1);
+    }
+  });
+}
+
+// The scalar reference: y[r, n] for weight rows n in [n0, n1) and all activation rows r, in plain
+// C++ that every machine runs. The SIMD paths must agree with it (tests/test_quant_kernels.py).
+template <bool SIGNED>
+void gemv_rows(const Fmt& f, const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1,
+               const QAct& x, float* y, int64_t ldy) {
+  const int64_t k = x.k, m = x.m, kc = k / 32;
+  const int64_t nblk = k / f.vals;
+  const int nch = f.vals / 32;
+  alignas(64) uint8_t q[256];
+  float sc[16], mn[16];
+  std::vector<float> accs(m);
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = w + n * row_bytes;
+    std::fill(accs.begin(), accs.end(), 0.f);
+    for (int64_t blk = 0; blk < nblk; ++blk) {
+      const uint8_t* bp = row + blk * f.bytes;
+      block_scales(f.type, bp, sc, mn);
+      unpack_ref(f.type, bp, q);
+      const int64_t c0 = blk * nch;  // first 32-chunk of this block
+      for (int j = 0; j < nch; ++j) {
+        for (int64_t r = 0; r < m; ++r) {
+          const int64_t c = r * kc + c0 + j;
+          const int8_t* a = x.a.data() + c * 32;
+          int32_t s0 = 0, s1 = 0;
+          for (int l = 0; l < 16; ++l) {
+            const int32_t w0 = SIGNED ? static_cast<int8_t>(q[32 * j + l]) : q[32 * j + l];
+            const int32_t w1 = SIGNED ? static_cast<int8_t>(q[32 * j + 16 + l]) : q[32 * j + 16 + l];
+            s0 += w0 * a[l];
+            s1 += w1 * a[16 + l];
+          }
+          accs[r] += x.d[c] * (sc[2 * j] * static_cast<float>(s0) + sc[2 * j + 1] * static_cast<float>(s1) +
+                               mn[2 * j] * static_cast<float>(x.s16[2 * c]) +
+                               mn[2 * j + 1] * static_cast<float>(x.s16[2 * c + 1]));
+        }
+      }
+    }
+    for (int64_t r = 0; r < m; ++r) y[r * ldy + n] = accs[r];
+  }
+}
+
+#ifdef PQ_X86
+// The fast path: a weight row is unpacked once into q (values), sv (an 8-float scale vector per
+// 32 values: lanes 0-3 the first 16's scale, 4-7 the second's) and mv (offsets per 16); then
+// tiles of 2 weight rows x up to 4 activation rows run in registers, so each activation chunk
+// loaded serves two weight rows and each unpacked weight chunk serves four activation rows.
+template <int64_t TYPE>
+inline void unpack_row(const uint8_t* row, int64_t k, uint8_t* q, float* sv, float* mv) {
+  constexpr int VALS = (TYPE == Q2_K || TYPE == Q3_K || TYPE == Q4_K || TYPE == Q5_K || TYPE == Q6_K) ? 256 : 32;
+  const Fmt f = fmt_of(TYPE);
+  float sc[16], mn[16];
+  for (int64_t blk = 0; blk < k / VALS; ++blk) {
+    const uint8_t* b = row + blk * f.bytes;
+    unpack_avx2(TYPE, b, q + blk * VALS);
+    block_scales(TYPE, b, sc, mn);
+    for (int j = 0; j < VALS / 32; ++j) {
+      _mm256_store_ps(sv + (blk * (VALS / 32) + j) * 8,
+                      _mm256_set_m128(_mm_set1_ps(sc[2 * j + 1]), _mm_set1_ps(sc[2 * j])));
+    }
+    std::memcpy(mv + blk * (VALS / 16), mn, sizeof(float) * (VALS / 16));
+  }
+}
+
+inline float dot_f32(const float* a, const float* b, int64_t n) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  float s = hsum(acc);
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+template <int ISA, bool SIGNED, int NR, int MR>
+inline void tile(uint8_t* const* q, float* const* sv, float* const* mv, const QAct& x, int64_t r0,
+                 float* y, int64_t ldy, int64_t n) {
+  const int64_t kc = x.k / 32, k16 = x.k / 16;
+  __m256 acc[NR][MR];
+  for (int i = 0; i < NR; ++i)
+    for (int r = 0; r < MR; ++r) acc[i][r] = _mm256_setzero_ps();
+  const int8_t* a0 = x.a.data() + r0 * x.k;
+  const float* d0 = x.d.data() + r0 * kc;
+  for (int64_t c = 0; c < kc; ++c) {
+    __m256i w[NR];
+    __m256 s[NR];
+    for (int i = 0; i < NR; ++i) {
+      w[i] = _mm256_load_si256(reinterpret_cast<const __m256i*>(q[i] + 32 * c));
+      s[i] = _mm256_load_ps(sv[i] + 8 * c);
+    }
+    for (int r = 0; r < MR; ++r) {
+      const __m256i av = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a0 + r * x.k + 32 * c));
+      const __m256 d = _mm256_broadcast_ss(d0 + r * kc + c);
+      for (int i = 0; i < NR; ++i) {
+        const __m256i p = ISA == AVX512VNNI ? dot_vnni<SIGNED>(w[i], av) : dot_avx2<SIGNED>(w[i], av);
+        acc[i][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(s[i], d), acc[i][r]);
+      }
+    }
+  }
+  for (int i = 0; i < NR; ++i)
+    for (int r = 0; r < MR; ++r) {
+      float v = hsum(acc[i][r]);
+      if (!SIGNED) v += dot_f32(mv[i], x.ds16.data() + (r0 + r) * k16, k16);
+      y[(r0 + r) * ldy + n + i] = v;
+    }
+}
+
+template <int ISA, bool SIGNED, int NR>
+inline void tiles(uint8_t* const* q, float* const* sv, float* const* mv, const QAct& x, float* y,
+                  int64_t ldy, int64_t n) {
+  int64_t r0 = 0;
+  for (; r0 + 4 <= x.m; r0 += 4) tile<ISA, SIGNED, NR, 4>(q, sv, mv, x, r0, y, ldy, n);
+  if (x.m - r0 >= 2) { tile<ISA, SIGNED, NR, 2>(q, sv, mv, x, r0, y, ldy, n); r0 += 2; }
+  if (x.m - r0 == 1) tile<ISA, SIGNED, NR, 1>(q, sv, mv, x, r0, y, ldy, n);
+}
+
+template <int ISA, int64_t TYPE>
+void gemv_fast(const uint8_t* w, int64_t rb, int64_t n0, int64_t n1, const QAct& x, float* y, int64_t ldy) {
+  constexpr bool SIGNED = TYPE == Q8_0;
+  const int64_t k = x.k;
+  thread_local std::vector<uint8_t> qbuf;
+  thread_local std::vector<float> sbuf, mbuf;
+  const int64_t qa = (k + 63) / 64 * 64, sa = (k / 32 * 8 + 15) / 16 * 16;
+  if (static_cast<int64_t>(qbuf.size()) < 2 * qa + 64) qbuf.resize(2 * qa + 64);
+  if (static_cast<int64_t>(sbuf.size()) < 2 * sa + 16) sbuf.resize(2 * sa + 16);
+  if (static_cast<int64_t>(mbuf.size()) < 2 * (k / 16)) mbuf.resize(2 * (k / 16));
+  uint8_t* qb = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(qbuf.data()) + 63) & ~uintptr_t{63});
+  float* sb = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(sbuf.data()) + 63) & ~uintptr_t{63});
+  uint8_t* q[2] = {qb, qb + qa};
+  float* sv[2] = {sb, sb + sa};
+  float* mv[2] = {mbuf.data(), mbuf.data() + k / 16};
+  int64_t n = n0;
+  for (; n + 2 <= n1; n += 2) {
+    unpack_row<TYPE>(w + n * rb, k, q[0], sv[0], mv[0]);
+    unpack_row<TYPE>(w + (n + 1) * rb, k, q[1], sv[1], mv[1]);
+    tiles<ISA, SIGNED, 2>(q, sv, mv, x, y, ldy, n);
+  }
+  if (n < n1) {
+    unpack_row<TYPE>(w + n * rb, k, q[0], sv[0], mv[0]);
+    tiles<ISA, SIGNED, 1>(q, sv, mv, x, y, ldy, n);
+  }
+}
+
+// Chunk j (32 values) of a block, straight into a register: the few-rows path needs no buffer.
+template <int64_t TYPE>
+PQ_AVX2 __m256i unpack_chunk(const uint8_t* b, int j) {
+  const __m256i m4 = _mm256_set1_epi8(0x0F), m3 = _mm256_set1_epi8(3);
+  if constexpr (TYPE == Q4_0 || TYPE == Q4_1) {
+    const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + (TYPE == Q4_0 ? 2 : 4)));
+    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(x, 4), x), m4);
+  } else if constexpr (TYPE == Q5_0 || TYPE == Q5_1) {
+    constexpr int off = TYPE == Q5_0 ? 2 : 4;
+    const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + off + 4));
+    const __m256i lo = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(x, 4), x), m4);
+    return _mm256_or_si256(lo, bits_to_bytes(u32(b + off), 0x10));
+  } else if constexpr (TYPE == Q8_0) {
+    return ld(b + 2);
+  } else if constexpr (TYPE == Q2_K) {
+    const __m256i x = ld(b + 16 + 32 * (j / 4));
+    return _mm256_and_si256(_mm256_srli_epi16(x, 2 * (j % 4)), m3);
+  } else if constexpr (TYPE == Q3_K) {
+    const __m256i x = ld(b + 32 + 32 * (j / 4));
+    const __m256i lo = _mm256_and_si256(_mm256_srli_epi16(x, 2 * (j % 4)), m3);
+    return _mm256_or_si256(lo, test_bit(ld(b), static_cast<uint8_t>(1u << j), 4));
+  } else if constexpr (TYPE == Q4_K) {
+    const __m256i x = ld(b + 16 + 32 * (j / 2));
+    return j % 2 ? nib_hi(x) : nib_lo(x);
+  } else if constexpr (TYPE == Q5_K) {
+    const __m256i x = ld(b + 48 + 32 * (j / 2));
+    return _mm256_or_si256(j % 2 ? nib_hi(x) : nib_lo(x), test_bit(ld(b + 16), static_cast<uint8_t>(1u << j), 0x10));
+  } else {  // Q6_K
+    const int n = j / 4, jj = j % 4;
+    const __m256i l = ld(b + 64 * n + 32 * (jj % 2));
+    const __m256i lo = jj / 2 ? nib_hi(l) : nib_lo(l);
+    const __m256i h = _mm256_and_si256(_mm256_srli_epi16(ld(b + 128 + 32 * n), 2 * jj), m3);
+    return _mm256_or_si256(lo, _mm256_slli_epi16(h, 4));
+  }
+}
+
+// Up to 4 activation rows (decode at small batch): every weight chunk is unpacked in a register
+// and used at once by each row; scales are read per block.
+template <int ISA, int64_t TYPE, int MR>
+void gemv_direct(const uint8_t* w, int64_t rb, int64_t n0, int64_t n1, const QAct& x, float* y, int64_t ldy) {
+  constexpr bool SIGNED = TYPE == Q8_0;
+  constexpr bool K = TYPE == Q2_K || TYPE == Q3_K || TYPE == Q4_K || TYPE == Q5_K || TYPE == Q6_K;
+  constexpr int VALS = K ? 256 : 32, NCH = VALS / 32;
+  const Fmt f = fmt_of(TYPE);
+  const int64_t kc = x.k / 32, nblk = x.k / VALS;
+  float sc[16], mn[16];
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = w + n * rb;
+    __m256 acc[MR];
+    float macc[MR];
+    for (int r = 0; r < MR; ++r) { acc[r] = _mm256_setzero_ps(); macc[r] = 0.f; }
+    for (int64_t blk = 0; blk < nblk; ++blk) {
+      const uint8_t* b = row + blk * f.bytes;
+      block_scales(TYPE, b, sc, mn);
+      for (int j = 0; j < NCH; ++j) {
+        const __m256i wv = unpack_chunk<TYPE>(b, j);
+        const __m256 sv = K ? _mm256_set_m128(_mm_set1_ps(sc[2 * j + 1]), _mm_set1_ps(sc[2 * j])) : _mm256_set1_ps(sc[0]);
+        const int64_t c0 = blk * NCH + j;
+        for (int r = 0; r < MR; ++r) {
+          const int64_t c = r * kc + c0;
+          const __m256i av = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.a.data() + c * 32));
+          const __m256i p = ISA == AVX512VNNI ? dot_vnni<SIGNED>(wv, av) : dot_avx2<SIGNED>(wv, av);
+          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(sv, _mm256_set1_ps(x.d[c])), acc[r]);
+          if (!SIGNED) macc[r] += mn[2 * j] * x.ds16[2 * c] + mn[2 * j + 1] * x.ds16[2 * c + 1];
+        }
+      }
+    }
+    for (int r = 0; r < MR; ++r) y[r * ldy + n] = hsum(acc[r]) + macc[r];
+  }
+}
+
+template <int ISA, int64_t TYPE>
+void gemv_dispatch(const uint8_t* w, int64_t rb, int64_t n0, int64_t n1, const QAct& x, float* y, int64_t ldy) {
+  switch (x.m) {
+    case 1: gemv_direct<ISA, TYPE, 1>(w, rb, n0, n1, x, y, ldy); return;
+    case 2: gemv_direct<ISA, TYPE, 2>(w, rb, n0, n1, x, y, ldy); return;
+    case 3: gemv_direct<ISA, TYPE, 3>(w, rb, n0, n1, x, y, ldy); return;
+    case 4: gemv_direct<ISA, TYPE, 4>(w, rb, n0, n1, x, y, ldy); return;
+    default: gemv_fast<ISA, TYPE>(w, rb, n0, n1, x, y, ldy);
+  }
+}
+
+template <int ISA>
+void gemv_fast_any(int64_t type, const uint8_t* w, int64_t rb, int64_t n0, int64_t n1, const QAct& x, float* y,
+                   int64_t ldy) {
+  switch (type) {
+    case Q4_0: gemv_dispatch<ISA, Q4_0>(w, rb, n0, n1, x, y, ldy); break;
+    case Q4_1: gemv_dispatch<ISA, Q4_1>(w, rb, n0, n1, x, y, ldy); break;
+    case Q5_0: gemv_dispatch<ISA, Q5_0>(w, rb, n0, n1, x, y, ldy); break;
+    case Q5_1: gemv_dispatch<ISA, Q5_1>(w, rb, n0, n1, x, y, ldy); break;
+    case Q8_0: gemv_dispatch<ISA, Q8_0>(w, rb, n0, n1, x, y, ldy); break;
+    case Q2_K: gemv_dispatch<ISA, Q2_K>(w, rb, n0, n1, x, y, ldy); break;
+    case Q3_K: gemv_dispatch<ISA, Q3_K>(w, rb, n0, n1, x, y, ldy); break;
+    case Q4_K: gemv_dispatch<ISA, Q4_K>(w, rb, n0, n1, x, y, ldy); break;
+    case Q5_K: gemv_dispatch<ISA, Q5_K>(w, rb, n0, n1, x, y, ldy); break;
+    case Q6_K: gemv_dispatch<ISA, Q6_K>(w, rb, n0, n1, x, y, ldy); break;
+  }
+}
+#endif  // PQ_X86
+
+bool isa_supported(int64_t isa) {
+  switch (isa) {
+    case SCALAR: return true;
+#ifdef PQ_X86
+    case AVX2: return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+#endif
+#ifdef PQ_HAS_VNNI
+    case AVX512VNNI:
+      return isa_supported(AVX2) && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+             __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni");
+#endif
+    default: return false;
+  }
+}
+
+int64_t best_isa() {
+  static const int64_t best = isa_supported(AVX512VNNI) ? AVX512VNNI : isa_supported(AVX2) ? AVX2 : SCALAR;
+  return best;
+}
+
+void check_weight(const at::Tensor& w, const Fmt& f, int64_t k) {
+  TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kByte && w.dim() == 2 && w.stride(1) == 1,
+              "quantized weight must be a CPU uint8 [rows, row_bytes] tensor with contiguous rows");
+  TORCH_CHECK(k > 0 && k % f.vals == 0, "row length ", k, " is not a multiple of the format's block of ", f.vals);
+  TORCH_CHECK(w.size(1) == k / f.vals * f.bytes, "quantized weight rows hold ", w.size(1), " bytes, expected ",
+              k / f.vals * f.bytes, " for ", k, " values");
+}
+
+int64_t grain_for(int64_t rows) {
+  // Enough rows per task to stream a long run of the weight, and at least 4 tasks per thread
+  // so no core idles at the end.
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  return std::max<int64_t>(1, rows / (4 * threads));
+}
+
+}  // namespace pq
+
+using namespace pq;
+
+// y [M, N] float32 = x [M, K] @ dequant(w)^T, where w is the row-wise concatenation of the
+// parts ws (each in its own format, e.g. q/k in Q4_K and v in Q6_K): one call per fused
+// projection, the activation quantized once, the threads spread over all parts' rows.
+at::Tensor quant_matmul(const at::Tensor& x, at::TensorList ws, at::IntArrayRef types, int64_t k, int64_t isa) {
+  TORCH_CHECK(!ws.empty() && ws.size() == types.size(), "quant_matmul: one format per weight part");
+  std::vector<Fmt> fmts;
+  std::vector<int64_t> row0{0};
+  for (size_t p = 0; p < ws.size(); ++p) {
+    fmts.push_back(fmt_of(types[p]));
+    check_weight(ws[p], fmts.back(), k);
+    row0.push_back(row0.back() + ws[p].size(0));
+  }
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.size(1) == k, "x must be a CPU [M, ", k, "] tensor");
+  if (isa == AUTO) isa = best_isa();
+  TORCH_CHECK(isa_supported(isa), "instruction set path ", isa, " is not available on this CPU");
+  const auto xc = x.contiguous();
+  const int64_t m = x.size(0), n = row0.back();
+  QAct qa;
+  switch (xc.scalar_type()) {
+    case at::kFloat: quantize_rows(xc.data_ptr<float>(), m, k, qa); break;
+    case at::kBFloat16: quantize_rows(xc.data_ptr<c10::BFloat16>(), m, k, qa); break;
+    case at::kHalf: quantize_rows(xc.data_ptr<c10::Half>(), m, k, qa); break;
+    default: TORCH_CHECK(false, "quant_matmul: x must be float32, bfloat16 or float16");
+  }
+  auto y = at::empty({m, n}, x.options().dtype(at::kFloat));
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, n, grain_for(n), [&](int64_t b, int64_t e) {
+    for (size_t p = 0; p < fmts.size(); ++p) {
+      const int64_t lo = std::max(b, row0[p]), hi = std::min(e, row0[p + 1]);
+      if (lo >= hi) continue;
+      const Fmt& f = fmts[p];
+      const int64_t rb = ws[p].stride(0);
+      // The part's rows [lo, hi) land in y's columns [lo, hi).
+      const uint8_t* wp = ws[p].data_ptr<uint8_t>();
+      float* yo = yp + row0[p];
+      const int64_t r0 = lo - row0[p], r1 = hi - row0[p];
+#ifdef PQ_X86
+      if (isa == AVX512VNNI) { gemv_fast_any<AVX512VNNI>(f.type, wp, rb, r0, r1, qa, yo, n); continue; }
+      if (isa == AVX2) { gemv_fast_any<AVX2>(f.type, wp, rb, r0, r1, qa, yo, n); continue; }
+#endif
+      f.is_signed ? gemv_rows<true>(f, wp, rb, r0, r1, qa, yo, n) : gemv_rows<false>(f, wp, rb, r0, r1, qa, yo, n);
+    }
+  });
+  return y;
+}
+
+namespace pq {
+// RMSNorm of each row into a float buffer, each value rounded through T as F.rms_norm's output
+// in T would be, so the fused path quantizes the same activations as the unfused one.
+template <typename T>
+void rms_norm_rows(const T* x, const T* w, int64_t m, int64_t k, double eps, float* out) {
+  at::parallel_for(0, m, 1, [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      const T* xr = x + r * k;
+      float ss = 0.f;
+      for (int64_t i = 0; i < k; ++i) {
+        const float v = static_cast<float>(xr[i]);
+        ss += v * v;
+      }
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(k) + static_cast<float>(eps));
+      for (int64_t i = 0; i < k; ++i)
+        out[r * k + i] = static_cast<float>(static_cast<T>(static_cast<float>(xr[i]) * inv * static_cast<float>(w[i])));
+    }
+  });
+}
+
+template <typename T>
+at::Tensor epilogue(const at::Tensor& y, const c10::optional<at::Tensor>& bias,
+                    const c10::optional<at::Tensor>& residual, int64_t act, const at::TensorOptions& opts) {
+  const int64_t m = y.size(0), n = y.size(1), no = act == 1 ? n / 2 : n;
+  auto out = at::empty({m, no}, opts);
+  const float* yp = y.data_ptr<float>();
+  at::Tensor bc, rc;
+  const T* bp = nullptr;
+  const T* rp = nullptr;
+  if (bias.has_value()) { bc = bias->contiguous(); bp = bc.data_ptr<T>(); }
+  if (residual.has_value()) { rc = residual->contiguous(); rp = rc.data_ptr<T>(); }
+  T* op = out.data_ptr<T>();
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t j = 0; j < no; ++j) {
+      // Each step rounds to T where the unfused ops would: the projection's output, + bias,
+      // silu(gate) * up, + residual.
+      auto val = [&](int64_t c) {
+        T v = static_cast<T>(yp[r * n + c]);
+        if (bp) v = static_cast<T>(static_cast<float>(v) + static_cast<float>(bp[c]));
+        return static_cast<float>(v);
+      };
+      float v;
+      if (act == 1) {
+        const float g = val(j), u = val(j + no);
+        const T sg = static_cast<T>(g / (1.f + std::exp(-g)));
+        v = static_cast<float>(static_cast<T>(static_cast<float>(sg) * u));
+      } else {
+        v = val(j);
+      }
+      if (rp) v = static_cast<float>(rp[r * no + j]) + v;
+      op[r * no + j] = static_cast<T>(v);
+    }
+  return out;
+}
+}  // namespace pq
+
+// quant_matmul with what surrounds a projection in a decoder layer folded in: an RMSNorm of x
+// before it, a bias, silu(gate) * up over the two halves (act = 1), and a residual added after.
+// Output in x's dtype: [M, N], or [M, N / 2] with act = 1.
+at::Tensor quant_linear(const at::Tensor& x, at::TensorList ws, at::IntArrayRef types, int64_t k,
+                        const c10::optional<at::Tensor>& norm_weight, double eps,
+                        const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& residual,
+                        int64_t act, int64_t isa) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == k, "x must be [M, ", k, "]");
+  TORCH_CHECK(act == 0 || act == 1, "act must be 0 (none) or 1 (silu(gate) * up)");
+  at::Tensor xin = x;
+  if (norm_weight.has_value()) {
+    TORCH_CHECK(norm_weight->numel() == k && norm_weight->scalar_type() == x.scalar_type(),
+                "norm_weight must be [", k, "] in x's dtype");
+    const auto xc = x.contiguous();
+    const auto wc = norm_weight->contiguous();
+    xin = at::empty({x.size(0), k}, x.options().dtype(at::kFloat));
+    switch (x.scalar_type()) {
+      case at::kFloat: rms_norm_rows(xc.data_ptr<float>(), wc.data_ptr<float>(), x.size(0), k, eps, xin.data_ptr<float>()); break;
+      case at::kBFloat16: rms_norm_rows(xc.data_ptr<c10::BFloat16>(), wc.data_ptr<c10::BFloat16>(), x.size(0), k, eps, xin.data_ptr<float>()); break;
+      case at::kHalf: rms_norm_rows(xc.data_ptr<c10::Half>(), wc.data_ptr<c10::Half>(), x.size(0), k, eps, xin.data_ptr<float>()); break;
+      default: TORCH_CHECK(false, "quant_linear: x must be float32, bfloat16 or float16");
+    }
+  }
+  const auto y = quant_matmul(xin, ws, types, k, isa);
+  const int64_t n = y.size(1);
+  TORCH_CHECK(act == 0 || n % 2 == 0, "silu(gate) * up needs an even width");
+  if (bias.has_value()) TORCH_CHECK(bias->numel() == n && bias->scalar_type() == x.scalar_type(), "bias must be [", n, "] in x's dtype");
+  if (residual.has_value())
+    TORCH_CHECK(residual->dim() == 2 && residual->size(0) == x.size(0) && residual->size(1) == (act == 1 ? n / 2 : n) &&
+                    residual->scalar_type() == x.scalar_type(), "residual must be [M, N] in x's dtype");
+  switch (x.scalar_type()) {
+    case at::kFloat: return epilogue<float>(y, bias, residual, act, x.options());
+    case at::kBFloat16: return epilogue<c10::BFloat16>(y, bias, residual, act, x.options());
+    case at::kHalf: return epilogue<c10::Half>(y, bias, residual, act, x.options());
+    default: TORCH_CHECK(false, "quant_linear: x must be float32, bfloat16 or float16");
+  }
+}
+
+namespace pq {
+template <typename T>
+void dequant_row(const Fmt& f, const uint8_t* row, int64_t k, T* out, bool fast) {
+  alignas(64) uint8_t q[256];
+  float sc[16], mn[16];
+  for (int64_t blk = 0; blk < k / f.vals; ++blk) {
+    const uint8_t* bp = row + blk * f.bytes;
+    block_scales(f.type, bp, sc, mn);
+#ifdef PQ_X86
+    if (fast) unpack_avx2(f.type, bp, q); else
+#endif
+    unpack_ref(f.type, bp, q);
+    T* o = out + blk * f.vals;
+    for (int g = 0; g < f.vals / 16; ++g) {
+      const float s = sc[g], m = mn[g];
+      for (int l = 0; l < 16; ++l) {
+        const float qv = f.is_signed ? static_cast<float>(static_cast<int8_t>(q[16 * g + l])) : static_cast<float>(q[16 * g + l]);
+        o[16 * g + l] = static_cast<T>(s * qv + m);
+      }
+    }
+  }
+}
+
+template <typename T>
+void dequant_rows_impl(const Fmt& f, const uint8_t* w, int64_t rb, const int64_t* ids, int64_t rows,
+                       int64_t k, T* out, bool fast) {
+  at::parallel_for(0, rows, grain_for(rows), [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) dequant_row(f, w + (ids ? ids[i] : i) * rb, k, out + i * k, fast);
+  });
+}
+}  // namespace pq
+
+// The float values w stands for, as `dtype`: rows [start, start + count) of w, or the rows
+// `ids` names (an embedding lookup) when ids is given.
+at::Tensor quant_dequant(const at::Tensor& w, int64_t type, int64_t k, const c10::optional<at::Tensor>& ids,
+                         int64_t start, int64_t count, at::ScalarType dtype, int64_t isa) {
+  const Fmt f = fmt_of(type);
+  check_weight(w, f, k);
+  if (isa == AUTO) isa = best_isa();
+  TORCH_CHECK(isa_supported(isa), "instruction set path ", isa, " is not available on this CPU");
+  const bool fast = isa != SCALAR;
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const int64_t rb = w.stride(0);
+  at::Tensor idx;
+  int64_t rows;
+  const int64_t* ip = nullptr;
+  if (ids.has_value()) {
+    idx = ids->to(at::kLong).contiguous();
+    rows = idx.numel();
+    ip = idx.data_ptr<int64_t>();
+    for (int64_t i = 0; i < rows; ++i)
+      TORCH_CHECK(ip[i] >= 0 && ip[i] < w.size(0), "row id ", ip[i], " is out of range [0, ", w.size(0), ")");
+  } else {
+    if (count < 0) count = w.size(0) - start;
+    TORCH_CHECK(start >= 0 && start + count <= w.size(0), "rows [", start, ", ", start + count, ") out of range");
+    rows = count;
+    wp += start * rb;
+  }
+  auto out = at::empty({rows, k}, w.options().dtype(dtype));
+  switch (dtype) {
+    case at::kFloat: dequant_rows_impl(f, wp, rb, ip, rows, k, out.data_ptr<float>(), fast); break;
+    case at::kBFloat16: dequant_rows_impl(f, wp, rb, ip, rows, k, out.data_ptr<c10::BFloat16>(), fast); break;
+    case at::kHalf: dequant_rows_impl(f, wp, rb, ip, rows, k, out.data_ptr<c10::Half>(), fast); break;
+    default: TORCH_CHECK(false, "quant_dequant: dtype must be float32, bfloat16 or float16");
+  }
+  return out;
+}
+
+// How many blocks of w have a non-finite (NaN or inf) fp16 scale or min.
+int64_t quant_bad_scales(const at::Tensor& w, int64_t type, int64_t k) {
+  const Fmt f = fmt_of(type);
+  check_weight(w, f, k);
+  int offs[2] = {-1, -1};
+  switch (type) {
+    case Q4_0: case Q5_0: case Q8_0: offs[0] = 0; break;
+    case Q4_1: case Q5_1: case Q4_K: case Q5_K: offs[0] = 0; offs[1] = 2; break;
+    case Q2_K: offs[0] = 80; offs[1] = 82; break;
+    case Q3_K: offs[0] = 108; break;
+    case Q6_K: offs[0] = 208; break;
+  }
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const int64_t rb = w.stride(0), nb = k / f.vals, rows = w.size(0);
+  int64_t bad = 0;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* p = wp + r * rb + b * f.bytes;
+      for (int o : offs)
+        if (o >= 0 && !half_finite(p + o)) { ++bad; break; }
+    }
+  return bad;
+}
+
+// Bit 0: scalar (always), 1: AVX2, 2: AVX-512 VNNI; which paths this CPU can run.
+int64_t quant_isas() {
+  int64_t mask = 0;
+  for (int64_t i = SCALAR; i <= AVX512VNNI; ++i)
+    if (isa_supported(i)) mask |= int64_t{1} << (i - 1);
+  return mask;
+}
+
+TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
+  m.def("quant_matmul(Tensor x, Tensor[] ws, int[] types, int k, int isa=0) -> Tensor", &quant_matmul);
+  m.def("quant_dequant(Tensor w, int type, int k, Tensor? ids=None, int start=0, int count=-1, "
+        "ScalarType dtype=float, int isa=0) -> Tensor", &quant_dequant);
+  m.def("quant_linear(Tensor x, Tensor[] ws, int[] types, int k, Tensor? norm_weight=None, float eps=0., "
+        "Tensor? bias=None, Tensor? residual=None, int act=0, int isa=0) -> Tensor", &quant_linear);
+  m.def("quant_bad_scales(Tensor w, int type, int k) -> int", &quant_bad_scales);
+  m.def("quant_isas() -> int", &quant_isas);
+}

@@ -1,0 +1,1 @@
+"""Quantized weights: GGUF block formats, their kernels, and in-situ quantization (ISQ)."""

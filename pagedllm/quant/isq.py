@@ -1,0 +1,118 @@
+"""In-situ quantization (ISQ, as in mistral.rs): a safetensors model's linear weights are
+quantized at load into GGUF block formats and run on the same kernels as GGUF files.
+
+Weights stream through one tensor at a time, so loading holds the quantized model plus one
+float tensor. Q8_0 and Q4_0 round exactly as llama.cpp's reference quantizers do (the tests
+check them byte for byte against gguf-py's); Q4_K uses a min/max fit per 32 values with
+6-bit scales and mins, our own and simpler than llama.cpp's search.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Iterator
+
+import torch
+
+from .formats import FORMATS, QuantFormatError, QuantTensor
+
+ISQ_TYPES = ("Q8_0", "Q4_0", "Q4_K")
+
+
+def check_isq_type(fmt: str) -> str:
+    name = str(fmt).strip().upper()
+    if name not in ISQ_TYPES:
+        raise ValueError(f"unsupported ISQ type {fmt!r}; supported: {', '.join(ISQ_TYPES)}")
+    return name
+
+
+def linear_weight_names(model: torch.nn.Module, keys: Iterable[str]) -> set[str]:
+    """The checkpoint names that land in a Linear layer's weight (not embeddings or norms)."""
+    from ..models.linear import Linear
+
+    names = set()
+    for key in keys:
+        mapped = model.map_weight_name(key)
+        if mapped is None or not mapped[0].endswith(".weight"):
+            continue
+        if isinstance(model.get_submodule(mapped[0].rsplit(".", 1)[0]), Linear):
+            names.add(key)
+    return names
+
+
+def isq_stream(weights: Iterator[tuple[str, torch.Tensor]], fmt: str,
+               names: set[str]) -> Iterator[tuple[str, torch.Tensor | QuantTensor]]:
+    fmt = check_isq_type(fmt)
+    for name, t in weights:
+        yield name, (quantize(t, fmt, name) if name in names else t)
+
+
+def quantize(w: torch.Tensor, fmt: str, name: str = "weight") -> QuantTensor:
+    """Quantize a float matrix [rows, cols] into `fmt` blocks."""
+    fmt = check_isq_type(fmt)
+    if w.dim() != 2:
+        raise QuantFormatError(f"{name}: ISQ quantizes matrices; this tensor has shape {tuple(w.shape)}")
+    rows, cols = w.shape
+    vals = FORMATS[fmt][1]
+    if cols % vals:
+        fits = [t for t in ISQ_TYPES if cols % FORMATS[t][1] == 0]
+        raise QuantFormatError(
+            f"{name}: ISQ type {fmt} packs rows in blocks of {vals} values, but this weight has {cols} "
+            f"columns; {'use ' + ' or '.join(fits) if fits else 'no ISQ type fits it'}")
+    x = w.detach().to(torch.float32).reshape(-1, vals)
+    if not torch.isfinite(x).all():
+        raise QuantFormatError(f"{name}: holds NaN or inf values; refusing to quantize it")
+    blocks = {"Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_K": _q4_k}[fmt](x)
+    return QuantTensor(fmt, blocks.reshape(rows, -1).contiguous(), (rows, cols))
+
+
+def _half_bytes(v: torch.Tensor) -> torch.Tensor:
+    return v.to(torch.float16).reshape(-1, 1).view(torch.uint8)
+
+
+def _roundf(v: torch.Tensor) -> torch.Tensor:
+    """C's roundf: halves away from zero (torch.round rounds them to even)."""
+    return torch.sign(v) * torch.floor(v.abs() + 0.5)
+
+
+def _q8_0(x: torch.Tensor) -> torch.Tensor:
+    d = x.abs().amax(dim=1, keepdim=True) / 127
+    inv = torch.where(d == 0, torch.zeros_like(d), 1 / d)
+    q = _roundf(x * inv).to(torch.int8).view(torch.uint8)
+    return torch.cat([_half_bytes(d), q], dim=1)
+
+
+def _q4_0(x: torch.Tensor) -> torch.Tensor:
+    imax = x.abs().argmax(dim=1, keepdim=True)
+    d = x.gather(1, imax) / -8
+    inv = torch.where(d == 0, torch.zeros_like(d), 1 / d)
+    q = torch.trunc(x * inv + 8.5).clamp(0, 15).to(torch.uint8)
+    qs = q[:, :16] | (q[:, 16:] << 4)
+    return torch.cat([_half_bytes(d), qs], dim=1)
+
+
+def _q4_k(x: torch.Tensor) -> torch.Tensor:
+    n = x.shape[0]
+    sub = x.view(n, 8, 32)
+    lo = sub.amin(dim=2).clamp(max=0)  # the format's offset is -dmin * m <= 0
+    hi = sub.amax(dim=2)
+    scale = (hi - lo) / 15
+    mins = -lo
+    d = scale.amax(dim=1, keepdim=True) / 63
+    dmin = mins.amax(dim=1, keepdim=True) / 63
+    d16, dmin16 = d.to(torch.float16), dmin.to(torch.float16)
+    dq, dminq = d16.float(), dmin16.float()
+    # A sub-block with any spread keeps a scale of at least 1: rounding it to 0 would flatten it.
+    sc = torch.where(dq > 0, torch.round(scale / dq.clamp(min=1e-30)), 0).clamp(0, 63)
+    sc = torch.where(scale > 0, sc.clamp(min=1), sc)
+    m = torch.where(dminq > 0, torch.round(mins / dminq.clamp(min=1e-30)), 0).clamp(0, 63)
+    s_eff = (dq * sc).unsqueeze(2)
+    m_eff = (dminq * m).unsqueeze(2)
+    q = torch.where(s_eff > 0, torch.round((sub + m_eff) / s_eff.clamp(min=1e-30)), 0).clamp(0, 15)
+    q = q.to(torch.uint8).view(n, 4, 2, 32)
+    qs = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(n, 128)
+    sc, m = sc.to(torch.uint8), m.to(torch.uint8)
+    packed = torch.cat([
+        (sc[:, :4] & 63) | ((sc[:, 4:] >> 4) << 6),
+        (m[:, :4] & 63) | ((m[:, 4:] >> 4) << 6),
+        (sc[:, 4:] & 15) | ((m[:, 4:] & 15) << 4),
+    ], dim=1)
+    return torch.cat([d16.view(torch.uint8).reshape(n, 2), dmin16.view(torch.uint8).reshape(n, 2), packed, qs], dim=1)

@@ -1,0 +1,118 @@
+"""The quantized-weight kernels as Python calls, and which paths this machine runs.
+
+Few rows (decode) take the integer path: the activation is quantized to int8 per 32 values
+and multiplied with the weight's blocks by integer dot products (AVX-512 VNNI, AVX2, or the
+scalar reference). Many rows (prefill, wide batches) are compute bound: the weight is
+dequantized a tile of rows at a time into the compute dtype and the GEMM does the rest.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from functools import lru_cache
+
+import torch
+import torch.nn.functional as F
+
+from ..native import cpu_kernels, disabled_reason
+from .formats import QuantTensor
+
+logger = logging.getLogger(__name__)
+
+ISA_NAMES = {1: "scalar", 2: "avx2", 3: "avx512-vnni"}
+ISA_IDS = {v: k for k, v in ISA_NAMES.items()}
+# Up to this many rows the integer kernel wins; above it the dequantize + GEMM route does
+# (measured on the CPU this was written on; PAGEDLLM_QUANT_INT_ROWS overrides).
+INT_ROWS = int(os.environ.get("PAGEDLLM_QUANT_INT_ROWS", "32"))
+# Rows of a weight dequantized at once on the GEMM route: a few MB of scratch, not a layer.
+TILE_ROWS = 2048
+
+
+def available_isas() -> list[str]:
+    ops = cpu_kernels()
+    if ops is None:
+        return []
+    mask = int(ops.quant_isas())
+    return [name for i, name in ISA_NAMES.items() if mask & (1 << (i - 1))]
+
+
+@lru_cache(maxsize=1)
+def kernel_path() -> tuple[str | None, str]:
+    """(the integer path in use or None, why): None means weights are dequantized at load."""
+    off = disabled_reason()
+    if off:
+        return None, f"native kernels off ({off})"
+    isas = available_isas()
+    if not isas:
+        return None, "the native CPU kernels could not be built here (see the log)"
+    forced = os.environ.get("PAGEDLLM_QUANT_ISA")
+    if forced:
+        if forced not in isas:
+            raise ValueError(f"PAGEDLLM_QUANT_ISA={forced} is not available here; this CPU runs {isas}")
+        return forced, f"forced by PAGEDLLM_QUANT_ISA (available: {', '.join(isas)})"
+    if "avx2" not in isas:
+        return None, "this CPU has no AVX2; the scalar reference path is too slow to serve"
+    best = isas[-1]
+    return best, f"best of {', '.join(isas)} on this CPU"
+
+
+def _isa_id(isa: str | None) -> int:
+    if isa is None:
+        path, _ = kernel_path()
+        return ISA_IDS[path] if path else 0
+    return ISA_IDS[isa]
+
+
+def matmul(x: torch.Tensor, parts: list[QuantTensor], isa: str | None = None) -> torch.Tensor:
+    """x [M, K] @ W^T -> [M, N] in x's dtype, W the row-wise concatenation of `parts`."""
+    ops = cpu_kernels()
+    if x.shape[0] <= INT_ROWS or isa is not None:
+        y = ops.quant_matmul(x, [p.data for p in parts], [p.type_id for p in parts], parts[0].shape[1],
+                             _isa_id(isa))
+        return y if x.dtype == torch.float32 else y.to(x.dtype)
+    outs = []
+    for w in parts:
+        for start in range(0, w.shape[0], TILE_ROWS):
+            count = min(TILE_ROWS, w.shape[0] - start)
+            tile = ops.quant_dequant(w.data, w.type_id, w.shape[1], None, start, count, x.dtype, 0)
+            outs.append(F.linear(x, tile))
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+
+
+def linear(x: torch.Tensor, parts: list[QuantTensor], norm, bias: torch.Tensor | None,
+           residual: torch.Tensor | None, silu_mul: bool) -> torch.Tensor:
+    """The integer path with the layer's RMSNorm (`norm`: weight and eps), bias, silu(gate) * up
+    and residual folded into one native call; output in x's dtype."""
+    return cpu_kernels().quant_linear(
+        x, [p.data for p in parts], [p.type_id for p in parts], parts[0].shape[1],
+        None if norm is None else norm.weight, 0.0 if norm is None else norm.eps, bias, residual,
+        1 if silu_mul else 0, _isa_id(None))
+
+
+def dequantize(w: QuantTensor, dtype: torch.dtype = torch.float32, isa: str | None = None) -> torch.Tensor:
+    """The float values w stands for, [rows, cols]."""
+    ops = cpu_kernels()
+    if ops is None:
+        return _dequantize_numpy(w).to(dtype)
+    return ops.quant_dequant(w.data, w.type_id, w.shape[1], None, 0, -1, dtype, _isa_id(isa))
+
+
+def embedding(w: QuantTensor, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows `ids` of w as `dtype`: the embedding lookup reads only the rows it needs."""
+    return cpu_kernels().quant_dequant(w.data, w.type_id, w.shape[1], ids, 0, -1, dtype, 0)
+
+
+def bad_scale_blocks(w: QuantTensor) -> int:
+    """How many blocks carry a NaN or inf scale."""
+    ops = cpu_kernels()
+    if ops is not None:
+        return int(ops.quant_bad_scales(w.data, w.type_id, w.shape[1]))
+    return int((~torch.isfinite(_dequantize_numpy(w))).any(dim=1).sum())
+
+
+def _dequantize_numpy(w: QuantTensor) -> torch.Tensor:
+    import gguf
+    import numpy as np
+
+    arr = gguf.quants.dequantize(w.data.numpy(), gguf.GGMLQuantizationType[w.fmt])
+    return torch.from_numpy(np.ascontiguousarray(arr.reshape(w.shape)))

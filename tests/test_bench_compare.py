@@ -1,0 +1,100 @@
+"""`pagedllm bench compare` and `bench make-gguf` run end to end on a tiny random GGUF; llama.cpp's
+side runs when llama-cpp-python is installed and is skipped, with what to install, when it is not.
+No timing is asserted: the figures are measurements, the tests check the machinery."""
+from __future__ import annotations
+
+import json
+
+import gguf
+import pytest
+
+from pagedllm.bench import compare, make_gguf
+from pagedllm.cli.main import build_parser, main
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory, smollm2_gguf_path):  # the tokenizer comes from the default model
+    path = tmp_path_factory.mktemp("compare") / "tiny.gguf"
+    assert main(["bench", "make-gguf", str(path), "--shape", "tiny", "--type", "F16"]) == 0
+    return path
+
+
+def test_make_gguf_writes_the_shape(tiny_gguf):
+    shape = make_gguf.SHAPES["tiny"]
+    reader = gguf.GGUFReader(str(tiny_gguf))
+    field = lambda k: reader.fields[k].contents()  # noqa: E731
+    assert field("general.architecture") == "qwen2"
+    assert (field("qwen2.embedding_length"), field("qwen2.block_count"), field("qwen2.attention.head_count"),
+            field("qwen2.attention.head_count_kv"), field("qwen2.feed_forward_length")) == (
+        shape.hidden, shape.layers, shape.heads, shape.kv_heads, shape.intermediate)
+    tokens = field("tokenizer.ggml.tokens")
+    assert len(tokens) == len(set(tokens)) == shape.vocab  # padded with unique tokens
+    tensors = {t.name: t for t in reader.tensors}
+    assert "output.weight" not in tensors  # tied, as Qwen2.5-0.5B
+    assert tuple(tensors["token_embd.weight"].shape) == (shape.hidden, shape.vocab)
+    assert tensors["blk.0.attn_q.weight"].tensor_type == gguf.GGMLQuantizationType.F16
+    assert "blk.1.attn_v.bias" in tensors
+
+
+def _compare(path, tmp_path, *extra):
+    out = tmp_path / "compare.json"
+    rc = main(["bench", "compare", str(path), "--measures", "decode1", "--max-tokens", "4",
+               "--prompt-tokens", "8", "--context", "64", "--repeats", "1", "--bandwidth-mib", "8",
+               "--output", str(out), *extra])
+    assert rc == 0
+    return json.loads(out.read_text())
+
+
+def test_compare_without_llama_cpp(tiny_gguf, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(compare, "_has_llama_cpp", lambda: False)
+    result = _compare(tiny_gguf, tmp_path)
+    ours = result["measures"]["decode1"]["pagedllm"]
+    assert ours["tok_s"] > 0 and ours["peak_rss_mb"] > 0
+    assert len(ours["first_output"]) == 4  # ignore_eos: exactly max_tokens
+    assert "make bench-deps" in result["measures"]["decode1"]["llama.cpp"]["skipped"]
+    assert result["read_bandwidth"]["gb_s"] > 0
+    assert result["streaming"]["pagedllm"]["gb_s"] > 0
+    out = capsys.readouterr().out
+    assert "llama.cpp not run: llama-cpp-python is not installed" in out
+
+
+def test_compare_with_llama_cpp(tiny_gguf, tmp_path):
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python not installed (make bench-deps)")
+    result = _compare(tiny_gguf, tmp_path)
+    row = result["measures"]["decode1"]
+    for engine in ("pagedllm", "llama.cpp"):
+        assert row[engine]["tok_s"] > 0 and row[engine]["peak_rss_mb"] > 0
+        assert len(row[engine]["first_output"]) == 4
+
+
+def test_engine_options_are_passed_only_when_given():
+    def kwargs(*argv):
+        return compare.pagedllm_kwargs(build_parser(list(argv)).parse_args(list(argv)))
+
+    assert kwargs("bench", "compare", "x.gguf") == {}
+    assert kwargs("bench", "compare", "x.gguf", "--dequantize-weights", "--dtype", "float32") == {
+        "dequantize_weights": True, "dtype": "float32"}
+
+
+def test_report_ratios_and_streaming():
+    row = {"kv_tokens": 1024, "sequences": 1, "prompt_tokens": 16, "max_tokens": 128,
+           "pagedllm": {"tok_s": 30.0, "peak_rss_mb": 600.0}, "llama.cpp": {"tok_s": 20.0, "peak_rss_mb": 400.0}}
+    result = {"model": "m.gguf", "threads": 2, "repeats": 3, "measures": {"decode1": row},
+              "machine": {"cpu": "test cpu", "cpu_flags": ["avx2"]},
+              "weights": {"total_bytes": 500e6, "per_token_bytes": 400e6, "tied_embeddings": True},
+              "read_bandwidth": {"gb_s": 40.0, "runs": [40.0] * 7, "mib": 1024}}
+    result["streaming"] = compare.streaming(result)
+    assert result["streaming"]["pagedllm"]["gb_s"] == pytest.approx(12.0)  # 400 MB x 30 tok/s
+    assert result["streaming"]["llama.cpp"]["share_of_bandwidth"] == pytest.approx(0.2)
+    assert result["streaming"]["ceiling_tok_s"] == pytest.approx(100.0)
+    text = compare.format_report(result)
+    assert "1.50x" in text  # both the decode ratio and the RSS ratio
+    assert text.count("1.50x") == 2
+    assert "pagedllm 30%, llama.cpp 20%" in text
+
+
+def test_compare_refuses_a_non_gguf(tmp_path, capsys):
+    bad = tmp_path / "model.safetensors"
+    bad.write_bytes(b"x")
+    assert main(["bench", "compare", str(bad)]) == 1
+    assert "needs a .gguf file" in capsys.readouterr().err

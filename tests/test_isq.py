@@ -1,0 +1,104 @@
+"""In-situ quantization: our quantizers against gguf-py's reference quantizers and dequantization,
+and a safetensors model quantized at load against transformers running the same rounded weights."""
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from pagedllm import LLM
+from pagedllm.quant.formats import QuantFormatError
+from pagedllm.quant.isq import ISQ_TYPES, quantize
+from pagedllm.quant.kernels import available_isas
+
+Q = gguf.GGMLQuantizationType
+pytestmark = pytest.mark.skipif(not available_isas(), reason="native CPU kernels not built here")
+
+
+def _weights(rows: int, cols: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(rows, cols, generator=g) * 0.05
+    w[0] = 0.0  # an all-zero row: zero scales
+    w[1, :7] = torch.tensor([3.0, -3.0, 1e-3, -1e-3, 0.5, 0.0, 2.0])  # outliers in one block
+    w[2] = w[2].abs() + 0.01  # all positive: the K-quants' offset clamps at zero
+    return w
+
+
+@pytest.mark.parametrize("fmt", ["Q8_0", "Q4_0"])
+def test_legacy_isq_is_byte_exact_with_ggufs_quantizer(fmt):
+    w = _weights(33, 512, 1)
+    ours = quantize(w, fmt).data.numpy()
+    ref = gguf.quants.quantize(w.numpy(), Q[fmt])
+    np.testing.assert_array_equal(ours, ref)
+
+
+def test_q4_k_isq_round_trip():
+    w = _weights(33, 512, 2)
+    qt = quantize(w, "Q4_K")
+    back = gguf.quants.dequantize(qt.data.numpy(), Q.Q4_K).reshape(w.shape)
+    blocks = w.view(33, -1, 256).numpy()
+    err = np.abs(back.reshape(blocks.shape) - blocks)
+    # Within one step of the 256-value block's own range over 15 levels (a packing bug errs by
+    # the whole range), and small on average.
+    step = (blocks.max(-1, keepdims=True) - np.minimum(blocks.min(-1, keepdims=True), 0)) / 15
+    assert (err <= step + 1e-6).all(), (err / np.maximum(step, 1e-9)).max()
+    rel_rms = np.sqrt((err ** 2).mean()) / w.std().item()
+    assert rel_rms < 0.15, rel_rms  # 0.123 measured, the outlier row dominating
+
+
+def test_isq_refuses_what_does_not_fit():
+    with pytest.raises(QuantFormatError, match="blocks of 256.*use Q8_0 or Q4_0"):
+        quantize(torch.zeros(4, 96), "Q4_K", "model.layers.0.mlp.down_proj.weight")
+    with pytest.raises(QuantFormatError, match="NaN"):
+        quantize(torch.full((2, 32), float("nan")), "Q8_0")
+    with pytest.raises(ValueError, match="unsupported ISQ type 'Q3_X'"):
+        LLM("default", isq="Q3_X")
+    with pytest.raises(ValueError, match="GGUF file whose weights are already quantized"):
+        LLM("default", isq="Q8_0")
+
+
+@pytest.fixture(scope="module")
+def isq_ckpt(tmp_path_factory, hf_smollm2_tokenizer):
+    """A Llama whose rows are multiples of 256, so every ISQ type fits."""
+    import transformers as tf
+
+    tok = hf_smollm2_tokenizer
+    cfg = tf.LlamaConfig(vocab_size=len(tok), hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         initializer_range=0.1, tie_word_embeddings=False,
+                         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    out = tmp_path_factory.mktemp("isq")
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out, model
+
+
+@pytest.mark.parametrize("fmt", ISQ_TYPES)
+def test_isq_model_matches_transformers_on_the_rounded_weights(isq_ckpt, fmt):
+    path, ref = isq_ckpt
+    llm = LLM(str(path), dtype="float32", isq=fmt, kv_cache_memory_mb=8)
+    info = llm.engine.weights
+    assert info.kernel is not None and f"ISQ {fmt}" in info.reason
+    assert info.formats.get(fmt) == 2 * 7 + 1  # q, k, v, o, gate, up, down per layer, and the head
+    # transformers with every linear weight replaced by what the quantized blocks stand for.
+    import copy
+
+    rounded = copy.deepcopy(ref)
+    with torch.no_grad():
+        for name, mod in rounded.named_modules():
+            if isinstance(mod, torch.nn.Linear):
+                qt = quantize(mod.weight, fmt, name)
+                back = gguf.quants.dequantize(qt.data.numpy(), Q[fmt]).reshape(mod.weight.shape)
+                mod.weight.copy_(torch.from_numpy(back))
+    prompt = torch.randint(0, 49152, (80,), generator=torch.Generator().manual_seed(5)).tolist()
+    with torch.no_grad():
+        want = rounded(torch.tensor([prompt])).logits[0]
+    got = llm.engine.prompt_logits(prompt)  # 80 rows: the dequantize + GEMM route, exact
+    assert (got - want).abs().max().item() < 1e-3
+    short = prompt[:20]  # 20 rows: the integer kernels, within int8-activation noise
+    got_short = llm.engine.prompt_logits(short)
+    cos = torch.nn.functional.cosine_similarity(got_short, want[:20], dim=-1)
+    assert cos.min().item() > 0.995, cos.min().item()

@@ -1,0 +1,173 @@
+"""The quantized-weight kernels against gguf-py's reference dequantization followed by a float
+matmul, for every format, on every instruction-set path this CPU runs (the scalar reference
+always among them), with 1 to 64 rows, odd shapes, and extreme, zero and tiny scales."""
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from pagedllm.native import cpu_kernels
+from pagedllm.quant import kernels as qk
+from pagedllm.quant.formats import FORMATS, QuantTensor
+
+Q = gguf.GGMLQuantizationType
+ops = cpu_kernels()
+pytestmark = pytest.mark.skipif(ops is None, reason="native CPU kernels not built here")
+
+# Byte offsets of each format's fp16 scale fields inside a block.
+SCALE_OFFSETS = {"Q4_0": [0], "Q5_0": [0], "Q8_0": [0], "Q4_1": [0, 2], "Q5_1": [0, 2], "Q4_K": [0, 2],
+                 "Q5_K": [0, 2], "Q2_K": [80, 82], "Q3_K": [108], "Q6_K": [208]}
+ISAS = qk.available_isas() if ops is not None else []
+
+
+def random_blocks(fmt: str, rows: int, cols: int, rng: np.random.Generator, scales: str = "normal") -> np.ndarray:
+    """Random block bytes with finite fp16 scales of the kind asked for."""
+    _, vals, nbytes = FORMATS[fmt]
+    raw = rng.integers(0, 256, size=(rows, cols // vals, nbytes), dtype=np.uint8)
+    n = rows * (cols // vals)
+    for off in SCALE_OFFSETS[fmt]:
+        if scales == "normal":
+            h = rng.standard_normal(n) * 0.02
+        elif scales == "extreme":  # the largest fp16 values, both signs
+            h = rng.choice([65504.0, -65504.0, 30000.0], size=n)
+        elif scales == "tiny":  # fp16 subnormals
+            h = rng.choice([6e-8, -6e-8, 1e-6], size=n)
+        else:  # "zero": every other block scaled by zero
+            h = np.where(np.arange(n) % 2 == 0, 0.0, rng.standard_normal(n) * 0.02)
+        raw[:, :, off:off + 2] = h.astype(np.float16).view(np.uint8).reshape(rows, -1, 2)
+    return raw.reshape(rows, -1)
+
+
+def reference(raw: np.ndarray, fmt: str, rows: int, cols: int, x: np.ndarray, quantize_x: bool) -> np.ndarray:
+    w = gguf.quants.dequantize(raw, Q[fmt]).reshape(rows, cols).astype(np.float64)
+    if quantize_x:  # the kernels' activation format: int8 with one float32 scale per 32 values
+        xb = x.reshape(x.shape[0], -1, 32)
+        d = (np.abs(xb).max(-1, keepdims=True) / np.float32(127)).astype(np.float32)
+        inv = np.where(d > 0, np.float32(1) / np.where(d > 0, d, 1), 0).astype(np.float32)
+        x = (np.rint(xb * inv) * d).reshape(x.shape)
+    return x.astype(np.float64) @ w.T
+
+
+def assert_close(got: np.ndarray, ref: np.ndarray, rel: float, what: str) -> None:
+    scale = max(np.abs(ref).max(), 1e-30)
+    err = np.abs(got.astype(np.float64) - ref).max() / scale
+    assert err <= rel, f"{what}: max error {err:.2e} of the output's range (allowed {rel:.0e})"
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("isa", ISAS)
+def test_integer_kernel_matches_reference(fmt, isa):
+    rng = np.random.default_rng(FORMATS[fmt][0])
+    vals = FORMATS[fmt][1]
+    for rows, nblk, m, scales in [(1, 1, 1, "normal"), (37, 3, 1, "normal"), (5, 2, 2, "zero"),
+                                  (16, 1, 7, "extreme"), (3, 2, 3, "tiny"), (19, 2, 64, "normal")]:
+        cols = vals * nblk if vals == 256 else 32 * (nblk * 3 + 1)  # odd numbers of legacy blocks
+        raw = random_blocks(fmt, rows, cols, rng, scales)
+        x = rng.standard_normal((m, cols)).astype(np.float32)
+        x[0, :32] = 0.0  # an all-zero activation block
+        y = ops.quant_matmul(torch.from_numpy(x), [torch.from_numpy(raw)], [FORMATS[fmt][0]], cols,
+                             qk.ISA_IDS[isa]).numpy()
+        assert y.shape == (m, rows)
+        assert np.isfinite(y).all()
+        assert_close(y, reference(raw, fmt, rows, cols, x, True), 2e-5, f"{fmt} {isa} {rows}x{cols} m={m} {scales}")
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_mixed_format_parts_in_one_call(isa):
+    """A fused projection whose parts differ in format (q/k in Q4_K, v in Q6_K) in one call."""
+    rng = np.random.default_rng(7)
+    cols = 512
+    parts = [("Q4_K", 24), ("Q4_K", 8), ("Q6_K", 8), ("Q8_0", 3)]
+    raws = [random_blocks(f, r, cols, rng) for f, r in parts]
+    x = rng.standard_normal((3, cols)).astype(np.float32)
+    y = ops.quant_matmul(torch.from_numpy(x), [torch.from_numpy(r) for r in raws],
+                         [FORMATS[f][0] for f, _ in parts], cols, qk.ISA_IDS[isa]).numpy()
+    ref = np.concatenate([reference(r, f, n, cols, x, True) for r, (f, n) in zip(raws, parts)], axis=1)
+    assert_close(y, ref, 2e-5, f"mixed {isa}")
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_dequantize_is_exact(fmt):
+    rng = np.random.default_rng(1)
+    cols = FORMATS[fmt][1] * 2
+    raw = random_blocks(fmt, 9, cols, rng)
+    ref = gguf.quants.dequantize(raw, Q[fmt]).reshape(9, cols)
+    for isa in ISAS:
+        got = ops.quant_dequant(torch.from_numpy(raw), FORMATS[fmt][0], cols, None, 0, -1, torch.float32,
+                                qk.ISA_IDS[isa]).numpy()
+        np.testing.assert_array_equal(got, ref, err_msg=f"{fmt} {isa}")
+    # A slice of rows, and an embedding-style lookup with repeats, in bf16.
+    qt = QuantTensor(fmt, torch.from_numpy(raw), (9, cols))
+    part = ops.quant_dequant(qt.data, qt.type_id, cols, None, 2, 4, torch.float32, 0).numpy()
+    np.testing.assert_array_equal(part, ref[2:6])
+    ids = torch.tensor([8, 0, 3, 3])
+    rows = qk.embedding(qt, ids, torch.bfloat16)
+    assert torch.equal(rows, torch.from_numpy(ref[ids.numpy()]).to(torch.bfloat16))
+
+
+def test_many_rows_take_the_gemm_route():
+    """Past INT_ROWS the weight is dequantized by tiles and multiplied in float: no activation
+    quantization, so it matches the float reference closely."""
+    rng = np.random.default_rng(3)
+    rows, cols = qk.TILE_ROWS + 5, 256  # more than one tile
+    raw = random_blocks("Q4_K", rows, cols, rng)
+    qt = QuantTensor("Q4_K", torch.from_numpy(raw), (rows, cols))
+    x = rng.standard_normal((qk.INT_ROWS + 1, cols)).astype(np.float32)
+    y = qk.matmul(torch.from_numpy(x), [qt]).numpy()
+    assert_close(y, reference(raw, "Q4_K", rows, cols, x, False), 1e-5, "gemm route")
+
+
+def test_bad_shapes_and_scales_are_refused():
+    rng = np.random.default_rng(4)
+    raw = random_blocks("Q4_K", 4, 256, rng)
+    with pytest.raises(RuntimeError, match="not a multiple"):
+        ops.quant_matmul(torch.zeros(1, 100), [torch.from_numpy(raw)], [12], 100, 0)
+    with pytest.raises(RuntimeError, match="bytes"):
+        ops.quant_matmul(torch.zeros(1, 512), [torch.from_numpy(raw)], [12], 512, 0)
+    with pytest.raises(RuntimeError, match="unsupported ggml type"):
+        ops.quant_matmul(torch.zeros(1, 256), [torch.from_numpy(raw)], [20], 256, 0)
+    qt = QuantTensor("Q4_K", torch.from_numpy(raw.copy()), (4, 256))
+    assert qk.bad_scale_blocks(qt) == 0
+    qt.data[2, 2:4] = torch.from_numpy(np.array([np.inf], dtype=np.float16).view(np.uint8))  # dmin = inf
+    qt.data[3, 0:2] = torch.from_numpy(np.array([np.nan], dtype=np.float16).view(np.uint8))  # d = NaN
+    assert qk.bad_scale_blocks(qt) == 2
+
+
+def test_paged_decode_refuses_a_corrupt_block_table():
+    """A bookkeeping bug (a block id outside the pool, a length past the table) raises instead of
+    reading stray memory."""
+    q = torch.randn(2, 4, 64)
+    k = torch.randn(8, 16, 2, 64)
+    v = torch.randn(8, 16, 2, 64)
+    tables = torch.tensor([[0, 1], [2, 3]])
+    lens = torch.tensor([20, 17])
+    ops.paged_decode(q, k, v, tables, lens, 0.125, 0)  # sane: runs
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        ops.paged_decode(q, k, v, torch.tensor([[0, 1], [2, 99]]), lens, 0.125, 0)
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        ops.paged_decode(q, k, v, torch.tensor([[0, -1], [2, 3]]), lens, 0.125, 0)
+    with pytest.raises(RuntimeError, match="context length"):
+        ops.paged_decode(q, k, v, tables, torch.tensor([20, 40]), 0.125, 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_linear_equals_the_unfused_ops(dtype):
+    """quant_linear (RMSNorm, projection, bias, silu(gate) * up, residual in one call) against the
+    same steps as separate ops on the integer kernel."""
+    rng = np.random.default_rng(11)
+    k, n = 256, 64
+    raw = torch.from_numpy(random_blocks("Q4_K", 2 * n, k, rng))
+    x = torch.randn(3, k).to(dtype)
+    w = (1 + 0.1 * torch.randn(k)).to(dtype)
+    bias = torch.randn(2 * n).to(dtype)
+    res = torch.randn(3, n).to(dtype)
+    xn = torch.nn.functional.rms_norm(x, (k,), w, 1e-5)
+    y = ops.quant_matmul(xn, [raw], [12], k, 0).to(dtype) + bias
+    gate, up = y.chunk(2, dim=-1)
+    want = res + torch.nn.functional.silu(gate) * up
+    got = ops.quant_linear(x, [raw], [12], k, w, 1e-5, bias, res, 1, 0)
+    assert got.dtype == dtype and got.shape == (3, n)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: a rounding step may land either side
+    assert (got.float() - want.float()).abs().max().item() <= tol * want.float().abs().max().item()
