@@ -183,7 +183,7 @@ def test_flags_after_plain_and_gguf():
             "--served-model-name", "smol", "-i"]
     args = build_parser(argv).parse_args(argv)
     assert (args.command, args.port, args.pa_gpu_mem, args.dtype) == ("plain", 8766, 64.0, "float32")
-    assert args.served_model_name == "smol" and args.interactive_mode
+    assert args.served_model_name == ["smol"] and args.interactive_mode
     argv = ["--pa-blk-size", "16", "gguf", "-m", "d", "-f", "x.gguf", "--host", "0.0.0.0",
             "--pa-cache-type", "int8", "--api-key", "k"]
     args = build_parser(argv).parse_args(argv)
