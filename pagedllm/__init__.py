@@ -2,8 +2,9 @@
 from .llm import LLM
 from .outputs import CompletionOutput, RequestOutput
 from .sampling.params import SamplingParams
-from .api import Architecture, ChatCompletionRequest, PagedCacheType, Runner, Which
+from .api import Architecture, ChatCompletionRequest, CompletionRequest, PagedCacheType, Runner, Which
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput",
-           "Runner", "Which", "ChatCompletionRequest", "Architecture", "PagedCacheType"]
+           "Runner", "Which", "ChatCompletionRequest", "CompletionRequest", "Architecture",
+           "PagedCacheType"]
 __version__ = "0.1.0"

@@ -57,7 +57,7 @@ class LLM:
             raise ValueError("internal: rope table shorter than max_model_len")
         self.engine = LLMEngine(loaded, cache_cfg, sched_cfg, dev, dt, seed)
         self.tokenizer = loaded.tokenizer
-        self.model_name = source.name
+        self.model_name = source.short_name
 
     def kv_cache_trace(self):
         """What the KV cache is and does: layout, dtype, capacity, occupancy, prefix-cache
@@ -90,7 +90,8 @@ class LLM:
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         done: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(ids), desc="generating", unit="req", disable=not use_tqdm)
+        # disable=None: a bar only when stderr is a terminal, never in logs or pipes.
+        bar = tqdm(total=len(ids), desc="generating", unit="req", disable=None if use_tqdm else True)
         try:
             while len(done) < len(ids) and self.engine.has_unfinished():
                 for out in self.engine.step():

@@ -130,3 +130,17 @@ def test_names_and_hints():
     assert w.model_id == "default"
     with pytest.raises(TypeError):
         Runner(which="default")
+
+
+def test_completion_request_and_short_model_names(smollm2_gguf_path, tmp_path):
+    import pagedllm
+    from pagedllm.loading.source import resolve
+
+    assert pagedllm.CompletionRequest is CompletionRequest  # as the README's Runner example implies
+    assert resolve("default").short_name == "default"
+    assert resolve(str(smollm2_gguf_path)).short_name == smollm2_gguf_path.stem
+    folder = tmp_path / "my-model"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    assert resolve(str(folder)).short_name == "my-model"
+    assert resolve(f"{folder}/").short_name == "my-model"

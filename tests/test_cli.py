@@ -54,16 +54,29 @@ def test_mistralrs_plain_interactive_through_stdin(plain_dir):
     assert r.stdout.count(">>> ") >= 3
 
 
-def test_mistralrs_plain_serves_without_i(plain_dir, tmp_path):
+def test_mistralrs_plain_serves_without_i(plain_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("PAGEDLLM_API_KEY", "sk-from-env")  # not on the command line, where ps shows it
     port = free_port()
-    srv = ServerProcess(["--port", str(port), "--pa-gpu-mem", PA_MEM, "--pa-blk-size", "32",
-                         "plain", "-m", str(plain_dir)], port, tmp_path / "plain.log")
+    # Global flags before `plain` (mistral.rs's order) and after it, as after `serve`.
+    srv = ServerProcess(["--pa-gpu-mem", PA_MEM, "--pa-blk-size", "32",
+                         "plain", "-m", str(plain_dir), "--port", str(port), "--max-seqs", "4"],
+                        port, tmp_path / "plain.log", api_key="sk-from-env")
     try:
         srv.wait_ready()
-        r = httpx.post(f"{srv.url}/v1/completions", timeout=60,
-                       json={"model": "x", "prompt": "Hello", "max_tokens": 4, "ignore_eos": True})
+        body = {"model": plain_dir.name, "prompt": "Hello", "max_tokens": 4, "ignore_eos": True}
+        assert httpx.post(f"{srv.url}/v1/completions", json=body, timeout=60).status_code == 401
+        r = httpx.post(f"{srv.url}/v1/completions", json=body, headers=srv.headers, timeout=60)
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["completion_tokens"] == 4
+        # Served under the folder's name, never its path.
+        assert r.json()["model"] == plain_dir.name
+        models = httpx.get(f"{srv.url}/v1/models", headers=srv.headers, timeout=10).json()
+        assert [m["id"] for m in models["data"]] == [plain_dir.name]
+        # A model this server does not serve: 404, as vLLM and OpenAI answer.
+        r = httpx.post(f"{srv.url}/v1/completions", json={**body, "model": "gpt-4o"},
+                       headers=srv.headers, timeout=60)
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found", r.text
+        assert "`gpt-4o` does not exist" in r.json()["error"]["message"]
     finally:
         assert srv.stop() in (0, 130), srv.log()
 
@@ -96,6 +109,10 @@ def test_chat_in_a_terminal(smollm2_gguf_path):
         child.expect_exact("temperature = 0.5")
         child.sendline("/temperature -3")
         child.expect_exact("error:")
+        child.sendline("/temperature abc")  # a usage line, not Python's "could not convert"
+        child.expect_exact("usage: /temperature VALUE (a number, e.g. /temperature 0.7); now 0.5")
+        child.expect_exact(">>> ")
+        assert "could not convert" not in child.before
         child.sendline("/temperature 0")
         child.expect_exact("temperature = 0.0")
         child.sendline("What is the capital of France?")
@@ -105,6 +122,9 @@ def test_chat_in_a_terminal(smollm2_gguf_path):
         child.expect_exact(">>> ")
         child.sendline("/trace")
         child.expect("blocks used")
+        child.sendline("/max_tokens 3")
+        child.sendline("Tell me a long story.")  # stopped by max_tokens: marked, /stats being off
+        child.expect_exact("[cut off at max_tokens (3 tokens); /max_tokens N allows more]")
         child.sendline("/system You are a terse assistant.")
         child.expect_exact("system message set")
         child.sendline("/clear")
@@ -154,6 +174,58 @@ def test_help_and_dispatch(capsys):
         assert exc.value.code == 0, args
     out = capsys.readouterr().out
     assert "--pa-gpu-mem" in out and "--pa-blk-size" in out and "--quantized-filename" in out
+
+
+def test_flags_after_plain_and_gguf():
+    from pagedllm.cli.main import build_parser
+
+    argv = ["plain", "-m", "default", "--port", "8766", "--pa-gpu-mem", "64", "--dtype", "float32",
+            "--served-model-name", "smol", "-i"]
+    args = build_parser(argv).parse_args(argv)
+    assert (args.command, args.port, args.pa_gpu_mem, args.dtype) == ("plain", 8766, 64.0, "float32")
+    assert args.served_model_name == ["smol"] and args.interactive_mode
+    argv = ["--pa-blk-size", "16", "gguf", "-m", "d", "-f", "x.gguf", "--host", "0.0.0.0",
+            "--pa-cache-type", "int8", "--api-key", "k"]
+    args = build_parser(argv).parse_args(argv)
+    assert (args.pa_blk_size, args.host, args.pa_cache_type, args.api_key) == (16, "0.0.0.0", "int8", "k")
+    assert not args.interactive_mode
+
+
+@pytest.mark.parametrize("argv, usage, hint", [
+    (["serve", "--prot", "8000"], "usage: pagedllm serve [MODEL]", "(did you mean --port?)"),
+    # An abbreviation is refused (it would hide typos of other flags), with the full name.
+    (["generate", "--max-token", "3", "Hi"], "usage: pagedllm generate [PROMPT]",
+     "(did you mean --max-tokens?)"),
+    (["plain", "-m", "default", "--pa-gpu-mem-usag", ".1"], "usage: pagedllm [-i] [flags] plain",
+     "(did you mean --pa-gpu-mem-usage?)"),
+    (["serv"], "usage: pagedllm [-h]", "(did you mean serve?)"),
+    (["bench", "thruput"], "usage: pagedllm bench", "(did you mean throughput?)"),
+])
+def test_typos_get_the_subcommands_usage_and_a_suggestion(capsys, argv, usage, hint):
+    from pagedllm.cli.main import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(usage) and hint in err, err
+    assert len(err.splitlines()) <= 3, err  # not the whole top-level usage
+
+
+def test_every_sampling_flag_documents_its_default(capsys):
+    from pagedllm.cli.main import main
+
+    for cmd in ("generate", "chat"):
+        with pytest.raises(SystemExit):
+            main([cmd, "--help"])
+        out = " ".join(capsys.readouterr().out.split())
+        for flag in ("--max-tokens", "--temperature", "--top-p", "--top-k", "--min-p",
+                     "--presence-penalty", "--frequency-penalty", "--repetition-penalty"):
+            help_text = out.split(flag, 1)[1].split(" --", 1)[0]
+            assert "default: " in help_text, (cmd, flag, help_text)
+        if cmd == "generate":
+            # It takes the model as -m only: no phantom MODEL argument in its usage or help.
+            assert "[MODEL]" not in out and "instead of MODEL" not in out
 
 
 def test_isq_is_a_clear_error_until_supported():

@@ -28,6 +28,15 @@ sampling settings, e.g. /temperature 0.7:
   /presence_penalty /frequency_penalty /repetition_penalty"""
 
 
+class UsageError(ValueError):
+    """A /command given the wrong kind of value; the message is its usage line."""
+
+
+EXAMPLES = {"max_tokens": "256", "temperature": "0.7", "top_p": "0.9", "top_k": "40", "min_p": "0.05",
+            "presence_penalty": "0.5", "frequency_penalty": "0.5", "repetition_penalty": "1.1",
+            "seed": "42"}
+
+
 @dataclass
 class ChatSettings:
     max_tokens: int = 512
@@ -49,12 +58,19 @@ class ChatSettings:
         if name not in kinds:
             raise ValueError(f"unknown setting {name!r}")
         kind = str(kinds[name])
-        if value.lower() in ("none", "off") and name == "seed":
-            parsed: Any = None
-        elif "int" in kind:
-            parsed = int(value)
-        else:
-            parsed = float(value)
+        try:
+            if value.lower() in ("none", "off") and name == "seed":
+                parsed: Any = None
+            elif "int" in kind:
+                parsed = int(value)
+            else:
+                parsed = float(value)
+        except ValueError:
+            what = "an integer" if "int" in kind else "a number"
+            if name == "seed":
+                what += " or 'none'"
+            raise UsageError(f"usage: /{name} VALUE ({what}, e.g. /{name} {EXAMPLES.get(name, '1')}); "
+                             f"now {getattr(self, name)}") from None
         old = getattr(self, name)
         setattr(self, name, parsed)
         try:
@@ -167,6 +183,8 @@ class ChatSession:
                 try:
                     self.settings.set(name, arg)
                     self.say(f"{name} = {getattr(self.settings, name)}")
+                except UsageError as e:
+                    self.say(str(e))
                 except ValueError as e:
                     self.say(f"error: {e}")
         else:
@@ -208,8 +226,25 @@ class ChatSession:
             self.say()
         # Keep what was said, even a stopped answer, so the conversation stays coherent.
         self.messages.append({"role": "assistant", "content": "".join(parts)})
-        if final is not None and self.show_stats:
+        if final is None:
+            return
+        note = cut_off_note(final, eng.sched_config.max_model_len,
+                            ("/max_tokens N allows more", "/clear starts a new conversation"))
+        if note:
+            self.say(note)
+        if self.show_stats:
             m = final.metrics
             self.say(f"[{m.num_prompt_tokens} prompt tokens, {m.num_output_tokens} generated, "
                      f"TTFT {m.time_to_first_token or 0:.2f} s, {m.decode_tokens_per_s or 0:.1f} tok/s, "
                      f"{final.finish_reason}]")
+
+
+def cut_off_note(final: Any, max_model_len: int, hints: tuple[str, str]) -> str | None:
+    """A line saying that the answer stopped at a length limit, and which, or None.
+    `hints`: what raises max_tokens, and what to do about max_model_len."""
+    c = final.outputs[0]
+    if c.finish_reason != "length":
+        return None
+    if len(final.prompt_token_ids) + len(c.token_ids) >= max_model_len:
+        return f"[cut off: the conversation reached max_model_len ({max_model_len} tokens); {hints[1]}]"
+    return f"[cut off at max_tokens ({len(c.token_ids)} tokens); {hints[0]}]"

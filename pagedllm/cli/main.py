@@ -17,9 +17,11 @@ and mistral.rs's form, global flags first, then where the model comes from:
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import json
 import logging
+import os
 import sys
 from typing import Any, Callable
 
@@ -28,6 +30,53 @@ from ..api import EngineOptions, UnsupportedOption, gguf_source
 logger = logging.getLogger("pagedllm.cli")
 
 _UNSET = argparse.SUPPRESS
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, forgiving where it should be and strict where it matters: abbreviations of
+    flags are refused (`--max-token` silently becoming `--max-tokens` hides typos), and an
+    unknown flag or command is reported by the subcommand it was given to, with its usage
+    and the closest real name."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def parse_args(self, args: Any = None, namespace: Any = None) -> argparse.Namespace:
+        ns, extras = self.parse_known_args(args, namespace)
+        if extras:
+            parser = self._chosen(ns)
+            parser.error(f"unrecognized arguments: {' '.join(extras)}{parser.suggest(extras)}")
+        return ns
+
+    def _chosen(self, ns: argparse.Namespace) -> "Parser":
+        """The innermost subcommand parser the command line selected."""
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                sub = action.choices.get(getattr(ns, action.dest, None) or "")
+                if isinstance(sub, Parser):
+                    return sub._chosen(ns)
+        return self
+
+    def suggest(self, words: list[str]) -> str:
+        flags = [o for a in self._actions for o in a.option_strings]
+        for w in words:
+            if w.startswith("-"):
+                close = difflib.get_close_matches(w.split("=", 1)[0], flags, n=1, cutoff=0.6)
+                if close:
+                    return f" (did you mean {close[0]}?)"
+        return ""
+
+    def error(self, message: str) -> Any:
+        # An unknown subcommand: name the closest one.
+        if "invalid choice:" in message and "did you mean" not in message:
+            given = message.split("invalid choice:", 1)[1].split("'")[1:2]
+            choices = [c for a in self._actions if isinstance(a, argparse._SubParsersAction)
+                       for c in a.choices]
+            close = difflib.get_close_matches(given[0], choices, n=1) if given else []
+            if close:
+                message += f" (did you mean {close[0]}?)"
+        return super().error(message)
 
 
 def _engine_flags(p: argparse.ArgumentParser, top: bool) -> None:
@@ -82,29 +131,51 @@ def _server_flags(p: argparse.ArgumentParser, top: bool) -> None:
     g.add_argument("--host", "--serve-ip", default=d("127.0.0.1"),
                    help="address to bind (default 127.0.0.1: this machine only)")
     g.add_argument("--port", "-p", type=int, default=d(8000))
-    g.add_argument("--api-key", default=d(None), help="require 'Authorization: Bearer KEY'")
-    g.add_argument("--served-model-name", default=d(None), help="model name the API reports")
+    g.add_argument("--api-key", default=d(None),
+                   help="require 'Authorization: Bearer KEY' (better: set PAGEDLLM_API_KEY, which "
+                        "ps does not show)")
+    g.add_argument("--served-model-name", nargs="+", metavar="NAME", default=d(None),
+                   help="names requests may use for the model; responses carry the first "
+                        "(default: 'default', the GGUF file's stem or the folder's name)")
     g.add_argument("--max-body-bytes", type=int, default=d(4 * 2**20), help="request body size limit")
     g.add_argument("--access-log", action="store_true", default=d(False))
 
 
 def _sampling_flags(p: argparse.ArgumentParser, max_tokens: int, temperature: float) -> None:
     g = p.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=int, default=max_tokens)
-    g.add_argument("--temperature", type=float, default=temperature)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=-1)
-    g.add_argument("--min-p", type=float, default=0.0)
-    g.add_argument("--presence-penalty", type=float, default=0.0)
-    g.add_argument("--frequency-penalty", type=float, default=0.0)
-    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--max-tokens", type=int, default=max_tokens, metavar="N",
+                   help="most tokens to generate (default: %(default)s)")
+    g.add_argument("--temperature", type=float, default=temperature, metavar="T",
+                   help="0 picks the likeliest token, higher is more random (default: %(default)s)")
+    g.add_argument("--top-p", type=float, default=1.0, metavar="P",
+                   help="sample from the likeliest tokens whose probabilities add up to P, in (0, 1] "
+                        "(default: %(default)s, off)")
+    g.add_argument("--top-k", type=int, default=-1, metavar="K",
+                   help="sample from the K likeliest tokens; -1 is off (default: %(default)s)")
+    g.add_argument("--min-p", type=float, default=0.0, metavar="P",
+                   help="drop tokens less likely than P times the likeliest, in [0, 1] "
+                        "(default: %(default)s, off)")
+    g.add_argument("--presence-penalty", type=float, default=0.0, metavar="X",
+                   help="lower the logits of tokens already generated by X, in [-2, 2] "
+                        "(default: %(default)s)")
+    g.add_argument("--frequency-penalty", type=float, default=0.0, metavar="X",
+                   help="lower the logits of generated tokens by X per occurrence, in [-2, 2] "
+                        "(default: %(default)s)")
+    g.add_argument("--repetition-penalty", type=float, default=1.0, metavar="X",
+                   help="make tokens of the prompt or output X times less likely to return "
+                        "(positive logits divided, negative multiplied; > 1 repeats less; "
+                        "default: %(default)s, off)")
+
+
+MODEL_HELP = "'default' (the embedded SmolLM2-135M), a .gguf file, a model folder or a hub id"
 
 
 def _model_arg(p: argparse.ArgumentParser, positional: bool = True) -> None:
     if positional:
-        p.add_argument("model_pos", nargs="?", metavar="MODEL",
-                       help="'default', a .gguf file, a model folder or a hub id")
-    p.add_argument("-m", "--model", default=None, help="the model (instead of MODEL)")
+        p.add_argument("model_pos", nargs="?", metavar="MODEL", help=MODEL_HELP)
+        p.add_argument("-m", "--model", default=None, help="the model (instead of MODEL)")
+    else:
+        p.add_argument("-m", "--model", default=None, help=MODEL_HELP + " (default: default)")
 
 
 BENCHES = {
@@ -113,6 +184,7 @@ BENCHES = {
     "quality": "perplexity and greedy agreement of the KV cache types",
     "compare": "pagedllm beside llama.cpp on the same GGUF file, one process per figure",
     "make-gguf": "write a GGUF with a real model's shape and random weights (llama.cpp quantizes it)",
+    "startup": "time from starting `pagedllm generate` to its first token (median of 5)",
 }
 
 
@@ -126,51 +198,60 @@ def _wants(argv: list[str], *words: str) -> bool:
 
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     argv = sys.argv[1:] if argv is None else argv
-    p = argparse.ArgumentParser(prog="pagedllm", description="LLM inference with a paged KV cache",
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p = Parser(prog="pagedllm", description="LLM inference with a paged KV cache",
+               usage="pagedllm [-h] [--version] [-i] [engine and server flags] COMMAND ...",
+               formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("-i", "--interactive-mode", action="store_true",
                    help="with plain/gguf: chat in the terminal instead of serving")
     _log_flag(p, top=True)
     p.add_argument("--version", action="version", version=_version())
     _engine_flags(p, top=True)
     _server_flags(p, top=True)
-    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", prog="pagedllm")
 
-    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server",
+                       usage="pagedllm serve [MODEL] [--host H] [--port N] [--api-key KEY] [engine flags]")
     _log_flag(s, top=False)
     _model_arg(s)
     _engine_flags(s, top=False)
     _server_flags(s, top=False)
 
-    c = sub.add_parser("chat", help="interactive chat in the terminal")
+    c = sub.add_parser("chat", help="interactive chat in the terminal",
+                       usage="pagedllm chat [MODEL] [--system MSG] [engine and sampling flags]")
     _log_flag(c, top=False)
     _model_arg(c)
     _engine_flags(c, top=False)
     c.add_argument("--system", default=None, help="system message to start with")
     _sampling_flags(c, max_tokens=512, temperature=0.7)
 
-    g = sub.add_parser("generate", help="one-shot generation (prompt argument or stdin)")
-    g.add_argument("prompt", nargs="?", help="the prompt; '-' or nothing reads stdin")
+    g = sub.add_parser("generate", help="one-shot generation (prompt argument or stdin)",
+                       usage="pagedllm generate [PROMPT] [-m MODEL] [--raw] [--stats] "
+                             "[engine and sampling flags]")
+    g.add_argument("prompt", nargs="?", metavar="PROMPT", help="the prompt; '-' or nothing reads stdin")
     _log_flag(g, top=False)
     _model_arg(g, positional=False)
     _engine_flags(g, top=False)
     _sampling_flags(g, max_tokens=256, temperature=0.0)
-    g.add_argument("-n", type=int, default=1, help="completions to generate")
+    g.add_argument("-n", type=int, default=1, help="completions to generate (default: %(default)s)")
     g.add_argument("--raw", action="store_true", help="no chat template: continue the text as is")
-    g.add_argument("--system", default=None)
+    g.add_argument("--system", default=None, metavar="MSG", help="system message")
     g.add_argument("--stats", action="store_true", help="print token counts and speed to stderr")
 
-    t = sub.add_parser("trace", help="run a request and show the KV cache as it fills and empties")
+    t = sub.add_parser("trace", help="run a request and show the KV cache as it fills and empties",
+                       usage="pagedllm trace [MODEL] [--prompt TEXT] [-n N] [--max-tokens N] [--json] "
+                             "[engine flags]")
     _log_flag(t, top=False)
     _model_arg(t)
     _engine_flags(t, top=False)
-    t.add_argument("--prompt", default="Write a short poem about memory pages.")
-    t.add_argument("-n", type=int, default=1)
-    t.add_argument("--max-tokens", type=int, default=32)
+    t.add_argument("--prompt", default="Write a short poem about memory pages.",
+                   help="the request's prompt (default: %(default)r)")
+    t.add_argument("-n", type=int, default=1, help="completions of the prompt (default: %(default)s)")
+    t.add_argument("--max-tokens", type=int, default=32, metavar="N",
+                   help="tokens to generate, greedily (default: %(default)s)")
     t.add_argument("--json", action="store_true", help="print the trace as JSON")
 
     b = sub.add_parser("bench", help="benchmarks")
-    bsub = b.add_subparsers(dest="bench", metavar="KIND")
+    bsub = b.add_subparsers(dest="bench", metavar="KIND", prog="pagedllm bench")
     for kind, text in BENCHES.items():
         bt = bsub.add_parser(kind, help=text)
         if _wants(argv, "bench", kind):
@@ -188,20 +269,25 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     else:
         dm.add_argument("rest", nargs=argparse.REMAINDER)
 
-    pl = sub.add_parser("plain", help="mistral.rs form: a safetensors model folder or hub id")
-    _log_flag(pl, top=False)
-    pl.add_argument("-m", "--model-id", required=True)
+    pl = sub.add_parser("plain", help="mistral.rs form: a safetensors model folder or hub id",
+                        usage="pagedllm [-i] [flags] plain -m MODEL_ID [-a ARCH] [-t TOKENIZER] [flags]")
+    pl.add_argument("-m", "--model-id", required=True, help=MODEL_HELP)
     pl.add_argument("-a", "--arch", default=None, help="architecture hint (read from the model anyway)")
     pl.add_argument("-t", "--tokenizer-json", "--tokenizer", default=None)
-    pl.add_argument("--dtype", default=_UNSET)
 
-    gg = sub.add_parser("gguf", help="mistral.rs form: a GGUF file in a folder or hub repo")
-    _log_flag(gg, top=False)
-    gg.add_argument("-m", "--quantized-model-id", required=True)
-    gg.add_argument("-f", "--quantized-filename", required=True)
+    gg = sub.add_parser("gguf", help="mistral.rs form: a GGUF file in a folder or hub repo",
+                        usage="pagedllm [-i] [flags] gguf -m MODEL_DIR -f FILE.gguf [-t TOKENIZER_DIR] "
+                              "[flags]")
+    gg.add_argument("-m", "--quantized-model-id", required=True, help="folder or hub repo of the file")
+    gg.add_argument("-f", "--quantized-filename", required=True, help="the .gguf file's name")
     gg.add_argument("-t", "--tok-model-id", default=None,
                     help="tokenizer folder (a hub id is ignored: the GGUF's tokenizer is used)")
-    gg.add_argument("--dtype", default=_UNSET)
+    for form in (pl, gg):  # the global flags are accepted after the subcommand too
+        form.add_argument("-i", "--interactive-mode", action="store_true", default=_UNSET,
+                          help="chat in the terminal instead of serving")
+        _log_flag(form, top=False)
+        _engine_flags(form, top=False)
+        _server_flags(form, top=False)
     return p
 
 
@@ -255,15 +341,30 @@ def cmd_serve(args: argparse.Namespace, opts: EngineOptions) -> int:
 
     llm = load_llm(opts)
     eng = llm.engine
-    cfg = ServerConfig(model_name=args.served_model_name, api_key=args.api_key,
+    api_key = args.api_key or os.environ.get("PAGEDLLM_API_KEY") or None
+    names = args.served_model_name or [llm.model_name]
+    cfg = ServerConfig(model_name=names[0], aliases=tuple(names[1:]), api_key=api_key,
                        max_body_bytes=args.max_body_bytes)
-    print(f"serving {args.served_model_name or llm.model_name} on http://{args.host}:{args.port}/v1 "
+    print(f"serving {' = '.join(names)} on http://{args.host}:{args.port}/v1 "
           f"({eng.block_manager.num_usable_blocks} KV blocks of {eng.cache_config.block_size} tokens"
-          f"{', API key required' if args.api_key else ''})", file=sys.stderr, flush=True)
-    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
+          f"{', API key required' if api_key else ''})", file=sys.stderr, flush=True)
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         logger.warning("serving on %s without --api-key: anyone who can reach it may use it", args.host)
-    run_server(llm, args.host, args.port, cfg, log_level=args.log_level, access_log=args.access_log)
+    result = run_server(llm, args.host, args.port, cfg, log_level=args.log_level,
+                        access_log=args.access_log)
+    if result.stopped_by:
+        print(f"stopped by {result.stopped_by}: {result.requests_ended} request(s) in flight ended "
+              f"with an error; {eng.block_manager.num_used_blocks} KV blocks in use", file=sys.stderr)
+        # Everything is stopped and said; tearing down torch's modules would add 1-2 s more.
+        _exit_now(0)
     return 0
+
+
+def _exit_now(code: int) -> None:
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def cmd_chat(args: argparse.Namespace, opts: EngineOptions) -> int:
@@ -281,6 +382,7 @@ def cmd_chat(args: argparse.Namespace, opts: EngineOptions) -> int:
 
 def cmd_generate(args: argparse.Namespace, opts: EngineOptions) -> int:
     from ..sampling.params import SamplingParams
+    from .chat import cut_off_note
 
     prompt = args.prompt
     if prompt is None or prompt == "-":
@@ -323,6 +425,10 @@ def cmd_generate(args: argparse.Namespace, opts: EngineOptions) -> int:
         return 130
     if args.n == 1:
         print()
+        note = cut_off_note(final, eng.sched_config.max_model_len,
+                            ("--max-tokens N allows more", "--max-model-len N allows more"))
+        if note:
+            print(note, file=sys.stderr)
     else:
         for c in final.outputs:
             print(f"--- completion {c.index} ({c.finish_reason}) ---\n{c.text}")

@@ -12,7 +12,7 @@ from tqdm.auto import tqdm
 
 from ..config import ModelConfig
 from ..kv.calibration import kv_scale_key
-from ..models import model_class
+from ..models import materialize, model_class
 from ..quant.formats import QuantTensor
 from ..tokenizer import Tokenizer
 from .source import ModelSource
@@ -101,7 +101,7 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
         weights = isq_stream(weights, isq, quantized)
         qwhy = f"{qwhy}; ISQ {isq} at load"
     model.expect_quantized(quantized)
-    model = model.to_empty(device=device).to(dtype)
+    model = materialize(model, device, dtype)
     for m in model.modules():
         if hasattr(m, "reset_buffers"):
             m.reset_buffers()

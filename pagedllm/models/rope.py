@@ -42,7 +42,10 @@ class RotaryEmbedding(torch.nn.Module):
         self.args = (head_dim, max_positions, theta, scaling)
         self.register_buffer("cos", torch.empty(0), persistent=False)
         self.register_buffer("sin", torch.empty(0), persistent=False)
-        self.reset_buffers()
+        # On the meta device (the loader builds there, then calls reset_buffers on the real
+        # device) the tables would be thrown away, and arange/pow there import sympy (~1 s).
+        if not self.cos.is_meta:
+            self.reset_buffers()
 
     def reset_buffers(self) -> None:
         """(Re)compute the tables; called again after the model is materialised from meta."""

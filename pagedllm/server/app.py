@@ -8,9 +8,12 @@ nothing ever returns a stack trace.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
 import logging
+import os
+import signal
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
@@ -23,7 +26,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
-from .async_engine import AsyncEngine, EngineError, Submission
+from .async_engine import AsyncEngine, EngineError, ShuttingDown, Submission
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .protocol import (
     ChatCompletionRequest,
@@ -55,7 +58,8 @@ _STATUS_TYPES = {401: "authentication_error", 404: "not_found_error", 413: "inva
 
 @dataclass
 class ServerConfig:
-    model_name: str | None = None
+    model_name: str | None = None  # the name responses carry (default: the model's short name)
+    aliases: tuple[str, ...] = ()  # other names requests may use
     api_key: str | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_n: int | None = None
@@ -135,6 +139,56 @@ class AuthMiddleware:
                 await resp(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+class ShutdownGate:
+    """Plain ASGI. Once the server is stopping, a request still in its handler after a short
+    grace (a client still sending its body, a stream that cannot be written) is cancelled here
+    and answered with a 503 if nothing was sent yet. Left to uvicorn, its graceful-shutdown
+    timeout would cancel it later and log the CancelledError's traceback."""
+
+    GRACE_S = 0.5
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+        self.tasks: set[asyncio.Task] = set()
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.closing = False
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        task = asyncio.current_task()
+        if scope["type"] != "http" or task is None:
+            await self.app(scope, receive, send)
+            return
+        self.loop = asyncio.get_running_loop()
+        self.tasks.add(task)
+        started = False
+
+        async def send_started(message: dict) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_started)
+        except asyncio.CancelledError:
+            if not self.closing:
+                raise
+            if not started:
+                with contextlib.suppress(Exception):
+                    await error_response(503, str(ShuttingDown()), "server_error")(scope, receive, send)
+        finally:
+            self.tasks.discard(task)
+
+    def close(self) -> None:
+        """Start the grace period; safe from a signal handler."""
+        self.closing = True
+        if self.loop is not None:
+            self.loop.call_soon_threadsafe(self.loop.call_later, self.GRACE_S, self._cancel_rest)
+
+    def _cancel_rest(self) -> None:
+        for task in list(self.tasks):
+            task.cancel()
 
 
 # -- request bodies ------------------------------------------------------------------------
@@ -272,6 +326,13 @@ def create_app(llm: Any, config: ServerConfig | None = None) -> FastAPI:
     engine = AsyncEngine(llm.engine, metrics)
     ctx = ServingContext.from_llm(llm, cfg.model_name, cfg.max_n)
     token_text = TokenText(llm.tokenizer)
+    names = list(dict.fromkeys([ctx.model_name, *cfg.aliases]))
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name not in names:
+            served = ", ".join(f"`{n}`" for n in names)
+            raise ApiError(f"the model `{name}` does not exist; this server serves {served}",
+                           status=404, param="model", code="model_not_found")
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -309,8 +370,8 @@ def create_app(llm: Any, config: ServerConfig | None = None) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> Response:
-        card = ModelCard(id=ctx.model_name, max_model_len=ctx.max_model_len)
-        return JSONResponse(ModelList(data=[card]).model_dump())
+        cards = [ModelCard(id=n, max_model_len=ctx.max_model_len) for n in names]
+        return JSONResponse(ModelList(data=cards).model_dump())
 
     @app.get("/metrics")
     async def prometheus() -> Response:
@@ -319,6 +380,7 @@ def create_app(llm: Any, config: ServerConfig | None = None) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         req: ChatCompletionRequest = parse(ChatCompletionRequest, await read_json(request, cfg.max_body_bytes))
+        check_model(req.model)
         ids, params = prepare_chat(req, ctx)
         rid = new_id("chatcmpl")
         tt = token_text if req.logprobs else None
@@ -337,6 +399,7 @@ def create_app(llm: Any, config: ServerConfig | None = None) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         req: CompletionRequest = parse(CompletionRequest, await read_json(request, cfg.max_body_bytes))
+        check_model(req.model)
         prompts, params = prepare_completion(req, ctx)
         rid = new_id("cmpl")
         rids = [rid if len(prompts) == 1 else f"{rid}-{i}" for i in range(len(prompts))]
@@ -363,15 +426,43 @@ async def _collect_or_fail(sub: Submission, request: Request) -> list | None:
     try:
         return await _collect(sub, request)
     except EngineError as e:
-        raise ApiError(str(e), status=500, type="server_error") from None
+        status = 503 if isinstance(e, ShuttingDown) else 500
+        raise ApiError(str(e), status=status, type="server_error") from None
+
+
+@dataclass
+class ServeResult:
+    stopped_by: str | None  # the signal's name, e.g. "SIGINT"
+    requests_ended: int  # requests in flight that the shutdown ended with an error
 
 
 def run_server(llm: Any, host: str = "127.0.0.1", port: int = 8000, config: ServerConfig | None = None,
-               log_level: str = "info", access_log: bool = False) -> None:
-    """Serve `llm` until interrupted (Ctrl-C / SIGTERM), then stop the engine thread cleanly."""
+               log_level: str = "info", access_log: bool = False) -> ServeResult:
+    """Serve `llm` until SIGINT or SIGTERM. The first one stops admitting requests and ends
+    those in flight (streams get an error event and [DONE], the others a 503), so the
+    connections close at once and the engine thread stops; a second one exits at once."""
     import uvicorn
 
+    class Server(uvicorn.Server):
+        stopped_by: str | None = None
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            # Not recorded in uvicorn's captured signals: it would re-raise the signal after
+            # the shutdown and turn a clean stop into a KeyboardInterrupt.
+            if self.should_exit:
+                os.write(2, b"second interrupt: exiting now\n")
+                os._exit(130)
+            self.stopped_by = signal.Signals(sig).name
+            engine.drain()
+            gate.close()
+            self.should_exit = True
+
     app = create_app(llm, config)
-    uv = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=access_log,
-                        timeout_graceful_shutdown=5)
-    uvicorn.Server(uv).run()
+    engine: AsyncEngine = app.state.engine
+    gate = ShutdownGate(app)
+    # Requests end within a step of the signal; the timeout only guards against a stuck client.
+    uv = uvicorn.Config(gate, host=host, port=port, log_level=log_level, access_log=access_log,
+                        timeout_graceful_shutdown=1)
+    server = Server(uv)
+    server.run()
+    return ServeResult(server.stopped_by, engine.num_ended_at_shutdown)

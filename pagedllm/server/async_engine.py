@@ -27,6 +27,13 @@ class EngineError(RuntimeError):
     """The engine failed (or is shutting down) while a request was in flight."""
 
 
+class ShuttingDown(EngineError):
+    """The server is stopping: a request in flight was ended, or a new one refused (HTTP 503)."""
+
+    def __init__(self) -> None:
+        super().__init__("the server is shutting down; the request was not completed")
+
+
 @dataclass
 class _Add:
     items: list[tuple[str, str | list[int], SamplingParams]]
@@ -42,6 +49,7 @@ class _Abort:
 
 
 _STOP = object()
+_DRAIN = object()
 
 
 @dataclass
@@ -85,6 +93,8 @@ class AsyncEngine:
         self._steps = 0
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._closing = False
+        self.num_ended_at_shutdown = 0  # requests in flight that drain() ended
 
     # -- lifecycle ---------------------------------------------------------------------
     def start(self) -> None:
@@ -102,6 +112,12 @@ class AsyncEngine:
             logger.warning("engine thread did not stop within %.0f s", timeout)
         self._thread = None
 
+    def drain(self) -> None:
+        """Stop admitting requests and end every one in flight with `ShuttingDown`, freeing
+        its KV blocks. Safe to call from a signal handler (it only sets a flag and queues)."""
+        self._closing = True
+        self._cmds.put(_DRAIN)
+
     @property
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
@@ -113,6 +129,8 @@ class AsyncEngine:
         Callers must call `abort_unfinished()` on the result when they stop early, and
         should do so even when this raises (a cancelled wait may still have added them).
         """
+        if self._closing:
+            raise ShuttingDown()
         if not self.alive:
             raise EngineError("the engine is not running")
         loop = asyncio.get_running_loop()
@@ -142,7 +160,7 @@ class AsyncEngine:
                 elif self.metrics is not None:
                     self.metrics.on_engine_state(self.engine, len(self._routes))
         finally:
-            self._fail_all(EngineError("the server is shutting down"))
+            self._fail_all(ShuttingDown())
             logger.info("engine thread stopped")
 
     def _apply_commands(self, block: bool) -> bool:
@@ -154,6 +172,9 @@ class AsyncEngine:
         while True:
             if cmd is _STOP:
                 return False
+            if cmd is _DRAIN:
+                self.num_ended_at_shutdown += len(self._routes)
+                self._fail_all(ShuttingDown())
             if isinstance(cmd, _Add):
                 self._add(cmd)
             elif isinstance(cmd, _Abort):
@@ -164,6 +185,9 @@ class AsyncEngine:
                 return True
 
     def _add(self, cmd: _Add) -> None:
+        if self._closing:  # queued before the drain, applied after it
+            _call_soon(cmd.loop, _settle, cmd.accepted, ShuttingDown())
+            return
         added: list[str] = []
         try:
             for rid, prompt, params in cmd.items:

@@ -34,6 +34,7 @@ PROMPTS = [
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL")
     p.add_argument("--api-key", default=None)
+    p.add_argument("--model", default=None, help="model name to request (default: the server's first)")
     p.add_argument("--duration", type=float, default=60.0, help="seconds of load")
     p.add_argument("--concurrency", type=int, default=16, help="streaming clients at once")
     p.add_argument("--min-tokens", type=int, default=8)
@@ -139,7 +140,7 @@ async def _one(client: Any, url: str, body: dict, timeout: float) -> Result:
 async def _client(client: Any, args: argparse.Namespace, deadline: float, rng: random.Random,
                   results: list[Result]) -> None:
     while time.perf_counter() < deadline:
-        body = {"model": "default", "stream": True, "stream_options": {"include_usage": True},
+        body = {"model": args.model, "stream": True, "stream_options": {"include_usage": True},
                 "messages": [{"role": "user", "content": rng.choice(PROMPTS)}],
                 "max_tokens": rng.randint(args.min_tokens, args.max_tokens),
                 "temperature": args.temperature}
@@ -152,6 +153,9 @@ async def _run(args: argparse.Namespace) -> Report:
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     limits = httpx.Limits(max_connections=args.concurrency + 4)
     async with httpx.AsyncClient(headers=headers, limits=limits) as client:
+        if args.model is None:
+            r = await client.get(f"{args.url}/v1/models", timeout=30)
+            args.model = r.json()["data"][0]["id"]
         before = await _metrics(client, args.url)
         results: list[Result] = []
         t0 = time.perf_counter()
