@@ -82,13 +82,20 @@ class CachePlan:
         if spec.mode.quantized:
             quant = (f", {i['quant_mode']}, scales {i['scale_granularity']} "
                      f"({i['scale_source']}), compute {i['compute_dtype']}")
-        return (f"KV cache: {i['memory_mb']:.1f} MB, {i['num_blocks']} blocks of {spec.block_size} "
+        return (f"KV cache: ceiling {i['memory_mb']:.1f} MB, {i['num_blocks']} blocks of {spec.block_size} "
                 f"tokens = {i['capacity_tokens']} token slots ({self.source}); "
                 f"dtype {i['kv_cache_dtype']} ({i['dtype']}){quant}")
 
 
 def _dtype_name(dt: torch.dtype) -> str:
     return str(dt).removeprefix("torch.")
+
+
+def empty_pool(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """K/V storage allocated without being written: on the CPU a page is committed only when
+    a token is first written into it. What it holds before that is garbage, possibly NaN, and
+    no attention path may read it (tests swap this for a NaN fill to prove that)."""
+    return torch.empty(shape, dtype=dtype, device=device)
 
 
 def available_memory_bytes(device: torch.device) -> int:
@@ -122,8 +129,7 @@ def plan_cache(spec: KVCacheSpec, cfg: CacheConfig, device: torch.device,
             n = int(avail * frac // bpb)
             note = f"kv_cache_memory_fraction={frac:g} of {avail / 2**20:.0f} MB free"
             if device.type == "cpu" and n > cap:
-                # On CPU the cache is zero-filled RAM the whole process shares: don't take
-                # .95 of it for slots no sequence could ever fill.
+                # A ceiling no sequence could ever fill only misleads the load log.
                 n, note = cap, note + ", capped at max_num_seqs x max_model_len"
             plan = CachePlan(n, note)
         else:
@@ -195,14 +201,34 @@ class KVLayer:
             vs = self._vs_rows.index_select(0, ids).view(shape[:-1])
         return self.codec.decode(kq, ks, 0, dtype), self.codec.decode(vq, vs, 1, dtype)
 
+    def read(self, slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of the token slots in `slots` (any shape S), as S + [H, D] in `dtype`.
+
+        Attention reads by slot, never by whole block: a block's tail past the context may
+        never have been written (the CPU pools are uninitialised) or hold a failed request's
+        NaN, and a masked NaN still poisons SDPA (0 * NaN). Callers point positions they do
+        not need at slot 0, in the zeroed null block."""
+        ids = slots.reshape(-1)
+        shape = (*slots.shape, *self.block_shape[1:])
+        kq = self._k_slots.index_select(0, ids).view(self.k.dtype).view(shape)
+        vq = self._v_slots.index_select(0, ids).view(self.v.dtype).view(shape)
+        ks = vs = None
+        if self.k_scale is not None:
+            ks = self._ks_slots.index_select(0, ids).view(shape[:-1])
+            vs = self._vs_slots.index_select(0, ids).view(shape[:-1])
+        return self.codec.decode(kq, ks, 0, dtype), self.codec.decode(vq, vs, 1, dtype)
+
 
 class PagedKVCache:
     """K and V pools, [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim], in the
     storage dtype; int8 adds float32 scales [num_layers, 2, num_blocks, block_size, num_kv_heads]
     and f8e4m3 holds fixed per-head scales [num_layers, 2, num_kv_heads].
 
-    Zero-filled so never-written slots read as finite numbers (masked out, but
-    0 * NaN would still poison the attention output); zero scales read back as zeros.
+    On the CPU the pools are allocated without being written (`torch.empty`): the OS
+    commits a page when a block's first token lands in it, so resident memory follows the
+    blocks really used, not the budget. Only the null block (0) is zeroed: attention reads
+    only slots that were written, and points everything else at it (see `KVLayer.read`).
+    Elsewhere (CUDA, MPS) the pools are zero-filled as reserved up front.
     """
 
     def __init__(self, spec: KVCacheSpec, num_blocks: int, device: torch.device,
@@ -211,10 +237,13 @@ class PagedKVCache:
         self.num_blocks = num_blocks
         mode = spec.mode
         shape = (spec.num_layers, 2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
-        self.data = torch.zeros(shape, dtype=spec.dtype, device=device)
+        self.lazy = device.type == "cpu"
+        self.data = self._alloc(shape, spec.dtype, device)
         self.scales: torch.Tensor | None = None
         if mode.token_scales:
-            self.scales = torch.zeros(shape[:-1], dtype=torch.float32, device=device)
+            self.scales = self._alloc(shape[:-1], torch.float32, device)
+        for t in self._block_tensors():
+            t[:, :, 0].zero_()  # the null block
         self.head_scales: torch.Tensor | None = None
         if mode.head_scales:
             want = (spec.num_layers, 2, spec.num_kv_heads)
@@ -222,6 +251,11 @@ class PagedKVCache:
                 raise ValueError(f"{mode.name} needs head scales of shape {want}")
             self.head_scales = head_scales.to(device=device, dtype=torch.float32)
         self._layers = [self._make_layer(i) for i in range(spec.num_layers)]
+
+    def _alloc(self, shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        if self.lazy:
+            return empty_pool(shape, dtype, device)
+        return torch.zeros(shape, dtype=dtype, device=device)
 
     def _make_layer(self, i: int) -> KVLayer:
         hs = None if self.head_scales is None else self.head_scales[i]
@@ -232,6 +266,13 @@ class PagedKVCache:
 
     def layer(self, i: int) -> KVLayer:
         return self._layers[i]
+
+    def committed_bytes(self, blocks_touched: int) -> int:
+        """Estimated resident bytes: the blocks ever handed out (`blocks_touched`, from the block
+        manager) plus the null block and the fixed scales; everything when the pools were zeroed."""
+        if not self.lazy:
+            return self.nbytes
+        return (blocks_touched + 1) * self.spec.bytes_per_block + self.spec.fixed_bytes
 
     @property
     def nbytes(self) -> int:
