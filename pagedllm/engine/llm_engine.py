@@ -18,6 +18,7 @@ from ..attention.paged import PagedAttentionBackend
 from ..config import CacheConfig, SchedulerConfig, cdiv
 from ..kv.cache import KVCacheSpec, PagedKVCache, plan_cache
 from ..kv.calibration import resolve_fp8_scales
+from ..kv.trace import committed_bytes
 from ..loading.loader import LoadedModel
 from ..outputs import CompletionOutput, RequestMetrics, RequestOutput
 from ..sampling.params import SamplingParams
@@ -75,7 +76,6 @@ class LLMEngine:
                 self.model, self.tokenizer, loaded.kv_scales, cfg.num_layers, cfg.num_kv_heads, device)
         self.cache_plan = plan_cache(self.kv_spec, cache_cfg, device, sched_cfg.max_model_len,
                                      sched_cfg.max_num_seqs)
-        logger.info(self.cache_plan.describe(self.kv_spec))
         if cache_cfg.paged_attention:
             self.kv_cache: PagedKVCache | None = PagedKVCache(self.kv_spec, self.cache_plan.num_blocks, device,
                                                                 head_scales)
@@ -91,6 +91,9 @@ class LLMEngine:
         self.block_manager = BlockManager(self.cache_plan.num_blocks, cache_cfg.block_size,
                                           self.prefix_caching, cache_cfg.prefix_cache_n, copy_fn)
         self.backend = backend
+        committed, how = committed_bytes(self)
+        logger.info("%s; committed now %.1f MB (%s)", self.cache_plan.describe(self.kv_spec),
+                    committed / 2**20, how)
         window = cfg.sliding_window if cfg.all_layers_sliding else None
         self.scheduler = Scheduler(sched_cfg, self.block_manager, window)
         self.runner = ModelRunner(self.model, backend, cache_cfg.block_size, device, Sampler(device, seed))
