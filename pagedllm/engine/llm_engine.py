@@ -49,6 +49,7 @@ class Request:
     seqs: list[Sequence]
     metrics: RequestMetrics
     states: list[_SeqOutputState] = field(default_factory=list)
+    error: str | None = None  # why the request failed (finish_reason "error")
 
     @property
     def finished(self) -> bool:
@@ -63,6 +64,8 @@ class LLMEngine:
         self.model = loaded.model
         self.model_config = cfg = loaded.config
         self.tokenizer = loaded.tokenizer
+        src = loaded.source
+        self.model_name = src.path.name if src.name == "default" else src.name  # for errors
         self.cache_config = cache_cfg
         self.sched_config = sched_cfg
         self.device, self.dtype = device, dtype
@@ -284,8 +287,11 @@ class LLMEngine:
         if out is not None:
             now = time.perf_counter()
             for row, (seq, tok) in enumerate(zip(out.seqs, out.token_ids)):
-                lp = out.logprobs[row] if out.logprobs else None
-                self._append(seq, tok, lp, now)
+                if tok < 0:  # the sampler marks rows whose logits were not finite
+                    self._fail(seq)
+                else:
+                    lp = out.logprobs[row] if out.logprobs else None
+                    self._append(seq, tok, lp, now)
                 req = self.requests.get(seq.request_id)
                 if req is not None:
                     touched[req.request_id] = req
@@ -345,6 +351,20 @@ class LLMEngine:
                 seq.text += st.detok.flush()
             self._finish(seq)
 
+    def _fail(self, seq: Sequence) -> None:
+        """End a sequence whose logits were not finite; its request fails, the batch goes on.
+        Its blocks are dropped, not kept as a prefix: their K/V may hold the same NaN."""
+        req = self.requests[seq.request_id]
+        if req.error is None:
+            req.error = (f"model {self.model_name!r} produced non-finite logits (NaN or inf) for "
+                         f"request {req.request_id!r} at engine step {self.stats['steps']} (output "
+                         f"token {seq.num_output_tokens + 1}); the weights or the activations hold "
+                         "NaN/inf, so this request failed; check the model file")
+            logger.error(req.error)
+        seq.finish_reason = "error"
+        seq.fork_children = []
+        self._finish(seq)
+
     def _hit_stop_string(self, seq: Sequence) -> bool:
         # Only the tail can hold a new match: the last token's text plus the longest stop string.
         longest = max(len(s) for s in seq.params.stop)
@@ -362,7 +382,7 @@ class LLMEngine:
 
     def _finish(self, seq: Sequence) -> None:
         seq.times.finished = time.perf_counter()
-        self.scheduler.finish(seq, keep_prefix=seq.finish_reason != "abort")
+        self.scheduler.finish(seq, keep_prefix=seq.finish_reason not in ("abort", "error"))
         self.backend.free_seq(seq.seq_id)
         req = self.requests.get(seq.request_id)
         if req is not None and req.finished:
@@ -386,7 +406,8 @@ class LLMEngine:
         if finished:
             self.requests.pop(req.request_id, None)
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, finished,
-                             req.metrics, num_cached_tokens=min(s.num_cached_tokens for s in req.seqs))
+                             req.metrics, num_cached_tokens=min(s.num_cached_tokens for s in req.seqs),
+                             error=req.error)
 
 
 def _no_copy(src: int, dst: int, n: int) -> None:

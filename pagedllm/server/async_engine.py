@@ -27,6 +27,10 @@ class EngineError(RuntimeError):
     """The engine failed (or is shutting down) while a request was in flight."""
 
 
+class RequestFailed(EngineError):
+    """One request failed in the engine (non-finite logits); the others go on."""
+
+
 @dataclass
 class _Add:
     items: list[tuple[str, str | list[int], SamplingParams]]
@@ -64,6 +68,8 @@ class Submission:
                 raise item
             if item.finished:
                 self.finals[item.request_id] = item
+            if item.error:  # the handler answers an error body / ends its stream with one
+                raise RequestFailed(item.error)
             yield item
 
     def final_outputs(self) -> list[RequestOutput]:
