@@ -84,6 +84,7 @@ class BlockManager:
         # No content; a stack whose top (right end) is handed out next.
         self.free_ids: deque[int] = deque(range(num_blocks - 1, 0, -1))
         self.num_touched = 0  # blocks ever handed out: ids 1..num_touched
+        self.peak_used = 0  # most blocks referenced by live sequences at once
         self.evictable: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced; LRU first
         self.by_hash: dict[int, int] = {}
         self.children: dict[int, set[int]] = {}  # parent hash -> cached blocks that follow it
@@ -138,6 +139,7 @@ class BlockManager:
         else:
             raise NoFreeBlocksError("no free KV block")
         self.blocks[bid].ref_count = 1
+        self.peak_used = max(self.peak_used, self.num_used_blocks)
         return bid
 
     def grow(self, seq: Sequence, num_tokens: int) -> None:

@@ -34,6 +34,7 @@ class KVCacheTrace:
     blocks_free: int
     blocks_cached: int
     blocks_touched: int  # distinct blocks ever handed out (the working set, with LIFO reuse)
+    blocks_peak_used: int  # most blocks live sequences held at once
     max_seqs_at_max_model_len: int
     max_model_len: int
     prefix_cache_hit_rate: float
@@ -134,6 +135,7 @@ def build_trace(engine) -> KVCacheTrace:
         blocks_free=len(bm.free_ids),
         blocks_cached=len(cached_blocks),
         blocks_touched=bm.num_touched,
+        blocks_peak_used=bm.peak_used,
         max_seqs_at_max_model_len=bm.num_usable_blocks // per_seq,
         max_model_len=max_len,
         prefix_cache_hit_rate=stats.hit_rate,
