@@ -71,7 +71,8 @@ PATHS = [("native", "auto"), ("torch", "auto"), ("torch", "int8"), ("torch", "f8
 def test_nan_filled_pools_give_the_zero_filled_outputs(llama, monkeypatch, path, kv_dtype):
     if path == "torch":  # the PyTorch gather path instead of the native decode kernel
         monkeypatch.setattr("pagedllm.attention.paged.cpu_kernels", lambda: None)
-    kw = dict(dtype="float32", block_size=8, kv_cache_context_len=160, max_num_batched_tokens=32,
+    # The CPU, where pools are lazily allocated (elsewhere they are zero-filled as before).
+    kw = dict(device="cpu", dtype="float32", block_size=8, kv_cache_context_len=160, max_num_batched_tokens=32,
               kv_cache_dtype=kv_dtype, paged_attention=path != "contiguous", max_model_len=256)
     runs = {}
     for name, fill in (("zeros", _zeros), ("nan", _garbage)):
@@ -114,7 +115,7 @@ def test_free_list_hands_out_the_most_recently_freed_block_first():
 
 
 def test_trace_reports_the_ceiling_and_the_committed_bytes(llama):
-    llm = LLM(str(llama), dtype="float32", block_size=8, kv_cache_memory_mb=64)
+    llm = LLM(str(llama), device="cpu", dtype="float32", block_size=8, kv_cache_memory_mb=64)
     eng = llm.engine
     spec = eng.kv_spec
     tr = llm.kv_cache_trace()
