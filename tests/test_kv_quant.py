@@ -129,7 +129,8 @@ def test_block_copies_carry_values_and_scales(ct):
     cache.copy_block_prefix(1, 5, 3)
     for i in range(2):
         kv = cache.layer(i)
-        k, v = kv.gather(torch.tensor([1, 2, 3, 4, 5]), torch.float32)  # [5, 8, H, D]
+        slots = torch.tensor([1, 2, 3, 4, 5])[:, None] * 8 + torch.arange(8)
+        k, v = kv.read(slots, torch.float32)  # [5, 8, H, D]
         assert torch.equal(k[2:4], k[0:2]) and torch.equal(v[2:4], v[0:2])
         assert torch.equal(k[4, :3], k[0, :3]) and torch.equal(v[4, :3], v[0, :3])
         assert not torch.equal(k[0], torch.zeros_like(k[0]))

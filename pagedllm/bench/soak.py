@@ -18,7 +18,7 @@ from pathlib import Path
 
 import httpx
 
-from ..server.loadtest import parse_metrics
+from ..server.loadtest import _wait_ready, parse_metrics
 
 FIELDS = {"rss_mb": "process_resident_memory_bytes", "blocks_used": "pagedllm_kv_blocks_used",
           "blocks_peak_used": "pagedllm_kv_blocks_peak_used", "blocks_touched": "pagedllm_kv_blocks_touched",
@@ -36,20 +36,6 @@ def _sample(url: str, t0: float) -> dict:
         v = m.get(name)
         row[k] = None if v is None else (round(v / 2**20, 1) if k == "rss_mb" else int(v))
     return row
-
-
-def _wait_ready(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with {proc.returncode}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"the server was not ready after {timeout:.0f} s")
 
 
 def run(args: argparse.Namespace) -> dict:

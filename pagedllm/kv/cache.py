@@ -149,8 +149,8 @@ class KVLayer:
     """One layer's view of the cache: K/V pages [num_blocks, block_size, H, D] in the
     storage dtype and, for int8, their scales [num_blocks, block_size, H].
 
-    `write` quantizes the new tokens into their slots; `gather` reads whole blocks by
-    id and dequantizes only those, straight into the compute dtype."""
+    `write` quantizes the new tokens into their slots; `read` reads slots by id and
+    dequantizes only those, straight into the compute dtype."""
 
     def __init__(self, k: torch.Tensor, v: torch.Tensor, k_scale: torch.Tensor | None,
                  v_scale: torch.Tensor | None, codec: KVCodec) -> None:
@@ -159,17 +159,15 @@ class KVLayer:
         self.codec = codec
         self.num_blocks, self.block_size = k.shape[0], k.shape[1]
         self.block_shape = tuple(k.shape[1:])
-        # Flat views: [slots, H, D] for writes, [blocks, block_size * H * D] for gathers
-        # (index_select on a 2-D contiguous tensor is a row memcpy; on 4-D it goes element-wise).
+        # Flat views by slot: [slots, H, D] for writes, [slots, H * D] for reads (index_select
+        # on a 2-D contiguous tensor is a row memcpy; on more dims it goes element-wise).
         self._k_slots = as_bytes(k).view(-1, *k.shape[2:])
         self._v_slots = as_bytes(v).view(-1, *v.shape[2:])
-        self._k_rows = as_bytes(k).view(self.num_blocks, -1)
-        self._v_rows = as_bytes(v).view(self.num_blocks, -1)
+        self._k_rows = self._k_slots.flatten(1)
+        self._v_rows = self._v_slots.flatten(1)
         if k_scale is not None:
             self._ks_slots = k_scale.view(-1, k_scale.shape[-1])
             self._vs_slots = v_scale.view(-1, v_scale.shape[-1])
-            self._ks_rows = k_scale.view(self.num_blocks, -1)
-            self._vs_rows = v_scale.view(self.num_blocks, -1)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -189,18 +187,6 @@ class KVLayer:
             self._ks_slots.index_copy_(0, slot_mapping, ks)
             self._vs_slots.index_copy_(0, slot_mapping, vs)
 
-    def gather(self, block_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of the blocks in `block_ids` (any shape S), as S + [block_size, H, D] in `dtype`."""
-        ids = block_ids.reshape(-1)
-        shape = (*block_ids.shape, *self.block_shape)
-        kq = self._k_rows.index_select(0, ids).view(self.k.dtype).view(shape)
-        vq = self._v_rows.index_select(0, ids).view(self.v.dtype).view(shape)
-        ks = vs = None
-        if self.k_scale is not None:
-            ks = self._ks_rows.index_select(0, ids).view(shape[:-1])
-            vs = self._vs_rows.index_select(0, ids).view(shape[:-1])
-        return self.codec.decode(kq, ks, 0, dtype), self.codec.decode(vq, vs, 1, dtype)
-
     def read(self, slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of the token slots in `slots` (any shape S), as S + [H, D] in `dtype`.
 
@@ -210,8 +196,8 @@ class KVLayer:
         not need at slot 0, in the zeroed null block."""
         ids = slots.reshape(-1)
         shape = (*slots.shape, *self.block_shape[1:])
-        kq = self._k_slots.index_select(0, ids).view(self.k.dtype).view(shape)
-        vq = self._v_slots.index_select(0, ids).view(self.v.dtype).view(shape)
+        kq = self._k_rows.index_select(0, ids).view(self.k.dtype).view(shape)
+        vq = self._v_rows.index_select(0, ids).view(self.v.dtype).view(shape)
         ks = vs = None
         if self.k_scale is not None:
             ks = self._ks_slots.index_select(0, ids).view(shape[:-1])
