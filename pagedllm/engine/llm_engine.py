@@ -64,12 +64,12 @@ class LLMEngine:
         self.model = loaded.model
         self.model_config = cfg = loaded.config
         self.tokenizer = loaded.tokenizer
-        src = loaded.source
-        self.model_name = src.path.name if src.name == "default" else src.name  # for errors
         self.cache_config = cache_cfg
         self.sched_config = sched_cfg
         self.device, self.dtype = device, dtype
         self.eos_token_ids = set(cfg.eos_token_ids) | set(self.tokenizer.eos_token_ids)
+        src = loaded.source
+        self.model_name = src.path.name if src.name == "default" else src.name  # for errors
 
         self.kv_spec = KVCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
                                    cache_cfg.block_size, dtype, cache_cfg.kv_cache_dtype)
