@@ -270,7 +270,9 @@ class PagedKVCache:
 
     # -- block copies (prefix caching, copy-on-write) ----------------------
     def copy_blocks(self, src_ids: torch.Tensor, dst_ids: torch.Tensor) -> None:
-        """Copy whole blocks src_ids[i] -> dst_ids[i] in every layer: K, V and their scales."""
+        """Copy whole blocks src_ids[i] -> dst_ids[i] in every layer: K, V and their scales.
+        Bytes are moved, never computed on, so an unwritten tail travels as it is and stays
+        unread (the engine copies partial blocks with `copy_block_prefix`)."""
         src = torch.as_tensor(src_ids, dtype=torch.int64, device=self.data.device)
         dst = torch.as_tensor(dst_ids, dtype=torch.int64, device=self.data.device)
         for t in self._block_tensors():
