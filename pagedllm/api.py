@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
+from .outputs import raise_failed
 from .server.protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
@@ -330,7 +331,9 @@ class Runner:
             for rid in rids:
                 if rid not in finals:
                     self.engine.abort(rid)
-        return [finals[r] for r in rids]
+        outs = [finals[r] for r in rids]
+        raise_failed(outs)
+        return outs
 
     def _stream(self, rids: list[str], start: list, update: Any, usage: Any) -> Iterator[Any]:
         finals: dict[str, Any] = {}
@@ -342,6 +345,7 @@ class Runner:
                         continue
                     if out.finished:
                         finals[out.request_id] = out
+                    raise_failed([out])  # the stream ends with the error
                     yield from update(out)
             if usage is not None:
                 yield usage([finals[r] for r in rids])

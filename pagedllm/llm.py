@@ -12,7 +12,7 @@ from .device import resolve_device, resolve_dtype
 from .engine.llm_engine import LLMEngine
 from .loading.loader import load_model
 from .loading.source import resolve
-from .outputs import RequestOutput
+from .outputs import RequestOutput, raise_failed
 from .sampling.params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -104,7 +104,9 @@ class LLM:
             raise
         finally:
             bar.close()
-        return [done[r] for r in ids]
+        outs = [done[r] for r in ids]
+        raise_failed(outs)  # the others ran to the end: they are on the error's `outputs`
+        return outs
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
@@ -125,6 +127,7 @@ class LLM:
             while not finished:
                 for out in self.engine.step():
                     if out.request_id == rid:
+                        raise_failed([out])
                         if out.outputs[0].delta_text:
                             yield out.outputs[0].delta_text
                         finished = out.finished

@@ -9,7 +9,7 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | None while running
     stop_reason: str | int | None = None  # the stop string or token that ended it
     logprobs: list[dict] | None = None
     delta_text: str = ""  # text added since the previous step (streaming)
@@ -55,6 +55,7 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     num_cached_tokens: int = 0
+    error: str | None = None  # set when the request failed (finish_reason "error")
 
     # Shortcuts to the first completion, for the common n=1 case.
     @property
@@ -68,3 +69,20 @@ class RequestOutput:
     @property
     def finish_reason(self) -> str | None:
         return self.outputs[0].finish_reason
+
+
+class RequestFailedError(RuntimeError):
+    """A request failed while generating (its logits were not finite). `outputs` holds every
+    output of the call, the failed ones (finish_reason "error") and the others, complete."""
+
+    def __init__(self, message: str, outputs: list[RequestOutput] | None = None) -> None:
+        super().__init__(message)
+        self.outputs = outputs or []
+
+
+def raise_failed(outputs: list[RequestOutput]) -> None:
+    """Raise `RequestFailedError` naming the first failed request of `outputs`, if any."""
+    failed = [o for o in outputs if o.error]
+    if failed:
+        more = f" ({len(failed) - 1} more of the {len(outputs)} requests failed too)" if len(failed) > 1 else ""
+        raise RequestFailedError(failed[0].error + more, outputs)

@@ -385,6 +385,7 @@ def test_metrics_names(server):
                  "pagedllm_kv_blocks_cached", "pagedllm_prefix_cache_hit_rate", "pagedllm_preemptions_total",
                  "pagedllm_prompt_tokens_total", "pagedllm_generation_tokens_total",
                  "pagedllm_time_to_first_token_seconds_count", "pagedllm_inter_token_latency_seconds_count",
-                 "process_resident_memory_bytes"):
+                 "process_resident_memory_bytes", "pagedllm_kv_blocks_touched", "pagedllm_kv_blocks_peak_used"):
         assert name in m, name
     assert m["pagedllm_prompt_tokens_total"] > 0 and m["pagedllm_generation_tokens_total"] > 0
+    assert 0 < m["pagedllm_kv_blocks_peak_used"] <= m["pagedllm_kv_blocks_touched"] <= m["pagedllm_kv_blocks_total"]

@@ -10,19 +10,24 @@ from __future__ import annotations
 
 import torch
 
+from ..kv import cache as kv_cache
 from ..kv.quant import KVCodec, KVQuantMode, get_mode
 from .metadata import AttentionMetadata
 from .paged import sdpa_one
 
 
 class _SeqKV:
-    """One sequence's K/V of one layer: values [cap, H, D] and, for int8, scales [cap, H]."""
+    """One sequence's K/V of one layer: values [cap, H, D] and, for int8, scales [cap, H].
+
+    Allocated unwritten (`torch.empty`): only the first `used` rows were ever written, and
+    nothing reads or copies past them."""
 
     def __init__(self, cap: int, heads: int, dim: int, dtype: torch.dtype, scaled: bool,
                  device: torch.device) -> None:
-        self.data = [torch.zeros((cap, heads, dim), dtype=dtype, device=device) for _ in range(2)]
-        self.scales = ([torch.zeros((cap, heads), dtype=torch.float32, device=device)
+        self.data = [kv_cache.empty_pool((cap, heads, dim), dtype, device) for _ in range(2)]
+        self.scales = ([kv_cache.empty_pool((cap, heads), torch.float32, device)
                         for _ in range(2)] if scaled else None)
+        self.used = 0
 
     @property
     def capacity(self) -> int:
@@ -36,10 +41,15 @@ class _SeqKV:
         new = _SeqKV(cap, heads, dim, self.data[0].dtype, self.scales is not None, self.data[0].device)
         for dst, src in zip(new.tensors(), self.tensors()):
             _bytes(dst)[:used] = _bytes(src)[:used]
+        new.used = used
         return new
 
     def clone(self) -> "_SeqKV":
-        return self.grown(self.capacity, self.capacity)
+        return self.grown(self.capacity, self.used)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -79,6 +89,11 @@ class ContiguousBackend:
     def num_seqs_held(self) -> int:
         return len(self.store)
 
+    @property
+    def nbytes_held(self) -> int:
+        """Bytes of every buffer held now (an upper bound on what is resident)."""
+        return sum(kv.nbytes for per_layer in self.store.values() for kv in per_layer.values())
+
     def buffers(self, seq_id: int, layer: int, needed: int, like: torch.Tensor) -> _SeqKV:
         per_layer = self.store.setdefault(seq_id, {})
         kv = per_layer.get(layer)
@@ -89,7 +104,7 @@ class ContiguousBackend:
                 kv = _SeqKV(cap, like.shape[1], like.shape[2], self.storage_dtype,
                             self.mode.token_scales, self.device)
             else:
-                kv = kv.grown(cap, old)
+                kv = kv.grown(cap, kv.used)
             per_layer[layer] = kv
         return kv
 
@@ -114,6 +129,7 @@ class ContiguousLayer:
                 _bytes(kv.data[j])[lo:ctx] = _bytes(data.to(kv.data[j].dtype))
                 if sc is not None:
                     kv.scales[j][lo:ctx] = sc
+            kv.used = ctx
             if lo == 0 and not codec.mode.quantized:  # a whole prompt: its own K/V, no copy
                 keys, vals = k[s:e], v[s:e]
             else:

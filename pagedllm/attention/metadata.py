@@ -22,7 +22,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor | None = None  # [num_tokens] int64: where each new K/V goes
     block_tables: torch.Tensor | None = None  # [num_seqs, max_blocks] int64, padded with 0
     decode_context_lens: torch.Tensor | None = None  # [num_decodes] int64
-    # Masks are shared by every layer with the same window: built once, on first use.
+    # Masks and slot ids are shared by every layer: built once, on first use.
     _mask_cache: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -32,6 +32,32 @@ class AttentionMetadata:
     @property
     def num_decode_tokens(self) -> int:
         return self.num_decodes
+
+    @property
+    def max_decode_len(self) -> int:
+        return max(self.context_lens[:self.num_decodes])
+
+    def decode_slots(self, block_size: int) -> torch.Tensor:
+        """[num_decodes, max_decode_len] slot ids of every decode's context (see `context_slots`)."""
+        key = ("slots", block_size)
+        s = self._mask_cache.get(key)
+        if s is None:
+            nd = self.num_decodes
+            s = context_slots(self.block_tables[:nd], self.decode_context_lens, self.max_decode_len,
+                              block_size)
+            self._mask_cache[key] = s
+        return s
+
+    def prefill_slots(self, i: int, block_size: int) -> torch.Tensor:
+        """[context_lens[i]] slot ids of sequence i's whole context, every one written."""
+        key = ("prefill", i, block_size)
+        s = self._mask_cache.get(key)
+        if s is None:
+            n = self.context_lens[i]
+            j = torch.arange(n, device=self.block_tables.device)
+            s = self.block_tables[i, j // block_size] * block_size + j % block_size
+            self._mask_cache[key] = s
+        return s
 
     def decode_mask(self, window: int | None, num_keys: int) -> torch.Tensor:
         """[num_decodes, 1, 1, num_keys] bool: True where a decode query may attend."""
@@ -47,6 +73,15 @@ class AttentionMetadata:
             m = m[:, None, None, :]
             self._mask_cache[key] = m
         return m
+
+
+def context_slots(table: torch.Tensor, lens: torch.Tensor, num_keys: int, block_size: int) -> torch.Tensor:
+    """[N, num_keys] flat slot ids of positions 0..num_keys-1 of each sequence (table [N, W],
+    lens [N]); positions at or past a sequence's length read slot 0 of the zeroed null block,
+    so a read never touches a slot that was not written."""
+    j = torch.arange(num_keys, device=table.device)[None, :]
+    slots = table.gather(1, (j // block_size).expand(table.shape[0], -1)) * block_size + j % block_size
+    return slots.masked_fill_(j >= lens[:, None], 0)
 
 
 def causal_mask(q_len: int, ctx_len: int, window: int | None, device) -> torch.Tensor | None:

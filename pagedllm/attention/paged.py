@@ -2,13 +2,15 @@
 
 On the CPU, with a plain (unquantized) cache, decodes run the native kernel
 (`pagedllm/native`): it reads K/V in place by block table, with no gather copy. Elsewhere
-decodes of the whole batch are one gather by block table and one SDPA call, with
-the query heads of each KV head folded into the query-length axis (GQA without
-repeating K/V). Prefill chunks attend one sequence at a time: they are compute
+decodes of the whole batch are one gather of their slots (by block table) and one SDPA
+call, with the query heads of each KV head folded into the query-length axis (GQA
+without repeating K/V). Prefill chunks attend one sequence at a time: they are compute
 bound and differ in length, so padding them together would only waste.
 
 The cache may be quantized (int8, f8e4m3): `KVLayer.write` quantizes the new
-tokens, `KVLayer.gather` dequantizes only the blocks a step reads.
+tokens, `KVLayer.read` dequantizes only the slots a step reads. No path reads a slot
+that was not written: the native kernel reads each sequence's first `len` slots, the
+PyTorch path points everything past a sequence's length at the zeroed null block.
 """
 from __future__ import annotations
 
@@ -64,8 +66,7 @@ class PagedAttentionLayer:
             out[:nd] = self._decode(q[:nd], meta)
         for i in range(nd, meta.num_seqs):
             s, e = meta.query_start_loc[i], meta.query_start_loc[i + 1]
-            out[s:e] = self._prefill(q[s:e], k[s:e], v[s:e], meta.context_lens[i],
-                                     meta.block_tables[i])
+            out[s:e] = self._prefill(q[s:e], k[s:e], v[s:e], meta, i)
         return out
 
     def decode_qkv(self, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
@@ -86,8 +87,7 @@ class PagedAttentionLayer:
                 q = q.contiguous()
             return self.native.paged_decode(q, self.kv.k, self.kv.v, meta.block_tables[:nd],
                                             meta.decode_context_lens, self.scale, self.window or 0)
-        keys, vals = self.kv.gather(meta.block_tables[:nd], q.dtype)  # [nd, nb, bs, Hkv, D]
-        keys, vals = keys.flatten(1, 2), vals.flatten(1, 2)  # [nd, L, Hkv, D]
+        keys, vals = self.kv.read(meta.decode_slots(self.block_size), q.dtype)  # [nd, L, Hkv, D]
         hkv = keys.shape[2]
         mask = meta.decode_mask(self.window, keys.shape[1])
         qh = q.view(nd, hkv, hq // hkv, d)
@@ -96,15 +96,14 @@ class PagedAttentionLayer:
         return out.reshape(nd, hq, d)
 
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 ctx_len: int, table: torch.Tensor) -> torch.Tensor:
+                 meta: AttentionMetadata, i: int) -> torch.Tensor:
         n = q.shape[0]
+        ctx_len = meta.context_lens[i]
         # Earlier chunks or a cached prefix live only in the cache. A quantized cache is read
         # back even for the chunk's own tokens, so every query sees the same stored values
         # however the sequence was chunked, preempted or shared through the prefix cache.
         if ctx_len > n or self.kv.quantized:
-            nb = -(-ctx_len // self.block_size)
-            k, v = self.kv.gather(table[:nb], q.dtype)
-            k, v = k.flatten(0, 1)[:ctx_len], v.flatten(0, 1)[:ctx_len]
+            k, v = self.kv.read(meta.prefill_slots(i, self.block_size), q.dtype)
         return sdpa_one(q, k, v, ctx_len, self.window, self.scale)
 
 

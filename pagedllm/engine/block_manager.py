@@ -1,8 +1,15 @@
 """Logical KV blocks: free list, reference counts, and the prefix cache.
 
 Block 0 is the null block: never handed out, kept zeroed, and used to pad block
-tables and to stand in for blocks a sliding window has released, so gathers
-always read finite values that the attention mask then ignores.
+tables and to stand in for blocks a sliding window has released, so reads of
+positions a sequence does not hold see finite values that the mask then ignores.
+
+The free list is a stack: the most recently freed block is handed out first, so
+a long-running engine cycles through a small working set and the CPU pages of
+blocks it never needed are never committed (the pools are lazily allocated).
+Blocks never handed out sit below every freed one, lowest id on top, so the
+blocks ever touched are exactly 1..`num_touched`. The prefix cache's LRU
+eviction order is separate and unchanged.
 
 Prefix caching. Every full block gets a chained hash (parent hash, its token
 ids, an extra key); a new sequence reuses the longest run of cached blocks
@@ -74,7 +81,10 @@ class BlockManager:
         # copy_fn(src, dst, n_tokens): copies K/V slots between physical blocks.
         self.copy_fn = copy_fn
         self.blocks = [BlockMeta() for _ in range(num_blocks)]
-        self.free_ids: deque[int] = deque(range(1, num_blocks))  # no content
+        # No content; a stack whose top (right end) is handed out next.
+        self.free_ids: deque[int] = deque(range(num_blocks - 1, 0, -1))
+        self.num_touched = 0  # blocks ever handed out: ids 1..num_touched
+        self.peak_used = 0  # most blocks referenced by live sequences at once
         self.evictable: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced; LRU first
         self.by_hash: dict[int, int] = {}
         self.children: dict[int, set[int]] = {}  # parent hash -> cached blocks that follow it
@@ -120,7 +130,8 @@ class BlockManager:
     # -- allocation -------------------------------------------------------
     def _take(self) -> int:
         if self.free_ids:
-            bid = self.free_ids.popleft()
+            bid = self.free_ids.pop()
+            self.num_touched = max(self.num_touched, bid)
         elif self.evictable:
             bid, _ = self.evictable.popitem(last=False)
             self._uncache(bid)
@@ -128,6 +139,7 @@ class BlockManager:
         else:
             raise NoFreeBlocksError("no free KV block")
         self.blocks[bid].ref_count = 1
+        self.peak_used = max(self.peak_used, self.num_used_blocks)
         return bid
 
     def grow(self, seq: Sequence, num_tokens: int) -> None:

@@ -18,6 +18,7 @@ from ..attention.paged import PagedAttentionBackend
 from ..config import CacheConfig, SchedulerConfig, cdiv
 from ..kv.cache import KVCacheSpec, PagedKVCache, plan_cache
 from ..kv.calibration import resolve_fp8_scales
+from ..kv.trace import committed_bytes
 from ..loading.loader import LoadedModel
 from ..outputs import CompletionOutput, RequestMetrics, RequestOutput
 from ..sampling.params import SamplingParams
@@ -48,6 +49,7 @@ class Request:
     seqs: list[Sequence]
     metrics: RequestMetrics
     states: list[_SeqOutputState] = field(default_factory=list)
+    error: str | None = None  # why the request failed (finish_reason "error")
 
     @property
     def finished(self) -> bool:
@@ -67,6 +69,8 @@ class LLMEngine:
         self.sched_config = sched_cfg
         self.device, self.dtype = device, dtype
         self.eos_token_ids = set(cfg.eos_token_ids) | set(self.tokenizer.eos_token_ids)
+        src = loaded.source
+        self.model_name = src.path.name if src.name == "default" else src.name  # for errors
 
         self.kv_spec = KVCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
                                    cache_cfg.block_size, dtype, cache_cfg.kv_cache_dtype)
@@ -76,7 +80,6 @@ class LLMEngine:
                 self.model, self.tokenizer, loaded.kv_scales, cfg.num_layers, cfg.num_kv_heads, device)
         self.cache_plan = plan_cache(self.kv_spec, cache_cfg, device, sched_cfg.max_model_len,
                                      sched_cfg.max_num_seqs)
-        logger.info(self.cache_plan.describe(self.kv_spec))
         if cache_cfg.paged_attention:
             self.kv_cache: PagedKVCache | None = PagedKVCache(self.kv_spec, self.cache_plan.num_blocks, device,
                                                                 head_scales)
@@ -92,6 +95,9 @@ class LLMEngine:
         self.block_manager = BlockManager(self.cache_plan.num_blocks, cache_cfg.block_size,
                                           self.prefix_caching, cache_cfg.prefix_cache_n, copy_fn)
         self.backend = backend
+        committed, how = committed_bytes(self)
+        logger.info("%s; committed now %.1f MB (%s)", self.cache_plan.describe(self.kv_spec),
+                    committed / 2**20, how)
         window = cfg.sliding_window if cfg.all_layers_sliding else None
         self.scheduler = Scheduler(sched_cfg, self.block_manager, window)
         self.runner = ModelRunner(self.model, backend, cache_cfg.block_size, device, Sampler(device, seed))
@@ -293,8 +299,11 @@ class LLMEngine:
         if out is not None:
             now = time.perf_counter()
             for row, (seq, tok) in enumerate(zip(out.seqs, out.token_ids)):
-                lp = out.logprobs[row] if out.logprobs else None
-                self._append(seq, tok, lp, now)
+                if tok < 0:  # the sampler marks rows whose logits were not finite
+                    self._fail(seq)
+                else:
+                    lp = out.logprobs[row] if out.logprobs else None
+                    self._append(seq, tok, lp, now)
                 req = self.requests.get(seq.request_id)
                 if req is not None:
                     touched[req.request_id] = req
@@ -354,6 +363,20 @@ class LLMEngine:
                 seq.text += st.detok.flush()
             self._finish(seq)
 
+    def _fail(self, seq: Sequence) -> None:
+        """End a sequence whose logits were not finite; its request fails, the batch goes on.
+        Its blocks are dropped, not kept as a prefix: their K/V may hold the same NaN."""
+        req = self.requests[seq.request_id]
+        if req.error is None:
+            req.error = (f"model {self.model_name!r} produced non-finite logits (NaN or inf) for "
+                         f"request {req.request_id!r} at engine step {self.stats['steps']} (output "
+                         f"token {seq.num_output_tokens + 1}); the weights or the activations hold "
+                         "NaN/inf, so this request failed; check the model file")
+            logger.error(req.error)
+        seq.finish_reason = "error"
+        seq.fork_children = []
+        self._finish(seq)
+
     def _hit_stop_string(self, seq: Sequence) -> bool:
         # Only the tail can hold a new match: the last token's text plus the longest stop string.
         longest = max(len(s) for s in seq.params.stop)
@@ -371,7 +394,7 @@ class LLMEngine:
 
     def _finish(self, seq: Sequence) -> None:
         seq.times.finished = time.perf_counter()
-        self.scheduler.finish(seq, keep_prefix=seq.finish_reason != "abort")
+        self.scheduler.finish(seq, keep_prefix=seq.finish_reason not in ("abort", "error"))
         self.backend.free_seq(seq.seq_id)
         req = self.requests.get(seq.request_id)
         if req is not None and req.finished:
@@ -395,7 +418,8 @@ class LLMEngine:
         if finished:
             self.requests.pop(req.request_id, None)
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, finished,
-                             req.metrics, num_cached_tokens=min(s.num_cached_tokens for s in req.seqs))
+                             req.metrics, num_cached_tokens=min(s.num_cached_tokens for s in req.seqs),
+                             error=req.error)
 
 
 def _no_copy(src: int, dst: int, n: int) -> None:

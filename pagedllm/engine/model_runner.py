@@ -84,7 +84,10 @@ class ModelRunner:
                 rows.append(k)
         if len(rows) != logits.shape[0]:
             logits = logits[torch.tensor(rows, device=self.device)]
-        out = self.sampler(logits, sampling_seqs)
+        # A sum is finite only if every logit is (NaN and inf propagate): a cheap check that
+        # the sampler folds into its token transfer, so it costs no extra device sync. It must
+        # see the model's own logits: a -inf mask applied to them later is not a failure.
+        out = self.sampler(logits, sampling_seqs, finite=logits.sum(-1, dtype=torch.float32).isfinite())
         out.seqs = sampling_seqs
         return out
 

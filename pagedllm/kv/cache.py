@@ -82,13 +82,20 @@ class CachePlan:
         if spec.mode.quantized:
             quant = (f", {i['quant_mode']}, scales {i['scale_granularity']} "
                      f"({i['scale_source']}), compute {i['compute_dtype']}")
-        return (f"KV cache: {i['memory_mb']:.1f} MB, {i['num_blocks']} blocks of {spec.block_size} "
+        return (f"KV cache: ceiling {i['memory_mb']:.1f} MB, {i['num_blocks']} blocks of {spec.block_size} "
                 f"tokens = {i['capacity_tokens']} token slots ({self.source}); "
                 f"dtype {i['kv_cache_dtype']} ({i['dtype']}){quant}")
 
 
 def _dtype_name(dt: torch.dtype) -> str:
     return str(dt).removeprefix("torch.")
+
+
+def empty_pool(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """K/V storage allocated without being written: on the CPU a page is committed only when
+    a token is first written into it. What it holds before that is garbage, possibly NaN, and
+    no attention path may read it (tests swap this for a NaN fill to prove that)."""
+    return torch.empty(shape, dtype=dtype, device=device)
 
 
 def available_memory_bytes(device: torch.device) -> int:
@@ -122,8 +129,7 @@ def plan_cache(spec: KVCacheSpec, cfg: CacheConfig, device: torch.device,
             n = int(avail * frac // bpb)
             note = f"kv_cache_memory_fraction={frac:g} of {avail / 2**20:.0f} MB free"
             if device.type == "cpu" and n > cap:
-                # On CPU the cache is zero-filled RAM the whole process shares: don't take
-                # .95 of it for slots no sequence could ever fill.
+                # A ceiling no sequence could ever fill only misleads the load log.
                 n, note = cap, note + ", capped at max_num_seqs x max_model_len"
             plan = CachePlan(n, note)
         else:
@@ -143,8 +149,8 @@ class KVLayer:
     """One layer's view of the cache: K/V pages [num_blocks, block_size, H, D] in the
     storage dtype and, for int8, their scales [num_blocks, block_size, H].
 
-    `write` quantizes the new tokens into their slots; `gather` reads whole blocks by
-    id and dequantizes only those, straight into the compute dtype."""
+    `write` quantizes the new tokens into their slots; `read` reads slots by id and
+    dequantizes only those, straight into the compute dtype."""
 
     def __init__(self, k: torch.Tensor, v: torch.Tensor, k_scale: torch.Tensor | None,
                  v_scale: torch.Tensor | None, codec: KVCodec) -> None:
@@ -153,17 +159,15 @@ class KVLayer:
         self.codec = codec
         self.num_blocks, self.block_size = k.shape[0], k.shape[1]
         self.block_shape = tuple(k.shape[1:])
-        # Flat views: [slots, H, D] for writes, [blocks, block_size * H * D] for gathers
-        # (index_select on a 2-D contiguous tensor is a row memcpy; on 4-D it goes element-wise).
+        # Flat views by slot: [slots, H, D] for writes, [slots, H * D] for reads (index_select
+        # on a 2-D contiguous tensor is a row memcpy; on more dims it goes element-wise).
         self._k_slots = as_bytes(k).view(-1, *k.shape[2:])
         self._v_slots = as_bytes(v).view(-1, *v.shape[2:])
-        self._k_rows = as_bytes(k).view(self.num_blocks, -1)
-        self._v_rows = as_bytes(v).view(self.num_blocks, -1)
+        self._k_rows = self._k_slots.flatten(1)
+        self._v_rows = self._v_slots.flatten(1)
         if k_scale is not None:
             self._ks_slots = k_scale.view(-1, k_scale.shape[-1])
             self._vs_slots = v_scale.view(-1, v_scale.shape[-1])
-            self._ks_rows = k_scale.view(self.num_blocks, -1)
-            self._vs_rows = v_scale.view(self.num_blocks, -1)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -183,16 +187,21 @@ class KVLayer:
             self._ks_slots.index_copy_(0, slot_mapping, ks)
             self._vs_slots.index_copy_(0, slot_mapping, vs)
 
-    def gather(self, block_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of the blocks in `block_ids` (any shape S), as S + [block_size, H, D] in `dtype`."""
-        ids = block_ids.reshape(-1)
-        shape = (*block_ids.shape, *self.block_shape)
+    def read(self, slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of the token slots in `slots` (any shape S), as S + [H, D] in `dtype`.
+
+        Attention reads by slot, never by whole block: a block's tail past the context may
+        never have been written (the CPU pools are uninitialised) or hold a failed request's
+        NaN, and a masked NaN still poisons SDPA (0 * NaN). Callers point positions they do
+        not need at slot 0, in the zeroed null block."""
+        ids = slots.reshape(-1)
+        shape = (*slots.shape, *self.block_shape[1:])
         kq = self._k_rows.index_select(0, ids).view(self.k.dtype).view(shape)
         vq = self._v_rows.index_select(0, ids).view(self.v.dtype).view(shape)
         ks = vs = None
         if self.k_scale is not None:
-            ks = self._ks_rows.index_select(0, ids).view(shape[:-1])
-            vs = self._vs_rows.index_select(0, ids).view(shape[:-1])
+            ks = self._ks_slots.index_select(0, ids).view(shape[:-1])
+            vs = self._vs_slots.index_select(0, ids).view(shape[:-1])
         return self.codec.decode(kq, ks, 0, dtype), self.codec.decode(vq, vs, 1, dtype)
 
 
@@ -201,8 +210,11 @@ class PagedKVCache:
     storage dtype; int8 adds float32 scales [num_layers, 2, num_blocks, block_size, num_kv_heads]
     and f8e4m3 holds fixed per-head scales [num_layers, 2, num_kv_heads].
 
-    Zero-filled so never-written slots read as finite numbers (masked out, but
-    0 * NaN would still poison the attention output); zero scales read back as zeros.
+    On the CPU the pools are allocated without being written (`torch.empty`): the OS
+    commits a page when a block's first token lands in it, so resident memory follows the
+    blocks really used, not the budget. Only the null block (0) is zeroed: attention reads
+    only slots that were written, and points everything else at it (see `KVLayer.read`).
+    Elsewhere (CUDA, MPS) the pools are zero-filled as reserved up front.
     """
 
     def __init__(self, spec: KVCacheSpec, num_blocks: int, device: torch.device,
@@ -211,10 +223,13 @@ class PagedKVCache:
         self.num_blocks = num_blocks
         mode = spec.mode
         shape = (spec.num_layers, 2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
-        self.data = torch.zeros(shape, dtype=spec.dtype, device=device)
+        self.lazy = device.type == "cpu"
+        self.data = self._alloc(shape, spec.dtype, device)
         self.scales: torch.Tensor | None = None
         if mode.token_scales:
-            self.scales = torch.zeros(shape[:-1], dtype=torch.float32, device=device)
+            self.scales = self._alloc(shape[:-1], torch.float32, device)
+        for t in self._block_tensors():
+            t[:, :, 0].zero_()  # the null block
         self.head_scales: torch.Tensor | None = None
         if mode.head_scales:
             want = (spec.num_layers, 2, spec.num_kv_heads)
@@ -222,6 +237,11 @@ class PagedKVCache:
                 raise ValueError(f"{mode.name} needs head scales of shape {want}")
             self.head_scales = head_scales.to(device=device, dtype=torch.float32)
         self._layers = [self._make_layer(i) for i in range(spec.num_layers)]
+
+    def _alloc(self, shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        if self.lazy:
+            return empty_pool(shape, dtype, device)
+        return torch.zeros(shape, dtype=dtype, device=device)
 
     def _make_layer(self, i: int) -> KVLayer:
         hs = None if self.head_scales is None else self.head_scales[i]
@@ -233,6 +253,13 @@ class PagedKVCache:
     def layer(self, i: int) -> KVLayer:
         return self._layers[i]
 
+    def committed_bytes(self, blocks_touched: int) -> int:
+        """Estimated resident bytes: the blocks ever handed out (`blocks_touched`, from the block
+        manager) plus the null block and the fixed scales; everything when the pools were zeroed."""
+        if not self.lazy:
+            return self.nbytes
+        return (blocks_touched + 1) * self.spec.bytes_per_block + self.spec.fixed_bytes
+
     @property
     def nbytes(self) -> int:
         n = self.data.numel() * self.data.element_size()
@@ -243,7 +270,9 @@ class PagedKVCache:
 
     # -- block copies (prefix caching, copy-on-write) ----------------------
     def copy_blocks(self, src_ids: torch.Tensor, dst_ids: torch.Tensor) -> None:
-        """Copy whole blocks src_ids[i] -> dst_ids[i] in every layer: K, V and their scales."""
+        """Copy whole blocks src_ids[i] -> dst_ids[i] in every layer: K, V and their scales.
+        Bytes are moved, never computed on, so an unwritten tail travels as it is and stays
+        unread (the engine copies partial blocks with `copy_block_prefix`)."""
         src = torch.as_tensor(src_ids, dtype=torch.int64, device=self.data.device)
         dst = torch.as_tensor(dst_ids, dtype=torch.int64, device=self.data.device)
         for t in self._block_tensors():

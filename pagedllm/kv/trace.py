@@ -26,11 +26,15 @@ class KVCacheTrace:
     resident_token_slots: int  # token slots of blocks that are in use or cached
     capacity_blocks: int
     capacity_tokens: int
-    memory_mb: float
+    memory_mb: float  # the ceiling: what the pools may grow to
+    committed_mb: float  # what they hold now (estimated: see `committed_bytes`)
+    committed_how: str
     sized_by: str
     blocks_used: int
     blocks_free: int
     blocks_cached: int
+    blocks_touched: int  # distinct blocks ever handed out (the working set, with LIFO reuse)
+    blocks_peak_used: int  # most blocks live sequences held at once
     max_seqs_at_max_model_len: int
     max_model_len: int
     prefix_cache_hit_rate: float
@@ -74,6 +78,22 @@ def live_waste(seqs, block_size: int) -> tuple[int, int]:
     return len(filled) * block_size, sum(filled.values())
 
 
+def committed_bytes(engine) -> tuple[int, str]:
+    """(bytes the KV cache holds in memory now, how that was found).
+
+    Lazily allocated CPU pools: estimated as the blocks ever handed out (the free list is a
+    stack, so these are blocks 1..num_touched) plus the null block, whole blocks, in every
+    layer. Pages are 4 KiB and a block's slice of one layer is a few of them, so the estimate
+    is within a page per (layer, K/V) pool of what the OS really holds."""
+    cache = engine.kv_cache
+    if cache is None:  # contiguous: per-sequence buffers, allocated as sequences grow
+        return engine.backend.nbytes_held, "buffers held by live sequences"
+    if not cache.lazy:
+        return cache.nbytes, f"zero-filled at start on {cache.data.device.type}"
+    touched = engine.block_manager.num_touched
+    return cache.committed_bytes(touched), f"estimated: {touched} blocks ever written + the null block"
+
+
 def build_trace(engine) -> KVCacheTrace:
     bm = engine.block_manager
     spec = engine.kv_spec
@@ -87,6 +107,7 @@ def build_trace(engine) -> KVCacheTrace:
     per_seq = -(-max_len // bs)
     paged = engine.cache_config.paged_attention
     steps = max(1, engine.waste_steps)
+    committed, how = committed_bytes(engine)
     return KVCacheTrace(
         dtype=info.get("dtype", _dtype_name(spec.dtype)),
         compute_dtype=info.get("compute_dtype", _dtype_name(engine.dtype)),
@@ -110,10 +131,14 @@ def build_trace(engine) -> KVCacheTrace:
         capacity_blocks=bm.num_usable_blocks,
         capacity_tokens=bm.num_usable_blocks * bs,
         memory_mb=info.get("memory_mb", plan.num_blocks * spec.bytes_per_block / 2**20),
+        committed_mb=committed / 2**20,
+        committed_how=how,
         sized_by=plan.source,
         blocks_used=bm.num_used_blocks,
         blocks_free=len(bm.free_ids),
         blocks_cached=len(cached_blocks),
+        blocks_touched=bm.num_touched,
+        blocks_peak_used=bm.peak_used,
         max_seqs_at_max_model_len=bm.num_usable_blocks // per_seq,
         max_model_len=max_len,
         prefix_cache_hit_rate=stats.hit_rate,

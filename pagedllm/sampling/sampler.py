@@ -31,7 +31,9 @@ class Sampler:
         self.generator.manual_seed(seed)
 
     @torch.no_grad()
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence],
+                 finite: torch.Tensor | None = None) -> SamplerOutput:
+        """`finite` [rows] bool: False rows get token -1 (their logits were not finite)."""
         params = [s.params for s in seqs]
         raw = logits
         if any(p.needs_penalties for p in params):
@@ -41,7 +43,7 @@ class Sampler:
             tokens = logits.argmax(dim=-1)
         else:
             tokens = self._sample(logits, seqs, greedy)
-        token_list = tokens.tolist()
+        token_list = (tokens if finite is None else tokens.masked_fill(~finite, -1)).tolist()
         lp = None
         if any(p.logprobs is not None for p in params):
             lp = _logprobs(raw, tokens, params)

@@ -34,6 +34,10 @@ class ShuttingDown(EngineError):
         super().__init__("the server is shutting down; the request was not completed")
 
 
+class RequestFailed(EngineError):
+    """One request failed in the engine (non-finite logits); the others go on."""
+
+
 @dataclass
 class _Add:
     items: list[tuple[str, str | list[int], SamplingParams]]
@@ -72,6 +76,8 @@ class Submission:
                 raise item
             if item.finished:
                 self.finals[item.request_id] = item
+            if item.error:  # the handler answers an error body / ends its stream with one
+                raise RequestFailed(item.error)
             yield item
 
     def final_outputs(self) -> list[RequestOutput]:

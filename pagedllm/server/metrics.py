@@ -40,6 +40,11 @@ class ServerMetrics:
         self.blocks_used = Gauge(p + "kv_blocks_used", "KV cache blocks in use", registry=r)
         self.blocks_free = Gauge(p + "kv_blocks_free", "KV cache blocks free", registry=r)
         self.blocks_total = Gauge(p + "kv_blocks_total", "Usable KV cache blocks", registry=r)
+        self.blocks_touched = Gauge(p + "kv_blocks_touched", "Distinct KV blocks ever handed out: with "
+                                    "lazily allocated CPU pools, the blocks whose memory is committed",
+                                    registry=r)
+        self.blocks_peak_used = Gauge(p + "kv_blocks_peak_used", "Most KV blocks in use at once",
+                                      registry=r)
         self.blocks_cached = Gauge(p + "kv_blocks_cached",
                                    "Blocks held by the prefix cache (0 without prefix caching)", registry=r)
         self.kv_usage = Gauge(p + "kv_cache_usage_ratio", "Share of KV cache blocks in use", registry=r)
@@ -119,6 +124,8 @@ class ServerMetrics:
         self.blocks_used.set(used)
         self.blocks_free.set(bm.num_free_blocks)
         self.blocks_total.set(total)
+        self.blocks_touched.set(getattr(bm, "num_touched", 0))
+        self.blocks_peak_used.set(getattr(bm, "peak_used", 0))
         self.kv_usage.set(used / total if total else 0.0)
         now = time.monotonic()
         if now - self._cached_at >= CACHED_BLOCKS_PERIOD_S:
