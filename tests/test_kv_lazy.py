@@ -182,12 +182,12 @@ def _free_port() -> int:
 def test_nan_weight_server_answers_an_error_body_and_keeps_serving(poisoned):
     openai = pytest.importorskip("openai")
     uvicorn = pytest.importorskip("uvicorn")
-    from pagedllm.server.app import create_app
+    from pagedllm.server.app import ServerConfig, create_app
 
     llm = LLM(str(poisoned), dtype="float32", kv_cache_memory_mb=16)
     want = llm.generate([CLEAN[0]], GREEDY, use_tqdm=False)[0].text
     port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(llm), host="127.0.0.1", port=port,
+    server = uvicorn.Server(uvicorn.Config(create_app(llm, ServerConfig(model_name="m")), host="127.0.0.1", port=port,
                                            log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
