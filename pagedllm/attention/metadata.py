@@ -29,10 +29,6 @@ class AttentionMetadata:
     def num_seqs(self) -> int:
         return len(self.seq_ids)
 
-    @property
-    def num_decode_tokens(self) -> int:
-        return self.num_decodes
-
     def decode_mask(self, window: int | None, num_keys: int) -> torch.Tensor:
         """[num_decodes, 1, 1, num_keys] bool: True where a decode query may attend."""
         key = ("decode", window, num_keys)

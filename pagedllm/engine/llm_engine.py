@@ -121,11 +121,7 @@ class LLMEngine:
             raise ValueError(f"request id {rid!r} is already in use")
         seqs = []
         for i in range(params.n):
-            seq = Sequence(rid, prompt_token_ids, params, prompt=text, index=i)
-            if params.seed is not None:
-                seq.generator = torch.Generator(device=self.device)
-                seq.generator.manual_seed(params.seed + i)
-            seqs.append(seq)
+            seqs.append(Sequence(rid, prompt_token_ids, params, prompt=text, index=i))
         # n > 1: the prompt is computed once by the first sequence; the others fork from it
         # when it samples, sharing its blocks copy-on-write.
         seqs[0].fork_children = seqs[1:]
@@ -264,10 +260,6 @@ class LLMEngine:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("scheduler made no progress although requests are waiting")
             return []
-        now = time.perf_counter()
-        for it in sched.scheduled:
-            if it.seq.times.first_scheduled is None:
-                it.seq.times.first_scheduled = now
         out = self.runner.execute(sched.scheduled)
         self.stats["steps"] += 1
         for it in sched.scheduled:
@@ -280,8 +272,9 @@ class LLMEngine:
         touched: dict[str, Request] = {}
         if out is not None:
             now = time.perf_counter()
-            for row, (seq, tok) in enumerate(zip(out.seqs, out.token_ids)):
-                lp = out.logprobs[row] if out.logprobs else None
+            seqs, sampled = out
+            for row, (seq, tok) in enumerate(zip(seqs, sampled.token_ids)):
+                lp = sampled.logprobs[row] if sampled.logprobs else None
                 self._append(seq, tok, lp, now)
                 req = self.requests.get(seq.request_id)
                 if req is not None:
@@ -358,12 +351,12 @@ class LLMEngine:
         return True
 
     def _finish(self, seq: Sequence) -> None:
-        seq.times.finished = time.perf_counter()
         self.scheduler.finish(seq, keep_prefix=seq.finish_reason != "abort")
         self.backend.free_seq(seq.seq_id)
+        self.runner.sampler.release(seq.seq_id)
         req = self.requests.get(seq.request_id)
         if req is not None and req.finished:
-            req.metrics.finished_time = seq.times.finished
+            req.metrics.finished_time = time.perf_counter()
 
     def _make_output(self, req: Request) -> RequestOutput:
         outs = []

@@ -8,8 +8,10 @@ from __future__ import annotations
 import torch
 
 from ..attention.metadata import AttentionMetadata
+from ..sampling.metadata import SamplingMetadata
 from ..sampling.sampler import Sampler, SamplerOutput
 from .scheduler import ScheduledSeq
+from .sequence import Sequence
 
 
 class ModelRunner:
@@ -65,8 +67,8 @@ class ModelRunner:
         return input_ids, positions, meta, logits_idx
 
     @torch.inference_mode()
-    def execute(self, batch: list[ScheduledSeq]) -> SamplerOutput | None:
-        """Run one step; returns tokens for the sequences whose chunk reached their end."""
+    def execute(self, batch: list[ScheduledSeq]) -> tuple[list[Sequence], SamplerOutput] | None:
+        """Run one step; returns the sequences whose chunk reached their end and their tokens."""
         # Decodes go first so the attention backend can batch them.
         batch = sorted(batch, key=lambda it: not _is_decode(it))
         input_ids, positions, meta, logits_idx = self.prepare(batch)
@@ -84,15 +86,25 @@ class ModelRunner:
                 rows.append(k)
         if len(rows) != logits.shape[0]:
             logits = logits[torch.tensor(rows, device=self.device)]
-        out = self.sampler(logits, sampling_seqs)
-        out.seqs = sampling_seqs
-        return out
+        return sampling_seqs, self.sampler(logits, sampling_metadata(sampling_seqs))
 
     @torch.inference_mode()
     def chunk_logits(self, item: ScheduledSeq) -> torch.Tensor:
         """Logits for every token of one sequence's chunk (scoring, perplexity)."""
         input_ids, positions, meta, _ = self.prepare([item])
         return self.model.compute_logits(self.model(input_ids, positions, meta))
+
+
+def sampling_metadata(seqs: list[Sequence]) -> SamplingMetadata:
+    params = [s.params for s in seqs]
+    return SamplingMetadata(
+        params=params,
+        seq_ids=[s.seq_id for s in seqs],
+        token_ids=[s.token_ids for s in seqs],
+        num_prompt_tokens=[s.num_prompt_tokens for s in seqs],
+        seeds=[None if p.seed is None else p.seed + s.index for s, p in zip(seqs, params)],
+        output_pos=[s.num_output_tokens for s in seqs],
+    )
 
 
 def _is_decode(item: ScheduledSeq) -> bool:
