@@ -15,9 +15,11 @@ DEV = torch.device("cpu")
 
 
 def reference_filter(logits: torch.Tensor, ps: list[SamplingParams]) -> torch.Tensor:
-    """Kept probabilities [B, V] (0 where dropped): softmax, full sort, vLLM's rules."""
+    """Kept probabilities [B, V] (0 where dropped): softmax, full sort, vLLM's rules. The softmax
+    is spelled out as the sampler computes it, so no token on a top-p boundary is decided by an ulp."""
     temps = torch.tensor([p.temperature for p in ps])[:, None]
-    probs = torch.softmax(logits / temps, dim=-1)
+    e = ((logits - logits.amax(-1, keepdim=True)) / temps).exp()
+    probs = e / e.sum(-1, keepdim=True)
     sp, order = probs.sort(dim=-1, descending=True)
     ranks = torch.arange(sp.shape[1])[None, :]
     top_k = torch.tensor([p.top_k if p.top_k > 0 else sp.shape[1] for p in ps])[:, None]
@@ -33,10 +35,10 @@ def candidate_filter(sampler: Sampler, logits: torch.Tensor, ps: list[SamplingPa
     """The same, from the sampler's bounded candidate sets, densified."""
     n, v = logits.shape
     temps, top_k, top_p, min_p = filter_tensors(ps, v, DEV)
-    probs = torch.softmax(logits / temps, dim=-1)
+    exps = ((logits - logits.amax(-1, keepdim=True)) / temps).exp()
     out = torch.zeros(n, v)
     seen = []
-    for rows, cand, ids, keep in sampler.filtered(probs, top_k, top_p, min_p, torch.arange(n)):
+    for rows, cand, ids, keep in sampler.filtered(exps, exps.sum(-1), top_k, top_p, min_p, torch.arange(n)):
         out[rows] = out[rows].scatter(1, ids, cand.masked_fill(~keep, 0.0))
         seen += rows.tolist()
     assert sorted(seen) == list(range(n))  # every row exactly once
@@ -82,8 +84,9 @@ def test_fallback_rows_are_exercised():
     ps = [SamplingParams(temperature=1.0, top_p=0.9)] * 2
     v = logits.shape[1]
     temps, top_k, top_p, min_p = filter_tensors(ps, v, DEV)
-    probs = torch.softmax(logits / temps, dim=-1)
-    sizes = [ids.shape[1] for _, _, ids, _ in sampler.filtered(probs, top_k, top_p, min_p, torch.arange(2))]
+    exps = (logits - logits.amax(-1, keepdim=True)).exp()
+    sizes = [ids.shape[1] for _, _, ids, _ in sampler.filtered(exps, exps.sum(-1), top_k, top_p, min_p,
+                                                                torch.arange(2))]
     assert sizes == [v]
     torch.testing.assert_close(candidate_filter(sampler, logits, ps), reference_filter(logits, ps),
                                rtol=1e-5, atol=1e-8)

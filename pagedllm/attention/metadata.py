@@ -29,6 +29,14 @@ class AttentionMetadata:
     def num_seqs(self) -> int:
         return len(self.seq_ids)
 
+    def prefill_mask(self, i: int, window: int | None, device) -> torch.Tensor | None:
+        """Sequence i's causal mask (see `causal_mask`), built on the first layer that asks."""
+        key = ("prefill", i, window)
+        if key not in self._mask_cache:
+            n = self.query_start_loc[i + 1] - self.query_start_loc[i]
+            self._mask_cache[key] = causal_mask(n, self.context_lens[i], window, device)
+        return self._mask_cache[key]
+
     def decode_mask(self, window: int | None, num_keys: int) -> torch.Tensor:
         """[num_decodes, 1, 1, num_keys] bool: True where a decode query may attend."""
         key = ("decode", window, num_keys)

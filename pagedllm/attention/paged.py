@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from ..kv.cache import KVLayer, PagedKVCache
-from .metadata import AttentionMetadata, causal_mask
+from .metadata import AttentionMetadata
 from ..native import cpu_kernels
 
 
@@ -65,7 +65,7 @@ class PagedAttentionLayer:
         for i in range(nd, meta.num_seqs):
             s, e = meta.query_start_loc[i], meta.query_start_loc[i + 1]
             out[s:e] = self._prefill(q[s:e], k[s:e], v[s:e], meta.context_lens[i],
-                                     meta.block_tables[i])
+                                     meta.block_tables[i], meta.prefill_mask(i, self.window, q.device))
         return out
 
     def _decode(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -85,7 +85,7 @@ class PagedAttentionLayer:
         return out.reshape(nd, hq, d)
 
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 ctx_len: int, table: torch.Tensor) -> torch.Tensor:
+                 ctx_len: int, table: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         n = q.shape[0]
         # Earlier chunks or a cached prefix live only in the cache. A quantized cache is read
         # back even for the chunk's own tokens, so every query sees the same stored values
@@ -94,14 +94,14 @@ class PagedAttentionLayer:
             nb = -(-ctx_len // self.block_size)
             k, v = self.kv.gather(table[:nb], q.dtype)
             k, v = k.flatten(0, 1)[:ctx_len], v.flatten(0, 1)[:ctx_len]
-        return sdpa_one(q, k, v, ctx_len, self.window, self.scale)
+        return sdpa_one(q, k, v, mask, self.scale)
 
 
-def sdpa_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx_len: int,
-             window: int | None, scale: float) -> torch.Tensor:
-    """Attention of one sequence's n newest queries over its ctx_len keys. q: [n, Hq, D]."""
+def sdpa_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+             scale: float) -> torch.Tensor:
+    """Attention of one sequence's n newest queries over its keys. q: [n, Hq, D]; mask from
+    `AttentionMetadata.prefill_mask` (None: plain causal)."""
     n = q.shape[0]
-    mask = causal_mask(n, ctx_len, window, q.device)
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
         attn_mask=mask, is_causal=mask is None and n > 1, scale=scale,

@@ -22,6 +22,7 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.sampler = sampler
+        self.upload = HostUpload(device)
         for i, attn in enumerate(model.attention_modules()):
             attn.attn = backend.layer(i, attn.window, attn.scale)
 
@@ -49,21 +50,23 @@ class ModelRunner:
             ctx_lens.append(end)
             if item.samples:
                 logits_idx.append(qsl[-1] - 1)
-        dev = self.device
         meta = AttentionMetadata(
             num_decodes=num_decodes,
             seq_ids=[it.seq.seq_id for it in batch],
             query_start_loc=qsl,
             context_lens=ctx_lens,
         )
-        if self.backend.uses_block_tables:
-            width = max(len(it.seq.block_table) for it in batch)
-            tables = [it.seq.block_table + [0] * (width - len(it.seq.block_table)) for it in batch]
-            meta.slot_mapping = torch.tensor(slots, dtype=torch.int64, device=dev)
-            meta.block_tables = torch.tensor(tables, dtype=torch.int64, device=dev)
-            meta.decode_context_lens = torch.tensor(ctx_lens[:num_decodes], dtype=torch.int64, device=dev)
-        input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)
-        positions = torch.tensor(pos, dtype=torch.int64, device=dev)
+        if not self.backend.uses_block_tables:
+            input_ids, positions = self.upload.ints([ids, pos])
+            return input_ids, positions, meta, logits_idx
+        width = max(len(it.seq.block_table) for it in batch)
+        tables: list[int] = []
+        for it in batch:
+            tables += it.seq.block_table
+            tables += [0] * (width - len(it.seq.block_table))
+        input_ids, positions, meta.slot_mapping, flat_tables, meta.decode_context_lens = self.upload.ints(
+            [ids, pos, slots, tables, ctx_lens[:num_decodes]])
+        meta.block_tables = flat_tables.view(len(batch), width)
         return input_ids, positions, meta, logits_idx
 
     @torch.inference_mode()
@@ -75,7 +78,7 @@ class ModelRunner:
         hidden = self.model(input_ids, positions, meta)
         if not logits_idx:
             return None
-        idx = torch.tensor(logits_idx, dtype=torch.int64, device=self.device)
+        idx = self.upload.ints([logits_idx])[0]
         logits = self.model.compute_logits(hidden.index_select(0, idx))
         # One row per sampling sequence; n > 1 siblings waiting to fork sample from their
         # parent's row (the prompt is computed once).
@@ -93,6 +96,38 @@ class ModelRunner:
         """Logits for every token of one sequence's chunk (scoring, perplexity)."""
         input_ids, positions, meta, _ = self.prepare([item])
         return self.model.compute_logits(self.model(input_ids, positions, meta))
+
+
+class HostUpload:
+    """Step inputs to the device. On CUDA: one copy per call from a reused pinned buffer,
+    non_blocking, waiting only before the buffer is refilled. Elsewhere: plain torch.tensor."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.pinned = device.type == "cuda"
+        self._buf: torch.Tensor | None = None
+        self._copied = None  # event: the last copy out of _buf has finished
+
+    def ints(self, parts: list[list[int]]) -> list[torch.Tensor]:
+        """int64 tensors on the device, one per list."""
+        if not self.pinned:
+            return [torch.tensor(p, dtype=torch.int64, device=self.device) for p in parts]
+        sizes = [len(p) for p in parts]
+        total = sum(sizes)
+        if self._copied is not None:
+            self._copied.synchronize()
+        if self._buf is None or self._buf.numel() < total:
+            self._buf = torch.empty(max(total, 4096, 2 * (0 if self._buf is None else self._buf.numel())),
+                                    dtype=torch.int64, pin_memory=True)
+        host = self._buf.numpy()
+        off = 0
+        for p in parts:
+            host[off:off + len(p)] = p
+            off += len(p)
+        out = self._buf[:total].to(self.device, non_blocking=True)
+        self._copied = torch.cuda.Event()
+        self._copied.record()
+        return list(out.split(sizes))
 
 
 def sampling_metadata(seqs: list[Sequence]) -> SamplingMetadata:

@@ -37,9 +37,7 @@ class Sequence:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of its full blocks
     fork_children: list["Sequence"] = field(default_factory=list)  # n > 1: siblings to fork
-    # Filled by the output processor.
-    text: str = ""
-    logprobs: list[dict] | None = None
+    logprobs: list[dict] | None = None  # filled by the engine when asked for
 
     def __post_init__(self) -> None:
         self.token_ids: list[int] = list(self.prompt_token_ids)

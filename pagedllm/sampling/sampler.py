@@ -76,6 +76,7 @@ class Sampler:
         self.rng = random.Random(seed)
         self.penalties: PenaltyState | None = None
         self._token_hash: torch.Tensor | None = None
+        self._exp_buf: torch.Tensor | None = None
 
     def release(self, seq_id: int) -> None:
         """A stream ended: drop its penalty state."""
@@ -89,9 +90,10 @@ class Sampler:
         dev = logits.device
         lp_rows = meta.rows_where("logprobs")
         pen_rows = meta.rows_where("needs_penalties")
+        sampled = meta.rows_where("sampled")
         raw = None
-        if lp_rows:  # logprobs report the model's distribution, before penalties and masks
-            changed = bool(pen_rows) or meta.allowed_mask is not None
+        if lp_rows:  # logprobs report the model's distribution, before penalties, masks, sampling
+            changed = bool(pen_rows) or meta.allowed_mask is not None or bool(sampled)
             raw = logits if not changed and len(lp_rows) == b else logits[lp_rows]
         if meta.allowed_mask is not None:
             self._apply_mask(logits, meta)
@@ -100,7 +102,6 @@ class Sampler:
                 self.penalties = PenaltyState(v, dev)
             self.penalties.apply(logits, pen_rows, meta)
 
-        sampled = meta.rows_where("sampled")
         if not sampled:
             tokens = logits.argmax(dim=-1)
         elif len(sampled) == b:
@@ -139,7 +140,7 @@ class Sampler:
         return -torch.log(-torch.log(uniform_from_hash(h)))
 
     def _sample(self, logits: torch.Tensor, meta: SamplingMetadata, rows: list[int]) -> torch.Tensor:
-        """Tokens for `rows` (non-greedy), given their logits [len(rows), vocab]."""
+        """Tokens for `rows` (non-greedy), given their logits [len(rows), vocab] (overwritten)."""
         n, v = logits.shape
         dev = logits.device
         if self._token_hash is None or self._token_hash.shape[0] != v or self._token_hash.device != dev:
@@ -148,34 +149,54 @@ class Sampler:
         keys_l = self._keys(meta, rows)
         keys = torch.tensor(keys_l, dtype=torch.int64, device=dev)
         temps, top_k, top_p, min_p = filter_tensors(ps, v, dev)
-        probs = torch.softmax(logits / temps, dim=-1)  # two fused passes over the rows
+        # The first candidates straight from the logits (the order does not depend on T), then
+        # softmax's numerators in place and into a reused buffer: four passes over the rows, no
+        # allocation (torch.softmax and logsumexp are far slower on a 262k-wide row).
+        k0 = min(self.candidate_levels[0], v)
+        top_vals, top_ids = logits.topk(k0, dim=-1)
+        logits.sub_(top_vals[:, :1]).div_(temps)  # scaled, max at 0
+        exps = torch.exp(logits, out=self._buffer(n, v, dev))
+        total = exps.sum(dim=-1)
+        first = (((top_vals - top_vals[:, :1]) / temps).exp() / total[:, None], top_ids)
         free_rows = [i for i, p in enumerate(ps) if p.top_k <= 0 and p.top_p >= 1.0 and p.min_p <= 0]
 
         tokens = torch.empty(n, dtype=torch.int64, device=dev)
         todo = torch.arange(n, device=dev)
-        if free_rows:  # no filter: the two-stage draw, on the first level's candidates
+        if free_rows:  # no filter: the two-stage draw, on the first candidates
             free = torch.tensor(free_rows, device=dev)
-            tokens[free] = self._sample_free(probs if len(free_rows) == n else probs[free], keys[free],
+            tokens[free] = self._sample_free(logits, free, first[0][free], first[1][free], keys[free],
                                              [keys_l[i] for i in free_rows])
             keep_todo = torch.ones(n, dtype=torch.bool, device=dev)
             keep_todo[free] = False
             todo = todo[keep_todo]
-        for rows_t, cand, ids, keep in self.filtered(probs, top_k, top_p, min_p, todo):
+        for rows_t, cand, ids, keep in self.filtered(exps, total, top_k, top_p, min_p, todo, first):
             score = (cand.log() + self._gumbel(keys[rows_t], ids)).masked_fill(~keep, float("-inf"))
             tokens[rows_t] = ids.gather(1, score.argmax(dim=-1, keepdim=True))[:, 0]
         return tokens
 
-    def filtered(self, probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
-                 todo: torch.Tensor):
-        """Yields (rows, candidate probabilities, token ids, kept) for the rows `todo` of `probs`,
-        each row once, at the first candidate count that provably holds every token its filters keep."""
-        n, v = probs.shape
-        for k in (*self.candidate_levels, v):
+    def _buffer(self, n: int, v: int, dev: torch.device) -> torch.Tensor:
+        buf = self._exp_buf
+        if buf is None or buf.numel() < n * v or buf.device != dev:
+            buf = self._exp_buf = torch.empty(n * v, device=dev)
+        return buf[: n * v].view(n, v)
+
+    def filtered(self, exps: torch.Tensor, total: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                 min_p: torch.Tensor, todo: torch.Tensor, first=None):
+        """Yields (rows, candidate probabilities, token ids, kept) for the rows `todo` of `exps`
+        (softmax numerators; `total` their row sums), each row once, at the first candidate count
+        that provably holds every token its filters keep. `first`: the first level's
+        (probabilities, ids) for every row, when already known."""
+        n, v = exps.shape
+        for level, k in enumerate((*self.candidate_levels, v)):
             if todo.numel() == 0:
                 return
             k = min(k, v)
-            x = probs if todo.numel() == n else probs[todo]
-            cand, ids = x.topk(k, dim=-1)
+            if level == 0 and first is not None:
+                cand, ids = first[0][todo], first[1][todo]
+            else:
+                x = exps if todo.numel() == n else exps[todo]
+                cand, ids = x.topk(k, dim=-1)
+                cand = cand / total[todo][:, None]
             keep, done = _filter(cand, top_k[todo], top_p[todo], min_p[todo], complete=k == v)
             if bool(done.all()):
                 yield todo, cand, ids, keep
@@ -184,18 +205,17 @@ class Sampler:
                 yield todo[done], cand[done], ids[done], keep[done]
                 todo = todo[~done]
 
-    def _sample_free(self, probs: torch.Tensor, keys: torch.Tensor, keys_l: list[int]) -> torch.Tensor:
+    def _sample_free(self, scaled: torch.Tensor, rows: torch.Tensor, cand: torch.Tensor, ids: torch.Tensor,
+                     keys: torch.Tensor, keys_l: list[int]) -> torch.Tensor:
         """Unfiltered rows: a candidate with probability equal to the candidates' mass (a race
-        among them), otherwise a race among all other tokens."""
-        k = min(self.candidate_levels[0], probs.shape[1])
-        cand, ids = probs.topk(k, dim=-1)
+        among them), otherwise a race among all other tokens (`scaled`: logits / T, all rows)."""
         mass = cand.sum(dim=-1)
         u = uniform_from_hash(torch.tensor([mix32(key ^ _BRANCH_SALT) for key in keys_l],
-                                           dtype=torch.int64, device=probs.device))
+                                           dtype=torch.int64, device=cand.device))
         tokens = ids.gather(1, (cand.log() + self._gumbel(keys, ids)).argmax(dim=-1, keepdim=True))[:, 0]
         tail = (u >= mass).nonzero()[:, 0]
         if tail.numel():  # rare when the distribution is peaked; costs one pass over the row
-            x = probs[tail].log()
+            x = scaled[rows[tail]]
             all_ids = torch.arange(x.shape[1], device=x.device).expand_as(x)
             score = (x + self._gumbel(keys[tail], all_ids)).scatter_(1, ids[tail], float("-inf"))
             tokens[tail] = score.argmax(dim=-1)
