@@ -63,7 +63,7 @@ def _params(n: int, seed: int) -> list[SamplingParams]:
     return out
 
 
-@pytest.mark.parametrize("levels", [(64, 1024), (4, 16), (1,)])
+@pytest.mark.parametrize("levels", [(64, 512), (4, 16), (1,)])
 def test_candidate_filter_is_exact(levels):
     sampler = Sampler(DEV)
     sampler.candidate_levels = levels
@@ -78,7 +78,7 @@ def test_candidate_filter_is_exact(levels):
 
 
 def test_fallback_rows_are_exercised():
-    """A flat row's nucleus overflows the 64 and 1024 candidates and needs the whole vocabulary."""
+    """A flat row's nucleus overflows the 64 and 512 candidates and needs the whole vocabulary."""
     sampler = Sampler(DEV)
     logits = torch.randn(2, 20000) * 0.1
     ps = [SamplingParams(temperature=1.0, top_p=0.9)] * 2

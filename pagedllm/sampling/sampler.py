@@ -69,7 +69,9 @@ class SamplerOutput:
 class Sampler:
     # Candidates tried per row before the whole vocabulary; SmolLM2 chat at T=0.7, top_p=0.95
     # needs fewer than 64 for 99% of rows.
-    candidate_levels: tuple[int, ...] = (64, 1024)
+    # torch's CPU topk keeps ~0.1-0.4 ms a row up to k = 512 on 49k and 262k vocabularies, and
+    # jumps to 3.5-4 ms a row from k = 768-2048 (another algorithm), hence no level above 512.
+    candidate_levels: tuple[int, ...] = (64, 512)
 
     def __init__(self, device: torch.device, seed: int = 0) -> None:
         self.device = device
