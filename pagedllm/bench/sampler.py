@@ -53,7 +53,7 @@ def time_case(params, logits: list[torch.Tensor], steps: int, prompt_len: int = 
     b, v = logits[0].shape
     g = torch.Generator().manual_seed(1)
     tokens = [torch.randint(0, v, (prompt_len,), generator=g).tolist() for _ in range(b)]
-    sampler = Sampler(logits.device, seed=0)
+    sampler = Sampler(logits[0].device, seed=0)
     times, cpu = [], []
     for step in range(steps + 2):  # two warm-up steps
         meta = SamplingMetadata(params=[params] * b, seq_ids=list(range(b)), token_ids=tokens,

@@ -209,7 +209,7 @@ def run(args: argparse.Namespace) -> dict:
             base = by_mode[modes[-1]]["output_tokens_per_s"]
             print(f"ratio {modes[0]} / {modes[-1]} sampling output tokens/s: "
                   f"{by_mode[modes[0]]['output_tokens_per_s'] / base:.2f}x")
-        ours = by_mode[modes[0]]
+        ours = dict(by_mode[modes[0]])
         if len(modes) > 1:
             ours["by_sampling"] = by_mode
         by_type[ct] = ours
