@@ -44,7 +44,6 @@ class ModelConfig:
     layer_windows: list[int | None] = field(default_factory=list)
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
-    hf_config: dict = field(default_factory=dict, repr=False)
 
     @property
     def all_layers_sliding(self) -> bool:
@@ -93,7 +92,6 @@ class ModelConfig:
             layer_windows=layer_windows,
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
-            hf_config=d,
         )
 
 

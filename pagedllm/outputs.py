@@ -1,23 +1,53 @@
 """What callers get back: vLLM-shaped request outputs with timing."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Callable
 
 
-@dataclass
 class CompletionOutput:
-    index: int
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | None while running
-    stop_reason: str | int | None = None  # the stop string or token that ended it
-    logprobs: list[dict] | None = None
-    delta_text: str = ""  # text added since the previous step (streaming)
-    delta_token_ids: list[int] = field(default_factory=list)
+    """One completion as of one step. `text`, `token_ids` and `logprobs` may be given as
+    zero-argument callables: a running stream hands out a snapshot that is built only when read,
+    so a step costs O(new tokens) whatever the length so far (streaming reads the deltas)."""
+
+    def __init__(self, index: int, text: str | Callable[[], str], token_ids: list[int] | Callable[[], list[int]],
+                 finish_reason: str | None = None, stop_reason: str | int | None = None,
+                 logprobs: list[dict] | Callable[[], list[dict] | None] | None = None,
+                 delta_text: str = "", delta_token_ids: list[int] | None = None) -> None:
+        self.index = index
+        self._text = text
+        self._token_ids = token_ids
+        self.finish_reason = finish_reason  # "stop" | "length" | "abort" | "error" | None while running
+        self.stop_reason = stop_reason  # the stop string or token that ended it
+        self._logprobs = logprobs
+        self.delta_text = delta_text  # text added since the previous step (streaming)
+        self.delta_token_ids = delta_token_ids if delta_token_ids is not None else []
+
+    @property
+    def text(self) -> str:
+        if callable(self._text):
+            self._text = self._text()
+        return self._text
+
+    @property
+    def token_ids(self) -> list[int]:
+        if callable(self._token_ids):
+            self._token_ids = self._token_ids()
+        return self._token_ids
+
+    @property
+    def logprobs(self) -> list[dict] | None:
+        if callable(self._logprobs):
+            self._logprobs = self._logprobs()
+        return self._logprobs
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    def __repr__(self) -> str:
+        return (f"CompletionOutput(index={self.index}, text={self.text!r}, token_ids={self.token_ids}, "
+                f"finish_reason={self.finish_reason!r}, stop_reason={self.stop_reason!r})")
 
 
 @dataclass

@@ -2,7 +2,6 @@
 (pexpect), generate, trace, and the flag checks."""
 from __future__ import annotations
 
-import inspect
 import os
 import subprocess
 import sys
@@ -34,12 +33,6 @@ def plain_dir(tmp_path_factory, hf_smollm2_tokenizer):
 
     tok = hf_smollm2_tokenizer
     return build_checkpoint("llama", tmp_path_factory.mktemp("plain"), tok, len(tok))
-
-
-def _llm_accepts(name: str) -> bool:
-    from pagedllm import LLM
-
-    return name in inspect.signature(LLM.__init__).parameters
 
 
 # -- mistral.rs's command lines ---------------------------------------------------------------------
@@ -153,11 +146,31 @@ def test_generate_prompt_argument_raw(plain_dir):
     assert "generated" in r.stderr and r.stdout.strip()
 
 
-def test_trace_shows_blocks(plain_dir):
-    r = cli("trace", str(plain_dir), "--max-tokens", "4", "--pa-gpu-mem", "16")
+def test_trace_shows_blocks(plain_dir, hf_smollm2_tokenizer):
+    import json
+
+    question = "Write a short poem about memory pages."
+    r = cli("trace", str(plain_dir), "--max-tokens", "4", "--pa-gpu-mem", "16", "--json", "--prompt", question)
     assert r.returncode == 0, r.stderr
-    assert "running" in r.stdout and "free" in r.stdout
-    assert "preemptions" in r.stdout
+    out = json.loads(r.stdout)
+    steps, trace = out["steps"], out["kv_cache_trace"]
+    total = trace["capacity_blocks"]
+    assert total * trace["block_size"] == trace["capacity_tokens"]
+    # One prefill step gives the first token, three decodes the rest.
+    assert [s["step"] for s in steps] == [0, 1, 2, 3, 4]
+    assert all(s["used_blocks"] + s["free_blocks"] == total and s["preemptions"] == 0 for s in steps)
+    # While it runs the request holds exactly the blocks its tokens need, then gives them back.
+    # The prompt's length from transformers' tokenizer and chat template.
+    text = hf_smollm2_tokenizer.apply_chat_template([{"role": "user", "content": question}],
+                                                   add_generation_prompt=True, tokenize=False)
+    plen = len(hf_smollm2_tokenizer(text, add_special_tokens=False).input_ids)
+    bs = trace["block_size"]
+    for s in steps[1:4]:
+        assert s["running"] == 1 and s["used_blocks"] == -(-(plen + s["step"] - 1) // bs), (s, plen)
+    assert steps[-1]["running"] == 0 and steps[-1]["used_blocks"] == 0
+    # The finished request's full blocks stay in the prefix cache, neither used nor free.
+    assert trace["blocks_used"] == 0 and trace["preemptions"] == 0
+    assert trace["blocks_free"] + trace["blocks_cached"] == total
 
 
 # -- flags --------------------------------------------------------------------------------------------
@@ -231,10 +244,7 @@ def test_every_sampling_flag_documents_its_default(capsys):
 def test_isq_is_a_clear_error_until_supported():
     # A missing model file makes the command fail fast even once ISQ exists: never a server here.
     r = cli("serve", "--isq", "q4k", "-m", "/nonexistent/model.gguf", timeout=60)
-    if _llm_accepts("isq"):
-        assert r.returncode == 1
-    else:
-        assert r.returncode == 2 and "--isq" in r.stderr and "not supported yet" in r.stderr
+    assert r.returncode == 2 and "--isq" in r.stderr and "not supported yet" in r.stderr
 
 
 def test_engine_flags_map_to_llm_kwargs():
@@ -255,9 +265,7 @@ def test_engine_flags_map_to_llm_kwargs():
     with pytest.raises(ValueError, match="only one of"):
         engine_options(args).llm_kwargs()
     args = build_parser().parse_args(["serve", "--prefix-cache-n", "0"])
-    kw_off = engine_options(args).llm_kwargs() if _llm_accepts("enable_prefix_caching") else None
-    if kw_off is not None:
-        assert kw_off["enable_prefix_caching"] is False
+    assert engine_options(args).llm_kwargs()["enable_prefix_caching"] is False
 
 
 def test_conflicting_cache_sizes_are_refused():

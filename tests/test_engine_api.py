@@ -117,8 +117,11 @@ def test_top_k_one_is_greedy(llm):
 def test_outputs_carry_timing(llm):
     out = llm.generate(["Hello there"], SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)[0]
     m = out.metrics
-    assert m.time_to_first_token is not None and m.time_to_first_token > 0
-    assert m.decode_tokens_per_s is not None and m.decode_tokens_per_s > 0
+    assert m.arrival_time <= m.first_token_time <= m.finished_time
+    assert m.time_to_first_token == m.first_token_time - m.arrival_time
+    assert m.total_time == m.finished_time - m.arrival_time
+    assert m.num_output_tokens == len(out.token_ids) == 8
+    assert m.decode_tokens_per_s == pytest.approx(7 / (m.finished_time - m.first_token_time))
     assert out.prompt_token_ids == llm.tokenizer.encode("Hello there")
 
 

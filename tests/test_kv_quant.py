@@ -207,8 +207,7 @@ def _no_leaks(llm: LLM) -> None:
     bm = eng.block_manager
     # Free or evictable (a prefix cache may keep content in blocks nobody references).
     assert bm.num_free_blocks == bm.num_usable_blocks
-    if hasattr(bm, "check_invariants"):
-        bm.check_invariants([])
+    bm.check_invariants([])
 
 
 @pytest.mark.parametrize("ct", QUANT)

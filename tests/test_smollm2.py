@@ -95,3 +95,25 @@ def test_quantized_decode_agrees_with_dequantized(qllm, llm, prompts):
     # Until the first difference the runs are teacher-forced alike; count agreeing prefixes.
     same = sum(next((i for i, (a, b) in enumerate(zip(g, w)) if a != b), len(w)) for g, w in zip(got, want))
     assert same >= 0.75 * sum(len(w) for w in want), (same, got, want)
+
+
+def test_bf16_logits_as_close_to_float32_as_transformers_bf16(hf_model, prompts):
+    """The default path on bf16 CPUs, prefill and token-by-token decode (native GEMV and paged decode
+    kernel), against transformers. Ours in bf16 must be about as far from float32 as transformers
+    in bf16 is. Measured on this model (AVX-512 BF16 CPU): mean |error| vs float32 0.106 (ours)
+    against 0.118 (transformers) for a 150-token prefill, 0.105 against 0.105 decoding 48 tokens;
+    max 1.00 against 0.86 and 0.69 against 0.66; argmax agreement with float32 0.993 and 0.979.
+    The bounds leave 25% on the mean, 2x on the max."""
+    import copy
+
+    hf16 = copy.deepcopy(hf_model).to(torch.bfloat16)
+    ours = LLM("default", dtype="bfloat16", kv_cache_memory_mb=64, dequantize_weights=True)
+    for p, chunk in ((prompts[5], None), (prompts[3][:40], 1)):
+        with torch.no_grad():
+            ref = hf_model(torch.tensor([p])).logits[0]
+            ref16 = hf16(torch.tensor([p])).logits[0].float()
+        got = ours.engine.prompt_logits(p, chunk_size=chunk)
+        theirs, mine = (ref16 - ref).abs(), (got - ref).abs()
+        assert mine.mean() <= 1.25 * theirs.mean(), (len(p), chunk, mine.mean(), theirs.mean())
+        assert mine.max() <= 2 * theirs.max(), (len(p), chunk, mine.max(), theirs.max())
+        assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.95

@@ -136,5 +136,5 @@ class ContiguousLayer:
                 ks, vs = (None, None) if kv.scales is None else (kv.scales[0][:ctx], kv.scales[1][:ctx])
                 keys = codec.decode(kv.data[0][:ctx], ks, 0, q.dtype)
                 vals = codec.decode(kv.data[1][:ctx], vs, 1, q.dtype)
-            out[s:e] = sdpa_one(q[s:e], keys, vals, ctx, self.window, self.scale)
+            out[s:e] = sdpa_one(q[s:e], keys, vals, meta.prefill_mask(i, self.window, q.device), self.scale)
         return out

@@ -29,9 +29,13 @@ class AttentionMetadata:
     def num_seqs(self) -> int:
         return len(self.seq_ids)
 
-    @property
-    def num_decode_tokens(self) -> int:
-        return self.num_decodes
+    def prefill_mask(self, i: int, window: int | None, device) -> torch.Tensor | None:
+        """Sequence i's causal mask (see `causal_mask`), built on the first layer that asks."""
+        key = ("prefill", i, window)
+        if key not in self._mask_cache:
+            n = self.query_start_loc[i + 1] - self.query_start_loc[i]
+            self._mask_cache[key] = causal_mask(n, self.context_lens[i], window, device)
+        return self._mask_cache[key]
 
     @property
     def max_decode_len(self) -> int:

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from ..kv.cache import KVLayer, PagedKVCache
-from .metadata import AttentionMetadata, causal_mask
+from .metadata import AttentionMetadata
 from ..native import cpu_kernels
 
 
@@ -104,14 +104,14 @@ class PagedAttentionLayer:
         # however the sequence was chunked, preempted or shared through the prefix cache.
         if ctx_len > n or self.kv.quantized:
             k, v = self.kv.read(meta.prefill_slots(i, self.block_size), q.dtype)
-        return sdpa_one(q, k, v, ctx_len, self.window, self.scale)
+        return sdpa_one(q, k, v, meta.prefill_mask(i, self.window, q.device), self.scale)
 
 
-def sdpa_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx_len: int,
-             window: int | None, scale: float) -> torch.Tensor:
-    """Attention of one sequence's n newest queries over its ctx_len keys. q: [n, Hq, D]."""
+def sdpa_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+             scale: float) -> torch.Tensor:
+    """Attention of one sequence's n newest queries over its keys. q: [n, Hq, D]; mask from
+    `AttentionMetadata.prefill_mask` (None: plain causal)."""
     n = q.shape[0]
-    mask = causal_mask(n, ctx_len, window, q.device)
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
         attn_mask=mask, is_causal=mask is None and n > 1, scale=scale,

@@ -3,6 +3,12 @@ in the same run, through transformers `generate` in static batches (the peer).
 
 All requests arrive at t=0 (offline serving); every request generates exactly its
 output length (EOS ignored) on both sides so the work is identical.
+
+`--sampling realistic` (the default) samples as chat clients ask: a quarter greedy, the rest
+temperature 0.7 with top-p, a third of those with repetition/presence/frequency penalties.
+`--sampling greedy` is the plain argmax. `--sampling realistic,greedy` runs both on one
+engine, interleaved run by run, and reports their ratio. Each line gives the share of the
+engine's step time spent in the sampler. The transformers peer always decodes greedily.
 """
 from __future__ import annotations
 
@@ -47,14 +53,60 @@ def make_workload(n: int, vocab: int, seed: int, prompt_range=(16, 512), output_
     return Workload(prompts, outs)
 
 
-def run_pagedllm(llm, wl: Workload) -> dict:
+SAMPLING_MODES = ("realistic", "greedy")
+
+
+def sampling_params(mode: str, output_lens: list[int], seed: int) -> list:
+    """Per request SamplingParams for a sampling mode (see the module doc)."""
     from ..sampling.params import SamplingParams
 
-    params = [SamplingParams(max_tokens=o, temperature=0.0, ignore_eos=True) for o in wl.output_lens]
+    if mode == "greedy":
+        return [SamplingParams(max_tokens=o, temperature=0.0, ignore_eos=True) for o in output_lens]
+    if mode != "realistic":
+        raise ValueError(f"unknown sampling mode {mode!r}: choose from {', '.join(SAMPLING_MODES)}")
+    rng = random.Random(seed + 1)
+    out = []
+    for o in output_lens:
+        r = rng.random()
+        if r < 0.25:
+            kw: dict = dict(temperature=0.0)
+        else:
+            kw = dict(temperature=0.7, top_p=rng.choice([0.9, 0.95]))
+            if r >= 0.75:
+                kw.update(repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=rng.choice([0.0, 0.2]))
+        out.append(SamplingParams(max_tokens=o, ignore_eos=True, **kw))
+    return out
+
+
+class _TimedSampler:
+    """Wraps the engine's sampler and adds up the time spent in it (synchronised on CUDA)."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.seconds = inner, 0.0
+
+    def __call__(self, logits, meta):
+        t0 = time.perf_counter()
+        out = self.inner(logits, meta)
+        if logits.device.type == "cuda":
+            torch.cuda.synchronize(logits.device)
+        self.seconds += time.perf_counter() - t0
+        return out
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def run_pagedllm(llm, wl: Workload, sampling: str = "greedy", seed: int = 0) -> dict:
+    params = sampling_params(sampling, wl.output_lens, seed)
     eng = llm.engine
     eng.waste_sum, eng.waste_steps = 0.0, 0  # the trace's waste average covers this run only
+    inner = eng.runner.sampler
+    timed = eng.runner.sampler = _TimedSampler(inner)
     t0 = time.perf_counter()
-    outs = llm.generate(wl.prompts, params, use_tqdm=False)
+    try:
+        outs = llm.generate(wl.prompts, params, use_tqdm=False)
+    finally:
+        eng.runner.sampler = inner
     dt = time.perf_counter() - t0
     n_out = sum(len(o.token_ids) for o in outs)
     ttft = [o.metrics.time_to_first_token for o in outs]
@@ -65,7 +117,8 @@ def run_pagedllm(llm, wl: Workload) -> dict:
             "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
             "tpot_p50_ms": 1000 * percentile(tpot, 50), "tpot_p99_ms": 1000 * percentile(tpot, 99),
             "output_tokens": n_out, "preemptions": llm.engine.scheduler.num_preemptions,
-            "kv_waste_avg": eng.waste_sum / max(1, eng.waste_steps)}
+            "kv_waste_avg": eng.waste_sum / max(1, eng.waste_steps),
+            "sampling": sampling, "sampling_share": timed.seconds / dt}
 
 
 def load_transformers_peer(model: str, dtype: torch.dtype, device: torch.device):
@@ -123,6 +176,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-output", type=int, default=16)
     p.add_argument("--max-output", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--sampling", default="realistic", metavar="MODES",
+                   help="how our engine samples: realistic (a chat mix of greedy, temperature + top-p "
+                        "and penalties), greedy, or both comma-separated (interleaved, with their ratio)")
     p.add_argument("--runs", type=int, default=1, help="repeat and report medians")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--max-seqs", type=int, default=64)
@@ -143,10 +199,19 @@ def run(args: argparse.Namespace) -> dict:
     types = _cache_types(args)
     result: dict = {"machine": machine_info(), "args": vars(args)}
     by_type: dict[str, dict] = {}
+    modes = _sampling_modes(args)
     for ct in types:
-        llm, wl, ours = _run_one_cache_type(args, ct, first=not by_type)
-        label = "pagedllm" if len(types) == 1 else f"pagedllm [{ct}]"
-        _print(label, ours)
+        llm, wl, by_mode = _run_one_cache_type(args, ct, modes, first=not by_type)
+        for mode, r in by_mode.items():
+            label = "pagedllm" if len(types) == 1 else f"pagedllm [{ct}]"
+            _print(f"{label} ({mode} sampling)", r)
+        if len(modes) > 1:
+            base = by_mode[modes[-1]]["output_tokens_per_s"]
+            print(f"ratio {modes[0]} / {modes[-1]} sampling output tokens/s: "
+                  f"{by_mode[modes[0]]['output_tokens_per_s'] / base:.2f}x")
+        ours = dict(by_mode[modes[0]])
+        if len(modes) > 1:
+            ours["by_sampling"] = by_mode
         by_type[ct] = ours
         if args.profile:
             print(profile_decode_step(llm))
@@ -186,8 +251,18 @@ def _cache_types(args: argparse.Namespace) -> list[str]:
     return list(dict.fromkeys(types))
 
 
-def _run_one_cache_type(args: argparse.Namespace, cache_type: str, first: bool):
-    """A fresh engine with this KV cache type: warm up, then the workload `args.runs` times."""
+def _sampling_modes(args: argparse.Namespace) -> list[str]:
+    modes = [m.strip() for m in args.sampling.split(",") if m.strip()]
+    bad = [m for m in modes if m not in SAMPLING_MODES]
+    if not modes or bad:
+        raise ValueError(f"--sampling {args.sampling!r}: give one or more of {', '.join(SAMPLING_MODES)}, "
+                         "comma-separated")
+    return list(dict.fromkeys(modes))
+
+
+def _run_one_cache_type(args: argparse.Namespace, cache_type: str, modes: list[str], first: bool):
+    """A fresh engine with this KV cache type: warm up, then the workload `args.runs` times per
+    sampling mode, the modes interleaved run by run so load on the machine hits them alike."""
     from .. import LLM
 
     llm = LLM(args.model, dtype=args.dtype, max_num_seqs=args.max_seqs,
@@ -201,11 +276,20 @@ def _run_one_cache_type(args: argparse.Namespace, cache_type: str, first: bool):
         print(f"workload: {args.num_requests} requests, prompts {args.min_prompt}-{args.max_prompt}, "
               f"outputs {args.min_output}-{args.max_output} ({wl.num_output_tokens} output tokens), "
               f"seed {args.seed}; dtype {eng.dtype}, {torch.get_num_threads()} threads")
-    run_pagedllm(llm, make_workload(4, eng.model_config.vocab_size, 99, (16, 64), (4, 8), avoid))  # warm up
-    ours = median_of_runs([run_pagedllm(llm, wl) for _ in range(args.runs)])
-    ours.update(kv_cache_dtype=cache_type, kv_blocks=eng.block_manager.num_usable_blocks,
-                kv_capacity_tokens=eng.block_manager.num_usable_blocks * eng.cache_config.block_size)
-    return llm, wl, ours
+    warm = make_workload(4, eng.model_config.vocab_size, 99, (16, 64), (4, 8), avoid)
+    for mode in modes:
+        run_pagedllm(llm, warm, mode, args.seed)
+    runs: dict[str, list[dict]] = {m: [] for m in modes}
+    for _ in range(args.runs):
+        for mode in modes:
+            runs[mode].append(run_pagedllm(llm, wl, mode, args.seed))
+    by_mode = {}
+    for mode, rs in runs.items():
+        ours = median_of_runs(rs)
+        ours.update(kv_cache_dtype=cache_type, kv_blocks=eng.block_manager.num_usable_blocks,
+                    kv_capacity_tokens=eng.block_manager.num_usable_blocks * eng.cache_config.block_size)
+        by_mode[mode] = ours
+    return llm, wl, by_mode
 
 
 def _print(name: str, r: dict) -> None:
@@ -215,6 +299,8 @@ def _print(name: str, r: dict) -> None:
         line += f", TPOT p50 {r['tpot_p50_ms']:.1f} ms p99 {r['tpot_p99_ms']:.1f} ms"
     if "kv_waste_avg" in r:
         line += f", KV waste {r['kv_waste_avg']:.1%}"
+    if "sampling_share" in r:
+        line += f", sampling {r['sampling_share']:.1%} of step time"
     print(line + f" ({r['elapsed_s']:.1f} s)")
 
 

@@ -325,7 +325,6 @@ class BlockManager:
         self.stats.partial_hits += partial
         if seq.num_preemptions == 0:
             seq.num_cached_tokens = cached
-            seq.num_partial_cached_tokens = partial
 
     def _match_partial(self, seq: Sequence, parent: int, start: int, limit: int) -> int:
         want = seq.token_ids[start:min(start + self.block_size, limit)]

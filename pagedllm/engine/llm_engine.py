@@ -32,11 +32,44 @@ from .sequence import Sequence
 logger = logging.getLogger(__name__)
 
 
+class _Text:
+    """A stream's text as appended pieces: adding a token, looking at the tail for a stop string
+    and taking a delta cost O(piece), not O(text)."""
+
+    def __init__(self) -> None:
+        self.parts: list[str] = []
+        self.length = 0
+
+    def add(self, piece: str) -> None:
+        if piece:
+            self.parts.append(piece)
+            self.length += len(piece)
+
+    def since(self, start: int) -> str:
+        """Characters from `start` to the end, joining only the pieces that hold them."""
+        i, base = len(self.parts), self.length
+        while i > 0 and base > start:
+            i -= 1
+            base -= len(self.parts[i])
+        return "".join(self.parts[i:])[start - base:]
+
+    def full(self) -> str:
+        if len(self.parts) > 1:
+            self.parts[:] = ["".join(self.parts)]
+        return self.parts[0] if self.parts else ""
+
+    def cut(self, end: int) -> None:
+        text = self.full()[:end]
+        self.parts[:] = [text] if text else []
+        self.length = len(text)
+
+
 @dataclass
 class _SeqOutputState:
     """Per-sequence text state kept by the engine (the scheduler never sees text)."""
     detok: IncrementalDetokenizer
-    emitted: int = 0  # characters of seq.text already handed out as deltas
+    text: _Text = field(default_factory=_Text)
+    emitted: int = 0  # characters of the text already handed out as deltas
     emitted_tokens: int = 0
 
 
@@ -128,11 +161,7 @@ class LLMEngine:
             raise ValueError(f"request id {rid!r} is already in use")
         seqs = []
         for i in range(params.n):
-            seq = Sequence(rid, prompt_token_ids, params, prompt=text, index=i)
-            if params.seed is not None:
-                seq.generator = torch.Generator(device=self.device)
-                seq.generator.manual_seed(params.seed + i)
-            seqs.append(seq)
+            seqs.append(Sequence(rid, prompt_token_ids, params, prompt=text, index=i))
         # n > 1: the prompt is computed once by the first sequence; the others fork from it
         # when it samples, sharing its blocks copy-on-write.
         seqs[0].fork_children = seqs[1:]
@@ -282,10 +311,6 @@ class LLMEngine:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("scheduler made no progress although requests are waiting")
             return []
-        now = time.perf_counter()
-        for it in sched.scheduled:
-            if it.seq.times.first_scheduled is None:
-                it.seq.times.first_scheduled = now
         out = self.runner.execute(sched.scheduled)
         self.stats["steps"] += 1
         for it in sched.scheduled:
@@ -298,11 +323,12 @@ class LLMEngine:
         touched: dict[str, Request] = {}
         if out is not None:
             now = time.perf_counter()
-            for row, (seq, tok) in enumerate(zip(out.seqs, out.token_ids)):
+            seqs, sampled = out
+            for row, (seq, tok) in enumerate(zip(seqs, sampled.token_ids)):
                 if tok < 0:  # the sampler marks rows whose logits were not finite
                     self._fail(seq)
                 else:
-                    lp = out.logprobs[row] if out.logprobs else None
+                    lp = sampled.logprobs[row] if sampled.logprobs else None
                     self._append(seq, tok, lp, now)
                 req = self.requests.get(seq.request_id)
                 if req is not None:
@@ -345,22 +371,24 @@ class LLMEngine:
         if req.metrics.first_token_time is None:
             req.metrics.first_token_time = now
         if lp is not None:
-            seq.logprobs = (seq.logprobs or []) + [{"token_id": tok, "logprob": lp[0], "top": lp[1]}]
+            if seq.logprobs is None:
+                seq.logprobs = []
+            seq.logprobs.append({"token_id": tok, "logprob": lp[0], "top": lp[1]})
         p = seq.params
         is_eos = tok in self.eos_token_ids and not p.ignore_eos
         if not is_eos:
-            seq.text += st.detok.add([tok])
+            st.text.add(st.detok.add([tok]))
         if is_eos:
             seq.finish_reason, seq.stop_reason = "stop", None
         elif tok in p.stop_token_ids:
             seq.finish_reason, seq.stop_reason = "stop", tok
-        elif p.stop and self._hit_stop_string(seq):
+        elif p.stop and self._hit_stop_string(seq, st.text):
             pass
         elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.sched_config.max_model_len:
             seq.finish_reason = "length"
         if seq.finish_reason is not None:
             if not isinstance(seq.stop_reason, str):  # a stop string already cut the text
-                seq.text += st.detok.flush()
+                st.text.add(st.detok.flush())
             self._finish(seq)
 
     def _fail(self, seq: Sequence) -> None:
@@ -377,42 +405,51 @@ class LLMEngine:
         seq.fork_children = []
         self._finish(seq)
 
-    def _hit_stop_string(self, seq: Sequence) -> bool:
+    def _hit_stop_string(self, seq: Sequence, text: _Text) -> bool:
         # Only the tail can hold a new match: the last token's text plus the longest stop string.
         longest = max(len(s) for s in seq.params.stop)
-        tail_start = max(0, len(seq.text) - longest - 16)
+        tail_start = max(0, text.length - longest - 16)
+        tail = text.since(tail_start)
         best = None
         for s in seq.params.stop:
-            pos = seq.text.find(s, tail_start)
+            pos = tail.find(s)
             if pos != -1 and (best is None or pos < best[0]):
                 best = (pos, s)
         if best is None:
             return False
-        seq.text = seq.text[: best[0]]
+        text.cut(tail_start + best[0])
         seq.finish_reason, seq.stop_reason = "stop", best[1]
         return True
 
     def _finish(self, seq: Sequence) -> None:
-        seq.times.finished = time.perf_counter()
         self.scheduler.finish(seq, keep_prefix=seq.finish_reason not in ("abort", "error"))
         self.backend.free_seq(seq.seq_id)
+        self.runner.sampler.release(seq.seq_id)
         req = self.requests.get(seq.request_id)
         if req is not None and req.finished:
-            req.metrics.finished_time = seq.times.finished
+            req.metrics.finished_time = time.perf_counter()
 
     def _make_output(self, req: Request) -> RequestOutput:
         outs = []
         hold = max((len(s) for s in req.params.stop), default=1) - 1
         for seq, st in zip(req.seqs, req.states):
+            text = st.text
             # While running, hold back what could be the start of a stop string.
-            upto = len(seq.text) if seq.is_finished else max(st.emitted, len(seq.text) - hold)
-            delta = seq.text[st.emitted:upto]
+            upto = text.length if seq.is_finished else max(st.emitted, text.length - hold)
+            delta = text.since(st.emitted)[:upto - st.emitted] if upto > st.emitted else ""
             st.emitted = upto
             new_tokens = seq.output_token_ids[st.emitted_tokens:]
-            st.emitted_tokens = seq.num_output_tokens
-            outs.append(CompletionOutput(seq.index, seq.text[:upto], list(seq.output_token_ids),
-                                         seq.finish_reason, seq.stop_reason, seq.logprobs,
-                                         delta, new_tokens))
+            st.emitted_tokens = n = seq.num_output_tokens
+            ids, lps = seq.output_token_ids, seq.logprobs
+            if seq.is_finished:  # nothing will be appended any more: hand out the state itself
+                out = CompletionOutput(seq.index, text.full(), ids, seq.finish_reason, seq.stop_reason,
+                                       lps, delta, new_tokens)
+            else:  # a snapshot of this step, built only if read
+                out = CompletionOutput(seq.index, lambda t=text, u=upto: t.full()[:u], lambda i=ids, m=n: i[:m],
+                                       seq.finish_reason, seq.stop_reason,
+                                       None if lps is None else (lambda l=lps, m=len(lps): l[:m]),
+                                       delta, new_tokens)
+            outs.append(out)
         req.metrics.num_output_tokens = sum(s.num_output_tokens for s in req.seqs)
         finished = req.finished
         if finished:

@@ -8,8 +8,10 @@ from __future__ import annotations
 import torch
 
 from ..attention.metadata import AttentionMetadata
+from ..sampling.metadata import SamplingMetadata
 from ..sampling.sampler import Sampler, SamplerOutput
 from .scheduler import ScheduledSeq
+from .sequence import Sequence
 
 
 class ModelRunner:
@@ -20,6 +22,7 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.sampler = sampler
+        self.upload = HostUpload(device)
         for i, attn in enumerate(model.attention_modules()):
             attn.attn = backend.layer(i, attn.window, attn.scale)
 
@@ -47,33 +50,35 @@ class ModelRunner:
             ctx_lens.append(end)
             if item.samples:
                 logits_idx.append(qsl[-1] - 1)
-        dev = self.device
         meta = AttentionMetadata(
             num_decodes=num_decodes,
             seq_ids=[it.seq.seq_id for it in batch],
             query_start_loc=qsl,
             context_lens=ctx_lens,
         )
-        if self.backend.uses_block_tables:
-            width = max(len(it.seq.block_table) for it in batch)
-            tables = [it.seq.block_table + [0] * (width - len(it.seq.block_table)) for it in batch]
-            meta.slot_mapping = torch.tensor(slots, dtype=torch.int64, device=dev)
-            meta.block_tables = torch.tensor(tables, dtype=torch.int64, device=dev)
-            meta.decode_context_lens = torch.tensor(ctx_lens[:num_decodes], dtype=torch.int64, device=dev)
-        input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)
-        positions = torch.tensor(pos, dtype=torch.int64, device=dev)
+        if not self.backend.uses_block_tables:
+            input_ids, positions = self.upload.ints([ids, pos])
+            return input_ids, positions, meta, logits_idx
+        width = max(len(it.seq.block_table) for it in batch)
+        tables: list[int] = []
+        for it in batch:
+            tables += it.seq.block_table
+            tables += [0] * (width - len(it.seq.block_table))
+        input_ids, positions, meta.slot_mapping, flat_tables, meta.decode_context_lens = self.upload.ints(
+            [ids, pos, slots, tables, ctx_lens[:num_decodes]])
+        meta.block_tables = flat_tables.view(len(batch), width)
         return input_ids, positions, meta, logits_idx
 
     @torch.inference_mode()
-    def execute(self, batch: list[ScheduledSeq]) -> SamplerOutput | None:
-        """Run one step; returns tokens for the sequences whose chunk reached their end."""
+    def execute(self, batch: list[ScheduledSeq]) -> tuple[list[Sequence], SamplerOutput] | None:
+        """Run one step; returns the sequences whose chunk reached their end and their tokens."""
         # Decodes go first so the attention backend can batch them.
         batch = sorted(batch, key=lambda it: not _is_decode(it))
         input_ids, positions, meta, logits_idx = self.prepare(batch)
         hidden = self.model(input_ids, positions, meta)
         if not logits_idx:
             return None
-        idx = torch.tensor(logits_idx, dtype=torch.int64, device=self.device)
+        idx = self.upload.ints([logits_idx])[0]
         logits = self.model.compute_logits(hidden.index_select(0, idx))
         # One row per sampling sequence; n > 1 siblings waiting to fork sample from their
         # parent's row (the prompt is computed once).
@@ -87,15 +92,58 @@ class ModelRunner:
         # A sum is finite only if every logit is (NaN and inf propagate): a cheap check that
         # the sampler folds into its token transfer, so it costs no extra device sync. It must
         # see the model's own logits: a -inf mask applied to them later is not a failure.
-        out = self.sampler(logits, sampling_seqs, finite=logits.sum(-1, dtype=torch.float32).isfinite())
-        out.seqs = sampling_seqs
-        return out
+        finite = logits.sum(-1, dtype=torch.float32).isfinite()
+        return sampling_seqs, self.sampler(logits, sampling_metadata(sampling_seqs), finite=finite)
 
     @torch.inference_mode()
     def chunk_logits(self, item: ScheduledSeq) -> torch.Tensor:
         """Logits for every token of one sequence's chunk (scoring, perplexity)."""
         input_ids, positions, meta, _ = self.prepare([item])
         return self.model.compute_logits(self.model(input_ids, positions, meta))
+
+
+class HostUpload:
+    """Step inputs to the device. On CUDA: one copy per call from a reused pinned buffer,
+    non_blocking, waiting only before the buffer is refilled. Elsewhere: plain torch.tensor."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.pinned = device.type == "cuda"
+        self._buf: torch.Tensor | None = None
+        self._copied = None  # event: the last copy out of _buf has finished
+
+    def ints(self, parts: list[list[int]]) -> list[torch.Tensor]:
+        """int64 tensors on the device, one per list."""
+        if not self.pinned:
+            return [torch.tensor(p, dtype=torch.int64, device=self.device) for p in parts]
+        sizes = [len(p) for p in parts]
+        total = sum(sizes)
+        if self._copied is not None:
+            self._copied.synchronize()
+        if self._buf is None or self._buf.numel() < total:
+            self._buf = torch.empty(max(total, 4096, 2 * (0 if self._buf is None else self._buf.numel())),
+                                    dtype=torch.int64, pin_memory=True)
+        host = self._buf.numpy()
+        off = 0
+        for p in parts:
+            host[off:off + len(p)] = p
+            off += len(p)
+        out = self._buf[:total].to(self.device, non_blocking=True)
+        self._copied = torch.cuda.Event()
+        self._copied.record()
+        return list(out.split(sizes))
+
+
+def sampling_metadata(seqs: list[Sequence]) -> SamplingMetadata:
+    params = [s.params for s in seqs]
+    return SamplingMetadata(
+        params=params,
+        seq_ids=[s.seq_id for s in seqs],
+        token_ids=[s.token_ids for s in seqs],
+        num_prompt_tokens=[s.num_prompt_tokens for s in seqs],
+        seeds=[None if p.seed is None else p.seed + s.index for s, p in zip(seqs, params)],
+        output_pos=[s.num_output_tokens for s in seqs],
+    )
 
 
 def _is_decode(item: ScheduledSeq) -> bool:

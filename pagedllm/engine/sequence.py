@@ -3,10 +3,7 @@ from __future__ import annotations
 
 import enum
 import itertools
-import time
 from dataclasses import dataclass, field
-
-import torch
 
 from ..sampling.params import SamplingParams
 
@@ -18,14 +15,6 @@ class SequenceStatus(enum.Enum):
 
 
 _seq_counter = itertools.count()
-
-
-@dataclass
-class SequenceTimes:
-    arrival: float = field(default_factory=time.perf_counter)
-    first_scheduled: float | None = None
-    first_token: float | None = None
-    finished: float | None = None
 
 
 @dataclass(eq=False)
@@ -46,14 +35,9 @@ class Sequence:
     stop_reason: str | int | None = None
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
-    num_partial_cached_tokens: int = 0  # of which copied from part of a block
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of its full blocks
     fork_children: list["Sequence"] = field(default_factory=list)  # n > 1: siblings to fork
-    generator: torch.Generator | None = None
-    times: SequenceTimes = field(default_factory=SequenceTimes)
-    # Filled by the output processor.
-    text: str = ""
-    logprobs: list[dict] | None = None
+    logprobs: list[dict] | None = None  # filled by the engine when asked for
 
     def __post_init__(self) -> None:
         self.token_ids: list[int] = list(self.prompt_token_ids)

@@ -57,8 +57,8 @@ class KVCacheSpec:
 
     def info(self) -> dict:
         m = self.mode
-        return {"kv_cache_dtype": m.name, "dtype": _dtype_name(self.dtype),
-                "compute_dtype": _dtype_name(self.compute_dtype), "quant_mode": m.quant_mode,
+        return {"kv_cache_dtype": m.name, "dtype": dtype_name(self.dtype),
+                "compute_dtype": dtype_name(self.compute_dtype), "quant_mode": m.quant_mode,
                 "scale_granularity": m.scale_granularity, "scale_source": self.scale_source,
                 "bytes_per_token": self.bytes_per_token}
 
@@ -87,7 +87,7 @@ class CachePlan:
                 f"dtype {i['kv_cache_dtype']} ({i['dtype']}){quant}")
 
 
-def _dtype_name(dt: torch.dtype) -> str:
+def dtype_name(dt: torch.dtype) -> str:
     return str(dt).removeprefix("torch.")
 
 

@@ -101,7 +101,7 @@ class _AmaxObserver:
 
         for j, x in enumerate((k, v)):
             torch.maximum(self.amax[j], x.detach().float().abs().amax(dim=(0, 2)), out=self.amax[j])
-        return sdpa_one(q, k, v, k.shape[0], self.window, self.scale)
+        return sdpa_one(q, k, v, meta.prefill_mask(0, self.window, q.device), self.scale)
 
 
 @torch.inference_mode()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-import torch
+from .cache import dtype_name
 
 
 @dataclass
@@ -63,10 +63,6 @@ def _fmt(v) -> str:
     return str(v)
 
 
-def _dtype_name(dt) -> str:
-    return str(dt).removeprefix("torch.")
-
-
 def live_waste(seqs, block_size: int) -> tuple[int, int]:
     """(allocated slots, slots holding a token) over live sequences, shared blocks once."""
     filled: dict[int, int] = {}
@@ -109,8 +105,8 @@ def build_trace(engine) -> KVCacheTrace:
     steps = max(1, engine.waste_steps)
     committed, how = committed_bytes(engine)
     return KVCacheTrace(
-        dtype=info.get("dtype", _dtype_name(spec.dtype)),
-        compute_dtype=info.get("compute_dtype", _dtype_name(engine.dtype)),
+        dtype=info.get("dtype", dtype_name(spec.dtype)),
+        compute_dtype=info.get("compute_dtype", dtype_name(engine.dtype)),
         quant_mode=info.get("quant_mode", "none"),
         scale_granularity=info.get("scale_granularity", "none"),
         scale_source=info.get("scale_source", "none"),

@@ -1,7 +1,50 @@
 """Per-request sampling settings, named as in vLLM so user code ports over."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+MAX_LOGPROBS = 20
+
+
+class SamplingParamsError(ValueError):
+    """A sampling setting out of range; `param` names it."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(f"invalid SamplingParams: {message}")
+        self.param, self.message = param, message
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+# name -> (accepts, what it must be). The one copy of the limits: SamplingParams and the
+# server's request models both check through `check_limits`.
+_LIMITS = {
+    "n": (lambda x: _is_int(x) and x >= 1, "an integer >= 1"),
+    "max_tokens": (lambda x: _is_int(x) and x >= 1, "an integer >= 1"),
+    "temperature": (lambda x: x >= 0, ">= 0 (0 means greedy)"),
+    "top_p": (lambda x: 0 < x <= 1, "in (0, 1]"),
+    "top_k": (lambda x: _is_int(x) and x >= -1, "-1 (off) or a positive integer"),
+    "min_p": (lambda x: 0 <= x <= 1, "in [0, 1]"),
+    "presence_penalty": (lambda x: -2 <= x <= 2, "in [-2, 2]"),
+    "frequency_penalty": (lambda x: -2 <= x <= 2, "in [-2, 2]"),
+    "repetition_penalty": (lambda x: x > 0, "> 0"),
+    "logprobs": (lambda x: _is_int(x) and 0 <= x <= MAX_LOGPROBS, f"in [0, {MAX_LOGPROBS}]"),
+}
+
+
+def check_limits(**values) -> None:
+    """Raise SamplingParamsError for the first given setting out of range (None: not given)."""
+    for name, x in values.items():
+        if x is None:
+            continue
+        accepts, must = _LIMITS[name]
+        if isinstance(x, float) and not math.isfinite(x):
+            raise SamplingParamsError(name, f"{name} must be a finite number, got {x}")
+        if not accepts(x):
+            raise SamplingParamsError(name, f"{name} must be {must}, got {x!r}")
 
 
 @dataclass
@@ -30,31 +73,12 @@ class SamplingParams:
         self.validate()
 
     def validate(self) -> None:
-        def bad(msg: str) -> None:
-            raise ValueError(f"invalid SamplingParams: {msg}")
-
-        if not isinstance(self.n, int) or self.n < 1:
-            bad(f"n must be an integer >= 1, got {self.n!r}")
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            bad(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if self.temperature < 0:
-            bad(f"temperature must be >= 0 (0 means greedy), got {self.temperature}")
-        if not (0 < self.top_p <= 1):
-            bad(f"top_p must be in (0, 1], got {self.top_p}")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
-            bad(f"top_k must be -1 (off) or a positive integer, got {self.top_k!r}")
-        if not (0 <= self.min_p <= 1):
-            bad(f"min_p must be in [0, 1], got {self.min_p}")
-        if not (-2 <= self.presence_penalty <= 2):
-            bad(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
-        if not (-2 <= self.frequency_penalty <= 2):
-            bad(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
-        if self.repetition_penalty <= 0:
-            bad(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        if self.logprobs is not None and not (0 <= self.logprobs <= 20):
-            bad(f"logprobs must be in [0, 20], got {self.logprobs}")
+        check_limits(n=self.n, max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
+                     top_k=self.top_k, min_p=self.min_p, presence_penalty=self.presence_penalty,
+                     frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
+                     logprobs=self.logprobs)
         if any(not s for s in self.stop):
-            bad("stop strings must be non-empty")
+            raise SamplingParamsError("stop", "stop strings must be non-empty")
 
     @property
     def greedy(self) -> bool:

@@ -1,19 +1,62 @@
-"""Batched sampling on the model's device: one set of tensor ops for the whole batch.
+"""Batched sampling on the model's device: one set of tensor ops per step, not per row.
 
-Sampling is an exponential race: token = argmax(p_i / E_i) with E_i ~ Exp(1),
-which draws exactly from p. Unlike inverse-CDF sampling over a long cumulative
-sum, it only flips when the two best candidates nearly tie, so round-off in the
-logits (a different batch shape, a cached prefix) leaves the sample alone. A
-request with a seed draws its noise from its own generator and gets the same
-tokens whatever else shares the batch; other rows share the engine's generator.
+Sampling is an exponential race, written as Gumbel-max: token = argmax(logit/T + G_token)
+with G = -log(-log U), which draws exactly from softmax(logit/T) over the tokens that
+survive top-k/top-p/min-p. U comes from a hash of (row key, token id): the noise a token
+meets depends only on its id, not on where it sits in a candidate list, so round-off in
+the logits (another batch shape, a cached prefix) flips a sample only on a near-tie. A
+seeded row's key depends only on (seed, completion index, output position), so a seeded
+request gives the same tokens alone and in any batch; other rows take keys from the
+engine's seeded stream.
+
+Only a few candidates are looked at per row. `topk` picks the best `candidate_levels[0]`
+tokens; top-k, top-p and min-p are decided on them when they provably hold every token
+the filters keep (the candidates' mass already exceeds top_p, the last one falls under
+min_p, or top_k fits). Rows where they do not are retried with more candidates, and
+finally with the whole vocabulary, so the filters are exact. Rows with no filter at all
+draw from the candidates with probability equal to their mass, else from the rest of the
+vocabulary (an exact two-stage draw). Greedy rows take an argmax and nothing else.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import random
+from dataclasses import dataclass
 
 import torch
 
-from ..engine.sequence import Sequence
+from .metadata import SamplingMetadata
+from .penalties import PenaltyState
+
+MASK32 = 0xFFFFFFFF
+_BRANCH_SALT = 0x5BD1E995
+
+
+def mix32(x: int) -> int:
+    """A 32-bit integer hash (lowbias32); `mix32_t` is the same on tensors."""
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & MASK32
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & MASK32
+    return x ^ (x >> 16)
+
+
+def mix32_t(x: torch.Tensor) -> torch.Tensor:
+    """mix32 on an int64 tensor of values in [0, 2**32); products wrap mod 2**64, and only
+    their low 32 bits are kept."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & MASK32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & MASK32
+    return x ^ (x >> 16)
+
+
+def uniform_from_hash(h: torch.Tensor) -> torch.Tensor:
+    """24 bits of a 32-bit hash -> float32 uniform strictly inside (0, 1)."""
+    return ((h >> 8).float() + 0.5) * (1.0 / (1 << 24))
+
+
+def row_key(seed: int, output_pos: int) -> int:
+    return mix32((mix32(seed & MASK32) + output_pos * 0x9E3779B1) & MASK32)
 
 
 @dataclass
@@ -21,109 +64,217 @@ class SamplerOutput:
     token_ids: list[int]
     # Per row, when asked for: (logprob of the chosen token, [(token, logprob), ...] top-k)
     logprobs: list[tuple[float, list[tuple[int, float]]] | None] | None = None
-    seqs: list[Sequence] = field(default_factory=list)  # the rows, in order
 
 
 class Sampler:
+    # Candidates tried per row before the whole vocabulary; SmolLM2 chat at T=0.7, top_p=0.95
+    # needs fewer than 64 for 99% of rows.
+    # torch's CPU topk keeps ~0.1-0.4 ms a row up to k = 512 on 49k and 262k vocabularies, and
+    # jumps to 3.5-4 ms a row from k = 768-2048 (another algorithm), hence no level above 512.
+    candidate_levels: tuple[int, ...] = (64, 512)
+
     def __init__(self, device: torch.device, seed: int = 0) -> None:
         self.device = device
-        self.generator = torch.Generator(device=device)
-        self.generator.manual_seed(seed)
+        self.rng = random.Random(seed)
+        self.penalties: PenaltyState | None = None
+        self._token_hash: torch.Tensor | None = None
+        self._exp_buf: torch.Tensor | None = None
+
+    def release(self, seq_id: int) -> None:
+        """A stream ended: drop its penalty state."""
+        if self.penalties is not None:
+            self.penalties.release(seq_id)
 
     @torch.no_grad()
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence],
+    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata,
                  finite: torch.Tensor | None = None) -> SamplerOutput:
-        """`finite` [rows] bool: False rows get token -1 (their logits were not finite)."""
-        params = [s.params for s in seqs]
-        raw = logits
-        if any(p.needs_penalties for p in params):
-            logits = apply_penalties(logits.clone(), seqs)
-        greedy = [p.greedy for p in params]
-        if all(greedy):
-            tokens = logits.argmax(dim=-1)
-        else:
-            tokens = self._sample(logits, seqs, greedy)
-        token_list = (tokens if finite is None else tokens.masked_fill(~finite, -1)).tolist()
-        lp = None
-        if any(p.logprobs is not None for p in params):
-            lp = _logprobs(raw, tokens, params)
-        return SamplerOutput(token_list, lp)
-
-    def _noise(self, probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        q = torch.empty_like(probs)
-        q.exponential_(generator=self.generator)
-        for i, s in enumerate(seqs):
-            if s.generator is not None:
-                q[i].exponential_(generator=s.generator)
-        return q
-
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], greedy: list[bool]) -> torch.Tensor:
-        params = [s.params for s in seqs]
+        """logits: [rows, vocab] float32, owned by the sampler (modified in place). `finite`
+        [rows] bool: False rows get token -1 (their logits were not finite), in the same transfer."""
+        b, v = logits.shape
         dev = logits.device
-        temps = torch.tensor([1.0 if g else p.temperature for g, p in zip(greedy, params)],
-                             device=dev, dtype=torch.float32)
-        probs = torch.softmax(logits / temps[:, None], dim=-1)
+        lp_rows = meta.rows_where("logprobs")
+        pen_rows = meta.rows_where("needs_penalties")
+        sampled = meta.rows_where("sampled")
+        raw = None
+        if lp_rows:  # logprobs report the model's distribution, before penalties, masks, sampling
+            changed = bool(pen_rows) or meta.allowed_mask is not None or bool(sampled)
+            raw = logits if not changed and len(lp_rows) == b else logits[lp_rows]
+        if meta.allowed_mask is not None:
+            self._apply_mask(logits, meta)
+        if pen_rows:
+            if self.penalties is None:
+                self.penalties = PenaltyState(v, dev)
+            self.penalties.apply(logits, pen_rows, meta)
 
-        order = None
-        if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
-            probs, order = probs.sort(dim=-1, descending=True)
-            ranks = torch.arange(probs.shape[-1], device=dev)[None, :]
-            top_k = torch.tensor([p.top_k if p.top_k > 0 else probs.shape[-1] for p in params], device=dev)
-            drop = ranks >= top_k[:, None]
-            top_p = torch.tensor([p.top_p for p in params], device=dev, dtype=torch.float32)
-            before = probs.cumsum(dim=-1) - probs  # mass strictly above each token
-            drop |= before > top_p[:, None]
-            probs = probs.masked_fill(drop, 0.0)
-        if any(p.min_p > 0 for p in params):
-            min_p = torch.tensor([p.min_p for p in params], device=dev, dtype=torch.float32)
-            peak = probs.amax(dim=-1, keepdim=True)
-            probs = probs.masked_fill(probs < min_p[:, None] * peak, 0.0)
-
-        if order is not None:  # back to vocabulary order, so each token meets the same noise
-            probs = torch.zeros_like(probs).scatter_(1, order, probs)
-        tokens = (probs / self._noise(probs, seqs)).argmax(dim=-1)
-        if any(greedy):
+        if not sampled:
+            tokens = logits.argmax(dim=-1)
+        elif len(sampled) == b:
+            tokens = self._sample(logits, meta, sampled)
+        else:
+            tokens = torch.empty(b, dtype=torch.int64, device=dev)
+            is_sampled = set(sampled)
+            greedy = [i for i in range(b) if i not in is_sampled]
             g = torch.tensor(greedy, device=dev)
-            tokens = torch.where(g, logits.argmax(dim=-1), tokens)
+            tokens[g] = logits.index_select(0, g).argmax(dim=-1)
+            s = torch.tensor(sampled, device=dev)
+            tokens[s] = self._sample(logits.index_select(0, s), meta, sampled)
+        ids = tokens if finite is None else tokens.masked_fill(~finite, -1)
+        if raw is None:
+            return SamplerOutput(ids.tolist())
+        return _with_logprobs(tokens, raw, lp_rows, meta, ids)
+
+    def _apply_mask(self, logits: torch.Tensor, meta: SamplingMetadata) -> None:
+        if meta.mask_rows is None:
+            logits.masked_fill_(~meta.allowed_mask, float("-inf"))
+        else:
+            r = torch.tensor(meta.mask_rows, device=logits.device)
+            logits[r] = logits[r].masked_fill(~meta.allowed_mask, float("-inf"))
+
+    # -- sampling -----------------------------------------------------------
+    def _keys(self, meta: SamplingMetadata, rows: list[int]) -> list[int]:
+        keys = []
+        for r in rows:
+            seed = meta.seeds[r]
+            keys.append(self.rng.getrandbits(32) if seed is None else row_key(seed, meta.output_pos[r]))
+        return keys
+
+    def _gumbel(self, keys: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Gumbel noise for tokens `ids` [n, k] of rows with hash keys `keys` [n]."""
+        v = self._token_hash
+        h = mix32_t(v[ids] ^ keys[:, None])
+        return -torch.log(-torch.log(uniform_from_hash(h)))
+
+    def _sample(self, logits: torch.Tensor, meta: SamplingMetadata, rows: list[int]) -> torch.Tensor:
+        """Tokens for `rows` (non-greedy), given their logits [len(rows), vocab] (overwritten)."""
+        n, v = logits.shape
+        dev = logits.device
+        if self._token_hash is None or self._token_hash.shape[0] != v or self._token_hash.device != dev:
+            self._token_hash = mix32_t(torch.arange(v, dtype=torch.int64, device=dev))
+        ps = [meta.params[r] for r in rows]
+        keys_l = self._keys(meta, rows)
+        keys = torch.tensor(keys_l, dtype=torch.int64, device=dev)
+        temps, top_k, top_p, min_p = filter_tensors(ps, v, dev)
+        # The first candidates straight from the logits (the order does not depend on T), then
+        # softmax's numerators in place and into a reused buffer: four passes over the rows, no
+        # allocation (torch.softmax and logsumexp are far slower on a 262k-wide row).
+        k0 = min(self.candidate_levels[0], v)
+        top_vals, top_ids = logits.topk(k0, dim=-1)
+        logits.sub_(top_vals[:, :1]).div_(temps)  # scaled, max at 0
+        exps = torch.exp(logits, out=self._buffer(n, v, dev))
+        total = exps.sum(dim=-1)
+        first = (((top_vals - top_vals[:, :1]) / temps).exp() / total[:, None], top_ids)
+        free_rows = [i for i, p in enumerate(ps) if p.top_k <= 0 and p.top_p >= 1.0 and p.min_p <= 0]
+
+        tokens = torch.empty(n, dtype=torch.int64, device=dev)
+        todo = torch.arange(n, device=dev)
+        if free_rows:  # no filter: the two-stage draw, on the first candidates
+            free = torch.tensor(free_rows, device=dev)
+            tokens[free] = self._sample_free(logits, free, first[0][free], first[1][free], keys[free],
+                                             [keys_l[i] for i in free_rows])
+            keep_todo = torch.ones(n, dtype=torch.bool, device=dev)
+            keep_todo[free] = False
+            todo = todo[keep_todo]
+        for rows_t, cand, ids, keep in self.filtered(exps, total, top_k, top_p, min_p, todo, first):
+            score = (cand.log() + self._gumbel(keys[rows_t], ids)).masked_fill(~keep, float("-inf"))
+            tokens[rows_t] = ids.gather(1, score.argmax(dim=-1, keepdim=True))[:, 0]
+        return tokens
+
+    def _buffer(self, n: int, v: int, dev: torch.device) -> torch.Tensor:
+        buf = self._exp_buf
+        if buf is None or buf.numel() < n * v or buf.device != dev:
+            buf = self._exp_buf = torch.empty(n * v, device=dev)
+        return buf[: n * v].view(n, v)
+
+    def filtered(self, exps: torch.Tensor, total: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                 min_p: torch.Tensor, todo: torch.Tensor, first=None):
+        """Yields (rows, candidate probabilities, token ids, kept) for the rows `todo` of `exps`
+        (softmax numerators; `total` their row sums), each row once, at the first candidate count
+        that provably holds every token its filters keep. `first`: the first level's
+        (probabilities, ids) for every row, when already known."""
+        n, v = exps.shape
+        for level, k in enumerate((*self.candidate_levels, v)):
+            if todo.numel() == 0:
+                return
+            k = min(k, v)
+            if level == 0 and first is not None:
+                cand, ids = first[0][todo], first[1][todo]
+            else:
+                x = exps if todo.numel() == n else exps[todo]
+                cand, ids = x.topk(k, dim=-1)
+                cand = cand / total[todo][:, None]
+            keep, done = _filter(cand, top_k[todo], top_p[todo], min_p[todo], complete=k == v)
+            if bool(done.all()):
+                yield todo, cand, ids, keep
+                return
+            if bool(done.any()):
+                yield todo[done], cand[done], ids[done], keep[done]
+                todo = todo[~done]
+
+    def _sample_free(self, scaled: torch.Tensor, rows: torch.Tensor, cand: torch.Tensor, ids: torch.Tensor,
+                     keys: torch.Tensor, keys_l: list[int]) -> torch.Tensor:
+        """Unfiltered rows: a candidate with probability equal to the candidates' mass (a race
+        among them), otherwise a race among all other tokens (`scaled`: logits / T, all rows)."""
+        mass = cand.sum(dim=-1)
+        u = uniform_from_hash(torch.tensor([mix32(key ^ _BRANCH_SALT) for key in keys_l],
+                                           dtype=torch.int64, device=cand.device))
+        tokens = ids.gather(1, (cand.log() + self._gumbel(keys, ids)).argmax(dim=-1, keepdim=True))[:, 0]
+        tail = (u >= mass).nonzero()[:, 0]
+        if tail.numel():  # rare when the distribution is peaked; costs one pass over the row
+            x = scaled[rows[tail]]
+            all_ids = torch.arange(x.shape[1], device=x.device).expand_as(x)
+            score = (x + self._gumbel(keys[tail], all_ids)).scatter_(1, ids[tail], float("-inf"))
+            tokens[tail] = score.argmax(dim=-1)
         return tokens
 
 
-def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-    """Repetition (prompt and output), presence and frequency (output) penalties, vLLM semantics."""
-    b, v = logits.shape
-    dev = logits.device
-    out_counts = torch.zeros((b, v), dtype=torch.float32, device=dev)
-    seen = torch.zeros((b, v), dtype=torch.bool, device=dev)
-    for i, s in enumerate(seqs):
-        if not s.params.needs_penalties:
-            continue
-        if s.output_token_ids:
-            ids = torch.tensor(s.output_token_ids, device=dev)
-            out_counts[i].index_add_(0, ids, torch.ones_like(ids, dtype=torch.float32))
-        if s.params.repetition_penalty != 1.0:
-            seen[i, torch.tensor(s.prompt_token_ids, device=dev)] = True
-    seen |= out_counts > 0
-    rep = torch.tensor([s.params.repetition_penalty for s in seqs], device=dev)[:, None]
-    pres = torch.tensor([s.params.presence_penalty for s in seqs], device=dev)[:, None]
-    freq = torch.tensor([s.params.frequency_penalty for s in seqs], device=dev)[:, None]
-    penalised = torch.where(logits > 0, logits / rep, logits * rep)
-    logits = torch.where(seen, penalised, logits)
-    logits = logits - freq * out_counts - pres * (out_counts > 0).float()
-    return logits
+def filter_tensors(ps: list, vocab: int, device) -> tuple[torch.Tensor, ...]:
+    """Per-row temperature [n, 1], top_k (vocab when off), top_p, min_p, as tensors."""
+    temps = torch.tensor([p.temperature for p in ps], device=device)[:, None]
+    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in ps], device=device)
+    # top_p = 1 is off: a cumulative sum that rounds above 1 must not drop the tail.
+    top_p = torch.tensor([p.top_p if p.top_p < 1 else float("inf") for p in ps], device=device)
+    min_p = torch.tensor([p.min_p for p in ps], device=device)
+    return temps, top_k, top_p, min_p
 
 
-def _logprobs(logits: torch.Tensor, tokens: torch.Tensor, params) -> list:
-    lsm = torch.log_softmax(logits.float(), dim=-1)
-    chosen = lsm.gather(1, tokens[:, None]).squeeze(1).tolist()
-    k = max((p.logprobs or 0) for p in params)
-    top_v, top_i = (lsm.topk(k, dim=-1) if k > 0 else (None, None))
-    out = []
-    for i, p in enumerate(params):
-        if p.logprobs is None:
-            out.append(None)
-            continue
-        tops = []
-        if p.logprobs > 0:
-            tops = list(zip(top_i[i, : p.logprobs].tolist(), top_v[i, : p.logprobs].tolist()))
-        out.append((chosen[i], tops))
-    return out
+def _filter(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
+            complete: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which of the k most likely tokens (probabilities, descending) survive top-k, top-p and
+    min-p, and whether that is final for the row: every token beyond the k would be dropped too
+    (the kept tokens always form a prefix of the ranking)."""
+    n, k = probs.shape
+    ranks = torch.arange(k, device=probs.device)[None, :]
+    cum = probs.cumsum(dim=-1)
+    keep = (ranks < top_k[:, None]) & (cum - probs <= top_p[:, None])  # mass strictly above
+    keep &= probs >= min_p[:, None] * probs[:, :1]
+    if complete:
+        return keep, torch.ones(n, dtype=torch.bool, device=probs.device)
+    done = (top_k <= k) | (cum[:, -1] > top_p) | ~keep[:, -1]
+    return keep, done
+
+
+def _with_logprobs(tokens: torch.Tensor, raw: torch.Tensor, lp_rows: list[int],
+                   meta: SamplingMetadata, ids: torch.Tensor) -> SamplerOutput:
+    """Token ids (`ids`: tokens, failed rows -1) and logprobs for `lp_rows` (raw holds their
+    logits), in one host transfer."""
+    dev = raw.device
+    sel = torch.tensor(lp_rows, device=dev)
+    lsm_norm = raw.logsumexp(dim=-1, keepdim=True)
+    chosen = raw.gather(1, tokens[sel][:, None]) - lsm_norm
+    k = max(meta.params[r].logprobs for r in lp_rows)
+    parts = [ids.double(), chosen[:, 0].double()]
+    if k:
+        top_v, top_i = raw.topk(k, dim=-1)
+        parts += [(top_v - lsm_norm).double().flatten(), top_i.double().flatten()]
+    flat = torch.cat(parts).tolist()  # one copy to the host (ids are exact in float64)
+    b, m = tokens.shape[0], len(lp_rows)
+    token_ids = [int(t) for t in flat[:b]]
+    chosen_l = flat[b:b + m]
+    out: list = [None] * b
+    for j, r in enumerate(lp_rows):
+        n = meta.params[r].logprobs
+        base = b + m
+        tv = flat[base + j * k: base + j * k + n]
+        ti = flat[base + m * k + j * k: base + m * k + j * k + n]
+        out[r] = (chosen_l[j], [(int(t), lp) for t, lp in zip(ti, tv)])
+    return SamplerOutput(token_ids, out)

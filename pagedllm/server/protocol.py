@@ -11,7 +11,9 @@ import math
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, PlainValidator, WithJsonSchema
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, PlainValidator, WithJsonSchema, model_validator
+
+from ..sampling.params import check_limits
 
 # -- strict scalar types -------------------------------------------------------
 
@@ -52,14 +54,15 @@ class _SamplingFields(_Model):
 
     model: str | None = None
     max_tokens: Int | None = Field(default=None, ge=1, le=2**31)
-    temperature: Num | None = Field(default=None, ge=0)
-    top_p: Num | None = Field(default=None, gt=0, le=1)
-    top_k: Int | None = Field(default=None, ge=-1)
-    min_p: Num | None = Field(default=None, ge=0, le=1)
-    presence_penalty: Num | None = Field(default=None, ge=-2, le=2)
-    frequency_penalty: Num | None = Field(default=None, ge=-2, le=2)
-    repetition_penalty: Num | None = Field(default=None, gt=0)
-    n: Int = Field(default=1, ge=1, validation_alias=AliasChoices("n", "n_choices"))
+    # Ranges are checked by SamplingParams' one copy of the limits (see _check_limits).
+    temperature: Num | None = None
+    top_p: Num | None = None
+    top_k: Int | None = None
+    min_p: Num | None = None
+    presence_penalty: Num | None = None
+    frequency_penalty: Num | None = None
+    repetition_penalty: Num | None = None
+    n: Int = Field(default=1, validation_alias=AliasChoices("n", "n_choices"))
     seed: Int | None = Field(default=None, ge=-SEED_LIMIT, le=SEED_LIMIT)
     stop: str | list[str] | None = Field(default=None,
                                          validation_alias=AliasChoices("stop", "stop_seqs"))
@@ -69,6 +72,15 @@ class _SamplingFields(_Model):
     stream_options: StreamOptions | None = None
     user: str | None = None
     logit_bias: dict[str, Num] | None = None
+
+    @model_validator(mode="after")
+    def _check_limits(self):
+        check_limits(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+                     presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                     repetition_penalty=self.repetition_penalty, n=self.n)
+        lp = getattr(self, "top_logprobs", None) if isinstance(self, ChatCompletionRequest) else self.logprobs
+        check_limits(logprobs=lp)
+        return self
 
 
 class TextPart(_Model):
@@ -92,7 +104,7 @@ class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage]
     max_completion_tokens: Int | None = Field(default=None, ge=1, le=2**31)
     logprobs: bool = False
-    top_logprobs: Int | None = Field(default=None, ge=0, le=20)
+    top_logprobs: Int | None = None
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None
     response_format: ResponseFormat | None = None
@@ -102,7 +114,7 @@ class CompletionRequest(_SamplingFields):
     """An OpenAI (legacy) text completion request."""
 
     prompt: str | list[str] | list[Int] | list[list[Int]]
-    logprobs: Int | None = Field(default=None, ge=0, le=20)
+    logprobs: Int | None = None
     echo: bool = False
     best_of: Int | None = Field(default=None, ge=1)
     suffix: str | None = None

@@ -13,7 +13,7 @@ from typing import Any
 import jinja2
 
 from ..outputs import RequestOutput
-from ..sampling.params import SamplingParams
+from ..sampling.params import SamplingParams, SamplingParamsError
 from .protocol import (
     ChatChoice,
     ChatCompletionChunk,
@@ -118,8 +118,8 @@ def sampling_params(req: ChatCompletionRequest | CompletionRequest, ctx: Serving
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
             seed=req.seed, stop=req.stop, stop_token_ids=list(req.stop_token_ids or []),
             ignore_eos=req.ignore_eos, logprobs=logprobs)
-    except ValueError as e:
-        raise ApiError(str(e).removeprefix("invalid SamplingParams: ")) from None
+    except SamplingParamsError as e:
+        raise ApiError(e.message, param=e.param) from None
 
 
 def _message_text(msg: Any, i: int) -> str:
