@@ -241,10 +241,10 @@ def test_every_sampling_flag_documents_its_default(capsys):
             assert "[MODEL]" not in out and "instead of MODEL" not in out
 
 
-def test_isq_is_a_clear_error_until_supported():
-    # A missing model file makes the command fail fast even once ISQ exists: never a server here.
+def test_isq_bad_type_is_a_clear_error():
+    # Refused before anything loads: never a server here.
     r = cli("serve", "--isq", "q4k", "-m", "/nonexistent/model.gguf", timeout=60)
-    assert r.returncode == 2 and "--isq" in r.stderr and "not supported yet" in r.stderr
+    assert r.returncode != 0 and "unsupported ISQ type 'q4k'" in r.stderr and "Q4_K" in r.stderr, r.stderr
 
 
 def test_engine_flags_map_to_llm_kwargs():

@@ -171,3 +171,17 @@ def test_fused_linear_equals_the_unfused_ops(dtype):
     assert got.dtype == dtype and got.shape == (3, n)
     tol = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: a rounding step may land either side
     assert (got.float() - want.float()).abs().max().item() <= tol * want.float().abs().max().item()
+
+
+@pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0", "Q4_K", "Q6_K"])
+def test_a_row_gives_the_same_bits_whatever_the_batch(fmt):
+    """Batch invariance: one activation row's output does not depend on how many rows share the
+    call (1-4 rows take the register path, more the unpacked-row tiles)."""
+    rng = np.random.default_rng(5)
+    cols = 512
+    raw = torch.from_numpy(random_blocks(fmt, 45, cols, rng))
+    x = torch.randn(30, cols)
+    full = ops.quant_matmul(x, [raw], [FORMATS[fmt][0]], cols, 0)
+    for m in (1, 2, 3, 4, 7):
+        part = ops.quant_matmul(x[:m], [raw], [FORMATS[fmt][0]], cols, 0)
+        assert torch.equal(part, full[:m]), (fmt, m)

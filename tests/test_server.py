@@ -1,7 +1,8 @@
 """`pagedllm serve` driven by the real `openai` client (and raw HTTP for the bad requests).
 
 One server process for the module, on a free loopback port, with the default model
-in float32 (batched and single-sequence greedy answers then agree exactly).
+in float32 with dequantized weights (batched and single-sequence greedy answers then agree
+exactly, and answers do not hang on int8-activation near-ties; tests/test_smollm2.py covers those).
 """
 from __future__ import annotations
 
@@ -83,7 +84,7 @@ class ServerProcess:
 def server(tmp_path_factory, smollm2_gguf_path):
     port = free_port()
     srv = ServerProcess(["serve", "--port", str(port), "--api-key", API_KEY, "--pa-gpu-mem", "256",
-                         "--max-model-len", "1024", "--max-seqs", "40", "--dtype", "float32",
+                         "--max-model-len", "1024", "--max-seqs", "40", "--dtype", "float32", "--dequantize-weights",
                          "--log-level", "info"],
                         port, tmp_path_factory.mktemp("server") / "server.log", API_KEY)
     try:

@@ -14,6 +14,7 @@ from torch import nn
 
 from ..attention.metadata import AttentionMetadata
 from ..config import ModelConfig
+from ..quant import kernels as qk
 from ..quant.formats import QuantTensor
 from .linear import Embedding, Linear
 from .rope import RotaryEmbedding, apply_rope
@@ -128,6 +129,8 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(h)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.lm_head.qparts is not None:  # float32 straight from the kernel: no bf16 ties
+            return qk.matmul(hidden, self.lm_head.qparts, out_dtype=torch.float32)
         return self.lm_head(hidden).float()
 
     def attention_modules(self) -> list[Attention]:

@@ -57,8 +57,10 @@ def cpu_kernels():
         import torch
         from torch.utils.cpp_extension import _get_build_directory, load
 
-        # The cache key covers every source file and the flags, so any edit rebuilds.
-        digest = hashlib.sha1(" ".join(FLAGS).encode())
+        # The cache key covers every source file and the flags, so any edit rebuilds, and the
+        # checkout's path: torch's build folder records its sources' paths, so two checkouts
+        # sharing one folder would rebuild each other's kernels on every start.
+        digest = hashlib.sha1(" ".join(FLAGS).encode() + str(SOURCES[0].parent.resolve()).encode())
         for src in SOURCES:
             digest.update(src.name.encode() + src.read_bytes())
         name = f"pagedllm_cpu_{_cpu_key()}_{digest.hexdigest()[:10]}"

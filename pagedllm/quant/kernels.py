@@ -63,20 +63,24 @@ def _isa_id(isa: str | None) -> int:
     return ISA_IDS[isa]
 
 
-def matmul(x: torch.Tensor, parts: list[QuantTensor], isa: str | None = None) -> torch.Tensor:
-    """x [M, K] @ W^T -> [M, N] in x's dtype, W the row-wise concatenation of `parts`."""
+def matmul(x: torch.Tensor, parts: list[QuantTensor], isa: str | None = None,
+           out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x [M, K] @ W^T -> [M, N] in `out_dtype` (default x's), W the row-wise concatenation of
+    `parts`. The integer kernel accumulates in float32, so asking for float32 loses nothing."""
     ops = cpu_kernels()
+    out_dtype = out_dtype or x.dtype
     if x.shape[0] <= INT_ROWS or isa is not None:
         y = ops.quant_matmul(x, [p.data for p in parts], [p.type_id for p in parts], parts[0].shape[1],
                              _isa_id(isa))
-        return y if x.dtype == torch.float32 else y.to(x.dtype)
+        return y if out_dtype == torch.float32 else y.to(out_dtype)
     outs = []
     for w in parts:
         for start in range(0, w.shape[0], TILE_ROWS):
             count = min(TILE_ROWS, w.shape[0] - start)
             tile = ops.quant_dequant(w.data, w.type_id, w.shape[1], None, start, count, x.dtype, 0)
             outs.append(F.linear(x, tile))
-    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+    y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+    return y.to(out_dtype)
 
 
 def linear(x: torch.Tensor, parts: list[QuantTensor], norm, bias: torch.Tensor | None,

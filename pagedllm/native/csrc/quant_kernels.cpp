@@ -457,15 +457,6 @@ inline void unpack_row(const uint8_t* row, int64_t k, uint8_t* q, float* sv, flo
   }
 }
 
-inline float dot_f32(const float* a, const float* b, int64_t n) {
-  __m256 acc = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-  float s = hsum(acc);
-  for (; i < n; ++i) s += a[i] * b[i];
-  return s;
-}
-
 template <int ISA, bool SIGNED, int NR, int MR>
 inline void tile(uint8_t* const* q, float* const* sv, float* const* mv, const QAct& x, int64_t r0,
                  float* y, int64_t ldy, int64_t n) {
@@ -493,9 +484,15 @@ inline void tile(uint8_t* const* q, float* const* sv, float* const* mv, const QA
   }
   for (int i = 0; i < NR; ++i)
     for (int r = 0; r < MR; ++r) {
-      float v = hsum(acc[i][r]);
-      if (!SIGNED) v += dot_f32(mv[i], x.ds16.data() + (r0 + r) * k16, k16);
-      y[(r0 + r) * ldy + n + i] = v;
+      // The offsets' term summed chunk by chunk with explicit fmas, exactly as gemv_direct
+      // does: a row's result must not depend on how many rows share the call (batch
+      // invariance: a seeded request gives the same tokens alone and in a batch).
+      float macc = 0.f;
+      if (!SIGNED) {
+        const float* ds = x.ds16.data() + (r0 + r) * k16;
+        for (int64_t g = 0; g < k16; g += 2) macc = std::fma(mv[i][g + 1], ds[g + 1], std::fma(mv[i][g], ds[g], macc));
+      }
+      y[(r0 + r) * ldy + n + i] = hsum(acc[i][r]) + macc;
     }
 }
 
@@ -598,7 +595,7 @@ void gemv_direct(const uint8_t* w, int64_t rb, int64_t n0, int64_t n1, const QAc
           const __m256i av = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.a.data() + c * 32));
           const __m256i p = ISA == AVX512VNNI ? dot_vnni<SIGNED>(wv, av) : dot_avx2<SIGNED>(wv, av);
           acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(sv, _mm256_set1_ps(x.d[c])), acc[r]);
-          if (!SIGNED) macc[r] += mn[2 * j] * x.ds16[2 * c] + mn[2 * j + 1] * x.ds16[2 * c + 1];
+          if (!SIGNED) macc[r] = std::fma(mn[2 * j + 1], x.ds16[2 * c + 1], std::fma(mn[2 * j], x.ds16[2 * c], macc[r]));
         }
       }
     }
