@@ -357,6 +357,9 @@ struct QAct {
   std::vector<float> d;
   std::vector<int32_t> s16;
   std::vector<float> ds16;  // d * s16: what the weights' offsets multiply
+  // Per 32 values, 8 floats: ds16 of the first 16 in lane 0 and of the second in lane 4, zeros
+  // elsewhere, so the offsets' term is one vector fma per chunk with no serial scalar chain.
+  std::vector<float> msv;
   int64_t m = 0, k = 0;
 };
 
@@ -368,6 +371,7 @@ void quantize_rows(const T* x, int64_t m, int64_t k, QAct& out) {
   out.d.resize(m * (k / 32));
   out.s16.resize(m * (k / 16));
   out.ds16.resize(m * (k / 16));
+  out.msv.assign(m * (k / 32) * 8, 0.f);
   at::parallel_for(0, m * (k / 32), 64, [&](int64_t b, int64_t e) {
     for (int64_t c = b; c < e; ++c) {
       const T* src = x + c * 32;  // rows are contiguous, k % 32 == 0
@@ -391,6 +395,8 @@ void quantize_rows(const T* x, int64_t m, int64_t k, QAct& out) {
       out.s16[2 * c + 1] = s1;
       out.ds16[2 * c] = d * static_cast<float>(s0);
       out.ds16[2 * c + 1] = d * static_cast<float>(s1);
+      out.msv[c * 8] = out.ds16[2 * c];
+      out.msv[c * 8 + 4] = out.ds16[2 * c + 1];
     }
   });
 }
@@ -452,48 +458,44 @@ inline void unpack_row(const uint8_t* row, int64_t k, uint8_t* q, float* sv, flo
     for (int j = 0; j < VALS / 32; ++j) {
       _mm256_store_ps(sv + (blk * (VALS / 32) + j) * 8,
                       _mm256_set_m128(_mm_set1_ps(sc[2 * j + 1]), _mm_set1_ps(sc[2 * j])));
+      _mm256_store_ps(mv + (blk * (VALS / 32) + j) * 8,
+                      _mm256_set_m128(_mm_set1_ps(mn[2 * j + 1]), _mm_set1_ps(mn[2 * j])));
     }
-    std::memcpy(mv + blk * (VALS / 16), mn, sizeof(float) * (VALS / 16));
   }
 }
 
 template <int ISA, bool SIGNED, int NR, int MR>
 inline void tile(uint8_t* const* q, float* const* sv, float* const* mv, const QAct& x, int64_t r0,
                  float* y, int64_t ldy, int64_t n) {
-  const int64_t kc = x.k / 32, k16 = x.k / 16;
-  __m256 acc[NR][MR];
+  const int64_t kc = x.k / 32;
+  __m256 acc[NR][MR], macc[NR][MR];
   for (int i = 0; i < NR; ++i)
-    for (int r = 0; r < MR; ++r) acc[i][r] = _mm256_setzero_ps();
+    for (int r = 0; r < MR; ++r) acc[i][r] = macc[i][r] = _mm256_setzero_ps();
   const int8_t* a0 = x.a.data() + r0 * x.k;
   const float* d0 = x.d.data() + r0 * kc;
   for (int64_t c = 0; c < kc; ++c) {
     __m256i w[NR];
-    __m256 s[NR];
+    __m256 s[NR], mw[NR];
     for (int i = 0; i < NR; ++i) {
       w[i] = _mm256_load_si256(reinterpret_cast<const __m256i*>(q[i] + 32 * c));
       s[i] = _mm256_load_ps(sv[i] + 8 * c);
+      if (!SIGNED) mw[i] = _mm256_load_ps(mv[i] + 8 * c);
     }
     for (int r = 0; r < MR; ++r) {
       const __m256i av = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a0 + r * x.k + 32 * c));
       const __m256 d = _mm256_broadcast_ss(d0 + r * kc + c);
+      const __m256 ms = SIGNED ? d : _mm256_loadu_ps(x.msv.data() + ((r0 + r) * kc + c) * 8);
       for (int i = 0; i < NR; ++i) {
         const __m256i p = ISA == AVX512VNNI ? dot_vnni<SIGNED>(w[i], av) : dot_avx2<SIGNED>(w[i], av);
         acc[i][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(s[i], d), acc[i][r]);
+        if (!SIGNED) macc[i][r] = _mm256_fmadd_ps(mw[i], ms, macc[i][r]);
       }
     }
   }
+  // hsum(dots) + hsum(offsets), the same expression as gemv_direct: a row's result does not
+  // depend on how many rows share the call (batch invariance).
   for (int i = 0; i < NR; ++i)
-    for (int r = 0; r < MR; ++r) {
-      // The offsets' term summed chunk by chunk with explicit fmas, exactly as gemv_direct
-      // does: a row's result must not depend on how many rows share the call (batch
-      // invariance: a seeded request gives the same tokens alone and in a batch).
-      float macc = 0.f;
-      if (!SIGNED) {
-        const float* ds = x.ds16.data() + (r0 + r) * k16;
-        for (int64_t g = 0; g < k16; g += 2) macc = std::fma(mv[i][g + 1], ds[g + 1], std::fma(mv[i][g], ds[g], macc));
-      }
-      y[(r0 + r) * ldy + n + i] = hsum(acc[i][r]) + macc;
-    }
+    for (int r = 0; r < MR; ++r) y[(r0 + r) * ldy + n + i] = hsum(acc[i][r]) + hsum(macc[i][r]);
 }
 
 template <int ISA, bool SIGNED, int NR>
@@ -514,12 +516,13 @@ void gemv_fast(const uint8_t* w, int64_t rb, int64_t n0, int64_t n1, const QAct&
   const int64_t qa = (k + 63) / 64 * 64, sa = (k / 32 * 8 + 15) / 16 * 16;
   if (static_cast<int64_t>(qbuf.size()) < 2 * qa + 64) qbuf.resize(2 * qa + 64);
   if (static_cast<int64_t>(sbuf.size()) < 2 * sa + 16) sbuf.resize(2 * sa + 16);
-  if (static_cast<int64_t>(mbuf.size()) < 2 * (k / 16)) mbuf.resize(2 * (k / 16));
+  if (static_cast<int64_t>(mbuf.size()) < 2 * sa + 16) mbuf.resize(2 * sa + 16);
   uint8_t* qb = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(qbuf.data()) + 63) & ~uintptr_t{63});
   float* sb = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(sbuf.data()) + 63) & ~uintptr_t{63});
   uint8_t* q[2] = {qb, qb + qa};
   float* sv[2] = {sb, sb + sa};
-  float* mv[2] = {mbuf.data(), mbuf.data() + k / 16};
+  float* mb = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(mbuf.data()) + 63) & ~uintptr_t{63});
+  float* mv[2] = {mb, mb + sa};
   int64_t n = n0;
   for (; n + 2 <= n1; n += 2) {
     unpack_row<TYPE>(w + n * rb, k, q[0], sv[0], mv[0]);
@@ -580,26 +583,26 @@ void gemv_direct(const uint8_t* w, int64_t rb, int64_t n0, int64_t n1, const QAc
   float sc[16], mn[16];
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = w + n * rb;
-    __m256 acc[MR];
-    float macc[MR];
-    for (int r = 0; r < MR; ++r) { acc[r] = _mm256_setzero_ps(); macc[r] = 0.f; }
+    __m256 acc[MR], macc[MR];
+    for (int r = 0; r < MR; ++r) acc[r] = macc[r] = _mm256_setzero_ps();
     for (int64_t blk = 0; blk < nblk; ++blk) {
       const uint8_t* b = row + blk * f.bytes;
       block_scales(TYPE, b, sc, mn);
       for (int j = 0; j < NCH; ++j) {
         const __m256i wv = unpack_chunk<TYPE>(b, j);
         const __m256 sv = K ? _mm256_set_m128(_mm_set1_ps(sc[2 * j + 1]), _mm_set1_ps(sc[2 * j])) : _mm256_set1_ps(sc[0]);
+        const __m256 mw = K ? _mm256_set_m128(_mm_set1_ps(mn[2 * j + 1]), _mm_set1_ps(mn[2 * j])) : _mm256_set1_ps(mn[0]);
         const int64_t c0 = blk * NCH + j;
         for (int r = 0; r < MR; ++r) {
           const int64_t c = r * kc + c0;
           const __m256i av = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.a.data() + c * 32));
           const __m256i p = ISA == AVX512VNNI ? dot_vnni<SIGNED>(wv, av) : dot_avx2<SIGNED>(wv, av);
           acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(sv, _mm256_set1_ps(x.d[c])), acc[r]);
-          if (!SIGNED) macc[r] = std::fma(mn[2 * j + 1], x.ds16[2 * c + 1], std::fma(mn[2 * j], x.ds16[2 * c], macc[r]));
+          if (!SIGNED) macc[r] = _mm256_fmadd_ps(mw, _mm256_loadu_ps(x.msv.data() + c * 8), macc[r]);
         }
       }
     }
-    for (int r = 0; r < MR; ++r) y[r * ldy + n] = hsum(acc[r]) + macc[r];
+    for (int r = 0; r < MR; ++r) y[r * ldy + n] = hsum(acc[r]) + hsum(macc[r]);
   }
 }
 
