@@ -22,6 +22,7 @@ from ..loading.loader import LoadedModel
 from ..outputs import CompletionOutput, RequestMetrics, RequestOutput
 from ..sampling.params import SamplingParams
 from ..sampling.sampler import Sampler
+from ..structured.grammar import GrammarEngine, advance as grammar_advance
 from ..tokenizer import IncrementalDetokenizer
 from .block_manager import BlockManager
 from .model_runner import ModelRunner
@@ -94,6 +95,9 @@ class LLMEngine:
         window = cfg.sliding_window if cfg.all_layers_sliding else None
         self.scheduler = Scheduler(sched_cfg, self.block_manager, window)
         self.runner = ModelRunner(self.model, backend, cache_cfg.block_size, device, Sampler(device, seed))
+        # Structured output; llguidance's token trie is built on the first constrained request.
+        self.structured = GrammarEngine(self.tokenizer, cfg.vocab_size, sorted(self.eos_token_ids))
+        self.runner.structured = self.structured
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.stats = {"prompt_tokens": 0, "generated_tokens": 0, "steps": 0}
@@ -119,9 +123,11 @@ class LLMEngine:
         rid = request_id if request_id is not None else str(next(self._ids))
         if rid in self.requests:
             raise ValueError(f"request id {rid!r} is already in use")
+        matchers = (self.structured.matchers(params.structured, params.n) if params.structured
+                    else [None] * params.n)
         seqs = []
         for i in range(params.n):
-            seq = Sequence(rid, prompt_token_ids, params, prompt=text, index=i)
+            seq = Sequence(rid, prompt_token_ids, params, prompt=text, index=i, grammar=matchers[i])
             if params.seed is not None:
                 seq.generator = torch.Generator(device=self.device)
                 seq.generator.manual_seed(params.seed + i)
@@ -327,6 +333,7 @@ class LLMEngine:
             seq.logprobs = (seq.logprobs or []) + [{"token_id": tok, "logprob": lp[0], "top": lp[1]}]
         p = seq.params
         is_eos = tok in self.eos_token_ids and not p.ignore_eos
+        grammar_done = seq.grammar is not None and not is_eos and grammar_advance(seq.grammar, tok)
         if not is_eos:
             seq.text += st.detok.add([tok])
         if is_eos:
@@ -335,6 +342,8 @@ class LLMEngine:
             seq.finish_reason, seq.stop_reason = "stop", tok
         elif p.stop and self._hit_stop_string(seq):
             pass
+        elif grammar_done:  # the grammar is complete: nothing but EOS could follow
+            seq.finish_reason, seq.stop_reason = "stop", None
         elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.sched_config.max_model_len:
             seq.finish_reason = "length"
         if seq.finish_reason is not None:

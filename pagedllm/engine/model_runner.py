@@ -20,6 +20,7 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.sampler = sampler
+        self.structured = None  # a GrammarEngine, set by the engine
         for i, attn in enumerate(model.attention_modules()):
             attn.attn = backend.layer(i, attn.window, attn.scale)
 
@@ -70,11 +71,6 @@ class ModelRunner:
         # Decodes go first so the attention backend can batch them.
         batch = sorted(batch, key=lambda it: not _is_decode(it))
         input_ids, positions, meta, logits_idx = self.prepare(batch)
-        hidden = self.model(input_ids, positions, meta)
-        if not logits_idx:
-            return None
-        idx = torch.tensor(logits_idx, dtype=torch.int64, device=self.device)
-        logits = self.model.compute_logits(hidden.index_select(0, idx))
         # One row per sampling sequence; n > 1 siblings waiting to fork sample from their
         # parent's row (the prompt is computed once).
         sampling_seqs, rows = [], []
@@ -82,8 +78,17 @@ class ModelRunner:
             for s in (seq, *seq.fork_children):
                 sampling_seqs.append(s)
                 rows.append(k)
+        # Grammar masks are computed on another thread while the forward runs.
+        masks = self.structured.start_masks(sampling_seqs) if self.structured else None
+        hidden = self.model(input_ids, positions, meta)
+        if not logits_idx:
+            return None
+        idx = torch.tensor(logits_idx, dtype=torch.int64, device=self.device)
+        logits = self.model.compute_logits(hidden.index_select(0, idx))
         if len(rows) != logits.shape[0]:
             logits = logits[torch.tensor(rows, device=self.device)]
+        if masks is not None:
+            logits = masks.apply(logits)
         out = self.sampler(logits, sampling_seqs)
         out.seqs = sampling_seqs
         return out

@@ -5,6 +5,7 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -50,6 +51,7 @@ class Sequence:
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of its full blocks
     fork_children: list["Sequence"] = field(default_factory=list)  # n > 1: siblings to fork
     generator: torch.Generator | None = None
+    grammar: Any = None  # structured output: this stream's llguidance matcher
     times: SequenceTimes = field(default_factory=SequenceTimes)
     # Filled by the output processor.
     text: str = ""

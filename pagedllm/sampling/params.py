@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..structured.params import StructuredOutputs
+
 
 @dataclass
 class SamplingParams:
@@ -21,6 +23,8 @@ class SamplingParams:
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     logprobs: int | None = None  # number of top logprobs to return per token
+    # Constrain the output (JSON schema, regex, choice, grammar): a StructuredOutputs or a dict.
+    structured: StructuredOutputs | dict | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -28,6 +32,10 @@ class SamplingParams:
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.validate()
+        try:
+            self.structured = StructuredOutputs.coerce(self.structured)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"invalid SamplingParams: {e}") from None
 
     def validate(self) -> None:
         def bad(msg: str) -> None:

@@ -292,6 +292,13 @@ def create_app(llm: Any, config: ServerConfig | None = None) -> FastAPI:
         app.add_middleware(AuthMiddleware, api_key=cfg.api_key)
 
     async def submit(items: list) -> Submission:
+        # A grammar is checked (and llguidance's token trie built, once) off the engine thread.
+        specs = {id(p.structured): p.structured for _, _, p in items if p.structured is not None}
+        for spec in specs.values():
+            try:
+                await asyncio.to_thread(llm.engine.structured.compile, spec)
+            except ValueError as e:
+                raise ApiError(str(e), param="response_format") from None
         try:
             return await engine.submit(items)
         except ValueError as e:

@@ -69,6 +69,9 @@ class _SamplingFields(_Model):
     stream_options: StreamOptions | None = None
     user: str | None = None
     logit_bias: dict[str, Num] | None = None
+    # Structured output: OpenAI's field, and vLLM's (`guided_*` are read from the extra fields).
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict | None = None
 
 
 class TextPart(_Model):
@@ -84,6 +87,7 @@ class ChatMessage(_Model):
 
 class ResponseFormat(_Model):
     type: str = "text"
+    json_schema: dict | None = None  # {"name", "schema", "strict"} for type "json_schema"
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -95,7 +99,6 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: Int | None = Field(default=None, ge=0, le=20)
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None
-    response_format: ResponseFormat | None = None
 
 
 class CompletionRequest(_SamplingFields):

@@ -14,6 +14,7 @@ import jinja2
 
 from ..outputs import RequestOutput
 from ..sampling.params import SamplingParams
+from ..structured import openai as structured_api
 from .protocol import (
     ChatChoice,
     ChatCompletionChunk,
@@ -100,11 +101,31 @@ def _common_checks(req: ChatCompletionRequest | CompletionRequest, ctx: ServingC
         raise ApiError("stop strings must be non-empty", param="stop")
 
 
+def structured_outputs(req: ChatCompletionRequest | CompletionRequest):
+    rf = req.response_format.model_dump() if req.response_format is not None else None
+    extra = dict(req.model_extra or {})
+    extra["structured_outputs"] = req.structured_outputs
+    try:
+        return structured_api.from_request(rf, extra)
+    except structured_api.StructuredRequestError as e:
+        raise ApiError(str(e), param=e.param) from None
+
+
+def check_context(ctx: ServingContext, prompt_len: int, max_tokens: int | None, where: str) -> None:
+    """OpenAI's refusal (and message) for a prompt plus max_tokens past the context."""
+    if max_tokens is not None and prompt_len + max_tokens > ctx.max_model_len:
+        raise ApiError(f"This model's maximum context length is {ctx.max_model_len} tokens. However, "
+                       f"you requested {prompt_len + max_tokens} tokens ({prompt_len} in the {where}, "
+                       f"{max_tokens} in the completion). Please reduce the length of the {where} "
+                       "or completion.", param="max_tokens", code="context_length_exceeded")
+
+
 def sampling_params(req: ChatCompletionRequest | CompletionRequest, ctx: ServingContext,
                     prompt_len: int, max_tokens: int | None, default_max_tokens: int | None,
                     logprobs: int | None) -> SamplingParams:
     if max_tokens is None:
         max_tokens = default_max_tokens or ctx.default_max_tokens(prompt_len, req.n)
+    structured = structured_outputs(req)
     top_k = req.top_k if req.top_k is not None else -1
     try:
         return SamplingParams(
@@ -117,7 +138,7 @@ def sampling_params(req: ChatCompletionRequest | CompletionRequest, ctx: Serving
             frequency_penalty=req.frequency_penalty or 0.0,
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
             seed=req.seed, stop=req.stop, stop_token_ids=list(req.stop_token_ids or []),
-            ignore_eos=req.ignore_eos, logprobs=logprobs)
+            ignore_eos=req.ignore_eos, logprobs=logprobs, structured=structured)
     except ValueError as e:
         raise ApiError(str(e).removeprefix("invalid SamplingParams: ")) from None
 
@@ -160,13 +181,11 @@ def prepare_chat(req: ChatCompletionRequest, ctx: ServingContext) -> tuple[list[
     _common_checks(req, ctx, 1)
     if req.tools:
         raise ApiError("tools are not supported", param="tools")
-    if req.response_format is not None and req.response_format.type != "text":
-        raise ApiError(f"response_format {req.response_format.type!r} is not supported; only 'text'",
-                       param="response_format")
     if req.top_logprobs is not None and not req.logprobs:
         raise ApiError("top_logprobs needs logprobs to be true", param="top_logprobs")
     ids = chat_prompt(req, ctx)
     max_tokens = req.max_completion_tokens or req.max_tokens
+    check_context(ctx, len(ids), max_tokens, "messages")
     lp = (req.top_logprobs or 0) if req.logprobs else None
     return ids, sampling_params(req, ctx, len(ids), max_tokens, None, lp)
 
@@ -194,6 +213,10 @@ def prepare_completion(req: CompletionRequest, ctx: ServingContext
         raise ApiError("echo together with logprobs is not supported", param="echo")
     if any(isinstance(p, str) and not p for p in prompts):
         raise ApiError("prompt is empty: give at least one character or token id", param="prompt")
+    if req.max_tokens is not None:
+        for p in prompts:
+            n = len(p) if isinstance(p, list) else len(ctx.tokenizer.encode(p))
+            check_context(ctx, n, req.max_tokens, "prompt")
     # OpenAI's default of 16 tokens for text completions, so the prompt length is not needed.
     params = [sampling_params(req, ctx, 0, req.max_tokens, 16, req.logprobs) for _ in prompts]
     return prompts, params
