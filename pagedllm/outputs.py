@@ -55,6 +55,9 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     num_cached_tokens: int = 0
+    # SamplingParams(prompt_logprobs=k), as in vLLM: one entry per prompt token, None for the
+    # first; each maps the prompt token and the k most likely tokens at that place to logprobs.
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     # Shortcuts to the first completion, for the common n=1 case.
     @property

@@ -23,6 +23,7 @@ class SamplingParams:
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     logprobs: int | None = None  # number of top logprobs to return per token
+    prompt_logprobs: int | None = None  # the same for every prompt token (vLLM); 0: the token's own
     # Constrain the output (JSON schema, regex, choice, grammar): a StructuredOutputs or a dict.
     structured: StructuredOutputs | dict | None = None
 
@@ -43,8 +44,13 @@ class SamplingParams:
 
         if not isinstance(self.n, int) or self.n < 1:
             bad(f"n must be an integer >= 1, got {self.n!r}")
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            bad(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if self.prompt_logprobs is not None and not (0 <= self.prompt_logprobs <= 20):
+            bad(f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}")
+        # max_tokens=0 scores the prompt only (echo + logprobs), so it needs prompt_logprobs.
+        least = 0 if self.prompt_logprobs is not None else 1
+        if not isinstance(self.max_tokens, int) or self.max_tokens < least:
+            bad(f"max_tokens must be an integer >= {least}, got {self.max_tokens!r}"
+                + (" (0 is allowed with prompt_logprobs)" if self.max_tokens == 0 else ""))
         if self.temperature < 0:
             bad(f"temperature must be >= 0 (0 means greedy), got {self.temperature}")
         if not (0 < self.top_p <= 1):

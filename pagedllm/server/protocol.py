@@ -105,6 +105,7 @@ class CompletionRequest(_SamplingFields):
     """An OpenAI (legacy) text completion request."""
 
     prompt: str | list[str] | list[Int] | list[list[Int]]
+    max_tokens: Int | None = Field(default=None, ge=0, le=2**31)  # 0: echo the scored prompt only
     logprobs: Int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
     best_of: Int | None = Field(default=None, ge=1)
@@ -197,8 +198,9 @@ class ChatCompletionChunk(BaseModel):
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    # None for the first echoed prompt token, which nothing predicts.
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
     text_offset: list[int] = Field(default_factory=list)
 
 

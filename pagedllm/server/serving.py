@@ -122,7 +122,7 @@ def check_context(ctx: ServingContext, prompt_len: int, max_tokens: int | None, 
 
 def sampling_params(req: ChatCompletionRequest | CompletionRequest, ctx: ServingContext,
                     prompt_len: int, max_tokens: int | None, default_max_tokens: int | None,
-                    logprobs: int | None) -> SamplingParams:
+                    logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
     if max_tokens is None:
         max_tokens = default_max_tokens or ctx.default_max_tokens(prompt_len, req.n)
     structured = structured_outputs(req)
@@ -138,7 +138,8 @@ def sampling_params(req: ChatCompletionRequest | CompletionRequest, ctx: Serving
             frequency_penalty=req.frequency_penalty or 0.0,
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
             seed=req.seed, stop=req.stop, stop_token_ids=list(req.stop_token_ids or []),
-            ignore_eos=req.ignore_eos, logprobs=logprobs, structured=structured)
+            ignore_eos=req.ignore_eos, logprobs=logprobs, structured=structured,
+            prompt_logprobs=prompt_logprobs)
     except ValueError as e:
         raise ApiError(str(e).removeprefix("invalid SamplingParams: ")) from None
 
@@ -209,8 +210,8 @@ def prepare_completion(req: CompletionRequest, ctx: ServingContext
         raise ApiError("suffix is not supported", param="suffix")
     if req.best_of is not None and req.best_of != req.n:
         raise ApiError("best_of is not supported (other than best_of == n)", param="best_of")
-    if req.echo and req.logprobs is not None:
-        raise ApiError("echo together with logprobs is not supported", param="echo")
+    if req.max_tokens == 0 and not req.echo:
+        raise ApiError("max_tokens 0 only makes sense with echo (to score the prompt)", param="max_tokens")
     if any(isinstance(p, str) and not p for p in prompts):
         raise ApiError("prompt is empty: give at least one character or token id", param="prompt")
     if req.max_tokens is not None:
@@ -218,7 +219,10 @@ def prepare_completion(req: CompletionRequest, ctx: ServingContext
             n = len(p) if isinstance(p, list) else len(ctx.tokenizer.encode(p))
             check_context(ctx, n, req.max_tokens, "prompt")
     # OpenAI's default of 16 tokens for text completions, so the prompt length is not needed.
-    params = [sampling_params(req, ctx, 0, req.max_tokens, 16, req.logprobs) for _ in prompts]
+    # Echo with logprobs scores the prompt too (how evaluation harnesses get loglikelihoods).
+    scored = req.echo and (req.logprobs is not None or req.max_tokens == 0)
+    params = [sampling_params(req, ctx, 0, req.max_tokens, 16, req.logprobs,
+                              prompt_logprobs=(req.logprobs or 0) if scored else None) for _ in prompts]
     return prompts, params
 
 
@@ -278,6 +282,26 @@ def chat_logprobs(entries: list[dict], tt: TokenText) -> ChatLogprobs:
         content.append(TokenLogprob(token=tt.text(tid), logprob=e["logprob"],
                                     bytes=list(tt.bytes(tid)), top_logprobs=tops))
     return ChatLogprobs(content=content)
+
+
+def prompt_logprobs(out: RequestOutput, tt: TokenText) -> CompletionLogprobs:
+    """The echoed prompt's tokens and logprobs (None for the first, as OpenAI sends them)."""
+    lp = CompletionLogprobs()
+    offset = 0
+    for tid, entry in zip(out.prompt_token_ids, out.prompt_logprobs or []):
+        tok = tt.text(tid)
+        lp.tokens.append(tok)
+        lp.token_logprobs.append(None if entry is None else entry[tid])
+        lp.top_logprobs.append(None if entry is None else {tt.text(t): v for t, v in entry.items()})
+        lp.text_offset.append(offset)
+        offset += len(tok)
+    return lp
+
+
+def join_logprobs(a: CompletionLogprobs, b: CompletionLogprobs) -> CompletionLogprobs:
+    return CompletionLogprobs(tokens=a.tokens + b.tokens, token_logprobs=a.token_logprobs + b.token_logprobs,
+                              top_logprobs=a.top_logprobs + b.top_logprobs,
+                              text_offset=a.text_offset + b.text_offset)
 
 
 def completion_logprobs(entries: list[dict], tt: TokenText, offset: int) -> CompletionLogprobs:
@@ -341,6 +365,8 @@ def completion_response(rid: str, model: str, finals: list[RequestOutput], n: in
         prefix = echo[p] if echo else ""
         for c in out.outputs:
             lp = completion_logprobs(c.logprobs or [], tt, len(prefix)) if tt is not None else None
+            if lp is not None and echo and out.prompt_logprobs is not None:
+                lp = join_logprobs(prompt_logprobs(out, tt), lp)
             choices.append(CompletionChoice(index=p * n + c.index, text=prefix + c.text,
                                             logprobs=lp, finish_reason=c.finish_reason))
     return CompletionResponse(id=rid, model=model, choices=choices, usage=usage_from(finals),
@@ -424,14 +450,18 @@ class CompletionStreamer:
             st = self.states.setdefault(idx, _ChoiceState())
             if st.done:
                 continue
-            prefix = ""
+            prefix, echoed_lp = "", None
             if self.echo and not st.echoed:
                 prefix, st.echoed = self.echo[p], True
+                if self.tt is not None and out.prompt_logprobs is not None:
+                    echoed_lp = prompt_logprobs(out, self.tt)
             text = prefix + c.delta_text
             lp = None
             if self.tt is not None and c.logprobs and len(c.logprobs) > st.sent_logprobs:
                 lp = completion_logprobs(c.logprobs[st.sent_logprobs:], self.tt, st.text_len + len(prefix))
                 st.sent_logprobs = len(c.logprobs)
+            if echoed_lp is not None:
+                lp = join_logprobs(echoed_lp, lp or CompletionLogprobs())
             if not text and lp is None and c.finish_reason is None:
                 continue
             st.text_len += len(text)
