@@ -83,6 +83,8 @@ class ChatMessage(_Model):
     role: str
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[dict] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: which call it answers
 
 
 class ResponseFormat(_Model):
@@ -99,6 +101,7 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: Int | None = Field(default=None, ge=0, le=20)
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -151,6 +154,8 @@ class ChatLogprobs(BaseModel):
 class ResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    # [{"id", "type": "function", "function": {"name", "arguments"}}]; absent without calls
+    tool_calls: list[dict] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -177,6 +182,8 @@ class ChatCompletionResponse(BaseModel):
 class Delta(BaseModel):
     role: str | None = None
     content: str | None = None
+    # [{"index", "id", "type", "function": {"name", "arguments"}}], as OpenAI streams them
+    tool_calls: list[dict] | None = None
 
 
 class ChunkChoice(BaseModel):

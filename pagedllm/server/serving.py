@@ -14,7 +14,7 @@ import jinja2
 
 from ..outputs import RequestOutput
 from ..sampling.params import SamplingParams
-from ..structured import openai as structured_api
+from ..structured import openai as structured_api, tools as tool_api
 from .protocol import (
     ChatChoice,
     ChatCompletionChunk,
@@ -159,7 +159,16 @@ def _message_text(msg: Any, i: int) -> str:
     return "".join(parts)
 
 
-def chat_prompt(req: ChatCompletionRequest, ctx: ServingContext) -> list[int]:
+def tool_plan(req: ChatCompletionRequest, ctx: ServingContext) -> tool_api.ToolPlan | None:
+    try:
+        return tool_api.plan(req.tools, req.tool_choice, req.parallel_tool_calls,
+                             getattr(ctx.tokenizer, "chat_template", None))
+    except structured_api.StructuredRequestError as e:
+        raise ApiError(str(e), param=e.param) from None
+
+
+def chat_prompt(req: ChatCompletionRequest, ctx: ServingContext,
+                plan: tool_api.ToolPlan | None = None) -> list[int]:
     if not req.messages:
         raise ApiError("messages must hold at least one message", param="messages")
     messages = []
@@ -170,9 +179,20 @@ def chat_prompt(req: ChatCompletionRequest, ctx: ServingContext) -> list[int]:
         msg = {"role": "system" if m.role == "developer" else m.role, "content": _message_text(m, i)}
         if m.name:
             msg["name"] = m.name
+        if m.tool_calls:
+            msg["tool_calls"] = m.tool_calls
+        if m.role == "tool":
+            if not m.tool_call_id:
+                raise ApiError("a tool message needs tool_call_id (the id of the call it answers)",
+                               param=f"messages.{i}.tool_call_id")
+            msg["tool_call_id"] = m.tool_call_id
         messages.append(msg)
+    template = getattr(ctx.tokenizer, "chat_template", None)
+    messages = tool_api.template_messages(messages, plan, template)
+    extra = {"tools": plan.tools} if plan is not None else {}
     try:
-        return ctx.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return ctx.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                 **extra)
     except (ValueError, jinja2.TemplateError) as e:
         raise ApiError(f"cannot format the messages with the model's chat template: {e}",
                        param="messages") from None
@@ -180,15 +200,21 @@ def chat_prompt(req: ChatCompletionRequest, ctx: ServingContext) -> list[int]:
 
 def prepare_chat(req: ChatCompletionRequest, ctx: ServingContext) -> tuple[list[int], SamplingParams]:
     _common_checks(req, ctx, 1)
-    if req.tools:
-        raise ApiError("tools are not supported", param="tools")
     if req.top_logprobs is not None and not req.logprobs:
         raise ApiError("top_logprobs needs logprobs to be true", param="top_logprobs")
-    ids = chat_prompt(req, ctx)
+    plan = tool_plan(req, ctx)
+    ids = chat_prompt(req, ctx, plan)
     max_tokens = req.max_completion_tokens or req.max_tokens
     check_context(ctx, len(ids), max_tokens, "messages")
     lp = (req.top_logprobs or 0) if req.logprobs else None
-    return ids, sampling_params(req, ctx, len(ids), max_tokens, None, lp)
+    params = sampling_params(req, ctx, len(ids), max_tokens, None, lp)
+    forced = plan.grammar() if plan is not None else None
+    if forced is not None:
+        if params.structured is not None:
+            raise ApiError("a forced tool call and response_format both constrain the output; give one",
+                           param="tool_choice")
+        params.structured = forced
+    return ids, params
 
 
 def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
@@ -348,12 +374,31 @@ def usage_from(finals: list[RequestOutput]) -> Usage:
 # -- whole responses -----------------------------------------------------------------
 
 
-def chat_response(rid: str, model: str, final: RequestOutput, tt: TokenText | None) -> ChatCompletionResponse:
+def _tool_call_dicts(calls: list[tool_api.ToolCall], start: int = 0, stream: bool = False) -> list[dict]:
+    out = []
+    for i, c in enumerate(calls):
+        d = {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+        out.append({"index": start + i, **d} if stream else d)
+    return out
+
+
+def _finish_reason(reason: str | None, plan: tool_api.ToolPlan | None, called: bool) -> str | None:
+    # OpenAI: "tool_calls" when the model chose to call; a forced named call ends with "stop".
+    if called and reason == "stop" and plan is not None and plan.mode != "named":
+        return "tool_calls"
+    return reason
+
+
+def chat_response(rid: str, model: str, final: RequestOutput, tt: TokenText | None,
+                  tools: tool_api.ToolPlan | None = None) -> ChatCompletionResponse:
     choices = []
     for c in final.outputs:
         lp = chat_logprobs(c.logprobs or [], tt) if tt is not None else None
-        choices.append(ChatChoice(index=c.index, message=ResponseMessage(content=c.text),
-                                  logprobs=lp, finish_reason=c.finish_reason))
+        content, calls = (tool_api.parse(c.text, tools.fmt) if tools is not None and tools.parses
+                          else (c.text, []))
+        msg = ResponseMessage(content=content, tool_calls=_tool_call_dicts(calls) or None)
+        choices.append(ChatChoice(index=c.index, message=msg, logprobs=lp,
+                                  finish_reason=_finish_reason(c.finish_reason, tools, bool(calls))))
     return ChatCompletionResponse(id=rid, model=model, choices=choices, usage=usage_from([final]),
                                   system_fingerprint=SYSTEM_FINGERPRINT)
 
@@ -392,10 +437,14 @@ class ChatStreamer:
     model: str
     n: int
     tt: TokenText | None = None  # set when logprobs were asked for
+    tools: tool_api.ToolPlan | None = None  # set when the answer may hold tool calls
     states: list[_ChoiceState] = field(default_factory=list)
+    parsers: list[tool_api.StreamParser] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.states = [_ChoiceState() for _ in range(self.n)]
+        if self.tools is not None and self.tools.parses:
+            self.parsers = [tool_api.StreamParser(self.tools.fmt) for _ in range(self.n)]
 
     def _chunk(self, choices: list[ChunkChoice], usage: Usage | None = None) -> ChatCompletionChunk:
         return ChatCompletionChunk(id=self.rid, model=self.model, choices=choices, usage=usage,
@@ -415,11 +464,25 @@ class ChatStreamer:
             if self.tt is not None and c.logprobs and len(c.logprobs) > st.sent_logprobs:
                 lp = chat_logprobs(c.logprobs[st.sent_logprobs:], self.tt)
                 st.sent_logprobs = len(c.logprobs)
-            if not c.delta_text and lp is None and c.finish_reason is None:
+            text, calls, reason = c.delta_text, [], c.finish_reason
+            if self.parsers:
+                parser = self.parsers[c.index]
+                called_before = parser.calls
+                text, calls = parser.feed(c.delta_text)
+                if c.finish_reason is not None:
+                    more_text, more_calls = parser.finish()
+                    text, calls = text + more_text, calls + more_calls
+                tool_deltas = _tool_call_dicts(calls, called_before, stream=True)
+                reason = _finish_reason(c.finish_reason, self.tools, parser.calls > 0)
+            if not text and not calls and lp is None and reason is None:
                 continue
-            st.done = c.finish_reason is not None
-            chunks.append(self._chunk([ChunkChoice(index=c.index, delta=Delta(content=c.delta_text),
-                                                   logprobs=lp, finish_reason=c.finish_reason)]))
+            st.done = reason is not None
+            if calls:  # the call first (OpenAI sends calls and content in separate chunks)
+                chunks.append(self._chunk([ChunkChoice(index=c.index, delta=Delta(tool_calls=tool_deltas))]))
+            if text or lp is not None or reason is not None:
+                delta = Delta(content=text) if text or not calls else Delta()
+                chunks.append(self._chunk([ChunkChoice(index=c.index, delta=delta, logprobs=lp,
+                                                       finish_reason=reason)]))
         return chunks
 
     def usage_chunk(self, finals: list[RequestOutput]) -> ChatCompletionChunk:
