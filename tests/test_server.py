@@ -79,6 +79,20 @@ class ServerProcess:
         return self.proc.returncode
 
 
+def serving(tmp_path_factory, name: str, args: list[str]):
+    """A `pagedllm serve` process for a test module (a generator for a fixture): no traceback
+    may reach its log."""
+    port = free_port()
+    srv = ServerProcess(["serve", "--port", str(port), *args], port,
+                        tmp_path_factory.mktemp(name) / "server.log")
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        srv.stop()
+        assert "Traceback" not in srv.log(), srv.log()[-5000:]
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, smollm2_gguf_path):
     port = free_port()

@@ -17,7 +17,8 @@ openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("llguidance")
 
-from test_server import ServerProcess, free_port  # noqa: E402
+from pagedllm.structured import StructuredOutputs  # noqa: E402
+from test_server import serving  # noqa: E402
 
 FORMATS = jsonschema.FormatChecker(["date", "email", "ipv4", "uuid"])
 
@@ -81,16 +82,8 @@ SCHEMAS = {
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, smollm2_gguf_path):
-    port = free_port()
-    srv = ServerProcess(["serve", "--port", str(port), "--pa-gpu-mem", "512", "--max-model-len", "1024",
-                         "--max-seqs", "64", "--log-level", "info"],
-                        port, tmp_path_factory.mktemp("structured") / "server.log")
-    try:
-        srv.wait_ready()
-        yield srv
-    finally:
-        srv.stop()
-        assert "Traceback" not in srv.log(), srv.log()[-5000:]
+    yield from serving(tmp_path_factory, "structured", ["--pa-gpu-mem", "512", "--max-model-len", "1024",
+                                                        "--max-seqs", "64", "--log-level", "info"])
 
 
 @pytest.fixture(scope="module")
@@ -184,11 +177,10 @@ def test_bad_constraint_gets_400_and_server_keeps_serving(server, client, name):
 
 def test_python_api_structured(tiny_llm_structured):
     from pagedllm import SamplingParams
-    from pagedllm.structured import StructuredOutputs
 
     llm = tiny_llm_structured
     schema = SCHEMAS["levels"]
-    outs = llm.generate(["Some JSON:"] * 3, SamplingParams(n=2, temperature=1.0, max_tokens=120, seed=1,
+    outs = llm.generate(["Some JSON:"] * 2, SamplingParams(n=2, temperature=1.0, max_tokens=120, seed=1,
                                                             structured=StructuredOutputs(json=schema)),
                         use_tqdm=False)
     for o in outs:
@@ -209,3 +201,21 @@ def tiny_llm_structured(smollm2_gguf_path):
     from pagedllm import LLM
 
     return LLM("default", max_model_len=512, kv_cache_memory_mb=64, max_num_seqs=8)
+
+
+def test_unpacked_mask_equals_llguidance_logit_bias(smollm2_checkpoint):
+    import torch
+
+    from pagedllm.structured.grammar import GrammarEngine, disallowed_tokens
+
+    eng = GrammarEngine(smollm2_checkpoint.tokenizer, 49152, [0, 2])
+    for spec in ({"regex": "[a-f]{2,}[0-9]"}, {"json": SCHEMAS["server"]}, {"choice": ["yes", "no"]}):
+        m = eng.compile(StructuredOutputs.coerce(spec))
+        for _ in range(3):
+            bitmask = torch.full((1, 49152 // 32), -1, dtype=torch.int32)
+            m.unsafe_compute_mask_ptr(bitmask.data_ptr(), bitmask.numel() * 4)
+            bias = torch.frombuffer(bytearray(m.compute_logit_bias()), dtype=torch.uint8)
+            banned = disallowed_tokens(bitmask, 49152)[0]
+            assert torch.equal(banned, bias == 0) and 0 < int((~banned).sum()) < 49152
+            allowed = torch.nonzero(~banned).flatten().tolist()
+            assert m.consume_token(allowed[len(allowed) // 2])

@@ -17,7 +17,7 @@ jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("llguidance")
 
 from pagedllm.structured import tools as tool_api  # noqa: E402
-from test_server import ServerProcess, free_port  # noqa: E402
+from test_server import serving  # noqa: E402
 
 TEMPLATE = Path(__file__).parent / "data" / "hermes_tools.jinja"
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
@@ -36,16 +36,9 @@ PARAMS = {"get_weather": WEATHER, "add": ADD}
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, smollm2_gguf_path):
-    port = free_port()
-    srv = ServerProcess(["serve", "--port", str(port), "--chat-template", str(TEMPLATE), "--dtype", "float32",
-                         "--pa-gpu-mem", "256", "--max-model-len", "1024", "--log-level", "info"],
-                        port, tmp_path_factory.mktemp("tools") / "server.log")
-    try:
-        srv.wait_ready()
-        yield srv
-    finally:
-        srv.stop()
-        assert "Traceback" not in srv.log(), srv.log()[-5000:]
+    yield from serving(tmp_path_factory, "tools", ["--chat-template", str(TEMPLATE), "--dtype", "float32",
+                                                   "--pa-gpu-mem", "256", "--max-model-len", "1024",
+                                                   "--log-level", "info"])
 
 
 @pytest.fixture(scope="module")

@@ -91,36 +91,41 @@ class GrammarEngine:
         if not rows:
             return None
         self.lltokenizer  # noqa: B018 (makes sure the executor exists)
-        bitmask = torch.full((len(seqs), (self.vocab_size + 31) // 32), -1, dtype=torch.int32)
-        fut = self._pool.submit(self._fill, rows, bitmask)
-        return MaskJob([i for _, i in rows], bitmask, fut)
+        fut = self._pool.submit(self._fill, rows)
+        return MaskJob([i for _, i in rows], fut)
 
-    def _fill(self, rows: list[tuple[Any, int]], bitmask: torch.Tensor) -> None:
-        self._executor.unsafe_compute_mask_ptr(rows, bitmask.data_ptr(), bitmask.shape[1] * 4,
+    def _fill(self, rows: list[tuple[Any, int]]) -> torch.Tensor:
+        """The constrained rows' disallowed tokens, (len(rows), vocab) bool; the unpacking also
+        runs here, off the engine thread (torch releases the GIL)."""
+        bitmask = torch.full((len(rows), (self.vocab_size + 31) // 32), -1, dtype=torch.int32)
+        packed = [(m, k) for k, (m, _) in enumerate(rows)]
+        self._executor.unsafe_compute_mask_ptr(packed, bitmask.data_ptr(), bitmask.shape[1] * 4,
                                                bitmask.shape[0])
+        return disallowed_tokens(bitmask, self.vocab_size)
 
 
 class MaskJob:
-    """The bitmasks of one step, filled on the grammar thread; `apply` waits and masks the logits."""
+    """One step's masks, computed on the grammar thread; `apply` waits and masks the logits."""
 
-    def __init__(self, rows: list[int], bitmask: torch.Tensor, fut: Future) -> None:
-        self.rows, self.bitmask, self.fut = rows, bitmask, fut
+    def __init__(self, rows: list[int], fut: Future) -> None:
+        self.rows, self.fut = rows, fut
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        self.fut.result()
+        banned = self.fut.result().to(logits.device, non_blocking=True)
+        if len(self.rows) == logits.shape[0]:  # every row constrained: in place, no gather
+            return logits.masked_fill_(banned, float("-inf"))
         idx = torch.tensor(self.rows, device=logits.device)
-        allowed = unpack_bitmask(self.bitmask[self.rows].to(logits.device), logits.shape[-1])
-        logits[idx] = logits[idx].masked_fill(~allowed, float("-inf"))
+        logits[idx] = logits[idx].masked_fill(banned, float("-inf"))
         return logits
 
 
-_SHIFTS = torch.arange(32, dtype=torch.int32)
+_BITS = 1 << torch.arange(32, dtype=torch.int32)  # bit 31 is the sign bit: -2**31, which ANDs right
 
 
-def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
-    """(rows, ceil(V/32)) int32 words, bit j of word w = token 32*w + j, to a (rows, V) bool mask."""
-    bits = (bitmask[:, :, None] >> _SHIFTS.to(bitmask.device)) & 1
-    return bits.flatten(1)[:, :vocab].bool()
+def disallowed_tokens(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """(rows, ceil(V/32)) int32 words, bit j of word w set = token 32*w + j allowed, to a
+    (rows, V) bool tensor that is True where a token is not allowed."""
+    return (bitmask[:, :, None] & _BITS).eq(0).flatten(1)[:, :vocab]
 
 
 def advance(matcher: Any, token: int) -> bool:
