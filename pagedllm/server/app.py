@@ -13,12 +13,13 @@ import json
 import logging
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, AsyncIterator, Callable
 
 import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
@@ -50,6 +51,7 @@ from .serving import (
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY_BYTES = 4 * 2**20
+_CHAT_PAGE = Path(__file__).parent / "static" / "chat.html"  # the chat page at GET /
 _STATUS_TYPES = {401: "authentication_error", 404: "not_found_error", 413: "invalid_request_error",
                  429: "rate_limit_error"}
 
@@ -308,6 +310,10 @@ def create_app(llm: Any, config: ServerConfig | None = None) -> FastAPI:
             raise ApiError(msg, code=code) from None
         except EngineError as e:
             raise ApiError(str(e), status=503, type="server_error") from None
+
+    @app.get("/")
+    async def chat_page() -> Response:
+        return HTMLResponse(_CHAT_PAGE.read_text(encoding="utf-8"))
 
     @app.get("/health")
     async def health() -> Response:
