@@ -136,9 +136,12 @@ def test_regex_choice_and_json_object(client):
             assert re.fullmatch(regex, text), text
         else:
             assert text in choices, text
-    out = client.completions.create(model="default", prompt="A JSON object:", temperature=0.9, max_tokens=200,
-                                    extra_body={"response_format": {"type": "json_object"}}).choices[0]
-    assert isinstance(json.loads(out.text), dict) and out.finish_reason == "stop"
+    # Any object: its strings are unbounded, so a sample may run out of tokens; those that end must parse.
+    outs = [client.completions.create(model="default", prompt="A JSON object:", temperature=0.7, seed=s,
+                                      max_tokens=300, extra_body={"response_format": {"type": "json_object"}}
+                                      ).choices[0] for s in range(4)]
+    ended = [o for o in outs if o.finish_reason == "stop"]
+    assert ended and all(isinstance(json.loads(o.text), dict) for o in ended), outs
 
 
 def test_grammar_that_never_finishes_stops_at_max_tokens(client):
