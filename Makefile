@@ -26,6 +26,9 @@ $(STAMP): pyproject.toml Makefile
 	# Build the native CPU kernels now (about 30 s) rather than on the first run;
 	# where it cannot be built, this says why and the PyTorch path is used.
 	$(PY) -m pagedllm.native
+	# The chat page's test drives Debian's chromium, headless, through selenium.
+	command -v chromium >/dev/null || { command -v apt-get >/dev/null && apt-get update -q && \
+		apt-get install -y -q chromium chromium-driver; } || echo "chromium not installed: tests/test_chat_page.py will skip"
 	touch $(STAMP)
 
 setup: $(STAMP)

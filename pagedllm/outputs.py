@@ -86,6 +86,9 @@ class RequestOutput:
     metrics: RequestMetrics
     num_cached_tokens: int = 0
     error: str | None = None  # set when the request failed (finish_reason "error")
+    # SamplingParams(prompt_logprobs=k), as in vLLM: one entry per prompt token, None for the
+    # first; each maps the prompt token and the k most likely tokens at that place to logprobs.
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     # Shortcuts to the first completion, for the common n=1 case.
     @property

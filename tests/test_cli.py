@@ -271,3 +271,12 @@ def test_engine_flags_map_to_llm_kwargs():
 def test_conflicting_cache_sizes_are_refused():
     r = cli("serve", "--pa-gpu-mem", "64", "--pa-ctxt-len", "1000")
     assert r.returncode == 1 and "only one of" in r.stderr
+
+
+def test_python_dash_m_pagedllm_runs_the_cli():
+    r = subprocess.run([sys.executable, "-m", "pagedllm", "--version"], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0 and "0.1.0" in r.stdout + r.stderr, r
+    r = subprocess.run([sys.executable, "-m", "pagedllm", "bench", "serve", "--help"], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0 and "--response-format" in r.stdout, r

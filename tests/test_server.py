@@ -80,6 +80,20 @@ class ServerProcess:
         return self.proc.returncode
 
 
+def serving(tmp_path_factory, name: str, args: list[str]):
+    """A `pagedllm serve` process for a test module (a generator for a fixture): no traceback
+    may reach its log."""
+    port = free_port()
+    srv = ServerProcess(["serve", "--port", str(port), *args], port,
+                        tmp_path_factory.mktemp(name) / "server.log")
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        srv.stop()
+        assert "Traceback" not in srv.log(), srv.log()[-5000:]
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, smollm2_gguf_path):
     port = free_port()
@@ -161,6 +175,56 @@ def test_max_completion_tokens_and_logprobs(client):
         assert t.logprob <= 0 and len(t.top_logprobs) == 2
         assert t.top_logprobs[0].logprob >= t.top_logprobs[1].logprob
     assert "".join(t.token for t in content) == r.choices[0].message.content
+
+
+@pytest.fixture(scope="module")
+def exact_client(tmp_path_factory, smollm2_gguf_path):
+    """A server on dequantized float32 weights: logprobs compared with transformers to 2e-3 need
+    the weights transformers uses, not the quantized GGUF blocks the default server keeps."""
+    for srv in serving(tmp_path_factory, "exact", ["--dtype", "float32", "--dequantize-weights",
+                                                   "--pa-gpu-mem", "256", "--max-model-len", "1024"]):
+        yield openai.OpenAI(base_url=f"{srv.url}/v1", api_key="none", max_retries=0, timeout=120)
+
+
+def test_echo_logprobs_equal_transformers_log_softmax(exact_client, hf_smollm2_model, hf_smollm2_tokenizer):
+    import torch
+
+    client = exact_client
+
+    text = "The quick brown fox jumps over the lazy dog. Paris is the capital of"
+    ids = hf_smollm2_tokenizer(text, add_special_tokens=False)["input_ids"]
+    with torch.no_grad():
+        ref = torch.log_softmax(hf_smollm2_model(torch.tensor([ids])).logits[0].float(), -1)
+    want = ref[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
+    # max_tokens 0: only the prompt, scored (what lm-eval's loglikelihood reads)
+    r = client.completions.create(model="default", prompt=ids, max_tokens=0, echo=True, logprobs=2)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(ids) and r.usage.completion_tokens == 0
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    got = torch.tensor(lp.token_logprobs[1:])
+    assert (got - want).abs().max().item() < 2e-3, (got - want).abs().max()
+    assert "".join(lp.tokens) == r.choices[0].text == hf_smollm2_tokenizer.decode(ids)
+    assert all(2 <= len(t) <= 3 for t in lp.top_logprobs[1:])
+    # with generation: the prompt's entries first, then the new tokens', streamed the same
+    kw = dict(model="default", prompt=text, max_tokens=3, echo=True, logprobs=1, temperature=0)
+    whole = client.completions.create(**kw).choices[0]
+    assert whole.text.startswith(text) and len(whole.logprobs.tokens) == len(ids) + 3
+    assert abs(whole.logprobs.token_logprobs[len(ids) - 1] - want[-1].item()) < 2e-3
+    parts = list(client.completions.create(stream=True, **kw))
+    streamed = [t for c in parts if c.choices and c.choices[0].logprobs
+                for t in c.choices[0].logprobs.token_logprobs]
+    assert "".join(c.choices[0].text for c in parts if c.choices) == whole.text
+    assert len(streamed) == len(whole.logprobs.token_logprobs) and streamed[0] is None
+
+
+def test_max_tokens_past_context_gets_openai_message(server):
+    r = httpx.post(f"{server.url}/v1/chat/completions", headers=server.headers, timeout=30,
+                   json={"messages": MSG, "max_tokens": 10**9})
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["code"] == "context_length_exceeded" and err["param"] == "max_tokens"
+    assert err["message"].startswith("This model's maximum context length is 1024 tokens. "
+                                     "However, you requested ")
 
 
 def test_stream_equals_non_stream_for_same_seed(client):
@@ -270,8 +334,9 @@ def test_32_concurrent_streaming_clients(server, client):
 
 
 # As many tokens as the context allows: no machine finishes them before the disconnect is seen,
-# and the checks count tokens, never seconds.
-LONG_MAX_TOKENS = 990
+# and the checks count tokens, never seconds. The chat prompt (~40 tokens) plus these must fit
+# in the server's 1024-token context, or the request gets OpenAI's context_length_exceeded 400.
+LONG_MAX_TOKENS = 960
 
 
 def test_streaming_client_disconnect_aborts_and_frees_blocks(server):
@@ -358,7 +423,8 @@ BAD_REQUESTS = {
     "stop_empty_string": (CHAT, {"messages": MSG, "stop": [""]}, 400),
     "stop_wrong_type": (CHAT, {"messages": MSG, "stop": 5}, 400),
     "logit_bias": (CHAT, {"messages": MSG, "logit_bias": {"50": -100}}, 400),
-    "tools": (CHAT, {"messages": MSG, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400),
+    "tools_unknown_choice": (CHAT, {"messages": MSG, "tools": [{"type": "function", "function": {"name": "f"}}],
+                                    "tool_choice": {"type": "function", "function": {"name": "g"}}}, 400),
     "stream_options_without_stream": (CHAT, {"messages": MSG, "stream_options": {"include_usage": True}}, 400),
     "bad_input_while_streaming": (CHAT, {"messages": MSG, "stream": True, "temperature": -1}, 400),
     "context_too_long": (CHAT, {"messages": [{"role": "user", "content": "word " * 2000}]}, 400),
@@ -367,7 +433,7 @@ BAD_REQUESTS = {
     "prompt_empty": (COMPL, {"prompt": ""}, 400),
     "prompt_wrong_type": (COMPL, {"prompt": {"text": "hi"}}, 400),
     "prompt_token_out_of_vocab": (COMPL, {"prompt": [10**9]}, 400),
-    "echo_with_logprobs": (COMPL, {"prompt": "hi", "echo": True, "logprobs": 1}, 400),
+    "max_tokens_zero_without_echo": (COMPL, {"prompt": "hi", "max_tokens": 0}, 400),
     "logprobs_too_many": (COMPL, {"prompt": "hi", "logprobs": 99}, 400),
     "best_of": (COMPL, {"prompt": "hi", "best_of": 3}, 400),
     "body_too_large": (COMPL, {"prompt": "a" * (5 * 2**20)}, 413),

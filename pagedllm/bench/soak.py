@@ -18,7 +18,7 @@ from pathlib import Path
 
 import httpx
 
-from ..server.loadtest import _wait_ready, parse_metrics
+from .loadtest import _wait_ready, parse_metrics
 
 FIELDS = {"rss_mb": "process_resident_memory_bytes", "blocks_used": "pagedllm_kv_blocks_used",
           "blocks_peak_used": "pagedllm_kv_blocks_peak_used", "blocks_touched": "pagedllm_kv_blocks_touched",

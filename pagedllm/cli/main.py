@@ -259,7 +259,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
         else:
             bt.add_argument("rest", nargs=argparse.REMAINDER)
     bs = bsub.add_parser("serve", help="load test of a running server (streaming clients)")
-    from ..server import loadtest
+    from ..bench import loadtest
 
     loadtest.add_arguments(bs)
 
@@ -492,7 +492,7 @@ def _jsonable(x: Any) -> Any:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     if args.bench == "serve":
-        from ..server import loadtest
+        from ..bench import loadtest
 
         return loadtest.run(args)
     if args.bench in BENCHES:

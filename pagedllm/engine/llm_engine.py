@@ -10,6 +10,7 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Iterator
 
 import torch
 
@@ -23,11 +24,12 @@ from ..loading.loader import LoadedModel
 from ..outputs import CompletionOutput, RequestMetrics, RequestOutput
 from ..sampling.params import SamplingParams
 from ..sampling.sampler import Sampler
+from ..structured.grammar import GrammarEngine, advance as grammar_advance
 from ..tokenizer import IncrementalDetokenizer
-from .block_manager import BlockManager
+from .block_manager import BlockManager, NoFreeBlocksError
 from .model_runner import ModelRunner
 from .scheduler import ScheduledSeq, Scheduler
-from .sequence import Sequence
+from .sequence import Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +85,7 @@ class Request:
     metrics: RequestMetrics
     states: list[_SeqOutputState] = field(default_factory=list)
     error: str | None = None  # why the request failed (finish_reason "error")
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -134,7 +137,11 @@ class LLMEngine:
         window = cfg.sliding_window if cfg.all_layers_sliding else None
         self.scheduler = Scheduler(sched_cfg, self.block_manager, window)
         self.runner = ModelRunner(self.model, backend, cache_cfg.block_size, device, Sampler(device, seed))
+        # Structured output; llguidance's token trie is built on the first constrained request.
+        self.structured = GrammarEngine(self.tokenizer, cfg.vocab_size, sorted(self.eos_token_ids))
+        self.runner.structured = self.structured
         self.requests: dict[str, Request] = {}
+        self._scored: list[Request] = []  # max_tokens=0: prompt scored, output due next step
         self._ids = itertools.count()
         self.stats = {"prompt_tokens": 0, "generated_tokens": 0, "steps": 0}
         # Running share of allocated-but-empty token slots, for the trace.
@@ -159,9 +166,11 @@ class LLMEngine:
         rid = request_id if request_id is not None else str(next(self._ids))
         if rid in self.requests:
             raise ValueError(f"request id {rid!r} is already in use")
+        matchers = (self.structured.matchers(params.structured, params.n) if params.structured
+                    else [None] * params.n)
         seqs = []
         for i in range(params.n):
-            seqs.append(Sequence(rid, prompt_token_ids, params, prompt=text, index=i))
+            seqs.append(Sequence(rid, prompt_token_ids, params, prompt=text, index=i, grammar=matchers[i]))
         # n > 1: the prompt is computed once by the first sequence; the others fork from it
         # when it samples, sharing its blocks copy-on-write.
         seqs[0].fork_children = seqs[1:]
@@ -171,10 +180,41 @@ class LLMEngine:
         req.states = [_SeqOutputState(IncrementalDetokenizer(self.tokenizer, prompt_token_ids,
                                                              params.skip_special_tokens))
                       for _ in seqs]
+        if params.prompt_logprobs is not None:
+            try:
+                req.prompt_logprobs = self._prompt_logprobs(prompt_token_ids, params.prompt_logprobs)
+            except NoFreeBlocksError:
+                raise ValueError("not enough free KV blocks to score the prompt right now; "
+                                 "retry, or give the KV cache more memory") from None
         self.requests[rid] = req
-        self.scheduler.add(seqs[0])
         self.stats["prompt_tokens"] += len(prompt_token_ids)
+        if params.max_tokens == 0:  # scoring only: nothing to generate
+            for s in seqs:
+                s.status, s.finish_reason = SequenceStatus.FINISHED, "length"
+            seqs[0].fork_children = []
+            req.metrics.finished_time = time.perf_counter()
+            self._scored.append(req)
+            return rid
+        self.scheduler.add(seqs[0])
         return rid
+
+    def _prompt_logprobs(self, ids: list[int], k: int) -> list[dict[int, float] | None]:
+        """vLLM's prompt_logprobs: for each prompt token after the first, its logprob and the k
+        most likely tokens' at that place."""
+        out: list[dict[int, float] | None] = [None]
+        start = 0
+        for logits in self._prompt_logit_chunks(ids):
+            lsm = torch.log_softmax(logits.float(), dim=-1)
+            n = lsm.shape[0] - (1 if start + lsm.shape[0] == len(ids) else 0)  # the last predicts nothing
+            tgt = torch.tensor(ids[start + 1: start + 1 + n], device=lsm.device)
+            chosen = lsm[:n].gather(1, tgt[:, None])[:, 0].tolist()
+            tv, ti = lsm[:n].topk(k, dim=-1) if k > 0 else (None, None)
+            for j in range(n):
+                entry = dict(zip(ti[j].tolist(), tv[j].tolist())) if k > 0 else {}
+                entry[ids[start + 1 + j]] = chosen[j]
+                out.append(entry)
+            start += lsm.shape[0]
+        return out
 
     def _check_prompt(self, ids: list[int], params: SamplingParams) -> list[int]:
         if len(ids) == 0:
@@ -212,27 +252,30 @@ class LLMEngine:
         return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self._scored)
 
     def prompt_logits(self, token_ids: list[int], chunk_size: int | None = None) -> torch.Tensor:
         """Logits [T, vocab] (float32, on the CPU) at every position of a prompt, computed through the
         same KV cache and attention path as generation, `chunk_size` tokens at a time
         (1 = token by token through the decode path). Blocks are returned afterwards."""
         ids = self._check_prompt(list(token_ids), SamplingParams(max_tokens=1))
+        return torch.cat(list(self._prompt_logit_chunks(ids, chunk_size))).float().cpu()
+
+    def _prompt_logit_chunks(self, ids: list[int], chunk_size: int | None = None) -> Iterator[torch.Tensor]:
+        """The logits of a prompt, one chunk at a time, through a private sequence whose blocks
+        are returned at the end."""
         seq = Sequence("__score__", ids, SamplingParams(max_tokens=1))
         chunk = chunk_size or self.sched_config.max_num_batched_tokens
-        parts = []
         try:
             while seq.num_computed_tokens < seq.num_tokens:
                 n = min(chunk, seq.num_uncomputed_tokens)
                 self.scheduler.release_window(seq)
                 self.block_manager.grow(seq, seq.num_computed_tokens + n)
-                parts.append(self.runner.chunk_logits(ScheduledSeq(seq, n)))
+                yield self.runner.chunk_logits(ScheduledSeq(seq, n))
                 seq.num_computed_tokens += n
         finally:
             self.block_manager.free(seq)
             self.backend.free_seq(seq.seq_id)
-        return torch.cat(parts).float().cpu()
 
     def score_prompts(self, prompts: list[list[int]], chunk_size: int = 1,
                       top1: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
@@ -304,13 +347,15 @@ class LLMEngine:
 
     # -- the step ---------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        scored = [self._make_output(r) for r in self._scored if r.request_id in self.requests]
+        self._scored = []
         sched = self.scheduler.schedule()
         for s in sched.preempted:
             self.backend.free_seq(s.seq_id)
         if not sched:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("scheduler made no progress although requests are waiting")
-            return []
+            return scored
         out = self.runner.execute(sched.scheduled)
         self.stats["steps"] += 1
         for it in sched.scheduled:
@@ -333,7 +378,7 @@ class LLMEngine:
                 req = self.requests.get(seq.request_id)
                 if req is not None:
                     touched[req.request_id] = req
-        return [self._make_output(r) for r in touched.values()]
+        return scored + [self._make_output(r) for r in touched.values()]
 
     def _track_waste(self) -> None:
         bs = self.cache_config.block_size
@@ -376,6 +421,7 @@ class LLMEngine:
             seq.logprobs.append({"token_id": tok, "logprob": lp[0], "top": lp[1]})
         p = seq.params
         is_eos = tok in self.eos_token_ids and not p.ignore_eos
+        grammar_done = seq.grammar is not None and not is_eos and grammar_advance(seq.grammar, tok)
         if not is_eos:
             st.text.add(st.detok.add([tok]))
         if is_eos:
@@ -384,6 +430,8 @@ class LLMEngine:
             seq.finish_reason, seq.stop_reason = "stop", tok
         elif p.stop and self._hit_stop_string(seq, st.text):
             pass
+        elif grammar_done:  # the grammar is complete: nothing but EOS could follow
+            seq.finish_reason, seq.stop_reason = "stop", None
         elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.sched_config.max_model_len:
             seq.finish_reason = "length"
         if seq.finish_reason is not None:
@@ -456,7 +504,7 @@ class LLMEngine:
             self.requests.pop(req.request_id, None)
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, finished,
                              req.metrics, num_cached_tokens=min(s.num_cached_tokens for s in req.seqs),
-                             error=req.error)
+                             error=req.error, prompt_logprobs=req.prompt_logprobs)
 
 
 def _no_copy(src: int, dst: int, n: int) -> None:

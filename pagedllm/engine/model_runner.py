@@ -23,6 +23,7 @@ class ModelRunner:
         self.device = device
         self.sampler = sampler
         self.upload = HostUpload(device)
+        self.structured = None  # a GrammarEngine, set by the engine
         for i, attn in enumerate(model.attention_modules()):
             attn.attn = backend.layer(i, attn.window, attn.scale)
 
@@ -75,11 +76,6 @@ class ModelRunner:
         # Decodes go first so the attention backend can batch them.
         batch = sorted(batch, key=lambda it: not _is_decode(it))
         input_ids, positions, meta, logits_idx = self.prepare(batch)
-        hidden = self.model(input_ids, positions, meta)
-        if not logits_idx:
-            return None
-        idx = self.upload.ints([logits_idx])[0]
-        logits = self.model.compute_logits(hidden.index_select(0, idx))
         # One row per sampling sequence; n > 1 siblings waiting to fork sample from their
         # parent's row (the prompt is computed once).
         sampling_seqs, rows = [], []
@@ -87,13 +83,23 @@ class ModelRunner:
             for s in (seq, *seq.fork_children):
                 sampling_seqs.append(s)
                 rows.append(k)
+        # Grammar masks are computed on another thread while the forward runs.
+        masks = self.structured.start_masks(sampling_seqs) if self.structured else None
+        hidden = self.model(input_ids, positions, meta)
+        if not logits_idx:
+            return None
+        idx = self.upload.ints([logits_idx])[0]
+        logits = self.model.compute_logits(hidden.index_select(0, idx))
         if len(rows) != logits.shape[0]:
             logits = logits[torch.tensor(rows, device=self.device)]
         # A sum is finite only if every logit is (NaN and inf propagate): a cheap check that
         # the sampler folds into its token transfer, so it costs no extra device sync. It must
         # see the model's own logits: a -inf mask applied to them later is not a failure.
         finite = logits.sum(-1, dtype=torch.float32).isfinite()
-        return sampling_seqs, self.sampler(logits, sampling_metadata(sampling_seqs), finite=finite)
+        smeta = sampling_metadata(sampling_seqs)
+        if masks is not None:  # the sampler applies them before anything else
+            smeta.allowed_mask, smeta.mask_rows = masks.result(logits.device, len(sampling_seqs))
+        return sampling_seqs, self.sampler(logits, smeta, finite=finite)
 
     @torch.inference_mode()
     def chunk_logits(self, item: ScheduledSeq) -> torch.Tensor:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import enum
 import itertools
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..sampling.params import SamplingParams
 
@@ -37,6 +38,7 @@ class Sequence:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of its full blocks
     fork_children: list["Sequence"] = field(default_factory=list)  # n > 1: siblings to fork
+    grammar: Any = None  # structured output: this stream's llguidance matcher
     logprobs: list[dict] | None = None  # filled by the engine when asked for
 
     def __post_init__(self) -> None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from ..structured.params import StructuredOutputs
+
 MAX_LOGPROBS = 20
 
 
@@ -23,7 +25,7 @@ def _is_int(x) -> bool:
 # server's request models both check through `check_limits`.
 _LIMITS = {
     "n": (lambda x: _is_int(x) and x >= 1, "an integer >= 1"),
-    "max_tokens": (lambda x: _is_int(x) and x >= 1, "an integer >= 1"),
+    "max_tokens": (lambda x: _is_int(x) and x >= 1, "an integer >= 1 (0 only with prompt_logprobs: scoring)"),
     "temperature": (lambda x: x >= 0, ">= 0 (0 means greedy)"),
     "top_p": (lambda x: 0 < x <= 1, "in (0, 1]"),
     "top_k": (lambda x: _is_int(x) and x >= -1, "-1 (off) or a positive integer"),
@@ -32,6 +34,7 @@ _LIMITS = {
     "frequency_penalty": (lambda x: -2 <= x <= 2, "in [-2, 2]"),
     "repetition_penalty": (lambda x: x > 0, "> 0"),
     "logprobs": (lambda x: _is_int(x) and 0 <= x <= MAX_LOGPROBS, f"in [0, {MAX_LOGPROBS}]"),
+    "prompt_logprobs": (lambda x: _is_int(x) and 0 <= x <= MAX_LOGPROBS, f"in [0, {MAX_LOGPROBS}]"),
 }
 
 
@@ -64,6 +67,9 @@ class SamplingParams:
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     logprobs: int | None = None  # number of top logprobs to return per token
+    prompt_logprobs: int | None = None  # the same for every prompt token (vLLM); 0: the token's own
+    # Constrain the output (JSON schema, regex, choice, grammar): a StructuredOutputs or a dict.
+    structured: StructuredOutputs | dict | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -71,12 +77,19 @@ class SamplingParams:
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.validate()
+        try:
+            self.structured = StructuredOutputs.coerce(self.structured)
+        except (TypeError, ValueError) as e:
+            raise SamplingParamsError("structured", str(e)) from None
 
     def validate(self) -> None:
-        check_limits(n=self.n, max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
-                     top_k=self.top_k, min_p=self.min_p, presence_penalty=self.presence_penalty,
-                     frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
-                     logprobs=self.logprobs)
+        # max_tokens=0 scores the prompt only (echo + logprobs), so it needs prompt_logprobs.
+        scoring_only = _is_int(self.max_tokens) and self.max_tokens == 0 and self.prompt_logprobs is not None
+        check_limits(n=self.n, max_tokens=None if scoring_only else self.max_tokens,
+                     temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+                     presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                     repetition_penalty=self.repetition_penalty, logprobs=self.logprobs,
+                     prompt_logprobs=self.prompt_logprobs)
         if any(not s for s in self.stop):
             raise SamplingParamsError("stop", "stop strings must be non-empty")
 

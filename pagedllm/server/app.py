@@ -16,12 +16,13 @@ import os
 import signal
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, AsyncIterator, Callable
 
 import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
@@ -46,12 +47,14 @@ from .serving import (
     completion_response,
     new_id,
     prepare_chat,
+    tool_plan,
     prepare_completion,
 )
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY_BYTES = 4 * 2**20
+_CHAT_PAGE = Path(__file__).parent / "static" / "chat.html"  # the chat page at GET /
 _STATUS_TYPES = {401: "authentication_error", 404: "not_found_error", 413: "invalid_request_error",
                  429: "rate_limit_error"}
 
@@ -352,7 +355,14 @@ def create_app(llm: Any, config: ServerConfig | None = None) -> FastAPI:
     if cfg.api_key:
         app.add_middleware(AuthMiddleware, api_key=cfg.api_key)
 
-    async def submit(items: list) -> Submission:
+    async def submit(items: list, grammar_param: str = "response_format") -> Submission:
+        # A grammar is checked (and llguidance's token trie built, once) off the engine thread.
+        specs = {id(p.structured): p.structured for _, _, p in items if p.structured is not None}
+        for spec in specs.values():
+            try:
+                await asyncio.to_thread(llm.engine.structured.compile, spec)
+            except ValueError as e:
+                raise ApiError(str(e), param=grammar_param) from None
         try:
             return await engine.submit(items)
         except ValueError as e:
@@ -361,6 +371,10 @@ def create_app(llm: Any, config: ServerConfig | None = None) -> FastAPI:
             raise ApiError(msg, code=code) from None
         except EngineError as e:
             raise ApiError(str(e), status=503, type="server_error") from None
+
+    @app.get("/")
+    async def chat_page() -> Response:
+        return HTMLResponse(_CHAT_PAGE.read_text(encoding="utf-8"))
 
     @app.get("/health")
     async def health() -> Response:
@@ -382,19 +396,21 @@ def create_app(llm: Any, config: ServerConfig | None = None) -> FastAPI:
         req: ChatCompletionRequest = parse(ChatCompletionRequest, await read_json(request, cfg.max_body_bytes))
         check_model(req.model)
         ids, params = prepare_chat(req, ctx)
+        tools = tool_plan(req, ctx)
         rid = new_id("chatcmpl")
         tt = token_text if req.logprobs else None
-        sub = await submit([(rid, ids, params)])
+        sub = await submit([(rid, ids, params)], "tools" if tools and tools.grammar() else "response_format")
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            s = ChatStreamer(rid, ctx.model_name, req.n, tt)
+            s = ChatStreamer(rid, ctx.model_name, req.n, tt, tools)
             events = _events(sub, s.start(), s.update, s.usage_chunk if include_usage else None,
                              include_usage)
             return SSEResponse(events, sub.abort_unfinished)
         finals = await _collect_or_fail(sub, request)
         if finals is None:
             return Response(status_code=499)
-        return JSONResponse(chat_response(rid, ctx.model_name, finals[0], tt).model_dump())
+        return JSONResponse(chat_response(rid, ctx.model_name, finals[0], tt, tools)
+                            .model_dump(exclude_none=False))
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

@@ -72,6 +72,9 @@ class _SamplingFields(_Model):
     stream_options: StreamOptions | None = None
     user: str | None = None
     logit_bias: dict[str, Num] | None = None
+    # Structured output: OpenAI's field, and vLLM's (`guided_*` are read from the extra fields).
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict | None = None
 
     @model_validator(mode="after")
     def _check_limits(self):
@@ -92,10 +95,13 @@ class ChatMessage(_Model):
     role: str
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[dict] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: which call it answers
 
 
 class ResponseFormat(_Model):
     type: str = "text"
+    json_schema: dict | None = None  # {"name", "schema", "strict"} for type "json_schema"
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -107,13 +113,14 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: Int | None = None
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None
-    response_format: ResponseFormat | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class CompletionRequest(_SamplingFields):
     """An OpenAI (legacy) text completion request."""
 
     prompt: str | list[str] | list[Int] | list[list[Int]]
+    max_tokens: Int | None = Field(default=None, ge=0, le=2**31)  # 0: echo the scored prompt only
     logprobs: Int | None = None
     echo: bool = False
     best_of: Int | None = Field(default=None, ge=1)
@@ -159,6 +166,8 @@ class ChatLogprobs(BaseModel):
 class ResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    # [{"id", "type": "function", "function": {"name", "arguments"}}]; absent without calls
+    tool_calls: list[dict] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -185,6 +194,8 @@ class ChatCompletionResponse(BaseModel):
 class Delta(BaseModel):
     role: str | None = None
     content: str | None = None
+    # [{"index", "id", "type", "function": {"name", "arguments"}}], as OpenAI streams them
+    tool_calls: list[dict] | None = None
 
 
 class ChunkChoice(BaseModel):
@@ -206,8 +217,9 @@ class ChatCompletionChunk(BaseModel):
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    # None for the first echoed prompt token, which nothing predicts.
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
     text_offset: list[int] = Field(default_factory=list)
 
 

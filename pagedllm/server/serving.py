@@ -14,6 +14,7 @@ import jinja2
 
 from ..outputs import RequestOutput
 from ..sampling.params import SamplingParams, SamplingParamsError
+from ..structured import openai as structured_api, tools as tool_api
 from .protocol import (
     ChatChoice,
     ChatCompletionChunk,
@@ -100,11 +101,31 @@ def _common_checks(req: ChatCompletionRequest | CompletionRequest, ctx: ServingC
         raise ApiError("stop strings must be non-empty", param="stop")
 
 
+def structured_outputs(req: ChatCompletionRequest | CompletionRequest):
+    rf = req.response_format.model_dump() if req.response_format is not None else None
+    extra = dict(req.model_extra or {})
+    extra["structured_outputs"] = req.structured_outputs
+    try:
+        return structured_api.from_request(rf, extra)
+    except structured_api.StructuredRequestError as e:
+        raise ApiError(str(e), param=e.param) from None
+
+
+def check_context(ctx: ServingContext, prompt_len: int, max_tokens: int | None, where: str) -> None:
+    """OpenAI's refusal (and message) for a prompt plus max_tokens past the context."""
+    if max_tokens is not None and prompt_len + max_tokens > ctx.max_model_len:
+        raise ApiError(f"This model's maximum context length is {ctx.max_model_len} tokens. However, "
+                       f"you requested {prompt_len + max_tokens} tokens ({prompt_len} in the {where}, "
+                       f"{max_tokens} in the completion). Please reduce the length of the {where} "
+                       "or completion.", param="max_tokens", code="context_length_exceeded")
+
+
 def sampling_params(req: ChatCompletionRequest | CompletionRequest, ctx: ServingContext,
                     prompt_len: int, max_tokens: int | None, default_max_tokens: int | None,
-                    logprobs: int | None) -> SamplingParams:
+                    logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
     if max_tokens is None:
         max_tokens = default_max_tokens or ctx.default_max_tokens(prompt_len, req.n)
+    structured = structured_outputs(req)
     top_k = req.top_k if req.top_k is not None else -1
     try:
         return SamplingParams(
@@ -117,7 +138,8 @@ def sampling_params(req: ChatCompletionRequest | CompletionRequest, ctx: Serving
             frequency_penalty=req.frequency_penalty or 0.0,
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
             seed=req.seed, stop=req.stop, stop_token_ids=list(req.stop_token_ids or []),
-            ignore_eos=req.ignore_eos, logprobs=logprobs)
+            ignore_eos=req.ignore_eos, logprobs=logprobs, structured=structured,
+            prompt_logprobs=prompt_logprobs)
     except SamplingParamsError as e:
         raise ApiError(e.message, param=e.param) from None
 
@@ -137,7 +159,16 @@ def _message_text(msg: Any, i: int) -> str:
     return "".join(parts)
 
 
-def chat_prompt(req: ChatCompletionRequest, ctx: ServingContext) -> list[int]:
+def tool_plan(req: ChatCompletionRequest, ctx: ServingContext) -> tool_api.ToolPlan | None:
+    try:
+        return tool_api.plan(req.tools, req.tool_choice, req.parallel_tool_calls,
+                             getattr(ctx.tokenizer, "chat_template", None))
+    except structured_api.StructuredRequestError as e:
+        raise ApiError(str(e), param=e.param) from None
+
+
+def chat_prompt(req: ChatCompletionRequest, ctx: ServingContext,
+                plan: tool_api.ToolPlan | None = None) -> list[int]:
     if not req.messages:
         raise ApiError("messages must hold at least one message", param="messages")
     messages = []
@@ -148,9 +179,20 @@ def chat_prompt(req: ChatCompletionRequest, ctx: ServingContext) -> list[int]:
         msg = {"role": "system" if m.role == "developer" else m.role, "content": _message_text(m, i)}
         if m.name:
             msg["name"] = m.name
+        if m.tool_calls:
+            msg["tool_calls"] = m.tool_calls
+        if m.role == "tool":
+            if not m.tool_call_id:
+                raise ApiError("a tool message needs tool_call_id (the id of the call it answers)",
+                               param=f"messages.{i}.tool_call_id")
+            msg["tool_call_id"] = m.tool_call_id
         messages.append(msg)
+    template = getattr(ctx.tokenizer, "chat_template", None)
+    messages = tool_api.template_messages(messages, plan, template)
+    extra = {"tools": plan.tools} if plan is not None else {}
     try:
-        return ctx.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return ctx.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                 **extra)
     except (ValueError, jinja2.TemplateError) as e:
         raise ApiError(f"cannot format the messages with the model's chat template: {e}",
                        param="messages") from None
@@ -158,17 +200,21 @@ def chat_prompt(req: ChatCompletionRequest, ctx: ServingContext) -> list[int]:
 
 def prepare_chat(req: ChatCompletionRequest, ctx: ServingContext) -> tuple[list[int], SamplingParams]:
     _common_checks(req, ctx, 1)
-    if req.tools:
-        raise ApiError("tools are not supported", param="tools")
-    if req.response_format is not None and req.response_format.type != "text":
-        raise ApiError(f"response_format {req.response_format.type!r} is not supported; only 'text'",
-                       param="response_format")
     if req.top_logprobs is not None and not req.logprobs:
         raise ApiError("top_logprobs needs logprobs to be true", param="top_logprobs")
-    ids = chat_prompt(req, ctx)
+    plan = tool_plan(req, ctx)
+    ids = chat_prompt(req, ctx, plan)
     max_tokens = req.max_completion_tokens or req.max_tokens
+    check_context(ctx, len(ids), max_tokens, "messages")
     lp = (req.top_logprobs or 0) if req.logprobs else None
-    return ids, sampling_params(req, ctx, len(ids), max_tokens, None, lp)
+    params = sampling_params(req, ctx, len(ids), max_tokens, None, lp)
+    forced = plan.grammar() if plan is not None else None
+    if forced is not None:
+        if params.structured is not None:
+            raise ApiError("a forced tool call and response_format both constrain the output; give one",
+                           param="tool_choice")
+        params.structured = forced
+    return ids, params
 
 
 def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
@@ -190,12 +236,19 @@ def prepare_completion(req: CompletionRequest, ctx: ServingContext
         raise ApiError("suffix is not supported", param="suffix")
     if req.best_of is not None and req.best_of != req.n:
         raise ApiError("best_of is not supported (other than best_of == n)", param="best_of")
-    if req.echo and req.logprobs is not None:
-        raise ApiError("echo together with logprobs is not supported", param="echo")
+    if req.max_tokens == 0 and not req.echo:
+        raise ApiError("max_tokens 0 only makes sense with echo (to score the prompt)", param="max_tokens")
     if any(isinstance(p, str) and not p for p in prompts):
         raise ApiError("prompt is empty: give at least one character or token id", param="prompt")
+    if req.max_tokens is not None:
+        for p in prompts:
+            n = len(p) if isinstance(p, list) else len(ctx.tokenizer.encode(p))
+            check_context(ctx, n, req.max_tokens, "prompt")
     # OpenAI's default of 16 tokens for text completions, so the prompt length is not needed.
-    params = [sampling_params(req, ctx, 0, req.max_tokens, 16, req.logprobs) for _ in prompts]
+    # Echo with logprobs scores the prompt too (how evaluation harnesses get loglikelihoods).
+    scored = req.echo and (req.logprobs is not None or req.max_tokens == 0)
+    params = [sampling_params(req, ctx, 0, req.max_tokens, 16, req.logprobs,
+                              prompt_logprobs=(req.logprobs or 0) if scored else None) for _ in prompts]
     return prompts, params
 
 
@@ -257,6 +310,26 @@ def chat_logprobs(entries: list[dict], tt: TokenText) -> ChatLogprobs:
     return ChatLogprobs(content=content)
 
 
+def prompt_logprobs(out: RequestOutput, tt: TokenText) -> CompletionLogprobs:
+    """The echoed prompt's tokens and logprobs (None for the first, as OpenAI sends them)."""
+    lp = CompletionLogprobs()
+    offset = 0
+    for tid, entry in zip(out.prompt_token_ids, out.prompt_logprobs or []):
+        tok = tt.text(tid)
+        lp.tokens.append(tok)
+        lp.token_logprobs.append(None if entry is None else entry[tid])
+        lp.top_logprobs.append(None if entry is None else {tt.text(t): v for t, v in entry.items()})
+        lp.text_offset.append(offset)
+        offset += len(tok)
+    return lp
+
+
+def join_logprobs(a: CompletionLogprobs, b: CompletionLogprobs) -> CompletionLogprobs:
+    return CompletionLogprobs(tokens=a.tokens + b.tokens, token_logprobs=a.token_logprobs + b.token_logprobs,
+                              top_logprobs=a.top_logprobs + b.top_logprobs,
+                              text_offset=a.text_offset + b.text_offset)
+
+
 def completion_logprobs(entries: list[dict], tt: TokenText, offset: int) -> CompletionLogprobs:
     out = CompletionLogprobs()
     for e in entries:
@@ -301,12 +374,31 @@ def usage_from(finals: list[RequestOutput]) -> Usage:
 # -- whole responses -----------------------------------------------------------------
 
 
-def chat_response(rid: str, model: str, final: RequestOutput, tt: TokenText | None) -> ChatCompletionResponse:
+def _tool_call_dicts(calls: list[tool_api.ToolCall], start: int = 0, stream: bool = False) -> list[dict]:
+    out = []
+    for i, c in enumerate(calls):
+        d = {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+        out.append({"index": start + i, **d} if stream else d)
+    return out
+
+
+def _finish_reason(reason: str | None, plan: tool_api.ToolPlan | None, called: bool) -> str | None:
+    # OpenAI: "tool_calls" when the model chose to call; a forced named call ends with "stop".
+    if called and reason == "stop" and plan is not None and plan.mode != "named":
+        return "tool_calls"
+    return reason
+
+
+def chat_response(rid: str, model: str, final: RequestOutput, tt: TokenText | None,
+                  tools: tool_api.ToolPlan | None = None) -> ChatCompletionResponse:
     choices = []
     for c in final.outputs:
         lp = chat_logprobs(c.logprobs or [], tt) if tt is not None else None
-        choices.append(ChatChoice(index=c.index, message=ResponseMessage(content=c.text),
-                                  logprobs=lp, finish_reason=c.finish_reason))
+        content, calls = (tool_api.parse(c.text, tools.fmt) if tools is not None and tools.parses
+                          else (c.text, []))
+        msg = ResponseMessage(content=content, tool_calls=_tool_call_dicts(calls) or None)
+        choices.append(ChatChoice(index=c.index, message=msg, logprobs=lp,
+                                  finish_reason=_finish_reason(c.finish_reason, tools, bool(calls))))
     return ChatCompletionResponse(id=rid, model=model, choices=choices, usage=usage_from([final]),
                                   system_fingerprint=SYSTEM_FINGERPRINT)
 
@@ -318,6 +410,8 @@ def completion_response(rid: str, model: str, finals: list[RequestOutput], n: in
         prefix = echo[p] if echo else ""
         for c in out.outputs:
             lp = completion_logprobs(c.logprobs or [], tt, len(prefix)) if tt is not None else None
+            if lp is not None and echo and out.prompt_logprobs is not None:
+                lp = join_logprobs(prompt_logprobs(out, tt), lp)
             choices.append(CompletionChoice(index=p * n + c.index, text=prefix + c.text,
                                             logprobs=lp, finish_reason=c.finish_reason))
     return CompletionResponse(id=rid, model=model, choices=choices, usage=usage_from(finals),
@@ -343,10 +437,14 @@ class ChatStreamer:
     model: str
     n: int
     tt: TokenText | None = None  # set when logprobs were asked for
+    tools: tool_api.ToolPlan | None = None  # set when the answer may hold tool calls
     states: list[_ChoiceState] = field(default_factory=list)
+    parsers: list[tool_api.StreamParser] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.states = [_ChoiceState() for _ in range(self.n)]
+        if self.tools is not None and self.tools.parses:
+            self.parsers = [tool_api.StreamParser(self.tools.fmt) for _ in range(self.n)]
 
     def _chunk(self, choices: list[ChunkChoice], usage: Usage | None = None) -> ChatCompletionChunk:
         return ChatCompletionChunk(id=self.rid, model=self.model, choices=choices, usage=usage,
@@ -366,11 +464,25 @@ class ChatStreamer:
             if self.tt is not None and c.logprobs and len(c.logprobs) > st.sent_logprobs:
                 lp = chat_logprobs(c.logprobs[st.sent_logprobs:], self.tt)
                 st.sent_logprobs = len(c.logprobs)
-            if not c.delta_text and lp is None and c.finish_reason is None:
+            text, calls, reason = c.delta_text, [], c.finish_reason
+            if self.parsers:
+                parser = self.parsers[c.index]
+                called_before = parser.calls
+                text, calls = parser.feed(c.delta_text)
+                if c.finish_reason is not None:
+                    more_text, more_calls = parser.finish()
+                    text, calls = text + more_text, calls + more_calls
+                tool_deltas = _tool_call_dicts(calls, called_before, stream=True)
+                reason = _finish_reason(c.finish_reason, self.tools, parser.calls > 0)
+            if not text and not calls and lp is None and reason is None:
                 continue
-            st.done = c.finish_reason is not None
-            chunks.append(self._chunk([ChunkChoice(index=c.index, delta=Delta(content=c.delta_text),
-                                                   logprobs=lp, finish_reason=c.finish_reason)]))
+            st.done = reason is not None
+            if calls:  # the call first (OpenAI sends calls and content in separate chunks)
+                chunks.append(self._chunk([ChunkChoice(index=c.index, delta=Delta(tool_calls=tool_deltas))]))
+            if text or lp is not None or reason is not None:
+                delta = Delta(content=text) if text or not calls else Delta()
+                chunks.append(self._chunk([ChunkChoice(index=c.index, delta=delta, logprobs=lp,
+                                                       finish_reason=reason)]))
         return chunks
 
     def usage_chunk(self, finals: list[RequestOutput]) -> ChatCompletionChunk:
@@ -401,14 +513,18 @@ class CompletionStreamer:
             st = self.states.setdefault(idx, _ChoiceState())
             if st.done:
                 continue
-            prefix = ""
+            prefix, echoed_lp = "", None
             if self.echo and not st.echoed:
                 prefix, st.echoed = self.echo[p], True
+                if self.tt is not None and out.prompt_logprobs is not None:
+                    echoed_lp = prompt_logprobs(out, self.tt)
             text = prefix + c.delta_text
             lp = None
             if self.tt is not None and c.logprobs and len(c.logprobs) > st.sent_logprobs:
                 lp = completion_logprobs(c.logprobs[st.sent_logprobs:], self.tt, st.text_len + len(prefix))
                 st.sent_logprobs = len(c.logprobs)
+            if echoed_lp is not None:
+                lp = join_logprobs(echoed_lp, lp or CompletionLogprobs())
             if not text and lp is None and c.finish_reason is None:
                 continue
             st.text_len += len(text)

@@ -47,6 +47,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--server-args", nargs=argparse.REMAINDER, default=[],
                    help="with --spawn: arguments for `pagedllm serve` (must come last)")
     p.add_argument("--output", default=None, help="also write the report as JSON here")
+    p.add_argument("--response-format", default=None, type=_json_arg,
+                   help="an OpenAI response_format for every request (JSON text, or @FILE): "
+                        "measures structured output against the same load without it")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="every answer runs to its max_tokens (equal lengths for comparisons)")
+
+
+def _json_arg(text: str) -> dict:
+    if text.startswith("@"):
+        text = Path(text[1:]).read_text()
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
 
 
 @dataclass
@@ -143,7 +160,9 @@ async def _client(client: Any, args: argparse.Namespace, deadline: float, rng: r
         body = {"model": args.model, "stream": True, "stream_options": {"include_usage": True},
                 "messages": [{"role": "user", "content": rng.choice(PROMPTS)}],
                 "max_tokens": rng.randint(args.min_tokens, args.max_tokens),
-                "temperature": args.temperature}
+                "temperature": args.temperature, "ignore_eos": args.ignore_eos}
+        if args.response_format is not None:
+            body["response_format"] = args.response_format
         results.append(await _one(client, args.url, body, args.timeout))
 
 
