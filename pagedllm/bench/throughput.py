@@ -84,9 +84,9 @@ class _TimedSampler:
     def __init__(self, inner) -> None:
         self.inner, self.seconds = inner, 0.0
 
-    def __call__(self, logits, meta):
+    def __call__(self, logits, meta, **kw):  # kw: the runner's finite= row check
         t0 = time.perf_counter()
-        out = self.inner(logits, meta)
+        out = self.inner(logits, meta, **kw)
         if logits.device.type == "cuda":
             torch.cuda.synchronize(logits.device)
         self.seconds += time.perf_counter() - t0
