@@ -33,16 +33,6 @@ class Linear(nn.Linear):
         self.qparts = parts
         self.weight = None  # nn.Module keeps the slot; parameters() skips it
 
-    @property
-    def weight_formats(self) -> list[str]:
-        return [p.fmt for p in self.qparts] if self.qparts else [str(self.weight.dtype).removeprefix("torch.")]
-
-    @property
-    def weight_nbytes(self) -> int:
-        if self.qparts:
-            return sum(p.nbytes for p in self.qparts)
-        return self.weight.numel() * self.weight.element_size()
-
     def fused(self, x: torch.Tensor, norm: nn.Module | None = None, residual: torch.Tensor | None = None,
               silu_mul: bool = False) -> torch.Tensor:
         """residual + act(self(norm(x))), where act is silu(gate) * up over the output's halves.

@@ -24,8 +24,6 @@ FORMATS: dict[str, tuple[int, int, int]] = {
     "Q5_K": (13, 256, 176),
     "Q6_K": (14, 256, 210),
 }
-# Bits per weight, for reports.
-BITS = {name: 8 * nbytes / vals for name, (_, vals, nbytes) in FORMATS.items()}
 
 
 class QuantFormatError(ValueError):
@@ -61,20 +59,5 @@ class QuantTensor:
     def nbytes(self) -> int:
         return self.data.numel()
 
-    def row_slice(self, start: int, stop: int) -> "QuantTensor":
-        return QuantTensor(self.fmt, self.data[start:stop], (stop - start, self.shape[1]))
-
     def permute_rows(self, index: torch.Tensor) -> "QuantTensor":
         return QuantTensor(self.fmt, self.data.index_select(0, index), self.shape)
-
-    @staticmethod
-    def cat(parts: list["QuantTensor"]) -> "QuantTensor":
-        fmt = parts[0].fmt
-        assert all(p.fmt == fmt and p.shape[1] == parts[0].shape[1] for p in parts)
-        return QuantTensor(fmt, torch.cat([p.data for p in parts]),
-                           (sum(p.shape[0] for p in parts), parts[0].shape[1]))
-
-
-def row_bytes(fmt: str, cols: int) -> int:
-    _, vals, nbytes = FORMATS[fmt]
-    return cols // vals * nbytes

@@ -93,14 +93,6 @@ def linear(x: torch.Tensor, parts: list[QuantTensor], norm, bias: torch.Tensor |
         1 if silu_mul else 0, _isa_id(None))
 
 
-def dequantize(w: QuantTensor, dtype: torch.dtype = torch.float32, isa: str | None = None) -> torch.Tensor:
-    """The float values w stands for, [rows, cols]."""
-    ops = cpu_kernels()
-    if ops is None:
-        return _dequantize_numpy(w).to(dtype)
-    return ops.quant_dequant(w.data, w.type_id, w.shape[1], None, 0, -1, dtype, _isa_id(isa))
-
-
 def embedding(w: QuantTensor, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Rows `ids` of w as `dtype`: the embedding lookup reads only the rows it needs."""
     return cpu_kernels().quant_dequant(w.data, w.type_id, w.shape[1], ids, 0, -1, dtype, 0)
