@@ -10,7 +10,7 @@ import torch
 
 from pagedllm.native import cpu_kernels
 from pagedllm.quant import kernels as qk
-from pagedllm.quant.formats import FORMATS, QuantTensor
+from pagedllm.quant.formats import FORMATS, PACKABLE, PACKED_ID, QuantTensor
 
 Q = gguf.GGMLQuantizationType
 ops = cpu_kernels()
@@ -185,3 +185,85 @@ def test_a_row_gives_the_same_bits_whatever_the_batch(fmt):
     for m in (1, 2, 3, 4, 7):
         part = ops.quant_matmul(x[:m], [raw], [FORMATS[fmt][0]], cols, 0)
         assert torch.equal(part, full[:m]), (fmt, m)
+
+
+# -- the packed layout (16 rows interleaved per group; native/csrc/quant_packed.cpp) ------------
+PACKABLE_FORMATS = list(PACKABLE)
+
+
+def packed(raw: np.ndarray, fmt: str, rows: int, cols: int) -> QuantTensor:
+    return QuantTensor(fmt, torch.from_numpy(raw), (rows, cols)).pack()
+
+
+@pytest.mark.parametrize("fmt", PACKABLE_FORMATS)
+@pytest.mark.parametrize("isa", ISAS)
+def test_packed_kernel_matches_reference(fmt, isa):
+    rng = np.random.default_rng(20 + FORMATS[fmt][0])
+    vals = FORMATS[fmt][1]
+    for rows, nblk, m, scales in [(16, 1, 1, "normal"), (48, 3, 1, "normal"), (32, 2, 2, "zero"),
+                                  (16, 1, 9, "extreme"), (32, 2, 3, "tiny"), (64, 2, 64, "normal"),
+                                  (16, 1, 17, "normal")]:
+        cols = vals * nblk if vals == 256 else 32 * (nblk * 3 + 1)
+        raw = random_blocks(fmt, rows, cols, rng, scales)
+        qt = packed(raw, fmt, rows, cols)
+        x = rng.standard_normal((m, cols)).astype(np.float32)
+        x[0, :32] = 0.0
+        y = ops.quant_matmul(torch.from_numpy(x), [qt.data], [qt.type_id], cols, qk.ISA_IDS[isa]).numpy()
+        assert y.shape == (m, rows) and np.isfinite(y).all()
+        assert_close(y, reference(raw, fmt, rows, cols, x, True), 2e-5,
+                     f"packed {fmt} {isa} {rows}x{cols} m={m} {scales}")
+
+
+@pytest.mark.parametrize("fmt", PACKABLE_FORMATS)
+def test_packed_dequantize_is_exact(fmt):
+    """Packing is lossless: rows, embedding lookups and the prefill's transposed tiles give
+    gguf's dequantized values bit for bit."""
+    rng = np.random.default_rng(30)
+    rows, cols = 48, FORMATS[fmt][1] * 2
+    raw = random_blocks(fmt, rows, cols, rng)
+    ref = gguf.quants.dequantize(raw, Q[fmt]).reshape(rows, cols)
+    qt = packed(raw, fmt, rows, cols)
+    base = qt.type_id - PACKED_ID
+    got = ops.quant_dequant_packed(qt.data, base, cols, None, 0, -1, torch.float32, False).numpy()
+    np.testing.assert_array_equal(got, ref)
+    tile = ops.quant_dequant_packed(qt.data, base, cols, None, 16, 32, torch.float32, True).numpy()
+    np.testing.assert_array_equal(tile, ref[16:48].T)
+    ids = torch.tensor([47, 0, 17, 17])
+    assert torch.equal(qk.embedding(qt, ids, torch.bfloat16), torch.from_numpy(ref[ids.numpy()]).to(torch.bfloat16))
+
+
+def test_packed_and_file_layout_parts_mix_and_take_the_gemm_route():
+    """A fused projection of packed parts (Q4_K, Q5_0) and a file-layout part (Q6_K), through
+    the integer kernel and, past INT_ROWS, the dequantize + GEMM route."""
+    rng = np.random.default_rng(31)
+    cols = 512
+    specs = [("Q4_K", 32), ("Q5_0", 16), ("Q6_K", 16)]
+    raws = [random_blocks(f, r, cols, rng) for f, r in specs]
+    parts = [packed(r, f, n, cols) if f in PACKABLE else QuantTensor(f, torch.from_numpy(r), (n, cols))
+             for r, (f, n) in zip(raws, specs)]
+    for m in (3, qk.INT_ROWS + 1):
+        x = rng.standard_normal((m, cols)).astype(np.float32)
+        y = qk.matmul(torch.from_numpy(x), parts).numpy()
+        quantized = m <= qk.INT_ROWS
+        ref = np.concatenate([reference(r, f, n, cols, x, quantized) for r, (f, n) in zip(raws, specs)], axis=1)
+        assert_close(y, ref, 2e-5 if quantized else 1e-5, f"mixed m={m}")
+
+
+def test_packed_rows_give_the_same_bits_whatever_the_batch():
+    rng = np.random.default_rng(32)
+    cols = 512
+    qt = packed(random_blocks("Q4_1", 64, cols, rng), "Q4_1", 64, cols)
+    x = torch.randn(30, cols)
+    full = ops.quant_matmul(x, [qt.data], [qt.type_id], cols, 0)
+    for m in (1, 2, 5, 8, 9):
+        assert torch.equal(ops.quant_matmul(x[:m], [qt.data], [qt.type_id], cols, 0), full[:m]), m
+
+
+def test_packing_refuses_what_it_cannot_hold():
+    rng = np.random.default_rng(33)
+    with pytest.raises(RuntimeError, match="no packed layout"):
+        ops.quant_pack(torch.from_numpy(random_blocks("Q6_K", 16, 256, rng)), FORMATS["Q6_K"][0], 256)
+    with pytest.raises(RuntimeError, match="multiple of 16 rows"):
+        ops.quant_pack(torch.from_numpy(random_blocks("Q4_0", 20, 64, rng)), FORMATS["Q4_0"][0], 64)
+    odd = QuantTensor("Q4_0", torch.from_numpy(random_blocks("Q4_0", 20, 64, rng)), (20, 64))
+    assert not odd.can_pack and qk.pack([odd])[0] is odd  # kept in the file's layout

@@ -30,7 +30,7 @@ class Linear(nn.Linear):
         if rows != self.out_features or any(p.shape[1] != self.in_features for p in parts):
             raise ValueError(f"quantized weight of {rows}x{parts[0].shape[1]} for a "
                              f"{self.out_features}x{self.in_features} layer")
-        self.qparts = parts
+        self.qparts = qk.pack(parts)
         self.weight = None  # nn.Module keeps the slot; parameters() skips it
 
     def fused(self, x: torch.Tensor, norm: nn.Module | None = None, residual: torch.Tensor | None = None,
@@ -70,7 +70,7 @@ class Embedding(nn.Embedding):
         if w.shape != (self.num_embeddings, self.embedding_dim):
             raise ValueError(f"quantized embedding of {w.shape} for a "
                              f"{self.num_embeddings}x{self.embedding_dim} table")
-        self.qweight, self.out_dtype = w, dtype
+        self.qweight, self.out_dtype = qk.pack([w])[0], dtype
         self.weight = None
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:

@@ -22,6 +22,7 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.cpp"))
+HEADERS = sorted((Path(__file__).parent / "csrc").glob("*.h"))
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]
 
 
@@ -61,7 +62,7 @@ def cpu_kernels():
         # checkout's path: torch's build folder records its sources' paths, so two checkouts
         # sharing one folder would rebuild each other's kernels on every start.
         digest = hashlib.sha1(" ".join(FLAGS).encode() + str(SOURCES[0].parent.resolve()).encode())
-        for src in SOURCES:
+        for src in SOURCES + HEADERS:
             digest.update(src.name.encode() + src.read_bytes())
         name = f"pagedllm_cpu_{_cpu_key()}_{digest.hexdigest()[:10]}"
         built = Path(_get_build_directory(name, verbose=False)) / f"{name}.so"

@@ -7,7 +7,9 @@ permuting them (undoing llama.cpp's rope permutation) keeps every block whole.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
@@ -26,17 +28,40 @@ FORMATS: dict[str, tuple[int, int, int]] = {
 }
 
 
+# Formats whose scales cover 32 values can be repacked at load into 16-row interleaved groups
+# (native/csrc/quant_packed.cpp): one SIMD lane per output row, several times faster.
+PACKABLE = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K")
+PACK_ROWS = 16
+PACKED_ID = 100  # a packed weight's kernel type id: PACKED_ID + the ggml type id
+# PAGEDLLM_QUANT_PACK=0 keeps the file's layout (the reference for comparisons).
+PACK = os.environ.get("PAGEDLLM_QUANT_PACK", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def packed_group_bytes(fmt: str, cols: int) -> int:
+    """Bytes of one packed group (16 rows of `cols` values): the file's bytes, plus for the
+    K-quants their 6-bit sub-block scales widened to bytes."""
+    _, vals, nbytes = FORMATS[fmt]
+    if fmt in ("Q4_K", "Q5_K"):
+        per_block = 256 + (64 if fmt == "Q5_K" else 0) + 32  # values, high bits, sc + m bytes
+        return cols // 256 * (64 + 8 * per_block)
+    return cols // vals * nbytes * PACK_ROWS
+
+
 class QuantFormatError(ValueError):
     """A quantized weight that cannot be used as it is: the message names the tensor."""
 
 
 @dataclass
 class QuantTensor:
-    """A weight of `shape` (rows, cols) stored as `fmt` blocks in `data` [rows, row_bytes]."""
+    """A weight of `shape` (rows, cols) stored as `fmt` blocks in `data` [rows, row_bytes], or,
+    `packed`, as 16-row groups [rows / 16, group_bytes]. `release`, when set, hands back the
+    file pages `data` views once a copy has replaced them."""
 
     fmt: str
     data: torch.Tensor
     shape: tuple[int, int]
+    packed: bool = False
+    release: Callable[[], None] | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.fmt not in FORMATS:
@@ -45,7 +70,7 @@ class QuantTensor:
         _, vals, nbytes = FORMATS[self.fmt]
         if cols % vals:
             raise QuantFormatError(f"{self.fmt} rows hold blocks of {vals} values; {cols} is not a multiple")
-        want = (rows, cols // vals * nbytes)
+        want = (rows // PACK_ROWS, packed_group_bytes(self.fmt, cols)) if self.packed else (rows, cols // vals * nbytes)
         if self.data.dtype != torch.uint8 or tuple(self.data.shape) != want:
             raise QuantFormatError(
                 f"{self.fmt} data for a {rows}x{cols} weight must be uint8 {want}, got "
@@ -53,11 +78,26 @@ class QuantTensor:
 
     @property
     def type_id(self) -> int:
-        return FORMATS[self.fmt][0]
+        """The id the native kernels take: the ggml type, offset by PACKED_ID when packed."""
+        return FORMATS[self.fmt][0] + (PACKED_ID if self.packed else 0)
+
+    @property
+    def can_pack(self) -> bool:
+        return PACK and not self.packed and self.fmt in PACKABLE and self.shape[0] % PACK_ROWS == 0
+
+    def pack(self) -> "QuantTensor":
+        """The same weight in the packed layout (a copy; the file's pages are handed back)."""
+        from ..native import cpu_kernels
+
+        data = cpu_kernels().quant_pack(self.data, FORMATS[self.fmt][0], self.shape[1])
+        if self.release is not None:
+            self.release()
+        return QuantTensor(self.fmt, data, self.shape, packed=True)
 
     @property
     def nbytes(self) -> int:
         return self.data.numel()
 
     def permute_rows(self, index: torch.Tensor) -> "QuantTensor":
+        assert not self.packed
         return QuantTensor(self.fmt, self.data.index_select(0, index), self.shape)

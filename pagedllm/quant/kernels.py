@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from ..native import cpu_kernels, disabled_reason
-from .formats import QuantTensor
+from .formats import PACKED_ID, QuantTensor
 
 logger = logging.getLogger(__name__)
 
@@ -77,8 +77,13 @@ def matmul(x: torch.Tensor, parts: list[QuantTensor], isa: str | None = None,
     for w in parts:
         for start in range(0, w.shape[0], TILE_ROWS):
             count = min(TILE_ROWS, w.shape[0] - start)
-            tile = ops.quant_dequant(w.data, w.type_id, w.shape[1], None, start, count, x.dtype, 0)
-            outs.append(F.linear(x, tile))
+            if w.packed:  # a [K, count] tile: the packed groups' lanes are its rows' runs
+                tile = ops.quant_dequant_packed(w.data, w.type_id - PACKED_ID, w.shape[1], None, start, count,
+                                                x.dtype, True)
+                outs.append(torch.mm(x, tile))
+            else:
+                tile = ops.quant_dequant(w.data, w.type_id, w.shape[1], None, start, count, x.dtype, 0)
+                outs.append(F.linear(x, tile))
     y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
     return y.to(out_dtype)
 
@@ -95,11 +100,23 @@ def linear(x: torch.Tensor, parts: list[QuantTensor], norm, bias: torch.Tensor |
 
 def embedding(w: QuantTensor, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Rows `ids` of w as `dtype`: the embedding lookup reads only the rows it needs."""
+    if w.packed:
+        return cpu_kernels().quant_dequant_packed(w.data, w.type_id - PACKED_ID, w.shape[1], ids, 0, -1, dtype,
+                                                  False)
     return cpu_kernels().quant_dequant(w.data, w.type_id, w.shape[1], ids, 0, -1, dtype, 0)
 
 
+def pack(parts: list[QuantTensor]) -> list[QuantTensor]:
+    """The parts of one projection in the packed layout where all of them allow it (one kernel
+    call must see whole 16-row groups in every part), else as they are."""
+    if all(p.can_pack for p in parts):
+        return [p.pack() for p in parts]
+    return parts
+
+
 def bad_scale_blocks(w: QuantTensor) -> int:
-    """How many blocks carry a NaN or inf scale."""
+    """How many blocks carry a NaN or inf scale (checked in the file's layout, before packing)."""
+    assert not w.packed
     ops = cpu_kernels()
     if ops is not None:
         return int(ops.quant_bad_scales(w.data, w.type_id, w.shape[1]))

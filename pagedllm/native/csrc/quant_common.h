@@ -1,0 +1,455 @@
+// Shared by the quantized-weight kernels: the GGUF block formats, their reference
+// unpacking, the activation quantization and the ISA checks.
+#pragma once
+// Matrix products with weights kept in GGUF's quantized block formats (the llama.cpp
+// formats Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K), read straight from
+// the file's bytes: nothing is repacked and no float copy of a weight is ever kept.
+//
+// Every format is read through one shape: a block of 32 (legacy) or 256 (K-quants) values
+// is unpacked into small unsigned integers q (Q8_0: signed) and, per 16 values, a float
+// scale s and offset m, so that w = s * q + m exactly as gguf's reference dequantization
+// computes it. The activation row is quantized once per call to int8 with one float scale
+// per 32 values (da) and its sums per 16 values kept, so
+//     sum_i w_i x_i = sum_groups da * (s * sum(q * a) + m * sum(a)).
+// The integer dot products sum(q * a) are where the ISA paths differ: AVX2 maddubs/madd,
+// AVX-512 VNNI vpdpbusd (256-bit, AVX512VL), and a plain C++ reference that every machine
+// can run and that the tests compare all paths against. The path is picked at run time
+// from the CPU's flags (isa = 0), or forced by the caller (tests, benchmarks).
+//
+// Many rows (prefill, wide batches) take the other route: `quant_dequant` writes tiles of
+// the weight as float/bf16 into a reused buffer and the caller runs the GEMM.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+// The build is per CPU (-march=native, keyed by the CPU's flags), so the SIMD paths are
+// compiled where this CPU's compiler flags allow them and chosen at run time among those.
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define PQ_X86 1
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX512BW__)
+#define PQ_HAS_VNNI 1
+#endif
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace pq {
+
+// ggml type ids (gguf.GGMLQuantizationType).
+enum Type : int64_t {
+  Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8,
+  Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14,
+};
+
+struct Fmt {
+  int64_t type;
+  int vals;    // values per block: 32 or 256
+  int bytes;   // bytes per block
+  bool is_signed;  // q is int8 (Q8_0), else uint8
+};
+
+inline Fmt fmt_of(int64_t t) {
+  switch (t) {
+    case Q4_0: return {t, 32, 18, false};
+    case Q4_1: return {t, 32, 20, false};
+    case Q5_0: return {t, 32, 22, false};
+    case Q5_1: return {t, 32, 24, false};
+    case Q8_0: return {t, 32, 34, true};
+    case Q2_K: return {t, 256, 84, false};
+    case Q3_K: return {t, 256, 110, false};
+    case Q4_K: return {t, 256, 144, false};
+    case Q5_K: return {t, 256, 176, false};
+    case Q6_K: return {t, 256, 210, false};
+  }
+  TORCH_CHECK(false, "quantized kernels: unsupported ggml type id ", t);
+}
+
+enum Isa : int64_t { AUTO = 0, SCALAR = 1, AVX2 = 2, AVX512VNNI = 3 };
+
+inline float half(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+#if defined(__F16C__)
+  return _cvtsh_ss(h);  // one instruction; the bit-twiddling fallback below costs ~15
+#else
+  return c10::detail::fp16_ieee_to_fp32_value(h);
+#endif
+}
+inline bool half_finite(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return (h & 0x7C00) != 0x7C00;
+}
+inline uint32_t u32(const uint8_t* p) {
+  uint32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+// 6-bit scale and min j of a Q4_K / Q5_K block (12 packed bytes for 8 sub-blocks).
+inline void scale_min_k4(int j, const uint8_t* s, int& sc, int& m) {
+  if (j < 4) {
+    sc = s[j] & 63;
+    m = s[j + 4] & 63;
+  } else {
+    sc = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
+    m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+  }
+}
+
+// Scales and offsets of one block, per 16 values (a 32-value group fills two entries).
+inline void block_scales(int64_t t, const uint8_t* b, float* sc, float* mn) {
+  switch (t) {
+    case Q4_0: { float d = half(b); sc[0] = sc[1] = d; mn[0] = mn[1] = -8.f * d; break; }
+    case Q4_1: { float d = half(b), m = half(b + 2); sc[0] = sc[1] = d; mn[0] = mn[1] = m; break; }
+    case Q5_0: { float d = half(b); sc[0] = sc[1] = d; mn[0] = mn[1] = -16.f * d; break; }
+    case Q5_1: { float d = half(b), m = half(b + 2); sc[0] = sc[1] = d; mn[0] = mn[1] = m; break; }
+    case Q8_0: { float d = half(b); sc[0] = sc[1] = d; mn[0] = mn[1] = 0.f; break; }
+    case Q2_K: {
+      const float d = half(b + 80), dmin = half(b + 82);
+      for (int g = 0; g < 16; ++g) {
+        sc[g] = d * static_cast<float>(b[g] & 0xF);
+        mn[g] = -dmin * static_cast<float>(b[g] >> 4);
+      }
+      break;
+    }
+    case Q3_K: {
+      const uint8_t* s = b + 96;
+      const float d = half(b + 108);
+      for (int k = 0; k < 16; ++k) {
+        const int lo = (s[k % 8] >> (4 * (k / 8))) & 0xF;
+        const int hi = (s[8 + k % 4] >> (2 * (k / 4))) & 3;
+        const float v = d * static_cast<float>((lo | (hi << 4)) - 32);
+        sc[k] = v;
+        mn[k] = -4.f * v;  // q is stored as 0..7 here, the format's value is q - 4
+      }
+      break;
+    }
+    case Q4_K:
+    case Q5_K: {
+      const float d = half(b), dmin = half(b + 2);
+      for (int j = 0; j < 8; ++j) {
+        int s, m;
+        scale_min_k4(j, b + 4, s, m);
+        sc[2 * j] = sc[2 * j + 1] = d * static_cast<float>(s);
+        mn[2 * j] = mn[2 * j + 1] = -dmin * static_cast<float>(m);
+      }
+      break;
+    }
+    case Q6_K: {
+      const float d = half(b + 208);
+      const int8_t* s = reinterpret_cast<const int8_t*>(b + 192);
+      for (int g = 0; g < 16; ++g) {
+        sc[g] = d * static_cast<float>(s[g]);
+        mn[g] = -32.f * sc[g];
+      }
+      break;
+    }
+  }
+}
+
+// Reference unpacking of a block's quantized values (plain C++; the layouts follow gguf).
+inline void unpack_ref(int64_t t, const uint8_t* b, uint8_t* q) {
+  switch (t) {
+    case Q4_0:
+    case Q4_1: {
+      const uint8_t* qs = b + (t == Q4_0 ? 2 : 4);
+      for (int l = 0; l < 16; ++l) { q[l] = qs[l] & 0xF; q[l + 16] = qs[l] >> 4; }
+      break;
+    }
+    case Q5_0:
+    case Q5_1: {
+      const int off = t == Q5_0 ? 2 : 4;
+      const uint32_t qh = u32(b + off);
+      const uint8_t* qs = b + off + 4;
+      for (int l = 0; l < 16; ++l) {
+        q[l] = (qs[l] & 0xF) | (((qh >> l) & 1) << 4);
+        q[l + 16] = (qs[l] >> 4) | (((qh >> (l + 16)) & 1) << 4);
+      }
+      break;
+    }
+    case Q8_0: std::memcpy(q, b + 2, 32); break;
+    case Q2_K: {
+      const uint8_t* qs = b + 16;
+      for (int n = 0; n < 2; ++n)
+        for (int j = 0; j < 4; ++j)
+          for (int l = 0; l < 32; ++l) q[n * 128 + j * 32 + l] = (qs[n * 32 + l] >> (2 * j)) & 3;
+      break;
+    }
+    case Q3_K: {
+      const uint8_t* hm = b;
+      const uint8_t* qs = b + 32;
+      for (int n = 0; n < 2; ++n)
+        for (int j = 0; j < 4; ++j)
+          for (int l = 0; l < 32; ++l)
+            q[n * 128 + j * 32 + l] = ((qs[n * 32 + l] >> (2 * j)) & 3) | (((hm[l] >> (4 * n + j)) & 1) << 2);
+      break;
+    }
+    case Q4_K: {
+      const uint8_t* qs = b + 16;
+      for (int p = 0; p < 4; ++p)
+        for (int l = 0; l < 32; ++l) {
+          q[64 * p + l] = qs[32 * p + l] & 0xF;
+          q[64 * p + 32 + l] = qs[32 * p + l] >> 4;
+        }
+      break;
+    }
+    case Q5_K: {
+      const uint8_t* qh = b + 16;
+      const uint8_t* qs = b + 48;
+      for (int j = 0; j < 8; ++j)
+        for (int l = 0; l < 32; ++l)
+          q[32 * j + l] = ((qs[32 * (j / 2) + l] >> (4 * (j % 2))) & 0xF) | (((qh[l] >> j) & 1) << 4);
+      break;
+    }
+    case Q6_K: {
+      const uint8_t* ql = b;
+      const uint8_t* qh = b + 128;
+      for (int n = 0; n < 2; ++n)
+        for (int j = 0; j < 4; ++j)
+          for (int l = 0; l < 32; ++l)
+            q[n * 128 + j * 32 + l] = ((ql[64 * n + (j % 2) * 32 + l] >> (4 * (j / 2))) & 0xF) |
+                                      (((qh[32 * n + l] >> (2 * j)) & 3) << 4);
+      break;
+    }
+  }
+}
+
+#ifdef PQ_X86
+// The same unpacking with AVX2 byte operations: each 32-value chunk is one register.
+#define PQ_AVX2 inline
+
+PQ_AVX2 __m256i nib_lo(__m256i x) { return _mm256_and_si256(x, _mm256_set1_epi8(0x0F)); }
+PQ_AVX2 __m256i nib_hi(__m256i x) {
+  return _mm256_and_si256(_mm256_srli_epi16(x, 4), _mm256_set1_epi8(0x0F));
+}
+// byte l of the result is `val` where bit l of the 32-bit mask is set, else 0.
+PQ_AVX2 __m256i bits_to_bytes(uint32_t bits, uint8_t val) {
+  const __m256i shuf = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                        2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+  const __m256i sel = _mm256_set1_epi64x(0x8040201008040201LL);
+  __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(bits)), shuf);
+  v = _mm256_cmpeq_epi8(_mm256_and_si256(v, sel), sel);
+  return _mm256_and_si256(v, _mm256_set1_epi8(static_cast<char>(val)));
+}
+// byte l: `val` where (x_l & bit) != 0.
+PQ_AVX2 __m256i test_bit(__m256i x, uint8_t bit, uint8_t val) {
+  const __m256i b = _mm256_set1_epi8(static_cast<char>(bit));
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(x, b), b), _mm256_set1_epi8(static_cast<char>(val)));
+}
+PQ_AVX2 void st(uint8_t* q, __m256i v) { _mm256_store_si256(reinterpret_cast<__m256i*>(q), v); }
+PQ_AVX2 __m256i ld(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+
+PQ_AVX2 void unpack_avx2(int64_t t, const uint8_t* b, uint8_t* q) {
+  switch (t) {
+    case Q4_0:
+    case Q4_1: {
+      const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + (t == Q4_0 ? 2 : 4)));
+      const __m256i xx = _mm256_set_m128i(_mm_srli_epi16(x, 4), x);
+      st(q, _mm256_and_si256(xx, _mm256_set1_epi8(0x0F)));
+      break;
+    }
+    case Q5_0:
+    case Q5_1: {
+      const int off = t == Q5_0 ? 2 : 4;
+      const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + off + 4));
+      const __m256i xx = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(x, 4), x), _mm256_set1_epi8(0x0F));
+      st(q, _mm256_or_si256(xx, bits_to_bytes(u32(b + off), 0x10)));
+      break;
+    }
+    case Q8_0: st(q, ld(b + 2)); break;
+    case Q2_K: {
+      const __m256i m3 = _mm256_set1_epi8(3);
+      for (int n = 0; n < 2; ++n) {
+        const __m256i x = ld(b + 16 + 32 * n);
+        st(q + n * 128, _mm256_and_si256(x, m3));
+        st(q + n * 128 + 32, _mm256_and_si256(_mm256_srli_epi16(x, 2), m3));
+        st(q + n * 128 + 64, _mm256_and_si256(_mm256_srli_epi16(x, 4), m3));
+        st(q + n * 128 + 96, _mm256_and_si256(_mm256_srli_epi16(x, 6), m3));
+      }
+      break;
+    }
+    case Q3_K: {
+      const __m256i m3 = _mm256_set1_epi8(3);
+      const __m256i hm = ld(b);
+      for (int n = 0; n < 2; ++n) {
+        const __m256i x = ld(b + 32 + 32 * n);
+        for (int j = 0; j < 4; ++j) {
+          const __m256i lo = _mm256_and_si256(_mm256_srli_epi16(x, 2 * j), m3);
+          st(q + n * 128 + 32 * j, _mm256_or_si256(lo, test_bit(hm, static_cast<uint8_t>(1u << (4 * n + j)), 4)));
+        }
+      }
+      break;
+    }
+    case Q4_K: {
+      for (int p = 0; p < 4; ++p) {
+        const __m256i x = ld(b + 16 + 32 * p);
+        st(q + 64 * p, nib_lo(x));
+        st(q + 64 * p + 32, nib_hi(x));
+      }
+      break;
+    }
+    case Q5_K: {
+      const __m256i qh = ld(b + 16);
+      for (int p = 0; p < 4; ++p) {
+        const __m256i x = ld(b + 48 + 32 * p);
+        st(q + 64 * p, _mm256_or_si256(nib_lo(x), test_bit(qh, static_cast<uint8_t>(1u << (2 * p)), 0x10)));
+        st(q + 64 * p + 32, _mm256_or_si256(nib_hi(x), test_bit(qh, static_cast<uint8_t>(1u << (2 * p + 1)), 0x10)));
+      }
+      break;
+    }
+    case Q6_K: {
+      const __m256i m3 = _mm256_set1_epi8(3);
+      for (int n = 0; n < 2; ++n) {
+        const __m256i l0 = ld(b + 64 * n), l1 = ld(b + 64 * n + 32), h = ld(b + 128 + 32 * n);
+        const __m256i h0 = _mm256_slli_epi16(_mm256_and_si256(h, m3), 4);
+        const __m256i h1 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2), m3), 4);
+        const __m256i h2 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 4), m3), 4);
+        const __m256i h3 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 6), m3), 4);
+        st(q + n * 128, _mm256_or_si256(nib_lo(l0), h0));
+        st(q + n * 128 + 32, _mm256_or_si256(nib_lo(l1), h1));
+        st(q + n * 128 + 64, _mm256_or_si256(nib_hi(l0), h2));
+        st(q + n * 128 + 96, _mm256_or_si256(nib_hi(l1), h3));
+      }
+      break;
+    }
+  }
+}
+
+// 8 int32 lanes, lanes 0-3 summing q*a over bytes 0-15 and lanes 4-7 over bytes 16-31.
+template <bool SIGNED>
+PQ_AVX2 __m256i dot_avx2(__m256i w, __m256i a) {
+  if (SIGNED) {  // maddubs wants unsigned x signed: move w's sign onto a
+    a = _mm256_sign_epi8(a, w);
+    w = _mm256_sign_epi8(w, w);
+  }
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(w, a), _mm256_set1_epi16(1));
+}
+
+template <bool SIGNED>
+inline __m256i dot_vnni(__m256i w, __m256i a) {
+#ifdef PQ_HAS_VNNI
+  if (SIGNED) {
+    a = _mm256_sign_epi8(a, w);
+    w = _mm256_sign_epi8(w, w);
+  }
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, a);
+#else
+  return dot_avx2<SIGNED>(w, a);  // never dispatched: isa_supported() says no
+#endif
+}
+
+PQ_AVX2 float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+#endif  // PQ_X86
+
+// The activation rows, quantized: int8 values, a scale per 32 and sums per 16.
+struct QAct {
+  std::vector<int8_t> a;
+  std::vector<float> d;
+  std::vector<int32_t> s16;
+  std::vector<float> ds16;  // d * s16: what the weights' offsets multiply
+  // Per 32 values, 8 floats: ds16 of the first 16 in lane 0 and of the second in lane 4, zeros
+  // elsewhere, so the offsets' term is one vector fma per chunk with no serial scalar chain.
+  std::vector<float> msv;
+  std::vector<int32_t> s32;  // sums per 32 values, and d * s32 (the packed kernels' offsets)
+  std::vector<float> ds32;
+  int64_t m = 0, k = 0;
+};
+
+template <typename T>
+void quantize_rows(const T* x, int64_t m, int64_t k, QAct& out) {
+  out.m = m;
+  out.k = k;
+  out.a.resize(m * k);
+  out.d.resize(m * (k / 32));
+  out.s16.resize(m * (k / 16));
+  out.s32.resize(m * (k / 32));
+  out.ds32.resize(m * (k / 32));
+  out.ds16.resize(m * (k / 16));
+  out.msv.assign(m * (k / 32) * 8, 0.f);
+  at::parallel_for(0, m * (k / 32), 64, [&](int64_t b, int64_t e) {
+    for (int64_t c = b; c < e; ++c) {
+      const T* src = x + c * 32;  // rows are contiguous, k % 32 == 0
+      float v[32];
+      float amax = 0.f;
+      for (int i = 0; i < 32; ++i) {
+        v[i] = static_cast<float>(src[i]);
+        amax = std::max(amax, std::fabs(v[i]));
+      }
+      const float d = amax / 127.f;
+      const float id = d > 0.f ? 1.f / d : 0.f;
+      int8_t* dst = out.a.data() + c * 32;
+      int32_t s0 = 0, s1 = 0;
+      for (int i = 0; i < 32; ++i) {
+        const int qv = static_cast<int>(std::nearbyint(v[i] * id));
+        dst[i] = static_cast<int8_t>(qv);
+        (i < 16 ? s0 : s1) += qv;
+      }
+      out.d[c] = d;
+      out.s16[2 * c] = s0;
+      out.s16[2 * c + 1] = s1;
+      out.ds16[2 * c] = d * static_cast<float>(s0);
+      out.ds16[2 * c + 1] = d * static_cast<float>(s1);
+      out.msv[c * 8] = out.ds16[2 * c];
+      out.msv[c * 8 + 4] = out.ds16[2 * c + 1];
+      out.s32[c] = s0 + s1;
+      out.ds32[c] = d * static_cast<float>(s0 + s1);
+    }
+  });
+}
+
+inline bool isa_supported(int64_t isa) {
+  switch (isa) {
+    case SCALAR: return true;
+#ifdef PQ_X86
+    case AVX2: return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+#endif
+#ifdef PQ_HAS_VNNI
+    case AVX512VNNI:
+      return isa_supported(AVX2) && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+             __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni");
+#endif
+    default: return false;
+  }
+}
+
+inline int64_t best_isa() {
+  static const int64_t best = isa_supported(AVX512VNNI) ? AVX512VNNI : isa_supported(AVX2) ? AVX2 : SCALAR;
+  return best;
+}
+
+inline void check_weight(const at::Tensor& w, const Fmt& f, int64_t k) {
+  TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kByte && w.dim() == 2 && w.stride(1) == 1,
+              "quantized weight must be a CPU uint8 [rows, row_bytes] tensor with contiguous rows");
+  TORCH_CHECK(k > 0 && k % f.vals == 0, "row length ", k, " is not a multiple of the format's block of ", f.vals);
+  TORCH_CHECK(w.size(1) == k / f.vals * f.bytes, "quantized weight rows hold ", w.size(1), " bytes, expected ",
+              k / f.vals * f.bytes, " for ", k, " values");
+}
+
+inline int64_t grain_for(int64_t rows) {
+  // Enough rows per task to stream a long run of the weight, and at least 4 tasks per thread
+  // so no core idles at the end.
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  return std::max<int64_t>(1, rows / (4 * threads));
+}
+
+
+// The packed layout (quant_packed.cpp): type ids PACKED + ggml type, 16 rows a group.
+constexpr int64_t PACKED = 100;
+int64_t packed_group_bytes(int64_t type, int64_t k);
+void check_packed(const at::Tensor& w, int64_t type, int64_t k);
+void packed_matmul(int64_t type, int64_t isa, const uint8_t* w, int64_t gb, int64_t g0, int64_t g1, const QAct& x,
+                   float* y, int64_t ldy);
+}  // namespace pq

@@ -1,0 +1,496 @@
+// Weights repacked at load so that one SIMD lane is one output row (llama.cpp's CPU repack
+// has the same idea). In the file's layout a weight row is a run of blocks, so a matrix
+// product needs a horizontal sum per row and per chunk, and each activation chunk is used by
+// one row at a time. Here 16 rows are interleaved: for each 32-value block, the 4-byte
+// groups of the 16 rows sit side by side, so
+//   - one 64-byte load holds 16 rows x 4 values (two such groups when 4-bit: low and high
+//     nibbles), and one `vpdpbusd` against 4 activation bytes broadcast advances all 16 rows;
+//   - the block's 16 scales are one vector, so the scale is applied once per block and row
+//     tile, not once per row and chunk, and nothing is summed horizontally at the end;
+//   - the weight vectors decoded for a block serve every activation row of the tile (up to 8).
+// The repack is lossless and about the file's size: values keep their bits (4-bit nibbles,
+// the 5th bit as a bit plane, Q8_0 as bytes), fp16 scales stay fp16, and the K-quants keep
+// their fp16 super-block scale with the 6-bit sub-block scales as bytes (d * sc is exact in fp32).
+//
+// Packed formats: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and Q5_K (every format whose scales
+// cover 32 values). Q2_K, Q3_K and Q6_K (16-value scales) keep the file's layout.
+//
+// Layout of a packed weight [N, K]: N / 16 groups, each a run of units (32 values, or 256 for
+// the K-quants), so the tensor is uint8 [N / 16, K / vals * unit_bytes]:
+//   unit  = [K-quants: d fp16 x16, dmin fp16 x16] + vals / 32 blocks
+//   block = values + [5-bit: high-bit plane, 64 B] + scales
+//   values, 4/5-bit: 4 chunks of 64 B; byte 4r+i of chunk c holds value 4c+i of row r in its
+//           low nibble and value 16+4c+i in its high nibble;
+//   values, Q8_0: 8 chunks of 64 B; byte 4r+i of chunk t is value 4t+i of row r, plus 128;
+//   high bits: 8 bytes per 4-value step t, bit 4r+i = bit 4 of value 4t+i of row r;
+//   scales: legacy d fp16 x16 [+ m fp16 x16]; K-quants sc u8 x16, m u8 x16.
+#include "quant_common.h"
+
+namespace pq {
+
+constexpr int GR = 16;  // rows per group
+
+struct PLayout {
+  int64_t type;
+  int vals, nbits;
+  bool kq, has_min;
+  int iofs;  // the symmetric formats' zero point, folded into the integer dot: w = d * (q + iofs)
+  int vbytes, hbytes, sbytes, blk, hdr, unit;
+};
+
+constexpr bool packable(int64_t t) {
+  return t == Q4_0 || t == Q4_1 || t == Q5_0 || t == Q5_1 || t == Q8_0 || t == Q4_K || t == Q5_K;
+}
+
+constexpr PLayout playout(int64_t t) {
+  const bool kq = t == Q4_K || t == Q5_K;
+  const int nbits = t == Q8_0 ? 8 : (t == Q5_0 || t == Q5_1 || t == Q5_K) ? 5 : 4;
+  const bool has_min = t == Q4_1 || t == Q5_1 || kq;
+  const int vb = nbits == 8 ? 512 : 256, hb = nbits == 5 ? 64 : 0, sb = (has_min && !kq) ? 64 : 32;
+  const int blk = vb + hb + sb, hdr = kq ? 64 : 0, vals = kq ? 256 : 32;
+  return {t, vals, nbits, kq, has_min, t == Q4_0 ? -8 : t == Q5_0 ? -16 : t == Q8_0 ? -128 : 0,
+          vb, hb, sb, blk, hdr, hdr + vals / 32 * blk};
+}
+
+int64_t packed_group_bytes(int64_t type, int64_t k) {
+  const PLayout L = playout(type);
+  return k / L.vals * L.unit;
+}
+
+// Value i (0..31) of lane r in a block, as the unsigned q of w = s * q + m.
+inline int packed_value(const PLayout& L, const uint8_t* b, int r, int i) {
+  const int t = i / 4, pos = 4 * r + i % 4;
+  if (L.nbits == 8) return b[64 * t + pos];
+  const int c = t % 4;
+  int v = (b[64 * c + pos] >> (t >= 4 ? 4 : 0)) & 0xF;
+  if (L.nbits == 5) v |= ((b[256 + 8 * t + pos / 8] >> (pos % 8)) & 1) << 4;
+  return v;
+}
+
+// Scale and offset of lane r in block j of unit u: w = s * q + m.
+inline void packed_scale(const PLayout& L, const uint8_t* u, int j, int r, float& s, float& m) {
+  const uint8_t* sp = u + L.hdr + j * L.blk + L.vbytes + L.hbytes;
+  if (L.kq) {
+    s = half(u + 2 * r) * static_cast<float>(sp[r]);
+    m = -half(u + 32 + 2 * r) * static_cast<float>(sp[16 + r]);
+  } else {
+    s = half(sp + 2 * r);
+    m = L.has_min ? half(sp + 32 + 2 * r) : static_cast<float>(L.iofs) * s;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Packing (once, at load).
+
+void pack_group(const PLayout& L, const Fmt& f, const uint8_t* src, int64_t rb, int64_t k, uint8_t* dst) {
+  alignas(64) uint8_t q[GR][256];
+  for (int64_t u = 0; u < k / L.vals; ++u) {
+    uint8_t* U = dst + u * L.unit;
+    std::memset(U, 0, L.unit);
+    for (int r = 0; r < GR; ++r) {
+      const uint8_t* b = src + r * rb + u * f.bytes;
+      unpack_ref(L.type, b, q[r]);
+      if (L.kq) {
+        std::memcpy(U + 2 * r, b, 2);
+        std::memcpy(U + 32 + 2 * r, b + 2, 2);
+      }
+    }
+    for (int j = 0; j < L.vals / 32; ++j) {
+      uint8_t* B = U + L.hdr + j * L.blk;
+      for (int r = 0; r < GR; ++r) {
+        for (int i = 0; i < 32; ++i) {
+          const int v = L.nbits == 8 ? (q[r][32 * j + i] ^ 0x80) : q[r][32 * j + i];
+          const int t = i / 4, pos = 4 * r + i % 4;
+          if (L.nbits == 8) {
+            B[64 * t + pos] = static_cast<uint8_t>(v);
+          } else {
+            B[64 * (t % 4) + pos] |= static_cast<uint8_t>((v & 0xF) << (t >= 4 ? 4 : 0));
+            if (L.nbits == 5 && (v & 0x10)) B[256 + 8 * t + pos / 8] |= static_cast<uint8_t>(1u << (pos % 8));
+          }
+        }
+        const uint8_t* b = src + r * rb + u * f.bytes;
+        uint8_t* S = B + L.vbytes + L.hbytes;
+        if (L.kq) {
+          int sc, m;
+          scale_min_k4(j, b + 4, sc, m);
+          S[r] = static_cast<uint8_t>(sc);
+          S[16 + r] = static_cast<uint8_t>(m);
+        } else {
+          std::memcpy(S + 2 * r, b, 2);
+          if (L.has_min) std::memcpy(S + 32 + 2 * r, b + 2, 2);
+        }
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The scalar reference: every machine runs it; the SIMD paths are tested against gguf and it.
+
+void pgemm_scalar(const PLayout& L, const uint8_t* w, int64_t gb, int64_t g0, int64_t g1, const QAct& x, float* y,
+                  int64_t ldy) {
+  const int64_t kc = x.k / 32;
+  std::vector<float> acc(x.m), macc(x.m);
+  for (int64_t g = g0; g < g1; ++g) {
+    for (int r = 0; r < GR; ++r) {
+      std::fill(acc.begin(), acc.end(), 0.f);
+      std::fill(macc.begin(), macc.end(), 0.f);
+      for (int64_t u = 0; u < x.k / L.vals; ++u) {
+        const uint8_t* U = w + g * gb + u * L.unit;
+        for (int j = 0; j < L.vals / 32; ++j) {
+          const uint8_t* B = U + L.hdr + j * L.blk;
+          float s, m;
+          packed_scale(L, U, j, r, s, m);
+          int q[32];
+          for (int i = 0; i < 32; ++i) q[i] = packed_value(L, B, r, i);
+          const int64_t c = u * (L.vals / 32) + j;
+          for (int64_t row = 0; row < x.m; ++row) {
+            const int64_t ci = row * kc + c;
+            const int8_t* a = x.a.data() + ci * 32;
+            int32_t dot = 0;
+            for (int i = 0; i < 32; ++i) dot += q[i] * a[i];
+            if (L.has_min) {
+              acc[row] += static_cast<float>(dot) * (s * x.d[ci]);
+              macc[row] += m * x.ds32[ci];
+            } else {  // m = iofs * s: folded into the integer dot as the SIMD paths do
+              acc[row] += static_cast<float>(dot + L.iofs * x.s32[ci]) * (s * x.d[ci]);
+            }
+          }
+        }
+      }
+      for (int64_t row = 0; row < x.m; ++row) y[row * ldy + g * GR + r] = acc[row] + macc[row];
+    }
+  }
+}
+
+#ifdef PQ_X86
+// ---------------------------------------------------------------------------------------------
+// AVX2: 8 lanes, so a group is two halves of 8 rows; maddubs (u8 x s8 -> i16 pairs) + madd.
+
+template <int64_t TYPE, int MR>
+void group_avx2(const uint8_t* gp, const QAct& x, int64_t r0, float* y, int64_t ldy) {
+  constexpr PLayout L = playout(TYPE);
+  const int64_t kc = x.k / 32;
+  const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  for (int h = 0; h < 2; ++h) {
+    __m256 fa[MR], ma[MR];
+    for (int r = 0; r < MR; ++r) fa[r] = ma[r] = _mm256_setzero_ps();
+    for (int64_t u = 0; u < x.k / L.vals; ++u) {
+      const uint8_t* U = gp + u * L.unit;
+      __m256 dv, mv;
+      if constexpr (L.kq) {
+        dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(U + 16 * h)));
+        mv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(U + 32 + 16 * h)));
+      }
+      for (int j = 0; j < L.vals / 32; ++j) {
+        const uint8_t* B = U + L.hdr + j * L.blk;
+        __m256i W[8];
+        if constexpr (L.nbits == 8) {
+          for (int t = 0; t < 8; ++t) W[t] = _mm256_xor_si256(ld(B + 64 * t + 32 * h), _mm256_set1_epi8(-128));
+        } else {
+          for (int c = 0; c < 4; ++c) {
+            const __m256i v = ld(B + 64 * c + 32 * h);
+            W[c] = _mm256_and_si256(v, m4);
+            W[c + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+          }
+          if constexpr (L.nbits == 5)
+            for (int t = 0; t < 8; ++t) W[t] = _mm256_or_si256(W[t], bits_to_bytes(u32(B + 256 + 8 * t + 4 * h), 0x10));
+        }
+        const uint8_t* S = B + L.vbytes + L.hbytes;
+        __m256 s, mw;
+        if constexpr (L.kq) {
+          const __m128i sc = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(S + 8 * h));
+          const __m128i mn = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(S + 16 + 8 * h));
+          s = _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sc)));
+          mw = _mm256_mul_ps(mv, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(mn)));
+        } else {
+          s = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(S + 16 * h)));
+          if constexpr (L.has_min) mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(S + 32 + 16 * h)));
+        }
+        const int64_t c = u * (L.vals / 32) + j;
+        for (int r = 0; r < MR; ++r) {
+          const int64_t ci = (r0 + r) * kc + c;
+          const int8_t* a = x.a.data() + ci * 32;
+          __m256i ia;
+          if constexpr (L.nbits == 8) {  // |w| x sign-moved a: maddubs of 8-bit values would saturate
+            ia = _mm256_setzero_si256();
+            for (int t = 0; t < 8; ++t) {
+              __m256i av = _mm256_set1_epi32(static_cast<int>(u32(reinterpret_cast<const uint8_t*>(a + 4 * t))));
+              av = _mm256_sign_epi8(av, W[t]);
+              ia = _mm256_add_epi32(ia, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(W[t], W[t]), av), ones));
+            }
+          } else {  // 4 steps of <= 5-bit products fit in int16 before widening
+            __m256i p0 = _mm256_setzero_si256(), p1 = _mm256_setzero_si256();
+            for (int t = 0; t < 4; ++t) {
+              p0 = _mm256_add_epi16(p0, _mm256_maddubs_epi16(W[t], _mm256_set1_epi32(static_cast<int>(u32(reinterpret_cast<const uint8_t*>(a + 4 * t))))));
+              p1 = _mm256_add_epi16(p1, _mm256_maddubs_epi16(W[t + 4], _mm256_set1_epi32(static_cast<int>(u32(reinterpret_cast<const uint8_t*>(a + 16 + 4 * t))))));
+            }
+            ia = _mm256_add_epi32(_mm256_madd_epi16(p0, ones), _mm256_madd_epi16(p1, ones));
+          }
+          if constexpr (L.iofs != 0 && L.nbits != 8) ia = _mm256_add_epi32(ia, _mm256_set1_epi32(L.iofs * x.s32[ci]));
+          const __m256 sd = _mm256_mul_ps(s, _mm256_set1_ps(x.d[ci]));
+          fa[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia), sd, fa[r]);
+          if constexpr (L.kq) ma[r] = _mm256_fnmadd_ps(mw, _mm256_set1_ps(x.ds32[ci]), ma[r]);
+          else if constexpr (L.has_min) ma[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(x.ds32[ci]), ma[r]);
+        }
+      }
+    }
+    for (int r = 0; r < MR; ++r) _mm256_storeu_ps(y + (r0 + r) * ldy + 8 * h, _mm256_add_ps(fa[r], ma[r]));
+  }
+}
+#endif  // PQ_X86
+
+#ifdef PQ_HAS_VNNI
+// ---------------------------------------------------------------------------------------------
+// AVX-512 VNNI: 16 lanes = the whole group; vpdpbusd (u8 x s8, 4 products per lane).
+
+template <int64_t TYPE, int MR>
+void group_vnni(const uint8_t* gp, const QAct& x, int64_t r0, float* y, int64_t ldy) {
+  constexpr PLayout L = playout(TYPE);
+  const int64_t kc = x.k / 32;
+  const __m512i m4 = _mm512_set1_epi8(0x0F);
+  __m512 fa[MR], ma[MR];
+  for (int r = 0; r < MR; ++r) fa[r] = ma[r] = _mm512_setzero_ps();
+  for (int64_t u = 0; u < x.k / L.vals; ++u) {
+    const uint8_t* U = gp + u * L.unit;
+    __m512 dv, mv;
+    if constexpr (L.kq) {
+      dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(U)));
+      mv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(U + 32)));
+    }
+    for (int j = 0; j < L.vals / 32; ++j) {
+      const uint8_t* B = U + L.hdr + j * L.blk;
+      __m512i W[8];
+      if constexpr (L.nbits == 8) {
+        for (int t = 0; t < 8; ++t) W[t] = _mm512_loadu_si512(B + 64 * t);
+      } else {
+        for (int c = 0; c < 4; ++c) {
+          const __m512i v = _mm512_loadu_si512(B + 64 * c);
+          W[c] = _mm512_and_si512(v, m4);
+          W[c + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+        }
+        if constexpr (L.nbits == 5) {
+          const __m512i b4 = _mm512_set1_epi8(0x10);
+          for (int t = 0; t < 8; ++t) {
+            uint64_t bits;
+            std::memcpy(&bits, B + 256 + 8 * t, 8);
+            W[t] = _mm512_or_si512(W[t], _mm512_maskz_mov_epi8(_cvtu64_mask64(bits), b4));
+          }
+        }
+      }
+      const uint8_t* S = B + L.vbytes + L.hbytes;
+      __m512 s, mw;
+      if constexpr (L.kq) {
+        s = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(S)))));
+        mw = _mm512_mul_ps(mv, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(S + 16)))));
+      } else {
+        s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(S)));
+        if constexpr (L.has_min) mw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(S + 32)));
+      }
+      const int64_t c = u * (L.vals / 32) + j;
+      for (int r = 0; r < MR; ++r) {
+        const int64_t ci = (r0 + r) * kc + c;
+        const uint8_t* a = reinterpret_cast<const uint8_t*>(x.a.data() + ci * 32);
+        // Two chains of four so the dot products' latency overlaps even with one row.
+        __m512i i0 = _mm512_setzero_si512(), i1 = _mm512_setzero_si512();
+        for (int t = 0; t < 8; t += 2) {
+          i0 = _mm512_dpbusd_epi32(i0, W[t], _mm512_set1_epi32(static_cast<int>(u32(a + 4 * t))));
+          i1 = _mm512_dpbusd_epi32(i1, W[t + 1], _mm512_set1_epi32(static_cast<int>(u32(a + 4 * t + 4))));
+        }
+        __m512i ia = _mm512_add_epi32(i0, i1);
+        if constexpr (L.iofs != 0) ia = _mm512_add_epi32(ia, _mm512_set1_epi32(L.iofs * x.s32[ci]));
+        fa[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia), _mm512_mul_ps(s, _mm512_set1_ps(x.d[ci])), fa[r]);
+        if constexpr (L.kq) ma[r] = _mm512_fnmadd_ps(mw, _mm512_set1_ps(x.ds32[ci]), ma[r]);
+        else if constexpr (L.has_min) ma[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(x.ds32[ci]), ma[r]);
+      }
+    }
+  }
+  for (int r = 0; r < MR; ++r) _mm512_storeu_ps(y + (r0 + r) * ldy, _mm512_add_ps(fa[r], ma[r]));
+}
+#endif  // PQ_HAS_VNNI
+
+#ifdef PQ_X86
+template <int64_t TYPE, int MR>
+inline void group_vnni_or(const uint8_t* gp, const QAct& x, int64_t r0, float* y, int64_t ldy) {
+#ifdef PQ_HAS_VNNI
+  group_vnni<TYPE, MR>(gp, x, r0, y, ldy);
+#else
+  group_avx2<TYPE, MR>(gp, x, r0, y, ldy);  // never dispatched: isa_supported() says no
+#endif
+}
+
+// Groups [g0, g1) for every activation row, in row tiles of up to MAXR (each tile's results
+// are computed the same way whatever the tile, so a row's output does not depend on the batch).
+template <int ISA, int64_t TYPE>
+void pgemm_simd(const uint8_t* w, int64_t gb, int64_t g0, int64_t g1, const QAct& x, float* y, int64_t ldy) {
+  constexpr int MAXR = ISA == AVX512VNNI ? 8 : 4;
+  auto run = [&](const uint8_t* gp, int64_t r0, int mr, float* yg) {
+#define PQ_TILE(R)                                                   \
+  case R:                                                            \
+    if constexpr (R <= MAXR) {                                       \
+      if constexpr (ISA == AVX512VNNI) group_vnni_or<TYPE, R>(gp, x, r0, yg, ldy); \
+      else group_avx2<TYPE, R>(gp, x, r0, yg, ldy);                  \
+    }                                                                \
+    break;
+    switch (mr) { PQ_TILE(1) PQ_TILE(2) PQ_TILE(3) PQ_TILE(4) PQ_TILE(5) PQ_TILE(6) PQ_TILE(7) PQ_TILE(8) }
+#undef PQ_TILE
+  };
+  for (int64_t g = g0; g < g1; ++g)
+    for (int64_t r0 = 0; r0 < x.m; r0 += MAXR) run(w + g * gb, r0, static_cast<int>(std::min<int64_t>(MAXR, x.m - r0)), y + g * GR);
+}
+#endif
+
+// ---------------------------------------------------------------------------------------------
+// Dequantization of packed weights: rows (embedding lookups) and transposed tiles (prefill).
+
+template <typename T>
+void packed_row(const PLayout& L, const uint8_t* w, int64_t gb, int64_t row, int64_t k, T* out) {
+  const int64_t g = row / GR;
+  const int r = static_cast<int>(row % GR);
+  for (int64_t u = 0; u < k / L.vals; ++u) {
+    const uint8_t* U = w + g * gb + u * L.unit;
+    for (int j = 0; j < L.vals / 32; ++j) {
+      float s, m;
+      packed_scale(L, U, j, r, s, m);
+      const uint8_t* B = U + L.hdr + j * L.blk;
+      T* o = out + u * L.vals + 32 * j;
+      for (int i = 0; i < 32; ++i) o[i] = static_cast<T>(s * static_cast<float>(packed_value(L, B, r, i)) + m);
+    }
+  }
+}
+
+// Groups [g0, g1) as out[kk, (g - g0) * 16 + r] = w[16 g + r, kk]: a [K, rows] tile whose rows
+// are the 16 lanes side by side, so every store is a run of lanes.
+template <typename T>
+void packed_tile_t(const PLayout& L, const uint8_t* w, int64_t gb, int64_t g0, int64_t g1, int64_t k, T* out) {
+  const int64_t ld = (g1 - g0) * GR;
+  at::parallel_for(g0, g1, 1, [&](int64_t b, int64_t e) {
+    for (int64_t g = b; g < e; ++g)
+      for (int64_t u = 0; u < k / L.vals; ++u) {
+        const uint8_t* U = w + g * gb + u * L.unit;
+        for (int j = 0; j < L.vals / 32; ++j) {
+          float s[GR], m[GR];
+          for (int r = 0; r < GR; ++r) packed_scale(L, U, j, r, s[r], m[r]);
+          const uint8_t* B = U + L.hdr + j * L.blk;
+          T* o = out + (u * L.vals + 32 * j) * ld + (g - g0) * GR;
+          for (int i = 0; i < 32; ++i)
+            for (int r = 0; r < GR; ++r)
+              o[i * ld + r] = static_cast<T>(s[r] * static_cast<float>(packed_value(L, B, r, i)) + m[r]);
+        }
+      }
+  });
+}
+
+template <int64_t TYPE>
+void pmatmul(int64_t isa, const uint8_t* w, int64_t gb, int64_t g0, int64_t g1, const QAct& x, float* y, int64_t ldy) {
+#ifdef PQ_X86
+  if (isa == AVX512VNNI) return pgemm_simd<AVX512VNNI, TYPE>(w, gb, g0, g1, x, y, ldy);
+  if (isa == AVX2) return pgemm_simd<AVX2, TYPE>(w, gb, g0, g1, x, y, ldy);
+#endif
+  pgemm_scalar(playout(TYPE), w, gb, g0, g1, x, y, ldy);
+}
+
+void packed_matmul(int64_t type, int64_t isa, const uint8_t* w, int64_t gb, int64_t g0, int64_t g1, const QAct& x,
+                   float* y, int64_t ldy) {
+  switch (type) {
+    case Q4_0: return pmatmul<Q4_0>(isa, w, gb, g0, g1, x, y, ldy);
+    case Q4_1: return pmatmul<Q4_1>(isa, w, gb, g0, g1, x, y, ldy);
+    case Q5_0: return pmatmul<Q5_0>(isa, w, gb, g0, g1, x, y, ldy);
+    case Q5_1: return pmatmul<Q5_1>(isa, w, gb, g0, g1, x, y, ldy);
+    case Q8_0: return pmatmul<Q8_0>(isa, w, gb, g0, g1, x, y, ldy);
+    case Q4_K: return pmatmul<Q4_K>(isa, w, gb, g0, g1, x, y, ldy);
+    case Q5_K: return pmatmul<Q5_K>(isa, w, gb, g0, g1, x, y, ldy);
+  }
+  TORCH_CHECK(false, "no packed layout for ggml type ", type);
+}
+
+void check_packed(const at::Tensor& w, int64_t type, int64_t k) {
+  TORCH_CHECK(packable(type), "ggml type ", type, " has no packed layout");
+  const PLayout L = playout(type);
+  TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous(),
+              "a packed weight must be a contiguous CPU uint8 [rows / 16, group_bytes] tensor");
+  TORCH_CHECK(k > 0 && k % L.vals == 0, "row length ", k, " is not a multiple of the format's block of ", L.vals);
+  TORCH_CHECK(w.size(1) == packed_group_bytes(type, k), "packed groups hold ", w.size(1), " bytes, expected ",
+              packed_group_bytes(type, k), " for rows of ", k, " values");
+}
+
+}  // namespace pq
+
+using namespace pq;
+
+// The file's layout [N, row_bytes] -> the packed layout [N / 16, group_bytes].
+at::Tensor quant_pack(const at::Tensor& w, int64_t type, int64_t k) {
+  const Fmt f = fmt_of(type);
+  check_weight(w, f, k);
+  TORCH_CHECK(packable(type), "ggml type ", type, " has no packed layout (its scales cover 16 values)");
+  TORCH_CHECK(w.size(0) % GR == 0, "packing needs a multiple of ", GR, " rows, got ", w.size(0));
+  const PLayout L = playout(type);
+  const int64_t groups = w.size(0) / GR, gb = packed_group_bytes(type, k), rb = w.stride(0);
+  auto out = at::empty({groups, gb}, w.options());
+  const uint8_t* src = w.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, groups, 16, [&](int64_t b, int64_t e) {
+    for (int64_t g = b; g < e; ++g) pack_group(L, f, src + g * GR * rb, rb, k, dst + g * gb);
+  });
+  return out;
+}
+
+// Rows of a packed weight as `dtype`: the rows `ids` names (an embedding lookup), or, with
+// transposed = true, groups [start / 16, (start + count) / 16) as a [K, count] tile (prefill's GEMM).
+at::Tensor quant_dequant_packed(const at::Tensor& w, int64_t type, int64_t k, const c10::optional<at::Tensor>& ids,
+                                int64_t start, int64_t count, at::ScalarType dtype, bool transposed) {
+  check_packed(w, type, k);
+  const PLayout L = playout(type);
+  const int64_t gb = w.size(1), rows_all = w.size(0) * GR;
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  if (transposed) {
+    if (count < 0) count = rows_all - start;
+    TORCH_CHECK(start % GR == 0 && count % GR == 0 && start >= 0 && start + count <= rows_all,
+                "packed tiles cover whole groups of ", GR, " rows within [0, ", rows_all, ")");
+    auto out = at::empty({k, count}, w.options().dtype(dtype));
+    const int64_t g0 = start / GR, g1 = (start + count) / GR;
+    switch (dtype) {
+      case at::kFloat: packed_tile_t(L, wp, gb, g0, g1, k, out.data_ptr<float>()); break;
+      case at::kBFloat16: packed_tile_t(L, wp, gb, g0, g1, k, out.data_ptr<c10::BFloat16>()); break;
+      case at::kHalf: packed_tile_t(L, wp, gb, g0, g1, k, out.data_ptr<c10::Half>()); break;
+      default: TORCH_CHECK(false, "dtype must be float32, bfloat16 or float16");
+    }
+    return out;
+  }
+  at::Tensor idx;
+  std::vector<int64_t> range;
+  const int64_t* ip;
+  int64_t rows;
+  if (ids.has_value()) {
+    idx = ids->to(at::kLong).contiguous();
+    rows = idx.numel();
+    ip = idx.data_ptr<int64_t>();
+    for (int64_t i = 0; i < rows; ++i)
+      TORCH_CHECK(ip[i] >= 0 && ip[i] < rows_all, "row id ", ip[i], " is out of range [0, ", rows_all, ")");
+  } else {
+    if (count < 0) count = rows_all - start;
+    TORCH_CHECK(start >= 0 && start + count <= rows_all, "rows [", start, ", ", start + count, ") out of range");
+    rows = count;
+    for (int64_t i = 0; i < rows; ++i) range.push_back(start + i);
+    ip = range.data();
+  }
+  auto out = at::empty({rows, k}, w.options().dtype(dtype));
+  at::parallel_for(0, rows, 16, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) {
+      switch (dtype) {
+        case at::kFloat: packed_row(L, wp, gb, ip[i], k, out.data_ptr<float>() + i * k); break;
+        case at::kBFloat16: packed_row(L, wp, gb, ip[i], k, out.data_ptr<c10::BFloat16>() + i * k); break;
+        case at::kHalf: packed_row(L, wp, gb, ip[i], k, out.data_ptr<c10::Half>() + i * k); break;
+        default: break;
+      }
+    }
+  });
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf, "dtype must be float32, bfloat16 or float16");
+  return out;
+}
+
+TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
+  m.def("quant_pack(Tensor w, int type, int k) -> Tensor", &quant_pack);
+  m.def("quant_dequant_packed(Tensor w, int type, int k, Tensor? ids=None, int start=0, int count=-1, "
+        "ScalarType dtype=float, bool transposed=False) -> Tensor", &quant_dequant_packed);
+}
