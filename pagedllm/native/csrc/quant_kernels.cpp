@@ -302,16 +302,30 @@ namespace pq {
 // in T would be, so the fused path quantizes the same activations as the unfused one.
 template <typename T>
 void rms_norm_rows(const T* x, const T* w, int64_t m, int64_t k, double eps, float* out) {
-  at::parallel_for(0, m, 1, [&](int64_t b, int64_t e) {
+  at::parallel_for(0, m, 16, [&](int64_t b, int64_t e) {
     for (int64_t r = b; r < e; ++r) {
       const T* xr = x + r * k;
+      int64_t i = 0;
       float ss = 0.f;
-      for (int64_t i = 0; i < k; ++i) {
+#ifdef PQ_X86
+      __m256 acc = _mm256_setzero_ps();
+      for (; i + 8 <= k; i += 8) {
+        const __m256 v = load8(xr + i);
+        acc = _mm256_fmadd_ps(v, v, acc);
+      }
+      ss = hsum(acc);
+#endif
+      for (; i < k; ++i) {
         const float v = static_cast<float>(xr[i]);
         ss += v * v;
       }
       const float inv = 1.f / std::sqrt(ss / static_cast<float>(k) + static_cast<float>(eps));
-      for (int64_t i = 0; i < k; ++i)
+      i = 0;
+#ifdef PQ_X86
+      for (; i + 8 <= k; i += 8)
+        _mm256_storeu_ps(out + r * k + i, round8<T>(_mm256_mul_ps(_mm256_mul_ps(load8(xr + i), _mm256_set1_ps(inv)), load8(w + i))));
+#endif
+      for (; i < k; ++i)
         out[r * k + i] = static_cast<float>(static_cast<T>(static_cast<float>(xr[i]) * inv * static_cast<float>(w[i])));
     }
   });
@@ -329,8 +343,30 @@ at::Tensor epilogue(const at::Tensor& y, const c10::optional<at::Tensor>& bias,
   if (bias.has_value()) { bc = bias->contiguous(); bp = bc.data_ptr<T>(); }
   if (residual.has_value()) { rc = residual->contiguous(); rp = rc.data_ptr<T>(); }
   T* op = out.data_ptr<T>();
-  for (int64_t r = 0; r < m; ++r)
-    for (int64_t j = 0; j < no; ++j) {
+  at::parallel_for(0, m, 8, [&](int64_t r0, int64_t r1) {
+  for (int64_t r = r0; r < r1; ++r) {
+    int64_t j = 0;
+#ifdef PQ_X86
+    // The same steps 8 lanes at a time (exp by polynomial, within an ulp or so of std::exp).
+    auto val8 = [&](int64_t c) {
+      __m256 v = round8<T>(_mm256_loadu_ps(yp + r * n + c));
+      if (bp) v = round8<T>(_mm256_add_ps(v, load8(bp + c)));
+      return v;
+    };
+    for (; j + 8 <= no; j += 8) {
+      __m256 v;
+      if (act == 1) {
+        const __m256 g = val8(j), u = val8(j + no);
+        const __m256 sg = round8<T>(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), g)))));
+        v = round8<T>(_mm256_mul_ps(sg, u));
+      } else {
+        v = val8(j);
+      }
+      if (rp) v = _mm256_add_ps(load8(rp + r * no + j), v);
+      store8(op + r * no + j, v);
+    }
+#endif
+    for (; j < no; ++j) {
       // Each step rounds to T where the unfused ops would: the projection's output, + bias,
       // silu(gate) * up, + residual.
       auto val = [&](int64_t c) {
@@ -349,6 +385,8 @@ at::Tensor epilogue(const at::Tensor& y, const c10::optional<at::Tensor>& bias,
       if (rp) v = static_cast<float>(rp[r * no + j]) + v;
       op[r * no + j] = static_cast<T>(v);
     }
+  }
+  });
   return out;
 }
 }  // namespace pq
