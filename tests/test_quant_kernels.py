@@ -233,11 +233,11 @@ def test_packed_dequantize_is_exact(fmt):
 
 
 def test_packed_and_file_layout_parts_mix_and_take_the_gemm_route():
-    """A fused projection of packed parts (Q4_K, Q5_0) and a file-layout part (Q6_K), through
+    """A fused projection of packed parts (Q4_K, Q5_0) and a file-layout part (Q3_K), through
     the integer kernel and, past INT_ROWS, the dequantize + GEMM route."""
     rng = np.random.default_rng(31)
     cols = 512
-    specs = [("Q4_K", 32), ("Q5_0", 16), ("Q6_K", 16)]
+    specs = [("Q4_K", 32), ("Q5_0", 16), ("Q3_K", 16)]
     raws = [random_blocks(f, r, cols, rng) for f, r in specs]
     parts = [packed(r, f, n, cols) if f in PACKABLE else QuantTensor(f, torch.from_numpy(r), (n, cols))
              for r, (f, n) in zip(raws, specs)]
@@ -262,7 +262,7 @@ def test_packed_rows_give_the_same_bits_whatever_the_batch():
 def test_packing_refuses_what_it_cannot_hold():
     rng = np.random.default_rng(33)
     with pytest.raises(RuntimeError, match="no packed layout"):
-        ops.quant_pack(torch.from_numpy(random_blocks("Q6_K", 16, 256, rng)), FORMATS["Q6_K"][0], 256)
+        ops.quant_pack(torch.from_numpy(random_blocks("Q3_K", 16, 256, rng)), FORMATS["Q3_K"][0], 256)
     with pytest.raises(RuntimeError, match="multiple of 16 rows"):
         ops.quant_pack(torch.from_numpy(random_blocks("Q4_0", 20, 64, rng)), FORMATS["Q4_0"][0], 64)
     odd = QuantTensor("Q4_0", torch.from_numpy(random_blocks("Q4_0", 20, 64, rng)), (20, 64))

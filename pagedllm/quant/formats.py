@@ -28,9 +28,9 @@ FORMATS: dict[str, tuple[int, int, int]] = {
 }
 
 
-# Formats whose scales cover 32 values can be repacked at load into 16-row interleaved groups
-# (native/csrc/quant_packed.cpp): one SIMD lane per output row, several times faster.
-PACKABLE = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K")
+# Formats repacked at load into 16-row interleaved groups (native/csrc/quant_packed.cpp): one
+# SIMD lane per output row, several times faster. Q2_K and Q3_K keep the file's layout.
+PACKABLE = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 PACK_ROWS = 16
 PACKED_ID = 100  # a packed weight's kernel type id: PACKED_ID + the ggml type id
 # PAGEDLLM_QUANT_PACK=0 keeps the file's layout (the reference for comparisons).

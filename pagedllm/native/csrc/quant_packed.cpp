@@ -12,18 +12,22 @@
 // the 5th bit as a bit plane, Q8_0 as bytes), fp16 scales stay fp16, and the K-quants keep
 // their fp16 super-block scale with the 6-bit sub-block scales as bytes (d * sc is exact in fp32).
 //
-// Packed formats: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K and Q5_K (every format whose scales
-// cover 32 values). Q2_K, Q3_K and Q6_K (16-value scales) keep the file's layout.
+// Packed formats: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K (whose scales cover 16
+// values: two per block, the first for values 0-15, the second for 16-31). Q2_K and Q3_K keep
+// the file's layout.
 //
 // Layout of a packed weight [N, K]: N / 16 groups, each a run of units (32 values, or 256 for
 // the K-quants), so the tensor is uint8 [N / 16, K / vals * unit_bytes]:
-//   unit  = [K-quants: d fp16 x16, dmin fp16 x16] + vals / 32 blocks
-//   block = values + [5-bit: high-bit plane, 64 B] + scales
+//   unit  = [Q4_K/Q5_K: d fp16 x16, dmin fp16 x16 | Q6_K: d fp16 x16] + vals / 32 blocks
+//   block = values + [5-bit: high-bit plane, 64 B | 6-bit: 2-bit plane, 128 B] + scales
 //   values, 4/5-bit: 4 chunks of 64 B; byte 4r+i of chunk c holds value 4c+i of row r in its
 //           low nibble and value 16+4c+i in its high nibble;
 //   values, Q8_0: 8 chunks of 64 B; byte 4r+i of chunk t is value 4t+i of row r, plus 128;
 //   high bits: 8 bytes per 4-value step t, bit 4r+i = bit 4 of value 4t+i of row r;
-//   scales: legacy d fp16 x16 [+ m fp16 x16]; K-quants sc u8 x16, m u8 x16.
+//   2-bit plane (Q6_K): 2 chunks of 64 B; bits 2s..2s+1 of byte 4r+i of chunk h are bits 4-5
+//           of value 4t+i of row r, t = 4h + s;
+//   scales: legacy d fp16 x16 [+ m fp16 x16]; Q4_K/Q5_K sc u8 x16, m u8 x16; Q6_K sc i8 x16
+//           for values 0-15 and x16 for 16-31.
 #include "quant_common.h"
 
 namespace pq {
@@ -33,22 +37,24 @@ constexpr int GR = 16;  // rows per group
 struct PLayout {
   int64_t type;
   int vals, nbits;
-  bool kq, has_min;
+  bool kq, has_min, split;  // split: two scales per block (Q6_K's 16-value groups)
   int iofs;  // the symmetric formats' zero point, folded into the integer dot: w = d * (q + iofs)
   int vbytes, hbytes, sbytes, blk, hdr, unit;
 };
 
 constexpr bool packable(int64_t t) {
-  return t == Q4_0 || t == Q4_1 || t == Q5_0 || t == Q5_1 || t == Q8_0 || t == Q4_K || t == Q5_K;
+  return t == Q4_0 || t == Q4_1 || t == Q5_0 || t == Q5_1 || t == Q8_0 || t == Q4_K || t == Q5_K || t == Q6_K;
 }
 
 constexpr PLayout playout(int64_t t) {
-  const bool kq = t == Q4_K || t == Q5_K;
-  const int nbits = t == Q8_0 ? 8 : (t == Q5_0 || t == Q5_1 || t == Q5_K) ? 5 : 4;
-  const bool has_min = t == Q4_1 || t == Q5_1 || kq;
-  const int vb = nbits == 8 ? 512 : 256, hb = nbits == 5 ? 64 : 0, sb = (has_min && !kq) ? 64 : 32;
-  const int blk = vb + hb + sb, hdr = kq ? 64 : 0, vals = kq ? 256 : 32;
-  return {t, vals, nbits, kq, has_min, t == Q4_0 ? -8 : t == Q5_0 ? -16 : t == Q8_0 ? -128 : 0,
+  const bool kq = t == Q4_K || t == Q5_K || t == Q6_K, split = t == Q6_K;
+  const int nbits = t == Q8_0 ? 8 : t == Q6_K ? 6 : (t == Q5_0 || t == Q5_1 || t == Q5_K) ? 5 : 4;
+  const bool has_min = t == Q4_1 || t == Q5_1 || t == Q4_K || t == Q5_K;
+  const int vb = nbits == 8 ? 512 : 256, hb = nbits == 5 ? 64 : nbits == 6 ? 128 : 0;
+  const int sb = (has_min && !kq) ? 64 : 32;
+  const int blk = vb + hb + sb, hdr = split ? 32 : kq ? 64 : 0, vals = kq ? 256 : 32;
+  return {t, vals, nbits, kq, has_min, split,
+          t == Q4_0 ? -8 : t == Q5_0 ? -16 : t == Q8_0 ? -128 : t == Q6_K ? -32 : 0,
           vb, hb, sb, blk, hdr, hdr + vals / 32 * blk};
 }
 
@@ -64,13 +70,17 @@ inline int packed_value(const PLayout& L, const uint8_t* b, int r, int i) {
   const int c = t % 4;
   int v = (b[64 * c + pos] >> (t >= 4 ? 4 : 0)) & 0xF;
   if (L.nbits == 5) v |= ((b[256 + 8 * t + pos / 8] >> (pos % 8)) & 1) << 4;
+  if (L.nbits == 6) v |= ((b[256 + 64 * (t / 4) + pos] >> (2 * (t % 4))) & 3) << 4;
   return v;
 }
 
-// Scale and offset of lane r in block j of unit u: w = s * q + m.
-inline void packed_scale(const PLayout& L, const uint8_t* u, int j, int r, float& s, float& m) {
+// Scale and offset of lane r in block j of unit u, for values 0-15 (half 0) or 16-31: w = s * q + m.
+inline void packed_scale(const PLayout& L, const uint8_t* u, int j, int r, int hi, float& s, float& m) {
   const uint8_t* sp = u + L.hdr + j * L.blk + L.vbytes + L.hbytes;
-  if (L.kq) {
+  if (L.split) {
+    s = half(u + 2 * r) * static_cast<float>(static_cast<int8_t>(sp[16 * hi + r]));
+    m = static_cast<float>(L.iofs) * s;
+  } else if (L.kq) {
     s = half(u + 2 * r) * static_cast<float>(sp[r]);
     m = -half(u + 32 + 2 * r) * static_cast<float>(sp[16 + r]);
   } else {
@@ -90,7 +100,9 @@ void pack_group(const PLayout& L, const Fmt& f, const uint8_t* src, int64_t rb, 
     for (int r = 0; r < GR; ++r) {
       const uint8_t* b = src + r * rb + u * f.bytes;
       unpack_ref(L.type, b, q[r]);
-      if (L.kq) {
+      if (L.split) {
+        std::memcpy(U + 2 * r, b + 208, 2);
+      } else if (L.kq) {
         std::memcpy(U + 2 * r, b, 2);
         std::memcpy(U + 32 + 2 * r, b + 2, 2);
       }
@@ -106,11 +118,15 @@ void pack_group(const PLayout& L, const Fmt& f, const uint8_t* src, int64_t rb, 
           } else {
             B[64 * (t % 4) + pos] |= static_cast<uint8_t>((v & 0xF) << (t >= 4 ? 4 : 0));
             if (L.nbits == 5 && (v & 0x10)) B[256 + 8 * t + pos / 8] |= static_cast<uint8_t>(1u << (pos % 8));
+            if (L.nbits == 6) B[256 + 64 * (t / 4) + pos] |= static_cast<uint8_t>((v >> 4) << (2 * (t % 4)));
           }
         }
         const uint8_t* b = src + r * rb + u * f.bytes;
         uint8_t* S = B + L.vbytes + L.hbytes;
-        if (L.kq) {
+        if (L.split) {
+          S[r] = b[192 + 2 * j];
+          S[16 + r] = b[192 + 2 * j + 1];
+        } else if (L.kq) {
           int sc, m;
           scale_min_k4(j, b + 4, sc, m);
           S[r] = static_cast<uint8_t>(sc);
@@ -140,15 +156,24 @@ void pgemm_scalar(const PLayout& L, const uint8_t* w, int64_t gb, int64_t g0, in
         for (int j = 0; j < L.vals / 32; ++j) {
           const uint8_t* B = U + L.hdr + j * L.blk;
           float s, m;
-          packed_scale(L, U, j, r, s, m);
+          packed_scale(L, U, j, r, 0, s, m);
           int q[32];
           for (int i = 0; i < 32; ++i) q[i] = packed_value(L, B, r, i);
           const int64_t c = u * (L.vals / 32) + j;
           for (int64_t row = 0; row < x.m; ++row) {
             const int64_t ci = row * kc + c;
             const int8_t* a = x.a.data() + ci * 32;
-            int32_t dot = 0;
-            for (int i = 0; i < 32; ++i) dot += q[i] * a[i];
+            int32_t dot = 0, dot_hi = 0;
+            for (int i = 0; i < 16; ++i) dot += q[i] * a[i];
+            for (int i = 16; i < 32; ++i) dot_hi += q[i] * a[i];
+            if (L.split) {  // two scales: values 0-15 and 16-31
+              float s1, m1;
+              packed_scale(L, U, j, r, 1, s1, m1);
+              acc[row] += static_cast<float>(dot + L.iofs * x.s16[2 * ci]) * (s * x.d[ci]);
+              acc[row] += static_cast<float>(dot_hi + L.iofs * x.s16[2 * ci + 1]) * (s1 * x.d[ci]);
+              continue;
+            }
+            dot += dot_hi;
             if (L.has_min) {
               acc[row] += static_cast<float>(dot) * (s * x.d[ci]);
               macc[row] += m * x.ds32[ci];
@@ -167,46 +192,97 @@ void pgemm_scalar(const PLayout& L, const uint8_t* w, int64_t gb, int64_t g0, in
 // ---------------------------------------------------------------------------------------------
 // AVX2: 8 lanes, so a group is two halves of 8 rows; maddubs (u8 x s8 -> i16 pairs) + madd.
 
+// Bits 4-5 of the 6-bit values of step s (0-3) from a 2-bit plane chunk.
+inline __m256i hi2_avx2(__m256i hb, int s) {
+  const __m256i v = s == 0 ? _mm256_slli_epi16(hb, 4) : s == 1 ? _mm256_slli_epi16(hb, 2) : s == 2 ? hb : _mm256_srli_epi16(hb, 2);
+  return _mm256_and_si256(v, _mm256_set1_epi8(0x30));
+}
+
+// Half h (rows 8h..8h+7) of a block: its 8 steps' values as bytes (unsigned; Q8_0 as value + 128)
+// and its scales: s (values 0-15, or all), s_hi (Q6_K's 16-31) and the offsets mw.
+template <int64_t TYPE>
+inline void decode_avx2(const uint8_t* B, int h, __m256 dv, __m256 mv, __m256i* W, __m256& s, __m256& s_hi,
+                        __m256& mw) {
+  constexpr PLayout L = playout(TYPE);
+  const __m256i m4 = _mm256_set1_epi8(0x0F);
+  if constexpr (L.nbits == 8) {
+    for (int t = 0; t < 8; ++t) W[t] = ld(B + 64 * t + 32 * h);
+  } else {
+    for (int c = 0; c < 4; ++c) {
+      const __m256i v = ld(B + 64 * c + 32 * h);
+      W[c] = _mm256_and_si256(v, m4);
+      W[c + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+    }
+    if constexpr (L.nbits == 5)
+      for (int t = 0; t < 8; ++t) W[t] = _mm256_or_si256(W[t], bits_to_bytes(u32(B + 256 + 8 * t + 4 * h), 0x10));
+    if constexpr (L.nbits == 6)
+      for (int t = 0; t < 8; ++t) W[t] = _mm256_or_si256(W[t], hi2_avx2(ld(B + 256 + 64 * (t / 4) + 32 * h), t % 4));
+  }
+  const uint8_t* S = B + L.vbytes + L.hbytes;
+  if constexpr (L.split) {
+    s = _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(S + 8 * h)))));
+    s_hi = _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(S + 16 + 8 * h)))));
+  } else if constexpr (L.kq) {
+    const __m128i sc = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(S + 8 * h));
+    const __m128i mn = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(S + 16 + 8 * h));
+    s = _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sc)));
+    mw = _mm256_mul_ps(mv, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(mn)));
+  } else {
+    s = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(S + 16 * h)));
+    if constexpr (L.has_min) mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(S + 32 + 16 * h)));
+  }
+}
+
+// A packed group as a [K, 16] slice of a transposed tile (row stride ld): for each value
+// position, the 16 rows' weights side by side, 8 at a time.
+template <int64_t TYPE, typename T>
+void tile_avx2(const uint8_t* gp, int64_t k, T* out, int64_t ld) {
+  constexpr PLayout L = playout(TYPE);
+  for (int64_t u = 0; u < k / L.vals; ++u) {
+    const uint8_t* U = gp + u * L.unit;
+    for (int h = 0; h < 2; ++h) {
+      __m256 dv, mv;
+      if constexpr (L.kq) dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(U + 16 * h)));
+      if constexpr (L.kq && L.has_min) mv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(U + 32 + 16 * h)));
+      for (int j = 0; j < L.vals / 32; ++j) {
+        __m256i W[8];
+        __m256 s, s_hi, mw;
+        decode_avx2<TYPE>(U + L.hdr + j * L.blk, h, dv, mv, W, s, s_hi, mw);
+        T* o = out + (u * L.vals + 32 * j) * ld + 8 * h;
+        for (int t = 0; t < 8; ++t) {
+          const __m256 st = L.split && t >= 4 ? s_hi : s;
+          const __m256 m = L.kq && L.has_min ? _mm256_sub_ps(_mm256_setzero_ps(), mw)
+                         : L.has_min ? mw : _mm256_mul_ps(_mm256_set1_ps(static_cast<float>(L.iofs)), st);
+          for (int i = 0; i < 4; ++i) {
+            const __m256i q = _mm256_and_si256(_mm256_srli_epi32(W[t], 8 * i), _mm256_set1_epi32(0xFF));
+            store8(o + (4 * t + i) * ld, _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), st, m));
+          }
+        }
+      }
+    }
+  }
+}
+
 template <int64_t TYPE, int MR>
 void group_avx2(const uint8_t* gp, const QAct& x, int64_t r0, float* y, int64_t ldy) {
   constexpr PLayout L = playout(TYPE);
   const int64_t kc = x.k / 32;
-  const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const __m256i ones = _mm256_set1_epi16(1);
   for (int h = 0; h < 2; ++h) {
     __m256 fa[MR], ma[MR];
     for (int r = 0; r < MR; ++r) fa[r] = ma[r] = _mm256_setzero_ps();
     for (int64_t u = 0; u < x.k / L.vals; ++u) {
       const uint8_t* U = gp + u * L.unit;
       __m256 dv, mv;
-      if constexpr (L.kq) {
-        dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(U + 16 * h)));
-        mv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(U + 32 + 16 * h)));
-      }
+      if constexpr (L.kq) dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(U + 16 * h)));
+      if constexpr (L.kq && L.has_min) mv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(U + 32 + 16 * h)));
       for (int j = 0; j < L.vals / 32; ++j) {
         const uint8_t* B = U + L.hdr + j * L.blk;
         __m256i W[8];
-        if constexpr (L.nbits == 8) {
-          for (int t = 0; t < 8; ++t) W[t] = _mm256_xor_si256(ld(B + 64 * t + 32 * h), _mm256_set1_epi8(-128));
-        } else {
-          for (int c = 0; c < 4; ++c) {
-            const __m256i v = ld(B + 64 * c + 32 * h);
-            W[c] = _mm256_and_si256(v, m4);
-            W[c + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-          }
-          if constexpr (L.nbits == 5)
-            for (int t = 0; t < 8; ++t) W[t] = _mm256_or_si256(W[t], bits_to_bytes(u32(B + 256 + 8 * t + 4 * h), 0x10));
-        }
-        const uint8_t* S = B + L.vbytes + L.hbytes;
-        __m256 s, mw;
-        if constexpr (L.kq) {
-          const __m128i sc = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(S + 8 * h));
-          const __m128i mn = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(S + 16 + 8 * h));
-          s = _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sc)));
-          mw = _mm256_mul_ps(mv, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(mn)));
-        } else {
-          s = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(S + 16 * h)));
-          if constexpr (L.has_min) mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(S + 32 + 16 * h)));
-        }
+        __m256 s, mw, s_hi;
+        decode_avx2<TYPE>(B, h, dv, mv, W, s, s_hi, mw);
+        if constexpr (L.nbits == 8)
+          for (int t = 0; t < 8; ++t) W[t] = _mm256_xor_si256(W[t], _mm256_set1_epi8(-128));  // back to int8
         const int64_t c = u * (L.vals / 32) + j;
         for (int r = 0; r < MR; ++r) {
           const int64_t ci = (r0 + r) * kc + c;
@@ -219,6 +295,20 @@ void group_avx2(const uint8_t* gp, const QAct& x, int64_t r0, float* y, int64_t 
               av = _mm256_sign_epi8(av, W[t]);
               ia = _mm256_add_epi32(ia, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(W[t], W[t]), av), ones));
             }
+          } else if constexpr (L.nbits == 6) {  // 2 steps of 6-bit products fit in int16
+            auto step = [&](int t) {
+              return _mm256_maddubs_epi16(W[t], _mm256_set1_epi32(static_cast<int>(u32(reinterpret_cast<const uint8_t*>(a + 4 * t)))));
+            };
+            const __m256i lo = _mm256_add_epi32(_mm256_madd_epi16(_mm256_add_epi16(step(0), step(1)), ones),
+                                                _mm256_madd_epi16(_mm256_add_epi16(step(2), step(3)), ones));
+            const __m256i hi = _mm256_add_epi32(_mm256_madd_epi16(_mm256_add_epi16(step(4), step(5)), ones),
+                                                _mm256_madd_epi16(_mm256_add_epi16(step(6), step(7)), ones));
+            const __m256 d = _mm256_set1_ps(x.d[ci]);
+            fa[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(lo, _mm256_set1_epi32(L.iofs * x.s16[2 * ci]))),
+                                    _mm256_mul_ps(s, d), fa[r]);
+            fa[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(hi, _mm256_set1_epi32(L.iofs * x.s16[2 * ci + 1]))),
+                                    _mm256_mul_ps(s_hi, d), fa[r]);
+            continue;
           } else {  // 4 steps of <= 5-bit products fit in int16 before widening
             __m256i p0 = _mm256_setzero_si256(), p1 = _mm256_setzero_si256();
             for (int t = 0; t < 4; ++t) {
@@ -254,10 +344,8 @@ void group_vnni(const uint8_t* gp, const QAct& x, int64_t r0, float* y, int64_t 
   for (int64_t u = 0; u < x.k / L.vals; ++u) {
     const uint8_t* U = gp + u * L.unit;
     __m512 dv, mv;
-    if constexpr (L.kq) {
-      dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(U)));
-      mv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(U + 32)));
-    }
+    if constexpr (L.kq) dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(U)));
+    if constexpr (L.kq && L.has_min) mv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(U + 32)));
     for (int j = 0; j < L.vals / 32; ++j) {
       const uint8_t* B = U + L.hdr + j * L.blk;
       __m512i W[8];
@@ -277,10 +365,23 @@ void group_vnni(const uint8_t* gp, const QAct& x, int64_t r0, float* y, int64_t 
             W[t] = _mm512_or_si512(W[t], _mm512_maskz_mov_epi8(_cvtu64_mask64(bits), b4));
           }
         }
+        if constexpr (L.nbits == 6) {
+          const __m512i m30 = _mm512_set1_epi8(0x30);
+          for (int h = 0; h < 2; ++h) {
+            const __m512i hb = _mm512_loadu_si512(B + 256 + 64 * h);
+            W[4 * h] = _mm512_or_si512(W[4 * h], _mm512_and_si512(_mm512_slli_epi16(hb, 4), m30));
+            W[4 * h + 1] = _mm512_or_si512(W[4 * h + 1], _mm512_and_si512(_mm512_slli_epi16(hb, 2), m30));
+            W[4 * h + 2] = _mm512_or_si512(W[4 * h + 2], _mm512_and_si512(hb, m30));
+            W[4 * h + 3] = _mm512_or_si512(W[4 * h + 3], _mm512_and_si512(_mm512_srli_epi16(hb, 2), m30));
+          }
+        }
       }
       const uint8_t* S = B + L.vbytes + L.hbytes;
-      __m512 s, mw;
-      if constexpr (L.kq) {
+      __m512 s, mw, s_hi;
+      if constexpr (L.split) {
+        s = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(S)))));
+        s_hi = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(S + 16)))));
+      } else if constexpr (L.kq) {
         s = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(S)))));
         mw = _mm512_mul_ps(mv, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(S + 16)))));
       } else {
@@ -291,11 +392,20 @@ void group_vnni(const uint8_t* gp, const QAct& x, int64_t r0, float* y, int64_t 
       for (int r = 0; r < MR; ++r) {
         const int64_t ci = (r0 + r) * kc + c;
         const uint8_t* a = reinterpret_cast<const uint8_t*>(x.a.data() + ci * 32);
-        // Two chains of four so the dot products' latency overlaps even with one row.
+        // Two chains of four (values 0-15 and 16-31) so the dot products' latency overlaps even
+        // with one row.
         __m512i i0 = _mm512_setzero_si512(), i1 = _mm512_setzero_si512();
-        for (int t = 0; t < 8; t += 2) {
+        for (int t = 0; t < 4; ++t) {
           i0 = _mm512_dpbusd_epi32(i0, W[t], _mm512_set1_epi32(static_cast<int>(u32(a + 4 * t))));
-          i1 = _mm512_dpbusd_epi32(i1, W[t + 1], _mm512_set1_epi32(static_cast<int>(u32(a + 4 * t + 4))));
+          i1 = _mm512_dpbusd_epi32(i1, W[t + 4], _mm512_set1_epi32(static_cast<int>(u32(a + 16 + 4 * t))));
+        }
+        if constexpr (L.split) {
+          const __m512 d = _mm512_set1_ps(x.d[ci]);
+          i0 = _mm512_add_epi32(i0, _mm512_set1_epi32(L.iofs * x.s16[2 * ci]));
+          i1 = _mm512_add_epi32(i1, _mm512_set1_epi32(L.iofs * x.s16[2 * ci + 1]));
+          fa[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i0), _mm512_mul_ps(s, d), fa[r]);
+          fa[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i1), _mm512_mul_ps(s_hi, d), fa[r]);
+          continue;
         }
         __m512i ia = _mm512_add_epi32(i0, i1);
         if constexpr (L.iofs != 0) ia = _mm512_add_epi32(ia, _mm512_set1_epi32(L.iofs * x.s32[ci]));
@@ -350,11 +460,13 @@ void packed_row(const PLayout& L, const uint8_t* w, int64_t gb, int64_t row, int
   for (int64_t u = 0; u < k / L.vals; ++u) {
     const uint8_t* U = w + g * gb + u * L.unit;
     for (int j = 0; j < L.vals / 32; ++j) {
-      float s, m;
-      packed_scale(L, U, j, r, s, m);
+      float s[2], m[2];
+      packed_scale(L, U, j, r, 0, s[0], m[0]);
+      packed_scale(L, U, j, r, 1, s[1], m[1]);
       const uint8_t* B = U + L.hdr + j * L.blk;
       T* o = out + u * L.vals + 32 * j;
-      for (int i = 0; i < 32; ++i) o[i] = static_cast<T>(s * static_cast<float>(packed_value(L, B, r, i)) + m);
+      for (int i = 0; i < 32; ++i)
+        o[i] = static_cast<T>(s[i / 16] * static_cast<float>(packed_value(L, B, r, i)) + m[i / 16]);
     }
   }
 }
@@ -364,18 +476,40 @@ void packed_row(const PLayout& L, const uint8_t* w, int64_t gb, int64_t row, int
 template <typename T>
 void packed_tile_t(const PLayout& L, const uint8_t* w, int64_t gb, int64_t g0, int64_t g1, int64_t k, T* out) {
   const int64_t ld = (g1 - g0) * GR;
+#ifdef PQ_X86
+  if (isa_supported(AVX2)) {
+    at::parallel_for(g0, g1, 1, [&](int64_t b, int64_t e) {
+      for (int64_t g = b; g < e; ++g) {
+        const uint8_t* gp = w + g * gb;
+        T* o = out + (g - g0) * GR;
+        switch (L.type) {
+          case Q4_0: tile_avx2<Q4_0>(gp, k, o, ld); break;
+          case Q4_1: tile_avx2<Q4_1>(gp, k, o, ld); break;
+          case Q5_0: tile_avx2<Q5_0>(gp, k, o, ld); break;
+          case Q5_1: tile_avx2<Q5_1>(gp, k, o, ld); break;
+          case Q8_0: tile_avx2<Q8_0>(gp, k, o, ld); break;
+          case Q4_K: tile_avx2<Q4_K>(gp, k, o, ld); break;
+          case Q5_K: tile_avx2<Q5_K>(gp, k, o, ld); break;
+          case Q6_K: tile_avx2<Q6_K>(gp, k, o, ld); break;
+        }
+      }
+    });
+    return;
+  }
+#endif
   at::parallel_for(g0, g1, 1, [&](int64_t b, int64_t e) {
     for (int64_t g = b; g < e; ++g)
       for (int64_t u = 0; u < k / L.vals; ++u) {
         const uint8_t* U = w + g * gb + u * L.unit;
         for (int j = 0; j < L.vals / 32; ++j) {
-          float s[GR], m[GR];
-          for (int r = 0; r < GR; ++r) packed_scale(L, U, j, r, s[r], m[r]);
+          float s[2][GR], m[2][GR];
+          for (int r = 0; r < GR; ++r)
+            for (int h = 0; h < 2; ++h) packed_scale(L, U, j, r, h, s[h][r], m[h][r]);
           const uint8_t* B = U + L.hdr + j * L.blk;
           T* o = out + (u * L.vals + 32 * j) * ld + (g - g0) * GR;
           for (int i = 0; i < 32; ++i)
             for (int r = 0; r < GR; ++r)
-              o[i * ld + r] = static_cast<T>(s[r] * static_cast<float>(packed_value(L, B, r, i)) + m[r]);
+              o[i * ld + r] = static_cast<T>(s[i / 16][r] * static_cast<float>(packed_value(L, B, r, i)) + m[i / 16][r]);
         }
       }
   });
@@ -400,6 +534,7 @@ void packed_matmul(int64_t type, int64_t isa, const uint8_t* w, int64_t gb, int6
     case Q8_0: return pmatmul<Q8_0>(isa, w, gb, g0, g1, x, y, ldy);
     case Q4_K: return pmatmul<Q4_K>(isa, w, gb, g0, g1, x, y, ldy);
     case Q5_K: return pmatmul<Q5_K>(isa, w, gb, g0, g1, x, y, ldy);
+    case Q6_K: return pmatmul<Q6_K>(isa, w, gb, g0, g1, x, y, ldy);
   }
   TORCH_CHECK(false, "no packed layout for ggml type ", type);
 }
@@ -422,7 +557,7 @@ using namespace pq;
 at::Tensor quant_pack(const at::Tensor& w, int64_t type, int64_t k) {
   const Fmt f = fmt_of(type);
   check_weight(w, f, k);
-  TORCH_CHECK(packable(type), "ggml type ", type, " has no packed layout (its scales cover 16 values)");
+  TORCH_CHECK(packable(type), "ggml type ", type, " has no packed layout");
   TORCH_CHECK(w.size(0) % GR == 0, "packing needs a multiple of ", GR, " rows, got ", w.size(0));
   const PLayout L = playout(type);
   const int64_t groups = w.size(0) / GR, gb = packed_group_bytes(type, k), rb = w.stride(0);
