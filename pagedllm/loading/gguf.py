@@ -226,6 +226,10 @@ def read_gguf(path: str | os.PathLike) -> GGUFCheckpoint:
         "opened %s: %s, %d layers, %d tensors",
         path, config["architectures"][0], config["num_hidden_layers"], len(reader.tensors),
     )
+    # The vocabulary's lists live on in the tokenizer; as Python objects they would hold tens
+    # of MB (a 152k vocabulary) for the life of the engine.
+    for key in [k for k in metadata if k.startswith("tokenizer.ggml.") and isinstance(metadata[k], list)]:
+        del metadata[key]
     return GGUFCheckpoint(path=path, config=config, tokenizer=tokenizer, metadata=metadata, _reader=reader)
 
 
