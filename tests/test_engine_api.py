@@ -87,7 +87,9 @@ def test_stream_concatenates_to_final_text(llm):
                 final = out if out.finished else None
     assert len([d for d in deltas if d]) > 3
     assert "".join(deltas) == final.text == llm.tokenizer.decode(final.token_ids)
-    assert all("\ufffd" not in d for d in deltas)
+    # Partial UTF-8 is held back while the stream runs; only the last delta may flush an
+    # incomplete character (max_tokens can cut one, and the final text then holds it too).
+    assert all("\ufffd" not in d for d in deltas[:-1])
     # LLM.stream yields the same deltas (up to the empty ones).
     assert "".join(llm.stream(prompt, sp)) and all(d for d in llm.stream(prompt, sp))
     _no_leaks(llm)

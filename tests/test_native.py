@@ -154,3 +154,25 @@ def test_batch1_logits_same_with_gemv_on_and_off(native, tmp_path, hf_smollm2_to
     scale = off.std().item()
     assert (on - off).abs().mean().item() < 0.02 * scale  # the two paths agree to bf16 rounding
     assert (on.argmax(-1) == off.argmax(-1)).float().mean().item() > 0.9
+
+
+@pytest.mark.parametrize("vocab", [1000, 49152, 262147])
+def test_sample_topk_matches_torch(vocab):
+    """The sampler's native first pass: torch.topk's values and ids (distinct values), and the
+    softmax denominator at temperature T, also for rows with fewer finite logits than k."""
+    ops = cpu_kernels()
+    if ops is None:
+        pytest.skip("native kernels not built here")
+    g = torch.Generator().manual_seed(vocab)
+    x = torch.randn(5, vocab, generator=g) * 4
+    x[1, 7:] = float("-inf")  # a grammar-masked row: 7 allowed tokens, k = 64
+    temps = torch.tensor([0.7, 1.0, 1.3, 0.2, 2.0])
+    vals, ids, total = ops.sample_topk(x, temps, 64)
+    want_v, want_i = x.topk(64, dim=-1)
+    assert torch.equal(vals, want_v)
+    assert torch.equal(ids[:, :7], want_i[:, :7]) and torch.equal(ids[[0, 2, 3, 4]], want_i[[0, 2, 3, 4]])
+    assert len(set(ids[1].tolist())) == 64  # padding ids are distinct
+    ref = torch.exp((x.double() - x.max(-1, keepdim=True).values.double()) / temps[:, None].double()).sum(-1)
+    assert torch.allclose(total.double(), ref, rtol=1e-5)
+    with pytest.raises(RuntimeError, match="k = 0"):
+        ops.sample_topk(x, temps, 0)

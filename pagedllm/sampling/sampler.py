@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..native import cpu_kernels
 from .metadata import SamplingMetadata
 from .penalties import PenaltyState
 
@@ -71,7 +72,7 @@ class Sampler:
     # needs fewer than 64 for 99% of rows.
     # torch's CPU topk keeps ~0.1-0.4 ms a row up to k = 512 on 49k and 262k vocabularies, and
     # jumps to 3.5-4 ms a row from k = 768-2048 (another algorithm), hence no level above 512.
-    candidate_levels: tuple[int, ...] = (64, 512)
+    candidate_levels: tuple[int, ...] = (64, 512, 4096)
 
     def __init__(self, device: torch.device, seed: int = 0) -> None:
         self.device = device
@@ -154,27 +155,53 @@ class Sampler:
         keys_l = self._keys(meta, rows)
         keys = torch.tensor(keys_l, dtype=torch.int64, device=dev)
         temps, top_k, top_p, min_p = filter_tensors(ps, v, dev)
-        # The first candidates straight from the logits (the order does not depend on T), then
-        # softmax's numerators in place and into a reused buffer: four passes over the rows, no
-        # allocation (torch.softmax and logsumexp are far slower on a 262k-wide row).
+        # The first candidates straight from the logits (the order does not depend on T) and
+        # softmax's denominator: on the CPU one native pass per row; elsewhere topk, then the
+        # numerators in place into a reused buffer (torch.softmax is far slower on 262k-wide
+        # rows). The whole rows' numerators (and logits / T, in place) are made only when a row
+        # needs more than the first candidates.
         k0 = min(self.candidate_levels[0], v)
-        top_vals, top_ids = logits.topk(k0, dim=-1)
-        logits.sub_(top_vals[:, :1]).div_(temps)  # scaled, max at 0
-        exps = torch.exp(logits, out=self._buffer(n, v, dev))
-        total = exps.sum(dim=-1)
+        native = cpu_kernels() if dev.type == "cpu" else None
+        made: list[torch.Tensor] = []
+
+        def numerators() -> torch.Tensor:
+            if not made:
+                logits.sub_(top_vals[:, :1]).div_(temps)  # scaled, max at 0
+                made.append(torch.exp(logits, out=self._buffer(n, v, dev)))
+            return made[0]
+
+        def scaled() -> torch.Tensor:
+            numerators()
+            return logits
+
+        if native is not None:
+            top_vals, top_ids, total = native.sample_topk(logits, temps.view(-1), k0)
+        else:
+            top_vals, top_ids = logits.topk(k0, dim=-1)
+            total = numerators().sum(dim=-1)
         first = (((top_vals - top_vals[:, :1]) / temps).exp() / total[:, None], top_ids)
+
+        def candidates(rows_t: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+            """The k most likely tokens of rows `rows_t`: probabilities (descending) and ids."""
+            if native is not None and not made:  # logits still raw: one native pass per row
+                vals, ids, _ = native.sample_topk(logits, temps[rows_t].view(-1), k, rows_t, False)
+                return ((vals - top_vals[rows_t, :1]) / temps[rows_t]).exp() / total[rows_t][:, None], ids
+            x = numerators()
+            cand, ids = (x if rows_t.numel() == n else x[rows_t]).topk(k, dim=-1)
+            return cand / total[rows_t][:, None], ids
+
         free_rows = [i for i, p in enumerate(ps) if p.top_k <= 0 and p.top_p >= 1.0 and p.min_p <= 0]
 
         tokens = torch.empty(n, dtype=torch.int64, device=dev)
         todo = torch.arange(n, device=dev)
         if free_rows:  # no filter: the two-stage draw, on the first candidates
             free = torch.tensor(free_rows, device=dev)
-            tokens[free] = self._sample_free(logits, free, first[0][free], first[1][free], keys[free],
+            tokens[free] = self._sample_free(scaled, free, first[0][free], first[1][free], keys[free],
                                              [keys_l[i] for i in free_rows])
             keep_todo = torch.ones(n, dtype=torch.bool, device=dev)
             keep_todo[free] = False
             todo = todo[keep_todo]
-        for rows_t, cand, ids, keep in self.filtered(exps, total, top_k, top_p, min_p, todo, first):
+        for rows_t, cand, ids, keep in self.filtered(candidates, total, top_k, top_p, min_p, todo, first, v):
             score = (cand.log() + self._gumbel(keys[rows_t], ids)).masked_fill(~keep, float("-inf"))
             tokens[rows_t] = ids.gather(1, score.argmax(dim=-1, keepdim=True))[:, 0]
         return tokens
@@ -185,13 +212,21 @@ class Sampler:
             buf = self._exp_buf = torch.empty(n * v, device=dev)
         return buf[: n * v].view(n, v)
 
-    def filtered(self, exps: torch.Tensor, total: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                 min_p: torch.Tensor, todo: torch.Tensor, first=None):
+    def filtered(self, exps, total: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                 min_p: torch.Tensor, todo: torch.Tensor, first=None, vocab: int | None = None):
         """Yields (rows, candidate probabilities, token ids, kept) for the rows `todo` of `exps`
-        (softmax numerators; `total` their row sums), each row once, at the first candidate count
-        that provably holds every token its filters keep. `first`: the first level's
+        (softmax numerators with row sums `total`, or a callable (rows, k) -> the k best
+        candidates' probabilities and ids, for a vocabulary of `vocab`), each row once, at the
+        first candidate count that provably holds every token its filters keep. `first`: the first level's
         (probabilities, ids) for every row, when already known."""
-        n, v = exps.shape
+        if callable(exps):
+            pick, n, v = exps, len(total), vocab
+        else:
+            n, v = exps.shape
+
+            def pick(rows: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+                cand, ids = (exps if rows.numel() == n else exps[rows]).topk(k, dim=-1)
+                return cand / total[rows][:, None], ids
         for level, k in enumerate((*self.candidate_levels, v)):
             if todo.numel() == 0:
                 return
@@ -199,9 +234,7 @@ class Sampler:
             if level == 0 and first is not None:
                 cand, ids = first[0][todo], first[1][todo]
             else:
-                x = exps if todo.numel() == n else exps[todo]
-                cand, ids = x.topk(k, dim=-1)
-                cand = cand / total[todo][:, None]
+                cand, ids = pick(todo, k)
             keep, done = _filter(cand, top_k[todo], top_p[todo], min_p[todo], complete=k == v)
             if bool(done.all()):
                 yield todo, cand, ids, keep
@@ -210,17 +243,17 @@ class Sampler:
                 yield todo[done], cand[done], ids[done], keep[done]
                 todo = todo[~done]
 
-    def _sample_free(self, scaled: torch.Tensor, rows: torch.Tensor, cand: torch.Tensor, ids: torch.Tensor,
+    def _sample_free(self, scaled, rows: torch.Tensor, cand: torch.Tensor, ids: torch.Tensor,
                      keys: torch.Tensor, keys_l: list[int]) -> torch.Tensor:
         """Unfiltered rows: a candidate with probability equal to the candidates' mass (a race
-        among them), otherwise a race among all other tokens (`scaled`: logits / T, all rows)."""
+        among them), otherwise a race among all other tokens (`scaled()`: logits / T, all rows)."""
         mass = cand.sum(dim=-1)
         u = uniform_from_hash(torch.tensor([mix32(key ^ _BRANCH_SALT) for key in keys_l],
                                            dtype=torch.int64, device=cand.device))
         tokens = ids.gather(1, (cand.log() + self._gumbel(keys, ids)).argmax(dim=-1, keepdim=True))[:, 0]
         tail = (u >= mass).nonzero()[:, 0]
         if tail.numel():  # rare when the distribution is peaked; costs one pass over the row
-            x = scaled[rows[tail]]
+            x = scaled()[rows[tail]]
             all_ids = torch.arange(x.shape[1], device=x.device).expand_as(x)
             score = (x + self._gumbel(keys[tail], all_ids)).scatter_(1, ids[tail], float("-inf"))
             tokens[tail] = score.argmax(dim=-1)

@@ -1,0 +1,136 @@
+// The sampler's first look at each row of logits, in one pass after the max: the k largest
+// logits with their ids, and the softmax denominator sum_j exp((x_j - max) / T). In torch this
+// is a topk plus four full passes over the rows (subtract, divide, exp, sum); here each row
+// is read twice, 8 lanes at a time, and the candidates are kept by a running threshold that
+// rarely lets a value through once k good ones are known.
+#include "quant_common.h"  // the x86 SIMD helpers (exp8, hsum)
+
+#include <limits>
+#include <tuple>
+#include <utility>
+
+namespace {
+#ifdef PQ_X86
+using pq::exp8;
+using pq::hsum;
+#endif
+
+using Cand = std::pair<float, int64_t>;
+
+inline bool before(const Cand& a, const Cand& b) {  // larger value first, then smaller id
+  return a.first > b.first || (a.first == b.first && a.second < b.second);
+}
+
+void row_topk(const float* x, int64_t v, int64_t k, float temp, float* vals, int64_t* ids, float* total) {
+  constexpr float NEG = -std::numeric_limits<float>::infinity();
+  float m = NEG;
+  int64_t i = 0;
+  const bool with_total = total != nullptr;  // else the candidates only: one pass, no exp
+#ifdef PQ_X86
+  if (with_total) {
+  __m256 mv = _mm256_set1_ps(NEG);
+  for (; i + 8 <= v; i += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(x + i));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, mv);
+  for (float l : lanes) m = std::max(m, l);
+  }
+#endif
+  if (with_total)
+    for (; i < v; ++i) m = std::max(m, x[i]);
+  const float it = 1.f / temp;
+  thread_local std::vector<Cand> cand;
+  cand.clear();
+  cand.reserve(4 * k + 8);
+  float thr = NEG;  // once k candidates are known, only values above the k-th can enter
+  auto shrink = [&] {
+    std::nth_element(cand.begin(), cand.begin() + (k - 1), cand.end(), before);
+    cand.resize(k);
+    thr = cand[k - 1].first;
+    for (const Cand& c : cand) thr = std::min(thr, c.first);
+  };
+  float sum = 0.f;
+  i = 0;
+#ifdef PQ_X86
+  __m256 acc = _mm256_setzero_ps();
+  double dsum = 0.;  // float lanes sum 2048 values at a time; the chunks add up in double
+  const __m256 mm = _mm256_set1_ps(m), itv = _mm256_set1_ps(it);
+  for (; i + 8 <= v; i += 8) {
+    const __m256 xv = _mm256_loadu_ps(x + i);
+    if (with_total) acc = _mm256_add_ps(acc, exp8(_mm256_mul_ps(_mm256_sub_ps(xv, mm), itv)));
+    if (with_total && (i & 2047) == 2040) {
+      dsum += hsum(acc);
+      acc = _mm256_setzero_ps();
+    }
+    int mask = _mm256_movemask_ps(_mm256_cmp_ps(xv, _mm256_set1_ps(thr), _CMP_GT_OQ));
+    while (mask) {
+      const int b = __builtin_ctz(mask);
+      mask &= mask - 1;
+      cand.emplace_back(x[i + b], i + b);
+    }
+    if (static_cast<int64_t>(cand.size()) >= 4 * k) shrink();
+  }
+  sum = static_cast<float>(dsum + hsum(acc));
+#endif
+  for (; i < v; ++i) {
+    if (with_total) sum += std::exp((x[i] - m) * it);
+    if (x[i] > thr) cand.emplace_back(x[i], i);
+    if (static_cast<int64_t>(cand.size()) >= 4 * k) shrink();
+  }
+  if (static_cast<int64_t>(cand.size()) < k) {  // fewer than k values above -inf (a masked row)
+    std::vector<char> taken(v, 0);
+    for (const Cand& c : cand) taken[c.second] = 1;
+    for (int64_t j = 0; j < v && static_cast<int64_t>(cand.size()) < k; ++j)
+      if (!taken[j]) cand.emplace_back(x[j], j);
+  }
+  std::partial_sort(cand.begin(), cand.begin() + k, cand.end(), before);
+  for (int64_t j = 0; j < k; ++j) {
+    vals[j] = cand[j].first;
+    ids[j] = cand[j].second;
+  }
+  if (with_total) *total = sum;
+}
+
+}  // namespace
+
+// logits [N, v] float32, temps [n] float32, rows [n] (which rows of logits; all when None)
+// -> (the k largest logits per row, descending [n, k]; their ids [n, k] int64;
+// sum_j exp((x_j - max_j x) / T) [n], or [0] when with_total is false).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> sample_topk(const at::Tensor& logits, const at::Tensor& temps, int64_t k,
+                                                           const c10::optional<at::Tensor>& rows, bool with_total) {
+  TORCH_CHECK(logits.device().is_cpu() && logits.scalar_type() == at::kFloat && logits.dim() == 2,
+              "sample_topk: logits must be a CPU float32 [rows, vocab] tensor");
+  const int64_t v = logits.size(1);
+  at::Tensor rc;
+  const int64_t* rp = nullptr;
+  int64_t n = logits.size(0);
+  if (rows.has_value()) {
+    rc = rows->to(at::kLong).contiguous();
+    rp = rc.data_ptr<int64_t>();
+    n = rc.numel();
+    for (int64_t i = 0; i < n; ++i)
+      TORCH_CHECK(rp[i] >= 0 && rp[i] < logits.size(0), "sample_topk: row ", rp[i], " out of range");
+  }
+  TORCH_CHECK(k >= 1 && k <= v, "sample_topk: k = ", k, " must be in [1, ", v, "]");
+  TORCH_CHECK(temps.numel() == n && temps.scalar_type() == at::kFloat, "sample_topk: one float32 temperature per row");
+  const auto lc = logits.contiguous();
+  const auto tc = temps.contiguous();
+  auto vals = at::empty({n, k}, logits.options());
+  auto ids = at::empty({n, k}, logits.options().dtype(at::kLong));
+  auto total = at::empty({with_total ? n : 0}, logits.options());
+  const float* xp = lc.data_ptr<float>();
+  const float* tp = tc.data_ptr<float>();
+  float* vp = vals.data_ptr<float>();
+  int64_t* ip = ids.data_ptr<int64_t>();
+  float* sp = total.data_ptr<float>();
+  at::parallel_for(0, n, 1, [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r)
+      row_topk(xp + (rp ? rp[r] : r) * v, v, k, tp[r], vp + r * k, ip + r * k, with_total ? sp + r : nullptr);
+  });
+  return {vals, ids, total};
+}
+
+TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
+  m.def("sample_topk(Tensor logits, Tensor temps, int k, Tensor? rows=None, bool with_total=True) -> "
+        "(Tensor, Tensor, Tensor)",
+        &sample_topk);
+}
