@@ -118,7 +118,7 @@ class Sampler:
             g = torch.tensor(greedy, device=dev)
             tokens[g] = logits.index_select(0, g).argmax(dim=-1)
             s = torch.tensor(sampled, device=dev)
-            tokens[s] = self._sample(logits.index_select(0, s), meta, sampled)
+            tokens[s] = self._sample(logits, meta, sampled, s)
         ids = tokens if finite is None else tokens.masked_fill(~finite, -1)
         if raw is None:
             return SamplerOutput(ids.tolist())
@@ -145,10 +145,12 @@ class Sampler:
         h = mix32_t(v[ids] ^ keys[:, None])
         return -torch.log(-torch.log(uniform_from_hash(h)))
 
-    def _sample(self, logits: torch.Tensor, meta: SamplingMetadata, rows: list[int]) -> torch.Tensor:
-        """Tokens for `rows` (non-greedy), given their logits [len(rows), vocab] (overwritten)."""
-        n, v = logits.shape
-        dev = logits.device
+    def _sample(self, batch_logits: torch.Tensor, meta: SamplingMetadata, rows: list[int],
+                sel: torch.Tensor | None = None) -> torch.Tensor:
+        """Tokens for `rows` (non-greedy), whose logits are the rows `sel` of `batch_logits`
+        (all of them when None; a row may be overwritten)."""
+        n, v = len(rows), batch_logits.shape[1]
+        dev = batch_logits.device
         if self._token_hash is None or self._token_hash.shape[0] != v or self._token_hash.device != dev:
             self._token_hash = mix32_t(torch.arange(v, dtype=torch.int64, device=dev))
         ps = [meta.params[r] for r in rows]
@@ -162,29 +164,31 @@ class Sampler:
         # needs more than the first candidates.
         k0 = min(self.candidate_levels[0], v)
         native = cpu_kernels() if dev.type == "cpu" else None
-        made: list[torch.Tensor] = []
+        made: list[torch.Tensor] = []  # [logits / T of the rows, softmax numerators], once made
 
         def numerators() -> torch.Tensor:
             if not made:
-                logits.sub_(top_vals[:, :1]).div_(temps)  # scaled, max at 0
-                made.append(torch.exp(logits, out=self._buffer(n, v, dev)))
-            return made[0]
+                x = batch_logits if sel is None else batch_logits.index_select(0, sel)
+                x.sub_(top_vals[:, :1]).div_(temps)  # scaled, max at 0
+                made.extend([x, torch.exp(x, out=self._buffer(n, v, dev))])
+            return made[1]
 
         def scaled() -> torch.Tensor:
             numerators()
-            return logits
+            return made[0]
 
         if native is not None:
-            top_vals, top_ids, total = native.sample_topk(logits, temps.view(-1), k0)
+            top_vals, top_ids, total = native.sample_topk(batch_logits, temps.view(-1), k0, sel)
         else:
-            top_vals, top_ids = logits.topk(k0, dim=-1)
+            top_vals, top_ids = (batch_logits if sel is None else batch_logits.index_select(0, sel)).topk(k0, dim=-1)
             total = numerators().sum(dim=-1)
         first = (((top_vals - top_vals[:, :1]) / temps).exp() / total[:, None], top_ids)
 
         def candidates(rows_t: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
             """The k most likely tokens of rows `rows_t`: probabilities (descending) and ids."""
             if native is not None and not made:  # logits still raw: one native pass per row
-                vals, ids, _ = native.sample_topk(logits, temps[rows_t].view(-1), k, rows_t, False)
+                where = rows_t if sel is None else sel[rows_t]
+                vals, ids, _ = native.sample_topk(batch_logits, temps[rows_t].view(-1), k, where, False)
                 return ((vals - top_vals[rows_t, :1]) / temps[rows_t]).exp() / total[rows_t][:, None], ids
             x = numerators()
             cand, ids = (x if rows_t.numel() == n else x[rows_t]).topk(k, dim=-1)
