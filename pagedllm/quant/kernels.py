@@ -12,7 +12,6 @@ import os
 from functools import lru_cache
 
 import torch
-import torch.nn.functional as F
 
 from ..native import cpu_kernels, disabled_reason
 from .formats import PACKED_ID, QuantTensor
@@ -73,18 +72,21 @@ def matmul(x: torch.Tensor, parts: list[QuantTensor], isa: str | None = None,
         y = ops.quant_matmul(x, [p.data for p in parts], [p.type_id for p in parts], parts[0].shape[1],
                              _isa_id(isa))
         return y if out_dtype == torch.float32 else y.to(out_dtype)
-    outs = []
+    # Tile by tile into one output (no list of partial products and no cat: at prefill sizes
+    # those doubled the step's peak memory).
+    y = torch.empty(x.shape[0], sum(p.shape[0] for p in parts), dtype=x.dtype, device=x.device)
+    col = 0
     for w in parts:
         for start in range(0, w.shape[0], TILE_ROWS):
             count = min(TILE_ROWS, w.shape[0] - start)
             if w.packed:  # a [K, count] tile: the packed groups' lanes are its rows' runs
                 tile = ops.quant_dequant_packed(w.data, w.type_id - PACKED_ID, w.shape[1], None, start, count,
                                                 x.dtype, True)
-                outs.append(torch.mm(x, tile))
+                torch.mm(x, tile, out=y[:, col:col + count])
             else:
                 tile = ops.quant_dequant(w.data, w.type_id, w.shape[1], None, start, count, x.dtype, 0)
-                outs.append(F.linear(x, tile))
-    y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+                torch.mm(x, tile.t(), out=y[:, col:col + count])
+            col += count
     return y.to(out_dtype)
 
 
