@@ -14,6 +14,7 @@ from torch import nn
 
 from ..attention.metadata import AttentionMetadata
 from ..config import ModelConfig
+from ..native import cpu_kernels
 from ..quant import kernels as qk
 from ..quant.formats import QuantTensor
 from .linear import Embedding, Linear
@@ -124,9 +125,66 @@ class LlamaForCausalLM(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         h = self.embed_tokens(input_ids)
         rope = self.rope.lookup(positions, h.dtype)
+        stacked = self._decode_stack(h, rope, meta)
+        if stacked is not None:
+            return self.norm(stacked)
         for layer in self.layers:
             h = layer(rope, h, meta)
         return self.norm(h)
+
+    def _decode_stack(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                      meta: AttentionMetadata) -> torch.Tensor | None:
+        """A decode-only step with every projection quantized and few rows: all the layers in
+        one native call (the same five calls a layer makes below, without the interpreter
+        between them); None where that does not apply."""
+        if h.dim() != 2 or h.shape[0] > qk.INT_ROWS or meta.num_decodes != meta.num_seqs:
+            return None
+        plan = self._stack_plan()
+        if plan is None:
+            return None
+        attns = [layer.self_attn.attn for layer in self.layers]
+        if any(getattr(a, "native", None) is None or not hasattr(a, "decode_qkv") or a.kv.dtype != h.dtype
+               for a in attns):
+            return None
+        a = self.layers[0].self_attn
+        cos, sin = rope
+        return plan["ops"].quant_decode_layers(
+            h, plan["weights"], plan["types"], plan["parts"], plan["kdims"], plan["norms"], plan["eps"],
+            plan["biases"], [x.kv.k for x in attns], [x.kv.v for x in attns], [x.window or 0 for x in attns],
+            cos, sin, meta.slot_mapping, meta.block_tables, meta.decode_context_lens, a.num_heads,
+            a.num_kv_heads, a.scale, qk._isa_id(None))
+
+    def _stack_plan(self) -> dict | None:
+        """The flattened weights of `_decode_stack`, made once; None unless every layer is a
+        plain decoder layer whose four projections are quantized."""
+        if getattr(self, "_plan", False) is not False:
+            return self._plan
+        self._plan = None
+        ops = cpu_kernels()
+        layers = list(self.layers)
+        if ops is None or not hasattr(ops, "quant_decode_layers") or not layers:
+            return None
+        weights, types, parts, kdims, norms, biases = [], [], [], [], [], []
+        eps = {layer.input_layernorm.eps for layer in layers} | {layer.post_attention_layernorm.eps for layer in layers}
+        for layer in layers:
+            if type(layer) is not DecoderLayer or type(layer.input_layernorm) is not RMSNorm \
+                    or type(layer.post_attention_layernorm) is not RMSNorm:
+                return None
+            projs = [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
+            if any(type(p) is not Linear or p.qparts is None for p in projs):
+                return None
+            for p in projs:
+                weights += [q.data for q in p.qparts]
+                types += [q.type_id for q in p.qparts]
+                parts.append(len(p.qparts))
+                kdims.append(p.in_features)
+                biases.append(p.bias)
+            norms += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+        if len(eps) != 1:
+            return None
+        self._plan = {"ops": ops, "weights": weights, "types": types, "parts": parts, "kdims": kdims,
+                      "norms": norms, "eps": eps.pop(), "biases": biases}
+        return self._plan
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head.qparts is not None:  # float32 straight from the kernel: no bf16 ties
