@@ -1,0 +1,147 @@
+"""Tensor parallelism at tp=2 over gloo on the CPU (1 thread per rank): greedy tokens and logits
+against transformers and tp=1 in float32, per-rank bytes, bad sizes, and faults (a worker
+killed with SIGKILL, shutdown) leaving no process behind."""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import psutil
+import pytest
+import torch
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.distributed.executor import TensorParallelError
+from models import build_checkpoint
+
+PROMPT_LENS = [1, 17, 64, 150, 300]
+NEW_TOKENS = 24
+GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", params=["llama", "mistral", "qwen2"])
+def family(request, tmp_path_factory, hf_smollm2_tokenizer):
+    """(family, checkpoint, transformers model, prompts, transformers' greedy tokens)."""
+    import transformers as tf
+
+    tok = hf_smollm2_tokenizer
+    path = build_checkpoint(request.param, tmp_path_factory.mktemp(request.param), tok, len(tok))
+    ref = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(99)
+    prompts = [torch.randint(0, len(tok), (n,), generator=g).tolist() for n in PROMPT_LENS]
+    with torch.no_grad():
+        want = [ref.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+    return request.param, path, ref, prompts, want
+
+
+def _alive(pids: list[int]) -> list[int]:
+    out = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                out.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def test_tp2_matches_transformers_and_tp1(family):
+    """Block size 16, a KV budget far below the batch's need and small prefill chunks, so it
+    preempts; Mistral's window (48) is shorter than most prompts."""
+    name, path, ref, prompts, want = family
+    ctx = 160 if name == "mistral" else 400
+    kw = dict(dtype="float32", block_size=16, kv_cache_context_len=ctx, max_num_batched_tokens=64)
+    with LLM(str(path), tensor_parallel_size=2, **kw) as llm:
+        pids = llm.engine.executor.pids
+        assert len(_alive(pids)) == 1
+        got = [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+        assert got == want, name
+        assert llm.engine.scheduler.num_preemptions > 0
+        bm = llm.engine.block_manager
+        assert bm.num_free_blocks == bm.num_usable_blocks
+        logits2 = llm.engine.prompt_logits(prompts[-1])
+    assert not _alive(pids)  # the context manager stopped the worker
+    with torch.no_grad():
+        ref_logits = ref(torch.tensor([prompts[-1]])).logits[0]
+    assert (logits2 - ref_logits).abs().max().item() < 1e-4
+    one = LLM(str(path), **kw)
+    assert (logits2 - one.engine.prompt_logits(prompts[-1])).abs().max().item() < 1e-4
+    assert [o.token_ids for o in one.generate(prompts, GREEDY, use_tqdm=False)] == got
+
+
+def test_tp2_prefix_cache_multi_turn_n4_and_trace(family):
+    """Block size 32: a multi-turn chat reusing its prefix from the cache, n=4 greedy forks,
+    and per-rank weight and KV bytes about half of tp=1's (the trace)."""
+    name, path, _, prompts, want = family
+    if name != "llama":
+        pytest.skip("one family is enough for the workload checks (each start costs seconds)")
+    kw = dict(dtype="float32", block_size=32, kv_cache_context_len=4096)
+    one = LLM(str(path), **kw)
+    turns = [prompts[3][:100], prompts[4][:60], prompts[2][:40]]
+
+    def chat(llm):
+        conv, outs = [], []
+        for t in turns:
+            conv = conv + t
+            o = llm.generate([conv], GREEDY, use_tqdm=False)[0]
+            outs.append((o.token_ids, o.num_cached_tokens))
+            conv = conv + o.token_ids
+        return outs
+
+    with LLM(str(path), tensor_parallel_size=2, **kw) as llm:
+        got = chat(llm)
+        assert got == chat(one)
+        assert all(cached > 0 for _, cached in got[1:])  # later turns reuse the earlier ones
+        forks = llm.generate([prompts[2]], SamplingParams(n=4, max_tokens=NEW_TOKENS, temperature=0.0,
+                                                          ignore_eos=True), use_tqdm=False)[0]
+        assert [c.token_ids for c in forks.outputs] == [want[2]] * 4
+        t2, t1 = llm.kv_cache_trace(), one.kv_cache_trace()
+    assert t2.tensor_parallel_size == 2 and len(t2.rank_weight_mb) == 2
+    whole_w, whole_kv = t1.rank_weight_mb[0], t1.rank_kv_mb[0]
+    for w, kv in zip(t2.rank_weight_mb, t2.rank_kv_mb):
+        assert 0.45 < w / whole_w < 0.55 and kv / whole_kv == pytest.approx(0.5, abs=0.01)
+    assert t2.allreduce_bytes_per_step > 0 and t1.allreduce_bytes_per_step == 0
+
+
+def test_bad_sizes_refused_before_any_worker_starts(family):
+    name, path, *_ = family
+    if name != "qwen2":
+        pytest.skip("the sizes are the same for every family")
+    before = {c.pid for c in psutil.Process().children(recursive=True)}
+    with pytest.raises(ValueError, match=r"does not divide the model's 4 attention heads.*sizes that fit"):
+        LLM(str(path), dtype="float32", tensor_parallel_size=3)
+    with pytest.raises(ValueError, match="tensor_parallel_size must be >= 1"):
+        LLM(str(path), dtype="float32", tensor_parallel_size=0)
+    assert {c.pid for c in psutil.Process().children(recursive=True)} <= before
+
+
+def test_killed_worker_fails_the_generation_and_leaves_no_process(family):
+    name, path, _, prompts, _ = family
+    if name != "qwen2":
+        pytest.skip("one family is enough")
+    llm = LLM(str(path), dtype="float32", kv_cache_context_len=4096, tensor_parallel_size=2)
+    pids = llm.engine.executor.pids
+    killer = threading.Timer(1.0, os.kill, (pids[0], signal.SIGKILL))
+    long = SamplingParams(max_tokens=600, temperature=0.0, ignore_eos=True)
+    killer.start()
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(TensorParallelError, match=r"rank 1 \(pid \d+\) exited with code -9"):
+            llm.generate([prompts[1]] * 4, long, use_tqdm=False)
+    finally:
+        killer.cancel()
+    assert time.monotonic() - t0 < 30
+    assert not _alive(pids)
+    assert not llm.engine.has_unfinished()  # the requests in flight were failed and dropped
+    with pytest.raises(TensorParallelError):  # the engine stays stopped, and says so
+        llm.generate([prompts[0]], GREEDY, use_tqdm=False)
+    llm.shutdown()
+    # A new tensor-parallel LLM can start in the same process afterwards, and stops cleanly.
+    again = LLM(str(path), dtype="float32", kv_cache_context_len=512, tensor_parallel_size=2)
+    pids = again.engine.executor.pids
+    assert again.generate([prompts[0]], GREEDY, use_tqdm=False)[0].token_ids
+    again.shutdown()
+    assert not _alive(pids)
