@@ -8,11 +8,12 @@ import torch
 FAMILIES = ("llama", "mistral", "qwen2")
 
 
-def build_checkpoint(family: str, out: Path, tokenizer, vocab_size: int, seed: int = 0) -> Path:
+def build_checkpoint(family: str, out: Path, tokenizer, vocab_size: int, seed: int = 0,
+                     intermediate_size: int = 160) -> Path:
     """Save a small random model of `family` with `tokenizer` into `out`; returns `out`."""
     import transformers as tf
 
-    common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=160,
+    common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=intermediate_size,
                   num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
                   max_position_embeddings=1024, rms_norm_eps=1e-5,
                   # Wider init than the default 0.02 keeps greedy choices away from near-ties.
