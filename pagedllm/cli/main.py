@@ -188,6 +188,7 @@ BENCHES = {
     "compare": "pagedllm beside llama.cpp on the same GGUF file, one process per figure",
     "make-gguf": "write a GGUF with a real model's shape and random weights (llama.cpp quantizes it)",
     "startup": "time from starting `pagedllm generate` to its first token (median of 5)",
+    "allreduce": "torch.distributed all-reduce latency and bandwidth at a TP step's message sizes",
 }
 
 

@@ -121,7 +121,14 @@ class TPExecutor:
     def _wait_for(self, what: str, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         for rank, (p, conn) in enumerate(zip(self.procs, self.conns), start=1):
-            while not conn.poll(0.2):
+            msg = None
+            while msg is None:
+                try:
+                    if conn.poll(0.2):
+                        msg = conn.recv()
+                        continue
+                except (EOFError, OSError):  # the worker is gone: wait for its exit status
+                    p.join(timeout=5)
                 if not p.is_alive():
                     hint = ("; a script that starts an LLM with tensor_parallel_size > 1 must do so under "
                             "`if __name__ == \"__main__\":` (the workers are started with spawn, which "
@@ -131,7 +138,7 @@ class TPExecutor:
                 if time.monotonic() > deadline:
                     raise TensorParallelError(f"tensor-parallel worker rank {rank} has not {what} after "
                                               f"{timeout:g} s (PAGEDLLM_TP_LOAD_TIMEOUT_S)")
-            kind, value = conn.recv()
+            kind, value = msg
             if kind == "error":
                 raise ValueError(f"tensor-parallel worker rank {rank} failed: {value}")
 
