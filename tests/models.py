@@ -40,3 +40,19 @@ def build_checkpoint(family: str, out: Path, tokenizer, vocab_size: int, seed: i
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
+
+
+def reference_family(family: str, out: Path, tokenizer, prompt_lens: list[int], new_tokens: int,
+                     seed: int):
+    """(checkpoint path, transformers model, random prompts, transformers' greedy tokens) for a
+    random-weight `family` model: the float32 reference the engine's outputs are held to."""
+    import transformers as tf
+
+    path = build_checkpoint(family, out, tokenizer, len(tokenizer))
+    ref = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, len(tokenizer), (n,), generator=g).tolist() for n in prompt_lens]
+    with torch.no_grad():
+        want = [ref.generate(torch.tensor([p]), max_new_tokens=new_tokens, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+    return path, ref, prompts, want

@@ -14,7 +14,7 @@ import torch
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.distributed.executor import TensorParallelError
-from models import build_checkpoint
+from models import build_checkpoint, reference_family
 
 PROMPT_LENS = [1, 17, 64, 150, 300]
 NEW_TOKENS = 24
@@ -24,16 +24,8 @@ GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
 @pytest.fixture(scope="module", params=["llama", "mistral", "qwen2"])
 def family(request, tmp_path_factory, hf_smollm2_tokenizer):
     """(family, checkpoint, transformers model, prompts, transformers' greedy tokens)."""
-    import transformers as tf
-
-    tok = hf_smollm2_tokenizer
-    path = build_checkpoint(request.param, tmp_path_factory.mktemp(request.param), tok, len(tok))
-    ref = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    g = torch.Generator().manual_seed(99)
-    prompts = [torch.randint(0, len(tok), (n,), generator=g).tolist() for n in PROMPT_LENS]
-    with torch.no_grad():
-        want = [ref.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False,
-                             eos_token_id=None, pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+    path, ref, prompts, want = reference_family(request.param, tmp_path_factory.mktemp(request.param),
+                                                hf_smollm2_tokenizer, PROMPT_LENS, NEW_TOKENS, seed=99)
     return request.param, path, ref, prompts, want
 
 
