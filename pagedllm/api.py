@@ -135,6 +135,7 @@ class EngineOptions:
     isq: str | None = None
     dequantize_weights: bool = False
     chat_template: str | None = None
+    tensor_parallel_size: int | None = None
 
     @classmethod
     def from_which(cls, which: Which.Plain | Which.GGUF, **kw: Any) -> "EngineOptions":
@@ -164,7 +165,8 @@ class EngineOptions:
                     "kv_cache_context_len": self.pa_ctxt_len, "block_size": self.pa_blk_size,
                     "kv_cache_dtype": self.pa_cache_type, "max_num_seqs": self.max_seqs,
                     "max_model_len": self.max_model_len,
-                    "max_num_batched_tokens": self.max_num_batched_tokens, "seed": self.seed}
+                    "max_num_batched_tokens": self.max_num_batched_tokens, "seed": self.seed,
+                    "tensor_parallel_size": self.tensor_parallel_size}
         kw.update({k: v for k, v in optional.items() if v is not None})
         if self.isq:
             from .quant.isq import check_isq_type

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import logging
+import os
+import weakref
 from typing import Iterator, Sequence as Seq
 
 import torch
@@ -17,6 +19,26 @@ from .sampling.params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
+
+def _start_tp(size: int, source, dt: torch.dtype, dev: torch.device, max_model_len: int | None,
+              dequantize_weights: bool, isq: str | None, cache_cfg: CacheConfig):
+    """Check the size against the model and the devices, then start the group (rank 0's
+    executor). Under torchrun, a rank other than 0 serves its shard here and exits the process."""
+    from .distributed.executor import TPExecutor, check_size, usable_cores
+    from .distributed.worker import WorkerSpec, worker_main
+    from .loading.loader import read_config
+    from .models.parallel import check_tp
+
+    check_size(size, dev)
+    check_tp(read_config(source), size)
+    spec = WorkerSpec(source, dt, dev.type, max_model_len, dequantize_weights, isq, cache_cfg,
+                      threads=max(1, usable_cores() // size),
+                      log_level=logging.getLogger("pagedllm").getEffectiveLevel())
+    rank = int(os.environ.get("RANK", "0")) if int(os.environ.get("WORLD_SIZE", "1")) > 1 else 0
+    if rank > 0:  # torchrun: this process is a worker for the rest of its life
+        worker_main(rank, size, None, spec)
+    return TPExecutor.start(size, spec)
+
 Prompt = str | list[int]
 
 
@@ -29,7 +51,11 @@ class LLM:
                  tokenizer: str | None = None, gguf_file: str | None = None,
                  kv_cache_dtype: str = "auto", enable_prefix_caching: bool = True,
                  prefix_cache_n: int = 16, dequantize_weights: bool = False,
-                 isq: str | None = None) -> None:
+                 isq: str | None = None, tensor_parallel_size: int = 1) -> None:
+        """`tensor_parallel_size=N` splits the model over N ranks (pagedllm/distributed): on one
+        machine the engine starts N - 1 worker processes and splits the cores among the ranks;
+        under torchrun the N ranks are torchrun's. Call `shutdown()` (or use `with LLM(...)`)
+        to stop them; they also stop when this process exits."""
         cache_cfg = CacheConfig(block_size, kv_cache_memory_mb, kv_cache_memory_fraction,
                                 kv_cache_context_len, kv_cache_dtype, paged_attention,
                                 enable_prefix_caching, prefix_cache_n)
@@ -42,8 +68,28 @@ class LLM:
         dt = resolve_dtype(dtype, dev)
         source = resolve(model, tokenizer, gguf_file)
         torch.manual_seed(seed)
+        self._finalizer = None
+        executor = None
+        if tensor_parallel_size != 1:
+            executor = _start_tp(tensor_parallel_size, source, dt, dev, max_model_len, dequantize_weights,
+                                 isq, cache_cfg)
+        try:
+            self._build(source, dt, dev, max_model_len, dequantize_weights, isq, max_num_seqs,
+                        max_num_batched_tokens, cache_cfg, seed, executor)
+        except BaseException:
+            if executor is not None:
+                executor.shutdown()
+            raise
+        if executor is not None:  # workers stop with this object, at the latest at exit
+            self._finalizer = weakref.finalize(self, executor.shutdown)
+
+    def _build(self, source, dt, dev, max_model_len, dequantize_weights, isq, max_num_seqs,
+               max_num_batched_tokens, cache_cfg, seed, executor) -> None:
         loaded = load_model(source, dt, dev, max_positions=max_model_len,
-                            dequantize_weights=dequantize_weights, isq=isq)
+                            dequantize_weights=dequantize_weights, isq=isq,
+                            tp=executor.tp if executor is not None else None)
+        if executor is not None:
+            executor.wait_loaded()
         limit = loaded.config.max_position_embeddings
         if max_model_len is None:
             max_model_len = limit
@@ -55,9 +101,21 @@ class LLM:
             max_model_len=max_model_len)
         if loaded.model.rope.cos.shape[0] < max_model_len:
             raise ValueError("internal: rope table shorter than max_model_len")
-        self.engine = LLMEngine(loaded, cache_cfg, sched_cfg, dev, dt, seed)
+        self.engine = LLMEngine(loaded, cache_cfg, sched_cfg, dev, dt, seed, executor)
         self.tokenizer = loaded.tokenizer
         self.model_name = source.short_name
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel worker processes; the LLM cannot generate afterwards.
+        Nothing to do without tensor parallelism (safe to call twice)."""
+        if self._finalizer is not None:
+            self._finalizer()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
 
     def kv_cache_trace(self):
         """What the KV cache is and does: layout, dtype, capacity, occupancy, prefix-cache

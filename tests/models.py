@@ -8,11 +8,12 @@ import torch
 FAMILIES = ("llama", "mistral", "qwen2")
 
 
-def build_checkpoint(family: str, out: Path, tokenizer, vocab_size: int, seed: int = 0) -> Path:
+def build_checkpoint(family: str, out: Path, tokenizer, vocab_size: int, seed: int = 0,
+                     intermediate_size: int = 160) -> Path:
     """Save a small random model of `family` with `tokenizer` into `out`; returns `out`."""
     import transformers as tf
 
-    common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=160,
+    common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=intermediate_size,
                   num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
                   max_position_embeddings=1024, rms_norm_eps=1e-5,
                   # Wider init than the default 0.02 keeps greedy choices away from near-ties.
@@ -39,3 +40,19 @@ def build_checkpoint(family: str, out: Path, tokenizer, vocab_size: int, seed: i
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
+
+
+def reference_family(family: str, out: Path, tokenizer, prompt_lens: list[int], new_tokens: int,
+                     seed: int):
+    """(checkpoint path, transformers model, random prompts, transformers' greedy tokens) for a
+    random-weight `family` model: the float32 reference the engine's outputs are held to."""
+    import transformers as tf
+
+    path = build_checkpoint(family, out, tokenizer, len(tokenizer))
+    ref = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, len(tokenizer), (n,), generator=g).tolist() for n in prompt_lens]
+    with torch.no_grad():
+        want = [ref.generate(torch.tensor([p]), max_new_tokens=new_tokens, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+    return path, ref, prompts, want

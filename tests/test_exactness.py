@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
-from models import FAMILIES, build_checkpoint
+from models import FAMILIES, reference_family
 
 PROMPT_LENS = [1, 7, 31, 64, 100, 173, 250, 300]
 NEW_TOKENS = 32
@@ -13,19 +13,9 @@ NEW_TOKENS = 32
 
 @pytest.fixture(scope="module", params=FAMILIES)
 def family_ckpt(request, tmp_path_factory, hf_smollm2_tokenizer):
-    tok = hf_smollm2_tokenizer
-    path = build_checkpoint(request.param, tmp_path_factory.mktemp(request.param), tok, len(tok))
-    import transformers as tf
-
-    ref = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    g = torch.Generator().manual_seed(1234)
-    prompts = [torch.randint(0, len(tok), (n,), generator=g).tolist() for n in PROMPT_LENS]
-    with torch.no_grad():
-        expected = []
-        for p in prompts:
-            out = ref.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False,
-                               eos_token_id=None, pad_token_id=0)
-            expected.append(out[0, len(p):].tolist())
+    path, ref, prompts, expected = reference_family(
+        request.param, tmp_path_factory.mktemp(request.param), hf_smollm2_tokenizer, PROMPT_LENS,
+        NEW_TOKENS, seed=1234)
     return request.param, path, ref, prompts, expected
 
 

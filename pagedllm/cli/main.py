@@ -115,6 +115,9 @@ def _engine_flags(p: argparse.ArgumentParser, top: bool) -> None:
     g.add_argument("--dequantize-weights", action="store_true", default=d(False),
                    help="dequantize GGUF weights to the compute dtype at load instead of running "
                         "them quantized (the exact reference; more memory, slower decode)")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, metavar="N", default=d(None),
+                   help="split the model over N ranks (worker processes on this machine, or the "
+                        "ranks of torchrun); default 1")
     g.add_argument("--chat-template", metavar="FILE", default=d(None),
                    help="chat template (.jinja, or JSON with a chat_template key) to use instead "
                         "of the model's")
@@ -185,6 +188,7 @@ BENCHES = {
     "compare": "pagedllm beside llama.cpp on the same GGUF file, one process per figure",
     "make-gguf": "write a GGUF with a real model's shape and random weights (llama.cpp quantizes it)",
     "startup": "time from starting `pagedllm generate` to its first token (median of 5)",
+    "allreduce": "torch.distributed all-reduce latency and bandwidth at a TP step's message sizes",
 }
 
 
@@ -319,7 +323,7 @@ def engine_options(args: argparse.Namespace, model: str | None = None) -> Engine
         no_prefix_cache=args.no_prefix_cache, max_seqs=args.max_seqs,
         max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
         seed=args.seed, isq=args.isq, dequantize_weights=bool(args.dequantize_weights),
-        chat_template=args.chat_template)
+        chat_template=args.chat_template, tensor_parallel_size=args.tensor_parallel_size)
 
 
 def _model_of(args: argparse.Namespace) -> str:
@@ -352,6 +356,7 @@ def cmd_serve(args: argparse.Namespace, opts: EngineOptions) -> int:
         logger.warning("serving on %s without --api-key: anyone who can reach it may use it", args.host)
     result = run_server(llm, args.host, args.port, cfg, log_level=args.log_level,
                         access_log=args.access_log)
+    llm.shutdown()  # tensor-parallel workers first: _exit_now skips every exit handler
     if result.stopped_by:
         print(f"stopped by {result.stopped_by}: {result.requests_ended} request(s) in flight ended "
               f"with an error; {eng.block_manager.num_used_blocks} KV blocks in use", file=sys.stderr)

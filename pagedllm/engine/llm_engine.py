@@ -94,7 +94,7 @@ class Request:
 
 class LLMEngine:
     def __init__(self, loaded: LoadedModel, cache_cfg: CacheConfig, sched_cfg: SchedulerConfig,
-                 device: torch.device, dtype: torch.dtype, seed: int = 0) -> None:
+                 device: torch.device, dtype: torch.dtype, seed: int = 0, executor=None) -> None:
         cache_cfg.validate()
         sched_cfg.validate()
         self.model = loaded.model
@@ -108,23 +108,16 @@ class LLMEngine:
         src = loaded.source
         self.model_name = src.path.name if src.name == "default" else src.name  # for errors
 
-        self.kv_spec = KVCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
-                                   cache_cfg.block_size, dtype, cache_cfg.kv_cache_dtype)
-        head_scales = None  # f8e4m3: per-(layer, kv head) scales, fixed for the engine's life
-        if self.kv_spec.mode.head_scales:
-            head_scales, self.kv_spec.scale_source = resolve_fp8_scales(
-                self.model, self.tokenizer, loaded.kv_scales, cfg.num_layers, cfg.num_kv_heads, device)
+        self.kv_spec = kv_spec_of(loaded, cache_cfg, dtype)
         self.cache_plan = plan_cache(self.kv_spec, cache_cfg, device, sched_cfg.max_model_len,
                                      sched_cfg.max_num_seqs)
-        if cache_cfg.paged_attention:
-            self.kv_cache: PagedKVCache | None = PagedKVCache(self.kv_spec, self.cache_plan.num_blocks, device,
-                                                                head_scales)
-            backend = PagedAttentionBackend(self.kv_cache)
-            copy_fn = self.kv_cache.copy_block_prefix
-        else:
-            self.kv_cache = None
-            backend = ContiguousBackend(dtype, device, self.kv_spec.mode, head_scales)
-            copy_fn = _no_copy  # each sequence's K/V is private; forks copy in the backend
+        self.executor = executor  # rank 0's side of tensor parallelism, or None
+        if executor is not None:  # every rank builds the same number of blocks of its heads
+            executor.setup(self.cache_plan.num_blocks)
+        self.kv_cache, backend, copy_fn = build_kv(loaded, self.kv_spec, cache_cfg,
+                                                   self.cache_plan.num_blocks, device, dtype)
+        if executor is not None:  # the other ranks repeat every cache operation
+            backend, copy_fn = executor.recorded(backend, copy_fn)
         self.prefix_caching, self.prefix_caching_note = _prefix_caching_mode(cache_cfg, cfg)
         if cache_cfg.enable_prefix_caching and not self.prefix_caching:
             logger.info("prefix caching is off: %s", self.prefix_caching_note)
@@ -137,6 +130,9 @@ class LLMEngine:
         window = cfg.sliding_window if cfg.all_layers_sliding else None
         self.scheduler = Scheduler(sched_cfg, self.block_manager, window)
         self.runner = ModelRunner(self.model, backend, cache_cfg.block_size, device, Sampler(device, seed))
+        if executor is not None:
+            self.runner.driver = executor
+            executor.finish_setup(self)
         # Structured output; llguidance's token trie is built on the first constrained request.
         self.structured = GrammarEngine(self.tokenizer, cfg.vocab_size, sorted(self.eos_token_ids))
         self.runner.structured = self.structured
@@ -315,11 +311,10 @@ class LLMEngine:
                             positions.append(p)
                         r += 1
                 with torch.inference_mode():
-                    ids, pos, meta, _ = self.runner.prepare(batch)
-                    hidden = self.model(ids, pos, meta)
+                    plan = self.runner.plan(batch)
+                    plan.logits_rows = rows
+                    logits = self.runner.logits(plan)
                     if rows:
-                        sel = torch.tensor(rows, device=self.device)
-                        logits = self.model.compute_logits(hidden.index_select(0, sel))
                         tgt = torch.tensor(targets, device=self.device)[:, None]
                         lp = logits.gather(1, tgt)[:, 0] - logits.logsumexp(-1)
                         if top1 is not None:  # carried beside the logprob, exactly as an integer
@@ -393,6 +388,11 @@ class LLMEngine:
         if alloc:
             self.waste_sum += max(0.0, 1 - held / alloc)
             self.waste_steps += 1
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers (nothing to do on one rank)."""
+        if self.executor is not None:
+            self.executor.shutdown()
 
     def kv_cache_trace(self):
         from ..kv.trace import build_trace
@@ -509,6 +509,30 @@ class LLMEngine:
 
 def _no_copy(src: int, dst: int, n: int) -> None:
     pass
+
+
+def kv_spec_of(loaded: LoadedModel, cache_cfg: CacheConfig, dtype: torch.dtype) -> KVCacheSpec:
+    """The cache of this rank's KV heads (all of them without tensor parallelism)."""
+    cfg = loaded.config
+    return KVCacheSpec(cfg.num_layers, loaded.model.shard.kv_heads, cfg.head_dim, cache_cfg.block_size,
+                       dtype, cache_cfg.kv_cache_dtype)
+
+
+def build_kv(loaded: LoadedModel, spec: KVCacheSpec, cache_cfg: CacheConfig, num_blocks: int,
+             device: torch.device, dtype: torch.dtype):
+    """(paged cache or None, attention backend, the block manager's copy function). An f8e4m3
+    cache first gets its fixed per-(layer, KV head) scales (from the checkpoint, else calibrated:
+    under tensor parallelism every rank calibrates its own heads in the same forward)."""
+    cfg = loaded.config
+    head_scales = None
+    if spec.mode.head_scales:
+        head_scales, spec.scale_source = resolve_fp8_scales(
+            loaded.model, loaded.tokenizer, loaded.kv_scales, cfg.num_layers, cfg.num_kv_heads, device)
+    if cache_cfg.paged_attention:
+        kv_cache = PagedKVCache(spec, num_blocks, device, head_scales)
+        return kv_cache, PagedAttentionBackend(kv_cache), kv_cache.copy_block_prefix
+    # Each sequence's K/V is private: nothing to copy; forks copy in the backend.
+    return None, ContiguousBackend(dtype, device, spec.mode, head_scales), _no_copy
 
 
 def _prefix_caching_mode(cache_cfg: CacheConfig, cfg) -> tuple[bool, str]:

@@ -5,6 +5,8 @@ batched call), then prefill chunks.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
 from ..attention.metadata import AttentionMetadata
@@ -12,6 +14,24 @@ from ..sampling.metadata import SamplingMetadata
 from ..sampling.sampler import Sampler, SamplerOutput
 from .scheduler import ScheduledSeq
 from .sequence import Sequence
+
+
+@dataclass
+class StepPlan:
+    """One forward pass as plain lists: what rank 0 decides and, under tensor parallelism,
+    sends to the other ranks (distributed/executor.py), so every rank builds the same tensors."""
+
+    ids: list[int]
+    pos: list[int]
+    query_start_loc: list[int]
+    context_lens: list[int]
+    num_decodes: int
+    seq_ids: list[int]
+    slots: list[int] = field(default_factory=list)  # paged backends only
+    tables: list[int] = field(default_factory=list)  # [num_seqs * width], padded with 0
+    width: int = 0
+    # Rows of the flat batch to compute logits for; None: every row (scoring a chunk).
+    logits_rows: list[int] | None = field(default_factory=list)
 
 
 class ModelRunner:
@@ -24,10 +44,11 @@ class ModelRunner:
         self.sampler = sampler
         self.upload = HostUpload(device)
         self.structured = None  # a GrammarEngine, set by the engine
+        self.driver = None  # under tensor parallelism: rank 0's TPExecutor, which sends each plan
         for i, attn in enumerate(model.attention_modules()):
             attn.attn = backend.layer(i, attn.window, attn.scale)
 
-    def prepare(self, batch: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+    def plan(self, batch: list[ScheduledSeq]) -> StepPlan:
         bs = self.block_size
         ids: list[int] = []
         pos: list[int] = []
@@ -36,6 +57,7 @@ class ModelRunner:
         ctx_lens: list[int] = []
         logits_idx: list[int] = []
         num_decodes = 0
+        paged = self.backend.uses_block_tables
         for item in batch:
             seq, n = item.seq, item.num_new_tokens
             start = seq.num_computed_tokens
@@ -44,38 +66,64 @@ class ModelRunner:
                 num_decodes += 1
             ids.extend(seq.token_ids[start:end])
             pos.extend(range(start, end))
-            if self.backend.uses_block_tables:
+            if paged:
                 table = seq.block_table
                 slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             qsl.append(qsl[-1] + n)
             ctx_lens.append(end)
             if item.samples:
                 logits_idx.append(qsl[-1] - 1)
-        meta = AttentionMetadata(
-            num_decodes=num_decodes,
-            seq_ids=[it.seq.seq_id for it in batch],
-            query_start_loc=qsl,
-            context_lens=ctx_lens,
-        )
+        plan = StepPlan(ids, pos, qsl, ctx_lens, num_decodes, [it.seq.seq_id for it in batch], slots,
+                        logits_rows=logits_idx)
+        if paged:
+            plan.width = width = max(len(it.seq.block_table) for it in batch)
+            tables = plan.tables
+            for it in batch:
+                tables += it.seq.block_table
+                tables += [0] * (width - len(it.seq.block_table))
+        return plan
+
+    def tensors(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        meta = AttentionMetadata(num_decodes=plan.num_decodes, seq_ids=plan.seq_ids,
+                                 query_start_loc=plan.query_start_loc, context_lens=plan.context_lens)
         if not self.backend.uses_block_tables:
-            input_ids, positions = self.upload.ints([ids, pos])
-            return input_ids, positions, meta, logits_idx
-        width = max(len(it.seq.block_table) for it in batch)
-        tables: list[int] = []
-        for it in batch:
-            tables += it.seq.block_table
-            tables += [0] * (width - len(it.seq.block_table))
+            input_ids, positions = self.upload.ints([plan.ids, plan.pos])
+            return input_ids, positions, meta
         input_ids, positions, meta.slot_mapping, flat_tables, meta.decode_context_lens = self.upload.ints(
-            [ids, pos, slots, tables, ctx_lens[:num_decodes]])
-        meta.block_tables = flat_tables.view(len(batch), width)
-        return input_ids, positions, meta, logits_idx
+            [plan.ids, plan.pos, plan.slots, plan.tables, plan.context_lens[:plan.num_decodes]])
+        meta.block_tables = flat_tables.view(len(plan.seq_ids), plan.width)
+        return input_ids, positions, meta
+
+    def prepare(self, batch: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        plan = self.plan(batch)
+        return (*self.tensors(plan), plan.logits_rows)
+
+    @torch.inference_mode()
+    def logits(self, plan: StepPlan) -> torch.Tensor | None:
+        """Run the plan; the logits of its `logits_rows` (None when it asks for none). Under
+        tensor parallelism rank 0 first sends the plan, and every rank runs this."""
+        if self.driver is None:
+            return self._logits(plan)
+        with self.driver.guard():  # a failed rank fails the step with a clear error
+            self.driver.send_step(plan)
+            return self._logits(plan)
+
+    def _logits(self, plan: StepPlan) -> torch.Tensor | None:
+        input_ids, positions, meta = self.tensors(plan)
+        hidden = self.model(input_ids, positions, meta)
+        if plan.logits_rows is None:
+            return self.model.compute_logits(hidden)
+        if not plan.logits_rows:
+            return None
+        idx = self.upload.ints([plan.logits_rows])[0]
+        return self.model.compute_logits(hidden.index_select(0, idx))
 
     @torch.inference_mode()
     def execute(self, batch: list[ScheduledSeq]) -> tuple[list[Sequence], SamplerOutput] | None:
         """Run one step; returns the sequences whose chunk reached their end and their tokens."""
         # Decodes go first so the attention backend can batch them.
         batch = sorted(batch, key=lambda it: not _is_decode(it))
-        input_ids, positions, meta, logits_idx = self.prepare(batch)
+        plan = self.plan(batch)
         # One row per sampling sequence; n > 1 siblings waiting to fork sample from their
         # parent's row (the prompt is computed once).
         sampling_seqs, rows = [], []
@@ -85,11 +133,9 @@ class ModelRunner:
                 rows.append(k)
         # Grammar masks are computed on another thread while the forward runs.
         masks = self.structured.start_masks(sampling_seqs) if self.structured else None
-        hidden = self.model(input_ids, positions, meta)
-        if not logits_idx:
+        logits = self.logits(plan)
+        if logits is None:
             return None
-        idx = self.upload.ints([logits_idx])[0]
-        logits = self.model.compute_logits(hidden.index_select(0, idx))
         if len(rows) != logits.shape[0]:
             logits = logits[torch.tensor(rows, device=self.device)]
         # A sum is finite only if every logit is (NaN and inf propagate): a cheap check that
@@ -101,11 +147,11 @@ class ModelRunner:
             smeta.allowed_mask, smeta.mask_rows = masks.result(logits.device, len(sampling_seqs))
         return sampling_seqs, self.sampler(logits, smeta, finite=finite)
 
-    @torch.inference_mode()
     def chunk_logits(self, item: ScheduledSeq) -> torch.Tensor:
         """Logits for every token of one sequence's chunk (scoring, perplexity)."""
-        input_ids, positions, meta, _ = self.prepare([item])
-        return self.model.compute_logits(self.model(input_ids, positions, meta))
+        plan = self.plan([item])
+        plan.logits_rows = None
+        return self.logits(plan)
 
 
 class HostUpload:

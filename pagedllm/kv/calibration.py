@@ -130,9 +130,13 @@ def calibrate_kv_amax(model: torch.nn.Module, token_ids: list[int],
 
 def resolve_fp8_scales(model: torch.nn.Module, tokenizer, kv_scales: dict, num_layers: int,
                        num_kv_heads: int, device: torch.device) -> tuple[torch.Tensor, str]:
-    """(scales [num_layers, 2, H], where they came from) for an f8e4m3 cache."""
+    """(scales [num_layers, 2, H], where they came from) for an f8e4m3 cache; H is the model's
+    KV heads on this rank (`num_kv_heads` is the checkpoint's total)."""
     ckpt = checkpoint_fp8_scales(kv_scales, num_layers, num_kv_heads)
     if ckpt is not None:
+        sh = getattr(model, "shard", None)  # tensor parallelism: this rank's KV heads
+        if sh is not None:
+            ckpt = ckpt[:, :, sh.kv_start:sh.kv_start + sh.kv_heads].contiguous()
         return ckpt, "checkpoint"
     try:
         ids = list(tokenizer.encode(CALIBRATION_TEXT))

@@ -2,7 +2,7 @@
 (occupancy, prefix-cache hits, preemptions, waste), as one dataclass."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from .cache import dtype_name
 
@@ -47,6 +47,12 @@ class KVCacheTrace:
     # The weights beside the cache: each format held, resident MB, and the kernel path (or why not).
     weight_formats: str = ""
     weight_kernel: str = ""
+    # Tensor parallelism: ranks, each rank's resident weight MB and KV-cache MB (the pools'
+    # ceiling), and the bytes rank 0 all-reduced and gathered per forward pass, on average.
+    tensor_parallel_size: int = 1
+    rank_weight_mb: list = field(default_factory=list)
+    rank_kv_mb: list = field(default_factory=list)
+    allreduce_bytes_per_step: float = 0.0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -58,6 +64,8 @@ class KVCacheTrace:
 
 
 def _fmt(v) -> str:
+    if isinstance(v, list):
+        return "[" + ", ".join(map(_fmt, v)) + "]"
     if isinstance(v, float):
         return f"{v:.4g}"
     return str(v)
@@ -146,7 +154,20 @@ def build_trace(engine) -> KVCacheTrace:
         waste_avg=engine.waste_sum / steps if engine.waste_steps else 0.0,
         weight_formats=_weight_formats(engine),
         weight_kernel=_weight_kernel(engine),
+        **_tp_fields(engine),
     )
+
+
+def _tp_fields(engine) -> dict:
+    ex = getattr(engine, "executor", None)
+    if ex is None:
+        w = engine.weights.resident_bytes if getattr(engine, "weights", None) else 0
+        kv = engine.kv_cache.nbytes if engine.kv_cache is not None else 0
+        return dict(rank_weight_mb=[w / 2**20], rank_kv_mb=[kv / 2**20])
+    return dict(tensor_parallel_size=ex.tp.size,
+                rank_weight_mb=[w / 2**20 for w, _ in ex.rank_bytes],
+                rank_kv_mb=[kv / 2**20 for _, kv in ex.rank_bytes],
+                allreduce_bytes_per_step=ex.tp.reduced_bytes / max(1, ex.steps))
 
 
 def _decode_path(engine) -> str:

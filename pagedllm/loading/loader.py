@@ -58,9 +58,20 @@ def quantized_path(device: torch.device, dequantize_weights: bool) -> tuple[str 
     return kernel_path()
 
 
+def read_config(source: ModelSource) -> ModelConfig:
+    """The model's config alone (cheap: no weights are read), to check options before loading."""
+    if source.kind == "gguf":
+        from .gguf import read_gguf
+
+        return ModelConfig.from_hf_dict(read_gguf(source.path).config)
+    return ModelConfig.from_hf_dict(_read_json(source.path / "config.json"))
+
+
 def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
                max_positions: int | None = None, dequantize_weights: bool = False,
-               isq: str | None = None) -> LoadedModel:
+               isq: str | None = None, tp=None) -> LoadedModel:
+    """`tp`: a TPInfo when this process is one rank of a tensor-parallel group: it builds and
+    loads only its shard (models/parallel.py)."""
     qpath, qwhy = quantized_path(device, dequantize_weights)
     quantized: set[str] = set()
     if source.kind == "gguf":
@@ -91,7 +102,7 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
     cls = model_class(cfg.architecture)
     positions = max_positions or cfg.max_position_embeddings
     with torch.device("meta"):
-        model = cls(cfg, positions)
+        model = cls(cfg, positions, tp)
     if isq:
         from ..quant.isq import isq_stream, linear_weight_names
 

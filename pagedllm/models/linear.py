@@ -7,6 +7,9 @@
 - Decode at batch 1-2 with bf16 weights goes to the native matrix-vector product, which
   streams the weight at about twice the rate oneDNN's GEMM reaches at that size (weights,
   not arithmetic, bound it).
+- Tensor parallelism (models/parallel.py): a row-parallel layer (`tp` set) computes its partial
+  product, all-reduces it, then adds the bias and the residual once; a vocab-parallel
+  embedding looks up only its rows and all-reduces.
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ MAX_ROWS = 2  # from three rows on oneDNN's blocked GEMM is as fast or faster
 
 class Linear(nn.Linear):
     qparts: list[QuantTensor] | None = None
+    tp = None  # a TPInfo on row-parallel layers (o_proj, down_proj) under tensor parallelism
 
     def set_quantized(self, parts: list[QuantTensor]) -> None:
         """Hold `parts` (stacked by rows) as the weight; the float parameter goes away."""
@@ -38,6 +42,11 @@ class Linear(nn.Linear):
         """residual + act(self(norm(x))), where act is silu(gate) * up over the output's halves.
         With quantized weights and few rows it is one native call (the norm, the bias, the
         activation and the residual folded into the projection); otherwise the plain ops."""
+        if self.tp is not None:  # row-parallel: sum the ranks' partial products, then the rest
+            y = self.tp.all_reduce(self._partial(x if norm is None else norm(x)))
+            if self.bias is not None:
+                y = y + self.bias
+            return y if residual is None else residual + y
         if self.qparts is not None and x.shape[0] <= qk.INT_ROWS and x.dim() == 2:
             return qk.linear(x, self.qparts, norm, self.bias, residual, silu_mul)
         y = self(norm(x) if norm is not None else x)
@@ -47,24 +56,32 @@ class Linear(nn.Linear):
         return y if residual is None else residual + y
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self._partial(x)
+        if self.tp is not None:
+            y = self.tp.all_reduce(y)
+        return y if self.bias is None else y + self.bias
+
+    def _partial(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ W^T without the bias (under tensor parallelism: this rank's share)."""
         if self.qparts is not None:
-            y = qk.matmul(x.reshape(-1, x.shape[-1]), self.qparts).view(*x.shape[:-1], self.out_features)
-            return y if self.bias is None else y + self.bias
+            return qk.matmul(x.reshape(-1, x.shape[-1]), self.qparts).view(*x.shape[:-1], self.out_features)
         w = self.weight
         if (x.dim() == 2 and x.shape[0] <= MAX_ROWS and w.dtype == torch.bfloat16
                 and w.device.type == "cpu" and w.is_contiguous() and not torch.is_grad_enabled()):
             native = cpu_kernels()
             if native is not None:
-                y = native.linear_small_m(x, w)
-                return y if self.bias is None else y + self.bias
-        return F.linear(x, w, self.bias)
+                return native.linear_small_m(x, w)
+        return F.linear(x, w)
 
 
 class Embedding(nn.Embedding):
-    """An embedding table; quantized, a lookup dequantizes only the rows it reads."""
+    """An embedding table; quantized, a lookup dequantizes only the rows it reads.
+    Vocab-parallel (`tp` set), it holds rows [vocab_start, vocab_start + num_embeddings)."""
 
     qweight: QuantTensor | None = None
     out_dtype: torch.dtype = torch.float32
+    tp = None
+    vocab_start = 0
 
     def set_quantized(self, w: QuantTensor, dtype: torch.dtype) -> None:
         if w.shape != (self.num_embeddings, self.embedding_dim):
@@ -74,6 +91,14 @@ class Embedding(nn.Embedding):
         self.weight = None
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp is None:
+            return self._lookup(ids)
+        local = ids - self.vocab_start
+        outside = (local < 0) | (local >= self.num_embeddings)
+        h = self._lookup(local.masked_fill(outside, 0))
+        return self.tp.all_reduce(h.masked_fill_(outside[..., None], 0))
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
         if self.qweight is not None:
             return qk.embedding(self.qweight, ids.reshape(-1), self.out_dtype).view(*ids.shape, -1)
         return super().forward(ids)

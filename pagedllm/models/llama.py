@@ -3,6 +3,8 @@
 The model works on a flat run of tokens from many sequences ([T] ids and
 positions); attention storage is behind `self.attn`, set by the runner.
 q/k/v and gate/up projections are fused at load time so each is one matmul.
+Under tensor parallelism (`tp`) each rank builds the model with its share of the heads,
+intermediate rows and vocabulary, and loads only those slices (models/parallel.py).
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from ..native import cpu_kernels
 from ..quant import kernels as qk
 from ..quant.formats import QuantTensor
 from .linear import Embedding, Linear
+from .parallel import ShardLayout, narrow
 from .rope import RotaryEmbedding, apply_rope
 
 
@@ -33,14 +36,16 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer_idx: int, shard: ShardLayout, tp=None) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        # This rank's heads (all of them without tensor parallelism).
+        self.num_heads, self.num_kv_heads, self.head_dim = shard.q_heads, shard.kv_heads, cfg.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
         self.o_proj = Linear(self.q_size, cfg.hidden_size, 
                                 bias=cfg.attention_bias if cfg.o_proj_bias is None else cfg.o_proj_bias)
+        self.o_proj.tp = tp
         self.window = cfg.layer_windows[layer_idx] if cfg.layer_windows else None
         self.scale = self.head_dim ** -0.5
         self.attn = None  # set by the model runner: an attention backend layer
@@ -66,11 +71,12 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, shard: ShardLayout, tp=None) -> None:
         super().__init__()
-        self.inter = cfg.intermediate_size
+        self.inter = shard.inter
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.inter, bias=cfg.mlp_bias)
         self.down_proj = Linear(self.inter, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.down_proj.tp = tp
 
     def forward(self, x: torch.Tensor, norm: nn.Module | None = None,
                 residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -79,10 +85,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer_idx: int, shard: ShardLayout, tp=None) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg, layer_idx)
-        self.mlp = MLP(cfg)
+        self.self_attn = Attention(cfg, layer_idx, shard, tp)
+        self.mlp = MLP(cfg, shard, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -101,17 +107,21 @@ class LlamaForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+    def __init__(self, cfg: ModelConfig, max_positions: int, tp=None) -> None:
+        """`tp`: a TPInfo (pagedllm/distributed) when this is one rank's shard, else None."""
         super().__init__()
         self.config = cfg
+        self.tp = tp if tp is not None and tp.size > 1 else None
+        self.shard = sh = ShardLayout.of(cfg, *((tp.rank, tp.size) if self.tp else (0, 1)))
         self.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
         # An uninitialised table: the checkpoint fills it. (nn.Embedding's own init draws
         # normal_ values, whose meta-device kernel imports sympy: 2 s of startup.)
-        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size,
-                                      _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.embed_tokens = Embedding(sh.vocab, cfg.hidden_size,
+                                      _weight=torch.empty(sh.vocab, cfg.hidden_size))
+        self.embed_tokens.tp, self.embed_tokens.vocab_start = self.tp, sh.vocab_start
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, sh, self.tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, sh.vocab, bias=False)
 
     def tie_weights(self) -> None:
         if not self.config.tie_word_embeddings:
@@ -162,8 +172,8 @@ class LlamaForCausalLM(nn.Module):
         self._plan = None
         ops = cpu_kernels()
         layers = list(self.layers)
-        if ops is None or not hasattr(ops, "quant_decode_layers") or not layers:
-            return None
+        if ops is None or not hasattr(ops, "quant_decode_layers") or not layers or self.tp is not None:
+            return None  # (tensor-parallel layers all-reduce between their projections)
         weights, types, parts, kdims, norms, biases = [], [], [], [], [], []
         eps = {layer.input_layernorm.eps for layer in layers} | {layer.post_attention_layernorm.eps for layer in layers}
         for layer in layers:
@@ -186,10 +196,16 @@ class LlamaForCausalLM(nn.Module):
                       "norms": norms, "eps": eps.pop(), "biases": biases}
         return self._plan
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """[rows, vocab] float32 logits. Vocab-parallel: this rank's columns are gathered to
+        rank 0, which gets the whole rows; the other ranks get None."""
         if self.lm_head.qparts is not None:  # float32 straight from the kernel: no bf16 ties
-            return qk.matmul(hidden, self.lm_head.qparts, out_dtype=torch.float32)
-        return self.lm_head(hidden).float()
+            logits = qk.matmul(hidden, self.lm_head.qparts, out_dtype=torch.float32)
+        else:
+            logits = self.lm_head(hidden).float()
+        if self.tp is None:
+            return logits
+        return self.tp.gather_columns(logits, self.shard.vocab_total)
 
     def attention_modules(self) -> list[Attention]:
         return [layer.self_attn for layer in self.layers]
@@ -199,7 +215,26 @@ class LlamaForCausalLM(nn.Module):
         a = self.layers[0].self_attn
         if fused == "qkv_proj":
             return [a.q_size, a.kv_size, a.kv_size]
-        return [self.config.intermediate_size] * 2
+        return [self.shard.inter] * 2
+
+    def shard_slice(self, name: str, shard: int | None) -> tuple[int, int, int] | None:
+        """(dim, start, length) of our parameter `name` (fused part `shard`) that this rank holds
+        of the checkpoint's tensor; None: all of it (replicated, or no tensor parallelism)."""
+        if self.tp is None:
+            return None
+        sh, d = self.shard, self.config.head_dim
+        part, leaf = name.split(".")[-2:]
+        if part == "qkv_proj":
+            return (0, sh.q_start * d, sh.q_heads * d) if shard == 0 else (0, sh.kv_start * d, sh.kv_heads * d)
+        if part == "gate_up_proj":
+            return 0, sh.inter_start, sh.inter
+        if part in ("embed_tokens", "lm_head"):
+            return 0, sh.vocab_start, sh.vocab
+        if leaf == "weight" and part == "o_proj":  # row-parallel: its bias is added once, whole
+            return 1, sh.q_start * d, sh.q_heads * d
+        if leaf == "weight" and part == "down_proj":
+            return 1, sh.inter_start, sh.inter
+        return None
 
     def map_weight_name(self, name: str) -> tuple[str, int | None] | None:
         """HF name -> (our name, shard index or None); None to skip."""
@@ -235,6 +270,11 @@ class LlamaForCausalLM(nn.Module):
             if mapped is None:
                 continue
             name, shard = mapped
+            cut = self.shard_slice(name, shard)
+            if cut is not None:
+                tensor = narrow(tensor, *cut, hf_name)
+                if name not in params and not isinstance(tensor, QuantTensor):
+                    params[name] = self._float_weight(name, tensor, dtype)
             if isinstance(tensor, QuantTensor):
                 self._place_quantized(name, shard, tensor, hf_name, dtype, seen_shards, loaded)
                 continue
@@ -258,6 +298,14 @@ class LlamaForCausalLM(nn.Module):
         missing = sorted(expected - loaded)
         if missing:
             raise ValueError(f"checkpoint is missing weights: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+
+    def _float_weight(self, name: str, t: torch.Tensor, dtype: torch.dtype) -> nn.Parameter:
+        """A float parameter for a weight expected quantized whose slice came dequantized
+        (a row-parallel split off the format's blocks: models/parallel.py)."""
+        module = self.get_submodule(name.rsplit(".", 1)[0])
+        module.weight = nn.Parameter(torch.empty(t.shape, dtype=dtype, device=self.norm.weight.device),
+                                     requires_grad=False)
+        return module.weight
 
     def _place_quantized(self, name: str, shard: int | None, qt: QuantTensor, hf_name: str,
                          dtype: torch.dtype, seen: dict, loaded: set[str]) -> None:

@@ -122,10 +122,11 @@ def bad_scale_blocks(w: QuantTensor) -> int:
     ops = cpu_kernels()
     if ops is not None:
         return int(ops.quant_bad_scales(w.data, w.type_id, w.shape[1]))
-    return int((~torch.isfinite(_dequantize_numpy(w))).any(dim=1).sum())
+    return int((~torch.isfinite(dequantize_reference(w))).any(dim=1).sum())
 
 
-def _dequantize_numpy(w: QuantTensor) -> torch.Tensor:
+def dequantize_reference(w: QuantTensor) -> torch.Tensor:
+    """The float32 values `w` stands for, by gguf's reference dequantizer."""
     import gguf
     import numpy as np
 

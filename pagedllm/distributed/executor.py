@@ -1,0 +1,256 @@
+"""Rank 0's side of tensor parallelism: start the other ranks, send each step, stop them.
+
+One machine: `TPExecutor.start` spawns size - 1 worker processes (torch.multiprocessing) and
+splits the cores among the ranks. Several machines: every node runs the same command under
+torchrun; rank 0 is the engine and the others serve their shard (`LLM` on a rank > 0 runs
+`worker.serve` and exits the process when rank 0 stops).
+
+Faults: a collective that fails (a worker killed or out of memory closes its sockets; a stuck
+one trips the compute timeout) ends the engine with `TensorParallelError`, naming the worker
+and how it ended; the remaining workers are stopped. `shutdown()` (LLM.shutdown, the context
+manager, interpreter exit) sends STOP, joins the workers, and kills any that do not exit.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import time
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+from . import messages
+from .group import TPInfo, destroy_groups, init_groups
+from .worker import WorkerSpec, rank_device, worker_main
+
+logger = logging.getLogger(__name__)
+
+# How long rank 0 waits for the workers to load their shards.
+LOAD_TIMEOUT_S = float(os.environ.get("PAGEDLLM_TP_LOAD_TIMEOUT_S", "600"))
+_live: list["TPExecutor"] = []  # torch.distributed has one default group per process
+
+
+class TensorParallelError(RuntimeError):
+    """A tensor-parallel rank failed; the engine cannot go on (make a new LLM)."""
+
+
+def usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def check_size(size: int, device: torch.device) -> None:
+    if size < 1:
+        raise ValueError(f"tensor_parallel_size must be >= 1, got {size}")
+    if device.type == "cuda" and size > torch.cuda.device_count():
+        raise ValueError(f"tensor_parallel_size={size} needs {size} GPUs but this machine has "
+                         f"{torch.cuda.device_count()}; lower it or run several nodes under torchrun")
+    if device.type == "mps":
+        raise ValueError("tensor parallelism runs on the CPU (gloo) or CUDA (NCCL); MPS has no "
+                         "collective backend in torch.distributed")
+
+
+class TPExecutor:
+    def __init__(self, tp: TPInfo, procs: list, conns: list, threads_before: int | None) -> None:
+        self.tp = tp
+        self.procs, self.conns = procs, conns
+        self.threads_before = threads_before
+        self.ops: list[int] = []  # cache operations since the last step, sent with it
+        self.dead: str | None = None
+        self.closed = False
+        self.rank_bytes: list[tuple[int, int]] = []  # (weight bytes, KV bytes) per rank
+        self.steps = 0
+        self.message_bytes = 0
+
+    # -- start ---------------------------------------------------------------------------
+    @classmethod
+    def start(cls, size: int, spec: WorkerSpec) -> "TPExecutor":
+        """Rank 0 of a new group: torchrun's, when the environment names one, else spawned
+        workers on this machine."""
+        if _live:
+            raise ValueError("another tensor-parallel LLM is running in this process; call its "
+                             "shutdown() first (torch.distributed keeps one group per process)")
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if world > 1:  # torchrun: the other ranks are already running the same script
+            if world != size:
+                raise ValueError(f"tensor_parallel_size={size} but torchrun started {world} ranks")
+            tp = TPInfo(int(os.environ["RANK"]), size)
+            init_groups(tp, rank_device(spec.device, tp.rank), None)
+            ex = cls(tp, [], [], None)
+        else:
+            ex = cls._spawn(size, spec)
+        _live.append(ex)
+        return ex
+
+    @classmethod
+    def _spawn(cls, size: int, spec: WorkerSpec) -> "TPExecutor":
+        import torch.multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        threads_before = torch.get_num_threads()
+        torch.set_num_threads(spec.threads)
+        logger.info("tensor parallel: %d ranks on this machine, %d thread(s) each", size, spec.threads)
+        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        procs, conns = [], []
+        ex = cls(TPInfo(0, size), procs, conns, threads_before)
+        try:
+            for rank in range(1, size):
+                parent, child = ctx.Pipe(duplex=False)
+                p = ctx.Process(target=worker_main, args=(rank, size, init_method, spec, child),
+                                name=f"pagedllm-tp{rank}", daemon=True)
+                p.start()
+                child.close()
+                procs.append(p)
+                conns.append(parent)
+            ex._wait_for("started", 120)
+            init_groups(ex.tp, rank_device(spec.device, 0), init_method)
+        except BaseException:
+            ex.shutdown()
+            raise
+        return ex
+
+    def wait_loaded(self) -> None:
+        """Block until every spawned worker has loaded its shard; a worker's error is raised here."""
+        self._wait_for("loaded", LOAD_TIMEOUT_S)
+
+    def _wait_for(self, what: str, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        for rank, (p, conn) in enumerate(zip(self.procs, self.conns), start=1):
+            msg = None
+            while msg is None:
+                try:
+                    if conn.poll(0.2):
+                        msg = conn.recv()
+                        continue
+                except (EOFError, OSError):  # the worker is gone: wait for its exit status
+                    p.join(timeout=5)
+                if not p.is_alive():
+                    hint = ("; a script that starts an LLM with tensor_parallel_size > 1 must do so under "
+                            "`if __name__ == \"__main__\":` (the workers are started with spawn, which "
+                            "imports the main script again)") if what == "started" else ""
+                    raise TensorParallelError(f"tensor-parallel worker rank {rank} exited before it "
+                                              f"{what} (exit code {p.exitcode}); see its log above{hint}")
+                if time.monotonic() > deadline:
+                    raise TensorParallelError(f"tensor-parallel worker rank {rank} has not {what} after "
+                                              f"{timeout:g} s (PAGEDLLM_TP_LOAD_TIMEOUT_S)")
+            kind, value = msg
+            if kind == "error":
+                raise ValueError(f"tensor-parallel worker rank {rank} failed: {value}")
+
+    def setup(self, num_blocks: int) -> None:
+        """Tell every rank the cache size rank 0 planned (then each builds its cache)."""
+        with self.guard():
+            messages.send(self.tp.control, messages.SETUP, [[num_blocks]])
+
+    def finish_setup(self, engine) -> None:
+        """Collect every rank's weight and KV bytes (for the trace)."""
+        kv = engine.kv_cache.nbytes if engine.kv_cache is not None else 0
+        mine = torch.tensor([engine.weights.resident_bytes if engine.weights else 0, kv], dtype=torch.int64)
+        parts = [torch.empty_like(mine) for _ in range(self.tp.size)]
+        with self.guard():
+            dist.gather(mine, parts if self.tp.rank == 0 else None, dst=0, group=self.tp.control)
+        self.rank_bytes = [tuple(int(x) for x in p.tolist()) for p in parts]
+
+    # -- steps -----------------------------------------------------------------------------
+    def recorded(self, backend, copy_fn):
+        """The backend and copy function the engine uses: each cache operation runs here and is
+        queued for the other ranks, which apply it before the next step's forward."""
+        ops = self.ops
+
+        def copy(src: int, dst: int, n: int) -> None:
+            ops.extend((messages.OP_COPY_PREFIX, src, dst, n))
+            copy_fn(src, dst, n)
+
+        if backend.uses_block_tables:  # paged: forks share blocks, frees are the block manager's
+            return backend, copy
+        return _RecordingBackend(backend, ops), copy
+
+    def send_step(self, plan) -> None:
+        if self.dead:
+            raise TensorParallelError(self.dead)
+        self.message_bytes += messages.send(self.tp.control, messages.STEP,
+                                            messages.step_lists(plan, self.ops))
+        self.ops.clear()
+        self.steps += 1
+
+    @contextlib.contextmanager
+    def guard(self) -> Iterator[None]:
+        """Turn a failed collective into a TensorParallelError that says which rank ended how,
+        and stop the rest of the group."""
+        if self.dead:
+            raise TensorParallelError(self.dead)
+        try:
+            yield
+        except TensorParallelError:
+            raise
+        except (RuntimeError, dist.DistBackendError) as e:
+            self.dead = self._diagnose(e)
+            logger.error("%s", self.dead)
+            self.shutdown()
+            raise TensorParallelError(self.dead) from e
+
+    def _diagnose(self, err: BaseException) -> str:
+        time.sleep(0.2)  # a killed worker's exit status lands just after its sockets close
+        ended = [f"rank {r} (pid {p.pid}) exited with code {p.exitcode}"
+                 for r, p in enumerate(self.procs, start=1) if not p.is_alive()]
+        who = "; ".join(ended) if ended else "no worker process has exited (a stuck or remote rank)"
+        return (f"tensor-parallel engine stopped: a collective failed ({who}): "
+                f"{str(err).splitlines()[0] if str(err) else type(err).__name__}. The requests in "
+                "flight failed; create a new LLM to go on")
+
+    # -- stop --------------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if not self.dead and self.tp.control is not None:
+            try:
+                messages.send(self.tp.control, messages.STOP)
+            except Exception:
+                pass
+        for p in self.procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                logger.warning("tensor-parallel worker %s did not stop; killing it", p.name)
+                p.kill()
+                p.join(timeout=5)
+        for c in self.conns:
+            c.close()
+        destroy_groups(self.tp)
+        if self.threads_before is not None:
+            torch.set_num_threads(self.threads_before)
+        if self in _live:
+            _live.remove(self)
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+
+class _RecordingBackend:
+    """A contiguous backend whose per-sequence frees and forks are queued for the other ranks."""
+
+    def __init__(self, inner, ops: list[int]) -> None:
+        self._inner, self._ops = inner, ops
+
+    def __getattr__(self, name: str):
+        return getattr(self._inner, name)
+
+    def free_seq(self, seq_id: int) -> None:
+        self._ops.extend((messages.OP_FREE_SEQ, seq_id, 0, 0))
+        self._inner.free_seq(seq_id)
+
+    def fork_seq(self, parent_id: int, child_id: int) -> None:
+        self._ops.extend((messages.OP_FORK_SEQ, parent_id, child_id, 0))
+        self._inner.fork_seq(parent_id, child_id)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

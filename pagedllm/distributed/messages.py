@@ -1,0 +1,58 @@
+"""Rank 0's messages to the other ranks, on the control group: a command and int64 lists.
+
+A message is two broadcasts: a header [command, payload length], then the payload (skipped
+when empty): [k, len_1 .. len_k, list_1 ..., list_k]. A step's message carries its whole plan
+(token ids, positions, slots, block tables, lengths, logits rows) and the cache operations the
+block manager made since the last step (prefix copies, copy-on-write, contiguous frees/forks),
+which every rank applies before the forward so all caches stay identical.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..engine.model_runner import StepPlan
+
+STEP, STOP, SETUP = 1, 2, 3
+# Cache operations, as (op, a, b, c) quadruples in a step's message.
+OP_COPY_PREFIX, OP_FREE_SEQ, OP_FORK_SEQ = 1, 2, 3
+
+
+def send(group, command: int, lists: list[list[int]] = ()) -> int:
+    """Broadcast from rank 0; returns the bytes sent."""
+    payload: list[int] = [len(lists), *(len(x) for x in lists)]
+    for x in lists:
+        payload.extend(x)
+    header = torch.tensor([command, len(payload)], dtype=torch.int64)
+    dist.broadcast(header, src=0, group=group)
+    body = torch.tensor(payload, dtype=torch.int64)
+    dist.broadcast(body, src=0, group=group)
+    return 8 * (2 + len(payload))
+
+
+def recv(group) -> tuple[int, list[list[int]]]:
+    header = torch.empty(2, dtype=torch.int64)
+    dist.broadcast(header, src=0, group=group)
+    command, n = header.tolist()
+    body = torch.empty(n, dtype=torch.int64)
+    dist.broadcast(body, src=0, group=group)
+    flat = body.tolist()
+    k = flat[0]
+    lens, out, off = flat[1:1 + k], [], 1 + k
+    for n_i in lens:
+        out.append(flat[off:off + n_i])
+        off += n_i
+    return command, out
+
+
+def step_lists(plan: StepPlan, ops: list[int]) -> list[list[int]]:
+    rows = plan.logits_rows
+    scalars = [plan.num_decodes, plan.width, 1 if rows is None else 0]
+    return [scalars, plan.ids, plan.pos, plan.query_start_loc, plan.context_lens, plan.seq_ids,
+            plan.slots, plan.tables, rows or [], ops]
+
+
+def step_from_lists(lists: list[list[int]]) -> tuple[StepPlan, list[int]]:
+    (nd, width, all_rows), ids, pos, qsl, ctx, seq_ids, slots, tables, rows, ops = lists
+    plan = StepPlan(ids, pos, qsl, ctx, nd, seq_ids, slots, tables, width, None if all_rows else rows)
+    return plan, ops
