@@ -215,6 +215,9 @@ def run_weights(args: argparse.Namespace) -> dict:
               flush=True)
         results.append(r)
         del llm
+    peer = _llamacpp_scores(args.model, windows)
+    if peer is not None:
+        results.append(peer)
     ref = results[0]
     for r in results:
         r["ppl_delta_pct"] = 100 * (r["perplexity"] / ref["perplexity"] - 1)
@@ -265,6 +268,37 @@ def run(args: argparse.Namespace) -> dict:
     path = write_json(args.output, out)
     print(f"results written to {path}")
     return out
+
+
+def _llamacpp_scores(model: str, windows: list[list[int]]) -> dict | None:
+    """llama.cpp on the same GGUF file and windows, teacher-forced (when llama-cpp-python is
+    installed): the peer's own perplexity and top-1 predictions, against the same reference."""
+    from ..loading.source import resolve
+
+    src = resolve(model)
+    if src.kind != "gguf" or importlib.util.find_spec("llama_cpp") is None:
+        return None
+    import llama_cpp
+    import numpy as np
+
+    t0 = time.perf_counter()
+    m = llama_cpp.Llama(model_path=str(src.path), n_ctx=max(map(len, windows)), n_threads=torch.get_num_threads(),
+                        logits_all=True, verbose=False)
+    nll, top1 = [], []
+    for w in windows:
+        m.reset()
+        m.eval(w)
+        logits = np.asarray(m.scores[: len(w) - 1], dtype=np.float64)  # row t predicts token t + 1
+        top = logits.max(-1)
+        lse = np.log(np.exp(logits - top[:, None]).sum(-1)) + top
+        nll.append(lse - logits[np.arange(len(w) - 1), w[1:]])
+        top1.append(torch.from_numpy(logits.argmax(-1)))
+    m.close()
+    r = {"run": "llama.cpp, same file", "weights": "the file's blocks (llama.cpp)",
+         "perplexity": math.exp(float(np.concatenate(nll).mean())), "scored_tokens": sum(map(len, nll)),
+         "seconds": time.perf_counter() - t0, "top1": torch.cat(top1)}
+    print(f"  {r['run']}: perplexity {r['perplexity']:.4f} ({r['seconds']:.0f} s)", flush=True)
+    return r
 
 
 def _prepare_text(args: argparse.Namespace) -> tuple[list[list[int]], list[list[int]], int, int]:
