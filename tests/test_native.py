@@ -174,5 +174,14 @@ def test_sample_topk_matches_torch(vocab):
     assert len(set(ids[1].tolist())) == 64  # padding ids are distinct
     ref = torch.exp((x.double() - x.max(-1, keepdim=True).values.double()) / temps[:, None].double()).sum(-1)
     assert torch.allclose(total.double(), ref, rtol=1e-5)
+    # The later levels: many candidates, chosen rows, no sum (a threshold estimated from a sample
+    # of the row, with the general path behind it).
+    rows = torch.tensor([4, 0, 2])
+    for k in (256, min(4096, vocab)):
+        vals, ids, total = ops.sample_topk(x, temps[rows], k, rows, False)
+        want_v, _ = x[rows].topk(k, dim=-1)
+        assert total.numel() == 0 and torch.equal(vals, want_v)
+        assert torch.equal(x[rows].gather(1, ids), vals)  # ids hold those values (ties in any order)
+        assert all(len(set(r.tolist())) == k for r in ids)
     with pytest.raises(RuntimeError, match="k = 0"):
         ops.sample_topk(x, temps, 0)

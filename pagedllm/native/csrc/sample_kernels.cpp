@@ -5,6 +5,7 @@
 // rarely lets a value through once k good ones are known.
 #include "quant_common.h"  // the x86 SIMD helpers (exp8, hsum)
 
+#include <functional>
 #include <limits>
 #include <tuple>
 #include <utility>
@@ -21,7 +22,45 @@ inline bool before(const Cand& a, const Cand& b) {  // larger value first, then 
   return a.first > b.first || (a.first == b.first && a.second < b.second);
 }
 
+// Many candidates and no sum (the sampler's later levels): a threshold estimated from every
+// 8th value, then one pass keeps everything at or above it. Exact whenever at least k values
+// pass (checked); false sends the row to the general path.
+bool row_topk_sampled(const float* x, int64_t v, int64_t k, float* vals, int64_t* ids) {
+  constexpr int64_t STRIDE = 8;
+  const int64_t ns = v / STRIDE, want = std::min(ns, k / STRIDE + k / (2 * STRIDE) + 8);
+  if (ns < 64 || want < 1) return false;
+  thread_local std::vector<float> sample;
+  sample.resize(ns);
+  for (int64_t j = 0; j < ns; ++j) sample[j] = x[j * STRIDE];
+  std::nth_element(sample.begin(), sample.begin() + (want - 1), sample.end(), std::greater<float>());
+  const float est = sample[want - 1];
+  thread_local std::vector<Cand> cand;
+  cand.clear();
+  int64_t i = 0;
+#ifdef PQ_X86
+  const __m256 ev = _mm256_set1_ps(est);
+  for (; i + 8 <= v; i += 8) {
+    int mask = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i), ev, _CMP_GE_OQ));
+    while (mask) {
+      const int b = __builtin_ctz(mask);
+      mask &= mask - 1;
+      cand.emplace_back(x[i + b], i + b);
+    }
+  }
+#endif
+  for (; i < v; ++i)
+    if (x[i] >= est) cand.emplace_back(x[i], i);
+  if (static_cast<int64_t>(cand.size()) < k) return false;
+  std::partial_sort(cand.begin(), cand.begin() + k, cand.end(), before);
+  for (int64_t j = 0; j < k; ++j) {
+    vals[j] = cand[j].first;
+    ids[j] = cand[j].second;
+  }
+  return true;
+}
+
 void row_topk(const float* x, int64_t v, int64_t k, float temp, float* vals, int64_t* ids, float* total) {
+  if (total == nullptr && k >= 256 && row_topk_sampled(x, v, k, vals, ids)) return;
   constexpr float NEG = -std::numeric_limits<float>::infinity();
   float m = NEG;
   int64_t i = 0;
