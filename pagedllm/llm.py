@@ -14,6 +14,7 @@ from .loading.loader import load_model
 from .loading.source import resolve
 from .outputs import RequestOutput, raise_failed
 from .sampling.params import SamplingParams
+from .speculative.config import SpeculativeConfig
 
 logger = logging.getLogger(__name__)
 
@@ -29,11 +30,12 @@ class LLM:
                  tokenizer: str | None = None, gguf_file: str | None = None,
                  kv_cache_dtype: str = "auto", enable_prefix_caching: bool = True,
                  prefix_cache_n: int = 16, dequantize_weights: bool = False,
-                 isq: str | None = None) -> None:
+                 isq: str | None = None, speculative: dict | None = None) -> None:
         cache_cfg = CacheConfig(block_size, kv_cache_memory_mb, kv_cache_memory_fraction,
                                 kv_cache_context_len, kv_cache_dtype, paged_attention,
                                 enable_prefix_caching, prefix_cache_n)
         cache_cfg.validate()
+        spec_cfg = SpeculativeConfig.coerce(speculative)
         if isq is not None:
             from .quant.isq import check_isq_type
 
@@ -55,7 +57,12 @@ class LLM:
             max_model_len=max_model_len)
         if loaded.model.rope.cos.shape[0] < max_model_len:
             raise ValueError("internal: rope table shorter than max_model_len")
-        self.engine = LLMEngine(loaded, cache_cfg, sched_cfg, dev, dt, seed)
+        draft = None
+        if spec_cfg is not None and spec_cfg.method == "draft":
+            from .speculative.draft import DraftProposer
+
+            draft = DraftProposer.load(spec_cfg, loaded, cache_cfg, sched_cfg, dev, dt)
+        self.engine = LLMEngine(loaded, cache_cfg, sched_cfg, dev, dt, seed, spec_cfg, draft)
         self.tokenizer = loaded.tokenizer
         self.model_name = source.short_name
 
