@@ -185,6 +185,7 @@ BENCHES = {
     "compare": "pagedllm beside llama.cpp on the same GGUF file, one process per figure",
     "make-gguf": "write a GGUF with a real model's shape and random weights (llama.cpp quantizes it)",
     "startup": "time from starting `pagedllm generate` to its first token (median of 5)",
+    "speculative": "n-gram speculative decoding against plain decoding: code editing, chat, 32 concurrent",
 }
 
 
