@@ -57,12 +57,7 @@ class LLM:
             max_model_len=max_model_len)
         if loaded.model.rope.cos.shape[0] < max_model_len:
             raise ValueError("internal: rope table shorter than max_model_len")
-        draft = None
-        if spec_cfg is not None and spec_cfg.method == "draft":
-            from .speculative.draft import DraftProposer
-
-            draft = DraftProposer.load(spec_cfg, loaded, cache_cfg, sched_cfg, dev, dt)
-        self.engine = LLMEngine(loaded, cache_cfg, sched_cfg, dev, dt, seed, spec_cfg, draft)
+        self.engine = LLMEngine(loaded, cache_cfg, sched_cfg, dev, dt, seed, spec_cfg)
         self.tokenizer = loaded.tokenizer
         self.model_name = source.short_name
 

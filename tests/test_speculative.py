@@ -95,13 +95,19 @@ def test_invariants_hold_every_step(family_ckpt):
     _assert_no_leak(llm)
 
 
-def test_default_model_greedy_identical_on_code_edit(smollm2_gguf_path):
+@pytest.fixture(scope="module")
+def default_pair(smollm2_gguf_path):
+    """The default model plain and with n-gram speculation."""
+    return (LLM("default", kv_cache_memory_mb=32),
+            LLM("default", kv_cache_memory_mb=32, speculative={"method": "ngram", "num_tokens": 3}))
+
+
+def test_default_model_greedy_identical_on_code_edit(default_pair):
     from pagedllm.bench.speculative import code_edit_prompt
 
-    plain = LLM("default", kv_cache_memory_mb=64)
-    spec = LLM("default", kv_cache_memory_mb=64, speculative={"method": "ngram", "num_tokens": 4})
-    msgs = [[{"role": "user", "content": code_edit_prompt(i)}] for i in range(3)]
-    sp = SamplingParams(max_tokens=96, temperature=0.0)
+    plain, spec = default_pair
+    msgs = [[{"role": "user", "content": code_edit_prompt(i)}] for i in range(2)]
+    sp = SamplingParams(max_tokens=64, temperature=0.0)
     want = [o.outputs[0].token_ids for o in plain.chat(msgs, sp, use_tqdm=False)]
     got = [o.outputs[0].token_ids for o in spec.chat(msgs, sp, use_tqdm=False)]
     assert got == want
@@ -110,21 +116,20 @@ def test_default_model_greedy_identical_on_code_edit(smollm2_gguf_path):
     _assert_no_leak(spec)
 
 
-def test_default_model_seeded_sampling_stop_strings_streaming_n(smollm2_gguf_path):
+def test_default_model_seeded_sampling_stop_strings_streaming_n(default_pair):
     """Seeded rows key each position's noise as plain decoding does: the same text, stop
     strings cut at the same place, streamed deltas add up to it, n > 1 siblings too."""
     from pagedllm.bench.speculative import code_edit_prompt
 
-    plain = LLM("default", kv_cache_memory_mb=64)
-    spec = LLM("default", kv_cache_memory_mb=64, speculative={"method": "ngram", "num_tokens": 4})
+    plain, spec = default_pair
     prompt = plain.tokenizer.apply_chat_template([{"role": "user", "content": code_edit_prompt(0)}],
                                                  add_generation_prompt=True, tokenize=True)
-    sp = SamplingParams(max_tokens=80, temperature=0.7, top_p=0.9, seed=11, n=2, stop=["return"])
+    sp = SamplingParams(max_tokens=48, temperature=0.7, top_p=0.9, seed=11, n=2, stop=["for rec"])
     want = plain.generate([prompt], sp, use_tqdm=False)[0]
     got = spec.generate([prompt], sp, use_tqdm=False)[0]
     assert [c.text for c in got.outputs] == [c.text for c in want.outputs]
     assert [c.finish_reason for c in got.outputs] == [c.finish_reason for c in want.outputs]
-    one = SamplingParams(max_tokens=80, temperature=0.7, top_p=0.9, seed=11)
+    one = SamplingParams(max_tokens=40, temperature=0.7, top_p=0.9, seed=11)
     streamed = "".join(spec.stream(prompt, one))
     assert streamed == plain.generate([prompt], one, use_tqdm=False)[0].outputs[0].text
     assert spec.engine.spec.stats.accepted > 0
@@ -155,20 +160,24 @@ def tiny_vocab_ckpt(tmp_path_factory, hf_smollm2_tokenizer):
 
 
 def _position_counts(path, speculative, seed0: int) -> tuple[torch.Tensor, object]:
-    llm = LLM(str(path), dtype="float32", kv_cache_memory_mb=64, max_num_seqs=256,
+    llm = LLM(str(path), dtype="float32", kv_cache_memory_mb=64, max_num_seqs=512,
               speculative=speculative, enable_prefix_caching=False)
     prompt = [3, 5, 7, 3, 5, 7, 3, 5]
-    params = [SamplingParams(max_tokens=POSITIONS, temperature=1.0, top_p=0.9, seed=seed0 + i,
-                             ignore_eos=True) for i in range(SAMPLES)]
-    outs = llm.generate([prompt] * SAMPLES, params, use_tqdm=False)
-    toks = torch.tensor([o.outputs[0].token_ids for o in outs])
+    # n = 100 completions a request: the prompt is computed once per request, and completion
+    # j of request i draws with seed seed0 + 100 i + j, each seed once.
+    n, reqs = 100, SAMPLES // 100
+    params = [SamplingParams(n=n, max_tokens=POSITIONS, temperature=1.0, top_p=0.9, seed=seed0 + n * i,
+                             ignore_eos=True) for i in range(reqs)]
+    outs = llm.generate([prompt] * reqs, params, use_tqdm=False)
+    toks = torch.tensor([c.token_ids for o in outs for c in o.outputs])
+    assert toks.shape == (SAMPLES, POSITIONS)
     counts = torch.stack([torch.bincount(toks[:, j], minlength=VOCAB) for j in range(POSITIONS)])
     _assert_no_leak(llm)
     return counts, llm.engine.spec
 
 
 def test_rejection_sampling_keeps_the_target_distribution(tiny_vocab_ckpt, monkeypatch):
-    spec_cfg = {"method": "ngram", "num_tokens": 3, "min_ngram": 1, "max_ngram": 3, "max_batch": 256}
+    spec_cfg = {"method": "ngram", "num_tokens": 3, "min_ngram": 1, "max_ngram": 3, "max_batch": 1024}
     # Different seed ranges: independent samples, reproducible test.
     plain, _ = _position_counts(tiny_vocab_ckpt, None, 0)
     ours, dec = _position_counts(tiny_vocab_ckpt, spec_cfg, 10 * SAMPLES)
@@ -183,3 +192,97 @@ def test_rejection_sampling_keeps_the_target_distribution(tiny_vocab_ckpt, monke
     broken, _ = _position_counts(tiny_vocab_ckpt, spec_cfg, 20 * SAMPLES)
     bad = [_chi2_pvalue(plain[j], broken[j]) for j in range(1, POSITIONS)]
     assert min(bad) < 1e-6, bad
+
+
+# -- what speculates, and what is reported ---------------------------------------------------
+def test_penalised_rows_do_not_speculate_and_match_plain(family_ckpt):
+    """Penalised sequences are left out of speculation (their rows would need the counts
+    advanced through each proposal); they decode as without it, in the same batch as
+    sequences that speculate."""
+    _, path, prompts, expected = family_ckpt
+    llm = LLM(str(path), dtype="float32", kv_cache_memory_mb=16, speculative=NGRAM)
+    plain = LLM(str(path), dtype="float32", kv_cache_memory_mb=16)
+    greedy = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    penalised = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, repetition_penalty=1.3)
+    params = [greedy] * len(prompts) + [penalised] * 2
+    batch = prompts + prompts[:2]
+    got = [o.outputs[0].token_ids for o in llm.generate(batch, params, use_tqdm=False)]
+    want = [o.outputs[0].token_ids for o in plain.generate(batch, params, use_tqdm=False)]
+    assert got[:len(prompts)] == expected
+    assert got == want
+    assert llm.engine.spec.stats.accepted > 0
+    _assert_no_leak(llm)
+
+
+def test_default_model_grammar_rows_do_not_speculate(default_pair):
+    """Grammar-constrained sequences are left out of speculation (a row past a proposal would
+    need the grammar advanced through it); beside a speculating one, they decode as without it."""
+    from pagedllm.bench.speculative import code_edit_prompt
+
+    plain, spec = default_pair
+    msgs = [[{"role": "user", "content": code_edit_prompt(1)}],
+            [{"role": "user", "content": "Name a colour."}]]
+    params = [SamplingParams(max_tokens=24, temperature=0.0),
+              SamplingParams(max_tokens=12, temperature=0.0, structured={"regex": "[a-z]{3,8}"})]
+    before = spec.engine.spec.stats.verifications
+    prompts = [plain.tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=True) for m in msgs]
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    got = [o.outputs[0].token_ids for o in spec.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+    assert spec.engine.spec.stats.verifications > before
+    _assert_no_leak(spec)
+
+
+def test_off_when_the_batch_is_wide_and_reported(family_ckpt):
+    _, path, prompts, expected = family_ckpt
+    llm = LLM(str(path), dtype="float32", kv_cache_memory_mb=16, speculative={**NGRAM, "max_batch": 2})
+    lens = [8, 8, 8, NEW_TOKENS, NEW_TOKENS]
+    sps = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in lens]
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, sps, use_tqdm=False)]
+    assert got == [e[:m] for e, m in zip(expected, lens)]
+    st = llm.engine.spec.stats
+    assert st.steps_off_batch > 0 and st.proposed > 0  # off while 5 decode, on once 2 are left
+    tr = llm.kv_cache_trace()
+    assert tr.spec_proposed_tokens == st.proposed and tr.spec_accepted_tokens == st.accepted
+    assert tr.spec_acceptance_rate == pytest.approx(st.accepted / st.proposed)
+    assert tr.spec_mean_accepted_length == pytest.approx(st.accepted / st.verifications)
+    assert tr.speculative.startswith("ngram")
+    assert LLM(str(path), dtype="float32", kv_cache_memory_mb=16).kv_cache_trace().speculative == "off"
+
+    from pagedllm.server.metrics import ServerMetrics
+
+    m = ServerMetrics()
+    m.on_engine_state(llm.engine, 0)
+    text = m.render().decode()
+    assert f"pagedllm_spec_decode_num_draft_tokens_total {float(st.proposed)}" in text
+    assert f"pagedllm_spec_decode_num_accepted_tokens_total {float(st.accepted)}" in text
+    assert "pagedllm_spec_decode_acceptance_rate" in text
+
+
+def test_low_acceptance_pauses_a_sequence(family_ckpt):
+    _, path, prompts, expected = family_ckpt
+    llm = LLM(str(path), dtype="float32", kv_cache_memory_mb=16,
+              speculative={"method": "ngram", "num_tokens": 4, "min_ngram": 1, "min_acceptance": 0.6})
+    assert _greedy(llm, prompts) == expected
+    assert llm.engine.spec.stats.paused > 0
+
+
+@pytest.mark.parametrize("bad, msg", [
+    ({"method": "medusa"}, "unknown"), ({"num_tokens": 4}, "needs a 'method'"),
+    ({"method": "ngram", "num_tokens": 0}, "num_tokens"), ({"method": "ngram", "k": 3}, "unknown key"),
+    ({"method": "ngram", "min_ngram": 5, "max_ngram": 2}, "exceeds"),
+    ({"method": "draft", "model": "x"}, "not implemented"),
+])
+def test_bad_speculative_settings_are_refused(bad, msg):
+    from pagedllm.speculative.config import SpeculativeConfig
+
+    with pytest.raises(ValueError, match=msg):
+        SpeculativeConfig.coerce(bad)
+
+
+def test_cli_flag_reaches_the_engine():
+    from pagedllm.cli.main import build_parser, engine_options
+
+    argv = ["serve", "--speculative-ngram", "3"]
+    args = build_parser(argv).parse_args(argv)
+    assert engine_options(args).llm_kwargs()["speculative"] == {"method": "ngram", "num_tokens": 3}

@@ -115,6 +115,10 @@ def _engine_flags(p: argparse.ArgumentParser, top: bool) -> None:
     g.add_argument("--dequantize-weights", action="store_true", default=d(False),
                    help="dequantize GGUF weights to the compute dtype at load instead of running "
                         "them quantized (the exact reference; more memory, slower decode)")
+    g.add_argument("--speculative-ngram", type=int, metavar="K", default=d(None),
+                   help="speculative decoding by prompt lookup: up to K tokens proposed from the "
+                        "sequence's own earlier text, verified in one forward (3 keeps the "
+                        "quantized kernels' fused 4-row path)")
     g.add_argument("--chat-template", metavar="FILE", default=d(None),
                    help="chat template (.jinja, or JSON with a chat_template key) to use instead "
                         "of the model's")
@@ -320,7 +324,7 @@ def engine_options(args: argparse.Namespace, model: str | None = None) -> Engine
         no_prefix_cache=args.no_prefix_cache, max_seqs=args.max_seqs,
         max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
         seed=args.seed, isq=args.isq, dequantize_weights=bool(args.dequantize_weights),
-        chat_template=args.chat_template)
+        chat_template=args.chat_template, speculative_ngram=args.speculative_ngram)
 
 
 def _model_of(args: argparse.Namespace) -> str:

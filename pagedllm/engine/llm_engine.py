@@ -97,7 +97,7 @@ class Request:
 class LLMEngine:
     def __init__(self, loaded: LoadedModel, cache_cfg: CacheConfig, sched_cfg: SchedulerConfig,
                  device: torch.device, dtype: torch.dtype, seed: int = 0,
-                 speculative: SpeculativeConfig | None = None, draft=None) -> None:
+                 speculative: SpeculativeConfig | None = None) -> None:
         cache_cfg.validate()
         sched_cfg.validate()
         self.model = loaded.model
@@ -143,8 +143,8 @@ class LLMEngine:
         # Structured output; llguidance's token trie is built on the first constrained request.
         self.structured = GrammarEngine(self.tokenizer, cfg.vocab_size, sorted(self.eos_token_ids))
         self.runner.structured = self.structured
-        # Speculative decoding (None: off); `draft` proposes for method "draft".
-        self.spec = (spec_decoder.SpeculativeDecoder(speculative, sched_cfg.max_model_len, draft)
+        # Speculative decoding (None: off).
+        self.spec = (spec_decoder.SpeculativeDecoder(speculative, sched_cfg.max_model_len)
                      if speculative is not None else None)
         self.requests: dict[str, Request] = {}
         self._scored: list[Request] = []  # max_tokens=0: prompt scored, output due next step

@@ -47,6 +47,12 @@ class KVCacheTrace:
     # The weights beside the cache: each format held, resident MB, and the kernel path (or why not).
     weight_formats: str = ""
     weight_kernel: str = ""
+    # Speculative decoding: the method ("off" without), its draft tokens verified and accepted.
+    speculative: str = "off"
+    spec_proposed_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_acceptance_rate: float = 0.0
+    spec_mean_accepted_length: float = 0.0  # draft tokens accepted per verification
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -146,7 +152,22 @@ def build_trace(engine) -> KVCacheTrace:
         waste_avg=engine.waste_sum / steps if engine.waste_steps else 0.0,
         weight_formats=_weight_formats(engine),
         weight_kernel=_weight_kernel(engine),
+        **_speculative(engine),
     )
+
+
+def _speculative(engine) -> dict:
+    spec = getattr(engine, "spec", None)
+    if spec is None:
+        return {}
+    st = spec.stats
+    c = spec.config
+    how = (f"ngram (suffix {c.min_ngram}..{c.max_ngram} tokens)" if c.method == "ngram"
+           else f"draft model {c.model}")
+    return dict(speculative=f"{how}, up to {c.num_tokens} tokens a step; off above {c.max_batch} "
+                            f"decoding sequences; {st.paused} pauses for low acceptance",
+                spec_proposed_tokens=st.proposed, spec_accepted_tokens=st.accepted,
+                spec_acceptance_rate=st.acceptance_rate, spec_mean_accepted_length=st.mean_accepted_length)
 
 
 def _decode_path(engine) -> str:

@@ -1,1 +1,1 @@
-"""Speculative decoding: n-gram prompt lookup and a draft model, verified by the target in one forward."""
+"""Speculative decoding: n-gram prompt lookup proposals, verified by the target model in one forward."""

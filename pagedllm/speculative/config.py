@@ -13,7 +13,7 @@ class SpeculativeConfig:
     num_tokens: int = 4  # proposals per step at most (k)
     max_ngram: int = 4  # ngram: the longest suffix looked up in the sequence's own tokens
     min_ngram: int = 2  # ngram: the shortest; 1 proposes on any repeated token (noisy in chat)
-    model: str | None = None  # draft: the draft model (same tokenizer), a name LLM() accepts
+    model: str | None = None  # draft: the draft model (same tokenizer); not implemented yet
     # Off for the whole step when more sequences decode at once than this: a wide batch is
     # compute bound on a CPU, so verifying k extra rows each costs about k times as much.
     max_batch: int = 8
@@ -52,7 +52,8 @@ class SpeculativeConfig:
             raise ValueError(f"speculative min_ngram={self.min_ngram} exceeds max_ngram={self.max_ngram}")
         if not 0 <= self.min_acceptance < 1:
             raise ValueError(f"speculative min_acceptance must be in [0, 1), got {self.min_acceptance}")
-        if self.method == "draft" and not self.model:
-            raise ValueError("speculative method 'draft' needs 'model': the draft model's path or name")
+        if self.method == "draft":
+            raise ValueError("speculative method 'draft' (a draft model) is not implemented yet; "
+                             "use method 'ngram'")
         if self.method == "ngram" and self.model:
             raise ValueError("speculative method 'ngram' takes no 'model' (did you mean method 'draft'?)")

@@ -74,12 +74,7 @@ class SeqSpecState:
 class SpeculativeDecoder:
     config: SpeculativeConfig
     max_model_len: int
-    draft: object | None = None  # a DraftProposer for method "draft"
     stats: SpecStats = field(default_factory=SpecStats)
-
-    @property
-    def method(self) -> str:
-        return self.config.method
 
     def eligible(self, seq) -> bool:
         """Speculation applies: penalties read every earlier token of the row, and a grammar
@@ -108,13 +103,6 @@ class SpeculativeDecoder:
             k = self._num_tokens(s, st)
             if k > 0:
                 want.append((s, k))
-        if not want:
-            return
-        if self.draft is not None:
-            props = self.draft.propose([s for s, _ in want], max(k for _, k in want))
-            for (s, k), p in zip(want, props):
-                s.spec_tokens = p[:k]
-            return
         c = self.config
         for s, k in want:
             st = s.spec
@@ -146,12 +134,3 @@ class SpeculativeDecoder:
             s.paused += 1
         elif st.acceptance >= 0.5:
             st.pause_len = PAUSE_STEPS
-
-    def trace(self) -> dict:
-        d = {"method": self.method, "num_tokens": self.config.num_tokens}
-        if self.method == "ngram":
-            d["ngram"] = f"{self.config.min_ngram}..{self.config.max_ngram}"
-        else:
-            d["draft_model"] = self.config.model
-        d.update(self.stats.to_dict())
-        return d
