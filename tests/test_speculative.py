@@ -98,8 +98,8 @@ def test_invariants_hold_every_step(family_ckpt):
 @pytest.fixture(scope="module")
 def default_pair(smollm2_gguf_path):
     """The default model plain and with n-gram speculation."""
-    return (LLM("default", kv_cache_memory_mb=32),
-            LLM("default", kv_cache_memory_mb=32, speculative={"method": "ngram", "num_tokens": 3}))
+    return (LLM("default", kv_cache_memory_mb=64),
+            LLM("default", kv_cache_memory_mb=64, speculative={"method": "ngram", "num_tokens": 3}))
 
 
 def test_default_model_greedy_identical_on_code_edit(default_pair):
