@@ -136,6 +136,7 @@ class EngineOptions:
     dequantize_weights: bool = False
     chat_template: str | None = None
     tensor_parallel_size: int | None = None
+    speculative_ngram: int | None = None  # n-gram speculation with up to K proposals a step
 
     @classmethod
     def from_which(cls, which: Which.Plain | Which.GGUF, **kw: Any) -> "EngineOptions":
@@ -176,6 +177,8 @@ class EngineOptions:
             kw["dequantize_weights"] = True
         if self.no_prefix_cache:
             kw["enable_prefix_caching"] = False
+        if self.speculative_ngram is not None:
+            kw["speculative"] = {"method": "ngram", "num_tokens": self.speculative_ngram}
         if self.prefix_cache_n is not None:
             n = self.prefix_cache_n
             if n < 0:

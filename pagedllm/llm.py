@@ -16,6 +16,7 @@ from .loading.loader import load_model
 from .loading.source import resolve
 from .outputs import RequestOutput, raise_failed
 from .sampling.params import SamplingParams
+from .speculative.config import SpeculativeConfig
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +52,8 @@ class LLM:
                  tokenizer: str | None = None, gguf_file: str | None = None,
                  kv_cache_dtype: str = "auto", enable_prefix_caching: bool = True,
                  prefix_cache_n: int = 16, dequantize_weights: bool = False,
-                 isq: str | None = None, tensor_parallel_size: int = 1) -> None:
+                 isq: str | None = None, tensor_parallel_size: int = 1,
+                 speculative: dict | None = None) -> None:
         """`tensor_parallel_size=N` splits the model over N ranks (pagedllm/distributed): on one
         machine the engine starts N - 1 worker processes and splits the cores among the ranks;
         under torchrun the N ranks are torchrun's. Call `shutdown()` (or use `with LLM(...)`)
@@ -60,6 +62,7 @@ class LLM:
                                 kv_cache_context_len, kv_cache_dtype, paged_attention,
                                 enable_prefix_caching, prefix_cache_n)
         cache_cfg.validate()
+        spec_cfg = SpeculativeConfig.coerce(speculative)
         if isq is not None:
             from .quant.isq import check_isq_type
 
@@ -101,7 +104,7 @@ class LLM:
             max_model_len=max_model_len)
         if loaded.model.rope.cos.shape[0] < max_model_len:
             raise ValueError("internal: rope table shorter than max_model_len")
-        self.engine = LLMEngine(loaded, cache_cfg, sched_cfg, dev, dt, seed, executor)
+        self.engine = LLMEngine(loaded, cache_cfg, sched_cfg, dev, dt, seed, executor, spec_cfg)
         self.tokenizer = loaded.tokenizer
         self.model_name = source.short_name
 

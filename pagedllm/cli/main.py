@@ -118,6 +118,10 @@ def _engine_flags(p: argparse.ArgumentParser, top: bool) -> None:
     g.add_argument("--tensor-parallel-size", "-tp", type=int, metavar="N", default=d(None),
                    help="split the model over N ranks (worker processes on this machine, or the "
                         "ranks of torchrun); default 1")
+    g.add_argument("--speculative-ngram", type=int, metavar="K", default=d(None),
+                   help="speculative decoding by prompt lookup: up to K tokens proposed from the "
+                        "sequence's own earlier text, verified in one forward (3 keeps the "
+                        "quantized kernels' fused 4-row path)")
     g.add_argument("--chat-template", metavar="FILE", default=d(None),
                    help="chat template (.jinja, or JSON with a chat_template key) to use instead "
                         "of the model's")
@@ -189,6 +193,7 @@ BENCHES = {
     "make-gguf": "write a GGUF with a real model's shape and random weights (llama.cpp quantizes it)",
     "startup": "time from starting `pagedllm generate` to its first token (median of 5)",
     "allreduce": "torch.distributed all-reduce latency and bandwidth at a TP step's message sizes",
+    "speculative": "n-gram speculative decoding against plain decoding: code editing, chat, 32 concurrent",
 }
 
 
@@ -323,7 +328,8 @@ def engine_options(args: argparse.Namespace, model: str | None = None) -> Engine
         no_prefix_cache=args.no_prefix_cache, max_seqs=args.max_seqs,
         max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
         seed=args.seed, isq=args.isq, dequantize_weights=bool(args.dequantize_weights),
-        chat_template=args.chat_template, tensor_parallel_size=args.tensor_parallel_size)
+        chat_template=args.chat_template, tensor_parallel_size=args.tensor_parallel_size,
+        speculative_ngram=args.speculative_ngram)
 
 
 def _model_of(args: argparse.Namespace) -> str:

@@ -176,6 +176,16 @@ class BlockManager:
             if bid != NULL_BLOCK:
                 self.blocks[bid].ref_count += 1
 
+    def trim(self, seq: Sequence) -> None:
+        """Give back the blocks past seq's computed tokens: the slots of speculative proposals
+        that were rejected. They were taken this step (private, never hashed); the slots of the
+        block that stays are overwritten by the next tokens, and hashes cover computed tokens only."""
+        keep = cdiv(seq.num_computed_tokens, self.block_size)
+        while len(seq.block_table) > keep:
+            bid = seq.block_table.pop()
+            if bid != NULL_BLOCK:
+                self._decref(bid, keep=False)
+
     def release_before(self, seq: Sequence, first_needed_token: int) -> int:
         """Free blocks whose tokens all lie before `first_needed_token` (sliding windows)."""
         n_dead = first_needed_token // self.block_size

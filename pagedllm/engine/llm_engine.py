@@ -24,6 +24,8 @@ from ..loading.loader import LoadedModel
 from ..outputs import CompletionOutput, RequestMetrics, RequestOutput
 from ..sampling.params import SamplingParams
 from ..sampling.sampler import Sampler
+from ..speculative import decoder as spec_decoder
+from ..speculative.config import SpeculativeConfig
 from ..structured.grammar import GrammarEngine, advance as grammar_advance
 from ..tokenizer import IncrementalDetokenizer
 from .block_manager import BlockManager, NoFreeBlocksError
@@ -94,7 +96,8 @@ class Request:
 
 class LLMEngine:
     def __init__(self, loaded: LoadedModel, cache_cfg: CacheConfig, sched_cfg: SchedulerConfig,
-                 device: torch.device, dtype: torch.dtype, seed: int = 0, executor=None) -> None:
+                 device: torch.device, dtype: torch.dtype, seed: int = 0, executor=None,
+                 speculative: SpeculativeConfig | None = None) -> None:
         cache_cfg.validate()
         sched_cfg.validate()
         self.model = loaded.model
@@ -136,6 +139,9 @@ class LLMEngine:
         # Structured output; llguidance's token trie is built on the first constrained request.
         self.structured = GrammarEngine(self.tokenizer, cfg.vocab_size, sorted(self.eos_token_ids))
         self.runner.structured = self.structured
+        # Speculative decoding (None: off).
+        self.spec = (spec_decoder.SpeculativeDecoder(speculative, sched_cfg.max_model_len)
+                     if speculative is not None else None)
         self.requests: dict[str, Request] = {}
         self._scored: list[Request] = []  # max_tokens=0: prompt scored, output due next step
         self._ids = itertools.count()
@@ -344,6 +350,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         scored = [self._make_output(r) for r in self._scored if r.request_id in self.requests]
         self._scored = []
+        if self.spec is not None:
+            self.spec.propose(self.scheduler.running)
         sched = self.scheduler.schedule()
         for s in sched.preempted:
             self.backend.free_seq(s.seq_id)
@@ -353,8 +361,13 @@ class LLMEngine:
             return scored
         out = self.runner.execute(sched.scheduled)
         self.stats["steps"] += 1
+        verifying: dict[int, list[int]] = {}
         for it in sched.scheduled:
             forks = it.samples and it.seq.fork_children
+            if it.spec_tokens:  # the proposals' slots count once the verification accepts them
+                it.seq.num_computed_tokens += 1
+                verifying[it.seq.seq_id] = it.spec_tokens
+                continue
             it.seq.num_computed_tokens += it.num_new_tokens
             self.block_manager.commit_full_blocks(it.seq)
             if forks:
@@ -364,16 +377,36 @@ class LLMEngine:
         if out is not None:
             now = time.perf_counter()
             seqs, sampled = out
-            for row, (seq, tok) in enumerate(zip(seqs, sampled.token_ids)):
-                if tok < 0:  # the sampler marks rows whose logits were not finite
+            row = 0
+            while row < len(seqs):
+                seq = seqs[row]
+                drafts = verifying.get(seq.seq_id)
+                m = 1 if drafts is None else len(drafts) + 1
+                toks = sampled.token_ids[row:row + m]
+                lps = sampled.logprobs[row:row + m] if sampled.logprobs else [None] * m
+                if min(toks) < 0:  # the sampler marks rows whose logits were not finite
                     self._fail(seq)
+                elif drafts is None:
+                    self._append(seq, toks[0], lps[0], now)
                 else:
-                    lp = sampled.logprobs[row] if sampled.logprobs else None
-                    self._append(seq, tok, lp, now)
+                    self._accept(seq, drafts, toks, lps, now)
+                row += m
                 req = self.requests.get(seq.request_id)
                 if req is not None:
                     touched[req.request_id] = req
         return scored + [self._make_output(r) for r in touched.values()]
+
+    def _accept(self, seq: Sequence, drafts: list[int], toks: list[int], lps: list, now: float) -> None:
+        """Append the accepted proposals and the step's own token; roll the KV back to them."""
+        a = spec_decoder.accepted_length(drafts, toks)
+        self.spec.record(seq, len(drafts), a)
+        for i, tok in enumerate(drafts[:a] + [toks[a]]):
+            self._append(seq, tok, lps[i], now)
+            if seq.is_finished:
+                return  # its blocks are already returned
+        seq.num_computed_tokens = seq.num_tokens - 1  # the last token's K/V is computed next step
+        self.block_manager.trim(seq)
+        self.block_manager.commit_full_blocks(seq)
 
     def _track_waste(self) -> None:
         bs = self.cache_config.block_size

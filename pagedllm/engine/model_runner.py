@@ -49,6 +49,11 @@ class ModelRunner:
             attn.attn = backend.layer(i, attn.window, attn.scale)
 
     def plan(self, batch: list[ScheduledSeq]) -> StepPlan:
+        """The step's inputs as plain lists (under tensor parallelism rank 0 sends them to the
+        other ranks). A decode with speculative proposals becomes one decode row per query token
+        (its last token, then each proposal), each over the same block table with the context up
+        to itself: the batched decode kernel then verifies the proposals, and each row's
+        attention is computed exactly as a one-token decode at that place would be."""
         bs = self.block_size
         ids: list[int] = []
         pos: list[int] = []
@@ -56,31 +61,42 @@ class ModelRunner:
         qsl = [0]
         ctx_lens: list[int] = []
         logits_idx: list[int] = []
+        row_seqs: list[Sequence] = []  # one entry per attention row (a sequence, or a decode row)
         num_decodes = 0
         paged = self.backend.uses_block_tables
         for item in batch:
             seq, n = item.seq, item.num_new_tokens
             start = seq.num_computed_tokens
             end = start + n
-            if n == 1:  # one query over the cache: the batched decode path
-                num_decodes += 1
-            ids.extend(seq.token_ids[start:end])
+            spec = item.spec_tokens
+            ids.extend(seq.token_ids[start:end - len(spec)])
+            ids.extend(spec)
             pos.extend(range(start, end))
             if paged:
                 table = seq.block_table
                 slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            qsl.append(qsl[-1] + n)
-            ctx_lens.append(end)
-            if item.samples:
+            if item.is_decode:  # one query over the cache (or several, one row each)
+                for p in range(start + 1, end + 1):
+                    qsl.append(qsl[-1] + 1)
+                    ctx_lens.append(p)
+                    row_seqs.append(seq)
+                    num_decodes += 1
+                if spec:
+                    logits_idx.extend(range(qsl[-1] - n, qsl[-1]))
+            else:
+                qsl.append(qsl[-1] + n)
+                ctx_lens.append(end)
+                row_seqs.append(seq)
+            if item.samples and not spec:
                 logits_idx.append(qsl[-1] - 1)
-        plan = StepPlan(ids, pos, qsl, ctx_lens, num_decodes, [it.seq.seq_id for it in batch], slots,
+        plan = StepPlan(ids, pos, qsl, ctx_lens, num_decodes, [s.seq_id for s in row_seqs], slots,
                         logits_rows=logits_idx)
-        if paged:
-            plan.width = width = max(len(it.seq.block_table) for it in batch)
+        if paged:  # one table per attention row
+            plan.width = width = max(len(s.block_table) for s in row_seqs)
             tables = plan.tables
-            for it in batch:
-                tables += it.seq.block_table
-                tables += [0] * (width - len(it.seq.block_table))
+            for s in row_seqs:
+                tables += s.block_table
+                tables += [0] * (width - len(s.block_table))
         return plan
 
     def tensors(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
@@ -122,15 +138,22 @@ class ModelRunner:
     def execute(self, batch: list[ScheduledSeq]) -> tuple[list[Sequence], SamplerOutput] | None:
         """Run one step; returns the sequences whose chunk reached their end and their tokens."""
         # Decodes go first so the attention backend can batch them.
-        batch = sorted(batch, key=lambda it: not _is_decode(it))
+        batch = sorted(batch, key=lambda it: not it.is_decode)
         plan = self.plan(batch)
         # One row per sampling sequence; n > 1 siblings waiting to fork sample from their
-        # parent's row (the prompt is computed once).
-        sampling_seqs, rows = [], []
-        for k, seq in enumerate(it.seq for it in batch if it.samples):
-            for s in (seq, *seq.fork_children):
-                sampling_seqs.append(s)
-                rows.append(k)
+        # parent's row (the prompt is computed once). A speculating sequence has one row per
+        # query token: row j draws its output token num_output_tokens + j.
+        sampling_seqs, rows, offsets = [], [], []
+        k = 0
+        for it in batch:
+            if not it.samples:
+                continue
+            for j in range(len(it.spec_tokens) + 1):
+                for s in (it.seq, *it.seq.fork_children):
+                    sampling_seqs.append(s)
+                    rows.append(k)
+                    offsets.append(j)
+                k += 1
         # Grammar masks are computed on another thread while the forward runs.
         masks = self.structured.start_masks(sampling_seqs) if self.structured else None
         logits = self.logits(plan)
@@ -142,7 +165,7 @@ class ModelRunner:
         # the sampler folds into its token transfer, so it costs no extra device sync. It must
         # see the model's own logits: a -inf mask applied to them later is not a failure.
         finite = logits.sum(-1, dtype=torch.float32).isfinite()
-        smeta = sampling_metadata(sampling_seqs)
+        smeta = sampling_metadata(sampling_seqs, offsets)
         if masks is not None:  # the sampler applies them before anything else
             smeta.allowed_mask, smeta.mask_rows = masks.result(logits.device, len(sampling_seqs))
         return sampling_seqs, self.sampler(logits, smeta, finite=finite)
@@ -186,17 +209,17 @@ class HostUpload:
         return list(out.split(sizes))
 
 
-def sampling_metadata(seqs: list[Sequence]) -> SamplingMetadata:
+def sampling_metadata(seqs: list[Sequence], offsets: list[int] | None = None) -> SamplingMetadata:
+    """offsets: per row, how many tokens past the sequence's next one it draws (speculative
+    verification rows), so a seeded row keys its noise by the output position it decides."""
     params = [s.params for s in seqs]
+    offsets = offsets or [0] * len(seqs)
     return SamplingMetadata(
         params=params,
         seq_ids=[s.seq_id for s in seqs],
         token_ids=[s.token_ids for s in seqs],
         num_prompt_tokens=[s.num_prompt_tokens for s in seqs],
         seeds=[None if p.seed is None else p.seed + s.index for s, p in zip(seqs, params)],
-        output_pos=[s.num_output_tokens for s in seqs],
+        output_pos=[s.num_output_tokens + j for s, j in zip(seqs, offsets)],
     )
 
-
-def _is_decode(item: ScheduledSeq) -> bool:
-    return item.num_new_tokens == 1

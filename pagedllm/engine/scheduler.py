@@ -22,12 +22,19 @@ logger = logging.getLogger(__name__)
 @dataclass
 class ScheduledSeq:
     seq: Sequence
-    num_new_tokens: int
+    num_new_tokens: int  # query tokens this step, proposals included
+    # Speculative proposals verified after the sequence's last token (seq.spec_tokens).
+    spec_tokens: list[int] = field(default_factory=list)
 
     @property
     def samples(self) -> bool:
         """True when this chunk reaches the end of the sequence, so it yields a token."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+        return self.seq.num_computed_tokens + self.num_new_tokens - len(self.spec_tokens) == self.seq.num_tokens
+
+    @property
+    def is_decode(self) -> bool:
+        """One real token (plus proposals): runs as decode rows over the cache."""
+        return self.num_new_tokens - len(self.spec_tokens) == 1
 
 
 @dataclass
@@ -74,11 +81,12 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_uncomputed_tokens, budget)
+            spec = self._spec_fits(seq, budget)
+            n = 1 + len(spec) if spec else min(seq.num_uncomputed_tokens, budget)
             if not self._make_room(seq, n, out):
                 break  # seq itself was preempted; everything after it already was
             self._grow(seq, n)
-            out.scheduled.append(ScheduledSeq(seq, n))
+            out.scheduled.append(ScheduledSeq(seq, n, spec))
             budget -= n
             i += 1
 
@@ -102,6 +110,15 @@ class Scheduler:
                 budget -= n
         return out
 
+    def _spec_fits(self, seq: Sequence, budget: int) -> list[int]:
+        """seq's proposals, when they fit the token budget and the free blocks as they are:
+        speculation never preempts anyone."""
+        spec, seq.spec_tokens = seq.spec_tokens, []
+        if not spec or seq.num_uncomputed_tokens != 1 or 1 + len(spec) > budget:
+            return []
+        self.release_window(seq)
+        return spec if self.bm.can_grow(seq, seq.num_tokens + len(spec)) else []
+
     def _make_room(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
         """Preempt the newest running sequences until `seq` can grow by n tokens."""
         self.release_window(seq)
@@ -123,6 +140,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
+        seq.spec_tokens = []
         self.bm.free(seq, "keep")  # its blocks stay cached: the recompute may hit them
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1

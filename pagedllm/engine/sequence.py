@@ -40,6 +40,8 @@ class Sequence:
     fork_children: list["Sequence"] = field(default_factory=list)  # n > 1: siblings to fork
     grammar: Any = None  # structured output: this stream's llguidance matcher
     logprobs: list[dict] | None = None  # filled by the engine when asked for
+    spec_tokens: list[int] = field(default_factory=list)  # proposals to verify this step
+    spec: Any = None  # speculative decoding's per-sequence state (SeqSpecState)
 
     def __post_init__(self) -> None:
         self.token_ids: list[int] = list(self.prompt_token_ids)

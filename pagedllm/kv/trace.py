@@ -53,6 +53,12 @@ class KVCacheTrace:
     rank_weight_mb: list = field(default_factory=list)
     rank_kv_mb: list = field(default_factory=list)
     allreduce_bytes_per_step: float = 0.0
+    # Speculative decoding: the method ("off" without), its draft tokens verified and accepted.
+    speculative: str = "off"
+    spec_proposed_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_acceptance_rate: float = 0.0
+    spec_mean_accepted_length: float = 0.0  # draft tokens accepted per verification
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -155,6 +161,7 @@ def build_trace(engine) -> KVCacheTrace:
         weight_formats=_weight_formats(engine),
         weight_kernel=_weight_kernel(engine),
         **_tp_fields(engine),
+        **_speculative(engine),
     )
 
 
@@ -168,6 +175,20 @@ def _tp_fields(engine) -> dict:
                 rank_weight_mb=[w / 2**20 for w, _ in ex.rank_bytes],
                 rank_kv_mb=[kv / 2**20 for _, kv in ex.rank_bytes],
                 allreduce_bytes_per_step=ex.tp.reduced_bytes / max(1, ex.steps))
+
+
+def _speculative(engine) -> dict:
+    spec = getattr(engine, "spec", None)
+    if spec is None:
+        return {}
+    st = spec.stats
+    c = spec.config
+    how = (f"ngram (suffix {c.min_ngram}..{c.max_ngram} tokens)" if c.method == "ngram"
+           else f"draft model {c.model}")
+    return dict(speculative=f"{how}, up to {c.num_tokens} tokens a step; off above {c.max_batch} "
+                            f"decoding sequences; {st.paused} pauses for low acceptance",
+                spec_proposed_tokens=st.proposed, spec_accepted_tokens=st.accepted,
+                spec_acceptance_rate=st.acceptance_rate, spec_mean_accepted_length=st.mean_accepted_length)
 
 
 def _decode_path(engine) -> str:

@@ -63,6 +63,15 @@ class ServerMetrics:
         self.abort_delay_steps = Histogram(p + "abort_delay_steps",
                                            "Engine steps between an abort being asked and done",
                                            buckets=(0, 1, 2, 5, 10), registry=r)
+        self.spec_proposed = Counter(p + "spec_decode_num_draft_tokens",
+                                     "Speculative draft tokens verified", registry=r)
+        self.spec_accepted = Counter(p + "spec_decode_num_accepted_tokens",
+                                     "Speculative draft tokens accepted", registry=r)
+        self.spec_acceptance = Gauge(p + "spec_decode_acceptance_rate",
+                                     "Accepted / verified draft tokens so far", registry=r)
+        self.spec_mean_len = Gauge(p + "spec_decode_mean_accepted_length",
+                                   "Draft tokens accepted per verification so far", registry=r)
+        self._spec_seen = (0, 0)
         self.steps = Counter(p + "engine_steps", "Engine steps run", registry=r)
         self.engine_errors = Counter(p + "engine_errors", "Engine steps that raised", registry=r)
         self.ttft = Histogram(p + "time_to_first_token_seconds", "Time to first token",
@@ -140,6 +149,18 @@ class ServerMetrics:
         if pre > self._preempt_seen:
             self.preemptions.inc(pre - self._preempt_seen)
             self._preempt_seen = pre
+
+        spec = getattr(engine, "spec", None)
+        if spec is not None:
+            st = spec.stats
+            seen_p, seen_a = self._spec_seen
+            if st.proposed > seen_p:
+                self.spec_proposed.inc(st.proposed - seen_p)
+            if st.accepted > seen_a:
+                self.spec_accepted.inc(st.accepted - seen_a)
+            self._spec_seen = (st.proposed, st.accepted)
+            self.spec_acceptance.set(st.acceptance_rate)
+            self.spec_mean_len.set(st.mean_accepted_length)
 
     def on_prompt(self, num_tokens: int) -> None:
         self.prompt_tokens.inc(num_tokens)

@@ -1,0 +1,59 @@
+"""What the user asks of speculative decoding, checked once."""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+METHODS = ("ngram", "draft")
+
+
+@dataclass
+class SpeculativeConfig:
+    method: str
+    num_tokens: int = 4  # proposals per step at most (k)
+    max_ngram: int = 4  # ngram: the longest suffix looked up in the sequence's own tokens
+    min_ngram: int = 2  # ngram: the shortest; 1 proposes on any repeated token (noisy in chat)
+    model: str | None = None  # draft: the draft model (same tokenizer); not implemented yet
+    # Off for the whole step when more sequences decode at once than this: a wide batch is
+    # compute bound on a CPU, so verifying k extra rows each costs about k times as much.
+    max_batch: int = 8
+    # A sequence pauses speculation when its acceptance (a running mean) falls under this.
+    min_acceptance: float = 0.25
+
+    @classmethod
+    def coerce(cls, value: "SpeculativeConfig | dict[str, Any] | None") -> "SpeculativeConfig | None":
+        if value is None or isinstance(value, cls):
+            if value is not None:
+                value.validate()
+            return value
+        if not isinstance(value, dict):
+            raise TypeError(f"speculative must be a dict such as {{'method': 'ngram', 'num_tokens': 4}}, "
+                            f"got {type(value).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"speculative: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        if "method" not in value:
+            raise ValueError("speculative needs a 'method': 'ngram' or 'draft'")
+        cfg = cls(**value)
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"speculative method {self.method!r} is unknown; use one of {', '.join(METHODS)}")
+        for name in ("num_tokens", "max_ngram", "min_ngram", "max_batch"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"speculative {name} must be an integer >= 1, got {v!r}")
+        if self.num_tokens > 32:
+            raise ValueError(f"speculative num_tokens={self.num_tokens} is too many; use at most 32")
+        if self.min_ngram > self.max_ngram:
+            raise ValueError(f"speculative min_ngram={self.min_ngram} exceeds max_ngram={self.max_ngram}")
+        if not 0 <= self.min_acceptance < 1:
+            raise ValueError(f"speculative min_acceptance must be in [0, 1), got {self.min_acceptance}")
+        if self.method == "draft":
+            raise ValueError("speculative method 'draft' (a draft model) is not implemented yet; "
+                             "use method 'ngram'")
+        if self.method == "ngram" and self.model:
+            raise ValueError("speculative method 'ngram' takes no 'model' (did you mean method 'draft'?)")

@@ -1,0 +1,290 @@
+"""Speculative decoding: greedy output token-identical to plain decoding, sampled output with
+the target's distribution (a chi-square test that also rejects a broken acceptance rule), and
+no KV block leaked, across batching, preemption, prefix caching and a quantized KV cache."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.speculative import decoder as spec_decoder
+from models import build_checkpoint
+
+NEW_TOKENS = 40
+# Never paused, so every lookup that matches is verified.
+NGRAM = {"method": "ngram", "num_tokens": 4, "min_ngram": 1, "max_ngram": 3, "min_acceptance": 0.0}
+# A small vocabulary makes a random model's output repeat, so proposals are both accepted
+# and rejected.
+RANDOM_VOCAB = 256
+
+
+def _prompts(vocab: int, seed: int = 7) -> list[list[int]]:
+    """Random chunks repeated, so the sequences' suffixes recur and n-gram lookup proposes."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for n in (3, 9, 20, 41, 70):
+        chunk = torch.randint(0, vocab, (n,), generator=g).tolist()
+        out.append(chunk * 3 + chunk[: n // 2])
+    return out
+
+
+def _greedy(llm: LLM, prompts) -> list[list[int]]:
+    sp = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    return [o.token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+
+
+def _assert_no_leak(llm: LLM) -> None:
+    eng = llm.engine
+    bm = eng.block_manager
+    assert not eng.scheduler.has_unfinished()
+    bm.check_invariants([])
+    assert bm.num_free_blocks == bm.num_usable_blocks
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def family_ckpt(request, tmp_path_factory, hf_smollm2_tokenizer):
+    tok = hf_smollm2_tokenizer
+    path = build_checkpoint(request.param, tmp_path_factory.mktemp(request.param), tok, RANDOM_VOCAB)
+    prompts = _prompts(RANDOM_VOCAB)
+    ref = LLM(str(path), dtype="float32", kv_cache_memory_mb=16, enable_prefix_caching=False)
+    return request.param, path, prompts, _greedy(ref, prompts)
+
+
+@pytest.mark.parametrize("variant", ["batched", "preempt", "prefix", "int8", "contiguous"])
+def test_ngram_greedy_matches_plain_decoding(family_ckpt, variant):
+    family, path, prompts, expected = family_ckpt
+    kwargs = {"batched": dict(kv_cache_memory_mb=16, enable_prefix_caching=False),
+              # Few blocks and small prefill chunks: running sequences must be preempted.
+              "preempt": dict(block_size=8, max_num_batched_tokens=64, kv_cache_context_len=400),
+              "prefix": dict(kv_cache_memory_mb=16, block_size=8),
+              "int8": dict(kv_cache_memory_mb=16, kv_cache_dtype="int8"),
+              "contiguous": dict(kv_cache_memory_mb=16, paged_attention=False)}[variant]
+    llm = LLM(str(path), dtype="float32", speculative=NGRAM, **kwargs)
+    if variant == "int8":  # the reference for a quantized cache is plain decoding on the same cache
+        plain = LLM(str(path), dtype="float32", **kwargs)
+        expected = _greedy(plain, prompts)
+    got = _greedy(llm, prompts)
+    if variant == "prefix":  # again, now with the prompts (and outputs) in the prefix cache
+        got2 = _greedy(llm, prompts)
+        assert got2 == expected
+        assert llm.engine.block_manager.stats.hits > 0
+    assert got == expected
+    st = llm.engine.spec.stats
+    assert st.proposed > 50 and 0 < st.accepted < st.proposed, st  # both outcomes exercised
+    if variant == "preempt":
+        assert llm.engine.scheduler.num_preemptions > 0
+    _assert_no_leak(llm)
+
+
+def test_invariants_hold_every_step(family_ckpt):
+    """Ref counts and table sizes after every step, with rejections, prefix sharing and n > 1."""
+    _, path, prompts, _ = family_ckpt
+    llm = LLM(str(path), dtype="float32", block_size=8, kv_cache_memory_mb=4,
+              speculative={**NGRAM, "max_batch": 64})
+    eng = llm.engine
+    sp = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.8, seed=3, n=2, ignore_eos=True)
+    for p in prompts + prompts[:2]:
+        eng.add_request(p, sp)
+    while eng.has_unfinished():
+        eng.step()
+        live = eng.scheduler.running
+        eng.block_manager.check_invariants(live)
+        for s in live:
+            assert len(s.block_table) == -(-s.num_computed_tokens // 8), "table not trimmed to its tokens"
+    assert eng.spec.stats.accepted > 0
+    _assert_no_leak(llm)
+
+
+@pytest.fixture(scope="module")
+def default_pair(smollm2_gguf_path):
+    """The default model plain and with n-gram speculation."""
+    return (LLM("default", kv_cache_memory_mb=64),
+            LLM("default", kv_cache_memory_mb=64, speculative={"method": "ngram", "num_tokens": 3}))
+
+
+def test_default_model_greedy_identical_on_code_edit(default_pair):
+    from pagedllm.bench.speculative import code_edit_prompt
+
+    plain, spec = default_pair
+    msgs = [[{"role": "user", "content": code_edit_prompt(i)}] for i in range(2)]
+    sp = SamplingParams(max_tokens=64, temperature=0.0)
+    want = [o.outputs[0].token_ids for o in plain.chat(msgs, sp, use_tqdm=False)]
+    got = [o.outputs[0].token_ids for o in spec.chat(msgs, sp, use_tqdm=False)]
+    assert got == want
+    st = spec.engine.spec.stats
+    assert st.acceptance_rate > 0.3, st
+    _assert_no_leak(spec)
+
+
+def test_default_model_seeded_sampling_stop_strings_streaming_n(default_pair):
+    """Seeded rows key each position's noise as plain decoding does: the same text, stop
+    strings cut at the same place, streamed deltas add up to it, n > 1 siblings too."""
+    from pagedllm.bench.speculative import code_edit_prompt
+
+    plain, spec = default_pair
+    prompt = plain.tokenizer.apply_chat_template([{"role": "user", "content": code_edit_prompt(0)}],
+                                                 add_generation_prompt=True, tokenize=True)
+    sp = SamplingParams(max_tokens=48, temperature=0.7, top_p=0.9, seed=11, n=2, stop=["for rec"])
+    want = plain.generate([prompt], sp, use_tqdm=False)[0]
+    got = spec.generate([prompt], sp, use_tqdm=False)[0]
+    assert [c.text for c in got.outputs] == [c.text for c in want.outputs]
+    assert [c.finish_reason for c in got.outputs] == [c.finish_reason for c in want.outputs]
+    one = SamplingParams(max_tokens=40, temperature=0.7, top_p=0.9, seed=11)
+    streamed = "".join(spec.stream(prompt, one))
+    assert streamed == plain.generate([prompt], one, use_tqdm=False)[0].outputs[0].text
+    assert spec.engine.spec.stats.accepted > 0
+    _assert_no_leak(spec)
+
+
+# -- the distribution ------------------------------------------------------------------------
+VOCAB = 12
+SAMPLES = 20_000
+POSITIONS = 5
+
+
+def _chi2_pvalue(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Two-sample chi-square test of homogeneity over token counts a, b [VOCAB]."""
+    keep = (a + b) > 0
+    a, b = a[keep].double(), b[keep].double()
+    tot = a + b
+    ea, eb = tot * a.sum() / tot.sum(), tot * b.sum() / tot.sum()
+    stat = (((a - ea) ** 2 / ea) + ((b - eb) ** 2 / eb)).sum()
+    dof = keep.sum().item() - 1
+    # chi2 survival function: the regularized upper incomplete gamma Q(dof/2, stat/2)
+    return torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), stat / 2).item()
+
+
+@pytest.fixture(scope="module")
+def tiny_vocab_ckpt(tmp_path_factory, hf_smollm2_tokenizer):
+    return build_checkpoint("llama", tmp_path_factory.mktemp("tiny"), hf_smollm2_tokenizer, VOCAB, seed=5)
+
+
+def _position_counts(path, speculative, seed0: int) -> tuple[torch.Tensor, object]:
+    # At most 8 requests admitted: with their forks, under max_batch decoding at once.
+    llm = LLM(str(path), dtype="float32", kv_cache_memory_mb=64, max_num_seqs=8,
+              speculative=speculative, enable_prefix_caching=False)
+    prompt = [3, 5, 7, 3, 5, 7, 3, 5]
+    # n = 100 completions a request: the prompt is computed once per request, and completion
+    # j of request i draws with seed seed0 + 100 i + j, each seed once.
+    n, reqs = 100, SAMPLES // 100
+    params = [SamplingParams(n=n, max_tokens=POSITIONS, temperature=1.0, top_p=0.9, seed=seed0 + n * i,
+                             ignore_eos=True) for i in range(reqs)]
+    outs = llm.generate([prompt] * reqs, params, use_tqdm=False)
+    toks = torch.tensor([c.token_ids for o in outs for c in o.outputs])
+    assert toks.shape == (SAMPLES, POSITIONS)
+    counts = torch.stack([torch.bincount(toks[:, j], minlength=VOCAB) for j in range(POSITIONS)])
+    _assert_no_leak(llm)
+    return counts, llm.engine.spec
+
+
+def test_rejection_sampling_keeps_the_target_distribution(tiny_vocab_ckpt, monkeypatch):
+    spec_cfg = {"method": "ngram", "num_tokens": 3, "min_ngram": 1, "max_ngram": 3, "max_batch": 1024,
+                "min_acceptance": 0.0}
+    # Different seed ranges: independent samples, reproducible test.
+    plain, _ = _position_counts(tiny_vocab_ckpt, None, 0)
+    ours, dec = _position_counts(tiny_vocab_ckpt, spec_cfg, 10 * SAMPLES)
+    st = dec.stats
+    assert st.proposed > SAMPLES and 0.1 < st.acceptance_rate < 0.9, st  # a real test of both branches
+    pvals = [_chi2_pvalue(plain[j], ours[j]) for j in range(POSITIONS)]
+    assert min(pvals) > 0.01, pvals
+
+    # Power: accepting the first proposal whatever was drawn must be caught.
+    real = spec_decoder.accepted_length
+    monkeypatch.setattr(spec_decoder, "accepted_length", lambda d, s: max(1, real(d, s)))
+    broken, _ = _position_counts(tiny_vocab_ckpt, spec_cfg, 20 * SAMPLES)
+    bad = [_chi2_pvalue(plain[j], broken[j]) for j in range(1, POSITIONS)]
+    assert min(bad) < 1e-6, bad
+
+
+# -- what speculates, and what is reported ---------------------------------------------------
+def test_penalised_rows_do_not_speculate_and_match_plain(family_ckpt):
+    """Penalised sequences are left out of speculation (their rows would need the counts
+    advanced through each proposal); they decode as without it, in the same batch as
+    sequences that speculate."""
+    _, path, prompts, expected = family_ckpt
+    llm = LLM(str(path), dtype="float32", kv_cache_memory_mb=16, speculative=NGRAM)
+    plain = LLM(str(path), dtype="float32", kv_cache_memory_mb=16)
+    greedy = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    penalised = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, repetition_penalty=1.3)
+    params = [greedy] * len(prompts) + [penalised] * 2
+    batch = prompts + prompts[:2]
+    got = [o.outputs[0].token_ids for o in llm.generate(batch, params, use_tqdm=False)]
+    want = [o.outputs[0].token_ids for o in plain.generate(batch, params, use_tqdm=False)]
+    assert got[:len(prompts)] == expected
+    assert got == want
+    assert llm.engine.spec.stats.accepted > 0
+    _assert_no_leak(llm)
+
+
+def test_default_model_grammar_rows_do_not_speculate(default_pair):
+    """Grammar-constrained sequences are left out of speculation (a row past a proposal would
+    need the grammar advanced through it); beside a speculating one, they decode as without it."""
+    from pagedllm.bench.speculative import code_edit_prompt
+
+    plain, spec = default_pair
+    msgs = [[{"role": "user", "content": code_edit_prompt(1)}],
+            [{"role": "user", "content": "Name a colour."}]]
+    params = [SamplingParams(max_tokens=24, temperature=0.0),
+              SamplingParams(max_tokens=12, temperature=0.0, structured={"regex": "[a-z]{3,8}"})]
+    before = spec.engine.spec.stats.verifications
+    prompts = [plain.tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=True) for m in msgs]
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    got = [o.outputs[0].token_ids for o in spec.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+    assert spec.engine.spec.stats.verifications > before
+    _assert_no_leak(spec)
+
+
+def test_off_when_the_batch_is_wide_and_reported(family_ckpt):
+    _, path, prompts, expected = family_ckpt
+    llm = LLM(str(path), dtype="float32", kv_cache_memory_mb=16, speculative={**NGRAM, "max_batch": 2})
+    lens = [8, 8, 8, NEW_TOKENS, NEW_TOKENS]
+    sps = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in lens]
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, sps, use_tqdm=False)]
+    assert got == [e[:m] for e, m in zip(expected, lens)]
+    st = llm.engine.spec.stats
+    assert st.steps_off_batch > 0 and st.proposed > 0  # off while 5 decode, on once 2 are left
+    tr = llm.kv_cache_trace()
+    assert tr.spec_proposed_tokens == st.proposed and tr.spec_accepted_tokens == st.accepted
+    assert tr.spec_acceptance_rate == pytest.approx(st.accepted / st.proposed)
+    assert tr.spec_mean_accepted_length == pytest.approx(st.accepted / st.verifications)
+    assert tr.speculative.startswith("ngram")
+    assert LLM(str(path), dtype="float32", kv_cache_memory_mb=16).kv_cache_trace().speculative == "off"
+
+    from pagedllm.server.metrics import ServerMetrics
+
+    m = ServerMetrics()
+    m.on_engine_state(llm.engine, 0)
+    text = m.render().decode()
+    assert f"pagedllm_spec_decode_num_draft_tokens_total {float(st.proposed)}" in text
+    assert f"pagedllm_spec_decode_num_accepted_tokens_total {float(st.accepted)}" in text
+    assert "pagedllm_spec_decode_acceptance_rate" in text
+
+
+def test_low_acceptance_pauses_a_sequence(family_ckpt):
+    _, path, prompts, expected = family_ckpt
+    llm = LLM(str(path), dtype="float32", kv_cache_memory_mb=16,
+              speculative={"method": "ngram", "num_tokens": 4, "min_ngram": 1, "min_acceptance": 0.6})
+    assert _greedy(llm, prompts) == expected
+    assert llm.engine.spec.stats.paused > 0
+
+
+@pytest.mark.parametrize("bad, msg", [
+    ({"method": "medusa"}, "unknown"), ({"num_tokens": 4}, "needs a 'method'"),
+    ({"method": "ngram", "num_tokens": 0}, "num_tokens"), ({"method": "ngram", "k": 3}, "unknown key"),
+    ({"method": "ngram", "min_ngram": 5, "max_ngram": 2}, "exceeds"),
+    ({"method": "draft", "model": "x"}, "not implemented"),
+])
+def test_bad_speculative_settings_are_refused(bad, msg):
+    from pagedllm.speculative.config import SpeculativeConfig
+
+    with pytest.raises(ValueError, match=msg):
+        SpeculativeConfig.coerce(bad)
+
+
+def test_cli_flag_reaches_the_engine():
+    from pagedllm.cli.main import build_parser, engine_options
+
+    argv = ["serve", "--speculative-ngram", "3"]
+    args = build_parser(argv).parse_args(argv)
+    assert engine_options(args).llm_kwargs()["speculative"] == {"method": "ngram", "num_tokens": 3}
