@@ -78,7 +78,7 @@ class LLM:
                                  isq, cache_cfg)
         try:
             self._build(source, dt, dev, max_model_len, dequantize_weights, isq, max_num_seqs,
-                        max_num_batched_tokens, cache_cfg, seed, executor)
+                        max_num_batched_tokens, cache_cfg, seed, executor, spec_cfg)
         except BaseException:
             if executor is not None:
                 executor.shutdown()
@@ -87,7 +87,7 @@ class LLM:
             self._finalizer = weakref.finalize(self, executor.shutdown)
 
     def _build(self, source, dt, dev, max_model_len, dequantize_weights, isq, max_num_seqs,
-               max_num_batched_tokens, cache_cfg, seed, executor) -> None:
+               max_num_batched_tokens, cache_cfg, seed, executor, spec_cfg) -> None:
         loaded = load_model(source, dt, dev, max_positions=max_model_len,
                             dequantize_weights=dequantize_weights, isq=isq,
                             tp=executor.tp if executor is not None else None)
