@@ -88,9 +88,11 @@ def context_slots(table: torch.Tensor, lens: torch.Tensor, num_keys: int, block_
     return slots.masked_fill_(j >= lens[:, None], 0)
 
 
-def causal_mask(q_len: int, ctx_len: int, window: int | None, device) -> torch.Tensor | None:
-    """[q_len, ctx_len] bool for queries at the last q_len positions; None when plain causal works."""
-    if window is None and q_len == ctx_len:
+def causal_mask(q_len: int, ctx_len: int, window: int | None, device,
+                force: bool = False) -> torch.Tensor | None:
+    """[q_len, ctx_len] bool for queries at the last q_len positions; None when plain causal
+    works (unless `force`)."""
+    if window is None and q_len == ctx_len and not force:
         return None
     q_pos = torch.arange(ctx_len - q_len, ctx_len, device=device)[:, None]
     k_pos = torch.arange(ctx_len, device=device)[None, :]

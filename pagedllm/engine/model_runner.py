@@ -25,7 +25,7 @@ class ModelRunner:
         self.upload = HostUpload(device)
         self.structured = None  # a GrammarEngine, set by the engine
         for i, attn in enumerate(model.attention_modules()):
-            attn.attn = backend.layer(i, attn.window, attn.scale)
+            attn.attn = backend.layer(i, attn.window, attn.scale, attn.softcap)
 
     def prepare(self, batch: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         bs = self.block_size
