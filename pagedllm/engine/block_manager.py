@@ -20,6 +20,14 @@ of recomputing those tokens. Blocks nobody references stay cached in an LRU
 until their memory is needed; a finished sequence's blocks enter it leaf
 first so eviction frees leaves before the shared trunk. At most
 `max_cached_seqs` finished sequences are kept as reusable prefixes.
+
+Sliding windows (every layer slides: Mistral). Blocks behind a sequence's window are
+released as it advances; with caching on they keep their content in the LRU like any
+other. A prompt then needs only the window before its reuse point: the match walks the
+prompt's chain of hashes (computed from its tokens) and takes the furthest full block whose
+preceding window of blocks is still cached, leaving released entries null. Every block's
+hash chains over the whole prefix before it, so a reused block holds exactly the K/V that
+recomputing would write.
 """
 from __future__ import annotations
 
@@ -71,13 +79,16 @@ class _Retained:
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False,
                  max_cached_seqs: int = 16,
-                 copy_fn: Callable[[int, int, int], None] | None = None) -> None:
+                 copy_fn: Callable[[int, int, int], None] | None = None,
+                 sliding_window: int | None = None) -> None:
         if num_blocks < 2:
             raise ValueError(f"the KV cache needs at least 2 blocks, got {num_blocks}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.max_cached_seqs = max_cached_seqs
+        # Set when every layer slides: a prefix match needs only the window before its end.
+        self.sliding_window = sliding_window
         # copy_fn(src, dst, n_tokens): copies K/V slots between physical blocks.
         self.copy_fn = copy_fn
         self.blocks = [BlockMeta() for _ in range(num_blocks)]
@@ -298,20 +309,54 @@ class BlockManager:
         bs = self.block_size
         ids = seq.token_ids
         limit = len(ids) - 1
-        parent, hit = ROOT_HASH, 0
-        while hit + bs <= limit:
-            tokens = tuple(ids[hit:hit + bs])
-            h = block_hash(parent, tokens, extra)
-            bid = self.by_hash.get(h)
-            if bid is None or self.blocks[bid].tokens != tokens:
-                break
-            self._ref_cached(bid)
+        hashes, found = self._lookup_chain(ids, limit, extra)
+        n, first = len(found), 0
+        if self.sliding_window is not None:
+            n, first = self._window_match(hashes, found)
+        else:
+            n = next((i for i, bid in enumerate(found) if bid is None), n)
+        for i in range(n):
+            bid = found[i] if i >= first else NULL_BLOCK
+            if bid != NULL_BLOCK:
+                self._ref_cached(bid)
             seq.block_table.append(bid)
-            seq.block_hashes.append(h)
-            parent, hit = h, hit + bs
+            seq.block_hashes.append(hashes[i])
+        hit = n * bs
+        parent = hashes[n - 1] if n else ROOT_HASH
         copied = self._match_partial(seq, parent, hit, limit)
         seq.num_computed_tokens = hit + copied
         self._last_match = (hit + copied, copied)
+
+    def _lookup_chain(self, ids: list[int], limit: int, extra: object) -> tuple[list[int], list[int | None]]:
+        """The chained hashes of the prompt's full blocks before `limit`, and the cached block
+        holding each (None where none does); stops after the first miss unless windows slide."""
+        bs = self.block_size
+        hashes: list[int] = []
+        found: list[int | None] = []
+        parent, pos = ROOT_HASH, 0
+        while pos + bs <= limit:
+            tokens = tuple(ids[pos:pos + bs])
+            h = block_hash(parent, tokens, extra)
+            bid = self.by_hash.get(h)
+            if bid is not None and self.blocks[bid].tokens != tokens:
+                bid = None
+            hashes.append(h)
+            found.append(bid)
+            if bid is None and self.sliding_window is None:
+                break
+            parent, pos = h, pos + bs
+        return hashes, found
+
+    def _window_match(self, hashes: list[int], found: list[int | None]) -> tuple[int, int]:
+        """(blocks matched, first one held): the furthest n whose window before token n * bs
+        is all cached; the blocks before that window stay null (never read)."""
+        bs = self.block_size
+        for n in range(len(found), 0, -1):
+            # The query at n * bs sees keys after n * bs - window.
+            first = max(0, n * bs - self.sliding_window + 1) // bs
+            if all(b is not None for b in found[first:n]):
+                return n, first
+        return 0, 0
 
     def record_admission(self, seq: Sequence) -> None:
         """Count a lookup once its sequence is actually admitted (lookups may be retried).

@@ -128,13 +128,13 @@ class LLMEngine:
         self.prefix_caching, self.prefix_caching_note = _prefix_caching_mode(cache_cfg, cfg)
         if cache_cfg.enable_prefix_caching and not self.prefix_caching:
             logger.info("prefix caching is off: %s", self.prefix_caching_note)
+        window = cfg.sliding_window if cfg.all_layers_sliding else None
         self.block_manager = BlockManager(self.cache_plan.num_blocks, cache_cfg.block_size,
-                                          self.prefix_caching, cache_cfg.prefix_cache_n, copy_fn)
+                                          self.prefix_caching, cache_cfg.prefix_cache_n, copy_fn, window)
         self.backend = backend
         committed, how = committed_bytes(self)
         logger.info("%s; committed now %.1f MB (%s)", self.cache_plan.describe(self.kv_spec),
                     committed / 2**20, how)
-        window = cfg.sliding_window if cfg.all_layers_sliding else None
         self.scheduler = Scheduler(sched_cfg, self.block_manager, window)
         self.runner = ModelRunner(self.model, backend, cache_cfg.block_size, device, Sampler(device, seed))
         # Structured output; llguidance's token trie is built on the first constrained request.
@@ -517,7 +517,8 @@ def _prefix_caching_mode(cache_cfg: CacheConfig, cfg) -> tuple[bool, str]:
         return False, "disabled by the user"
     if not cache_cfg.paged_attention:
         return False, "needs paged attention (a contiguous per-sequence cache cannot share blocks)"
-    if any(w is not None for w in cfg.layer_windows):
-        return False, ("sliding-window layers release blocks outside the window, so a cached "
-                       "prefix would not stay whole; it is never reused across the window")
-    return True, f"on: chained block hashes, up to {cache_cfg.prefix_cache_n} finished sequences kept"
+    note = f"on: chained block hashes, up to {cache_cfg.prefix_cache_n} finished sequences kept"
+    if cfg.all_layers_sliding:
+        note += ("; blocks behind the sliding window are released into the LRU, and a prefix is "
+                 "reused where the window before its end is still cached")
+    return True, note
