@@ -20,10 +20,13 @@ class BlockManagerMachine(RuleBasedStateMachine):
     """Random admit / decode / fork / finish / preempt / abort against a shadow of the
     physical cache: every computed slot of a live table must hold that sequence's token."""
 
+    windows: list[int | None] = [None]  # one KV group, global
+
     def __init__(self) -> None:
         super().__init__()
         self.phys: dict[int, list[int | None]] = {}
-        self.bm = BlockManager(14, BS, enable_caching=True, max_cached_seqs=3, copy_fn=self._copy)
+        self.bm = BlockManager(14 * len(self.windows), BS, enable_caching=True, max_cached_seqs=3,
+                               copy_fn=self._copy, group_windows=self.windows)
         self.live: list[Sequence] = []
 
     def _copy(self, src: int, dst: int, n: int) -> None:
@@ -32,15 +35,18 @@ class BlockManagerMachine(RuleBasedStateMachine):
         d[:n] = s[:n]
 
     def _compute(self, seq: Sequence, upto: int) -> None:
-        for p in range(seq.num_computed_tokens, upto):
-            self.phys.setdefault(seq.block_table[p // BS], [None] * BS)[p % BS] = seq.token_ids[p]
+        for table in self.bm.tables(seq):
+            for p in range(seq.num_computed_tokens, upto):
+                self.phys.setdefault(table[p // BS], [None] * BS)[p % BS] = seq.token_ids[p]
         seq.num_computed_tokens = upto
         self.bm.commit_full_blocks(seq)
+        self.bm.release_window(seq)
 
     @rule(prefix=st.sampled_from(PREFIXES), tail=st.lists(st.integers(0, 3), max_size=6))
     def admit(self, prefix, tail):
         seq = Sequence("r", prefix + tail, SamplingParams())
         self.bm.match_prefix(seq)
+        self.bm.release_window(seq)
         if not self.bm.can_grow(seq, seq.num_tokens):
             self.bm.free(seq, "keep")
             return
@@ -81,10 +87,13 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.bm.check_invariants(self.live)
         assert len(self.bm.retained) <= 3
         for seq in self.live:
-            assert len(seq.block_table) >= -(-seq.num_computed_tokens // BS)
-            for p in range(seq.num_computed_tokens):
-                got = self.phys[seq.block_table[p // BS]][p % BS]
-                assert got == seq.token_ids[p], f"slot {p} holds {got}, expected {seq.token_ids[p]}"
+            for table, w in zip(self.bm.tables(seq), self.windows):
+                assert len(table) >= -(-seq.num_computed_tokens // BS)
+                # A sliding group must still hold the window its next query reads.
+                first = 0 if w is None else max(0, seq.num_computed_tokens - w + 1)
+                for p in range(first, seq.num_computed_tokens):
+                    got = self.phys[table[p // BS]][p % BS]
+                    assert got == seq.token_ids[p], f"slot {p} holds {got}, expected {seq.token_ids[p]}"
 
     def teardown(self):
         for seq in self.live:
@@ -95,6 +104,17 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
 TestBlockManagerMachine = BlockManagerMachine.TestCase
 TestBlockManagerMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+class HybridBlockManagerMachine(BlockManagerMachine):
+    """The same with a global and a sliding KV group (Gemma-like): one pool, two tables per
+    sequence, the sliding one released behind its window of 6 tokens."""
+
+    windows = [None, 6]
+
+
+TestHybridBlockManagerMachine = HybridBlockManagerMachine.TestCase
+TestHybridBlockManagerMachine.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
 
 
 # -- engine level, on a random-weight Llama ---------------------------------------
@@ -246,7 +266,7 @@ def test_sliding_window_match_needs_only_the_window():
     """Window 8, blocks of 4: a prompt reuses the cached chain up to its furthest full block
     whose two preceding blocks are cached, even after the blocks before them were evicted;
     the entries before the window stay null and are never held."""
-    bm = BlockManager(12, BS, enable_caching=True, max_cached_seqs=4, sliding_window=8,
+    bm = BlockManager(12, BS, enable_caching=True, max_cached_seqs=4, group_windows=[8],
                       copy_fn=lambda src, dst, n: None)
     first = Sequence("a", list(range(1, 26)), SamplingParams())  # 6 full blocks + 1 token
     bm.match_prefix(first)

@@ -22,8 +22,14 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor | None = None  # [num_tokens] int64: where each new K/V goes
     block_tables: torch.Tensor | None = None  # [num_seqs, max_blocks] int64, padded with 0
     decode_context_lens: torch.Tensor | None = None  # [num_decodes] int64
+    # KV groups after the first (kv/groups.py): the same batch with their slot mappings and
+    # block tables.
+    groups: list["AttentionMetadata"] = field(default_factory=list)
     # Masks and slot ids are shared by every layer: built once, on first use.
     _mask_cache: dict = field(default_factory=dict, repr=False)
+
+    def group(self, g: int) -> "AttentionMetadata":
+        return self if g == 0 else self.groups[g - 1]
 
     @property
     def num_seqs(self) -> int:

@@ -26,8 +26,11 @@ class PagedAttentionBackend:
     name = "torch-paged"
     uses_block_tables = True
 
-    def __init__(self, cache: PagedKVCache) -> None:
+    def __init__(self, cache: PagedKVCache, layer_groups: list[int] | None = None) -> None:
         self.cache = cache
+        # Per model layer: the KV group whose block tables it reads (kv/groups.py).
+        self.layer_groups = layer_groups
+        self.num_groups = 1 + max(layer_groups or [0])
         # The native decode kernel reads the storage dtype as the compute dtype: plain caches only.
         self.native = None
         if cache.data.device.type == "cpu" and not cache.spec.mode.quantized:
@@ -39,7 +42,8 @@ class PagedAttentionBackend:
 
     def layer(self, index: int, window: int | None, scale: float,
               softcap: float | None = None) -> "PagedAttentionLayer":
-        return PagedAttentionLayer(self.cache.layer(index), window, scale, self.native, softcap)
+        group = self.layer_groups[index] if self.layer_groups else 0
+        return PagedAttentionLayer(self.cache.layer(index), window, scale, self.native, softcap, group)
 
     def free_seq(self, seq_id: int) -> None:  # blocks are owned by the block manager
         pass
@@ -50,8 +54,9 @@ class PagedAttentionBackend:
 
 class PagedAttentionLayer:
     def __init__(self, kv: KVLayer, window: int | None, scale: float, native=None,
-                 softcap: float | None = None) -> None:
+                 softcap: float | None = None, group: int = 0) -> None:
         self.kv = kv
+        self.group = group
         self.block_size = kv.block_size
         self.window = window
         self.scale = scale
@@ -60,6 +65,7 @@ class PagedAttentionLayer:
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  meta: AttentionMetadata) -> torch.Tensor:
+        meta = meta.group(self.group)
         self.kv.write(k, v, meta.slot_mapping)
         nd = meta.num_decodes
         if nd == meta.num_seqs:
@@ -78,6 +84,7 @@ class PagedAttentionLayer:
         the fused q|k|v projection in one call; None where that path does not apply."""
         if self.native is None or meta.num_decodes != meta.num_seqs or qkv.dtype != self.kv.dtype:
             return None
+        meta = meta.group(self.group)
         cos, sin = rope
         return self.native.paged_decode_qkv(qkv, cos, sin, self.kv.k, self.kv.v, meta.slot_mapping,
                                             meta.block_tables, meta.decode_context_lens, hq, hkv,

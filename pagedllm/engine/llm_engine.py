@@ -16,9 +16,10 @@ import torch
 
 from ..attention.contiguous import ContiguousBackend
 from ..attention.paged import PagedAttentionBackend
-from ..config import CacheConfig, SchedulerConfig, cdiv
+from ..config import CacheConfig, SchedulerConfig
 from ..kv.cache import KVCacheSpec, PagedKVCache, plan_cache
 from ..kv.calibration import resolve_fp8_scales
+from ..kv.groups import blocks_held, plan_groups
 from ..kv.trace import committed_bytes
 from ..loading.loader import LoadedModel
 from ..outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -108,18 +109,26 @@ class LLMEngine:
         src = loaded.source
         self.model_name = src.path.name if src.name == "default" else src.name  # for errors
 
-        self.kv_spec = KVCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
+        # Layers that attend alike share a block table; sliding and global layers do not.
+        self.kv_groups = plan_groups(cfg.layer_windows, cfg.num_layers, hybrid=cache_cfg.paged_attention)
+        self.kv_spec = KVCacheSpec(self.kv_groups.slots, cfg.num_kv_heads, cfg.head_dim,
                                    cache_cfg.block_size, dtype, cache_cfg.kv_cache_dtype)
         head_scales = None  # f8e4m3: per-(layer, kv head) scales, fixed for the engine's life
         if self.kv_spec.mode.head_scales:
             head_scales, self.kv_spec.scale_source = resolve_fp8_scales(
                 self.model, self.tokenizer, loaded.kv_scales, cfg.num_layers, cfg.num_kv_heads, device)
+        windows = self.kv_groups.windows
         self.cache_plan = plan_cache(self.kv_spec, cache_cfg, device, sched_cfg.max_model_len,
-                                     sched_cfg.max_num_seqs)
+                                     sched_cfg.max_num_seqs,
+                                     lambda n: blocks_held(windows, n, cache_cfg.block_size,
+                                                           sched_cfg.max_num_batched_tokens),
+                                     self.kv_groups.num_groups)
         if cache_cfg.paged_attention:
-            self.kv_cache: PagedKVCache | None = PagedKVCache(self.kv_spec, self.cache_plan.num_blocks, device,
-                                                                head_scales)
-            backend = PagedAttentionBackend(self.kv_cache)
+            slot, group = self.kv_groups.layer_slot, self.kv_groups.layer_group
+            self.kv_cache: PagedKVCache | None = PagedKVCache(
+                self.kv_spec, self.cache_plan.num_blocks, device, head_scales,
+                [slot[i] for i in range(cfg.num_layers)])
+            backend = PagedAttentionBackend(self.kv_cache, [group[i] for i in range(cfg.num_layers)])
             copy_fn = self.kv_cache.copy_block_prefix
         else:
             self.kv_cache = None
@@ -128,14 +137,13 @@ class LLMEngine:
         self.prefix_caching, self.prefix_caching_note = _prefix_caching_mode(cache_cfg, cfg)
         if cache_cfg.enable_prefix_caching and not self.prefix_caching:
             logger.info("prefix caching is off: %s", self.prefix_caching_note)
-        window = cfg.sliding_window if cfg.all_layers_sliding else None
         self.block_manager = BlockManager(self.cache_plan.num_blocks, cache_cfg.block_size,
-                                          self.prefix_caching, cache_cfg.prefix_cache_n, copy_fn, window)
+                                          self.prefix_caching, cache_cfg.prefix_cache_n, copy_fn, windows)
         self.backend = backend
         committed, how = committed_bytes(self)
         logger.info("%s; committed now %.1f MB (%s)", self.cache_plan.describe(self.kv_spec),
                     committed / 2**20, how)
-        self.scheduler = Scheduler(sched_cfg, self.block_manager, window)
+        self.scheduler = Scheduler(sched_cfg, self.block_manager)
         self.runner = ModelRunner(self.model, backend, cache_cfg.block_size, device, Sampler(device, seed))
         # Structured output; llguidance's token trie is built on the first constrained request.
         self.structured = GrammarEngine(self.tokenizer, cfg.vocab_size, sorted(self.eos_token_ids))
@@ -229,9 +237,7 @@ class LLMEngine:
                 f"prompt has {len(ids)} tokens but max_model_len is {max_len}: it leaves no room "
                 f"to generate; shorten the prompt or raise max_model_len")
         need = min(len(ids) + params.max_tokens, max_len)
-        if self.scheduler.sliding_window is not None:
-            need = min(need, self.scheduler.sliding_window + self.sched_config.max_num_batched_tokens)
-        blocks = cdiv(need, self.cache_config.block_size) + (1 if self.scheduler.sliding_window else 0)
+        blocks = self.block_manager.max_blocks(need, self.sched_config.max_num_batched_tokens)
         usable = self.block_manager.num_usable_blocks
         if blocks * params.n > usable:
             raise ValueError(
@@ -286,9 +292,8 @@ class LLMEngine:
         as `top1` receives each prompt's argmax predictions ([T-1] int64) too."""
         params = SamplingParams(max_tokens=1)
         seqs = [Sequence("__score__", self._check_prompt(list(p), params), params) for p in prompts]
-        bs = self.cache_config.block_size
-        need = sum(cdiv(s.num_tokens, bs) for s in seqs)
-        if self.scheduler.sliding_window is None and need > self.block_manager.num_free_blocks:
+        need = sum(self.block_manager.max_blocks(s.num_tokens, chunk_size) for s in seqs)
+        if need > self.block_manager.num_free_blocks:
             raise ValueError(f"scoring {len(seqs)} prompts at once needs {need} KV blocks but "
                              f"{self.block_manager.num_free_blocks} are free; score fewer at a time "
                              "or give the KV cache more memory")
@@ -383,13 +388,13 @@ class LLMEngine:
     def _track_waste(self) -> None:
         bs = self.cache_config.block_size
         alloc = held = 0
-        sliding = self.scheduler.sliding_window is not None
         for s in self.scheduler.running:  # O(running); list.count runs in C
-            released = s.block_table.count(0) if sliding else 0  # null entries behind a window
-            alloc += (len(s.block_table) - released) * bs
-            # Computed tokens are the ones holding a slot: a prompt still being prefilled in
-            # chunks has blocks only for its chunks so far.
-            held += s.num_computed_tokens - released * bs
+            for table in self.block_manager.tables(s):
+                released = table.count(0)  # null entries behind a window
+                alloc += (len(table) - released) * bs
+                # Computed tokens are the ones holding a slot: a prompt still being prefilled in
+                # chunks has blocks only for its chunks so far.
+                held += s.num_computed_tokens - released * bs
         if alloc:
             self.waste_sum += max(0.0, 1 - held / alloc)
             self.waste_steps += 1

@@ -5,6 +5,8 @@ batched call), then prefill chunks.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from ..attention.metadata import AttentionMetadata
@@ -29,9 +31,11 @@ class ModelRunner:
 
     def prepare(self, batch: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         bs = self.block_size
+        paged = self.backend.uses_block_tables
+        groups = getattr(self.backend, "num_groups", 1)
         ids: list[int] = []
         pos: list[int] = []
-        slots: list[int] = []
+        slots: list[list[int]] = [[] for _ in range(groups)]  # per KV group
         qsl = [0]
         ctx_lens: list[int] = []
         logits_idx: list[int] = []
@@ -44,9 +48,10 @@ class ModelRunner:
                 num_decodes += 1
             ids.extend(seq.token_ids[start:end])
             pos.extend(range(start, end))
-            if self.backend.uses_block_tables:
-                table = seq.block_table
-                slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            if paged:
+                for g, table in enumerate([seq.block_table, *seq.group_tables] if groups > 1 else
+                                          [seq.block_table]):
+                    slots[g].extend(table[p // bs] * bs + p % bs for p in range(start, end))
             qsl.append(qsl[-1] + n)
             ctx_lens.append(end)
             if item.samples:
@@ -57,17 +62,19 @@ class ModelRunner:
             query_start_loc=qsl,
             context_lens=ctx_lens,
         )
-        if not self.backend.uses_block_tables:
+        if not paged:
             input_ids, positions = self.upload.ints([ids, pos])
             return input_ids, positions, meta, logits_idx
-        width = max(len(it.seq.block_table) for it in batch)
-        tables: list[int] = []
-        for it in batch:
-            tables += it.seq.block_table
-            tables += [0] * (width - len(it.seq.block_table))
-        input_ids, positions, meta.slot_mapping, flat_tables, meta.decode_context_lens = self.upload.ints(
-            [ids, pos, slots, tables, ctx_lens[:num_decodes]])
-        meta.block_tables = flat_tables.view(len(batch), width)
+        tables = [_padded_tables([it.seq.block_table if g == 0 else it.seq.group_tables[g - 1]
+                                  for it in batch]) for g in range(groups)]
+        up = self.upload.ints([ids, pos, ctx_lens[:num_decodes]] + slots + [t for t, _ in tables])
+        input_ids, positions, meta.decode_context_lens = up[:3]
+        for g in range(groups):
+            m = meta if g == 0 else replace(meta, groups=[], _mask_cache={})
+            m.slot_mapping = up[3 + g]
+            m.block_tables = up[3 + groups + g].view(len(batch), tables[g][1])
+            if g:
+                meta.groups.append(m)
         return input_ids, positions, meta, logits_idx
 
     @torch.inference_mode()
@@ -150,6 +157,16 @@ def sampling_metadata(seqs: list[Sequence]) -> SamplingMetadata:
         seeds=[None if p.seed is None else p.seed + s.index for s, p in zip(seqs, params)],
         output_pos=[s.num_output_tokens for s in seqs],
     )
+
+
+def _padded_tables(tables: list[list[int]]) -> tuple[list[int], int]:
+    """The tables flattened, each padded with the null block to the longest; and that width."""
+    width = max(len(t) for t in tables)
+    flat: list[int] = []
+    for t in tables:
+        flat += t
+        flat += [0] * (width - len(t))
+    return flat, width
 
 
 def _is_decode(item: ScheduledSeq) -> bool:
