@@ -72,3 +72,22 @@ def test_sliding_groups_hold_one_window_at_8192_tokens(tmp_path, hf_smollm2_toke
     assert ideal <= hybrid_pages <= ideal + 2 * 17  # the last sliding group's two idle slots
     assert hybrid_pages < uniform_pages / 4
     assert eng.block_manager.num_used_blocks == 0
+
+
+def test_hybrid_n2_forks_every_group(tmp_path, hf_smollm2_tokenizer):
+    """n=2 shares the prompt's blocks in every KV group, copy-on-write; greedy siblings equal
+    the single run, and nothing leaks."""
+    from models import build_checkpoint
+
+    tok = hf_smollm2_tokenizer
+    path = build_checkpoint("gemma3", tmp_path / "g3", tok, len(tok))
+    llm = LLM(str(path), dtype="float32", kv_cache_memory_mb=16, block_size=16)
+    prompt = torch.randint(0, 1000, (130,), generator=torch.Generator().manual_seed(1)).tolist()
+    one = llm.generate([prompt], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True),
+                       use_tqdm=False)[0].token_ids
+    two = llm.generate([prompt], SamplingParams(n=2, max_tokens=40, temperature=0.0, ignore_eos=True),
+                       use_tqdm=False)[0].outputs
+    assert [o.token_ids for o in two] == [one, one]
+    assert llm.engine.block_manager.num_groups == 4
+    assert llm.engine.block_manager.num_used_blocks == 0
+    llm.engine.block_manager.check_invariants([])
