@@ -44,6 +44,14 @@ class ModelConfig:
     layer_windows: list[int | None] = field(default_factory=list)
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
+    # Sliding layers' own rope (Gemma 3: rope_local_base_freq); None: the same as global layers.
+    local_rope_theta: float | None = None
+    local_rope_scaling: dict | None = None
+    # Gemma: attention scale query_pre_attn_scalar ** -0.5 instead of head_dim ** -0.5.
+    query_pre_attn_scalar: float | None = None
+    attn_logit_softcapping: float | None = None  # Gemma 2: tanh cap on attention scores
+    final_logit_softcapping: float | None = None  # Gemma 2: tanh cap on the logits
+    hidden_activation: str = "silu"
 
     @property
     def all_layers_sliding(self) -> bool:
@@ -64,14 +72,12 @@ class ModelConfig:
         layer_windows = _layer_windows(d, n_layers, window)
         eos = d.get("eos_token_id")
         eos_ids = [] if eos is None else ([int(eos)] if isinstance(eos, int) else [int(e) for e in eos])
-        rope_theta = d.get("rope_theta")
-        rope_scaling = d.get("rope_scaling")
-        # transformers >= 5 nests theta and scaling under rope_parameters.
-        rp = d.get("rope_parameters")
-        if isinstance(rp, dict):
-            rope_theta = rp.get("rope_theta", rope_theta)
-            if rp.get("rope_type", "default") != "default":
-                rope_scaling = rp
+        rope_theta, rope_scaling = _rope(d, d.get("rope_theta"), d.get("rope_scaling"), "full_attention")
+        local_theta, local_scaling = None, None
+        if "rope_local_base_freq" in d or _per_layer_type_rope(d):  # Gemma 3: sliding layers' own rope
+            local_theta, local_scaling = _rope(d, d.get("rope_local_base_freq"), None, "sliding_attention")
+        if (rope_scaling or {}).get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0)) != 1.0:
+            raise ValueError("partial_rotary_factor != 1 (rope on part of each head) is not supported")
         return cls(
             architecture=archs[0],
             vocab_size=int(d["vocab_size"]),
@@ -92,7 +98,39 @@ class ModelConfig:
             layer_windows=layer_windows,
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            local_rope_theta=None if local_theta is None else float(local_theta),
+            local_rope_scaling=local_scaling,
+            query_pre_attn_scalar=d.get("query_pre_attn_scalar"),
+            attn_logit_softcapping=d.get("attn_logit_softcapping"),
+            final_logit_softcapping=d.get("final_logit_softcapping"),
+            hidden_activation=d.get("hidden_activation") or d.get("hidden_act") or "silu",
         )
+
+
+def _per_layer_type_rope(d: dict) -> bool:
+    rp = d.get("rope_parameters")
+    return isinstance(rp, dict) and isinstance(rp.get("full_attention"), dict)
+
+
+def _rope(d: dict, theta: float | None, scaling: dict | None, layer_type: str) -> tuple[float, dict | None]:
+    """(theta, scaling or None) of one layer type. transformers >= 5 nests them under
+    rope_parameters, per layer type for models whose layer types differ (Gemma 3)."""
+    rp = d.get("rope_parameters")
+    if _per_layer_type_rope(d):
+        rp = rp.get(layer_type)
+    if isinstance(rp, dict):
+        theta = rp.get("rope_theta", theta)
+        if rp.get("rope_type", "default") != "default":
+            scaling = rp
+    if scaling and (scaling.get("rope_type") or scaling.get("type")) in ("longrope", "su"):
+        # LongRoPE picks its factors against the pretraining length, kept beside the scaling
+        # in older configs (Phi-3).
+        scaling = {"original_max_position_embeddings": d.get("original_max_position_embeddings"), **scaling}
+        if not scaling.get("factor") and scaling["original_max_position_embeddings"]:
+            scaling["factor"] = d["max_position_embeddings"] / scaling["original_max_position_embeddings"]
+    if theta is None:
+        theta = 10000.0
+    return theta, scaling
 
 
 def _layer_windows(d: dict, n_layers: int, window: int | None) -> list[int | None]:
@@ -102,6 +140,12 @@ def _layer_windows(d: dict, n_layers: int, window: int | None) -> list[int | Non
     layer_types = d.get("layer_types")
     if layer_types:
         return [int(window) if t == "sliding_attention" else None for t in layer_types]
+    model_type = d.get("model_type")
+    if model_type == "gemma2":  # configs from before layer_types: even layers slide
+        return [int(window) if i % 2 == 0 else None for i in range(n_layers)]
+    if model_type in ("gemma3_text", "gemma3"):  # one global layer every sliding_window_pattern
+        pattern = int(d.get("sliding_window_pattern") or d.get("_sliding_window_pattern") or 6)
+        return [int(window) if (i + 1) % pattern else None for i in range(n_layers)]
     if d.get("model_type") == "qwen2" or "use_sliding_window" in d:
         if not d.get("use_sliding_window", False):
             return [None] * n_layers

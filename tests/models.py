@@ -5,12 +5,20 @@ from pathlib import Path
 
 import torch
 
-FAMILIES = ("llama", "mistral", "qwen2")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
+# Families whose sliding window (48) is shorter than the longer test prompts.
+SLIDING = {"mistral", "gemma2", "gemma3"}
+
+
+def _longrope_factors(n: int, seed: int) -> tuple[list[float], list[float]]:
+    g = torch.Generator().manual_seed(seed)
+    return ((1 + torch.rand(n, generator=g)).tolist(), (1 + 8 * torch.rand(n, generator=g)).tolist())
 
 
 def build_checkpoint(family: str, out: Path, tokenizer, vocab_size: int, seed: int = 0,
-                     intermediate_size: int = 160) -> Path:
-    """Save a small random model of `family` with `tokenizer` into `out`; returns `out`."""
+                     intermediate_size: int = 160, **overrides) -> Path:
+    """Save a small random model of `family` with `tokenizer` into `out`; returns `out`.
+    `overrides` replace config values (phi3: `original_max_position_embeddings`)."""
     import transformers as tf
 
     common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=intermediate_size,
@@ -28,10 +36,36 @@ def build_checkpoint(family: str, out: Path, tokenizer, vocab_size: int, seed: i
         cfg = tf.MistralConfig(**common, sliding_window=48)
     elif family == "qwen2":
         cfg = tf.Qwen2Config(**{**common, "tie_word_embeddings": True})
+    elif family == "qwen3":  # six query heads over two KV heads, head_dim apart from hidden / heads
+        cfg = tf.Qwen3Config(**{**common, "num_attention_heads": 6, "head_dim": 16, "tie_word_embeddings": True})
+    elif family == "phi3":  # LongRoPE; short factors while the context stays within the original length
+        short, long = _longrope_factors(8, seed)
+        orig = overrides.pop("original_max_position_embeddings", common["max_position_embeddings"])
+        cfg = tf.Phi3Config(**common, original_max_position_embeddings=orig,
+                            rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                                             "short_factor": short, "long_factor": long})
+    elif family == "gemma2":
+        cfg = tf.Gemma2Config(**common, head_dim=16, query_pre_attn_scalar=24, sliding_window=48,
+                              attn_logit_softcapping=5.0, final_logit_softcapping=10.0)
+    elif family == "gemma3":  # global layer 2 of 4, linear rope scaling on it only, q/k norms
+        cfg = tf.Gemma3TextConfig(
+            **{**common, "hidden_size": 96, "num_hidden_layers": 4, "num_attention_heads": 6,
+               "num_key_value_heads": 3},
+            head_dim=16, query_pre_attn_scalar=20, sliding_window=48,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+            rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
+                             "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
     else:
         raise ValueError(family)
+    for k, v in overrides.items():
+        setattr(cfg, k, v)
     torch.manual_seed(seed)
     model = tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    if family in ("qwen3", "gemma2", "gemma3"):  # random norms, so a misread (1 + w) or q/k norm shows
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.normal_(0, 0.3)
     if family == "qwen2":  # random biases, so a bias that is dropped cannot go unnoticed
         with torch.no_grad():
             for layer in model.model.layers:

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
-from models import FAMILIES, reference_family
+from models import FAMILIES, SLIDING, build_checkpoint, reference_family
 
 PROMPT_LENS = [1, 7, 31, 64, 100, 173, 250, 300]
 NEW_TOKENS = 32
@@ -63,3 +63,28 @@ def test_same_tokens_across_cache_layouts(family_ckpt, variant):
     assert not eng.requests and not eng.scheduler.has_unfinished()
     if variant == "contiguous":
         assert eng.backend.num_seqs_held == 0
+
+
+def test_phi3_longrope_long_factors(tmp_path, hf_smollm2_tokenizer):
+    """Prompts past LongRoPE's original length: transformers rotates by the long factors (and
+    the attention factor) for the whole sequence, and so do we once max_model_len passes it."""
+    import transformers as tf
+
+    tok = hf_smollm2_tokenizer
+    path = build_checkpoint("phi3", tmp_path / "phi3", tok, len(tok), original_max_position_embeddings=64)
+    ref = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, len(tok), (n,), generator=g).tolist() for n in (65, 173, 300)]
+    llm = LLM(str(path), dtype="float32", kv_cache_memory_mb=16)
+    for p in prompts:
+        with torch.no_grad():
+            want = ref(torch.tensor([p])).logits[0]
+        err = (llm.engine.prompt_logits(p) - want).abs().max().item()
+        assert err < 1e-4, f"long-factor prefill logits differ by {err}"
+    expected = []
+    with torch.no_grad():
+        for p in prompts:
+            out = ref.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False,
+                               eos_token_id=None, pad_token_id=0)
+            expected.append(out[0, len(p):].tolist())
+    assert _greedy(llm, prompts) == expected

@@ -155,6 +155,12 @@ def mistral_ckpt(tmp_path_factory, hf_smollm2_tokenizer):
     return build_checkpoint("mistral", tmp_path_factory.mktemp("mistral-q"), tok, len(tok))
 
 
+@pytest.fixture(scope="module")
+def gemma3_ckpt(tmp_path_factory, hf_smollm2_tokenizer):
+    tok = hf_smollm2_tokenizer
+    return build_checkpoint("gemma3", tmp_path_factory.mktemp("gemma3-q"), tok, len(tok))
+
+
 def _prompts(n: int, vocab: int, lens=(5, 40, 90, 150), seed: int = 7) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab, (lens[i % len(lens)],), generator=g).tolist() for i in range(n)]
@@ -214,11 +220,14 @@ def _no_leaks(llm: LLM) -> None:
     bm.check_invariants([])
 
 
+@pytest.mark.parametrize("family", ["mistral", "gemma3"])
 @pytest.mark.parametrize("ct", QUANT)
-def test_generate_preempt_window_contiguous(mistral_ckpt, ct):
-    """Mistral slides a 48-token window; a tiny cache forces preemption; the contiguous
-    backend stores the same quantized values. Every attention reads K/V back from the
-    cache, so all three give the same tokens; none leaks a block."""
+def test_generate_preempt_window_contiguous(request, family, ct):
+    """Mistral slides a 48-token window; Gemma 3 mixes such layers with a global one (KV
+    groups); a tiny cache forces preemption; the contiguous backend stores the same quantized
+    values. Every attention reads K/V back from the cache, so all three give the same tokens;
+    none leaks a block."""
+    mistral_ckpt = request.getfixturevalue(f"{family}_ckpt")
     prompts = _prompts(4, 1000)
     runs = {
         "paged": dict(kv_cache_memory_mb=8),

@@ -20,10 +20,13 @@ class BlockManagerMachine(RuleBasedStateMachine):
     """Random admit / decode / fork / finish / preempt / abort against a shadow of the
     physical cache: every computed slot of a live table must hold that sequence's token."""
 
+    windows: list[int | None] = [None]  # one KV group, global
+
     def __init__(self) -> None:
         super().__init__()
         self.phys: dict[int, list[int | None]] = {}
-        self.bm = BlockManager(14, BS, enable_caching=True, max_cached_seqs=3, copy_fn=self._copy)
+        self.bm = BlockManager(14 * len(self.windows), BS, enable_caching=True, max_cached_seqs=3,
+                               copy_fn=self._copy, group_windows=self.windows)
         self.live: list[Sequence] = []
 
     def _copy(self, src: int, dst: int, n: int) -> None:
@@ -32,15 +35,18 @@ class BlockManagerMachine(RuleBasedStateMachine):
         d[:n] = s[:n]
 
     def _compute(self, seq: Sequence, upto: int) -> None:
-        for p in range(seq.num_computed_tokens, upto):
-            self.phys.setdefault(seq.block_table[p // BS], [None] * BS)[p % BS] = seq.token_ids[p]
+        for table in self.bm.tables(seq):
+            for p in range(seq.num_computed_tokens, upto):
+                self.phys.setdefault(table[p // BS], [None] * BS)[p % BS] = seq.token_ids[p]
         seq.num_computed_tokens = upto
         self.bm.commit_full_blocks(seq)
+        self.bm.release_window(seq)
 
     @rule(prefix=st.sampled_from(PREFIXES), tail=st.lists(st.integers(0, 3), max_size=6))
     def admit(self, prefix, tail):
         seq = Sequence("r", prefix + tail, SamplingParams())
         self.bm.match_prefix(seq)
+        self.bm.release_window(seq)
         if not self.bm.can_grow(seq, seq.num_tokens):
             self.bm.free(seq, "keep")
             return
@@ -81,10 +87,13 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.bm.check_invariants(self.live)
         assert len(self.bm.retained) <= 3
         for seq in self.live:
-            assert len(seq.block_table) >= -(-seq.num_computed_tokens // BS)
-            for p in range(seq.num_computed_tokens):
-                got = self.phys[seq.block_table[p // BS]][p % BS]
-                assert got == seq.token_ids[p], f"slot {p} holds {got}, expected {seq.token_ids[p]}"
+            for table, w in zip(self.bm.tables(seq), self.windows):
+                assert len(table) >= -(-seq.num_computed_tokens // BS)
+                # A sliding group must still hold the window its next query reads.
+                first = 0 if w is None else max(0, seq.num_computed_tokens - w + 1)
+                for p in range(first, seq.num_computed_tokens):
+                    got = self.phys[table[p // BS]][p % BS]
+                    assert got == seq.token_ids[p], f"slot {p} holds {got}, expected {seq.token_ids[p]}"
 
     def teardown(self):
         for seq in self.live:
@@ -95,6 +104,17 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
 TestBlockManagerMachine = BlockManagerMachine.TestCase
 TestBlockManagerMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+class HybridBlockManagerMachine(BlockManagerMachine):
+    """The same with a global and a sliding KV group (Gemma-like): one pool, two tables per
+    sequence, the sliding one released behind its window of 6 tokens."""
+
+    windows = [None, 6]
+
+
+TestHybridBlockManagerMachine = HybridBlockManagerMachine.TestCase
+TestHybridBlockManagerMachine.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
 
 
 # -- engine level, on a random-weight Llama ---------------------------------------
@@ -221,3 +241,49 @@ def test_waste_counts_only_computed_tokens(ckpt):
     # Then 40 + 20 more prompt tokens, then 3 decodes: every later step had some waste too.
     assert 0 < llm.kv_cache_trace().waste_avg < 8 / 48
     _assert_clean(llm)
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma3"])
+def test_multi_turn_sliding_window_models(tmp_path, hf_smollm2_tokenizer, family):
+    """Sliding windows (48 tokens, shorter than every later turn): Mistral releases blocks
+    behind the window and reuses a prefix where the window before its end is cached; Gemma 3's
+    global layers keep every block. Either way caching changes no token."""
+    tok = hf_smollm2_tokenizer
+    path = build_checkpoint(family, tmp_path / family, tok, len(tok))
+    on, off = _llm(path, block_size=16), _llm(path, block_size=16, enable_prefix_caching=False)
+    a_on, a_off = _multi_turn(on), _multi_turn(off)
+    assert [a[0] for a in a_on] == [a[0] for a in a_off]
+    last = a_on[-3:]  # turn 6 of each conversation
+    share = sum(c for _, c, _ in last) / sum(p for _, _, p in last)
+    print(f"{family}: turn 6 cached share {share:.3f} ({[(c, p) for _, c, p in last]})")
+    assert all(p > 48 for _, _, p in last) and share >= 0.8, last
+    assert all(cached == 0 for _, cached, _ in a_off)
+    _assert_clean(on)
+    _assert_clean(off)
+
+
+def test_sliding_window_match_needs_only_the_window():
+    """Window 8, blocks of 4: a prompt reuses the cached chain up to its furthest full block
+    whose two preceding blocks are cached, even after the blocks before them were evicted;
+    the entries before the window stay null and are never held."""
+    bm = BlockManager(12, BS, enable_caching=True, max_cached_seqs=4, group_windows=[8],
+                      copy_fn=lambda src, dst, n: None)
+    first = Sequence("a", list(range(1, 26)), SamplingParams())  # 6 full blocks + 1 token
+    bm.match_prefix(first)
+    bm.grow(first, first.num_tokens)
+    first.num_computed_tokens = first.num_tokens
+    bm.commit_full_blocks(first)
+    table = list(first.block_table)
+    bm.free(first, "retain")
+    for bid in table[:3]:  # evict the oldest blocks: the cache holds blocks 3.. of the chain
+        bm._unretain(bid)
+    bm.check_invariants([])
+    again = Sequence("b", list(range(1, 26)) + [99], SamplingParams())
+    bm.match_prefix(again)
+    assert again.block_table[:4] == [0, 0, 0, 0] and again.block_table[4:6] == table[4:6]
+    assert again.num_computed_tokens == 25  # 6 full blocks + the cached tail token
+    bm.check_invariants([again])
+    plain = BlockManager(12, BS, enable_caching=True)  # no window: a hole ends the match
+    seq = Sequence("c", list(range(1, 26)), SamplingParams())
+    plain.match_prefix(seq)
+    assert seq.num_computed_tokens == 0

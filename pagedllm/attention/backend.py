@@ -24,7 +24,8 @@ class AttentionBackend(Protocol):
     name: str
     uses_block_tables: bool
 
-    def layer(self, index: int, window: int | None, scale: float) -> AttentionLayer: ...
+    def layer(self, index: int, window: int | None, scale: float,
+              softcap: float | None = None) -> AttentionLayer: ...
 
     def free_seq(self, seq_id: int) -> None: ...
 

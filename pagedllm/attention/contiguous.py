@@ -72,9 +72,10 @@ class ContiguousBackend:
         # seq_id -> layer -> its K/V
         self.store: dict[int, dict[int, _SeqKV]] = {}
 
-    def layer(self, index: int, window: int | None, scale: float) -> "ContiguousLayer":
+    def layer(self, index: int, window: int | None, scale: float,
+              softcap: float | None = None) -> "ContiguousLayer":
         hs = None if self.head_scales is None else self.head_scales[index]
-        return ContiguousLayer(self, index, window, scale, KVCodec(self.mode, hs))
+        return ContiguousLayer(self, index, window, scale, KVCodec(self.mode, hs), softcap)
 
     def free_seq(self, seq_id: int) -> None:
         self.store.pop(seq_id, None)
@@ -111,9 +112,9 @@ class ContiguousBackend:
 
 class ContiguousLayer:
     def __init__(self, backend: ContiguousBackend, index: int, window: int | None,
-                 scale: float, codec: KVCodec) -> None:
+                 scale: float, codec: KVCodec, softcap: float | None = None) -> None:
         self.backend, self.index, self.window, self.scale = backend, index, window, scale
-        self.codec = codec
+        self.codec, self.softcap = codec, softcap
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  meta: AttentionMetadata) -> torch.Tensor:
@@ -136,5 +137,6 @@ class ContiguousLayer:
                 ks, vs = (None, None) if kv.scales is None else (kv.scales[0][:ctx], kv.scales[1][:ctx])
                 keys = codec.decode(kv.data[0][:ctx], ks, 0, q.dtype)
                 vals = codec.decode(kv.data[1][:ctx], vs, 1, q.dtype)
-            out[s:e] = sdpa_one(q[s:e], keys, vals, meta.prefill_mask(i, self.window, q.device), self.scale)
+            out[s:e] = sdpa_one(q[s:e], keys, vals, meta.prefill_mask(i, self.window, q.device), self.scale,
+                                 self.softcap)
         return out

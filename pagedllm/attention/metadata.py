@@ -22,8 +22,14 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor | None = None  # [num_tokens] int64: where each new K/V goes
     block_tables: torch.Tensor | None = None  # [num_seqs, max_blocks] int64, padded with 0
     decode_context_lens: torch.Tensor | None = None  # [num_decodes] int64
+    # KV groups after the first (kv/groups.py): the same batch with their slot mappings and
+    # block tables.
+    groups: list["AttentionMetadata"] = field(default_factory=list)
     # Masks and slot ids are shared by every layer: built once, on first use.
     _mask_cache: dict = field(default_factory=dict, repr=False)
+
+    def group(self, g: int) -> "AttentionMetadata":
+        return self if g == 0 else self.groups[g - 1]
 
     @property
     def num_seqs(self) -> int:
@@ -88,9 +94,11 @@ def context_slots(table: torch.Tensor, lens: torch.Tensor, num_keys: int, block_
     return slots.masked_fill_(j >= lens[:, None], 0)
 
 
-def causal_mask(q_len: int, ctx_len: int, window: int | None, device) -> torch.Tensor | None:
-    """[q_len, ctx_len] bool for queries at the last q_len positions; None when plain causal works."""
-    if window is None and q_len == ctx_len:
+def causal_mask(q_len: int, ctx_len: int, window: int | None, device,
+                force: bool = False) -> torch.Tensor | None:
+    """[q_len, ctx_len] bool for queries at the last q_len positions; None when plain causal
+    works (unless `force`)."""
+    if window is None and q_len == ctx_len and not force:
         return None
     q_pos = torch.arange(ctx_len - q_len, ctx_len, device=device)[:, None]
     k_pos = torch.arange(ctx_len, device=device)[None, :]

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from ..kv.cache import KVLayer, PagedKVCache
-from .metadata import AttentionMetadata
+from .metadata import AttentionMetadata, causal_mask
 from ..native import cpu_kernels
 
 
@@ -26,8 +26,11 @@ class PagedAttentionBackend:
     name = "torch-paged"
     uses_block_tables = True
 
-    def __init__(self, cache: PagedKVCache) -> None:
+    def __init__(self, cache: PagedKVCache, layer_groups: list[int] | None = None) -> None:
         self.cache = cache
+        # Per model layer: the KV group whose block tables it reads (kv/groups.py).
+        self.layer_groups = layer_groups
+        self.num_groups = 1 + max(layer_groups or [0])
         # The native decode kernel reads the storage dtype as the compute dtype: plain caches only.
         self.native = None
         if cache.data.device.type == "cpu" and not cache.spec.mode.quantized:
@@ -37,8 +40,10 @@ class PagedAttentionBackend:
     def decode_kernel(self) -> str:
         return "native-cpu" if self.native is not None else "torch"
 
-    def layer(self, index: int, window: int | None, scale: float) -> "PagedAttentionLayer":
-        return PagedAttentionLayer(self.cache.layer(index), window, scale, self.native)
+    def layer(self, index: int, window: int | None, scale: float,
+              softcap: float | None = None) -> "PagedAttentionLayer":
+        group = self.layer_groups[index] if self.layer_groups else 0
+        return PagedAttentionLayer(self.cache.layer(index), window, scale, self.native, softcap, group)
 
     def free_seq(self, seq_id: int) -> None:  # blocks are owned by the block manager
         pass
@@ -48,15 +53,19 @@ class PagedAttentionBackend:
 
 
 class PagedAttentionLayer:
-    def __init__(self, kv: KVLayer, window: int | None, scale: float, native=None) -> None:
+    def __init__(self, kv: KVLayer, window: int | None, scale: float, native=None,
+                 softcap: float | None = None, group: int = 0) -> None:
         self.kv = kv
+        self.group = group
         self.block_size = kv.block_size
         self.window = window
         self.scale = scale
-        self.native = native
+        self.softcap = softcap
+        self.native = native if softcap is None else None  # the native kernel has no score cap
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  meta: AttentionMetadata) -> torch.Tensor:
+        meta = meta.group(self.group)
         self.kv.write(k, v, meta.slot_mapping)
         nd = meta.num_decodes
         if nd == meta.num_seqs:
@@ -75,6 +84,7 @@ class PagedAttentionLayer:
         the fused q|k|v projection in one call; None where that path does not apply."""
         if self.native is None or meta.num_decodes != meta.num_seqs or qkv.dtype != self.kv.dtype:
             return None
+        meta = meta.group(self.group)
         cos, sin = rope
         return self.native.paged_decode_qkv(qkv, cos, sin, self.kv.k, self.kv.v, meta.slot_mapping,
                                             meta.block_tables, meta.decode_context_lens, hq, hkv,
@@ -91,8 +101,7 @@ class PagedAttentionLayer:
         hkv = keys.shape[2]
         mask = meta.decode_mask(self.window, keys.shape[1])
         qh = q.view(nd, hkv, hq // hkv, d)
-        out = F.scaled_dot_product_attention(
-            qh, keys.transpose(1, 2), vals.transpose(1, 2), attn_mask=mask, scale=self.scale)
+        out = attend(qh, keys.transpose(1, 2), vals.transpose(1, 2), mask, self.scale, self.softcap)
         return out.reshape(nd, hq, d)
 
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -104,16 +113,35 @@ class PagedAttentionLayer:
         # however the sequence was chunked, preempted or shared through the prefix cache.
         if ctx_len > n or self.kv.quantized:
             k, v = self.kv.read(meta.prefill_slots(i, self.block_size), q.dtype)
-        return sdpa_one(q, k, v, meta.prefill_mask(i, self.window, q.device), self.scale)
+        return sdpa_one(q, k, v, meta.prefill_mask(i, self.window, q.device), self.scale, self.softcap)
 
 
 def sdpa_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-             scale: float) -> torch.Tensor:
+             scale: float, softcap: float | None = None) -> torch.Tensor:
     """Attention of one sequence's n newest queries over its keys. q: [n, Hq, D]; mask from
     `AttentionMetadata.prefill_mask` (None: plain causal)."""
     n = q.shape[0]
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-        attn_mask=mask, is_causal=mask is None and n > 1, scale=scale,
-        enable_gqa=k.shape[1] != q.shape[1])
+    if mask is None and n > 1 and softcap is not None:
+        mask = causal_mask(n, k.shape[0], None, q.device, force=True)
+    out = attend(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                 mask, scale, softcap, is_causal=mask is None and n > 1)
     return out[0].transpose(0, 1)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+           softcap: float | None = None, is_causal: bool = False) -> torch.Tensor:
+    """SDPA over [..., H, L, D] (k/v may have fewer heads: GQA); mask is True where a query may
+    attend. With `softcap` (Gemma 2) the scores are capped, cap * tanh(s / cap), before the
+    mask and softmax, which SDPA cannot do: then the scores are computed here."""
+    gqa = k.shape[-3] != q.shape[-3]
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale,
+                                              enable_gqa=gqa)
+    if gqa:
+        rep = q.shape[-3] // k.shape[-3]
+        k, v = k.repeat_interleave(rep, dim=-3), v.repeat_interleave(rep, dim=-3)
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale
+    s = torch.tanh(s / softcap) * softcap
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype), v)

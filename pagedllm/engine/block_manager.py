@@ -20,6 +20,21 @@ of recomputing those tokens. Blocks nobody references stay cached in an LRU
 until their memory is needed; a finished sequence's blocks enter it leaf
 first so eviction frees leaves before the shared trunk. At most
 `max_cached_seqs` finished sequences are kept as reusable prefixes.
+
+KV groups (kv/groups.py). A sequence holds one block table per group of layers: one
+group for most models, and for models that mix sliding and global layers (Gemma 2/3) a
+group of global layers plus groups of sliding ones, every block a page of the same number
+of layers, all from this one pool. Group g's blocks are hashed with g in the key, so a
+cached block is only ever matched by its own group.
+
+Sliding windows (Mistral, Gemma's local layers). Blocks behind a sequence's window are
+released as it advances; with caching on they keep their content in the LRU like any
+other. A prompt then needs only the window before its reuse point: the match walks the
+prompt's chain of hashes (computed from its tokens) and takes the furthest full block whose
+preceding window of blocks is still cached in every sliding group and whose whole chain is
+cached in every global group, leaving released entries null. Every block's hash chains over
+the whole prefix before it, so a reused block holds exactly the K/V that recomputing would
+write.
 """
 from __future__ import annotations
 
@@ -28,6 +43,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ..config import cdiv
+from ..kv.groups import blocks_held
 from .sequence import Sequence
 
 NULL_BLOCK = 0
@@ -71,13 +87,17 @@ class _Retained:
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False,
                  max_cached_seqs: int = 16,
-                 copy_fn: Callable[[int, int, int], None] | None = None) -> None:
+                 copy_fn: Callable[[int, int, int], None] | None = None,
+                 group_windows: list[int | None] | None = None) -> None:
         if num_blocks < 2:
             raise ValueError(f"the KV cache needs at least 2 blocks, got {num_blocks}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.max_cached_seqs = max_cached_seqs
+        # Per KV group: its layers' sliding window, or None (global layers keep every block).
+        self.group_windows = list(group_windows or [None])
+        self.num_groups = len(self.group_windows)
         # copy_fn(src, dst, n_tokens): copies K/V slots between physical blocks.
         self.copy_fn = copy_fn
         self.blocks = [BlockMeta() for _ in range(num_blocks)]
@@ -116,13 +136,34 @@ class BlockManager:
         return self._num_cached
 
     def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
-        """Blocks `seq` must take so its table covers `num_tokens`, plus a copy-on-write
-        copy when the block its next token goes into is shared."""
-        need = max(0, cdiv(num_tokens, self.block_size) - len(seq.block_table))
+        """Blocks `seq` must take so each of its tables covers `num_tokens`, plus a
+        copy-on-write copy where the block its next token goes into is shared."""
+        need = 0
         i = seq.num_computed_tokens // self.block_size
-        if i < len(seq.block_table) and self.blocks[seq.block_table[i]].ref_count > 1:
-            need += 1
+        for table in self.tables(seq):
+            need += max(0, cdiv(num_tokens, self.block_size) - len(table))
+            if i < len(table) and self.blocks[table[i]].ref_count > 1:
+                need += 1
         return need
+
+    def max_blocks(self, num_tokens: int, chunk: int) -> int:
+        """The most blocks one sequence of `num_tokens` holds at once (kv/groups.py)."""
+        return blocks_held(self.group_windows, num_tokens, self.block_size, chunk)
+
+    def tables(self, seq: Sequence) -> list[list[int]]:
+        """seq's block table of each group (group 0's is seq.block_table)."""
+        if len(seq.group_tables) != self.num_groups - 1:
+            seq.group_tables = [[] for _ in range(self.num_groups - 1)]
+            seq.group_hashes = [[] for _ in range(self.num_groups - 1)]
+        return [seq.block_table, *seq.group_tables]
+
+    def _hash_lists(self, seq: Sequence) -> list[list[int]]:
+        self.tables(seq)
+        return [seq.block_hashes, *seq.group_hashes]
+
+    @staticmethod
+    def _extra(g: int, extra: object) -> object:
+        return extra if g == 0 else (g, extra)  # group 0 hashes as a single-group cache always did
 
     def can_grow(self, seq: Sequence, num_tokens: int) -> bool:
         return self.blocks_needed(seq, num_tokens) <= self.num_free_blocks
@@ -146,21 +187,22 @@ class BlockManager:
         """Extend seq's table to cover num_tokens; copy a shared block it is about to write."""
         if self.blocks_needed(seq, num_tokens) > self.num_free_blocks:
             raise NoFreeBlocksError(f"{seq.request_id}: not enough free KV blocks")
-        self._copy_on_write(seq)
-        while len(seq.block_table) * self.block_size < num_tokens:
-            seq.block_table.append(self._take())
+        for table in self.tables(seq):
+            self._copy_on_write(seq, table)
+            while len(table) * self.block_size < num_tokens:
+                table.append(self._take())
 
-    def _copy_on_write(self, seq: Sequence) -> None:
+    def _copy_on_write(self, seq: Sequence, table: list[int]) -> None:
         i = seq.num_computed_tokens // self.block_size
-        if i >= len(seq.block_table):
+        if i >= len(table):
             return
-        old = seq.block_table[i]
+        old = table[i]
         if self.blocks[old].ref_count <= 1:
             return
         new = self._take()
         self._copy(old, new, seq.num_computed_tokens - i * self.block_size)
         self._decref(old)
-        seq.block_table[i] = new
+        table[i] = new
 
     def _copy(self, src: int, dst: int, n: int) -> None:
         if n > 0:
@@ -170,31 +212,45 @@ class BlockManager:
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """The child shares every block of the parent (copy-on-write on its first write)."""
+        self.tables(parent)
         child.block_table = list(parent.block_table)
         child.block_hashes = list(parent.block_hashes)
-        for bid in child.block_table:
-            if bid != NULL_BLOCK:
-                self.blocks[bid].ref_count += 1
+        child.group_tables = [list(t) for t in parent.group_tables]
+        child.group_hashes = [list(h) for h in parent.group_hashes]
+        for table in self.tables(child):
+            for bid in table:
+                if bid != NULL_BLOCK:
+                    self.blocks[bid].ref_count += 1
 
     def trim(self, seq: Sequence) -> None:
-        """Give back the blocks past seq's computed tokens: the slots of speculative proposals
-        that were rejected. They were taken this step (private, never hashed); the slots of the
-        block that stays are overwritten by the next tokens, and hashes cover computed tokens only."""
+        """Give back the blocks past seq's computed tokens, in every group: the slots of
+        speculative proposals that were rejected. They were taken this step (private, never
+        hashed); the slots of the block that stays are overwritten by the next tokens, and
+        hashes cover computed tokens only."""
         keep = cdiv(seq.num_computed_tokens, self.block_size)
-        while len(seq.block_table) > keep:
-            bid = seq.block_table.pop()
-            if bid != NULL_BLOCK:
-                self._decref(bid, keep=False)
+        for table in self.tables(seq):
+            while len(table) > keep:
+                bid = table.pop()
+                if bid != NULL_BLOCK:
+                    self._decref(bid, keep=False)
 
-    def release_before(self, seq: Sequence, first_needed_token: int) -> int:
-        """Free blocks whose tokens all lie before `first_needed_token` (sliding windows)."""
-        n_dead = first_needed_token // self.block_size
+    def release_window(self, seq: Sequence) -> int:
+        """Free the blocks of each sliding group that lie wholly behind its window: the next
+        query sits at num_computed_tokens and sees keys after it minus the window."""
         freed = 0
-        for i in range(min(n_dead, len(seq.block_table))):
-            bid = seq.block_table[i]
+        for table, w in zip(self.tables(seq), self.group_windows):
+            if w is not None:
+                freed += self._release_before(table, seq.num_computed_tokens - w + 1)
+        return freed
+
+    def _release_before(self, table: list[int], first_needed_token: int) -> int:
+        n_dead = max(0, first_needed_token) // self.block_size
+        freed = 0
+        for i in range(min(n_dead, len(table))):
+            bid = table[i]
             if bid != NULL_BLOCK:
                 self._decref(bid)
-                seq.block_table[i] = NULL_BLOCK
+                table[i] = NULL_BLOCK
                 freed += 1
         return freed
 
@@ -203,20 +259,25 @@ class BlockManager:
         "retain" (finished: kept as one of the max_cached_seqs reusable prefixes, its partial
         tail included), "keep" (preempted: stays cached until evicted, so the recompute
         hits it), "drop" (aborted: only blocks others retain stay cached)."""
-        table = seq.block_table
+        tables = self.tables(seq)
         keep = self.enable_caching and mode in ("keep", "retain")
         if self.enable_caching and mode == "retain" and self.max_cached_seqs > 0:
-            self._register_tail(seq)
-            kept = [b for b in table if b != NULL_BLOCK and self._has_content(b)]
+            kept = []
+            for table, hashes in zip(tables, self._hash_lists(seq)):
+                self._register_tail(seq, table, hashes)
+                kept += [b for b in table if b != NULL_BLOCK and self._has_content(b)]
             for b in kept:
                 self.blocks[b].retained_by += 1
             self.retained[seq.seq_id] = _Retained(kept)
         # Leaf first: the sequence's last block becomes the least recently used of its chain.
-        for bid in reversed(table):
-            if bid != NULL_BLOCK:
-                self._decref(bid, keep)
+        for table in tables:
+            for bid in reversed(table):
+                if bid != NULL_BLOCK:
+                    self._decref(bid, keep)
         seq.block_table = []
         seq.block_hashes = []
+        seq.group_tables = []
+        seq.group_hashes = []
         while len(self.retained) > (self.max_cached_seqs if self.enable_caching else 0):
             _, old = self.retained.popitem(last=False)
             for bid in old.blocks:
@@ -267,33 +328,34 @@ class BlockManager:
             return
         bs = self.block_size
         n_full = seq.num_computed_tokens // bs
-        while len(seq.block_hashes) < n_full:
-            i = len(seq.block_hashes)
-            parent = seq.block_hashes[-1] if seq.block_hashes else ROOT_HASH
-            tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
-            h = block_hash(parent, tokens, extra)
-            seq.block_hashes.append(h)
-            bid = seq.block_table[i]
-            b = self.blocks[bid]
-            if bid == NULL_BLOCK or b.hash is not None:
-                continue
-            b.hash, b.parent, b.tokens = h, parent, tokens
-            self._num_cached += 1
-            self.by_hash.setdefault(h, bid)
-            self.children.setdefault(parent, set()).add(bid)
+        for g, (table, hashes) in enumerate(zip(self.tables(seq), self._hash_lists(seq))):
+            while len(hashes) < n_full:
+                i = len(hashes)
+                parent = hashes[-1] if hashes else ROOT_HASH
+                tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+                h = block_hash(parent, tokens, self._extra(g, extra))
+                hashes.append(h)
+                bid = table[i]
+                b = self.blocks[bid]
+                if bid == NULL_BLOCK or b.hash is not None:
+                    continue
+                b.hash, b.parent, b.tokens = h, parent, tokens
+                self._num_cached += 1
+                self.by_hash.setdefault(h, bid)
+                self.children.setdefault(parent, set()).add(bid)
 
-    def _register_tail(self, seq: Sequence) -> None:
+    def _register_tail(self, seq: Sequence, table: list[int], hashes: list[int]) -> None:
         """Make a finished sequence's partial last block matchable token-exactly."""
         bs = self.block_size
-        i = len(seq.block_hashes)
+        i = len(hashes)
         n = seq.num_computed_tokens - i * bs
-        if not (0 < n < bs) or i >= len(seq.block_table):
+        if not (0 < n < bs) or i >= len(table):
             return
-        bid = seq.block_table[i]
+        bid = table[i]
         b = self.blocks[bid]
         if bid == NULL_BLOCK or b.hash is not None or b.tokens or b.ref_count != 1:
             return  # shared with a fork that may still write into it
-        b.parent = seq.block_hashes[-1] if seq.block_hashes else ROOT_HASH
+        b.parent = hashes[-1] if hashes else ROOT_HASH
         b.tokens = tuple(seq.token_ids[i * bs:i * bs + n])
         self._num_cached += 1
         self.children.setdefault(b.parent, set()).add(bid)
@@ -308,20 +370,62 @@ class BlockManager:
         bs = self.block_size
         ids = seq.token_ids
         limit = len(ids) - 1
-        parent, hit = ROOT_HASH, 0
-        while hit + bs <= limit:
-            tokens = tuple(ids[hit:hit + bs])
-            h = block_hash(parent, tokens, extra)
-            bid = self.by_hash.get(h)
-            if bid is None or self.blocks[bid].tokens != tokens:
-                break
-            self._ref_cached(bid)
-            seq.block_table.append(bid)
-            seq.block_hashes.append(h)
-            parent, hit = h, hit + bs
-        copied = self._match_partial(seq, parent, hit, limit)
+        chains = [self._lookup_chain(ids, limit, self._extra(g, extra), w)
+                  for g, w in enumerate(self.group_windows)]
+        n = self._common_match(chains)
+        for (hashes, found), w, table, hash_list in zip(chains, self.group_windows, self.tables(seq),
+                                                         self._hash_lists(seq)):
+            first = 0 if w is None else self._window_start(n, w)
+            for i in range(n):
+                bid = found[i] if i >= first else NULL_BLOCK
+                if bid != NULL_BLOCK:
+                    self._ref_cached(bid)
+                table.append(bid)
+                hash_list.append(hashes[i])
+        hit = n * bs
+        # Past whole blocks, a partial copy serves one group's table only: single-group caches.
+        copied = 0
+        if self.num_groups == 1:
+            hashes = chains[0][0]
+            copied = self._match_partial(seq, hashes[n - 1] if n else ROOT_HASH, hit, limit)
         seq.num_computed_tokens = hit + copied
         self._last_match = (hit + copied, copied)
+
+    def _lookup_chain(self, ids: list[int], limit: int, extra: object,
+                      window: int | None) -> tuple[list[int], list[int | None]]:
+        """The chained hashes of the prompt's full blocks before `limit`, and the cached block
+        holding each (None where none does); stops after the first miss unless the window slides."""
+        bs = self.block_size
+        hashes: list[int] = []
+        found: list[int | None] = []
+        parent, pos = ROOT_HASH, 0
+        while pos + bs <= limit:
+            tokens = tuple(ids[pos:pos + bs])
+            h = block_hash(parent, tokens, extra)
+            bid = self.by_hash.get(h)
+            if bid is not None and self.blocks[bid].tokens != tokens:
+                bid = None
+            hashes.append(h)
+            found.append(bid)
+            if bid is None and window is None:
+                break
+            parent, pos = h, pos + bs
+        return hashes, found
+
+    def _window_start(self, n: int, window: int) -> int:
+        """The first block a query at token n * bs still sees (keys after it minus the window);
+        blocks before it stay null (never read)."""
+        return max(0, n * self.block_size - window + 1) // self.block_size
+
+    def _common_match(self, chains: list[tuple[list[int], list[int | None]]]) -> int:
+        """The furthest n full blocks every group can serve: a global group its whole chain, a
+        sliding group the window of blocks before block n."""
+        top = min(len(found) for _, found in chains)
+        for n in range(top, 0, -1):
+            if all(all(b is not None for b in found[0 if w is None else self._window_start(n, w):n])
+                   for (_, found), w in zip(chains, self.group_windows)):
+                return n
+        return 0
 
     def record_admission(self, seq: Sequence) -> None:
         """Count a lookup once its sequence is actually admitted (lookups may be retried).
@@ -369,9 +473,10 @@ class BlockManager:
         """Every block is free, referenced by live tables (ref count = holders), or cached."""
         holders = [0] * self.num_blocks
         for s in live:
-            for bid in s.block_table:
-                if bid != NULL_BLOCK:
-                    holders[bid] += 1
+            for table in self.tables(s):
+                for bid in table:
+                    if bid != NULL_BLOCK:
+                        holders[bid] += 1
         free = set(self.free_ids)
         assert len(free) == len(self.free_ids), "a block is on the free list twice"
         for bid in range(1, self.num_blocks):

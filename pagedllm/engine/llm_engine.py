@@ -16,9 +16,10 @@ import torch
 
 from ..attention.contiguous import ContiguousBackend
 from ..attention.paged import PagedAttentionBackend
-from ..config import CacheConfig, SchedulerConfig, cdiv
+from ..config import CacheConfig, SchedulerConfig
 from ..kv.cache import KVCacheSpec, PagedKVCache, plan_cache
 from ..kv.calibration import resolve_fp8_scales
+from ..kv.groups import KVGroups, blocks_held, plan_groups
 from ..kv.trace import committed_bytes
 from ..loading.loader import LoadedModel
 from ..outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -111,27 +112,32 @@ class LLMEngine:
         src = loaded.source
         self.model_name = src.path.name if src.name == "default" else src.name  # for errors
 
-        self.kv_spec = kv_spec_of(loaded, cache_cfg, dtype)
+        # Layers that attend alike share a block table; sliding and global layers do not.
+        self.kv_groups = plan_groups(cfg.layer_windows, cfg.num_layers, hybrid=cache_cfg.paged_attention)
+        self.kv_spec = kv_spec_of(loaded, cache_cfg, dtype, self.kv_groups)
+        windows = self.kv_groups.windows
         self.cache_plan = plan_cache(self.kv_spec, cache_cfg, device, sched_cfg.max_model_len,
-                                     sched_cfg.max_num_seqs)
+                                     sched_cfg.max_num_seqs,
+                                     lambda n: blocks_held(windows, n, cache_cfg.block_size,
+                                                           sched_cfg.max_num_batched_tokens),
+                                     self.kv_groups.num_groups)
         self.executor = executor  # rank 0's side of tensor parallelism, or None
         if executor is not None:  # every rank builds the same number of blocks of its heads
             executor.setup(self.cache_plan.num_blocks)
         self.kv_cache, backend, copy_fn = build_kv(loaded, self.kv_spec, cache_cfg,
-                                                   self.cache_plan.num_blocks, device, dtype)
+                                                   self.cache_plan.num_blocks, device, dtype, self.kv_groups)
         if executor is not None:  # the other ranks repeat every cache operation
             backend, copy_fn = executor.recorded(backend, copy_fn)
         self.prefix_caching, self.prefix_caching_note = _prefix_caching_mode(cache_cfg, cfg)
         if cache_cfg.enable_prefix_caching and not self.prefix_caching:
             logger.info("prefix caching is off: %s", self.prefix_caching_note)
         self.block_manager = BlockManager(self.cache_plan.num_blocks, cache_cfg.block_size,
-                                          self.prefix_caching, cache_cfg.prefix_cache_n, copy_fn)
+                                          self.prefix_caching, cache_cfg.prefix_cache_n, copy_fn, windows)
         self.backend = backend
         committed, how = committed_bytes(self)
         logger.info("%s; committed now %.1f MB (%s)", self.cache_plan.describe(self.kv_spec),
                     committed / 2**20, how)
-        window = cfg.sliding_window if cfg.all_layers_sliding else None
-        self.scheduler = Scheduler(sched_cfg, self.block_manager, window)
+        self.scheduler = Scheduler(sched_cfg, self.block_manager)
         self.runner = ModelRunner(self.model, backend, cache_cfg.block_size, device, Sampler(device, seed))
         if executor is not None:
             self.runner.driver = executor
@@ -231,9 +237,7 @@ class LLMEngine:
                 f"prompt has {len(ids)} tokens but max_model_len is {max_len}: it leaves no room "
                 f"to generate; shorten the prompt or raise max_model_len")
         need = min(len(ids) + params.max_tokens, max_len)
-        if self.scheduler.sliding_window is not None:
-            need = min(need, self.scheduler.sliding_window + self.sched_config.max_num_batched_tokens)
-        blocks = cdiv(need, self.cache_config.block_size) + (1 if self.scheduler.sliding_window else 0)
+        blocks = self.block_manager.max_blocks(need, self.sched_config.max_num_batched_tokens)
         usable = self.block_manager.num_usable_blocks
         if blocks * params.n > usable:
             raise ValueError(
@@ -288,9 +292,8 @@ class LLMEngine:
         as `top1` receives each prompt's argmax predictions ([T-1] int64) too."""
         params = SamplingParams(max_tokens=1)
         seqs = [Sequence("__score__", self._check_prompt(list(p), params), params) for p in prompts]
-        bs = self.cache_config.block_size
-        need = sum(cdiv(s.num_tokens, bs) for s in seqs)
-        if self.scheduler.sliding_window is None and need > self.block_manager.num_free_blocks:
+        need = sum(self.block_manager.max_blocks(s.num_tokens, chunk_size) for s in seqs)
+        if need > self.block_manager.num_free_blocks:
             raise ValueError(f"scoring {len(seqs)} prompts at once needs {need} KV blocks but "
                              f"{self.block_manager.num_free_blocks} are free; score fewer at a time "
                              "or give the KV cache more memory")
@@ -411,13 +414,13 @@ class LLMEngine:
     def _track_waste(self) -> None:
         bs = self.cache_config.block_size
         alloc = held = 0
-        sliding = self.scheduler.sliding_window is not None
         for s in self.scheduler.running:  # O(running); list.count runs in C
-            released = s.block_table.count(0) if sliding else 0  # null entries behind a window
-            alloc += (len(s.block_table) - released) * bs
-            # Computed tokens are the ones holding a slot: a prompt still being prefilled in
-            # chunks has blocks only for its chunks so far.
-            held += s.num_computed_tokens - released * bs
+            for table in self.block_manager.tables(s):
+                released = table.count(0)  # null entries behind a window
+                alloc += (len(table) - released) * bs
+                # Computed tokens are the ones holding a slot: a prompt still being prefilled in
+                # chunks has blocks only for its chunks so far.
+                held += s.num_computed_tokens - released * bs
         if alloc:
             self.waste_sum += max(0.0, 1 - held / alloc)
             self.waste_steps += 1
@@ -544,26 +547,32 @@ def _no_copy(src: int, dst: int, n: int) -> None:
     pass
 
 
-def kv_spec_of(loaded: LoadedModel, cache_cfg: CacheConfig, dtype: torch.dtype) -> KVCacheSpec:
-    """The cache of this rank's KV heads (all of them without tensor parallelism)."""
+def kv_spec_of(loaded: LoadedModel, cache_cfg: CacheConfig, dtype: torch.dtype,
+               groups: KVGroups | None = None) -> KVCacheSpec:
+    """The cache of this rank's KV heads (all of them without tensor parallelism), one slot per
+    layer of a KV group."""
     cfg = loaded.config
-    return KVCacheSpec(cfg.num_layers, loaded.model.shard.kv_heads, cfg.head_dim, cache_cfg.block_size,
+    groups = groups or plan_groups(cfg.layer_windows, cfg.num_layers, hybrid=cache_cfg.paged_attention)
+    return KVCacheSpec(groups.slots, loaded.model.shard.kv_heads, cfg.head_dim, cache_cfg.block_size,
                        dtype, cache_cfg.kv_cache_dtype)
 
 
 def build_kv(loaded: LoadedModel, spec: KVCacheSpec, cache_cfg: CacheConfig, num_blocks: int,
-             device: torch.device, dtype: torch.dtype):
+             device: torch.device, dtype: torch.dtype, groups: KVGroups | None = None):
     """(paged cache or None, attention backend, the block manager's copy function). An f8e4m3
     cache first gets its fixed per-(layer, KV head) scales (from the checkpoint, else calibrated:
     under tensor parallelism every rank calibrates its own heads in the same forward)."""
     cfg = loaded.config
+    groups = groups or plan_groups(cfg.layer_windows, cfg.num_layers, hybrid=cache_cfg.paged_attention)
     head_scales = None
     if spec.mode.head_scales:
         head_scales, spec.scale_source = resolve_fp8_scales(
             loaded.model, loaded.tokenizer, loaded.kv_scales, cfg.num_layers, cfg.num_kv_heads, device)
     if cache_cfg.paged_attention:
-        kv_cache = PagedKVCache(spec, num_blocks, device, head_scales)
-        return kv_cache, PagedAttentionBackend(kv_cache), kv_cache.copy_block_prefix
+        slot, group = groups.layer_slot, groups.layer_group
+        kv_cache = PagedKVCache(spec, num_blocks, device, head_scales, [slot[i] for i in range(cfg.num_layers)])
+        return kv_cache, PagedAttentionBackend(kv_cache, [group[i] for i in range(cfg.num_layers)]), \
+            kv_cache.copy_block_prefix
     # Each sequence's K/V is private: nothing to copy; forks copy in the backend.
     return None, ContiguousBackend(dtype, device, spec.mode, head_scales), _no_copy
 
@@ -574,7 +583,8 @@ def _prefix_caching_mode(cache_cfg: CacheConfig, cfg) -> tuple[bool, str]:
         return False, "disabled by the user"
     if not cache_cfg.paged_attention:
         return False, "needs paged attention (a contiguous per-sequence cache cannot share blocks)"
-    if any(w is not None for w in cfg.layer_windows):
-        return False, ("sliding-window layers release blocks outside the window, so a cached "
-                       "prefix would not stay whole; it is never reused across the window")
-    return True, f"on: chained block hashes, up to {cache_cfg.prefix_cache_n} finished sequences kept"
+    note = f"on: chained block hashes, up to {cache_cfg.prefix_cache_n} finished sequences kept"
+    if cfg.all_layers_sliding:
+        note += ("; blocks behind the sliding window are released into the LRU, and a prefix is "
+                 "reused where the window before its end is still cached")
+    return True, note

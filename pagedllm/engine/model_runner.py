@@ -5,7 +5,7 @@ batched call), then prefill chunks.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -32,6 +32,11 @@ class StepPlan:
     width: int = 0
     # Rows of the flat batch to compute logits for; None: every row (scoring a chunk).
     logits_rows: list[int] | None = field(default_factory=list)
+    # KV groups after the first (kv/groups.py: sliding layers beside global ones): their slot
+    # mappings and flat tables. (Tensor parallelism runs single-group models and sends none.)
+    group_slots: list[list[int]] = field(default_factory=list)
+    group_tables: list[list[int]] = field(default_factory=list)
+    group_widths: list[int] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -46,7 +51,7 @@ class ModelRunner:
         self.structured = None  # a GrammarEngine, set by the engine
         self.driver = None  # under tensor parallelism: rank 0's TPExecutor, which sends each plan
         for i, attn in enumerate(model.attention_modules()):
-            attn.attn = backend.layer(i, attn.window, attn.scale)
+            attn.attn = backend.layer(i, attn.window, attn.scale, attn.softcap)
 
     def plan(self, batch: list[ScheduledSeq]) -> StepPlan:
         """The step's inputs as plain lists (under tensor parallelism rank 0 sends them to the
@@ -55,15 +60,16 @@ class ModelRunner:
         to itself: the batched decode kernel then verifies the proposals, and each row's
         attention is computed exactly as a one-token decode at that place would be."""
         bs = self.block_size
+        paged = self.backend.uses_block_tables
+        groups = getattr(self.backend, "num_groups", 1)
         ids: list[int] = []
         pos: list[int] = []
-        slots: list[int] = []
+        slots: list[list[int]] = [[] for _ in range(groups)]  # per KV group
         qsl = [0]
         ctx_lens: list[int] = []
         logits_idx: list[int] = []
         row_seqs: list[Sequence] = []  # one entry per attention row (a sequence, or a decode row)
         num_decodes = 0
-        paged = self.backend.uses_block_tables
         for item in batch:
             seq, n = item.seq, item.num_new_tokens
             start = seq.num_computed_tokens
@@ -73,8 +79,8 @@ class ModelRunner:
             ids.extend(spec)
             pos.extend(range(start, end))
             if paged:
-                table = seq.block_table
-                slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+                for g, table in enumerate(_seq_tables(seq, groups)):
+                    slots[g].extend(table[p // bs] * bs + p % bs for p in range(start, end))
             if item.is_decode:  # one query over the cache (or several, one row each)
                 for p in range(start + 1, end + 1):
                     qsl.append(qsl[-1] + 1)
@@ -89,14 +95,17 @@ class ModelRunner:
                 row_seqs.append(seq)
             if item.samples and not spec:
                 logits_idx.append(qsl[-1] - 1)
-        plan = StepPlan(ids, pos, qsl, ctx_lens, num_decodes, [s.seq_id for s in row_seqs], slots,
+        plan = StepPlan(ids, pos, qsl, ctx_lens, num_decodes, [s.seq_id for s in row_seqs], slots[0],
                         logits_rows=logits_idx)
-        if paged:  # one table per attention row
-            plan.width = width = max(len(s.block_table) for s in row_seqs)
-            tables = plan.tables
-            for s in row_seqs:
-                tables += s.block_table
-                tables += [0] * (width - len(s.block_table))
+        if paged:  # one table per attention row, in each group
+            for g in range(groups):
+                flat, width = _padded_tables([_seq_tables(s, groups)[g] for s in row_seqs])
+                if g == 0:
+                    plan.tables, plan.width = flat, width
+                else:
+                    plan.group_slots.append(slots[g])
+                    plan.group_tables.append(flat)
+                    plan.group_widths.append(width)
         return plan
 
     def tensors(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
@@ -105,9 +114,17 @@ class ModelRunner:
         if not self.backend.uses_block_tables:
             input_ids, positions = self.upload.ints([plan.ids, plan.pos])
             return input_ids, positions, meta
-        input_ids, positions, meta.slot_mapping, flat_tables, meta.decode_context_lens = self.upload.ints(
-            [plan.ids, plan.pos, plan.slots, plan.tables, plan.context_lens[:plan.num_decodes]])
-        meta.block_tables = flat_tables.view(len(plan.seq_ids), plan.width)
+        extra = len(plan.group_slots)
+        up = self.upload.ints([plan.ids, plan.pos, plan.context_lens[:plan.num_decodes], plan.slots, plan.tables,
+                               *plan.group_slots, *plan.group_tables])
+        input_ids, positions, meta.decode_context_lens, meta.slot_mapping, flat_tables = up[:5]
+        rows = len(plan.seq_ids)
+        meta.block_tables = flat_tables.view(rows, plan.width)
+        for g in range(extra):
+            m = replace(meta, groups=[], _mask_cache={})
+            m.slot_mapping = up[5 + g]
+            m.block_tables = up[5 + extra + g].view(rows, plan.group_widths[g])
+            meta.groups.append(m)
         return input_ids, positions, meta
 
     def prepare(self, batch: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
@@ -223,3 +240,17 @@ def sampling_metadata(seqs: list[Sequence], offsets: list[int] | None = None) ->
         output_pos=[s.num_output_tokens + j for s, j in zip(seqs, offsets)],
     )
 
+
+def _seq_tables(seq: Sequence, groups: int) -> list[list[int]]:
+    """seq's block table of each KV group."""
+    return [seq.block_table, *seq.group_tables] if groups > 1 else [seq.block_table]
+
+
+def _padded_tables(tables: list[list[int]]) -> tuple[list[int], int]:
+    """The tables flattened, each padded with the null block to the longest; and that width."""
+    width = max(len(t) for t in tables)
+    flat: list[int] = []
+    for t in tables:
+        flat += t
+        flat += [0] * (width - len(t))
+    return flat, width

@@ -47,12 +47,9 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
-                 sliding_window: int | None = None) -> None:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
         self.config = config
         self.bm = block_manager
-        # Set only when every layer slides: then blocks behind the window are released.
-        self.sliding_window = sliding_window
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -134,9 +131,9 @@ class Scheduler:
         self.bm.grow(seq, seq.num_computed_tokens + n)
 
     def release_window(self, seq: Sequence) -> None:
-        # The next query sits at num_computed_tokens and sees keys > pos - window.
-        if self.sliding_window is not None and seq.block_table:
-            self.bm.release_before(seq, seq.num_computed_tokens - self.sliding_window + 1)
+        """Sliding groups give back the blocks behind their window (kv/groups.py)."""
+        if seq.block_table:
+            self.bm.release_window(seq)
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

@@ -37,6 +37,10 @@ class Sequence:
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of its full blocks
+    # KV groups after the first (kv/groups.py): their block tables and hashes, kept by the
+    # block manager; empty for single-group models.
+    group_tables: list[list[int]] = field(default_factory=list)
+    group_hashes: list[list[int]] = field(default_factory=list)
     fork_children: list["Sequence"] = field(default_factory=list)  # n > 1: siblings to fork
     grammar: Any = None  # structured output: this stream's llguidance matcher
     logprobs: list[dict] | None = None  # filled by the engine when asked for

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Callable
 
 import psutil
 import torch
@@ -108,22 +109,28 @@ def available_memory_bytes(device: torch.device) -> int:
 
 
 def plan_cache(spec: KVCacheSpec, cfg: CacheConfig, device: torch.device,
-               max_model_len: int, max_num_seqs: int) -> CachePlan:
+               max_model_len: int, max_num_seqs: int,
+               blocks_for: Callable[[int], int] | None = None, num_tables: int = 1) -> CachePlan:
     """Turn exactly one of the three size settings (or the default) into a block count.
 
     A byte budget pays for the per-token scales too (int8), so it buys
-    bytes_per_token(auto) / bytes_per_token(mode) times the blocks of `auto`."""
+    bytes_per_token(auto) / bytes_per_token(mode) times the blocks of `auto`.
+    With KV groups (kv/groups.py) a sequence has `num_tables` tables: kv_cache_context_len
+    tokens buy that many blocks in each, and `blocks_for(tokens)` (the most blocks a sequence
+    of that length holds, sliding groups' windows counted) caps the default size."""
     bpb = spec.bytes_per_block
+    if blocks_for is None:
+        blocks_for = lambda n: cdiv(n, spec.block_size)  # noqa: E731
     if cfg.kv_cache_memory_mb is not None:
         n = int(max(0, cfg.kv_cache_memory_mb * 2**20 - spec.fixed_bytes) // bpb)
         plan = CachePlan(n, f"kv_cache_memory_mb={cfg.kv_cache_memory_mb:g}")
     elif cfg.kv_cache_context_len is not None:
-        n = cdiv(cfg.kv_cache_context_len, spec.block_size)
+        n = cdiv(cfg.kv_cache_context_len, spec.block_size) * num_tables
         plan = CachePlan(n, f"kv_cache_context_len={cfg.kv_cache_context_len}")
     else:
         avail = available_memory_bytes(device)
         # No point reserving more than every sequence at full length could use.
-        cap = cdiv(max_model_len, spec.block_size) * max_num_seqs
+        cap = blocks_for(max_model_len) * max_num_seqs
         if cfg.kv_cache_memory_fraction is not None:
             frac = cfg.kv_cache_memory_fraction
             n = int(avail * frac // bpb)
@@ -218,9 +225,12 @@ class PagedKVCache:
     """
 
     def __init__(self, spec: KVCacheSpec, num_blocks: int, device: torch.device,
-                 head_scales: torch.Tensor | None = None) -> None:
+                 head_scales: torch.Tensor | None = None, layer_slots: list[int] | None = None) -> None:
+        """`layer_slots[i]`: which of the spec's layer slots model layer i uses (KV groups,
+        kv/groups.py: a page holds one group's layers); by default layer i is slot i."""
         self.spec = spec
         self.num_blocks = num_blocks
+        self.layer_slots = layer_slots if layer_slots is not None else list(range(spec.num_layers))
         mode = spec.mode
         shape = (spec.num_layers, 2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
         self.lazy = device.type == "cpu"
@@ -232,11 +242,11 @@ class PagedKVCache:
             t[:, :, 0].zero_()  # the null block
         self.head_scales: torch.Tensor | None = None
         if mode.head_scales:
-            want = (spec.num_layers, 2, spec.num_kv_heads)
+            want = (len(self.layer_slots), 2, spec.num_kv_heads)
             if head_scales is None or tuple(head_scales.shape) != want:
                 raise ValueError(f"{mode.name} needs head scales of shape {want}")
             self.head_scales = head_scales.to(device=device, dtype=torch.float32)
-        self._layers = [self._make_layer(i) for i in range(spec.num_layers)]
+        self._layers = [self._make_layer(i) for i in range(len(self.layer_slots))]
 
     def _alloc(self, shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         if self.lazy:
@@ -245,10 +255,11 @@ class PagedKVCache:
 
     def _make_layer(self, i: int) -> KVLayer:
         hs = None if self.head_scales is None else self.head_scales[i]
+        j = self.layer_slots[i]
         ks = vs = None
         if self.scales is not None:
-            ks, vs = self.scales[i, 0], self.scales[i, 1]
-        return KVLayer(self.data[i, 0], self.data[i, 1], ks, vs, KVCodec(self.spec.mode, hs))
+            ks, vs = self.scales[j, 0], self.scales[j, 1]
+        return KVLayer(self.data[j, 0], self.data[j, 1], ks, vs, KVCodec(self.spec.mode, hs))
 
     def layer(self, i: int) -> KVLayer:
         return self._layers[i]

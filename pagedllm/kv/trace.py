@@ -31,6 +31,11 @@ class KVCacheTrace:
     committed_how: str
     sized_by: str
     blocks_used: int
+    # KV groups (kv/groups.py): how layers share block tables, and the blocks each group's
+    # live tables hold now (a block is a page of `kv_group_layers` layers).
+    kv_groups: str
+    kv_group_layers: int
+    blocks_used_by_group: list[int]
     blocks_free: int
     blocks_cached: int
     blocks_touched: int  # distinct blocks ever handed out (the working set, with LIFO reuse)
@@ -82,9 +87,10 @@ def live_waste(seqs, block_size: int) -> tuple[int, int]:
     filled: dict[int, int] = {}
     for s in seqs:
         n = s.num_computed_tokens  # tokens with K/V in a slot (a chunked prompt: so far)
-        for i, bid in enumerate(s.block_table):
-            if bid:
-                filled[bid] = max(filled.get(bid, 0), min(block_size, max(0, n - i * block_size)))
+        for table in (s.block_table, *s.group_tables):
+            for i, bid in enumerate(table):
+                if bid:
+                    filled[bid] = max(filled.get(bid, 0), min(block_size, max(0, n - i * block_size)))
     return len(filled) * block_size, sum(filled.values())
 
 
@@ -129,13 +135,16 @@ def build_trace(engine) -> KVCacheTrace:
         physical_page_key=("(layer, block id): each layer's K and V pools hold a page of "
                            f"[{bs} tokens, {spec.num_kv_heads} kv heads, {spec.head_dim}] per block id; "
                            "a block's reusable content is keyed by the chained hash of "
-                           "(parent block hash, its token ids)") if paged else
+                           "(parent block hash, its token ids)" +
+                           ("" if engine.kv_groups.num_groups == 1 else
+                            f"; KV groups: a block belongs to one group's tables and holds "
+                            f"{engine.kv_groups.slots} layer slots, its hash keys the group too")) if paged else
                           "(sequence id, layer): one contiguous growing K and V buffer per sequence",
         prefix_cache=engine.prefix_caching,
         prefix_cache_note=engine.prefix_caching_note,
         paged_attention=paged,
         paged_attention_min_context=0 if paged else -1,
-        entry_count=spec.num_layers,
+        entry_count=engine.model_config.num_layers,
         cached_tokens=sum(bs if b.hash is not None else len(b.tokens) for b in cached_blocks),
         resident_token_slots=(bm.num_used_blocks + len(bm.evictable)) * bs,
         capacity_blocks=bm.num_usable_blocks,
@@ -145,6 +154,9 @@ def build_trace(engine) -> KVCacheTrace:
         committed_how=how,
         sized_by=plan.source,
         blocks_used=bm.num_used_blocks,
+        kv_groups=engine.kv_groups.describe(),
+        kv_group_layers=engine.kv_groups.slots,
+        blocks_used_by_group=_blocks_by_group(engine),
         blocks_free=len(bm.free_ids),
         blocks_cached=len(cached_blocks),
         blocks_touched=bm.num_touched,
@@ -189,6 +201,16 @@ def _speculative(engine) -> dict:
                             f"decoding sequences; {st.paused} pauses for low acceptance",
                 spec_proposed_tokens=st.proposed, spec_accepted_tokens=st.accepted,
                 spec_acceptance_rate=st.acceptance_rate, spec_mean_accepted_length=st.mean_accepted_length)
+
+
+def _blocks_by_group(engine) -> list[int]:
+    """Distinct blocks the live sequences' tables of each KV group hold."""
+    bm = engine.block_manager
+    held: list[set[int]] = [set() for _ in range(bm.num_groups)]
+    for s in engine.scheduler.running:
+        for g, table in enumerate(bm.tables(s)):
+            held[g].update(b for b in table if b)
+    return [len(h) for h in held]
 
 
 def _decode_path(engine) -> str:

@@ -45,6 +45,7 @@ _ARCHITECTURES = {
     "mistral": ("MistralForCausalLM", "mistral"),
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+    "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
 }
 # llama.cpp's converter permutes Q/K rows of these architectures for its interleaved rope.
 _PERMUTED_QK_ARCHS = {"llama", "mistral"}
@@ -67,6 +68,18 @@ _LAYER_TENSORS = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Gemma's layers have four norms; llama.cpp names them apart from Llama's two.
+_GEMMA_LAYER_TENSORS = {
+    **_LAYER_TENSORS,
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+_GEMMA_ARCHS = {"gemma3"}
+# What llama.cpp assumes of gemma3 files rather than storing: one global layer in six, and
+# the sliding layers' rope base.
+_GEMMA3_SWA_PATTERN = 6
+_GEMMA3_LOCAL_ROPE_BASE = 10000.0
 # Tensors llama.cpp stores that have no HF parameter (rope_freqs feeds config.rope_scaling instead).
 _NON_HF_TENSORS = {"rope_freqs.weight"}
 _LAYER_TENSOR_RE = re.compile(r"blk\.(\d+)\.([a-z_]+)\.(weight|bias)")
@@ -105,19 +118,24 @@ class GGUFCheckpoint:
     metadata: dict = field(repr=False, default_factory=dict)
     _reader: Any = field(repr=False, default=None)
 
+    @property
+    def arch(self) -> str:
+        return self.metadata["general.architecture"]
+
     def tensor_names(self) -> list[str]:
-        return [hf for t in self._reader.tensors if (hf := _hf_tensor_name(t.name)) is not None]
+        return [hf for t in self._reader.tensors if (hf := _hf_tensor_name(t.name, self.arch)) is not None]
 
     def tensor_types(self) -> dict[str, str]:
         """HF tensor name -> GGML storage type name (e.g. "Q4_1"), for reporting."""
         return {
-            hf: t.tensor_type.name for t in self._reader.tensors if (hf := _hf_tensor_name(t.name)) is not None
+            hf: t.tensor_type.name for t in self._reader.tensors
+            if (hf := _hf_tensor_name(t.name, self.arch)) is not None
         }
 
     def quantized_names(self) -> set[str]:
         """HF names of the tensors `tensors(keep_quantized=True)` yields as QuantTensor."""
         return {hf for t in self._reader.tensors
-                if (hf := _hf_tensor_name(t.name)) is not None and _keeps_blocks(t)}
+                if (hf := _hf_tensor_name(t.name, self.arch)) is not None and _keeps_blocks(t)}
 
     def tensors(self, dtype: torch.dtype = torch.float32,
                 keep_quantized: bool = False) -> Iterator[tuple[str, torch.Tensor | QuantTensor]]:
@@ -130,7 +148,7 @@ class GGUFCheckpoint:
         n_heads = self.config["num_attention_heads"]
         n_kv_heads = self.config["num_key_value_heads"]
         for tensor in self._reader.tensors:
-            hf_name = _hf_tensor_name(tensor.name)
+            hf_name = _hf_tensor_name(tensor.name, arch)
             if hf_name is None:
                 if tensor.name not in _NON_HF_TENSORS:
                     logger.warning("%s: skipping tensor %s, which has no HF counterpart", self.path, tensor.name)
@@ -151,6 +169,8 @@ class GGUFCheckpoint:
             if tensor.tensor_type.name not in ("F32", "F16", "BF16") and not np.isfinite(array).all():
                 raise GGUFError(f"{self.path}: tensor {tensor.name} ({tensor.tensor_type.name}) has blocks "
                                 "with a NaN or inf scale; the file is corrupt")
+            if arch in _GEMMA_ARCHS and hf_name.endswith("norm.weight"):
+                array = array - 1  # llama.cpp stores Gemma's 1 + weight; HF names mean weight
             if not array.flags.writeable:  # memmap views (F32) are read-only; torch wants to own the data
                 array = np.array(array)
             yield hf_name, torch.from_numpy(array).to(dtype)
@@ -502,6 +522,13 @@ def _build_config(path: Path, meta: dict, tensor_names: set[str], reader: Any) -
     }
     if model_type == "qwen2":
         config["use_sliding_window"] = bool(sliding_window)
+    if arch == "gemma3":
+        # As llama.cpp runs these files: the attention scale is 1/sqrt(head_dim) (Gemma 3 27B,
+        # whose query_pre_attn_scalar differs, is not told apart by the file).
+        config.update(hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=head_dim,
+                      sliding_window_pattern=_GEMMA3_SWA_PATTERN,
+                      rope_local_base_freq=_GEMMA3_LOCAL_ROPE_BASE,
+                      hidden_act="gelu_pytorch_tanh")
     return config
 
 
@@ -588,13 +615,14 @@ def _llama3_scaling_from_divisors(
 # tensors
 
 
-def _hf_tensor_name(gguf_name: str) -> str | None:
+def _hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
     if gguf_name in _GLOBAL_TENSORS:
         return _GLOBAL_TENSORS[gguf_name]
+    names = _GEMMA_LAYER_TENSORS if arch in _GEMMA_ARCHS else _LAYER_TENSORS
     match = _LAYER_TENSOR_RE.fullmatch(gguf_name)
-    if match and match.group(2) in _LAYER_TENSORS:
+    if match and match.group(2) in names:
         layer, part, kind = match.groups()
-        return f"model.layers.{layer}.{_LAYER_TENSORS[part]}.{kind}"
+        return f"model.layers.{layer}.{names[part]}.{kind}"
     return None
 
 

@@ -114,9 +114,9 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
     model.expect_quantized(quantized)
     model = materialize(model, device, dtype)
     for m in model.modules():
-        if hasattr(m, "reset_buffers"):
+        if hasattr(m, "reset_buffers"):  # the rope tables
             m.reset_buffers()
-    model.rope.to(device)
+            m.to(device)
     model.tie_weights()
     desc = f"loading {source.path.name}"
     kv_scales: dict[tuple[int, int], torch.Tensor] = {}

@@ -3,14 +3,22 @@ from __future__ import annotations
 
 import torch
 
+from .gemma2 import Gemma2ForCausalLM
+from .gemma3 import Gemma3ForCausalLM
 from .llama import LlamaForCausalLM
 from .mistral import MistralForCausalLM
+from .phi3 import Phi3ForCausalLM
 from .qwen2 import Qwen2ForCausalLM
+from .qwen3 import Qwen3ForCausalLM
 
 MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
 }
 
 

@@ -36,8 +36,10 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, shard: ShardLayout, tp=None) -> None:
+    def __init__(self, cfg: ModelConfig, layer_idx: int, qk_norm: type[nn.Module] | None = None,
+                 shard: ShardLayout | None = None, tp=None) -> None:
         super().__init__()
+        shard = shard or ShardLayout.of(cfg, 0, 1)
         # This rank's heads (all of them without tensor parallelism).
         self.num_heads, self.num_kv_heads, self.head_dim = shard.q_heads, shard.kv_heads, cfg.head_dim
         self.q_size = self.num_heads * self.head_dim
@@ -47,7 +49,11 @@ class Attention(nn.Module):
                                 bias=cfg.attention_bias if cfg.o_proj_bias is None else cfg.o_proj_bias)
         self.o_proj.tp = tp
         self.window = cfg.layer_windows[layer_idx] if cfg.layer_windows else None
-        self.scale = self.head_dim ** -0.5
+        self.scale = (cfg.query_pre_attn_scalar or self.head_dim) ** -0.5
+        self.softcap = cfg.attn_logit_softcapping
+        # Qwen3, Gemma 3: an RMSNorm over each q and k head before rope.
+        self.q_norm = qk_norm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
+        self.k_norm = qk_norm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
         self.attn = None  # set by the model runner: an attention backend layer
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
@@ -55,6 +61,8 @@ class Attention(nn.Module):
                 residual: torch.Tensor | None = None) -> torch.Tensor:
         """residual + o_proj(attention(norm(x)))."""
         qkv = self.qkv_proj.fused(x, norm=norm)
+        if self.q_norm is not None:
+            qkv = self._norm_qk(qkv)
         # A pure decode step on the native paged backend: rope, the cache write and attention
         # in one call (the same values as the ops below).
         decode_qkv = getattr(self.attn, "decode_qkv", None)
@@ -69,11 +77,18 @@ class Attention(nn.Module):
             o = self.attn(q, k, v, meta).reshape(t, self.q_size)
         return self.o_proj.fused(o, residual=residual)
 
+    def _norm_qk(self, qkv: torch.Tensor) -> torch.Tensor:
+        t = qkv.shape[0]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = self.q_norm(q.reshape(t, self.num_heads, self.head_dim)).view(t, self.q_size)
+        k = self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim)).view(t, self.kv_size)
+        return torch.cat((q, k, v), dim=-1)
+
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, shard: ShardLayout, tp=None) -> None:
+    def __init__(self, cfg: ModelConfig, shard: ShardLayout | None = None, tp=None) -> None:
         super().__init__()
-        self.inter = shard.inter
+        self.inter = shard.inter if shard is not None else cfg.intermediate_size
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.inter, bias=cfg.mlp_bias)
         self.down_proj = Linear(self.inter, cfg.hidden_size, bias=cfg.mlp_bias)
         self.down_proj.tp = tp
@@ -85,9 +100,11 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, shard: ShardLayout, tp=None) -> None:
+    qk_norm: type[nn.Module] | None = None  # the per-head q/k norm, for families that have one
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int, shard: ShardLayout | None = None, tp=None) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg, layer_idx, shard, tp)
+        self.self_attn = Attention(cfg, layer_idx, self.qk_norm, shard, tp)
         self.mlp = MLP(cfg, shard, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -106,6 +123,8 @@ class LlamaForCausalLM(nn.Module):
         "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
     }
+    layer_cls: type[nn.Module] = DecoderLayer
+    norm_cls: type[nn.Module] = RMSNorm
 
     def __init__(self, cfg: ModelConfig, max_positions: int, tp=None) -> None:
         """`tp`: a TPInfo (pagedllm/distributed) when this is one rank's shard, else None."""
@@ -114,13 +133,22 @@ class LlamaForCausalLM(nn.Module):
         self.tp = tp if tp is not None and tp.size > 1 else None
         self.shard = sh = ShardLayout.of(cfg, *((tp.rank, tp.size) if self.tp else (0, 1)))
         self.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+        # Sliding layers with their own rope (Gemma 3's local base frequency).
+        self.rope_local = None
+        if cfg.local_rope_theta is not None:
+            self.rope_local = RotaryEmbedding(cfg.head_dim, max_positions, cfg.local_rope_theta,
+                                              cfg.local_rope_scaling)
         # An uninitialised table: the checkpoint fills it. (nn.Embedding's own init draws
         # normal_ values, whose meta-device kernel imports sympy: 2 s of startup.)
         self.embed_tokens = Embedding(sh.vocab, cfg.hidden_size,
                                       _weight=torch.empty(sh.vocab, cfg.hidden_size))
         self.embed_tokens.tp, self.embed_tokens.vocab_start = self.tp, sh.vocab_start
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, sh, self.tp) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if self.tp is not None and not issubclass(self.layer_cls, DecoderLayer):
+            raise ValueError(f"tensor parallelism does not split {type(self).__name__} yet; it runs "
+                             "Llama, Mistral, Qwen2 and Qwen3 (use tensor_parallel_size=1)")
+        self.layers = nn.ModuleList(self.layer_cls(cfg, i, sh, self.tp) if self.tp else self.layer_cls(cfg, i)
+                                    for i in range(cfg.num_layers))
+        self.norm = self.norm_cls(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, sh.vocab, bias=False)
 
     def tie_weights(self) -> None:
@@ -131,15 +159,19 @@ class LlamaForCausalLM(nn.Module):
         else:
             self.lm_head.weight = self.embed_tokens.weight
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
-        h = self.embed_tokens(input_ids)
+        h = self.embed(input_ids)
         rope = self.rope.lookup(positions, h.dtype)
         stacked = self._decode_stack(h, rope, meta)
         if stacked is not None:
             return self.norm(stacked)
+        local = self.rope_local.lookup(positions, h.dtype) if self.rope_local is not None else rope
         for layer in self.layers:
-            h = layer(rope, h, meta)
+            h = layer(local if layer.self_attn.window is not None else rope, h, meta)
         return self.norm(h)
 
     def _decode_stack(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
@@ -154,7 +186,7 @@ class LlamaForCausalLM(nn.Module):
             return None
         attns = [layer.self_attn.attn for layer in self.layers]
         if any(getattr(a, "native", None) is None or not hasattr(a, "decode_qkv") or a.kv.dtype != h.dtype
-               for a in attns):
+               or getattr(a, "group", 0) != 0 for a in attns):  # (one KV group: one set of tables)
             return None
         a = self.layers[0].self_attn
         cos, sin = rope

@@ -6,9 +6,11 @@ import math
 import torch
 
 
-def inv_frequencies(head_dim: int, theta: float, scaling: dict | None) -> tuple[torch.Tensor, float]:
+def inv_frequencies(head_dim: int, theta: float, scaling: dict | None,
+                    max_positions: int | None = None) -> tuple[torch.Tensor, float]:
     """Inverse frequencies and the attention factor applied to cos/sin."""
-    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    inv = 1.0 / (theta ** exponents)
     if not scaling:
         return inv, 1.0
     kind = scaling.get("rope_type") or scaling.get("type") or "default"
@@ -18,7 +20,27 @@ def inv_frequencies(head_dim: int, theta: float, scaling: dict | None) -> tuple[
         return inv / float(scaling["factor"]), 1.0
     if kind == "llama3":
         return _llama3(inv, scaling), 1.0
-    raise ValueError(f"rope scaling type {kind!r} is not supported (supported: linear, llama3)")
+    if kind in ("longrope", "su"):
+        return _longrope(theta ** exponents, scaling, max_positions)
+    raise ValueError(f"rope scaling type {kind!r} is not supported (supported: linear, llama3, longrope)")
+
+
+def _longrope(wavelengths: torch.Tensor, s: dict, max_positions: int | None) -> tuple[torch.Tensor, float]:
+    """LongRoPE (Phi-3): per-frequency divisors, the long ones when the context may pass the
+    pretraining length. transformers switches per forward call (and recomputes the cache when
+    a sequence crosses it); like llama.cpp we choose once, by the engine's max_model_len, so
+    every position of a sequence is rotated the same way. Below the pretraining length that
+    equals transformers exactly."""
+    orig = int(s["original_max_position_embeddings"])
+    factor = float(s.get("factor") or 1.0)
+    attn = s.get("attention_factor")
+    if attn is None:
+        attn = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))
+    long = max_positions is not None and max_positions > orig
+    ext = torch.tensor(s["long_factor" if long else "short_factor"], dtype=torch.float32)
+    if ext.numel() != wavelengths.numel():
+        raise ValueError(f"longrope has {ext.numel()} factors for {wavelengths.numel()} rope frequencies")
+    return 1.0 / (ext * wavelengths), float(attn)
 
 
 def _llama3(inv: torch.Tensor, s: dict) -> torch.Tensor:
@@ -50,7 +72,7 @@ class RotaryEmbedding(torch.nn.Module):
     def reset_buffers(self) -> None:
         """(Re)compute the tables; called again after the model is materialised from meta."""
         head_dim, max_positions, theta, scaling = self.args
-        inv, attn_factor = inv_frequencies(head_dim, theta, scaling)
+        inv, attn_factor = inv_frequencies(head_dim, theta, scaling, max_positions)
         t = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(t, inv.to(t.device))
         self.cos = freqs.cos() * attn_factor

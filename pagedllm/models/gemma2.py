@@ -1,0 +1,70 @@
+"""Gemma 2: alternating sliding and global layers, and Gemma's own layer shape.
+
+- RMSNorm multiplies by (1 + weight): checkpoints store weight - 1 (GGUF files already hold
+  1 + weight), so the loader adds one and the plain RMSNorm, and its fused native path, serve.
+- Each sub-block is normed before and after: h + post_norm(attn(pre_norm(h))), the same
+  around the MLP.
+- Embeddings are scaled by sqrt(hidden_size), rounded to the compute dtype as transformers does.
+- The MLP is GeGLU with tanh GELU; attention scales by query_pre_attn_scalar ** -0.5.
+- Attention scores and final logits are soft-capped: cap * tanh(x / cap).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..attention.metadata import AttentionMetadata
+from ..config import ModelConfig
+from .llama import MLP, Attention, LlamaForCausalLM, RMSNorm
+
+
+class GemmaMLP(MLP):
+    def forward(self, x: torch.Tensor, norm: nn.Module | None = None,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+        gate, up = self.gate_up_proj.fused(x, norm=norm).chunk(2, dim=-1)
+        return self.down_proj.fused(F.gelu(gate, approximate="tanh") * up, residual=residual)
+
+
+class Gemma2DecoderLayer(nn.Module):
+    qk_norm: type[nn.Module] | None = None
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        if cfg.hidden_activation not in ("gelu_pytorch_tanh", "gelu_tanh"):
+            raise ValueError(f"Gemma with hidden_activation={cfg.hidden_activation!r} is not supported "
+                             "(supported: gelu_pytorch_tanh)")
+        self.self_attn = Attention(cfg, layer_idx, self.qk_norm)
+        self.mlp = GemmaMLP(cfg)
+        eps = cfg.rms_norm_eps
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps)
+        self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps)
+        self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps)
+
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], h: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        h = h + self.post_attention_layernorm(self.self_attn(rope, h, meta, norm=self.input_layernorm))
+        return h + self.post_feedforward_layernorm(self.mlp(h, norm=self.pre_feedforward_layernorm))
+
+
+class Gemma2ForCausalLM(LlamaForCausalLM):
+    layer_cls = Gemma2DecoderLayer
+
+    def __init__(self, cfg: ModelConfig, max_positions: int, tp=None) -> None:
+        super().__init__(cfg, max_positions, tp)
+        self.embed_scale = cfg.hidden_size ** 0.5
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed_tokens(input_ids)
+        return h * torch.tensor(self.embed_scale, dtype=h.dtype)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = super().compute_logits(hidden)
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
+
+    def load_weights(self, weights, dtype: torch.dtype = torch.float32) -> None:
+        # HF names, HF values (the GGUF reader turns the file's 1 + weight back into weight).
+        # Added in the compute dtype: exact in float32; in bf16, 1 + w is rounded once.
+        super().load_weights(((n, t + 1 if n.endswith("norm.weight") else t) for n, t in weights), dtype)
