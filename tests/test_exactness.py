@@ -7,7 +7,7 @@ import torch
 from pagedllm import LLM, SamplingParams
 from models import FAMILIES, SLIDING, build_checkpoint, reference_family
 
-PROMPT_LENS = [1, 7, 31, 64, 100, 173, 250, 300]
+PROMPT_LENS = [1, 7, 31, 64, 100, 173, 250, 300, 600]
 NEW_TOKENS = 32
 
 
@@ -53,7 +53,7 @@ def test_same_tokens_across_cache_layouts(family_ckpt, variant):
               # running sequences keep growing: it must preempt (Mistral's window frees
               # blocks as it goes, so it gets an even smaller cache).
               "preempt": dict(block_size=8, max_num_batched_tokens=64,
-                              kv_cache_context_len=160 if family == "mistral" else 400)}[variant]
+                              kv_cache_context_len=160 if family == "mistral" else 700)}[variant]
     llm = LLM(str(path), dtype="float32", **kwargs)
     assert _greedy(llm, prompts) == expected
     eng = llm.engine
