@@ -10,7 +10,7 @@ METHODS = ("ngram", "draft")
 @dataclass
 class SpeculativeConfig:
     method: str
-    num_tokens: int = 4  # proposals per step at most (k)
+    num_tokens: int = 5  # proposals per step at most (k)
     max_ngram: int = 4  # ngram: the longest suffix looked up in the sequence's own tokens
     min_ngram: int = 2  # ngram: the shortest; 1 proposes on any repeated token (noisy in chat)
     model: str | None = None  # draft: the draft model (same tokenizer); not implemented yet
@@ -27,7 +27,7 @@ class SpeculativeConfig:
                 value.validate()
             return value
         if not isinstance(value, dict):
-            raise TypeError(f"speculative must be a dict such as {{'method': 'ngram', 'num_tokens': 4}}, "
+            raise TypeError(f"speculative must be a dict such as {{'method': 'ngram', 'num_tokens': 5}}, "
                             f"got {type(value).__name__}")
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(value) - known)
