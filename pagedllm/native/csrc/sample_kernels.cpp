@@ -5,6 +5,7 @@
 // rarely lets a value through once k good ones are known.
 #include "quant_common.h"  // the x86 SIMD helpers (exp8, hsum)
 
+#include <cstring>
 #include <functional>
 #include <limits>
 #include <tuple>
@@ -22,6 +23,22 @@ inline bool before(const Cand& a, const Cand& b) {  // larger value first, then 
   return a.first > b.first || (a.first == b.first && a.second < b.second);
 }
 
+// A candidate as one integer that sorts like (value descending, id ascending): the value's
+// bits made order-preserving in the high half, the id's complement in the low half. Sorting
+// these runs several times faster than sorting (value, id) pairs with a tie-break.
+inline uint64_t cand_key(float x, int64_t i) {
+  uint32_t b;
+  std::memcpy(&b, &x, 4);
+  b = (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+  return (static_cast<uint64_t>(b) << 32) | (0xFFFFFFFFu - static_cast<uint32_t>(i));
+}
+inline void key_cand(uint64_t key, float& x, int64_t& i) {
+  uint32_t b = static_cast<uint32_t>(key >> 32);
+  b = (b & 0x80000000u) ? (b & 0x7FFFFFFFu) : ~b;
+  std::memcpy(&x, &b, 4);
+  i = static_cast<int64_t>(0xFFFFFFFFu - static_cast<uint32_t>(key));
+}
+
 // Many candidates and no sum (the sampler's later levels): a threshold estimated from every
 // 8th value, then one pass keeps everything at or above it. Exact whenever at least k values
 // pass (checked); false sends the row to the general path.
@@ -29,13 +46,16 @@ bool row_topk_sampled(const float* x, int64_t v, int64_t k, float* vals, int64_t
   constexpr int64_t STRIDE = 8;
   const int64_t ns = v / STRIDE, want = std::min(ns, k / STRIDE + k / (2 * STRIDE) + 8);
   if (ns < 64 || want < 1) return false;
-  thread_local std::vector<float> sample;
-  sample.resize(ns);
-  for (int64_t j = 0; j < ns; ++j) sample[j] = x[j * STRIDE];
-  std::nth_element(sample.begin(), sample.begin() + (want - 1), sample.end(), std::greater<float>());
-  const float est = sample[want - 1];
-  thread_local std::vector<Cand> cand;
-  cand.clear();
+  float est = -std::numeric_limits<float>::infinity();
+  if (4 * k < v) {  // else every value is a candidate anyway
+    thread_local std::vector<float> sample;
+    sample.resize(ns);
+    for (int64_t j = 0; j < ns; ++j) sample[j] = x[j * STRIDE];
+    std::nth_element(sample.begin(), sample.begin() + (want - 1), sample.end(), std::greater<float>());
+    est = sample[want - 1];
+  }
+  thread_local std::vector<uint64_t> keys;
+  keys.clear();
   int64_t i = 0;
 #ifdef PQ_X86
   const __m256 ev = _mm256_set1_ps(est);
@@ -44,18 +64,17 @@ bool row_topk_sampled(const float* x, int64_t v, int64_t k, float* vals, int64_t
     while (mask) {
       const int b = __builtin_ctz(mask);
       mask &= mask - 1;
-      cand.emplace_back(x[i + b], i + b);
+      keys.push_back(cand_key(x[i + b], i + b));
     }
   }
 #endif
   for (; i < v; ++i)
-    if (x[i] >= est) cand.emplace_back(x[i], i);
-  if (static_cast<int64_t>(cand.size()) < k) return false;
-  std::partial_sort(cand.begin(), cand.begin() + k, cand.end(), before);
-  for (int64_t j = 0; j < k; ++j) {
-    vals[j] = cand[j].first;
-    ids[j] = cand[j].second;
-  }
+    if (x[i] >= est) keys.push_back(cand_key(x[i], i));
+  if (static_cast<int64_t>(keys.size()) < k) return false;  // (NaNs fail every comparison)
+  if (static_cast<int64_t>(keys.size()) > k)
+    std::nth_element(keys.begin(), keys.begin() + (k - 1), keys.end(), std::greater<uint64_t>());
+  std::sort(keys.begin(), keys.begin() + k, std::greater<uint64_t>());
+  for (int64_t j = 0; j < k; ++j) key_cand(keys[j], vals[j], ids[j]);
   return true;
 }
 
