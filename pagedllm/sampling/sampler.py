@@ -72,7 +72,7 @@ class Sampler:
     # needs fewer than 64 for 99% of rows.
     # torch's CPU topk keeps ~0.1-0.4 ms a row up to k = 512 on 49k and 262k vocabularies, and
     # jumps to 3.5-4 ms a row from k = 768-2048 (another algorithm), hence no level above 512.
-    candidate_levels: tuple[int, ...] = (64, 512, 4096)
+    candidate_levels: tuple[int, ...] = (64, 512, 4096, 16384)
 
     def __init__(self, device: torch.device, seed: int = 0) -> None:
         self.device = device
