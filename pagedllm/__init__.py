@@ -2,9 +2,18 @@
 from .llm import LLM
 from .outputs import CompletionOutput, RequestOutput
 from .sampling.params import SamplingParams
-from .api import Architecture, ChatCompletionRequest, CompletionRequest, PagedCacheType, Runner, Which
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput",
-           "Runner", "Which", "ChatCompletionRequest", "CompletionRequest", "Architecture",
-           "PagedCacheType"]
+# The mistral.rs-style API pulls in pydantic (its requests are the server's models): imported
+# on first use, so a process that only runs LLM does not carry it.
+_API_NAMES = ("Architecture", "ChatCompletionRequest", "CompletionRequest", "PagedCacheType", "Runner", "Which")
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", *_API_NAMES]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    if name in _API_NAMES:
+        from . import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'pagedllm' has no attribute {name!r}")

@@ -54,3 +54,27 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     if device.type == "mps":
         return torch.float16
     return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
+
+
+@lru_cache(maxsize=1)
+def _libc_malloc_trim():
+    """glibc's malloc_trim, or None where the C library is not glibc (macOS, musl)."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        fn = libc.malloc_trim
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
+    return fn
+
+
+def release_freed_memory() -> None:
+    """Hand the heap's free pages back to the OS. Loading frees much more than it keeps (file
+    metadata, vocabulary lists, staging copies); glibc keeps those pages mapped, and they stay
+    in the resident set until the heap reuses them, which a serving process may never do."""
+    fn = _libc_malloc_trim()
+    if fn is not None:
+        fn(0)

@@ -104,6 +104,27 @@ def test_isq_model_matches_transformers_on_the_rounded_weights(isq_ckpt, fmt):
     assert cos.min().item() > 0.995, cos.min().item()
 
 
+def test_batch1_decode_rounds_activations_in_two_levels(isq_ckpt, monkeypatch):
+    """Token by token (batch 1, the integer kernels on every projection), the default rounds
+    each activation block twice (int8x2): its logits sit far closer to the float model on the
+    same quantized weights than one int8 level, the rounding llama.cpp uses, leaves them."""
+    path, _ = isq_ckpt
+    llm = LLM(str(path), dtype="float32", isq="Q4_K", kv_cache_memory_mb=8)
+    prompt = torch.randint(0, 49152, (48,), generator=torch.Generator().manual_seed(9)).tolist()
+    exact = llm.engine.prompt_logits(prompt)  # 48 rows at once: dequantize + GEMM, no rounding
+    assert "int8x2 up to 8 rows" in llm.engine.kv_cache_trace().weight_kernel
+    errors = {}
+    for mode in ("auto", "int8x2", "int8"):
+        monkeypatch.setenv("PAGEDLLM_QUANT_ACT", mode)
+        got = llm.engine.prompt_logits(prompt, chunk_size=1)
+        errors[mode] = ((got - exact).abs().max() / exact.abs().max()).item()
+    assert errors["auto"] == errors["int8x2"]
+    assert errors["int8x2"] < errors["int8"] / 20, errors
+    monkeypatch.setenv("PAGEDLLM_QUANT_ACT", "int4")
+    with pytest.raises(ValueError, match="PAGEDLLM_QUANT_ACT"):
+        llm.engine.prompt_logits(prompt[:4], chunk_size=1)
+
+
 @pytest.mark.parametrize("fmt", ["Q8_0", "Q4_K"])
 def test_decode_stack_gives_the_per_layer_bits(isq_ckpt, fmt, monkeypatch):
     """Decode steps of a quantized model run every layer in one native call; it must give the

@@ -21,6 +21,7 @@ import argparse
 import importlib.util
 import logging
 import math
+import os
 import re
 import time
 from pathlib import Path
@@ -195,13 +196,24 @@ def run_weights(args: argparse.Namespace) -> dict:
     print(f"text: {n_texts} texts; {len(windows)} windows x {args.window_len} tokens = {n} scored tokens; "
           f"{torch.get_num_threads()} threads", flush=True)
     ctx = len(windows) * (args.window_len + 1 + args.block_size)
-    runs = [("dequantized fp32 (reference)", dict(dtype="float32", dequantize_weights=True), 1),
-            ("quantized fp32, decode path", dict(dtype="float32"), 1),
-            ("quantized fp32, prefill path", dict(dtype="float32"), args.window_len + 1)]
+    # The decode path once per activation rounding: int8x2 is what decode batches of up to
+    # X2_ROWS rows run by default, int8 what wider ones run (quant/kernels.py).
+    runs = [("dequantized fp32 (reference)", dict(dtype="float32", dequantize_weights=True), 1, None),
+            ("quantized fp32, decode, int8x2", dict(dtype="float32"), 1, "int8x2"),
+            ("quantized fp32, decode, int8", dict(dtype="float32"), 1, "int8"),
+            ("quantized fp32, prefill path", dict(dtype="float32"), args.window_len + 1, None)]
     if args.dtype not in ("float32", "fp32"):
-        runs.append((f"quantized {args.dtype}, decode path", dict(dtype=args.dtype), 1))
+        runs += [(f"quantized {args.dtype}, decode, {act}", dict(dtype=args.dtype), 1, act)
+                 for act in ("int8x2", "int8")]
     results = []
-    for label, kw, chunk in runs:
+    saved_act = os.environ.get("PAGEDLLM_QUANT_ACT")
+    for label, kw, chunk, act in runs:
+        if act:
+            os.environ["PAGEDLLM_QUANT_ACT"] = act
+        elif saved_act is None:
+            os.environ.pop("PAGEDLLM_QUANT_ACT", None)
+        else:
+            os.environ["PAGEDLLM_QUANT_ACT"] = saved_act
         llm = LLM(args.model, kv_cache_context_len=ctx, max_num_seqs=len(windows), block_size=args.block_size,
                   max_num_batched_tokens=max(2048, len(windows) * chunk), isq=args.isq if "dequant" not in label
                   else None, **kw)
@@ -215,6 +227,10 @@ def run_weights(args: argparse.Namespace) -> dict:
               flush=True)
         results.append(r)
         del llm
+    if saved_act is None:
+        os.environ.pop("PAGEDLLM_QUANT_ACT", None)
+    else:
+        os.environ["PAGEDLLM_QUANT_ACT"] = saved_act
     peer = _llamacpp_scores(args.model, windows)
     if peer is not None:
         results.append(peer)
@@ -222,9 +238,9 @@ def run_weights(args: argparse.Namespace) -> dict:
     for r in results:
         r["ppl_delta_pct"] = 100 * (r["perplexity"] / ref["perplexity"] - 1)
         r["top1_agree_pct"] = 100 * (r["top1"] == ref["top1"]).double().mean().item()
-    head = f"{'run':<32} {'perplexity':>11} {'delta':>8} {'top-1 agree':>12}"
+    head = f"{'run':<36} {'perplexity':>11} {'delta':>8} {'top-1 agree':>12}"
     print("\n".join([head, "-" * len(head)] + [
-        f"{r['run']:<32} {r['perplexity']:>11.4f} {r['ppl_delta_pct']:>+7.2f}% {r['top1_agree_pct']:>11.2f}%"
+        f"{r['run']:<36} {r['perplexity']:>11.4f} {r['ppl_delta_pct']:>+7.2f}% {r['top1_agree_pct']:>11.2f}%"
         for r in results]))
     out = {"machine": machine_info(), "args": vars(args),
            "results": [{k: v for k, v in r.items() if k != "top1"} for r in results]}

@@ -17,6 +17,7 @@ import torch
 from ..attention.contiguous import ContiguousBackend
 from ..attention.paged import PagedAttentionBackend
 from ..config import CacheConfig, SchedulerConfig
+from ..device import release_freed_memory
 from ..kv.cache import KVCacheSpec, PagedKVCache, plan_cache
 from ..kv.calibration import resolve_fp8_scales
 from ..kv.groups import KVGroups, blocks_held, plan_groups
@@ -154,6 +155,7 @@ class LLMEngine:
         self.stats = {"prompt_tokens": 0, "generated_tokens": 0, "steps": 0}
         # Running share of allocated-but-empty token slots, for the trace.
         self.waste_sum, self.waste_steps = 0.0, 0
+        release_freed_memory()  # what loading freed, before the KV cache starts to fill
 
     # -- requests ---------------------------------------------------------
     def add_request(self, prompt: str | list[int] | None, params: SamplingParams | None = None,

@@ -73,6 +73,8 @@ inline Fmt fmt_of(int64_t t) {
 }
 
 enum Isa : int64_t { AUTO = 0, SCALAR = 1, AVX2 = 2, AVX512VNNI = 3 };
+// Flag or-ed into the isa argument of quant_matmul / quant_linear: two-level activations.
+constexpr int64_t ACT_X2 = 256;
 
 inline float half(const uint8_t* p) {
   uint16_t h;
@@ -419,44 +421,64 @@ struct QAct {
   int64_t m = 0, k = 0;
 };
 
+// One block's 32 values to int8 with scale d (round to nearest), and its sums.
+inline void quantize_block(const float* v, int8_t* dst, float& d, int32_t& s0, int32_t& s1) {
+  float amax = 0.f;
+  for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(v[i]));
+  d = amax / 127.f;
+  const float id = d > 0.f ? 1.f / d : 0.f;
+  s0 = s1 = 0;
+  for (int i = 0; i < 32; ++i) {
+    const int qv = static_cast<int>(std::nearbyint(v[i] * id));
+    dst[i] = static_cast<int8_t>(qv);
+    (i < 16 ? s0 : s1) += qv;
+  }
+}
+
+// x [m, k] quantized per 32 values. levels = 2 adds the rounding error of each row, quantized
+// the same way, as the row after it (x ~ d1 q1 + d2 q2, about 14 bits instead of 7): the
+// kernels then see 2m rows that share each decoded weight tile, and the caller sums the pairs.
 template <typename T>
-void quantize_rows(const T* x, int64_t m, int64_t k, QAct& out) {
-  out.m = m;
+void quantize_rows(const T* x, int64_t m, int64_t k, QAct& out, int levels = 1) {
+  const int64_t kc = k / 32, rows = m * levels;
+  out.m = rows;
   out.k = k;
-  out.a.resize(m * k);
-  out.d.resize(m * (k / 32));
-  out.s16.resize(m * (k / 16));
-  out.s32.resize(m * (k / 32));
-  out.ds32.resize(m * (k / 32));
-  out.ds16.resize(m * (k / 16));
-  out.msv.assign(m * (k / 32) * 8, 0.f);
-  at::parallel_for(0, m * (k / 32), 64, [&](int64_t b, int64_t e) {
+  out.a.resize(rows * k);
+  out.d.resize(rows * kc);
+  out.s16.resize(rows * (k / 16));
+  out.s32.resize(rows * kc);
+  out.ds32.resize(rows * kc);
+  out.ds16.resize(rows * (k / 16));
+  out.msv.assign(rows * kc * 8, 0.f);
+  auto record = [&](int64_t c, float d, int32_t s0, int32_t s1) {
+    out.d[c] = d;
+    out.s16[2 * c] = s0;
+    out.s16[2 * c + 1] = s1;
+    out.ds16[2 * c] = d * static_cast<float>(s0);
+    out.ds16[2 * c + 1] = d * static_cast<float>(s1);
+    out.msv[c * 8] = out.ds16[2 * c];
+    out.msv[c * 8 + 4] = out.ds16[2 * c + 1];
+    out.s32[c] = s0 + s1;
+    out.ds32[c] = d * static_cast<float>(s0 + s1);
+  };
+  at::parallel_for(0, m * kc, 64, [&](int64_t b, int64_t e) {
     for (int64_t c = b; c < e; ++c) {
       const T* src = x + c * 32;  // rows are contiguous, k % 32 == 0
+      const int64_t row = c / kc, col = c % kc;
+      const int64_t c1 = row * levels * kc + col;  // this block in the (first) quantized row
       float v[32];
-      float amax = 0.f;
-      for (int i = 0; i < 32; ++i) {
-        v[i] = static_cast<float>(src[i]);
-        amax = std::max(amax, std::fabs(v[i]));
+      for (int i = 0; i < 32; ++i) v[i] = static_cast<float>(src[i]);
+      float d;
+      int32_t s0, s1;
+      quantize_block(v, out.a.data() + c1 * 32, d, s0, s1);
+      record(c1, d, s0, s1);
+      if (levels == 2) {
+        const int8_t* q = out.a.data() + c1 * 32;
+        for (int i = 0; i < 32; ++i) v[i] -= d * static_cast<float>(q[i]);
+        const int64_t c2 = c1 + kc;
+        quantize_block(v, out.a.data() + c2 * 32, d, s0, s1);
+        record(c2, d, s0, s1);
       }
-      const float d = amax / 127.f;
-      const float id = d > 0.f ? 1.f / d : 0.f;
-      int8_t* dst = out.a.data() + c * 32;
-      int32_t s0 = 0, s1 = 0;
-      for (int i = 0; i < 32; ++i) {
-        const int qv = static_cast<int>(std::nearbyint(v[i] * id));
-        dst[i] = static_cast<int8_t>(qv);
-        (i < 16 ? s0 : s1) += qv;
-      }
-      out.d[c] = d;
-      out.s16[2 * c] = s0;
-      out.s16[2 * c + 1] = s1;
-      out.ds16[2 * c] = d * static_cast<float>(s0);
-      out.ds16[2 * c + 1] = d * static_cast<float>(s1);
-      out.msv[c * 8] = out.ds16[2 * c];
-      out.msv[c * 8 + 4] = out.ds16[2 * c + 1];
-      out.s32[c] = s0 + s1;
-      out.ds32[c] = d * static_cast<float>(s0 + s1);
     }
   });
 }

@@ -255,15 +255,17 @@ at::Tensor quant_matmul(const at::Tensor& x, at::TensorList ws, at::IntArrayRef 
     row0.push_back(row0.back() + ws[p].size(0) * (packed.back() ? 16 : 1));
   }
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.size(1) == k, "x must be a CPU [M, ", k, "] tensor");
+  const int levels = (isa & ACT_X2) ? 2 : 1;
+  isa &= ~ACT_X2;
   if (isa == AUTO) isa = best_isa();
   TORCH_CHECK(isa_supported(isa), "instruction set path ", isa, " is not available on this CPU");
   const auto xc = x.contiguous();
   const int64_t m = x.size(0), n = row0.back();
   QAct qa;
   switch (xc.scalar_type()) {
-    case at::kFloat: quantize_rows(xc.data_ptr<float>(), m, k, qa); break;
-    case at::kBFloat16: quantize_rows(xc.data_ptr<c10::BFloat16>(), m, k, qa); break;
-    case at::kHalf: quantize_rows(xc.data_ptr<c10::Half>(), m, k, qa); break;
+    case at::kFloat: quantize_rows(xc.data_ptr<float>(), m, k, qa, levels); break;
+    case at::kBFloat16: quantize_rows(xc.data_ptr<c10::BFloat16>(), m, k, qa, levels); break;
+    case at::kHalf: quantize_rows(xc.data_ptr<c10::Half>(), m, k, qa, levels); break;
     default: TORCH_CHECK(false, "quant_matmul: x must be float32, bfloat16 or float16");
   }
   // Threads split the output in units of 16 rows (a packed group) where every part allows it.
@@ -272,7 +274,7 @@ at::Tensor quant_matmul(const at::Tensor& x, at::TensorList ws, at::IntArrayRef 
   const bool any_packed = std::find(packed.begin(), packed.end(), true) != packed.end();
   TORCH_CHECK(whole || !any_packed, "quant_matmul: packed parts need every part's rows in groups of 16");
   const int64_t unit = whole ? 16 : 1;
-  auto y = at::empty({m, n}, x.options().dtype(at::kFloat));
+  auto y = at::empty({m * levels, n}, x.options().dtype(at::kFloat));
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, n / unit, std::max<int64_t>(1, grain_for(n) / unit), [&](int64_t b, int64_t e) {
     b *= unit;
@@ -294,7 +296,9 @@ at::Tensor quant_matmul(const at::Tensor& x, at::TensorList ws, at::IntArrayRef 
       f.is_signed ? gemv_rows<true>(f, wp, rb, r0, r1, qa, yo, n) : gemv_rows<false>(f, wp, rb, r0, r1, qa, yo, n);
     }
   });
-  return y;
+  if (levels == 1) return y;
+  // Each row's two levels, summed: rows 2i and 2i + 1 of y are the halves of output row i.
+  return y.view({m, 2, n}).sum(1);
 }
 
 namespace pq {
