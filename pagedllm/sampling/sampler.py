@@ -231,21 +231,40 @@ class Sampler:
             def pick(rows: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
                 cand, ids = (exps if rows.numel() == n else exps[rows]).topk(k, dim=-1)
                 return cand / total[rows][:, None], ids
+        # Per row, a lower bound on the candidates its filters need (0: unknown): after a level
+        # falls short, every later token is at most as likely as its last candidate, so at least
+        # (top_p - mass so far) / p_last more are needed (or top_k), and levels below that are
+        # skipped (flat rows go from 64 straight to thousands). min_p can end a row anywhere.
+        need = torch.zeros(n, dtype=torch.float32, device=total.device)
         for level, k in enumerate((*self.candidate_levels, v)):
             if todo.numel() == 0:
                 return
             k = min(k, v)
             if level == 0 and first is not None:
-                cand, ids = first[0][todo], first[1][todo]
+                now, cand, ids = todo, first[0][todo], first[1][todo]
             else:
-                cand, ids = pick(todo, k)
-            keep, done = _filter(cand, top_k[todo], top_p[todo], min_p[todo], complete=k == v)
+                ready = need[todo] <= k
+                if k < v and not bool(ready.any()):
+                    continue
+                now = todo if k == v or bool(ready.all()) else todo[ready]
+                cand, ids = pick(now, k)
+            keep, done = _filter(cand, top_k[now], top_p[now], min_p[now], complete=k == v)
             if bool(done.all()):
-                yield todo, cand, ids, keep
-                return
-            if bool(done.any()):
-                yield todo[done], cand[done], ids[done], keep[done]
-                todo = todo[~done]
+                yield now, cand, ids, keep
+            else:
+                if bool(done.any()):
+                    yield now[done], cand[done], ids[done], keep[done]
+                short = ~done
+                rest, last = now[short], cand[short, -1]
+                more = (top_p[rest] - cand[short].sum(dim=-1)) / last
+                bound = torch.minimum(top_k[rest].float(), k + more)
+                need[rest] = torch.where(min_p[rest] > 0, 0.0, bound.nan_to_num(nan=0.0))
+            if now.numel() == todo.numel():
+                todo = now[~done]
+            else:
+                left = torch.ones(n, dtype=torch.bool, device=total.device)
+                left[now[done]] = False
+                todo = todo[left[todo]]
 
     def _sample_free(self, scaled, rows: torch.Tensor, cand: torch.Tensor, ids: torch.Tensor,
                      keys: torch.Tensor, keys_l: list[int]) -> torch.Tensor:

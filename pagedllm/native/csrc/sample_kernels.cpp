@@ -39,6 +39,27 @@ inline void key_cand(uint64_t key, float& x, int64_t& i) {
   i = static_cast<int64_t>(0xFFFFFFFFu - static_cast<uint32_t>(key));
 }
 
+// Keys in descending order of their value half, stably (ties keep their order: the scan
+// collects ids ascending, so ties come out by id, as cand_key orders them). An LSD radix sort
+// over the value's 4 bytes: a few linear passes where std::sort on thousands of keys made the
+// sampler's large levels cost ~150 us a row; a byte every key shares is skipped.
+void radix_desc(std::vector<uint64_t>& keys) {
+  thread_local std::vector<uint64_t> tmp;
+  const size_t n = keys.size();
+  tmp.resize(n);
+  uint64_t* src = keys.data();
+  uint64_t* dst = tmp.data();
+  for (int shift = 32; shift < 64; shift += 8) {
+    size_t cnt[257] = {0};
+    for (size_t j = 0; j < n; ++j) ++cnt[((~src[j]) >> shift & 0xFF) + 1];
+    if (cnt[((~src[0]) >> shift & 0xFF) + 1] == n) continue;  // one bucket: already in order
+    for (int b = 0; b < 256; ++b) cnt[b + 1] += cnt[b];
+    for (size_t j = 0; j < n; ++j) dst[cnt[(~src[j]) >> shift & 0xFF]++] = src[j];
+    std::swap(src, dst);
+  }
+  if (src != keys.data()) std::memcpy(keys.data(), src, n * sizeof(uint64_t));
+}
+
 // Many candidates and no sum (the sampler's later levels): a threshold estimated from every
 // 8th value, then one pass keeps everything at or above it. Exact whenever at least k values
 // pass (checked); false sends the row to the general path.
@@ -71,9 +92,7 @@ bool row_topk_sampled(const float* x, int64_t v, int64_t k, float* vals, int64_t
   for (; i < v; ++i)
     if (x[i] >= est) keys.push_back(cand_key(x[i], i));
   if (static_cast<int64_t>(keys.size()) < k) return false;  // (NaNs fail every comparison)
-  if (static_cast<int64_t>(keys.size()) > k)
-    std::nth_element(keys.begin(), keys.begin() + (k - 1), keys.end(), std::greater<uint64_t>());
-  std::sort(keys.begin(), keys.begin() + k, std::greater<uint64_t>());
+  radix_desc(keys);
   for (int64_t j = 0; j < k; ++j) key_cand(keys[j], vals[j], ids[j]);
   return true;
 }
