@@ -98,3 +98,23 @@ def test_compare_refuses_a_non_gguf(tmp_path, capsys):
     bad.write_bytes(b"x")
     assert main(["bench", "compare", str(bad)]) == 1
     assert "needs a .gguf file" in capsys.readouterr().err
+
+
+def test_a_childs_peak_rss_is_its_own():
+    """Each engine's process reports its own peak: ru_maxrss would carry this (larger) parent's
+    peak across fork and exec, which once floored both engines' figures at the bench's own."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from pagedllm.bench import llamacpp_peer
+
+    ballast = bytearray(400 * 2**20)
+    ballast[::4096] = b"\1" * len(ballast[::4096])  # every page touched: the parent is > 400 MB
+    code = ("import runpy, sys; m = runpy.run_path(sys.argv[1]); "
+            "x = bytearray(50 * 2**20); x[::4096] = b'1' * len(x[::4096]); print(m['peak_rss_mb']())")
+    out = subprocess.run([sys.executable, "-c", code, str(Path(llamacpp_peer.__file__))], capture_output=True,
+                         text=True, check=True).stdout
+    peak = float(out)
+    del ballast
+    assert 50 < peak < 200, peak  # its own 50 MB and an interpreter, not the parent's 400+

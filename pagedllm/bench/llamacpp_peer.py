@@ -3,7 +3,7 @@
 Run as a script by its path (`python .../llamacpp_peer.py SPEC.json OUT.json`), never as part of
 the package: that process imports only the standard library, numpy and llama_cpp, so its peak RSS
 is llama.cpp's own and not torch's. One process runs one measurement (`repeats` timed runs after
-a warm-up) and writes its figures and `ru_maxrss` as JSON.
+a warm-up) and writes its figures and its peak RSS as JSON.
 
 The timing follows what pagedllm's side times: decode rates count the steps after the first
 token (each step: one llama_decode plus a greedy argmax of the logits, as our step samples), and
@@ -152,8 +152,17 @@ def measure(spec: dict) -> dict:
 
 
 def peak_rss_mb() -> float:
-    """This process's peak resident set (ru_maxrss: KiB on Linux, bytes on macOS), in MB."""
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    """This process's peak resident set, in MB. On Linux VmHWM, the high-water mark of this
+    process's own memory map: ru_maxrss carries the spawning parent's peak across fork and
+    exec, so a child that stays smaller than the bench's parent reports the parent's figure."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024 / 1e6
+    except OSError:
+        pass
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
     return rss / 1e6 if sys.platform == "darwin" else rss * 1024 / 1e6
 
 
