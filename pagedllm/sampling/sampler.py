@@ -198,17 +198,55 @@ class Sampler:
 
         tokens = torch.empty(n, dtype=torch.int64, device=dev)
         todo = torch.arange(n, device=dev)
-        if free_rows:  # no filter: the two-stage draw, on the first candidates
+        if free_rows:
             free = torch.tensor(free_rows, device=dev)
-            tokens[free] = self._sample_free(scaled, free, first[0][free], first[1][free], keys[free],
-                                             [keys_l[i] for i in free_rows])
             keep_todo = torch.ones(n, dtype=torch.bool, device=dev)
             keep_todo[free] = False
             todo = todo[keep_todo]
-        for rows_t, cand, ids, keep in self.filtered(candidates, total, top_k, top_p, min_p, todo, first, v):
-            score = (cand.log() + self._gumbel(keys[rows_t], ids)).masked_fill(~keep, float("-inf"))
-            tokens[rows_t] = ids.gather(1, score.argmax(dim=-1, keepdim=True))[:, 0]
+        # Filtered rows first: the free rows' tail draw scales the logits in place.
+        if native is not None:
+            self._filtered_native(native, batch_logits, sel, temps.view(-1), total, top_k, top_p, min_p, keys,
+                                  top_vals, top_ids, todo, tokens)
+        else:
+            for rows_t, cand, ids, keep in self.filtered(candidates, total, top_k, top_p, min_p, todo, first, v):
+                score = (cand.log() + self._gumbel(keys[rows_t], ids)).masked_fill(~keep, float("-inf"))
+                tokens[rows_t] = ids.gather(1, score.argmax(dim=-1, keepdim=True))[:, 0]
+        if free_rows:  # no filter: the two-stage draw, on the first candidates
+            tokens[free] = self._sample_free(scaled, free, first[0][free], first[1][free], keys[free],
+                                             [keys_l[i] for i in free_rows])
         return tokens
+
+    def _filtered_native(self, native, batch_logits: torch.Tensor, sel: torch.Tensor | None, temps: torch.Tensor,
+                         total: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
+                         keys: torch.Tensor, top_vals: torch.Tensor, top_ids: torch.Tensor, todo: torch.Tensor,
+                         tokens: torch.Tensor) -> None:
+        """`filtered` and the draw for the rows `todo` on the CPU: per candidate level one native
+        call filters every row, draws the decided ones (the same rules and noise as the torch
+        path) and bounds what the others need, so flat rows skip the levels that cannot hold
+        their nucleus. Writes tokens[todo]."""
+        v = batch_logits.shape[1]
+        need = torch.zeros(tokens.shape[0], dtype=torch.float32)
+        for level, k in enumerate((*self.candidate_levels, v)):
+            if todo.numel() == 0:
+                return
+            k = min(k, v)
+            if level == 0:
+                now, vals, ids = todo, top_vals[todo], top_ids[todo]
+            else:
+                ready = need[todo] <= k
+                if k < v and not bool(ready.any()):
+                    continue
+                now = todo if k == v or bool(ready.all()) else todo[ready]
+                vals, ids, _ = native.sample_topk(batch_logits, temps[now], k, now if sel is None else sel[now],
+                                                  False)
+            got, short = native.sample_candidates(vals, ids, temps[now], total[now], top_k[now], top_p[now],
+                                                  min_p[now], keys[now], self._token_hash, k == v)
+            decided = got >= 0
+            tokens[now[decided]] = got[decided]
+            need[now] = short
+            left = torch.ones(tokens.shape[0], dtype=torch.bool)
+            left[now[decided]] = False
+            todo = todo[left[todo]]
 
     def _buffer(self, n: int, v: int, dev: torch.device) -> torch.Tensor:
         buf = self._exp_buf

@@ -206,8 +206,101 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> sample_topk(const at::Tensor& log
   return {vals, ids, total};
 }
 
+
+namespace {
+inline uint32_t mix32(uint32_t x) {  // lowbias32, as sampling/sampler.py's mix32
+  x ^= x >> 16;
+  x *= 0x7FEB352Du;
+  x ^= x >> 15;
+  x *= 0x846CA68Bu;
+  return x ^ (x >> 16);
+}
+}  // namespace
+
+// One candidate level of the sampler for n rows, in one call: the k best candidates' logits
+// (descending) and ids, each row's temperature, softmax denominator, filters and hash key.
+// Per row, as sampler.py's _filter and _gumbel do in torch: probabilities p_j = exp((x_j -
+// x_0) / T) / total, kept while j < top_k, the mass before j is at most top_p (cumulative
+// sums in double, as torch's cumsum), and p_j >= min_p p_0; the row is decided when the
+// level provably holds every kept token (complete, top_k <= k, the mass passed top_p, or the
+// last candidate dropped). A decided row draws argmax_j log p_j + G_j over its kept tokens,
+// G_j = -log(-log u) with u from hash(token_hash[id_j] ^ key). Returns (tokens [n], -1 where
+// undecided; need [n]: for an undecided row a lower bound on the candidates it needs, 0 if
+// unknown).
+std::tuple<at::Tensor, at::Tensor> sample_candidates(const at::Tensor& vals, const at::Tensor& ids,
+                                                     const at::Tensor& temps, const at::Tensor& total,
+                                                     const at::Tensor& top_k, const at::Tensor& top_p,
+                                                     const at::Tensor& min_p, const at::Tensor& keys,
+                                                     const at::Tensor& token_hash, bool complete) {
+  TORCH_CHECK(vals.dim() == 2 && vals.scalar_type() == at::kFloat && vals.device().is_cpu(),
+              "sample_candidates: vals must be a CPU float32 [n, k] tensor");
+  const int64_t n = vals.size(0), k = vals.size(1);
+  TORCH_CHECK(ids.sizes() == vals.sizes() && ids.scalar_type() == at::kLong, "sample_candidates: ids must be int64 [n, k]");
+  for (const at::Tensor* t : {&temps, &total, &top_p, &min_p})
+    TORCH_CHECK(t->numel() == n && t->scalar_type() == at::kFloat, "sample_candidates: one float32 value per row");
+  TORCH_CHECK(top_k.numel() == n && top_k.scalar_type() == at::kLong && keys.numel() == n &&
+                  keys.scalar_type() == at::kLong, "sample_candidates: top_k and keys must be int64 [n]");
+  TORCH_CHECK(token_hash.dim() == 1 && token_hash.scalar_type() == at::kLong, "sample_candidates: token_hash must be int64 [v]");
+  const int64_t v = token_hash.numel();
+  const auto vc = vals.contiguous(), ic = ids.contiguous(), tc = temps.contiguous(), zc = total.contiguous();
+  const auto kc = top_k.contiguous(), pc = top_p.contiguous(), mc = min_p.contiguous(), hc = keys.contiguous();
+  const auto th = token_hash.contiguous();
+  const float* vp = vc.data_ptr<float>();
+  const int64_t* ip = ic.data_ptr<int64_t>();
+  const int64_t* hp = th.data_ptr<int64_t>();
+  for (int64_t j = 0; j < n * k; ++j)
+    TORCH_CHECK(ip[j] >= 0 && ip[j] < v, "sample_candidates: token id ", ip[j], " outside the vocabulary of ", v);
+  auto tokens = at::full({n}, -1, ids.options());
+  auto need = at::zeros({n}, vals.options());
+  int64_t* op = tokens.data_ptr<int64_t>();
+  float* np = need.data_ptr<float>();
+  at::parallel_for(0, n, 1, [&](int64_t b, int64_t e) {
+    std::vector<float> p(k);
+    std::vector<char> keep(k);
+    for (int64_t r = b; r < e; ++r) {
+      const float* x = vp + r * k;
+      const float t = tc.data_ptr<float>()[r], z = zc.data_ptr<float>()[r];
+      const float tp = pc.data_ptr<float>()[r], mp = mc.data_ptr<float>()[r];
+      const int64_t tk = kc.data_ptr<int64_t>()[r];
+      double cum = 0.;
+      float cum_f = 0.f;
+      for (int64_t j = 0; j < k; ++j) {
+        p[j] = std::exp((x[j] - x[0]) / t) / z;
+        cum += p[j];
+        cum_f = static_cast<float>(cum);
+        keep[j] = j < tk && cum_f - p[j] <= tp && p[j] >= mp * p[0];
+      }
+      const bool done = complete || tk <= k || cum_f > tp || !keep[k - 1];
+      if (!done) {
+        // Every later token is at most p[k-1]: the mass still missing needs this many more.
+        const float bound = std::min(static_cast<float>(tk), k + (tp - cum_f) / p[k - 1]);
+        np[r] = mp > 0.f || std::isnan(bound) ? 0.f : bound;  // min_p can end a row anywhere
+        continue;
+      }
+      const uint32_t key = static_cast<uint32_t>(hc.data_ptr<int64_t>()[r]);
+      float best = -std::numeric_limits<float>::infinity();
+      int64_t arg = 0;
+      for (int64_t j = 0; j < k; ++j) {
+        if (!keep[j]) continue;
+        const uint32_t h = mix32(static_cast<uint32_t>(hp[ip[r * k + j]]) ^ key);
+        const float u = (static_cast<float>(h >> 8) + 0.5f) * (1.0f / 16777216.0f);
+        const float score = std::log(p[j]) - std::log(-std::log(u));
+        if (score > best) {
+          best = score;
+          arg = j;
+        }
+      }
+      op[r] = ip[r * k + arg];
+    }
+  });
+  return {tokens, need};
+}
+
 TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
   m.def("sample_topk(Tensor logits, Tensor temps, int k, Tensor? rows=None, bool with_total=True) -> "
         "(Tensor, Tensor, Tensor)",
         &sample_topk);
+  m.def("sample_candidates(Tensor vals, Tensor ids, Tensor temps, Tensor total, Tensor top_k, Tensor top_p, "
+        "Tensor min_p, Tensor keys, Tensor token_hash, bool complete) -> (Tensor, Tensor)",
+        &sample_candidates);
 }
