@@ -196,8 +196,8 @@ def run_weights(args: argparse.Namespace) -> dict:
     print(f"text: {n_texts} texts; {len(windows)} windows x {args.window_len} tokens = {n} scored tokens; "
           f"{torch.get_num_threads()} threads", flush=True)
     ctx = len(windows) * (args.window_len + 1 + args.block_size)
-    # The decode path once per activation rounding: int8x2 is what decode batches of up to
-    # X2_ROWS rows run by default, int8 what wider ones run (quant/kernels.py).
+    # The decode path once per activation rounding: int8x2 (the default) and int8, llama.cpp's
+    # (quant/kernels.py).
     runs = [("dequantized fp32 (reference)", dict(dtype="float32", dequantize_weights=True), 1, None),
             ("quantized fp32, decode, int8x2", dict(dtype="float32"), 1, "int8x2"),
             ("quantized fp32, decode, int8", dict(dtype="float32"), 1, "int8"),

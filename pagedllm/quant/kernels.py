@@ -55,36 +55,33 @@ def kernel_path() -> tuple[str | None, str]:
     return best, f"best of {', '.join(isas)} on this CPU"
 
 
-# How the integer path rounds activations. "int8": one int8 value per element and a scale per
-# 32, as llama.cpp does (about 96% top-1 agreement with float weights on SmolLM2). "int8x2":
-# the rounding error quantized again as a second row sharing the decoded weights (about 14
-# bits: 99.98%), which doubles the integer dot products. "auto" (the default): int8x2 up to
-# X2_ROWS rows, where a step is bound by streaming the weights and the extra products are
-# cheap (batch-1 chat, speculative verification), int8 on wider batches, which are compute
-# bound. PAGEDLLM_QUANT_ACT overrides.
-ACT_MODES = ("auto", "int8", "int8x2")
+# How the integer path rounds activations. "int8x2" (the default): each block of 32 is
+# rounded to int8 and its rounding error rounded again as a second int8 row that shares the
+# decoded weights (about 14 bits): token-by-token top-1 agreement with the float model on
+# SmolLM2 Q4_1 is 99.98%, for twice the integer dot products (about 13% of batch-1 speed,
+# 30% at 32 rows on the CPU this was written on). "int8": one level, as llama.cpp rounds them
+# (95.8% there), the fastest. Every row of every batch gets the same rounding, so a row's
+# result does not depend on what else is in the batch. PAGEDLLM_QUANT_ACT chooses.
+ACT_MODES = ("int8x2", "int8")
 ACT_X2 = 256  # or-ed into the kernels' isa argument (csrc/quant_common.h)
-X2_ROWS = 8
 
 
 def activation_mode() -> str:
-    mode = os.environ.get("PAGEDLLM_QUANT_ACT", "auto")
+    mode = os.environ.get("PAGEDLLM_QUANT_ACT", "int8x2")
     if mode not in ACT_MODES:
         raise ValueError(f"PAGEDLLM_QUANT_ACT={mode!r} is not one of {', '.join(ACT_MODES)}")
     return mode
 
 
-def _isa_id(isa: str | None, rows: int = 1) -> int:
-    """The kernels' path argument: the instruction set's id, with ACT_X2 where `rows`
-    activation rows are rounded in two levels."""
+def _isa_id(isa: str | None) -> int:
+    """The kernels' path argument: the instruction set's id, with ACT_X2 for two-level
+    activations."""
     if isa is None:
         path, _ = kernel_path()
         isa_id = ISA_IDS[path] if path else 0
     else:
         isa_id = ISA_IDS[isa]
-    mode = activation_mode()
-    x2 = mode == "int8x2" or (mode == "auto" and rows <= X2_ROWS)
-    return isa_id | (ACT_X2 if x2 else 0)
+    return isa_id | (ACT_X2 if activation_mode() == "int8x2" else 0)
 
 
 def matmul(x: torch.Tensor, parts: list[QuantTensor], isa: str | None = None,
@@ -95,7 +92,7 @@ def matmul(x: torch.Tensor, parts: list[QuantTensor], isa: str | None = None,
     out_dtype = out_dtype or x.dtype
     if x.shape[0] <= INT_ROWS or isa is not None:
         y = ops.quant_matmul(x, [p.data for p in parts], [p.type_id for p in parts], parts[0].shape[1],
-                             _isa_id(isa, x.shape[0]))
+                             _isa_id(isa))
         return y if out_dtype == torch.float32 else y.to(out_dtype)
     # Tile by tile into one output (no list of partial products and no cat: at prefill sizes
     # those doubled the step's peak memory).
@@ -122,7 +119,7 @@ def linear(x: torch.Tensor, parts: list[QuantTensor], norm, bias: torch.Tensor |
     return cpu_kernels().quant_linear(
         x, [p.data for p in parts], [p.type_id for p in parts], parts[0].shape[1],
         None if norm is None else norm.weight, 0.0 if norm is None else norm.eps, bias, residual,
-        1 if silu_mul else 0, _isa_id(None, x.shape[0]))
+        1 if silu_mul else 0, _isa_id(None))
 
 
 def embedding(w: QuantTensor, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -339,8 +339,9 @@ void group_vnni(const uint8_t* gp, const QAct& x, int64_t r0, float* y, int64_t 
   constexpr PLayout L = playout(TYPE);
   const int64_t kc = x.k / 32;
   const __m512i m4 = _mm512_set1_epi8(0x0F);
-  __m512 fa[MR], ma[MR];
-  for (int r = 0; r < MR; ++r) fa[r] = ma[r] = _mm512_setzero_ps();
+  // One accumulator a row (the weights' offsets fold into it): 16 rows fit the registers.
+  __m512 fa[MR];
+  for (int r = 0; r < MR; ++r) fa[r] = _mm512_setzero_ps();
   for (int64_t u = 0; u < x.k / L.vals; ++u) {
     const uint8_t* U = gp + u * L.unit;
     __m512 dv, mv;
@@ -410,12 +411,12 @@ void group_vnni(const uint8_t* gp, const QAct& x, int64_t r0, float* y, int64_t 
         __m512i ia = _mm512_add_epi32(i0, i1);
         if constexpr (L.iofs != 0) ia = _mm512_add_epi32(ia, _mm512_set1_epi32(L.iofs * x.s32[ci]));
         fa[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia), _mm512_mul_ps(s, _mm512_set1_ps(x.d[ci])), fa[r]);
-        if constexpr (L.kq) ma[r] = _mm512_fnmadd_ps(mw, _mm512_set1_ps(x.ds32[ci]), ma[r]);
-        else if constexpr (L.has_min) ma[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(x.ds32[ci]), ma[r]);
+        if constexpr (L.kq) fa[r] = _mm512_fnmadd_ps(mw, _mm512_set1_ps(x.ds32[ci]), fa[r]);
+        else if constexpr (L.has_min) fa[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(x.ds32[ci]), fa[r]);
       }
     }
   }
-  for (int r = 0; r < MR; ++r) _mm512_storeu_ps(y + (r0 + r) * ldy, _mm512_add_ps(fa[r], ma[r]));
+  for (int r = 0; r < MR; ++r) _mm512_storeu_ps(y + (r0 + r) * ldy, fa[r]);
 }
 #endif  // PQ_HAS_VNNI
 
@@ -433,7 +434,7 @@ inline void group_vnni_or(const uint8_t* gp, const QAct& x, int64_t r0, float* y
 // are computed the same way whatever the tile, so a row's output does not depend on the batch).
 template <int ISA, int64_t TYPE>
 void pgemm_simd(const uint8_t* w, int64_t gb, int64_t g0, int64_t g1, const QAct& x, float* y, int64_t ldy) {
-  constexpr int MAXR = ISA == AVX512VNNI ? 8 : 4;
+  constexpr int MAXR = ISA == AVX512VNNI ? 16 : 4;
   auto run = [&](const uint8_t* gp, int64_t r0, int mr, float* yg) {
 #define PQ_TILE(R)                                                   \
   case R:                                                            \
@@ -442,7 +443,10 @@ void pgemm_simd(const uint8_t* w, int64_t gb, int64_t g0, int64_t g1, const QAct
       else group_avx2<TYPE, R>(gp, x, r0, yg, ldy);                  \
     }                                                                \
     break;
-    switch (mr) { PQ_TILE(1) PQ_TILE(2) PQ_TILE(3) PQ_TILE(4) PQ_TILE(5) PQ_TILE(6) PQ_TILE(7) PQ_TILE(8) }
+    switch (mr) {
+      PQ_TILE(1) PQ_TILE(2) PQ_TILE(3) PQ_TILE(4) PQ_TILE(5) PQ_TILE(6) PQ_TILE(7) PQ_TILE(8)
+      PQ_TILE(9) PQ_TILE(10) PQ_TILE(11) PQ_TILE(12) PQ_TILE(13) PQ_TILE(14) PQ_TILE(15) PQ_TILE(16)
+    }
 #undef PQ_TILE
   };
   for (int64_t g = g0; g < g1; ++g)
