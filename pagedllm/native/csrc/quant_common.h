@@ -419,6 +419,10 @@ struct QAct {
   std::vector<int32_t> s32;  // sums per 32 values, and d * s32 (the packed kernels' offsets)
   std::vector<float> ds32;
   int64_t m = 0, k = 0;
+  // Block-major: the index of row `row`'s 32-value block `c`. A kernel tile of rows reads one
+  // contiguous run per block; row-major, each of its rows was a stream of its own, and tiles of
+  // 8+ rows starved the hardware prefetcher of the weights' stream (2.5x slower from DRAM).
+  int64_t at(int64_t row, int64_t c) const { return c * m + row; }
 };
 
 // One block's 32 values to int8 with scale d (round to nearest), and its sums.
@@ -461,11 +465,11 @@ void quantize_rows(const T* x, int64_t m, int64_t k, QAct& out, int levels = 1) 
     out.s32[c] = s0 + s1;
     out.ds32[c] = d * static_cast<float>(s0 + s1);
   };
-  at::parallel_for(0, m * kc, 64, [&](int64_t b, int64_t e) {
+  at::parallel_for(0, m * kc, 256, [&](int64_t b, int64_t e) {
     for (int64_t c = b; c < e; ++c) {
       const T* src = x + c * 32;  // rows are contiguous, k % 32 == 0
       const int64_t row = c / kc, col = c % kc;
-      const int64_t c1 = row * levels * kc + col;  // this block in the (first) quantized row
+      const int64_t c1 = out.at(row * levels, col);  // this block in the (first) quantized row
       float v[32];
       for (int i = 0; i < 32; ++i) v[i] = static_cast<float>(src[i]);
       float d;
@@ -475,7 +479,7 @@ void quantize_rows(const T* x, int64_t m, int64_t k, QAct& out, int levels = 1) 
       if (levels == 2) {
         const int8_t* q = out.a.data() + c1 * 32;
         for (int i = 0; i < 32; ++i) v[i] -= d * static_cast<float>(q[i]);
-        const int64_t c2 = c1 + kc;
+        const int64_t c2 = c1 + 1;  // the next row, the same block
         quantize_block(v, out.a.data() + c2 * 32, d, s0, s1);
         record(c2, d, s0, s1);
       }

@@ -23,7 +23,7 @@ void gemv_rows(const Fmt& f, const uint8_t* w, int64_t row_bytes, int64_t n0, in
       const int64_t c0 = blk * nch;  // first 32-chunk of this block
       for (int j = 0; j < nch; ++j) {
         for (int64_t r = 0; r < m; ++r) {
-          const int64_t c = r * kc + c0 + j;
+          const int64_t c = x.at(r, c0 + j);
           const int8_t* a = x.a.data() + c * 32;
           int32_t s0 = 0, s1 = 0;
           for (int l = 0; l < 16; ++l) {
@@ -72,8 +72,6 @@ inline void tile(uint8_t* const* q, float* const* sv, float* const* mv, const QA
   __m256 acc[NR][MR], macc[NR][MR];
   for (int i = 0; i < NR; ++i)
     for (int r = 0; r < MR; ++r) acc[i][r] = macc[i][r] = _mm256_setzero_ps();
-  const int8_t* a0 = x.a.data() + r0 * x.k;
-  const float* d0 = x.d.data() + r0 * kc;
   for (int64_t c = 0; c < kc; ++c) {
     __m256i w[NR];
     __m256 s[NR], mw[NR];
@@ -83,9 +81,10 @@ inline void tile(uint8_t* const* q, float* const* sv, float* const* mv, const QA
       if (!SIGNED) mw[i] = _mm256_load_ps(mv[i] + 8 * c);
     }
     for (int r = 0; r < MR; ++r) {
-      const __m256i av = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a0 + r * x.k + 32 * c));
-      const __m256 d = _mm256_broadcast_ss(d0 + r * kc + c);
-      const __m256 ms = SIGNED ? d : _mm256_loadu_ps(x.msv.data() + ((r0 + r) * kc + c) * 8);
+      const int64_t ci = x.at(r0 + r, c);
+      const __m256i av = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.a.data() + ci * 32));
+      const __m256 d = _mm256_broadcast_ss(x.d.data() + ci);
+      const __m256 ms = SIGNED ? d : _mm256_loadu_ps(x.msv.data() + ci * 8);
       for (int i = 0; i < NR; ++i) {
         const __m256i p = ISA == AVX512VNNI ? dot_vnni<SIGNED>(w[i], av) : dot_avx2<SIGNED>(w[i], av);
         acc[i][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(s[i], d), acc[i][r]);
@@ -195,7 +194,7 @@ void gemv_direct(const uint8_t* w, int64_t rb, int64_t n0, int64_t n1, const QAc
         const __m256 mw = K ? _mm256_set_m128(_mm_set1_ps(mn[2 * j + 1]), _mm_set1_ps(mn[2 * j])) : _mm256_set1_ps(mn[0]);
         const int64_t c0 = blk * NCH + j;
         for (int r = 0; r < MR; ++r) {
-          const int64_t c = r * kc + c0;
+          const int64_t c = x.at(r, c0);
           const __m256i av = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.a.data() + c * 32));
           const __m256i p = ISA == AVX512VNNI ? dot_vnni<SIGNED>(wv, av) : dot_avx2<SIGNED>(wv, av);
           acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(sv, _mm256_set1_ps(x.d[c])), acc[r]);
@@ -298,7 +297,16 @@ at::Tensor quant_matmul(const at::Tensor& x, at::TensorList ws, at::IntArrayRef 
   });
   if (levels == 1) return y;
   // Each row's two levels, summed: rows 2i and 2i + 1 of y are the halves of output row i.
-  return y.view({m, 2, n}).sum(1);
+  // (A plain loop: torch's sum costs more in dispatch than the adds at decode sizes.)
+  auto out = at::empty({m, n}, y.options());
+  float* op = out.data_ptr<float>();
+  for (int64_t i = 0; i < m; ++i) {
+    const float* a = yp + 2 * i * n;
+    const float* b = a + n;
+    float* o = op + i * n;
+    for (int64_t j = 0; j < n; ++j) o[j] = a[j] + b[j];
+  }
+  return out;
 }
 
 namespace pq {
