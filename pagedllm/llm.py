@@ -40,6 +40,22 @@ def _start_tp(size: int, source, dt: torch.dtype, dev: torch.device, max_model_l
         worker_main(rank, size, None, spec)
     return TPExecutor.start(size, spec)
 
+def _load_draft(name: str, target, dt: torch.dtype, dev: torch.device, max_model_len: int,
+                dequantize_weights: bool, isq: str | None):
+    """The draft model of speculative method 'draft', loaded as the target is (same device and
+    dtype; ISQ applies to a safetensors draft), and checked to share its vocabulary."""
+    from .speculative.draft import check_compatible
+
+    try:
+        source = resolve(name)
+    except (FileNotFoundError, ValueError) as e:
+        raise ValueError(f"speculative draft model {name!r} cannot be loaded: {e}") from None
+    loaded = load_model(source, dt, dev, max_positions=max_model_len, dequantize_weights=dequantize_weights,
+                        isq=isq if source.kind != "gguf" else None)
+    check_compatible(target, loaded)
+    return loaded
+
+
 Prompt = str | list[int]
 
 
@@ -63,6 +79,9 @@ class LLM:
                                 enable_prefix_caching, prefix_cache_n)
         cache_cfg.validate()
         spec_cfg = SpeculativeConfig.coerce(speculative)
+        if spec_cfg is not None and spec_cfg.method == "draft" and tensor_parallel_size != 1:
+            raise ValueError("a speculative draft model does not run under tensor parallelism yet; "
+                             "use tensor_parallel_size=1 or n-gram speculation")
         if isq is not None:
             from .quant.isq import check_isq_type
 
@@ -104,7 +123,10 @@ class LLM:
             max_model_len=max_model_len)
         if loaded.model.rope.cos.shape[0] < max_model_len:
             raise ValueError("internal: rope table shorter than max_model_len")
-        self.engine = LLMEngine(loaded, cache_cfg, sched_cfg, dev, dt, seed, executor, spec_cfg)
+        draft = None
+        if spec_cfg is not None and spec_cfg.method == "draft":
+            draft = _load_draft(spec_cfg.model, loaded, dt, dev, max_model_len, dequantize_weights, isq)
+        self.engine = LLMEngine(loaded, cache_cfg, sched_cfg, dev, dt, seed, executor, spec_cfg, draft)
         self.tokenizer = loaded.tokenizer
         self.model_name = source.short_name
 

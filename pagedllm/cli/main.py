@@ -122,6 +122,11 @@ def _engine_flags(p: argparse.ArgumentParser, top: bool) -> None:
                    help="speculative decoding by prompt lookup: up to K tokens proposed from the "
                         "sequence's own earlier text, verified in one forward (5 measured best "
                         "on the default model)")
+    g.add_argument("--speculative-draft", metavar="MODEL", default=d(None),
+                   help="speculative decoding with a small draft model sharing the model's tokenizer "
+                        "(a folder, GGUF file or hub id; its own KV cache comes out of the same budget)")
+    g.add_argument("--speculative-tokens", type=int, metavar="K", default=d(None),
+                   help="with --speculative-draft: up to K draft tokens proposed a step (default 5)")
     g.add_argument("--chat-template", metavar="FILE", default=d(None),
                    help="chat template (.jinja, or JSON with a chat_template key) to use instead "
                         "of the model's")
@@ -329,7 +334,8 @@ def engine_options(args: argparse.Namespace, model: str | None = None) -> Engine
         max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
         seed=args.seed, isq=args.isq, dequantize_weights=bool(args.dequantize_weights),
         chat_template=args.chat_template, tensor_parallel_size=args.tensor_parallel_size,
-        speculative_ngram=args.speculative_ngram)
+        speculative_ngram=args.speculative_ngram, speculative_draft=args.speculative_draft,
+        speculative_tokens=args.speculative_tokens)
 
 
 def _model_of(args: argparse.Namespace) -> str:
