@@ -198,7 +198,7 @@ BENCHES = {
     "make-gguf": "write a GGUF with a real model's shape and random weights (llama.cpp quantizes it)",
     "startup": "time from starting `pagedllm generate` to its first token (median of 5)",
     "allreduce": "torch.distributed all-reduce latency and bandwidth at a TP step's message sizes",
-    "speculative": "n-gram speculative decoding against plain decoding: code editing, chat, 32 concurrent",
+    "speculative": "n-gram (and --draft MODEL) speculative decoding against plain decoding: code editing, chat, 32 concurrent",
 }
 
 

@@ -31,6 +31,9 @@ from ..kv.groups import plan_groups
 
 logger = logging.getLogger(__name__)
 
+# Catch-ups of up to this many tokens run as decode rows (see _catch_up).
+CATCH_UP_ROWS = 8
+
 
 def check_compatible(target, draft) -> None:
     """Refuse a draft whose proposals would mean other tokens to the target: the vocabulary
@@ -171,11 +174,12 @@ class DraftModel:
                 continue
             bm.grow(d, d.num_computed_tokens + take)
             budget -= take
-            first.append((ScheduledSeq(d, take), seq, k))
+            first.append((_catch_up(d, take), seq, k))
         if not first:
             return
         first.sort(key=lambda x: not x[0].is_decode)  # the attention backend batches decodes first
-        live = [(it.seq, seq, k) for it, seq, k in first if it.samples]
+        live = [(it.seq, seq, k) for it, seq, k in first if it.seq.num_computed_tokens + it.num_new_tokens
+                == it.seq.num_tokens]
         for (_, seq, _), t in zip(live, self._forward([it for it, _, _ in first])):
             seq.spec_tokens = [t]
         for j in range(1, max((k for _, _, k in live), default=0)):
@@ -198,11 +202,28 @@ class DraftModel:
                 seq.spec_tokens.append(t)
 
     def _forward(self, batch: list[ScheduledSeq]) -> list[int]:
-        """One draft forward over the batch (decodes first); each row that reaches its
-        sequence's end gives its greedy token. Computed counts advance."""
+        """One draft forward over the batch (decodes first): the greedy token after each item
+        that reaches its sequence's end, in batch order. Computed counts advance."""
         plan = self.runner.plan(batch)
+        rows, end = [], 0
+        for it in batch:
+            end += it.num_new_tokens
+            if it.seq.num_computed_tokens + it.num_new_tokens == it.seq.num_tokens:
+                rows.append(end - 1)  # the item's last token: only its logits are needed
+        plan.logits_rows = rows
         logits = self.runner.logits(plan)
         for it in batch:
             it.seq.num_computed_tokens += it.num_new_tokens
         self.forwards += 1
         return [] if logits is None else logits.argmax(-1).tolist()
+
+
+def _catch_up(d: Sequence, n: int) -> ScheduledSeq:
+    """The draft computes n of d's tokens. A few at the end of the sequence (the target's
+    token after a verification, with the last proposal when all were accepted) run as decode
+    rows, each over d's blocks like a one-token decode (the runner's form for verification
+    rows), so the step stays on the decode path; more run as a prefill chunk."""
+    c = d.num_computed_tokens
+    if 1 < n <= CATCH_UP_ROWS and c + n == d.num_tokens:
+        return ScheduledSeq(d, n, spec_tokens=d.token_ids[c + 1:c + n])
+    return ScheduledSeq(d, n)
