@@ -335,7 +335,7 @@ def drafts(family_ckpt, tmp_path_factory, hf_smollm2_tokenizer):
     return {"noisy": noisy, "self": path, "small": small}
 
 
-@pytest.mark.parametrize("variant", ["batched", "preempt", "prefix", "int8"])
+@pytest.mark.parametrize("variant", ["batched", "preempt", "prefix", "int8", "contiguous"])
 def test_draft_greedy_matches_plain_decoding(family_ckpt, drafts, variant):
     family, path, prompts, expected = family_ckpt
     kwargs = {"batched": dict(kv_cache_memory_mb=16, enable_prefix_caching=False),
@@ -343,7 +343,9 @@ def test_draft_greedy_matches_plain_decoding(family_ckpt, drafts, variant):
               # preempted, and the draft catches up on long prompts over several steps.
               "preempt": dict(block_size=8, max_num_batched_tokens=64, kv_cache_context_len=400),
               "prefix": dict(kv_cache_memory_mb=16, block_size=8),
-              "int8": dict(kv_cache_memory_mb=16, kv_cache_dtype="int8")}[variant]
+              "int8": dict(kv_cache_memory_mb=16, kv_cache_dtype="int8"),
+              # The target without paged attention; the draft's own cache is paged regardless.
+              "contiguous": dict(kv_cache_memory_mb=16, paged_attention=False)}[variant]
     llm = LLM(str(path), dtype="float32", speculative=_draft(drafts["noisy"]), **kwargs)
     if variant == "int8":  # the reference for a quantized cache is plain decoding on the same cache
         expected = _greedy(LLM(str(path), dtype="float32", **kwargs), prompts)
@@ -356,6 +358,23 @@ def test_draft_greedy_matches_plain_decoding(family_ckpt, drafts, variant):
     assert st.proposed > 50 and 0 < st.accepted < st.proposed, st  # both outcomes exercised
     if variant == "preempt":
         assert llm.engine.scheduler.num_preemptions > 0
+    _assert_no_leak(llm)
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma2"])
+def test_draft_sliding_window_families(family, tmp_path, hf_smollm2_tokenizer):
+    """Prompts longer than the window (48): the draft's sliding layers give blocks back as it
+    advances (Gemma 2: in their own block tables beside the global layers'), and trimming
+    rejected proposals never reaches behind the window."""
+    path = build_checkpoint(family, tmp_path / "target", hf_smollm2_tokenizer, RANDOM_VOCAB)
+    draft = _noisy_copy(path, tmp_path / "draft", 0.05)
+    prompts = _prompts(RANDOM_VOCAB)
+    kwargs = dict(block_size=8, max_num_batched_tokens=64, kv_cache_context_len=400)
+    expected = _greedy(LLM(str(path), dtype="float32", **kwargs), prompts)
+    llm = LLM(str(path), dtype="float32", speculative=_draft(draft), **kwargs)
+    assert _greedy(llm, prompts) == expected
+    st = llm.engine.spec.stats
+    assert st.proposed > 50 and 0 < st.accepted < st.proposed, st
     _assert_no_leak(llm)
 
 
@@ -444,17 +463,29 @@ def test_draft_rejection_sampling_keeps_the_target_distribution(tiny_vocab_ckpt,
 
 def test_default_model_drafting_for_itself(smollm2_gguf_path):
     """The default model (GGUF, quantized kernels) as its own draft: greedy tokens identical
-    to plain decoding, nearly every proposal accepted, both caches empty at the end."""
+    to plain decoding with nearly every proposal accepted; seeded sampling, stop strings,
+    streaming and n > 1 as without speculation (greedy proposals are a deterministic draft);
+    both caches empty at the end."""
     from pagedllm.bench.speculative import code_edit_prompt
 
     plain = LLM("default", kv_cache_memory_mb=64)
-    spec = LLM("default", kv_cache_memory_mb=64, speculative={"method": "draft", "model": "default", "num_tokens": 4})
+    # Twice the budget: the draft's cache takes half of it (a token costs the same in each).
+    spec = LLM("default", kv_cache_memory_mb=128, speculative={"method": "draft", "model": "default", "num_tokens": 4})
     msgs = [[{"role": "user", "content": code_edit_prompt(0)}], [{"role": "user", "content": "Why is the sky blue?"}]]
     sp = SamplingParams(max_tokens=32, temperature=0.0)
     want = [o.outputs[0].token_ids for o in plain.chat(msgs, sp, use_tqdm=False)]
     got = [o.outputs[0].token_ids for o in spec.chat(msgs, sp, use_tqdm=False)]
     assert got == want
     assert spec.engine.spec.stats.acceptance_rate > 0.9, spec.engine.spec.stats
+
+    prompt = plain.tokenizer.apply_chat_template(msgs[0], add_generation_prompt=True, tokenize=True)
+    sp = SamplingParams(max_tokens=40, temperature=0.7, top_p=0.9, seed=11, n=2, stop=["for rec"])
+    want = plain.generate([prompt], sp, use_tqdm=False)[0]
+    got = spec.generate([prompt], sp, use_tqdm=False)[0]
+    assert [c.text for c in got.outputs] == [c.text for c in want.outputs]
+    assert [c.finish_reason for c in got.outputs] == [c.finish_reason for c in want.outputs]
+    one = SamplingParams(max_tokens=32, temperature=0.7, top_p=0.9, seed=11)
+    assert "".join(spec.stream(prompt, one)) == plain.generate([prompt], one, use_tqdm=False)[0].outputs[0].text
     _assert_no_leak(spec)
 
 
