@@ -26,7 +26,7 @@ from ..engine.block_manager import BlockManager
 from ..engine.model_runner import ModelRunner
 from ..engine.scheduler import ScheduledSeq
 from ..engine.sequence import Sequence
-from ..kv.cache import CachePlan, KVCacheSpec
+from ..kv.cache import CachePlan, KVCacheSpec, dtype_name
 from ..kv.groups import plan_groups
 
 logger = logging.getLogger(__name__)
@@ -35,16 +35,23 @@ logger = logging.getLogger(__name__)
 CATCH_UP_ROWS = 8
 
 
+_FIX = ("a draft model must share the target's tokenizer: use a smaller model of the same family "
+        "and release (for example SmolLM2-135M for SmolLM2-1.7B), or n-gram speculation")
+
+
+def check_vocab_size(t_name: str, tv: int, d_name: str, dv: int) -> None:
+    """Refuse a draft whose logits cover other token ids than the target's (checked from the
+    configs, before either model is loaded)."""
+    if tv != dv:
+        raise ValueError(f"draft model {d_name!r} has a vocabulary of {dv} token ids but the target "
+                         f"{t_name!r} has {tv}; {_FIX}")
+
+
 def check_compatible(target, draft) -> None:
     """Refuse a draft whose proposals would mean other tokens to the target: the vocabulary
     sizes and the token strings behind every id must agree (LoadedModel each)."""
     t_name, d_name = target.source.short_name, draft.source.short_name
-    fix = ("a draft model must share the target's tokenizer: use a smaller model of the same "
-           "family and release (for example SmolLM2-135M for SmolLM2-1.7B), or n-gram speculation")
-    tv, dv = target.config.vocab_size, draft.config.vocab_size
-    if tv != dv:
-        raise ValueError(f"draft model {d_name!r} has a vocabulary of {dv} token ids but the target "
-                         f"{t_name!r} has {tv}; {fix}")
+    check_vocab_size(t_name, target.config.vocab_size, d_name, draft.config.vocab_size)
     t_vocab = target.tokenizer.backend.get_vocab(with_added_tokens=True)
     d_vocab = draft.tokenizer.backend.get_vocab(with_added_tokens=True)
     if t_vocab != d_vocab:
@@ -54,7 +61,7 @@ def check_compatible(target, draft) -> None:
         i = diff[0]
         raise ValueError(f"draft model {d_name!r} and the target {t_name!r} tokenize differently: "
                          f"{len(diff)} token id(s) differ (id {i} is {t_tok.get(i)!r} in the target, "
-                         f"{d_tok.get(i)!r} in the draft); {fix}")
+                         f"{d_tok.get(i)!r} in the draft); {_FIX}")
 
 
 def draft_cache_config(cache_cfg: CacheConfig) -> CacheConfig:
@@ -119,7 +126,7 @@ class DraftModel:
     def describe(self) -> str:
         bm = self.block_manager
         return (f"draft model {self.name}: own paged KV cache of {bm.num_usable_blocks} blocks of "
-                f"{bm.block_size} tokens ({self.memory_mb:.1f} MB, dtype {self.kv_spec.kv_cache_dtype}, "
+                f"{bm.block_size} tokens ({self.memory_mb:.1f} MB, {dtype_name(self.kv_spec.dtype)}, "
                 f"carved from the same budget), {bm.num_used_blocks} in use by {len(self.shadows)} "
                 f"sequences; {self.forwards} draft forwards")
 
