@@ -77,6 +77,8 @@ def test_greedy_matches_plain_decoding(family_ckpt, method, variant, request):
     if variant == "prefix":  # again, now with the prompts (and outputs) in the prefix cache
         assert _greedy(llm, prompts) == expected
         assert llm.engine.block_manager.stats.hits > 0
+        if method == "draft":  # the draft's cache reuses its own K/V of the prompts too
+            assert llm.engine.spec.draft.block_manager.stats.hits > 0
     assert got == expected
     st = llm.engine.spec.stats
     assert st.proposed > 50 and 0 < st.accepted < st.proposed, st  # both outcomes exercised

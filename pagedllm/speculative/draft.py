@@ -8,6 +8,8 @@ trimmed, and the draft computes whatever tokens it has not seen (the prompt on f
 the target's own token after each verification, anything added while speculation was
 paused) in one batched forward whose last rows give the first proposals. The other k - 1
 proposals come from k - 1 one-row decode steps batched over every speculating sequence.
+With prefix caching on (the target's setting), a new shadow starts from the draft's own
+cached K/V of its prompt, and finished shadows leave theirs behind.
 
 Greedy proposals are a function of the context alone, so the target's acceptance rule
 (decoder.py) is exact rejection sampling for a deterministic draft: greedy output is the
@@ -65,9 +67,9 @@ def check_compatible(target, draft) -> None:
 
 
 def draft_cache_config(cache_cfg: CacheConfig) -> CacheConfig:
-    """The draft's cache: paged (whatever the target uses), the target's block size and KV
-    dtype, no prefix cache (it recomputes a prompt cheaply)."""
-    return replace(cache_cfg, paged_attention=True, enable_prefix_caching=False)
+    """The draft's cache: paged (whatever the target uses), with the target's block size, KV
+    dtype and prefix-caching settings."""
+    return replace(cache_cfg, paged_attention=True)
 
 
 def share_budget(plan: CachePlan, target: KVCacheSpec, target_tables: int, draft: KVCacheSpec,
@@ -112,8 +114,9 @@ class DraftModel:
         self.kv_spec = spec
         self.kv_cache, backend, copy_fn = build_kv(loaded, spec, self.cache_config, num_blocks, device, dtype,
                                                    self.kv_groups)
-        self.block_manager = BlockManager(num_blocks, cache_cfg.block_size, False, 0, copy_fn,
-                                          self.kv_groups.windows)
+        dcfg = self.cache_config
+        self.block_manager = BlockManager(num_blocks, dcfg.block_size, dcfg.enable_prefix_caching,
+                                          dcfg.prefix_cache_n, copy_fn, self.kv_groups.windows)
         self.runner = ModelRunner(loaded.model, backend, cache_cfg.block_size, device, sampler=None)
         self.chunk = chunk  # most tokens the draft computes in one forward
         self.shadows: dict[int, _Shadow] = {}  # target seq_id -> its shadow
@@ -125,17 +128,25 @@ class DraftModel:
 
     def describe(self) -> str:
         bm = self.block_manager
+        prefix = f"{bm.stats.hits} prompt tokens reused" if bm.enable_caching else "off"
         return (f"draft model {self.name}: own paged KV cache of {bm.num_usable_blocks} blocks of "
                 f"{bm.block_size} tokens ({self.memory_mb:.1f} MB, {dtype_name(self.kv_spec.dtype)}, "
                 f"carved from the same budget), {bm.num_used_blocks} in use by {len(self.shadows)} "
-                f"sequences; {self.forwards} draft forwards")
+                f"sequences; prefix cache {prefix}; {self.forwards} draft forwards")
 
     # -- per sequence -------------------------------------------------------
     def release(self, seq: Sequence) -> None:
-        """The sequence finished, was aborted or preempted: give back its draft blocks."""
+        """The sequence finished, was aborted or preempted: give back its draft blocks. With
+        prefix caching their content stays reusable as the target's does (every slot holds the
+        K/V of the token the shadow lists there, accepted or not, so its hashes are true)."""
         sh = self.shadows.pop(seq.seq_id, None)
-        if sh is not None:
-            self.block_manager.free(sh.seq)
+        if sh is None:
+            return
+        bm = self.block_manager
+        bm.commit_full_blocks(sh.seq)
+        mode = ("keep" if not seq.is_finished else
+                "drop" if seq.finish_reason in ("abort", "error") else "retain")
+        bm.free(sh.seq, mode)
 
     def _sync(self, seq: Sequence) -> _Shadow:
         """The shadow of seq, its tokens made the target's: proposals the target took keep
@@ -145,6 +156,8 @@ class DraftModel:
         if sh is None:
             d = Sequence(seq.request_id, [], seq.params)
             d.token_ids = list(toks)
+            self.block_manager.match_prefix(d)  # a cached prefix of the draft's own K/V
+            self.block_manager.record_admission(d)
             sh = self.shadows[seq.seq_id] = _Shadow(d, len(toks))
             return sh
         d, mine = sh.seq, sh.seq.token_ids
@@ -159,6 +172,9 @@ class DraftModel:
         if d.num_computed_tokens > c:
             d.num_computed_tokens = c
             self.block_manager.trim(d)
+        # Hashed blocks lie wholly before c, which later syncs never go below, so a hashed
+        # block is never rewritten.
+        self.block_manager.commit_full_blocks(d)
         return sh
 
     # -- proposing ------------------------------------------------------------
