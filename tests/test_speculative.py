@@ -395,6 +395,24 @@ def test_draft_sliding_window_families(family, tmp_path, hf_smollm2_tokenizer):
     _assert_no_leak(llm)
 
 
+def test_draft_cache_short_of_blocks(family_ckpt, drafts):
+    """Forks share the target's prompt blocks but each has its own in the draft's cache, which
+    holds as many tokens as the target's: it runs short, those sequences propose less (or
+    nothing) that step, and the seeded output is plain decoding's. Nothing leaks in either."""
+    _, path, prompts, _ = family_ckpt
+    kwargs = dict(dtype="float32", block_size=8, kv_cache_context_len=600, max_num_batched_tokens=64)
+    sp = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.8, seed=3, n=2, ignore_eos=True)
+    batch = prompts + prompts[:2]
+    want = [[c.token_ids for c in o.outputs] for o in LLM(str(path), **kwargs).generate(batch, sp, use_tqdm=False)]
+    llm = LLM(str(path), speculative=_draft(drafts["noisy"], max_batch=64), **kwargs)
+    got = [[c.token_ids for c in o.outputs] for o in llm.generate(batch, sp, use_tqdm=False)]
+    assert got == want
+    draft = llm.engine.spec.draft
+    assert draft.no_room > 0 and llm.engine.spec.stats.accepted > 0
+    assert f"{draft.no_room} times short of draft blocks" in llm.kv_cache_trace().spec_draft_cache
+    _assert_no_leak(llm)
+
+
 def test_draft_acceptance_follows_the_draft(family_ckpt, drafts):
     """The target drafting for itself has every proposal accepted; an unrelated random draft
     almost none. The output is the target's either way."""

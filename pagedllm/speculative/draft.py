@@ -121,6 +121,7 @@ class DraftModel:
         self.chunk = chunk  # most tokens the draft computes in one forward
         self.shadows: dict[int, _Shadow] = {}  # target seq_id -> its shadow
         self.forwards = 0  # draft forward passes, for the trace
+        self.no_room = 0  # times a sequence proposed less for want of free draft blocks
 
     @property
     def memory_mb(self) -> float:
@@ -132,7 +133,8 @@ class DraftModel:
         return (f"draft model {self.name}: own paged KV cache of {bm.num_usable_blocks} blocks of "
                 f"{bm.block_size} tokens ({self.memory_mb:.1f} MB, {dtype_name(self.kv_spec.dtype)}, "
                 f"carved from the same budget), {bm.num_used_blocks} in use by {len(self.shadows)} "
-                f"sequences; prefix cache {prefix}; {self.forwards} draft forwards")
+                f"sequences; prefix cache {prefix}; {self.forwards} draft forwards; {self.no_room} times "
+                f"short of draft blocks")
 
     # -- per sequence -------------------------------------------------------
     def release(self, seq: Sequence) -> None:
@@ -194,6 +196,7 @@ class DraftModel:
             if d.block_table:
                 bm.release_window(d)  # sliding draft layers: only at the synced position
             if not bm.can_grow(d, d.num_computed_tokens + take):
+                self.no_room += 1
                 continue
             bm.grow(d, d.num_computed_tokens + take)
             budget -= take
@@ -214,6 +217,7 @@ class DraftModel:
                 d.token_ids.append(seq.spec_tokens[-1])  # the previous proposal is the next input
                 if not bm.can_grow(d, d.num_tokens):
                     d.token_ids.pop()
+                    self.no_room += 1
                     continue
                 bm.grow(d, d.num_tokens)
                 batch.append(ScheduledSeq(d, 1))
