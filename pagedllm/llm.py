@@ -40,6 +40,7 @@ def _start_tp(size: int, source, dt: torch.dtype, dev: torch.device, max_model_l
         worker_main(rank, size, None, spec)
     return TPExecutor.start(size, spec)
 
+
 def _draft_source(name: str, target_source):
     """Where the draft model of speculative method 'draft' comes from, checked before anything
     is loaded: it must exist and have the target's vocabulary size."""
@@ -91,8 +92,9 @@ class LLM:
         cache_cfg.validate()
         spec_cfg = SpeculativeConfig.coerce(speculative)
         if spec_cfg is not None and spec_cfg.method == "draft" and tensor_parallel_size != 1:
-            raise ValueError("a speculative draft model does not run under tensor parallelism yet; "
-                             "use tensor_parallel_size=1 or n-gram speculation")
+            from .speculative.draft import NO_TP
+
+            raise ValueError(NO_TP)
         if isq is not None:
             from .quant.isq import check_isq_type
 

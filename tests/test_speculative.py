@@ -459,6 +459,8 @@ def test_bad_draft_models_are_refused(family_ckpt, tmp_path, hf_smollm2_tokenize
     import json
 
     _, path, _, _ = family_ckpt
+    with pytest.raises(ValueError, match="does not run under tensor parallelism"):  # before any load
+        LLM(str(path), dtype="float32", tensor_parallel_size=2, speculative=_draft(path))
     with pytest.raises(ValueError, match="draft model .*nope.* cannot be loaded"):
         LLM(str(path), dtype="float32", kv_cache_memory_mb=4, speculative=_draft(tmp_path / "nope"))
     other = build_checkpoint("llama", tmp_path / "v300", hf_smollm2_tokenizer, RANDOM_VOCAB + 44)

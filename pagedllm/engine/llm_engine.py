@@ -27,7 +27,7 @@ from ..sampling.params import SamplingParams
 from ..sampling.sampler import Sampler
 from ..speculative import decoder as spec_decoder
 from ..speculative.config import SpeculativeConfig
-from ..speculative.draft import DraftModel, draft_cache_config, share_budget
+from ..speculative.draft import NO_TP, DraftModel, draft_cache_config, share_budget
 from ..structured.grammar import GrammarEngine, advance as grammar_advance
 from ..tokenizer import IncrementalDetokenizer
 from .block_manager import BlockManager, NoFreeBlocksError
@@ -127,8 +127,7 @@ class LLMEngine:
         draft_spec = draft_blocks = None
         if draft is not None:
             if executor is not None:
-                raise ValueError("a speculative draft model does not run under tensor parallelism yet; "
-                                 "use tensor_parallel_size=1 or n-gram speculation")
+                raise ValueError(NO_TP)
             dcfg = draft_cache_config(cache_cfg)
             draft_spec = kv_spec_of(draft, dcfg, dtype)
             draft_blocks = share_budget(self.cache_plan, self.kv_spec, self.kv_groups.num_groups, draft_spec,

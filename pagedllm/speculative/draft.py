@@ -37,6 +37,8 @@ logger = logging.getLogger(__name__)
 CATCH_UP_ROWS = 8
 
 
+NO_TP = ("a speculative draft model does not run under tensor parallelism yet; use "
+         "tensor_parallel_size=1 or n-gram speculation")
 _FIX = ("a draft model must share the target's tokenizer: use a smaller model of the same family "
         "and release (for example SmolLM2-135M for SmolLM2-1.7B), or n-gram speculation")
 
