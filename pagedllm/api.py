@@ -137,6 +137,8 @@ class EngineOptions:
     chat_template: str | None = None
     tensor_parallel_size: int | None = None
     speculative_ngram: int | None = None  # n-gram speculation with up to K proposals a step
+    speculative_draft: str | None = None  # draft-model speculation with this model
+    speculative_tokens: int | None = None  # the draft model's proposals a step (K)
 
     @classmethod
     def from_which(cls, which: Which.Plain | Which.GGUF, **kw: Any) -> "EngineOptions":
@@ -177,8 +179,9 @@ class EngineOptions:
             kw["dequantize_weights"] = True
         if self.no_prefix_cache:
             kw["enable_prefix_caching"] = False
-        if self.speculative_ngram is not None:
-            kw["speculative"] = {"method": "ngram", "num_tokens": self.speculative_ngram}
+        spec = self._speculative()
+        if spec is not None:
+            kw["speculative"] = spec
         if self.prefix_cache_n is not None:
             n = self.prefix_cache_n
             if n < 0:
@@ -191,6 +194,23 @@ class EngineOptions:
                 raise UnsupportedOption("--prefix-cache-n (prefix caching) is not supported yet; "
                                         "leave it out or pass 0")
         return kw
+
+    def _speculative(self) -> dict[str, Any] | None:
+        if self.speculative_ngram is not None and self.speculative_draft is not None:
+            raise ValueError("give either --speculative-ngram or --speculative-draft, not both")
+        if self.speculative_ngram is not None:
+            if self.speculative_tokens is not None:
+                raise ValueError("--speculative-tokens goes with --speculative-draft; "
+                                 "--speculative-ngram K takes its K itself")
+            return {"method": "ngram", "num_tokens": self.speculative_ngram}
+        if self.speculative_draft is not None:
+            spec: dict[str, Any] = {"method": "draft", "model": self.speculative_draft}
+            if self.speculative_tokens is not None:
+                spec["num_tokens"] = self.speculative_tokens
+            return spec
+        if self.speculative_tokens is not None:
+            raise ValueError("--speculative-tokens needs --speculative-draft MODEL")
+        return None
 
     def load(self) -> Any:
         """Build the `LLM` (loading takes a few seconds)."""

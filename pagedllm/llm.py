@@ -40,6 +40,34 @@ def _start_tp(size: int, source, dt: torch.dtype, dev: torch.device, max_model_l
         worker_main(rank, size, None, spec)
     return TPExecutor.start(size, spec)
 
+
+def _draft_source(name: str, target_source):
+    """Where the draft model of speculative method 'draft' comes from, checked before anything
+    is loaded: it must exist and have the target's vocabulary size."""
+    from .loading.loader import read_config
+    from .speculative.draft import check_vocab_size
+
+    try:
+        source = resolve(name)
+    except (FileNotFoundError, ValueError) as e:
+        raise ValueError(f"speculative draft model {name!r} cannot be loaded: {e}") from None
+    check_vocab_size(target_source.short_name, read_config(target_source).vocab_size,
+                     source.short_name, read_config(source).vocab_size)
+    return source
+
+
+def _load_draft(source, target, dt: torch.dtype, dev: torch.device, max_model_len: int,
+                dequantize_weights: bool, isq: str | None):
+    """The draft model, loaded as the target is (same device and dtype; ISQ applies to a
+    safetensors draft), and checked to share its tokenizer."""
+    from .speculative.draft import check_compatible
+
+    loaded = load_model(source, dt, dev, max_positions=max_model_len, dequantize_weights=dequantize_weights,
+                        isq=isq if source.kind != "gguf" else None)
+    check_compatible(target, loaded)
+    return loaded
+
+
 Prompt = str | list[int]
 
 
@@ -63,6 +91,10 @@ class LLM:
                                 enable_prefix_caching, prefix_cache_n)
         cache_cfg.validate()
         spec_cfg = SpeculativeConfig.coerce(speculative)
+        if spec_cfg is not None and spec_cfg.method == "draft" and tensor_parallel_size != 1:
+            from .speculative.draft import NO_TP
+
+            raise ValueError(NO_TP)
         if isq is not None:
             from .quant.isq import check_isq_type
 
@@ -70,6 +102,8 @@ class LLM:
         dev = resolve_device(device)
         dt = resolve_dtype(dtype, dev)
         source = resolve(model, tokenizer, gguf_file)
+        draft_source = (_draft_source(spec_cfg.model, source)
+                        if spec_cfg is not None and spec_cfg.method == "draft" else None)
         torch.manual_seed(seed)
         self._finalizer = None
         executor = None
@@ -78,7 +112,7 @@ class LLM:
                                  isq, cache_cfg)
         try:
             self._build(source, dt, dev, max_model_len, dequantize_weights, isq, max_num_seqs,
-                        max_num_batched_tokens, cache_cfg, seed, executor, spec_cfg)
+                        max_num_batched_tokens, cache_cfg, seed, executor, spec_cfg, draft_source)
         except BaseException:
             if executor is not None:
                 executor.shutdown()
@@ -87,7 +121,7 @@ class LLM:
             self._finalizer = weakref.finalize(self, executor.shutdown)
 
     def _build(self, source, dt, dev, max_model_len, dequantize_weights, isq, max_num_seqs,
-               max_num_batched_tokens, cache_cfg, seed, executor, spec_cfg) -> None:
+               max_num_batched_tokens, cache_cfg, seed, executor, spec_cfg, draft_source=None) -> None:
         loaded = load_model(source, dt, dev, max_positions=max_model_len,
                             dequantize_weights=dequantize_weights, isq=isq,
                             tp=executor.tp if executor is not None else None)
@@ -104,7 +138,10 @@ class LLM:
             max_model_len=max_model_len)
         if loaded.model.rope.cos.shape[0] < max_model_len:
             raise ValueError("internal: rope table shorter than max_model_len")
-        self.engine = LLMEngine(loaded, cache_cfg, sched_cfg, dev, dt, seed, executor, spec_cfg)
+        draft = None
+        if draft_source is not None:
+            draft = _load_draft(draft_source, loaded, dt, dev, max_model_len, dequantize_weights, isq)
+        self.engine = LLMEngine(loaded, cache_cfg, sched_cfg, dev, dt, seed, executor, spec_cfg, draft)
         self.tokenizer = loaded.tokenizer
         self.model_name = source.short_name
 

@@ -122,6 +122,11 @@ def _engine_flags(p: argparse.ArgumentParser, top: bool) -> None:
                    help="speculative decoding by prompt lookup: up to K tokens proposed from the "
                         "sequence's own earlier text, verified in one forward (5 measured best "
                         "on the default model)")
+    g.add_argument("--speculative-draft", metavar="MODEL", default=d(None),
+                   help="speculative decoding with a small draft model sharing the model's tokenizer "
+                        "(a folder, GGUF file or hub id; its own KV cache comes out of the same budget)")
+    g.add_argument("--speculative-tokens", type=int, metavar="K", default=d(None),
+                   help="with --speculative-draft: up to K draft tokens proposed a step (default 5)")
     g.add_argument("--chat-template", metavar="FILE", default=d(None),
                    help="chat template (.jinja, or JSON with a chat_template key) to use instead "
                         "of the model's")
@@ -193,7 +198,7 @@ BENCHES = {
     "make-gguf": "write a GGUF with a real model's shape and random weights (llama.cpp quantizes it)",
     "startup": "time from starting `pagedllm generate` to its first token (median of 5)",
     "allreduce": "torch.distributed all-reduce latency and bandwidth at a TP step's message sizes",
-    "speculative": "n-gram speculative decoding against plain decoding: code editing, chat, 32 concurrent",
+    "speculative": "n-gram (and --draft MODEL) speculative decoding against plain decoding: code editing, chat, 32 concurrent",
 }
 
 
@@ -329,7 +334,8 @@ def engine_options(args: argparse.Namespace, model: str | None = None) -> Engine
         max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
         seed=args.seed, isq=args.isq, dequantize_weights=bool(args.dequantize_weights),
         chat_template=args.chat_template, tensor_parallel_size=args.tensor_parallel_size,
-        speculative_ngram=args.speculative_ngram)
+        speculative_ngram=args.speculative_ngram, speculative_draft=args.speculative_draft,
+        speculative_tokens=args.speculative_tokens)
 
 
 def _model_of(args: argparse.Namespace) -> str:
@@ -476,19 +482,27 @@ def cmd_trace(args: argparse.Namespace, opts: EngineOptions) -> int:
             out["kv_cache_trace"] = _jsonable(trace_fn())
         print(json.dumps(out, indent=2, default=str))
         return 0
-    print(f"{'step':>5} {'running':>8} {'waiting':>8} {'used':>6} {'free':>6} {'preempt':>8}")
+    draft = "draft_used_blocks" in rows[0]  # speculative draft model: its own cache's blocks too
+    print(f"{'step':>5} {'running':>8} {'waiting':>8} {'used':>6} {'free':>6} {'preempt':>8}"
+          + (f" {'draft used':>10} {'draft free':>10}" if draft else ""))
     for r in rows:
         print(f"{r['step']:>5} {r['running']:>8} {r['waiting']:>8} {r['used_blocks']:>6} "
-              f"{r['free_blocks']:>6} {r['preemptions']:>8}")
+              f"{r['free_blocks']:>6} {r['preemptions']:>8}"
+              + (f" {r['draft_used_blocks']:>10} {r['draft_free_blocks']:>10}" if draft else ""))
     print(kv_report(llm))
     return 0
 
 
 def _snapshot(eng: Any, step: int) -> dict:
     bm, sched = eng.block_manager, eng.scheduler
-    return {"step": step, "running": sched.num_running, "waiting": sched.num_waiting,
-            "used_blocks": bm.num_used_blocks, "free_blocks": bm.num_free_blocks,
-            "preemptions": sched.num_preemptions}
+    row = {"step": step, "running": sched.num_running, "waiting": sched.num_waiting,
+           "used_blocks": bm.num_used_blocks, "free_blocks": bm.num_free_blocks,
+           "preemptions": sched.num_preemptions}
+    draft = eng.spec.draft if getattr(eng, "spec", None) is not None else None
+    if draft is not None:
+        row.update(draft_used_blocks=draft.block_manager.num_used_blocks,
+                   draft_free_blocks=draft.block_manager.num_free_blocks)
+    return row
 
 
 def _jsonable(x: Any) -> Any:

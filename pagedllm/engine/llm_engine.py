@@ -28,6 +28,7 @@ from ..sampling.params import SamplingParams
 from ..sampling.sampler import Sampler
 from ..speculative import decoder as spec_decoder
 from ..speculative.config import SpeculativeConfig
+from ..speculative.draft import NO_TP, DraftModel, draft_cache_config, share_budget
 from ..structured.grammar import GrammarEngine, advance as grammar_advance
 from ..tokenizer import IncrementalDetokenizer
 from .block_manager import BlockManager, NoFreeBlocksError
@@ -99,7 +100,9 @@ class Request:
 class LLMEngine:
     def __init__(self, loaded: LoadedModel, cache_cfg: CacheConfig, sched_cfg: SchedulerConfig,
                  device: torch.device, dtype: torch.dtype, seed: int = 0, executor=None,
-                 speculative: SpeculativeConfig | None = None) -> None:
+                 speculative: SpeculativeConfig | None = None, draft: LoadedModel | None = None) -> None:
+        """`draft`: the loaded draft model of speculative method "draft" (its cache is carved
+        out of this engine's KV budget)."""
         cache_cfg.validate()
         sched_cfg.validate()
         self.model = loaded.model
@@ -122,6 +125,14 @@ class LLMEngine:
                                      lambda n: blocks_held(windows, n, cache_cfg.block_size,
                                                            sched_cfg.max_num_batched_tokens),
                                      self.kv_groups.num_groups)
+        draft_spec = draft_blocks = None
+        if draft is not None:
+            if executor is not None:
+                raise ValueError(NO_TP)
+            dcfg = draft_cache_config(cache_cfg)
+            draft_spec = kv_spec_of(draft, dcfg, dtype)
+            draft_blocks = share_budget(self.cache_plan, self.kv_spec, self.kv_groups.num_groups, draft_spec,
+                                        plan_groups(draft.config.layer_windows, draft.config.num_layers).num_groups)
         self.executor = executor  # rank 0's side of tensor parallelism, or None
         if executor is not None:  # every rank builds the same number of blocks of its heads
             executor.setup(self.cache_plan.num_blocks)
@@ -149,6 +160,14 @@ class LLMEngine:
         # Speculative decoding (None: off).
         self.spec = (spec_decoder.SpeculativeDecoder(speculative, sched_cfg.max_model_len)
                      if speculative is not None else None)
+        if draft is not None:
+            if self.spec is None or speculative.method != "draft":
+                raise ValueError("a draft model was given without speculative method 'draft'")
+            self.spec.draft = DraftModel(draft, draft_spec, cache_cfg, draft_blocks, device, dtype,
+                                         sched_cfg.max_num_batched_tokens)
+            logger.info(self.spec.draft.describe())
+        elif self.spec is not None and speculative.method == "draft":
+            raise ValueError("speculative method 'draft' needs the draft model loaded (LLM(...) loads it)")
         self.requests: dict[str, Request] = {}
         self._scored: list[Request] = []  # max_tokens=0: prompt scored, output due next step
         self._ids = itertools.count()
@@ -360,6 +379,8 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         for s in sched.preempted:
             self.backend.free_seq(s.seq_id)
+            if self.spec is not None:
+                self.spec.release(s)
         if not sched:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("scheduler made no progress although requests are waiting")
@@ -511,6 +532,8 @@ class LLMEngine:
         self.scheduler.finish(seq, keep_prefix=seq.finish_reason not in ("abort", "error"))
         self.backend.free_seq(seq.seq_id)
         self.runner.sampler.release(seq.seq_id)
+        if self.spec is not None:
+            self.spec.release(seq)
         req = self.requests.get(seq.request_id)
         if req is not None and req.finished:
             req.metrics.finished_time = time.perf_counter()

@@ -64,6 +64,11 @@ class KVCacheTrace:
     spec_accepted_tokens: int = 0
     spec_acceptance_rate: float = 0.0
     spec_mean_accepted_length: float = 0.0  # draft tokens accepted per verification
+    # Method "draft": the draft model's own paged cache (carved from the same budget), its blocks.
+    spec_draft_cache: str = ""
+    spec_draft_blocks_total: int = 0
+    spec_draft_blocks_used: int = 0
+    spec_draft_memory_mb: float = 0.0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -195,12 +200,18 @@ def _speculative(engine) -> dict:
         return {}
     st = spec.stats
     c = spec.config
+    draft = spec.draft
     how = (f"ngram (suffix {c.min_ngram}..{c.max_ngram} tokens)" if c.method == "ngram"
-           else f"draft model {c.model}")
-    return dict(speculative=f"{how}, up to {c.num_tokens} tokens a step; off above {c.max_batch} "
-                            f"decoding sequences; {st.paused} pauses for low acceptance",
-                spec_proposed_tokens=st.proposed, spec_accepted_tokens=st.accepted,
-                spec_acceptance_rate=st.acceptance_rate, spec_mean_accepted_length=st.mean_accepted_length)
+           else f"draft model {draft.name if draft is not None else c.model} (greedy proposals)")
+    out = dict(speculative=f"{how}, up to {c.num_tokens} tokens a step; off above {c.max_batch} "
+                           f"decoding sequences; {st.paused} pauses for low acceptance",
+               spec_proposed_tokens=st.proposed, spec_accepted_tokens=st.accepted,
+               spec_acceptance_rate=st.acceptance_rate, spec_mean_accepted_length=st.mean_accepted_length)
+    if draft is not None:
+        dbm = draft.block_manager
+        out.update(spec_draft_cache=draft.describe(), spec_draft_blocks_total=dbm.num_usable_blocks,
+                   spec_draft_blocks_used=dbm.num_used_blocks, spec_draft_memory_mb=draft.memory_mb)
+    return out
 
 
 def _blocks_by_group(engine) -> list[int]:

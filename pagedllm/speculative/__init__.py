@@ -1,1 +1,2 @@
-"""Speculative decoding: n-gram prompt lookup proposals, verified by the target model in one forward."""
+"""Speculative decoding: proposals from n-gram prompt lookup or a small draft model, verified by
+the target model in one forward."""

@@ -13,7 +13,7 @@ class SpeculativeConfig:
     num_tokens: int = 5  # proposals per step at most (k)
     max_ngram: int = 4  # ngram: the longest suffix looked up in the sequence's own tokens
     min_ngram: int = 2  # ngram: the shortest; 1 proposes on any repeated token (noisy in chat)
-    model: str | None = None  # draft: the draft model (same tokenizer); not implemented yet
+    model: str | None = None  # draft: the draft model (a folder, GGUF file, hub id or "default"; same vocabulary)
     # Off for the whole step when more sequences decode at once than this: a wide batch is
     # compute bound on a CPU, so verifying k extra rows each costs about k times as much.
     max_batch: int = 8
@@ -52,8 +52,9 @@ class SpeculativeConfig:
             raise ValueError(f"speculative min_ngram={self.min_ngram} exceeds max_ngram={self.max_ngram}")
         if not 0 <= self.min_acceptance < 1:
             raise ValueError(f"speculative min_acceptance must be in [0, 1), got {self.min_acceptance}")
-        if self.method == "draft":
-            raise ValueError("speculative method 'draft' (a draft model) is not implemented yet; "
-                             "use method 'ngram'")
+        if self.method == "draft" and not (isinstance(self.model, str) and self.model):
+            raise ValueError("speculative method 'draft' needs 'model': the path (or hub id) of a small "
+                             "draft model with the target's tokenizer, e.g. "
+                             "{'method': 'draft', 'model': 'path/to/draft', 'num_tokens': 4}")
         if self.method == "ngram" and self.model:
             raise ValueError("speculative method 'ngram' takes no 'model' (did you mean method 'draft'?)")

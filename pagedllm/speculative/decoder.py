@@ -1,5 +1,6 @@
-"""Speculative decoding around the engine's step: who speculates, what is proposed, what
-is accepted, and the figures the trace and /metrics report.
+"""Speculative decoding around the engine's step: who speculates, what is proposed (n-gram
+lookup, or a draft model: draft.py), what is accepted, and the figures the trace and
+/metrics report.
 
 Verification. A sequence with proposals d_1..d_k is scheduled with k + 1 query tokens (its
 last token, then the proposals), run as k + 1 decode rows over its blocks in one forward,
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 from .config import SpeculativeConfig
 from .ngram import NgramIndex
@@ -75,6 +77,7 @@ class SpeculativeDecoder:
     config: SpeculativeConfig
     max_model_len: int
     stats: SpecStats = field(default_factory=SpecStats)
+    draft: Any = None  # method "draft": the DraftModel (draft.py) that proposes
 
     def eligible(self, seq) -> bool:
         """Speculation applies: penalties read every earlier token of the row, and a grammar
@@ -103,12 +106,20 @@ class SpeculativeDecoder:
             k = self._num_tokens(s, st)
             if k > 0:
                 want.append((s, k))
+        if self.draft is not None:
+            self.draft.propose(want)
+            return
         c = self.config
         for s, k in want:
             st = s.spec
             if st.index is None:
                 st.index = NgramIndex(c.min_ngram, c.max_ngram)
             s.spec_tokens = st.index.propose(s.token_ids, k)
+
+    def release(self, seq) -> None:
+        """seq finished, was aborted or preempted: the draft model gives back its blocks."""
+        if self.draft is not None:
+            self.draft.release(seq)
 
     def _num_tokens(self, seq, st: SeqSpecState) -> int:
         k = self.config.num_tokens

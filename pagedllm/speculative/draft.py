@@ -1,0 +1,258 @@
+"""The draft model of speculative decoding: a small model with the target's vocabulary that
+proposes up to k tokens a step by greedy decoding, on its own paged KV cache.
+
+Each speculating sequence has a shadow here: the tokens whose K/V the draft holds, with its
+own block tables in the draft's BlockManager. Before proposing, the shadow is reconciled
+with the target sequence: the proposals the target accepted keep their K/V, the rest is
+trimmed, and the draft computes whatever tokens it has not seen (the prompt on first use,
+the target's own token after each verification, anything added while speculation was
+paused) in one batched forward whose last rows give the first proposals. The other k - 1
+proposals come from k - 1 one-row decode steps batched over every speculating sequence.
+With prefix caching on (the target's setting), a new shadow starts from the draft's own
+cached K/V of its prompt, and finished shadows leave theirs behind.
+
+Greedy proposals are a function of the context alone, so the target's acceptance rule
+(decoder.py) is exact rejection sampling for a deterministic draft: greedy output is the
+target's, sampled output has the target's distribution, and seeded rows draw the tokens
+they draw without speculation.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, replace
+
+import torch
+
+from ..config import CacheConfig
+from ..engine.block_manager import BlockManager
+from ..engine.model_runner import ModelRunner
+from ..engine.scheduler import ScheduledSeq
+from ..engine.sequence import Sequence
+from ..kv.cache import CachePlan, KVCacheSpec, dtype_name
+from ..kv.groups import plan_groups
+
+logger = logging.getLogger(__name__)
+
+# Catch-ups of up to this many tokens run as decode rows (see _catch_up).
+CATCH_UP_ROWS = 8
+
+
+NO_TP = ("a speculative draft model does not run under tensor parallelism yet; use "
+         "tensor_parallel_size=1 or n-gram speculation")
+_FIX = ("a draft model must share the target's tokenizer: use a smaller model of the same family "
+        "and release (for example SmolLM2-135M for SmolLM2-1.7B), or n-gram speculation")
+
+
+def check_vocab_size(t_name: str, tv: int, d_name: str, dv: int) -> None:
+    """Refuse a draft whose logits cover other token ids than the target's (checked from the
+    configs, before either model is loaded)."""
+    if tv != dv:
+        raise ValueError(f"draft model {d_name!r} has a vocabulary of {dv} token ids but the target "
+                         f"{t_name!r} has {tv}; {_FIX}")
+
+
+def check_compatible(target, draft) -> None:
+    """Refuse a draft whose proposals would mean other tokens to the target: the vocabulary
+    sizes and the token strings behind every id must agree (LoadedModel each)."""
+    t_name, d_name = target.source.short_name, draft.source.short_name
+    check_vocab_size(t_name, target.config.vocab_size, d_name, draft.config.vocab_size)
+    t_vocab = target.tokenizer.backend.get_vocab(with_added_tokens=True)
+    d_vocab = draft.tokenizer.backend.get_vocab(with_added_tokens=True)
+    if t_vocab != d_vocab:
+        t_tok = {i: s for s, i in t_vocab.items()}
+        d_tok = {i: s for s, i in d_vocab.items()}
+        diff = sorted(i for i in set(t_tok) | set(d_tok) if t_tok.get(i) != d_tok.get(i))
+        i = diff[0]
+        raise ValueError(f"draft model {d_name!r} and the target {t_name!r} tokenize differently: "
+                         f"{len(diff)} token id(s) differ (id {i} is {t_tok.get(i)!r} in the target, "
+                         f"{d_tok.get(i)!r} in the draft); {_FIX}")
+
+
+def draft_cache_config(cache_cfg: CacheConfig) -> CacheConfig:
+    """The draft's cache: paged (whatever the target uses), with the target's block size, KV
+    dtype and prefix-caching settings."""
+    return replace(cache_cfg, paged_attention=True)
+
+
+def share_budget(plan: CachePlan, target: KVCacheSpec, target_tables: int, draft: KVCacheSpec,
+                 draft_tables: int) -> int:
+    """Carve the draft's cache out of the target's plan; returns the draft's block count (the
+    null block included) and shrinks the plan. Both caches then hold the same number of
+    tokens per sequence table: a byte budget is split in proportion to the bytes a token
+    costs in each; a context length (tokens, not bytes) is given to both."""
+    usable = plan.num_blocks - 1
+    ratio = draft_tables / target_tables  # draft blocks per target block, at equal tokens
+    if plan.source.startswith("kv_cache_context_len"):
+        n = usable
+    else:
+        n = int(usable * target.bytes_per_block // (target.bytes_per_block + ratio * draft.bytes_per_block))
+        if n < 1 or int(n * ratio) < 1:
+            raise ValueError(f"the KV cache budget ({plan.source}) cannot hold a block for both the target "
+                             "and the draft model; give the KV cache more memory")
+        plan.num_blocks = n + 1
+    d = max(1, int(n * ratio))
+    plan.source += f"; {n} blocks for the target, {d} for the draft model's cache"
+    return d + 1
+
+
+@dataclass
+class _Shadow:
+    seq: Sequence  # the draft's view: tokens it holds K/V for (+ pending), its block tables
+    synced: int  # the target's length at the last sync: seq.token_ids[:synced] are the target's
+
+
+class DraftModel:
+    """The draft's model, paged cache, block manager and runner, and a shadow per sequence."""
+
+    def __init__(self, loaded, spec: KVCacheSpec, cache_cfg: CacheConfig, num_blocks: int,
+                 device: torch.device, dtype: torch.dtype, chunk: int) -> None:
+        from ..engine.llm_engine import build_kv  # the engine module imports this one
+
+        cfg = loaded.config
+        self.name = loaded.source.short_name
+        self.loaded = loaded
+        self.cache_config = draft_cache_config(cache_cfg)
+        self.kv_groups = plan_groups(cfg.layer_windows, cfg.num_layers, hybrid=True)
+        self.kv_spec = spec
+        self.kv_cache, backend, copy_fn = build_kv(loaded, spec, self.cache_config, num_blocks, device, dtype,
+                                                   self.kv_groups)
+        dcfg = self.cache_config
+        self.block_manager = BlockManager(num_blocks, dcfg.block_size, dcfg.enable_prefix_caching,
+                                          dcfg.prefix_cache_n, copy_fn, self.kv_groups.windows)
+        self.runner = ModelRunner(loaded.model, backend, cache_cfg.block_size, device, sampler=None)
+        self.chunk = chunk  # most tokens the draft computes in one forward
+        self.shadows: dict[int, _Shadow] = {}  # target seq_id -> its shadow
+        self.forwards = 0  # draft forward passes, for the trace
+        self.no_room = 0  # times a sequence proposed less for want of free draft blocks
+
+    @property
+    def memory_mb(self) -> float:
+        return (self.block_manager.num_blocks * self.kv_spec.bytes_per_block + self.kv_spec.fixed_bytes) / 2**20
+
+    def describe(self) -> str:
+        bm = self.block_manager
+        prefix = f"{bm.stats.hits} prompt tokens reused" if bm.enable_caching else "off"
+        return (f"draft model {self.name}: own paged KV cache of {bm.num_usable_blocks} blocks of "
+                f"{bm.block_size} tokens ({self.memory_mb:.1f} MB, {dtype_name(self.kv_spec.dtype)}, "
+                f"carved from the same budget), {bm.num_used_blocks} in use by {len(self.shadows)} "
+                f"sequences; prefix cache {prefix}; {self.forwards} draft forwards; {self.no_room} times "
+                f"short of draft blocks")
+
+    # -- per sequence -------------------------------------------------------
+    def release(self, seq: Sequence) -> None:
+        """The sequence finished, was aborted or preempted: give back its draft blocks. With
+        prefix caching their content stays reusable as the target's does (every slot holds the
+        K/V of the token the shadow lists there, accepted or not, so its hashes are true)."""
+        sh = self.shadows.pop(seq.seq_id, None)
+        if sh is None:
+            return
+        bm = self.block_manager
+        bm.commit_full_blocks(sh.seq)
+        mode = ("keep" if not seq.is_finished else
+                "drop" if seq.finish_reason in ("abort", "error") else "retain")
+        bm.free(sh.seq, mode)
+
+    def _sync(self, seq: Sequence) -> _Shadow:
+        """The shadow of seq, its tokens made the target's: proposals the target took keep
+        their K/V, later slots are trimmed, and the target's new tokens wait to be computed."""
+        sh = self.shadows.get(seq.seq_id)
+        toks = seq.token_ids
+        if sh is None:
+            d = Sequence(seq.request_id, [], seq.params)
+            d.token_ids = list(toks)
+            self.block_manager.match_prefix(d)  # a cached prefix of the draft's own K/V
+            self.block_manager.record_admission(d)
+            sh = self.shadows[seq.seq_id] = _Shadow(d, len(toks))
+            return sh
+        d, mine = sh.seq, sh.seq.token_ids
+        c = sh.synced
+        top = min(len(mine), len(toks))
+        while c < top and mine[c] == toks[c]:
+            c += 1
+        c = min(c, d.num_computed_tokens)
+        del mine[c:]
+        mine.extend(toks[c:])
+        sh.synced = len(toks)
+        if d.num_computed_tokens > c:
+            d.num_computed_tokens = c
+            self.block_manager.trim(d)
+        # Hashed blocks lie wholly before c, which later syncs never go below, so a hashed
+        # block is never rewritten.
+        self.block_manager.commit_full_blocks(d)
+        return sh
+
+    # -- proposing ------------------------------------------------------------
+    @torch.inference_mode()
+    def propose(self, want: list[tuple[Sequence, int]]) -> None:
+        """Set `spec_tokens` to up to k greedy draft tokens on each (sequence, k) of `want`.
+        A sequence the draft cache has no room for, or whose catch-up exceeds this step's
+        chunk, proposes nothing this step."""
+        bm = self.block_manager
+        budget = self.chunk
+        first: list[tuple[ScheduledSeq, Sequence, int]] = []
+        for seq, k in want:
+            d = self._sync(seq).seq
+            take = min(d.num_uncomputed_tokens, budget)
+            if take <= 0:
+                continue
+            if d.block_table:
+                bm.release_window(d)  # sliding draft layers: only at the synced position
+            if not bm.can_grow(d, d.num_computed_tokens + take):
+                self.no_room += 1
+                continue
+            bm.grow(d, d.num_computed_tokens + take)
+            budget -= take
+            first.append((_catch_up(d, take), seq, k))
+        if not first:
+            return
+        first.sort(key=lambda x: not x[0].is_decode)  # the attention backend batches decodes first
+        live = [(it.seq, seq, k) for it, seq, k in first if it.seq.num_computed_tokens + it.num_new_tokens
+                == it.seq.num_tokens]
+        for (_, seq, _), t in zip(live, self._forward([it for it, _, _ in first])):
+            seq.spec_tokens = [t]
+        for j in range(1, max((k for _, _, k in live), default=0)):
+            batch, kept = [], []
+            for x in live:
+                d, seq, k = x
+                if k <= j:
+                    continue
+                d.token_ids.append(seq.spec_tokens[-1])  # the previous proposal is the next input
+                if not bm.can_grow(d, d.num_tokens):
+                    d.token_ids.pop()
+                    self.no_room += 1
+                    continue
+                bm.grow(d, d.num_tokens)
+                batch.append(ScheduledSeq(d, 1))
+                kept.append(x)
+            if not batch:
+                break
+            live = kept
+            for (_, seq, _), t in zip(live, self._forward(batch)):
+                seq.spec_tokens.append(t)
+
+    def _forward(self, batch: list[ScheduledSeq]) -> list[int]:
+        """One draft forward over the batch (decodes first): the greedy token after each item
+        that reaches its sequence's end, in batch order. Computed counts advance."""
+        plan = self.runner.plan(batch)
+        rows, end = [], 0
+        for it in batch:
+            end += it.num_new_tokens
+            if it.seq.num_computed_tokens + it.num_new_tokens == it.seq.num_tokens:
+                rows.append(end - 1)  # the item's last token: only its logits are needed
+        plan.logits_rows = rows
+        logits = self.runner.logits(plan)
+        for it in batch:
+            it.seq.num_computed_tokens += it.num_new_tokens
+        self.forwards += 1
+        return [] if logits is None else logits.argmax(-1).tolist()
+
+
+def _catch_up(d: Sequence, n: int) -> ScheduledSeq:
+    """The draft computes n of d's tokens. A few at the end of the sequence (the target's
+    token after a verification, with the last proposal when all were accepted) run as decode
+    rows, each over d's blocks like a one-token decode (the runner's form for verification
+    rows), so the step stays on the decode path; more run as a prefill chunk."""
+    c = d.num_computed_tokens
+    if 1 < n <= CATCH_UP_ROWS and c + n == d.num_tokens:
+        return ScheduledSeq(d, n, spec_tokens=d.token_ids[c + 1:c + n])
+    return ScheduledSeq(d, n)
