@@ -57,6 +57,31 @@ def test_kernel_matches_gather_and_sdpa(native, dtype, d, hkv, group, window, in
     assert got.dtype == dtype and got.shape == (n, hkv * group, d)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_of_one_sequence_read_its_cache_once_with_the_same_bits(native, dtype):
+    """Consecutive positions of one sequence (speculative verification: the last token and its
+    proposals) are grouped so their keys and values are read once; each row must come out
+    bit for bit as when it is computed alone, and match SDPA. Groups cross a block boundary
+    (lengths 30..35 over blocks of 16), sit beside ordinary rows, and stop where the table
+    differs."""
+    g = torch.Generator().manual_seed(11)
+    nblocks, bs, hkv, group, d = 32, 16, 3, 3, 64
+    kc = torch.randn(nblocks, bs, hkv, d, generator=g).to(dtype)
+    vc = torch.randn(nblocks, bs, hkv, d, generator=g).to(dtype)
+    shared = torch.randint(1, nblocks, (6,), generator=g)
+    other = torch.randint(1, nblocks, (6,), generator=g)
+    tables = torch.stack([shared] * 6 + [other] + [shared] * 2 + [other.flip(0)] * 2)
+    lens = torch.tensor([30, 31, 32, 33, 34, 35, 7, 50, 51, 20, 21])
+    q = torch.randn(len(lens), hkv * group, d, generator=g).to(dtype)
+    together = native.paged_decode(q, kc, vc, tables, lens, d ** -0.5, 0)
+    for i in range(len(lens)):
+        alone = native.paged_decode(q[i:i + 1], kc, vc, tables[i:i + 1], lens[i:i + 1], d ** -0.5, 0)
+        assert torch.equal(together[i:i + 1], alone), i
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(together.float(), reference(q, kc, vc, tables, lens, d ** -0.5, 0),
+                               atol=tol, rtol=tol)
+
+
 def test_kernel_rejects_bad_input(native):
     kc = torch.zeros(4, 8, 2, 64)
     q = torch.zeros(2, 4, 64)

@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -37,6 +38,36 @@ inline void load_row(const T* src, float* dst, int64_t d) {
   for (int64_t i = 0; i < d; ++i) dst[i] = to_float(src[i]);
 }
 
+// Rows that are consecutive positions of one sequence (speculative verification: the last
+// token and its proposals) share the block table and have lengths L, L + 1, ...: they form a
+// group whose keys and values are read once for all its rows (row i sees the first L + i).
+// Each row's arithmetic is the same as alone, so grouping changes no bit of the output.
+constexpr int64_t MAX_GROUP = 16;
+
+template <typename I>
+std::vector<std::pair<int64_t, int64_t>> row_groups(const I* tables, int64_t max_blocks, const I* lens,
+                                                    int64_t n_seqs, int64_t block_size, int64_t window) {
+  std::vector<std::pair<int64_t, int64_t>> groups;  // (first row, rows)
+  for (int64_t n = 0; n < n_seqs; ++n) {
+    if (!groups.empty() && window <= 0) {
+      auto& [first, count] = groups.back();
+      const int64_t prev = first + count - 1;
+      const int64_t used = (static_cast<int64_t>(lens[prev]) + block_size - 1) / block_size;
+      if (count < MAX_GROUP && static_cast<int64_t>(lens[n]) == static_cast<int64_t>(lens[prev]) + 1 &&
+          std::equal(tables + n * max_blocks, tables + n * max_blocks + used, tables + prev * max_blocks)) {
+        // (the new row's extra key, if it starts a block, is read from its own table)
+        if ((static_cast<int64_t>(lens[n]) + block_size - 1) / block_size == used ||
+            tables[n * max_blocks + used] == tables[prev * max_blocks + used]) {
+          ++count;
+          continue;
+        }
+      }
+    }
+    groups.emplace_back(n, 1);
+  }
+  return groups;
+}
+
 // D > 0 fixes the head dim at compile time (64, 128: unrolled, no remainder loops);
 // D == 0 reads it at run time.
 template <typename T, typename I, int D>
@@ -46,37 +77,57 @@ void decode(const T* q, int64_t q_sn, int64_t q_sh, const T* kc, const T* vc,
             int64_t block_size, int64_t window, float scale) {
   const int64_t d = D > 0 ? D : d_run;
   const int64_t g_per_kv = hq / hkv;
-  at::parallel_for(0, n_seqs * hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(g_per_kv * d), acc(g_per_kv * d), row(d), scores, denom(g_per_kv);
+  const auto groups = row_groups(tables, max_blocks, lens, n_seqs, block_size, window);
+  const int64_t n_groups = static_cast<int64_t>(groups.size());
+  at::parallel_for(0, n_groups * hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf, acc, row(d), scores, denom;
+    std::vector<int64_t> starts, lens_r;
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t n = item / hkv, h = item % hkv;
-      const int64_t ctx = static_cast<int64_t>(lens[n]);
-      const int64_t start = window > 0 ? std::max<int64_t>(0, ctx - window) : 0;
-      const int64_t len = ctx - start;
-      const I* table = tables + n * max_blocks;
-      for (int64_t g = 0; g < g_per_kv; ++g) {
-        const T* src = q + n * q_sn + (h * g_per_kv + g) * q_sh;
-        float* dst = qf.data() + g * d;
-        load_row(src, dst, d);
+      const auto [n0, rows] = groups[item / hkv];
+      const int64_t h = item % hkv;
+      const int64_t nq = rows * g_per_kv;  // query vectors: row r's G heads at r * G + g
+      qf.resize(nq * d);
+      acc.assign(nq * d, 0.f);
+      denom.resize(nq);
+      starts.resize(rows);
+      lens_r.resize(rows);
+      int64_t first = std::numeric_limits<int64_t>::max(), last = 0, width = 0;
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t ctx = static_cast<int64_t>(lens[n0 + r]);
+        starts[r] = window > 0 ? std::max<int64_t>(0, ctx - window) : 0;
+        lens_r[r] = ctx - starts[r];
+        first = std::min(first, starts[r]);
+        last = std::max(last, ctx);
+        width = std::max(width, lens_r[r]);
+        for (int64_t g = 0; g < g_per_kv; ++g) {
+          const T* src = q + (n0 + r) * q_sn + (h * g_per_kv + g) * q_sh;
+          float* dst = qf.data() + (r * g_per_kv + g) * d;
+          load_row(src, dst, d);
 #pragma omp simd
-        for (int64_t i = 0; i < d; ++i) dst[i] *= scale;
+          for (int64_t i = 0; i < d; ++i) dst[i] *= scale;
+        }
       }
-      scores.resize(g_per_kv * len);
-      // Scores: each key row is converted once and used by all G query rows.
-      for (int64_t t = start; t < ctx; ++t) {
+      const I* table = tables + (n0 + rows - 1) * max_blocks;  // the longest row's (a superset)
+      scores.resize(nq * width);
+      // Scores: each key row is converted once and used by every query vector that sees it.
+      for (int64_t t = first; t < last; ++t) {
         const T* k = kc + static_cast<int64_t>(table[t / block_size]) * blk_stride +
                      (t % block_size) * tok_stride + h * d;
         load_row(k, row.data(), d);
-        for (int64_t g = 0; g < g_per_kv; ++g) {
-          const float* qg = qf.data() + g * d;
-          float s = 0.f;
+        for (int64_t r = 0; r < rows; ++r) {
+          if (t < starts[r] || t >= starts[r] + lens_r[r]) continue;
+          for (int64_t g = 0; g < g_per_kv; ++g) {
+            const float* qg = qf.data() + (r * g_per_kv + g) * d;
+            float s = 0.f;
 #pragma omp simd reduction(+ : s)
-          for (int64_t i = 0; i < d; ++i) s += qg[i] * row[i];
-          scores[g * len + (t - start)] = s;
+            for (int64_t i = 0; i < d; ++i) s += qg[i] * row[i];
+            scores[(r * g_per_kv + g) * width + (t - starts[r])] = s;
+          }
         }
       }
-      for (int64_t g = 0; g < g_per_kv; ++g) {
-        float* sg = scores.data() + g * len;
+      for (int64_t v = 0; v < nq; ++v) {
+        const int64_t len = lens_r[v / g_per_kv];
+        float* sg = scores.data() + v * width;
         float m = -std::numeric_limits<float>::infinity();
 #pragma omp simd reduction(max : m)
         for (int64_t t = 0; t < len; ++t) m = std::max(m, sg[t]);
@@ -85,26 +136,31 @@ void decode(const T* q, int64_t q_sn, int64_t q_sh, const T* kc, const T* vc,
         float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
         for (int64_t t = 0; t < len; ++t) sum += sg[t];
-        denom[g] = sum;
+        denom[v] = sum;
       }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t = start; t < ctx; ++t) {
+      for (int64_t t = first; t < last; ++t) {
         const T* v = vc + static_cast<int64_t>(table[t / block_size]) * blk_stride +
                      (t % block_size) * tok_stride + h * d;
         load_row(v, row.data(), d);
-        for (int64_t g = 0; g < g_per_kv; ++g) {
-          const float p = scores[g * len + (t - start)];
-          float* ag = acc.data() + g * d;
+        for (int64_t r = 0; r < rows; ++r) {
+          if (t < starts[r] || t >= starts[r] + lens_r[r]) continue;
+          for (int64_t g = 0; g < g_per_kv; ++g) {
+            const int64_t qv = r * g_per_kv + g;
+            const float p = scores[qv * width + (t - starts[r])];
+            float* ag = acc.data() + qv * d;
 #pragma omp simd
-          for (int64_t i = 0; i < d; ++i) ag[i] += p * row[i];
+            for (int64_t i = 0; i < d; ++i) ag[i] += p * row[i];
+          }
         }
       }
-      for (int64_t g = 0; g < g_per_kv; ++g) {
-        const float inv = denom[g] > 0.f ? 1.f / denom[g] : 0.f;
-        T* o = out + (n * hq + h * g_per_kv + g) * d;
-        const float* ag = acc.data() + g * d;
-        for (int64_t i = 0; i < d; ++i) o[i] = static_cast<T>(ag[i] * inv);
-      }
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t g = 0; g < g_per_kv; ++g) {
+          const int64_t qv = r * g_per_kv + g;
+          const float inv = denom[qv] > 0.f ? 1.f / denom[qv] : 0.f;
+          T* o = out + ((n0 + r) * hq + h * g_per_kv + g) * d;
+          const float* ag = acc.data() + qv * d;
+          for (int64_t i = 0; i < d; ++i) o[i] = static_cast<T>(ag[i] * inv);
+        }
     }
   });
 }
