@@ -270,22 +270,25 @@ def test_penalised_rows_do_not_speculate_and_match_plain(family_ckpt):
     _assert_no_leak(llm)
 
 
-def test_default_model_grammar_rows_do_not_speculate(default_pair):
-    """Grammar-constrained sequences are left out of speculation (a row past a proposal would
-    need the grammar advanced through it); beside a speculating one, they decode as without it."""
+def test_default_model_grammar_rows_speculate_within_their_grammar(default_pair):
+    """A grammar-constrained sequence speculates with n-gram proposals cut to what its grammar
+    accepts, and each verification row is masked by the grammar advanced through the proposals
+    before it: the tokens are those of plain decoding under the same grammar. One grammar lets
+    the copied code through (proposals verified), one cuts it (lower-case letters only)."""
     from pagedllm.bench.speculative import code_edit_prompt
 
     plain, spec = default_pair
-    msgs = [[{"role": "user", "content": code_edit_prompt(1)}],
-            [{"role": "user", "content": "Name a colour."}]]
-    params = [SamplingParams(max_tokens=24, temperature=0.0),
-              SamplingParams(max_tokens=12, temperature=0.0, structured={"regex": "[a-z]{3,8}"})]
-    before = spec.engine.spec.stats.verifications
+    msgs = [[{"role": "user", "content": code_edit_prompt(1)}], [{"role": "user", "content": code_edit_prompt(2)}]]
+    params = [SamplingParams(max_tokens=40, temperature=0.0, structured={"regex": "(?s:.){0,400}"}),
+              SamplingParams(max_tokens=16, temperature=0.0, structured={"regex": "[a-z ]{1,60}"})]
     prompts = [plain.tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=True) for m in msgs]
     want = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    before = (spec.engine.spec.stats.verifications, spec.engine.spec.stats.accepted)
     got = [o.outputs[0].token_ids for o in spec.generate(prompts, params, use_tqdm=False)]
     assert got == want
-    assert spec.engine.spec.stats.verifications > before
+    st = spec.engine.spec.stats
+    assert st.verifications > before[0] and st.accepted > before[1], st
+    assert all(c.islower() or c == " " for c in plain.tokenizer.decode(got[1]))
     _assert_no_leak(spec)
 
 

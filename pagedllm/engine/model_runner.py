@@ -160,7 +160,7 @@ class ModelRunner:
         # One row per sampling sequence; n > 1 siblings waiting to fork sample from their
         # parent's row (the prompt is computed once). A speculating sequence has one row per
         # query token: row j draws its output token num_output_tokens + j.
-        sampling_seqs, rows, offsets = [], [], []
+        sampling_seqs, rows, offsets, drafts = [], [], [], []
         k = 0
         for it in batch:
             if not it.samples:
@@ -170,9 +170,10 @@ class ModelRunner:
                     sampling_seqs.append(s)
                     rows.append(k)
                     offsets.append(j)
+                    drafts.append(it.spec_tokens if j == 0 else None)
                 k += 1
         # Grammar masks are computed on another thread while the forward runs.
-        masks = self.structured.start_masks(sampling_seqs) if self.structured else None
+        masks = self.structured.start_masks(sampling_seqs, offsets, drafts) if self.structured else None
         logits = self.logits(plan)
         if logits is None:
             return None

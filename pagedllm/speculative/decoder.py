@@ -80,10 +80,13 @@ class SpeculativeDecoder:
     draft: Any = None  # method "draft": the DraftModel (draft.py) that proposes
 
     def eligible(self, seq) -> bool:
-        """Speculation applies: penalties read every earlier token of the row, and a grammar
-        must advance through each proposal, neither of which the verification rows model."""
+        """Speculation applies: penalties read every earlier token of the row, which the
+        verification rows do not model. A grammar row speculates with n-gram proposals, cut to
+        what its grammar accepts; each verification row is masked by the grammar advanced
+        through the proposals before it (GrammarEngine.start_masks). Draft-model proposals
+        would leave the draft's cache ahead of a cut, so grammar rows skip that method."""
         p = seq.params
-        return seq.grammar is None and not p.needs_penalties
+        return not p.needs_penalties and (seq.grammar is None or self.draft is None)
 
     def propose(self, running: list) -> None:
         """Set `spec_tokens` on the running sequences that will speculate this step."""
@@ -115,6 +118,8 @@ class SpeculativeDecoder:
             if st.index is None:
                 st.index = NgramIndex(c.min_ngram, c.max_ngram)
             s.spec_tokens = st.index.propose(s.token_ids, k)
+            if s.grammar is not None and s.spec_tokens:  # only what the grammar would accept
+                s.spec_tokens = s.spec_tokens[:s.grammar.validate_tokens(s.spec_tokens)]
 
     def release(self, seq) -> None:
         """seq finished, was aborted or preempted: the draft model gives back its blocks."""

@@ -85,22 +85,33 @@ class GrammarEngine:
         return [first] + [first.deep_copy() for _ in range(n - 1)]
 
     # -- per step ------------------------------------------------------------------
-    def start_masks(self, seqs: Sequence[Any]) -> "MaskJob | None":
-        """Begin computing the masks of the constrained rows of `seqs` (the sampler's rows)."""
-        rows = [(s.grammar, i) for i, s in enumerate(seqs) if s.grammar is not None]
+    def start_masks(self, seqs: Sequence[Any], offsets: Sequence[int] | None = None,
+                    drafts: Sequence[Sequence[int] | None] | None = None) -> "MaskJob | None":
+        """Begin computing the masks of the constrained rows of `seqs` (the sampler's rows).
+        A speculating sequence has consecutive rows at offsets 0..k; `drafts` gives, on its
+        offset-0 row, the k proposals its grammar already accepted: row j is masked by the
+        grammar advanced through the first j of them (and rolled back after)."""
+        offsets = offsets or [0] * len(seqs)
+        rows = [i for i, s in enumerate(seqs) if s.grammar is not None]
         if not rows:
             return None
+        jobs = [(seqs[i].grammar, pos, list(drafts[i]) if drafts and drafts[i] else [])
+                for pos, i in enumerate(rows) if offsets[i] == 0]
         self.lltokenizer  # noqa: B018 (makes sure the executor exists)
-        fut = self._pool.submit(self._fill, rows)
-        return MaskJob([i for _, i in rows], fut)
+        fut = self._pool.submit(self._fill, jobs, len(rows))
+        return MaskJob(rows, fut)
 
-    def _fill(self, rows: list[tuple[Any, int]]) -> torch.Tensor:
-        """The constrained rows' allowed tokens, (len(rows), vocab) bool; the unpacking also
-        runs here, off the engine thread (torch releases the GIL)."""
-        bitmask = torch.full((len(rows), (self.vocab_size + 31) // 32), -1, dtype=torch.int32)
-        packed = [(m, k) for k, (m, _) in enumerate(rows)]
-        self._executor.unsafe_compute_mask_ptr(packed, bitmask.data_ptr(), bitmask.shape[1] * 4,
-                                               bitmask.shape[0])
+    def _fill(self, jobs: list[tuple[Any, int, list[int]]], n: int) -> torch.Tensor:
+        """The constrained rows' allowed tokens, (n, vocab) bool; the unpacking also runs here,
+        off the engine thread (torch releases the GIL)."""
+        words = (self.vocab_size + 31) // 32
+        bitmask = torch.full((n, words), -1, dtype=torch.int32)
+        plain = [(m, k) for m, k, d in jobs if not d]
+        spec = [(m, k, d) for m, k, d in jobs if d]
+        if plain:
+            self._executor.unsafe_compute_mask_ptr(plain, bitmask.data_ptr(), words * 4, n)
+        if spec:
+            self._executor.unsafe_compute_mask_ptr_with_draft_token(spec, bitmask.data_ptr(), words * 4, n)
         return allowed_tokens(bitmask, self.vocab_size)
 
 
