@@ -82,6 +82,26 @@ def test_rows_of_one_sequence_read_its_cache_once_with_the_same_bits(native, dty
                                atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("window", [0, 300])
+def test_long_contexts_split_into_chunks_and_merge(native, window):
+    """Contexts past 256 keys are split into chunks at fixed positions, spread over the threads
+    and merged: against SDPA, with a sliding window that starts inside a chunk, and a group of
+    verification rows that straddles a chunk boundary (each row bit for bit as alone)."""
+    g = torch.Generator().manual_seed(5)
+    nblocks, bs, hkv, group, d = 160, 16, 3, 3, 64
+    kc = torch.randn(nblocks, bs, hkv, d, generator=g)
+    vc = torch.randn(nblocks, bs, hkv, d, generator=g)
+    lens = torch.tensor([257, 600, 1000, 254, 255, 256, 257, 258, 1999])
+    tables = torch.stack([torch.randperm(nblocks - 1, generator=g)[:125] + 1 for _ in lens])
+    tables[4:8] = tables[3]  # rows 3-7: one sequence's positions 254..258, across the boundary
+    q = torch.randn(len(lens), hkv * group, d, generator=g)
+    got = native.paged_decode(q, kc, vc, tables, lens, d ** -0.5, window)
+    torch.testing.assert_close(got, reference(q, kc, vc, tables, lens, d ** -0.5, window), atol=1e-5, rtol=1e-5)
+    for i in range(len(lens)):
+        alone = native.paged_decode(q[i:i + 1], kc, vc, tables[i:i + 1], lens[i:i + 1], d ** -0.5, window)
+        assert torch.equal(got[i:i + 1], alone), i
+
+
 def test_kernel_rejects_bad_input(native):
     kc = torch.zeros(4, 8, 2, 64)
     q = torch.zeros(2, 4, 64)

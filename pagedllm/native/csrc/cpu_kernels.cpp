@@ -68,6 +68,13 @@ std::vector<std::pair<int64_t, int64_t>> row_groups(const I* tables, int64_t max
   return groups;
 }
 
+// Keys per work item. A (row group, KV head) pair is split at fixed multiples of CHUNK so a
+// long context spreads over the threads (one sequence has only Hkv pairs); each chunk keeps
+// its own max, sum and weighted values, merged after. The boundaries are absolute positions,
+// so a row's result does not depend on what else is in the batch, and a context of up to
+// CHUNK keys computes exactly as without chunks.
+constexpr int64_t CHUNK = 256;
+
 // D > 0 fixes the head dim at compile time (64, 128: unrolled, no remainder loops);
 // D == 0 reads it at run time.
 template <typename T, typename I, int D>
@@ -79,26 +86,52 @@ void decode(const T* q, int64_t q_sn, int64_t q_sh, const T* kc, const T* vc,
   const int64_t g_per_kv = hq / hkv;
   const auto groups = row_groups(tables, max_blocks, lens, n_seqs, block_size, window);
   const int64_t n_groups = static_cast<int64_t>(groups.size());
-  at::parallel_for(0, n_groups * hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf, acc, row(d), scores, denom;
-    std::vector<int64_t> starts, lens_r;
+  auto row_start = [&](int64_t n) {
+    const int64_t ctx = static_cast<int64_t>(lens[n]);
+    return window > 0 ? std::max<int64_t>(0, ctx - window) : int64_t{0};
+  };
+  // Work items (group, head, chunk) and where each keeps its partial results.
+  std::vector<int64_t> item_group, item_chunk, item_off{0};
+  for (int64_t gi = 0; gi < n_groups; ++gi) {
+    const auto [n0, rows] = groups[gi];
+    int64_t first = std::numeric_limits<int64_t>::max(), last = 0;
+    for (int64_t r = 0; r < rows; ++r) {
+      first = std::min(first, row_start(n0 + r));
+      last = std::max(last, static_cast<int64_t>(lens[n0 + r]));
+    }
+    const int64_t per_item = rows * g_per_kv * (d + 2);  // per query vector: max, sum, values
+    for (int64_t h = 0; h < hkv; ++h)
+      for (int64_t c = first / CHUNK; c <= (last - 1) / CHUNK; ++c) {
+        item_group.push_back(gi * hkv + h);
+        item_chunk.push_back(c);
+        item_off.push_back(item_off.back() + per_item);
+      }
+  }
+  const int64_t n_items = static_cast<int64_t>(item_group.size());
+  std::vector<float> part(item_off.back());
+  at::parallel_for(0, n_items, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf, row(d), scores;
+    std::vector<int64_t> lo_r, hi_r;
     for (int64_t item = begin; item < end; ++item) {
-      const auto [n0, rows] = groups[item / hkv];
-      const int64_t h = item % hkv;
+      const auto [n0, rows] = groups[item_group[item] / hkv];
+      const int64_t h = item_group[item] % hkv;
       const int64_t nq = rows * g_per_kv;  // query vectors: row r's G heads at r * G + g
+      float* pm = part.data() + item_off[item];  // [nq] max, [nq] sum, [nq, d] values
+      float* ps = pm + nq;
+      float* pa = ps + nq;
+      std::fill(pa, pa + nq * d, 0.f);
       qf.resize(nq * d);
-      acc.assign(nq * d, 0.f);
-      denom.resize(nq);
-      starts.resize(rows);
-      lens_r.resize(rows);
-      int64_t first = std::numeric_limits<int64_t>::max(), last = 0, width = 0;
+      lo_r.resize(rows);
+      hi_r.resize(rows);
+      const int64_t c_lo = item_chunk[item] * CHUNK, c_hi = c_lo + CHUNK;
+      int64_t lo = c_hi, hi = c_lo;
       for (int64_t r = 0; r < rows; ++r) {
-        const int64_t ctx = static_cast<int64_t>(lens[n0 + r]);
-        starts[r] = window > 0 ? std::max<int64_t>(0, ctx - window) : 0;
-        lens_r[r] = ctx - starts[r];
-        first = std::min(first, starts[r]);
-        last = std::max(last, ctx);
-        width = std::max(width, lens_r[r]);
+        lo_r[r] = std::max(row_start(n0 + r), c_lo);
+        hi_r[r] = std::min(static_cast<int64_t>(lens[n0 + r]), c_hi);
+        if (lo_r[r] < hi_r[r]) {
+          lo = std::min(lo, lo_r[r]);
+          hi = std::max(hi, hi_r[r]);
+        }
         for (int64_t g = 0; g < g_per_kv; ++g) {
           const T* src = q + (n0 + r) * q_sn + (h * g_per_kv + g) * q_sh;
           float* dst = qf.data() + (r * g_per_kv + g) * d;
@@ -108,26 +141,26 @@ void decode(const T* q, int64_t q_sn, int64_t q_sh, const T* kc, const T* vc,
         }
       }
       const I* table = tables + (n0 + rows - 1) * max_blocks;  // the longest row's (a superset)
-      scores.resize(nq * width);
+      scores.resize(nq * CHUNK);
       // Scores: each key row is converted once and used by every query vector that sees it.
-      for (int64_t t = first; t < last; ++t) {
+      for (int64_t t = lo; t < hi; ++t) {
         const T* k = kc + static_cast<int64_t>(table[t / block_size]) * blk_stride +
                      (t % block_size) * tok_stride + h * d;
         load_row(k, row.data(), d);
         for (int64_t r = 0; r < rows; ++r) {
-          if (t < starts[r] || t >= starts[r] + lens_r[r]) continue;
+          if (t < lo_r[r] || t >= hi_r[r]) continue;
           for (int64_t g = 0; g < g_per_kv; ++g) {
             const float* qg = qf.data() + (r * g_per_kv + g) * d;
             float s = 0.f;
 #pragma omp simd reduction(+ : s)
             for (int64_t i = 0; i < d; ++i) s += qg[i] * row[i];
-            scores[(r * g_per_kv + g) * width + (t - starts[r])] = s;
+            scores[(r * g_per_kv + g) * CHUNK + (t - lo_r[r])] = s;
           }
         }
       }
       for (int64_t v = 0; v < nq; ++v) {
-        const int64_t len = lens_r[v / g_per_kv];
-        float* sg = scores.data() + v * width;
+        const int64_t len = std::max<int64_t>(0, hi_r[v / g_per_kv] - lo_r[v / g_per_kv]);
+        float* sg = scores.data() + v * CHUNK;
         float m = -std::numeric_limits<float>::infinity();
 #pragma omp simd reduction(max : m)
         for (int64_t t = 0; t < len; ++t) m = std::max(m, sg[t]);
@@ -136,31 +169,55 @@ void decode(const T* q, int64_t q_sn, int64_t q_sh, const T* kc, const T* vc,
         float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
         for (int64_t t = 0; t < len; ++t) sum += sg[t];
-        denom[v] = sum;
+        pm[v] = m;
+        ps[v] = sum;
       }
-      for (int64_t t = first; t < last; ++t) {
+      for (int64_t t = lo; t < hi; ++t) {
         const T* v = vc + static_cast<int64_t>(table[t / block_size]) * blk_stride +
                      (t % block_size) * tok_stride + h * d;
         load_row(v, row.data(), d);
         for (int64_t r = 0; r < rows; ++r) {
-          if (t < starts[r] || t >= starts[r] + lens_r[r]) continue;
+          if (t < lo_r[r] || t >= hi_r[r]) continue;
           for (int64_t g = 0; g < g_per_kv; ++g) {
             const int64_t qv = r * g_per_kv + g;
-            const float p = scores[qv * width + (t - starts[r])];
-            float* ag = acc.data() + qv * d;
+            const float p = scores[qv * CHUNK + (t - lo_r[r])];
+            float* ag = pa + qv * d;
 #pragma omp simd
             for (int64_t i = 0; i < d; ++i) ag[i] += p * row[i];
           }
         }
       }
-      for (int64_t r = 0; r < rows; ++r)
-        for (int64_t g = 0; g < g_per_kv; ++g) {
-          const int64_t qv = r * g_per_kv + g;
-          const float inv = denom[qv] > 0.f ? 1.f / denom[qv] : 0.f;
-          T* o = out + ((n0 + r) * hq + h * g_per_kv + g) * d;
-          const float* ag = acc.data() + qv * d;
-          for (int64_t i = 0; i < d; ++i) o[i] = static_cast<T>(ag[i] * inv);
+    }
+  });
+  // Merge each (group, head)'s chunks in order: rescale to the largest max, sum, divide.
+  std::vector<int64_t> first_item(n_groups * hkv + 1, n_items);
+  for (int64_t item = n_items - 1; item >= 0; --item) first_item[item_group[item]] = item;
+  at::parallel_for(0, n_groups * hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(d);
+    for (int64_t gh = begin; gh < end; ++gh) {
+      const auto [n0, rows] = groups[gh / hkv];
+      const int64_t h = gh % hkv, nq = rows * g_per_kv;
+      int64_t stop = first_item[gh];
+      while (stop < n_items && item_group[stop] == gh) ++stop;
+      for (int64_t v = 0; v < nq; ++v) {
+        float top = -std::numeric_limits<float>::infinity();
+        for (int64_t it = first_item[gh]; it < stop; ++it) top = std::max(top, part[item_off[it] + v]);
+        std::fill(acc.begin(), acc.end(), 0.f);
+        float sum = 0.f;
+        for (int64_t it = first_item[gh]; it < stop; ++it) {
+          const float* pm = part.data() + item_off[it];
+          if (pm[nq + v] == 0.f) continue;  // no key of this row in the chunk
+          const float w = expf(pm[v] - top);
+          sum += pm[nq + v] * w;
+          const float* pa = pm + 2 * nq + v * d;
+#pragma omp simd
+          for (int64_t i = 0; i < d; ++i) acc[i] += pa[i] * w;
         }
+        const float inv = sum > 0.f ? 1.f / sum : 0.f;
+        const int64_t r = v / g_per_kv, g = v % g_per_kv;
+        T* o = out + ((n0 + r) * hq + h * g_per_kv + g) * d;
+        for (int64_t i = 0; i < d; ++i) o[i] = static_cast<T>(acc[i] * inv);
+      }
     }
   });
 }
