@@ -62,8 +62,9 @@ def reference(raw: np.ndarray, fmt: str, rows: int, cols: int, x: np.ndarray, le
 
 
 def levels_of(m: int) -> int:
-    """The activation levels qk.matmul's integer path uses (whatever the number of rows m)."""
-    return 2 if qk.activation_mode() == "int8x2" else 1
+    """The activation levels qk.matmul's integer path uses for m rows."""
+    mode = qk.activation_mode()
+    return 2 if mode == "int8x2" or (mode == "auto" and m <= qk.X2_ROWS) else 1
 
 
 def assert_close(got: np.ndarray, ref: np.ndarray, rel: float, what: str) -> None:

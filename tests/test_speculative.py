@@ -12,7 +12,10 @@ from models import build_checkpoint
 
 NEW_TOKENS = 40
 # Never paused, so every lookup that matches is verified.
-NGRAM = {"method": "ngram", "num_tokens": 4, "min_ngram": 1, "max_ngram": 3, "min_acceptance": 0.0}
+# max_rows: these random models run float32 weights (no two-level rounding regime to stay
+# in), and wide verification steps are what the identity checks should see.
+NGRAM = {"method": "ngram", "num_tokens": 4, "min_ngram": 1, "max_ngram": 3, "min_acceptance": 0.0,
+         "max_rows": 64}
 # A small vocabulary makes a random model's output repeat, so proposals are both accepted
 # and rejected.
 RANDOM_VOCAB = 256
@@ -233,7 +236,8 @@ def test_rejection_sampling_keeps_the_target_distribution(tiny_vocab_ckpt, plain
     """n-gram lookups and a draft model's greedy tokens are both deterministic drafts (here the
     tiny model drafts for itself: a proposal is accepted when the sample is its argmax)."""
     spec_cfg = ({"method": "ngram", "num_tokens": 3, "min_ngram": 1, "max_ngram": 3, "max_batch": 1024,
-                 "min_acceptance": 0.0} if method == "ngram" else _draft(tiny_vocab_ckpt, 3, max_batch=1024))
+                 "max_rows": 4096, "min_acceptance": 0.0} if method == "ngram"
+                else _draft(tiny_vocab_ckpt, 3, max_batch=1024, max_rows=4096))
     # Different seed ranges: independent samples, reproducible test.
     seed0 = {"ngram": 10, "draft": 30}[method] * SAMPLES
     ours, dec = _position_counts(tiny_vocab_ckpt, spec_cfg, seed0)
@@ -351,7 +355,7 @@ def test_cli_flag_reaches_the_engine():
 # -- a draft model ---------------------------------------------------------------------------
 def _draft(model, k: int = 4, **kw) -> dict:
     """Draft-model speculation, never paused, so every proposal is verified."""
-    return {"method": "draft", "model": str(model), "num_tokens": k, "min_acceptance": 0.0, **kw}
+    return {"method": "draft", "model": str(model), "num_tokens": k, "min_acceptance": 0.0, **{"max_rows": 64, **kw}}
 
 
 def _noisy_copy(src, out, scale: float, seed: int = 1):

@@ -259,9 +259,11 @@ def _weight_kernel(engine) -> str:
     if w is None:
         return ""
     if w.kernel:
-        from ..quant.kernels import activation_mode
+        from ..quant.kernels import X2_ROWS, activation_mode
 
-        acts = f"activations {activation_mode()}"
+        mode = activation_mode()
+        acts = (f"activations int8x2 up to {X2_ROWS} rows, int8 above" if mode == "auto"
+                else f"activations {mode}")
         return (f"quantized {w.kernel} integer kernels at decode ({acts}), tile dequantize + GEMM for long "
                 f"prefills ({w.reason})")
     return f"float GEMMs on dequantized weights ({w.reason})"

@@ -194,7 +194,7 @@ class LlamaForCausalLM(nn.Module):
             h, plan["weights"], plan["types"], plan["parts"], plan["kdims"], plan["norms"], plan["eps"],
             plan["biases"], [x.kv.k for x in attns], [x.kv.v for x in attns], [x.window or 0 for x in attns],
             cos, sin, meta.slot_mapping, meta.block_tables, meta.decode_context_lens, a.num_heads,
-            a.num_kv_heads, a.scale, qk._isa_id(None))
+            a.num_kv_heads, a.scale, qk._isa_id(None, h.shape[0]))
 
     def _stack_plan(self) -> dict | None:
         """The flattened weights of `_decode_stack`, made once; None unless every layer is a

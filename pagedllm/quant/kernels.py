@@ -55,33 +55,38 @@ def kernel_path() -> tuple[str | None, str]:
     return best, f"best of {', '.join(isas)} on this CPU"
 
 
-# How the integer path rounds activations. "int8x2" (the default): each block of 32 is
-# rounded to int8 and its rounding error rounded again as a second int8 row that shares the
-# decoded weights (about 14 bits): token-by-token top-1 agreement with the float model on
-# SmolLM2 Q4_1 is 99.98%, for twice the integer dot products (about 13% of batch-1 speed,
-# 30% at 32 rows on the CPU this was written on). "int8": one level, as llama.cpp rounds them
-# (95.8% there), the fastest. Every row of every batch gets the same rounding, so a row's
-# result does not depend on what else is in the batch. PAGEDLLM_QUANT_ACT chooses.
-ACT_MODES = ("int8x2", "int8")
+# How the integer path rounds activations. "int8": one int8 value per element and a scale per
+# 32, as llama.cpp does (95.8% top-1 agreement with float weights on SmolLM2 Q4_1, token by
+# token). "int8x2": the rounding error quantized again as a second row sharing the decoded
+# weights (about 14 bits: 99.98%), which doubles the integer dot products. "auto" (the
+# default): int8x2 for steps of up to X2_ROWS rows, which stream the weights and pay little
+# for it (about 5% at one row: batch-1 chat, speculative verification of up to 7 proposals),
+# int8 for wider steps, which are compute bound (int8x2 cost 30% at 32 rows). A row's rounding
+# therefore depends on its step's width, as the dequantize + GEMM route past INT_ROWS already
+# made it. PAGEDLLM_QUANT_ACT chooses.
+ACT_MODES = ("auto", "int8", "int8x2")
 ACT_X2 = 256  # or-ed into the kernels' isa argument (csrc/quant_common.h)
+X2_ROWS = 8
 
 
 def activation_mode() -> str:
-    mode = os.environ.get("PAGEDLLM_QUANT_ACT", "int8x2")
+    mode = os.environ.get("PAGEDLLM_QUANT_ACT", "auto")
     if mode not in ACT_MODES:
         raise ValueError(f"PAGEDLLM_QUANT_ACT={mode!r} is not one of {', '.join(ACT_MODES)}")
     return mode
 
 
-def _isa_id(isa: str | None) -> int:
-    """The kernels' path argument: the instruction set's id, with ACT_X2 for two-level
-    activations."""
+def _isa_id(isa: str | None, rows: int) -> int:
+    """The kernels' path argument for a step of `rows` activation rows: the instruction set's
+    id, with ACT_X2 where they are rounded in two levels."""
     if isa is None:
         path, _ = kernel_path()
         isa_id = ISA_IDS[path] if path else 0
     else:
         isa_id = ISA_IDS[isa]
-    return isa_id | (ACT_X2 if activation_mode() == "int8x2" else 0)
+    mode = activation_mode()
+    x2 = mode == "int8x2" or (mode == "auto" and rows <= X2_ROWS)
+    return isa_id | (ACT_X2 if x2 else 0)
 
 
 def matmul(x: torch.Tensor, parts: list[QuantTensor], isa: str | None = None,
@@ -92,7 +97,7 @@ def matmul(x: torch.Tensor, parts: list[QuantTensor], isa: str | None = None,
     out_dtype = out_dtype or x.dtype
     if x.shape[0] <= INT_ROWS or isa is not None:
         y = ops.quant_matmul(x, [p.data for p in parts], [p.type_id for p in parts], parts[0].shape[1],
-                             _isa_id(isa))
+                             _isa_id(isa, x.shape[0]))
         return y if out_dtype == torch.float32 else y.to(out_dtype)
     # Tile by tile into one output (no list of partial products and no cat: at prefill sizes
     # those doubled the step's peak memory).
@@ -119,7 +124,7 @@ def linear(x: torch.Tensor, parts: list[QuantTensor], norm, bias: torch.Tensor |
     return cpu_kernels().quant_linear(
         x, [p.data for p in parts], [p.type_id for p in parts], parts[0].shape[1],
         None if norm is None else norm.weight, 0.0 if norm is None else norm.eps, bias, residual,
-        1 if silu_mul else 0, _isa_id(None))
+        1 if silu_mul else 0, _isa_id(None, x.shape[0]))
 
 
 def embedding(w: QuantTensor, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -17,6 +17,12 @@ class SpeculativeConfig:
     # Off for the whole step when more sequences decode at once than this: a wide batch is
     # compute bound on a CPU, so verifying k extra rows each costs about k times as much.
     max_batch: int = 8
+    # Decode rows a speculating step holds at most (its sequences and their proposals): a
+    # sequence's proposals are cut to fit. It keeps verification within the quantized
+    # kernels' two-level activation rounding (quant/kernels.py X2_ROWS), where plain decoding
+    # of the same sequences runs, so both round alike and greedy output stays identical; wider
+    # verification is compute bound on a CPU anyway.
+    max_rows: int = 8
     # A sequence pauses speculation when its acceptance (a running mean) falls under this.
     min_acceptance: float = 0.25
 
@@ -42,7 +48,7 @@ class SpeculativeConfig:
     def validate(self) -> None:
         if self.method not in METHODS:
             raise ValueError(f"speculative method {self.method!r} is unknown; use one of {', '.join(METHODS)}")
-        for name in ("num_tokens", "max_ngram", "min_ngram", "max_batch"):
+        for name in ("num_tokens", "max_ngram", "min_ngram", "max_batch", "max_rows"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"speculative {name} must be an integer >= 1, got {v!r}")

@@ -109,6 +109,15 @@ class SpeculativeDecoder:
             k = self._num_tokens(s, st)
             if k > 0:
                 want.append((s, k))
+        # Proposal rows the step may add, shared out evenly (what one leaves goes to the next).
+        room = self.config.max_rows - sum(1 for s in running if s.num_uncomputed_tokens == 1)
+        capped = []
+        for i, (s, k) in enumerate(want):
+            k = min(k, room // (len(want) - i))
+            if k > 0:
+                capped.append((s, k))
+                room -= k
+        want = capped
         if self.draft is not None:
             self.draft.propose(want)
             return
