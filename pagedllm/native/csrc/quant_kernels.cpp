@@ -7,7 +7,7 @@ namespace pq {
 template <bool SIGNED>
 void gemv_rows(const Fmt& f, const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1,
                const QAct& x, float* y, int64_t ldy) {
-  const int64_t k = x.k, m = x.m, kc = k / 32;
+  const int64_t k = x.k, m = x.m;
   const int64_t nblk = k / f.vals;
   const int nch = f.vals / 32;
   alignas(64) uint8_t q[256];
@@ -179,7 +179,7 @@ void gemv_direct(const uint8_t* w, int64_t rb, int64_t n0, int64_t n1, const QAc
   constexpr bool K = TYPE == Q2_K || TYPE == Q3_K || TYPE == Q4_K || TYPE == Q5_K || TYPE == Q6_K;
   constexpr int VALS = K ? 256 : 32, NCH = VALS / 32;
   const Fmt f = fmt_of(TYPE);
-  const int64_t kc = x.k / 32, nblk = x.k / VALS;
+  const int64_t nblk = x.k / VALS;
   float sc[16], mn[16];
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = w + n * rb;

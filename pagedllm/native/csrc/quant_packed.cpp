@@ -158,7 +158,6 @@ void pack_group(const PLayout& L, const Fmt& f, const uint8_t* src, int64_t rb, 
 
 void pgemm_scalar(const PLayout& L, const uint8_t* w, int64_t gb, int64_t g0, int64_t g1, const QAct& x, float* y,
                   int64_t ldy) {
-  const int64_t kc = x.k / 32;
   std::vector<float> acc(x.m), macc(x.m);
   for (int64_t g = g0; g < g1; ++g) {
     for (int r = 0; r < GR; ++r) {
@@ -279,7 +278,6 @@ void tile_avx2(const uint8_t* gp, int64_t k, T* out, int64_t ld) {
 template <int64_t TYPE, int MR>
 void group_avx2(const uint8_t* gp, const QAct& x, int64_t r0, float* y, int64_t ldy) {
   constexpr PLayout L = playout(TYPE);
-  const int64_t kc = x.k / 32;
   const __m256i ones = _mm256_set1_epi16(1);
   for (int h = 0; h < 2; ++h) {
     __m256 fa[MR], ma[MR];
@@ -351,7 +349,6 @@ void group_avx2(const uint8_t* gp, const QAct& x, int64_t r0, float* y, int64_t 
 template <int64_t TYPE, int MR>
 void group_vnni(const uint8_t* gp, const QAct& x, int64_t r0, float* y, int64_t ldy) {
   constexpr PLayout L = playout(TYPE);
-  const int64_t kc = x.k / 32;
   const __m512i m4 = _mm512_set1_epi8(0x0F);
   // One accumulator a row (the weights' offsets fold into it): 16 rows fit the registers.
   __m512 fa[MR];
