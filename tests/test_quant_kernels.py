@@ -136,6 +136,38 @@ def test_many_rows_take_the_gemm_route():
     assert_close(y, reference(raw, "Q4_K", rows, cols, x, 0), 1e-5, "gemm route")
 
 
+@pytest.mark.parametrize("packed", [False, True])
+def test_gemm_route_tiles_share_one_scratch_buffer(monkeypatch, packed):
+    """Tiles bounded by TILE_VALUES (several per part, a last one short), packed tiles with their
+    padded rows, two parts in one call: each tile is written into the same per-thread buffer, and
+    the product still matches the float reference."""
+    monkeypatch.setattr(qk, "TILE_VALUES", 48 * 512)  # 48 rows of 512 values a tile
+    rng = np.random.default_rng(5)
+    cols, sizes = 512, (112, 80)
+    raws = [random_blocks("Q4_K", n, cols, rng) for n in sizes]
+    parts = [QuantTensor("Q4_K", torch.from_numpy(r), (n, cols)) for r, n in zip(raws, sizes)]
+    if packed:
+        parts = [p.pack() for p in parts]
+    assert qk.tile_rows(cols) == 48
+    x = rng.standard_normal((qk.INT_ROWS + 3, cols)).astype(np.float32)
+    y = qk.matmul(torch.from_numpy(x), parts).numpy()
+    ref = np.concatenate([reference(r, "Q4_K", n, cols, x, 0) for r, n in zip(raws, sizes)], axis=1)
+    assert_close(y, ref, 1e-5, "tiled gemm route")
+    buf = qk._tile_scratch(torch.float32, 1)
+    assert buf.numel() >= cols * (48 + qk.TILE_PAD)
+    y2 = qk.matmul(torch.from_numpy(x), parts)
+    assert qk._tile_scratch(torch.float32, 1).data_ptr() == buf.data_ptr()  # reused, not reallocated
+    assert y2.data_ptr() != buf.data_ptr()
+    np.testing.assert_array_equal(y2.numpy(), y)
+    with pytest.raises(RuntimeError, match="scratch holds 10 values"):
+        w = parts[0]
+        if packed:
+            ops.quant_dequant_packed(w.data, w.type_id - PACKED_ID, cols, None, 0, 16, torch.float32, True,
+                                     torch.empty(10))
+        else:
+            ops.quant_dequant(w.data, w.type_id, cols, None, 0, 16, torch.float32, 0, torch.empty(10))
+
+
 def test_bad_shapes_and_scales_are_refused():
     rng = np.random.default_rng(4)
     raw = random_blocks("Q4_K", 4, 256, rng)

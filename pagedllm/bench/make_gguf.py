@@ -51,6 +51,12 @@ SHAPES = {
     # Qwen2.5-0.5B(-Instruct)'s config.json: 494M parameters, embeddings tied.
     "qwen2.5-0.5b": Shape(hidden=896, layers=24, heads=14, kv_heads=2, intermediate=4864,
                           vocab=151936, context=32768, rope_theta=1e6),
+    # Qwen2.5-1.5B and -3B: the same family larger, to show how the fixed costs of a process
+    # (the Python runtime, torch) weigh less as the weights grow. Embeddings tied, as theirs are.
+    "qwen2.5-1.5b": Shape(hidden=1536, layers=28, heads=12, kv_heads=2, intermediate=8960,
+                          vocab=151936, context=32768, rope_theta=1e6),
+    "qwen2.5-3b": Shape(hidden=2048, layers=36, heads=16, kv_heads=2, intermediate=11008,
+                        vocab=151936, context=32768, rope_theta=1e6),
     # A few MB, for tests: still pads the tokenizer, so the padding path is exercised.
     "tiny": Shape(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128,
                   vocab=49152 + 64, context=2048, rope_theta=1e6),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from functools import lru_cache
 
 import torch
@@ -23,8 +24,15 @@ ISA_IDS = {v: k for k, v in ISA_NAMES.items()}
 # Up to this many rows the integer kernel wins; above it the dequantize + GEMM route does
 # (measured on the CPU this was written on; PAGEDLLM_QUANT_INT_ROWS overrides).
 INT_ROWS = int(os.environ.get("PAGEDLLM_QUANT_INT_ROWS", "32"))
-# Rows of a weight dequantized at once on the GEMM route: a few MB of scratch, not a layer.
+# The GEMM route dequantizes a weight a tile of rows at a time: up to TILE_ROWS rows and about
+# TILE_VALUES values (8 MB in bf16), so the tile is still in cache when the GEMM reads it. One
+# buffer per thread serves every tile: a fresh allocation per tile came back as new pages from
+# the kernel, whose faults cost more than the dequantization (a 3B model's 512-token prefill
+# spent a third of its time there).
 TILE_ROWS = 2048
+TILE_VALUES = 4 * 2**20
+TILE_PAD = 32  # a transposed tile's rows are this much longer (csrc/quant_packed.cpp)
+_scratch = threading.local()
 
 
 def available_isas() -> list[str]:
@@ -102,19 +110,37 @@ def matmul(x: torch.Tensor, parts: list[QuantTensor], isa: str | None = None,
     # Tile by tile into one output (no list of partial products and no cat: at prefill sizes
     # those doubled the step's peak memory).
     y = torch.empty(x.shape[0], sum(p.shape[0] for p in parts), dtype=x.dtype, device=x.device)
-    col = 0
+    k, col = parts[0].shape[1], 0
+    rows = tile_rows(k)
+    scratch = _tile_scratch(x.dtype, k * (rows + TILE_PAD))
     for w in parts:
-        for start in range(0, w.shape[0], TILE_ROWS):
-            count = min(TILE_ROWS, w.shape[0] - start)
+        for start in range(0, w.shape[0], rows):
+            count = min(rows, w.shape[0] - start)
             if w.packed:  # a [K, count] tile: the packed groups' lanes are its rows' runs
-                tile = ops.quant_dequant_packed(w.data, w.type_id - PACKED_ID, w.shape[1], None, start, count,
-                                                x.dtype, True)
+                tile = ops.quant_dequant_packed(w.data, w.type_id - PACKED_ID, k, None, start, count,
+                                                x.dtype, True, scratch)
                 torch.mm(x, tile, out=y[:, col:col + count])
             else:
-                tile = ops.quant_dequant(w.data, w.type_id, w.shape[1], None, start, count, x.dtype, 0)
+                tile = ops.quant_dequant(w.data, w.type_id, k, None, start, count, x.dtype, 0, scratch)
                 torch.mm(x, tile.t(), out=y[:, col:col + count])
             col += count
     return y.to(out_dtype)
+
+
+def tile_rows(k: int) -> int:
+    """Rows per tile of the GEMM route for rows of k values: whole 16-row groups."""
+    return max(16, min(TILE_ROWS, TILE_VALUES // k) // 16 * 16)
+
+
+def _tile_scratch(dtype: torch.dtype, numel: int) -> torch.Tensor:
+    """This thread's tile buffer of `dtype`, grown to at least `numel` values."""
+    bufs = getattr(_scratch, "bufs", None)
+    if bufs is None:
+        bufs = _scratch.bufs = {}
+    buf = bufs.get(dtype)
+    if buf is None or buf.numel() < numel:
+        buf = bufs[dtype] = torch.empty(numel, dtype=dtype)
+    return buf
 
 
 def linear(x: torch.Tensor, parts: list[QuantTensor], norm, bias: torch.Tensor | None,

@@ -515,6 +515,21 @@ inline void check_weight(const at::Tensor& w, const Fmt& f, int64_t k) {
               k / f.vals * f.bytes, " for ", k, " values");
 }
 
+// A [shape] tensor of `opts`' dtype: a view of the caller's flat scratch buffer where one is
+// given (prefill dequantizes a tile per GEMM: a fresh multi-MB allocation each time came back
+// as new pages from the kernel, and their faults cost more than the dequantization), else new.
+inline at::Tensor scratch_view(const c10::optional<at::Tensor>& scratch, at::IntArrayRef shape,
+                               const at::TensorOptions& opts) {
+  if (!scratch.has_value()) return at::empty(shape, opts);
+  int64_t n = 1;
+  for (auto d : shape) n *= d;
+  const at::Tensor& s = *scratch;
+  TORCH_CHECK(s.device().is_cpu() && s.scalar_type() == opts.dtype().toScalarType() && s.is_contiguous(),
+              "scratch must be a contiguous CPU tensor of the output dtype");
+  TORCH_CHECK(s.numel() >= n, "scratch holds ", s.numel(), " values; this tile needs ", n);
+  return s.view({-1}).narrow(0, 0, n).view(shape);
+}
+
 inline int64_t grain_for(int64_t rows) {
   // Enough rows per task to stream a long run of the weight, and at least 4 tasks per thread
   // so no core idles at the end.

@@ -476,7 +476,8 @@ void dequant_rows_impl(const Fmt& f, const uint8_t* w, int64_t rb, const int64_t
 // The float values w stands for, as `dtype`: rows [start, start + count) of w, or the rows
 // `ids` names (an embedding lookup) when ids is given.
 at::Tensor quant_dequant(const at::Tensor& w, int64_t type, int64_t k, const c10::optional<at::Tensor>& ids,
-                         int64_t start, int64_t count, at::ScalarType dtype, int64_t isa) {
+                         int64_t start, int64_t count, at::ScalarType dtype, int64_t isa,
+                         const c10::optional<at::Tensor>& scratch) {
   const Fmt f = fmt_of(type);
   check_weight(w, f, k);
   if (isa == AUTO) isa = best_isa();
@@ -499,7 +500,7 @@ at::Tensor quant_dequant(const at::Tensor& w, int64_t type, int64_t k, const c10
     rows = count;
     wp += start * rb;
   }
-  auto out = at::empty({rows, k}, w.options().dtype(dtype));
+  auto out = scratch_view(scratch, {rows, k}, w.options().dtype(dtype));
   switch (dtype) {
     case at::kFloat: dequant_rows_impl(f, wp, rb, ip, rows, k, out.data_ptr<float>(), fast); break;
     case at::kBFloat16: dequant_rows_impl(f, wp, rb, ip, rows, k, out.data_ptr<c10::BFloat16>(), fast); break;
@@ -544,7 +545,7 @@ int64_t quant_isas() {
 TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
   m.def("quant_matmul(Tensor x, Tensor[] ws, int[] types, int k, int isa=0) -> Tensor", &quant_matmul);
   m.def("quant_dequant(Tensor w, int type, int k, Tensor? ids=None, int start=0, int count=-1, "
-        "ScalarType dtype=float, int isa=0) -> Tensor", &quant_dequant);
+        "ScalarType dtype=float, int isa=0, Tensor? scratch=None) -> Tensor", &quant_dequant);
   m.def("quant_linear(Tensor x, Tensor[] ws, int[] types, int k, Tensor? norm_weight=None, float eps=0., "
         "Tensor? bias=None, Tensor? residual=None, int act=0, int isa=0) -> Tensor", &quant_linear);
   m.def("quant_bad_scales(Tensor w, int type, int k) -> int", &quant_bad_scales);

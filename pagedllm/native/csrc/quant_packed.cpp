@@ -33,6 +33,7 @@
 namespace pq {
 
 constexpr int GR = 16;  // rows per group
+constexpr int TILE_PAD = 32;  // transposed tiles' rows are padded: a 4 KiB stride aliases in L1
 
 struct PLayout {
   int64_t type;
@@ -490,8 +491,8 @@ void packed_row(const PLayout& L, const uint8_t* w, int64_t gb, int64_t row, int
 // Groups [g0, g1) as out[kk, (g - g0) * 16 + r] = w[16 g + r, kk]: a [K, rows] tile whose rows
 // are the 16 lanes side by side, so every store is a run of lanes.
 template <typename T>
-void packed_tile_t(const PLayout& L, const uint8_t* w, int64_t gb, int64_t g0, int64_t g1, int64_t k, T* out) {
-  const int64_t ld = (g1 - g0) * GR;
+void packed_tile_t(const PLayout& L, const uint8_t* w, int64_t gb, int64_t g0, int64_t g1, int64_t k, T* out,
+                   int64_t ld) {
 #ifdef PQ_X86
   if (isa_supported(AVX2)) {
     at::parallel_for(g0, g1, 1, [&](int64_t b, int64_t e) {
@@ -589,7 +590,8 @@ at::Tensor quant_pack(const at::Tensor& w, int64_t type, int64_t k) {
 // Rows of a packed weight as `dtype`: the rows `ids` names (an embedding lookup), or, with
 // transposed = true, groups [start / 16, (start + count) / 16) as a [K, count] tile (prefill's GEMM).
 at::Tensor quant_dequant_packed(const at::Tensor& w, int64_t type, int64_t k, const c10::optional<at::Tensor>& ids,
-                                int64_t start, int64_t count, at::ScalarType dtype, bool transposed) {
+                                int64_t start, int64_t count, at::ScalarType dtype, bool transposed,
+                                const c10::optional<at::Tensor>& scratch) {
   check_packed(w, type, k);
   const PLayout L = playout(type);
   const int64_t gb = w.size(1), rows_all = w.size(0) * GR;
@@ -598,15 +600,16 @@ at::Tensor quant_dequant_packed(const at::Tensor& w, int64_t type, int64_t k, co
     if (count < 0) count = rows_all - start;
     TORCH_CHECK(start % GR == 0 && count % GR == 0 && start >= 0 && start + count <= rows_all,
                 "packed tiles cover whole groups of ", GR, " rows within [0, ", rows_all, ")");
-    auto out = at::empty({k, count}, w.options().dtype(dtype));
+    const int64_t ld = count + TILE_PAD;
+    auto out = scratch_view(scratch, {k, ld}, w.options().dtype(dtype));
     const int64_t g0 = start / GR, g1 = (start + count) / GR;
     switch (dtype) {
-      case at::kFloat: packed_tile_t(L, wp, gb, g0, g1, k, out.data_ptr<float>()); break;
-      case at::kBFloat16: packed_tile_t(L, wp, gb, g0, g1, k, out.data_ptr<c10::BFloat16>()); break;
-      case at::kHalf: packed_tile_t(L, wp, gb, g0, g1, k, out.data_ptr<c10::Half>()); break;
+      case at::kFloat: packed_tile_t(L, wp, gb, g0, g1, k, out.data_ptr<float>(), ld); break;
+      case at::kBFloat16: packed_tile_t(L, wp, gb, g0, g1, k, out.data_ptr<c10::BFloat16>(), ld); break;
+      case at::kHalf: packed_tile_t(L, wp, gb, g0, g1, k, out.data_ptr<c10::Half>(), ld); break;
       default: TORCH_CHECK(false, "dtype must be float32, bfloat16 or float16");
     }
-    return out;
+    return out.narrow(1, 0, count);
   }
   at::Tensor idx;
   std::vector<int64_t> range;
@@ -625,7 +628,7 @@ at::Tensor quant_dequant_packed(const at::Tensor& w, int64_t type, int64_t k, co
     for (int64_t i = 0; i < rows; ++i) range.push_back(start + i);
     ip = range.data();
   }
-  auto out = at::empty({rows, k}, w.options().dtype(dtype));
+  auto out = scratch_view(scratch, {rows, k}, w.options().dtype(dtype));
   at::parallel_for(0, rows, 16, [&](int64_t b, int64_t e) {
     for (int64_t i = b; i < e; ++i) {
       switch (dtype) {
@@ -643,5 +646,5 @@ at::Tensor quant_dequant_packed(const at::Tensor& w, int64_t type, int64_t k, co
 TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
   m.def("quant_pack(Tensor w, int type, int k) -> Tensor", &quant_pack);
   m.def("quant_dequant_packed(Tensor w, int type, int k, Tensor? ids=None, int start=0, int count=-1, "
-        "ScalarType dtype=float, bool transposed=False) -> Tensor", &quant_dequant_packed);
+        "ScalarType dtype=float, bool transposed=False, Tensor? scratch=None) -> Tensor", &quant_dequant_packed);
 }
