@@ -67,6 +67,8 @@ class PagedCacheType(enum.Enum):
     """The KV cache element type (mistral.rs's `--pa-cache-type`)."""
 
     Auto = "auto"
+    BF16 = "bf16"
+    F16 = "f16"
     F8E4M3 = "f8e4m3"
     Int8 = "int8"
 

@@ -6,7 +6,7 @@ from typing import Any
 
 SUPPORTED_BLOCK_SIZES = (8, 16, 32, 64, 128)
 # KV cache element types; pagedllm/kv/quant.py says what each one stores.
-KV_CACHE_DTYPES = ("auto", "f8e4m3", "int8")
+KV_CACHE_DTYPES = ("auto", "bf16", "f16", "f8e4m3", "int8")
 
 
 def normalize_kv_cache_dtype(value: Any) -> str:

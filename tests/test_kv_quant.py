@@ -1,4 +1,5 @@
-"""KV-cache quantization (int8, f8e4m3): round trips, capacity, logits and generation vs auto."""
+"""KV-cache quantization (int8, f8e4m3) and half-width storage (bf16, f16): round trips,
+capacity, logits and generation vs auto."""
 from __future__ import annotations
 
 import pytest
@@ -13,6 +14,7 @@ from pagedllm.kv.quant import (FP8_MAX, KVCodec, _fp8_as, dequantize_fp8, dequan
 from models import build_checkpoint
 
 QUANT = ["int8", "f8e4m3"]
+HALF = ["bf16", "f16"]  # stored as half-width floats, read back widened
 CPU = torch.device("cpu")
 
 
@@ -89,10 +91,11 @@ def test_fp8_scales_from_amax():
 
 # -- modes, validation, capacity ----------------------------------------------
 def test_kv_cache_dtype_is_validated():
-    with pytest.raises(ValueError, match=r"auto\|f8e4m3\|int8"):
+    with pytest.raises(ValueError, match=r"auto\|bf16\|f16\|f8e4m3\|int8"):
         CacheConfig(kv_cache_dtype="fp4").validate()
     CacheConfig(kv_cache_dtype="INT8").validate()
-    with pytest.raises(ValueError, match=r"auto\|f8e4m3\|int8"):
+    CacheConfig(kv_cache_dtype="F16").validate()
+    with pytest.raises(ValueError, match=r"auto\|bf16\|f16\|f8e4m3\|int8"):
         get_mode("e5m2")
 
 
@@ -101,22 +104,24 @@ def test_capacity_ratios_count_the_scales(compute, ratio_f8):
     layers, heads, dim, bs = 30, 3, 64, 32  # SmolLM2-135M's cache shape
     cfg = CacheConfig(block_size=bs, kv_cache_memory_mb=256)
     blocks = {}
-    for ct in ("auto", "f8e4m3", "int8"):
+    for ct in ("auto", "bf16", "f16", "f8e4m3", "int8"):
         spec = KVCacheSpec(layers, heads, dim, bs, compute, ct)
         blocks[ct] = plan_cache(spec, cfg, CPU, 1, 1).num_blocks - 1
         if ct == "int8":  # per-token scales are paid for: 4 bytes per (token, head) for K and V
             assert spec.bytes_per_token == 2 * layers * heads * (dim + 4)
     assert abs(blocks["f8e4m3"] / blocks["auto"] - ratio_f8) < 0.01
+    # Half-width floats: half of a float32 cache, the same as a bfloat16 one.
+    assert abs(blocks["bf16"] / blocks["auto"] - ratio_f8 / 2) < 0.01 and blocks["f16"] == blocks["bf16"]
     # int8 gets the f8 ratio less what its scales take: dim / (dim + 4) of it.
     assert abs(blocks["int8"] / blocks["auto"] - ratio_f8 * dim / (dim + 4)) < 0.01
-    for ct in ("f8e4m3", "int8"):
+    for ct in ("bf16", "f16", "f8e4m3", "int8"):
         spec = KVCacheSpec(layers, heads, dim, bs, compute, ct)
         cache = PagedKVCache(spec, blocks[ct] + 1, CPU, torch.ones(layers, 2, heads))
         assert cache.nbytes <= 256 * 2**20 + spec.bytes_per_block  # + the null block
         assert cache.data.dtype == spec.dtype == get_mode(ct).storage_dtype
 
 
-@pytest.mark.parametrize("ct", QUANT)
+@pytest.mark.parametrize("ct", QUANT + HALF)
 def test_block_copies_carry_values_and_scales(ct):
     spec = KVCacheSpec(2, 2, 16, 8, torch.float32, ct)
     cache = PagedKVCache(spec, 6, CPU, torch.full((2, 2, 2), 0.125))
@@ -170,7 +175,7 @@ def _prompts(n: int, vocab: int, lens=(5, 40, 90, 150), seed: int = 7) -> list[l
 # model amplifies small errors (running it in bfloat16 moves its logits by about 1.5% of their
 # spread on average), so the tolerance is stated against that: int8 must stay within 1.5x of
 # bfloat16 compute's error, f8e4m3 (3 mantissa bits) within 6x.
-VS_BF16 = {"int8": 1.5, "f8e4m3": 6.0}
+VS_BF16 = {"int8": 1.5, "f8e4m3": 6.0, "bf16": 1.0, "f16": 0.3}
 
 
 @pytest.fixture(scope="module")
@@ -181,7 +186,7 @@ def llama_ref(llama_ckpt):
     return prompt, ref, (bf16 - ref).abs().mean() / ref.std()
 
 
-@pytest.mark.parametrize("ct", QUANT)
+@pytest.mark.parametrize("ct", QUANT + HALF)
 def test_logits_close_to_auto(llama_ckpt, llama_ref, ct):
     prompt, ref, bf16_err = llama_ref
     llm = LLM(str(llama_ckpt), dtype="float32", kv_cache_memory_mb=8, kv_cache_dtype=ct)
@@ -190,8 +195,9 @@ def test_logits_close_to_auto(llama_ckpt, llama_ref, ct):
     err = ((got - ref).abs().mean() / ref.std()).item()
     assert 0 < err < VS_BF16[ct] * bf16_err, f"{ct}: mean logit error {err:.4f} x std " \
         f"(bfloat16 compute: {bf16_err:.4f})"
-    assert (got - ref).abs().max() / ref.std() < {"int8": 0.4, "f8e4m3": 1.5}[ct]
-    assert (got.argmax(-1) == ref.argmax(-1)).float().mean() > {"int8": 0.9, "f8e4m3": 0.8}[ct]
+    assert (got - ref).abs().max() / ref.std() < {"int8": 0.4, "f8e4m3": 1.5, "bf16": 0.4, "f16": 0.1}[ct]
+    assert (got.argmax(-1) == ref.argmax(-1)).float().mean() > {"int8": 0.9, "f8e4m3": 0.8, "bf16": 0.9,
+                                                                 "f16": 0.95}[ct]
     # Scoring many prompts at once gives the same log-probs as one at a time, and chunked
     # prefill reads the same stored values as token-by-token decode. Not bit for bit: another
     # batch shape rounds K/V differently in float32, which now and then moves a value to the
@@ -221,7 +227,7 @@ def _no_leaks(llm: LLM) -> None:
 
 
 @pytest.mark.parametrize("family", ["mistral", "gemma3"])
-@pytest.mark.parametrize("ct", QUANT)
+@pytest.mark.parametrize("ct", QUANT + ["f16"])
 def test_generate_preempt_window_contiguous(request, family, ct):
     """Mistral slides a 48-token window; Gemma 3 mixes such layers with a global one (KV
     groups); a tiny cache forces preemption; the contiguous backend stores the same quantized
@@ -246,7 +252,7 @@ def test_generate_preempt_window_contiguous(request, family, ct):
     assert outs["contiguous"] == outs["paged"]
 
 
-@pytest.mark.parametrize("ct", QUANT)
+@pytest.mark.parametrize("ct", QUANT + ["bf16"])
 def test_prefix_cache_reuses_quantized_blocks(llama_ckpt, ct):
     shared = _prompts(1, 1000, lens=(100,), seed=3)[0]
     prompts = [shared + t for t in _prompts(4, 1000, lens=(3, 9), seed=4)]

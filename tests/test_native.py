@@ -57,6 +57,33 @@ def test_kernel_matches_gather_and_sdpa(native, dtype, d, hkv, group, window, in
     assert got.dtype == dtype and got.shape == (n, hkv * group, d)
 
 
+@pytest.mark.parametrize("cache", [torch.bfloat16, torch.float16])
+def test_float32_queries_read_a_half_width_cache(native, cache):
+    """kv_cache_dtype bf16 / f16 under float32 compute: the kernel widens each stored key and
+    value to float32 as it reads it, which is exactly attention over the widened cache."""
+    g = torch.Generator().manual_seed(11)
+    kc = torch.randn(32, 16, 2, 64, generator=g).to(cache)
+    vc = torch.randn(32, 16, 2, 64, generator=g).to(cache)
+    lens = torch.tensor([1, 30, 77, 200])
+    tables = torch.randint(1, 32, (4, 13), generator=g)
+    q = torch.randn(4, 6, 64, generator=g)
+    got = native.paged_decode(q, kc, vc, tables, lens, 0.125, 0)
+    assert got.dtype == torch.float32
+    want = native.paged_decode(q, kc.float(), vc.float(), tables, lens, 0.125, 0)
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+    torch.testing.assert_close(got, reference(q, kc, vc, tables, lens, 0.125, 0), atol=1e-5, rtol=1e-5)
+    # The fused path rounds k and v to the cache's dtype as the PyTorch path's write does.
+    qkv = torch.randn(2, 10 * 64, generator=g)
+    cos, sin = torch.randn(2, 1, 32, generator=g), torch.randn(2, 1, 32, generator=g)
+    slots = torch.tensor([5, 40])
+    kc2, vc2 = torch.zeros(4, 16, 2, 64, dtype=cache), torch.zeros(4, 16, 2, 64, dtype=cache)
+    t2, l2 = torch.tensor([[0, 2, 0], [0, 2, 3]]), torch.tensor([6, 41])
+    native.paged_decode_qkv(qkv, cos, sin, kc2, vc2, slots, t2, l2, 6, 2, 0.125, 0)
+    kf, vf = torch.zeros(4, 16, 2, 64), torch.zeros(4, 16, 2, 64)
+    native.paged_decode_qkv(qkv, cos, sin, kf, vf, slots, t2, l2, 6, 2, 0.125, 0)
+    assert torch.equal(kc2, kf.to(cache)) and torch.equal(vc2, vf.to(cache))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rows_of_one_sequence_read_its_cache_once_with_the_same_bits(native, dtype):
     """Consecutive positions of one sequence (speculative verification: the last token and its
@@ -106,8 +133,10 @@ def test_kernel_rejects_bad_input(native):
     kc = torch.zeros(4, 8, 2, 64)
     q = torch.zeros(2, 4, 64)
     tables, lens = torch.zeros(2, 1, dtype=torch.int64), torch.ones(2, dtype=torch.int64)
-    with pytest.raises(RuntimeError, match="share a dtype"):
+    with pytest.raises(RuntimeError, match="cache must be in q's dtype"):
         native.paged_decode(q.bfloat16(), kc, kc, tables, lens, 1.0, 0)
+    with pytest.raises(RuntimeError, match="cache must be in q's dtype"):  # half under bf16: no
+        native.paged_decode(q.bfloat16(), kc.half(), kc.half(), tables, lens, 1.0, 0)
     with pytest.raises(RuntimeError, match="int32 or int64"):
         native.paged_decode(q, kc, kc, tables.float(), lens, 1.0, 0)
     with pytest.raises(RuntimeError, match="multiple of KV heads"):
@@ -118,22 +147,24 @@ GREEDY = """
 import json, sys
 sys.path.insert(0, {tests!r})
 from pagedllm import LLM, SamplingParams
-llm = LLM({path!r}, dtype="float32", kv_cache_memory_mb=32, block_size=16)
+llm = LLM({path!r}, dtype="float32", kv_cache_memory_mb=32, block_size=16, kv_cache_dtype={kv!r})
 prompts = [list(range(5 + i, 40 + 9 * i)) for i in range(6)]
 out = llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True), use_tqdm=False)
 print(json.dumps([llm.engine.backend.decode_kernel, [o.outputs[0].token_ids for o in out]]))
 """
 
 
-def test_engine_tokens_same_with_kernel_on_and_off(native, tmp_path, hf_smollm2_tokenizer):
+@pytest.mark.parametrize("kv", ["auto", "bf16"])
+def test_engine_tokens_same_with_kernel_on_and_off(native, tmp_path, hf_smollm2_tokenizer, kv):
     """A batch of six through chunked prefill and paged decode: the native kernel and the
-    PyTorch path give the same greedy tokens. float32: random weights leave logits so flat
+    PyTorch path give the same greedy tokens, with a float32 cache and with a bf16 one read
+    widened. float32 compute: random weights leave logits so flat
     that bf16 rounding alone (either path's) flips an argmax now and then; the kernel's bf16
     accuracy is checked above against a float32 reference."""
     from models import build_checkpoint
 
     path = build_checkpoint("llama", tmp_path / "m", hf_smollm2_tokenizer, len(hf_smollm2_tokenizer))
-    code = GREEDY.format(tests=os.path.dirname(__file__), path=str(path))
+    code = GREEDY.format(tests=os.path.dirname(__file__), path=str(path), kv=kv)
     runs = {}
     for flag in ("1", "0"):
         env = {**os.environ, "PAGEDLLM_NATIVE": flag}

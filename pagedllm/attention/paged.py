@@ -31,9 +31,10 @@ class PagedAttentionBackend:
         # Per model layer: the KV group whose block tables it reads (kv/groups.py).
         self.layer_groups = layer_groups
         self.num_groups = 1 + max(layer_groups or [0])
-        # The native decode kernel reads the storage dtype as the compute dtype: plain caches only.
+        # The native decode kernel reads plain float caches (no scales): in the compute dtype, or
+        # bf16 / f16 under float32 compute (`native_reads`).
         self.native = None
-        if cache.data.device.type == "cpu" and not cache.spec.mode.quantized:
+        if cache.data.device.type == "cpu" and not cache.spec.mode.scaled:
             self.native = cpu_kernels()
 
     @property
@@ -82,7 +83,7 @@ class PagedAttentionLayer:
                    meta: AttentionMetadata, hq: int, hkv: int) -> torch.Tensor | None:
         """A step of decodes only, on the native kernel: rope, the cache write and attention from
         the fused q|k|v projection in one call; None where that path does not apply."""
-        if self.native is None or meta.num_decodes != meta.num_seqs or qkv.dtype != self.kv.dtype:
+        if self.native is None or meta.num_decodes != meta.num_seqs or not native_reads(qkv.dtype, self.kv.dtype):
             return None
         meta = meta.group(self.group)
         cos, sin = rope
@@ -92,7 +93,7 @@ class PagedAttentionLayer:
 
     def _decode(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         nd, hq, d = q.shape
-        if self.native is not None and q.dtype == self.kv.dtype:
+        if self.native is not None and native_reads(q.dtype, self.kv.dtype):
             if q.stride(-1) != 1:
                 q = q.contiguous()
             return self.native.paged_decode(q, self.kv.k, self.kv.v, meta.block_tables[:nd],
@@ -108,12 +109,18 @@ class PagedAttentionLayer:
                  meta: AttentionMetadata, i: int) -> torch.Tensor:
         n = q.shape[0]
         ctx_len = meta.context_lens[i]
-        # Earlier chunks or a cached prefix live only in the cache. A quantized cache is read
-        # back even for the chunk's own tokens, so every query sees the same stored values
-        # however the sequence was chunked, preempted or shared through the prefix cache.
-        if ctx_len > n or self.kv.quantized:
+        # Earlier chunks or a cached prefix live only in the cache. A cache stored in another
+        # dtype (int8, f8e4m3, or bf16 / f16 under float32) is read back even for the chunk's
+        # own tokens, so every query sees the same stored values however the sequence was
+        # chunked, preempted or shared through the prefix cache.
+        if ctx_len > n or self.kv.dtype != q.dtype:
             k, v = self.kv.read(meta.prefill_slots(i, self.block_size), q.dtype)
         return sdpa_one(q, k, v, meta.prefill_mask(i, self.window, q.device), self.scale, self.softcap)
+
+
+def native_reads(compute: torch.dtype, cache: torch.dtype) -> bool:
+    """Whether the native decode kernel reads a cache of dtype `cache` under `compute`."""
+    return cache == compute or (compute == torch.float32 and cache in (torch.bfloat16, torch.float16))
 
 
 def sdpa_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,

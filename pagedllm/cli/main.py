@@ -92,8 +92,9 @@ def _engine_flags(p: argparse.ArgumentParser, top: bool) -> None:
                    help="KV cache sized to hold N tokens")
     g.add_argument("--pa-blk-size", "--pa-block-size", type=int, metavar="N", default=d(None),
                    help="tokens per KV cache block (8, 16, 32, 64, 128; default 32)")
-    g.add_argument("--pa-cache-type", choices=["auto", "f8e4m3", "int8"], default=d(None),
-                   help="KV cache element type")
+    g.add_argument("--pa-cache-type", choices=["auto", "bf16", "f16", "f8e4m3", "int8"], default=d(None),
+                   help="KV cache element type (auto: the compute dtype; bf16/f16 halve a float32 "
+                        "model's cache)")
     g.add_argument("--no-paged-attn", action="store_true", default=d(False),
                    help="contiguous per-sequence KV cache instead of paged attention")
     g.add_argument("--prefix-cache-n", type=int, metavar="N", default=d(None),

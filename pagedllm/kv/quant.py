@@ -1,8 +1,12 @@
 """KV-cache quantization: how K and V are stored in the cache, and read back.
 
-Three modes (`CacheConfig.kv_cache_dtype`):
+The modes (`CacheConfig.kv_cache_dtype`):
 
 - ``auto``: the model's compute dtype, no scales.
+- ``bf16``, ``f16``: values rounded to bfloat16 / float16, no scales (llama.cpp's default
+  cache is f16). Under float32 compute (a CPU without bf16 instructions) they halve the
+  cache; attention reads them widened to float32. ``f16`` holds 11 significant bits in
+  a range of +-65504, ``bf16`` 8 bits in float32's range.
 - ``int8``: symmetric int8 with one float32 scale per (token, kv head):
   ``scale = amax(|x|) over head_dim / 127``. The scale is computed from the
   values as they are written, so nothing is calibrated and nothing saturates.
@@ -46,7 +50,7 @@ FP8_SCALE_MIN = 2.0 ** -100
 class KVQuantMode:
     """What one `kv_cache_dtype` means for storage and memory."""
 
-    name: str  # auto | f8e4m3 | int8
+    name: str  # auto | bf16 | f16 | f8e4m3 | int8
     quant_mode: str  # how values are mapped, for the trace
     scale_granularity: str  # none | per-layer-head | per-token-head
     storage_dtype: torch.dtype | None  # None: the compute dtype
@@ -56,7 +60,13 @@ class KVQuantMode:
 
     @property
     def quantized(self) -> bool:
+        """Stored values may differ from the computed ones (a storage dtype of its own)."""
         return self.storage_dtype is not None
+
+    @property
+    def scaled(self) -> bool:
+        """Stored with scales (int8, f8e4m3), not as a plain float dtype."""
+        return self.scale_granularity != "none"
 
     @property
     def token_scales(self) -> bool:
@@ -82,6 +92,8 @@ class KVQuantMode:
 
 MODES: dict[str, KVQuantMode] = {
     "auto": KVQuantMode("auto", "none", "none", None),
+    "bf16": KVQuantMode("bf16", "bf16-round", "none", torch.bfloat16),
+    "f16": KVQuantMode("f16", "fp16-round", "none", torch.float16),
     "f8e4m3": KVQuantMode("f8e4m3", "fp8-e4m3-static-scale", "per-layer-head", torch.float8_e4m3fn),
     "int8": KVQuantMode("int8", "int8-symmetric-absmax", "per-token-head", torch.int8),
 }

@@ -230,7 +230,10 @@ def _decode_path(engine) -> str:
     if not engine.cache_config.paged_attention:
         return (f"{backend.name}: one SDPA call per sequence over its contiguous buffer "
                 "(paged attention off)")
-    if getattr(backend, "decode_kernel", "torch") == "native-cpu":
+    from ..attention.paged import native_reads
+
+    spec = engine.kv_spec
+    if getattr(backend, "decode_kernel", "torch") == "native-cpu" and native_reads(spec.compute_dtype, spec.dtype):
         return (f"{backend.name} with the native CPU decode kernel: each (sequence, KV head) reads "
                 "its K/V in place by block table, all query heads of a KV head at once, with no "
                 "gather copy; prefill chunks use SDPA")
@@ -238,7 +241,9 @@ def _decode_path(engine) -> str:
 
     native_off = disabled_reason()
     why = ("the KV cache is quantized and the native kernel reads plain caches only"
-           if dev == "cpu" and engine.kv_spec.mode.quantized else
+           if dev == "cpu" and spec.mode.scaled else
+           f"the native kernel reads a cache in the compute dtype, or bf16 / f16 under float32; this one "
+           f"is {spec.dtype} under {spec.compute_dtype}" if dev == "cpu" and spec.dtype != spec.compute_dtype else
            f"the native CPU kernel is off ({native_off})" if dev == "cpu" and native_off else
            "the native CPU kernel could not be built here (see the log)" if dev == "cpu" else
            f"no native paged kernel is built for {dev} yet")

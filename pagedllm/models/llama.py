@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..attention.metadata import AttentionMetadata
+from ..attention.paged import native_reads
 from ..config import ModelConfig
 from ..native import cpu_kernels
 from ..quant import kernels as qk
@@ -185,7 +186,7 @@ class LlamaForCausalLM(nn.Module):
         if plan is None:
             return None
         attns = [layer.self_attn.attn for layer in self.layers]
-        if any(getattr(a, "native", None) is None or not hasattr(a, "decode_qkv") or a.kv.dtype != h.dtype
+        if any(getattr(a, "native", None) is None or not hasattr(a, "decode_qkv") or not native_reads(h.dtype, a.kv.dtype)
                or getattr(a, "group", 0) != 0 for a in attns):  # (one KV group: one set of tables)
             return None
         a = self.layers[0].self_attn
