@@ -261,3 +261,86 @@ def test_sample_topk_matches_torch(vocab):
         assert all(len(set(r.tolist())) == k for r in ids)
     with pytest.raises(RuntimeError, match="k = 0"):
         ops.sample_topk(x, temps, 0)
+
+
+def _prefill_reference(q, kc, vc, table, ctx, scale, window):
+    """float64 attention of the chunk's queries (the last n positions) over its gathered context."""
+    n, hq, d = q.shape
+    bs, hkv = kc.shape[1], kc.shape[2]
+    j = torch.arange(ctx)
+    slots = table[j // bs] * bs + j % bs
+    k, v = kc.view(-1, hkv, d)[slots].double(), vc.view(-1, hkv, d)[slots].double()
+    pos = torch.arange(ctx - n, ctx)[:, None]
+    m = j[None] <= pos
+    if window:
+        m &= j[None] > pos - window
+    return F.scaled_dot_product_attention(q.double().transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                          attn_mask=m, scale=scale, enable_gqa=hq != hkv).transpose(0, 1)
+
+
+@pytest.mark.parametrize("n,ctx,hq,hkv,d,window", [(512, 512, 9, 3, 64, 0), (37, 300, 14, 2, 64, 0),
+                                                   (100, 100, 8, 8, 128, 0), (70, 260, 16, 2, 128, 48),
+                                                   (1, 1, 4, 2, 64, 0), (129, 200, 6, 1, 96, 0)])
+def test_prefill_kernel_matches_float64_attention(native, n, ctx, hq, hkv, d, window):
+    """The bf16 prefill kernel against float64 attention on the same bf16 values: a chunk after
+    a cached prefix, sliding windows, GQA groups of 1 to 7, tiles and key blocks cut short.
+    Slots past the context hold NaN (never-written cache): they must not reach the output."""
+    if not native.paged_prefill_available():
+        pytest.skip("this CPU has no AVX-512 BF16: prefill attention stays on SDPA")
+    g = torch.Generator().manual_seed(n + ctx)
+    bs = 32
+    used = (ctx + bs - 1) // bs
+    kc = torch.randn(used + 4, bs, hkv, d, generator=g).bfloat16()
+    vc = torch.randn(used + 4, bs, hkv, d, generator=g).bfloat16()
+    table = torch.cat([torch.randperm(used + 3, generator=g)[:used] + 1, torch.zeros(3, dtype=torch.long)])
+    last = table[(ctx - 1) // bs]
+    kc[last, (ctx - 1) % bs + 1:] = float("nan")
+    vc[last, (ctx - 1) % bs + 1:] = float("nan")
+    q = torch.randn(n, hq, 2 * d, generator=g).bfloat16()[..., :d]  # strided, as from the fused qkv
+    got = native.paged_prefill(q, kc, vc, table.int(), ctx, d ** -0.5, window)
+    want = _prefill_reference(q, kc, vc, table, ctx, d ** -0.5, window)
+    assert got.dtype == torch.bfloat16 and got.shape == (n, hq, d) and torch.isfinite(got).all()
+    # bf16 output rounding (2^-9 relative) plus the probabilities rounded to bf16, as SDPA does.
+    torch.testing.assert_close(got.double(), want, atol=1.5e-2, rtol=1.5e-2)
+
+
+def test_prefill_kernel_rejects_bad_input(native):
+    if not native.paged_prefill_available():
+        pytest.skip("this CPU has no AVX-512 BF16")
+    kc = torch.zeros(4, 8, 2, 64, dtype=torch.bfloat16)
+    q = torch.zeros(3, 4, 64, dtype=torch.bfloat16)
+    table = torch.tensor([1, 2])
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        native.paged_prefill(q, kc, kc, torch.tensor([1, 9]), 10, 1.0, 0)
+    with pytest.raises(RuntimeError, match="needs 3 blocks"):
+        native.paged_prefill(q, kc, kc, table, 20, 1.0, 0)
+    with pytest.raises(RuntimeError, match="cannot end a context"):
+        native.paged_prefill(q, kc, kc, table, 2, 1.0, 0)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        native.paged_prefill(q.float(), kc, kc, table, 5, 1.0, 0)
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral"])
+def test_engine_prefill_on_the_kernel_matches_sdpa(native, tmp_path, hf_smollm2_tokenizer, monkeypatch, family):
+    """A bf16 model's prompt logits, whole and in chunks after a cached prefix (the kernel reads
+    the prefix in place; Mistral's 48-token window cuts it), against the same engine with
+    prefill attention on SDPA. Head dim 64: the kernel takes head dims in 32s."""
+    if not native.paged_prefill_available():
+        pytest.skip("this CPU has no AVX-512 BF16")
+    from models import build_checkpoint
+
+    from pagedllm import LLM
+    from pagedllm.attention import paged
+
+    path = build_checkpoint(family, tmp_path / "m", hf_smollm2_tokenizer, len(hf_smollm2_tokenizer),
+                            hidden_size=128, num_attention_heads=2, num_key_value_heads=1, head_dim=64)
+    prompt = list(range(20, 320))
+    llm = LLM(str(path), dtype="bfloat16", kv_cache_memory_mb=16)
+    assert "native bf16 prefill kernel" in llm.kv_cache_trace().decode_attention
+    got = {c: llm.engine.prompt_logits(prompt, c).float() for c in (300, 64)}
+    monkeypatch.setattr(paged, "native_prefill", lambda *a: False)
+    want = {c: llm.engine.prompt_logits(prompt, c).float() for c in (300, 64)}
+    for c in got:
+        scale = want[c].std()
+        assert ((got[c] - want[c]).abs().mean() / scale) < 0.02, c
+        assert (got[c].argmax(-1) == want[c].argmax(-1)).float().mean() > 0.9, c

@@ -5,7 +5,9 @@ On the CPU, with a plain (unquantized) cache, decodes run the native kernel
 decodes of the whole batch are one gather of their slots (by block table) and one SDPA
 call, with the query heads of each KV head folded into the query-length axis (GQA
 without repeating K/V). Prefill chunks attend one sequence at a time: they are compute
-bound and differ in length, so padding them together would only waste.
+bound and differ in length, so padding them together would only waste. A bfloat16 chunk on
+a CPU with AVX-512 BF16 runs the native prefill kernel, which also reads its context in place;
+others gather a cached prefix and call SDPA.
 
 The cache may be quantized (int8, f8e4m3): `KVLayer.write` quantizes the new
 tokens, `KVLayer.read` dequantizes only the slots a step reads. No path reads a slot
@@ -13,6 +15,8 @@ that was not written: the native kernel reads each sequence's first `len` slots,
 PyTorch path points everything past a sequence's length at the zeroed null block.
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -109,6 +113,10 @@ class PagedAttentionLayer:
                  meta: AttentionMetadata, i: int) -> torch.Tensor:
         n = q.shape[0]
         ctx_len = meta.context_lens[i]
+        if self.native is not None and native_prefill(self.native, q.dtype, self.kv.dtype, q.shape[-1]):
+            # The chunk's keys are in the cache already (written above): read in place, prefix too.
+            return self.native.paged_prefill(q, self.kv.k, self.kv.v, meta.block_tables[i], ctx_len, self.scale,
+                                             self.window or 0)
         # Earlier chunks or a cached prefix live only in the cache. A cache stored in another
         # dtype (int8, f8e4m3, or bf16 / f16 under float32) is read back even for the chunk's
         # own tokens, so every query sees the same stored values however the sequence was
@@ -116,6 +124,18 @@ class PagedAttentionLayer:
         if ctx_len > n or self.kv.dtype != q.dtype:
             k, v = self.kv.read(meta.prefill_slots(i, self.block_size), q.dtype)
         return sdpa_one(q, k, v, meta.prefill_mask(i, self.window, q.device), self.scale, self.softcap)
+
+
+def native_prefill(ops, compute: torch.dtype, cache: torch.dtype, head_dim: int) -> bool:
+    """Whether prefill attention runs on the native kernel (csrc/prefill_attention.cpp): a
+    bfloat16 model and cache, head dims in 32s, and AVX-512 BF16 here; SDPA otherwise."""
+    return (compute == cache == torch.bfloat16 and head_dim % 32 == 0 and hasattr(ops, "paged_prefill")
+            and _prefill_available(ops))
+
+
+@functools.lru_cache(maxsize=None)
+def _prefill_available(ops) -> bool:
+    return bool(ops.paged_prefill_available())
 
 
 def native_reads(compute: torch.dtype, cache: torch.dtype) -> bool:

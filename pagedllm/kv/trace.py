@@ -234,9 +234,13 @@ def _decode_path(engine) -> str:
 
     spec = engine.kv_spec
     if getattr(backend, "decode_kernel", "torch") == "native-cpu" and native_reads(spec.compute_dtype, spec.dtype):
+        from ..attention.paged import native_prefill
+
+        prefill = ("the native bf16 prefill kernel, reading the context in place too"
+                   if native_prefill(backend.native, spec.compute_dtype, spec.dtype, spec.head_dim) else "SDPA")
         return (f"{backend.name} with the native CPU decode kernel: each (sequence, KV head) reads "
                 "its K/V in place by block table, all query heads of a KV head at once, with no "
-                "gather copy; prefill chunks use SDPA")
+                f"gather copy; prefill chunks use {prefill}")
     from ..native import disabled_reason
 
     native_off = disabled_reason()
