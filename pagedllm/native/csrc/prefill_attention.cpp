@@ -26,8 +26,9 @@
 #include <limits>
 #include <vector>
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-#include <immintrin.h>
+#include "quant_common.h"  // exp8
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512DQ__) && defined(PQ_X86)
 #define PA_BF16 1
 #endif
 
@@ -39,22 +40,10 @@ constexpr int NV = KB / 16;
 constexpr int QT = 64;  // query positions per work item
 constexpr int RB = 4;   // rows whose scores are computed together: RB x NV independent chains
 
-// exp(x) to about 1 ulp (the Cephes polynomial), 16 lanes.
+// exp(x), 16 lanes: the quantized kernels' 8-lane Cephes exp on each half.
 inline __m512 exp16(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));
-  const __m512 fx = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
-  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), x);
-  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
-  y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.f)));
-  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(fx), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+  return _mm512_insertf32x8(_mm512_castps256_ps512(pq::exp8(_mm512_castps512_ps256(x))),
+                            pq::exp8(_mm512_extractf32x8_ps(x, 1)), 1);
 }
 
 inline uint32_t u32_at(const c10::BFloat16* p) {
