@@ -163,7 +163,13 @@ class CacheConfig:
     kv_cache_dtype: str = "auto"
     paged_attention: bool = True
     enable_prefix_caching: bool = True
-    prefix_cache_n: int = 16  # finished sequences kept as reusable prefixes
+    prefix_cache_n: int = 16  # finished sequences kept as reusable prefixes; 0 turns caching off
+
+    @property
+    def prefix_caching(self) -> bool:
+        """Whether prefix caching is asked for: `prefix_cache_n=0` turns it off, as the CLI's
+        `--prefix-cache-n 0` does (mistral.rs's meaning), so the knob means one thing everywhere."""
+        return self.enable_prefix_caching and self.prefix_cache_n > 0
 
     def validate(self) -> None:
         if self.block_size not in SUPPORTED_BLOCK_SIZES:

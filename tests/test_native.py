@@ -344,3 +344,21 @@ def test_engine_prefill_on_the_kernel_matches_sdpa(native, tmp_path, hf_smollm2_
         scale = want[c].std()
         assert ((got[c] - want[c]).abs().mean() / scale) < 0.02, c
         assert (got[c].argmax(-1) == want[c].argmax(-1)).float().mean() > 0.9, c
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_trace_names_the_attention_path_the_layers_take(native, tmp_path, hf_smollm2_tokenizer, family):
+    """Gemma 2's layers cap their scores, which the native kernels cannot: its trace must name the
+    PyTorch path they take (and say why), not the native kernels."""
+    from models import build_checkpoint
+
+    from pagedllm import LLM
+
+    path = build_checkpoint(family, tmp_path / "m", hf_smollm2_tokenizer, len(hf_smollm2_tokenizer))
+    llm = LLM(str(path), dtype="float32", kv_cache_memory_mb=16)
+    decode = llm.kv_cache_trace().decode_attention
+    on_native = [a.attn.native is not None for a in llm.engine.model.attention_modules()]
+    assert any(on_native) == ("native CPU decode kernel" in decode), decode
+    assert all(on_native) == (family == "llama")
+    if family == "gemma2":
+        assert decode.startswith("torch-paged: all decodes") and "cap" in decode, decode

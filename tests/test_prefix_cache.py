@@ -287,3 +287,48 @@ def test_sliding_window_match_needs_only_the_window():
     seq = Sequence("c", list(range(1, 26)), SamplingParams())
     plain.match_prefix(seq)
     assert seq.num_computed_tokens == 0
+
+
+def test_a_hash_collision_between_chains_is_not_served(monkeypatch):
+    """Force every block with the same tokens to one hash, whatever came before it (a 64-bit
+    collision of two chains, made certain): the block after C must not be served from the chain
+    A, B although B's tokens and hash match, because its parent is A, not C."""
+    from pagedllm.engine import block_manager as bmod
+
+    monkeypatch.setattr(bmod, "block_hash", lambda parent, tokens, extra=None: hash((tokens, extra)))
+    bm = BlockManager(12, BS, enable_caching=True, max_cached_seqs=4, copy_fn=lambda src, dst, n: None)
+    a, b, c, d = [1, 2, 3, 4], [5, 6, 7, 8], [11, 12, 13, 14], [15, 16, 17, 18]
+    for i, ids in enumerate((a + b + [9], c + d + [9])):
+        seq = Sequence(str(i), ids, SamplingParams())
+        bm.match_prefix(seq)
+        bm.grow(seq, seq.num_tokens)
+        seq.num_computed_tokens = seq.num_tokens
+        bm.commit_full_blocks(seq)
+        bm.free(seq, "retain")
+    ab_tail = bm.by_hash[bmod.block_hash(0, tuple(b))]
+    assert bm.blocks[ab_tail].tokens == tuple(b)  # the collision is real: C, B's second block maps here
+    q = Sequence("q", c + b + [9], SamplingParams())
+    bm.match_prefix(q)
+    assert ab_tail not in q.block_table
+    assert q.num_computed_tokens == 4  # block C only; B after C is computed afresh
+    bm.check_invariants([q])
+
+
+def test_prefix_cache_n_0_turns_caching_off_in_python_as_on_the_cli(ckpt):
+    """`--prefix-cache-n 0` turns prefix caching off on the CLI; `LLM(prefix_cache_n=0)` must mean
+    the same, not "cache, but keep no finished prefixes"."""
+    from pagedllm.api import EngineOptions
+
+    assert EngineOptions(model=str(ckpt), prefix_cache_n=0).llm_kwargs()["enable_prefix_caching"] is False
+    prompt = list(range(100, 180))  # two full blocks and more of a shared prefix
+    sp = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    on, off = _llm(ckpt), _llm(ckpt, prefix_cache_n=0)
+    for llm in (on, off):
+        llm.generate([prompt], sp, use_tqdm=False)
+    assert on.generate([prompt], sp, use_tqdm=False)[0].num_cached_tokens > 0
+    assert not off.engine.prefix_caching and "prefix_cache_n=0" in off.engine.prefix_caching_note
+    # Two requests running at once could share blocks through an enabled cache: not through this one.
+    outs = off.generate([prompt, prompt], sp, use_tqdm=False)
+    assert [o.num_cached_tokens for o in outs] == [0, 0]
+    assert off.engine.block_manager.num_cached_blocks == 0
+    _assert_clean(off)

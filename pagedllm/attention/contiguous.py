@@ -77,6 +77,9 @@ class ContiguousBackend:
         hs = None if self.head_scales is None else self.head_scales[index]
         return ContiguousLayer(self, index, window, scale, KVCodec(self.mode, hs), softcap)
 
+    def describe_decode(self) -> str:
+        return f"{self.name}: one SDPA call per sequence over its contiguous buffer (paged attention off)"
+
     def free_seq(self, seq_id: int) -> None:
         self.store.pop(seq_id, None)
 

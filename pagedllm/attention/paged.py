@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from ..kv.cache import KVLayer, PagedKVCache
 from .metadata import AttentionMetadata, causal_mask
-from ..native import cpu_kernels
+from ..native import cpu_kernels, disabled_reason
 
 
 class PagedAttentionBackend:
@@ -40,6 +40,8 @@ class PagedAttentionBackend:
         self.native = None
         if cache.data.device.type == "cpu" and not cache.spec.mode.scaled:
             self.native = cpu_kernels()
+        self.num_layers = 0
+        self.capped_layers = 0  # layers with a score cap (Gemma 2): the native kernels skip them
 
     @property
     def decode_kernel(self) -> str:
@@ -48,7 +50,36 @@ class PagedAttentionBackend:
     def layer(self, index: int, window: int | None, scale: float,
               softcap: float | None = None) -> "PagedAttentionLayer":
         group = self.layer_groups[index] if self.layer_groups else 0
+        self.num_layers += 1
+        self.capped_layers += softcap is not None
         return PagedAttentionLayer(self.cache.layer(index), window, scale, self.native, softcap, group)
+
+    def describe_decode(self) -> str:
+        """The path decode (and prefill) attention really takes, and why (for the KV trace)."""
+        spec = self.cache.spec
+        dev = self.cache.data.device.type
+        capped = self.capped_layers
+        if self.native is not None and native_reads(spec.compute_dtype, spec.dtype) and capped < self.num_layers:
+            prefill = ("the native bf16 prefill kernel, reading the context in place too"
+                       if native_prefill(self.native, spec.compute_dtype, spec.dtype, spec.head_dim) else "SDPA")
+            some = (f" ({capped} of {self.num_layers} layers cap their attention scores and take the "
+                    "PyTorch path: the native kernels have no score cap)" if capped else "")
+            return (f"{self.name} with the native CPU decode kernel: each (sequence, KV head) reads "
+                    "its K/V in place by block table, all query heads of a KV head at once, with no "
+                    f"gather copy; prefill chunks use {prefill}{some}")
+        native_off = disabled_reason()
+        why = ("every layer caps its attention scores (attn_logit_softcapping, Gemma 2) and the native "
+               "kernels have no score cap" if self.native is not None and capped else
+               "the KV cache is quantized and the native kernel reads plain caches only"
+               if dev == "cpu" and spec.mode.scaled else
+               f"the native kernel reads a cache in the compute dtype, or bf16 / f16 under float32; this one "
+               f"is {spec.dtype} under {spec.compute_dtype}" if dev == "cpu" and spec.dtype != spec.compute_dtype else
+               f"the native CPU kernel is off ({native_off})" if dev == "cpu" and native_off else
+               "the native CPU kernel could not be built here (see the log)" if dev == "cpu" else
+               f"no native paged kernel is built for {dev} yet")
+        return (f"{self.name}: all decodes of a step in one batched gather of their blocks by block "
+                f"table and one SDPA call per layer, on {dev}; prefill chunks gather a cached prefix "
+                f"and call SDPA; the PyTorch path is used because {why}")
 
     def free_seq(self, seq_id: int) -> None:  # blocks are owned by the block manager
         pass

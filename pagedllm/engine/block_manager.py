@@ -13,7 +13,8 @@ eviction order is separate and unchanged.
 
 Prefix caching. Every full block gets a chained hash (parent hash, its token
 ids, an extra key); a new sequence reuses the longest run of cached blocks
-that matches its prompt. Past block granularity, a block whose first tokens
+that matches its prompt, each checked against its tokens and its parent's hash (so a hash
+collision between two chains is never served). Past block granularity, a block whose first tokens
 match the prompt's next ones (a diverging prompt, or the partial tail a
 finished sequence left) is copied up to the match into a fresh block instead
 of recomputing those tokens. Blocks nobody references stay cached in an LRU
@@ -403,7 +404,8 @@ class BlockManager:
             tokens = tuple(ids[pos:pos + bs])
             h = block_hash(parent, tokens, extra)
             bid = self.by_hash.get(h)
-            if bid is not None and self.blocks[bid].tokens != tokens:
+            # A hash can collide: serve a block only if its tokens and its parent are ours.
+            if bid is not None and (self.blocks[bid].tokens != tokens or self.blocks[bid].parent != parent):
                 bid = None
             hashes.append(h)
             found.append(bid)

@@ -141,7 +141,7 @@ class LLMEngine:
         if executor is not None:  # the other ranks repeat every cache operation
             backend, copy_fn = executor.recorded(backend, copy_fn)
         self.prefix_caching, self.prefix_caching_note = _prefix_caching_mode(cache_cfg, cfg)
-        if cache_cfg.enable_prefix_caching and not self.prefix_caching:
+        if cache_cfg.prefix_caching and not self.prefix_caching:
             logger.info("prefix caching is off: %s", self.prefix_caching_note)
         self.block_manager = BlockManager(self.cache_plan.num_blocks, cache_cfg.block_size,
                                           self.prefix_caching, cache_cfg.prefix_cache_n, copy_fn, windows)
@@ -606,6 +606,8 @@ def _prefix_caching_mode(cache_cfg: CacheConfig, cfg) -> tuple[bool, str]:
     """Whether prefix caching is really on, and why not when it was asked for."""
     if not cache_cfg.enable_prefix_caching:
         return False, "disabled by the user"
+    if cache_cfg.prefix_cache_n == 0:
+        return False, "disabled by the user (prefix_cache_n=0)"
     if not cache_cfg.paged_attention:
         return False, "needs paged attention (a contiguous per-sequence cache cannot share blocks)"
     note = f"on: chained block hashes, up to {cache_cfg.prefix_cache_n} finished sequences kept"

@@ -135,7 +135,7 @@ def build_trace(engine) -> KVCacheTrace:
         quant_mode=info.get("quant_mode", "none"),
         scale_granularity=info.get("scale_granularity", "none"),
         scale_source=info.get("scale_source", "none"),
-        decode_attention=_decode_path(engine),
+        decode_attention=engine.backend.describe_decode(),
         block_size=bs,
         physical_page_key=("(layer, block id): each layer's K and V pools hold a page of "
                            f"[{bs} tokens, {spec.num_kv_heads} kv heads, {spec.head_dim}] per block id; "
@@ -222,37 +222,6 @@ def _blocks_by_group(engine) -> list[int]:
         for g, table in enumerate(bm.tables(s)):
             held[g].update(b for b in table if b)
     return [len(h) for h in held]
-
-
-def _decode_path(engine) -> str:
-    backend = engine.backend
-    dev = engine.device.type
-    if not engine.cache_config.paged_attention:
-        return (f"{backend.name}: one SDPA call per sequence over its contiguous buffer "
-                "(paged attention off)")
-    from ..attention.paged import native_reads
-
-    spec = engine.kv_spec
-    if getattr(backend, "decode_kernel", "torch") == "native-cpu" and native_reads(spec.compute_dtype, spec.dtype):
-        from ..attention.paged import native_prefill
-
-        prefill = ("the native bf16 prefill kernel, reading the context in place too"
-                   if native_prefill(backend.native, spec.compute_dtype, spec.dtype, spec.head_dim) else "SDPA")
-        return (f"{backend.name} with the native CPU decode kernel: each (sequence, KV head) reads "
-                "its K/V in place by block table, all query heads of a KV head at once, with no "
-                f"gather copy; prefill chunks use {prefill}")
-    from ..native import disabled_reason
-
-    native_off = disabled_reason()
-    why = ("the KV cache is quantized and the native kernel reads plain caches only"
-           if dev == "cpu" and spec.mode.scaled else
-           f"the native kernel reads a cache in the compute dtype, or bf16 / f16 under float32; this one "
-           f"is {spec.dtype} under {spec.compute_dtype}" if dev == "cpu" and spec.dtype != spec.compute_dtype else
-           f"the native CPU kernel is off ({native_off})" if dev == "cpu" and native_off else
-           "the native CPU kernel could not be built here (see the log)" if dev == "cpu" else
-           f"no native paged kernel is built for {dev} yet")
-    return (f"{backend.name}: all decodes of a step in one batched gather of their blocks by block "
-            f"table and one SDPA call per layer, on {dev}; the PyTorch path is used because {why}")
 
 
 def _weight_formats(engine) -> str:

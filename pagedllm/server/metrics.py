@@ -24,7 +24,6 @@ TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60
 ITL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5, 5.0)
 E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
 CONTENT_TYPE = CONTENT_TYPE_LATEST
-CACHED_BLOCKS_PERIOD_S = 0.25
 
 
 class ServerMetrics:
@@ -85,7 +84,6 @@ class ServerMetrics:
         self._preempt_seen = 0
         self._prompt_total = 0
         self._cached_total = 0
-        self._cached_at = float("-inf")
 
     # -- called from the engine thread ------------------------------------------------
     def on_step_outputs(self, outs: list[RequestOutput]) -> None:
@@ -136,11 +134,8 @@ class ServerMetrics:
         self.blocks_touched.set(getattr(bm, "num_touched", 0))
         self.blocks_peak_used.set(getattr(bm, "peak_used", 0))
         self.kv_usage.set(used / total if total else 0.0)
-        now = time.monotonic()
-        if now - self._cached_at >= CACHED_BLOCKS_PERIOD_S:
-            # Counting cached blocks walks the whole block table: not on every step.
-            self._cached_at = now
-            self.blocks_cached.set(getattr(bm, "num_cached_blocks", 0) or 0)
+        # The block manager keeps this count as blocks gain and lose content: O(1), every step.
+        self.blocks_cached.set(getattr(bm, "num_cached_blocks", 0) or 0)
         hit = getattr(getattr(bm, "stats", None), "hit_rate", None)
         if not isinstance(hit, (int, float)):  # no engine figure: what requests reported
             hit = self._cached_total / self._prompt_total if self._prompt_total else 0.0

@@ -117,7 +117,7 @@ class DraftModel:
         self.kv_cache, backend, copy_fn = build_kv(loaded, spec, self.cache_config, num_blocks, device, dtype,
                                                    self.kv_groups)
         dcfg = self.cache_config
-        self.block_manager = BlockManager(num_blocks, dcfg.block_size, dcfg.enable_prefix_caching,
+        self.block_manager = BlockManager(num_blocks, dcfg.block_size, dcfg.prefix_caching,
                                           dcfg.prefix_cache_n, copy_fn, self.kv_groups.windows)
         self.runner = ModelRunner(loaded.model, backend, cache_cfg.block_size, device, sampler=None)
         self.chunk = chunk  # most tokens the draft computes in one forward
