@@ -111,20 +111,34 @@ def test_closing_a_stream_aborts_the_request(runner):
 
 
 def test_mistralrs_field_names_and_dict_requests(runner):
+    free = runner.send_chat_completion_request(ChatCompletionRequest(
+        model="default", messages=QUESTION, max_tokens=12, temperature=0.0)).choices[0].message.content
+    assert "Paris" in free  # without the stop string the answer names it
     res = runner.send_chat_completion_request(ChatCompletionRequest(
         model="default", messages=QUESTION, n_choices=2, stop_seqs=["Paris"], max_tokens=12,
         temperature=0.0))
     assert len(res.choices) == 2
-    assert all("Paris" not in c.message.content for c in res.choices)
-    res = runner.send_chat_completion_request({"messages": QUESTION, "max_tokens": 2})
-    assert res.usage.completion_tokens <= 2
+    for c in res.choices:  # greedy: both choices are the answer cut just before the stop string
+        assert c.finish_reason == "stop"
+        assert c.message.content == free[:free.index("Paris")]
+    res = runner.send_chat_completion_request({"messages": QUESTION, "max_tokens": 2, "temperature": 0.0})
+    assert res.usage.completion_tokens == 2 and res.choices[0].finish_reason == "length"
 
 
-def test_completion_request(runner):
+def test_completion_request(runner, hf_smollm2_tokenizer):
+    from pagedllm import SamplingParams
+
+    prompt = "The capital of France is"
     res = runner.send_completion_request(CompletionRequest(
-        model="default", prompt="The capital of France is", max_tokens=4, temperature=0.0, echo=True))
-    assert res.choices[0].text.startswith("The capital of France is")
-    assert res.usage.completion_tokens <= 4
+        model="default", prompt=prompt, max_tokens=4, temperature=0.0, echo=True))
+    # The same prompt through the LLM API: echo is the prompt, then exactly the generated text,
+    # which is what transformers' tokenizer makes of the generated tokens.
+    want = runner.llm.generate([prompt], SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)[0]
+    assert want.text == hf_smollm2_tokenizer.decode(want.token_ids, skip_special_tokens=True)
+    assert res.choices[0].text == prompt + want.text
+    assert res.choices[0].finish_reason == want.finish_reason == "length"
+    assert res.usage.completion_tokens == len(want.token_ids) == 4
+    assert res.usage.prompt_tokens == len(hf_smollm2_tokenizer(prompt)["input_ids"])
 
 
 def test_bad_requests_raise_value_error(runner):

@@ -132,18 +132,36 @@ def test_chat_in_a_terminal(smollm2_gguf_path):
 # -- one-shot commands --------------------------------------------------------------------------------
 
 
-def test_generate_prompt_from_stdin(plain_dir):
+@pytest.fixture(scope="module")
+def plain_llm(plain_dir):
+    """The same model through the LLM API, with the engine defaults the CLI uses."""
+    from pagedllm import LLM
+
+    return LLM(str(plain_dir), kv_cache_memory_mb=16)
+
+
+def test_generate_prompt_from_stdin(plain_dir, plain_llm):
+    from pagedllm import SamplingParams
+
     r = cli("generate", "-m", str(plain_dir), "--max-tokens", "4", "--pa-gpu-mem", "16",
             input="What is the capital of France?")
     assert r.returncode == 0, r.stderr
-    assert r.stdout.strip()
+    # The same request through the LLM API (chat template, greedy): stdout is exactly its text.
+    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    want = plain_llm.chat(msgs, SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)
+    assert len(want.token_ids) == 4 and want.text
+    assert r.stdout == want.text + "\n"
 
 
-def test_generate_prompt_argument_raw(plain_dir):
+def test_generate_prompt_argument_raw(plain_dir, plain_llm):
+    from pagedllm import SamplingParams
+
     r = cli("generate", "-m", str(plain_dir), "--raw", "--max-tokens", "4", "--pa-gpu-mem", "16",
             "--stats", "Hello")
     assert r.returncode == 0, r.stderr
-    assert "generated" in r.stderr and r.stdout.strip()
+    want = plain_llm.generate(["Hello"], SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)[0]
+    assert want.text and r.stdout == want.text + "\n"
+    assert f"[{len(want.prompt_token_ids)} prompt tokens, 4 generated" in r.stderr
 
 
 def test_trace_shows_blocks(plain_dir, hf_smollm2_tokenizer):

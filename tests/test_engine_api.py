@@ -79,19 +79,24 @@ def test_stream_concatenates_to_final_text(llm):
     # One request, watched step by step: the deltas must add up to its final text.
     eng = llm.engine
     rid = eng.add_request(prompt, sp)
-    deltas, final = [], None
+    deltas, delta_ids, final = [], [], None
     while final is None:
         for out in eng.step():
             if out.request_id == rid:
                 deltas.append(out.outputs[0].delta_text)
+                delta_ids += out.outputs[0].delta_token_ids
                 final = out if out.finished else None
     assert len([d for d in deltas if d]) > 3
-    assert "".join(deltas) == final.text == llm.tokenizer.decode(final.token_ids)
+    # The same request through generate: the deltas add up to its text and its tokens.
+    whole = llm.generate([prompt], sp, use_tqdm=False)[0]
+    assert len(whole.token_ids) == 48
+    assert delta_ids == final.token_ids == whole.token_ids
+    assert "".join(deltas) == final.text == whole.text == llm.tokenizer.decode(whole.token_ids)
     # Partial UTF-8 is held back while the stream runs; only the last delta may flush an
     # incomplete character (max_tokens can cut one, and the final text then holds it too).
     assert all("\ufffd" not in d for d in deltas[:-1])
-    # LLM.stream yields the same deltas (up to the empty ones).
-    assert "".join(llm.stream(prompt, sp)) and all(d for d in llm.stream(prompt, sp))
+    # LLM.stream yields the same deltas, the empty ones left out.
+    assert list(llm.stream(prompt, sp)) == [d for d in deltas if d]
     _no_leaks(llm)
 
 

@@ -229,7 +229,29 @@ def test_batch1_logits_same_with_gemv_on_and_off(native, tmp_path, hf_smollm2_to
     off = llm.engine.prompt_logits(prompt, chunk_size=1)
     scale = off.std().item()
     assert (on - off).abs().mean().item() < 0.02 * scale  # the two paths agree to bf16 rounding
-    assert (on.argmax(-1) == off.argmax(-1)).float().mean().item() > 0.9
+    # Against transformers in float32: both bf16 paths pick its token wherever its top two are
+    # further apart than bf16 rounding can move them; only near-ties may differ.
+    ref = _transformers_logits(path, prompt)
+    for got in (on, off):
+        assert_argmax_where_clear(got, ref, margin=0.1 * scale)
+
+
+def _transformers_logits(path, prompt: list[int]) -> torch.Tensor:
+    import transformers as tf
+
+    model = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(torch.tensor([prompt])).logits[0].float()
+
+
+def assert_argmax_where_clear(got: torch.Tensor, ref: torch.Tensor, margin: float) -> None:
+    """got's argmax equals ref's at every row whose top-two gap exceeds `margin`, and such rows
+    are most rows (the check is not vacuous)."""
+    top2 = ref.topk(2, dim=-1).values
+    clear = (top2[:, 0] - top2[:, 1]) > margin
+    assert clear.float().mean().item() > 0.5, f"only {int(clear.sum())} of {len(clear)} rows are clear"
+    bad = (got.argmax(-1) != ref.argmax(-1)) & clear
+    assert not bad.any(), f"rows {bad.nonzero()[:, 0].tolist()} pick another token than the reference"
 
 
 @pytest.mark.parametrize("vocab", [1000, 49152, 262147])

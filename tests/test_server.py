@@ -473,7 +473,7 @@ def test_api_key_required_everywhere_but_health(server):
     assert httpx.get(f"{server.url}/health").status_code == 200
 
 
-def test_metrics_names(server):
+def test_metrics_names(server, tmp_path, hf_smollm2_tokenizer):
     m = server.metrics()
     for name in ("pagedllm_num_requests_running", "pagedllm_num_requests_waiting", "pagedllm_kv_blocks_used",
                  "pagedllm_kv_blocks_cached", "pagedllm_prefix_cache_hit_rate", "pagedllm_preemptions_total",
@@ -483,3 +483,53 @@ def test_metrics_names(server):
         assert name in m, name
     assert m["pagedllm_prompt_tokens_total"] > 0 and m["pagedllm_generation_tokens_total"] > 0
     assert 0 < m["pagedllm_kv_blocks_peak_used"] <= m["pagedllm_kv_blocks_touched"] <= m["pagedllm_kv_blocks_total"]
+
+    # The values against the engine's own state, which only an in-process server lets a test read:
+    # a small random Llama whose KV cache (48 blocks of 8) is far below what 12 requests need at
+    # once (it preempts), their prompts sharing 60 tokens (prefix-cache hits).
+    import threading
+    from types import SimpleNamespace
+
+    import uvicorn
+    from models import build_checkpoint
+
+    from pagedllm import LLM
+    from pagedllm.server.app import ServerConfig, create_app
+
+    path = build_checkpoint("llama", tmp_path, hf_smollm2_tokenizer, len(hf_smollm2_tokenizer))
+    llm = LLM(str(path), dtype="float32", block_size=8, kv_cache_context_len=384, max_num_batched_tokens=64,
+              prefix_cache_n=4)
+    port = free_port()
+    inproc = uvicorn.Server(uvicorn.Config(create_app(llm, ServerConfig(model_name="m")), host="127.0.0.1",
+                                           port=port, log_level="warning"))
+    thread = threading.Thread(target=inproc.run, daemon=True)
+    thread.start()
+    try:
+        while not inproc.started:
+            assert thread.is_alive()
+            time.sleep(0.05)
+        shared = list(range(100, 160))
+        bodies = [{"model": "m", "prompt": shared + list(range(300 + 11 * i, 300 + 11 * i + 5 + 7 * i)),
+                   "max_tokens": 24, "temperature": 0.0, "ignore_eos": True} for i in range(12)]
+
+        async def send_all():
+            async with httpx.AsyncClient(timeout=300) as c:
+                rs = await asyncio.gather(*[c.post(f"http://127.0.0.1:{port}/v1/completions", json=b)
+                                            for b in bodies])
+            assert all(r.status_code == 200 for r in rs), [r.text for r in rs]
+
+        asyncio.run(send_all())
+        got = wait_idle(SimpleNamespace(metrics=lambda: ServerProcess.metrics(
+            SimpleNamespace(url=f"http://127.0.0.1:{port}", headers={}))))
+        eng = llm.engine  # idle: the engine thread no longer touches it
+        bm = eng.block_manager
+        assert eng.scheduler.num_preemptions > 0 and bm.num_cached_blocks > 0 and bm.stats.hit_rate > 0
+        assert got["pagedllm_preemptions_total"] == eng.scheduler.num_preemptions
+        assert got["pagedllm_kv_blocks_cached"] == bm.num_cached_blocks
+        assert got["pagedllm_prefix_cache_hit_rate"] == pytest.approx(bm.stats.hit_rate, rel=1e-9)
+        assert got["pagedllm_kv_blocks_free"] == bm.num_free_blocks
+        assert got["pagedllm_kv_blocks_touched"] == bm.num_touched
+        assert got["pagedllm_kv_blocks_peak_used"] == bm.peak_used
+    finally:
+        inproc.should_exit = True
+        thread.join(60)

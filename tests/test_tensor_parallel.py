@@ -186,7 +186,8 @@ def test_mixed_window_layers_refused_before_any_worker_starts(tmp_path, hf_smoll
     two KV groups whose block tables the tensor-parallel step does not carry. Refused up front with
     what to do, not run with the sliding group's tables dropped."""
     path = build_checkpoint("qwen2", tmp_path, hf_smollm2_tokenizer, len(hf_smollm2_tokenizer),
-                            use_sliding_window=True, sliding_window=48, max_window_layers=1)
+                            use_sliding_window=True, sliding_window=48, max_window_layers=1,
+                            layer_types=["full_attention", "sliding_attention", "sliding_attention"])
     before = {c.pid for c in psutil.Process().children(recursive=True)}
     with pytest.raises(ValueError, match=r"mixes sliding-window layers.*global.*tensor_parallel_size=1"):
         LLM(str(path), dtype="float32", tensor_parallel_size=2)
