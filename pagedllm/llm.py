@@ -47,7 +47,7 @@ def _draft_source(name: str, target_source):
     """Where the draft model of speculative method 'draft' comes from, checked before anything
     is loaded: it must exist and have the target's vocabulary size."""
     from .loading.loader import read_config
-    from .speculative.draft import check_vocab_size
+    from .engine.draft import check_vocab_size
 
     try:
         source = resolve(name)
@@ -62,7 +62,7 @@ def _load_draft(source, target, dt: torch.dtype, dev: torch.device, max_model_le
                 dequantize_weights: bool, isq: str | None):
     """The draft model, loaded as the target is (same device and dtype; ISQ applies to a
     safetensors draft), and checked to share its tokenizer."""
-    from .speculative.draft import check_compatible
+    from .engine.draft import check_compatible
 
     loaded = load_model(source, dt, dev, max_positions=max_model_len, dequantize_weights=dequantize_weights,
                         isq=isq if source.kind != "gguf" else None)
@@ -94,7 +94,7 @@ class LLM:
         cache_cfg.validate()
         spec_cfg = SpeculativeConfig.coerce(speculative)
         if spec_cfg is not None and spec_cfg.method == "draft" and tensor_parallel_size != 1:
-            from .speculative.draft import NO_TP
+            from .engine.draft import NO_TP
 
             raise ValueError(NO_TP)
         if isq is not None:

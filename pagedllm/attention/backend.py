@@ -1,22 +1,57 @@
-"""The seam between models and KV storage.
+"""The seam between models and KV storage: the only part of `attention/` a model imports.
 
-A model's attention layer computes q, k, v and hands them to its
-`AttentionLayer`; the layer stores k/v wherever its backend keeps them and
-returns the attention output. Models never see blocks or sequences.
+A model's attention layer computes q, k, v and hands them to its `AttentionLayer` together
+with the step's `AttentionContext`; the layer stores k/v wherever its backend keeps them and
+returns the attention output. Models never see blocks, slots, cache tensors or sequences:
+the context is opaque to them, they only pass it on and ask it the questions below.
 """
 from __future__ import annotations
 
-from typing import Protocol
+from dataclasses import dataclass
+from typing import Protocol, Sequence
 
 import torch
 
-from .metadata import AttentionMetadata
+
+@dataclass
+class DecodeStack:
+    """A decode-only step's paged cache, for a kernel that runs every layer in one call
+    (`quant.kernels.decode_layers`): each layer's K and V pools and window (0: none), and the
+    step's slot mapping, block tables and context lengths. Built by the context, handed by the
+    model to the kernel unread."""
+
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
+    windows: list[int]
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
+    context_lens: torch.Tensor
+
+
+class AttentionContext(Protocol):
+    """What one forward pass tells the attention layers about the flattened batch."""
+
+    def decode_stack(self, layers: Sequence["AttentionLayer"], dtype: torch.dtype) -> DecodeStack | None:
+        """The cache view for running all `layers` of a decode-only step in one native call, or
+        None where that path does not apply (prefill rows, another backend, KV groups)."""
+        ...
 
 
 class AttentionLayer(Protocol):
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 meta: AttentionMetadata) -> torch.Tensor:
+                 ctx: AttentionContext) -> torch.Tensor:
         """q: [T, Hq, D], k/v: [T, Hkv, D] for the flat batch; returns [T, Hq, D]."""
+        ...
+
+    def decode_qkv(self, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: AttentionContext,
+                   hq: int, hkv: int) -> torch.Tensor | None:
+        """A decode-only step from the fused q|k|v projection in one call (rope, cache write,
+        attention): [T, Hq * D]; None where the backend has no such path."""
+        ...
+
+    def stack_kv(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+        """(K pool, V pool, window or 0) when a fused all-layer decode may write and read this
+        layer's cache in place under compute `dtype`; None otherwise."""
         ...
 
 

@@ -119,6 +119,12 @@ class ContiguousLayer:
         self.backend, self.index, self.window, self.scale = backend, index, window, scale
         self.codec, self.softcap = codec, softcap
 
+    def decode_qkv(self, qkv, rope, meta, hq, hkv) -> None:  # no fused decode on this backend
+        return None
+
+    def stack_kv(self, dtype) -> None:
+        return None
+
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  meta: AttentionMetadata) -> torch.Tensor:
         out = torch.empty_like(q)

@@ -1,4 +1,5 @@
-"""What one forward pass tells the attention layers about the flattened batch.
+"""What one forward pass tells the attention layers about the flattened batch: the
+AttentionContext (backend.py) that the model runner builds and models only pass on.
 
 The batch is a flat run of tokens. The first `num_decodes` sequences contribute
 one token each (decodes); the rest are prefill chunks. Everything is built once
@@ -7,8 +8,11 @@ per step by the model runner and read by every layer.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import torch
+
+from .backend import AttentionLayer, DecodeStack
 
 
 @dataclass
@@ -30,6 +34,21 @@ class AttentionMetadata:
 
     def group(self, g: int) -> "AttentionMetadata":
         return self if g == 0 else self.groups[g - 1]
+
+    def decode_stack(self, layers: Sequence[AttentionLayer], dtype: torch.dtype) -> DecodeStack | None:
+        """The paged cache of a decode-only step for one call over all `layers` (the
+        AttentionContext question); None unless every layer's cache can be read in place."""
+        if self.num_decodes != len(self.seq_ids) or self.slot_mapping is None:
+            return None
+        k, v, windows = [], [], []
+        for layer in layers:
+            kv = layer.stack_kv(dtype)
+            if kv is None:
+                return None
+            k.append(kv[0])
+            v.append(kv[1])
+            windows.append(kv[2])
+        return DecodeStack(k, v, windows, self.slot_mapping, self.block_tables, self.decode_context_lens)
 
     @property
     def num_seqs(self) -> int:

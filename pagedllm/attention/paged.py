@@ -126,6 +126,13 @@ class PagedAttentionLayer:
                                             meta.block_tables, meta.decode_context_lens, hq, hkv,
                                             self.scale, self.window or 0)
 
+    def stack_kv(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+        """This layer's pools for the fused all-layer decode: the native kernel, reading a cache
+        it can read under `dtype`, in KV group 0 (the stack takes one set of block tables)."""
+        if self.native is None or self.group != 0 or not native_reads(dtype, self.kv.dtype):
+            return None
+        return self.kv.k, self.kv.v, self.window or 0
+
     def _decode(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         nd, hq, d = q.shape
         if self.native is not None and native_reads(q.dtype, self.kv.dtype):

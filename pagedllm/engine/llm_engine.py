@@ -14,12 +14,12 @@ from typing import Iterator
 
 import torch
 
+from ..attention.calibration import resolve_fp8_scales
 from ..attention.contiguous import ContiguousBackend
 from ..attention.paged import PagedAttentionBackend
 from ..config import CacheConfig, SchedulerConfig
 from ..device import release_freed_memory
 from ..kv.cache import KVCacheSpec, PagedKVCache, plan_cache
-from ..kv.calibration import resolve_fp8_scales
 from ..kv.groups import KVGroups, blocks_held, plan_groups
 from ..kv.trace import committed_bytes
 from ..loading.loader import LoadedModel
@@ -28,10 +28,10 @@ from ..sampling.params import SamplingParams
 from ..sampling.sampler import Sampler
 from ..speculative import decoder as spec_decoder
 from ..speculative.config import SpeculativeConfig
-from ..speculative.draft import NO_TP, DraftModel, draft_cache_config, share_budget
 from ..structured.grammar import GrammarEngine, advance as grammar_advance
 from ..tokenizer import IncrementalDetokenizer
 from .block_manager import BlockManager, NoFreeBlocksError
+from .draft import NO_TP, DraftModel, draft_cache_config, share_budget
 from .model_runner import ModelRunner
 from .scheduler import ScheduledSeq, Scheduler
 from .sequence import Sequence, SequenceStatus

@@ -104,7 +104,8 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
     with torch.device("meta"):
         model = cls(cfg, positions, tp)
     if isq:
-        from ..quant.isq import isq_stream, linear_weight_names
+        from ..models.linear import linear_weight_names
+        from ..quant.isq import isq_stream
 
         if qpath is None:
             raise ValueError(f"isq={isq!r} needs the quantized CPU kernels, which are not in use here: {qwhy}")

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..attention.metadata import AttentionMetadata
+from ..attention.backend import AttentionContext
 from ..config import ModelConfig
 from .llama import MLP, Attention, LlamaForCausalLM, RMSNorm
 
@@ -43,7 +43,7 @@ class Gemma2DecoderLayer(nn.Module):
         self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps)
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], h: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: AttentionContext) -> torch.Tensor:
         h = h + self.post_attention_layernorm(self.self_attn(rope, h, meta, norm=self.input_layernorm))
         return h + self.post_feedforward_layernorm(self.mlp(h, norm=self.pre_feedforward_layernorm))
 

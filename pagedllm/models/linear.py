@@ -13,6 +13,8 @@
 """
 from __future__ import annotations
 
+from typing import Iterable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -102,3 +104,15 @@ class Embedding(nn.Embedding):
         if self.qweight is not None:
             return qk.embedding(self.qweight, ids.reshape(-1), self.out_dtype).view(*ids.shape, -1)
         return super().forward(ids)
+
+
+def linear_weight_names(model: torch.nn.Module, keys: Iterable[str]) -> set[str]:
+    """The checkpoint names that land in a Linear layer's weight (not embeddings or norms)."""
+    names = set()
+    for key in keys:
+        mapped = model.map_weight_name(key)
+        if mapped is None or not mapped[0].endswith(".weight"):
+            continue
+        if isinstance(model.get_submodule(mapped[0].rsplit(".", 1)[0]), Linear):
+            names.add(key)
+    return names

@@ -14,10 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..attention.metadata import AttentionMetadata
-from ..attention.paged import native_reads
+from ..attention.backend import AttentionContext
 from ..config import ModelConfig
-from ..native import cpu_kernels
 from ..quant import kernels as qk
 from ..quant.formats import QuantTensor
 from .linear import Embedding, Linear
@@ -58,16 +56,15 @@ class Attention(nn.Module):
         self.attn = None  # set by the model runner: an attention backend layer
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
-                meta: AttentionMetadata, norm: nn.Module | None = None,
+                meta: AttentionContext, norm: nn.Module | None = None,
                 residual: torch.Tensor | None = None) -> torch.Tensor:
         """residual + o_proj(attention(norm(x)))."""
         qkv = self.qkv_proj.fused(x, norm=norm)
         if self.q_norm is not None:
             qkv = self._norm_qk(qkv)
         # A pure decode step on the native paged backend: rope, the cache write and attention
-        # in one call (the same values as the ops below).
-        decode_qkv = getattr(self.attn, "decode_qkv", None)
-        o = decode_qkv(qkv, rope, meta, self.num_heads, self.num_kv_heads) if decode_qkv else None
+        # in one call (the same values as the ops below); None where the backend has no such path.
+        o = self.attn.decode_qkv(qkv, rope, meta, self.num_heads, self.num_kv_heads)
         if o is None:
             t = x.shape[0]
             qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
@@ -111,7 +108,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], h: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: AttentionContext) -> torch.Tensor:
         # The norms and residual adds travel with the projections, which fold them into one
         # native call where they can (quantized weights, few rows).
         h = self.self_attn(rope, h, meta, norm=self.input_layernorm, residual=h)
@@ -164,7 +161,7 @@ class LlamaForCausalLM(nn.Module):
         return self.embed_tokens(input_ids)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: AttentionContext) -> torch.Tensor:
         h = self.embed(input_ids)
         rope = self.rope.lookup(positions, h.dtype)
         stacked = self._decode_stack(h, rope, meta)
@@ -176,36 +173,31 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(h)
 
     def _decode_stack(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                      meta: AttentionMetadata) -> torch.Tensor | None:
+                      meta: AttentionContext) -> torch.Tensor | None:
         """A decode-only step with every projection quantized and few rows: all the layers in
         one native call (the same five calls a layer makes below, without the interpreter
         between them); None where that does not apply."""
-        if h.dim() != 2 or h.shape[0] > qk.INT_ROWS or meta.num_decodes != meta.num_seqs:
+        if h.dim() != 2 or h.shape[0] > qk.INT_ROWS:
             return None
         plan = self._stack_plan()
         if plan is None:
             return None
-        attns = [layer.self_attn.attn for layer in self.layers]
-        if any(getattr(a, "native", None) is None or not hasattr(a, "decode_qkv") or not native_reads(h.dtype, a.kv.dtype)
-               or getattr(a, "group", 0) != 0 for a in attns):  # (one KV group: one set of tables)
+        kv = meta.decode_stack(plan["attns"], h.dtype)  # None: not a decode-only native paged step
+        if kv is None:
             return None
         a = self.layers[0].self_attn
-        cos, sin = rope
-        return plan["ops"].quant_decode_layers(
-            h, plan["weights"], plan["types"], plan["parts"], plan["kdims"], plan["norms"], plan["eps"],
-            plan["biases"], [x.kv.k for x in attns], [x.kv.v for x in attns], [x.window or 0 for x in attns],
-            cos, sin, meta.slot_mapping, meta.block_tables, meta.decode_context_lens, a.num_heads,
-            a.num_kv_heads, a.scale, qk._isa_id(None, h.shape[0]))
+        return qk.decode_layers(h, plan, kv, rope, a.num_heads, a.num_kv_heads, a.scale)
 
     def _stack_plan(self) -> dict | None:
         """The flattened weights of `_decode_stack`, made once; None unless every layer is a
         plain decoder layer whose four projections are quantized."""
         if getattr(self, "_plan", False) is not False:
+            if self._plan is not None:  # the runner may have set other attention layers since
+                self._plan["attns"] = [layer.self_attn.attn for layer in self.layers]
             return self._plan
         self._plan = None
-        ops = cpu_kernels()
         layers = list(self.layers)
-        if ops is None or not hasattr(ops, "quant_decode_layers") or not layers or self.tp is not None:
+        if not qk.decode_layers_available() or not layers or self.tp is not None:
             return None  # (tensor-parallel layers all-reduce between their projections)
         weights, types, parts, kdims, norms, biases = [], [], [], [], [], []
         eps = {layer.input_layernorm.eps for layer in layers} | {layer.post_attention_layernorm.eps for layer in layers}
@@ -225,7 +217,7 @@ class LlamaForCausalLM(nn.Module):
             norms += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
         if len(eps) != 1:
             return None
-        self._plan = {"ops": ops, "weights": weights, "types": types, "parts": parts, "kdims": kdims,
+        self._plan = {"attns": [layer.self_attn.attn for layer in layers], "weights": weights, "types": types, "parts": parts, "kdims": kdims,
                       "norms": norms, "eps": eps.pop(), "biases": biases}
         return self._plan
 

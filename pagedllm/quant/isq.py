@@ -8,7 +8,7 @@ check them byte for byte against gguf-py's); Q4_K uses a min/max fit per 32 valu
 """
 from __future__ import annotations
 
-from typing import Iterable, Iterator
+from typing import Iterator
 
 import torch
 
@@ -22,20 +22,6 @@ def check_isq_type(fmt: str) -> str:
     if name not in ISQ_TYPES:
         raise ValueError(f"unsupported ISQ type {fmt!r}; supported: {', '.join(ISQ_TYPES)}")
     return name
-
-
-def linear_weight_names(model: torch.nn.Module, keys: Iterable[str]) -> set[str]:
-    """The checkpoint names that land in a Linear layer's weight (not embeddings or norms)."""
-    from ..models.linear import Linear
-
-    names = set()
-    for key in keys:
-        mapped = model.map_weight_name(key)
-        if mapped is None or not mapped[0].endswith(".weight"):
-            continue
-        if isinstance(model.get_submodule(mapped[0].rsplit(".", 1)[0]), Linear):
-            names.add(key)
-    return names
 
 
 def isq_stream(weights: Iterator[tuple[str, torch.Tensor]], fmt: str,

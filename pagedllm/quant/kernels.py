@@ -153,6 +153,24 @@ def linear(x: torch.Tensor, parts: list[QuantTensor], norm, bias: torch.Tensor |
         1 if silu_mul else 0, _isa_id(None, x.shape[0]))
 
 
+def decode_layers_available() -> bool:
+    """Whether the native all-layer decode (`decode_layers`) is built here."""
+    ops = cpu_kernels()
+    return ops is not None and hasattr(ops, "quant_decode_layers")
+
+
+def decode_layers(h: torch.Tensor, plan: dict, kv, rope: tuple[torch.Tensor, torch.Tensor], num_heads: int,
+                  num_kv_heads: int, scale: float) -> torch.Tensor:
+    """Every decoder layer of a decode-only step in one native call: per layer the fused
+    projections of `plan` (the flattened quantized weights, norms and biases), rope, the paged
+    cache write and attention over `kv` (an attention.backend.DecodeStack, read here only)."""
+    cos, sin = rope
+    return cpu_kernels().quant_decode_layers(
+        h, plan["weights"], plan["types"], plan["parts"], plan["kdims"], plan["norms"], plan["eps"],
+        plan["biases"], kv.k, kv.v, kv.windows, cos, sin, kv.slot_mapping, kv.block_tables, kv.context_lens,
+        num_heads, num_kv_heads, scale, _isa_id(None, h.shape[0]))
+
+
 def embedding(w: QuantTensor, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Rows `ids` of w as `dtype`: the embedding lookup reads only the rows it needs."""
     if w.packed:

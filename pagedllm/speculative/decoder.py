@@ -1,5 +1,5 @@
 """Speculative decoding around the engine's step: who speculates, what is proposed (n-gram
-lookup, or a draft model: draft.py), what is accepted, and the figures the trace and
+lookup, or a draft model: engine/draft.py), what is accepted, and the figures the trace and
 /metrics report.
 
 Verification. A sequence with proposals d_1..d_k is scheduled with k + 1 query tokens (its
@@ -77,7 +77,7 @@ class SpeculativeDecoder:
     config: SpeculativeConfig
     max_model_len: int
     stats: SpecStats = field(default_factory=SpecStats)
-    draft: Any = None  # method "draft": the DraftModel (draft.py) that proposes
+    draft: Any = None  # method "draft": the DraftModel (engine/draft.py) that proposes
 
     def eligible(self, seq) -> bool:
         """Speculation applies: penalties read every earlier token of the row, which the

@@ -12,7 +12,7 @@ With prefix caching on (the target's setting), a new shadow starts from the draf
 cached K/V of its prompt, and finished shadows leave theirs behind.
 
 Greedy proposals are a function of the context alone, so the target's acceptance rule
-(decoder.py) is exact rejection sampling for a deterministic draft: greedy output is the
+(speculative/decoder.py) is exact rejection sampling for a deterministic draft: greedy output is the
 target's, sampled output has the target's distribution, and seeded rows draw the tokens
 they draw without speculation.
 """
@@ -24,12 +24,12 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..config import CacheConfig
-from ..engine.block_manager import BlockManager
-from ..engine.model_runner import ModelRunner
-from ..engine.scheduler import ScheduledSeq
-from ..engine.sequence import Sequence
 from ..kv.cache import CachePlan, KVCacheSpec, dtype_name
 from ..kv.groups import plan_groups
+from .block_manager import BlockManager
+from .model_runner import ModelRunner
+from .scheduler import ScheduledSeq
+from .sequence import Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -106,7 +106,7 @@ class DraftModel:
 
     def __init__(self, loaded, spec: KVCacheSpec, cache_cfg: CacheConfig, num_blocks: int,
                  device: torch.device, dtype: torch.dtype, chunk: int) -> None:
-        from ..engine.llm_engine import build_kv  # the engine module imports this one
+        from .llm_engine import build_kv  # the engine module imports this one
 
         cfg = loaded.config
         self.name = loaded.source.short_name
