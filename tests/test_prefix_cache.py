@@ -9,6 +9,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.engine.block_manager import BlockManager
+from pagedllm.engine.input_batch import InputBatch
 from pagedllm.engine.sequence import Sequence
 from models import build_checkpoint
 
@@ -28,6 +29,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.bm = BlockManager(14 * len(self.windows), BS, enable_caching=True, max_cached_seqs=3,
                                copy_fn=self._copy, group_windows=self.windows)
         self.live: list[Sequence] = []
+        # The runner's persistent rows, starting small so they grow: kept in step with the tables
+        # by what the block manager reports (appends, and table_version for the rest).
+        self.rows = InputBatch(len(self.windows), rows=2, width=2)
 
     def _copy(self, src: int, dst: int, n: int) -> None:
         s = self.phys.setdefault(src, [None] * BS)
@@ -63,6 +67,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         if not self.bm.can_grow(seq, seq.num_tokens):
             self.bm.free(seq, "keep")  # preempted for lack of blocks
             self.live.remove(seq)
+            self.rows.release(seq.seq_id)
             return
         self.bm.grow(seq, seq.num_tokens)
         self._compute(seq, seq.num_tokens)
@@ -81,6 +86,16 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def release(self, i, mode):
         seq = self.live.pop(i % len(self.live))
         self.bm.free(seq, mode)
+        self.rows.release(seq.seq_id)
+
+    @invariant()
+    def rows_match_tables(self):
+        for seq in self.live:
+            r = self.rows.row(seq)
+            for g, table in enumerate(self.bm.tables(seq)):
+                row = self.rows.tables[g, r]
+                assert row[:len(table)].tolist() == table and not row[len(table):].any(), (g, row, table)
+            assert seq.num_released == sum(t.count(0) for t in self.bm.tables(seq))
 
     @invariant()
     def blocks_consistent(self):

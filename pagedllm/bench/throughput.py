@@ -193,7 +193,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="split the model over N ranks (worker processes on this machine)")
     p.add_argument("--peer", choices=["transformers", "none"], default="transformers")
     p.add_argument("--peer-batch-size", type=int, default=32)
-    p.add_argument("--profile", action="store_true", help="print a torch profile of one decode step")
+    p.add_argument("--profile", action="store_true",
+                   help="print a torch profile of one decode step, and the per-step input planning time "
+                        "at 32 and 256 running sequences")
     p.add_argument("--output", default="bench-results/throughput.json")
 
 
@@ -222,6 +224,8 @@ def run(args: argparse.Namespace) -> dict:
         llm.shutdown()  # tensor-parallel workers stop with it
         del llm  # one engine (and its KV cache) at a time
         gc.collect()
+    if args.profile:
+        result["planning"] = planning_report(args)
     ours = by_type[types[0]]
     result["pagedllm"] = ours
     if len(types) > 1:
@@ -328,3 +332,89 @@ def profile_decode_step(llm, batch: int = 32, context: int = 256) -> str:
     while eng.has_unfinished():
         eng.step()
     return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15)
+
+
+def planning_report(args: argparse.Namespace, sizes=(32, 256), context: int = 512) -> dict:
+    """Per-step input planning at each of `sizes` running sequences, printed, on an engine of
+    its own with room for the largest (its KV cache is never written: the model does not run)."""
+    from .. import LLM
+
+    # Every prompt admitted in one step, so no sequence decodes (and grows) while others wait.
+    llm = LLM(args.model, dtype=args.dtype, max_num_seqs=max(sizes), block_size=args.pa_blk_size,
+              kv_cache_context_len=max(sizes) * (context + 64), max_model_len=context + 64 + 16,
+              max_num_batched_tokens=max(sizes) * (context + 1))
+    out = {}
+    try:
+        for n in sizes:
+            r = out[n] = profile_planning(llm, n, context)
+            print(f"planning at {n} running sequences (context {context}): median {r['median_ms']:.3f} ms "
+                  f"per decode step over {r['steps']} steps (plan {r['plan_ms']:.3f}, tensors "
+                  f"{r['tensors_ms']:.3f}, waste {r['waste_ms']:.3f})")
+    finally:
+        llm.shutdown()
+    return out
+
+
+def profile_planning(llm, num_seqs: int, context: int = 512, steps: int = 16) -> dict:
+    """Per-step input planning with `num_seqs` sequences decoding at about `context` tokens:
+    ModelRunner.plan and .tensors (the step's inputs as tensors) and the engine's per-step KV
+    waste tracking. The model never runs: each step's tokens are appended here, so the figure
+    is the planning alone, on the engine's real scheduler, block manager and runner."""
+    import statistics
+
+    from ..sampling.params import SamplingParams
+
+    eng = llm.engine
+    if eng.sched_config.max_num_seqs < num_seqs:
+        raise ValueError(f"profile_planning needs max_num_seqs >= {num_seqs} (the engine has "
+                         f"{eng.sched_config.max_num_seqs}); pass --max-seqs")
+    wl = make_workload(num_seqs, eng.model_config.vocab_size, 11, (context, context), (1, 1),
+                       set(eng.eos_token_ids))
+    rids = [eng.add_request(p, SamplingParams(max_tokens=steps + 4, temperature=0.0, ignore_eos=True))
+            for p in wl.prompts]
+    runner = eng.runner
+    timed = {"plan": 0.0, "tensors": 0.0, "waste": 0.0}
+    originals = {"plan": runner.plan, "tensors": runner.tensors, "waste": eng._track_waste}
+
+    def timer(name):
+        fn = originals[name]
+
+        def wrapped(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                timed[name] += time.perf_counter() - t0
+        return wrapped
+
+    runner.plan, runner.tensors, eng._track_waste = timer("plan"), timer("tensors"), timer("waste")
+    per_step, parts = [], {k: [] for k in timed}
+    try:
+        for _ in range(10_000):
+            sched = eng.scheduler.schedule()
+            batch = sorted(sched.scheduled, key=lambda it: not it.is_decode)
+            decoding = len(batch) == num_seqs and all(it.is_decode for it in batch)
+            for k in timed:
+                timed[k] = 0.0
+            runner.tensors(runner.plan(batch))
+            for it in batch:  # what execute and the engine would record, without the forward
+                seq, samples = it.seq, it.samples
+                seq.num_computed_tokens += it.num_new_tokens
+                eng.block_manager.commit_full_blocks(seq)
+                if samples:
+                    seq.append_token(int(wl.prompts[0][seq.num_output_tokens % context]))
+            eng._track_waste()
+            if decoding:
+                per_step.append(sum(timed.values()))
+                for k, v in timed.items():
+                    parts[k].append(v)
+                if len(per_step) == steps:
+                    break
+    finally:
+        runner.plan, runner.tensors, eng._track_waste = originals["plan"], originals["tensors"], originals["waste"]
+        for rid in rids:
+            eng.abort(rid)
+    med = lambda xs: 1000 * statistics.median(xs) if xs else float("nan")
+    return {"num_seqs": num_seqs, "context": context, "steps": len(per_step), "median_ms": med(per_step),
+            "min_ms": 1000 * min(per_step, default=float("nan")), "max_ms": 1000 * max(per_step, default=float("nan")),
+            **{f"{k}_ms": med(v) for k, v in parts.items()}}

@@ -48,8 +48,13 @@ def recv(group) -> tuple[int, list[list[int]]]:
 def step_lists(plan: StepPlan, ops: list[int]) -> list[list[int]]:
     rows = plan.logits_rows
     scalars = [plan.num_decodes, plan.width, 1 if rows is None else 0]
-    return [scalars, plan.ids, plan.pos, plan.query_start_loc, plan.context_lens, plan.seq_ids,
-            plan.slots, plan.tables, rows or [], ops]
+    return [scalars, plan.ids, _ints(plan.pos), plan.query_start_loc, plan.context_lens, plan.seq_ids,
+            _ints(plan.slots), _ints(plan.tables), rows or [], ops]
+
+
+def _ints(x) -> list[int]:
+    """The runner builds positions, slots and tables as int64 arrays; messages carry lists."""
+    return x.tolist() if hasattr(x, "tolist") else x
 
 
 def step_from_lists(lists: list[list[int]]) -> tuple[StepPlan, list[int]]:

@@ -156,6 +156,7 @@ class BlockManager:
         if len(seq.group_tables) != self.num_groups - 1:
             seq.group_tables = [[] for _ in range(self.num_groups - 1)]
             seq.group_hashes = [[] for _ in range(self.num_groups - 1)]
+            seq.table_version += 1
         return [seq.block_table, *seq.group_tables]
 
     def _hash_lists(self, seq: Sequence) -> list[list[int]]:
@@ -204,6 +205,7 @@ class BlockManager:
         self._copy(old, new, seq.num_computed_tokens - i * self.block_size)
         self._decref(old)
         table[i] = new
+        seq.table_version += 1
 
     def _copy(self, src: int, dst: int, n: int) -> None:
         if n > 0:
@@ -218,6 +220,8 @@ class BlockManager:
         child.block_hashes = list(parent.block_hashes)
         child.group_tables = [list(t) for t in parent.group_tables]
         child.group_hashes = [list(h) for h in parent.group_hashes]
+        child.num_released = parent.num_released
+        child.table_version += 1
         for table in self.tables(child):
             for bid in table:
                 if bid != NULL_BLOCK:
@@ -232,8 +236,11 @@ class BlockManager:
         for table in self.tables(seq):
             while len(table) > keep:
                 bid = table.pop()
+                seq.table_version += 1
                 if bid != NULL_BLOCK:
                     self._decref(bid, keep=False)
+                else:
+                    seq.num_released -= 1
 
     def release_window(self, seq: Sequence) -> int:
         """Free the blocks of each sliding group that lie wholly behind its window: the next
@@ -242,6 +249,9 @@ class BlockManager:
         for table, w in zip(self.tables(seq), self.group_windows):
             if w is not None:
                 freed += self._release_before(table, seq.num_computed_tokens - w + 1)
+        if freed:
+            seq.num_released += freed
+            seq.table_version += 1
         return freed
 
     def _release_before(self, table: list[int], first_needed_token: int) -> int:
@@ -279,6 +289,8 @@ class BlockManager:
         seq.block_hashes = []
         seq.group_tables = []
         seq.group_hashes = []
+        seq.num_released = 0
+        seq.table_version += 1
         while len(self.retained) > (self.max_cached_seqs if self.enable_caching else 0):
             _, old = self.retained.popitem(last=False)
             for bid in old.blocks:
@@ -381,6 +393,8 @@ class BlockManager:
                 bid = found[i] if i >= first else NULL_BLOCK
                 if bid != NULL_BLOCK:
                     self._ref_cached(bid)
+                else:
+                    seq.num_released += 1
                 table.append(bid)
                 hash_list.append(hashes[i])
         hit = n * bs

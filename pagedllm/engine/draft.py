@@ -151,6 +151,7 @@ class DraftModel:
         mode = ("keep" if not seq.is_finished else
                 "drop" if seq.finish_reason in ("abort", "error") else "retain")
         bm.free(sh.seq, mode)
+        self.runner.release(sh.seq.seq_id)
 
     def _sync(self, seq: Sequence) -> _Shadow:
         """The shadow of seq, its tokens made the target's: proposals the target took keep

@@ -303,6 +303,7 @@ class LLMEngine:
         finally:
             self.block_manager.free(seq)
             self.backend.free_seq(seq.seq_id)
+            self.runner.release(seq.seq_id)
 
     def score_prompts(self, prompts: list[list[int]], chunk_size: int = 1,
                       top1: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
@@ -356,6 +357,7 @@ class LLMEngine:
             for s in seqs:
                 self.block_manager.free(s)
                 self.backend.free_seq(s.seq_id)
+                self.runner.release(s.seq_id)
         out = [torch.empty(s.num_tokens - 1) for s in seqs]
         if top1 is not None:
             top1[:] = [torch.empty(s.num_tokens - 1, dtype=torch.int64) for s in seqs]
@@ -379,6 +381,7 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         for s in sched.preempted:
             self.backend.free_seq(s.seq_id)
+            self.runner.release(s.seq_id)
             if self.spec is not None:
                 self.spec.release(s)
         if not sched:
@@ -435,15 +438,20 @@ class LLMEngine:
         self.block_manager.commit_full_blocks(seq)
 
     def _track_waste(self) -> None:
+        """Allocated slots not holding a token, over the running sequences' tables: entries
+        minus the null ones a window released (counted by the block manager as it nulls them),
+        against computed tokens (a prompt prefilled in chunks has blocks for its chunks so far)."""
         bs = self.cache_config.block_size
-        alloc = held = 0
-        for s in self.scheduler.running:  # O(running); list.count runs in C
-            for table in self.block_manager.tables(s):
-                released = table.count(0)  # null entries behind a window
-                alloc += (len(table) - released) * bs
-                # Computed tokens are the ones holding a slot: a prompt still being prefilled in
-                # chunks has blocks only for its chunks so far.
-                held += s.num_computed_tokens - released * bs
+        running = self.scheduler.running
+        if not running:
+            return
+        groups = self.block_manager.num_groups
+        entries = sum(len(s.block_table) for s in running)
+        if groups > 1:
+            entries += sum(len(t) for s in running for t in s.group_tables)
+        released = sum(s.num_released for s in running)
+        alloc = (entries - released) * bs
+        held = groups * sum(s.num_computed_tokens for s in running) - released * bs
         if alloc:
             self.waste_sum += max(0.0, 1 - held / alloc)
             self.waste_steps += 1
@@ -531,6 +539,7 @@ class LLMEngine:
     def _finish(self, seq: Sequence) -> None:
         self.scheduler.finish(seq, keep_prefix=seq.finish_reason not in ("abort", "error"))
         self.backend.free_seq(seq.seq_id)
+        self.runner.release(seq.seq_id)
         self.runner.sampler.release(seq.seq_id)
         if self.spec is not None:
             self.spec.release(seq)

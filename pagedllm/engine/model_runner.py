@@ -7,35 +7,41 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+import numpy as np
 import torch
 
 from ..attention.metadata import AttentionMetadata
 from ..sampling.metadata import SamplingMetadata
 from ..sampling.sampler import Sampler, SamplerOutput
+from .input_batch import InputBatch
 from .scheduler import ScheduledSeq
 from .sequence import Sequence
 
 
+Ints = list[int] | np.ndarray  # int64 arrays for what the runner computes with numpy
+
+
 @dataclass
 class StepPlan:
-    """One forward pass as plain lists: what rank 0 decides and, under tensor parallelism,
-    sends to the other ranks (distributed/executor.py), so every rank builds the same tensors."""
+    """One forward pass as int sequences (lists, or int64 arrays for the per-token and table
+    parts): what rank 0 decides and, under tensor parallelism, sends to the other ranks
+    (distributed/executor.py), so every rank builds the same tensors."""
 
     ids: list[int]
-    pos: list[int]
+    pos: Ints
     query_start_loc: list[int]
     context_lens: list[int]
     num_decodes: int
     seq_ids: list[int]
-    slots: list[int] = field(default_factory=list)  # paged backends only
-    tables: list[int] = field(default_factory=list)  # [num_seqs * width], padded with 0
+    slots: Ints = field(default_factory=list)  # paged backends only
+    tables: Ints = field(default_factory=list)  # [num_seqs * width], padded with 0
     width: int = 0
     # Rows of the flat batch to compute logits for; None: every row (scoring a chunk).
     logits_rows: list[int] | None = field(default_factory=list)
     # KV groups after the first (kv/groups.py: sliding layers beside global ones): their slot
     # mappings and flat tables. (Tensor parallelism runs single-group models and sends none.)
-    group_slots: list[list[int]] = field(default_factory=list)
-    group_tables: list[list[int]] = field(default_factory=list)
+    group_slots: list[Ints] = field(default_factory=list)
+    group_tables: list[Ints] = field(default_factory=list)
     group_widths: list[int] = field(default_factory=list)
 
 
@@ -50,63 +56,127 @@ class ModelRunner:
         self.upload = HostUpload(device)
         self.structured = None  # a GrammarEngine, set by the engine
         self.driver = None  # under tensor parallelism: rank 0's TPExecutor, which sends each plan
+        # Per-sequence rows kept between steps: block tables of every KV group (input_batch.py).
+        self.batch = InputBatch(getattr(backend, "num_groups", 1))
         for i, attn in enumerate(model.attention_modules()):
             attn.attn = backend.layer(i, attn.window, attn.scale, attn.softcap)
 
     def plan(self, batch: list[ScheduledSeq]) -> StepPlan:
-        """The step's inputs as plain lists (under tensor parallelism rank 0 sends them to the
-        other ranks). A decode with speculative proposals becomes one decode row per query token
-        (its last token, then each proposal), each over the same block table with the context up
-        to itself: the batched decode kernel then verifies the proposals, and each row's
-        attention is computed exactly as a one-token decode at that place would be."""
-        bs = self.block_size
+        """The step's inputs (under tensor parallelism rank 0 sends them to the other ranks). A
+        decode with speculative proposals becomes one decode row per query token (its last token,
+        then each proposal), each over the same block table with the context up to itself: the
+        batched decode kernel then verifies the proposals, and each row's attention is computed
+        exactly as a one-token decode at that place would be.
+
+        Python touches each sequence once (its token ids, and its row of the persistent batch,
+        updated by what changed); positions, slots and block tables are array operations."""
         paged = self.backend.uses_block_tables
-        groups = getattr(self.backend, "num_groups", 1)
+        if all(it.num_new_tokens == 1 for it in batch):
+            return self._plan_one_token_each(batch, paged)
         ids: list[int] = []
-        pos: list[int] = []
-        slots: list[list[int]] = [[] for _ in range(groups)]  # per KV group
-        qsl = [0]
-        ctx_lens: list[int] = []
+        seq_ids: list[int] = []  # one per attention row (a sequence, or a decode row)
         logits_idx: list[int] = []
-        row_seqs: list[Sequence] = []  # one entry per attention row (a sequence, or a decode row)
-        num_decodes = 0
+        starts, counts, rows = [], [], []
+        num_decodes = 0  # attention rows of decodes (decode items come first)
+        decode_items = 0
+        prefill_ends: list[int] = []
+        row_of = self.batch.row
+        t = 0  # tokens so far
         for item in batch:
             seq, n = item.seq, item.num_new_tokens
             start = seq.num_computed_tokens
-            end = start + n
             spec = item.spec_tokens
-            ids.extend(seq.token_ids[start:end - len(spec)])
-            ids.extend(spec)
-            pos.extend(range(start, end))
-            if paged:
-                for g, table in enumerate(_seq_tables(seq, groups)):
-                    slots[g].extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            if item.is_decode:  # one query over the cache (or several, one row each)
-                for p in range(start + 1, end + 1):
-                    qsl.append(qsl[-1] + 1)
-                    ctx_lens.append(p)
-                    row_seqs.append(seq)
-                    num_decodes += 1
-                if spec:
-                    logits_idx.extend(range(qsl[-1] - n, qsl[-1]))
+            if n == 1:
+                ids.append(seq.token_ids[start])
+            elif spec:
+                ids.extend(seq.token_ids[start:start + n - len(spec)])
+                ids.extend(spec)
             else:
-                qsl.append(qsl[-1] + n)
-                ctx_lens.append(end)
-                row_seqs.append(seq)
+                ids.extend(seq.token_ids[start:start + n])
+            starts.append(start)
+            counts.append(n)
+            if paged:
+                rows.append(row_of(seq))
+            if item.is_decode:  # one query over the cache (or several, one row each)
+                if prefill_ends:
+                    raise ValueError("a step's decodes must come before its prefill chunks")
+                seq_ids.extend([seq.seq_id] * n)
+                num_decodes += n
+                decode_items += 1
+                if spec:
+                    logits_idx.extend(range(t, t + n))
+            else:
+                seq_ids.append(seq.seq_id)
+                prefill_ends.append(start + n)
+            t += n
             if item.samples and not spec:
-                logits_idx.append(qsl[-1] - 1)
-        plan = StepPlan(ids, pos, qsl, ctx_lens, num_decodes, [s.seq_id for s in row_seqs], slots[0],
-                        logits_rows=logits_idx)
-        if paged:  # one table per attention row, in each group
-            for g in range(groups):
-                flat, width = _padded_tables([_seq_tables(s, groups)[g] for s in row_seqs])
-                if g == 0:
-                    plan.tables, plan.width = flat, width
-                else:
-                    plan.group_slots.append(slots[g])
-                    plan.group_tables.append(flat)
-                    plan.group_widths.append(width)
+                logits_idx.append(t - 1)
+        starts_a = np.array(starts, dtype=np.int64)
+        counts_a = np.array(counts, dtype=np.int64)
+        tok_items = np.repeat(np.arange(len(batch)), counts_a)  # each token's item
+        first = np.cumsum(counts_a) - counts_a  # each item's first token in the flat batch
+        pos = starts_a[tok_items] + np.arange(t) - first[tok_items]
+        # Decode rows attend up to themselves; a prefill chunk's one row attends its whole context.
+        ctx_lens = (pos[:num_decodes] + 1).tolist() + prefill_ends
+        qsl = list(range(num_decodes + 1))
+        for n in counts[decode_items:]:
+            qsl.append(qsl[-1] + n)
+        plan = StepPlan(ids, pos, qsl, ctx_lens, num_decodes, seq_ids, logits_rows=logits_idx)
+        if paged:
+            rows_a = np.array(rows, dtype=np.int64)
+            tok_rows = rows_a[tok_items]
+            # One table per attention row: decode rows repeat their sequence's row.
+            attn_rows = np.concatenate([tok_rows[:num_decodes], rows_a[decode_items:]])
+            self._paged_inputs(plan, tok_rows, attn_rows)
         return plan
+
+    def _plan_one_token_each(self, batch: list[ScheduledSeq], paged: bool) -> StepPlan:
+        """`plan` for a step of one token per sequence (decodes, one-token chunks): the common
+        decode step, one pass per field over the sequences."""
+        seqs = [it.seq for it in batch]
+        starts = [s.num_computed_tokens for s in seqs]
+        ids = [s.token_ids[p] for s, p in zip(seqs, starts)]
+        # A one-token chunk in the middle of a prompt samples nothing.
+        logits = [i for i, (s, p) in enumerate(zip(seqs, starts)) if p + 1 == len(s.token_ids)]
+        pos = np.array(starts, dtype=np.int64)
+        n = len(seqs)
+        plan = StepPlan(ids, pos, list(range(n + 1)), [p + 1 for p in starts], n, [s.seq_id for s in seqs],
+                        logits_rows=logits)
+        if paged:
+            b = self.batch
+            row = b.row
+            if b.num_groups == 1:  # InputBatch.row's unchanged case, inline: most rows, most steps
+                row_of, versions, lens0 = b.row_of, b.versions, b.lens0
+                rows = [r if (r := row_of.get(s.seq_id)) is not None and versions[r] == s.table_version
+                        and lens0[r] == len(s.block_table) else row(s) for s in seqs]
+            else:
+                rows = [row(s) for s in seqs]
+            rows_a = np.array(rows, dtype=np.int64)
+            self._paged_inputs(plan, rows_a, rows_a)
+        return plan
+
+    def _paged_inputs(self, plan: StepPlan, tok_rows: np.ndarray, attn_rows: np.ndarray) -> None:
+        """Slots of the step's tokens and the block tables of its attention rows, in every KV
+        group, from the persistent rows (`tok_rows`: each token's row; `attn_rows`: each
+        attention row's)."""
+        bs = self.block_size
+        pos = plan.pos
+        blk, off = pos // bs, pos % bs
+        for g in range(self.batch.num_groups):
+            tables = self.batch.tables[g]
+            slots = tables[tok_rows, blk] * bs + off
+            width = int(self.batch.lens[g][attn_rows].max())
+            flat = tables[attn_rows, :width].reshape(-1)
+            if g == 0:
+                plan.slots, plan.tables, plan.width = slots, flat, width
+            else:
+                plan.group_slots.append(slots)
+                plan.group_tables.append(flat)
+                plan.group_widths.append(width)
+
+    def release(self, seq_id: int) -> None:
+        """The sequence is done here (finished, preempted, aborted, scored): free its row."""
+        self.batch.release(seq_id)
 
     def tensors(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         meta = AttentionMetadata(num_decodes=plan.num_decodes, seq_ids=plan.seq_ids,
@@ -115,7 +185,10 @@ class ModelRunner:
             input_ids, positions = self.upload.ints([plan.ids, plan.pos])
             return input_ids, positions, meta
         extra = len(plan.group_slots)
-        up = self.upload.ints([plan.ids, plan.pos, plan.context_lens[:plan.num_decodes], plan.slots, plan.tables,
+        nd = plan.num_decodes
+        # Decode rows are the first tokens and attend up to themselves: their lengths are pos + 1.
+        dlens = plan.pos[:nd] + 1 if isinstance(plan.pos, np.ndarray) else plan.context_lens[:nd]
+        up = self.upload.ints([plan.ids, plan.pos, dlens, plan.slots, plan.tables,
                                *plan.group_slots, *plan.group_tables])
         input_ids, positions, meta.decode_context_lens, meta.slot_mapping, flat_tables = up[:5]
         rows = len(plan.seq_ids)
@@ -205,10 +278,12 @@ class HostUpload:
         self._buf: torch.Tensor | None = None
         self._copied = None  # event: the last copy out of _buf has finished
 
-    def ints(self, parts: list[list[int]]) -> list[torch.Tensor]:
-        """int64 tensors on the device, one per list."""
+    def ints(self, parts: list[Ints]) -> list[torch.Tensor]:
+        """int64 tensors on the device, one per list or array (an int64 array is shared, not
+        copied, on the CPU)."""
         if not self.pinned:
-            return [torch.tensor(p, dtype=torch.int64, device=self.device) for p in parts]
+            return [torch.from_numpy(p).to(self.device) if isinstance(p, np.ndarray)
+                    else torch.tensor(p, dtype=torch.int64, device=self.device) for p in parts]
         sizes = [len(p) for p in parts]
         total = sum(sizes)
         if self._copied is not None:
@@ -240,18 +315,3 @@ def sampling_metadata(seqs: list[Sequence], offsets: list[int] | None = None) ->
         seeds=[None if p.seed is None else p.seed + s.index for s, p in zip(seqs, params)],
         output_pos=[s.num_output_tokens + j for s, j in zip(seqs, offsets)],
     )
-
-
-def _seq_tables(seq: Sequence, groups: int) -> list[list[int]]:
-    """seq's block table of each KV group."""
-    return [seq.block_table, *seq.group_tables] if groups > 1 else [seq.block_table]
-
-
-def _padded_tables(tables: list[list[int]]) -> tuple[list[int], int]:
-    """The tables flattened, each padded with the null block to the longest; and that width."""
-    width = max(len(t) for t in tables)
-    flat: list[int] = []
-    for t in tables:
-        flat += t
-        flat += [0] * (width - len(t))
-    return flat, width

@@ -41,6 +41,11 @@ class Sequence:
     # block manager; empty for single-group models.
     group_tables: list[list[int]] = field(default_factory=list)
     group_hashes: list[list[int]] = field(default_factory=list)
+    # Bumped by the block manager on every change to the tables other than an append (a copied
+    # or released entry, a trim, a free), so the runner's persistent rows (input_batch.py) copy
+    # only the appended blocks otherwise.
+    table_version: int = 0
+    num_released: int = 0  # null entries behind a sliding window, over all its tables
     fork_children: list["Sequence"] = field(default_factory=list)  # n > 1: siblings to fork
     grammar: Any = None  # structured output: this stream's llguidance matcher
     logprobs: list[dict] | None = None  # filled by the engine when asked for
