@@ -124,6 +124,10 @@ class AsyncEngine:
         self._closing = True
         self._cmds.put(_DRAIN)
 
+    def stop_admitting(self) -> None:
+        """Refuse new requests (`ShuttingDown`) while those in flight go on."""
+        self._closing = True
+
     @property
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
