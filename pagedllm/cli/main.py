@@ -155,6 +155,9 @@ def _server_flags(p: argparse.ArgumentParser, top: bool) -> None:
     g.add_argument("--allowed-origins", nargs="+", metavar="ORIGIN", default=d(None),
                    help="CORS: origins browser pages may call the API from ('*': any; vLLM's "
                         "JSON list is accepted too); default: none")
+    g.add_argument("--responses-store-size", type=int, metavar="N", default=d(1000),
+                   help="/v1/responses: how many responses are kept in memory for "
+                        "previous_response_id (default 1000; 0 keeps none)")
     g.add_argument("--shutdown-timeout", type=float, metavar="S", default=d(0.0),
                    help="on SIGTERM/SIGINT, let requests in flight finish for up to S seconds "
                         "(new ones get 503), then end the rest (default 0: end them at once)")
@@ -377,7 +380,8 @@ def cmd_serve(args: argparse.Namespace, opts: EngineOptions) -> int:
         return 2
     cfg = ServerConfig(model_name=names[0], aliases=tuple(names[1:]), api_key=api_key,
                        max_body_bytes=args.max_body_bytes, allowed_origins=origins,
-                       shutdown_timeout=args.shutdown_timeout)
+                       shutdown_timeout=args.shutdown_timeout,
+                       responses_store_size=max(0, args.responses_store_size))
     print(f"serving {' = '.join(names)} on http://{args.host}:{args.port}/v1 "
           f"({eng.block_manager.num_usable_blocks} KV blocks of {eng.cache_config.block_size} tokens"
           f"{', API key required' if api_key else ''})", file=sys.stderr, flush=True)

@@ -29,7 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
 from .. import __version__
-from . import routes
+from . import responses, routes
 from .async_engine import AsyncEngine, EngineError, ShuttingDown, Submission
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .protocol import (
@@ -71,6 +71,7 @@ class ServerConfig:
     max_n: int | None = None
     allowed_origins: tuple[str, ...] = ()  # CORS: origins browsers may call from ("*": any)
     shutdown_timeout: float = 0.0  # seconds SIGTERM/SIGINT waits for requests in flight
+    responses_store_size: int = responses.DEFAULT_STORE_SIZE  # /v1/responses kept for previous_response_id
 
 
 # -- errors ----------------------------------------------------------------------------
@@ -430,8 +431,10 @@ def create_app(llm: Any, config: ServerConfig | None = None) -> FastAPI:
                             .model_dump(exclude_none=False))
 
     served = routes.Served(llm, ctx, cfg, names, engine, token_text, check_model, submit,
-                           lambda request, model: _read_body(request, model, cfg.max_body_bytes))
+                           lambda request, model: _read_body(request, model, cfg.max_body_bytes),
+                           SSEResponse, _collect_or_fail)
     routes.install(app, served)
+    responses.install(app, served, cfg.responses_store_size)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

@@ -35,6 +35,8 @@ class Served:
     check_model: Callable[[str | None], None]
     submit: Callable  # async (items, grammar_param) -> Submission
     read_body: Callable  # async (request, model) -> a parsed request model
+    sse: Callable  # app.SSEResponse: (events, on_close) -> a server-sent events response
+    collect: Callable  # async (submission, request) -> final outputs, or None if the client left
 
 
 # -- /tokenize and /detokenize (vLLM's shapes) -------------------------------------------------
