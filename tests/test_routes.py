@@ -144,3 +144,10 @@ def test_cors_preflight_before_the_key_check(server):
     other = httpx.options(f"{server.url}/v1/chat/completions", headers={**pre, "Origin": "https://evil.example"})
     assert other.status_code == 400 and "access-control-allow-origin" not in other.headers
     assert httpx.get(f"{server.url}/v1/models", headers={"Origin": "https://evil.example"}).status_code == 401
+
+
+def test_embeddings_on_a_generative_model_is_a_clear_400(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.embeddings.create(model="smol", input="hello")
+    err = e.value.body
+    assert err["param"] == "model" and "generative model" in err["message"] and "--task embed" in err["message"]

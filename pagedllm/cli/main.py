@@ -128,6 +128,9 @@ def _engine_flags(p: argparse.ArgumentParser, top: bool) -> None:
                         "(a folder, GGUF file or hub id; its own KV cache comes out of the same budget)")
     g.add_argument("--speculative-tokens", type=int, metavar="K", default=d(None),
                    help="with --speculative-draft: up to K draft tokens proposed a step (default 5)")
+    g.add_argument("--task", choices=["auto", "generate", "embed"], default=d(None),
+                   help="embed: an embedding model for /v1/embeddings (auto: a folder with "
+                        "sentence-transformers files or a head-less architecture is one)")
     g.add_argument("--chat-template", metavar="FILE", default=d(None),
                    help="chat template (.jinja, or JSON with a chat_template key) to use instead "
                         "of the model's")
@@ -345,7 +348,7 @@ def engine_options(args: argparse.Namespace, model: str | None = None) -> Engine
         seed=args.seed, isq=args.isq, dequantize_weights=bool(args.dequantize_weights),
         chat_template=args.chat_template, tensor_parallel_size=args.tensor_parallel_size,
         speculative_ngram=args.speculative_ngram, speculative_draft=args.speculative_draft,
-        speculative_tokens=args.speculative_tokens)
+        speculative_tokens=args.speculative_tokens, task=args.task)
 
 
 def _model_of(args: argparse.Namespace) -> str:

@@ -29,7 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
 from .. import __version__
-from . import responses, routes
+from . import embeddings, responses, routes
 from .async_engine import AsyncEngine, EngineError, ShuttingDown, Submission
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .protocol import (
@@ -435,6 +435,7 @@ def create_app(llm: Any, config: ServerConfig | None = None) -> FastAPI:
                            SSEResponse, _collect_or_fail)
     routes.install(app, served)
     responses.install(app, served, cfg.responses_store_size)
+    embeddings.install(app, served)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
