@@ -183,8 +183,10 @@ def test_store_is_bounded(client):
     ({"input": QUESTION, "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nope"}}}},
      "text.format"),
     ({"input": QUESTION, "max_output_tokens": 5000}, "max_output_tokens"),
+    ({"input": QUESTION, "max_output_tokens": 0}, "max_output_tokens"),
+    ({"input": QUESTION, "previous_response_id": "resp_unknown"}, "previous_response_id"),
 ])
 def test_bad_requests(client, kw, param):
-    with pytest.raises(openai.BadRequestError) as e:
+    with pytest.raises((openai.BadRequestError, openai.NotFoundError)) as e:
         client.responses.create(model="default", **kw)
     assert e.value.body["param"] == param, e.value.body

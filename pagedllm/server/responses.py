@@ -17,6 +17,7 @@ from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
 
 from .async_engine import EngineError
 from .protocol import ChatCompletionRequest, ChatCompletionResponse, Int, Num, _Model
@@ -178,8 +179,12 @@ def chat_request(req: ResponsesRequest, history: list[dict], new: list[dict]) ->
             body[key] = value
     try:
         return ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
-    except Exception as e:  # a field Responses and chat name alike and that failed chat's checks
-        raise ApiError(f"invalid request: {e}") from None
+    except ValidationError as e:  # a value chat's checks refuse (a range, a type)
+        err = e.errors()[0]
+        param = str(err["loc"][0]) if err.get("loc") else None
+        msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
+        raise _renamed(ApiError(f"invalid request: {param}: {msg}" if param else f"invalid request: {msg}",
+                                param=param)) from None
 
 
 def _renamed(e: ApiError) -> ApiError:
