@@ -76,12 +76,13 @@ def _resolve_task(task: str, source) -> tuple[str, "PoolingConfig | None"]:
     if task not in ("auto", "generate", "embed"):
         raise ValueError(f"task must be 'auto', 'generate' or 'embed', got {task!r}")
     pooling = PoolingConfig.from_folder(source.path) if source.kind != "gguf" else None
-    headless = read_config(source).architecture.endswith("Model")
+    arch = read_config(source).architecture
+    headless = arch.endswith("Model")
     if task == "auto":
         task = "embed" if pooling is not None or headless else "generate"
     if task == "generate" and headless:
         raise ValueError(f"{source.short_name} is a base model without an LM head "
-                         f"({read_config(source).architecture}): it cannot generate; load it with "
+                         f"({arch}): it cannot generate; load it with "
                          "task='embed' (--task embed) for embeddings")
     if task == "embed":
         pooling = pooling or PoolingConfig()  # Qwen3-Embedding's: last token, normalised
