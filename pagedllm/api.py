@@ -141,6 +141,7 @@ class EngineOptions:
     speculative_ngram: int | None = None  # n-gram speculation with up to K proposals a step
     speculative_draft: str | None = None  # draft-model speculation with this model
     speculative_tokens: int | None = None  # the draft model's proposals a step (K)
+    task: str | None = None  # "auto" | "generate" | "embed"
 
     @classmethod
     def from_which(cls, which: Which.Plain | Which.GGUF, **kw: Any) -> "EngineOptions":
@@ -171,7 +172,7 @@ class EngineOptions:
                     "kv_cache_dtype": self.pa_cache_type, "max_num_seqs": self.max_seqs,
                     "max_model_len": self.max_model_len,
                     "max_num_batched_tokens": self.max_num_batched_tokens, "seed": self.seed,
-                    "tensor_parallel_size": self.tensor_parallel_size}
+                    "tensor_parallel_size": self.tensor_parallel_size, "task": self.task}
         kw.update({k: v for k, v in optional.items() if v is not None})
         if self.isq:
             from .quant.isq import check_isq_type

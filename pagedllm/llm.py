@@ -70,6 +70,29 @@ def _load_draft(source, target, dt: torch.dtype, dev: torch.device, max_model_le
     return loaded
 
 
+def _resolve_task(task: str, source) -> tuple[str, "PoolingConfig | None"]:
+    """("generate" or "embed", and for embed how to pool), checked before the slow load."""
+    from .engine.pooling import PoolingConfig
+    from .loading.loader import read_config
+
+    if task not in ("auto", "generate", "embed"):
+        raise ValueError(f"task must be 'auto', 'generate' or 'embed', got {task!r}")
+    pooling = PoolingConfig.from_folder(source.path) if source.kind != "gguf" else None
+    arch = read_config(source).architecture
+    headless = arch.endswith("Model")
+    if task == "auto":
+        task = "embed" if pooling is not None or headless else "generate"
+    if task == "generate" and headless:
+        raise ValueError(f"{source.short_name} is a base model without an LM head "
+                         f"({arch}): it cannot generate; load it with "
+                         "task='embed' (--task embed) for embeddings")
+    if task == "embed":
+        pooling = pooling or PoolingConfig()  # Qwen3-Embedding's: last token, normalised
+        logger.info("embedding model: %s pooling%s (%s)", pooling.mode,
+                    ", normalised" if pooling.normalize else "", pooling.source)
+    return task, pooling
+
+
 Prompt = str | list[int]
 
 
@@ -83,11 +106,13 @@ class LLM:
                  kv_cache_dtype: str = "auto", enable_prefix_caching: bool = True,
                  prefix_cache_n: int = 16, dequantize_weights: bool = False,
                  isq: str | None = None, tensor_parallel_size: int = 1,
-                 speculative: dict | None = None) -> None:
+                 speculative: dict | None = None, task: str = "auto") -> None:
         """`tensor_parallel_size=N` splits the model over N ranks (pagedllm/distributed): on one
         machine the engine starts N - 1 worker processes and splits the cores among the ranks;
         under torchrun the N ranks are torchrun's. Call `shutdown()` (or use `with LLM(...)`)
-        to stop them; they also stop when this process exits."""
+        to stop them; they also stop when this process exits.
+        `task`: "generate", "embed" (an embedding model: `embed()`, no LM head) or "auto"
+        (embed for a folder with sentence-transformers files or a head-less architecture)."""
         cache_cfg = CacheConfig(block_size, kv_cache_memory_mb, kv_cache_memory_fraction,
                                 kv_cache_context_len, kv_cache_dtype, paged_attention,
                                 enable_prefix_caching, prefix_cache_n)
@@ -104,6 +129,9 @@ class LLM:
         dev = resolve_device(device)
         dt = resolve_dtype(dtype, dev)
         source = resolve(model, tokenizer, gguf_file)
+        self.task, self.pooling = _resolve_task(task, source)
+        if self.task == "embed" and (spec_cfg is not None or tensor_parallel_size != 1):
+            raise ValueError("an embedding model runs without speculative decoding or tensor parallelism")
         draft_source = (_draft_source(spec_cfg.model, source)
                         if spec_cfg is not None and spec_cfg.method == "draft" else None)
         torch.manual_seed(seed)
@@ -126,7 +154,8 @@ class LLM:
                max_num_batched_tokens, cache_cfg, seed, executor, spec_cfg, draft_source=None) -> None:
         loaded = load_model(source, dt, dev, max_positions=max_model_len,
                             dequantize_weights=dequantize_weights, isq=isq,
-                            tp=executor.tp if executor is not None else None)
+                            tp=executor.tp if executor is not None else None,
+                            headless=self.task == "embed")
         if executor is not None:
             executor.wait_loaded()
         limit = loaded.config.max_position_embeddings
@@ -146,6 +175,21 @@ class LLM:
         self.engine = LLMEngine(loaded, cache_cfg, sched_cfg, dev, dt, seed, executor, spec_cfg, draft)
         self.tokenizer = loaded.tokenizer
         self.model_name = source.short_name
+
+    def embed(self, inputs: Prompt | Seq[Prompt], prompt_name: str | None = None) -> list[list[float]]:
+        """Embeddings (an embedding model, task="embed"): one vector per text or token-id list,
+        texts after the named sentence-transformers prompt (or the model's default one)."""
+        if isinstance(inputs, str) or (isinstance(inputs, list) and inputs and isinstance(inputs[0], int)):
+            inputs = [inputs]
+        return [v.tolist() for v in self.engine.embed(self.embed_ids(list(inputs), prompt_name), self.pooling)]
+
+    def embed_ids(self, inputs: list[Prompt], prompt_name: str | None = None) -> list[list[int]]:
+        """The token ids an embedding is computed over (texts tokenized after the prompt)."""
+        if self.task != "embed":
+            raise ValueError(f"{self.model_name} is a generative model; embeddings need an embedding "
+                             "model (task='embed')")
+        prefix = self.pooling.prompt(prompt_name)
+        return [self.tokenizer.encode(prefix + p) if isinstance(p, str) else list(p) for p in inputs]
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel worker processes; the LLM cannot generate afterwards.

@@ -128,6 +128,9 @@ def _engine_flags(p: argparse.ArgumentParser, top: bool) -> None:
                         "(a folder, GGUF file or hub id; its own KV cache comes out of the same budget)")
     g.add_argument("--speculative-tokens", type=int, metavar="K", default=d(None),
                    help="with --speculative-draft: up to K draft tokens proposed a step (default 5)")
+    g.add_argument("--task", choices=["auto", "generate", "embed"], default=d(None),
+                   help="embed: an embedding model for /v1/embeddings (auto: a folder with "
+                        "sentence-transformers files or a head-less architecture is one)")
     g.add_argument("--chat-template", metavar="FILE", default=d(None),
                    help="chat template (.jinja, or JSON with a chat_template key) to use instead "
                         "of the model's")
@@ -152,6 +155,15 @@ def _server_flags(p: argparse.ArgumentParser, top: bool) -> None:
                         "(default: 'default', the GGUF file's stem or the folder's name)")
     g.add_argument("--max-body-bytes", type=int, default=d(4 * 2**20), help="request body size limit")
     g.add_argument("--access-log", action="store_true", default=d(False))
+    g.add_argument("--allowed-origins", nargs="+", metavar="ORIGIN", default=d(None),
+                   help="CORS: origins browser pages may call the API from ('*': any; vLLM's "
+                        "JSON list is accepted too); default: none")
+    g.add_argument("--responses-store-size", type=int, metavar="N", default=d(1000),
+                   help="/v1/responses: how many responses are kept in memory for "
+                        "previous_response_id (default 1000; 0 keeps none)")
+    g.add_argument("--shutdown-timeout", type=float, metavar="S", default=d(0.0),
+                   help="on SIGTERM/SIGINT, let requests in flight finish for up to S seconds "
+                        "(new ones get 503), then end the rest (default 0: end them at once)")
 
 
 def _sampling_flags(p: argparse.ArgumentParser, max_tokens: int, temperature: float) -> None:
@@ -336,7 +348,7 @@ def engine_options(args: argparse.Namespace, model: str | None = None) -> Engine
         seed=args.seed, isq=args.isq, dequantize_weights=bool(args.dequantize_weights),
         chat_template=args.chat_template, tensor_parallel_size=args.tensor_parallel_size,
         speculative_ngram=args.speculative_ngram, speculative_draft=args.speculative_draft,
-        speculative_tokens=args.speculative_tokens)
+        speculative_tokens=args.speculative_tokens, task=args.task)
 
 
 def _model_of(args: argparse.Namespace) -> str:
@@ -355,13 +367,24 @@ def load_llm(opts: EngineOptions) -> Any:
 
 def cmd_serve(args: argparse.Namespace, opts: EngineOptions) -> int:
     from ..server.app import ServerConfig, run_server
+    from ..server.routes import parse_origins
 
     llm = load_llm(opts)
     eng = llm.engine
     api_key = args.api_key or os.environ.get("PAGEDLLM_API_KEY") or None
     names = args.served_model_name or [llm.model_name]
+    try:
+        origins = parse_origins(args.allowed_origins)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.shutdown_timeout < 0:
+        print("error: --shutdown-timeout must be 0 or more seconds", file=sys.stderr)
+        return 2
     cfg = ServerConfig(model_name=names[0], aliases=tuple(names[1:]), api_key=api_key,
-                       max_body_bytes=args.max_body_bytes)
+                       max_body_bytes=args.max_body_bytes, allowed_origins=origins,
+                       shutdown_timeout=args.shutdown_timeout,
+                       responses_store_size=max(0, args.responses_store_size))
     print(f"serving {' = '.join(names)} on http://{args.host}:{args.port}/v1 "
           f"({eng.block_manager.num_usable_blocks} KV blocks of {eng.cache_config.block_size} tokens"
           f"{', API key required' if api_key else ''})", file=sys.stderr, flush=True)

@@ -181,6 +181,9 @@ class LLMEngine:
                     request_id: str | None = None, prompt_token_ids: list[int] | None = None) -> str:
         params = params or SamplingParams()
         params.validate()
+        if getattr(self.model, "lm_head", True) is None:
+            raise ValueError(f"{self.model_name} is an embedding model (no LM head): it cannot generate "
+                             "text; ask it for embeddings (/v1/embeddings, LLM.embed)")
         text = prompt if isinstance(prompt, str) else None
         if prompt_token_ids is None:
             if isinstance(prompt, str):
@@ -371,6 +374,13 @@ class LLMEngine:
                 else:
                     out[i][pi[m]] = v[m]
         return out
+
+    def embed(self, prompts: list[list[int]], pooling) -> list[torch.Tensor]:
+        """Embeddings of token-id prompts (a `pooling.PoolingConfig` says how), prefilled
+        together through the KV cache; one float32 CPU vector each."""
+        from .pooling import embed_prompts
+
+        return embed_prompts(self, prompts, pooling)
 
     # -- the step ---------------------------------------------------------
     def step(self) -> list[RequestOutput]:

@@ -261,6 +261,15 @@ class ModelRunner:
             smeta.allowed_mask, smeta.mask_rows = masks.result(logits.device, len(sampling_seqs))
         return sampling_seqs, self.sampler(logits, smeta, finite=finite)
 
+    @torch.inference_mode()
+    def hidden_states(self, plan: StepPlan) -> torch.Tensor:
+        """The final-norm hidden states of every row of the plan ([T, hidden]): what an
+        embedding model outputs (engine/pooling.py)."""
+        if self.driver is not None:
+            raise ValueError("hidden states under tensor parallelism are not supported")
+        input_ids, positions, meta = self.tensors(plan)
+        return self.model(input_ids, positions, meta)
+
     def chunk_logits(self, item: ScheduledSeq) -> torch.Tensor:
         """Logits for every token of one sequence's chunk (scoring, perplexity)."""
         plan = self.plan([item])

@@ -69,9 +69,10 @@ def read_config(source: ModelSource) -> ModelConfig:
 
 def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
                max_positions: int | None = None, dequantize_weights: bool = False,
-               isq: str | None = None, tp=None) -> LoadedModel:
+               isq: str | None = None, tp=None, headless: bool = False) -> LoadedModel:
     """`tp`: a TPInfo when this process is one rank of a tensor-parallel group: it builds and
-    loads only its shard (models/parallel.py)."""
+    loads only its shard (models/parallel.py). `headless`: an embedding model, built without
+    the LM head (any head in the checkpoint is skipped)."""
     qpath, qwhy = quantized_path(device, dequantize_weights)
     quantized: set[str] = set()
     if source.kind == "gguf":
@@ -103,6 +104,8 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
     positions = max_positions or cfg.max_position_embeddings
     with torch.device("meta"):
         model = cls(cfg, positions, tp)
+    if headless:
+        model.drop_head()
     if isq:
         from ..models.linear import linear_weight_names
         from ..quant.isq import isq_stream

@@ -23,6 +23,10 @@ MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
 
 
 def model_class(architecture: str) -> type:
+    """The family's class; a base model without its LM head (`Qwen3Model`, as embedding models
+    are saved) is its causal-LM family's class, loaded with `drop_head()`."""
+    if architecture.endswith("Model") and architecture not in MODEL_REGISTRY:
+        architecture = architecture.removesuffix("Model") + "ForCausalLM"
     try:
         return MODEL_REGISTRY[architecture]
     except KeyError:

@@ -149,8 +149,13 @@ class LlamaForCausalLM(nn.Module):
         self.norm = self.norm_cls(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, sh.vocab, bias=False)
 
+    def drop_head(self) -> None:
+        """An embedding model: no LM head (its checkpoint may hold none); the final-norm hidden
+        states are the output (engine/pooling.py)."""
+        self.lm_head = None
+
     def tie_weights(self) -> None:
-        if not self.config.tie_word_embeddings:
+        if not self.config.tie_word_embeddings or self.lm_head is None:
             return
         if self.embed_tokens.qweight is not None:  # the head reads the same quantized blocks
             self.lm_head.set_quantized([self.embed_tokens.qweight])
@@ -266,7 +271,7 @@ class LlamaForCausalLM(nn.Module):
         if "rotary_emb" in name:
             return None
         name = name.removeprefix("model.")
-        if name == "lm_head.weight" and self.config.tie_word_embeddings:
+        if name == "lm_head.weight" and (self.config.tie_word_embeddings or self.lm_head is None):
             return None
         for frag, (ours, shard) in self.packed.items():
             if f".{frag}." in name:
@@ -281,7 +286,7 @@ class LlamaForCausalLM(nn.Module):
             if mapped is not None:
                 module = self.get_submodule(mapped[0].rsplit(".", 1)[0])
                 module.weight = None
-        if self.config.tie_word_embeddings and self.embed_tokens.weight is None:
+        if self.config.tie_word_embeddings and self.embed_tokens.weight is None and self.lm_head is not None:
             self.lm_head.weight = None
 
     @torch.no_grad()
@@ -317,7 +322,7 @@ class LlamaForCausalLM(nn.Module):
                 if len(seen_shards[name]) == len(sizes):
                     loaded.add(name)
         self.tie_weights()
-        if self.config.tie_word_embeddings:
+        if self.config.tie_word_embeddings and self.lm_head is not None:
             loaded.add("lm_head.weight")
         expected = set(params) | {n for n in seen_shards} | loaded
         missing = sorted(expected - loaded)

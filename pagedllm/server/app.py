@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import signal
+import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,8 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
+from .. import __version__
+from . import embeddings, responses, routes
 from .async_engine import AsyncEngine, EngineError, ShuttingDown, Submission
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .protocol import (
@@ -66,6 +69,9 @@ class ServerConfig:
     api_key: str | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_n: int | None = None
+    allowed_origins: tuple[str, ...] = ()  # CORS: origins browsers may call from ("*": any)
+    shutdown_timeout: float = 0.0  # seconds SIGTERM/SIGINT waits for requests in flight
+    responses_store_size: int = responses.DEFAULT_STORE_SIZE  # /v1/responses kept for previous_response_id
 
 
 # -- errors ----------------------------------------------------------------------------
@@ -157,11 +163,16 @@ class ShutdownGate:
         self.tasks: set[asyncio.Task] = set()
         self.loop: asyncio.AbstractEventLoop | None = None
         self.closing = False
+        self.draining = False  # --shutdown-timeout: requests in flight go on, new ones get a 503
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         task = asyncio.current_task()
         if scope["type"] != "http" or task is None:
             await self.app(scope, receive, send)
+            return
+        if self.draining or self.closing:
+            await error_response(503, str(ShuttingDown()), "server_error",
+                                 headers={"Connection": "close"})(scope, receive, send)
             return
         self.loop = asyncio.get_running_loop()
         self.tasks.add(task)
@@ -182,6 +193,12 @@ class ShutdownGate:
                     await error_response(503, str(ShuttingDown()), "server_error")(scope, receive, send)
         finally:
             self.tasks.discard(task)
+
+    async def drain(self, timeout: float) -> None:
+        """Wait until no request is in flight, or `timeout` seconds have passed."""
+        deadline = time.monotonic() + timeout
+        while self.tasks and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
 
     def close(self) -> None:
         """Start the grace period; safe from a signal handler."""
@@ -347,13 +364,14 @@ def create_app(llm: Any, config: ServerConfig | None = None) -> FastAPI:
         finally:
             await asyncio.to_thread(engine.shutdown)
 
-    app = FastAPI(title="pagedllm", lifespan=lifespan, docs_url=None, redoc_url=None,
-                  openapi_url=None)
+    app = FastAPI(title="pagedllm", version=__version__, lifespan=lifespan, docs_url=None,
+                  redoc_url=None, openapi_url="/openapi.json")
     app.state.engine = engine
     app.state.metrics = metrics
     _install_error_handlers(app)
     if cfg.api_key:
         app.add_middleware(AuthMiddleware, api_key=cfg.api_key)
+    routes.add_cors(app, cfg.allowed_origins)  # outside the key check: preflights carry no key
 
     async def submit(items: list, grammar_param: str = "response_format") -> Submission:
         # A grammar is checked (and llguidance's token trie built, once) off the engine thread.
@@ -412,6 +430,13 @@ def create_app(llm: Any, config: ServerConfig | None = None) -> FastAPI:
         return JSONResponse(chat_response(rid, ctx.model_name, finals[0], tt, tools)
                             .model_dump(exclude_none=False))
 
+    served = routes.Served(llm, ctx, cfg, names, engine, token_text, check_model, submit,
+                           lambda request, model: _read_body(request, model, cfg.max_body_bytes),
+                           SSEResponse, _collect_or_fail)
+    routes.install(app, served)
+    responses.install(app, served, cfg.responses_store_size)
+    embeddings.install(app, served)
+
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         req: CompletionRequest = parse(CompletionRequest, await read_json(request, cfg.max_body_bytes))
@@ -438,6 +463,10 @@ def create_app(llm: Any, config: ServerConfig | None = None) -> FastAPI:
     return app
 
 
+async def _read_body(request: Request, model: type[BaseModel], limit: int) -> Any:
+    return parse(model, await read_json(request, limit))
+
+
 async def _collect_or_fail(sub: Submission, request: Request) -> list | None:
     try:
         return await _collect(sub, request)
@@ -454,9 +483,10 @@ class ServeResult:
 
 def run_server(llm: Any, host: str = "127.0.0.1", port: int = 8000, config: ServerConfig | None = None,
                log_level: str = "info", access_log: bool = False) -> ServeResult:
-    """Serve `llm` until SIGINT or SIGTERM. The first one stops admitting requests and ends
-    those in flight (streams get an error event and [DONE], the others a 503), so the
-    connections close at once and the engine thread stops; a second one exits at once."""
+    """Serve `llm` until SIGINT or SIGTERM. The first one stops admitting requests (new ones
+    get a 503), lets those in flight run for up to `config.shutdown_timeout` seconds, then ends
+    the rest (streams get an error event and [DONE], the others a 503), so the connections
+    close and the engine thread stops; a second one exits at once."""
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -469,11 +499,31 @@ def run_server(llm: Any, host: str = "127.0.0.1", port: int = 8000, config: Serv
                 os.write(2, b"second interrupt: exiting now\n")
                 os._exit(130)
             self.stopped_by = signal.Signals(sig).name
+            timeout = cfg.shutdown_timeout
+            if timeout > 0 and gate.loop is not None and gate.tasks and not gate.draining:
+                gate.draining = True
+                engine.stop_admitting()
+                logger.info("%s: waiting up to %.0f s for %d request(s) in flight", self.stopped_by,
+                            timeout, len(gate.tasks))
+                # (A signal handler may interrupt the loop anywhere: start the wait from it.)
+                gate.loop.call_soon_threadsafe(self._start_drain, timeout)
+                return
+            self._stop_now()
+
+        def _start_drain(self, timeout: float) -> None:
+            self.drain_task = asyncio.ensure_future(self._drain_then_stop(timeout))
+
+        async def _drain_then_stop(self, timeout: float) -> None:
+            await gate.drain(timeout)
+            self._stop_now()
+
+        def _stop_now(self) -> None:
             engine.drain()
             gate.close()
             self.should_exit = True
 
-    app = create_app(llm, config)
+    cfg = config or ServerConfig()
+    app = create_app(llm, cfg)
     engine: AsyncEngine = app.state.engine
     gate = ShutdownGate(app)
     # Requests end within a step of the signal; the timeout only guards against a stuck client.

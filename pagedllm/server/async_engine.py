@@ -52,6 +52,14 @@ class _Abort:
     asked_at_step: int
 
 
+@dataclass
+class _Embed:
+    prompts: list[list[int]]
+    pooling: Any
+    loop: asyncio.AbstractEventLoop
+    result: asyncio.Future
+
+
 _STOP = object()
 _DRAIN = object()
 
@@ -124,6 +132,10 @@ class AsyncEngine:
         self._closing = True
         self._cmds.put(_DRAIN)
 
+    def stop_admitting(self) -> None:
+        """Refuse new requests (`ShuttingDown`) while those in flight go on."""
+        self._closing = True
+
     @property
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
@@ -153,6 +165,18 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._cmds.put(_Abort(request_id, self._steps))
 
+    async def embed(self, prompts: list[list[int]], pooling: Any) -> list[Any]:
+        """Embeddings of token-id prompts, computed on the engine thread between steps (the
+        requests queued together are prefilled together); raises ValueError for bad input."""
+        if self._closing:
+            raise ShuttingDown()
+        if not self.alive:
+            raise EngineError("the engine is not running")
+        loop = asyncio.get_running_loop()
+        result = loop.create_future()
+        self._cmds.put(_Embed(prompts, pooling, loop, result))
+        return await result
+
     # -- engine thread -------------------------------------------------------------------
     def _run(self) -> None:
         logger.info("engine thread started")
@@ -175,8 +199,10 @@ class AsyncEngine:
             cmd = self._cmds.get(block=block)
         except queue.Empty:
             return True
+        embeds: list[_Embed] = []
         while True:
             if cmd is _STOP:
+                self._embed(embeds)
                 return False
             if cmd is _DRAIN:
                 self.num_ended_at_shutdown += len(self._routes)
@@ -185,9 +211,12 @@ class AsyncEngine:
                 self._add(cmd)
             elif isinstance(cmd, _Abort):
                 self._abort(cmd)
+            elif isinstance(cmd, _Embed):
+                embeds.append(cmd)
             try:
                 cmd = self._cmds.get_nowait()
             except queue.Empty:
+                self._embed(embeds)
                 return True
 
     def _add(self, cmd: _Add) -> None:
@@ -214,6 +243,35 @@ class AsyncEngine:
                 if req is not None:
                     self.metrics.on_prompt(len(req.prompt_token_ids))
         _call_soon(cmd.loop, _settle, cmd.accepted, None)
+
+    def _embed(self, cmds: list[_Embed]) -> None:
+        """Run the queued embedding requests as one batch (one by one if that batch fails, so
+        one request's bad input fails only that request)."""
+        if not cmds:
+            return
+        if self._closing:
+            for c in cmds:
+                _call_soon(c.loop, _settle_value, c.result, ShuttingDown(), None)
+            return
+        if len(cmds) > 1:
+            try:
+                vecs = self.engine.embed([p for c in cmds for p in c.prompts], cmds[0].pooling)
+            except Exception:
+                vecs = None
+            if vecs is not None:
+                for c in cmds:
+                    _call_soon(c.loop, _settle_value, c.result, None, vecs[:len(c.prompts)])
+                    vecs = vecs[len(c.prompts):]
+                return
+        for c in cmds:
+            try:
+                value, err = self.engine.embed(c.prompts, c.pooling), None
+            except ValueError as e:
+                value, err = None, e
+            except Exception as e:
+                logger.exception("an embedding request failed")
+                value, err = None, EngineError(f"internal engine error ({type(e).__name__})")
+            _call_soon(c.loop, _settle_value, c.result, err, value)
 
     def _abort(self, cmd: _Abort) -> None:
         if self._routes.pop(cmd.request_id, None) is None:
@@ -272,6 +330,15 @@ def _settle(fut: asyncio.Future, err: BaseException | None) -> None:
         return
     if err is None:
         fut.set_result(None)
+    else:
+        fut.set_exception(err)
+
+
+def _settle_value(fut: asyncio.Future, err: BaseException | None, value: Any) -> None:
+    if fut.done():  # the waiting handler was cancelled
+        return
+    if err is None:
+        fut.set_result(value)
     else:
         fut.set_exception(err)
 

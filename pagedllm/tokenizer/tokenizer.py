@@ -55,6 +55,7 @@ class Tokenizer:
         pad_token: str | None = None,
         unk_token: str | None = None,
         add_eos_token: bool = False,
+        keep_post_processor: bool = False,
     ) -> None:
         self._tk = tk
         self.bos_token = bos_token
@@ -71,7 +72,8 @@ class Tokenizer:
         self.eos_token_ids: set[int] = {int(i) for i in eos_token_ids}
         if self.eos_token_id is not None:
             self.eos_token_ids.add(self.eos_token_id)
-        self._set_post_processor()
+        if not keep_post_processor:
+            self._set_post_processor()
         self._compiled_template: Any = None
 
     # ----------------------------------------------------------------------------------------------
@@ -105,6 +107,9 @@ class Tokenizer:
         # tokenizer.json's post-processor decides whether BOS/EOS are added; like transformers >= 5,
         # add_bos_token / add_eos_token in tokenizer_config.json are ignored when tokenizer.json exists.
         add_bos, add_eos = _probe_post_processor(tk, bos, eos)
+        # A post-processor that adds other tokens (Qwen3-Embedding appends <|endoftext|>, which
+        # is not its EOS; BERT adds [CLS] and [SEP]) is kept as it is, as transformers keeps it.
+        keep = _adds_other_tokens(tk, bos, eos)
         if "add_bos_token" in config and bool(config["add_bos_token"]) != add_bos:
             logger.info("%s: tokenizer_config add_bos_token=%s ignored; tokenizer.json decides (%s)",
                         folder, config["add_bos_token"], add_bos)
@@ -120,6 +125,7 @@ class Tokenizer:
             eos_token_ids=eos_ids,
             pad_token=special("pad_token"),
             unk_token=special("unk_token"),
+            keep_post_processor=keep,
         )
 
     # ----------------------------------------------------------------------------------------------
@@ -319,6 +325,18 @@ def _probe_post_processor(tk: tokenizers.Tokenizer, bos: str | None, eos: str | 
     added_front = len(full) > len(plain) and bos_id is not None and full[0] == bos_id
     added_back = len(full) > len(plain) and eos_id is not None and full[-1] == eos_id
     return added_front, added_back
+
+
+def _adds_other_tokens(tk: tokenizers.Tokenizer, bos: str | None, eos: str | None) -> bool:
+    """Whether the tokenizer.json post-processor adds tokens other than BOS and EOS."""
+    plain = tk.encode("a", add_special_tokens=False).ids
+    full = tk.encode("a", add_special_tokens=True).ids
+    known = {tk.token_to_id(t) for t in (bos, eos) if t}
+    extra = list(full)
+    for t in plain:
+        if t in extra:
+            extra.remove(t)
+    return any(t not in known for t in extra)
 
 
 def _find_chat_template(folder: Path, config: dict) -> str | None:

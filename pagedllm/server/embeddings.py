@@ -1,0 +1,102 @@
+"""`POST /v1/embeddings` (OpenAI's shapes) for an embedding model (`--task embed`).
+
+Texts are tokenized after the model's sentence-transformers prompt (`prompt_name`, an
+extension, picks one; the folder's default_prompt_name applies otherwise), then prefilled
+through the engine (engine/pooling.py). A generative model answers a clear 400.
+"""
+from __future__ import annotations
+
+import base64
+import math
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import Field
+
+from .async_engine import EngineError
+from .protocol import Int, _Model
+from .routes import Served, document_bodies
+from .serving import ApiError
+
+MAX_INPUTS = 2048  # OpenAI's limit on inputs per request
+
+
+class EmbeddingRequest(_Model):
+    model: str | None = None
+    input: str | list[str] | list[Int] | list[list[Int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Int | None = Field(default=None, ge=1)
+    user: str | None = None
+    prompt_name: str | None = None  # sentence-transformers' prompt (e.g. "query"); an extension
+
+
+def _inputs(inp: Any) -> list[str | list[int]]:
+    if isinstance(inp, str):
+        return [inp]
+    if not inp:
+        raise ApiError("input is empty: give a string, a list of strings or token ids", param="input")
+    if all(isinstance(x, int) for x in inp):
+        return [list(inp)]
+    return list(inp)
+
+
+def _encode(vec: torch.Tensor, fmt: str) -> list[float] | str:
+    if fmt == "base64":  # little-endian float32, as OpenAI sends it
+        return base64.b64encode(vec.to(torch.float32).numpy().astype("<f4").tobytes()).decode("ascii")
+    return vec.tolist()
+
+
+def install(app: FastAPI, s: Served) -> None:
+    llm = s.llm
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request) -> Response:
+        req: EmbeddingRequest = await s.read_body(request, EmbeddingRequest)
+        s.check_model(req.model)
+        if getattr(llm, "task", "generate") != "embed":
+            raise ApiError(f"the model `{s.ctx.model_name}` is a generative model, not an embedding "
+                           "model; serve an embedding model (e.g. a Qwen3-Embedding folder) with "
+                           "`pagedllm serve MODEL --task embed` for /v1/embeddings", param="model",
+                           code="model_not_supported")
+        inputs = _inputs(req.input)
+        if len(inputs) > MAX_INPUTS:
+            raise ApiError(f"at most {MAX_INPUTS} inputs per request, got {len(inputs)}", param="input")
+        try:
+            ids = llm.embed_ids(inputs, req.prompt_name)
+        except ValueError as e:
+            raise ApiError(str(e), param="prompt_name") from None
+        for i, p in enumerate(ids):
+            if not p:
+                raise ApiError(f"input {i} is empty: it has no tokens", param="input")
+            if len(p) > s.ctx.max_model_len:
+                raise ApiError(f"input {i} has {len(p)} tokens, more than this model's maximum context "
+                               f"length of {s.ctx.max_model_len} tokens; shorten it", param="input",
+                               code="context_length_exceeded")
+        try:
+            vecs = await s.engine.embed(ids, llm.pooling)
+        except ValueError as e:
+            raise ApiError(str(e), param="input") from None
+        except EngineError as e:
+            raise ApiError(str(e), status=503, type="server_error") from None
+        hidden = vecs[0].shape[-1]
+        if req.dimensions is not None:
+            if req.dimensions > hidden:
+                raise ApiError(f"dimensions {req.dimensions} is more than the model's {hidden}",
+                               param="dimensions")
+            # Matryoshka: the leading dimensions, normalised again.
+            vecs = [v[:req.dimensions] for v in vecs]
+            if llm.pooling.normalize:
+                vecs = [F.normalize(v, dim=-1) for v in vecs]
+        if any(not math.isfinite(float(v.sum())) for v in vecs):
+            raise ApiError("the model produced non-finite embeddings (NaN or inf); check the model file",
+                           status=500, type="server_error")
+        n_tokens = sum(len(p) for p in ids)
+        data = [{"object": "embedding", "index": i, "embedding": _encode(v, req.encoding_format)}
+                for i, v in enumerate(vecs)]
+        return JSONResponse({"object": "list", "data": data, "model": s.ctx.model_name,
+                             "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens}})
+
+    document_bodies(app, {"/v1/embeddings": EmbeddingRequest})
