@@ -161,8 +161,9 @@ def _message_text(msg: Any, i: int) -> str:
 
 def tool_plan(req: ChatCompletionRequest, ctx: ServingContext) -> tool_api.ToolPlan | None:
     try:
+        tags = tool_api.tag_token_ids(ctx.tokenizer) if req.tools and hasattr(ctx.tokenizer, "backend") else {}
         return tool_api.plan(req.tools, req.tool_choice, req.parallel_tool_calls,
-                             getattr(ctx.tokenizer, "chat_template", None))
+                             getattr(ctx.tokenizer, "chat_template", None), tags)
     except structured_api.StructuredRequestError as e:
         raise ApiError(str(e), param=e.param) from None
 
@@ -210,9 +211,8 @@ def prepare_chat(req: ChatCompletionRequest, ctx: ServingContext) -> tuple[list[
     params = sampling_params(req, ctx, len(ids), max_tokens, None, lp)
     forced = plan.grammar() if plan is not None else None
     if forced is not None:
-        if params.structured is not None:
-            raise ApiError("a forced tool call and response_format both constrain the output; give one",
-                           param="tool_choice")
+        # The forced call is constrained by the tool; response_format governs text answers,
+        # which a forced call does not give (vLLM's reading too).
         params.structured = forced
     return ids, params
 
@@ -374,17 +374,14 @@ def usage_from(finals: list[RequestOutput]) -> Usage:
 # -- whole responses -----------------------------------------------------------------
 
 
-def _tool_call_dicts(calls: list[tool_api.ToolCall], start: int = 0, stream: bool = False) -> list[dict]:
-    out = []
-    for i, c in enumerate(calls):
-        d = {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-        out.append({"index": start + i, **d} if stream else d)
-    return out
+def _tool_call_dicts(calls: list[tool_api.ToolCall]) -> list[dict]:
+    return [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for c in calls]
 
 
 def _finish_reason(reason: str | None, plan: tool_api.ToolPlan | None, called: bool) -> str | None:
-    # OpenAI: "tool_calls" when the model chose to call; a forced named call ends with "stop".
-    if called and reason == "stop" and plan is not None and plan.mode != "named":
+    # "tool_calls" whenever the answer ended on its calls, forced ones included.
+    if called and reason == "stop" and plan is not None:
         return "tool_calls"
     return reason
 
@@ -396,6 +393,8 @@ def chat_response(rid: str, model: str, final: RequestOutput, tt: TokenText | No
         lp = chat_logprobs(c.logprobs or [], tt) if tt is not None else None
         content, calls = (tool_api.parse(c.text, tools.fmt) if tools is not None and tools.parses
                           else (c.text, []))
+        if calls and tools.forced:
+            content = None  # a forced answer holds nothing but its calls
         msg = ResponseMessage(content=content, tool_calls=_tool_call_dicts(calls) or None)
         choices.append(ChatChoice(index=c.index, message=msg, logprobs=lp,
                                   finish_reason=_finish_reason(c.finish_reason, tools, bool(calls))))
@@ -467,22 +466,21 @@ class ChatStreamer:
             text, calls, reason = c.delta_text, [], c.finish_reason
             if self.parsers:
                 parser = self.parsers[c.index]
-                called_before = parser.calls
                 text, calls = parser.feed(c.delta_text)
                 if c.finish_reason is not None:
                     more_text, more_calls = parser.finish()
                     text, calls = text + more_text, calls + more_calls
-                tool_deltas = _tool_call_dicts(calls, called_before, stream=True)
+                if self.tools.forced and parser.calls:
+                    text = ""
                 reason = _finish_reason(c.finish_reason, self.tools, parser.calls > 0)
             if not text and not calls and lp is None and reason is None:
                 continue
             st.done = reason is not None
-            if calls:  # the call first (OpenAI sends calls and content in separate chunks)
-                chunks.append(self._chunk([ChunkChoice(index=c.index, delta=Delta(tool_calls=tool_deltas))]))
+            # The calls' deltas first, one chunk each, as OpenAI sends them; then the text.
+            chunks += [self._chunk([ChunkChoice(index=c.index, delta=Delta(tool_calls=[d]))]) for d in calls]
             if text or lp is not None or reason is not None:
-                delta = Delta(content=text) if text or not calls else Delta()
-                chunks.append(self._chunk([ChunkChoice(index=c.index, delta=delta, logprobs=lp,
-                                                       finish_reason=reason)]))
+                chunks.append(self._chunk([ChunkChoice(index=c.index, delta=Delta(content=text or None),
+                                                       logprobs=lp, finish_reason=reason)]))
         return chunks
 
     def usage_chunk(self, finals: list[RequestOutput]) -> ChatCompletionChunk:

@@ -1,0 +1,234 @@
+"""What real OpenAI clients rely on (issue 23), through the real `openai` client.
+
+Forced tool calls in every format the server reads off templates, completions logprobs, logit_bias,
+aborts of gone clients, and the wire details of streamed chunks. The server runs the default model
+with its own chat template (which has no place for tools, so they go in the system prompt, answered
+in the hermes format); tests/test_tools.py covers a Qwen2.5-shaped template.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+jsonschema = pytest.importorskip("jsonschema")
+pytest.importorskip("llguidance")
+
+from pagedllm.structured import tools as tool_api  # noqa: E402
+from test_server import serving  # noqa: E402
+
+# A Pydantic-style schema: nested models under $defs, referenced with $ref; enums, arrays.
+WEATHER = {
+    "$defs": {
+        "Unit": {"enum": ["C", "F"], "type": "string"},
+        "Options": {"type": "object", "properties": {"unit": {"$ref": "#/$defs/Unit"},
+                                                     "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+                    "required": ["unit"], "additionalProperties": False},
+    },
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 24},
+                   "options": {"$ref": "#/$defs/Options"},
+                   "fields": {"type": "array", "items": {"enum": ["temp", "wind", "rain"]}, "maxItems": 3}},
+    "required": ["city", "options"], "additionalProperties": False,
+}
+ADD = {"type": "object", "properties": {"a": {"type": "integer", "minimum": -100, "maximum": 100},
+                                        "b": {"type": "integer", "minimum": -100, "maximum": 100}},
+       "required": ["a", "b"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather for a city",
+                                           "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "add", "description": "Add two integers",
+                                           "parameters": ADD}}]
+PARAMS = {"get_weather": WEATHER, "add": ADD}
+ASK = [{"role": "user", "content": "What is the weather in Paris, and what is 2 + 3?"}]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, smollm2_gguf_path):
+    yield from serving(tmp_path_factory, "compat", ["--pa-gpu-mem", "256", "--max-model-len", "1024",
+                                                    "--max-seqs", "16", "--log-level", "info"])
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=300)
+
+
+def _streamed(stream) -> tuple[str | None, list[dict], str | None, list]:
+    """(content, calls, finish_reason, the tool-call deltas) of a streamed chat answer."""
+    text, calls, reason, deltas = None, {}, None, []
+    for chunk in stream:
+        if not chunk.choices:
+            continue
+        d = chunk.choices[0].delta
+        if d.content:
+            text = (text or "") + d.content
+        for tc in d.tool_calls or []:
+            deltas.append(tc)
+            c = calls.setdefault(tc.index, {"id": None, "name": "", "arguments": ""})
+            c["id"] = tc.id or c["id"]
+            c["name"] += tc.function.name or ""
+            c["arguments"] += tc.function.arguments or ""
+        reason = chunk.choices[0].finish_reason or reason
+    return text, [calls[i] for i in sorted(calls)], reason, deltas
+
+
+def _answer(client, stream: bool, **kw) -> tuple[str | None, list[dict], str | None]:
+    if stream:
+        text, calls, reason, _ = _streamed(client.chat.completions.create(stream=True, **kw))
+        return text, calls, reason
+    ch = client.chat.completions.create(**kw).choices[0]
+    calls = [{"id": c.id, "name": c.function.name, "arguments": c.function.arguments}
+             for c in ch.message.tool_calls or []]
+    return ch.message.content, calls, ch.finish_reason
+
+
+# -- 1. forced tool calls -----------------------------------------------------------------------
+
+
+def test_forced_calls_20_samples_at_temperature_0_9(client):
+    """required and named, streamed and not, parallel on and off: every answer is calls only,
+    ends with finish_reason "tool_calls", and its arguments validate against the tool's schema
+    ($defs/$ref, enum, nested object, array)."""
+    for i in range(20):
+        named = i % 2 == 1
+        parallel = i % 3 != 0
+        choice = {"type": "function", "function": {"name": "get_weather"}} if named else "required"
+        kw = dict(model="default", messages=ASK, tools=TOOLS, tool_choice=choice, temperature=0.9,
+                  seed=100 + i, max_tokens=400, parallel_tool_calls=parallel)
+        content, calls, reason = _answer(client, stream=i % 4 >= 2, **kw)
+        assert reason == "tool_calls" and not content and calls, (i, content, calls, reason)
+        if named or not parallel:
+            assert len(calls) == 1, (i, calls)
+        for c in calls:
+            assert c["id"].startswith("call_")
+            assert c["name"] == "get_weather" if named else c["name"] in PARAMS
+            jsonschema.validate(json.loads(c["arguments"]), PARAMS[c["name"]])
+
+
+def test_forced_call_arguments_stream_as_deltas(client):
+    """As OpenAI streams a call: one delta with id, type and name (arguments ""), then the
+    arguments in pieces, all under the same index."""
+    stream = client.chat.completions.create(
+        model="default", messages=ASK, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "add"}},
+        temperature=0, max_tokens=100, stream=True)
+    content, calls, reason, deltas = _streamed(stream)
+    assert reason == "tool_calls" and not content and len(calls) == 1
+    first, rest = deltas[0], deltas[1:]
+    assert first.id.startswith("call_") and first.type == "function" and first.function.name == "add"
+    assert first.function.arguments == ""
+    assert len(rest) >= 3 and all(d.index == 0 and d.id is None and d.function.name is None for d in rest)
+    jsonschema.validate(json.loads(calls[0]["arguments"]), ADD)
+
+
+def test_response_format_with_forced_tool_choice_is_accepted(client):
+    rf = {"type": "json_schema", "json_schema": {"name": "answer", "schema": {
+        "type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}}}
+    content, calls, reason = _answer(client, stream=False, model="default", messages=ASK, tools=TOOLS,
+                                     tool_choice="required", response_format=rf, temperature=0, max_tokens=200)
+    assert reason == "tool_calls" and content is None and calls
+    for c in calls:
+        jsonschema.validate(json.loads(c["arguments"]), PARAMS[c["name"]])
+
+
+# -- the three formats, on fixed text and through the Runner ----------------------------------------
+
+
+def test_parse_unterminated_hermes_calls():
+    """A 0.5B model's answer: two <tool_call> blocks, neither closed."""
+    text = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n<tool_call>\n{"name": "add", "arguments": {"a": 3, "b": 4}}'
+    content, calls = tool_api.parse(text, "hermes")
+    assert content is None and [json.loads(c.arguments) for c in calls] == [{"a": 1, "b": 2}, {"a": 3, "b": 4}]
+    content, calls = tool_api.parse('Sure.\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}', "hermes")
+    assert content == "Sure." and [c.name for c in calls] == ["add"]
+
+
+# Minimal templates whose text makes the server pick each format (as real Llama 3.1 and Mistral
+# templates do), with the tools in the prompt.
+FORMAT_TEMPLATES = {
+    "llama3": ("{{ bos_token }}{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+               "{% endfor %}{% if tools %}<|im_start|>system\nCall a function: answer "
+               '{"name": ..., "parameters": ...} (ipython, <|python_tag|>). {{ tools | tojson }}<|im_end|>\n'
+               "{% endif %}<|im_start|>assistant\n"),
+    "mistral": ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                "{% if tools %}<|im_start|>system\n[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS] "
+                "Answer [TOOL_CALLS] [...]<|im_end|>\n{% endif %}<|im_start|>assistant\n"),
+    "hermes": None,  # the model's own template
+}
+
+
+@pytest.fixture(scope="module")
+def runner(smollm2_gguf_path):
+    from pagedllm import Runner, Which
+
+    return Runner(Which.GGUF(str(smollm2_gguf_path.parent), smollm2_gguf_path.name), max_seqs=8,
+                  pa_gpu_mem=128, max_model_len=1024)
+
+
+@pytest.mark.parametrize("fmt", ["hermes", "llama3", "mistral"])
+def test_forced_calls_in_every_format_through_the_runner(runner, fmt):
+    tok = runner.llm.tokenizer
+    own = tok.chat_template
+    if FORMAT_TEMPLATES[fmt] is not None:
+        tok.chat_template = FORMAT_TEMPLATES[fmt]
+    try:
+        assert tool_api.detect_format(tok.chat_template) == fmt
+        for i, (choice, parallel, stream) in enumerate([("required", True, False), ("required", False, True),
+                                                        ({"type": "function", "function": {"name": "get_weather"}},
+                                                         True, True)]):
+            req = dict(model="default", messages=ASK, tools=TOOLS, tool_choice=choice, parallel_tool_calls=parallel,
+                       temperature=0.9, seed=i, max_tokens=400, stream=stream)
+            if stream:
+                text, calls = "", {}
+                for chunk in runner.send_chat_completion_request(req):
+                    d = chunk.choices[0].delta if chunk.choices else None
+                    if d is None:
+                        continue
+                    text += d.content or ""
+                    for tc in d.tool_calls or []:
+                        c = calls.setdefault(tc["index"], {"name": "", "arguments": ""})
+                        c["name"] += tc.get("function", {}).get("name") or ""
+                        c["arguments"] += tc.get("function", {}).get("arguments") or ""
+                    reason = chunk.choices[0].finish_reason or None
+                calls = [calls[k] for k in sorted(calls)]
+            else:
+                ch = runner.send_chat_completion_request(req).choices[0]
+                text, reason = ch.message.content, ch.finish_reason
+                calls = [c["function"] for c in ch.message.tool_calls or []]
+            assert reason == "tool_calls" and not text and calls, (fmt, i, text, calls, reason)
+            if not parallel or isinstance(choice, dict):
+                assert len(calls) == 1
+            for c in calls:
+                jsonschema.validate(json.loads(c["arguments"]), PARAMS[c["name"]])
+    finally:
+        tok.chat_template = own
+
+
+QWEN = Path(os.environ.get("PAGEDLLM_QWEN_GGUF", Path.home() / ".cache/pagedllm/models"
+                           / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"))
+
+
+@pytest.mark.skipif(not QWEN.is_file(), reason="opt-in: the Qwen2.5-Coder-0.5B GGUF "
+                    "(bash ../shared/models/fetch-qwen-coder.sh, or PAGEDLLM_QWEN_GGUF)")
+def test_forced_calls_on_real_qwen_coder(tmp_path_factory):
+    """The real Qwen2.5 template: <tool_call> is one added token there, which the grammar names."""
+    gen = serving(tmp_path_factory, "qwen", ["--model", str(QWEN), "--pa-gpu-mem", "256",
+                                             "--max-model-len", "2048", "--log-level", "info"])
+    srv = next(gen)
+    try:
+        client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="none", max_retries=0, timeout=600)
+        model = client.models.list().data[0].id
+        for i in range(20):
+            named = i % 2 == 1
+            choice = {"type": "function", "function": {"name": "get_weather"}} if named else "required"
+            content, calls, reason = _answer(client, stream=i % 4 >= 2, model=model, messages=ASK, tools=TOOLS,
+                                             tool_choice=choice, temperature=0.9, seed=i, max_tokens=300,
+                                             parallel_tool_calls=i % 3 != 0)
+            assert reason == "tool_calls" and not content and calls, (i, content, calls, reason)
+            for c in calls:
+                jsonschema.validate(json.loads(c["arguments"]), PARAMS[c["name"]])
+    finally:
+        gen.close()
