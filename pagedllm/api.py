@@ -37,6 +37,7 @@ from .server.serving import (
     TokenText,
     chat_response,
     completion_response,
+    echo_texts,
     new_id,
     prepare_chat,
     prepare_completion,
@@ -316,7 +317,7 @@ class Runner:
         rids = [f"{rid}-{i}" for i in range(len(prompts))]
         tt = self._tt if req.logprobs is not None else None
         model = req.model or self._ctx.model_name
-        echo = [p if isinstance(p, str) else self.llm.tokenizer.decode(p) for p in prompts] if req.echo else None
+        echo = echo_texts(prompts, self.llm.tokenizer) if req.echo else None
         self._add(list(zip(rids, prompts, params)))
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)

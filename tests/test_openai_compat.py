@@ -232,3 +232,46 @@ def test_forced_calls_on_real_qwen_coder(tmp_path_factory):
                 jsonschema.validate(json.loads(c["arguments"]), PARAMS[c["name"]])
     finally:
         gen.close()
+
+
+# -- 4. completions logprobs ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_completion_logprobs_0_include_the_sampled_token(client, stream):
+    kw = dict(model="default", prompt="The capital of France is", max_tokens=5, temperature=0, logprobs=0)
+    if stream:
+        tokens, lps, tops = [], [], []
+        for chunk in client.completions.create(stream=True, **kw):
+            for ch in chunk.choices:
+                if ch.logprobs:
+                    tokens += ch.logprobs.tokens
+                    lps += ch.logprobs.token_logprobs
+                    tops += ch.logprobs.top_logprobs
+    else:
+        lp = client.completions.create(**kw).choices[0].logprobs
+        tokens, lps, tops = lp.tokens, lp.token_logprobs, lp.top_logprobs
+    assert len(tokens) == 5 and len(tops) == 5
+    for tok, v, top in zip(tokens, lps, tops):
+        assert top == {tok: v}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_of_token_id_prompt_holds_the_prompt_text(client, stream):
+    kw = dict(model="default", prompt=[0, 0, 0, 0, 0], max_tokens=3, temperature=0, echo=True, logprobs=1)
+    if stream:
+        text, lp = "", {"tokens": [], "text_offset": [], "top_logprobs": [], "token_logprobs": []}
+        for chunk in client.completions.create(stream=True, **kw):
+            for ch in chunk.choices:
+                text += ch.text
+                for k in lp:
+                    lp[k] += getattr(ch.logprobs, k) if ch.logprobs else []
+    else:
+        ch = client.completions.create(**kw).choices[0]
+        text, lp = ch.text, ch.logprobs.model_dump()
+    tokens, offsets = lp["tokens"], lp["text_offset"]
+    assert len(tokens) == 8 and text == "".join(tokens), (text, tokens)
+    assert text.startswith("<|endoftext|>" * 5)
+    # text_offset: where each token starts in `text`, so it only grows
+    assert offsets == [len("".join(tokens[:i])) for i in range(len(tokens))]
+    assert lp["token_logprobs"][0] is None and all(v is not None for v in lp["token_logprobs"][1:])

@@ -45,6 +45,7 @@ from .serving import (
     TokenText,
     chat_response,
     completion_response,
+    echo_texts,
     new_id,
     prepare_chat,
     tool_plan,
@@ -420,9 +421,7 @@ def create_app(llm: Any, config: ServerConfig | None = None) -> FastAPI:
         rid = new_id("cmpl")
         rids = [rid if len(prompts) == 1 else f"{rid}-{i}" for i in range(len(prompts))]
         tt = token_text if req.logprobs is not None else None
-        echo = None
-        if req.echo:
-            echo = [p if isinstance(p, str) else llm.tokenizer.decode(p) for p in prompts]
+        echo = echo_texts(prompts, llm.tokenizer) if req.echo else None
         sub = await submit(list(zip(rids, prompts, params)))
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)

@@ -310,8 +310,15 @@ def chat_logprobs(entries: list[dict], tt: TokenText) -> ChatLogprobs:
     return ChatLogprobs(content=content)
 
 
-def prompt_logprobs(out: RequestOutput, tt: TokenText) -> CompletionLogprobs:
-    """The echoed prompt's tokens and logprobs (None for the first, as OpenAI sends them)."""
+def echo_texts(prompts: list[str | list[int]], tokenizer: Any) -> list[str]:
+    """The prompts as `echo` repeats them: a token-id prompt decoded with its special tokens,
+    the same text its logprobs' `tokens` spell."""
+    return [p if isinstance(p, str) else tokenizer.decode(p, skip_special_tokens=False) for p in prompts]
+
+
+def prompt_logprobs(out: RequestOutput, tt: TokenText, text_len: int | None = None) -> CompletionLogprobs:
+    """The echoed prompt's tokens and logprobs (None for the first, as OpenAI sends them).
+    Offsets never pass `text_len`, the echoed text's length, where the completion's start."""
     lp = CompletionLogprobs()
     offset = 0
     for tid, entry in zip(out.prompt_token_ids, out.prompt_logprobs or []):
@@ -319,7 +326,7 @@ def prompt_logprobs(out: RequestOutput, tt: TokenText) -> CompletionLogprobs:
         lp.tokens.append(tok)
         lp.token_logprobs.append(None if entry is None else entry[tid])
         lp.top_logprobs.append(None if entry is None else {tt.text(t): v for t, v in entry.items()})
-        lp.text_offset.append(offset)
+        lp.text_offset.append(offset if text_len is None else min(offset, text_len))
         offset += len(tok)
     return lp
 
@@ -336,7 +343,8 @@ def completion_logprobs(entries: list[dict], tt: TokenText, offset: int) -> Comp
         tok = tt.text(e["token_id"])
         out.tokens.append(tok)
         out.token_logprobs.append(e["logprob"])
-        out.top_logprobs.append({tt.text(t): lp for t, lp in e["top"]})
+        # The sampled token is always among them, as OpenAI sends it (logprobs 0 included).
+        out.top_logprobs.append({tok: e["logprob"], **{tt.text(t): lp for t, lp in e["top"]}})
         out.text_offset.append(offset)
         offset += len(tok)
     return out
@@ -410,7 +418,7 @@ def completion_response(rid: str, model: str, finals: list[RequestOutput], n: in
         for c in out.outputs:
             lp = completion_logprobs(c.logprobs or [], tt, len(prefix)) if tt is not None else None
             if lp is not None and echo and out.prompt_logprobs is not None:
-                lp = join_logprobs(prompt_logprobs(out, tt), lp)
+                lp = join_logprobs(prompt_logprobs(out, tt, len(prefix)), lp)
             choices.append(CompletionChoice(index=p * n + c.index, text=prefix + c.text,
                                             logprobs=lp, finish_reason=c.finish_reason))
     return CompletionResponse(id=rid, model=model, choices=choices, usage=usage_from(finals),
@@ -515,7 +523,7 @@ class CompletionStreamer:
             if self.echo and not st.echoed:
                 prefix, st.echoed = self.echo[p], True
                 if self.tt is not None and out.prompt_logprobs is not None:
-                    echoed_lp = prompt_logprobs(out, self.tt)
+                    echoed_lp = prompt_logprobs(out, self.tt, len(prefix))
             text = prefix + c.delta_text
             lp = None
             if self.tt is not None and c.logprobs and len(c.logprobs) > st.sent_logprobs:
