@@ -275,3 +275,33 @@ def test_echo_of_token_id_prompt_holds_the_prompt_text(client, stream):
     # text_offset: where each token starts in `text`, so it only grows
     assert offsets == [len("".join(tokens[:i])) for i in range(len(tokens))]
     assert lp["token_logprobs"][0] is None and all(v is not None for v in lp["token_logprobs"][1:])
+
+
+# -- 5. logit_bias -----------------------------------------------------------------------------------
+
+
+def test_logit_bias_moves_the_choice(client, smollm2_checkpoint):
+    """-100 on the greedy token: the greedy answer takes the second most likely one (the model's
+    own top_logprobs say which); +100 on a token: a sampled answer is that token every time."""
+    tok = smollm2_checkpoint.tokenizer  # the GGUF the server reads
+    kw = dict(model="default", prompt="The capital of France is", max_tokens=1, temperature=0, logprobs=2)
+    plain = client.completions.create(**kw).choices[0]
+    best, second = sorted(plain.logprobs.top_logprobs[0].items(), key=lambda kv: -kv[1])[:2]
+    assert plain.text == best[0]
+    ids = {t: tok.encode(t, add_special_tokens=False)[0] for t, _ in (best, second)}
+    biased = client.completions.create(**{**kw, "logit_bias": {str(ids[best[0]]): -100}}).choices[0]
+    assert biased.text == second[0]
+    forced = client.completions.create(model="default", prompt="The capital of France is", max_tokens=4,
+                                       temperature=0.9, seed=1, logit_bias={str(ids[second[0]]): 100})
+    assert forced.choices[0].text == second[0] * 4
+    chat = client.chat.completions.create(model="default", messages=[{"role": "user", "content": "Hi"}],
+                                          max_tokens=3, temperature=0.9, seed=2,
+                                          logit_bias={str(ids[second[0]]): 100})
+    assert chat.choices[0].message.content == second[0] * 3
+
+
+@pytest.mark.parametrize("bias", [{"999999": 1}, {"abc": 1}, {"5": 100.5}, {"-3": 1}])
+def test_bad_logit_bias_gets_400(client, bias):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="default", prompt="Hi", max_tokens=2, logit_bias=bias)
+    assert e.value.body["param"] == "logit_bias" and "logit_bias" in e.value.body["message"]

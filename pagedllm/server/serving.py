@@ -60,6 +60,7 @@ class ServingContext:
     block_size: int
     usable_blocks: int
     max_n: int
+    vocab_size: int | None = None  # the logits' width (logit_bias ids must fall below it)
 
     @classmethod
     def from_llm(cls, llm: Any, model_name: str | None = None, max_n: int | None = None) -> "ServingContext":
@@ -68,7 +69,8 @@ class ServingContext:
                    max_model_len=eng.sched_config.max_model_len,
                    block_size=eng.cache_config.block_size,
                    usable_blocks=eng.block_manager.num_usable_blocks,
-                   max_n=max_n or min(128, eng.sched_config.max_num_seqs))
+                   max_n=max_n or min(128, eng.sched_config.max_num_seqs),
+                   vocab_size=eng.model_config.vocab_size)
 
     def default_max_tokens(self, prompt_len: int, n: int) -> int:
         """Without max_tokens a request may run to the context end, as far as the cache can hold
@@ -89,8 +91,12 @@ def _common_checks(req: ChatCompletionRequest | CompletionRequest, ctx: ServingC
         what = f"n={req.n}" if count == 1 else f"n={req.n} x {count} prompts"
         raise ApiError(f"{what} asks for {req.n * count} completions; this server allows at most "
                        f"{ctx.max_n} per request", param="n")
-    if req.logit_bias:
-        raise ApiError("logit_bias is not supported", param="logit_bias")
+    for k in req.logit_bias or {}:
+        tid = int(k) if k.strip().lstrip("-").isdigit() else None
+        if tid is None or tid < 0 or (ctx.vocab_size is not None and tid >= ctx.vocab_size):
+            where = f"[0, {ctx.vocab_size})" if ctx.vocab_size else "the vocabulary"
+            raise ApiError(f"logit_bias key {k!r} is not a token id in {where}; keys are token ids "
+                           "as strings, e.g. {\"50256\": -100}", param="logit_bias")
     if req.stream_options is not None and not req.stream:
         raise ApiError("stream_options is only allowed when stream is true", param="stream_options")
     stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
@@ -139,7 +145,7 @@ def sampling_params(req: ChatCompletionRequest | CompletionRequest, ctx: Serving
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
             seed=req.seed, stop=req.stop, stop_token_ids=list(req.stop_token_ids or []),
             ignore_eos=req.ignore_eos, logprobs=logprobs, structured=structured,
-            prompt_logprobs=prompt_logprobs)
+            prompt_logprobs=prompt_logprobs, logit_bias=req.logit_bias)
     except SamplingParamsError as e:
         raise ApiError(e.message, param=e.param) from None
 
