@@ -305,3 +305,64 @@ def test_bad_logit_bias_gets_400(client, bias):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model="default", prompt="Hi", max_tokens=2, logit_bias=bias)
     assert e.value.body["param"] == "logit_bias" and "logit_bias" in e.value.body["message"]
+
+
+# -- 8. wire details --------------------------------------------------------------------------------
+
+
+def _raw_chunks(server, path: str, body: dict) -> list[dict]:
+    chunks = []
+    with httpx.stream("POST", f"{server.url}/v1/{path}", json={**body, "stream": True}, timeout=120) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunks.append(json.loads(line[6:]))
+    return chunks
+
+
+def test_stream_deltas_carry_only_what_they_hold(server):
+    """No `role: null`, `tool_calls: null` or `content: null` in deltas, and the finish chunk's delta is
+    empty, as OpenAI streams them; with tools too."""
+    for body in ({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8, "temperature": 0},
+                 {"messages": ASK, "tools": TOOLS, "tool_choice": "required", "max_tokens": 200, "temperature": 0}):
+        chunks = _raw_chunks(server, "chat/completions", {"model": "default", **body})
+        deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+        assert deltas[0] == {"role": "assistant", "content": ""}
+        for d in deltas:
+            assert None not in d.values(), d
+            assert "role" not in d or d is deltas[0]
+        finish = [c["choices"][0] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
+        assert len(finish) == 1 and finish[0]["delta"] == {}, finish
+
+
+STOPS = [  # (request fields, the stop_reason vLLM returns)
+    ({"stop": [" Paris", "zzz"]}, " Paris"),
+    ({"max_tokens": 2}, None),
+]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("case", range(len(STOPS)))
+def test_stop_reason_in_chat_and_completions(server, client, smollm2_checkpoint, stream, case):
+    extra, want = STOPS[case]
+    prompt = "The capital of France is"
+    comp = dict(model="default", prompt=prompt, temperature=0, max_tokens=extra.get("max_tokens", 8))
+    comp.update({k: v for k, v in extra.items() if k != "max_tokens"})
+    chat = {**comp, "messages": [{"role": "user", "content": "What is the capital of France? Answer: The capital is"}]}
+    del chat["prompt"]
+    for path, body in (("completions", comp), ("chat/completions", chat)):
+        if stream:
+            choice = [c["choices"][0] for c in _raw_chunks(server, path, body)
+                      if c["choices"] and c["choices"][0]["finish_reason"]][0]
+        else:
+            r = httpx.post(f"{server.url}/v1/{path}", json=body, timeout=120)
+            choice = r.json()["choices"][0]
+        assert "stop_reason" in choice
+        if path == "completions" or want is None:
+            assert choice["stop_reason"] == want, (path, choice)
+    # a stop token id: stop_reason is that id
+    tok = smollm2_checkpoint.tokenizer
+    paris = tok.encode(" Paris", add_special_tokens=False)[0]
+    r = httpx.post(f"{server.url}/v1/completions", json={**comp, "stop": None, "stop_token_ids": [paris]}, timeout=120)
+    assert r.json()["choices"][0]["stop_reason"] == paris
+    assert r.json()["choices"][0]["finish_reason"] == "stop"

@@ -411,7 +411,8 @@ def chat_response(rid: str, model: str, final: RequestOutput, tt: TokenText | No
             content = None  # a forced answer holds nothing but its calls
         msg = ResponseMessage(content=content, tool_calls=_tool_call_dicts(calls) or None)
         choices.append(ChatChoice(index=c.index, message=msg, logprobs=lp,
-                                  finish_reason=_finish_reason(c.finish_reason, tools, bool(calls))))
+                                  finish_reason=_finish_reason(c.finish_reason, tools, bool(calls)),
+                                  stop_reason=c.stop_reason))
     return ChatCompletionResponse(id=rid, model=model, choices=choices, usage=usage_from([final]),
                                   system_fingerprint=SYSTEM_FINGERPRINT)
 
@@ -426,7 +427,8 @@ def completion_response(rid: str, model: str, finals: list[RequestOutput], n: in
             if lp is not None and echo and out.prompt_logprobs is not None:
                 lp = join_logprobs(prompt_logprobs(out, tt, len(prefix)), lp)
             choices.append(CompletionChoice(index=p * n + c.index, text=prefix + c.text,
-                                            logprobs=lp, finish_reason=c.finish_reason))
+                                            logprobs=lp, finish_reason=c.finish_reason,
+                                            stop_reason=c.stop_reason))
     return CompletionResponse(id=rid, model=model, choices=choices, usage=usage_from(finals),
                               system_fingerprint=SYSTEM_FINGERPRINT)
 
@@ -492,9 +494,12 @@ class ChatStreamer:
             st.done = reason is not None
             # The calls' deltas first, one chunk each, as OpenAI sends them; then the text.
             chunks += [self._chunk([ChunkChoice(index=c.index, delta=Delta(tool_calls=[d]))]) for d in calls]
-            if text or lp is not None or reason is not None:
+            if text or lp is not None:
                 chunks.append(self._chunk([ChunkChoice(index=c.index, delta=Delta(content=text or None),
-                                                       logprobs=lp, finish_reason=reason)]))
+                                                       logprobs=lp)]))
+            if reason is not None:  # its own chunk with an empty delta, as OpenAI ends a choice
+                chunks.append(self._chunk([ChunkChoice(index=c.index, delta=Delta(), finish_reason=reason,
+                                                       stop_reason=c.stop_reason)]))
         return chunks
 
     def usage_chunk(self, finals: list[RequestOutput]) -> ChatCompletionChunk:
@@ -542,7 +547,8 @@ class CompletionStreamer:
             st.text_len += len(text)
             st.done = c.finish_reason is not None
             chunks.append(self._chunk([CompletionChoice(index=idx, text=text, logprobs=lp,
-                                                        finish_reason=c.finish_reason)]))
+                                                        finish_reason=c.finish_reason,
+                                                        stop_reason=c.stop_reason)]))
         return chunks
 
     def usage_chunk(self, finals: list[RequestOutput]) -> CompletionResponse:
