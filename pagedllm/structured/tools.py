@@ -30,11 +30,15 @@ PYTHON_TAG = "<|python_tag|>"
 MAX_PARALLEL_CALLS = 8
 
 
+def new_call_id() -> str:
+    return "call_" + uuid.uuid4().hex[:24]
+
+
 @dataclass
 class ToolCall:
     name: str
     arguments: str  # JSON text, as OpenAI sends it
-    id: str = field(default_factory=lambda: "call_" + uuid.uuid4().hex[:24])
+    id: str = field(default_factory=new_call_id)
 
 
 @dataclass
@@ -219,7 +223,7 @@ def merge_deltas(deltas: list[dict]) -> list[ToolCall]:
     for d in deltas:
         f = d.get("function", {})
         if d["index"] not in calls:
-            calls[d["index"]] = ToolCall(f.get("name", ""), "", d.get("id") or ToolCall("", "").id)
+            calls[d["index"]] = ToolCall(f.get("name", ""), "", d.get("id") or new_call_id())
         calls[d["index"]].arguments += f.get("arguments", "")
     return [calls[i] for i in sorted(calls)]
 
@@ -401,7 +405,7 @@ class StreamParser:
                     name = json.loads(f'"{m.group(1)}"')
                 except json.JSONDecodeError:
                     name = m.group(1)
-                deltas.append({"index": self.calls, "id": ToolCall("", "").id, "type": "function",
+                deltas.append({"index": self.calls, "id": new_call_id(), "type": "function",
                                "function": {"name": name, "arguments": ""}})
                 self.args, self.sent_args = _JsonScan(m.end()), m.end()
         if self.args is not None:
