@@ -366,3 +366,90 @@ def test_stop_reason_in_chat_and_completions(server, client, smollm2_checkpoint,
     r = httpx.post(f"{server.url}/v1/completions", json={**comp, "stop": None, "stop_token_ids": [paris]}, timeout=120)
     assert r.json()["choices"][0]["stop_reason"] == paris
     assert r.json()["choices"][0]["finish_reason"] == "stop"
+
+
+# -- 6. aborts ----------------------------------------------------------------------------------------
+
+LONG = "Tell me a long story about a dragon, a knight and a wizard who live in a castle. " * 12
+
+
+def test_gone_clients_cost_the_next_request_nothing(server):
+    """200 streaming clients that leave after their first token, then one new request: its time to
+    first token is within 2x of the same request's on an idle server, and nothing is left running."""
+    import asyncio
+    import statistics
+    import time
+
+    url = server.url
+
+    async def ttft(ac: httpx.AsyncClient, salt: str) -> float:
+        t0 = time.perf_counter()
+        body = {"model": "default", "prompt": salt + LONG, "max_tokens": 50, "temperature": 0, "stream": True}
+        async with ac.stream("POST", f"{url}/v1/completions", json=body) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: ") and '"text":"' in line and '"text":""' not in line:
+                    return time.perf_counter() - t0
+        raise AssertionError("no token")
+
+    async def quitter(ac: httpx.AsyncClient, i: int) -> None:
+        body = {"model": "default", "messages": [{"role": "user", "content": f"{i}: " + LONG[: 100 + i]}],
+                "max_tokens": 300, "stream": True}
+        async with ac.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
+            async for line in r.aiter_lines():
+                if '"content":"' in line and '"content":""' not in line:
+                    return  # leaving the block closes the connection
+
+    async def main() -> tuple[list[float], float, dict]:
+        limits = httpx.Limits(max_connections=256, max_keepalive_connections=0)
+        async with httpx.AsyncClient(timeout=600, limits=limits) as ac:
+            await ttft(ac, "warm up. ")
+            idle = [await ttft(ac, f"{k}. ") for k in range(3)]
+            await asyncio.gather(*[quitter(ac, i) for i in range(200)])
+            after = await ttft(ac, "3. ")
+            return idle, after, server.metrics()
+
+    idle, after, m = asyncio.run(main())
+    assert after <= 2 * statistics.median(idle), (idle, after)
+    assert m["pagedllm_requests_aborted_total"] >= 200
+
+
+def test_client_gone_before_acceptance_costs_no_step(server):
+    """Clients that leave while their requests wait to be accepted (the engine busy with a long
+    prefill) never get a token computed: their abort goes in with their add."""
+    import socket
+    import threading
+    import time
+
+    host, port = server.url.removeprefix("http://").split(":")
+    before = server.metrics()
+    # two ~760-token prompts: one prefill step of ~1500 tokens. A streamed answer's headers come
+    # when its request is accepted, right before that step starts.
+    busy = {"model": "default", "max_tokens": 3, "ignore_eos": True, "temperature": 0, "stream": True}
+    started = [threading.Event(), threading.Event()]
+
+    def run_busy(i: int) -> None:
+        with httpx.stream("POST", f"{server.url}/v1/completions", timeout=300,
+                          json={**busy, "prompt": f"{i} " + LONG * 3}) as r:
+            started[i].set()
+            for _ in r.iter_lines():
+                pass
+
+    threads = [threading.Thread(target=run_busy, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    assert all(e.wait(120) for e in started)
+    socks = []
+    for i in range(8):
+        body = json.dumps({"model": "default", "prompt": f"gone {i}", "max_tokens": 5, "ignore_eos": True}).encode()
+        s = socket.create_connection((host, int(port)))
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        socks.append(s)
+    time.sleep(0.05)
+    for s in socks:
+        s.close()
+    for t in threads:
+        t.join()
+    time.sleep(1.0)
+    after = server.metrics()
+    assert after["pagedllm_generation_tokens_total"] - before["pagedllm_generation_tokens_total"] == 2 * 3
