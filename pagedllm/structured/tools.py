@@ -182,7 +182,9 @@ def forced_grammar(tools: list[dict], names: list[str], fmt: str, parallel: bool
                "maxItems": MAX_PARALLEL_CALLS if parallel else 1,
                "$defs": defs, "x-guidance": {"whitespace_flexible": False}}
         return f"start: {tag(MISTRAL_TAG)} %json " + json.dumps(arr)
-    more = f' ("\\n" call){{0,{MAX_PARALLEL_CALLS - 1}}}' if parallel else ""
+    # With parallel calls a newline may follow the last one (then only another call or the end
+    # may): a model that writes one after </tool_call> is not pushed into a call it did not mean.
+    more = f' ("\\n" call){{0,{MAX_PARALLEL_CALLS - 1}}} "\\n"?' if parallel else ""
     return (f"start: call{more}\n"
             f'call: {tag(HERMES_OPEN)} "\\n" body "\\n" {tag(HERMES_CLOSE)}\n'
             f"body: %json {json.dumps(call)}")
