@@ -37,9 +37,11 @@ from .server.serving import (
     TokenText,
     chat_response,
     completion_response,
+    echo_texts,
     new_id,
     prepare_chat,
     prepare_completion,
+    tool_plan,
 )
 
 logger = logging.getLogger(__name__)
@@ -296,15 +298,16 @@ class Runner:
         """The answer, or with `stream=True` an iterator of chunks (closing it early aborts)."""
         req = request if isinstance(request, ChatCompletionRequest) else ChatCompletionRequest(**request)
         ids, params = self._call(prepare_chat, req)
+        tools = self._call(tool_plan, req)
         rid = new_id("chatcmpl")
         tt = self._tt if req.logprobs else None
         model = req.model or self._ctx.model_name
         self._add([(rid, ids, params)])
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            s = ChatStreamer(rid, model, req.n, tt)
+            s = ChatStreamer(rid, model, req.n, tt, tools)
             return self._stream([rid], s.start(), s.update, s.usage_chunk if include_usage else None)
-        return chat_response(rid, model, self._run([rid])[0], tt)
+        return chat_response(rid, model, self._run([rid])[0], tt, tools)
 
     # -- text completion ----------------------------------------------------------------------
     def send_completion_request(self, request: CompletionRequest | dict
@@ -315,7 +318,7 @@ class Runner:
         rids = [f"{rid}-{i}" for i in range(len(prompts))]
         tt = self._tt if req.logprobs is not None else None
         model = req.model or self._ctx.model_name
-        echo = [p if isinstance(p, str) else self.llm.tokenizer.decode(p) for p in prompts] if req.echo else None
+        echo = echo_texts(prompts, self.llm.tokenizer) if req.echo else None
         self._add(list(zip(rids, prompts, params)))
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)

@@ -270,3 +270,82 @@ def test_from_pretrained_dir_missing_files(tmp_path, saved_dir):
     with pytest.raises(TokenizerLoadError, match=r"no tokenizer_config\.json"):
         Tokenizer.from_pretrained_dir(folder)
     assert issubclass(TokenizerLoadError, ValueError)
+
+
+# -- SentencePiece GGUFs with and without the space prefix (Gemma 3 has none) -----------------------
+
+SPM_TEXTS = [
+    "The capital of France is", "Hello world", "hello, world!", "Paris is the capital.", "the", "The",
+    "12345 and 678", "year 2024: 3.14", "0", "你好，世界", "人工智能正在改变世界", "東京は日本の首都です",
+    "I love 🦀 and 🐍!", "👍🏽✨", "tab\tand\nnewline", "a\n\nb", "\n\nleading newlines", "trailing newline\n",
+    "x  y", "x   y    z", "  two leading spaces", "    four", "trailing spaces   ", "ünïcode ok",
+    "don't stop", "<start_of_turn>user\nHi<end_of_turn>", "<bos>The", "mix 中文 and English 42",
+]
+SPM_TEXTS += [" " + t for t in SPM_TEXTS[:22]]  # the same with a leading space
+SPM_CHAT = ("{{ bos_token }}{% for m in messages %}<start_of_turn>{{ 'model' if m.role == 'assistant' else m.role }}\n"
+            "{{ m.content }}<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+
+
+def _write_spm_gguf(path, arch: str, add_space_prefix: bool | None) -> None:
+    """A small SentencePiece-style vocabulary (control tokens, byte fallback, characters, words with
+    every prefix so BPE reaches them, runs of spaces written as spaces as Gemma files do)."""
+    gguf = pytest.importorskip("gguf")
+    chars = sorted({c for t in SPM_TEXTS for c in t if c not in " \t\n<>"} | set("▁"))
+    words = ["▁The", "▁the", "The", "▁capital", "▁of", "▁France", "▁is", "▁Hello", "▁hello", "▁world", "world",
+             "▁Paris", "▁and", "▁year", "▁love", "▁mix", "▁English", "▁stop", "▁leading", "▁spaces", "▁newline",
+             "12", "123", "20", "24", "你好", "世界", "人工", "智能"]
+    pieces = list(dict.fromkeys([*chars, *(w[:k] for w in words for k in range(2, len(w) + 1))]))
+    specials = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
+    tokens = [*specials, *[f"<0x{b:02X}>" for b in range(256)], "  ", "   ", "\n", "\n\n", *pieces]
+    types = [3, 3, 3, 2, 3, 3] + [6] * 256 + [1] * (len(tokens) - len(specials) - 256)
+    w = gguf.GGUFWriter(str(path), arch=arch)
+    w.add_block_count(1)
+    w.add_context_length(256)
+    w.add_embedding_length(64)
+    w.add_feed_forward_length(128)
+    w.add_head_count(4)
+    w.add_head_count_kv(2)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_vocab_size(len(tokens))
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_scores([0.0] * (len(specials) + 256) + [-float(i) for i in range(len(tokens) - len(specials) - 256)])
+    w.add_bos_token_id(2)
+    w.add_eos_token_id(1)
+    w.add_unk_token_id(3)
+    w.add_pad_token_id(0)
+    if add_space_prefix is not None:
+        w.add_add_space_prefix(add_space_prefix)
+    w.add_chat_template(SPM_CHAT)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("arch,prefix", [("gemma3", False), ("llama", True)])
+def test_gguf_space_prefix_matches_transformers(tmp_path, arch, prefix):
+    """tokenizer.ggml.add_space_prefix false (Gemma 3): "The" at the start is `The`, not `▁The`;
+    true: `▁The`; each exactly as transformers reads the same file, text after special tokens too."""
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    from pagedllm.loading.gguf import read_gguf
+
+    _write_spm_gguf(tmp_path / "t.gguf", arch, prefix)
+    ours = read_gguf(tmp_path / "t.gguf").tokenizer
+    ref = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="t.gguf")
+    assert len(SPM_TEXTS) >= 50
+    first = ours.encode("The capital", add_special_tokens=False)[0]
+    assert ours.id_to_token(first) == ("▁The" if prefix else "The")
+    for text in SPM_TEXTS:
+        for special in (True, False):
+            ids = ours.encode(text, add_special_tokens=special)
+            assert ids == ref(text, add_special_tokens=special)["input_ids"], (text, special)
+        assert ours.decode(ids, False) == ref.decode(ids, skip_special_tokens=False), text
+    for i in range(0, 20, 4):
+        chat = [{"role": "user", "content": SPM_TEXTS[i]}, {"role": "assistant", "content": SPM_TEXTS[i + 22]},
+                {"role": "user", "content": SPM_TEXTS[i + 1]}]
+        want = ref.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
+        want = want["input_ids"] if isinstance(want, dict) or hasattr(want, "keys") else want
+        assert ours.apply_chat_template(chat, add_generation_prompt=True, tokenize=True) == want, chat

@@ -255,6 +255,9 @@ class LLMEngine:
         if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
             bad = next(t for t in ids if not (isinstance(t, int) and 0 <= t < vocab))
             raise ValueError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})")
+        bad_bias = [t for t in params.logit_bias or () if t >= vocab]
+        if bad_bias:
+            raise ValueError(f"logit_bias token id {bad_bias[0]} is outside the vocabulary [0, {vocab})")
         max_len = self.sched_config.max_model_len
         if len(ids) >= max_len:
             raise ValueError(

@@ -738,9 +738,16 @@ def _byte_level_bpe(meta: dict, tokens: list[str]) -> Any:
     return tk
 
 
+_GEMMA_ARCHS = ("gemma", "gemma2", "gemma3")
+
+
 def _sentencepiece_bpe(path: Path, meta: dict, tokens: list[str]) -> Any:
     from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
 
+    gemma = meta.get("general.architecture") in _GEMMA_ARCHS
+    if gemma:
+        # Gemma files store a token of two or more spaces as spaces; the text it matches has ▁s.
+        tokens = ["▁" * len(t) if " " in t and not t.strip() else t for t in tokens]
     vocab = {tok: i for i, tok in enumerate(tokens)}
     if meta.get("tokenizer.ggml.merges"):
         merges = _merge_pairs(meta["tokenizer.ggml.merges"])
@@ -748,13 +755,17 @@ def _sentencepiece_bpe(path: Path, meta: dict, tokens: list[str]) -> Any:
         scores = meta.get("tokenizer.ggml.scores")
         if not scores or len(scores) != len(tokens):
             raise GGUFError(f"{path}: SentencePiece vocabulary has neither merges nor one score per token")
+        if gemma:  # Gemma's scores do not follow its merge order; the file's token order does
+            scores = [-float(i) for i in range(len(tokens))]
         merges = _merges_from_scores(tokens, scores)
     tk = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=True, byte_fallback=True, dropout=None))
     tk.normalizer = None
-    tk.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False)
-    tk.decoder = decoders.Sequence(
-        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
-    )
+    # add_space_prefix false (Gemma): no "▁" before the text, and none to strip when decoding.
+    prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
+    tk.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first" if prefix else "never",
+                                                split=False)
+    steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    tk.decoder = decoders.Sequence(steps + [decoders.Strip(" ", 1, 0)] if prefix else steps)
     return tk
 
 

@@ -70,12 +70,15 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # the same for every prompt token (vLLM); 0: the token's own
     # Constrain the output (JSON schema, regex, choice, grammar): a StructuredOutputs or a dict.
     structured: StructuredOutputs | dict | None = None
+    # token id -> a value in [-100, 100] added to its logit before sampling (OpenAI's logit_bias)
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.logit_bias = _check_logit_bias(self.logit_bias)
         self.validate()
         try:
             self.structured = StructuredOutputs.coerce(self.structured)
@@ -94,6 +97,10 @@ class SamplingParams:
             raise SamplingParamsError("stop", "stop strings must be non-empty")
 
     @property
+    def has_logit_bias(self) -> bool:
+        return bool(self.logit_bias)
+
+    @property
     def greedy(self) -> bool:
         return self.temperature < 1e-5
 
@@ -104,3 +111,24 @@ class SamplingParams:
             or self.frequency_penalty != 0.0
             or self.repetition_penalty != 1.0
         )
+
+
+def _check_logit_bias(bias: dict | None) -> dict[int, float] | None:
+    """{token id: bias} with ids as ints (JSON sends them as strings) and biases in [-100, 100]."""
+    if not bias:
+        return None
+    if not isinstance(bias, dict):
+        raise SamplingParamsError("logit_bias", "logit_bias must map token ids to numbers")
+    out = {}
+    for k, v in bias.items():
+        try:
+            tid = int(k)
+        except (TypeError, ValueError):
+            tid = -1
+        if isinstance(k, bool) or tid < 0 or isinstance(k, float):
+            raise SamplingParamsError("logit_bias", f"logit_bias keys must be token ids (integers >= 0), got {k!r}")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not -100 <= v <= 100:
+            raise SamplingParamsError("logit_bias", f"logit_bias values must be numbers in [-100, 100], "
+                                                    f"got {v!r} for token {k}")
+        out[tid] = float(v)
+    return out

@@ -95,13 +95,16 @@ class Sampler:
         dev = logits.device
         lp_rows = meta.rows_where("logprobs")
         pen_rows = meta.rows_where("needs_penalties")
+        bias_rows = meta.rows_where("has_logit_bias")
         sampled = meta.rows_where("sampled")
         raw = None
         if lp_rows:  # logprobs report the model's distribution, before penalties, masks, sampling
-            changed = bool(pen_rows) or meta.allowed_mask is not None or bool(sampled)
+            changed = bool(pen_rows) or meta.allowed_mask is not None or bool(sampled) or bool(bias_rows)
             raw = logits if not changed and len(lp_rows) == b else logits[lp_rows]
         if meta.allowed_mask is not None:
             self._apply_mask(logits, meta)
+        if bias_rows:
+            _apply_logit_bias(logits, meta, bias_rows)
         if pen_rows:
             if self.penalties is None:
                 self.penalties = PenaltyState(v, dev)
@@ -319,6 +322,19 @@ class Sampler:
             score = (x + self._gumbel(keys[tail], all_ids)).scatter_(1, ids[tail], float("-inf"))
             tokens[tail] = score.argmax(dim=-1)
         return tokens
+
+
+def _apply_logit_bias(logits: torch.Tensor, meta: SamplingMetadata, rows: list[int]) -> None:
+    """Add each row's logit_bias to its logits, in one scatter over the rows that have one."""
+    r, t, v = [], [], []
+    for i in rows:
+        bias = meta.params[i].logit_bias
+        r += [i] * len(bias)
+        t += bias.keys()
+        v += bias.values()
+    dev = logits.device
+    logits.index_put_((torch.tensor(r, device=dev), torch.tensor(t, device=dev)),
+                      torch.tensor(v, dtype=logits.dtype, device=dev), accumulate=True)
 
 
 def filter_tensors(ps: list, vocab: int, device) -> tuple[torch.Tensor, ...]:

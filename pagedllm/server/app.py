@@ -26,6 +26,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
 from .. import __version__
@@ -48,6 +49,7 @@ from .serving import (
     TokenText,
     chat_response,
     completion_response,
+    echo_texts,
     new_id,
     prepare_chat,
     tool_plan,
@@ -224,11 +226,14 @@ async def read_json(request: Request, limit: int) -> Any:
         if too_big:
             raise ApiError(f"request body is larger than the {limit} byte limit", status=413)
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise ApiError(f"request body is larger than the {limit} byte limit", status=413)
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise ApiError(f"request body is larger than the {limit} byte limit", status=413)
+            chunks.append(chunk)
+    except ClientDisconnect:  # gone before its body was read: nothing to answer, nothing to log
+        raise ApiError("the client closed the request", status=499) from None
     raw = b"".join(chunks)
     if not raw.strip():
         raise ApiError("request body is empty; send a JSON object")
@@ -316,6 +321,26 @@ async def _wait_disconnect(request: Request) -> None:
             return
 
 
+async def _unless_gone(work: Any, request: Request) -> Any:
+    """Await `work`, unless the client disconnects first: then cancel it (a cancelled
+    `AsyncEngine.submit` aborts what it added) and answer 499."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:  # the handler itself was cancelled (shutdown)
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if not task.done():
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
+        raise ApiError("the client closed the request", status=499)
+    return task.result()
+
+
 async def _collect(sub: Submission, request: Request) -> list | None:
     """Wait for every request of `sub` to finish; None if the client left first (then abort)."""
     async def consume() -> None:
@@ -373,7 +398,12 @@ def create_app(llm: Any, config: ServerConfig | None = None) -> FastAPI:
         app.add_middleware(AuthMiddleware, api_key=cfg.api_key)
     routes.add_cors(app, cfg.allowed_origins)  # outside the key check: preflights carry no key
 
-    async def submit(items: list, grammar_param: str = "response_format") -> Submission:
+    async def submit(items: list, request: Request, grammar_param: str = "response_format") -> Submission:
+        # A client gone before its requests are accepted aborts them in the same command batch:
+        # they never reach the scheduler, so they cost no step.
+        return await _unless_gone(_submit(items, grammar_param), request)
+
+    async def _submit(items: list, grammar_param: str) -> Submission:
         # A grammar is checked (and llguidance's token trie built, once) off the engine thread.
         specs = {id(p.structured): p.structured for _, _, p in items if p.structured is not None}
         for spec in specs.values():
@@ -417,7 +447,7 @@ def create_app(llm: Any, config: ServerConfig | None = None) -> FastAPI:
         tools = tool_plan(req, ctx)
         rid = new_id("chatcmpl")
         tt = token_text if req.logprobs else None
-        sub = await submit([(rid, ids, params)], "tools" if tools and tools.grammar() else "response_format")
+        sub = await submit([(rid, ids, params)], request, "tools" if tools and tools.grammar() else "response_format")
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             s = ChatStreamer(rid, ctx.model_name, req.n, tt, tools)
@@ -445,10 +475,8 @@ def create_app(llm: Any, config: ServerConfig | None = None) -> FastAPI:
         rid = new_id("cmpl")
         rids = [rid if len(prompts) == 1 else f"{rid}-{i}" for i in range(len(prompts))]
         tt = token_text if req.logprobs is not None else None
-        echo = None
-        if req.echo:
-            echo = [p if isinstance(p, str) else llm.tokenizer.decode(p) for p in prompts]
-        sub = await submit(list(zip(rids, prompts, params)))
+        echo = echo_texts(prompts, llm.tokenizer) if req.echo else None
+        sub = await submit(list(zip(rids, prompts, params)), request)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             s = CompletionStreamer(rid, ctx.model_name, req.n, {r: i for i, r in enumerate(rids)}, tt, echo)

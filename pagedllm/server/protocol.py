@@ -11,7 +11,8 @@ import math
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, PlainValidator, WithJsonSchema, model_validator
+from pydantic import (AliasChoices, BaseModel, ConfigDict, Field, PlainValidator, WithJsonSchema, model_serializer,
+                      model_validator)
 
 from ..sampling.params import check_limits
 
@@ -175,6 +176,8 @@ class ChatChoice(BaseModel):
     message: ResponseMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    # vLLM's: the stop string or stop token id that ended the choice; null otherwise (EOS too)
+    stop_reason: int | str | None = None
 
 
 def _now() -> int:
@@ -197,12 +200,18 @@ class Delta(BaseModel):
     # [{"index", "id", "type", "function": {"name", "arguments"}}], as OpenAI streams them
     tool_calls: list[dict] | None = None
 
+    @model_serializer(mode="wrap")
+    def _omit_unset(self, handler: Any) -> dict:
+        # OpenAI leaves out what a delta does not carry ({} on the finish chunk), never null.
+        return {k: v for k, v in handler(self).items() if v is not None}
+
 
 class ChunkChoice(BaseModel):
     index: int
     delta: Delta
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None
 
 
 class ChatCompletionChunk(BaseModel):
@@ -228,6 +237,7 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None
 
 
 class CompletionResponse(BaseModel):

@@ -60,6 +60,7 @@ class ServingContext:
     block_size: int
     usable_blocks: int
     max_n: int
+    vocab_size: int | None = None  # the logits' width (logit_bias ids must fall below it)
 
     @classmethod
     def from_llm(cls, llm: Any, model_name: str | None = None, max_n: int | None = None) -> "ServingContext":
@@ -68,7 +69,8 @@ class ServingContext:
                    max_model_len=eng.sched_config.max_model_len,
                    block_size=eng.cache_config.block_size,
                    usable_blocks=eng.block_manager.num_usable_blocks,
-                   max_n=max_n or min(128, eng.sched_config.max_num_seqs))
+                   max_n=max_n or min(128, eng.sched_config.max_num_seqs),
+                   vocab_size=eng.model_config.vocab_size)
 
     def default_max_tokens(self, prompt_len: int, n: int) -> int:
         """Without max_tokens a request may run to the context end, as far as the cache can hold
@@ -89,8 +91,12 @@ def _common_checks(req: ChatCompletionRequest | CompletionRequest, ctx: ServingC
         what = f"n={req.n}" if count == 1 else f"n={req.n} x {count} prompts"
         raise ApiError(f"{what} asks for {req.n * count} completions; this server allows at most "
                        f"{ctx.max_n} per request", param="n")
-    if req.logit_bias:
-        raise ApiError("logit_bias is not supported", param="logit_bias")
+    for k in req.logit_bias or {}:
+        tid = int(k) if k.strip().lstrip("-").isdigit() else None
+        if tid is None or tid < 0 or (ctx.vocab_size is not None and tid >= ctx.vocab_size):
+            where = f"[0, {ctx.vocab_size})" if ctx.vocab_size else "the vocabulary"
+            raise ApiError(f"logit_bias key {k!r} is not a token id in {where}; keys are token ids "
+                           "as strings, e.g. {\"50256\": -100}", param="logit_bias")
     if req.stream_options is not None and not req.stream:
         raise ApiError("stream_options is only allowed when stream is true", param="stream_options")
     stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
@@ -139,7 +145,7 @@ def sampling_params(req: ChatCompletionRequest | CompletionRequest, ctx: Serving
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
             seed=req.seed, stop=req.stop, stop_token_ids=list(req.stop_token_ids or []),
             ignore_eos=req.ignore_eos, logprobs=logprobs, structured=structured,
-            prompt_logprobs=prompt_logprobs)
+            prompt_logprobs=prompt_logprobs, logit_bias=req.logit_bias)
     except SamplingParamsError as e:
         raise ApiError(e.message, param=e.param) from None
 
@@ -161,8 +167,9 @@ def _message_text(msg: Any, i: int) -> str:
 
 def tool_plan(req: ChatCompletionRequest, ctx: ServingContext) -> tool_api.ToolPlan | None:
     try:
+        tags = tool_api.tag_token_ids(ctx.tokenizer) if req.tools and hasattr(ctx.tokenizer, "backend") else {}
         return tool_api.plan(req.tools, req.tool_choice, req.parallel_tool_calls,
-                             getattr(ctx.tokenizer, "chat_template", None))
+                             getattr(ctx.tokenizer, "chat_template", None), tags)
     except structured_api.StructuredRequestError as e:
         raise ApiError(str(e), param=e.param) from None
 
@@ -210,9 +217,8 @@ def prepare_chat(req: ChatCompletionRequest, ctx: ServingContext) -> tuple[list[
     params = sampling_params(req, ctx, len(ids), max_tokens, None, lp)
     forced = plan.grammar() if plan is not None else None
     if forced is not None:
-        if params.structured is not None:
-            raise ApiError("a forced tool call and response_format both constrain the output; give one",
-                           param="tool_choice")
+        # The forced call is constrained by the tool; response_format governs text answers,
+        # which a forced call does not give (vLLM's reading too).
         params.structured = forced
     return ids, params
 
@@ -310,8 +316,15 @@ def chat_logprobs(entries: list[dict], tt: TokenText) -> ChatLogprobs:
     return ChatLogprobs(content=content)
 
 
-def prompt_logprobs(out: RequestOutput, tt: TokenText) -> CompletionLogprobs:
-    """The echoed prompt's tokens and logprobs (None for the first, as OpenAI sends them)."""
+def echo_texts(prompts: list[str | list[int]], tokenizer: Any) -> list[str]:
+    """The prompts as `echo` repeats them: a token-id prompt decoded with its special tokens,
+    the same text its logprobs' `tokens` spell."""
+    return [p if isinstance(p, str) else tokenizer.decode(p, skip_special_tokens=False) for p in prompts]
+
+
+def prompt_logprobs(out: RequestOutput, tt: TokenText, text_len: int | None = None) -> CompletionLogprobs:
+    """The echoed prompt's tokens and logprobs (None for the first, as OpenAI sends them).
+    Offsets never pass `text_len`, the echoed text's length, where the completion's start."""
     lp = CompletionLogprobs()
     offset = 0
     for tid, entry in zip(out.prompt_token_ids, out.prompt_logprobs or []):
@@ -319,7 +332,7 @@ def prompt_logprobs(out: RequestOutput, tt: TokenText) -> CompletionLogprobs:
         lp.tokens.append(tok)
         lp.token_logprobs.append(None if entry is None else entry[tid])
         lp.top_logprobs.append(None if entry is None else {tt.text(t): v for t, v in entry.items()})
-        lp.text_offset.append(offset)
+        lp.text_offset.append(offset if text_len is None else min(offset, text_len))
         offset += len(tok)
     return lp
 
@@ -336,7 +349,8 @@ def completion_logprobs(entries: list[dict], tt: TokenText, offset: int) -> Comp
         tok = tt.text(e["token_id"])
         out.tokens.append(tok)
         out.token_logprobs.append(e["logprob"])
-        out.top_logprobs.append({tt.text(t): lp for t, lp in e["top"]})
+        # The sampled token is always among them, as OpenAI sends it (logprobs 0 included).
+        out.top_logprobs.append({tok: e["logprob"], **{tt.text(t): lp for t, lp in e["top"]}})
         out.text_offset.append(offset)
         offset += len(tok)
     return out
@@ -374,17 +388,14 @@ def usage_from(finals: list[RequestOutput]) -> Usage:
 # -- whole responses -----------------------------------------------------------------
 
 
-def _tool_call_dicts(calls: list[tool_api.ToolCall], start: int = 0, stream: bool = False) -> list[dict]:
-    out = []
-    for i, c in enumerate(calls):
-        d = {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-        out.append({"index": start + i, **d} if stream else d)
-    return out
+def _tool_call_dicts(calls: list[tool_api.ToolCall]) -> list[dict]:
+    return [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for c in calls]
 
 
 def _finish_reason(reason: str | None, plan: tool_api.ToolPlan | None, called: bool) -> str | None:
-    # OpenAI: "tool_calls" when the model chose to call; a forced named call ends with "stop".
-    if called and reason == "stop" and plan is not None and plan.mode != "named":
+    # "tool_calls" whenever the answer ended on its calls, forced ones included.
+    if called and reason == "stop" and plan is not None:
         return "tool_calls"
     return reason
 
@@ -396,9 +407,12 @@ def chat_response(rid: str, model: str, final: RequestOutput, tt: TokenText | No
         lp = chat_logprobs(c.logprobs or [], tt) if tt is not None else None
         content, calls = (tool_api.parse(c.text, tools.fmt) if tools is not None and tools.parses
                           else (c.text, []))
+        if calls and tools.forced:
+            content = None  # a forced answer holds nothing but its calls
         msg = ResponseMessage(content=content, tool_calls=_tool_call_dicts(calls) or None)
         choices.append(ChatChoice(index=c.index, message=msg, logprobs=lp,
-                                  finish_reason=_finish_reason(c.finish_reason, tools, bool(calls))))
+                                  finish_reason=_finish_reason(c.finish_reason, tools, bool(calls)),
+                                  stop_reason=c.stop_reason))
     return ChatCompletionResponse(id=rid, model=model, choices=choices, usage=usage_from([final]),
                                   system_fingerprint=SYSTEM_FINGERPRINT)
 
@@ -411,9 +425,10 @@ def completion_response(rid: str, model: str, finals: list[RequestOutput], n: in
         for c in out.outputs:
             lp = completion_logprobs(c.logprobs or [], tt, len(prefix)) if tt is not None else None
             if lp is not None and echo and out.prompt_logprobs is not None:
-                lp = join_logprobs(prompt_logprobs(out, tt), lp)
+                lp = join_logprobs(prompt_logprobs(out, tt, len(prefix)), lp)
             choices.append(CompletionChoice(index=p * n + c.index, text=prefix + c.text,
-                                            logprobs=lp, finish_reason=c.finish_reason))
+                                            logprobs=lp, finish_reason=c.finish_reason,
+                                            stop_reason=c.stop_reason))
     return CompletionResponse(id=rid, model=model, choices=choices, usage=usage_from(finals),
                               system_fingerprint=SYSTEM_FINGERPRINT)
 
@@ -467,22 +482,24 @@ class ChatStreamer:
             text, calls, reason = c.delta_text, [], c.finish_reason
             if self.parsers:
                 parser = self.parsers[c.index]
-                called_before = parser.calls
                 text, calls = parser.feed(c.delta_text)
                 if c.finish_reason is not None:
                     more_text, more_calls = parser.finish()
                     text, calls = text + more_text, calls + more_calls
-                tool_deltas = _tool_call_dicts(calls, called_before, stream=True)
+                if self.tools.forced and parser.calls:
+                    text = ""
                 reason = _finish_reason(c.finish_reason, self.tools, parser.calls > 0)
             if not text and not calls and lp is None and reason is None:
                 continue
             st.done = reason is not None
-            if calls:  # the call first (OpenAI sends calls and content in separate chunks)
-                chunks.append(self._chunk([ChunkChoice(index=c.index, delta=Delta(tool_calls=tool_deltas))]))
-            if text or lp is not None or reason is not None:
-                delta = Delta(content=text) if text or not calls else Delta()
-                chunks.append(self._chunk([ChunkChoice(index=c.index, delta=delta, logprobs=lp,
-                                                       finish_reason=reason)]))
+            # The calls' deltas first, one chunk each, as OpenAI sends them; then the text.
+            chunks += [self._chunk([ChunkChoice(index=c.index, delta=Delta(tool_calls=[d]))]) for d in calls]
+            if text or lp is not None:
+                chunks.append(self._chunk([ChunkChoice(index=c.index, delta=Delta(content=text or None),
+                                                       logprobs=lp)]))
+            if reason is not None:  # its own chunk with an empty delta, as OpenAI ends a choice
+                chunks.append(self._chunk([ChunkChoice(index=c.index, delta=Delta(), finish_reason=reason,
+                                                       stop_reason=c.stop_reason)]))
         return chunks
 
     def usage_chunk(self, finals: list[RequestOutput]) -> ChatCompletionChunk:
@@ -517,7 +534,7 @@ class CompletionStreamer:
             if self.echo and not st.echoed:
                 prefix, st.echoed = self.echo[p], True
                 if self.tt is not None and out.prompt_logprobs is not None:
-                    echoed_lp = prompt_logprobs(out, self.tt)
+                    echoed_lp = prompt_logprobs(out, self.tt, len(prefix))
             text = prefix + c.delta_text
             lp = None
             if self.tt is not None and c.logprobs and len(c.logprobs) > st.sent_logprobs:
@@ -530,7 +547,8 @@ class CompletionStreamer:
             st.text_len += len(text)
             st.done = c.finish_reason is not None
             chunks.append(self._chunk([CompletionChoice(index=idx, text=text, logprobs=lp,
-                                                        finish_reason=c.finish_reason)]))
+                                                        finish_reason=c.finish_reason,
+                                                        stop_reason=c.stop_reason)]))
         return chunks
 
     def usage_chunk(self, finals: list[RequestOutput]) -> CompletionResponse:

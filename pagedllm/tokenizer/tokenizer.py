@@ -177,8 +177,9 @@ class Tokenizer:
                 "this model has no chat template, so chat messages cannot be formatted; "
                 "pass a plain prompt (completion) instead"
             )
-        if self._compiled_template is None:
-            self._compiled_template = _compile_template(self.chat_template)
+        if self._compiled_template is None or self._compiled_template[0] != self.chat_template:
+            # Keyed by the source: a template replaced after loading (--chat-template) is recompiled.
+            self._compiled_template = (self.chat_template, _compile_template(self.chat_template))
         variables: dict[str, Any] = {
             name: value
             for name, value in (
@@ -191,7 +192,7 @@ class Tokenizer:
         }
         variables.update({"tools": None, "documents": None})
         variables.update(kwargs)
-        rendered = self._compiled_template.render(
+        rendered = self._compiled_template[1].render(
             messages=_alias_reasoning_fields(messages),
             add_generation_prompt=add_generation_prompt,
             **variables,
