@@ -8,7 +8,7 @@ from .sampling.params import SamplingParams
 _API_NAMES = ("Architecture", "ChatCompletionRequest", "CompletionRequest", "PagedCacheType", "Runner", "Which")
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", *_API_NAMES]
-__version__ = "0.1.0"
+from ._version import __version__
 
 
 def __getattr__(name: str):

@@ -225,6 +225,7 @@ class EngineOptions:
         self._check_arch(llm)
         if self.chat_template:
             llm.tokenizer.chat_template = read_chat_template(self.chat_template)
+            llm.tokenizer.chat_template_source = f"--chat-template {self.chat_template}"
         return llm
 
     def _check_arch(self, llm: Any) -> None:

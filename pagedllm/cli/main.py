@@ -3,7 +3,7 @@
     pagedllm serve [MODEL] [--host 127.0.0.1] [--port 8000] [--api-key KEY] [engine flags]
     pagedllm chat [MODEL] [engine flags]             interactive chat in the terminal
     pagedllm generate [PROMPT] [-m MODEL]            one-shot; the prompt may come on stdin
-    pagedllm bench throughput|prefix|quality|compare|make-gguf|serve ...
+    pagedllm bench throughput|prefix|quality|compare|make-gguf|soak|serve ...
     pagedllm trace [MODEL]                           KV cache figures while a request runs
     pagedllm demo
 
@@ -154,6 +154,12 @@ def _server_flags(p: argparse.ArgumentParser, top: bool) -> None:
                    help="names requests may use for the model; responses carry the first "
                         "(default: 'default', the GGUF file's stem or the folder's name)")
     g.add_argument("--max-body-bytes", type=int, default=d(4 * 2**20), help="request body size limit")
+    g.add_argument("--header-timeout", type=float, default=d(10.0), metavar="S",
+                   help="close a connection whose request headers take longer than S seconds (default 10)")
+    g.add_argument("--keep-alive-timeout", type=float, default=d(5.0), metavar="S",
+                   help="close an idle kept-alive connection after S seconds (default 5)")
+    g.add_argument("--max-connections", type=int, default=d(None), metavar="N",
+                   help="connections and requests at once; past N new requests get a 503 (default: no limit)")
     g.add_argument("--access-log", action="store_true", default=d(False))
     g.add_argument("--allowed-origins", nargs="+", metavar="ORIGIN", default=d(None),
                    help="CORS: origins browser pages may call the API from ('*': any; vLLM's "
@@ -212,6 +218,7 @@ BENCHES = {
     "startup": "time from starting `pagedllm generate` to its first token (median of 5)",
     "allreduce": "torch.distributed all-reduce latency and bandwidth at a TP step's message sizes",
     "speculative": "n-gram (and --draft MODEL) speculative decoding against plain decoding: code editing, chat, 32 concurrent",
+    "soak": "a served model under streaming load, then idle: resident memory at start, peak and at idle",
 }
 
 
@@ -384,7 +391,9 @@ def cmd_serve(args: argparse.Namespace, opts: EngineOptions) -> int:
     cfg = ServerConfig(model_name=names[0], aliases=tuple(names[1:]), api_key=api_key,
                        max_body_bytes=args.max_body_bytes, allowed_origins=origins,
                        shutdown_timeout=args.shutdown_timeout,
-                       responses_store_size=max(0, args.responses_store_size))
+                       responses_store_size=max(0, args.responses_store_size),
+                       header_timeout=args.header_timeout, keep_alive_timeout=args.keep_alive_timeout,
+                       max_connections=args.max_connections)
     print(f"serving {' = '.join(names)} on http://{args.host}:{args.port}/v1 "
           f"({eng.block_manager.num_usable_blocks} KV blocks of {eng.cache_config.block_size} tokens"
           f"{', API key required' if api_key else ''})", file=sys.stderr, flush=True)

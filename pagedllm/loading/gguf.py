@@ -25,6 +25,7 @@ import torch
 
 from pagedllm.quant.formats import QuantTensor
 from pagedllm.tokenizer import Tokenizer
+from pagedllm.tokenizer import template_guard
 
 logger = logging.getLogger(__name__)
 
@@ -676,7 +677,7 @@ def _build_tokenizer(path: Path, meta: dict) -> Tokenizer:
     if extra:
         tk.add_special_tokens([tokenizers.AddedToken(t, special=True, normalized=False) for t in extra])
 
-    return Tokenizer(
+    tokenizer = Tokenizer(
         tk,
         bos_token=bos,
         eos_token=eos,
@@ -687,6 +688,10 @@ def _build_tokenizer(path: Path, meta: dict) -> Tokenizer:
         pad_token=pad,
         unk_token=unk,
     )
+    # A template is code, and this one came with a (maybe downloaded) file: check it runs.
+    tokenizer.chat_template_source = f"GGUF metadata (tokenizer.chat_template of {path.name})"
+    template_guard.check_gguf_template(tokenizer)
+    return tokenizer
 
 
 def _bytes_to_unicode() -> dict[int, str]:

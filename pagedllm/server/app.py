@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import json
 import logging
 import os
 import signal
@@ -29,9 +28,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
-from .. import __version__
-from . import embeddings, responses, routes
+from .._version import __version__
+from . import embeddings, limits, responses, routes
 from .async_engine import AsyncEngine, EngineError, ShuttingDown, Submission
+from ..structured import limits as grammar_limits
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .protocol import (
     ChatCompletionRequest,
@@ -74,6 +74,9 @@ class ServerConfig:
     allowed_origins: tuple[str, ...] = ()  # CORS: origins browsers may call from ("*": any)
     shutdown_timeout: float = 0.0  # seconds SIGTERM/SIGINT waits for requests in flight
     responses_store_size: int = responses.DEFAULT_STORE_SIZE  # /v1/responses kept for previous_response_id
+    header_timeout: float = limits.DEFAULT_HEADER_TIMEOUT_S  # seconds for a request's headers
+    keep_alive_timeout: float = limits.DEFAULT_KEEP_ALIVE_S  # an idle connection is closed after
+    max_connections: int | None = None  # connections and requests at once; past it a 503
 
 
 # -- errors ----------------------------------------------------------------------------
@@ -237,10 +240,7 @@ async def read_json(request: Request, limit: int) -> Any:
     raw = b"".join(chunks)
     if not raw.strip():
         raise ApiError("request body is empty; send a JSON object")
-    try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ApiError(f"request body is not valid JSON: {e}") from None
+    body = await limits.load_json_off_loop(raw)
     if not isinstance(body, dict):
         raise ApiError(f"request body must be a JSON object, not {type(body).__name__}")
     return body
@@ -371,6 +371,8 @@ def create_app(llm: Any, config: ServerConfig | None = None) -> FastAPI:
     engine = AsyncEngine(llm.engine, metrics)
     ctx = ServingContext.from_llm(llm, cfg.model_name, cfg.max_n)
     token_text = TokenText(llm.tokenizer)
+    work = limits.WorkPool()  # tokenizing, templates and grammars: never on the event loop
+    trimmer = limits.IdleTrimmer(llm.engine.has_unfinished)
     names = list(dict.fromkeys([ctx.model_name, *cfg.aliases]))
 
     def check_model(name: str | None) -> None:
@@ -384,9 +386,12 @@ def create_app(llm: Any, config: ServerConfig | None = None) -> FastAPI:
         engine.start()
         logger.info("serving %s (max_model_len %d, %d KV blocks of %d tokens)", ctx.model_name,
                     ctx.max_model_len, ctx.usable_blocks, ctx.block_size)
+        trimming = asyncio.ensure_future(trimmer.run())
         try:
             yield
         finally:
+            trimming.cancel()
+            work.close()
             await asyncio.to_thread(engine.shutdown)
 
     app = FastAPI(title="pagedllm", version=__version__, lifespan=lifespan, docs_url=None,
@@ -405,12 +410,17 @@ def create_app(llm: Any, config: ServerConfig | None = None) -> FastAPI:
 
     async def _submit(items: list, grammar_param: str) -> Submission:
         # A grammar is checked (and llguidance's token trie built, once) off the engine thread.
+        trimmer.note_work()
         specs = {id(p.structured): p.structured for _, _, p in items if p.structured is not None}
         for spec in specs.values():
             try:
-                await asyncio.to_thread(llm.engine.structured.compile, spec)
+                await work.run(llm.engine.structured.prepare, spec,
+                               timeout=grammar_limits.COMPILE_TIMEOUT_S)
             except ValueError as e:
                 raise ApiError(str(e), param=grammar_param) from None
+            except asyncio.TimeoutError:
+                raise ApiError(f"the grammar did not compile within {grammar_limits.COMPILE_TIMEOUT_S:.0f} "
+                               "s; simplify it", param=grammar_param) from None
         try:
             return await engine.submit(items)
         except ValueError as e:
@@ -443,7 +453,8 @@ def create_app(llm: Any, config: ServerConfig | None = None) -> FastAPI:
     async def chat_completions(request: Request) -> Response:
         req: ChatCompletionRequest = parse(ChatCompletionRequest, await read_json(request, cfg.max_body_bytes))
         check_model(req.model)
-        ids, params = prepare_chat(req, ctx)
+        limits.check_prompt_chars(limits.chat_chars(req), ctx.max_model_len, "messages")
+        ids, params = await work.run(prepare_chat, req, ctx)
         tools = tool_plan(req, ctx)
         rid = new_id("chatcmpl")
         tt = token_text if req.logprobs else None
@@ -462,7 +473,7 @@ def create_app(llm: Any, config: ServerConfig | None = None) -> FastAPI:
 
     served = routes.Served(llm, ctx, cfg, names, engine, token_text, check_model, submit,
                            lambda request, model: _read_body(request, model, cfg.max_body_bytes),
-                           SSEResponse, _collect_or_fail)
+                           SSEResponse, _collect_or_fail, work.run)
     routes.install(app, served)
     responses.install(app, served, cfg.responses_store_size)
     embeddings.install(app, served)
@@ -471,11 +482,14 @@ def create_app(llm: Any, config: ServerConfig | None = None) -> FastAPI:
     async def completions(request: Request) -> Response:
         req: CompletionRequest = parse(CompletionRequest, await read_json(request, cfg.max_body_bytes))
         check_model(req.model)
-        prompts, params = prepare_completion(req, ctx)
+        for p in [req.prompt] if isinstance(req.prompt, str) else req.prompt or []:
+            if isinstance(p, str):
+                limits.check_prompt_chars(len(p), ctx.max_model_len, "prompt")
+        prompts, params = await work.run(prepare_completion, req, ctx)
         rid = new_id("cmpl")
         rids = [rid if len(prompts) == 1 else f"{rid}-{i}" for i in range(len(prompts))]
         tt = token_text if req.logprobs is not None else None
-        echo = echo_texts(prompts, llm.tokenizer) if req.echo else None
+        echo = await work.run(echo_texts, prompts, llm.tokenizer) if req.echo else None
         sub = await submit(list(zip(rids, prompts, params)), request)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -555,8 +569,11 @@ def run_server(llm: Any, host: str = "127.0.0.1", port: int = 8000, config: Serv
     engine: AsyncEngine = app.state.engine
     gate = ShutdownGate(app)
     # Requests end within a step of the signal; the timeout only guards against a stuck client.
+    cfg = config or ServerConfig()
+    http = type("HTTP", (limits.HeaderTimeoutH11Protocol,), {"header_timeout": cfg.header_timeout})
     uv = uvicorn.Config(gate, host=host, port=port, log_level=log_level, access_log=access_log,
-                        timeout_graceful_shutdown=1)
+                        timeout_graceful_shutdown=1, http=http, timeout_keep_alive=cfg.keep_alive_timeout,
+                        limit_concurrency=cfg.max_connections)
     server = Server(uv)
     server.run()
     return ServeResult(server.stopped_by, engine.num_ended_at_shutdown)

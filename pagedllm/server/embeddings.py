@@ -16,6 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import Field
 
+from . import limits
 from .async_engine import EngineError
 from .protocol import Int, _Model
 from .routes import Served, document_bodies
@@ -65,7 +66,10 @@ def install(app: FastAPI, s: Served) -> None:
         if len(inputs) > MAX_INPUTS:
             raise ApiError(f"at most {MAX_INPUTS} inputs per request, got {len(inputs)}", param="input")
         try:
-            ids = llm.embed_ids(inputs, req.prompt_name)
+            for text in inputs:
+                if isinstance(text, str):
+                    limits.check_prompt_chars(len(text), s.ctx.max_model_len, "input")
+            ids = await s.run(llm.embed_ids, inputs, req.prompt_name)
         except ValueError as e:
             raise ApiError(str(e), param="prompt_name") from None
         for i, p in enumerate(ids):

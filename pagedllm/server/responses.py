@@ -22,6 +22,7 @@ from pydantic import ValidationError
 from .async_engine import EngineError
 from .protocol import ChatCompletionRequest, ChatCompletionResponse, Int, Num, _Model
 from .routes import Served, document_bodies
+from . import limits
 from .serving import ApiError, ChatStreamer, chat_response, prepare_chat, tool_plan, usage_from
 
 logger = logging.getLogger(__name__)
@@ -415,12 +416,13 @@ def install(app: FastAPI, s: Served, store_size: int = DEFAULT_STORE_SIZE) -> No
         new = input_messages(req.input)
         chat = chat_request(req, history, new)
         try:
-            ids, params = prepare_chat(chat, s.ctx)
+            limits.check_prompt_chars(limits.chat_chars(chat), s.ctx.max_model_len, "input")
+            ids, params = await s.run(prepare_chat, chat, s.ctx)
             tools = tool_plan(chat, s.ctx)
         except ApiError as e:
             raise _renamed(e) from None
         rid = _item_id("resp")
-        sub = await s.submit([(rid, ids, params)], "tools" if tools and tools.grammar() else "text.format")
+        sub = await s.submit([(rid, ids, params)], request, "tools" if tools and tools.grammar() else "text.format")
         resp = skeleton(rid, s.ctx.model_name, req)
 
         def keep(done: dict) -> None:

@@ -17,7 +17,8 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 from starlette.middleware.cors import CORSMiddleware
 
-from .. import __version__
+from .._version import __version__
+from . import limits
 from .protocol import ChatMessage, Int, ModelCard, _Model
 from .serving import CHAT_ROLES, ApiError, ServingContext, _message_text
 
@@ -33,10 +34,11 @@ class Served:
     engine: Any  # async_engine.AsyncEngine
     token_text: Any  # serving.TokenText
     check_model: Callable[[str | None], None]
-    submit: Callable  # async (items, grammar_param) -> Submission
+    submit: Callable  # async (items, request, grammar_param) -> Submission
     read_body: Callable  # async (request, model) -> a parsed request model
     sse: Callable  # app.SSEResponse: (events, on_close) -> a server-sent events response
     collect: Callable  # async (submission, request) -> final outputs, or None if the client left
+    run: Callable  # async (fn, *args): tokenizing and templates off the event loop (limits.WorkPool.run)
 
 
 # -- /tokenize and /detokenize (vLLM's shapes) -------------------------------------------------
@@ -129,13 +131,15 @@ def install(app: FastAPI, s: Served) -> None:
     async def tokenize_route(request: Request) -> Response:
         req: TokenizeRequest = await s.read_body(request, TokenizeRequest)
         s.check_model(req.model)
-        return JSONResponse(tokenize(req, s.ctx).model_dump())
+        if req.prompt is not None:
+            limits.check_prompt_chars(len(req.prompt), s.ctx.max_model_len, "prompt")
+        return JSONResponse((await s.run(tokenize, req, s.ctx)).model_dump())
 
     @app.post("/detokenize")
     async def detokenize_route(request: Request) -> Response:
         req: DetokenizeRequest = await s.read_body(request, DetokenizeRequest)
         s.check_model(req.model)
-        return JSONResponse(detokenize(req, s.ctx).model_dump())
+        return JSONResponse((await s.run(detokenize, req, s.ctx)).model_dump())
 
     @app.get("/version")
     async def version() -> Response:

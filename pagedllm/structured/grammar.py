@@ -16,11 +16,13 @@ from __future__ import annotations
 import json
 import logging
 import threading
+from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Sequence
 
 import torch
 
+from . import limits
 from .params import StructuredOutputs
 
 logger = logging.getLogger(__name__)
@@ -52,6 +54,8 @@ class GrammarEngine:
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
         self._executor = None
+        # Matchers the server compiled off the engine thread, waiting for their request.
+        self._ready: OrderedDict[int, tuple[StructuredOutputs, Any]] = OrderedDict()
 
     @property
     def lltokenizer(self) -> Any:
@@ -68,20 +72,33 @@ class GrammarEngine:
             return self._lltok
 
     def compile(self, spec: StructuredOutputs) -> Any:
-        """A fresh matcher for `spec`; ValueError saying what is wrong when it cannot be built."""
+        """A fresh matcher for `spec`; ValueError saying what is wrong when it cannot be built
+        (limits.GrammarLimitError, naming the limit, when it is too big to compile safely)."""
         import llguidance as llg
 
+        limits.check(spec)
         try:
             text = grammar_text(spec)
         except ValueError as e:
-            raise ValueError(f"invalid {spec.kind} constraint: {e}") from None
+            raise ValueError(f"invalid {spec.kind} constraint: {limits.clean_error(str(e))}") from None
         m = llg.LLMatcher(self.lltokenizer, text, log_level=0)
         if m.is_error():
-            raise ValueError(f"invalid {spec.kind} constraint: {_first_lines(m.get_error())}")
+            raise ValueError(f"invalid {spec.kind} constraint: {limits.clean_error(m.get_error())}")
         return m
 
+    def prepare(self, spec: StructuredOutputs) -> None:
+        """Compile `spec` now (the server does, on its own threads) and keep the matcher for
+        `matchers`, so the engine thread does not compile it again."""
+        m = self.compile(spec)
+        with self._lock:
+            self._ready[id(spec)] = (spec, m)
+            while len(self._ready) > 64:  # requests that never reached the engine
+                self._ready.popitem(last=False)
+
     def matchers(self, spec: StructuredOutputs, n: int) -> list[Any]:
-        first = self.compile(spec)
+        with self._lock:
+            ready = self._ready.pop(id(spec), None)
+        first = ready[1] if ready is not None and ready[0] is spec else self.compile(spec)
         return [first] + [first.deep_copy() for _ in range(n - 1)]
 
     # -- per step ------------------------------------------------------------------

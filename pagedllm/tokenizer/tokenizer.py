@@ -18,8 +18,9 @@ import jinja2
 import jinja2.ext
 import jinja2.nodes
 import tokenizers
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import processors
+
+from . import template_guard
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +30,9 @@ _REPLACEMENT_CHAR = "\ufffd"
 _PROMPT_CONTEXT_TOKENS = 5
 # Older names some chat formats use for a message's reasoning; transformers aliases them the same way.
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+# Longer texts are encoded through encode_batch, which releases the GIL (encode holds it: a
+# 600,000-character prompt would stop every other thread, the server's event loop included, ~2 s).
+_GIL_FREE_CHARS = 8192
 
 
 class TokenizerLoadError(ValueError):
@@ -62,6 +66,7 @@ class Tokenizer:
         self.eos_token = eos_token
         self.pad_token = pad_token
         self.unk_token = unk_token
+        self._compiled_template: Any = None
         self.chat_template = chat_template
         self.bos_token_id = self._id_of(bos_token)
         self.eos_token_id = self._id_of(eos_token)
@@ -74,7 +79,16 @@ class Tokenizer:
             self.eos_token_ids.add(self.eos_token_id)
         if not keep_post_processor:
             self._set_post_processor()
-        self._compiled_template: Any = None
+
+    @property
+    def chat_template(self) -> str | None:
+        return self._chat_template
+
+    @chat_template.setter
+    def chat_template(self, template: str | None) -> None:
+        self._chat_template = template
+        self._compiled_template = None
+        self.chat_template_source: str | None = None  # where it came from, for error messages
 
     # ----------------------------------------------------------------------------------------------
     # construction
@@ -156,6 +170,8 @@ class Tokenizer:
     # encode / decode
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if len(text) > _GIL_FREE_CHARS:
+            return self._tk.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         return self._tk.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
@@ -177,9 +193,8 @@ class Tokenizer:
                 "this model has no chat template, so chat messages cannot be formatted; "
                 "pass a plain prompt (completion) instead"
             )
-        if self._compiled_template is None or self._compiled_template[0] != self.chat_template:
-            # Keyed by the source: a template replaced after loading (--chat-template) is recompiled.
-            self._compiled_template = (self.chat_template, _compile_template(self.chat_template))
+        if self._compiled_template is None:  # reset by the chat_template setter
+            self._compiled_template = _compile_template(self.chat_template)
         variables: dict[str, Any] = {
             name: value
             for name, value in (
@@ -192,7 +207,8 @@ class Tokenizer:
         }
         variables.update({"tools": None, "documents": None})
         variables.update(kwargs)
-        rendered = self._compiled_template[1].render(
+        rendered = template_guard.render(
+            self._compiled_template, self.chat_template_source,
             messages=_alias_reasoning_fields(messages),
             add_generation_prompt=add_generation_prompt,
             **variables,
@@ -405,7 +421,7 @@ def _compile_template(source: str) -> Any:
     def strftime_now(fmt: str) -> str:
         return datetime.now().strftime(fmt)
 
-    env = ImmutableSandboxedEnvironment(
+    env = template_guard.GuardedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
     )
     env.filters["tojson"] = tojson
@@ -415,3 +431,5 @@ def _compile_template(source: str) -> Any:
         return env.from_string(source)
     except jinja2.exceptions.TemplateSyntaxError as exc:
         raise ValueError(f"the model's chat template is not valid Jinja: {exc}") from exc
+    except RecursionError:
+        raise ValueError("the model's chat template is nested too deeply to compile") from None
