@@ -7,7 +7,10 @@ import torch
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
 # Families whose sliding window (48) is shorter than the longer test prompts.
-SLIDING = {"mistral", "gemma2", "gemma3"}
+SLIDING = {"mistral", "gemma2", "gemma3", "mixtral"}
+# Mixtures of experts (8 experts, top 2), tested apart (tests/test_moe.py).
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+_MOE = dict(num_experts_per_tok=2, num_experts=8)
 
 
 def _longrope_factors(n: int, seed: int) -> tuple[list[float], list[float]]:
@@ -55,18 +58,30 @@ def build_checkpoint(family: str, out: Path, tokenizer, vocab_size: int, seed: i
             layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
             rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
                              "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
+    elif family == "mixtral":  # sliding window as Mistral's; experts as wide as the config's MLP
+        cfg = tf.MixtralConfig(**{**common, "intermediate_size": 96}, sliding_window=48, num_local_experts=8,
+                               num_experts_per_tok=2)
+    elif family == "qwen2_moe":  # a shared expert beside the routed ones; no renormalization
+        cfg = tf.Qwen2MoeConfig(**common, **_MOE, moe_intermediate_size=48, shared_expert_intermediate_size=96,
+                                norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[])
+    elif family == "qwen3_moe":  # layer 1 keeps a dense MLP; renormalized top-k
+        cfg = tf.Qwen3MoeConfig(**{**common, "num_attention_heads": 6}, **_MOE, head_dim=16,
+                                moe_intermediate_size=48, norm_topk_prob=True, decoder_sparse_step=1,
+                                mlp_only_layers=[1])
+    elif family == "olmoe":  # q/k norms over the whole projections, clamped q/k/v
+        cfg = tf.OlmoeConfig(**{**common, "intermediate_size": 48}, **_MOE, norm_topk_prob=False, clip_qkv=4.0)
     else:
         raise ValueError(family)
     for k, v in overrides.items():
         setattr(cfg, k, v)
     torch.manual_seed(seed)
     model = tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    if family in ("qwen3", "gemma2", "gemma3"):  # random norms, so a misread (1 + w) or q/k norm shows
+    if family in ("qwen3", "gemma2", "gemma3", "qwen3_moe", "olmoe"):  # random norms, so a misread (1 + w) or q/k norm shows
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if name.endswith("norm.weight"):
                     p.normal_(0, 0.3)
-    if family == "qwen2":  # random biases, so a bias that is dropped cannot go unnoticed
+    if family in ("qwen2", "qwen2_moe"):  # random biases, so a bias that is dropped cannot go unnoticed
         with torch.no_grad():
             for layer in model.model.layers:
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
