@@ -22,6 +22,16 @@ def build_checkpoint(family: str, out: Path, tokenizer, vocab_size: int, seed: i
                      intermediate_size: int = 160, **overrides) -> Path:
     """Save a small random model of `family` with `tokenizer` into `out`; returns `out`.
     `overrides` replace config values (phi3: `original_max_position_embeddings`)."""
+    model = build_model(family, vocab_size, tokenizer.bos_token_id, tokenizer.eos_token_id, seed,
+                        intermediate_size, **overrides)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def build_model(family: str, vocab_size: int, bos_token_id: int | None, eos_token_id: int | None,
+                seed: int = 0, intermediate_size: int = 160, **overrides):
+    """A small random float32 transformers model of `family`."""
     import transformers as tf
 
     common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=intermediate_size,
@@ -29,7 +39,7 @@ def build_checkpoint(family: str, out: Path, tokenizer, vocab_size: int, seed: i
                   max_position_embeddings=1024, rms_norm_eps=1e-5,
                   # Wider init than the default 0.02 keeps greedy choices away from near-ties.
                   initializer_range=0.15, tie_word_embeddings=False,
-                  bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+                  bos_token_id=bos_token_id, eos_token_id=eos_token_id)
     if family == "llama":
         cfg = tf.LlamaConfig(**common, rope_theta=50000.0,
                              rope_scaling={"rope_type": "llama3", "factor": 8.0,
@@ -86,9 +96,7 @@ def build_checkpoint(family: str, out: Path, tokenizer, vocab_size: int, seed: i
             for layer in model.model.layers:
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     proj.bias.normal_(0, 0.5)
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    return out
+    return model
 
 
 def reference_family(family: str, out: Path, tokenizer, prompt_lens: list[int], new_tokens: int,
