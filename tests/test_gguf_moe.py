@@ -173,3 +173,31 @@ def test_expert_used_count_above_expert_count(tmp_path):
     with pytest.raises(ValueError, match=r"qwen2moe.expert_used_count = 9 must be between 1 and "
                                          r"qwen2moe.expert_count = 8"):
         LLM(str(tmp_path / "m.gguf"), dtype="float32", kv_cache_memory_mb=16)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0], ids=["Q8_0", "Q4_0"])
+def test_quantized_experts_stay_quantized_and_agree(tmp_path, qtype):
+    """The experts run on the file's blocks (packed, no float copy) and predict as the same
+    file dequantized to float32 does, teacher-forced through the decode and prefill paths."""
+    from pagedllm.quant.kernels import kernel_path
+
+    if kernel_path()[0] is None:
+        pytest.skip(f"no quantized kernels here: {kernel_path()[1]}")
+    vocab = len(_spm_vocab()[0])
+    write_moe_gguf(tmp_path / "m.gguf", "olmoe", _model("olmoe", vocab), qtype)
+    q = LLM(str(tmp_path / "m.gguf"), dtype="float32", kv_cache_memory_mb=16)
+    moe = q.engine.model.layers[0].mlp
+    for e in moe.experts:
+        for proj in (e.gate_up_proj, e.down_proj):
+            assert proj.weight is None and [p.fmt for p in proj.qparts] == [qtype.name] * len(proj.qparts)
+    assert all(p.packed for p in moe.experts[0].gate_up_proj.qparts)
+    d = LLM(str(tmp_path / "m.gguf"), dtype="float32", kv_cache_memory_mb=16, dequantize_weights=True)
+    g = torch.Generator().manual_seed(11)
+    windows = [torch.randint(3, vocab, (96,), generator=g).tolist() for _ in range(6)]
+    ref: list[torch.Tensor] = []
+    d.engine.score_prompts(windows, chunk_size=97, top1=ref)
+    for chunk in (1, 97):  # every token a decode row (integer kernels), whole windows (GEMMs)
+        got: list[torch.Tensor] = []
+        q.engine.score_prompts(windows, chunk_size=chunk, top1=got)
+        agree = (torch.cat(got) == torch.cat(ref)).double().mean().item()
+        assert agree >= 0.98, f"{qtype.name}, chunk {chunk}: top-1 agreement {agree:.3f}"

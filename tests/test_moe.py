@@ -134,3 +134,36 @@ def test_expert_of_the_wrong_shape(tmp_path, hf_smollm2_tokenizer):
     save_file(sd, path / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ValueError, match=rf"weight '{name}' has shape \(40, 64\), expected \(48, 64\)"):
         LLM(str(path), dtype="float32", kv_cache_memory_mb=16)
+
+
+def test_trace_names_the_expert_path(moe_ckpt):
+    family, path, _, prompts, _ = moe_ckpt
+    llm = LLM(str(path), dtype="float32", kv_cache_memory_mb=16)
+    llm.generate([prompts[1]], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    t = llm.kv_cache_trace()
+    model = llm.engine.model
+    sparse = len(model.expert_paths())
+    assert t.moe_experts.startswith(f"{sparse} sparse layers; 8 experts, top-2")
+    assert "rows sorted by expert id" in t.moe_experts
+    # The last step decoded one row: k experts in every sparse layer.
+    rows = t.moe_last_step_rows_per_expert
+    assert len(rows) == 8 and sum(rows) == 2 * sparse
+
+
+def test_isq_quantizes_the_experts_and_keeps_the_router(moe_ckpt):
+    from pagedllm.quant.kernels import kernel_path
+
+    if kernel_path()[0] is None:
+        pytest.skip(f"no quantized kernels here: {kernel_path()[1]}")
+    family, path, _, prompts, _ = moe_ckpt
+    q = LLM(str(path), dtype="float32", kv_cache_memory_mb=16, isq="Q8_0")
+    d = LLM(str(path), dtype="float32", kv_cache_memory_mb=16)
+    for _, moe in q.engine.model.expert_paths():
+        assert moe.gate.qparts is None and moe.gate.weight is not None
+        assert all(e.gate_up_proj.qparts and e.down_proj.qparts for e in moe.experts)
+    windows = [p[:64] for p in prompts if len(p) >= 64][:3]
+    got, ref = [], []
+    q.engine.score_prompts(windows, chunk_size=1, top1=got)
+    d.engine.score_prompts(windows, chunk_size=1, top1=ref)
+    agree = (torch.cat(got) == torch.cat(ref)).double().mean().item()
+    assert agree >= 0.98, f"{family}: ISQ Q8_0 top-1 agreement {agree:.3f}"

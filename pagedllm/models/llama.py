@@ -355,6 +355,9 @@ class LlamaForCausalLM(nn.Module):
         if not isinstance(module, Linear):
             raise ValueError(f"checkpoint tensor {hf_name!r} is quantized but {name} is not a linear weight")
         if shard is None:
+            if qt.shape != (module.out_features, module.in_features):
+                raise ValueError(f"weight {hf_name!r} has shape {qt.shape}, expected "
+                                 f"{(module.out_features, module.in_features)}")
             module.set_quantized([qt])
             loaded.add(name)
             return

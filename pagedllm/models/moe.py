@@ -51,11 +51,13 @@ class SparseMoE(nn.Module):
         # scales in float32 and rounds the product.
         self.weights_in_compute_dtype = weights_in_compute_dtype
         self.gate = Linear(cfg.hidden_size, cfg.num_experts, bias=False)  # the router
+        self.gate.keep_float = True  # ISQ leaves it (as llama.cpp's quantizer leaves ffn_gate_inp)
         self.experts = nn.ModuleList(MLP(cfg, inter=cfg.moe_intermediate_size) for _ in range(cfg.num_experts))
         self.shared_expert = self.shared_expert_gate = None
         if cfg.shared_expert_intermediate_size:
             self.shared_expert = MLP(cfg, inter=cfg.shared_expert_intermediate_size)
             self.shared_expert_gate = Linear(cfg.hidden_size, 1, bias=False)
+            self.shared_expert_gate.keep_float = True
         self.last_counts: list[int] = []  # rows routed to each expert in the last call (trace)
 
     def forward(self, x: torch.Tensor, norm: nn.Module | None = None,
