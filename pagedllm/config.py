@@ -52,6 +52,16 @@ class ModelConfig:
     attn_logit_softcapping: float | None = None  # Gemma 2: tanh cap on attention scores
     final_logit_softcapping: float | None = None  # Gemma 2: tanh cap on the logits
     hidden_activation: str = "silu"
+    # Mixture of experts (models/moe.py); num_experts == 0: a dense model.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0  # each routed expert's intermediate size
+    norm_topk_prob: bool = False  # renormalize the top-k routing weights to sum to one
+    # Per layer: True where the MLP is the sparse block (Qwen-MoE's decoder_sparse_step and
+    # mlp_only_layers leave some layers dense).
+    moe_layers: list[bool] = field(default_factory=list)
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's always-on expert (0: none)
+    clip_qkv: float | None = None  # OLMoE: q, k and v clamped to [-clip, clip]
 
     @property
     def all_layers_sliding(self) -> bool:
@@ -78,6 +88,10 @@ class ModelConfig:
             local_theta, local_scaling = _rope(d, d.get("rope_local_base_freq"), None, "sliding_attention")
         if (rope_scaling or {}).get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0)) != 1.0:
             raise ValueError("partial_rotary_factor != 1 (rope on part of each head) is not supported")
+        moe = _moe(d, archs[0], n_layers)
+        attention_bias = d.get("attention_bias", False)
+        if archs[0] == "Qwen2MoeForCausalLM":  # q/k/v biases unless the config turns them off
+            attention_bias = d.get("qkv_bias", True)
         return cls(
             architecture=archs[0],
             vocab_size=int(d["vocab_size"]),
@@ -92,7 +106,7 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             max_position_embeddings=int(d.get("max_position_embeddings") or 4096),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            attention_bias=bool(d.get("attention_bias", False)),
+            attention_bias=bool(attention_bias),
             mlp_bias=bool(d.get("mlp_bias", False)),
             sliding_window=int(window) if window and any(layer_windows) else None,
             layer_windows=layer_windows,
@@ -104,7 +118,30 @@ class ModelConfig:
             attn_logit_softcapping=d.get("attn_logit_softcapping"),
             final_logit_softcapping=d.get("final_logit_softcapping"),
             hidden_activation=d.get("hidden_activation") or d.get("hidden_act") or "silu",
+            clip_qkv=d.get("clip_qkv"),
+            **moe,
         )
+
+
+def _moe(d: dict, arch: str, n_layers: int) -> dict[str, Any]:
+    """The mixture-of-experts fields, checked: {} for a dense model."""
+    experts = int(d.get("num_local_experts") or d.get("num_experts") or 0)
+    if not experts:
+        return {}
+    k = int(d.get("num_experts_per_tok") or 0)
+    if not 1 <= k <= experts:
+        raise ValueError(f"num_experts_per_tok={k} must be between 1 and the model's {experts} experts "
+                         "(num_experts / num_local_experts); the checkpoint's config is inconsistent")
+    step = int(d.get("decoder_sparse_step") or 1)
+    dense = set(d.get("mlp_only_layers") or [])
+    # Mixtral's router keeps the top k of a softmax and renormalizes them, unconditionally
+    # (the same as a softmax over the top k logits).
+    norm = True if arch == "MixtralForCausalLM" else bool(d.get("norm_topk_prob", False))
+    return dict(num_experts=experts, num_experts_per_tok=k,
+                moe_intermediate_size=int(d.get("moe_intermediate_size") or d["intermediate_size"]),
+                norm_topk_prob=norm,
+                moe_layers=[i not in dense and (i + 1) % step == 0 for i in range(n_layers)],
+                shared_expert_intermediate_size=int(d.get("shared_expert_intermediate_size") or 0))
 
 
 def _per_layer_type_rope(d: dict) -> bool:

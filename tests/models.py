@@ -7,7 +7,10 @@ import torch
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
 # Families whose sliding window (48) is shorter than the longer test prompts.
-SLIDING = {"mistral", "gemma2", "gemma3"}
+SLIDING = {"mistral", "gemma2", "gemma3", "mixtral"}
+# Mixtures of experts (8 experts, top 2), tested apart (tests/test_moe.py).
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+_MOE = dict(num_experts_per_tok=2, num_experts=8)
 
 
 def _longrope_factors(n: int, seed: int) -> tuple[list[float], list[float]]:
@@ -19,6 +22,16 @@ def build_checkpoint(family: str, out: Path, tokenizer, vocab_size: int, seed: i
                      intermediate_size: int = 160, **overrides) -> Path:
     """Save a small random model of `family` with `tokenizer` into `out`; returns `out`.
     `overrides` replace config values (phi3: `original_max_position_embeddings`)."""
+    model = build_model(family, vocab_size, tokenizer.bos_token_id, tokenizer.eos_token_id, seed,
+                        intermediate_size, **overrides)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def build_model(family: str, vocab_size: int, bos_token_id: int | None, eos_token_id: int | None,
+                seed: int = 0, intermediate_size: int = 160, **overrides):
+    """A small random float32 transformers model of `family`."""
     import transformers as tf
 
     common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=intermediate_size,
@@ -26,7 +39,7 @@ def build_checkpoint(family: str, out: Path, tokenizer, vocab_size: int, seed: i
                   max_position_embeddings=1024, rms_norm_eps=1e-5,
                   # Wider init than the default 0.02 keeps greedy choices away from near-ties.
                   initializer_range=0.15, tie_word_embeddings=False,
-                  bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+                  bos_token_id=bos_token_id, eos_token_id=eos_token_id)
     if family == "llama":
         cfg = tf.LlamaConfig(**common, rope_theta=50000.0,
                              rope_scaling={"rope_type": "llama3", "factor": 8.0,
@@ -55,25 +68,35 @@ def build_checkpoint(family: str, out: Path, tokenizer, vocab_size: int, seed: i
             layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
             rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
                              "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
+    elif family == "mixtral":  # sliding window as Mistral's; experts as wide as the config's MLP
+        cfg = tf.MixtralConfig(**{**common, "intermediate_size": 96}, sliding_window=48, num_local_experts=8,
+                               num_experts_per_tok=2)
+    elif family == "qwen2_moe":  # a shared expert beside the routed ones; no renormalization
+        cfg = tf.Qwen2MoeConfig(**common, **_MOE, moe_intermediate_size=48, shared_expert_intermediate_size=96,
+                                norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[])
+    elif family == "qwen3_moe":  # layer 1 keeps a dense MLP; renormalized top-k
+        cfg = tf.Qwen3MoeConfig(**{**common, "num_attention_heads": 6}, **_MOE, head_dim=16,
+                                moe_intermediate_size=48, norm_topk_prob=True, decoder_sparse_step=1,
+                                mlp_only_layers=[1])
+    elif family == "olmoe":  # q/k norms over the whole projections, clamped q/k/v
+        cfg = tf.OlmoeConfig(**{**common, "intermediate_size": 48}, **_MOE, norm_topk_prob=False, clip_qkv=4.0)
     else:
         raise ValueError(family)
     for k, v in overrides.items():
         setattr(cfg, k, v)
     torch.manual_seed(seed)
     model = tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    if family in ("qwen3", "gemma2", "gemma3"):  # random norms, so a misread (1 + w) or q/k norm shows
+    if family in ("qwen3", "gemma2", "gemma3", "qwen3_moe", "olmoe"):  # random norms, so a misread (1 + w) or q/k norm shows
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if name.endswith("norm.weight"):
                     p.normal_(0, 0.3)
-    if family == "qwen2":  # random biases, so a bias that is dropped cannot go unnoticed
+    if family in ("qwen2", "qwen2_moe"):  # random biases, so a bias that is dropped cannot go unnoticed
         with torch.no_grad():
             for layer in model.model.layers:
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     proj.bias.normal_(0, 0.5)
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    return out
+    return model
 
 
 def reference_family(family: str, out: Path, tokenizer, prompt_lens: list[int], new_tokens: int,

@@ -69,6 +69,10 @@ class KVCacheTrace:
     spec_draft_blocks_total: int = 0
     spec_draft_blocks_used: int = 0
     spec_draft_memory_mb: float = 0.0
+    # Mixtures of experts: how the experts run, and the rows routed to each expert in the
+    # last step (summed over the sparse layers: each of a step's rows counts k times a layer).
+    moe_experts: str = ""
+    moe_last_step_rows_per_expert: list = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -179,6 +183,7 @@ def build_trace(engine) -> KVCacheTrace:
         weight_kernel=_weight_kernel(engine),
         **_tp_fields(engine),
         **_speculative(engine),
+        **_moe(engine),
     )
 
 
@@ -212,6 +217,16 @@ def _speculative(engine) -> dict:
         out.update(spec_draft_cache=draft.describe(), spec_draft_blocks_total=dbm.num_usable_blocks,
                    spec_draft_blocks_used=dbm.num_used_blocks, spec_draft_memory_mb=draft.memory_mb)
     return out
+
+
+def _moe(engine) -> dict:
+    model = getattr(engine, "model", None)
+    paths = model.expert_paths() if hasattr(model, "expert_paths") else []
+    if not paths:
+        return {}
+    counts = [sum(c) for c in zip(*(m.last_counts for _, m in paths if m.last_counts))]
+    return dict(moe_experts=f"{len(paths)} sparse layers; {paths[0][1].path()}",
+                moe_last_step_rows_per_expert=counts)
 
 
 def _blocks_by_group(engine) -> list[int]:

@@ -47,7 +47,15 @@ _ARCHITECTURES = {
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
     "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
+    # Mixtures of experts ("llama" with an expert_count is Mixtral)
+    "qwen2moe": ("Qwen2MoeForCausalLM", "qwen2_moe"),
+    "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
+    "olmoe": ("OlmoeForCausalLM", "olmoe"),
 }
+_MIXTRAL = ("MixtralForCausalLM", "mixtral")
+# How llama.cpp routes each MoE architecture: whether the top-k weights are renormalized
+# (its build_moe_ffn's norm_w), unless the file says (expert_weights_norm).
+_MOE_NORM_TOPK = {"llama": True, "qwen2moe": False, "qwen3moe": True, "olmoe": False}
 # llama.cpp's converter permutes Q/K rows of these architectures for its interleaved rope.
 _PERMUTED_QK_ARCHS = {"llama", "mistral"}
 
@@ -68,7 +76,18 @@ _LAYER_TENSORS = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    # MoE: the router, and Qwen2-MoE's shared expert and its gate
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
+# All of a layer's experts in one 3-D tensor [experts, rows, cols] (GGUF order: cols, rows,
+# experts); each expert is handed on as its own HF-named matrix.
+_EXPERT_TENSORS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+# Older Mixtral files: one tensor per expert, blk.N.ffn_gate.E.weight.
+_PER_EXPERT_RE = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)\.(\d+)\.weight")
 # Gemma's layers have four norms; llama.cpp names them apart from Llama's two.
 _GEMMA_LAYER_TENSORS = {
     **_LAYER_TENSORS,
@@ -124,19 +143,15 @@ class GGUFCheckpoint:
         return self.metadata["general.architecture"]
 
     def tensor_names(self) -> list[str]:
-        return [hf for t in self._reader.tensors if (hf := _hf_tensor_name(t.name, self.arch)) is not None]
+        return [hf for t in self._reader.tensors for hf, _ in _hf_tensor_names(t, self.arch)]
 
     def tensor_types(self) -> dict[str, str]:
         """HF tensor name -> GGML storage type name (e.g. "Q4_1"), for reporting."""
-        return {
-            hf: t.tensor_type.name for t in self._reader.tensors
-            if (hf := _hf_tensor_name(t.name, self.arch)) is not None
-        }
+        return {hf: t.tensor_type.name for t in self._reader.tensors for hf, _ in _hf_tensor_names(t, self.arch)}
 
     def quantized_names(self) -> set[str]:
         """HF names of the tensors `tensors(keep_quantized=True)` yields as QuantTensor."""
-        return {hf for t in self._reader.tensors
-                if (hf := _hf_tensor_name(t.name, self.arch)) is not None and _keeps_blocks(t)}
+        return {hf for t in self._reader.tensors if _keeps_blocks(t) for hf, _ in _hf_tensor_names(t, self.arch)}
 
     def tensors(self, dtype: torch.dtype = torch.float32,
                 keep_quantized: bool = False) -> Iterator[tuple[str, torch.Tensor | QuantTensor]]:
@@ -149,7 +164,11 @@ class GGUFCheckpoint:
         n_heads = self.config["num_attention_heads"]
         n_kv_heads = self.config["num_key_value_heads"]
         for tensor in self._reader.tensors:
-            hf_name = _hf_tensor_name(tensor.name, arch)
+            if len(tensor.shape) == 3:
+                yield from self._expert_tensors(tensor, dtype, keep_quantized)
+                continue
+            names = _hf_tensor_names(tensor, arch)
+            hf_name = names[0][0] if names else None
             if hf_name is None:
                 if tensor.name not in _NON_HF_TENSORS:
                     logger.warning("%s: skipping tensor %s, which has no HF counterpart", self.path, tensor.name)
@@ -172,9 +191,48 @@ class GGUFCheckpoint:
                                 "with a NaN or inf scale; the file is corrupt")
             if arch in _GEMMA_ARCHS and hf_name.endswith("norm.weight"):
                 array = array - 1  # llama.cpp stores Gemma's 1 + weight; HF names mean weight
+            if hf_name.endswith("shared_expert_gate.weight"):
+                array = array.reshape(1, -1)  # llama.cpp stores the [1, hidden] gate as a vector
             if not array.flags.writeable:  # memmap views (F32) are read-only; torch wants to own the data
                 array = np.array(array)
             yield hf_name, torch.from_numpy(array).to(dtype)
+
+    def _expert_tensors(self, tensor: Any, dtype: torch.dtype,
+                        keep_quantized: bool) -> Iterator[tuple[str, torch.Tensor | QuantTensor]]:
+        """A 3-D expert tensor as one HF-named matrix per expert: views of the file's blocks, or
+        dequantized (the whole tensor at once, then sliced)."""
+        import gguf
+
+        names = _hf_tensor_names(tensor, self.arch)
+        if not names:
+            logger.warning("%s: skipping tensor %s, which has no HF counterpart", self.path, tensor.name)
+            return
+        cols, rows, experts = (int(d) for d in tensor.shape)
+        if keep_quantized and _keeps_blocks(tensor):
+            from ..quant.kernels import bad_scale_blocks
+
+            per = int(tensor.n_bytes) // experts
+            with warnings.catch_warnings():  # read-only views of the mmap'd file: never written
+                warnings.simplefilter("ignore", UserWarning)
+                data = torch.from_numpy(tensor.data.reshape(experts, rows, -1))
+            for (hf_name, e), block in zip(names, data):
+                qt = QuantTensor(tensor.tensor_type.name, block, (rows, cols))
+                if bad_scale_blocks(qt):
+                    raise GGUFError(f"{self.path}: tensor {tensor.name} ({qt.fmt}) has blocks with a NaN or inf "
+                                    f"scale (expert {e}); the file is corrupt")
+                qt.release = functools.partial(_release_pages, self._reader, int(tensor.data_offset) + e * per, per)
+                yield hf_name, qt
+            return
+        try:
+            array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        except (NotImplementedError, ValueError) as exc:
+            raise GGUFError(f"{self.path}: cannot dequantize tensor {tensor.name}: {exc}") from exc
+        array = array.reshape(experts, rows, cols)
+        if tensor.tensor_type.name not in ("F32", "F16", "BF16") and not np.isfinite(array).all():
+            raise GGUFError(f"{self.path}: tensor {tensor.name} ({tensor.tensor_type.name}) has blocks "
+                            "with a NaN or inf scale; the file is corrupt")
+        for hf_name, e in names:
+            yield hf_name, torch.from_numpy(np.array(array[e])).to(dtype)
 
     def _quant_tensor(self, tensor: Any, heads: int | None) -> QuantTensor:
         from ..quant.kernels import bad_scale_blocks
@@ -204,7 +262,7 @@ class GGUFCheckpoint:
 def _keeps_blocks(tensor: Any) -> bool:
     from ..quant.formats import FORMATS
 
-    return tensor.tensor_type.name in FORMATS and len(tensor.shape) == 2
+    return tensor.tensor_type.name in FORMATS and len(tensor.shape) in (2, 3)
 
 
 def _release_pages(reader: Any, offset: int, nbytes: int) -> None:
@@ -490,6 +548,15 @@ def _build_config(path: Path, meta: dict, tensor_names: set[str], reader: Any) -
     hf_arch, model_type = _ARCHITECTURES[arch]
     if arch == "llama" and sliding_window:
         hf_arch, model_type = _ARCHITECTURES["mistral"]
+    n_layers = int(_require(path, meta, f"{arch}.block_count"))
+    moe = _moe_config(path, meta, arch, hidden, n_layers, reader)
+    if moe and arch == "llama":
+        hf_arch, model_type = _MIXTRAL
+    # Qwen-MoE files keep the experts' size apart; the dense size serves only dense layers.
+    if moe and arch in ("qwen2moe", "qwen3moe"):
+        ffn = int(get("feed_forward_length") or moe["moe_intermediate_size"])
+    else:
+        ffn = int(_require(path, meta, f"{arch}.feed_forward_length"))
 
     tokens = meta.get("tokenizer.ggml.tokens")
     vocab_size = get("vocab_size") or (len(tokens) if tokens else None)
@@ -502,8 +569,8 @@ def _build_config(path: Path, meta: dict, tensor_names: set[str], reader: Any) -
         "model_type": model_type,
         "vocab_size": int(vocab_size),
         "hidden_size": hidden,
-        "intermediate_size": int(_require(path, meta, f"{arch}.feed_forward_length")),
-        "num_hidden_layers": int(_require(path, meta, f"{arch}.block_count")),
+        "intermediate_size": ffn,
+        "num_hidden_layers": n_layers,
         "num_attention_heads": n_heads,
         "num_key_value_heads": int(n_kv_heads),
         "head_dim": head_dim,
@@ -520,7 +587,12 @@ def _build_config(path: Path, meta: dict, tensor_names: set[str], reader: Any) -
         # Qwen2 always has q/k/v biases; elsewhere the tensors say.
         "attention_bias": arch == "qwen2" or "blk.0.attn_q.bias" in tensor_names,
         "mlp_bias": False,
+        **moe,
     }
+    if model_type == "qwen2_moe":
+        config["qkv_bias"] = "blk.0.attn_q.bias" in tensor_names
+    if arch == "olmoe" and get("attention.clamp_kqv"):
+        config["clip_qkv"] = float(get("attention.clamp_kqv"))
     if model_type == "qwen2":
         config["use_sliding_window"] = bool(sliding_window)
     if arch == "gemma3":
@@ -531,6 +603,70 @@ def _build_config(path: Path, meta: dict, tensor_names: set[str], reader: Any) -
                       rope_local_base_freq=_GEMMA3_LOCAL_ROPE_BASE,
                       hidden_act="gelu_pytorch_tanh")
     return config
+
+
+def _moe_config(path: Path, meta: dict, arch: str, hidden: int, n_layers: int, reader: Any) -> dict[str, Any]:
+    """The config's MoE fields from `{arch}.expert_*` and the expert tensors, whose shapes are
+    checked against them here (a mismatch names the tensor); {} for a dense file."""
+    experts = int(meta.get(f"{arch}.expert_count") or 0)
+    if arch in _MOE_NORM_TOPK and arch != "llama" and not experts:
+        raise GGUFError(f"{path}: {arch} is a mixture of experts but {arch}.expert_count is missing")
+    if not experts:
+        return {}
+    used = int(meta.get(f"{arch}.expert_used_count") or 0)
+    if not 1 <= used <= experts:
+        raise GGUFError(f"{path}: {arch}.expert_used_count = {used} must be between 1 and "
+                        f"{arch}.expert_count = {experts}")
+    if arch in ("qwen2moe", "qwen3moe"):
+        inter = int(_require(path, meta, f"{arch}.expert_feed_forward_length"))
+    else:
+        inter = int(_require(path, meta, f"{arch}.feed_forward_length"))
+    shared = int(meta.get(f"{arch}.expert_shared_feed_forward_length") or 0)
+    by_name = {t.name: t for t in reader.tensors}
+    want = {"ffn_gate_exps": (hidden, inter, experts), "ffn_up_exps": (hidden, inter, experts),
+            "ffn_down_exps": (inter, hidden, experts)}
+    dense_layers = []
+    for i in range(n_layers):
+        found = [p for p in want if f"blk.{i}.{p}.weight" in by_name]
+        if not found and f"blk.{i}.ffn_gate.0.weight" in by_name:  # one tensor per expert
+            found = ["per-expert"]
+            for e in range(experts):
+                for p, shape in (("gate", (hidden, inter)), ("up", (hidden, inter)), ("down", (inter, hidden))):
+                    t = by_name.get(f"blk.{i}.ffn_{p}.{e}.weight")
+                    if t is None or tuple(t.shape) != shape:
+                        raise GGUFError(f"{path}: tensor blk.{i}.ffn_{p}.{e}.weight "
+                                        f"{'is missing' if t is None else f'has shape {tuple(t.shape)}'}; "
+                                        f"expected {shape} for {experts} experts of feed-forward length {inter}")
+        for p in found if found != ["per-expert"] else []:
+            t = by_name[f"blk.{i}.{p}.weight"]
+            if tuple(t.shape) != want[p]:
+                raise GGUFError(f"{path}: tensor blk.{i}.{p}.weight has shape {tuple(t.shape)}, expected "
+                                f"{want[p]} ({arch}.expert_count = {experts}, expert feed-forward length {inter})")
+        if found and found != ["per-expert"] and len(found) != 3:
+            missing = sorted(set(want) - set(found))
+            raise GGUFError(f"{path}: layer {i} has {', '.join(found)} but no {', '.join(missing)} tensor")
+        if not found:
+            dense_layers.append(i)
+            continue
+        router = by_name.get(f"blk.{i}.ffn_gate_inp.weight")
+        if router is None or tuple(router.shape) != (hidden, experts):
+            raise GGUFError(f"{path}: tensor blk.{i}.ffn_gate_inp.weight (the router) "
+                            f"{'is missing' if router is None else f'has shape {tuple(router.shape)}'}; "
+                            f"expected {(hidden, experts)}")
+    if len(dense_layers) == n_layers:
+        raise GGUFError(f"{path}: {arch}.expert_count = {experts} but the file has no expert tensors "
+                        "(blk.N.ffn_gate_exps / ffn_up_exps / ffn_down_exps.weight)")
+    norm = meta.get(f"{arch}.expert_weights_norm")
+    return {
+        "num_experts": experts,
+        "num_local_experts": experts,
+        "num_experts_per_tok": used,
+        "moe_intermediate_size": inter,
+        "shared_expert_intermediate_size": shared,
+        "norm_topk_prob": _MOE_NORM_TOPK[arch] if norm is None else bool(norm),
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": dense_layers,
+    }
 
 
 def _eos_token_ids(meta: dict) -> list[int]:
@@ -614,6 +750,22 @@ def _llama3_scaling_from_divisors(
 
 # --------------------------------------------------------------------------------------------------
 # tensors
+
+
+def _hf_tensor_names(tensor: Any, arch: str) -> list[tuple[str, int | None]]:
+    """The HF names a file tensor is handed on under, with the expert index of each where the
+    tensor holds experts (a 3-D tensor: one name per expert)."""
+    match = _LAYER_TENSOR_RE.fullmatch(tensor.name)
+    if match and match.group(2) in _EXPERT_TENSORS and len(tensor.shape) == 3:
+        layer, part, _ = match.groups()
+        return [(f"model.layers.{layer}.mlp.experts.{e}.{_EXPERT_TENSORS[part]}.weight", e)
+                for e in range(int(tensor.shape[2]))]
+    per_expert = _PER_EXPERT_RE.fullmatch(tensor.name)
+    if per_expert:
+        layer, part, e = per_expert.groups()
+        return [(f"model.layers.{layer}.mlp.experts.{e}.{part}_proj.weight", int(e))]
+    hf = _hf_tensor_name(tensor.name, arch)
+    return [] if hf is None else [(hf, None)]
 
 
 def _hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:

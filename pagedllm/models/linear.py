@@ -107,12 +107,14 @@ class Embedding(nn.Embedding):
 
 
 def linear_weight_names(model: torch.nn.Module, keys: Iterable[str]) -> set[str]:
-    """The checkpoint names that land in a Linear layer's weight (not embeddings or norms)."""
+    """The checkpoint names that land in a Linear layer's weight (not embeddings or norms, nor
+    layers marked `keep_float`: an MoE router, tiny and deciding which experts run)."""
     names = set()
     for key in keys:
         mapped = model.map_weight_name(key)
         if mapped is None or not mapped[0].endswith(".weight"):
             continue
-        if isinstance(model.get_submodule(mapped[0].rsplit(".", 1)[0]), Linear):
+        module = model.get_submodule(mapped[0].rsplit(".", 1)[0])
+        if isinstance(module, Linear) and not getattr(module, "keep_float", False):
             names.add(key)
     return names

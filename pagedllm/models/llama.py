@@ -84,9 +84,11 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, shard: ShardLayout | None = None, tp=None) -> None:
+    def __init__(self, cfg: ModelConfig, shard: ShardLayout | None = None, tp=None,
+                 inter: int | None = None) -> None:
+        """`inter`: the intermediate size where it is not the config's (an MoE expert)."""
         super().__init__()
-        self.inter = shard.inter if shard is not None else cfg.intermediate_size
+        self.inter = inter or (shard.inter if shard is not None else cfg.intermediate_size)
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.inter, bias=cfg.mlp_bias)
         self.down_proj = Linear(self.inter, cfg.hidden_size, bias=cfg.mlp_bias)
         self.down_proj.tp = tp
@@ -99,10 +101,11 @@ class MLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     qk_norm: type[nn.Module] | None = None  # the per-head q/k norm, for families that have one
+    attn_cls: type[Attention] = Attention
 
     def __init__(self, cfg: ModelConfig, layer_idx: int, shard: ShardLayout | None = None, tp=None) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg, layer_idx, self.qk_norm, shard, tp)
+        self.self_attn = self.attn_cls(cfg, layer_idx, self.qk_norm, shard, tp)
         self.mlp = MLP(cfg, shard, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -241,11 +244,13 @@ class LlamaForCausalLM(nn.Module):
         return [layer.self_attn for layer in self.layers]
 
     # -- weights ----------------------------------------------------------
-    def shard_sizes(self, fused: str) -> list[int]:
+    def shard_sizes(self, name: str) -> list[int]:
+        """Rows of each checkpoint part of our fused parameter `name` (q|k|v or gate|up)."""
         a = self.layers[0].self_attn
-        if fused == "qkv_proj":
+        if name.split(".")[-2] == "qkv_proj":
             return [a.q_size, a.kv_size, a.kv_size]
-        return [self.shard.inter] * 2
+        # gate|up: the halves of this layer's projection (an MoE expert's may be narrower)
+        return [self.get_submodule(name.rsplit(".", 1)[0]).out_features // 2] * 2
 
     def shard_slice(self, name: str, shard: int | None) -> tuple[int, int, int] | None:
         """(dim, start, length) of our parameter `name` (fused part `shard`) that this rank holds
@@ -315,7 +320,7 @@ class LlamaForCausalLM(nn.Module):
                 _copy_checked(param, tensor, hf_name)
                 loaded.add(name)
             else:
-                sizes = self.shard_sizes(name.split(".")[-2])
+                sizes = self.shard_sizes(name)
                 start = sum(sizes[:shard])
                 _copy_checked(param.narrow(0, start, sizes[shard]), tensor, hf_name)
                 seen_shards.setdefault(name, {})[shard] = None
@@ -347,10 +352,13 @@ class LlamaForCausalLM(nn.Module):
         if not isinstance(module, Linear):
             raise ValueError(f"checkpoint tensor {hf_name!r} is quantized but {name} is not a linear weight")
         if shard is None:
+            if qt.shape != (module.out_features, module.in_features):
+                raise ValueError(f"weight {hf_name!r} has shape {qt.shape}, expected "
+                                 f"{(module.out_features, module.in_features)}")
             module.set_quantized([qt])
             loaded.add(name)
             return
-        sizes = self.shard_sizes(name.split(".")[-2])
+        sizes = self.shard_sizes(name)
         if qt.shape != (sizes[shard], module.in_features):
             raise ValueError(f"weight {hf_name!r} has shape {qt.shape}, expected {(sizes[shard], module.in_features)}")
         parts = seen.setdefault(name, {})

@@ -1,0 +1,178 @@
+"""The mixture-of-experts block shared by the MoE families (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE).
+
+- Routing as transformers does it: the router's logits in float32, a softmax, then the top k
+  by `torch.topk` on the same values (so ties break the same way), renormalized to sum to one
+  where the config says (`norm_topk_prob`; Mixtral always, which equals a softmax over the
+  top k logits).
+- The experts run grouped: the (row, slot) pairs are sorted by expert id, each active expert
+  takes all of its rows in one matmul (its gate|up, silu(gate) * up, down), and the results
+  are scattered back with their routing weights by `index_add_`, experts in ascending order
+  as transformers adds them. The Python loop is over the step's *active experts*, never over
+  rows.
+- Each expert is an `MLP` of `Linear` layers, so quantized experts stay quantized in the
+  packed layout the dense kernels use (quant/kernels.py), and a step's few decode rows per
+  expert take the integer kernel with the activation fused into the call. A fused native call
+  over all of a row's k experts is later work.
+- Qwen2-MoE adds a shared expert, scaled by sigmoid(shared_expert_gate(x)), to every row.
+"""
+from __future__ import annotations
+
+import re
+from typing import Iterable, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ModelConfig
+from ..quant import kernels as qk
+from ..quant.formats import QuantTensor
+from .linear import Linear
+from .llama import MLP, DecoderLayer, LlamaForCausalLM
+
+
+def route(logits: torch.Tensor, k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, k] float32, expert ids [T, k]) from float32 router logits [T, E]."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+class SparseMoE(nn.Module):
+    """The routed experts of one layer (plus Qwen2-MoE's shared expert): a drop-in for `MLP`."""
+
+    def __init__(self, cfg: ModelConfig, weights_in_compute_dtype: bool = True) -> None:
+        super().__init__()
+        self.num_experts, self.top_k = cfg.num_experts, cfg.num_experts_per_tok
+        self.renormalize = cfg.norm_topk_prob
+        # Qwen/OLMoE round the routing weights to the compute dtype before scaling; Mixtral
+        # scales in float32 and rounds the product.
+        self.weights_in_compute_dtype = weights_in_compute_dtype
+        self.gate = Linear(cfg.hidden_size, cfg.num_experts, bias=False)  # the router
+        self.gate.keep_float = True  # ISQ leaves it (as llama.cpp's quantizer leaves ffn_gate_inp)
+        self.experts = nn.ModuleList(MLP(cfg, inter=cfg.moe_intermediate_size) for _ in range(cfg.num_experts))
+        self.shared_expert = self.shared_expert_gate = None
+        if cfg.shared_expert_intermediate_size:
+            self.shared_expert = MLP(cfg, inter=cfg.shared_expert_intermediate_size)
+            self.shared_expert_gate = Linear(cfg.hidden_size, 1, bias=False)
+            self.shared_expert_gate.keep_float = True
+        self.last_counts: list[int] = []  # rows routed to each expert in the last call (trace)
+
+    def forward(self, x: torch.Tensor, norm: nn.Module | None = None,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+        """residual + sum over the row's top k experts of weight * expert(norm(x)) (+ the shared expert)."""
+        h = norm(x) if norm is not None else x
+        weights, ids = route(self.router_logits(h), self.top_k, self.renormalize)
+        if self.weights_in_compute_dtype:
+            weights = weights.to(h.dtype)
+        out = self.run_experts(h, weights, ids)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(h)) * self.shared_expert(h)
+        return out if residual is None else residual + out
+
+    def router_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """[T, E] float32."""
+        if self.gate.qparts is not None:
+            return qk.matmul(h, self.gate.qparts, out_dtype=torch.float32)
+        return F.linear(h.float(), self.gate.weight.float())
+
+    def run_experts(self, h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Rows grouped by expert: one matmul chain per active expert, scattered back weighted."""
+        k = ids.shape[1]
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        rows = order // k  # the token of each sorted (token, slot) pair
+        w = weights.reshape(-1)[order].unsqueeze(1)
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        self.last_counts = counts
+        out = torch.zeros_like(h)
+        start = 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            idx = rows[start:start + n]
+            y = self.experts[e](h.index_select(0, idx))
+            out.index_add_(0, idx, (y * w[start:start + n]).to(out.dtype))
+            start += n
+        return out
+
+    def path(self) -> str:
+        """How the experts run (for `pagedllm trace`)."""
+        mlp = self.experts[0]
+        parts = mlp.gate_up_proj.qparts
+        if parts:
+            kind = (f"quantized {'/'.join(sorted({p.fmt for p in parts}))}, "
+                    f"integer kernel up to {qk.INT_ROWS} rows an expert, dequantize + GEMM beyond")
+        else:
+            kind = f"{mlp.gate_up_proj.weight.dtype} GEMMs"
+        return (f"{self.num_experts} experts, top-{self.top_k}"
+                f"{', shared expert' if self.shared_expert is not None else ''}: rows sorted by expert id, "
+                f"one matmul chain per active expert (a Python loop over the active experts; {kind}), "
+                "scattered back with index_add_")
+
+
+class MoeDecoderLayer(DecoderLayer):
+    """A decoder layer whose MLP is the sparse block where the config says (else dense)."""
+
+    weights_in_compute_dtype = True
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int, shard=None, tp=None) -> None:
+        super().__init__(cfg, layer_idx)
+        if cfg.moe_layers[layer_idx]:
+            self.mlp = SparseMoE(cfg, self.weights_in_compute_dtype)
+
+
+# A checkpoint's names for an expert's projections (Mixtral's w1/w3/w2, the Qwen/OLMoE names).
+_MIXTRAL_EXPERT = re.compile(r"\.experts\.(\d+)\.w([123])\.")
+_W_NAMES = {"1": "gate_proj", "3": "up_proj", "2": "down_proj"}
+# transformers' in-memory layout: all experts in one 3-D tensor (gate|up rows, then down).
+_FUSED_EXPERTS = re.compile(r"(.*\.experts)\.(gate_up_proj|down_proj)$")
+
+
+class MoeForCausalLM(LlamaForCausalLM):
+    layer_cls = MoeDecoderLayer
+
+    def __init__(self, cfg: ModelConfig, max_positions: int, tp=None) -> None:
+        if tp is not None and tp.size > 1:
+            raise ValueError(f"tensor parallelism does not split {cfg.architecture} (mixture of experts) yet; "
+                             "use tensor_parallel_size=1")
+        if len(cfg.moe_layers) != cfg.num_layers:
+            raise ValueError(f"{cfg.architecture}: the config names no experts (num_experts / num_local_experts)")
+        super().__init__(cfg, max_positions, tp)
+
+    def map_weight_name(self, name: str) -> tuple[str, int | None] | None:
+        name = name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's name for the block
+        name = _MIXTRAL_EXPERT.sub(lambda m: f".experts.{m.group(1)}.{_W_NAMES[m.group(2)]}.", name)
+        return super().map_weight_name(name)
+
+    def expert_paths(self) -> list[tuple[int, SparseMoE]]:
+        return [(i, layer.mlp) for i, layer in enumerate(self.layers) if isinstance(layer.mlp, SparseMoE)]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantTensor]],
+                     dtype: torch.dtype = torch.float32) -> None:
+        super().load_weights(_split_fused_experts(weights, self.config), dtype)
+
+
+def _split_fused_experts(weights: Iterable[tuple[str, torch.Tensor | QuantTensor]],
+                         cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor | QuantTensor]]:
+    """transformers' 3-D `experts.gate_up_proj` [E, 2I, H] / `experts.down_proj` [E, H, I] as
+    the per-expert matrices the model holds."""
+    for name, t in weights:
+        m = _FUSED_EXPERTS.fullmatch(name)
+        if m is None or isinstance(t, QuantTensor):
+            yield name, t
+            continue
+        prefix, kind = m.groups()
+        e, inter, hidden = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+        want = (e, 2 * inter, hidden) if kind == "gate_up_proj" else (e, hidden, inter)
+        if tuple(t.shape) != want:
+            raise ValueError(f"weight {name!r} has shape {tuple(t.shape)}, expected {want} "
+                             f"({e} experts of intermediate size {inter})")
+        for i in range(e):
+            if kind == "gate_up_proj":
+                yield f"{prefix}.{i}.gate_proj.weight", t[i, :inter]
+                yield f"{prefix}.{i}.up_proj.weight", t[i, inter:]
+            else:
+                yield f"{prefix}.{i}.down_proj.weight", t[i]
