@@ -330,8 +330,8 @@ def create_app(llm: Any, config: ServerConfig | None = None) -> FastAPI:
     engine = AsyncEngine(llm.engine, metrics)
     ctx = ServingContext.from_llm(llm, cfg.model_name, cfg.max_n)
     token_text = TokenText(llm.tokenizer)
+    trimmer = limits.IdleTrimmer(llm.engine.has_unfinished)  # first: it caps malloc arenas
     work = limits.WorkPool()  # tokenizing, templates and grammars: never on the event loop
-    trimmer = limits.IdleTrimmer(llm.engine.has_unfinished)
     names = list(dict.fromkeys([ctx.model_name, *cfg.aliases]))
 
     def check_model(name: str | None) -> None:

@@ -13,6 +13,7 @@ import ctypes
 import ctypes.util
 import json
 import logging
+import os
 import queue
 import threading
 from concurrent.futures import Future
@@ -32,6 +33,7 @@ DEFAULT_HEADER_TIMEOUT_S = 10.0
 DEFAULT_KEEP_ALIVE_S = 5.0
 WORK_THREADS = 4
 WORK_STACK_BYTES = 64 * 2**20  # grammar compilation recurses: see pagedllm.structured.limits
+MALLOC_ARENAS = 2  # glibc's default is 8 per core; each arena keeps its own free pages
 
 
 # -- off the event loop ------------------------------------------------------------------------
@@ -181,7 +183,11 @@ class IdleTrimmer:
     def __init__(self, busy: Callable[[], bool], every_s: float = 2.0) -> None:
         self.busy, self.every_s = busy, every_s
         self._dirty = False
-        self._trim = _malloc_trim()
+        libc = _glibc()
+        self._trim = libc.malloc_trim if libc is not None else None
+        if libc is not None and "MALLOC_ARENA_MAX" not in os.environ:
+            # Threads started from now on (the engine's, the preparing ones) share these few.
+            libc.mallopt(_M_ARENA_MAX, MALLOC_ARENAS)
 
     def note_work(self) -> None:
         self._dirty = True
@@ -196,11 +202,15 @@ class IdleTrimmer:
                 await asyncio.to_thread(self._trim, 0)
 
 
-def _malloc_trim() -> Callable[[int], int] | None:
+_M_ARENA_MAX = -8  # glibc's malloc.h
+
+
+def _glibc() -> Any:
     name = ctypes.util.find_library("c")
     try:
-        return ctypes.CDLL(name).malloc_trim if name else None
-    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to trim
+        libc = ctypes.CDLL(name) if name else None
+        return libc if libc is not None and hasattr(libc, "malloc_trim") and hasattr(libc, "mallopt") else None
+    except OSError:  # not glibc (musl, macOS): nothing to trim
         return None
 
 
