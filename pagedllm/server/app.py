@@ -26,9 +26,9 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
+from ..structured import limits as grammar_limits
 from . import limits
 from .async_engine import AsyncEngine, EngineError, ShuttingDown, Submission
-from ..structured import limits as grammar_limits
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .protocol import (
     ChatCompletionRequest,
