@@ -29,9 +29,9 @@ from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
 from .._version import __version__
+from ..structured import limits as grammar_limits
 from . import embeddings, limits, responses, routes
 from .async_engine import AsyncEngine, EngineError, ShuttingDown, Submission
-from ..structured import limits as grammar_limits
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .protocol import (
     ChatCompletionRequest,
@@ -371,8 +371,8 @@ def create_app(llm: Any, config: ServerConfig | None = None) -> FastAPI:
     engine = AsyncEngine(llm.engine, metrics)
     ctx = ServingContext.from_llm(llm, cfg.model_name, cfg.max_n)
     token_text = TokenText(llm.tokenizer)
+    trimmer = limits.IdleTrimmer(llm.engine.has_unfinished)  # first: it caps malloc arenas
     work = limits.WorkPool()  # tokenizing, templates and grammars: never on the event loop
-    trimmer = limits.IdleTrimmer(llm.engine.has_unfinished)
     names = list(dict.fromkeys([ctx.model_name, *cfg.aliases]))
 
     def check_model(name: str | None) -> None:
