@@ -31,8 +31,11 @@ def build_checkpoint(family: str, out: Path, tokenizer, vocab_size: int, seed: i
 
 def build_model(family: str, vocab_size: int, bos_token_id: int | None, eos_token_id: int | None,
                 seed: int = 0, intermediate_size: int = 160, **overrides):
-    """A small random float32 transformers model of `family`."""
+    """A small random float32 transformers model of `family` (MoE families: `expert_size`
+    overrides the experts' intermediate size)."""
     import transformers as tf
+
+    expert = overrides.pop("expert_size", None)
 
     common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=intermediate_size,
                   num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
@@ -69,17 +72,17 @@ def build_model(family: str, vocab_size: int, bos_token_id: int | None, eos_toke
             rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
                              "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
     elif family == "mixtral":  # sliding window as Mistral's; experts as wide as the config's MLP
-        cfg = tf.MixtralConfig(**{**common, "intermediate_size": 96}, sliding_window=48, num_local_experts=8,
+        cfg = tf.MixtralConfig(**{**common, "intermediate_size": expert or 96}, sliding_window=48, num_local_experts=8,
                                num_experts_per_tok=2)
     elif family == "qwen2_moe":  # a shared expert beside the routed ones; no renormalization
-        cfg = tf.Qwen2MoeConfig(**common, **_MOE, moe_intermediate_size=48, shared_expert_intermediate_size=96,
+        cfg = tf.Qwen2MoeConfig(**common, **_MOE, moe_intermediate_size=expert or 48, shared_expert_intermediate_size=96,
                                 norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[])
     elif family == "qwen3_moe":  # layer 1 keeps a dense MLP; renormalized top-k
         cfg = tf.Qwen3MoeConfig(**{**common, "num_attention_heads": 6}, **_MOE, head_dim=16,
-                                moe_intermediate_size=48, norm_topk_prob=True, decoder_sparse_step=1,
+                                moe_intermediate_size=expert or 48, norm_topk_prob=True, decoder_sparse_step=1,
                                 mlp_only_layers=[1])
     elif family == "olmoe":  # q/k norms over the whole projections, clamped q/k/v
-        cfg = tf.OlmoeConfig(**{**common, "intermediate_size": 48}, **_MOE, norm_topk_prob=False, clip_qkv=4.0)
+        cfg = tf.OlmoeConfig(**{**common, "intermediate_size": expert or 48}, **_MOE, norm_topk_prob=False, clip_qkv=4.0)
     else:
         raise ValueError(family)
     for k, v in overrides.items():

@@ -19,8 +19,8 @@ from test_gguf import _llama_permute, _spm_vocab
 Q = gguf.GGMLQuantizationType
 ARCH = {"mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "olmoe": "olmoe"}
 # Expert widths that are whole Q8_0 blocks (and Q4_K superblocks where hidden is 256).
-WIDTHS = {"mixtral": {}, "qwen2_moe": {"moe_intermediate_size": 64}, "qwen3_moe": {"moe_intermediate_size": 64},
-          "olmoe": {"intermediate_size": 64}}
+WIDTHS = {"mixtral": {}, "qwen2_moe": {"expert_size": 64}, "qwen3_moe": {"expert_size": 64},
+          "olmoe": {"expert_size": 64}}
 _LAYER = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
           "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
           "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",

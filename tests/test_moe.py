@@ -104,7 +104,7 @@ def test_config_sparse_layers_and_routing_fields():
     assert (c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size, c.norm_topk_prob) == (4, 2, 16, True)
     mix = ModelConfig.from_hf_dict({**d, "architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
                                     "num_experts": None, "num_local_experts": 8, "norm_topk_prob": None,
-                                    "decoder_sparse_step": None, "mlp_only_layers": None})
+                                    "decoder_sparse_step": None, "mlp_only_layers": None, "moe_intermediate_size": None})
     assert (mix.num_experts, mix.norm_topk_prob, mix.moe_intermediate_size) == (8, True, 64)
     assert all(mix.moe_layers)
 
@@ -150,18 +150,23 @@ def test_trace_names_the_expert_path(moe_ckpt):
     assert len(rows) == 8 and sum(rows) == 2 * sparse
 
 
-def test_isq_quantizes_the_experts_and_keeps_the_router(moe_ckpt):
+@pytest.mark.parametrize("family", ["olmoe"])
+def test_isq_quantizes_the_experts_and_keeps_the_router(tmp_path, hf_smollm2_tokenizer, family):
+    """A safetensors MoE model quantized at load (ISQ Q8_0; experts 64 wide, whole Q8_0 blocks):
+    experts quantized, router float, predictions as the float model's, teacher-forced."""
     from pagedllm.quant.kernels import kernel_path
 
     if kernel_path()[0] is None:
         pytest.skip(f"no quantized kernels here: {kernel_path()[1]}")
-    family, path, _, prompts, _ = moe_ckpt
+    tok = hf_smollm2_tokenizer
+    path = build_checkpoint(family, tmp_path / family, tok, len(tok), expert_size=64)
     q = LLM(str(path), dtype="float32", kv_cache_memory_mb=16, isq="Q8_0")
     d = LLM(str(path), dtype="float32", kv_cache_memory_mb=16)
     for _, moe in q.engine.model.expert_paths():
         assert moe.gate.qparts is None and moe.gate.weight is not None
         assert all(e.gate_up_proj.qparts and e.down_proj.qparts for e in moe.experts)
-    windows = [p[:64] for p in prompts if len(p) >= 64][:3]
+    g = torch.Generator().manual_seed(9)
+    windows = [torch.randint(0, len(tok), (64,), generator=g).tolist() for _ in range(3)]
     got, ref = [], []
     q.engine.score_prompts(windows, chunk_size=1, top1=got)
     d.engine.score_prompts(windows, chunk_size=1, top1=ref)
