@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import signal
+import socket
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -453,10 +454,12 @@ class ServeResult:
 
 
 def run_server(llm: Any, host: str = "127.0.0.1", port: int = 8000, config: ServerConfig | None = None,
-               log_level: str = "info", access_log: bool = False) -> ServeResult:
+               log_level: str = "info", access_log: bool = False, sock: socket.socket | None = None) -> ServeResult:
     """Serve `llm` until SIGINT or SIGTERM. The first one stops admitting requests and ends
     those in flight (streams get an error event and [DONE], the others a 503), so the
-    connections close at once and the engine thread stops; a second one exits at once."""
+    connections close at once and the engine thread stops; a second one exits at once.
+    `sock`: a socket already listening on host:port (server/listen.py), opened before the
+    model loaded; without it uvicorn opens its own."""
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -480,5 +483,5 @@ def run_server(llm: Any, host: str = "127.0.0.1", port: int = 8000, config: Serv
     uv = uvicorn.Config(gate, host=host, port=port, log_level=log_level, access_log=access_log,
                         timeout_graceful_shutdown=1)
     server = Server(uv)
-    server.run()
+    server.run(sockets=[sock] if sock is not None else None)
     return ServeResult(server.stopped_by, engine.num_ended_at_shutdown)
