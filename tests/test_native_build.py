@@ -142,13 +142,14 @@ def _venv(path: Path) -> Path:
 @pytest.mark.install
 @pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None, reason="no C++ compiler to build with")
 def test_wheel_carries_the_kernels_to_a_machine_without_compiler(tmp_path, smollm2_gguf_path):
-    """`pip wheel --no-build-isolation` in one fresh venv, the wheel installed in a second with
-    no compiler (nor ninja) on PATH: `pagedllm trace` runs the quantized and attention kernels,
+    """`pip wheel --no-build-isolation`, the wheel installed in a fresh venv with no compiler
+    (nor ninja) on PATH: `pagedllm trace` runs the quantized and attention kernels,
     and forcing the AVX2 path gives the default path's tokens. The wheel is built from this
     checkout, in place, so objects already compiled under build/ are reused (only what changed
     compiles; a clone without them compiles everything, a few minutes)."""
-    builder = _venv(tmp_path / "build-venv")
-    r = subprocess.run([str(builder), "-m", "pip", "wheel", "-q", "--no-build-isolation", "--no-deps",
+    # Built by this environment's Python: a fresh venv's include folder enters every compile
+    # command, so ninja would recompile every object instead of reusing this checkout's.
+    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-build-isolation", "--no-deps",
                         "-w", str(tmp_path / "dist"), str(ROOT)],
                        capture_output=True, text=True, timeout=3600, env={**ENV, "PYTHONPATH": ""})
     assert r.returncode == 0, r.stderr[-5000:]
