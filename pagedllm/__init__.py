@@ -1,19 +1,34 @@
 """pagedllm: an LLM inference engine built around a paged KV cache."""
-from .llm import LLM
-from .outputs import CompletionOutput, RequestOutput
-from .sampling.params import SamplingParams
+from __future__ import annotations
 
-# The mistral.rs-style API pulls in pydantic (its requests are the server's models): imported
-# on first use, so a process that only runs LLM does not carry it.
-_API_NAMES = ("Architecture", "ChatCompletionRequest", "CompletionRequest", "PagedCacheType", "Runner", "Which")
+from typing import TYPE_CHECKING
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", *_API_NAMES]
+# Everything is imported on first use: `import pagedllm` alone loads neither torch nor pydantic,
+# so the CLI can refuse bad input (a busy port, a bad flag) before the second or more they take.
+_NAMES = {
+    "LLM": "llm",
+    "SamplingParams": "sampling.params",
+    "RequestOutput": "outputs",
+    "CompletionOutput": "outputs",
+    # The mistral.rs-style API pulls in pydantic (its requests are the server's models).
+    **{name: "api" for name in ("Architecture", "ChatCompletionRequest", "CompletionRequest", "PagedCacheType",
+                                "Runner", "Which")},
+}
+
+__all__ = list(_NAMES)
 from ._version import __version__
+
+if TYPE_CHECKING:
+    from .llm import LLM
+    from .outputs import CompletionOutput, RequestOutput
+    from .sampling.params import SamplingParams
 
 
 def __getattr__(name: str):
-    if name in _API_NAMES:
-        from . import api
+    if name in _NAMES:
+        import importlib
 
-        return getattr(api, name)
+        value = getattr(importlib.import_module(f".{_NAMES[name]}", __name__), name)
+        globals()[name] = value
+        return value
     raise AttributeError(f"module 'pagedllm' has no attribute {name!r}")

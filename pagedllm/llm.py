@@ -96,6 +96,24 @@ def _resolve_task(task: str, source) -> tuple[str, "PoolingConfig | None"]:
 Prompt = str | list[int]
 
 
+ALLOW_LONG_ENV = "PAGEDLLM_ALLOW_LONG_MAX_MODEL_LEN"
+
+
+def check_max_model_len(max_model_len: int, limit: int) -> None:
+    """Refuse a max_model_len past the model's trained positions (as vLLM does), unless
+    PAGEDLLM_ALLOW_LONG_MAX_MODEL_LEN=1: past them a model without rope scaling for that length
+    gives garbage, with no error anywhere."""
+    if os.environ.get(ALLOW_LONG_ENV, "").strip().lower() in ("1", "true", "yes", "on"):
+        logger.warning("max_model_len=%d exceeds the model's %d positions (allowed by %s=1): outputs past "
+                       "%d positions may be wrong", max_model_len, limit, ALLOW_LONG_ENV, limit)
+        return
+    raise ValueError(
+        f"max_model_len={max_model_len} exceeds the model's {limit} positions (max_position_embeddings). "
+        f"To go past them, give the model rope scaling in its config.json (e.g. \"rope_scaling\": "
+        f"{{\"rope_type\": \"linear\", \"factor\": 4.0}} and max_position_embeddings {4 * limit}), "
+        f"or set {ALLOW_LONG_ENV}=1 to run past them anyway")
+
+
 class LLM:
     def __init__(self, model: str = "default", dtype: str | torch.dtype = "auto", block_size: int = 32,
                  kv_cache_memory_mb: float | None = None, kv_cache_memory_fraction: float | None = None,
@@ -129,6 +147,12 @@ class LLM:
         dev = resolve_device(device)
         dt = resolve_dtype(dtype, dev)
         source = resolve(model, tokenizer, gguf_file)
+        if max_model_len is not None:  # before the load: the config alone is cheap to read
+            from .loading.loader import read_config
+
+            limit = read_config(source).max_position_embeddings
+            if max_model_len > limit:
+                check_max_model_len(max_model_len, limit)
         self.task, self.pooling = _resolve_task(task, source)
         if self.task == "embed" and (spec_cfg is not None or tensor_parallel_size != 1):
             raise ValueError("an embedding model runs without speculative decoding or tensor parallelism")
@@ -161,8 +185,6 @@ class LLM:
         limit = loaded.config.max_position_embeddings
         if max_model_len is None:
             max_model_len = limit
-        elif max_model_len > limit:
-            logger.warning("max_model_len=%d exceeds the model's %d positions", max_model_len, limit)
         sched_cfg = SchedulerConfig(
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens or max(1024, max_num_seqs),

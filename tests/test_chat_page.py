@@ -20,9 +20,14 @@ if not (CHROMIUM and DRIVER):
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, smollm2_gguf_path):
+def started_server(tmp_path_factory, smollm2_gguf_path):
     yield from serving(tmp_path_factory, "chat_page", ["--pa-gpu-mem", "256", "--max-model-len", "1024",
                                                        "--log-level", "info"])
+
+
+@pytest.fixture
+def server(started_server):
+    return started_server.get()
 
 
 @pytest.fixture(scope="module")

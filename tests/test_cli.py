@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import psutil
 import pytest
@@ -21,9 +23,10 @@ PA_USAGE = ".95" if ROOMY else ".02"
 ENV = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1")
 
 
-def cli(*args: str, input: str | None = None, timeout: float = 180) -> subprocess.CompletedProcess:
+def cli(*args: str, input: str | None = None, timeout: float = 180,
+        env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "pagedllm.cli.main", *args], input=input, text=True,
-                          capture_output=True, timeout=timeout, env=ENV)
+                          capture_output=True, timeout=timeout, env=env or ENV)
 
 
 @pytest.fixture(scope="module")
@@ -298,3 +301,32 @@ def test_python_dash_m_pagedllm_runs_the_cli():
     r = subprocess.run([sys.executable, "-m", "pagedllm", "bench", "serve", "--help"], capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 0 and "--response-format" in r.stdout, r
+
+
+def test_max_model_len_past_the_models_positions_is_refused(smollm2_gguf_path, tmp_path):
+    """As vLLM: refused before the load, naming the limit and the way past it, unless opted in."""
+    r = cli("generate", "Hi", "--max-tokens", "1", "--max-model-len", "100000", timeout=300)
+    assert r.returncode == 1, r.stderr
+    assert ("max_model_len=100000 exceeds the model's 8192 positions (max_position_embeddings). To go past "
+            "them, give the model rope scaling in its config.json") in r.stderr, r.stderr
+    assert "PAGEDLLM_ALLOW_LONG_MAX_MODEL_LEN=1" in r.stderr, r.stderr
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    quoted = re.search(r"\(`(max_model_len=100000 exceeds[^`]*?) \.\.\.`\)", readme, flags=re.S)
+    assert quoted and " ".join(quoted.group(1).split()) in r.stderr, "the README quotes another message"
+
+    ok = cli("generate", "Hi", "--max-tokens", "1", "--max-model-len", "9000", timeout=300,
+             env={**ENV, "PAGEDLLM_ALLOW_LONG_MAX_MODEL_LEN": "1"})
+    assert ok.returncode == 0 and ok.stdout.strip(), ok.stderr
+    assert "exceeds the model's 8192 positions (allowed by PAGEDLLM_ALLOW_LONG_MAX_MODEL_LEN=1)" in ok.stderr
+
+
+def test_readme_quotes_the_tensor_parallel_refusal():
+    """The README's example of a refused TP size is the message the default model gets."""
+    from pagedllm.loading.loader import read_config
+    from pagedllm.loading.source import resolve
+    from pagedllm.models.parallel import check_tp
+
+    with pytest.raises(ValueError) as e:
+        check_tp(read_config(resolve("default", None, None)), 2)
+    readme = " ".join((Path(__file__).resolve().parent.parent / "README.md").read_text().split())
+    assert f"`-tp 2` stops with `{e.value}`" in readme, str(e.value)

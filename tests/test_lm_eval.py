@@ -53,9 +53,14 @@ filter_list:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, smollm2_gguf_path):
+def started_server(tmp_path_factory, smollm2_gguf_path):
     yield from serving(tmp_path_factory, "lm_eval", ["--dtype", "float32", "--pa-gpu-mem", "256",
                                                      "--max-model-len", "1024", "--log-level", "info"])
+
+
+@pytest.fixture
+def server(started_server):
+    return started_server.get()
 
 
 def _run(model: str, model_args: dict, tasks: list[str], include: Path) -> dict:

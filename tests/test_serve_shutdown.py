@@ -114,3 +114,65 @@ def test_second_sigint_exits_at_once(tmp_path, smollm2_gguf_path):
     assert code == 130 and "second interrupt: exiting now" in log, log[-3000:]
     assert elapsed < 1.0, f"exit took {elapsed:.2f} s"
     assert "Traceback" not in log, log[-5000:]
+
+
+def test_busy_port_fails_at_once_with_one_line(tmp_path, smollm2_gguf_path):
+    """The port is opened before the model loads: a taken one is reported in one line, with no
+    load first (the process is gone in about the time Python and the CLI take to start)."""
+    import subprocess
+    import sys
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        t0 = time.monotonic()
+        r = subprocess.run([sys.executable, "-m", "pagedllm.cli.main", "serve", "--port", str(port)],
+                           capture_output=True, text=True, timeout=300)
+        elapsed = time.monotonic() - t0
+    assert r.returncode == 1, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert lines == [f"error: port {port} on 127.0.0.1 is already in use (another server?): stop it or pick "
+                     f"another with --port N"], r.stderr
+    assert elapsed < 10, f"{elapsed:.1f} s"  # about 0.3 s on a quiet machine; never a model load
+    from pathlib import Path
+
+    readme = " ".join((Path(__file__).resolve().parent.parent / "README.md").read_text().split())
+    assert f"`{lines[0].replace(str(port), '8000')}`" in readme, "the README quotes another message"
+
+
+def test_serve_killed_during_start_leaves_nothing_behind(tmp_path, smollm2_gguf_path):
+    """SIGKILL during a start (mid-load), then a new `serve` on the same port: it is ready within
+    a normal start's time. Nothing a start does may leave state behind (the kernels' JIT lock
+    once did: the next start slept on it forever); a fresh torch extensions folder for all three
+    processes makes sure no earlier run's cache hides that."""
+    import os
+
+    env_dir = tmp_path / "torch_extensions"
+    os.environ["TORCH_EXTENSIONS_DIR"] = str(env_dir)  # inherited by the servers started here
+    try:
+        port = free_port()
+        args = ["serve", "--port", str(port), "--pa-gpu-mem", "64"]
+        killed = ServerProcess(args, port, tmp_path / "killed.log")
+        t0 = time.monotonic()
+        while "loading" not in killed.log() and killed.proc.poll() is None and time.monotonic() - t0 < 300:
+            time.sleep(0.05)
+        time.sleep(1.0)  # inside the load
+        assert killed.proc.poll() is None, killed.log()
+        killed.proc.kill()
+        killed.proc.wait()
+        killed.stop()
+
+        after = ServerProcess(args, port, tmp_path / "after.log")
+        try:
+            t_after = after.wait_ready()
+        finally:
+            after.stop()
+        normal = ServerProcess(args, port, tmp_path / "normal.log")
+        try:
+            t_normal = normal.wait_ready()
+        finally:
+            normal.stop()
+    finally:
+        del os.environ["TORCH_EXTENSIONS_DIR"]
+    assert t_after <= 2 * t_normal + 10, f"start after a SIGKILL {t_after:.1f} s, a normal start {t_normal:.1f} s"

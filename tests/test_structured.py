@@ -81,12 +81,17 @@ SCHEMAS = {
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, smollm2_gguf_path):
+def started_server(tmp_path_factory, smollm2_gguf_path):
     yield from serving(tmp_path_factory, "structured", ["--pa-gpu-mem", "512", "--max-model-len", "1024",
                                                         "--max-seqs", "64", "--log-level", "info"])
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
+def server(started_server):
+    return started_server.get()
+
+
+@pytest.fixture
 def client(server):
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=300)
 

@@ -35,13 +35,18 @@ PARAMS = {"get_weather": WEATHER, "add": ADD}
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, smollm2_gguf_path):
+def started_server(tmp_path_factory, smollm2_gguf_path):
     yield from serving(tmp_path_factory, "tools", ["--chat-template", str(TEMPLATE), "--dtype", "float32",
                                                    "--pa-gpu-mem", "256", "--max-model-len", "1024",
                                                    "--log-level", "info"])
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
+def server(started_server):
+    return started_server.get()
+
+
+@pytest.fixture
 def client(server):
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=300)
 

@@ -75,7 +75,7 @@ class PagedAttentionBackend:
                f"the native kernel reads a cache in the compute dtype, or bf16 / f16 under float32; this one "
                f"is {spec.dtype} under {spec.compute_dtype}" if dev == "cpu" and spec.dtype != spec.compute_dtype else
                f"the native CPU kernel is off ({native_off})" if dev == "cpu" and native_off else
-               "the native CPU kernel could not be built here (see the log)" if dev == "cpu" else
+               "the native CPU kernels are not built or do not load here (see the log)" if dev == "cpu" else
                f"no native paged kernel is built for {dev} yet")
         return (f"{self.name}: all decodes of a step in one batched gather of their blocks by block "
                 f"table and one SDPA call per layer, on {dev}; prefill chunks gather a cached prefix "

@@ -23,9 +23,10 @@ import json
 import logging
 import os
 import sys
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
-from ..api import EngineOptions, UnsupportedOption, gguf_source
+if TYPE_CHECKING:
+    from ..api import EngineOptions
 
 logger = logging.getLogger("pagedllm.cli")
 
@@ -345,6 +346,8 @@ def _version() -> str:
 
 
 def engine_options(args: argparse.Namespace, model: str | None = None) -> EngineOptions:
+    from ..api import EngineOptions
+
     return EngineOptions(
         model=model or "default", dtype=args.dtype or "auto", device=args.device or "auto",
         pa_gpu_mem=args.pa_gpu_mem, pa_gpu_mem_usage=args.pa_gpu_mem_usage,
@@ -400,7 +403,7 @@ def cmd_serve(args: argparse.Namespace, opts: EngineOptions) -> int:
     if args.host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         logger.warning("serving on %s without --api-key: anyone who can reach it may use it", args.host)
     result = run_server(llm, args.host, args.port, cfg, log_level=args.log_level,
-                        access_log=args.access_log)
+                        access_log=args.access_log, sock=getattr(args, "listen_socket", None))
     llm.shutdown()  # tensor-parallel workers first: _exit_now skips every exit handler
     if result.stopped_by:
         print(f"stopped by {result.stopped_by}: {result.requests_ended} request(s) in flight ended "
@@ -579,6 +582,8 @@ def _mistralrs_options(args: argparse.Namespace) -> EngineOptions:
         opts.tokenizer = _tokenizer_dir(args.tokenizer_json)
         opts.arch = args.arch
         return opts
+    from ..api import gguf_source
+
     model, gguf_file, tok = gguf_source(args.quantized_model_id, args.quantized_filename, args.tok_model_id)
     opts = engine_options(args, model)
     opts.gguf_file, opts.tokenizer = gguf_file, tok
@@ -603,6 +608,11 @@ def main(argv: list[str] | None = None) -> int:
     handlers: dict[str, Callable[..., int]] = {"serve": cmd_serve, "chat": cmd_chat,
                                                "generate": cmd_generate, "trace": cmd_trace}
     try:
+        if args.command == "serve" or (args.command in ("plain", "gguf") and not args.interactive_mode):
+            from ..server.listen import listen_socket
+
+            # Before the model loads: a busy port fails now, in well under a second.
+            args.listen_socket = listen_socket(args.host, args.port)
         if args.command == "bench":
             return cmd_bench(args)
         if args.command == "demo":
@@ -613,12 +623,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.command is None:  # `pagedllm -i`: chat with the default model
             return cmd_chat(args, engine_options(args))
         return handlers[args.command](args, engine_options(args, _model_of(args)))
-    except UnsupportedOption as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
     except (ValueError, FileNotFoundError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
-        return 1
+        api = sys.modules.get("pagedllm.api")  # not imported: e cannot be an UnsupportedOption
+        return 2 if api is not None and isinstance(e, api.UnsupportedOption) else 1
     except KeyboardInterrupt:
         return 130
 

@@ -1,43 +1,29 @@
-"""Native CPU kernels, built on first use with torch.utils.cpp_extension and cached, and
-registered as torch ops (`torch.ops.pagedllm.*`, visible to torch.profiler):
-paged decode attention that reads K/V in place (attention/paged.py), a bf16
-matrix-vector product for decode at batch 1-2 (models/linear.py), and products with
-GGUF-quantized weights (quant/, models/linear.py).
+"""Native CPU kernels, compiled when the package is built (setup.py) into
+`pagedllm/native/_kernels*.so` and registered as torch ops (`torch.ops.pagedllm.*`, visible to
+torch.profiler): paged decode attention that reads K/V in place (attention/paged.py), a bf16
+matrix-vector product for decode at batch 1-2 (models/linear.py), products with GGUF-quantized
+weights (quant/, models/linear.py), the sampler's top-k (sampling/) and bf16 prefill attention.
 
-The build needs a C++ compiler and ninja; it is compiled for this machine's CPU
-(-march=native), so the cache key carries the CPU's instruction-set flags and a
-shared home directory never hands one CPU's build to another. Where the build
-fails, the engine logs why once and keeps the PyTorch path: nothing requires it.
-`PAGEDLLM_NATIVE=0` turns it off.
+Nothing compiles at import: the library is found next to this file and loaded, or, where it is
+missing or does not load (not built, built against another torch), one INFO line says so and
+how to build it (`make kernels`), and the PyTorch paths run. One build serves every x86-64 CPU:
+the library holds each kernel at several instruction-set levels and registers the best this
+CPU runs (csrc/isa.h, csrc/dispatch.cpp). `PAGEDLLM_NATIVE=0` turns the kernels off;
+`PAGEDLLM_NATIVE_ISA` caps the level (base, avx2, avx512vnni, avx512bf16).
 """
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
-import platform
 from functools import lru_cache
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.cpp"))
-HEADERS = sorted((Path(__file__).parent / "csrc").glob("*.h"))
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]
-
-
-def _cpu_key() -> str:
-    """Hash of the CPU's feature flags: a -march=native build is valid only where they match."""
-    flags = ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    flags = line
-                    break
-    except OSError:
-        pass
-    return hashlib.sha1((platform.machine() + flags).encode()).hexdigest()[:10]
+HERE = Path(__file__).parent
+LEVELS = ("base", "avx2", "avx512vnni", "avx512bf16")  # as csrc/dispatch.cpp
+BUILD_HINT = ("build them with `make kernels` in a checkout, or reinstall with "
+              "`pip install --no-build-isolation .`")
 
 
 def disabled_reason() -> str | None:
@@ -46,42 +32,59 @@ def disabled_reason() -> str | None:
     return None
 
 
+def library_path() -> Path | None:
+    """The compiled kernels next to this file (`_kernels.<python tag>.so`), or None."""
+    found = sorted(HERE.glob("_kernels*.so")) + sorted(HERE.glob("_kernels*.pyd"))
+    return found[0] if found else None
+
+
+def _check_level_cap() -> None:
+    cap = os.environ.get("PAGEDLLM_NATIVE_ISA")
+    if cap is not None and cap not in LEVELS:
+        raise ValueError(f"PAGEDLLM_NATIVE_ISA={cap!r} is not one of {', '.join(LEVELS)}")
+
+
 @lru_cache(maxsize=1)
 def cpu_kernels():
     """The op namespace `torch.ops.pagedllm` (`paged_decode`, `linear_small_m`, `quant_*`), or
-    None where the kernels cannot be built."""
+    None where the kernels are off, not built, or do not load."""
     why = disabled_reason()
     if why:
         logger.info("native CPU kernels off (%s): the PyTorch paths are used", why)
         return None
-    try:
-        import torch
-        from torch.utils.cpp_extension import _get_build_directory, load
+    _check_level_cap()
+    import torch
 
-        # The cache key covers every source file and the flags, so any edit rebuilds, and the
-        # checkout's path: torch's build folder records its sources' paths, so two checkouts
-        # sharing one folder would rebuild each other's kernels on every start.
-        digest = hashlib.sha1(" ".join(FLAGS).encode() + str(SOURCES[0].parent.resolve()).encode())
-        for src in SOURCES + HEADERS:
-            digest.update(src.name.encode() + src.read_bytes())
-        name = f"pagedllm_cpu_{_cpu_key()}_{digest.hexdigest()[:10]}"
-        built = Path(_get_build_directory(name, verbose=False)) / f"{name}.so"
-        if built.is_file():
-            logger.debug("loading the native CPU kernels (%s)", name)
-        else:
-            logger.info("building the native CPU kernels (%s); this takes about a minute, once", name)
-        load(name=name, sources=[str(s) for s in SOURCES], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
-             is_python_module=False, verbose=False)
-        return torch.ops.pagedllm
-    except Exception as e:  # no compiler, no ninja, a failed build: the torch path still works
-        logger.warning("native CPU kernels unavailable (%s: %s); using the PyTorch paths",
-                       type(e).__name__, str(e).strip().splitlines()[-1] if str(e).strip() else "")
+    lib = library_path()
+    if lib is None:
+        logger.info("native CPU kernels not built (no _kernels*.so in %s): the PyTorch paths are used; %s",
+                    HERE, BUILD_HINT)
         return None
+    try:
+        torch.ops.load_library(str(lib))
+        ops = torch.ops.pagedllm
+        built_for = str(ops.native_torch_version())
+    except (OSError, RuntimeError, AttributeError) as e:
+        last = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+        logger.info("native CPU kernels in %s do not load (%s): the PyTorch paths are used; %s",
+                    lib, last, BUILD_HINT)
+        return None
+    running = torch.__version__.split("+")[0]
+    if built_for.split(".")[:2] != running.split(".")[:2]:
+        # Loaded but compiled against another torch's C++ ABI: calling them could crash.
+        logger.info("native CPU kernels in %s were built for torch %s, this is torch %s: the PyTorch "
+                    "paths are used; %s", lib, built_for, running, BUILD_HINT)
+        return None
+    logger.debug("native CPU kernels loaded from %s (%s level)", lib, ops.native_isa())
+    return ops
 
 
 def main() -> int:
-    """`python -m pagedllm.native`: build (or find) the kernels ahead of first use."""
+    """`python -m pagedllm.native`: say whether the kernels load here, and at which level."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    mod = cpu_kernels()
-    print("native CPU kernels: " + ("ready" if mod is not None else "not available, PyTorch paths used"))
+    ops = cpu_kernels()
+    if ops is None:
+        print("native CPU kernels: not available, PyTorch paths used")
+        return 1
+    print(f"native CPU kernels: {library_path()} ({ops.native_isa()} level)")
     return 0

@@ -51,7 +51,7 @@ def kernel_path() -> tuple[str | None, str]:
         return None, f"native kernels off ({off})"
     isas = available_isas()
     if not isas:
-        return None, "the native CPU kernels could not be built here (see the log)"
+        return None, "the native CPU kernels are not built or do not load here (see the log)"
     forced = os.environ.get("PAGEDLLM_QUANT_ISA")
     if forced:
         if forced not in isas:

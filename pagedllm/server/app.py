@@ -14,6 +14,7 @@ import logging
 import os
 import signal
 import time
+import socket
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -524,11 +525,13 @@ class ServeResult:
 
 
 def run_server(llm: Any, host: str = "127.0.0.1", port: int = 8000, config: ServerConfig | None = None,
-               log_level: str = "info", access_log: bool = False) -> ServeResult:
+               log_level: str = "info", access_log: bool = False, sock: socket.socket | None = None) -> ServeResult:
     """Serve `llm` until SIGINT or SIGTERM. The first one stops admitting requests (new ones
     get a 503), lets those in flight run for up to `config.shutdown_timeout` seconds, then ends
     the rest (streams get an error event and [DONE], the others a 503), so the connections
-    close and the engine thread stops; a second one exits at once."""
+    close and the engine thread stops; a second one exits at once.
+    `sock`: a socket already listening on host:port (server/listen.py), opened before the
+    model loaded; without it uvicorn opens its own."""
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -575,5 +578,5 @@ def run_server(llm: Any, host: str = "127.0.0.1", port: int = 8000, config: Serv
                         timeout_graceful_shutdown=1, http=http, timeout_keep_alive=cfg.keep_alive_timeout,
                         limit_concurrency=cfg.max_connections)
     server = Server(uv)
-    server.run()
+    server.run(sockets=[sock] if sock is not None else None)
     return ServeResult(server.stopped_by, engine.num_ended_at_shutdown)

@@ -6,24 +6,9 @@
 // sequence once for all G rows (GQA without repeating K/V), keeps the scores in a
 // per-thread buffer, and accumulates the values in float32. The cache is read in place
 // by block table; nothing is written to it.
-#include <ATen/ATen.h>
-#include <torch/library.h>
-#include <ATen/Parallel.h>
-#include <c10/util/BFloat16.h>
-#include <c10/util/Half.h>
+#include "isa.h"  // first: the library headers, and the level this object is compiled for
 
-#ifdef __F16C__
-#include <immintrin.h>
-#endif
-
-#include <algorithm>
-#include <cmath>
-#include <cstdint>
-#include <cstring>
-#include <limits>
-#include <type_traits>
-#include <utility>
-#include <vector>
+namespace PAGEDLLM_ISA {
 
 namespace {
 
@@ -43,7 +28,7 @@ inline void load_row(const T* src, float* dst, int64_t d) {
   for (int64_t i = 0; i < d; ++i) dst[i] = to_float(src[i]);
 }
 
-#ifdef __F16C__
+#ifdef PQ_X86
 // float16 widened 8 at a time (exact, as the scalar conversion): c10::Half's bit-twiddling
 // conversion does not vectorize, and an f16 cache read that way ran 25% slower at 32 sequences.
 inline void load_row(const c10::Half* src, float* dst, int64_t d) {
@@ -484,7 +469,7 @@ at::Tensor linear_small_m(const at::Tensor& x, const at::Tensor& w) {
 
 // Registered as torch ops (torch.ops.pagedllm.*): they show in torch.profiler by name and
 // torch.compile sees them as opaque calls.
-TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
+PAGEDLLM_REGISTER(cpu_kernels) {
   m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor context_lens, "
         "float scale, int window) -> Tensor", &paged_decode);
   m.def("linear_small_m(Tensor x, Tensor w) -> Tensor", &linear_small_m);
@@ -492,3 +477,5 @@ TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
         "Tensor slot_mapping, Tensor block_tables, Tensor context_lens, int hq, int hkv, float scale, "
         "int window) -> Tensor", &paged_decode_qkv);
 }
+
+}  // namespace PAGEDLLM_ISA

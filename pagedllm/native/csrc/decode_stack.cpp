@@ -4,8 +4,9 @@
 // o_proj + residual, gate|up with the post-attention norm and silu(gate) * up, down_proj +
 // residual), so the results are the same bits; what goes is the interpreter and dispatcher
 // work around 150 small calls a token, a large share of a batch-1 step on a 135M model.
-#include <ATen/ATen.h>
-#include <torch/library.h>
+#include "isa.h"  // first: the library headers, and the level this object is compiled for
+
+namespace PAGEDLLM_ISA {
 
 at::Tensor quant_linear(const at::Tensor& x, at::TensorList ws, at::IntArrayRef types, int64_t k,
                         const c10::optional<at::Tensor>& norm_weight, double eps,
@@ -56,9 +57,11 @@ at::Tensor quant_decode_layers(const at::Tensor& h0, at::TensorList weights, at:
   return h;
 }
 
-TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
+PAGEDLLM_REGISTER(decode_stack) {
   m.def("quant_decode_layers(Tensor h, Tensor[] weights, int[] types, int[] parts, int[] kdims, Tensor[] norms, "
         "float eps, Tensor?[] biases, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, int[] windows, Tensor cos, "
         "Tensor sin, Tensor slot_mapping, Tensor block_tables, Tensor context_lens, int hq, int hkv, float scale, "
         "int isa) -> Tensor", &quant_decode_layers);
 }
+
+}  // namespace PAGEDLLM_ISA

@@ -14,23 +14,10 @@
 // x 64 dims, 2.8x at 16 heads x 128, 1.6x for 1024 queries over 4096 keys.
 // The probabilities are rounded to bf16 for the second product, as PyTorch's bf16 flash
 // attention does; everything else accumulates in float32.
-#include <ATen/ATen.h>
-#include <ATen/Parallel.h>
-#include <c10/util/BFloat16.h>
-#include <torch/library.h>
-
-#include <algorithm>
-#include <cmath>
-#include <cstdint>
-#include <cstring>
-#include <limits>
-#include <vector>
-
+#include "isa.h"  // first: the library headers, and the level this object is compiled for
 #include "quant_common.h"  // exp8
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512DQ__) && defined(PQ_X86)
-#define PA_BF16 1
-#endif
+namespace PAGEDLLM_ISA {
 
 namespace {
 
@@ -176,7 +163,7 @@ void prefill(const c10::BFloat16* q, int64_t q_sn, int64_t q_sh, const c10::BFlo
 
 }  // namespace
 
-// Whether paged_prefill runs here: AVX-512 BF16 in the build and on this CPU.
+// Whether paged_prefill runs here: AVX-512 BF16 at this object's level (isa.h) and on this CPU.
 bool paged_prefill_available() {
 #ifdef PA_BF16
   static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bf16");
@@ -223,8 +210,10 @@ at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& k_cache, const a
   return out;
 }
 
-TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
+PAGEDLLM_REGISTER(prefill_attention) {
   m.def("paged_prefill_available() -> bool", &paged_prefill_available);
   m.def("paged_prefill(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, int ctx, float scale, "
         "int window=0) -> Tensor", &paged_prefill);
 }
+
+}  // namespace PAGEDLLM_ISA

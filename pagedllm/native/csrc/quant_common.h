@@ -14,33 +14,14 @@
 // The integer dot products sum(q * a) are where the ISA paths differ: AVX2 maddubs/madd,
 // AVX-512 VNNI vpdpbusd (256-bit, AVX512VL), and a plain C++ reference that every machine
 // can run and that the tests compare all paths against. The path is picked at run time
-// from the CPU's flags (isa = 0), or forced by the caller (tests, benchmarks).
+// from the CPU's flags (isa = 0), or forced by the caller (tests, benchmarks), among those this
+// object's level (isa.h) was compiled for.
 //
 // Many rows (prefill, wide batches) take the other route: `quant_dequant` writes tiles of
 // the weight as float/bf16 into a reused buffer and the caller runs the GEMM.
-#include <ATen/ATen.h>
-#include <ATen/Parallel.h>
-#include <c10/util/BFloat16.h>
-#include <c10/util/Half.h>
-#include <torch/library.h>
+#include "isa.h"  // the library headers and this object's level: PQ_X86, PQ_HAS_VNNI
 
-// The build is per CPU (-march=native, keyed by the CPU's flags), so the SIMD paths are
-// compiled where this CPU's compiler flags allow them and chosen at run time among those.
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#include <immintrin.h>
-#define PQ_X86 1
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX512BW__)
-#define PQ_HAS_VNNI 1
-#endif
-#endif
-
-#include <algorithm>
-#include <cmath>
-#include <cstdint>
-#include <cstring>
-#include <type_traits>
-#include <vector>
-
+namespace PAGEDLLM_ISA {
 namespace pq {
 
 // ggml type ids (gguf.GGMLQuantizationType).
@@ -79,7 +60,7 @@ constexpr int64_t ACT_X2 = 256;
 inline float half(const uint8_t* p) {
   uint16_t h;
   std::memcpy(&h, p, 2);
-#if defined(__F16C__)
+#ifdef PQ_X86
   return _cvtsh_ss(h);  // one instruction; the bit-twiddling fallback below costs ~15
 #else
   return c10::detail::fp16_ieee_to_fp32_value(h);
@@ -545,3 +526,4 @@ void check_packed(const at::Tensor& w, int64_t type, int64_t k);
 void packed_matmul(int64_t type, int64_t isa, const uint8_t* w, int64_t gb, int64_t g0, int64_t g1, const QAct& x,
                    float* y, int64_t ldy);
 }  // namespace pq
+}  // namespace PAGEDLLM_ISA

@@ -1,5 +1,8 @@
 // See quant_common.h for the formats and the activation quantization.
+#include "isa.h"  // first: the library headers, and the level this object is compiled for
 #include "quant_common.h"
+
+namespace PAGEDLLM_ISA {
 
 namespace pq {
 // The scalar reference: y[r, n] for weight rows n in [n0, n1) and all activation rows r, in plain
@@ -542,7 +545,7 @@ int64_t quant_isas() {
   return mask;
 }
 
-TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
+PAGEDLLM_REGISTER(quant_kernels) {
   m.def("quant_matmul(Tensor x, Tensor[] ws, int[] types, int k, int isa=0) -> Tensor", &quant_matmul);
   m.def("quant_dequant(Tensor w, int type, int k, Tensor? ids=None, int start=0, int count=-1, "
         "ScalarType dtype=float, int isa=0, Tensor? scratch=None) -> Tensor", &quant_dequant);
@@ -551,3 +554,5 @@ TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
   m.def("quant_bad_scales(Tensor w, int type, int k) -> int", &quant_bad_scales);
   m.def("quant_isas() -> int", &quant_isas);
 }
+
+}  // namespace PAGEDLLM_ISA

@@ -28,7 +28,10 @@
 //           of value 4t+i of row r, t = 4h + s;
 //   scales: legacy d fp16 x16 [+ m fp16 x16]; Q4_K/Q5_K sc u8 x16, m u8 x16; Q6_K sc i8 x16
 //           for values 0-15 and x16 for 16-31.
+#include "isa.h"  // first: the library headers, and the level this object is compiled for
 #include "quant_common.h"
+
+namespace PAGEDLLM_ISA {
 
 namespace pq {
 
@@ -643,8 +646,10 @@ at::Tensor quant_dequant_packed(const at::Tensor& w, int64_t type, int64_t k, co
   return out;
 }
 
-TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
+PAGEDLLM_REGISTER(quant_packed) {
   m.def("quant_pack(Tensor w, int type, int k) -> Tensor", &quant_pack);
   m.def("quant_dequant_packed(Tensor w, int type, int k, Tensor? ids=None, int start=0, int count=-1, "
         "ScalarType dtype=float, bool transposed=False, Tensor? scratch=None) -> Tensor", &quant_dequant_packed);
 }
+
+}  // namespace PAGEDLLM_ISA

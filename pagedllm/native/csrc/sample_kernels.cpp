@@ -3,13 +3,10 @@
 // is a topk plus four full passes over the rows (subtract, divide, exp, sum); here each row
 // is read twice, 8 lanes at a time, and the candidates are kept by a running threshold that
 // rarely lets a value through once k good ones are known.
+#include "isa.h"  // first: the library headers, and the level this object is compiled for
 #include "quant_common.h"  // the x86 SIMD helpers (exp8, hsum)
 
-#include <cstring>
-#include <functional>
-#include <limits>
-#include <tuple>
-#include <utility>
+namespace PAGEDLLM_ISA {
 
 namespace {
 #ifdef PQ_X86
@@ -296,7 +293,7 @@ std::tuple<at::Tensor, at::Tensor> sample_candidates(const at::Tensor& vals, con
   return {tokens, need};
 }
 
-TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
+PAGEDLLM_REGISTER(sample_kernels) {
   m.def("sample_topk(Tensor logits, Tensor temps, int k, Tensor? rows=None, bool with_total=True) -> "
         "(Tensor, Tensor, Tensor)",
         &sample_topk);
@@ -304,3 +301,5 @@ TORCH_LIBRARY_FRAGMENT(pagedllm, m) {
         "Tensor min_p, Tensor keys, Tensor token_hash, bool complete) -> (Tensor, Tensor)",
         &sample_candidates);
 }
+
+}  // namespace PAGEDLLM_ISA

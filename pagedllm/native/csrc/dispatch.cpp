@@ -1,0 +1,104 @@
+// The one registration of the `pagedllm` torch ops: when the library loads, the best
+// instruction-set level this CPU runs is picked from its flags, and every op is registered
+// from that level's objects (isa.h; setup.py compiles each source once per level).
+// PAGEDLLM_NATIVE_ISA (base, avx2, avx512vnni, avx512bf16) caps the level: a test runs the
+// baseline objects on any machine that way. Nothing here may throw: it runs inside dlopen.
+#include <torch/library.h>
+#include <torch/version.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+
+#define PAGEDLLM_DECLARE(ns)                         \
+  namespace ns {                                     \
+  void register_cpu_kernels(torch::Library& m);      \
+  void register_decode_stack(torch::Library& m);     \
+  void register_quant_kernels(torch::Library& m);    \
+  void register_quant_packed(torch::Library& m);     \
+  void register_sample_kernels(torch::Library& m);   \
+  }
+
+PAGEDLLM_DECLARE(isa_base)
+namespace isa_base { void register_prefill_attention(torch::Library& m); }
+#if defined(__x86_64__)
+PAGEDLLM_DECLARE(isa_avx2)
+PAGEDLLM_DECLARE(isa_avx512vnni)
+namespace isa_avx512bf16 { void register_prefill_attention(torch::Library& m); }
+#endif
+
+namespace {
+
+enum Level { BASE = 0, AVX2 = 1, AVX512VNNI = 2, AVX512BF16 = 3 };
+const char* const LEVEL_NAMES[] = {"base", "avx2", "avx512vnni", "avx512bf16"};
+
+// The highest level whose instructions (isa.h's pragmas) this CPU has.
+int cpu_level() {
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  if (!(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")))
+    return BASE;
+  if (!(__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512cd") &&
+        __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") &&
+        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni")))
+    return AVX2;
+  if (!__builtin_cpu_supports("avx512bf16")) return AVX512VNNI;
+  return AVX512BF16;
+#else
+  return BASE;
+#endif
+}
+
+// The CPU's level, capped by PAGEDLLM_NATIVE_ISA (an unknown name caps nothing here; the
+// Python side refuses it before loading).
+int chosen_level() {
+  int level = cpu_level();
+  const char* cap = std::getenv("PAGEDLLM_NATIVE_ISA");
+  if (cap != nullptr)
+    for (int i = BASE; i <= AVX512BF16; ++i)
+      if (std::strcmp(cap, LEVEL_NAMES[i]) == 0) level = std::min(level, i);
+  return level;
+}
+
+const int LEVEL = chosen_level();
+
+std::string native_isa() { return LEVEL_NAMES[LEVEL]; }
+// The torch release these kernels were compiled against: its C++ ABI is what they link to.
+std::string native_torch_version() { return TORCH_VERSION; }
+
+}  // namespace
+
+TORCH_LIBRARY(pagedllm, m) {
+  m.def("native_isa() -> str", &native_isa);
+  m.def("native_torch_version() -> str", &native_torch_version);
+#if defined(__x86_64__)
+  if (LEVEL >= AVX512VNNI) {
+    isa_avx512vnni::register_cpu_kernels(m);
+    isa_avx512vnni::register_decode_stack(m);
+    isa_avx512vnni::register_quant_kernels(m);
+    isa_avx512vnni::register_quant_packed(m);
+    isa_avx512vnni::register_sample_kernels(m);
+  } else if (LEVEL == AVX2) {
+    isa_avx2::register_cpu_kernels(m);
+    isa_avx2::register_decode_stack(m);
+    isa_avx2::register_quant_kernels(m);
+    isa_avx2::register_quant_packed(m);
+    isa_avx2::register_sample_kernels(m);
+  } else
+#endif
+  {
+    isa_base::register_cpu_kernels(m);
+    isa_base::register_decode_stack(m);
+    isa_base::register_quant_kernels(m);
+    isa_base::register_quant_packed(m);
+    isa_base::register_sample_kernels(m);
+  }
+#if defined(__x86_64__)
+  if (LEVEL == AVX512BF16) {
+    isa_avx512bf16::register_prefill_attention(m);
+    return;
+  }
+#endif
+  isa_base::register_prefill_attention(m);
+}

@@ -1,0 +1,74 @@
+// The instruction-set level an object is compiled for, and every library header the kernels use.
+//
+// One build serves every x86-64 CPU. setup.py compiles each kernel source once per level (a
+// two-line wrapper: `#define PAGEDLLM_LEVEL n` and an #include of the source), each level's code
+// in a namespace of its own (PAGEDLLM_ISA), and dispatch.cpp registers, when the library loads,
+// the ops of the best level this CPU runs (`__builtin_cpu_supports`). No -march flag is used.
+//
+// The level's instructions come from `#pragma GCC target` below, placed AFTER the library
+// headers on purpose: their inline and template code (std::vector, ATen, c10) keeps the
+// baseline x86-64 target in every object, so the linker, which keeps one copy of each such
+// function for the whole library, can never hand an AVX-512 copy to the AVX2 or baseline code.
+// Every system or torch header a kernel needs is therefore included here, never in a source
+// after this file (tests/test_native_build.py checks the built library's instructions).
+// GCC does not define __AVX2__ and the like under the pragma in C++: the kernels test the
+// PQ_X86 / PQ_HAS_VNNI / PA_BF16 macros set here instead.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <limits>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#ifndef PAGEDLLM_LEVEL
+#define PAGEDLLM_LEVEL 0
+#endif
+
+#if PAGEDLLM_LEVEL > 0 && !defined(__x86_64__)
+#error "levels above 0 are x86-64 instruction sets"
+#endif
+
+#if PAGEDLLM_LEVEL == 0
+// Baseline: whatever the compiler targets by default (x86-64: SSE2). The scalar reference paths.
+#define PAGEDLLM_ISA isa_base
+#elif PAGEDLLM_LEVEL == 1
+// Haswell and later, Zen 1 and later.
+#pragma GCC target("avx2,fma,f16c")
+#define PAGEDLLM_ISA isa_avx2
+#define PQ_X86 1
+#elif PAGEDLLM_LEVEL == 2
+// Ice Lake / Cascade Lake and later, Zen 4 and later: AVX-512 with VNNI's int8 dot products.
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512cd,avx512bw,avx512dq,avx512vl,avx512vnni")
+#define PAGEDLLM_ISA isa_avx512vnni
+#define PQ_X86 1
+#define PQ_HAS_VNNI 1
+#elif PAGEDLLM_LEVEL == 3
+// Cooper Lake, Sapphire Rapids and later, Zen 4 and later: also bf16 dot products.
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512cd,avx512bw,avx512dq,avx512vl,avx512vnni,avx512bf16")
+#define PAGEDLLM_ISA isa_avx512bf16
+#define PQ_X86 1
+#define PQ_HAS_VNNI 1
+#define PA_BF16 1
+#else
+#error "unknown PAGEDLLM_LEVEL"
+#endif
+
+// Each source registers its ops through a function of its level's namespace, which
+// dispatch.cpp calls for the level it picked.
+#define PAGEDLLM_REGISTER(name) void register_##name(torch::Library& m)

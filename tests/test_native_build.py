@@ -1,0 +1,190 @@
+"""The native kernels as built at install (setup.py): one library for every x86-64 CPU, whose
+instructions match the level each function was compiled for, that runs its baseline objects on
+any machine, and that a wheel carries to a machine with no compiler."""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+from pagedllm.native import disabled_reason, library_path
+
+ROOT = Path(__file__).resolve().parent.parent
+ENV = {k: v for k, v in os.environ.items() if not k.startswith("PAGEDLLM_")}
+
+pytestmark = pytest.mark.skipif(disabled_reason() is not None, reason="native kernels turned off")
+
+
+def _library() -> Path:
+    lib = library_path()
+    assert lib is not None, "pagedllm/native/_kernels*.so is not built: `make kernels`"
+    return lib
+
+
+# x86-64 opcode bytes that may come before a VEX (C4, C5) or EVEX (62) prefix; in 64-bit mode
+# those three bytes are never anything else.
+_SKIPPABLE = {"67", "26", "2e", "36", "3e", "64", "65"}
+
+
+def _encodings(lib: Path) -> dict[str, set[str]]:
+    """Per function of the library, the encodings its instructions use: "vex", "evex"."""
+    out = subprocess.run(["objdump", "-d", "-C", "--no-addresses", "--insn-width=16", str(lib)],
+                         capture_output=True, text=True, check=True).stdout
+    found: dict[str, set[str]] = {}
+    name = ""
+    for line in out.splitlines():
+        m = re.match(r"^<(.*)>:$", line)
+        if m:
+            name = m.group(1)
+            found.setdefault(name, set())
+            continue
+        parts = line.split("\t")  # "", the bytes, the instruction
+        if len(parts) < 3 or not name:
+            continue
+        code = [b for b in parts[1].split() if re.fullmatch(r"[0-9a-f]{2}", b)]
+        while code and code[0] in _SKIPPABLE:
+            code = code[1:]
+        if code and code[0] in ("c4", "c5"):
+            found[name].add("vex")
+        elif code and code[0] == "62":
+            found[name].add("evex")
+    return found
+
+
+@pytest.mark.skipif(shutil.which("objdump") is None, reason="objdump (binutils) not installed")
+@pytest.mark.skipif(sysconfig.get_platform() != "linux-x86_64", reason="x86-64 instruction sets")
+def test_every_instruction_is_of_its_functions_level():
+    """No AVX outside the AVX2 and AVX-512 levels' code, no AVX-512 outside the AVX-512 levels':
+    in particular none in the library code (std::, at::) the linker keeps one copy of."""
+    enc = _encodings(_library())
+    assert any("isa_avx2::" in n for n in enc) and any("isa_avx512vnni::" in n for n in enc), \
+        "the AVX2 and AVX-512 levels are missing from the library"
+    assert any("evex" in e for n, e in enc.items() if "isa_avx512bf16::" in n)
+    wrong = sorted(n for n, e in enc.items()
+                   if ("evex" in e and "isa_avx512" not in n)
+                   or ("vex" in e and "isa_avx2" not in n and "isa_avx512" not in n))
+    assert not wrong, f"{len(wrong)} functions hold instructions above their level: {wrong[:10]}"
+
+
+_OPS_CHECK = r"""
+import torch, torch.nn.functional as F
+from pagedllm.native import cpu_kernels
+from pagedllm.quant.kernels import available_isas
+ops = cpu_kernels()
+print(ops.native_isa(), ",".join(available_isas()))
+torch.manual_seed(0)
+# paged decode against gather + SDPA
+n, hq, hkv, d, bs, nb = 3, 4, 2, 64, 16, 12
+q = torch.randn(n, hq, d)
+kc, vc = torch.randn(nb, bs, hkv, d), torch.randn(nb, bs, hkv, d)
+tables = torch.randperm(nb)[: n * 4].view(n, 4).long()
+lens = torch.tensor([5, 33, 64])
+out = ops.paged_decode(q, kc, vc, tables, lens, d ** -0.5, 0)
+for i in range(n):
+    k = kc[tables[i]].flatten(0, 1)[: lens[i]].transpose(0, 1).repeat_interleave(hq // hkv, 0)
+    v = vc[tables[i]].flatten(0, 1)[: lens[i]].transpose(0, 1).repeat_interleave(hq // hkv, 0)
+    ref = F.scaled_dot_product_attention(q[i][:, None], k, v, scale=d ** -0.5)[:, 0]
+    torch.testing.assert_close(out[i], ref, rtol=1e-4, atol=1e-4)
+# a Q8_0 matmul on the scalar path against the dequantized weight
+import numpy as np
+from gguf import GGMLQuantizationType, quantize, dequantize
+w = np.random.default_rng(0).standard_normal((8, 64)).astype(np.float32)
+raw = quantize(w, GGMLQuantizationType.Q8_0)
+x = torch.randn(2, 64)
+y = ops.quant_matmul(x, [torch.from_numpy(raw)], [int(GGMLQuantizationType.Q8_0)], 64, 1)
+ref = x @ torch.from_numpy(dequantize(raw, GGMLQuantizationType.Q8_0)).T
+torch.testing.assert_close(y, ref, rtol=0, atol=0.05 * ref.abs().max().item())  # int8 activations
+print("ok")
+print(" ".join(f"{v:.6f}" for v in y.flatten().tolist()))
+"""
+
+
+def test_baseline_level_runs_here():
+    """PAGEDLLM_NATIVE_ISA=base registers the baseline objects (what a CPU without AVX2 runs):
+    they load, offer the scalar path only, compute what PyTorch does, and the scalar quantized
+    path gives what the same path of this CPU's level gives."""
+    def check(**env: str) -> list[str]:
+        r = subprocess.run([sys.executable, "-c", _OPS_CHECK], capture_output=True, text=True, timeout=300,
+                           env={**ENV, **env, "PYTHONPATH": str(ROOT)})
+        assert r.returncode == 0, r.stderr[-3000:]
+        return r.stdout.splitlines()
+
+    base = check(PAGEDLLM_NATIVE_ISA="base")
+    assert base[:2] == ["base scalar", "ok"], base
+    best = check()
+    assert best[1] == "ok" and best[0] != base[0], best
+    assert [float(v) for v in base[2].split()] == pytest.approx([float(v) for v in best[2].split()], abs=1e-4)
+
+
+def test_unknown_level_cap_is_refused():
+    r = subprocess.run([sys.executable, "-c", "from pagedllm.native import cpu_kernels; cpu_kernels()"],
+                       capture_output=True, text=True, timeout=300,
+                       env={**ENV, "PAGEDLLM_NATIVE_ISA": "avx3", "PYTHONPATH": str(ROOT)})
+    assert r.returncode != 0 and "PAGEDLLM_NATIVE_ISA='avx3' is not one of base, avx2" in r.stderr, r.stderr
+
+
+def _venv(path: Path) -> Path:
+    """A fresh venv without pip that sees this environment's packages (torch, pip, setuptools)
+    after its own, through a .pth file: nothing is downloaded or reinstalled."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(path)], check=True)
+    site = Path(subprocess.run([str(path / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                               capture_output=True, text=True, check=True).stdout.strip())
+    (site / "_outer_env.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    return path / "bin" / "python"
+
+
+@pytest.mark.install
+@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None, reason="no C++ compiler to build with")
+def test_wheel_carries_the_kernels_to_a_machine_without_compiler(tmp_path, smollm2_gguf_path):
+    """`pip wheel --no-build-isolation`, the wheel installed in a fresh venv with no compiler
+    (nor ninja) on PATH: `pagedllm trace` runs the quantized and attention kernels,
+    and forcing the AVX2 path gives the default path's tokens. The wheel is built from this
+    checkout, in place, so objects already compiled under build/ are reused (only what changed
+    compiles; a clone without them compiles everything, a few minutes)."""
+    # Built by this environment's Python: a fresh venv's include folder enters every compile
+    # command, so ninja would recompile every object instead of reusing this checkout's.
+    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-build-isolation", "--no-deps",
+                        "-w", str(tmp_path / "dist"), str(ROOT)],
+                       capture_output=True, text=True, timeout=3600, env={**ENV, "PYTHONPATH": ""})
+    assert r.returncode == 0, r.stderr[-5000:]
+    (wheel,) = (tmp_path / "dist").glob("pagedllm-*.whl")
+    import zipfile
+
+    names = zipfile.ZipFile(wheel).namelist()
+    assert any(re.fullmatch(r"pagedllm/native/_kernels.*\.so", n) for n in names), names
+    assert "pagedllm/native/csrc/quant_common.h" in names
+
+    runner = _venv(tmp_path / "run-venv")
+    bindir = runner.parent
+    r = subprocess.run([str(runner), "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(wheel)],
+                       capture_output=True, text=True, timeout=600, env={**ENV, "PYTHONPATH": ""})
+    assert r.returncode == 0, r.stderr[-3000:]
+    env = {"PATH": str(bindir), "HOME": os.environ.get("HOME", str(tmp_path)), "HF_HUB_OFFLINE": "1",
+           "PYTHONDONTWRITEBYTECODE": "1"}
+    for tool in ("gcc", "g++", "cc", "c++", "ninja"):
+        assert shutil.which(tool, path=env["PATH"]) is None, tool
+
+    def run(*args: str, **extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run([str(bindir / "pagedllm"), *args], capture_output=True, text=True, timeout=600,
+                              env={**env, **extra}, cwd=tmp_path)
+
+    where = subprocess.run([str(runner), "-c", "import pagedllm.native as n; print(n.library_path())"],
+                           capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert str(tmp_path / "run-venv") in where.stdout, where.stdout + where.stderr
+    trace = run("trace", "Hi", "--max-tokens", "4", "--log-level", "info")
+    assert trace.returncode == 0, trace.stderr[-3000:]
+    assert re.search(r"quantized (avx2|avx512-vnni) integer kernels", trace.stdout), trace.stdout
+    assert "native CPU decode kernel" in trace.stdout, trace.stdout
+    assert "not built" not in trace.stderr and "do not load" not in trace.stderr, trace.stderr
+
+    prompt = ["generate", "Name three colors.", "--max-tokens", "24"]
+    default = run(*prompt)
+    forced = run(*prompt, PAGEDLLM_QUANT_ISA="avx2")
+    assert default.returncode == 0 and forced.returncode == 0, default.stderr[-2000:] + forced.stderr[-2000:]
+    assert default.stdout.strip() and forced.stdout == default.stdout
