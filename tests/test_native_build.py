@@ -177,7 +177,7 @@ def test_wheel_carries_the_kernels_to_a_machine_without_compiler(tmp_path, smoll
     where = subprocess.run([str(runner), "-c", "import pagedllm.native as n; print(n.library_path())"],
                            capture_output=True, text=True, env=env, cwd=tmp_path)
     assert str(tmp_path / "run-venv") in where.stdout, where.stdout + where.stderr
-    trace = run("trace", "Hi", "--max-tokens", "4", "--log-level", "info")
+    trace = run("trace", "--prompt", "Hi", "--max-tokens", "4", "--log-level", "info")
     assert trace.returncode == 0, trace.stderr[-3000:]
     assert re.search(r"quantized (avx2|avx512-vnni) integer kernels", trace.stdout), trace.stdout
     assert "native CPU decode kernel" in trace.stdout, trace.stdout
