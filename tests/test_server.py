@@ -117,6 +117,11 @@ class Started:
             pytest.fail(self.error, pytrace=False)
         pytest.skip("this module's server did not start (the first test that needed it failed with why)")
 
+    def __getattr__(self, name: str):
+        # Modules that use the fixture's value as the server itself (`.url`, `.headers`, `.log()`)
+        # get it through `.get()`, so a failed start still fails one test and skips the rest.
+        return getattr(self.get(), name)
+
 
 def serving(tmp_path_factory, name: str, args: list[str]):
     """A `pagedllm serve` process for a test module, as a `Started` (a generator for a module
