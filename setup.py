@@ -38,7 +38,9 @@ SOURCE_LEVELS = {
     "sample_kernels": (0, 1, 2),
     "prefill_attention": (0, 3),
 }
-FLAGS = ["-O3", "-fopenmp", "-fno-math-errno"]
+# -g0 after Python's own -g: the debug info was stripped at link anyway, and generating it for
+# torch's headers was about half of each object's compile time (46.9 s -> 25.1 s CPU for one).
+FLAGS = ["-O3", "-g0", "-fopenmp", "-fno-math-errno"]
 
 
 def _wanted() -> bool:
@@ -95,7 +97,7 @@ def ext_modules_and_cmdclass() -> tuple[list, dict]:
         depends=[p.as_posix() for p in sorted(CSRC.iterdir())],  # an edit anywhere rebuilds
         include_dirs=[str(ROOT / CSRC)],
         extra_compile_args={"cxx": FLAGS},
-        # Python's flags compile with -g; the debug info would make the library ~10x larger.
+        # Nothing to strip since -g0; kept for a compiler that still emits some.
         extra_link_args=["-fopenmp", "-Wl,--strip-debug"],
     )
     return [ext], {"build_ext": BuildKernels}
