@@ -157,7 +157,12 @@ def _quantized_checkpoint(qcfg: dict, files: list[Path], weights: Iterator[tuple
     logger.info("%s checkpoint: %s", scheme.method, cp.summary())
     parts = sum(len(p) for p in cp.prefixes.values())
     total = len(keys) - parts + len(cp.prefixes)
-    path = "repacked losslessly at load" if keep_quantized else "dequantized to float at load"
+    if not keep_quantized:
+        path = "dequantized to float at load"
+    elif any(cp.formats.values()):
+        path = "repacked losslessly at load"
+    else:
+        path = "no block format holds them exactly: float at load"
     return (qc.convert_stream(weights, cp, keep_quantized), cp.weight_names(keep_quantized), total,
             f"{qwhy}; {cp.summary()}, {path}")
 
