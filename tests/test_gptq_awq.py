@@ -124,3 +124,54 @@ def test_quantized_execution_against_our_float32(awq_model):
         ppl_ratio = np.exp(_nll(got, prompt) - _nll(ref, prompt))
         assert top1 >= 0.98, (label, top1)
         assert abs(ppl_ratio - 1) <= 0.005, (label, ppl_ratio)
+
+
+@pytest.fixture(scope="module")
+def autoawq_checkpoint(tmp_path_factory, hf_smollm2_tokenizer):
+    """A Llama quantized by autoawq's own AWQ search (on the CPU, a short calibration text)."""
+    awq = pytest.importorskip("awq")
+    tok = hf_smollm2_tokenizer
+    src = tmp_path_factory.mktemp("awq-src")
+    _build("llama", tok).save_pretrained(src)
+    tok.save_pretrained(src)
+    model = awq.AutoAWQForCausalLM.from_pretrained(str(src), device_map="cpu")
+    texts = ["The quick brown fox jumps over the lazy dog while the cat sleeps by the fire. " * 2] * 16
+    model.quantize(tok, quant_config={"zero_point": True, "q_group_size": 128, "w_bit": 4, "version": "GEMM"},
+                   calib_data=texts, max_calib_samples=16, max_calib_seq_len=64)
+    out = tmp_path_factory.mktemp("awq-q")
+    model.save_quantized(str(out))
+    tok.save_pretrained(out)
+    return src, out
+
+
+def test_autoawqs_own_checkpoint(autoawq_checkpoint):
+    """autoawq's search rescales the norms and weights it quantizes: transformers gets every float
+    tensor of the checkpoint and autoawq's dequantize_gemm of every quantized one."""
+    import transformers as tf
+    from safetensors.torch import load_file
+
+    _, dequantize_gemm = _awq()
+    src, path = autoawq_checkpoint
+    sd = load_file(str(path / "model.safetensors"))
+    scheme = qc.read_scheme(json.loads((path / "config.json").read_text())["quantization_config"])
+    ref = tf.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    prefixes = [k.removesuffix(".qweight") for k in sd if k.endswith(".qweight")]
+    assert len(prefixes) == 14
+    with torch.no_grad():
+        for p in prefixes:
+            parts = {s: sd[f"{p}.{s}"] for s in ("qweight", "qzeros", "scales")}
+            lib = dequantize_gemm(parts["qweight"], parts["qzeros"], parts["scales"].float(), 4, 128).t().contiguous()
+            ours = qc.unpack(scheme, p, parts).dequantize()
+            assert torch.equal(ours.view(torch.int32), lib.view(torch.int32)), p
+            ref.get_submodule(p).weight.copy_(lib)
+        for k, v in sd.items():
+            if not k.endswith((".qweight", ".qzeros", ".scales")):
+                ref.get_parameter(k).copy_(v.float())
+    llm = LLM(str(path), dtype="float32", kv_cache_memory_mb=8)
+    assert llm.engine.weights.formats.get("Q5_0") == 14
+    prompt = _prompt(80, 1)
+    with torch.no_grad():
+        want = ref(torch.tensor([prompt])).logits[0]
+    got = llm.engine.prompt_logits(prompt)
+    assert (got - want).abs().max().item() < 1e-3
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
