@@ -46,6 +46,10 @@ $(STAMP): pyproject.toml setup.py Makefile
 # upgrades no installed package (apt-get's simulation is read first); otherwise that test skips.
 $(TEST_STAMP): $(STAMP)
 	$(PIP) install -q --no-build-isolation -e ".[dev]"
+	# The quantizers whose checkpoints tests/test_gptq*.py load, without their pins on torch and
+	# transformers (gptqmodel wants torch >= 2.14, llmcompressor transformers <= 5.17, autoawq triton).
+	$(PIP) install -q --no-deps gptqmodel==7.7.0 llmcompressor==0.14.0.1 autoawq==0.2.9 pypcre logbar \
+	  tokenicer device-smi defuser threadpoolctl dill pillow datasets
 	@command -v chromium >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
 	  apt-get update -q >/dev/null && \
 	  apt-get install -s --no-upgrade --no-install-recommends chromium chromium-driver | grep -q "^0 upgraded" && \

@@ -25,7 +25,7 @@ def _weights(rows: int, cols: int, seed: int) -> torch.Tensor:
     return w
 
 
-@pytest.mark.parametrize("fmt", ["Q8_0", "Q4_0"])
+@pytest.mark.parametrize("fmt", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"])
 def test_legacy_isq_is_byte_exact_with_ggufs_quantizer(fmt):
     w = _weights(33, 512, 1)
     ours = quantize(w, fmt).data.numpy()
@@ -47,13 +47,23 @@ def test_q4_k_isq_round_trip():
     assert rel_rms < 0.15, rel_rms  # 0.123 measured, the outlier row dominating
 
 
-def test_isq_refuses_what_does_not_fit():
-    with pytest.raises(QuantFormatError, match="blocks of 256.*use Q8_0 or Q4_0"):
-        quantize(torch.zeros(4, 96), "Q4_K", "model.layers.0.mlp.down_proj.weight")
+def test_isq_falls_back_per_tensor_and_refuses_what_nothing_fits(caplog):
+    w = _weights(4, 96, 3)
+    with caplog.at_level("INFO", logger="pagedllm.quant.isq"):
+        qt = quantize(w, "Q4_K", "model.layers.0.mlp.down_proj.weight")
+    assert qt.fmt == "Q5_0"  # llama.cpp's fallback for Q4_K rows that 256-value blocks do not tile
+    np.testing.assert_array_equal(qt.data.numpy(), gguf.quants.quantize(w.numpy(), Q.Q5_0))
+    assert "model.layers.0.mlp.down_proj.weight: 96 columns are not whole Q4_K blocks" in caplog.text
+    with pytest.raises(QuantFormatError, match="blocks of 32.*no ISQ type fits it"):
+        quantize(torch.zeros(4, 48), "Q4_0", "model.layers.0.mlp.down_proj.weight")
     with pytest.raises(QuantFormatError, match="NaN"):
         quantize(torch.full((2, 32), float("nan")), "Q8_0")
     with pytest.raises(ValueError, match="unsupported ISQ type 'Q3_X'"):
         LLM("default", isq="Q3_X")
+    with pytest.raises(ValueError, match="--isq 6 means Q6_K"):
+        LLM("default", isq="6")
+    with pytest.raises(ValueError, match="unsupported ISQ bit width '7'"):
+        LLM("default", isq="7")
     with pytest.raises(ValueError, match="GGUF file whose weights are already quantized"):
         LLM("default", isq="Q8_0")
 
@@ -155,3 +165,12 @@ def test_decode_stack_gives_the_per_layer_bits(isq_ckpt, fmt, monkeypatch):
     for a, b in zip(stacked, plain):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert [lp for lp in a.outputs[0].logprobs] == [lp for lp in b.outputs[0].logprobs]
+
+
+def test_mistral_rs_numeric_isq_resolves_as_on_a_cpu(isq_ckpt):
+    from pagedllm.quant.isq import check_isq_type
+
+    assert check_isq_type("4") == "Q4_K" and check_isq_type("8") == "Q8_0"
+    path, _ = isq_ckpt
+    llm = LLM(str(path), dtype="float32", isq="4", kv_cache_memory_mb=8)
+    assert llm.engine.weights.formats.get("Q4_K") == 2 * 7 + 1

@@ -96,6 +96,9 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
             raise FileNotFoundError(f"{source.path} has no *.safetensors weight files")
         weights = _safetensors(files)
         total = len(_safetensors_keys(files))
+        if hf_config.get("quantization_config"):
+            weights, quantized, total, qwhy = _quantized_checkpoint(
+                hf_config["quantization_config"], files, weights, qpath is not None, qwhy, isq, tp)
 
     cfg = ModelConfig.from_hf_dict(hf_config)
     if not cfg.eos_token_ids and tokenizer.eos_token_id is not None:
@@ -133,6 +136,55 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
     logger.info("loaded %s (%s, %d layers); weights: %s", source.name, cfg.architecture, cfg.num_layers,
                 info.summary())
     return LoadedModel(model, cfg, tokenizer, source, info.resident_bytes, kv_scales, info)
+
+
+def _quantized_checkpoint(qcfg: dict, files: list[Path], weights: Iterator[tuple[str, torch.Tensor]],
+                          keep_quantized: bool, qwhy: str, isq: str | None, tp):
+    """A GPTQ / AWQ / compressed-tensors folder: its quantized weights gathered and repacked into
+    block formats (quant/checkpoint.py), or dequantized where the kernels are not in use.
+    Returns the stream, the names that arrive quantized, the tensor count and the path's reason."""
+    from ..quant import checkpoint as qc
+
+    scheme = qc.read_scheme(qcfg)
+    if isq:
+        raise ValueError(f"isq={isq!r} quantizes float weights at load; this checkpoint is already quantized "
+                         f"({scheme.describe()}): drop isq")
+    if tp is not None and getattr(tp, "size", 1) > 1:
+        raise ValueError(f"a {scheme.method} checkpoint does not run under tensor parallelism yet "
+                         "(use tensor_parallel_size=1)")
+    keys = _safetensors_keys(files)
+    cp = qc.plan(scheme, keys, *_safetensors_readers(files))
+    logger.info("%s checkpoint: %s", scheme.method, cp.summary())
+    parts = sum(len(p) for p in cp.prefixes.values())
+    total = len(keys) - parts + len(cp.prefixes)
+    if not keep_quantized:
+        path = "dequantized to float at load"
+    elif any(cp.formats.values()):
+        path = "repacked losslessly at load"
+    else:
+        path = "no block format holds them exactly: float at load"
+    return (qc.convert_stream(weights, cp, keep_quantized), cp.weight_names(keep_quantized), total,
+            f"{qwhy}; {cp.summary()}, {path}")
+
+
+def _safetensors_readers(files: list[Path]):
+    """read(key) and shape_of(key) over a folder's safetensors files."""
+    from safetensors import safe_open
+
+    where: dict[str, Path] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt", device="cpu") as st:
+            where.update((k, f) for k in st.keys())
+
+    def read(key: str) -> torch.Tensor:
+        with safe_open(str(where[key]), framework="pt", device="cpu") as st:
+            return st.get_tensor(key)
+
+    def shape_of(key: str) -> list[int]:
+        with safe_open(str(where[key]), framework="pt", device="cpu") as st:
+            return st.get_slice(key).get_shape()
+
+    return read, shape_of
 
 
 def _weights_info(model: torch.nn.Module, kernel: str | None, reason: str) -> WeightsInfo:

@@ -29,6 +29,11 @@ MAX_ROWS = 2  # from three rows on oneDNN's blocked GEMM is as fast or faster
 class Linear(nn.Linear):
     qparts: list[QuantTensor] | None = None
     tp = None  # a TPInfo on row-parallel layers (o_proj, down_proj) under tensor parallelism
+    # GPTQ desc_act: the quantized columns are stored sorted by group, so the input's columns are
+    # permuted to match, once per call; one permutation for the layer, or one per part where a
+    # fused projection's parts were quantized with different orders (then each part runs alone).
+    in_perm: torch.Tensor | None = None
+    part_perms: list[torch.Tensor | None] | None = None
 
     def set_quantized(self, parts: list[QuantTensor]) -> None:
         """Hold `parts` (stacked by rows) as the weight; the float parameter goes away."""
@@ -38,6 +43,19 @@ class Linear(nn.Linear):
                              f"{self.out_features}x{self.in_features} layer")
         self.qparts = qk.pack(parts)
         self.weight = None  # nn.Module keeps the slot; parameters() skips it
+        perms = [p.col_perm for p in parts]
+        self.in_perm = self.part_perms = None
+        if all(p is None for p in perms):
+            return
+        if all(p is not None and torch.equal(p, perms[0]) for p in perms):
+            self.in_perm = perms[0]
+        else:
+            self.part_perms = perms
+
+    @property
+    def permutes(self) -> bool:
+        """Whether the quantized weight reads its input's columns out of order."""
+        return self.in_perm is not None or self.part_perms is not None
 
     def fused(self, x: torch.Tensor, norm: nn.Module | None = None, residual: torch.Tensor | None = None,
               silu_mul: bool = False) -> torch.Tensor:
@@ -49,7 +67,10 @@ class Linear(nn.Linear):
             if self.bias is not None:
                 y = y + self.bias
             return y if residual is None else residual + y
-        if self.qparts is not None and x.shape[0] <= qk.INT_ROWS and x.dim() == 2:
+        if self.qparts is not None and x.shape[0] <= qk.INT_ROWS and x.dim() == 2 and self.part_perms is None:
+            if self.in_perm is not None:  # the norm before the permutation (its weight is in x's order)
+                x = (norm(x) if norm is not None else x).index_select(1, self.in_perm)
+                norm = None
             return qk.linear(x, self.qparts, norm, self.bias, residual, silu_mul)
         y = self(norm(x) if norm is not None else x)
         if silu_mul:
@@ -66,7 +87,13 @@ class Linear(nn.Linear):
     def _partial(self, x: torch.Tensor) -> torch.Tensor:
         """x @ W^T without the bias (under tensor parallelism: this rank's share)."""
         if self.qparts is not None:
-            return qk.matmul(x.reshape(-1, x.shape[-1]), self.qparts).view(*x.shape[:-1], self.out_features)
+            x2 = x.reshape(-1, x.shape[-1])
+            if self.part_perms is not None:
+                y = torch.cat([qk.matmul(x2 if p is None else x2.index_select(1, p), [w])
+                               for w, p in zip(self.qparts, self.part_perms)], dim=1)
+            else:
+                y = qk.matmul(x2 if self.in_perm is None else x2.index_select(1, self.in_perm), self.qparts)
+            return y.view(*x.shape[:-1], self.out_features)
         w = self.weight
         if (x.dim() == 2 and x.shape[0] <= MAX_ROWS and w.dtype == torch.bfloat16
                 and w.device.type == "cpu" and w.is_contiguous() and not torch.is_grad_enabled()):

@@ -214,7 +214,7 @@ class LlamaForCausalLM(nn.Module):
                     or type(layer.post_attention_layernorm) is not RMSNorm:
                 return None
             projs = [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
-            if any(type(p) is not Linear or p.qparts is None for p in projs):
+            if any(type(p) is not Linear or p.qparts is None or p.permutes for p in projs):
                 return None
             for p in projs:
                 weights += [q.data for q in p.qparts]
@@ -232,7 +232,7 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """[rows, vocab] float32 logits. Vocab-parallel: this rank's columns are gathered to
         rank 0, which gets the whole rows; the other ranks get None."""
-        if self.lm_head.qparts is not None:  # float32 straight from the kernel: no bf16 ties
+        if self.lm_head.qparts is not None and not self.lm_head.permutes:  # float32 from the kernel: no bf16 ties
             logits = qk.matmul(hidden, self.lm_head.qparts, out_dtype=torch.float32)
         else:
             logits = self.lm_head(hidden).float()

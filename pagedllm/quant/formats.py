@@ -62,6 +62,9 @@ class QuantTensor:
     shape: tuple[int, int]
     packed: bool = False
     release: Callable[[], None] | None = field(default=None, repr=False, compare=False)
+    # Columns stored out of the weight's order (GPTQ desc_act): stored column i is the weight's
+    # column col_perm[i], so the layer multiplies x[:, col_perm] (quant/checkpoint.py).
+    col_perm: torch.Tensor | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.fmt not in FORMATS:
@@ -92,7 +95,7 @@ class QuantTensor:
         data = cpu_kernels().quant_pack(self.data, FORMATS[self.fmt][0], self.shape[1])
         if self.release is not None:
             self.release()
-        return QuantTensor(self.fmt, data, self.shape, packed=True)
+        return QuantTensor(self.fmt, data, self.shape, packed=True, col_perm=self.col_perm)
 
     @property
     def nbytes(self) -> int:
@@ -100,4 +103,4 @@ class QuantTensor:
 
     def permute_rows(self, index: torch.Tensor) -> "QuantTensor":
         assert not self.packed
-        return QuantTensor(self.fmt, self.data.index_select(0, index), self.shape)
+        return QuantTensor(self.fmt, self.data.index_select(0, index), self.shape, col_perm=self.col_perm)

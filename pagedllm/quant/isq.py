@@ -3,24 +3,48 @@ quantized at load into GGUF block formats and run on the same kernels as GGUF fi
 
 Weights stream through one tensor at a time, so loading holds the quantized model plus one
 float tensor. Q8_0 and Q4_0 round exactly as llama.cpp's reference quantizers do (the tests
-check them byte for byte against gguf-py's); Q4_K uses a min/max fit per 32 values with
-6-bit scales and mins, our own and simpler than llama.cpp's search.
+check them byte for byte against gguf-py's), and so do Q4_1, Q5_0 and Q5_1; Q4_K uses a min/max
+fit per 32 values with 6-bit scales and mins, our own and simpler than llama.cpp's search.
+
+A weight whose rows a type's blocks do not tile falls back, per tensor and logged, to the next
+type that does, as llama.cpp's quantizer does (Q4_K's 256-value blocks -> Q5_0's 32).
+mistral.rs's numeric form picks the type a CPU gets there: `--isq 4` is Q4_K, `--isq 8` Q8_0.
 """
 from __future__ import annotations
 
+import logging
 from typing import Iterator
 
 import torch
 
 from .formats import FORMATS, QuantFormatError, QuantTensor
 
-ISQ_TYPES = ("Q8_0", "Q4_0", "Q4_K")
+logger = logging.getLogger(__name__)
+
+ISQ_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K")
+# mistral.rs's `--isq N` on a CPU: N bits -> the K-quant (or Q8_0) it resolves to there.
+ISQ_BITS = {2: "Q2_K", 3: "Q3_K", 4: "Q4_K", 5: "Q5_K", 6: "Q6_K", 8: "Q8_0"}
+# A type whose blocks do not tile a row falls back to this one (llama.cpp's choice for its K-quants).
+FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
 
 
 def check_isq_type(fmt: str) -> str:
+    """The ISQ type `fmt` names: a type name, or mistral.rs's bit count (2-8)."""
     name = str(fmt).strip().upper()
+    if name.isdigit():
+        bits = int(name)
+        if bits not in ISQ_BITS:
+            raise ValueError(f"unsupported ISQ bit width {fmt!r}; mistral.rs's numeric form takes "
+                             f"{', '.join(map(str, ISQ_BITS))} (on a CPU: "
+                             f"{', '.join(f'{b} = {t}' for b, t in ISQ_BITS.items())})")
+        name = ISQ_BITS[bits]
+        if name not in ISQ_TYPES:
+            raise ValueError(f"--isq {bits} means {name} (mistral.rs's choice on a CPU), which pagedllm cannot "
+                             f"quantize to at load yet; supported: {', '.join(ISQ_TYPES)}, or 4 and 8")
+        return name
     if name not in ISQ_TYPES:
-        raise ValueError(f"unsupported ISQ type {fmt!r}; supported: {', '.join(ISQ_TYPES)}")
+        raise ValueError(f"unsupported ISQ type {fmt!r}; supported: {', '.join(ISQ_TYPES)}, or a bit count "
+                         "4 or 8 as mistral.rs takes it")
     return name
 
 
@@ -39,6 +63,11 @@ def quantize(w: torch.Tensor, fmt: str, name: str = "weight") -> QuantTensor:
     rows, cols = w.shape
     vals = FORMATS[fmt][1]
     if cols % vals:
+        back = FALLBACK.get(fmt)
+        if back is not None and cols % FORMATS[back][1] == 0:
+            logger.info("%s: %d columns are not whole %s blocks of %d; quantized to %s instead",
+                        name, cols, fmt, vals, back)
+            return quantize(w, back, name)
         fits = [t for t in ISQ_TYPES if cols % FORMATS[t][1] == 0]
         raise QuantFormatError(
             f"{name}: ISQ type {fmt} packs rows in blocks of {vals} values, but this weight has {cols} "
@@ -46,7 +75,7 @@ def quantize(w: torch.Tensor, fmt: str, name: str = "weight") -> QuantTensor:
     x = w.detach().to(torch.float32).reshape(-1, vals)
     if not torch.isfinite(x).all():
         raise QuantFormatError(f"{name}: holds NaN or inf values; refusing to quantize it")
-    blocks = {"Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_K": _q4_k}[fmt](x)
+    blocks = {"Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q4_K": _q4_k}[fmt](x)
     return QuantTensor(fmt, blocks.reshape(rows, -1).contiguous(), (rows, cols))
 
 
@@ -73,6 +102,44 @@ def _q4_0(x: torch.Tensor) -> torch.Tensor:
     q = torch.trunc(x * inv + 8.5).clamp(0, 15).to(torch.uint8)
     qs = q[:, :16] | (q[:, 16:] << 4)
     return torch.cat([_half_bytes(d), qs], dim=1)
+
+
+def _nibbles(q: torch.Tensor) -> torch.Tensor:
+    """Values 0-31 of 32-value blocks -> their low nibbles, two a byte (element j and j + 16)."""
+    return (q[:, :16] & 15) | ((q[:, 16:] & 15) << 4)
+
+
+def _high_bits(q: torch.Tensor) -> torch.Tensor:
+    """Bit 4 of each of a block's 32 values, as a little-endian uint32 (Q5_0, Q5_1)."""
+    bits = ((q >> 4) & 1).to(torch.int64) << torch.arange(32)
+    return bits.sum(dim=1).to(torch.int32).reshape(-1, 1).view(torch.uint8)
+
+
+def _q5_0(x: torch.Tensor) -> torch.Tensor:
+    imax = x.abs().argmax(dim=1, keepdim=True)
+    d = x.gather(1, imax) / -16
+    inv = torch.where(d == 0, torch.zeros_like(d), 1 / d)
+    q = torch.trunc(x * inv + 16.5).clamp(0, 31).to(torch.uint8)
+    return torch.cat([_half_bytes(d), _high_bits(q), _nibbles(q)], dim=1)
+
+
+def _min_max(x: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_1 / Q5_1: (d, min, codes) of a min/max fit with `levels` steps."""
+    lo, hi = x.amin(dim=1, keepdim=True), x.amax(dim=1, keepdim=True)
+    d = (hi - lo) / levels
+    inv = torch.where(d == 0, torch.zeros_like(d), 1 / d)
+    q = torch.trunc((x - lo) * inv + 0.5).clamp(0, levels).to(torch.uint8)
+    return d, lo, q
+
+
+def _q4_1(x: torch.Tensor) -> torch.Tensor:
+    d, lo, q = _min_max(x, 15)
+    return torch.cat([_half_bytes(d), _half_bytes(lo), _nibbles(q)], dim=1)
+
+
+def _q5_1(x: torch.Tensor) -> torch.Tensor:
+    d, lo, q = _min_max(x, 31)
+    return torch.cat([_half_bytes(d), _half_bytes(lo), _high_bits(q), _nibbles(q)], dim=1)
 
 
 def _q4_k(x: torch.Tensor) -> torch.Tensor:
