@@ -399,7 +399,7 @@ def profile_planning(llm, num_seqs: int, context: int = 512, steps: int = 16) ->
             runner.tensors(runner.plan(batch))
             for it in batch:  # what execute and the engine would record, without the forward
                 seq, samples = it.seq, it.samples
-                seq.num_computed_tokens += it.num_new_tokens
+                it.ran()
                 eng.block_manager.commit_full_blocks(seq)
                 if samples:
                     seq.append_token(int(wl.prompts[0][seq.num_output_tokens % context]))

@@ -227,6 +227,11 @@ class BlockManager:
                 if bid != NULL_BLOCK:
                     self.blocks[bid].ref_count += 1
 
+    def rewind(self, seq: Sequence, num_tokens: int) -> None:
+        """seq keeps the K/V of its first num_tokens tokens only; the blocks past them go back."""
+        seq.num_computed_tokens = num_tokens
+        self.trim(seq)
+
     def trim(self, seq: Sequence) -> None:
         """Give back the blocks past seq's computed tokens, in every group: the slots of
         speculative proposals that were rejected. They were taken this step (private, never

@@ -175,8 +175,7 @@ class DraftModel:
         mine.extend(toks[c:])
         sh.synced = len(toks)
         if d.num_computed_tokens > c:
-            d.num_computed_tokens = c
-            self.block_manager.trim(d)
+            self.block_manager.rewind(d, c)
         # Hashed blocks lie wholly before c, which later syncs never go below, so a hashed
         # block is never rewritten.
         self.block_manager.commit_full_blocks(d)
@@ -243,7 +242,7 @@ class DraftModel:
         plan.logits_rows = rows
         logits = self.runner.logits(plan)
         for it in batch:
-            it.seq.num_computed_tokens += it.num_new_tokens
+            it.ran()
         self.forwards += 1
         return [] if logits is None else logits.argmax(-1).tolist()
 

@@ -30,7 +30,7 @@ from ..speculative import decoder as spec_decoder
 from ..speculative.config import SpeculativeConfig
 from ..structured.grammar import GrammarEngine, advance as grammar_advance
 from ..tokenizer import IncrementalDetokenizer
-from .block_manager import BlockManager, NoFreeBlocksError
+from .block_manager import BlockManager
 from .draft import NO_TP, DraftModel, draft_cache_config, share_budget
 from .model_runner import ModelRunner
 from .scheduler import ScheduledSeq, Scheduler
@@ -169,7 +169,6 @@ class LLMEngine:
         elif self.spec is not None and speculative.method == "draft":
             raise ValueError("speculative method 'draft' needs the draft model loaded (LLM(...) loads it)")
         self.requests: dict[str, Request] = {}
-        self._scored: list[Request] = []  # max_tokens=0: prompt scored, output due next step
         self._ids = itertools.count()
         self.stats = {"prompt_tokens": 0, "generated_tokens": 0, "steps": 0}
         # Running share of allocated-but-empty token slots, for the trace.
@@ -213,40 +212,36 @@ class LLMEngine:
                                                              params.skip_special_tokens))
                       for _ in seqs]
         if params.prompt_logprobs is not None:
-            try:
-                req.prompt_logprobs = self._prompt_logprobs(prompt_token_ids, params.prompt_logprobs)
-            except NoFreeBlocksError:
-                raise ValueError("not enough free KV blocks to score the prompt right now; "
-                                 "retry, or give the KV cache more memory") from None
+            # Scored by its own prefill, chunk by chunk beside the step's other work; the
+            # entries are complete when the prefill is, before its first output.
+            seqs[0].prompt_scores = [None]
         self.requests[rid] = req
         self.stats["prompt_tokens"] += len(prompt_token_ids)
-        if params.max_tokens == 0:  # scoring only: nothing to generate
-            for s in seqs:
+        if params.max_tokens == 0:  # scoring only: the first sequence scores, nothing is generated
+            for s in seqs[1:]:
                 s.status, s.finish_reason = SequenceStatus.FINISHED, "length"
             seqs[0].fork_children = []
-            req.metrics.finished_time = time.perf_counter()
-            self._scored.append(req)
-            return rid
         self.scheduler.add(seqs[0])
         return rid
 
-    def _prompt_logprobs(self, ids: list[int], k: int) -> list[dict[int, float] | None]:
-        """vLLM's prompt_logprobs: for each prompt token after the first, its logprob and the k
-        most likely tokens' at that place."""
-        out: list[dict[int, float] | None] = [None]
-        start = 0
-        for logits in self._prompt_logit_chunks(ids):
-            lsm = torch.log_softmax(logits.float(), dim=-1)
-            n = lsm.shape[0] - (1 if start + lsm.shape[0] == len(ids) else 0)  # the last predicts nothing
-            tgt = torch.tensor(ids[start + 1: start + 1 + n], device=lsm.device)
-            chosen = lsm[:n].gather(1, tgt[:, None])[:, 0].tolist()
-            tv, ti = lsm[:n].topk(k, dim=-1) if k > 0 else (None, None)
-            for j in range(n):
-                entry = dict(zip(ti[j].tolist(), tv[j].tolist())) if k > 0 else {}
-                entry[ids[start + 1 + j]] = chosen[j]
-                out.append(entry)
-            start += lsm.shape[0]
-        return out
+    def _score_prompt(self, seq: Sequence, first: int, logits: torch.Tensor) -> None:
+        """vLLM's prompt_logprobs, for the positions first.. of a scoring chunk: each next prompt
+        token's logprob and the k most likely tokens' at that place. The request gets the entries
+        once its whole prompt is scored."""
+        k = seq.params.prompt_logprobs
+        ids = seq.prompt_token_ids
+        lsm = torch.log_softmax(logits.float(), dim=-1)
+        n = lsm.shape[0]
+        tgt = torch.tensor(ids[first + 1: first + 1 + n], device=lsm.device)
+        chosen = lsm.gather(1, tgt[:, None])[:, 0].tolist()
+        tv, ti = lsm.topk(k, dim=-1) if k > 0 else (None, None)
+        for j in range(n):
+            entry = dict(zip(ti[j].tolist(), tv[j].tolist())) if k > 0 else {}
+            entry[ids[first + 1 + j]] = chosen[j]
+            seq.prompt_scores.append(entry)
+        req = self.requests.get(seq.request_id)
+        if req is not None and not seq.scoring_prompt:
+            req.prompt_logprobs = seq.prompt_scores
 
     def _check_prompt(self, ids: list[int], params: SamplingParams) -> list[int]:
         if len(ids) == 0:
@@ -285,7 +280,7 @@ class LLMEngine:
         return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._scored)
+        return self.scheduler.has_unfinished()
 
     def prompt_logits(self, token_ids: list[int], chunk_size: int | None = None) -> torch.Tensor:
         """Logits [T, vocab] (float32, on the CPU) at every position of a prompt, computed through the
@@ -304,8 +299,9 @@ class LLMEngine:
                 n = min(chunk, seq.num_uncomputed_tokens)
                 self.scheduler.release_window(seq)
                 self.block_manager.grow(seq, seq.num_computed_tokens + n)
-                yield self.runner.chunk_logits(ScheduledSeq(seq, n))
-                seq.num_computed_tokens += n
+                item = ScheduledSeq(seq, n)
+                yield self.runner.chunk_logits(item)
+                item.ran()
         finally:
             self.block_manager.free(seq)
             self.backend.free_seq(seq.seq_id)
@@ -358,7 +354,7 @@ class LLMEngine:
                             lp = torch.stack([lp.double(), logits.argmax(-1).double()], dim=1)
                         vals.append(lp.cpu())
                 for it in batch:
-                    it.seq.num_computed_tokens += it.num_new_tokens
+                    it.ran()
         finally:
             for s in seqs:
                 self.block_manager.free(s)
@@ -387,10 +383,8 @@ class LLMEngine:
 
     # -- the step ---------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        scored = [self._make_output(r) for r in self._scored if r.request_id in self.requests]
-        self._scored = []
-        if self.spec is not None:
-            self.spec.propose(self.scheduler.running)
+        """One schedule, one execute, then the record: tokens appended, proposals accepted, and
+        the next step's proposals made from this step's tokens."""
         sched = self.scheduler.schedule()
         for s in sched.preempted:
             self.backend.free_seq(s.seq_id)
@@ -400,25 +394,28 @@ class LLMEngine:
         if not sched:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("scheduler made no progress although requests are waiting")
-            return scored
+            return []
         out = self.runner.execute(sched.scheduled)
         self.stats["steps"] += 1
-        verifying: dict[int, list[int]] = {}
-        for it in sched.scheduled:
-            forks = it.samples and it.seq.fork_children
-            if it.spec_tokens:  # the proposals' slots count once the verification accepts them
-                it.seq.num_computed_tokens += 1
-                verifying[it.seq.seq_id] = it.spec_tokens
-                continue
-            it.seq.num_computed_tokens += it.num_new_tokens
-            self.block_manager.commit_full_blocks(it.seq)
-            if forks:
-                self._fork(it.seq)
-        self._track_waste()
+        for seq, first, logits in out.prompt_logits if out is not None else ():
+            self._score_prompt(seq, first, logits)
         touched: dict[str, Request] = {}
-        if out is not None:
+        verifying = {it.seq.seq_id: it.spec_tokens for it in sched.scheduled if it.spec_tokens}
+        forking = [it.seq for it in sched.scheduled if it.seq.fork_children and it.samples]
+        self.scheduler.update(sched)
+        for seq in forking:
+            self._fork(seq)
+        for it in sched.scheduled:
+            if it.scores and it.seq.scoring_only and it.seq.num_computed_tokens == it.seq.num_tokens:
+                it.seq.finish_reason = "length"  # the prompt is scored: the request is done
+                self._finish(it.seq)
+                req = self.requests.get(it.seq.request_id)
+                if req is not None:
+                    touched[req.request_id] = req
+        self._track_waste()
+        if out is not None and out.sampled is not None:
             now = time.perf_counter()
-            seqs, sampled = out
+            seqs, sampled = out.seqs, out.sampled
             row = 0
             while row < len(seqs):
                 seq = seqs[row]
@@ -436,7 +433,11 @@ class LLMEngine:
                 req = self.requests.get(seq.request_id)
                 if req is not None:
                     touched[req.request_id] = req
-        return scored + [self._make_output(r) for r in touched.values()]
+        if self.spec is not None:
+            # The next step's proposals, from the tokens this one added: n-gram lookup, or the
+            # draft model's catch-up and proposal forwards, after sampling as vLLM's drafter runs.
+            self.spec.propose(self.scheduler.running)
+        return [self._make_output(r) for r in touched.values()]
 
     def _accept(self, seq: Sequence, drafts: list[int], toks: list[int], lps: list, now: float) -> None:
         """Append the accepted proposals and the step's own token; roll the KV back to them."""
@@ -446,9 +447,7 @@ class LLMEngine:
             self._append(seq, tok, lps[i], now)
             if seq.is_finished:
                 return  # its blocks are already returned
-        seq.num_computed_tokens = seq.num_tokens - 1  # the last token's K/V is computed next step
-        self.block_manager.trim(seq)
-        self.block_manager.commit_full_blocks(seq)
+        self.scheduler.verified(seq)
 
     def _track_waste(self) -> None:
         """Allocated slots not holding a token, over the running sequences' tables: entries
@@ -481,11 +480,8 @@ class LLMEngine:
 
     def _fork(self, parent: Sequence) -> None:
         for child in parent.fork_children:
-            self.block_manager.fork(parent, child)
+            self.scheduler.fork(parent, child)
             self.backend.fork_seq(parent.seq_id, child.seq_id)
-            child.num_computed_tokens = parent.num_computed_tokens
-            child.num_cached_tokens = parent.num_cached_tokens
-            self.scheduler.add_running(child)
         parent.fork_children = []
 
     def _append(self, seq: Sequence, tok: int, lp, now: float) -> None:

@@ -45,6 +45,17 @@ class StepPlan:
     group_widths: list[int] = field(default_factory=list)
 
 
+@dataclass
+class RunnerOutput:
+    """What one step computed: a token per sampling row, and prompt-scoring logits."""
+
+    seqs: list[Sequence]  # the sequence of each sampled row
+    sampled: SamplerOutput | None
+    # (sequence, first position, logits [rows, vocab] of that position and the next ones): the
+    # prompt positions a scoring chunk computed this step (prompt_logprobs).
+    prompt_logits: list[tuple[Sequence, int, torch.Tensor]] = field(default_factory=list)
+
+
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, backend, block_size: int,
                  device: torch.device, sampler: Sampler) -> None:
@@ -71,7 +82,7 @@ class ModelRunner:
         Python touches each sequence once (its token ids, and its row of the persistent batch,
         updated by what changed); positions, slots and block tables are array operations."""
         paged = self.backend.uses_block_tables
-        if all(it.num_new_tokens == 1 for it in batch):
+        if all(it.num_new_tokens == 1 and not it.scores for it in batch):
             return self._plan_one_token_each(batch, paged)
         ids: list[int] = []
         seq_ids: list[int] = []  # one per attention row (a sequence, or a decode row)
@@ -108,6 +119,9 @@ class ModelRunner:
             else:
                 seq_ids.append(seq.seq_id)
                 prefill_ends.append(start + n)
+            if item.scores:  # the positions that score the prompt, before the row it samples from
+                lo, hi = item.score_range()
+                logits_idx.extend(range(t + lo - start, t + hi - start))
             t += n
             if item.samples and not spec:
                 logits_idx.append(t - 1)
@@ -225,17 +239,25 @@ class ModelRunner:
         return self.model.compute_logits(hidden.index_select(0, idx))
 
     @torch.inference_mode()
-    def execute(self, batch: list[ScheduledSeq]) -> tuple[list[Sequence], SamplerOutput] | None:
-        """Run one step; returns the sequences whose chunk reached their end and their tokens."""
+    def execute(self, batch: list[ScheduledSeq]) -> RunnerOutput | None:
+        """Run one step; returns the sequences whose chunk reached their end and their tokens,
+        and the logits of the prompt positions that scoring chunks keep (None: no logits)."""
         # Decodes go first so the attention backend can batch them.
         batch = sorted(batch, key=lambda it: not it.is_decode)
         plan = self.plan(batch)
         # One row per sampling sequence; n > 1 siblings waiting to fork sample from their
         # parent's row (the prompt is computed once). A speculating sequence has one row per
-        # query token: row j draws its output token num_output_tokens + j.
+        # query token: row j draws its output token num_output_tokens + j. A scoring chunk's
+        # rows come before its sampling row, in the order plan() lists them.
         sampling_seqs, rows, offsets, drafts = [], [], [], []
+        scoring = []  # (sequence, first position, first logits row, rows)
         k = 0
         for it in batch:
+            if it.scores:
+                lo, hi = it.score_range()
+                if hi > lo:
+                    scoring.append((it.seq, lo, k, hi - lo))
+                    k += hi - lo
             if not it.samples:
                 continue
             for j in range(len(it.spec_tokens) + 1):
@@ -250,6 +272,9 @@ class ModelRunner:
         logits = self.logits(plan)
         if logits is None:
             return None
+        scored = [(seq, lo, logits[k0:k0 + c]) for seq, lo, k0, c in scoring]
+        if not rows:
+            return RunnerOutput([], None, scored)
         if len(rows) != logits.shape[0]:
             logits = logits[torch.tensor(rows, device=self.device)]
         # A sum is finite only if every logit is (NaN and inf propagate): a cheap check that
@@ -259,7 +284,7 @@ class ModelRunner:
         smeta = sampling_metadata(sampling_seqs, offsets)
         if masks is not None:  # the sampler applies them before anything else
             smeta.allowed_mask, smeta.mask_rows = masks.result(logits.device, len(sampling_seqs))
-        return sampling_seqs, self.sampler(logits, smeta, finite=finite)
+        return RunnerOutput(sampling_seqs, self.sampler(logits, smeta, finite=finite), scored)
 
     @torch.inference_mode()
     def hidden_states(self, plan: StepPlan) -> torch.Tensor:

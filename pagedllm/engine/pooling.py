@@ -154,7 +154,7 @@ def _embed_group(engine: Any, seqs: list[Sequence], pooling: PoolingConfig, budg
                     acc[i] = rows[0].clone()
                 elif pooling.mode == "last" and it.samples:
                     acc[i] = rows[-1].clone()
-                s.num_computed_tokens += n
+                it.ran()
     finally:
         for s in seqs:
             bm.free(s)

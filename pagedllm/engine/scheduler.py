@@ -25,11 +25,30 @@ class ScheduledSeq:
     num_new_tokens: int  # query tokens this step, proposals included
     # Speculative proposals verified after the sequence's last token (seq.spec_tokens).
     spec_tokens: list[int] = field(default_factory=list)
+    # A chunk of the prompt of a request that asked for prompt_logprobs: it keeps the logits
+    # of the positions it scores (score_range), beside the row it samples from.
+    scores: bool = False
 
     @property
     def samples(self) -> bool:
-        """True when this chunk reaches the end of the sequence, so it yields a token."""
-        return self.seq.num_computed_tokens + self.num_new_tokens - len(self.spec_tokens) == self.seq.num_tokens
+        """True when this chunk reaches the end of the sequence, so it yields a token (a
+        scoring-only request's prompt yields none)."""
+        return (self.seq.num_computed_tokens + self.num_new_tokens - len(self.spec_tokens) == self.seq.num_tokens
+                and not self.seq.scoring_only)
+
+    def ran(self) -> None:
+        """The chunk's forward ran: the K/V of its tokens are in the cache."""
+        self.seq.num_computed_tokens += self.num_new_tokens
+
+    def score_range(self) -> tuple[int, int]:
+        """The positions [lo, hi) of this chunk whose logits score the prompt: those not scored
+        yet (a recompute after preemption skips what it scored before), before the prompt's last
+        token, which predicts nothing of the prompt."""
+        seq = self.seq
+        start = seq.num_computed_tokens
+        lo = max(start, len(seq.prompt_scores) - 1)
+        hi = min(start + self.num_new_tokens, seq.num_prompt_tokens - 1)
+        return lo, max(lo, hi)
 
     @property
     def is_decode(self) -> bool:
@@ -83,7 +102,7 @@ class Scheduler:
             if not self._make_room(seq, n, out):
                 break  # seq itself was preempted; everything after it already was
             self._grow(seq, n)
-            out.scheduled.append(ScheduledSeq(seq, n, spec))
+            out.scheduled.append(ScheduledSeq(seq, n, spec, _scores(seq)))
             budget -= n
             i += 1
 
@@ -91,7 +110,10 @@ class Scheduler:
             while (self.waiting and budget > 0
                    and len(self.running) < self.config.max_num_seqs):
                 seq = self.waiting[0]
-                self.bm.match_prefix(seq)
+                # A prompt still to be scored computes every position: its logits are wanted.
+                scoring = seq.scoring_prompt
+                if not scoring:
+                    self.bm.match_prefix(seq)
                 n = min(seq.num_uncomputed_tokens, budget)
                 self.release_window(seq)
                 if not self.bm.can_grow(seq, seq.num_computed_tokens + n):
@@ -99,11 +121,12 @@ class Scheduler:
                     seq.num_computed_tokens = 0
                     break
                 self.waiting.popleft()
-                self.bm.record_admission(seq)
+                if not scoring:
+                    self.bm.record_admission(seq)
                 self._grow(seq, n)
                 seq.status = SequenceStatus.RUNNING
                 self.running.append(seq)
-                out.scheduled.append(ScheduledSeq(seq, n))
+                out.scheduled.append(ScheduledSeq(seq, n, scores=_scores(seq)))
                 budget -= n
         return out
 
@@ -147,6 +170,30 @@ class Scheduler:
         logger.debug("preempted %s (%d tokens) to free KV blocks", seq.request_id, seq.num_tokens)
 
     # -- after the step ---------------------------------------------------
+    def update(self, out: SchedulerOutput) -> None:
+        """The step's forward ran: every chunk's tokens are computed and full blocks get their
+        hashes. A verification counts its sequence's own token only: the proposals' slots
+        count once they are accepted (verified)."""
+        for it in out.scheduled:
+            if it.spec_tokens:
+                it.seq.num_computed_tokens += 1
+                continue
+            it.ran()
+            self.bm.commit_full_blocks(it.seq)
+
+    def verified(self, seq: Sequence) -> None:
+        """seq appended its accepted proposals and the step's own token: their K/V are computed
+        but the last token's (computed next step); the rejected proposals' slots go back."""
+        self.bm.rewind(seq, seq.num_tokens - 1)
+        self.bm.commit_full_blocks(seq)
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """An n > 1 sibling takes its parent's computed prompt (its blocks, copy-on-write) and runs."""
+        self.bm.fork(parent, child)
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.num_cached_tokens = parent.num_cached_tokens
+        self.add_running(child)
+
     def add_running(self, seq: Sequence) -> None:
         """A forked sibling joins the running set directly (its blocks are shared)."""
         seq.status = SequenceStatus.RUNNING
@@ -161,3 +208,8 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.bm.free(seq, "retain" if keep_prefix else "drop")
+
+
+def _scores(seq: Sequence) -> bool:
+    """seq's chunk this step lies in the prompt of a request that asked for prompt_logprobs."""
+    return seq.prompt_scores is not None and seq.num_computed_tokens < seq.num_prompt_tokens

@@ -51,6 +51,9 @@ class Sequence:
     logprobs: list[dict] | None = None  # filled by the engine when asked for
     spec_tokens: list[int] = field(default_factory=list)  # proposals to verify this step
     spec: Any = None  # speculative decoding's per-sequence state (SeqSpecState)
+    # prompt_logprobs: the prompt's entries so far ([None] for its first token), filled by the
+    # engine from the logits its prefill chunks keep; None when the request did not ask.
+    prompt_scores: list | None = None
 
     def __post_init__(self) -> None:
         self.token_ids: list[int] = list(self.prompt_token_ids)
@@ -70,6 +73,16 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def scoring_prompt(self) -> bool:
+        """Its prompt's logprobs are still being computed, chunk by chunk, by its prefill."""
+        return self.prompt_scores is not None and len(self.prompt_scores) < len(self.prompt_token_ids)
+
+    @property
+    def scoring_only(self) -> bool:
+        """max_tokens=0: the prompt is scored and nothing is generated."""
+        return self.params.max_tokens == 0
 
     @property
     def is_finished(self) -> bool:
