@@ -1,7 +1,7 @@
 """The one loop over the engine: add (all or none), step, abort, and the outputs of chosen requests.
 
 Every face drives the engine through an `EngineDriver`: `LLM` and the mistral.rs-style `Runner`
-(generate, stream), the CLI and the bench (`steps`), and the server's `AsyncEngine`, whose engine
+(`finals`, `stream`), the CLI and the bench (`steps`), and the server's `AsyncEngine`, whose engine
 thread calls `add`, `abort` and `advance` (one step) between its commands. Nothing else calls
 `LLMEngine.step()`. Not thread-safe: one thread drives one engine.
 """
@@ -70,14 +70,10 @@ class EngineDriver:
         for outs in self.steps(request_ids):
             yield from outs
 
-    def generate(self, items: Iterable[Item], on_finished: Any = None) -> list[RequestOutput]:
-        """Add the requests (all or none), run them to the end and return their final outputs in
-        order. `on_finished(output)` is called as each finishes. Raises `RequestFailedError` if one
-        failed, with every final output on it."""
-        return self.finals(self.add(items), on_finished)
-
     def finals(self, request_ids: list[str], on_finished: Any = None) -> list[RequestOutput]:
-        """Run requests already added to the end: their final outputs in order (see `generate`)."""
+        """Run requests already added to the end; their final outputs, in order. `on_finished(output)`
+        is called as each finishes. Raises `RequestFailedError` if one failed, with every final
+        output on it."""
         done: dict[str, RequestOutput] = {}
         for out in self.outputs(request_ids):
             if out.finished:
