@@ -503,13 +503,14 @@ def _same_answer(a, b, where: str = "") -> None:
 
 def test_runner_and_server_give_the_same_answers(server, runner):
     """The same requests through the Runner and the HTTP server: the same forced tool calls (parsed,
-    not `<tool_call>` text), logprobs, finish reasons, usage and stream chunks."""
+    not `<tool_call>` text), logprobs, finish reasons, usage and stream chunks. One top logprob: with
+    two, a near-tie for second place may fall either way between two processes' float sums."""
     weather = [{"role": "user", "content": "What is the weather in Lyon in C, for 2 days?"}]
     chat = {"model": "default", "messages": weather, "tools": TOOLS, "temperature": 0, "max_tokens": 120,
             "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
-            "logprobs": True, "top_logprobs": 2}
+            "logprobs": True, "top_logprobs": 1}
     text = {"model": "default", "prompt": ["The capital of Spain is", "One, two,"], "max_tokens": 5,
-            "temperature": 0, "echo": True, "logprobs": 2, "n": 2}
+            "temperature": 0, "echo": True, "logprobs": 1, "n": 2}
     answers = {}
     for path, body, send in (("chat/completions", chat, runner.send_chat_completion_request),
                              ("completions", text, runner.send_completion_request)):
