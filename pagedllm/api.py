@@ -9,7 +9,8 @@
     print(res.choices[0].message.content, res.usage)
 
 It is a thin layer over the same engine: requests are validated and answered by
-the code the HTTP server uses. `EngineOptions` maps mistral.rs's engine settings
+the code the HTTP server uses (serving.py's `chat_call` / `completion_call`), and
+driven by the same engine driver. `EngineOptions` maps mistral.rs's engine settings
 (and the CLI flags of the same names) onto `LLM` keyword arguments.
 """
 from __future__ import annotations
@@ -21,7 +22,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
-from .outputs import raise_failed
 from .server.protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
@@ -29,20 +29,7 @@ from .server.protocol import (
     CompletionRequest,
     CompletionResponse,
 )
-from .server.serving import (
-    ApiError,
-    ChatStreamer,
-    CompletionStreamer,
-    ServingContext,
-    TokenText,
-    chat_response,
-    completion_response,
-    echo_texts,
-    new_id,
-    prepare_chat,
-    prepare_completion,
-    tool_plan,
-)
+from .server.serving import ApiError, Call, ServingContext, TokenText, chat_call, completion_call
 
 logger = logging.getLogger(__name__)
 
@@ -298,34 +285,13 @@ class Runner:
                                      ) -> ChatCompletionResponse | Iterator[ChatCompletionChunk]:
         """The answer, or with `stream=True` an iterator of chunks (closing it early aborts)."""
         req = request if isinstance(request, ChatCompletionRequest) else ChatCompletionRequest(**request)
-        ids, params = self._call(prepare_chat, req)
-        tools = self._call(tool_plan, req)
-        rid = new_id("chatcmpl")
-        tt = self._tt if req.logprobs else None
-        model = req.model or self._ctx.model_name
-        self._add([(rid, ids, params)])
-        if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            s = ChatStreamer(rid, model, req.n, tt, tools)
-            return self._stream([rid], s.start(), s.update, s.usage_chunk if include_usage else None)
-        return chat_response(rid, model, self._run([rid])[0], tt, tools)
+        return self._answer(self._call(chat_call, req))
 
     # -- text completion ----------------------------------------------------------------------
     def send_completion_request(self, request: CompletionRequest | dict
                                 ) -> CompletionResponse | Iterator[CompletionResponse]:
         req = request if isinstance(request, CompletionRequest) else CompletionRequest(**request)
-        prompts, params = self._call(prepare_completion, req)
-        rid = new_id("cmpl")
-        rids = [f"{rid}-{i}" for i in range(len(prompts))]
-        tt = self._tt if req.logprobs is not None else None
-        model = req.model or self._ctx.model_name
-        echo = echo_texts(prompts, self.llm.tokenizer) if req.echo else None
-        self._add(list(zip(rids, prompts, params)))
-        if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            s = CompletionStreamer(rid, model, req.n, {r: i for i, r in enumerate(rids)}, tt, echo)
-            return self._stream(rids, [], s.update, s.usage_chunk if include_usage else None)
-        return completion_response(rid, model, self._run(rids), req.n, tt, echo)
+        return self._answer(self._call(completion_call, req))
 
     # -- tokenizer helpers (mistral.rs has these too) ---------------------------------------------
     def tokenize_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -335,56 +301,32 @@ class Runner:
         return self.llm.tokenizer.decode(tokens, skip_special_tokens=skip_special_tokens)
 
     # -- engine driving -------------------------------------------------------------------------
-    def _call(self, fn: Any, req: Any) -> Any:
+    def _call(self, fn: Any, req: Any) -> Call:
         try:
-            return fn(req, self._ctx)
+            return fn(req, self._ctx, self._tt)
         except ApiError as e:
             raise ValueError(e.message) from None
 
-    def _add(self, items: list) -> None:
-        added = []
-        try:
-            for rid, prompt, params in items:
-                self.engine.add_request(prompt, params, request_id=rid)
-                added.append(rid)
-        except Exception:
-            for rid in added:
-                self.engine.abort(rid)
-            raise
+    def _answer(self, call: Call) -> Any:
+        """Run the call on the engine (the server's response builder makes the answer)."""
+        rids = self.llm.driver.add(call.items)
+        if call.stream:
+            return self._stream(call, rids)
+        return call.response(self.llm.driver.finals(rids))
 
-    def _run(self, rids: list[str]) -> list:
+    def _stream(self, call: Call, rids: list[str]) -> Iterator[Any]:
         finals: dict[str, Any] = {}
+        usage = call.usage_chunk()
         try:
-            while len(finals) < len(rids):
-                for out in self.engine.step():
-                    if out.finished and out.request_id in rids:
-                        finals[out.request_id] = out
-        finally:
-            for rid in rids:
-                if rid not in finals:
-                    self.engine.abort(rid)
-        outs = [finals[r] for r in rids]
-        raise_failed(outs)
-        return outs
-
-    def _stream(self, rids: list[str], start: list, update: Any, usage: Any) -> Iterator[Any]:
-        finals: dict[str, Any] = {}
-        try:
-            yield from start
-            while len(finals) < len(rids):
-                for out in self.engine.step():
-                    if out.request_id not in rids:
-                        continue
-                    if out.finished:
-                        finals[out.request_id] = out
-                    raise_failed([out])  # the stream ends with the error
-                    yield from update(out)
+            yield from call.streamer.start()
+            for out in self.llm.driver.stream(rids):  # a failed request ends the stream with its error
+                if out.finished:
+                    finals[out.request_id] = out
+                yield from call.streamer.update(out)
             if usage is not None:
                 yield usage([finals[r] for r in rids])
-        finally:
-            for rid in rids:
-                if rid not in finals:
-                    self.engine.abort(rid)
+        finally:  # closed early (or failed): what is left is aborted
+            self.llm.driver.abort(r for r in rids if r not in finals)
 
 
 __all__ = ["Runner", "Which", "ChatCompletionRequest", "CompletionRequest", "Architecture",

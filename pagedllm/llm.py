@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 import os
 import weakref
+from contextlib import closing
 from typing import Iterator, Sequence as Seq
 
 import torch
@@ -11,10 +12,11 @@ from tqdm.auto import tqdm
 
 from .config import CacheConfig, SchedulerConfig
 from .device import resolve_device, resolve_dtype
+from .engine.driver import EngineDriver
 from .engine.llm_engine import LLMEngine
 from .loading.loader import load_model
 from .loading.source import resolve
-from .outputs import RequestOutput, raise_failed
+from .outputs import RequestOutput
 from .sampling.params import SamplingParams
 from .speculative.config import SpeculativeConfig
 
@@ -195,6 +197,7 @@ class LLM:
         if draft_source is not None:
             draft = _load_draft(draft_source, loaded, dt, dev, max_model_len, dequantize_weights, isq)
         self.engine = LLMEngine(loaded, cache_cfg, sched_cfg, dev, dt, seed, executor, spec_cfg, draft)
+        self.driver = EngineDriver(self.engine)  # every face drives the engine through it
         self.tokenizer = loaded.tokenizer
         self.model_name = source.short_name
 
@@ -244,35 +247,13 @@ class LLM:
             params_list = list(sampling_params)
             if len(params_list) != len(prompts):
                 raise ValueError(f"{len(prompts)} prompts but {len(params_list)} SamplingParams")
-        ids = []
-        try:
-            for p, sp in zip(prompts, params_list):
-                ids.append(self.engine.add_request(p, sp))
-        except Exception:
-            for rid in ids:
-                self.engine.abort(rid)
-            raise
-        return self._run(ids, use_tqdm)
-
-    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
-        done: dict[str, RequestOutput] = {}
+        ids = self.driver.add([(None, p, sp) for p, sp in zip(prompts, params_list)])
         # disable=None: a bar only when stderr is a terminal, never in logs or pipes.
         bar = tqdm(total=len(ids), desc="generating", unit="req", disable=None if use_tqdm else True)
         try:
-            while len(done) < len(ids) and self.engine.has_unfinished():
-                for out in self.engine.step():
-                    if out.finished:
-                        done[out.request_id] = out
-                        bar.update(1)
-        except BaseException:
-            for rid in ids:
-                self.engine.abort(rid)
-            raise
+            return self.driver.finals(ids, on_finished=lambda _: bar.update(1))
         finally:
             bar.close()
-        outs = [done[r] for r in ids]
-        raise_failed(outs)  # the others ran to the end: they are on the error's `outputs`
-        return outs
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
@@ -287,16 +268,8 @@ class LLM:
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[str]:
         """Yields text deltas of one completion as they are produced (whole UTF-8 characters)."""
-        rid = self.engine.add_request(prompt, sampling_params)
-        finished = False
-        try:
-            while not finished:
-                for out in self.engine.step():
-                    if out.request_id == rid:
-                        raise_failed([out])
-                        if out.outputs[0].delta_text:
-                            yield out.outputs[0].delta_text
-                        finished = out.finished
-        finally:
-            if not finished:
-                self.engine.abort(rid)
+        [rid] = self.driver.add([(None, prompt, sampling_params)])
+        with closing(self.driver.stream([rid])) as outs:  # leaving early aborts the request
+            for out in outs:
+                if out.outputs[0].delta_text:
+                    yield out.outputs[0].delta_text

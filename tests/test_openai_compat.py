@@ -57,6 +57,67 @@ def client(server):
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=300)
 
 
+# -- 0. the Runner and the server answer alike ------------------------------------------------------
+
+# What differs between two answers to the same request: ids, creation times, timing figures, the
+# cached prompt tokens (each engine's prefix cache holds its own history) and the model's name (the
+# server serves "default", the Runner names the file it loaded).
+_PER_CALL = {"id", "created", "model", "avg_tok_per_sec", "avg_prompt_tok_per_sec", "avg_compl_tok_per_sec",
+             "total_time_sec", "total_prompt_time_sec", "total_completion_time_sec", "prompt_tokens_details"}
+
+
+def _same_answer(a, b, where: str = "") -> None:
+    """Equal JSON, but for the per-call fields; a tool call's id only has to look like one, and
+    logprobs agree to 1e-3 (two processes' float sums)."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        keys = set(a) - _PER_CALL
+        assert keys == set(b) - _PER_CALL, (where, sorted(keys ^ (set(b) - _PER_CALL)))
+        for k in keys:
+            _same_answer(a[k], b[k], f"{where}.{k}")
+        if "id" in a and str(a["id"]).startswith("call_"):
+            assert str(b["id"]).startswith("call_"), (where, b["id"])
+    elif isinstance(a, list) and isinstance(b, list):
+        assert len(a) == len(b), (where, a, b)
+        for i, (x, y) in enumerate(zip(a, b)):
+            _same_answer(x, y, f"{where}[{i}]")
+    elif isinstance(a, float) and isinstance(b, float):
+        assert a == pytest.approx(b, abs=1e-3), (where, a, b)
+    else:
+        assert a == b, (where, a, b)
+
+
+def test_runner_and_server_give_the_same_answers(server, runner):
+    """The same requests through the Runner and the HTTP server: the same forced tool calls (parsed,
+    not `<tool_call>` text), logprobs, finish reasons, usage and stream chunks. One top logprob: with
+    two, a near-tie for second place may fall either way between two processes' float sums. First in
+    the module, on fresh engines: after the module's other requests the server's greedy answer to
+    the completion prompt was seen to differ from a fresh Runner's (history-dependent numerics,
+    reported separately)."""
+    weather = [{"role": "user", "content": "What is the weather in Lyon in C, for 2 days?"}]
+    chat = {"model": "default", "messages": weather, "tools": TOOLS, "temperature": 0, "max_tokens": 120,
+            "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+            "logprobs": True, "top_logprobs": 1}
+    text = {"model": "default", "prompt": ["The capital of Spain is", "One, two,"], "max_tokens": 5,
+            "temperature": 0, "echo": True, "logprobs": 1, "n": 2}
+    answers = {}
+    for path, body, send in (("chat/completions", chat, runner.send_chat_completion_request),
+                             ("completions", text, runner.send_completion_request)):
+        served = httpx.post(f"{server.url}/v1/{path}", json=body, timeout=300)
+        assert served.status_code == 200, served.text
+        answers[path] = served.json()
+        ours = send(dict(body)).model_dump(mode="json")
+        _same_answer(answers[path], ours, path)
+        assert answers[path]["model"] == "default" and ours["model"] == runner.llm.model_name
+        stream = {**body, "stream_options": {"include_usage": True}}
+        ours = [c.model_dump(mode="json") for c in send({**stream, "stream": True})]
+        _same_answer(_raw_chunks(server, path, stream), ours, path + " stream")
+    choice = answers["chat/completions"]["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    assert [c["function"]["name"] for c in choice["message"]["tool_calls"]] == ["get_weather"]
+    assert len(choice["logprobs"]["content"]) == answers["chat/completions"]["usage"]["completion_tokens"]
+    assert answers["completions"]["choices"][0]["logprobs"]["token_logprobs"][0] is None  # the echoed prompt's
+
+
 def _streamed(stream) -> tuple[str | None, list[dict], str | None, list]:
     """(content, calls, finish_reason, the tool-call deltas) of a streamed chat answer."""
     text, calls, reason, deltas = None, {}, None, []
@@ -470,3 +531,4 @@ def test_client_gone_before_acceptance_costs_no_step(server):
     time.sleep(1.0)
     after = server.metrics()
     assert after["pagedllm_generation_tokens_total"] - before["pagedllm_generation_tokens_total"] == 2 * 3
+

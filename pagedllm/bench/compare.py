@@ -311,10 +311,10 @@ def _pagedllm_child(spec: dict) -> dict:
               max_model_len=spec["kv_tokens"] // n_seq, enable_prefix_caching=False, seed=0,
               max_num_batched_tokens=max(1024, len(spec["prompts"][0]) + 1), **spec["engine_kwargs"])
     eng = llm.engine
-    _drive(eng, [p[:8] for p in spec["prompts"]], 3)  # warm-up
+    _drive(llm.driver, [p[:8] for p in spec["prompts"]], 3)  # warm-up
     rates, outputs = [], None
     for _ in range(spec["repeats"]):
-        prefill_s, decode_s, decoded, outputs = _drive(eng, spec["prompts"], spec["max_tokens"])
+        prefill_s, decode_s, decoded, outputs = _drive(llm.driver, spec["prompts"], spec["max_tokens"])
         if spec["measure"] == "prefill":
             rates.append(len(spec["prompts"][0]) / prefill_s)
         else:
@@ -322,22 +322,25 @@ def _pagedllm_child(spec: dict) -> dict:
     return {"tok_s": rates, "outputs": outputs, "peak_rss_mb": peak_rss_mb(), "dtype": str(eng.dtype)}
 
 
-def _drive(eng, prompts: list[list[int]], max_tokens: int) -> tuple[float, float, int, list[list[int]]]:
+def _drive(driver, prompts: list[list[int]], max_tokens: int) -> tuple[float, float, int, list[list[int]]]:
     """Greedy, EOS ignored. Seconds until every sequence has its first token (the prefill), seconds
     of the steps after that, tokens those steps made, and the outputs."""
     from ..sampling.params import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     t0 = time.perf_counter()
-    ids = [eng.add_request(p, params) for p in prompts]
+    ids = driver.add([(None, p, params) for p in prompts])
     made: dict[str, list[int]] = {}
-    while (len(made) < len(ids) or not all(made.values())) and eng.has_unfinished():
-        for out in eng.step():
+    steps = driver.steps(ids)
+    for outs in steps:
+        for out in outs:
             made[out.request_id] = out.outputs[0].token_ids
+        if len(made) == len(ids) and all(made.values()):
+            break
     t1 = time.perf_counter()
     at_t1 = sum(len(t) for t in made.values())
-    while eng.has_unfinished():
-        for out in eng.step():
+    for outs in steps:
+        for out in outs:
             made[out.request_id] = out.outputs[0].token_ids
     t2 = time.perf_counter()
     outputs = [list(made[i]) for i in ids]

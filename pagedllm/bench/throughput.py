@@ -321,16 +321,17 @@ def profile_decode_step(llm, batch: int = 32, context: int = 256) -> str:
     eng = llm.engine
     wl = make_workload(batch, eng.model_config.vocab_size, 7, (context, context), (8, 8),
                        set(eng.eos_token_ids))
-    for p in wl.prompts:
-        eng.add_request(p, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    ids = llm.driver.add([(None, p, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+                          for p in wl.prompts])
+    steps = llm.driver.steps(ids)  # next(steps) runs one step
     while any(s.num_computed_tokens < s.num_prompt_tokens for s in eng.scheduler.running) \
             or eng.scheduler.waiting:
-        eng.step()
-    eng.step()
+        next(steps)
+    next(steps)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        eng.step()
-    while eng.has_unfinished():
-        eng.step()
+        next(steps)
+    for _ in steps:
+        pass
     return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15)
 
 

@@ -198,29 +198,26 @@ class ChatSession:
 
     def turn(self, text: str) -> None:
         self.messages.append({"role": "user", "content": text})
-        eng = self.llm.engine
+        eng, driver = self.llm.engine, self.llm.driver
         try:
             ids = self.llm.tokenizer.apply_chat_template(self.conversation(), tokenize=True)
-            rid = eng.add_request(ids, self.settings.sampling_params())
+            [rid] = driver.add([(None, ids, self.settings.sampling_params())])
         except ValueError as e:
             self.messages.pop()
             self.say(f"error: {e}\n(/clear starts a new conversation)")
             return
         final, parts = None, []
         try:
-            while final is None:
-                for out in eng.step():
-                    if out.request_id != rid:
-                        continue
-                    delta = out.outputs[0].delta_text
-                    if delta:
-                        parts.append(delta)
-                        self.out.write(delta)
-                        self.out.flush()
-                    if out.finished:
-                        final = out
+            for out in driver.outputs([rid]):
+                delta = out.outputs[0].delta_text
+                if delta:
+                    parts.append(delta)
+                    self.out.write(delta)
+                    self.out.flush()
+                if out.finished:
+                    final = out
         except KeyboardInterrupt:
-            eng.abort(rid)
+            driver.abort([rid])
             self.say("\n[stopped]")
         else:
             self.say()

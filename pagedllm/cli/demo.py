@@ -33,10 +33,10 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     # Track the cache while the requests run together.
     prompts = [llm.tokenizer.apply_chat_template(c, tokenize=True) for c in convs]
-    ids = [eng.add_request(p, sp) for p in prompts]
+    ids = llm.driver.add([(None, p, sp) for p in prompts])
     done, peak_blocks, peak_tokens = {}, 0, 0
-    while eng.has_unfinished():
-        for out in eng.step():
+    for outs in llm.driver.steps(ids):
+        for out in outs:
             if out.finished:
                 done[out.request_id] = out
         peak_blocks = max(peak_blocks, eng.block_manager.num_used_blocks)

@@ -462,21 +462,18 @@ def cmd_generate(args: argparse.Namespace, opts: EngineOptions) -> int:
         msgs = ([{"role": "system", "content": args.system}] if args.system else [])
         inputs = tok.apply_chat_template(msgs + [{"role": "user", "content": prompt.strip()}],
                                          tokenize=True)
-    eng = llm.engine
-    rid = eng.add_request(inputs, params)
+    eng, driver = llm.engine, llm.driver
+    [rid] = driver.add([(None, inputs, params)])
     final = None
     try:
-        while final is None:
-            for out in eng.step():
-                if out.request_id != rid:
-                    continue
-                if args.n == 1:
-                    sys.stdout.write(out.outputs[0].delta_text)
-                    sys.stdout.flush()
-                if out.finished:
-                    final = out
+        for out in driver.outputs([rid]):
+            if args.n == 1:
+                sys.stdout.write(out.outputs[0].delta_text)
+                sys.stdout.flush()
+            if out.finished:
+                final = out
     except KeyboardInterrupt:
-        eng.abort(rid)
+        driver.abort([rid])
         print(file=sys.stderr)
         return 130
     if args.n == 1:
@@ -508,11 +505,8 @@ def cmd_trace(args: argparse.Namespace, opts: EngineOptions) -> int:
         prompt = tok.apply_chat_template([{"role": "user", "content": args.prompt}], tokenize=True)
     params = SamplingParams(n=args.n, max_tokens=args.max_tokens, temperature=0.0)
     rows = [_snapshot(eng, 0)]
-    eng.add_request(prompt, params)
-    step = 0
-    while eng.has_unfinished():
-        eng.step()
-        step += 1
+    llm.driver.add([(None, prompt, params)])
+    for step, _ in enumerate(llm.driver.steps(), 1):  # until the engine is idle
         rows.append(_snapshot(eng, step))
     trace_fn = getattr(llm, "kv_cache_trace", None)
     if args.json:

@@ -1,8 +1,10 @@
-"""The engine loop: admit requests, schedule, run, record, detokenize.
+"""The engine loop: admit requests, schedule, run, record.
 
 State flows one way each step: Scheduler.schedule() decides, ModelRunner
 computes, then the engine appends tokens, checks stop conditions and frees
-finished sequences.
+finished sequences. Text, stop strings, logprob entries and request metrics are
+the output processor's (output_processor.py); callers drive the loop through
+the driver (driver.py).
 """
 from __future__ import annotations
 
@@ -23,61 +25,20 @@ from ..kv.cache import KVCacheSpec, PagedKVCache, plan_cache
 from ..kv.groups import KVGroups, blocks_held, plan_groups
 from ..kv.trace import committed_bytes
 from ..loading.loader import LoadedModel
-from ..outputs import CompletionOutput, RequestMetrics, RequestOutput
+from ..outputs import RequestMetrics, RequestOutput
 from ..sampling.params import SamplingParams
 from ..sampling.sampler import Sampler
 from ..speculative import decoder as spec_decoder
 from ..speculative.config import SpeculativeConfig
 from ..structured.grammar import GrammarEngine, advance as grammar_advance
-from ..tokenizer import IncrementalDetokenizer
 from .block_manager import BlockManager
 from .draft import NO_TP, DraftModel, draft_cache_config, share_budget
 from .model_runner import ModelRunner
+from .output_processor import OutputProcessor, SeqOutputState
 from .scheduler import ScheduledSeq, Scheduler
 from .sequence import Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
-
-
-class _Text:
-    """A stream's text as appended pieces: adding a token, looking at the tail for a stop string
-    and taking a delta cost O(piece), not O(text)."""
-
-    def __init__(self) -> None:
-        self.parts: list[str] = []
-        self.length = 0
-
-    def add(self, piece: str) -> None:
-        if piece:
-            self.parts.append(piece)
-            self.length += len(piece)
-
-    def since(self, start: int) -> str:
-        """Characters from `start` to the end, joining only the pieces that hold them."""
-        i, base = len(self.parts), self.length
-        while i > 0 and base > start:
-            i -= 1
-            base -= len(self.parts[i])
-        return "".join(self.parts[i:])[start - base:]
-
-    def full(self) -> str:
-        if len(self.parts) > 1:
-            self.parts[:] = ["".join(self.parts)]
-        return self.parts[0] if self.parts else ""
-
-    def cut(self, end: int) -> None:
-        text = self.full()[:end]
-        self.parts[:] = [text] if text else []
-        self.length = len(text)
-
-
-@dataclass
-class _SeqOutputState:
-    """Per-sequence text state kept by the engine (the scheduler never sees text)."""
-    detok: IncrementalDetokenizer
-    text: _Text = field(default_factory=_Text)
-    emitted: int = 0  # characters of the text already handed out as deltas
-    emitted_tokens: int = 0
 
 
 @dataclass
@@ -88,7 +49,7 @@ class Request:
     params: SamplingParams
     seqs: list[Sequence]
     metrics: RequestMetrics
-    states: list[_SeqOutputState] = field(default_factory=list)
+    states: list[SeqOutputState] = field(default_factory=list)  # the output processor's
     error: str | None = None  # why the request failed (finish_reason "error")
     prompt_logprobs: list[dict[int, float] | None] | None = None
 
@@ -113,6 +74,7 @@ class LLMEngine:
         self.sched_config = sched_cfg
         self.device, self.dtype = device, dtype
         self.eos_token_ids = set(cfg.eos_token_ids) | set(self.tokenizer.eos_token_ids)
+        self.output = OutputProcessor(self.tokenizer, self.eos_token_ids)  # text, stop strings, metrics
         src = loaded.source
         self.model_name = src.path.name if src.name == "default" else src.name  # for errors
 
@@ -205,12 +167,8 @@ class LLMEngine:
         # n > 1: the prompt is computed once by the first sequence; the others fork from it
         # when it samples, sharing its blocks copy-on-write.
         seqs[0].fork_children = seqs[1:]
-        req = Request(rid, text, prompt_token_ids, params, seqs,
-                      RequestMetrics(arrival_time=time.perf_counter(),
-                                     num_prompt_tokens=len(prompt_token_ids)))
-        req.states = [_SeqOutputState(IncrementalDetokenizer(self.tokenizer, prompt_token_ids,
-                                                             params.skip_special_tokens))
-                      for _ in seqs]
+        metrics, states = self.output.start(prompt_token_ids, params)
+        req = Request(rid, text, prompt_token_ids, params, seqs, metrics, states)
         if params.prompt_logprobs is not None:
             # Scored by its own prefill, chunk by chunk beside the step's other work; the
             # entries are complete when the prefill is, before its first output.
@@ -437,7 +395,15 @@ class LLMEngine:
             # The next step's proposals, from the tokens this one added: n-gram lookup, or the
             # draft model's catch-up and proposal forwards, after sampling as vLLM's drafter runs.
             self.spec.propose(self.scheduler.running)
-        return [self._make_output(r) for r in touched.values()]
+        return self._outputs(list(touched.values()))
+
+    def _outputs(self, reqs: list[Request]) -> list[RequestOutput]:
+        """The step's outputs, built by the output processor; finished requests leave the engine."""
+        outs = [self.output.make_output(r) for r in reqs]
+        for o in outs:
+            if o.finished:
+                self.requests.pop(o.request_id, None)
+        return outs
 
     def _accept(self, seq: Sequence, drafts: list[int], toks: list[int], lps: list, now: float) -> None:
         """Append the accepted proposals and the step's own token; roll the KV back to them."""
@@ -486,33 +452,23 @@ class LLMEngine:
 
     def _append(self, seq: Sequence, tok: int, lp, now: float) -> None:
         req = self.requests[seq.request_id]
-        st = req.states[seq.index]
         seq.append_token(tok)
         self.stats["generated_tokens"] += 1
-        if req.metrics.first_token_time is None:
-            req.metrics.first_token_time = now
-        if lp is not None:
-            if seq.logprobs is None:
-                seq.logprobs = []
-            seq.logprobs.append({"token_id": tok, "logprob": lp[0], "top": lp[1]})
+        self.output.on_token(req, seq, tok, lp, now)
         p = seq.params
         is_eos = tok in self.eos_token_ids and not p.ignore_eos
         grammar_done = seq.grammar is not None and not is_eos and grammar_advance(seq.grammar, tok)
-        if not is_eos:
-            st.text.add(st.detok.add([tok]))
         if is_eos:
             seq.finish_reason, seq.stop_reason = "stop", None
         elif tok in p.stop_token_ids:
             seq.finish_reason, seq.stop_reason = "stop", tok
-        elif p.stop and self._hit_stop_string(seq, st.text):
+        elif p.stop and self.output.stop_string_hit(req, seq):
             pass
         elif grammar_done:  # the grammar is complete: nothing but EOS could follow
             seq.finish_reason, seq.stop_reason = "stop", None
         elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.sched_config.max_model_len:
             seq.finish_reason = "length"
         if seq.finish_reason is not None:
-            if not isinstance(seq.stop_reason, str):  # a stop string already cut the text
-                st.text.add(st.detok.flush())
             self._finish(seq)
 
     def _fail(self, seq: Sequence) -> None:
@@ -529,22 +485,6 @@ class LLMEngine:
         seq.fork_children = []
         self._finish(seq)
 
-    def _hit_stop_string(self, seq: Sequence, text: _Text) -> bool:
-        # Only the tail can hold a new match: the last token's text plus the longest stop string.
-        longest = max(len(s) for s in seq.params.stop)
-        tail_start = max(0, text.length - longest - 16)
-        tail = text.since(tail_start)
-        best = None
-        for s in seq.params.stop:
-            pos = tail.find(s)
-            if pos != -1 and (best is None or pos < best[0]):
-                best = (pos, s)
-        if best is None:
-            return False
-        text.cut(tail_start + best[0])
-        seq.finish_reason, seq.stop_reason = "stop", best[1]
-        return True
-
     def _finish(self, seq: Sequence) -> None:
         self.scheduler.finish(seq, keep_prefix=seq.finish_reason not in ("abort", "error"))
         self.backend.free_seq(seq.seq_id)
@@ -552,38 +492,6 @@ class LLMEngine:
         self.runner.sampler.release(seq.seq_id)
         if self.spec is not None:
             self.spec.release(seq)
-        req = self.requests.get(seq.request_id)
-        if req is not None and req.finished:
-            req.metrics.finished_time = time.perf_counter()
-
-    def _make_output(self, req: Request) -> RequestOutput:
-        outs = []
-        hold = max((len(s) for s in req.params.stop), default=1) - 1
-        for seq, st in zip(req.seqs, req.states):
-            text = st.text
-            # While running, hold back what could be the start of a stop string.
-            upto = text.length if seq.is_finished else max(st.emitted, text.length - hold)
-            delta = text.since(st.emitted)[:upto - st.emitted] if upto > st.emitted else ""
-            st.emitted = upto
-            new_tokens = seq.output_token_ids[st.emitted_tokens:]
-            st.emitted_tokens = n = seq.num_output_tokens
-            ids, lps = seq.output_token_ids, seq.logprobs
-            if seq.is_finished:  # nothing will be appended any more: hand out the state itself
-                out = CompletionOutput(seq.index, text.full(), ids, seq.finish_reason, seq.stop_reason,
-                                       lps, delta, new_tokens)
-            else:  # a snapshot of this step, built only if read
-                out = CompletionOutput(seq.index, lambda t=text, u=upto: t.full()[:u], lambda i=ids, m=n: i[:m],
-                                       seq.finish_reason, seq.stop_reason,
-                                       None if lps is None else (lambda l=lps, m=len(lps): l[:m]),
-                                       delta, new_tokens)
-            outs.append(out)
-        req.metrics.num_output_tokens = sum(s.num_output_tokens for s in req.seqs)
-        finished = req.finished
-        if finished:
-            self.requests.pop(req.request_id, None)
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, finished,
-                             req.metrics, num_cached_tokens=min(s.num_cached_tokens for s in req.seqs),
-                             error=req.error, prompt_logprobs=req.prompt_logprobs)
 
 
 def _no_copy(src: int, dst: int, n: int) -> None:

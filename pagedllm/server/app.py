@@ -42,20 +42,7 @@ from .protocol import (
     ModelCard,
     ModelList,
 )
-from .serving import (
-    ApiError,
-    ChatStreamer,
-    CompletionStreamer,
-    ServingContext,
-    TokenText,
-    chat_response,
-    completion_response,
-    echo_texts,
-    new_id,
-    prepare_chat,
-    tool_plan,
-    prepare_completion,
-)
+from .serving import ApiError, Call, ServingContext, TokenText, chat_call, completion_call
 
 logger = logging.getLogger(__name__)
 
@@ -369,7 +356,7 @@ async def _collect(sub: Submission, request: Request) -> list | None:
 def create_app(llm: Any, config: ServerConfig | None = None) -> FastAPI:
     cfg = config or ServerConfig()
     metrics = ServerMetrics()
-    engine = AsyncEngine(llm.engine, metrics)
+    engine = AsyncEngine(llm.driver, metrics)
     ctx = ServingContext.from_llm(llm, cfg.model_name, cfg.max_n)
     token_text = TokenText(llm.tokenizer)
     trimmer = limits.IdleTrimmer(llm.engine.has_unfinished)  # first: it caps malloc arenas
@@ -436,6 +423,18 @@ def create_app(llm: Any, config: ServerConfig | None = None) -> FastAPI:
         except EngineError as e:
             raise ApiError(str(e), status=503, type="server_error") from None
 
+    async def answer(call: Call, request: Request) -> Response:
+        """Run a chat or completion call on the engine; its stream, or its whole answer."""
+        sub = await submit(call.items, request, call.grammar_param)
+        if call.stream:
+            events = _events(sub, call.streamer.start(), call.streamer.update, call.usage_chunk(),
+                             call.include_usage)
+            return SSEResponse(events, sub.abort_unfinished)
+        finals = await _collect_or_fail(sub, request)
+        if finals is None:
+            return Response(status_code=499)
+        return JSONResponse(call.response(finals).model_dump(exclude_none=False))
+
     @app.get("/")
     async def chat_page() -> Response:
         return HTMLResponse(_CHAT_PAGE.read_text(encoding="utf-8"))
@@ -460,22 +459,8 @@ def create_app(llm: Any, config: ServerConfig | None = None) -> FastAPI:
         req: ChatCompletionRequest = parse(ChatCompletionRequest, await read_json(request, cfg.max_body_bytes))
         check_model(req.model)
         limits.check_prompt_chars(limits.chat_chars(req), ctx.max_model_len, "messages")
-        ids, params = await work.run(prepare_chat, req, ctx)
-        tools = tool_plan(req, ctx)
-        rid = new_id("chatcmpl")
-        tt = token_text if req.logprobs else None
-        sub = await submit([(rid, ids, params)], request, "tools" if tools and tools.grammar() else "response_format")
-        if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            s = ChatStreamer(rid, ctx.model_name, req.n, tt, tools)
-            events = _events(sub, s.start(), s.update, s.usage_chunk if include_usage else None,
-                             include_usage)
-            return SSEResponse(events, sub.abort_unfinished)
-        finals = await _collect_or_fail(sub, request)
-        if finals is None:
-            return Response(status_code=499)
-        return JSONResponse(chat_response(rid, ctx.model_name, finals[0], tt, tools)
-                            .model_dump(exclude_none=False))
+        call = await work.run(chat_call, req, ctx, token_text)
+        return await answer(call, request)
 
     served = routes.Served(llm, ctx, cfg, names, engine, token_text, check_model, submit,
                            lambda request, model: _read_body(request, model, cfg.max_body_bytes),
@@ -491,22 +476,8 @@ def create_app(llm: Any, config: ServerConfig | None = None) -> FastAPI:
         for p in [req.prompt] if isinstance(req.prompt, str) else req.prompt or []:
             if isinstance(p, str):
                 limits.check_prompt_chars(len(p), ctx.max_model_len, "prompt")
-        prompts, params = await work.run(prepare_completion, req, ctx)
-        rid = new_id("cmpl")
-        rids = [rid if len(prompts) == 1 else f"{rid}-{i}" for i in range(len(prompts))]
-        tt = token_text if req.logprobs is not None else None
-        echo = await work.run(echo_texts, prompts, llm.tokenizer) if req.echo else None
-        sub = await submit(list(zip(rids, prompts, params)), request)
-        if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            s = CompletionStreamer(rid, ctx.model_name, req.n, {r: i for i, r in enumerate(rids)}, tt, echo)
-            events = _events(sub, [], s.update, s.usage_chunk if include_usage else None, include_usage)
-            return SSEResponse(events, sub.abort_unfinished)
-        finals = await _collect_or_fail(sub, request)
-        if finals is None:
-            return Response(status_code=499)
-        resp = completion_response(rid, ctx.model_name, finals, req.n, tt, echo)
-        return JSONResponse(resp.model_dump())
+        call = await work.run(completion_call, req, ctx, token_text)
+        return await answer(call, request)
 
     return app
 

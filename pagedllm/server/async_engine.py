@@ -1,9 +1,10 @@
 """The engine on its own thread, with an asyncio face for request handlers.
 
-The engine is not thread-safe, so exactly one thread touches it. Handlers send
-commands (add, abort) through a thread-safe queue; the thread applies them
-between steps and hands each step's outputs back to the handler's event loop
-through a per-submission asyncio queue. With no work the thread blocks on the
+The engine is not thread-safe, so exactly one thread touches it, through the
+engine driver (engine/driver.py). Handlers send commands (add, abort) through a
+thread-safe queue; the thread applies them with the driver between steps and
+hands each step's outputs back to the handler's event loop through a
+per-submission asyncio queue. With no work the thread blocks on the
 command queue, so an idle server costs no CPU.
 """
 from __future__ import annotations
@@ -16,6 +17,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
+from ..engine.driver import EngineDriver
 from ..outputs import RequestOutput
 from ..sampling.params import SamplingParams
 from .metrics import ServerMetrics
@@ -98,8 +100,9 @@ class Submission:
 
 
 class AsyncEngine:
-    def __init__(self, engine: Any, metrics: ServerMetrics | None = None) -> None:
-        self.engine = engine
+    def __init__(self, driver: EngineDriver, metrics: ServerMetrics | None = None) -> None:
+        self.driver = driver  # the engine thread's add / abort / step
+        self.engine = driver.engine
         self.metrics = metrics
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         # Only the engine thread reads or writes these.
@@ -182,10 +185,10 @@ class AsyncEngine:
         logger.info("engine thread started")
         try:
             while True:
-                idle = not self.engine.has_unfinished()
+                idle = not self.driver.has_unfinished()
                 if not self._apply_commands(block=idle):
                     break
-                if self.engine.has_unfinished():
+                if self.driver.has_unfinished():
                     self._step()
                 elif self.metrics is not None:
                     self.metrics.on_engine_state(self.engine, len(self._routes))
@@ -223,14 +226,9 @@ class AsyncEngine:
         if self._closing:  # queued before the drain, applied after it
             _call_soon(cmd.loop, _settle, cmd.accepted, ShuttingDown())
             return
-        added: list[str] = []
         try:
-            for rid, prompt, params in cmd.items:
-                self.engine.add_request(prompt, params, request_id=rid)
-                added.append(rid)
-        except Exception as e:  # bad input: undo the part already added, report to the caller
-            for rid in added:
-                self.engine.abort(rid)
+            added = self.driver.add(cmd.items)  # all or none
+        except Exception as e:  # bad input: report to the caller
             err = e if isinstance(e, ValueError) else EngineError(f"{type(e).__name__}: {e}")
             if not isinstance(e, ValueError):
                 logger.exception("adding a request failed")
@@ -276,7 +274,7 @@ class AsyncEngine:
     def _abort(self, cmd: _Abort) -> None:
         if self._routes.pop(cmd.request_id, None) is None:
             return  # finished already, or never added
-        self.engine.abort(cmd.request_id)
+        self.driver.abort([cmd.request_id])
         logger.info("aborted request %s", cmd.request_id)
         if self.metrics is not None:
             self.metrics.aborts.inc()
@@ -286,7 +284,7 @@ class AsyncEngine:
 
     def _step(self) -> None:
         try:
-            outs = self.engine.step()
+            outs = self.driver.advance()
         except Exception as e:
             logger.exception("engine step failed; failing the requests in flight")
             if self.metrics is not None:
@@ -312,7 +310,7 @@ class AsyncEngine:
         routes, self._routes = self._routes, {}
         for rid, (loop, q) in routes.items():
             try:
-                self.engine.abort(rid)
+                self.driver.abort([rid])
             except Exception:  # the engine may be broken; the request is dropped either way
                 logger.exception("abort of %s failed", rid)
             _call_soon(loop, _deliver, [(q, err)])

@@ -23,7 +23,7 @@ from .async_engine import EngineError
 from .protocol import ChatCompletionRequest, ChatCompletionResponse, Int, Num, _Model
 from .routes import Served, document_bodies
 from . import limits
-from .serving import ApiError, ChatStreamer, chat_response, prepare_chat, tool_plan, usage_from
+from .serving import ApiError, ChatStreamer, chat_call, usage_from
 
 logger = logging.getLogger(__name__)
 
@@ -417,12 +417,11 @@ def install(app: FastAPI, s: Served, store_size: int = DEFAULT_STORE_SIZE) -> No
         chat = chat_request(req, history, new)
         try:
             limits.check_prompt_chars(limits.chat_chars(chat), s.ctx.max_model_len, "input")
-            ids, params = await s.run(prepare_chat, chat, s.ctx)
-            tools = tool_plan(chat, s.ctx)
+            call = await s.run(chat_call, chat, s.ctx, s.token_text)  # the chat route's builder
         except ApiError as e:
             raise _renamed(e) from None
         rid = _item_id("resp")
-        sub = await s.submit([(rid, ids, params)], request, "tools" if tools and tools.grammar() else "text.format")
+        sub = await s.submit(call.items, request, call.grammar_param.replace("response_format", "text.format"))
         resp = skeleton(rid, s.ctx.model_name, req)
 
         def keep(done: dict) -> None:
@@ -430,12 +429,12 @@ def install(app: FastAPI, s: Served, store_size: int = DEFAULT_STORE_SIZE) -> No
                 store.put(rid, history + new + as_messages(done["output"]), done)
 
         if req.stream:
-            ev = ResponseEvents(resp, ChatStreamer(rid, s.ctx.model_name, 1, None, tools))
+            ev = ResponseEvents(resp, call.streamer)
             return s.sse(_events(sub, ev, keep), sub.abort_unfinished)
         finals = await s.collect(sub, request)
         if finals is None:
             return Response(status_code=499)
-        chat_resp = chat_response(rid, s.ctx.model_name, finals[0], None, tools)
+        chat_resp = call.response(finals)
         output, reason = output_of(chat_resp)
         finish(resp, output, reason, usage_of(chat_resp.usage))
         keep(resp)

@@ -206,6 +206,12 @@ def chat_prompt(req: ChatCompletionRequest, ctx: ServingContext,
 
 
 def prepare_chat(req: ChatCompletionRequest, ctx: ServingContext) -> tuple[list[int], SamplingParams]:
+    ids, params, _ = _prepare_chat(req, ctx)
+    return ids, params
+
+
+def _prepare_chat(req: ChatCompletionRequest, ctx: ServingContext
+                  ) -> tuple[list[int], SamplingParams, tool_api.ToolPlan | None]:
     _common_checks(req, ctx, 1)
     if req.top_logprobs is not None and not req.logprobs:
         raise ApiError("top_logprobs needs logprobs to be true", param="top_logprobs")
@@ -220,7 +226,7 @@ def prepare_chat(req: ChatCompletionRequest, ctx: ServingContext) -> tuple[list[
         # The forced call is constrained by the tool; response_format governs text answers,
         # which a forced call does not give (vLLM's reading too).
         params.structured = forced
-    return ids, params
+    return ids, params, plan
 
 
 def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
@@ -522,6 +528,9 @@ class CompletionStreamer:
         return CompletionResponse(id=self.rid, model=self.model, choices=choices, usage=usage,
                                   system_fingerprint=SYSTEM_FINGERPRINT)
 
+    def start(self) -> list[CompletionResponse]:
+        return []  # text completions have no opening chunk
+
     def update(self, out: RequestOutput) -> list[CompletionResponse]:
         p = self.prompt_index[out.request_id]
         chunks = []
@@ -553,3 +562,60 @@ class CompletionStreamer:
 
     def usage_chunk(self, finals: list[RequestOutput]) -> CompletionResponse:
         return self._chunk([], usage_from(finals))
+
+
+# -- one request, start to answer ---------------------------------------------------------
+
+
+@dataclass
+class Call:
+    """A chat or text-completion request made ready for the engine, and what turns its engine
+    outputs into the OpenAI answer. The HTTP server and the `Runner` both answer through one, so
+    tool calls, logprobs and usage come out the same from both; only the engine driving differs."""
+
+    rid: str
+    items: list[tuple[str, str | list[int], SamplingParams]]  # (engine request id, prompt, params)
+    stream: bool
+    include_usage: bool  # stream_options.include_usage: a last chunk with the usage
+    grammar_param: str  # the request field blamed when the request's grammar does not compile
+    streamer: ChatStreamer | CompletionStreamer
+    respond: Any  # final outputs (in `items` order) -> the whole response
+
+    @property
+    def request_ids(self) -> list[str]:
+        return [rid for rid, _, _ in self.items]
+
+    def response(self, finals: list[RequestOutput]) -> ChatCompletionResponse | CompletionResponse:
+        return self.respond(finals)
+
+    def usage_chunk(self) -> Any:
+        """The streamer's usage chunk builder when the client asked for it, else None."""
+        return self.streamer.usage_chunk if self.include_usage else None
+
+
+def _include_usage(req: ChatCompletionRequest | CompletionRequest) -> bool:
+    return bool(req.stream and req.stream_options and req.stream_options.include_usage)
+
+
+def chat_call(req: ChatCompletionRequest, ctx: ServingContext, token_text: TokenText) -> Call:
+    """Validate and prepare a chat request (raises ApiError); its tool plan parses the answer."""
+    ids, params, tools = _prepare_chat(req, ctx)
+    rid = new_id("chatcmpl")
+    tt = token_text if req.logprobs else None
+    streamer = ChatStreamer(rid, ctx.model_name, req.n, tt, tools)
+    grammar_param = "tools" if tools and tools.grammar() else "response_format"
+    return Call(rid, [(rid, ids, params)], bool(req.stream), _include_usage(req), grammar_param, streamer,
+                lambda finals: chat_response(rid, ctx.model_name, finals[0], tt, tools))
+
+
+def completion_call(req: CompletionRequest, ctx: ServingContext, token_text: TokenText) -> Call:
+    """Validate and prepare a text-completion request (raises ApiError): one engine request per
+    prompt, each with n completions."""
+    prompts, params = prepare_completion(req, ctx)
+    rid = new_id("cmpl")
+    rids = [rid if len(prompts) == 1 else f"{rid}-{i}" for i in range(len(prompts))]
+    tt = token_text if req.logprobs is not None else None
+    echo = echo_texts(prompts, ctx.tokenizer) if req.echo else None
+    streamer = CompletionStreamer(rid, ctx.model_name, req.n, {r: i for i, r in enumerate(rids)}, tt, echo)
+    return Call(rid, list(zip(rids, prompts, params)), bool(req.stream), _include_usage(req), "response_format",
+                streamer, lambda finals: completion_response(rid, ctx.model_name, finals, req.n, tt, echo))

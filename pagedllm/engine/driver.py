@@ -1,0 +1,92 @@
+"""The one loop over the engine: add (all or none), step, abort, and the outputs of chosen requests.
+
+Every face drives the engine through an `EngineDriver`: `LLM` and the mistral.rs-style `Runner`
+(`finals`, `stream`), the CLI and the bench (`steps`), and the server's `AsyncEngine`, whose engine
+thread calls `add`, `abort` and `advance` (one step) between its commands. Nothing else calls
+`LLMEngine.step()`. Not thread-safe: one thread drives one engine.
+"""
+from __future__ import annotations
+
+from typing import Any, Iterable, Iterator
+
+from ..outputs import RequestOutput, raise_failed
+from ..sampling.params import SamplingParams
+
+Prompt = str | list[int]
+Item = tuple[str | None, Prompt, SamplingParams | None]  # (request id or None for a fresh one, prompt, params)
+
+
+class EngineDriver:
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+
+    # -- the async face's primitives (and the sync face's) --------------------------------
+    def add(self, items: Iterable[Item]) -> list[str]:
+        """Add the requests, all or none: if one is refused (bad input raises ValueError), those
+        already added are aborted before the error goes on. Their request ids, in order."""
+        added: list[str] = []
+        try:
+            for rid, prompt, params in items:
+                added.append(self.engine.add_request(prompt, params, request_id=rid))
+        except BaseException:
+            self.abort(added)
+            raise
+        return added
+
+    def abort(self, request_ids: Iterable[str]) -> None:
+        """End the requests and free their blocks; ids already finished (or unknown) are skipped."""
+        for rid in request_ids:
+            self.engine.abort(rid)
+
+    def advance(self) -> list[RequestOutput]:
+        """One engine step: the outputs of every request it touched."""
+        return self.engine.step()
+
+    def has_unfinished(self) -> bool:
+        return self.engine.has_unfinished()
+
+    # -- the sync face ------------------------------------------------------------------------
+    def steps(self, request_ids: Iterable[str] | None = None) -> Iterator[list[RequestOutput]]:
+        """Step until the given requests have finished (None: until the engine is idle), yielding
+        each step's outputs of them (the list may be empty). Leaving early (closing it, or an
+        exception inside, Ctrl-C included) aborts those not finished."""
+        wanted = None if request_ids is None else set(request_ids)
+        pending = set() if wanted is None else set(wanted)
+        try:
+            while pending if wanted is not None else self.engine.has_unfinished():
+                if not self.engine.has_unfinished():
+                    raise RuntimeError(f"request(s) {', '.join(sorted(pending))} are no longer in the "
+                                       "engine (aborted elsewhere?)")
+                outs = self.advance()
+                if wanted is not None:
+                    outs = [o for o in outs if o.request_id in wanted]
+                    pending.difference_update(o.request_id for o in outs if o.finished)
+                yield outs
+        finally:
+            self.abort(pending)
+
+    def outputs(self, request_ids: Iterable[str]) -> Iterator[RequestOutput]:
+        """Every output of the requests as it comes, until all have finished (see `steps`)."""
+        for outs in self.steps(request_ids):
+            yield from outs
+
+    def finals(self, request_ids: list[str], on_finished: Any = None) -> list[RequestOutput]:
+        """Run requests already added to the end; their final outputs, in order. `on_finished(output)`
+        is called as each finishes. Raises `RequestFailedError` if one failed, with every final
+        output on it."""
+        done: dict[str, RequestOutput] = {}
+        for out in self.outputs(request_ids):
+            if out.finished:
+                done[out.request_id] = out
+                if on_finished is not None:
+                    on_finished(out)
+        outs = [done[r] for r in request_ids]
+        raise_failed(outs)  # the others ran to the end: they are on the error's `outputs`
+        return outs
+
+    def stream(self, request_ids: list[str]) -> Iterator[RequestOutput]:
+        """The outputs of requests already added, as they come; a failed request raises
+        `RequestFailedError` with its output (the stream ends there, the rest are aborted)."""
+        for out in self.outputs(request_ids):
+            raise_failed([out])
+            yield out
