@@ -393,10 +393,12 @@ def create_app(llm: Any, config: ServerConfig | None = None) -> FastAPI:
 
     async def submit(items: list, request: Request, grammar_param: str = "response_format") -> Submission:
         # A client gone before its requests are accepted aborts them in the same command batch:
-        # they never reach the scheduler, so they cost no step. One loop turn first reads an EOF
-        # that came while the request was being prepared: an idle engine accepts an add at once,
-        # before a watcher started with it could post the abort.
-        await asyncio.sleep(0)
+        # they never reach the scheduler, so they cost no step. A few loop turns first let the
+        # loop read an EOF that came while the request was being prepared (the selector's read
+        # callback runs after this task's wake-up, and connection_lost one turn later): an idle
+        # engine accepts an add at once, before a watcher started with it could post the abort.
+        for _ in range(3):
+            await asyncio.sleep(0)
         if await request.is_disconnected():
             raise ApiError("the client closed the request", status=499)
         return await _unless_gone(_submit(items, grammar_param), request)
