@@ -170,6 +170,32 @@ def _nll(logits: torch.Tensor, prompt: list[int]) -> float:
     return torch.nn.functional.cross_entropy(logits[:-1].float(), torch.tensor(prompt[1:])).item()
 
 
+def _assert_greedy_equals(ref, llm, prompt: list[int]) -> None:
+    """16 greedy tokens of our engine equal transformers' generate on `ref`."""
+    from pagedllm import SamplingParams
+
+    with torch.no_grad():
+        want_tokens = ref.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False, eos_token_id=None,
+                                   pad_token_id=0)[0, len(prompt):].tolist()
+    out = llm.generate([prompt], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
+    assert out[0].outputs[0].token_ids == want_tokens
+
+
+def _assert_close_to_float32(path, prompt: list[int]) -> LLM:
+    """Quantized prefill and decode against our dequantize_weights=True float32: top-1 >= 98%,
+    perplexity within 0.5%. Returns the float32 engine."""
+    quant = LLM(str(path), dtype="float32", kv_cache_memory_mb=8)
+    exact = LLM(str(path), dtype="float32", kv_cache_memory_mb=8, dequantize_weights=True)
+    ref = exact.engine.prompt_logits(prompt)
+    for label, got in (("prefill", quant.engine.prompt_logits(prompt)),
+                       ("decode", quant.engine.prompt_logits(prompt, chunk_size=1))):
+        top1 = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
+        ppl_ratio = np.exp(_nll(got, prompt) - _nll(ref, prompt))
+        assert top1 >= 0.98, (label, top1)
+        assert abs(ppl_ratio - 1) <= 0.005, (label, ppl_ratio)
+    return exact
+
+
 @pytest.fixture(scope="module", params=[("llama", 4, 128, True, True), ("qwen2", 4, 128, False, True),
                                         ("llama", 8, 64, True, False)],
                 ids=lambda p: "-".join(map(str, p)))
@@ -197,32 +223,18 @@ def test_model_matches_transformers_on_gptqmodels_weights(gptq_model, monkeypatc
     assert torch.equal(got.argmax(-1), want.argmax(-1))
     # Greedy tokens against transformers' generate on the same weights, every step on the repacked
     # blocks' dequantize + GEMM route (the integer kernels round activations to int8: the next test).
-    from pagedllm import SamplingParams
     from pagedllm.quant import kernels as qk
 
     monkeypatch.setattr(qk, "INT_ROWS", 0)
 
     p = _prompt(12, 7)
-    with torch.no_grad():
-        want_tokens = ref.generate(torch.tensor([p]), max_new_tokens=16, do_sample=False, eos_token_id=None,
-                                   pad_token_id=0)[0, len(p):].tolist()
-    out = llm.generate([p], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
-    assert out[0].outputs[0].token_ids == want_tokens
+    _assert_greedy_equals(ref, llm, p)
 
 
 def test_quantized_execution_against_our_float32(gptq_model):
     path, _, _ = gptq_model
-    quant = LLM(str(path), dtype="float32", kv_cache_memory_mb=8)
-    exact = LLM(str(path), dtype="float32", kv_cache_memory_mb=8, dequantize_weights=True)
+    exact = _assert_close_to_float32(path, _prompt(160, 11))
     assert exact.engine.weights.kernel is None and "dequantized to float" in exact.engine.weights.reason
-    prompt = _prompt(160, 11)
-    ref = exact.engine.prompt_logits(prompt)
-    for label, got in (("prefill", quant.engine.prompt_logits(prompt)),
-                       ("decode", quant.engine.prompt_logits(prompt, chunk_size=1))):
-        top1 = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
-        ppl_ratio = np.exp(_nll(got, prompt) - _nll(ref, prompt))
-        assert top1 >= 0.98, (label, top1)
-        assert abs(ppl_ratio - 1) <= 0.005, (label, ppl_ratio)
 
 
 # -- bad input ---------------------------------------------------------------------------------------

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
 import torch
 
@@ -14,7 +13,7 @@ from pagedllm import LLM
 from pagedllm.quant import checkpoint as qc
 from pagedllm.quant.kernels import available_isas
 
-from test_gptq import _block_values, _nll, _prompt
+from test_gptq import _assert_close_to_float32, _assert_greedy_equals, _block_values, _prompt
 
 pytestmark = pytest.mark.skipif(not available_isas(), reason="native CPU kernels not built here")
 
@@ -105,7 +104,6 @@ def test_dequantization_equals_compressed_tensors(ct_model):
 
 def test_model_matches_transformers_running_the_checkpoint(ct_model, monkeypatch):
     import transformers as tf
-    from pagedllm import SamplingParams
     from pagedllm.quant import kernels as qk
 
     path, (family, scheme) = ct_model
@@ -128,22 +126,9 @@ def test_model_matches_transformers_running_the_checkpoint(ct_model, monkeypatch
     assert (got - want).abs().max().item() < 1e-3
     monkeypatch.setattr(qk, "INT_ROWS", 0)  # every step on the blocks' dequantize + GEMM route
     p = _prompt(12, 4)
-    with torch.no_grad():
-        want_tokens = ref.generate(torch.tensor([p]), max_new_tokens=16, do_sample=False, eos_token_id=None,
-                                   pad_token_id=0)[0, len(p):].tolist()
-    out = llm.generate([p], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
-    assert out[0].outputs[0].token_ids == want_tokens
+    _assert_greedy_equals(ref, llm, p)
 
 
 def test_quantized_execution_against_our_float32(ct_model):
     path, _ = ct_model
-    quant = LLM(str(path), dtype="float32", kv_cache_memory_mb=8)
-    exact = LLM(str(path), dtype="float32", kv_cache_memory_mb=8, dequantize_weights=True)
-    prompt = _prompt(160, 12)
-    ref = exact.engine.prompt_logits(prompt)
-    for label, got in (("prefill", quant.engine.prompt_logits(prompt)),
-                       ("decode", quant.engine.prompt_logits(prompt, chunk_size=1))):
-        top1 = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
-        ppl_ratio = np.exp(_nll(got, prompt) - _nll(ref, prompt))
-        assert top1 >= 0.98, (label, top1)
-        assert abs(ppl_ratio - 1) <= 0.005, (label, ppl_ratio)
+    _assert_close_to_float32(path, _prompt(160, 12))
