@@ -297,9 +297,12 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
         else:
             bt.add_argument("rest", nargs=argparse.REMAINDER)
     bs = bsub.add_parser("serve", help="load test of a running server (streaming clients)")
-    from ..bench import loadtest
+    if _wants(argv, "bench", "serve"):  # asyncio and friends: only when asked for
+        from ..bench import loadtest
 
-    loadtest.add_arguments(bs)
+        loadtest.add_arguments(bs)
+    else:
+        bs.add_argument("rest", nargs=argparse.REMAINDER)
 
     dm = sub.add_parser("demo", help="a few chat requests served together")
     if _wants(argv, "demo"):
