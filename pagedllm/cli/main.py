@@ -114,8 +114,8 @@ def _engine_flags(p: argparse.ArgumentParser, top: bool) -> None:
     g.add_argument("--seed", type=int, default=d(None), help="sampling seed of the engine")
     g.add_argument("--isq", metavar="TYPE", default=d(None),
                    help="quantize a safetensors model's linear weights at load: Q8_0, Q4_0, Q4_1, Q5_0, "
-                        "Q5_1 or Q4_K; or mistral.rs's bit count, resolved as it does on a CPU: "
-                        "4 = Q4_K, 8 = Q8_0 (2, 3, 5, 6 = Q2_K, Q3_K, Q5_K, Q6_K: not available yet). "
+                        "Q5_1, Q4_K, Q5_K or Q6_K; or mistral.rs's bit count, resolved as it does on a CPU: "
+                        "4 = Q4_K, 5 = Q5_K, 6 = Q6_K, 8 = Q8_0 (2, 3 = Q2_K, Q3_K: not available yet). "
                         "A weight the type's blocks do not tile falls back to the next type that does (logged)")
     g.add_argument("--dequantize-weights", action="store_true", default=d(False),
                    help="dequantize GGUF weights to the compute dtype at load instead of running "

@@ -3,12 +3,15 @@ quantized at load into GGUF block formats and run on the same kernels as GGUF fi
 
 Weights stream through one tensor at a time, so loading holds the quantized model plus one
 float tensor. Q8_0 and Q4_0 round exactly as llama.cpp's reference quantizers do (the tests
-check them byte for byte against gguf-py's), and so do Q4_1, Q5_0 and Q5_1; Q4_K uses a min/max
-fit per 32 values with 6-bit scales and mins, our own and simpler than llama.cpp's search.
+check them byte for byte against gguf-py's), and so do Q4_1, Q5_0 and Q5_1. The K-quants are our
+own fits, simpler than llama.cpp's search (gguf-py has no K-quant quantizer to match; its
+dequantizer checks the layout): Q4_K and Q5_K a min/max fit per 32 values with 6-bit scales and
+mins, Q6_K a signed fit per 16 values with int8 scales.
 
 A weight whose rows a type's blocks do not tile falls back, per tensor and logged, to the next
 type that does, as llama.cpp's quantizer does (Q4_K's 256-value blocks -> Q5_0's 32).
-mistral.rs's numeric form picks the type a CPU gets there: `--isq 4` is Q4_K, `--isq 8` Q8_0.
+mistral.rs's numeric form picks the type a CPU gets there: `--isq 4` is Q4_K, `--isq 5` Q5_K,
+`--isq 6` Q6_K, `--isq 8` Q8_0.
 """
 from __future__ import annotations
 
@@ -21,7 +24,7 @@ from .formats import FORMATS, QuantFormatError, QuantTensor
 
 logger = logging.getLogger(__name__)
 
-ISQ_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K")
+ISQ_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 # mistral.rs's `--isq N` on a CPU: N bits -> the K-quant (or Q8_0) it resolves to there.
 ISQ_BITS = {2: "Q2_K", 3: "Q3_K", 4: "Q4_K", 5: "Q5_K", 6: "Q6_K", 8: "Q8_0"}
 # A type whose blocks do not tile a row falls back to this one (llama.cpp's choice for its K-quants).
@@ -40,11 +43,11 @@ def check_isq_type(fmt: str) -> str:
         name = ISQ_BITS[bits]
         if name not in ISQ_TYPES:
             raise ValueError(f"--isq {bits} means {name} (mistral.rs's choice on a CPU), which pagedllm cannot "
-                             f"quantize to at load yet; supported: {', '.join(ISQ_TYPES)}, or 4 and 8")
+                             f"quantize to at load yet; supported: {', '.join(ISQ_TYPES)}, or 4, 5, 6 and 8")
         return name
     if name not in ISQ_TYPES:
         raise ValueError(f"unsupported ISQ type {fmt!r}; supported: {', '.join(ISQ_TYPES)}, or a bit count "
-                         "4 or 8 as mistral.rs takes it")
+                         "4, 5, 6 or 8 as mistral.rs takes it")
     return name
 
 
@@ -75,7 +78,8 @@ def quantize(w: torch.Tensor, fmt: str, name: str = "weight") -> QuantTensor:
     x = w.detach().to(torch.float32).reshape(-1, vals)
     if not torch.isfinite(x).all():
         raise QuantFormatError(f"{name}: holds NaN or inf values; refusing to quantize it")
-    blocks = {"Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q4_K": _q4_k}[fmt](x)
+    blocks = {"Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q4_K": _q4_k,
+              "Q5_K": _q5_k, "Q6_K": _q6_k}[fmt](x)
     return QuantTensor(fmt, blocks.reshape(rows, -1).contiguous(), (rows, cols))
 
 
@@ -142,12 +146,14 @@ def _q5_1(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([_half_bytes(d), _half_bytes(lo), _high_bits(q), _nibbles(q)], dim=1)
 
 
-def _q4_k(x: torch.Tensor) -> torch.Tensor:
+def _k_scales_mins(x: torch.Tensor, levels: int) -> tuple[torch.Tensor, ...]:
+    """Q4_K / Q5_K: a min/max fit of each 32-value sub-block of 256-value blocks x [n, 256], with
+    6-bit scales and mins under two float16 super-scales. (d16, dmin16, sc, m, codes [n, 8, 32])."""
     n = x.shape[0]
     sub = x.view(n, 8, 32)
     lo = sub.amin(dim=2).clamp(max=0)  # the format's offset is -dmin * m <= 0
     hi = sub.amax(dim=2)
-    scale = (hi - lo) / 15
+    scale = (hi - lo) / levels
     mins = -lo
     d = scale.amax(dim=1, keepdim=True) / 63
     dmin = mins.amax(dim=1, keepdim=True) / 63
@@ -159,13 +165,56 @@ def _q4_k(x: torch.Tensor) -> torch.Tensor:
     m = torch.where(dminq > 0, torch.round(mins / dminq.clamp(min=1e-30)), 0).clamp(0, 63)
     s_eff = (dq * sc).unsqueeze(2)
     m_eff = (dminq * m).unsqueeze(2)
-    q = torch.where(s_eff > 0, torch.round((sub + m_eff) / s_eff.clamp(min=1e-30)), 0).clamp(0, 15)
-    q = q.to(torch.uint8).view(n, 4, 2, 32)
-    qs = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(n, 128)
-    sc, m = sc.to(torch.uint8), m.to(torch.uint8)
+    q = torch.where(s_eff > 0, torch.round((sub + m_eff) / s_eff.clamp(min=1e-30)), 0).clamp(0, levels)
+    return d16, dmin16, sc.to(torch.uint8), m.to(torch.uint8), q.to(torch.uint8)
+
+
+def _k_header(d16: torch.Tensor, dmin16: torch.Tensor, sc: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """d, dmin and the 12 bytes of 6-bit scales and mins that Q4_K and Q5_K share."""
+    n = sc.shape[0]
     packed = torch.cat([
         (sc[:, :4] & 63) | ((sc[:, 4:] >> 4) << 6),
         (m[:, :4] & 63) | ((m[:, 4:] >> 4) << 6),
         (sc[:, 4:] & 15) | ((m[:, 4:] & 15) << 4),
     ], dim=1)
-    return torch.cat([d16.view(torch.uint8).reshape(n, 2), dmin16.view(torch.uint8).reshape(n, 2), packed, qs], dim=1)
+    return torch.cat([d16.view(torch.uint8).reshape(n, 2), dmin16.view(torch.uint8).reshape(n, 2), packed], dim=1)
+
+
+def _k_low_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """Codes [n, 8, 32] -> 128 bytes: sub-blocks 2c and 2c + 1 share bytes 32c.., low and high nibble."""
+    q = (q & 15).view(q.shape[0], 4, 2, 32)
+    return (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(q.shape[0], 128)
+
+
+def _q4_k(x: torch.Tensor) -> torch.Tensor:
+    d16, dmin16, sc, m, q = _k_scales_mins(x, 15)
+    return torch.cat([_k_header(d16, dmin16, sc, m), _k_low_nibbles(q)], dim=1)
+
+
+def _q5_k(x: torch.Tensor) -> torch.Tensor:
+    d16, dmin16, sc, m, q = _k_scales_mins(x, 31)
+    # Bit 4 of value l of sub-block s is bit s of byte l of the 32 high-bit bytes.
+    qh = (((q >> 4) & 1) << torch.arange(8, dtype=torch.uint8).view(1, 8, 1)).sum(dim=1, dtype=torch.uint8)
+    return torch.cat([_k_header(d16, dmin16, sc, m), qh, _k_low_nibbles(q)], dim=1)
+
+
+def _q6_k(x: torch.Tensor) -> torch.Tensor:
+    """A signed fit per 16 values (the largest magnitude maps to -32), int8 scales under one
+    float16 super-scale. Layout: 128 bytes of low nibbles, 64 of high bit pairs, 16 scales, d."""
+    n = x.shape[0]
+    sub = x.view(n, 16, 16)
+    imax = sub.abs().argmax(dim=2, keepdim=True)
+    scale = sub.gather(2, imax)[:, :, 0] / -32
+    smax = scale.gather(1, scale.abs().argmax(dim=1, keepdim=True))
+    d16 = (smax / -128).to(torch.float16)
+    dq = d16.float()
+    sc = torch.where(dq != 0, torch.round(scale / torch.where(dq != 0, dq, 1)), 0).clamp(-128, 127)
+    s_eff = (dq * sc).unsqueeze(2)
+    q = torch.where(s_eff != 0, torch.round(sub / torch.where(s_eff != 0, s_eff, 1)), 0).clamp(-32, 31)
+    q = (q + 32).to(torch.uint8).view(n, 2, 4, 32)  # [half of 128, quarter j, l]: value 128h + 32j + l
+    ql = torch.cat([(q[:, :, 0] & 15) | ((q[:, :, 2] & 15) << 4),
+                    (q[:, :, 1] & 15) | ((q[:, :, 3] & 15) << 4)], dim=2).reshape(n, 128)
+    hi = q >> 4
+    qh = (hi[:, :, 0] | (hi[:, :, 1] << 2) | (hi[:, :, 2] << 4) | (hi[:, :, 3] << 6)).reshape(n, 64)
+    scales = sc.to(torch.int8).view(torch.uint8)
+    return torch.cat([ql, qh, scales, d16.view(torch.uint8).reshape(n, 2)], dim=1)
