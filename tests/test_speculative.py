@@ -37,7 +37,8 @@ def _greedy(llm: LLM, prompts) -> list[list[int]]:
 
 
 def _assert_no_leak(llm: LLM) -> None:
-    """Free blocks equal the total in the target's cache and, with a draft model, in its own."""
+    """Every block of the pool is free again: the target's and, with a draft model, the
+    draft's (its groups draw from the same pool)."""
     eng = llm.engine
     bm = eng.block_manager
     assert not eng.scheduler.has_unfinished()
@@ -46,8 +47,9 @@ def _assert_no_leak(llm: LLM) -> None:
     draft = eng.spec.draft if eng.spec is not None else None
     if draft is not None:
         assert not draft.shadows, "a finished sequence kept its draft state"
+        assert draft.block_manager.pool is bm.pool
         draft.block_manager.check_invariants([])
-        assert draft.block_manager.num_free_blocks == draft.block_manager.num_usable_blocks
+        assert draft.block_manager.num_held_blocks == 0
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
@@ -406,9 +408,9 @@ def test_draft_sliding_window_families(family, tmp_path, hf_smollm2_tokenizer):
 
 
 def test_draft_cache_short_of_blocks(family_ckpt, drafts):
-    """Forks share the target's prompt blocks but each has its own in the draft's cache, which
-    holds as many tokens as the target's: it runs short, those sequences propose less (or
-    nothing) that step, and the seeded output is plain decoding's. Nothing leaks in either."""
+    """Forks share the target's prompt blocks but each has its own draft blocks, from the same
+    pool: it runs short, those sequences propose less (or nothing) that step, and the seeded
+    output is plain decoding's. Nothing leaks."""
     _, path, prompts, _ = family_ckpt
     kwargs = dict(dtype="float32", block_size=8, kv_cache_context_len=600, max_num_batched_tokens=64)
     sp = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.8, seed=3, n=2, ignore_eos=True)
@@ -421,6 +423,33 @@ def test_draft_cache_short_of_blocks(family_ckpt, drafts):
     assert draft.no_room > 0 and llm.engine.spec.stats.accepted > 0
     assert f"{draft.no_room} times short of draft blocks" in llm.kv_cache_trace().spec_draft_cache
     _assert_no_leak(llm)
+
+
+def test_draft_blocks_come_from_the_target_pool_and_all_return(family_ckpt, drafts):
+    """One pool: the draft's tables take their blocks from the target's free list (the pool's
+    used count is both models' holdings at every step), and once every request is done the
+    pool's free count is back where it was before them, so the draft returned its blocks."""
+    _, path, prompts, expected = family_ckpt
+    llm = LLM(str(path), dtype="float32", block_size=8, kv_cache_context_len=600, max_num_batched_tokens=64,
+              speculative=_draft(drafts["noisy"]))
+    eng = llm.engine
+    pool, draft = eng.block_manager.pool, eng.spec.draft
+    assert draft.block_manager.pool is pool
+    free0 = pool.num_free_blocks
+    sp = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    for p in prompts:
+        eng.add_request(p, sp)
+    got, held = {}, 0
+    while eng.has_unfinished():
+        for o in eng.step():
+            if o.finished:
+                got[o.request_id] = o.outputs[0].token_ids
+        d = draft.block_manager.num_held_blocks
+        assert pool.num_used_blocks == eng.block_manager.num_held_blocks + d
+        held = max(held, d)
+    assert [got[str(i)] for i in range(len(prompts))] == expected
+    assert held > 0 and eng.spec.stats.proposed > 0
+    assert pool.num_free_blocks == free0 == pool.num_usable_blocks
 
 
 def test_draft_acceptance_follows_the_draft(family_ckpt, drafts):
@@ -438,16 +467,17 @@ def test_draft_acceptance_follows_the_draft(family_ckpt, drafts):
     assert rates["self"] > 0.97 and rates["small"] < 0.2, rates
 
 
-def test_draft_cache_is_carved_from_the_budget_and_traced(family_ckpt, drafts):
+def test_draft_blocks_share_the_budget_and_are_traced(family_ckpt, drafts):
     _, path, prompts, expected = family_ckpt
     plain = LLM(str(path), dtype="float32", kv_cache_memory_mb=16)
     llm = LLM(str(path), dtype="float32", kv_cache_memory_mb=16, speculative=_draft(drafts["small"], 3))
     tr0 = llm.kv_cache_trace()
-    # The draft has the target's layers and KV heads: a token costs the same in each cache,
-    # so the budget is split in halves.
+    # One pool, each block a page in both caches: the draft has the target's layers and KV
+    # heads, so a block costs twice a plain one and 16 MB buy half the blocks.
     assert tr0.spec_draft_blocks_total == tr0.capacity_blocks
     assert tr0.memory_mb + tr0.spec_draft_memory_mb == pytest.approx(16, abs=0.1)
-    assert tr0.capacity_blocks < plain.kv_cache_trace().capacity_blocks
+    assert tr0.capacity_blocks == plain.kv_cache_trace().capacity_blocks // 2
+    assert "one pool of" in tr0.sized_by and "the draft's pages" in tr0.sized_by
     eng = llm.engine
     sp = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     for p in prompts:
@@ -456,7 +486,9 @@ def test_draft_cache_is_carved_from_the_budget_and_traced(family_ckpt, drafts):
     while eng.has_unfinished():
         eng.step()
         tr = llm.kv_cache_trace()
-        assert tr.spec_draft_blocks_used == eng.spec.draft.block_manager.num_used_blocks
+        assert tr.spec_draft_blocks_used == eng.spec.draft.block_manager.num_held_blocks
+        # The pool's used blocks are the target's tables' and the draft's together.
+        assert tr.blocks_used == eng.block_manager.num_held_blocks + tr.spec_draft_blocks_used
         used = max(used, tr.spec_draft_blocks_used)
     assert used > 0
     tr = llm.kv_cache_trace()

@@ -518,13 +518,13 @@ def cmd_trace(args: argparse.Namespace, opts: EngineOptions) -> int:
             out["kv_cache_trace"] = _jsonable(trace_fn())
         print(json.dumps(out, indent=2, default=str))
         return 0
-    draft = "draft_used_blocks" in rows[0]  # speculative draft model: its own cache's blocks too
+    draft = "draft_used_blocks" in rows[0]  # speculative draft model: of the used blocks, its own
     print(f"{'step':>5} {'running':>8} {'waiting':>8} {'used':>6} {'free':>6} {'preempt':>8}"
-          + (f" {'draft used':>10} {'draft free':>10}" if draft else ""))
+          + (f" {'draft used':>10}" if draft else ""))
     for r in rows:
         print(f"{r['step']:>5} {r['running']:>8} {r['waiting']:>8} {r['used_blocks']:>6} "
               f"{r['free_blocks']:>6} {r['preemptions']:>8}"
-              + (f" {r['draft_used_blocks']:>10} {r['draft_free_blocks']:>10}" if draft else ""))
+              + (f" {r['draft_used_blocks']:>10}" if draft else ""))
     print(kv_report(llm))
     return 0
 
@@ -535,9 +535,8 @@ def _snapshot(eng: Any, step: int) -> dict:
            "used_blocks": bm.num_used_blocks, "free_blocks": bm.num_free_blocks,
            "preemptions": sched.num_preemptions}
     draft = eng.spec.draft if getattr(eng, "spec", None) is not None else None
-    if draft is not None:
-        row.update(draft_used_blocks=draft.block_manager.num_used_blocks,
-                   draft_free_blocks=draft.block_manager.num_free_blocks)
+    if draft is not None:  # one pool: the draft's share of the used blocks (free ones are shared)
+        row.update(draft_used_blocks=draft.block_manager.num_held_blocks)
     return row
 
 

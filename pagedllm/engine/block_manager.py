@@ -1,15 +1,13 @@
-"""Logical KV blocks: free list, reference counts, and the prefix cache.
+"""Logical KV blocks of one model: its block tables over the shared pool, and the prefix cache.
+
+The blocks themselves (free list, reference counts, the LRU of cached blocks, the hash
+index) are the BlockPool's (block_pool.py), shared by every model of the engine: the
+target's BlockManager and, with draft-model speculation, the draft's, each over its own KV
+groups. A manager built without a pool gets one of its own.
 
 Block 0 is the null block: never handed out, kept zeroed, and used to pad block
 tables and to stand in for blocks a sliding window has released, so reads of
 positions a sequence does not hold see finite values that the mask then ignores.
-
-The free list is a stack: the most recently freed block is handed out first, so
-a long-running engine cycles through a small working set and the CPU pages of
-blocks it never needed are never committed (the pools are lazily allocated).
-Blocks never handed out sit below every freed one, lowest id on top, so the
-blocks ever touched are exactly 1..`num_touched`. The prefix cache's LRU
-eviction order is separate and unchanged.
 
 Prefix caching. Every full block gets a chained hash (parent hash, its token
 ids, an extra key); a new sequence reuses the longest run of cached blocks
@@ -25,8 +23,8 @@ first so eviction frees leaves before the shared trunk. At most
 KV groups (kv/groups.py). A sequence holds one block table per group of layers: one
 group for most models, and for models that mix sliding and global layers (Gemma 2/3) a
 group of global layers plus groups of sliding ones, every block a page of the same number
-of layers, all from this one pool. Group g's blocks are hashed with g in the key, so a
-cached block is only ever matched by its own group.
+of layers, all from the one pool. A group's blocks are hashed with its pool-wide id in the
+key, so a cached block is only ever matched by its own group (and model).
 
 Sliding windows (Mistral, Gemma's local layers). Blocks behind a sequence's window are
 released as it advances; with caching on they keep their content in the LRU like any
@@ -39,29 +37,17 @@ write.
 """
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable
 
 from ..config import cdiv
 from ..kv.groups import blocks_held
+from .block_pool import NULL_BLOCK, ROOT_HASH, BlockMeta, BlockPool, NoFreeBlocksError
 from .sequence import Sequence
 
-NULL_BLOCK = 0
-ROOT_HASH = 0  # the parent of every sequence's first block
-
-
-class NoFreeBlocksError(RuntimeError):
-    pass
-
-
-@dataclass
-class BlockMeta:
-    ref_count: int = 0
-    hash: int | None = None  # set once the block is full and registered
-    parent: int = ROOT_HASH  # hash of the block before it in its sequence
-    tokens: tuple[int, ...] = ()  # the tokens whose K/V the block holds (cached blocks)
-    retained_by: int = 0  # finished sequences keeping it as a reusable prefix
+__all__ = ["NULL_BLOCK", "ROOT_HASH", "BlockMeta", "BlockPool", "BlockManager", "NoFreeBlocksError",
+           "PrefixCacheStats", "block_hash"]
 
 
 @dataclass
@@ -69,7 +55,7 @@ class PrefixCacheStats:
     queries: int = 0  # prompt tokens looked up
     hits: int = 0  # prompt tokens served from the cache (full blocks + partial copies)
     partial_hits: int = 0  # of which served by copying part of a block
-    evictions: int = 0
+    evictions: int = 0  # cached blocks this manager's allocations evicted
 
     @property
     def hit_rate(self) -> float:
@@ -86,55 +72,83 @@ class _Retained:
 
 
 class BlockManager:
+    """One model's block tables over a BlockPool (block_pool.py): its own pool unless
+    `pool` is given, in which case it shares that pool's blocks, free list and budget with
+    the managers already on it (a draft model's beside the target's)."""
+
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False,
                  max_cached_seqs: int = 16,
                  copy_fn: Callable[[int, int, int], None] | None = None,
-                 group_windows: list[int | None] | None = None) -> None:
-        if num_blocks < 2:
-            raise ValueError(f"the KV cache needs at least 2 blocks, got {num_blocks}")
-        self.num_blocks = num_blocks
+                 group_windows: list[int | None] | None = None, pool: BlockPool | None = None) -> None:
+        self.pool = pool if pool is not None else BlockPool(num_blocks)
+        if self.pool.num_blocks != num_blocks:
+            raise ValueError(f"a block manager of {num_blocks} blocks over a pool of {self.pool.num_blocks}")
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.max_cached_seqs = max_cached_seqs
         # Per KV group: its layers' sliding window, or None (global layers keep every block).
         self.group_windows = list(group_windows or [None])
         self.num_groups = len(self.group_windows)
-        # copy_fn(src, dst, n_tokens): copies K/V slots between physical blocks.
+        # The pool-wide id of each of this model's groups: what its blocks' hashes key.
+        self.group_ids = self.pool.add_groups(self.num_groups)
+        # copy_fn(src, dst, n_tokens): copies K/V slots between this model's physical blocks.
         self.copy_fn = copy_fn
-        self.blocks = [BlockMeta() for _ in range(num_blocks)]
-        # No content; a stack whose top (right end) is handed out next.
-        self.free_ids: deque[int] = deque(range(num_blocks - 1, 0, -1))
-        self.num_touched = 0  # blocks ever handed out: ids 1..num_touched
-        self.peak_used = 0  # most blocks referenced by live sequences at once
-        self.evictable: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced; LRU first
-        self.by_hash: dict[int, int] = {}
-        self.children: dict[int, set[int]] = {}  # parent hash -> cached blocks that follow it
         self.retained: OrderedDict[int, _Retained] = OrderedDict()  # finished seq id -> blocks
         self.stats = PrefixCacheStats()
         self.token_exact = True  # also reuse part of a block (off: block-granular, for comparison)
         self._last_match = (0, 0)  # (cached tokens, of which partial) of the last match_prefix
-        self._num_cached = 0  # blocks with content: see _has_content
+        # Block ids this model's tables ever held: its own pages ever written (lazy CPU pools).
+        self._touched = bytearray(num_blocks)
+        self.num_touched = 0
+        self.peak_used = 0  # most blocks this model's live tables held at once
+
+    # -- the pool ---------------------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def blocks(self) -> list[BlockMeta]:
+        return self.pool.blocks
+
+    @property
+    def free_ids(self):
+        return self.pool.free_ids
+
+    @property
+    def evictable(self):
+        return self.pool.evictable
+
+    @property
+    def by_hash(self) -> dict[int, int]:
+        return self.pool.by_hash
 
     # -- capacity ---------------------------------------------------------
+    # The pool's figures: one budget, whichever model's tables hold its blocks.
     @property
     def num_usable_blocks(self) -> int:
-        return self.num_blocks - 1
+        return self.pool.num_usable_blocks
 
     @property
     def num_free_blocks(self) -> int:
-        """Blocks that can be handed out now (free or evictable)."""
-        return len(self.free_ids) + len(self.evictable)
+        """Blocks that can be handed out now (free or evictable), to any model."""
+        return self.pool.num_free_blocks
 
     @property
     def num_used_blocks(self) -> int:
-        """Blocks referenced by live sequences."""
-        return self.num_usable_blocks - self.num_free_blocks
+        """Blocks referenced by live sequences, of every model on the pool."""
+        return self.pool.num_used_blocks
+
+    @property
+    def num_held_blocks(self) -> int:
+        """Blocks referenced by this model's tables."""
+        return sum(self.pool.used_by_group[g] for g in self.group_ids)
 
     @property
     def num_cached_blocks(self) -> int:
-        """Blocks holding reusable content (referenced or not); kept as a count because
-        the server's metrics read it every step."""
-        return self._num_cached
+        """Blocks holding reusable content (referenced or not), in the whole pool; kept as a
+        count because the server's metrics read it every step."""
+        return self.pool.num_cached
 
     def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
         """Blocks `seq` must take so each of its tables covers `num_tokens`, plus a
@@ -163,45 +177,44 @@ class BlockManager:
         self.tables(seq)
         return [seq.block_hashes, *seq.group_hashes]
 
-    @staticmethod
-    def _extra(g: int, extra: object) -> object:
-        return extra if g == 0 else (g, extra)  # group 0 hashes as a single-group cache always did
+    def _extra(self, g: int, extra: object) -> object:
+        """The hash key of this model's group g: its pool-wide id (the pool's first group, the
+        target's global layers, hashes as a single-group cache always did)."""
+        gid = self.group_ids[g]
+        return extra if gid == 0 else (gid, extra)
 
     def can_grow(self, seq: Sequence, num_tokens: int) -> bool:
         return self.blocks_needed(seq, num_tokens) <= self.num_free_blocks
 
     # -- allocation -------------------------------------------------------
-    def _take(self) -> int:
-        if self.free_ids:
-            bid = self.free_ids.pop()
-            self.num_touched = max(self.num_touched, bid)
-        elif self.evictable:
-            bid, _ = self.evictable.popitem(last=False)
-            self._uncache(bid)
-            self.stats.evictions += 1
-        else:
-            raise NoFreeBlocksError("no free KV block")
-        self.blocks[bid].ref_count = 1
-        self.peak_used = max(self.peak_used, self.num_used_blocks)
+    def _take(self, g: int) -> int:
+        """A block for this model's group g, from the pool."""
+        evicted = self.pool.evictions
+        bid = self.pool.take(self.group_ids[g])
+        self.stats.evictions += self.pool.evictions - evicted
+        if not self._touched[bid]:
+            self._touched[bid] = 1
+            self.num_touched += 1
+        self.peak_used = max(self.peak_used, self.num_held_blocks)
         return bid
 
     def grow(self, seq: Sequence, num_tokens: int) -> None:
         """Extend seq's table to cover num_tokens; copy a shared block it is about to write."""
         if self.blocks_needed(seq, num_tokens) > self.num_free_blocks:
             raise NoFreeBlocksError(f"{seq.request_id}: not enough free KV blocks")
-        for table in self.tables(seq):
-            self._copy_on_write(seq, table)
+        for g, table in enumerate(self.tables(seq)):
+            self._copy_on_write(seq, table, g)
             while len(table) * self.block_size < num_tokens:
-                table.append(self._take())
+                table.append(self._take(g))
 
-    def _copy_on_write(self, seq: Sequence, table: list[int]) -> None:
+    def _copy_on_write(self, seq: Sequence, table: list[int], g: int) -> None:
         i = seq.num_computed_tokens // self.block_size
         if i >= len(table):
             return
         old = table[i]
         if self.blocks[old].ref_count <= 1:
             return
-        new = self._take()
+        new = self._take(g)
         self._copy(old, new, seq.num_computed_tokens - i * self.block_size)
         self._decref(old)
         table[i] = new
@@ -225,7 +238,7 @@ class BlockManager:
         for table in self.tables(child):
             for bid in table:
                 if bid != NULL_BLOCK:
-                    self.blocks[bid].ref_count += 1
+                    self.pool.ref(bid)
 
     def rewind(self, seq: Sequence, num_tokens: int) -> None:
         """seq keeps the K/V of its first num_tokens tokens only; the blocks past them go back."""
@@ -281,7 +294,7 @@ class BlockManager:
             kept = []
             for table, hashes in zip(tables, self._hash_lists(seq)):
                 self._register_tail(seq, table, hashes)
-                kept += [b for b in table if b != NULL_BLOCK and self._has_content(b)]
+                kept += [b for b in table if b != NULL_BLOCK and self.pool.has_content(b)]
             for b in kept:
                 self.blocks[b].retained_by += 1
             self.retained[seq.seq_id] = _Retained(kept)
@@ -301,43 +314,12 @@ class BlockManager:
             for bid in old.blocks:
                 self._unretain(bid)
 
-    def _has_content(self, bid: int) -> bool:
-        b = self.blocks[bid]
-        return b.hash is not None or bool(b.tokens)
-
     def _unretain(self, bid: int) -> None:
-        b = self.blocks[bid]
-        if b.retained_by > 0:
-            b.retained_by -= 1
-        if b.retained_by == 0 and b.ref_count == 0 and bid in self.evictable:
-            del self.evictable[bid]
-            self._uncache(bid)
-            self.free_ids.append(bid)
+        self.pool.unretain(bid)
 
     def _decref(self, bid: int, keep: bool = True) -> None:
-        b = self.blocks[bid]
-        if b.ref_count <= 0:
-            raise AssertionError(f"block {bid} freed more often than it was allocated")
-        b.ref_count -= 1
-        if b.ref_count == 0:
-            if self.enable_caching and self._has_content(bid) and (keep or b.retained_by > 0):
-                self.evictable[bid] = None  # most recently used end
-            else:
-                self._uncache(bid)
-                self.free_ids.append(bid)
-
-    def _uncache(self, bid: int) -> None:
-        b = self.blocks[bid]
-        if self._has_content(bid):
-            self._num_cached -= 1
-        if b.hash is not None and self.by_hash.get(b.hash) == bid:
-            del self.by_hash[b.hash]
-        kids = self.children.get(b.parent)
-        if kids is not None:
-            kids.discard(bid)
-            if not kids:
-                del self.children[b.parent]
-        b.hash, b.parent, b.tokens, b.retained_by = None, ROOT_HASH, (), 0
+        # Content exists only where caching is on (nothing registers it otherwise).
+        self.pool.decref(bid, keep)
 
     # -- prefix cache -----------------------------------------------------
     def commit_full_blocks(self, seq: Sequence, extra: object = None) -> None:
@@ -354,13 +336,9 @@ class BlockManager:
                 h = block_hash(parent, tokens, self._extra(g, extra))
                 hashes.append(h)
                 bid = table[i]
-                b = self.blocks[bid]
-                if bid == NULL_BLOCK or b.hash is not None:
+                if bid == NULL_BLOCK or self.blocks[bid].hash is not None:
                     continue
-                b.hash, b.parent, b.tokens = h, parent, tokens
-                self._num_cached += 1
-                self.by_hash.setdefault(h, bid)
-                self.children.setdefault(parent, set()).add(bid)
+                self.pool.register(bid, h, parent, tokens)
 
     def _register_tail(self, seq: Sequence, table: list[int], hashes: list[int]) -> None:
         """Make a finished sequence's partial last block matchable token-exactly."""
@@ -373,10 +351,8 @@ class BlockManager:
         b = self.blocks[bid]
         if bid == NULL_BLOCK or b.hash is not None or b.tokens or b.ref_count != 1:
             return  # shared with a fork that may still write into it
-        b.parent = hashes[-1] if hashes else ROOT_HASH
-        b.tokens = tuple(seq.token_ids[i * bs:i * bs + n])
-        self._num_cached += 1
-        self.children.setdefault(b.parent, set()).add(bid)
+        parent = hashes[-1] if hashes else ROOT_HASH
+        self.pool.register(bid, None, parent, tuple(seq.token_ids[i * bs:i * bs + n]))
 
     def match_prefix(self, seq: Sequence, extra: object = None) -> None:
         """Give a new (or preempted) sequence the cached blocks matching its prompt.
@@ -388,8 +364,7 @@ class BlockManager:
         bs = self.block_size
         ids = seq.token_ids
         limit = len(ids) - 1
-        chains = [self._lookup_chain(ids, limit, self._extra(g, extra), w)
-                  for g, w in enumerate(self.group_windows)]
+        chains = [self._lookup_chain(ids, limit, g, extra, w) for g, w in enumerate(self.group_windows)]
         n = self._common_match(chains)
         for (hashes, found), w, table, hash_list in zip(chains, self.group_windows, self.tables(seq),
                                                          self._hash_lists(seq)):
@@ -411,21 +386,20 @@ class BlockManager:
         seq.num_computed_tokens = hit + copied
         self._last_match = (hit + copied, copied)
 
-    def _lookup_chain(self, ids: list[int], limit: int, extra: object,
+    def _lookup_chain(self, ids: list[int], limit: int, g: int, extra: object,
                       window: int | None) -> tuple[list[int], list[int | None]]:
-        """The chained hashes of the prompt's full blocks before `limit`, and the cached block
-        holding each (None where none does); stops after the first miss unless the window slides."""
+        """The chained hashes of group g's full blocks of the prompt before `limit`, and the
+        cached block holding each (None where none does); stops after the first miss unless
+        the window slides."""
         bs = self.block_size
+        key, gid = self._extra(g, extra), self.group_ids[g]
         hashes: list[int] = []
         found: list[int | None] = []
         parent, pos = ROOT_HASH, 0
         while pos + bs <= limit:
             tokens = tuple(ids[pos:pos + bs])
-            h = block_hash(parent, tokens, extra)
-            bid = self.by_hash.get(h)
-            # A hash can collide: serve a block only if its tokens and its parent are ours.
-            if bid is not None and (self.blocks[bid].tokens != tokens or self.blocks[bid].parent != parent):
-                bid = None
+            h = block_hash(parent, tokens, key)
+            bid = self.pool.cached(h, gid, parent, tokens)
             hashes.append(h)
             found.append(bid)
             if bid is None and window is None:
@@ -466,7 +440,7 @@ class BlockManager:
         if not want or not self.token_exact:
             return 0
         best, best_n = None, 0
-        for bid in self.children.get(parent, ()):
+        for bid in self.pool.children.get((self.group_ids[0], parent), ()):
             n = _common_prefix(self.blocks[bid].tokens, want)
             if n > best_n:
                 best, best_n = bid, n
@@ -477,42 +451,36 @@ class BlockManager:
         if self.num_free_blocks == 0:
             self._decref(best)
             return 0
-        dst = self._take()
+        dst = self._take(0)
         self._copy(best, dst, best_n)
         self._decref(best)
         seq.block_table.append(dst)
         return best_n
 
     def _ref_cached(self, bid: int) -> None:
-        b = self.blocks[bid]
-        if b.ref_count == 0:
-            self.evictable.pop(bid, None)
-        b.ref_count += 1
+        self.pool.ref(bid)
 
     # -- checks -----------------------------------------------------------
     def check_invariants(self, live: list[Sequence]) -> None:
-        """Every block is free, referenced by live tables (ref count = holders), or cached."""
+        """The pool's invariants, and every block of this model's groups referenced exactly by
+        the tables of `live` (all its live sequences): ref count = holders, nothing held by a
+        table of another group."""
+        self.pool.check_invariants()
         holders = [0] * self.num_blocks
+        owner: dict[int, int] = {}
         for s in live:
-            for table in self.tables(s):
+            for gid, table in zip(self.group_ids, self.tables(s)):
                 for bid in table:
                     if bid != NULL_BLOCK:
                         holders[bid] += 1
-        free = set(self.free_ids)
-        assert len(free) == len(self.free_ids), "a block is on the free list twice"
+                        owner[bid] = gid
+        mine = set(self.group_ids)
         for bid in range(1, self.num_blocks):
             b = self.blocks[bid]
-            assert b.ref_count == holders[bid], f"block {bid}: ref {b.ref_count} != {holders[bid]} tables"
-            states = (bid in free) + (bid in self.evictable) + (b.ref_count > 0)
-            assert states == 1, f"block {bid} is in {states} states (free/evictable/referenced)"
-            if bid in self.evictable:
-                assert self._has_content(bid), f"evictable block {bid} holds nothing"
-            if bid in free:
-                assert not self._has_content(bid), f"free block {bid} still holds cached content"
-        for h, bid in self.by_hash.items():
-            assert self.blocks[bid].hash == h, f"hash index points at block {bid} with another hash"
-        content = sum(1 for bid in range(1, self.num_blocks) if self._has_content(bid))
-        assert self._num_cached == content, f"cached-block count {self._num_cached} != {content}"
+            if b.ref_count > 0 and b.group in mine or holders[bid]:
+                assert b.ref_count == holders[bid], f"block {bid}: ref {b.ref_count} != {holders[bid]} tables"
+            if holders[bid]:
+                assert b.group == owner[bid], f"block {bid} of group {b.group} sits in a table of group {owner[bid]}"
 
 
 def _common_prefix(a: tuple[int, ...], b: list[int]) -> int:

@@ -1,12 +1,22 @@
 """The draft model of speculative decoding: a small model with the target's vocabulary that
-proposes up to k tokens a step by greedy decoding, on its own paged KV cache.
+proposes up to k tokens a step by greedy decoding, inside the engine's step (after
+sampling, as vLLM's drafter runs).
+
+Its KV blocks come from the target's block pool (block_pool.py): the draft's KV groups are
+registered there beside the target's, so one budget and one free list serve both, and a
+block's prefix-cache hash keys its group, so the draft's K/V never matches the target's.
+Its pages live in a paged cache of its own (its layers have other shapes), indexed by the
+same block ids: on the CPU those pools are lazy, and a block id only the target uses costs
+the draft's cache nothing. A sequence holds target blocks and draft blocks from the one
+pool: the scheduler's room checks see both, preemption gives both back, and when the pool
+is short the draft proposes less rather than take blocks the target's next step needs.
 
 Each speculating sequence has a shadow here: the tokens whose K/V the draft holds, with its
-own block tables in the draft's BlockManager. Before proposing, the shadow is reconciled
-with the target sequence: the proposals the target accepted keep their K/V, the rest is
-trimmed, and the draft computes whatever tokens it has not seen (the prompt on first use,
-the target's own token after each verification, anything added while speculation was
-paused) in one batched forward whose last rows give the first proposals. The other k - 1
+block tables in the draft's view of the pool (a BlockManager over its groups). Before
+proposing, the shadow is reconciled with the target sequence: the proposals the target
+accepted keep their K/V, the rest is trimmed, and the draft computes whatever tokens it has
+not seen (the prompt on first use, the target's own token after each verification, anything
+added while speculation was paused) in one batched forward whose last rows give the first proposals. The other k - 1
 proposals come from k - 1 one-row decode steps batched over every speculating sequence.
 With prefix caching on (the target's setting), a new shadow starts from the draft's own
 cached K/V of its prompt, and finished shadows leave theirs behind.
@@ -24,8 +34,8 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..config import CacheConfig
-from ..kv.cache import CachePlan, KVCacheSpec, dtype_name
-from ..kv.groups import plan_groups
+from ..kv.cache import KVCacheSpec, dtype_name
+from ..kv.groups import KVGroups, plan_groups
 from .block_manager import BlockManager
 from .model_runner import ModelRunner
 from .scheduler import ScheduledSeq
@@ -74,25 +84,21 @@ def draft_cache_config(cache_cfg: CacheConfig) -> CacheConfig:
     return replace(cache_cfg, paged_attention=True)
 
 
-def share_budget(plan: CachePlan, target: KVCacheSpec, target_tables: int, draft: KVCacheSpec,
-                 draft_tables: int) -> int:
-    """Carve the draft's cache out of the target's plan; returns the draft's block count (the
-    null block included) and shrinks the plan. Both caches then hold the same number of
-    tokens per sequence table: a byte budget is split in proportion to the bytes a token
-    costs in each; a context length (tokens, not bytes) is given to both."""
-    usable = plan.num_blocks - 1
-    ratio = draft_tables / target_tables  # draft blocks per target block, at equal tokens
-    if plan.source.startswith("kv_cache_context_len"):
-        n = usable
-    else:
-        n = int(usable * target.bytes_per_block // (target.bytes_per_block + ratio * draft.bytes_per_block))
-        if n < 1 or int(n * ratio) < 1:
-            raise ValueError(f"the KV cache budget ({plan.source}) cannot hold a block for both the target "
-                             "and the draft model; give the KV cache more memory")
-        plan.num_blocks = n + 1
-    d = max(1, int(n * ratio))
-    plan.source += f"; {n} blocks for the target, {d} for the draft model's cache"
-    return d + 1
+def draft_kv_groups(loaded) -> KVGroups:
+    """The draft's KV groups: paged attention always, so sliding layers get their own tables."""
+    cfg = loaded.config
+    return plan_groups(cfg.layer_windows, cfg.num_layers, hybrid=True)
+
+
+def shared_pool_note(num_blocks: int, target: KVCacheSpec, draft: KVCacheSpec) -> str:
+    """What the cache plan's source says of the pool both models draw from."""
+    return (f"; one pool of {num_blocks - 1} blocks for the target and the draft model, each block id a "
+            f"page in both caches ({target.bytes_per_block / 1024:g} + {draft.bytes_per_block / 1024:g} KiB), "
+            f"the draft's pages {_mb(num_blocks, draft):.1f} MB of it")
+
+
+def _mb(num_blocks: int, spec: KVCacheSpec) -> float:
+    return (num_blocks * spec.bytes_per_block + spec.fixed_bytes) / 2**20
 
 
 @dataclass
@@ -102,41 +108,52 @@ class _Shadow:
 
 
 class DraftModel:
-    """The draft's model, paged cache, block manager and runner, and a shadow per sequence."""
+    """The draft's model, its pages and runner, its KV groups on the target's block pool,
+    and a shadow per sequence."""
 
-    def __init__(self, loaded, spec: KVCacheSpec, cache_cfg: CacheConfig, num_blocks: int,
+    def __init__(self, loaded, spec: KVCacheSpec, cache_cfg: CacheConfig, target: BlockManager,
                  device: torch.device, dtype: torch.dtype, chunk: int) -> None:
+        """`target`: the target's block manager, whose pool the draft's groups join."""
         from .llm_engine import build_kv  # the engine module imports this one
 
-        cfg = loaded.config
         self.name = loaded.source.short_name
         self.loaded = loaded
-        self.cache_config = draft_cache_config(cache_cfg)
-        self.kv_groups = plan_groups(cfg.layer_windows, cfg.num_layers, hybrid=True)
+        self.cache_config = dcfg = draft_cache_config(cache_cfg)
+        self.kv_groups = draft_kv_groups(loaded)
         self.kv_spec = spec
-        self.kv_cache, backend, copy_fn = build_kv(loaded, spec, self.cache_config, num_blocks, device, dtype,
+        self.target = target
+        pool = target.pool
+        self.kv_cache, backend, copy_fn = build_kv(loaded, spec, dcfg, pool.num_blocks, device, dtype,
                                                    self.kv_groups)
-        dcfg = self.cache_config
-        self.block_manager = BlockManager(num_blocks, dcfg.block_size, dcfg.prefix_caching,
-                                          dcfg.prefix_cache_n, copy_fn, self.kv_groups.windows)
+        # Not a second pool: the draft's tables, hashes and figures over the target's blocks.
+        self.block_manager = BlockManager(pool.num_blocks, dcfg.block_size, dcfg.prefix_caching,
+                                          dcfg.prefix_cache_n, copy_fn, self.kv_groups.windows, pool=pool)
         self.runner = ModelRunner(loaded.model, backend, cache_cfg.block_size, device, sampler=None)
         self.chunk = chunk  # most tokens the draft computes in one forward
         self.shadows: dict[int, _Shadow] = {}  # target seq_id -> its shadow
         self.forwards = 0  # draft forward passes, for the trace
-        self.no_room = 0  # times a sequence proposed less for want of free draft blocks
+        self.no_room = 0  # times a sequence proposed less for want of free blocks in the pool
 
     @property
     def memory_mb(self) -> float:
-        return (self.block_manager.num_blocks * self.kv_spec.bytes_per_block + self.kv_spec.fixed_bytes) / 2**20
+        """The ceiling of the draft's pages: one per block id of the pool."""
+        return _mb(self.block_manager.num_blocks, self.kv_spec)
+
+    @property
+    def committed_mb(self) -> float:
+        """What the draft's pages hold now: on the CPU (lazy) the block ids its tables ever held."""
+        return self.kv_cache.committed_bytes(self.block_manager.num_touched) / 2**20
 
     def describe(self) -> str:
         bm = self.block_manager
         prefix = f"{bm.stats.hits} prompt tokens reused" if bm.enable_caching else "off"
-        return (f"draft model {self.name}: own paged KV cache of {bm.num_usable_blocks} blocks of "
-                f"{bm.block_size} tokens ({self.memory_mb:.1f} MB, {dtype_name(self.kv_spec.dtype)}, "
-                f"carved from the same budget), {bm.num_used_blocks} in use by {len(self.shadows)} "
-                f"sequences; prefix cache {prefix}; {self.forwards} draft forwards; {self.no_room} times "
-                f"short of draft blocks")
+        return (f"draft model {self.name}: {bm.num_groups} KV group(s) in the target's pool of "
+                f"{bm.num_usable_blocks} blocks of {bm.block_size} tokens (one budget; each block id a page "
+                f"in both caches, the draft's {self.kv_spec.bytes_per_block / 1024:g} KiB, "
+                f"{dtype_name(self.kv_spec.dtype)}: ceiling {self.memory_mb:.1f} MB, committed "
+                f"{self.committed_mb:.1f} MB), {bm.num_held_blocks} held for {len(self.shadows)} sequences "
+                f"of the pool's {bm.num_used_blocks} in use; prefix cache {prefix}; {self.forwards} draft "
+                f"forwards; {self.no_room} times short of draft blocks")
 
     # -- per sequence -------------------------------------------------------
     def release(self, seq: Sequence) -> None:
@@ -182,23 +199,43 @@ class DraftModel:
         return sh
 
     # -- proposing ------------------------------------------------------------
+    def _reserve(self, running: list[Sequence]) -> int:
+        """Free blocks the draft leaves in the pool: what the target's running sequences take
+        in the next step (a decode's next block, a prefill's next chunk, the step's token
+        budget handed out in order as the scheduler does), so speculation never makes the
+        scheduler preempt anyone."""
+        need, budget = 0, self.chunk
+        for s in running:
+            n = min(s.num_uncomputed_tokens, budget)
+            if n <= 0:
+                break
+            need += self.target.blocks_needed(s, s.num_computed_tokens + n)
+            budget -= n
+        return need
+
+    def _room(self, d: Sequence, num_tokens: int, reserve: int) -> bool:
+        return self.block_manager.blocks_needed(d, num_tokens) <= self.block_manager.num_free_blocks - reserve
+
     @torch.inference_mode()
-    def propose(self, want: list[tuple[Sequence, int]]) -> None:
+    def propose(self, want: list[tuple[Sequence, int]], running: list[Sequence] = ()) -> None:
         """Set `spec_tokens` to up to k greedy draft tokens on each (sequence, k) of `want`.
-        A sequence the draft cache has no room for, or whose catch-up exceeds this step's
-        chunk, proposes nothing this step."""
+        A sequence the pool has no room for (beyond what the `running` sequences' next step
+        needs), or whose catch-up exceeds this step's chunk, proposes less or nothing."""
         bm = self.block_manager
         budget = self.chunk
+        reserve = self._reserve(running)
         first: list[tuple[ScheduledSeq, Sequence, int]] = []
         for seq, k in want:
+            new = seq.seq_id not in self.shadows
             d = self._sync(seq).seq
             take = min(d.num_uncomputed_tokens, budget)
-            if take <= 0:
-                continue
-            if d.block_table:
+            if take > 0 and d.block_table:
                 bm.release_window(d)  # sliding draft layers: only at the synced position
-            if not bm.can_grow(d, d.num_computed_tokens + take):
-                self.no_room += 1
+            if take <= 0 or not self._room(d, d.num_computed_tokens + take, reserve):
+                if take > 0:
+                    self.no_room += 1
+                if new:  # the blocks its prefix match took go back to the pool until it runs
+                    self.release(seq)
                 continue
             bm.grow(d, d.num_computed_tokens + take)
             budget -= take
@@ -217,7 +254,7 @@ class DraftModel:
                 if k <= j:
                     continue
                 d.token_ids.append(seq.spec_tokens[-1])  # the previous proposal is the next input
-                if not bm.can_grow(d, d.num_tokens):
+                if not self._room(d, d.num_tokens, reserve):
                     d.token_ids.pop()
                     self.no_room += 1
                     continue

@@ -32,7 +32,7 @@ from ..speculative import decoder as spec_decoder
 from ..speculative.config import SpeculativeConfig
 from ..structured.grammar import GrammarEngine, advance as grammar_advance
 from .block_manager import BlockManager
-from .draft import NO_TP, DraftModel, draft_cache_config, share_budget
+from .draft import NO_TP, DraftModel, draft_cache_config, draft_kv_groups, shared_pool_note
 from .model_runner import ModelRunner
 from .output_processor import OutputProcessor, SeqOutputState
 from .scheduler import ScheduledSeq, Scheduler
@@ -62,8 +62,8 @@ class LLMEngine:
     def __init__(self, loaded: LoadedModel, cache_cfg: CacheConfig, sched_cfg: SchedulerConfig,
                  device: torch.device, dtype: torch.dtype, seed: int = 0, executor=None,
                  speculative: SpeculativeConfig | None = None, draft: LoadedModel | None = None) -> None:
-        """`draft`: the loaded draft model of speculative method "draft" (its cache is carved
-        out of this engine's KV budget)."""
+        """`draft`: the loaded draft model of speculative method "draft" (its KV groups draw
+        from this engine's block pool: one budget, each block a page of both caches)."""
         cache_cfg.validate()
         sched_cfg.validate()
         self.model = loaded.model
@@ -82,19 +82,22 @@ class LLMEngine:
         self.kv_groups = plan_groups(cfg.layer_windows, cfg.num_layers, hybrid=cache_cfg.paged_attention)
         self.kv_spec = kv_spec_of(loaded, cache_cfg, dtype, self.kv_groups)
         windows = self.kv_groups.windows
-        self.cache_plan = plan_cache(self.kv_spec, cache_cfg, device, sched_cfg.max_model_len,
-                                     sched_cfg.max_num_seqs,
-                                     lambda n: blocks_held(windows, n, cache_cfg.block_size,
-                                                           sched_cfg.max_num_batched_tokens),
-                                     self.kv_groups.num_groups)
-        draft_spec = draft_blocks = None
+        # The pool's tables per sequence: the target's groups, and a draft model's beside them.
+        all_windows = list(windows)
+        draft_spec = None
         if draft is not None:
             if executor is not None:
                 raise ValueError(NO_TP)
-            dcfg = draft_cache_config(cache_cfg)
-            draft_spec = kv_spec_of(draft, dcfg, dtype)
-            draft_blocks = share_budget(self.cache_plan, self.kv_spec, self.kv_groups.num_groups, draft_spec,
-                                        plan_groups(draft.config.layer_windows, draft.config.num_layers).num_groups)
+            draft_groups = draft_kv_groups(draft)
+            draft_spec = kv_spec_of(draft, draft_cache_config(cache_cfg), dtype, draft_groups)
+            all_windows += draft_groups.windows
+        self.cache_plan = plan_cache(self.kv_spec, cache_cfg, device, sched_cfg.max_model_len,
+                                     sched_cfg.max_num_seqs,
+                                     lambda n: blocks_held(all_windows, n, cache_cfg.block_size,
+                                                           sched_cfg.max_num_batched_tokens),
+                                     len(all_windows), also=draft_spec)
+        if draft is not None:
+            self.cache_plan.source += shared_pool_note(self.cache_plan.num_blocks, self.kv_spec, draft_spec)
         self.executor = executor  # rank 0's side of tensor parallelism, or None
         if executor is not None:  # every rank builds the same number of blocks of its heads
             executor.setup(self.cache_plan.num_blocks)
@@ -125,11 +128,15 @@ class LLMEngine:
         if draft is not None:
             if self.spec is None or speculative.method != "draft":
                 raise ValueError("a draft model was given without speculative method 'draft'")
-            self.spec.draft = DraftModel(draft, draft_spec, cache_cfg, draft_blocks, device, dtype,
+            self.spec.draft = DraftModel(draft, draft_spec, cache_cfg, self.block_manager, device, dtype,
                                          sched_cfg.max_num_batched_tokens)
             logger.info(self.spec.draft.describe())
         elif self.spec is not None and speculative.method == "draft":
             raise ValueError("speculative method 'draft' needs the draft model loaded (LLM(...) loads it)")
+        if self.spec is not None:
+            # A preempted sequence's draft blocks go back to the pool at once, so the
+            # scheduler's room check sees them before it preempts another.
+            self.scheduler.on_preempt = self.spec.release
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.stats = {"prompt_tokens": 0, "generated_tokens": 0, "steps": 0}
@@ -344,11 +351,9 @@ class LLMEngine:
         """One schedule, one execute, then the record: tokens appended, proposals accepted, and
         the next step's proposals made from this step's tokens."""
         sched = self.scheduler.schedule()
-        for s in sched.preempted:
+        for s in sched.preempted:  # their draft blocks went back as they were preempted
             self.backend.free_seq(s.seq_id)
             self.runner.release(s.seq_id)
-            if self.spec is not None:
-                self.spec.release(s)
         if not sched:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("scheduler made no progress although requests are waiting")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Callable
 
 from ..config import SchedulerConfig
 from .block_manager import BlockManager
@@ -72,6 +73,9 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        # Called with each preempted sequence once its blocks are freed: a draft model gives
+        # back its blocks of the same pool (engine/draft.py), so the next room check counts them.
+        self.on_preempt: Callable[[Sequence], None] | None = None
 
     # -- queue ------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -167,6 +171,8 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
+        if self.on_preempt is not None:
+            self.on_preempt(seq)
         logger.debug("preempted %s (%d tokens) to free KV blocks", seq.request_id, seq.num_tokens)
 
     # -- after the step ---------------------------------------------------

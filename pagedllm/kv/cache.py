@@ -110,19 +110,28 @@ def available_memory_bytes(device: torch.device) -> int:
 
 def plan_cache(spec: KVCacheSpec, cfg: CacheConfig, device: torch.device,
                max_model_len: int, max_num_seqs: int,
-               blocks_for: Callable[[int], int] | None = None, num_tables: int = 1) -> CachePlan:
+               blocks_for: Callable[[int], int] | None = None, num_tables: int = 1,
+               also: KVCacheSpec | None = None) -> CachePlan:
     """Turn exactly one of the three size settings (or the default) into a block count.
 
     A byte budget pays for the per-token scales too (int8), so it buys
     bytes_per_token(auto) / bytes_per_token(mode) times the blocks of `auto`.
     With KV groups (kv/groups.py) a sequence has `num_tables` tables: kv_cache_context_len
     tokens buy that many blocks in each, and `blocks_for(tokens)` (the most blocks a sequence
-    of that length holds, sliding groups' windows counted) caps the default size."""
+    of that length holds, sliding groups' windows counted) caps the default size.
+    `also`: a second model's cache over the same block ids (a draft model's: one pool of
+    blocks for both, engine/block_pool.py): every block costs a page in each, so a
+    byte budget buys blocks of both sizes together; `num_tables` and `blocks_for` then count
+    both models' tables."""
     bpb = spec.bytes_per_block
+    fixed = spec.fixed_bytes
+    if also is not None:
+        bpb += also.bytes_per_block
+        fixed += also.fixed_bytes
     if blocks_for is None:
         blocks_for = lambda n: cdiv(n, spec.block_size)  # noqa: E731
     if cfg.kv_cache_memory_mb is not None:
-        n = int(max(0, cfg.kv_cache_memory_mb * 2**20 - spec.fixed_bytes) // bpb)
+        n = int(max(0, cfg.kv_cache_memory_mb * 2**20 - fixed) // bpb)
         plan = CachePlan(n, f"kv_cache_memory_mb={cfg.kv_cache_memory_mb:g}")
     elif cfg.kv_cache_context_len is not None:
         n = cdiv(cfg.kv_cache_context_len, spec.block_size) * num_tables

@@ -30,7 +30,7 @@ class KVCacheTrace:
     committed_mb: float  # what they hold now (estimated: see `committed_bytes`)
     committed_how: str
     sized_by: str
-    blocks_used: int
+    blocks_used: int  # every model's: a draft model's blocks come from the same pool
     # KV groups (kv/groups.py): how layers share block tables, and the blocks each group's
     # live tables hold now (a block is a page of `kv_group_layers` layers).
     kv_groups: str
@@ -64,11 +64,14 @@ class KVCacheTrace:
     spec_accepted_tokens: int = 0
     spec_acceptance_rate: float = 0.0
     spec_mean_accepted_length: float = 0.0  # draft tokens accepted per verification
-    # Method "draft": the draft model's own paged cache (carved from the same budget), its blocks.
+    # Method "draft": the draft model's KV groups in the same block pool (one budget; its pages
+    # in a cache of its own under the same block ids): the pool's blocks, those the draft's
+    # tables hold now (counted in blocks_used too), its pages' ceiling and what they hold now.
     spec_draft_cache: str = ""
     spec_draft_blocks_total: int = 0
     spec_draft_blocks_used: int = 0
     spec_draft_memory_mb: float = 0.0
+    spec_draft_committed_mb: float = 0.0
     # Mixtures of experts: how the experts run, and the rows routed to each expert in the
     # last step (summed over the sparse layers: each of a step's rows counts k times a layer).
     moe_experts: str = ""
@@ -215,7 +218,8 @@ def _speculative(engine) -> dict:
     if draft is not None:
         dbm = draft.block_manager
         out.update(spec_draft_cache=draft.describe(), spec_draft_blocks_total=dbm.num_usable_blocks,
-                   spec_draft_blocks_used=dbm.num_used_blocks, spec_draft_memory_mb=draft.memory_mb)
+                   spec_draft_blocks_used=dbm.num_held_blocks, spec_draft_memory_mb=draft.memory_mb,
+                   spec_draft_committed_mb=draft.committed_mb)
     return out
 
 

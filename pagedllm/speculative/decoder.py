@@ -118,8 +118,8 @@ class SpeculativeDecoder:
                 capped.append((s, k))
                 room -= k
         want = capped
-        if self.draft is not None:
-            self.draft.propose(want)
+        if self.draft is not None:  # its blocks come from the pool the running sequences grow in
+            self.draft.propose(want, running)
             return
         c = self.config
         for s, k in want:
@@ -131,7 +131,8 @@ class SpeculativeDecoder:
                 s.spec_tokens = s.spec_tokens[:s.grammar.validate_tokens(s.spec_tokens)]
 
     def release(self, seq) -> None:
-        """seq finished, was aborted or preempted: the draft model gives back its blocks."""
+        """seq finished, was aborted or preempted: the draft model gives back its blocks (to
+        the pool the target's blocks come from)."""
         if self.draft is not None:
             self.draft.release(seq)
 
