@@ -12,6 +12,7 @@ from tqdm.auto import tqdm
 
 from .config import CacheConfig, SchedulerConfig
 from .device import resolve_device, resolve_dtype
+from .engine import scoring
 from .engine.driver import EngineDriver
 from .engine.llm_engine import LLMEngine
 from .loading.loader import load_model
@@ -215,6 +216,20 @@ class LLM:
                              "model (task='embed')")
         prefix = self.pooling.prompt(prompt_name)
         return [self.tokenizer.encode(prefix + p) if isinstance(p, str) else list(p) for p in inputs]
+
+    def prompt_logits(self, token_ids: list[int], chunk_size: int | None = None) -> torch.Tensor:
+        """Logits [T, vocab] (float32, CPU) at every position of a token-id prompt, through the
+        same KV cache, attention and scheduler as generation, `chunk_size` tokens a step
+        (1 = token by token through the decode path; None = max_num_batched_tokens)."""
+        return scoring.prompt_logits(self.driver, token_ids, chunk_size)
+
+    def score_prompts(self, prompts: Seq[list[int]], chunk_size: int | None = 1,
+                      top1: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+        """Per token-id prompt, log p(token[t+1] | tokens[:t+1]) for every t ([T-1] float32), all
+        prompts advancing together `chunk_size` tokens a step (1 = every token through the decode
+        path): perplexity over many windows. A list passed as `top1` receives each prompt's
+        argmax predictions ([T-1] int64)."""
+        return scoring.score_prompts(self.driver, prompts, chunk_size, top1)
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel worker processes; the LLM cannot generate afterwards.

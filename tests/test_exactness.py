@@ -30,7 +30,7 @@ def test_prefill_logits_match(family_ckpt):
     for p in prompts[-3:]:
         with torch.no_grad():
             want = ref(torch.tensor([p])).logits[0]
-        got = llm.engine.prompt_logits(p)
+        got = llm.prompt_logits(p)
         err = (got - want).abs().max().item()
         assert err < 1e-4, f"{family}: prefill logits differ by {err}"
 
@@ -79,7 +79,7 @@ def test_phi3_longrope_long_factors(tmp_path, hf_smollm2_tokenizer):
     for p in prompts:
         with torch.no_grad():
             want = ref(torch.tensor([p])).logits[0]
-        err = (llm.engine.prompt_logits(p) - want).abs().max().item()
+        err = (llm.prompt_logits(p) - want).abs().max().item()
         assert err < 1e-4, f"long-factor prefill logits differ by {err}"
     expected = []
     with torch.no_grad():

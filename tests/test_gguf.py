@@ -481,5 +481,5 @@ def test_quantized_load_matches_dequantized_and_leaks_no_float_copy(tmp_path):
         assert q.engine.weights.formats[qtype.name] == LAYERS * 7 + 2
         assert not any(p.dim() == 2 for p in q.engine.model.parameters())
         prompt = list(range(3, 60))  # 57 rows: the GEMM route
-        err = (q.engine.prompt_logits(prompt) - d.engine.prompt_logits(prompt)).abs().max().item()
+        err = (q.prompt_logits(prompt) - d.prompt_logits(prompt)).abs().max().item()
         assert err < 1e-4, (qtype.name, err)

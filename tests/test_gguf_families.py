@@ -120,7 +120,7 @@ def test_gguf_greedy_tokens_match_transformers(tmp_path, arch, qtype):
     llm = LLM(str(tmp_path / "m.gguf"), dtype="float32", kv_cache_memory_mb=16, dequantize_weights=True)
     with torch.no_grad():
         want = ref(torch.tensor([prompts[-1]])).logits[0]
-    err = (llm.engine.prompt_logits(prompts[-1]) - want).abs().max().item()
+    err = (llm.prompt_logits(prompts[-1]) - want).abs().max().item()
     assert err < 1e-4, f"{arch} {qtype.name}: prefill logits differ by {err}"
     sp = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     assert [o.token_ids for o in llm.generate(prompts, sp, use_tqdm=False)] == expected

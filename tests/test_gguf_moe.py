@@ -139,7 +139,7 @@ def test_gguf_moe_matches_transformers(tmp_path, family, qtype):
         want = ref(torch.tensor([prompts[-1]])).logits[0]
         expected = [ref.generate(torch.tensor([p]), max_new_tokens=16, do_sample=False, eos_token_id=None,
                                  pad_token_id=0)[0, len(p):].tolist() for p in prompts]
-    err = (llm.engine.prompt_logits(prompts[-1]) - want).abs().max().item()
+    err = (llm.prompt_logits(prompts[-1]) - want).abs().max().item()
     assert err < 1e-4, f"{family} {qtype.name}: prefill logits differ by {err}"
     sp = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     assert [o.token_ids for o in llm.generate(prompts, sp, use_tqdm=False)] == expected
@@ -195,9 +195,9 @@ def test_quantized_experts_stay_quantized_and_agree(tmp_path, qtype):
     g = torch.Generator().manual_seed(11)
     windows = [torch.randint(3, vocab, (96,), generator=g).tolist() for _ in range(6)]
     ref: list[torch.Tensor] = []
-    d.engine.score_prompts(windows, chunk_size=97, top1=ref)
+    d.score_prompts(windows, chunk_size=97, top1=ref)
     for chunk in (1, 97):  # every token a decode row (integer kernels), whole windows (GEMMs)
         got: list[torch.Tensor] = []
-        q.engine.score_prompts(windows, chunk_size=chunk, top1=got)
+        q.score_prompts(windows, chunk_size=chunk, top1=got)
         agree = (torch.cat(got) == torch.cat(ref)).double().mean().item()
         assert agree >= 0.98, f"{qtype.name}, chunk {chunk}: top-1 agreement {agree:.3f}"

@@ -186,9 +186,9 @@ def _assert_close_to_float32(path, prompt: list[int]) -> LLM:
     perplexity within 0.5%. Returns the float32 engine."""
     quant = LLM(str(path), dtype="float32", kv_cache_memory_mb=8)
     exact = LLM(str(path), dtype="float32", kv_cache_memory_mb=8, dequantize_weights=True)
-    ref = exact.engine.prompt_logits(prompt)
-    for label, got in (("prefill", quant.engine.prompt_logits(prompt)),
-                       ("decode", quant.engine.prompt_logits(prompt, chunk_size=1))):
+    ref = exact.prompt_logits(prompt)
+    for label, got in (("prefill", quant.prompt_logits(prompt)),
+                       ("decode", quant.prompt_logits(prompt, chunk_size=1))):
         top1 = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
         ppl_ratio = np.exp(_nll(got, prompt) - _nll(ref, prompt))
         assert top1 >= 0.98, (label, top1)
@@ -218,7 +218,7 @@ def test_model_matches_transformers_on_gptqmodels_weights(gptq_model, monkeypatc
     prompt = _prompt(80, 5)
     with torch.no_grad():
         want = ref(torch.tensor([prompt])).logits[0]
-    got = llm.engine.prompt_logits(prompt)  # 80 rows: the dequantize + GEMM route
+    got = llm.prompt_logits(prompt)  # 80 rows: the dequantize + GEMM route
     assert (got - want).abs().max().item() < 1e-3
     assert torch.equal(got.argmax(-1), want.argmax(-1))
     # Greedy tokens against transformers' generate on the same weights, every step on the repacked

@@ -99,7 +99,7 @@ def test_model_matches_transformers_on_autoawqs_weights(awq_model, monkeypatch):
     prompt = _prompt(80, 6)
     with torch.no_grad():
         want = ref(torch.tensor([prompt])).logits[0]
-    got = llm.engine.prompt_logits(prompt)
+    got = llm.prompt_logits(prompt)
     assert (got - want).abs().max().item() < 1e-3
     monkeypatch.setattr(qk, "INT_ROWS", 0)
     p = _prompt(12, 8)
@@ -157,6 +157,6 @@ def test_autoawqs_own_checkpoint(autoawq_checkpoint):
     prompt = _prompt(80, 1)
     with torch.no_grad():
         want = ref(torch.tensor([prompt])).logits[0]
-    got = llm.engine.prompt_logits(prompt)
+    got = llm.prompt_logits(prompt)
     assert (got - want).abs().max().item() < 1e-3
     assert torch.equal(got.argmax(-1), want.argmax(-1))

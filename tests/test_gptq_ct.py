@@ -122,7 +122,7 @@ def test_model_matches_transformers_running_the_checkpoint(ct_model, monkeypatch
     prompt = _prompt(80, 3)
     with torch.no_grad():
         want = ref(torch.tensor([prompt])).logits[0]
-    got = llm.engine.prompt_logits(prompt)
+    got = llm.prompt_logits(prompt)
     assert (got - want).abs().max().item() < 1e-3
     monkeypatch.setattr(qk, "INT_ROWS", 0)  # every step on the blocks' dequantize + GEMM route
     p = _prompt(12, 4)

@@ -117,10 +117,10 @@ def test_isq_model_matches_transformers_on_the_rounded_weights(isq_ckpt, fmt):
     prompt = torch.randint(0, 49152, (80,), generator=torch.Generator().manual_seed(5)).tolist()
     with torch.no_grad():
         want = rounded(torch.tensor([prompt])).logits[0]
-    got = llm.engine.prompt_logits(prompt)  # 80 rows: the dequantize + GEMM route, exact
+    got = llm.prompt_logits(prompt)  # 80 rows: the dequantize + GEMM route, exact
     assert (got - want).abs().max().item() < 1e-3
     short = prompt[:20]  # 20 rows: the integer kernels, within int8-activation noise
-    got_short = llm.engine.prompt_logits(short)
+    got_short = llm.prompt_logits(short)
     cos = torch.nn.functional.cosine_similarity(got_short, want[:20], dim=-1)
     assert cos.min().item() > 0.995, cos.min().item()
 
@@ -133,19 +133,19 @@ def test_batch1_decode_rounds_activations_in_two_levels(isq_ckpt, monkeypatch):
     path, _ = isq_ckpt
     llm = LLM(str(path), dtype="float32", isq="Q4_K", kv_cache_memory_mb=8)
     prompt = torch.randint(0, 49152, (48,), generator=torch.Generator().manual_seed(9)).tolist()
-    exact = llm.engine.prompt_logits(prompt)  # 48 rows at once: dequantize + GEMM, no rounding
+    exact = llm.prompt_logits(prompt)  # 48 rows at once: dequantize + GEMM, no rounding
     assert "activations int8x2 up to 8 rows" in llm.engine.kv_cache_trace().weight_kernel
-    errors = {"default": ((llm.engine.prompt_logits(prompt, chunk_size=1) - exact).abs().max()
+    errors = {"default": ((llm.prompt_logits(prompt, chunk_size=1) - exact).abs().max()
                           / exact.abs().max()).item()}
     for mode in ("int8x2", "int8"):
         monkeypatch.setenv("PAGEDLLM_QUANT_ACT", mode)
-        got = llm.engine.prompt_logits(prompt, chunk_size=1)
+        got = llm.prompt_logits(prompt, chunk_size=1)
         errors[mode] = ((got - exact).abs().max() / exact.abs().max()).item()
     assert errors["default"] == errors["int8x2"]
     assert errors["int8x2"] < errors["int8"] / 20, errors
     monkeypatch.setenv("PAGEDLLM_QUANT_ACT", "int4")
     with pytest.raises(ValueError, match="PAGEDLLM_QUANT_ACT"):
-        llm.engine.prompt_logits(prompt[:4], chunk_size=1)
+        llm.prompt_logits(prompt[:4], chunk_size=1)
 
 
 @pytest.mark.parametrize("fmt", ["Q8_0", "Q4_K"])

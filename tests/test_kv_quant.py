@@ -181,8 +181,8 @@ VS_BF16 = {"int8": 1.5, "f8e4m3": 6.0, "bf16": 1.0, "f16": 0.3}
 @pytest.fixture(scope="module")
 def llama_ref(llama_ckpt):
     prompt = _prompts(1, 1000, lens=(80,))[0]
-    ref = LLM(str(llama_ckpt), dtype="float32", kv_cache_memory_mb=8).engine.prompt_logits(prompt, 1)
-    bf16 = LLM(str(llama_ckpt), dtype="bfloat16", kv_cache_memory_mb=8).engine.prompt_logits(prompt, 1)
+    ref = LLM(str(llama_ckpt), dtype="float32", kv_cache_memory_mb=8).prompt_logits(prompt, 1)
+    bf16 = LLM(str(llama_ckpt), dtype="bfloat16", kv_cache_memory_mb=8).prompt_logits(prompt, 1)
     return prompt, ref, (bf16 - ref).abs().mean() / ref.std()
 
 
@@ -190,7 +190,7 @@ def llama_ref(llama_ckpt):
 def test_logits_close_to_auto(llama_ckpt, llama_ref, ct):
     prompt, ref, bf16_err = llama_ref
     llm = LLM(str(llama_ckpt), dtype="float32", kv_cache_memory_mb=8, kv_cache_dtype=ct)
-    got = llm.engine.prompt_logits(prompt, 1)
+    got = llm.prompt_logits(prompt, 1)
     assert torch.isfinite(got).all()
     err = ((got - ref).abs().mean() / ref.std()).item()
     assert 0 < err < VS_BF16[ct] * bf16_err, f"{ct}: mean logit error {err:.4f} x std " \
@@ -202,9 +202,9 @@ def test_logits_close_to_auto(llama_ckpt, llama_ref, ct):
     # prefill reads the same stored values as token-by-token decode. Not bit for bit: another
     # batch shape rounds K/V differently in float32, which now and then moves a value to the
     # neighbouring quantization step.
-    lp = llm.engine.score_prompts([prompt, prompt[:50]], chunk_size=1)
+    lp = llm.score_prompts([prompt, prompt[:50]], chunk_size=1)
     want = got[:-1].log_softmax(-1).gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
-    for a, b in ((lp[0], want), (lp[1], lp[0][:49]), (llm.engine.prompt_logits(prompt, 16), got)):
+    for a, b in ((lp[0], want), (lp[1], lp[0][:49]), (llm.prompt_logits(prompt, 16), got)):
         assert (a - b).abs().mean() < 2e-3 and (a - b).abs().max() < 0.05
     bm = llm.engine.block_manager
     assert bm.num_free_blocks == bm.num_usable_blocks

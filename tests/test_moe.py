@@ -42,7 +42,7 @@ def test_prefill_logits_match(moe_ckpt):
     for p in prompts[-3:]:
         with torch.no_grad():
             want = ref(torch.tensor([p])).logits[0]
-        err = (llm.engine.prompt_logits(p) - want).abs().max().item()
+        err = (llm.prompt_logits(p) - want).abs().max().item()
         assert err < 1e-4, f"{family}: prefill logits differ by {err}"
 
 
@@ -88,7 +88,7 @@ def test_wrong_expert_is_caught(moe_ckpt, monkeypatch):
     llm = LLM(str(path), dtype="float32", kv_cache_memory_mb=16)
     with torch.no_grad():
         want = ref(torch.tensor([prompts[-1]])).logits[0]
-    assert (llm.engine.prompt_logits(prompts[-1]) - want).abs().max().item() > 1e-3
+    assert (llm.prompt_logits(prompts[-1]) - want).abs().max().item() > 1e-3
     assert _greedy(llm, prompts) != expected
 
 
@@ -168,7 +168,7 @@ def test_isq_quantizes_the_experts_and_keeps_the_router(tmp_path, hf_smollm2_tok
     g = torch.Generator().manual_seed(9)
     windows = [torch.randint(0, len(tok), (64,), generator=g).tolist() for _ in range(3)]
     got, ref = [], []
-    q.engine.score_prompts(windows, chunk_size=1, top1=got)
-    d.engine.score_prompts(windows, chunk_size=1, top1=ref)
+    q.score_prompts(windows, chunk_size=1, top1=got)
+    d.score_prompts(windows, chunk_size=1, top1=ref)
     agree = (torch.cat(got) == torch.cat(ref)).double().mean().item()
     assert agree >= 0.98, f"{family}: ISQ Q8_0 top-1 agreement {agree:.3f}"

@@ -222,11 +222,11 @@ def test_batch1_logits_same_with_gemv_on_and_off(native, tmp_path, hf_smollm2_to
             return native.linear_small_m(x, w)
 
     monkeypatch.setattr(linear, "cpu_kernels", lambda: Counting())
-    on = llm.engine.prompt_logits(prompt, chunk_size=1)
+    on = llm.prompt_logits(prompt, chunk_size=1)
     # Every projection of every token took the native path: qkv, o, gate_up, down per layer, and the head.
     assert Counting.calls == len(prompt) * (4 * llm.engine.model_config.num_layers + 1)
     monkeypatch.setattr(linear, "cpu_kernels", lambda: None)
-    off = llm.engine.prompt_logits(prompt, chunk_size=1)
+    off = llm.prompt_logits(prompt, chunk_size=1)
     scale = off.std().item()
     assert (on - off).abs().mean().item() < 0.02 * scale  # the two paths agree to bf16 rounding
     # Against transformers in float32: both bf16 paths pick its token wherever its top two are
@@ -359,9 +359,9 @@ def test_engine_prefill_on_the_kernel_matches_sdpa(native, tmp_path, hf_smollm2_
     prompt = list(range(20, 320))
     llm = LLM(str(path), dtype="bfloat16", kv_cache_memory_mb=16)
     assert "native bf16 prefill kernel" in llm.kv_cache_trace().decode_attention
-    got = {c: llm.engine.prompt_logits(prompt, c).float() for c in (300, 64)}
+    got = {c: llm.prompt_logits(prompt, c).float() for c in (300, 64)}
     monkeypatch.setattr(paged, "native_prefill", lambda *a: False)
-    want = {c: llm.engine.prompt_logits(prompt, c).float() for c in (300, 64)}
+    want = {c: llm.prompt_logits(prompt, c).float() for c in (300, 64)}
     for c in got:
         scale = want[c].std()
         assert ((got[c] - want[c]).abs().mean() / scale) < 0.02, c

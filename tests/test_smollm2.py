@@ -37,7 +37,7 @@ def test_prefill_logits_match_transformers(llm, hf_model, prompts):
     for p in (prompts[3], prompts[-1]):
         with torch.no_grad():
             want = hf_model(torch.tensor([p])).logits[0]
-        got = llm.engine.prompt_logits(p)
+        got = llm.prompt_logits(p)
         err = (got - want).abs().max().item()
         assert err < 1e-4, f"prompt of {len(p)} tokens: max abs logit error {err}"
 
@@ -75,7 +75,7 @@ def test_quantized_weights_stay_in_the_files_formats(qllm, llm, smollm2_checkpoi
 def test_quantized_prefill_matches_dequantized(qllm, llm, prompts):
     """Long prefills dequantize tiles and run the float GEMM: the same logits as the float model."""
     p = prompts[-1]
-    err = (qllm.engine.prompt_logits(p) - llm.engine.prompt_logits(p)).abs().max().item()
+    err = (qllm.prompt_logits(p) - llm.prompt_logits(p)).abs().max().item()
     assert err < 2e-3, f"max abs logit error {err}"
 
 
@@ -84,7 +84,7 @@ def test_quantized_decode_agrees_with_dequantized(qllm, llm, prompts):
     distributions stay close to the float model's (`pagedllm bench quality --weights` measures it
     on a long text)."""
     ids = prompts[-1][:30]  # 30 rows: every projection, and the head, on the integer path
-    lq, ld = qllm.engine.prompt_logits(ids), llm.engine.prompt_logits(ids)
+    lq, ld = qllm.prompt_logits(ids), llm.prompt_logits(ids)
     agree = (lq.argmax(-1) == ld.argmax(-1)).float().mean().item()
     lpq, lpd = torch.log_softmax(lq, -1), torch.log_softmax(ld, -1)
     kl = (lpd.exp() * (lpd - lpq)).sum(-1).mean().item()
@@ -112,7 +112,7 @@ def test_bf16_logits_as_close_to_float32_as_transformers_bf16(hf_model, prompts)
         with torch.no_grad():
             ref = hf_model(torch.tensor([p])).logits[0]
             ref16 = hf16(torch.tensor([p])).logits[0].float()
-        got = ours.engine.prompt_logits(p, chunk_size=chunk)
+        got = ours.prompt_logits(p, chunk_size=chunk)
         theirs, mine = (ref16 - ref).abs(), (got - ref).abs()
         assert mine.mean() <= 1.25 * theirs.mean(), (len(p), chunk, mine.mean(), theirs.mean())
         assert mine.max() <= 2 * theirs.max(), (len(p), chunk, mine.max(), theirs.max())

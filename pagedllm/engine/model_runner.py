@@ -54,6 +54,9 @@ class RunnerOutput:
     # (sequence, first position, logits [rows, vocab] of that position and the next ones): the
     # prompt positions a scoring chunk computed this step (prompt_logprobs).
     prompt_logits: list[tuple[Sequence, int, torch.Tensor]] = field(default_factory=list)
+    # (sequence, first position, a value per position): the same for the engine's own next-token
+    # scoring requests (Sequence.score_kind "logprob", "logprob_top1"), reduced in the step.
+    next_token_scores: list[tuple[Sequence, int, list]] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -272,9 +275,11 @@ class ModelRunner:
         logits = self.logits(plan)
         if logits is None:
             return None
-        scored = [(seq, lo, logits[k0:k0 + c]) for seq, lo, k0, c in scoring]
+        reduced = [x for x in scoring if x[0].score_kind not in KEEP_ROWS]
+        scored = [(seq, lo, logits[k0:k0 + c]) for seq, lo, k0, c in scoring if seq.score_kind in KEEP_ROWS]
+        next_token = next_token_scores(logits, reduced) if reduced else []
         if not rows:
-            return RunnerOutput([], None, scored)
+            return RunnerOutput([], None, scored, next_token)
         if len(rows) != logits.shape[0]:
             logits = logits[torch.tensor(rows, device=self.device)]
         # A sum is finite only if every logit is (NaN and inf propagate): a cheap check that
@@ -284,7 +289,7 @@ class ModelRunner:
         smeta = sampling_metadata(sampling_seqs, offsets)
         if masks is not None:  # the sampler applies them before anything else
             smeta.allowed_mask, smeta.mask_rows = masks.result(logits.device, len(sampling_seqs))
-        return RunnerOutput(sampling_seqs, self.sampler(logits, smeta, finite=finite), scored)
+        return RunnerOutput(sampling_seqs, self.sampler(logits, smeta, finite=finite), scored, next_token)
 
     @torch.inference_mode()
     def hidden_states(self, plan: StepPlan) -> torch.Tensor:
@@ -295,11 +300,34 @@ class ModelRunner:
         input_ids, positions, meta = self.tensors(plan)
         return self.model(input_ids, positions, meta)
 
-    def chunk_logits(self, item: ScheduledSeq) -> torch.Tensor:
-        """Logits for every token of one sequence's chunk (scoring, perplexity)."""
-        plan = self.plan([item])
-        plan.logits_rows = None
-        return self.logits(plan)
+
+KEEP_ROWS = ("entries", "logits")  # score kinds whose logits rows go to the engine whole
+
+
+def next_token_scores(logits: torch.Tensor,
+                      items: list[tuple[Sequence, int, int, int]]) -> list[tuple[Sequence, int, list]]:
+    """Next-token scoring's rows (items: sequence, first position, first row, rows), each
+    reduced to the next prompt token's logprob, with the argmax beside it where the sequence asks
+    ("logprob_top1"), so no whole row outlives the step. One reduction over all their rows at
+    once, as one [rows, vocab] block: a lone row's logsumexp may split the vocabulary among
+    threads and round otherwise."""
+    idx = [k for _, _, k0, c in items for k in range(k0, k0 + c)]
+    block = logits if len(idx) == logits.shape[0] else logits[torch.tensor(idx, device=logits.device)]
+    tgt = torch.tensor([t for seq, lo, _, c in items for t in seq.prompt_token_ids[lo + 1:lo + 1 + c]],
+                       device=logits.device)
+    lp = block.gather(1, tgt[:, None])[:, 0] - block.logsumexp(-1)
+    top1 = any(seq.score_kind == "logprob_top1" for seq, *_ in items)
+    if top1:  # carried beside the logprob, exactly as an integer
+        lp = torch.stack([lp.double(), block.argmax(-1).double()], dim=1)
+    vals = lp.cpu().tolist()
+    out, j = [], 0
+    for seq, lo, _, c in items:
+        part = vals[j:j + c]
+        if top1:
+            part = [(v, int(a)) for v, a in part] if seq.score_kind == "logprob_top1" else [v for v, _ in part]
+        out.append((seq, lo, part))
+        j += c
+    return out
 
 
 class HostUpload:

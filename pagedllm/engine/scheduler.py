@@ -44,11 +44,11 @@ class ScheduledSeq:
     def score_range(self) -> tuple[int, int]:
         """The positions [lo, hi) of this chunk whose logits score the prompt: those not scored
         yet (a recompute after preemption skips what it scored before), before the prompt's last
-        token, which predicts nothing of the prompt."""
+        token, which predicts nothing of the prompt (Sequence.score_end)."""
         seq = self.seq
         start = seq.num_computed_tokens
-        lo = max(start, len(seq.prompt_scores) - 1)
-        hi = min(start + self.num_new_tokens, seq.num_prompt_tokens - 1)
+        lo = max(start, seq.num_scored)
+        hi = min(start + self.num_new_tokens, seq.score_end)
         return lo, max(lo, hi)
 
     @property
@@ -102,7 +102,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             spec = self._spec_fits(seq, budget)
-            n = 1 + len(spec) if spec else min(seq.num_uncomputed_tokens, budget)
+            n = 1 + len(spec) if spec else _chunk(seq, budget)
             if not self._make_room(seq, n, out):
                 break  # seq itself was preempted; everything after it already was
             self._grow(seq, n)
@@ -118,7 +118,7 @@ class Scheduler:
                 scoring = seq.scoring_prompt
                 if not scoring:
                     self.bm.match_prefix(seq)
-                n = min(seq.num_uncomputed_tokens, budget)
+                n = _chunk(seq, budget)
                 self.release_window(seq)
                 if not self.bm.can_grow(seq, seq.num_computed_tokens + n):
                     self.bm.free(seq, "keep")  # give back what the prefix match took
@@ -219,3 +219,10 @@ class Scheduler:
 def _scores(seq: Sequence) -> bool:
     """seq's chunk this step lies in the prompt of a request that asked for prompt_logprobs."""
     return seq.prompt_scores is not None and seq.num_computed_tokens < seq.num_prompt_tokens
+
+
+def _chunk(seq: Sequence, budget: int) -> int:
+    """The tokens seq computes this step: what is left, within the step's budget and the
+    sequence's own cap (a scoring request's chunk_size)."""
+    n = min(seq.num_uncomputed_tokens, budget)
+    return n if seq.max_chunk is None else min(n, seq.max_chunk)

@@ -54,6 +54,12 @@ class Sequence:
     # prompt_logprobs: the prompt's entries so far ([None] for its first token), filled by the
     # engine from the logits its prefill chunks keep; None when the request did not ask.
     prompt_scores: list | None = None
+    # What each scored position keeps in prompt_scores: "entries" (prompt_logprobs' dicts), or, for
+    # the engine's own scoring requests (engine/scoring.py), "logits" (the position's whole logits
+    # row, the prompt's last position included, so with no None first), "logprob" (the next
+    # token's logprob) or "logprob_top1" ((logprob, argmax) pairs).
+    score_kind: str = "entries"
+    max_chunk: int | None = None  # at most this many tokens a step (a scoring request's chunk_size)
 
     def __post_init__(self) -> None:
         self.token_ids: list[int] = list(self.prompt_token_ids)
@@ -78,6 +84,17 @@ class Sequence:
     def scoring_prompt(self) -> bool:
         """Its prompt's logprobs are still being computed, chunk by chunk, by its prefill."""
         return self.prompt_scores is not None and len(self.prompt_scores) < len(self.prompt_token_ids)
+
+    @property
+    def score_end(self) -> int:
+        """Scoring computes the logits of prompt positions [0, score_end): every one for "logits",
+        else all but the last, which predicts nothing of the prompt."""
+        return self.num_prompt_tokens - (self.score_kind != "logits")
+
+    @property
+    def num_scored(self) -> int:
+        """Prompt positions scored so far (their entries, less the first token's None)."""
+        return len(self.prompt_scores) - (self.score_kind != "logits")
 
     @property
     def scoring_only(self) -> bool:

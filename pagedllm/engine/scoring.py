@@ -1,0 +1,57 @@
+"""Offline prompt scoring (logits of a prompt, perplexity over windows) as scheduled work.
+
+Each prompt becomes one of the engine's own scoring requests (`LLMEngine.add_scoring_request`):
+the scheduler chunks its prefill (at most `chunk_size` tokens a step for it) beside whatever else
+runs, the runner's one `execute` computes the logits of its positions, and the engine keeps what
+the request asked for: whole rows, or each next token's logprob (and argmax) reduced in the step.
+The driver's loop runs the requests to the end; they leave no blocks, rows or sampler state
+behind. `LLM.prompt_logits` and `LLM.score_prompts` are these.
+"""
+from __future__ import annotations
+
+from typing import Sequence as Seq
+
+import torch
+
+from .driver import EngineDriver
+from .sequence import Sequence
+
+
+def prompt_logits(driver: EngineDriver, token_ids: list[int], chunk_size: int | None = None) -> torch.Tensor:
+    """Logits [T, vocab] (float32, on the CPU) at every position of a prompt, computed through the
+    same KV cache and attention path as generation, `chunk_size` tokens a step (1 = token by token
+    through the decode path; None = the scheduler's max_num_batched_tokens)."""
+    [seq] = _run(driver, [token_ids], "logits", chunk_size)
+    return torch.stack(seq.prompt_scores)
+
+
+def score_prompts(driver: EngineDriver, prompts: Seq[list[int]], chunk_size: int | None = 1,
+                  top1: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+    """For each prompt, log p(token[t+1] | tokens[:t+1]) for every t ([T-1] float32), with all
+    prompts advancing together, `chunk_size` tokens each a step (1 = every token through the
+    batched decode path, reading K/V back from the cache). For perplexity over many windows at
+    once: each scored row is reduced to its logprob in the step, so no whole row is kept. Prompts
+    that do not fit the KV cache together wait until others finish. A list passed as `top1`
+    receives each prompt's argmax predictions ([T-1] int64) too."""
+    seqs = _run(driver, prompts, "logprob" if top1 is None else "logprob_top1", chunk_size)
+    if top1 is None:
+        return [torch.tensor(s.prompt_scores[1:], dtype=torch.float32) for s in seqs]
+    pairs = [s.prompt_scores[1:] for s in seqs]
+    top1[:] = [torch.tensor([a for _, a in p], dtype=torch.int64) for p in pairs]
+    return [torch.tensor([v for v, _ in p], dtype=torch.float32) for p in pairs]
+
+
+def _run(driver: EngineDriver, prompts: Seq[list[int]], keep: str, chunk_size: int | None) -> list[Sequence]:
+    """Add a scoring request per prompt (all or none) and step until they are done (leaving
+    early, an error or Ctrl-C included, aborts them); their sequences, with prompt_scores."""
+    engine = driver.engine
+    seqs: list[Sequence] = []
+    try:
+        for p in prompts:
+            seqs.append(engine.add_scoring_request(p, keep, chunk_size))
+    except BaseException:
+        driver.abort([s.request_id for s in seqs])
+        raise
+    for _ in driver.steps([s.request_id for s in seqs]):
+        pass
+    return seqs
