@@ -3,7 +3,7 @@
     pagedllm serve [MODEL] [--host 127.0.0.1] [--port 8000] [--api-key KEY] [engine flags]
     pagedllm chat [MODEL] [engine flags]             interactive chat in the terminal
     pagedllm generate [PROMPT] [-m MODEL]            one-shot; the prompt may come on stdin
-    pagedllm bench throughput|prefix|quality|compare|make-gguf|soak|serve ...
+    pagedllm bench throughput|prefix|quality|compare|gptq-pair|make-gguf|soak|serve ...
     pagedllm trace [MODEL]                           KV cache figures while a request runs
     pagedllm demo
 
@@ -218,6 +218,7 @@ BENCHES = {
     "prefix": "multi-turn and shared-system-prompt workload, prefix caching on and off",
     "quality": "perplexity and greedy agreement of the KV cache types",
     "compare": "pagedllm beside llama.cpp on the same GGUF file, one process per figure",
+    "gptq-pair": "a GGUF's weights as a GPTQ checkpoint and as a Q4_0 GGUF: decode speed of both, in one run",
     "make-gguf": "write a GGUF with a real model's shape and random weights (llama.cpp quantizes it)",
     "startup": "time from starting `pagedllm generate` to its first token (median of 5)",
     "allreduce": "torch.distributed all-reduce latency and bandwidth at a TP step's message sizes",
