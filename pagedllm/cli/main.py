@@ -120,6 +120,9 @@ def _engine_flags(p: argparse.ArgumentParser, top: bool) -> None:
     g.add_argument("--dequantize-weights", action="store_true", default=d(False),
                    help="dequantize GGUF weights to the compute dtype at load instead of running "
                         "them quantized (the exact reference; more memory, slower decode)")
+    g.add_argument("--keep-float-head", action="store_true", default=d(False),
+                   help="a GPTQ / AWQ / compressed-tensors model's float LM head stays float "
+                        "(by default it is quantized to Q8_0 at load, as llama.cpp keeps a 4-bit file's head)")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, metavar="N", default=d(None),
                    help="split the model over N ranks (worker processes on this machine, or the "
                         "ranks of torchrun); default 1")
@@ -363,6 +366,7 @@ def engine_options(args: argparse.Namespace, model: str | None = None) -> Engine
         no_prefix_cache=args.no_prefix_cache, max_seqs=args.max_seqs,
         max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
         seed=args.seed, isq=args.isq, dequantize_weights=bool(args.dequantize_weights),
+        keep_float_head=bool(args.keep_float_head),
         chat_template=args.chat_template, tensor_parallel_size=args.tensor_parallel_size,
         speculative_ngram=args.speculative_ngram, speculative_draft=args.speculative_draft,
         speculative_tokens=args.speculative_tokens, task=args.task)
