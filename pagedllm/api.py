@@ -140,6 +140,7 @@ class EngineOptions:
     seed: int | None = None
     isq: str | None = None
     dequantize_weights: bool = False
+    keep_float_head: bool = False
     chat_template: str | None = None
     tensor_parallel_size: int | None = None
     speculative_ngram: int | None = None  # n-gram speculation with up to K proposals a step
@@ -184,6 +185,8 @@ class EngineOptions:
             kw["isq"] = check_isq_type(self.isq)
         if self.dequantize_weights:
             kw["dequantize_weights"] = True
+        if self.keep_float_head:
+            kw["keep_float_head"] = True
         if self.no_prefix_cache:
             kw["enable_prefix_caching"] = False
         spec = self._speculative()

@@ -127,13 +127,15 @@ class LLM:
                  kv_cache_dtype: str = "auto", enable_prefix_caching: bool = True,
                  prefix_cache_n: int = 16, dequantize_weights: bool = False,
                  isq: str | None = None, tensor_parallel_size: int = 1,
-                 speculative: dict | None = None, task: str = "auto") -> None:
+                 speculative: dict | None = None, task: str = "auto", keep_float_head: bool = False) -> None:
         """`tensor_parallel_size=N` splits the model over N ranks (pagedllm/distributed): on one
         machine the engine starts N - 1 worker processes and splits the cores among the ranks;
         under torchrun the N ranks are torchrun's. Call `shutdown()` (or use `with LLM(...)`)
         to stop them; they also stop when this process exits.
         `task`: "generate", "embed" (an embedding model: `embed()`, no LM head) or "auto"
-        (embed for a folder with sentence-transformers files or a head-less architecture)."""
+        (embed for a folder with sentence-transformers files or a head-less architecture).
+        `keep_float_head`: a GPTQ / AWQ / compressed-tensors checkpoint's float LM head (or tied
+        embedding) stays float; by default it is quantized to Q8_0 at load (loading/loader.py)."""
         cache_cfg = CacheConfig(block_size, kv_cache_memory_mb, kv_cache_memory_fraction,
                                 kv_cache_context_len, kv_cache_dtype, paged_attention,
                                 enable_prefix_caching, prefix_cache_n)
@@ -163,6 +165,7 @@ class LLM:
                         if spec_cfg is not None and spec_cfg.method == "draft" else None)
         torch.manual_seed(seed)
         self._finalizer = None
+        self._keep_float_head = keep_float_head
         executor = None
         if tensor_parallel_size != 1:
             executor = _start_tp(tensor_parallel_size, source, dt, dev, max_model_len, dequantize_weights,
@@ -182,7 +185,7 @@ class LLM:
         loaded = load_model(source, dt, dev, max_positions=max_model_len,
                             dequantize_weights=dequantize_weights, isq=isq,
                             tp=executor.tp if executor is not None else None,
-                            headless=self.task == "embed")
+                            headless=self.task == "embed", keep_float_head=self._keep_float_head)
         if executor is not None:
             executor.wait_loaded()
         limit = loaded.config.max_position_embeddings

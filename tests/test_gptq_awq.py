@@ -93,7 +93,7 @@ def test_model_matches_transformers_on_autoawqs_weights(awq_model, monkeypatch):
     from pagedllm.quant import kernels as qk
 
     path, ref = awq_model
-    llm = LLM(str(path), dtype="float32", kv_cache_memory_mb=8)
+    llm = LLM(str(path), dtype="float32", kv_cache_memory_mb=8, keep_float_head=True)  # exact: float head
     info = llm.engine.weights
     assert info.kernel is not None and info.formats.get("Q5_0") == 14 and "awq 4-bit g128" in info.reason
     prompt = _prompt(80, 6)
@@ -152,7 +152,7 @@ def test_autoawqs_own_checkpoint(autoawq_checkpoint):
         for k, v in sd.items():
             if not k.endswith((".qweight", ".qzeros", ".scales")):
                 ref.get_parameter(k).copy_(v.float())
-    llm = LLM(str(path), dtype="float32", kv_cache_memory_mb=8)
+    llm = LLM(str(path), dtype="float32", kv_cache_memory_mb=8, keep_float_head=True)
     assert llm.engine.weights.formats.get("Q5_0") == 14
     prompt = _prompt(80, 1)
     with torch.no_grad():

@@ -116,7 +116,7 @@ def test_model_matches_transformers_running_the_checkpoint(ct_model, monkeypatch
             mod = ref.get_submodule(p)
             assert torch.equal(mod.weight, exact.bfloat16().float()), p
             mod.weight.copy_(exact)
-    llm = LLM(str(path), dtype="float32", kv_cache_memory_mb=8)
+    llm = LLM(str(path), dtype="float32", kv_cache_memory_mb=8, keep_float_head=True)  # exact: float head
     info = llm.engine.weights
     assert info.kernel is not None and "compressed-tensors" in info.reason and "float" not in info.reason.split(";")[-1]
     prompt = _prompt(80, 3)

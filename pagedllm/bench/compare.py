@@ -319,7 +319,8 @@ def _pagedllm_child(spec: dict) -> dict:
             rates.append(len(spec["prompts"][0]) / prefill_s)
         else:
             rates.append(decoded / decode_s)
-    return {"tok_s": rates, "outputs": outputs, "peak_rss_mb": peak_rss_mb(), "dtype": str(eng.dtype)}
+    return {"tok_s": rates, "outputs": outputs, "peak_rss_mb": peak_rss_mb(), "dtype": str(eng.dtype),
+            "weights": eng.weights.summary() if eng.weights is not None else None}
 
 
 def _drive(driver, prompts: list[list[int]], max_tokens: int) -> tuple[float, float, int, list[list[int]]]:

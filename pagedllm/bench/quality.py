@@ -1,5 +1,7 @@
 """`pagedllm bench quality`: what a quantized KV cache costs in quality, and buys in capacity;
-with `--weights`, what quantized weights cost against the same model dequantized to float32.
+with `--weights`, what quantized weights cost against the same model dequantized to float32;
+with `--weights --head`, what a GPTQ / AWQ / compressed-tensors model's LM head quantized at load
+costs against the same model with its head kept float (`keep_float_head=True`).
 
 For each cache type (auto, f8e4m3, int8), in one run:
 - capacity: blocks that the same `--kv-mb` buys (scales counted);
@@ -176,6 +178,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "in float32 instead of KV cache types: perplexity and top-1 agreement, "
                         "teacher-forced through the decode and the prefill paths")
     p.add_argument("--isq", default=None, help="with --weights: ISQ type for a safetensors model")
+    p.add_argument("--head", action="store_true",
+                   help="with --weights, for a GPTQ / AWQ / compressed-tensors folder: the LM head quantized "
+                        "at load (Q8_0) against the same model with keep_float_head=True")
     p.add_argument("--output", default="bench-results/quality.json")
 
 
@@ -202,7 +207,11 @@ def run_weights(args: argparse.Namespace) -> dict:
             ("quantized fp32, decode, int8x2", dict(dtype="float32"), 1, "int8x2"),
             ("quantized fp32, decode, int8", dict(dtype="float32"), 1, "int8"),
             ("quantized fp32, prefill path", dict(dtype="float32"), args.window_len + 1, None)]
-    if args.dtype not in ("float32", "fp32"):
+    if args.head:  # only the head differs: the checkpoint's own blocks on both sides
+        runs = [("float head fp32 (reference)", dict(dtype="float32", keep_float_head=True), 1, None),
+                ("Q8_0 head fp32, decode, int8x2", dict(dtype="float32"), 1, "int8x2"),
+                ("Q8_0 head fp32, prefill path", dict(dtype="float32"), args.window_len + 1, None)]
+    elif args.dtype not in ("float32", "fp32"):
         runs += [(f"quantized {args.dtype}, decode, {act}", dict(dtype=args.dtype), 1, act)
                  for act in ("int8x2", "int8")]
     results = []
@@ -231,7 +240,7 @@ def run_weights(args: argparse.Namespace) -> dict:
         os.environ.pop("PAGEDLLM_QUANT_ACT", None)
     else:
         os.environ["PAGEDLLM_QUANT_ACT"] = saved_act
-    peer = _llamacpp_scores(args.model, windows)
+    peer = None if args.head else _llamacpp_scores(args.model, windows)
     if peer is not None:
         results.append(peer)
     ref = results[0]

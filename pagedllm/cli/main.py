@@ -3,7 +3,7 @@
     pagedllm serve [MODEL] [--host 127.0.0.1] [--port 8000] [--api-key KEY] [engine flags]
     pagedllm chat [MODEL] [engine flags]             interactive chat in the terminal
     pagedllm generate [PROMPT] [-m MODEL]            one-shot; the prompt may come on stdin
-    pagedllm bench throughput|prefix|quality|compare|make-gguf|soak|serve ...
+    pagedllm bench throughput|prefix|quality|compare|gptq-pair|make-gguf|soak|serve ...
     pagedllm trace [MODEL]                           KV cache figures while a request runs
     pagedllm demo
 
@@ -120,6 +120,9 @@ def _engine_flags(p: argparse.ArgumentParser, top: bool) -> None:
     g.add_argument("--dequantize-weights", action="store_true", default=d(False),
                    help="dequantize GGUF weights to the compute dtype at load instead of running "
                         "them quantized (the exact reference; more memory, slower decode)")
+    g.add_argument("--keep-float-head", action="store_true", default=d(False),
+                   help="a GPTQ / AWQ / compressed-tensors model's float LM head stays float "
+                        "(by default it is quantized to Q8_0 at load, as llama.cpp keeps a 4-bit file's head)")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, metavar="N", default=d(None),
                    help="split the model over N ranks (worker processes on this machine, or the "
                         "ranks of torchrun); default 1")
@@ -218,6 +221,7 @@ BENCHES = {
     "prefix": "multi-turn and shared-system-prompt workload, prefix caching on and off",
     "quality": "perplexity and greedy agreement of the KV cache types",
     "compare": "pagedllm beside llama.cpp on the same GGUF file, one process per figure",
+    "gptq-pair": "a GGUF's weights as a GPTQ checkpoint and as a Q4_0 GGUF: decode speed of both, in one run",
     "make-gguf": "write a GGUF with a real model's shape and random weights (llama.cpp quantizes it)",
     "startup": "time from starting `pagedllm generate` to its first token (median of 5)",
     "allreduce": "torch.distributed all-reduce latency and bandwidth at a TP step's message sizes",
@@ -362,6 +366,7 @@ def engine_options(args: argparse.Namespace, model: str | None = None) -> Engine
         no_prefix_cache=args.no_prefix_cache, max_seqs=args.max_seqs,
         max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
         seed=args.seed, isq=args.isq, dequantize_weights=bool(args.dequantize_weights),
+        keep_float_head=bool(args.keep_float_head),
         chat_template=args.chat_template, tensor_parallel_size=args.tensor_parallel_size,
         speculative_ngram=args.speculative_ngram, speculative_draft=args.speculative_draft,
         speculative_tokens=args.speculative_tokens, task=args.task)

@@ -96,10 +96,12 @@ def read_config(source: ModelSource) -> ModelConfig:
 
 def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
                max_positions: int | None = None, dequantize_weights: bool = False,
-               isq: str | None = None, tp=None, headless: bool = False) -> LoadedModel:
+               isq: str | None = None, tp=None, headless: bool = False,
+               keep_float_head: bool = False) -> LoadedModel:
     """`tp`: a TPInfo when this process is one rank of a tensor-parallel group: it builds and
     loads only its shard (models/parallel.py). `headless`: an embedding model, built without
-    the LM head (any head in the checkpoint is skipped)."""
+    the LM head (any head in the checkpoint is skipped). `keep_float_head`: a GPTQ / AWQ /
+    compressed-tensors checkpoint's float LM head stays float instead of HEAD_FORMAT."""
     qpath, qwhy = quantized_path(device, dequantize_weights)
     quantized: set[str] = set()
     if source.kind == "gguf":
@@ -134,6 +136,14 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
         model = cls(cfg, positions, tp)
     if headless:
         model.drop_head()
+    if quantized and source.kind != "gguf" and hf_config.get("quantization_config") and not keep_float_head:
+        head = _float_head(model, files, quantized)
+        if head is not None:
+            from ..quant.isq import isq_stream
+
+            weights = isq_stream(weights, HEAD_FORMAT, {head})
+            quantized = quantized | {head}
+            qwhy = f"{qwhy}; float head {head} quantized to {HEAD_FORMAT} at load"
     if isq:
         from ..models.linear import linear_weight_names
         from ..quant.isq import isq_stream
@@ -190,6 +200,37 @@ def _quantized_checkpoint(qcfg: dict, files: list[Path], weights: Iterator[tuple
         path = "no block format holds them exactly: float at load"
     return (qc.convert_stream(weights, cp, keep_quantized), cp.weight_names(keep_quantized), total,
             f"{qwhy}; {cp.summary()}, {path}")
+
+
+# The format a quantized checkpoint's float LM head is quantized to at load: a GPTQ / AWQ tool
+# leaves the head (and a tied embedding, which is the head) in fp16, where at batch 1 it is as
+# many bytes a token as all of a 0.5B model's 4-bit layers together. llama.cpp's quantizer keeps
+# a 4-bit file's output head in Q6_K, or Q8_0 where Q6_K's 256-value blocks do not tile its rows
+# (Qwen2.5-0.5B's 896); Q8_0 always here: rounded as llama.cpp's own (quant/isq.py), and tiles any
+# row of whole 32-value blocks.
+HEAD_FORMAT = "Q8_0"
+
+
+def _float_head(model: torch.nn.Module, files: list[Path], quantized: set[str]) -> str | None:
+    """The checkpoint name of the LM head's float weight (the embedding table when tied), when
+    the model has a head, it arrives float and its rows are whole HEAD_FORMAT blocks; else None."""
+    from ..quant.formats import FORMATS
+
+    if getattr(model, "lm_head", None) is None or not hasattr(model, "map_weight_name"):
+        return None
+    target = "embed_tokens.weight" if model.config.tie_word_embeddings else "lm_head.weight"
+    _, shape_of = _safetensors_readers(files)
+    for key in _safetensors_keys(files):
+        mapped = model.map_weight_name(key)
+        if key in quantized or mapped is None or mapped[0] != target:
+            continue
+        shape = shape_of(key)
+        if len(shape) != 2 or shape[1] % FORMATS[HEAD_FORMAT][1]:
+            logger.info("%s (shape %s): its rows are not whole %s blocks; the head stays float", key, shape,
+                        HEAD_FORMAT)
+            return None
+        return key
+    return None
 
 
 def _safetensors_readers(files: list[Path]):
