@@ -268,8 +268,8 @@ def test_float_head_is_quantized_to_q8_0_at_load(gptq_model):
     if family != "qwen2":
         _assert_close(quant, kept, prompt)
     else:
-        want = kept.engine.prompt_logits(prompt)
-        for got in (quant.engine.prompt_logits(prompt), quant.engine.prompt_logits(prompt, chunk_size=1)):
+        want = kept.prompt_logits(prompt)
+        for got in (quant.prompt_logits(prompt), quant.prompt_logits(prompt, chunk_size=1)):
             assert abs(np.exp(_nll(got, prompt) - _nll(want, prompt)) - 1) <= 0.005
 
 
