@@ -210,7 +210,10 @@ class LLM:
         texts after the named sentence-transformers prompt (or the model's default one)."""
         if isinstance(inputs, str) or (isinstance(inputs, list) and inputs and isinstance(inputs[0], int)):
             inputs = [inputs]
-        return [v.tolist() for v in self.engine.embed(self.embed_ids(list(inputs), prompt_name), self.pooling)]
+        from .engine.pooling import embed_prompts
+
+        return [v.tolist() for v in embed_prompts(self.driver, self.embed_ids(list(inputs), prompt_name),
+                                                  self.pooling)]
 
     def embed_ids(self, inputs: list[Prompt], prompt_name: str | None = None) -> list[list[int]]:
         """The token ids an embedding is computed over (texts tokenized after the prompt)."""

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 
 class CompletionOutput:
@@ -89,6 +89,8 @@ class RequestOutput:
     # SamplingParams(prompt_logprobs=k), as in vLLM: one entry per prompt token, None for the
     # first; each maps the prompt token and the k most likely tokens at that place to logprobs.
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    # An embedding request's vector (a float32 CPU tensor), once it is finished.
+    embedding: Any = None
 
     # Shortcuts to the first completion, for the common n=1 case.
     @property

@@ -216,3 +216,49 @@ def test_llm_embed_pooling_modes(tmp_path, hf_smollm2_tokenizer, pooling, normal
     assert min(cosines(ours, want)) >= MIN_COSINE
     if not normalize:  # the raw vectors, not only their directions
         assert torch.allclose(torch.tensor(ours), torch.tensor(want), rtol=1e-3, atol=1e-3)
+
+
+def test_llm_embed_is_scheduled_work_chunked_queued_and_preempted(tmp_path, hf_smollm2_tokenizer):
+    """Embeddings are the scheduler's work (issue 24): every forward is one `execute` of a
+    scheduled step within the batch budget, inputs the KV cache cannot hold together wait for
+    room, and a mean-pooled input preempted halfway (its blocks taken back, its prefill
+    recomputed) is still exact: the positions it pooled are not counted twice. Every block
+    comes back."""
+    import copy
+
+    from pagedllm import LLM
+
+    folder = build_embedding_folder(tmp_path / "mean", copy.deepcopy(hf_smollm2_tokenizer), "mean_tokens",
+                                    normalize=False, seed=5)
+    ref = st.SentenceTransformer(str(folder), device="cpu")
+    # 1 MiB of float32 KV is 42 blocks of 32 tokens: about half of the inputs' 2,300 tokens.
+    llm = LLM(str(folder), dtype="float32", kv_cache_memory_mb=1, max_num_batched_tokens=96)
+    engine, sched = llm.engine, llm.engine.scheduler
+    bm = engine.block_manager
+    free0 = bm.num_free_blocks
+    steps: list[int] = []
+    execute, schedule = engine.runner.execute, sched.schedule
+
+    def recorded(batch):
+        steps.append(sum(it.num_new_tokens for it in batch))
+        return execute(batch)
+
+    def preempting():  # the scheduler's own preemption, of a long input halfway through its prefill
+        out = schedule()
+        for it in out.scheduled:
+            if len(out.scheduled) > 1 and it.seq.num_computed_tokens > 100 and it.seq.num_preemptions == 0:
+                out.scheduled.remove(it)
+                sched._preempt(it.seq)
+                out.preempted.append(it.seq)
+                break
+        return out
+
+    engine.runner.execute, sched.schedule = recorded, preempting
+    inputs = texts(16, seed=11) + [" ".join(WORDS * 3)]
+    ours = llm.embed(inputs)
+    want = ref.encode(inputs, batch_size=len(inputs))
+    assert torch.allclose(torch.tensor(ours), torch.tensor(want), rtol=1e-3, atol=1e-3)
+    n_tokens = sum(len(ids) for ids in llm.embed_ids(inputs))
+    assert max(steps) <= 96 and sum(steps) > n_tokens  # chunked to the budget; the recompute adds
+    assert sched.num_preemptions >= 3
+    assert bm.num_free_blocks == free0 and not engine.requests and not sched.has_unfinished()

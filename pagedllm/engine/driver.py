@@ -24,10 +24,20 @@ class EngineDriver:
     def add(self, items: Iterable[Item]) -> list[str]:
         """Add the requests, all or none: if one is refused (bad input raises ValueError), those
         already added are aborted before the error goes on. Their request ids, in order."""
+        return self._all_or_none(self.engine.add_request(prompt, params, request_id=rid)
+                                 for rid, prompt, params in items)
+
+    def add_pooling(self, items: Iterable[tuple[str | None, list[int]]], pooling: Any) -> list[str]:
+        """Add embedding requests (request id or None, token ids), all or none, pooled as
+        `pooling` (engine/pooling.py's PoolingConfig) says; their final outputs carry `embedding`."""
+        return self._all_or_none(self.engine.add_pooling_request(ids, pooling, request_id=rid)
+                                 for rid, ids in items)
+
+    def _all_or_none(self, adds: Iterator[str]) -> list[str]:
         added: list[str] = []
         try:
-            for rid, prompt, params in items:
-                added.append(self.engine.add_request(prompt, params, request_id=rid))
+            for rid in adds:
+                added.append(rid)
         except BaseException:
             self.abort(added)
             raise

@@ -34,6 +34,7 @@ from .block_manager import BlockManager
 from .draft import NO_TP, DraftModel, draft_cache_config, draft_kv_groups, shared_pool_note
 from .model_runner import ModelRunner
 from .output_processor import OutputProcessor, SeqOutputState
+from .pooling import PoolingConfig, check_pooling_input, pool_rows, pooled_vector
 from .scheduler import Scheduler
 from .sequence import Sequence, SequenceStatus
 
@@ -51,6 +52,7 @@ class Request:
     states: list[SeqOutputState] = field(default_factory=list)  # the output processor's
     error: str | None = None  # why the request failed (finish_reason "error")
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    embedding: torch.Tensor | None = None  # a pooling request's vector, once its prompt is pooled
 
     @property
     def finished(self) -> bool:
@@ -162,9 +164,7 @@ class LLMEngine:
             else:
                 prompt_token_ids = list(prompt)
         prompt_token_ids = self._check_prompt(prompt_token_ids, params)
-        rid = request_id if request_id is not None else str(next(self._ids))
-        if rid in self.requests:
-            raise ValueError(f"request id {rid!r} is already in use")
+        rid = self._new_request_id(request_id)
         matchers = (self.structured.matchers(params.structured, params.n) if params.structured
                     else [None] * params.n)
         seqs = []
@@ -266,12 +266,33 @@ class LLMEngine:
         seq.prompt_scores = [] if keep == "logits" else [None]
         return seq
 
-    def embed(self, prompts: list[list[int]], pooling) -> list[torch.Tensor]:
-        """Embeddings of token-id prompts (a `pooling.PoolingConfig` says how), prefilled
-        together through the KV cache; one float32 CPU vector each."""
-        from .pooling import embed_prompts
+    def add_pooling_request(self, token_ids: list[int], pooling: PoolingConfig,
+                            request_id: str | None = None) -> str:
+        """An embedding request (engine/pooling.py): its prompt is prefilled as scheduled work,
+        chunked beside whatever else runs, and the final hidden states of the positions `pooling`
+        names are pooled into one vector (the request output's `embedding`) as the chunks run.
+        Nothing is generated, and its blocks are dropped, not kept as a prefix, once it is done."""
+        if self.executor is not None:
+            raise ValueError("embeddings under tensor parallelism are not supported; use tensor_parallel_size=1")
+        ids = check_pooling_input(token_ids, self.sched_config.max_model_len, self.model_config.vocab_size)
+        blocks = self.block_manager.max_blocks(len(ids), self.sched_config.max_num_batched_tokens)
+        if blocks > self.block_manager.num_usable_blocks:
+            raise ValueError(f"an input of {len(ids)} tokens needs {blocks} KV blocks but the cache holds "
+                             f"{self.block_manager.num_usable_blocks}; shorten it, or give the KV cache more memory")
+        rid = self._new_request_id(request_id)
+        params = SamplingParams(max_tokens=0, prompt_logprobs=0)  # the scoring-only params: nothing generated
+        seq = Sequence(rid, ids, params, pooling=pooling, score_kind="pool")
+        metrics, states = self.output.start(ids, params)
+        self.requests[rid] = Request(rid, None, ids, params, [seq], metrics, states)
+        self.stats["prompt_tokens"] += len(ids)
+        self.scheduler.add(seq)
+        return rid
 
-        return embed_prompts(self, prompts, pooling)
+    def _new_request_id(self, request_id: str | None) -> str:
+        rid = request_id if request_id is not None else str(next(self._ids))
+        if rid in self.requests:
+            raise ValueError(f"request id {rid!r} is already in use")
+        return rid
 
     # -- the step ---------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -291,6 +312,8 @@ class LLMEngine:
             self._score_prompt(seq, first, logits)
         for seq, _, values in out.next_token_scores if out is not None else ():
             seq.prompt_scores.extend(values)  # already reduced by the runner, in order
+        for seq, first, rows in out.pooled if out is not None else ():
+            pool_rows(seq, first, rows)
         touched: dict[str, Request] = {}
         verifying = {it.seq.seq_id: it.spec_tokens for it in sched.scheduled if it.spec_tokens}
         forking = [it.seq for it in sched.scheduled if it.seq.fork_children and it.samples]
@@ -298,10 +321,13 @@ class LLMEngine:
         for seq in forking:
             self._fork(seq)
         for it in sched.scheduled:
-            if it.scores and it.seq.scoring_only and it.seq.num_computed_tokens == it.seq.num_tokens:
-                it.seq.finish_reason = "length"  # the prompt is scored: the request is done
-                self._finish(it.seq)
+            if it.seq.scoring_only and it.seq.num_computed_tokens == it.seq.num_tokens:
+                # The prompt is scored (or pooled): the request is done.
                 req = self.requests.get(it.seq.request_id)
+                if req is not None and it.seq.pooling is not None:
+                    req.embedding = pooled_vector(it.seq)
+                it.seq.finish_reason = "length"
+                self._finish(it.seq)
                 if req is not None:
                     touched[req.request_id] = req
         self._track_waste()

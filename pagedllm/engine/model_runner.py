@@ -38,6 +38,8 @@ class StepPlan:
     width: int = 0
     # Rows of the flat batch to compute logits for; None: every row (scoring a chunk).
     logits_rows: list[int] | None = field(default_factory=list)
+    # Rows whose final hidden states pooling requests keep (an embedding's positions).
+    hidden_rows: list[int] = field(default_factory=list)
     # KV groups after the first (kv/groups.py: sliding layers beside global ones): their slot
     # mappings and flat tables. (Tensor parallelism runs single-group models and sends none.)
     group_slots: list[Ints] = field(default_factory=list)
@@ -57,6 +59,9 @@ class RunnerOutput:
     # (sequence, first position, a value per position): the same for the engine's own next-token
     # scoring requests (Sequence.score_kind "logprob", "logprob_top1"), reduced in the step.
     next_token_scores: list[tuple[Sequence, int, list]] = field(default_factory=list)
+    # (sequence, first position, final hidden states [rows, hidden] float32): the positions a
+    # pooling request's chunk keeps (Sequence.pooling).
+    pooled: list[tuple[Sequence, int, torch.Tensor]] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -85,11 +90,12 @@ class ModelRunner:
         Python touches each sequence once (its token ids, and its row of the persistent batch,
         updated by what changed); positions, slots and block tables are array operations."""
         paged = self.backend.uses_block_tables
-        if all(it.num_new_tokens == 1 and not it.scores for it in batch):
+        if all(it.num_new_tokens == 1 and not it.scores and it.seq.pooling is None for it in batch):
             return self._plan_one_token_each(batch, paged)
         ids: list[int] = []
         seq_ids: list[int] = []  # one per attention row (a sequence, or a decode row)
         logits_idx: list[int] = []
+        hidden_idx: list[int] = []
         starts, counts, rows = [], [], []
         num_decodes = 0  # attention rows of decodes (decode items come first)
         decode_items = 0
@@ -125,6 +131,9 @@ class ModelRunner:
             if item.scores:  # the positions that score the prompt, before the row it samples from
                 lo, hi = item.score_range()
                 logits_idx.extend(range(t + lo - start, t + hi - start))
+            if seq.pooling is not None:  # the positions a pooling request keeps
+                lo, hi = item.pool_range()
+                hidden_idx.extend(range(t + lo - start, t + hi - start))
             t += n
             if item.samples and not spec:
                 logits_idx.append(t - 1)
@@ -138,7 +147,8 @@ class ModelRunner:
         qsl = list(range(num_decodes + 1))
         for n in counts[decode_items:]:
             qsl.append(qsl[-1] + n)
-        plan = StepPlan(ids, pos, qsl, ctx_lens, num_decodes, seq_ids, logits_rows=logits_idx)
+        plan = StepPlan(ids, pos, qsl, ctx_lens, num_decodes, seq_ids, logits_rows=logits_idx,
+                        hidden_rows=hidden_idx)
         if paged:
             rows_a = np.array(rows, dtype=np.int64)
             tok_rows = rows_a[tok_items]
@@ -225,21 +235,30 @@ class ModelRunner:
     def logits(self, plan: StepPlan) -> torch.Tensor | None:
         """Run the plan; the logits of its `logits_rows` (None when it asks for none). Under
         tensor parallelism rank 0 first sends the plan, and every rank runs this."""
+        return self.forward(plan)[0]
+
+    @torch.inference_mode()
+    def forward(self, plan: StepPlan) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """`logits`, and the float32 final hidden states of the plan's `hidden_rows` (None when
+        it asks for none; pooling is refused under tensor parallelism, so rank 0 alone keeps them)."""
         if self.driver is None:
-            return self._logits(plan)
+            return self._forward(plan)
         with self.driver.guard():  # a failed rank fails the step with a clear error
             self.driver.send_step(plan)
-            return self._logits(plan)
+            return self._forward(plan)
 
-    def _logits(self, plan: StepPlan) -> torch.Tensor | None:
+    def _forward(self, plan: StepPlan) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         input_ids, positions, meta = self.tensors(plan)
         hidden = self.model(input_ids, positions, meta)
+        kept = None
+        if plan.hidden_rows:
+            kept = hidden.index_select(0, self.upload.ints([plan.hidden_rows])[0]).float()
         if plan.logits_rows is None:
-            return self.model.compute_logits(hidden)
+            return self.model.compute_logits(hidden), kept
         if not plan.logits_rows:
-            return None
+            return None, kept
         idx = self.upload.ints([plan.logits_rows])[0]
-        return self.model.compute_logits(hidden.index_select(0, idx))
+        return self.model.compute_logits(hidden.index_select(0, idx)), kept
 
     @torch.inference_mode()
     def execute(self, batch: list[ScheduledSeq]) -> RunnerOutput | None:
@@ -254,8 +273,14 @@ class ModelRunner:
         # rows come before its sampling row, in the order plan() lists them.
         sampling_seqs, rows, offsets, drafts = [], [], [], []
         scoring = []  # (sequence, first position, first logits row, rows)
-        k = 0
+        pooling = []  # (sequence, first position, first kept hidden row, rows)
+        k = h = 0
         for it in batch:
+            if it.seq.pooling is not None:
+                lo, hi = it.pool_range()
+                if hi > lo:
+                    pooling.append((it.seq, lo, h, hi - lo))
+                    h += hi - lo
             if it.scores:
                 lo, hi = it.score_range()
                 if hi > lo:
@@ -272,14 +297,15 @@ class ModelRunner:
                 k += 1
         # Grammar masks are computed on another thread while the forward runs.
         masks = self.structured.start_masks(sampling_seqs, offsets, drafts) if self.structured else None
-        logits = self.logits(plan)
+        logits, hidden = self.forward(plan)
+        pooled = [(seq, lo, hidden[h0:h0 + c]) for seq, lo, h0, c in pooling]
         if logits is None:
-            return None
+            return RunnerOutput([], None, pooled=pooled) if pooled else None
         reduced = [x for x in scoring if x[0].score_kind not in KEEP_ROWS]
         scored = [(seq, lo, logits[k0:k0 + c]) for seq, lo, k0, c in scoring if seq.score_kind in KEEP_ROWS]
         next_token = next_token_scores(logits, reduced) if reduced else []
         if not rows:
-            return RunnerOutput([], None, scored, next_token)
+            return RunnerOutput([], None, scored, next_token, pooled)
         if len(rows) != logits.shape[0]:
             logits = logits[torch.tensor(rows, device=self.device)]
         # A sum is finite only if every logit is (NaN and inf propagate): a cheap check that
@@ -289,16 +315,7 @@ class ModelRunner:
         smeta = sampling_metadata(sampling_seqs, offsets)
         if masks is not None:  # the sampler applies them before anything else
             smeta.allowed_mask, smeta.mask_rows = masks.result(logits.device, len(sampling_seqs))
-        return RunnerOutput(sampling_seqs, self.sampler(logits, smeta, finite=finite), scored, next_token)
-
-    @torch.inference_mode()
-    def hidden_states(self, plan: StepPlan) -> torch.Tensor:
-        """The final-norm hidden states of every row of the plan ([T, hidden]): what an
-        embedding model outputs (engine/pooling.py)."""
-        if self.driver is not None:
-            raise ValueError("hidden states under tensor parallelism are not supported")
-        input_ids, positions, meta = self.tensors(plan)
-        return self.model(input_ids, positions, meta)
+        return RunnerOutput(sampling_seqs, self.sampler(logits, smeta, finite=finite), scored, next_token, pooled)
 
 
 KEEP_ROWS = ("entries", "logits")  # score kinds whose logits rows go to the engine whole

@@ -156,4 +156,4 @@ class OutputProcessor:
             m.finished_time = time.perf_counter()
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, finished, m,
                              num_cached_tokens=min(s.num_cached_tokens for s in req.seqs),
-                             error=req.error, prompt_logprobs=req.prompt_logprobs)
+                             error=req.error, prompt_logprobs=req.prompt_logprobs, embedding=req.embedding)

@@ -1,6 +1,12 @@
 """Embeddings: prompts prefilled through the engine's model, KV cache and attention path, their
 final-norm hidden states pooled into one vector each.
 
+Each input is a pooling request (`LLMEngine.add_pooling_request`): the scheduler chunks its
+prefill beside the step's other work, the runner's one `execute` keeps the final hidden states
+of the positions the pooling needs (`ScheduledSeq.pool_range`), and the engine adds them to the
+sequence as the chunks run (`pool_rows`); the vector is made when the prompt is done
+(`pooled_vector`). A preempted request recomputes its prefill but pools no position twice.
+
 How to pool comes from the model folder's sentence-transformers files, as sentence-transformers
 reads them: modules.json (the module list: Transformer, Pooling, and Normalize or not),
 1_Pooling/config.json (last token, CLS or mean) and config_sentence_transformers.json (the
@@ -17,8 +23,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..sampling.params import SamplingParams
-from .scheduler import ScheduledSeq
 from .sequence import Sequence
 
 logger = logging.getLogger(__name__)
@@ -84,86 +88,45 @@ def _read(path: Path) -> Any:
         return json.load(f)
 
 
-def embed_prompts(engine: Any, prompts: list[list[int]], pooling: PoolingConfig) -> list[torch.Tensor]:
-    """One float32 vector (on the CPU) per prompt. The prompts are prefilled together, up to
-    `max_num_batched_tokens` tokens a forward, in groups whose blocks the free KV cache holds;
-    the blocks are returned at the end. Runs on the engine's thread, between steps."""
-    max_len = engine.sched_config.max_model_len
-    vocab = engine.model_config.vocab_size
-    for i, ids in enumerate(prompts):
-        if not ids:
-            raise ValueError(f"input {i} is empty: give at least one character or token id")
-        if len(ids) > max_len:
-            raise ValueError(f"input {i} has {len(ids)} tokens but max_model_len is {max_len}; shorten it")
-        bad = next((t for t in ids if not (isinstance(t, int) and 0 <= t < vocab)), None)
-        if bad is not None:
-            raise ValueError(f"input {i}: token id {bad!r} is outside the vocabulary [0, {vocab})")
-    if engine.executor is not None:
-        raise ValueError("embeddings under tensor parallelism are not supported; use tensor_parallel_size=1")
-    bm, budget = engine.block_manager, engine.sched_config.max_num_batched_tokens
-    params = SamplingParams(max_tokens=1)
-    seqs = [Sequence("__embed__", list(p), params) for p in prompts]
-    out: list[torch.Tensor | None] = [None] * len(seqs)
-    start = 0
-    while start < len(seqs):
-        group, need = [], 0
-        for s in seqs[start:]:  # as many as the free blocks hold (at least one)
-            blocks = bm.max_blocks(s.num_tokens, budget)
-            if group and need + blocks > bm.num_free_blocks:
-                break
-            group.append(s)
-            need += blocks
-        if need > bm.num_free_blocks:
-            raise ValueError(f"an input of {group[0].num_tokens} tokens needs {need} KV blocks but "
-                             f"{bm.num_free_blocks} are free; retry, or give the KV cache more memory")
-        for i, vec in enumerate(_embed_group(engine, group, pooling, budget)):
-            out[start + i] = vec
-        start += len(group)
-    return out  # type: ignore[return-value]
+def check_pooling_input(ids: Any, max_len: int, vocab: int, name: str = "the input") -> list[int]:
+    """The token ids of an embedding input, checked: not empty, within max_model_len (an embedding
+    generates nothing, so the whole context is its) and the vocabulary."""
+    if not ids:
+        raise ValueError(f"{name} is empty: give at least one character or token id")
+    if len(ids) > max_len:
+        raise ValueError(f"{name} has {len(ids)} tokens but max_model_len is {max_len}; shorten it")
+    bad = next((t for t in ids if not (isinstance(t, int) and 0 <= t < vocab)), None)
+    if bad is not None:
+        raise ValueError(f"{name}: token id {bad!r} is outside the vocabulary [0, {vocab})")
+    return list(ids)
 
 
-def _embed_group(engine: Any, seqs: list[Sequence], pooling: PoolingConfig, budget: int) -> list[torch.Tensor]:
-    acc: list[torch.Tensor | None] = [None] * len(seqs)
-    index = {s.seq_id: i for i, s in enumerate(seqs)}
-    runner, bm = engine.runner, engine.block_manager
-    try:
-        while True:
-            batch, left = [], budget
-            for s in seqs:
-                if s.num_uncomputed_tokens > 0 and left > 0:
-                    n = min(s.num_uncomputed_tokens, left)
-                    batch.append(ScheduledSeq(s, n))
-                    left -= n
-            if not batch:
-                break
-            batch.sort(key=lambda it: not it.is_decode)  # the plan's order: decodes first
-            for it in batch:
-                engine.scheduler.release_window(it.seq)
-                bm.grow(it.seq, it.seq.num_computed_tokens + it.num_new_tokens)
-            hidden = runner.hidden_states(runner.plan(batch))
-            row = 0
-            for it in batch:
-                s, n = it.seq, it.num_new_tokens
-                rows = hidden[row:row + n].float()
-                row += n
-                i = index[s.seq_id]
-                if pooling.mode == "mean":
-                    part = rows.sum(0)
-                    acc[i] = part if acc[i] is None else acc[i] + part
-                elif pooling.mode == "cls" and s.num_computed_tokens == 0:
-                    acc[i] = rows[0].clone()
-                elif pooling.mode == "last" and it.samples:
-                    acc[i] = rows[-1].clone()
-                it.ran()
-    finally:
-        for s in seqs:
-            bm.free(s)
-            engine.backend.free_seq(s.seq_id)
-    vecs = []
-    for s, v in zip(seqs, acc):
-        if pooling.mode == "mean":
-            v = v / s.num_tokens
-        if pooling.normalize:
-            v = F.normalize(v, dim=-1)
-        vecs.append(v.cpu())
-    return vecs
+def pool_rows(seq: Sequence, first: int, rows: torch.Tensor) -> None:
+    """Add a chunk's kept final hidden states (positions first.., float32) to seq's pooled value:
+    summed for mean pooling, the one row for CLS and last-token pooling."""
+    mean = seq.pooling.mode == "mean"
+    part = rows.sum(0) if mean else rows[-1].clone()  # CLS and last keep one row: their position's
+    seq.pooled = seq.pooled + part if mean and seq.pooled is not None else part
+    seq.num_pooled = first + rows.shape[0]
+
+
+def pooled_vector(seq: Sequence) -> torch.Tensor:
+    """The finished request's embedding (float32, on the CPU): the mean taken, normalised if the
+    model's pooling says so."""
+    v = seq.pooled
+    if seq.pooling.mode == "mean":
+        v = v / seq.num_tokens
+    if seq.pooling.normalize:
+        v = F.normalize(v, dim=-1)
+    return v.cpu()
+
+
+def embed_prompts(driver: Any, prompts: list[list[int]], pooling: PoolingConfig) -> list[torch.Tensor]:
+    """One float32 vector (on the CPU) per prompt: the prompts are added as pooling requests (all
+    or none) and the driver's loop runs them, scheduled like any prefill; those the KV cache
+    cannot hold together wait for others to finish. Leaving early aborts them."""
+    engine = driver.engine
+    for i, p in enumerate(prompts):  # each named by its place before any is added
+        check_pooling_input(p, engine.sched_config.max_model_len, engine.model_config.vocab_size, f"input {i}")
+    rids = driver.add_pooling([(None, p) for p in prompts], pooling)
+    return [out.embedding for out in driver.finals(rids)]

@@ -51,6 +51,17 @@ class ScheduledSeq:
         hi = min(start + self.num_new_tokens, seq.score_end)
         return lo, max(lo, hi)
 
+    def pool_range(self) -> tuple[int, int]:
+        """The positions [lo, hi) of this chunk whose final hidden states a pooling request keeps:
+        the last token's, the first's (CLS) or all (mean), less those pooled already."""
+        seq = self.seq
+        start = seq.num_computed_tokens
+        mode, n = seq.pooling.mode, seq.num_tokens
+        want_lo, want_hi = (n - 1, n) if mode == "last" else (0, 1) if mode == "cls" else (0, n)
+        lo = max(start, seq.num_pooled, want_lo)
+        hi = min(start + self.num_new_tokens, want_hi)
+        return lo, max(lo, hi)
+
     @property
     def is_decode(self) -> bool:
         """One real token (plus proposals): runs as decode rows over the cache."""
@@ -114,8 +125,8 @@ class Scheduler:
             while (self.waiting and budget > 0
                    and len(self.running) < self.config.max_num_seqs):
                 seq = self.waiting[0]
-                # A prompt still to be scored computes every position: its logits are wanted.
-                scoring = seq.scoring_prompt
+                # A prompt still to be scored or pooled computes every position: its outputs are wanted.
+                scoring = seq.computes_whole_prompt
                 if not scoring:
                     self.bm.match_prefix(seq)
                 n = _chunk(seq, budget)

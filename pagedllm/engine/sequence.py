@@ -57,9 +57,15 @@ class Sequence:
     # What each scored position keeps in prompt_scores: "entries" (prompt_logprobs' dicts), or, for
     # the engine's own scoring requests (engine/scoring.py), "logits" (the position's whole logits
     # row, the prompt's last position included, so with no None first), "logprob" (the next
-    # token's logprob) or "logprob_top1" ((logprob, argmax) pairs).
+    # token's logprob) or "logprob_top1" ((logprob, argmax) pairs); "pool" for a pooling request.
     score_kind: str = "entries"
     max_chunk: int | None = None  # at most this many tokens a step (a scoring request's chunk_size)
+    # A pooling request (an embedding, engine/pooling.py): its PoolingConfig, what its prefill's
+    # final hidden states add up to so far, and the prompt positions pooled (a recompute after
+    # preemption skips them).
+    pooling: Any = None
+    pooled: Any = None
+    num_pooled: int = 0
 
     def __post_init__(self) -> None:
         self.token_ids: list[int] = list(self.prompt_token_ids)
@@ -95,6 +101,11 @@ class Sequence:
     def num_scored(self) -> int:
         """Prompt positions scored so far (their entries, less the first token's None)."""
         return len(self.prompt_scores) - (self.score_kind != "logits")
+
+    @property
+    def computes_whole_prompt(self) -> bool:
+        """Every prompt position's output is wanted (prompt scoring, pooling): no prefix match."""
+        return self.scoring_prompt or (self.pooling is not None and self.num_pooled < self.num_prompt_tokens)
 
     @property
     def scoring_only(self) -> bool:

@@ -13,6 +13,7 @@ import asyncio
 import logging
 import queue
 import threading
+import uuid
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
@@ -42,24 +43,17 @@ class RequestFailed(EngineError):
 
 @dataclass
 class _Add:
-    items: list[tuple[str, str | list[int], SamplingParams]]
+    items: list[tuple[str, str | list[int], SamplingParams | None]]
     loop: asyncio.AbstractEventLoop
     outputs: asyncio.Queue
     accepted: asyncio.Future
+    pooling: Any = None  # embedding requests: how to pool (engine/pooling.py's PoolingConfig)
 
 
 @dataclass
 class _Abort:
     request_id: str
     asked_at_step: int
-
-
-@dataclass
-class _Embed:
-    prompts: list[list[int]]
-    pooling: Any
-    loop: asyncio.AbstractEventLoop
-    result: asyncio.Future
 
 
 _STOP = object()
@@ -144,8 +138,10 @@ class AsyncEngine:
         return self._thread is not None and self._thread.is_alive()
 
     # -- handler side (any thread with a running event loop) ----------------------------
-    async def submit(self, items: list[tuple[str, str | list[int], SamplingParams]]) -> Submission:
-        """Add the requests atomically (all or none); raises ValueError for bad input.
+    async def submit(self, items: list[tuple[str, str | list[int], SamplingParams | None]],
+                     pooling: Any = None) -> Submission:
+        """Add the requests atomically (all or none); raises ValueError for bad input. With
+        `pooling`, they are embedding requests (token ids, params None).
 
         Callers must call `abort_unfinished()` on the result when they stop early, and
         should do so even when this raises (a cancelled wait may still have added them).
@@ -157,7 +153,7 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         sub = Submission([rid for rid, _, _ in items], asyncio.Queue(), self)
         accepted = loop.create_future()
-        self._cmds.put(_Add(items, loop, sub.outputs, accepted))
+        self._cmds.put(_Add(items, loop, sub.outputs, accepted, pooling))
         try:
             await accepted
         except asyncio.CancelledError:
@@ -169,16 +165,17 @@ class AsyncEngine:
         self._cmds.put(_Abort(request_id, self._steps))
 
     async def embed(self, prompts: list[list[int]], pooling: Any) -> list[Any]:
-        """Embeddings of token-id prompts, computed on the engine thread between steps (the
-        requests queued together are prefilled together); raises ValueError for bad input."""
-        if self._closing:
-            raise ShuttingDown()
-        if not self.alive:
-            raise EngineError("the engine is not running")
-        loop = asyncio.get_running_loop()
-        result = loop.create_future()
-        self._cmds.put(_Embed(prompts, pooling, loop, result))
-        return await result
+        """Embeddings of token-id prompts: pooling requests, scheduled with every other request's
+        work (prefill chunks beside the decodes); raises ValueError for bad input. A handler
+        that stops waiting (its client gone) aborts them."""
+        tag = uuid.uuid4().hex[:16]
+        sub = await self.submit([(f"embd-{tag}-{i}", p, None) for i, p in enumerate(prompts)], pooling)
+        try:
+            async for _ in sub:
+                pass
+        finally:
+            sub.abort_unfinished()
+        return [out.embedding for out in sub.final_outputs()]
 
     # -- engine thread -------------------------------------------------------------------
     def _run(self) -> None:
@@ -202,10 +199,8 @@ class AsyncEngine:
             cmd = self._cmds.get(block=block)
         except queue.Empty:
             return True
-        embeds: list[_Embed] = []
         while True:
             if cmd is _STOP:
-                self._embed(embeds)
                 return False
             if cmd is _DRAIN:
                 self.num_ended_at_shutdown += len(self._routes)
@@ -214,12 +209,9 @@ class AsyncEngine:
                 self._add(cmd)
             elif isinstance(cmd, _Abort):
                 self._abort(cmd)
-            elif isinstance(cmd, _Embed):
-                embeds.append(cmd)
             try:
                 cmd = self._cmds.get_nowait()
             except queue.Empty:
-                self._embed(embeds)
                 return True
 
     def _add(self, cmd: _Add) -> None:
@@ -227,7 +219,10 @@ class AsyncEngine:
             _call_soon(cmd.loop, _settle, cmd.accepted, ShuttingDown())
             return
         try:
-            added = self.driver.add(cmd.items)  # all or none
+            if cmd.pooling is None:
+                added = self.driver.add(cmd.items)  # all or none
+            else:
+                added = self.driver.add_pooling([(rid, ids) for rid, ids, _ in cmd.items], cmd.pooling)
         except Exception as e:  # bad input: report to the caller
             err = e if isinstance(e, ValueError) else EngineError(f"{type(e).__name__}: {e}")
             if not isinstance(e, ValueError):
@@ -241,35 +236,6 @@ class AsyncEngine:
                 if req is not None:
                     self.metrics.on_prompt(len(req.prompt_token_ids))
         _call_soon(cmd.loop, _settle, cmd.accepted, None)
-
-    def _embed(self, cmds: list[_Embed]) -> None:
-        """Run the queued embedding requests as one batch (one by one if that batch fails, so
-        one request's bad input fails only that request)."""
-        if not cmds:
-            return
-        if self._closing:
-            for c in cmds:
-                _call_soon(c.loop, _settle_value, c.result, ShuttingDown(), None)
-            return
-        if len(cmds) > 1:
-            try:
-                vecs = self.engine.embed([p for c in cmds for p in c.prompts], cmds[0].pooling)
-            except Exception:
-                vecs = None
-            if vecs is not None:
-                for c in cmds:
-                    _call_soon(c.loop, _settle_value, c.result, None, vecs[:len(c.prompts)])
-                    vecs = vecs[len(c.prompts):]
-                return
-        for c in cmds:
-            try:
-                value, err = self.engine.embed(c.prompts, c.pooling), None
-            except ValueError as e:
-                value, err = None, e
-            except Exception as e:
-                logger.exception("an embedding request failed")
-                value, err = None, EngineError(f"internal engine error ({type(e).__name__})")
-            _call_soon(c.loop, _settle_value, c.result, err, value)
 
     def _abort(self, cmd: _Abort) -> None:
         if self._routes.pop(cmd.request_id, None) is None:
@@ -328,15 +294,6 @@ def _settle(fut: asyncio.Future, err: BaseException | None) -> None:
         return
     if err is None:
         fut.set_result(None)
-    else:
-        fut.set_exception(err)
-
-
-def _settle_value(fut: asyncio.Future, err: BaseException | None, value: Any) -> None:
-    if fut.done():  # the waiting handler was cancelled
-        return
-    if err is None:
-        fut.set_result(value)
     else:
         fut.set_exception(err)
 
