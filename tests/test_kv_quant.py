@@ -320,3 +320,14 @@ def test_quality_bench_helpers():
     assert a["identical_sequences"] == 1
     assert a["token_match_pct"] == pytest.approx(100 * 5 / 6)
     assert a["prefix_match_pct"] == pytest.approx(100 * 4 / 6)
+
+
+@pytest.mark.parametrize("flag", ["--prompts", "--windows", "--new-tokens"])
+def test_quality_bench_refuses_empty_counts(flag, capsys):
+    """A count of 0 is refused at parsing, naming the flag (it raised an IndexError mid-run)."""
+    from pagedllm.cli.main import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "quality", flag, "0"])
+    assert e.value.code == 2
+    assert f"argument {flag}: must be at least 1, got 0" in capsys.readouterr().err

@@ -154,24 +154,35 @@ def run_cache_type(args: argparse.Namespace, cache_type: str, windows: list[list
             "seconds": {"load": load_s, "perplexity": ppl_s, "greedy": gen_s}}
 
 
+def positive_int(text: str) -> int:
+    """argparse type: an integer of at least 1 (a count of windows, prompts or tokens)."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+    return n
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="default")
     p.add_argument("--dtype", default="auto", help="compute dtype (auto: bfloat16 where fast)")
     p.add_argument("--cache-types", default="auto,f8e4m3,int8",
                    help="comma-separated KV cache types; the first is the reference")
-    p.add_argument("--windows", type=int, default=40, help="independent text windows scored at once")
-    p.add_argument("--window-len", type=int, default=512, help="tokens scored per window")
-    p.add_argument("--chunk-size", type=int, default=1,
+    p.add_argument("--windows", type=positive_int, default=40, help="independent text windows scored at once")
+    p.add_argument("--window-len", type=positive_int, default=512, help="tokens scored per window")
+    p.add_argument("--chunk-size", type=positive_int, default=1,
                    help="tokens per window per forward (1: every token through the decode path)")
-    p.add_argument("--prompts", type=int, default=64, help="prompts for greedy agreement")
-    p.add_argument("--prompt-len", type=int, default=64)
-    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--prompts", type=positive_int, default=64, help="prompts for greedy agreement")
+    p.add_argument("--prompt-len", type=positive_int, default=64)
+    p.add_argument("--new-tokens", type=positive_int, default=128)
     p.add_argument("--noise-dtype", default="float32",
                    help="also run the reference cache type in this compute dtype: how far plain "
                         "rounding moves perplexity and greedy tokens ('' to skip)")
     p.add_argument("--kv-mb", type=float, default=256.0,
                    help="KV cache budget for the capacity column (blocks it buys per type)")
-    p.add_argument("--block-size", type=int, default=32)
+    p.add_argument("--block-size", type=positive_int, default=32)
     p.add_argument("--text-file", default=None, help="plain English text instead of the plays")
     p.add_argument("--weights", action="store_true",
                    help="compare quantized weights (GGUF blocks or --isq) with dequantize_weights=True "
