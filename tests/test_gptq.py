@@ -192,11 +192,17 @@ def _assert_close(quant: LLM, reference: LLM, prompt: list[int]) -> None:
         assert abs(ppl_ratio - 1) <= 0.005, (label, ppl_ratio)
 
 
-def _assert_close_to_float32(path, prompt: list[int]) -> LLM:
-    """Quantized prefill and decode against our dequantize_weights=True float32: top-1 >= 98%,
-    perplexity within 0.5%. Returns the float32 engine. The head stays float: these are the
-    checkpoint's own blocks on the kernels (the Q8_0 head: test_float_head_is_quantized_...)."""
-    quant = LLM(str(path), dtype="float32", kv_cache_memory_mb=8, keep_float_head=True)
+def float_head_llm(path) -> LLM:
+    """The checkpoint quantized, its head kept float: the engine most tests of a checkpoint run
+    (a module fixture per checkpoint shares one: loading it again proves nothing more)."""
+    return LLM(str(path), dtype="float32", kv_cache_memory_mb=8, keep_float_head=True)
+
+
+def _assert_close_to_float32(path, prompt: list[int], quant: LLM) -> LLM:
+    """Quantized prefill and decode (`quant`: float_head_llm(path)) against our
+    dequantize_weights=True float32: top-1 >= 98%, perplexity within 0.5%. Returns the float32
+    engine. The head stays float: these are the checkpoint's own blocks on the kernels (the Q8_0
+    head: test_float_head_is_quantized_...)."""
     exact = LLM(str(path), dtype="float32", kv_cache_memory_mb=8, dequantize_weights=True)
     _assert_close(quant, exact, prompt)
     return exact
@@ -214,9 +220,14 @@ def gptq_model(request, tmp_path_factory, hf_smollm2_tokenizer):
     return out, ref, request.param
 
 
-def test_model_matches_transformers_on_gptqmodels_weights(gptq_model, monkeypatch):
+@pytest.fixture(scope="module")
+def gptq_llm(gptq_model) -> LLM:
+    return float_head_llm(gptq_model[0])
+
+
+def test_model_matches_transformers_on_gptqmodels_weights(gptq_model, gptq_llm, monkeypatch):
     path, ref, (family, bits, gs, sym, desc_act) = gptq_model
-    llm = LLM(str(path), dtype="float32", kv_cache_memory_mb=8, keep_float_head=True)  # exact: float head
+    llm = gptq_llm  # exact: float head
     info = llm.engine.weights
     fmt = "Q8_0" if bits == 8 else "Q4_0" if sym else "Q5_0"
     assert info.kernel is not None and info.formats.get(fmt) == 2 * 7, info
@@ -237,13 +248,13 @@ def test_model_matches_transformers_on_gptqmodels_weights(gptq_model, monkeypatc
     _assert_greedy_equals(ref, llm, p)
 
 
-def test_quantized_execution_against_our_float32(gptq_model):
+def test_quantized_execution_against_our_float32(gptq_model, gptq_llm):
     path, _, _ = gptq_model
-    exact = _assert_close_to_float32(path, _prompt(160, 11))
+    exact = _assert_close_to_float32(path, _prompt(160, 11), gptq_llm)
     assert exact.engine.weights.kernel is None and "dequantized to float" in exact.engine.weights.reason
 
 
-def test_float_head_is_quantized_to_q8_0_at_load(gptq_model):
+def test_float_head_is_quantized_to_q8_0_at_load(gptq_model, gptq_llm):
     """GPTQ tools leave the LM head (qwen2 here: the tied embedding, which is the head) in float,
     where a 0.5B model's head is as many bytes a token as all its 4-bit layers: it is quantized to
     Q8_0 at load, as llama.cpp keeps a 4-bit file's head, within the float head's quality;
@@ -261,7 +272,7 @@ def test_float_head_is_quantized_to_q8_0_at_load(gptq_model):
     else:  # untied: the embedding is only row-gathered; it stays float
         assert model.embed_tokens.qweight is None and model.embed_tokens.weight.dtype == torch.float32
     assert "quantized to Q8_0 at load" in quant.engine.weights.reason
-    kept = LLM(str(path), dtype="float32", kv_cache_memory_mb=8, keep_float_head=True)
+    kept = gptq_llm
     head = kept.engine.model.lm_head
     assert head.qparts is None and head.weight.dtype == torch.float32
     prompt = _prompt(160, 13)

@@ -13,7 +13,7 @@ from pagedllm import LLM
 from pagedllm.quant import checkpoint as qc
 from pagedllm.quant.kernels import available_isas
 
-from test_gptq import _assert_close_to_float32, _assert_greedy_equals, _block_values, _build, _prompt
+from test_gptq import _assert_close_to_float32, _assert_greedy_equals, _block_values, _build, _prompt, float_head_llm
 
 pytestmark = pytest.mark.skipif(not available_isas(), reason="native CPU kernels not built here")
 
@@ -89,11 +89,16 @@ def awq_model(request, tmp_path_factory, hf_smollm2_tokenizer):
     return out, ref
 
 
-def test_model_matches_transformers_on_autoawqs_weights(awq_model, monkeypatch):
+@pytest.fixture(scope="module")
+def awq_llm(awq_model) -> LLM:
+    return float_head_llm(awq_model[0])
+
+
+def test_model_matches_transformers_on_autoawqs_weights(awq_model, awq_llm, monkeypatch):
     from pagedllm.quant import kernels as qk
 
     path, ref = awq_model
-    llm = LLM(str(path), dtype="float32", kv_cache_memory_mb=8, keep_float_head=True)  # exact: float head
+    llm = awq_llm  # exact: float head
     info = llm.engine.weights
     assert info.kernel is not None and info.formats.get("Q5_0") == 14 and "awq 4-bit g128" in info.reason
     prompt = _prompt(80, 6)
@@ -106,9 +111,9 @@ def test_model_matches_transformers_on_autoawqs_weights(awq_model, monkeypatch):
     _assert_greedy_equals(ref, llm, p)
 
 
-def test_quantized_execution_against_our_float32(awq_model):
+def test_quantized_execution_against_our_float32(awq_model, awq_llm):
     path, _ = awq_model
-    _assert_close_to_float32(path, _prompt(160, 13))
+    _assert_close_to_float32(path, _prompt(160, 13), awq_llm)
 
 
 @pytest.fixture(scope="module")

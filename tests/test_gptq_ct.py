@@ -13,7 +13,7 @@ from pagedllm import LLM
 from pagedllm.quant import checkpoint as qc
 from pagedllm.quant.kernels import available_isas
 
-from test_gptq import _assert_close_to_float32, _assert_greedy_equals, _block_values, _prompt
+from test_gptq import _assert_close_to_float32, _assert_greedy_equals, _block_values, _prompt, float_head_llm
 
 pytestmark = pytest.mark.skipif(not available_isas(), reason="native CPU kernels not built here")
 
@@ -52,6 +52,11 @@ def ct_model(request, tmp_path_factory, hf_smollm2_tokenizer):
     family, scheme = request.param
     out = make_checkpoint(family, scheme, hf_smollm2_tokenizer, tmp_path_factory.mktemp("ct") / "q")
     return out, request.param
+
+
+@pytest.fixture(scope="module")
+def ct_llm(ct_model) -> LLM:
+    return float_head_llm(ct_model[0])
 
 
 def _tensors(path):
@@ -102,7 +107,7 @@ def test_dequantization_equals_compressed_tensors(ct_model):
     assert fmts == {{"W4A16": "Q4_0", "W8A16": "Q8_0", "W4A16_ASYM": "Q5_0"}[scheme]}
 
 
-def test_model_matches_transformers_running_the_checkpoint(ct_model, monkeypatch):
+def test_model_matches_transformers_running_the_checkpoint(ct_model, ct_llm, monkeypatch):
     import transformers as tf
     from pagedllm.quant import kernels as qk
 
@@ -116,7 +121,7 @@ def test_model_matches_transformers_running_the_checkpoint(ct_model, monkeypatch
             mod = ref.get_submodule(p)
             assert torch.equal(mod.weight, exact.bfloat16().float()), p
             mod.weight.copy_(exact)
-    llm = LLM(str(path), dtype="float32", kv_cache_memory_mb=8, keep_float_head=True)  # exact: float head
+    llm = ct_llm  # exact: float head
     info = llm.engine.weights
     assert info.kernel is not None and "compressed-tensors" in info.reason and "float" not in info.reason.split(";")[-1]
     prompt = _prompt(80, 3)
@@ -129,6 +134,6 @@ def test_model_matches_transformers_running_the_checkpoint(ct_model, monkeypatch
     _assert_greedy_equals(ref, llm, p)
 
 
-def test_quantized_execution_against_our_float32(ct_model):
+def test_quantized_execution_against_our_float32(ct_model, ct_llm):
     path, _ = ct_model
-    _assert_close_to_float32(path, _prompt(160, 12))
+    _assert_close_to_float32(path, _prompt(160, 12), ct_llm)

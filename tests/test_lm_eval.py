@@ -63,7 +63,8 @@ def server(started_server):
     return started_server.get()
 
 
-def _run(model: str, model_args: dict, tasks: list[str], include: Path) -> dict:
+def _run(model, model_args: dict, tasks: list[str], include: Path) -> dict:
+    """`model`: a registered name built from `model_args`, or an lm-eval LM object."""
     from lm_eval.tasks import TaskManager
 
     out = lm_eval.simple_evaluate(model=model, model_args=model_args, tasks=tasks,
@@ -73,7 +74,7 @@ def _run(model: str, model_args: dict, tasks: list[str], include: Path) -> dict:
     return out["results"]
 
 
-def test_lm_eval_local_completions_equals_hf_backend(server, tmp_path, smollm2_gguf_path,
+def test_lm_eval_local_completions_equals_hf_backend(server, tmp_path, hf_smollm2_model,
                                                      hf_smollm2_tokenizer, monkeypatch):
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets"))
@@ -85,8 +86,12 @@ def test_lm_eval_local_completions_equals_hf_backend(server, tmp_path, smollm2_g
                  "tokenizer_backend": "huggingface", "tokenizer": str(tmp_path / "tokenizer"),
                  "num_concurrent": 1, "max_retries": 1},
                 ["pagedllm_tiny_mc", "pagedllm_tiny_gen"], tmp_path)
-    hf = _run("hf", {"pretrained": str(smollm2_gguf_path.parent), "gguf_file": smollm2_gguf_path.name,
-                     "dtype": "float32", "device": "cpu"}, ["pagedllm_tiny_mc"], tmp_path)
+    # lm-eval's hf backend on transformers' float32 model of the same GGUF: the session's copy
+    # (conftest), not a second ~10 s load of the GGUF by lm-eval (what it would load is the same).
+    from lm_eval.models.huggingface import HFLM
+
+    hf_lm = HFLM(pretrained=hf_smollm2_model, tokenizer=hf_smollm2_tokenizer, device="cpu", batch_size=1)
+    hf = _run(hf_lm, {}, ["pagedllm_tiny_mc"], tmp_path)
     acc = ours["pagedllm_tiny_mc"]["acc,none"]
     assert acc == hf["pagedllm_tiny_mc"]["acc,none"], (ours, hf)
     assert acc > 0.5  # a working model on easy questions, so the comparison means something
