@@ -91,6 +91,8 @@ class SparseMoE(nn.Module):
 
     def run_experts(self, h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Rows grouped by expert: one matmul chain per active expert, scattered back weighted."""
+        if h.shape[0] == 1 and self._one_call_gate_up():
+            return self._run_one_row(h, weights, ids)
         k = ids.shape[1]
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)
@@ -108,6 +110,33 @@ class SparseMoE(nn.Module):
             out.index_add_(0, idx, (y * w[start:start + n]).to(out.dtype))
             start += n
         return out
+
+    def _one_call_gate_up(self) -> bool:
+        """Whether a row's k experts can take their gate|up projections in one integer-kernel
+        call: every expert quantized, none reading its input permuted."""
+        ok = getattr(self, "_one_call", None)
+        if ok is None:
+            ok = self._one_call = all(m.gate_up_proj.qparts is not None and not m.gate_up_proj.permutes
+                                      and m.down_proj.qparts is not None and not m.down_proj.permutes
+                                      for m in self.experts)
+        return ok
+
+    def _run_one_row(self, h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """A decode row: its k experts' gate|up in one native call (the row's activation
+        quantized once), silu(gate) * up for all k at once, then each expert's down projection,
+        summed with the routing weights in ascending expert order (as the grouped path adds)."""
+        ids_sorted, order = torch.sort(ids[0])
+        experts = ids_sorted.tolist()
+        w = weights[0, order].tolist()
+        self.last_counts = torch.bincount(ids_sorted, minlength=self.num_experts).tolist()
+        mods = [self.experts[e] for e in experts]
+        gu = qk.matmul(h, [p for m in mods for p in m.gate_up_proj.qparts], out_dtype=torch.float32)
+        gate, up = gu.view(len(mods), 2, -1).unbind(1)
+        act = (F.silu(gate) * up).to(h.dtype)
+        out = torch.zeros(1, h.shape[1], dtype=torch.float32)
+        for i, m in enumerate(mods):
+            out.add_(qk.matmul(act[i:i + 1], m.down_proj.qparts, out_dtype=torch.float32), alpha=w[i])
+        return out.to(h.dtype)
 
     def path(self) -> str:
         """How the experts run (for `pagedllm trace`)."""
