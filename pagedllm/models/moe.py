@@ -144,7 +144,9 @@ class SparseMoE(nn.Module):
         parts = mlp.gate_up_proj.qparts
         if parts:
             kind = (f"quantized {'/'.join(sorted({p.fmt for p in parts}))}, "
-                    f"integer kernel up to {qk.INT_ROWS} rows an expert, dequantize + GEMM beyond")
+                    f"integer kernel up to {qk.INT_ROWS} rows an expert, dequantize + GEMM beyond"
+                    + ("; a single decode row: its k experts' gate|up in one integer-kernel call, "
+                       "then k down calls" if self._one_call_gate_up() else ""))
         else:
             kind = f"{mlp.gate_up_proj.weight.dtype} GEMMs"
         return (f"{self.num_experts} experts, top-{self.top_k}"
