@@ -36,6 +36,33 @@ def test_make_gguf_writes_the_shape(tiny_gguf):
     assert "blk.1.attn_v.bias" in tensors
 
 
+@pytest.mark.parametrize("shape_name, arch", [("tiny-olmoe", "olmoe"), ("tiny-qwen3moe", "qwen3moe")])
+def test_make_gguf_moe_shapes(shape_name, arch, tmp_path, smollm2_gguf_path):
+    """MoE shapes are written as llama.cpp's architecture, experts in 3-D tensors, quantized by
+    llama.cpp, and the file opens in both engines with the shape's experts."""
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python not installed (make bench-deps)")
+    path = tmp_path / f"{shape_name}.gguf"
+    assert main(["bench", "make-gguf", str(path), "--shape", shape_name, "--type", "Q8_0", "--layers", "1"]) == 0
+    shape = make_gguf.SHAPES[shape_name]
+    reader = gguf.GGUFReader(str(path))
+    field = lambda k: reader.fields[k].contents()  # noqa: E731
+    assert field("general.architecture") == arch
+    assert (field(f"{arch}.expert_count"), field(f"{arch}.expert_used_count"), field(f"{arch}.block_count")) == (
+        shape.experts, shape.experts_used, 1)
+    tensors = {t.name: t for t in reader.tensors}
+    for kind in ("gate", "up"):
+        t = tensors[f"blk.0.ffn_{kind}_exps.weight"]
+        assert tuple(t.shape) == (shape.hidden, shape.intermediate, shape.experts)
+        assert t.tensor_type == gguf.GGMLQuantizationType.Q8_0  # llama.cpp quantized it
+    assert tuple(tensors["blk.0.ffn_down_exps.weight"].shape) == (shape.intermediate, shape.hidden, shape.experts)
+    assert tensors["blk.0.ffn_gate_inp.weight"].tensor_type == gguf.GGMLQuantizationType.F32  # the router
+    assert "output.weight" in tensors  # untied, as the real models
+    from pagedllm.loading.gguf import read_gguf
+
+    cfg = read_gguf(path).config
+    assert cfg["architectures"][0] == {"olmoe": "OlmoeForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM"}[arch]
+
+
 def _compare(path, tmp_path, *extra):
     out = tmp_path / "compare.json"
     rc = main(["bench", "compare", str(path), "--measures", "decode1", "--max-tokens", "4",

@@ -201,3 +201,36 @@ def test_quantized_experts_stay_quantized_and_agree(tmp_path, qtype):
         q.score_prompts(windows, chunk_size=chunk, top1=got)
         agree = (torch.cat(got) == torch.cat(ref)).double().mean().item()
         assert agree >= 0.98, f"{qtype.name}, chunk {chunk}: top-1 agreement {agree:.3f}"
+
+
+def test_one_decode_row_takes_its_experts_gate_up_in_one_call(tmp_path, monkeypatch):
+    """A single row's k experts: gate|up in one integer-kernel call, then the downs; the same
+    values as the grouped path (one call chain per expert), which the agreement test above holds
+    to the dequantized model."""
+    from pagedllm.quant import kernels as qk
+
+    if qk.kernel_path()[0] is None:
+        pytest.skip(f"no quantized kernels here: {qk.kernel_path()[1]}")
+    vocab = len(_spm_vocab()[0])
+    write_moe_gguf(tmp_path / "m.gguf", "olmoe", _model("olmoe", vocab), Q.Q8_0)
+    moe = LLM(str(tmp_path / "m.gguf"), dtype="float32", kv_cache_memory_mb=16).engine.model.layers[0].mlp
+    assert moe._one_call_gate_up()
+    from pagedllm.models.moe import route
+
+    h = torch.randn(1, moe.gate.in_features, generator=torch.Generator().manual_seed(3))
+    weights, ids = route(moe.router_logits(h), moe.top_k, moe.renormalize)
+    calls = []
+    real = qk.matmul
+
+    def counting(x, parts, *a, **kw):
+        calls.append(len(parts))
+        return real(x, parts, *a, **kw)
+
+    monkeypatch.setattr(qk, "matmul", counting)
+    fast = moe.run_experts(h, weights, ids)
+    monkeypatch.undo()
+    # one gate|up call over all k experts' parts, then one down call per expert
+    assert len(calls) == 1 + moe.top_k and calls[0] == sum(len(moe.experts[e].gate_up_proj.qparts) for e in ids[0])
+    moe._one_call = False  # the grouped path
+    grouped = moe.run_experts(h, weights, ids)
+    assert torch.allclose(fast, grouped, rtol=1e-5, atol=1e-6), (fast - grouped).abs().max()

@@ -192,3 +192,42 @@ def test_mixed_window_layers_refused_before_any_worker_starts(tmp_path, hf_smoll
     with pytest.raises(ValueError, match=r"mixes sliding-window layers.*global.*tensor_parallel_size=1"):
         LLM(str(path), dtype="float32", tensor_parallel_size=2)
     assert {c.pid for c in psutil.Process().children(recursive=True)} <= before
+
+
+@pytest.fixture(scope="module", params=["mixtral", "qwen2_moe", "qwen3_moe"])
+def moe_family(request, tmp_path_factory, hf_smollm2_tokenizer):
+    path, ref, prompts, want = reference_family(request.param, tmp_path_factory.mktemp(request.param),
+                                                hf_smollm2_tokenizer, PROMPT_LENS, NEW_TOKENS, seed=99)
+    return request.param, path, ref, prompts, want
+
+
+def test_tp2_moe_matches_transformers_and_tp1(moe_family):
+    """Each expert's intermediate rows (and Qwen2-MoE's shared expert's) split across 2 ranks,
+    one all-reduce after the weighted sum: the greedy tokens of transformers and of tp=1, under
+    preemption; prompt logits within 1e-4 of both."""
+    name, path, ref, prompts, want = moe_family
+    ctx = 160 if name == "mixtral" else 400
+    kw = dict(dtype="float32", block_size=16, kv_cache_context_len=ctx, max_num_batched_tokens=64)
+    with LLM(str(path), tensor_parallel_size=2, **kw) as llm:
+        moe = llm.engine.model.layers[0].mlp
+        inter = ref.config.intermediate_size if name == "mixtral" else ref.config.moe_intermediate_size
+        assert moe.experts[0].gate_up_proj.out_features == inter  # half of gate|up: this rank's slice
+        got = [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+        assert got == want, name
+        assert llm.engine.scheduler.num_preemptions > 0
+        logits2 = llm.prompt_logits(prompts[-1])
+    with torch.no_grad():
+        ref_logits = ref(torch.tensor([prompts[-1]])).logits[0]
+    assert (logits2 - ref_logits).abs().max().item() < 1e-4
+    one = LLM(str(path), **kw)
+    assert (logits2 - one.prompt_logits(prompts[-1])).abs().max().item() < 1e-4
+    assert [o.token_ids for o in one.generate(prompts, GREEDY, use_tqdm=False)] == got
+
+
+def test_tp_olmoe_refused_before_any_worker_starts(tmp_path, hf_smollm2_tokenizer):
+    """OLMoE's q/k norms run over the whole projections, which ranks hold apart: refused up front."""
+    path = build_checkpoint("olmoe", tmp_path, hf_smollm2_tokenizer, len(hf_smollm2_tokenizer))
+    before = {c.pid for c in psutil.Process().children(recursive=True)}
+    with pytest.raises(ValueError, match=r"does not split OLMoE.*tensor_parallel_size=1"):
+        LLM(str(path), dtype="float32", tensor_parallel_size=2)
+    assert {c.pid for c in psutil.Process().children(recursive=True)} <= before

@@ -7,6 +7,11 @@ random (std 0.02, like a fresh init), so the text it generates is meaningless. T
 the default model's byte-level BPE (SmolLM2), padded with unused tokens up to the vocabulary size,
 so that both llama.cpp and our loader accept the file.
 
+MoE shapes (`olmoe-1b-7b`, `qwen3-30b-a3b-l12`) are written as llama.cpp's `olmoe` / `qwen3moe`
+architectures, with each layer's experts in 3-D tensors `ffn_{gate,up,down}_exps` and the router
+`ffn_gate_inp` in F32, as llama.cpp's converter writes them. Tensors are generated and written one
+at a time, so a 14 GB F16 intermediate needs well under 1 GB of memory.
+
 The file is written as F16 (F32 for norms and biases) through `gguf.GGUFWriter`; any other type
 (Q4_K_M, Q8_0, ...) is then made by llama.cpp's own quantizer (llama-cpp-python), exactly as a
 user would make it, including its per-tensor choices (e.g. fallbacks where rows are not a
@@ -16,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import dataclasses
 import logging
 import os
 import tempfile
@@ -41,10 +47,16 @@ class Shape:
     context: int
     rope_theta: float
     rms_eps: float = 1e-6
+    arch: str = "qwen2"  # llama.cpp's architecture name
+    experts: int = 0  # > 0: a mixture of experts (`intermediate` is then each expert's)
+    experts_used: int = 0
+    dense_intermediate: int = 0  # qwen3moe's feed_forward_length (not used by its MoE layers)
+    head_dim_: int = 0  # 0: hidden / heads
+    tied: bool = True  # the embedding serves as the LM head
 
     @property
     def head_dim(self) -> int:
-        return self.hidden // self.heads
+        return self.head_dim_ or self.hidden // self.heads
 
 
 SHAPES = {
@@ -57,9 +69,27 @@ SHAPES = {
                           vocab=151936, context=32768, rope_theta=1e6),
     "qwen2.5-3b": Shape(hidden=2048, layers=36, heads=16, kv_heads=2, intermediate=11008,
                         vocab=151936, context=32768, rope_theta=1e6),
+    # OLMoE-1B-7B(-0924)'s config.json: 6.9B parameters, 1.3B active (64 experts of 1024, top 8,
+    # not renormalized), q/k norms over the whole projection, untied head. F16 intermediate 13.8 GB.
+    "olmoe-1b-7b": Shape(hidden=2048, layers=16, heads=16, kv_heads=16, intermediate=1024,
+                         vocab=50304, context=4096, rope_theta=1e4, rms_eps=1e-5, arch="olmoe",
+                         experts=64, experts_used=8, tied=False),
+    # Qwen3-30B-A3B's width (128 experts of 768, top 8, head_dim 128, 4 KV heads, per-head q/k
+    # norms, untied head) with 12 of its 48 layers: 8.1B parameters, so that the F16
+    # intermediate (16 GB) and the Q4_K_M file (about 5 GB) fit this machine's disk and memory.
+    "qwen3-30b-a3b-l12": Shape(hidden=2048, layers=12, heads=32, kv_heads=4, intermediate=768,
+                               vocab=151936, context=40960, rope_theta=1e6, arch="qwen3moe",
+                               experts=128, experts_used=8, dense_intermediate=6144, head_dim_=128,
+                               tied=False),
     # A few MB, for tests: still pads the tokenizer, so the padding path is exercised.
     "tiny": Shape(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128,
                   vocab=49152 + 64, context=2048, rope_theta=1e6),
+    "tiny-olmoe": Shape(hidden=64, layers=2, heads=4, kv_heads=4, intermediate=32, vocab=49152 + 64,
+                        context=2048, rope_theta=1e4, rms_eps=1e-5, arch="olmoe", experts=8,
+                        experts_used=2, tied=False),
+    "tiny-qwen3moe": Shape(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=32, vocab=49152 + 64,
+                           context=2048, rope_theta=1e6, arch="qwen3moe", experts=8, experts_used=2,
+                           dense_intermediate=128, head_dim_=32, tied=False),
 }
 
 # The llama.cpp file types this command can make (name -> llama_ftype value in llama.h).
@@ -86,25 +116,34 @@ def tokenizer_metadata(vocab: int) -> dict:
     return meta
 
 
-def write_qwen2(path: Path, shape: Shape, seed: int, ftype: str = "F16", std: float = 0.02) -> None:
-    """A Qwen2-architecture GGUF: F16 (or F32) matrices, F32 norms and q/k/v biases, tied
-    embeddings."""
+def write_random(path: Path, shape: Shape, seed: int, ftype: str = "F16", std: float = 0.02) -> None:
+    """A GGUF of `shape.arch` (qwen2, olmoe, qwen3moe): F16 (or F32) matrices, F32 norms, biases
+    and routers. Each tensor is generated as it is written."""
     import gguf
 
     mat_dtype = {"F16": np.float16, "F32": np.float32}[ftype]
     rng = np.random.default_rng(seed)
     tok = tokenizer_metadata(shape.vocab)
-    w = gguf.GGUFWriter(str(path), arch="qwen2")
-    w.add_name(f"random qwen2 {shape.hidden}x{shape.layers} (seed {seed})")
+    arch = shape.arch
+    w = gguf.GGUFWriter(str(path), arch=arch)
+    w.add_name(f"random {arch} {shape.hidden}x{shape.layers} (seed {seed})")
     w.add_file_type(LLAMA_FTYPES[ftype])
     w.add_block_count(shape.layers)
     w.add_context_length(shape.context)
     w.add_embedding_length(shape.hidden)
-    w.add_feed_forward_length(shape.intermediate)
+    w.add_feed_forward_length(shape.dense_intermediate or shape.intermediate)
     w.add_head_count(shape.heads)
     w.add_head_count_kv(shape.kv_heads)
+    if shape.head_dim_:
+        w.add_key_length(shape.head_dim)
+        w.add_value_length(shape.head_dim)
     w.add_rope_freq_base(shape.rope_theta)
     w.add_layer_norm_rms_eps(shape.rms_eps)
+    if shape.experts:
+        w.add_expert_count(shape.experts)
+        w.add_expert_used_count(shape.experts_used)
+        if arch == "qwen3moe":
+            w.add_expert_feed_forward_length(shape.intermediate)
     w.add_vocab_size(shape.vocab)
     w.add_tokenizer_model(tok["tokenizer.ggml.model"])
     w.add_tokenizer_pre(tok["tokenizer.ggml.pre"])
@@ -117,30 +156,64 @@ def write_qwen2(path: Path, shape: Shape, seed: int, ftype: str = "F16", std: fl
     if "tokenizer.chat_template" in tok:
         w.add_chat_template(tok["tokenizer.chat_template"])
 
-    def matrix(rows: int, cols: int) -> np.ndarray:  # [out, in], as GGUFWriter expects numpy order
-        return (rng.standard_normal((rows, cols), dtype=np.float32) * std).astype(mat_dtype)
-
-    def vector(n: int, base: float) -> np.ndarray:
-        return (base + rng.standard_normal(n, dtype=np.float32) * std).astype(np.float32)
-
-    h, kv = shape.hidden, shape.kv_heads * shape.head_dim
-    w.add_tensor("token_embd.weight", matrix(shape.vocab, h))
-    for i in range(shape.layers):
-        b = f"blk.{i}."
-        w.add_tensor(b + "attn_norm.weight", vector(h, 1.0))
-        for name, rows in (("attn_q", h), ("attn_k", kv), ("attn_v", kv)):
-            w.add_tensor(b + name + ".weight", matrix(rows, h))
-            w.add_tensor(b + name + ".bias", vector(rows, 0.0))
-        w.add_tensor(b + "attn_output.weight", matrix(h, h))
-        w.add_tensor(b + "ffn_norm.weight", vector(h, 1.0))
-        w.add_tensor(b + "ffn_gate.weight", matrix(shape.intermediate, h))
-        w.add_tensor(b + "ffn_up.weight", matrix(shape.intermediate, h))
-        w.add_tensor(b + "ffn_down.weight", matrix(h, shape.intermediate))
-    w.add_tensor("output_norm.weight", vector(h, 1.0))
+    plan = tensor_plan(shape)  # (name, numpy shape, "matrix" | "norm" | "bias" | "router")
+    for name, dims, kind in plan:
+        dtype = mat_dtype if kind == "matrix" else np.float32
+        w.add_tensor_info(name, dims, np.dtype(dtype), int(np.prod(dims)) * np.dtype(dtype).itemsize)
     w.write_header_to_file()
     w.write_kv_data_to_file()
-    w.write_tensors_to_file()
+    w.write_ti_data_to_file()
+    for name, dims, kind in plan:
+        if kind == "norm":
+            a = 1.0 + rng.standard_normal(dims, dtype=np.float32) * std
+        elif kind == "bias":
+            a = rng.standard_normal(dims, dtype=np.float32) * std
+        else:  # matrices [out, in] (experts [E, out, in]), as GGUFWriter expects numpy order
+            a = rng.standard_normal(dims, dtype=np.float32) * std
+            if kind == "matrix":
+                a = a.astype(mat_dtype)
+        w.write_tensor_data(a)
+        del a
     w.close()
+
+
+def write_qwen2(path: Path, shape: Shape, seed: int, ftype: str = "F16", std: float = 0.02) -> None:
+    """The dense shapes' writer (kept by name for callers)."""
+    write_random(path, shape, seed, ftype, std)
+
+
+def tensor_plan(shape: Shape) -> list[tuple[str, tuple[int, ...], str]]:
+    """The tensors llama.cpp's loader expects for `shape.arch`, in writing order."""
+    h, hd = shape.hidden, shape.head_dim
+    q, kv = shape.heads * hd, shape.kv_heads * hd
+    plan = [("token_embd.weight", (shape.vocab, h), "matrix")]
+    for i in range(shape.layers):
+        b = f"blk.{i}."
+        plan.append((b + "attn_norm.weight", (h,), "norm"))
+        for name, rows in (("attn_q", q), ("attn_k", kv), ("attn_v", kv)):
+            plan.append((b + name + ".weight", (rows, h), "matrix"))
+            if shape.arch == "qwen2":
+                plan.append((b + name + ".bias", (rows,), "bias"))
+        plan.append((b + "attn_output.weight", (h, q), "matrix"))
+        if shape.arch == "olmoe":  # over the whole projection
+            plan += [(b + "attn_q_norm.weight", (q,), "norm"), (b + "attn_k_norm.weight", (kv,), "norm")]
+        elif shape.arch == "qwen3moe":  # per head
+            plan += [(b + "attn_q_norm.weight", (hd,), "norm"), (b + "attn_k_norm.weight", (hd,), "norm")]
+        plan.append((b + "ffn_norm.weight", (h,), "norm"))
+        inter = shape.intermediate
+        if shape.experts:
+            e = shape.experts
+            plan += [(b + "ffn_gate_inp.weight", (e, h), "router"),
+                     (b + "ffn_gate_exps.weight", (e, inter, h), "matrix"),
+                     (b + "ffn_down_exps.weight", (e, h, inter), "matrix"),
+                     (b + "ffn_up_exps.weight", (e, inter, h), "matrix")]
+        else:
+            plan += [(b + "ffn_gate.weight", (inter, h), "matrix"), (b + "ffn_up.weight", (inter, h), "matrix"),
+                     (b + "ffn_down.weight", (h, inter), "matrix")]
+    plan.append(("output_norm.weight", (h,), "norm"))
+    if not shape.tied:
+        plan.append(("output.weight", (shape.vocab, h), "matrix"))
+    return plan
 
 
 def quantize_with_llama_cpp(src: Path, dst: Path, ftype: str, threads: int) -> None:
@@ -183,6 +256,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--type", dest="ftype", choices=list(LLAMA_FTYPES), default="Q4_K_M",
                    help="file type; anything but F16 is made by llama.cpp's quantizer")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--layers", type=int, default=None,
+                   help="keep the shape's widths with this many layers (e.g. a float32 reference that fits memory)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--keep-f16", metavar="PATH", default=None,
                    help="also keep the F16 file it was quantized from, here")
@@ -192,15 +267,19 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.output).expanduser()
     out.parent.mkdir(parents=True, exist_ok=True)
     shape = SHAPES[args.shape]
+    if args.layers is not None:
+        if args.layers < 1:
+            raise SystemExit(f"--layers must be at least 1, got {args.layers}")
+        shape = dataclasses.replace(shape, layers=args.layers)
     t0 = time.perf_counter()
     if args.ftype in ("F16", "F32"):
-        write_qwen2(out, shape, args.seed, args.ftype)
+        write_random(out, shape, args.seed, args.ftype)
     else:
         keep = Path(args.keep_f16).expanduser() if args.keep_f16 else None
         with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
             f16 = keep or Path(tmp) / "f16.gguf"
             print(f"writing {args.shape} F16 weights to {f16} ...", flush=True)
-            write_qwen2(f16, shape, args.seed)
+            write_random(f16, shape, args.seed)
             print(f"quantizing to {args.ftype} with llama.cpp ...", flush=True)
             quantize_with_llama_cpp(f16, out, args.ftype, args.threads)
     summary = check_opens(out, with_llama_cpp=_has_llama_cpp())

@@ -14,6 +14,9 @@
   expert take the integer kernel with the activation fused into the call. A fused native call
   over all of a row's k experts is later work.
 - Qwen2-MoE adds a shared expert, scaled by sigmoid(shared_expert_gate(x)), to every row.
+- Tensor parallelism: every rank routes every row (the router is replicated) and holds a slice
+  of each expert's intermediate rows (and of the shared expert's), as the dense MLP is split;
+  the weighted sum of partial expert outputs is summed across ranks by one all-reduce.
 """
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ from ..quant import kernels as qk
 from ..quant.formats import QuantTensor
 from .linear import Linear
 from .llama import MLP, DecoderLayer, LlamaForCausalLM
+from .parallel import ShardLayout
 
 
 def route(logits: torch.Tensor, k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -43,8 +47,10 @@ def route(logits: torch.Tensor, k: int, renormalize: bool) -> tuple[torch.Tensor
 class SparseMoE(nn.Module):
     """The routed experts of one layer (plus Qwen2-MoE's shared expert): a drop-in for `MLP`."""
 
-    def __init__(self, cfg: ModelConfig, weights_in_compute_dtype: bool = True) -> None:
+    def __init__(self, cfg: ModelConfig, weights_in_compute_dtype: bool = True,
+                 shard: ShardLayout | None = None, tp=None) -> None:
         super().__init__()
+        self.tp = tp  # set: this rank's experts are slices, summed after the weighted sum
         self.num_experts, self.top_k = cfg.num_experts, cfg.num_experts_per_tok
         self.renormalize = cfg.norm_topk_prob
         # Qwen/OLMoE round the routing weights to the compute dtype before scaling; Mixtral
@@ -52,10 +58,13 @@ class SparseMoE(nn.Module):
         self.weights_in_compute_dtype = weights_in_compute_dtype
         self.gate = Linear(cfg.hidden_size, cfg.num_experts, bias=False)  # the router
         self.gate.keep_float = True  # ISQ leaves it (as llama.cpp's quantizer leaves ffn_gate_inp)
-        self.experts = nn.ModuleList(MLP(cfg, inter=cfg.moe_intermediate_size) for _ in range(cfg.num_experts))
+        inter = shard.expert_inter if tp is not None else cfg.moe_intermediate_size
+        # No `tp` on the experts' down projections: one all-reduce serves the whole block.
+        self.experts = nn.ModuleList(MLP(cfg, inter=inter) for _ in range(cfg.num_experts))
         self.shared_expert = self.shared_expert_gate = None
         if cfg.shared_expert_intermediate_size:
-            self.shared_expert = MLP(cfg, inter=cfg.shared_expert_intermediate_size)
+            shared = shard.shared_inter if tp is not None else cfg.shared_expert_intermediate_size
+            self.shared_expert = MLP(cfg, inter=shared)
             self.shared_expert_gate = Linear(cfg.hidden_size, 1, bias=False)
             self.shared_expert_gate.keep_float = True
         self.last_counts: list[int] = []  # rows routed to each expert in the last call (trace)
@@ -70,6 +79,8 @@ class SparseMoE(nn.Module):
         out = self.run_experts(h, weights, ids)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(h)) * self.shared_expert(h)
+        if self.tp is not None:
+            out = self.tp.all_reduce(out)
         return out if residual is None else residual + out
 
     def router_logits(self, h: torch.Tensor) -> torch.Tensor:
@@ -80,6 +91,8 @@ class SparseMoE(nn.Module):
 
     def run_experts(self, h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Rows grouped by expert: one matmul chain per active expert, scattered back weighted."""
+        if h.shape[0] == 1 and self._one_call_gate_up():
+            return self._run_one_row(h, weights, ids)
         k = ids.shape[1]
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)
@@ -98,13 +111,42 @@ class SparseMoE(nn.Module):
             start += n
         return out
 
+    def _one_call_gate_up(self) -> bool:
+        """Whether a row's k experts can take their gate|up projections in one integer-kernel
+        call: every expert quantized, none reading its input permuted."""
+        ok = getattr(self, "_one_call", None)
+        if ok is None:
+            ok = self._one_call = all(m.gate_up_proj.qparts is not None and not m.gate_up_proj.permutes
+                                      and m.down_proj.qparts is not None and not m.down_proj.permutes
+                                      for m in self.experts)
+        return ok
+
+    def _run_one_row(self, h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """A decode row: its k experts' gate|up in one native call (the row's activation
+        quantized once), silu(gate) * up for all k at once, then each expert's down projection,
+        summed with the routing weights in ascending expert order (as the grouped path adds)."""
+        ids_sorted, order = torch.sort(ids[0])
+        experts = ids_sorted.tolist()
+        w = weights[0, order].tolist()
+        self.last_counts = torch.bincount(ids_sorted, minlength=self.num_experts).tolist()
+        mods = [self.experts[e] for e in experts]
+        gu = qk.matmul(h, [p for m in mods for p in m.gate_up_proj.qparts], out_dtype=torch.float32)
+        gate, up = gu.view(len(mods), 2, -1).unbind(1)
+        act = (F.silu(gate) * up).to(h.dtype)
+        out = torch.zeros(1, h.shape[1], dtype=torch.float32)
+        for i, m in enumerate(mods):
+            out.add_(qk.matmul(act[i:i + 1], m.down_proj.qparts, out_dtype=torch.float32), alpha=w[i])
+        return out.to(h.dtype)
+
     def path(self) -> str:
         """How the experts run (for `pagedllm trace`)."""
         mlp = self.experts[0]
         parts = mlp.gate_up_proj.qparts
         if parts:
             kind = (f"quantized {'/'.join(sorted({p.fmt for p in parts}))}, "
-                    f"integer kernel up to {qk.INT_ROWS} rows an expert, dequantize + GEMM beyond")
+                    f"integer kernel up to {qk.INT_ROWS} rows an expert, dequantize + GEMM beyond"
+                    + ("; a single decode row: its k experts' gate|up in one integer-kernel call, "
+                       "then k down calls" if self._one_call_gate_up() else ""))
         else:
             kind = f"{mlp.gate_up_proj.weight.dtype} GEMMs"
         return (f"{self.num_experts} experts, top-{self.top_k}"
@@ -119,9 +161,9 @@ class MoeDecoderLayer(DecoderLayer):
     weights_in_compute_dtype = True
 
     def __init__(self, cfg: ModelConfig, layer_idx: int, shard=None, tp=None) -> None:
-        super().__init__(cfg, layer_idx)
+        super().__init__(cfg, layer_idx, shard, tp)
         if cfg.moe_layers[layer_idx]:
-            self.mlp = SparseMoE(cfg, self.weights_in_compute_dtype)
+            self.mlp = SparseMoE(cfg, self.weights_in_compute_dtype, shard, tp)
 
 
 # A checkpoint's names for an expert's projections (Mixtral's w1/w3/w2, the Qwen/OLMoE names).
@@ -135,9 +177,6 @@ class MoeForCausalLM(LlamaForCausalLM):
     layer_cls = MoeDecoderLayer
 
     def __init__(self, cfg: ModelConfig, max_positions: int, tp=None) -> None:
-        if tp is not None and tp.size > 1:
-            raise ValueError(f"tensor parallelism does not split {cfg.architecture} (mixture of experts) yet; "
-                             "use tensor_parallel_size=1")
         if len(cfg.moe_layers) != cfg.num_layers:
             raise ValueError(f"{cfg.architecture}: the config names no experts (num_experts / num_local_experts)")
         super().__init__(cfg, max_positions, tp)
@@ -146,6 +185,17 @@ class MoeForCausalLM(LlamaForCausalLM):
         name = name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's name for the block
         name = _MIXTRAL_EXPERT.sub(lambda m: f".experts.{m.group(1)}.{_W_NAMES[m.group(2)]}.", name)
         return super().map_weight_name(name)
+
+    def shard_slice(self, name: str, shard: int | None) -> tuple[int, int, int] | None:
+        """The experts' (and shared expert's) slices are their own intermediate rows, not the
+        dense MLP's."""
+        cut = super().shard_slice(name, shard)
+        if cut is None or (".experts." not in name and ".shared_expert." not in name):
+            return cut
+        sh = self.shard
+        start, n = ((sh.expert_inter_start, sh.expert_inter) if ".experts." in name
+                    else (sh.shared_inter_start, sh.shared_inter))
+        return cut[0], start, n
 
     def expert_paths(self) -> list[tuple[int, SparseMoE]]:
         return [(i, layer.mlp) for i, layer in enumerate(self.layers) if isinstance(layer.mlp, SparseMoE)]

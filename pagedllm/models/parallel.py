@@ -31,6 +31,10 @@ def check_tp(cfg: ModelConfig, size: int) -> None:
         raise ValueError(f"tensor_parallel_size must be >= 1, got {size}")
     if size == 1:
         return
+    if cfg.architecture == "OlmoeForCausalLM":
+        # Its q/k RMSNorms run over the whole q and k projections, which a rank holds a slice of.
+        raise ValueError("tensor parallelism does not split OLMoE: its q/k norms span all heads, which the "
+                         "ranks hold apart; use tensor_parallel_size=1")
     fits = [n for n in range(2, 17) if _fits(cfg, n)]
     hint = f"sizes that fit this model: {fits}" if fits else "this model cannot be split"
     if cfg.num_heads % size:
@@ -43,6 +47,19 @@ def check_tp(cfg: ModelConfig, size: int) -> None:
     if cfg.intermediate_size % size:
         raise ValueError(f"tensor_parallel_size={size} does not divide the MLP's intermediate size "
                          f"{cfg.intermediate_size}; {hint}")
+    for what, n in _moe_sizes(cfg):
+        if n % size:
+            raise ValueError(f"tensor_parallel_size={size} does not divide the {what} intermediate size {n}; {hint}")
+
+
+def _moe_sizes(cfg: ModelConfig) -> list[tuple[str, int]]:
+    """The intermediate sizes an MoE model splits besides the dense MLP's."""
+    sizes = []
+    if cfg.num_experts:
+        sizes.append(("experts'", cfg.moe_intermediate_size))
+    if cfg.shared_expert_intermediate_size:
+        sizes.append(("shared expert's", cfg.shared_expert_intermediate_size))
+    return sizes
 
 
 def check_tp_groups(cfg: ModelConfig, size: int, paged: bool) -> None:
@@ -62,7 +79,8 @@ def check_tp_groups(cfg: ModelConfig, size: int, paged: bool) -> None:
 
 def _fits(cfg: ModelConfig, n: int) -> bool:
     kv = cfg.num_kv_heads
-    return cfg.num_heads % n == 0 and (kv % n == 0 or n % kv == 0) and cfg.intermediate_size % n == 0
+    return (cfg.num_heads % n == 0 and (kv % n == 0 or n % kv == 0) and cfg.intermediate_size % n == 0
+            and all(size % n == 0 for _, size in _moe_sizes(cfg)))
 
 
 @dataclass(frozen=True)
@@ -80,6 +98,12 @@ class ShardLayout:
     vocab: int  # rows of this rank's embedding / head shard
     vocab_start: int
     vocab_total: int
+    # Mixtures of experts: each routed expert's (and the shared expert's) intermediate rows,
+    # split as the dense MLP's are.
+    expert_inter: int = 0
+    expert_inter_start: int = 0
+    shared_inter: int = 0
+    shared_inter_start: int = 0
 
     @classmethod
     def of(cls, cfg: ModelConfig, rank: int = 0, size: int = 1) -> "ShardLayout":
@@ -93,8 +117,10 @@ class ShardLayout:
         inter = cfg.intermediate_size // size
         per = -(-cfg.vocab_size // size)
         v_start = min(rank * per, cfg.vocab_size)
+        e_inter, s_inter = cfg.moe_intermediate_size // size, cfg.shared_expert_intermediate_size // size
         return cls(rank, size, q, rank * q, kv, kv_start, inter, rank * inter,
-                   min(per, cfg.vocab_size - v_start), v_start, cfg.vocab_size)
+                   min(per, cfg.vocab_size - v_start), v_start, cfg.vocab_size,
+                   e_inter, rank * e_inter, s_inter, rank * s_inter)
 
     @property
     def sharded(self) -> bool:
