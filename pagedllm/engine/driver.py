@@ -13,7 +13,8 @@ from ..outputs import RequestOutput, raise_failed
 from ..sampling.params import SamplingParams
 
 Prompt = str | list[int]
-Item = tuple[str | None, Prompt, SamplingParams | None]  # (request id or None for a fresh one, prompt, params)
+# (request id or None for a fresh one, prompt, params), and optionally a LoRARequest after them
+Item = tuple
 
 
 class EngineDriver:
@@ -26,8 +27,9 @@ class EngineDriver:
         already added are aborted before the error goes on. Their request ids, in order."""
         added: list[str] = []
         try:
-            for rid, prompt, params in items:
-                added.append(self.engine.add_request(prompt, params, request_id=rid))
+            for rid, prompt, params, *lora in items:
+                added.append(self.engine.add_request(prompt, params, request_id=rid,
+                                                     **({"lora_request": lora[0]} if lora and lora[0] else {})))
         except BaseException:
             self.abort(added)
             raise
