@@ -104,6 +104,9 @@ def test_preemption_prefix_cache_and_lru(family):
     eng = llm.engine
     assert eng.scheduler.num_preemptions > 0
     assert eng.lora.num_loads > 4  # LRU: adapters left their slots and came back
+    trace = llm.kv_cache_trace()
+    assert trace.lora_slots == 2 and len(trace.lora_adapters) <= 2 and trace.lora_loads == eng.lora.num_loads
+    assert trace.lora_memory_mb > 0
     assert eng.block_manager.stats.hits > 0
     assert eng.block_manager.num_free_blocks == eng.block_manager.num_usable_blocks
 

@@ -238,6 +238,7 @@ BENCHES = {
     "allreduce": "torch.distributed all-reduce latency and bandwidth at a TP step's message sizes",
     "speculative": "n-gram (and --draft MODEL) speculative decoding against plain decoding: code editing, chat, 32 concurrent",
     "soak": "a served model under streaming load, then idle: resident memory at start, peak and at idle",
+    "lora": "LoRA adapters against the base model: 32 concurrent over 4 adapters, and batch 1 decode",
 }
 
 
