@@ -101,6 +101,12 @@ def test_unknown_adapter_is_404(client):
         _complete(client, "nope", "hi")
 
 
+def test_routes_without_adapters_refuse_an_adapter_name(client):
+    """/v1/responses runs the base model only: an adapter's name is refused, not answered by the base."""
+    with pytest.raises(openai.BadRequestError, match="`a0` is a LoRA adapter"):
+        client.responses.create(model="a0", input="hi", max_output_tokens=4)
+
+
 def test_runtime_load_refusals_name_the_mismatch(lora_server, lora_setup):
     _, _, big, wrong, _, _ = lora_setup
     url = f"{lora_server.url}/v1/load_lora_adapter"

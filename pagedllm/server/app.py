@@ -478,7 +478,15 @@ def create_app(llm: Any, config: ServerConfig | None = None) -> FastAPI:
         call = await work.run(chat_call, req, ctx, token_text)
         return await answer(with_adapter(call, req.model), request)
 
-    served = routes.Served(llm, ctx, cfg, names, engine, token_text, check_model, submit,
+    def check_base_model(name: str | None) -> None:
+        """The other routes (responses, embeddings, tokenize, a model's card) run the base model
+        only: an adapter's name there is refused rather than answered by the base."""
+        if adapters.get(name) is not None:
+            raise ApiError(f"`{name}` is a LoRA adapter; adapters are served on /v1/completions and "
+                           "/v1/chat/completions only", param="model")
+        check_model(name)
+
+    served = routes.Served(llm, ctx, cfg, names, engine, token_text, check_base_model, submit,
                            lambda request, model: _read_body(request, model, cfg.max_body_bytes),
                            SSEResponse, _collect_or_fail, work.run)
     routes.install(app, served)
