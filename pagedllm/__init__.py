@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 _NAMES = {
     "LLM": "llm",
     "SamplingParams": "sampling.params",
+    "LoRARequest": "lora.request",
     "RequestOutput": "outputs",
     "CompletionOutput": "outputs",
     # The mistral.rs-style API pulls in pydantic (its requests are the server's models).
@@ -20,6 +21,7 @@ from ._version import __version__
 
 if TYPE_CHECKING:
     from .llm import LLM
+    from .lora.request import LoRARequest
     from .outputs import CompletionOutput, RequestOutput
     from .sampling.params import SamplingParams
 

@@ -147,6 +147,9 @@ class EngineOptions:
     speculative_draft: str | None = None  # draft-model speculation with this model
     speculative_tokens: int | None = None  # the draft model's proposals a step (K)
     task: str | None = None  # "auto" | "generate" | "embed"
+    enable_lora: bool = False  # requests may name LoRA adapters (pagedllm/lora)
+    max_loras: int | None = None  # adapters held in memory at once (default 1)
+    max_lora_rank: int | None = None  # the highest adapter rank accepted (default 16)
 
     @classmethod
     def from_which(cls, which: Which.Plain | Which.GGUF, **kw: Any) -> "EngineOptions":
@@ -189,6 +192,12 @@ class EngineOptions:
             kw["keep_float_head"] = True
         if self.no_prefix_cache:
             kw["enable_prefix_caching"] = False
+        if self.enable_lora:
+            kw["enable_lora"] = True
+            kw.update({k: v for k, v in (("max_loras", self.max_loras), ("max_lora_rank", self.max_lora_rank))
+                       if v is not None})
+        elif self.max_loras is not None or self.max_lora_rank is not None:
+            raise ValueError("--max-loras and --max-lora-rank go with --enable-lora")
         spec = self._speculative()
         if spec is not None:
             kw["speculative"] = spec

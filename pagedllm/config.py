@@ -243,6 +243,8 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int = 4096
+    # LoRA: at most this many distinct adapters among the running sequences (their slots); 0: off.
+    max_loras: int = 0
 
     def validate(self) -> None:
         if self.max_num_seqs < 1:

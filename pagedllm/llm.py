@@ -127,7 +127,8 @@ class LLM:
                  kv_cache_dtype: str = "auto", enable_prefix_caching: bool = True,
                  prefix_cache_n: int = 16, dequantize_weights: bool = False,
                  isq: str | None = None, tensor_parallel_size: int = 1,
-                 speculative: dict | None = None, task: str = "auto", keep_float_head: bool = False) -> None:
+                 speculative: dict | None = None, task: str = "auto", keep_float_head: bool = False,
+                 enable_lora: bool = False, max_loras: int = 1, max_lora_rank: int = 16) -> None:
         """`tensor_parallel_size=N` splits the model over N ranks (pagedllm/distributed): on one
         machine the engine starts N - 1 worker processes and splits the cores among the ranks;
         under torchrun the N ranks are torchrun's. Call `shutdown()` (or use `with LLM(...)`)
@@ -135,7 +136,18 @@ class LLM:
         `task`: "generate", "embed" (an embedding model: `embed()`, no LM head) or "auto"
         (embed for a folder with sentence-transformers files or a head-less architecture).
         `keep_float_head`: a GPTQ / AWQ / compressed-tensors checkpoint's float LM head (or tied
-        embedding) stays float; by default it is quantized to Q8_0 at load (loading/loader.py)."""
+        embedding) stays float; by default it is quantized to Q8_0 at load (loading/loader.py).
+        `enable_lora`: requests may name a LoRA adapter (`generate(..., lora_request=...)`); up to
+        `max_loras` adapters of rank <= `max_lora_rank` are held in memory, others read from disk
+        when needed (pagedllm/lora)."""
+        if enable_lora:
+            for name, v in (("max_loras", max_loras), ("max_lora_rank", max_lora_rank)):
+                if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                    raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+            if tensor_parallel_size != 1:
+                raise ValueError("LoRA adapters do not run under tensor parallelism yet; use "
+                                 "tensor_parallel_size=1 with enable_lora")
+        self._lora = (max_loras, max_lora_rank) if enable_lora else None
         cache_cfg = CacheConfig(block_size, kv_cache_memory_mb, kv_cache_memory_fraction,
                                 kv_cache_context_len, kv_cache_dtype, paged_attention,
                                 enable_prefix_caching, prefix_cache_n)
@@ -194,13 +206,14 @@ class LLM:
         sched_cfg = SchedulerConfig(
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens or max(1024, max_num_seqs),
-            max_model_len=max_model_len)
+            max_model_len=max_model_len, max_loras=self._lora[0] if self._lora else 0)
         if loaded.model.rope.cos.shape[0] < max_model_len:
             raise ValueError("internal: rope table shorter than max_model_len")
         draft = None
         if draft_source is not None:
             draft = _load_draft(draft_source, loaded, dt, dev, max_model_len, dequantize_weights, isq)
-        self.engine = LLMEngine(loaded, cache_cfg, sched_cfg, dev, dt, seed, executor, spec_cfg, draft)
+        self.engine = LLMEngine(loaded, cache_cfg, sched_cfg, dev, dt, seed, executor, spec_cfg, draft,
+                                max_lora_rank=self._lora[1] if self._lora else 16)
         self.driver = EngineDriver(self.engine)  # every face drives the engine through it
         self.tokenizer = loaded.tokenizer
         self.model_name = source.short_name
@@ -223,11 +236,12 @@ class LLM:
         prefix = self.pooling.prompt(prompt_name)
         return [self.tokenizer.encode(prefix + p) if isinstance(p, str) else list(p) for p in inputs]
 
-    def prompt_logits(self, token_ids: list[int], chunk_size: int | None = None) -> torch.Tensor:
+    def prompt_logits(self, token_ids: list[int], chunk_size: int | None = None,
+                      lora_request=None) -> torch.Tensor:
         """Logits [T, vocab] (float32, CPU) at every position of a token-id prompt, through the
         same KV cache, attention and scheduler as generation, `chunk_size` tokens a step
         (1 = token by token through the decode path; None = max_num_batched_tokens)."""
-        return scoring.prompt_logits(self.driver, token_ids, chunk_size)
+        return scoring.prompt_logits(self.driver, token_ids, chunk_size, lora_request)
 
     def score_prompts(self, prompts: Seq[list[int]], chunk_size: int | None = 1,
                       top1: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
@@ -257,7 +271,8 @@ class LLM:
     # -- batch generation --------------------------------------------------
     def generate(self, prompts: Prompt | Seq[Prompt],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, lora_request=None) -> list[RequestOutput]:
+        """`lora_request`: a LoRARequest for every prompt, or a list of one (or None) per prompt."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
                                         and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -268,7 +283,13 @@ class LLM:
             params_list = list(sampling_params)
             if len(params_list) != len(prompts):
                 raise ValueError(f"{len(prompts)} prompts but {len(params_list)} SamplingParams")
-        ids = self.driver.add([(None, p, sp) for p, sp in zip(prompts, params_list)])
+        if lora_request is None or not isinstance(lora_request, (list, tuple)):
+            loras = [lora_request] * len(prompts)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(prompts):
+                raise ValueError(f"{len(prompts)} prompts but {len(loras)} LoRA requests")
+        ids = self.driver.add([(None, p, sp, lr) for p, sp, lr in zip(prompts, params_list, loras)])
         # disable=None: a bar only when stderr is a terminal, never in logs or pipes.
         bar = tqdm(total=len(ids), desc="generating", unit="req", disable=None if use_tqdm else True)
         try:

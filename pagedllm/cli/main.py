@@ -138,6 +138,13 @@ def _engine_flags(p: argparse.ArgumentParser, top: bool) -> None:
     g.add_argument("--task", choices=["auto", "generate", "embed"], default=d(None),
                    help="embed: an embedding model for /v1/embeddings (auto: a folder with "
                         "sentence-transformers files or a head-less architecture is one)")
+    g.add_argument("--enable-lora", action="store_true", default=d(False),
+                   help="requests may name LoRA adapters (PEFT folders; see --lora-modules)")
+    g.add_argument("--max-loras", type=int, metavar="N", default=d(None),
+                   help="with --enable-lora: adapters held in memory at once; others are read from "
+                        "disk when a request needs them (default 1)")
+    g.add_argument("--max-lora-rank", type=int, metavar="R", default=d(None),
+                   help="with --enable-lora: the highest adapter rank accepted (default 16)")
     g.add_argument("--chat-template", metavar="FILE", default=d(None),
                    help="chat template (.jinja, or JSON with a chat_template key) to use instead "
                         "of the model's")
@@ -174,6 +181,10 @@ def _server_flags(p: argparse.ArgumentParser, top: bool) -> None:
     g.add_argument("--responses-store-size", type=int, metavar="N", default=d(1000),
                    help="/v1/responses: how many responses are kept in memory for "
                         "previous_response_id (default 1000; 0 keeps none)")
+    g.add_argument("--lora-modules", nargs="+", metavar="NAME=PATH", default=d(None),
+                   help="with --enable-lora: LoRA adapters served under NAME (a request's model picks one)")
+    g.add_argument("--allow-runtime-lora", action="store_true", default=d(False),
+                   help="allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter")
     g.add_argument("--shutdown-timeout", type=float, metavar="S", default=d(0.0),
                    help="on SIGTERM/SIGINT, let requests in flight finish for up to S seconds "
                         "(new ones get 503), then end the rest (default 0: end them at once)")
@@ -227,6 +238,7 @@ BENCHES = {
     "allreduce": "torch.distributed all-reduce latency and bandwidth at a TP step's message sizes",
     "speculative": "n-gram (and --draft MODEL) speculative decoding against plain decoding: code editing, chat, 32 concurrent",
     "soak": "a served model under streaming load, then idle: resident memory at start, peak and at idle",
+    "lora": "LoRA adapters against the base model: 32 concurrent over 4 adapters, and batch 1 decode",
 }
 
 
@@ -369,7 +381,8 @@ def engine_options(args: argparse.Namespace, model: str | None = None) -> Engine
         keep_float_head=bool(args.keep_float_head),
         chat_template=args.chat_template, tensor_parallel_size=args.tensor_parallel_size,
         speculative_ngram=args.speculative_ngram, speculative_draft=args.speculative_draft,
-        speculative_tokens=args.speculative_tokens, task=args.task)
+        speculative_tokens=args.speculative_tokens, task=args.task,
+        enable_lora=bool(args.enable_lora), max_loras=args.max_loras, max_lora_rank=args.max_lora_rank)
 
 
 def _model_of(args: argparse.Namespace) -> str:
@@ -388,9 +401,27 @@ def load_llm(opts: EngineOptions) -> Any:
 
 def cmd_serve(args: argparse.Namespace, opts: EngineOptions) -> int:
     from ..server.app import ServerConfig, run_server
+    from ..server.lora import parse_modules
     from ..server.routes import parse_origins
 
+    try:
+        modules = parse_modules(args.lora_modules or ())
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if (modules or args.allow_runtime_lora) and not opts.enable_lora:
+        print("error: --lora-modules and --allow-runtime-lora need --enable-lora", file=sys.stderr)
+        return 2
     llm = load_llm(opts)
+    if modules:  # checked against the base model now: a bad adapter is a clear error, not a traceback
+        from ..lora.peft import load_adapter
+
+        for name, path in modules:
+            try:
+                load_adapter(path, llm.engine.lora.model, llm.engine.lora.max_rank)
+            except ValueError as e:
+                print(f"error: --lora-modules {name}: {e}", file=sys.stderr)
+                return 2
     eng = llm.engine
     api_key = args.api_key or os.environ.get("PAGEDLLM_API_KEY") or None
     names = args.served_model_name or [llm.model_name]
@@ -407,7 +438,8 @@ def cmd_serve(args: argparse.Namespace, opts: EngineOptions) -> int:
                        shutdown_timeout=args.shutdown_timeout,
                        responses_store_size=max(0, args.responses_store_size),
                        header_timeout=args.header_timeout, keep_alive_timeout=args.keep_alive_timeout,
-                       max_connections=args.max_connections)
+                       max_connections=args.max_connections, lora_modules=tuple(modules),
+                       allow_runtime_lora=bool(args.allow_runtime_lora))
     print(f"serving {' = '.join(names)} on http://{args.host}:{args.port}/v1 "
           f"({eng.block_manager.num_usable_blocks} KV blocks of {eng.cache_config.block_size} tokens"
           f"{', API key required' if api_key else ''})", file=sys.stderr, flush=True)

@@ -331,7 +331,7 @@ class BlockManager:
         for g, (table, hashes) in enumerate(zip(self.tables(seq), self._hash_lists(seq))):
             while len(hashes) < n_full:
                 i = len(hashes)
-                parent = hashes[-1] if hashes else ROOT_HASH
+                parent = hashes[-1] if hashes else root_of(seq)
                 tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
                 h = block_hash(parent, tokens, self._extra(g, extra))
                 hashes.append(h)
@@ -351,7 +351,7 @@ class BlockManager:
         b = self.blocks[bid]
         if bid == NULL_BLOCK or b.hash is not None or b.tokens or b.ref_count != 1:
             return  # shared with a fork that may still write into it
-        parent = hashes[-1] if hashes else ROOT_HASH
+        parent = hashes[-1] if hashes else root_of(seq)
         self.pool.register(bid, None, parent, tuple(seq.token_ids[i * bs:i * bs + n]))
 
     def match_prefix(self, seq: Sequence, extra: object = None) -> None:
@@ -364,7 +364,8 @@ class BlockManager:
         bs = self.block_size
         ids = seq.token_ids
         limit = len(ids) - 1
-        chains = [self._lookup_chain(ids, limit, g, extra, w) for g, w in enumerate(self.group_windows)]
+        root = root_of(seq)
+        chains = [self._lookup_chain(ids, limit, g, extra, w, root) for g, w in enumerate(self.group_windows)]
         n = self._common_match(chains)
         for (hashes, found), w, table, hash_list in zip(chains, self.group_windows, self.tables(seq),
                                                          self._hash_lists(seq)):
@@ -382,12 +383,12 @@ class BlockManager:
         copied = 0
         if self.num_groups == 1:
             hashes = chains[0][0]
-            copied = self._match_partial(seq, hashes[n - 1] if n else ROOT_HASH, hit, limit)
+            copied = self._match_partial(seq, hashes[n - 1] if n else root, hit, limit)
         seq.num_computed_tokens = hit + copied
         self._last_match = (hit + copied, copied)
 
     def _lookup_chain(self, ids: list[int], limit: int, g: int, extra: object,
-                      window: int | None) -> tuple[list[int], list[int | None]]:
+                      window: int | None, root: int = ROOT_HASH) -> tuple[list[int], list[int | None]]:
         """The chained hashes of group g's full blocks of the prompt before `limit`, and the
         cached block holding each (None where none does); stops after the first miss unless
         the window slides."""
@@ -395,7 +396,7 @@ class BlockManager:
         key, gid = self._extra(g, extra), self.group_ids[g]
         hashes: list[int] = []
         found: list[int | None] = []
-        parent, pos = ROOT_HASH, 0
+        parent, pos = root, 0
         while pos + bs <= limit:
             tokens = tuple(ids[pos:pos + bs])
             h = block_hash(parent, tokens, key)
@@ -481,6 +482,12 @@ class BlockManager:
                 assert b.ref_count == holders[bid], f"block {bid}: ref {b.ref_count} != {holders[bid]} tables"
             if holders[bid]:
                 assert b.group == owner[bid], f"block {bid} of group {b.group} sits in a table of group {owner[bid]}"
+
+
+def root_of(seq: Sequence) -> int:
+    """The parent hash of a sequence's first block: the shared root for the base model, its
+    adapter's own root under LoRA, so two adapters never share K/V while one adapter's requests do."""
+    return ROOT_HASH if seq.lora is None else block_hash(ROOT_HASH, (), seq.lora.cache_key)
 
 
 def _common_prefix(a: tuple[int, ...], b: list[int]) -> int:

@@ -13,7 +13,8 @@ from ..outputs import RequestOutput, raise_failed
 from ..sampling.params import SamplingParams
 
 Prompt = str | list[int]
-Item = tuple[str | None, Prompt, SamplingParams | None]  # (request id or None for a fresh one, prompt, params)
+# (request id or None for a fresh one, prompt, params), and optionally a LoRARequest after them
+Item = tuple
 
 
 class EngineDriver:
@@ -24,8 +25,9 @@ class EngineDriver:
     def add(self, items: Iterable[Item]) -> list[str]:
         """Add the requests, all or none: if one is refused (bad input raises ValueError), those
         already added are aborted before the error goes on. Their request ids, in order."""
-        return self._all_or_none(self.engine.add_request(prompt, params, request_id=rid)
-                                 for rid, prompt, params in items)
+        return self._all_or_none(self.engine.add_request(prompt, params, request_id=rid,
+                                                         **({"lora_request": lora[0]} if lora and lora[0] else {}))
+                                 for rid, prompt, params, *lora in items)
 
     def add_pooling(self, items: Iterable[tuple[str | None, list[int]]], pooling: Any) -> list[str]:
         """Add embedding requests (request id or None, token ids), all or none, pooled as

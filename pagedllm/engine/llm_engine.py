@@ -24,6 +24,7 @@ from ..kv.cache import KVCacheSpec, PagedKVCache, plan_cache
 from ..kv.groups import KVGroups, blocks_held, plan_groups
 from ..kv.trace import committed_bytes
 from ..loading.loader import LoadedModel
+from ..lora.manager import LoRAManager
 from ..outputs import RequestMetrics, RequestOutput
 from ..sampling.params import SamplingParams
 from ..sampling.sampler import Sampler
@@ -62,9 +63,12 @@ class Request:
 class LLMEngine:
     def __init__(self, loaded: LoadedModel, cache_cfg: CacheConfig, sched_cfg: SchedulerConfig,
                  device: torch.device, dtype: torch.dtype, seed: int = 0, executor=None,
-                 speculative: SpeculativeConfig | None = None, draft: LoadedModel | None = None) -> None:
+                 speculative: SpeculativeConfig | None = None, draft: LoadedModel | None = None,
+                 max_lora_rank: int = 16) -> None:
         """`draft`: the loaded draft model of speculative method "draft" (its KV groups draw
-        from this engine's block pool: one budget, each block a page of both caches)."""
+        from this engine's block pool: one budget, each block a page of both caches).
+        LoRA adapters are enabled by `sched_cfg.max_loras` > 0 (that many slots, of rank up to
+        `max_lora_rank`)."""
         cache_cfg.validate()
         sched_cfg.validate()
         self.model = loaded.model
@@ -117,6 +121,14 @@ class LLMEngine:
                     committed / 2**20, how)
         self.scheduler = Scheduler(sched_cfg, self.block_manager)
         self.runner = ModelRunner(self.model, backend, cache_cfg.block_size, device, Sampler(device, seed))
+        self.lora = None
+        if sched_cfg.max_loras:
+            if executor is not None:
+                raise ValueError("LoRA adapters do not run under tensor parallelism yet; use "
+                                 "tensor_parallel_size=1 with enable_lora")
+            self.lora = self.runner.lora = LoRAManager(self.model, sched_cfg.max_loras, max_lora_rank, dtype, device)
+            logger.info("LoRA: %d adapter slots of rank <= %d over %d projections", sched_cfg.max_loras,
+                        max_lora_rank, len(self.lora.layers))
         if executor is not None:
             self.runner.driver = executor
             executor.finish_setup(self)
@@ -147,9 +159,16 @@ class LLMEngine:
 
     # -- requests ---------------------------------------------------------
     def add_request(self, prompt: str | list[int] | None, params: SamplingParams | None = None,
-                    request_id: str | None = None, prompt_token_ids: list[int] | None = None) -> str:
+                    request_id: str | None = None, prompt_token_ids: list[int] | None = None,
+                    lora_request=None) -> str:
+        """`lora_request`: a LoRARequest (pagedllm/lora) whose adapter this request runs with."""
         params = params or SamplingParams()
         params.validate()
+        if lora_request is not None:
+            if self.lora is None:
+                raise ValueError(f"request names LoRA adapter {lora_request.lora_name!r} but LoRA is not "
+                                 "enabled: start the engine with enable_lora=True (--enable-lora)")
+            self.lora.check(lora_request)
         if getattr(self.model, "lm_head", True) is None:
             raise ValueError(f"{self.model_name} is an embedding model (no LM head): it cannot generate "
                              "text; ask it for embeddings (/v1/embeddings, LLM.embed)")
@@ -169,7 +188,8 @@ class LLMEngine:
                     else [None] * params.n)
         seqs = []
         for i in range(params.n):
-            seqs.append(Sequence(rid, prompt_token_ids, params, prompt=text, index=i, grammar=matchers[i]))
+            seqs.append(Sequence(rid, prompt_token_ids, params, prompt=text, index=i, grammar=matchers[i],
+                                 lora=lora_request))
         # n > 1: the prompt is computed once by the first sequence; the others fork from it
         # when it samples, sharing its blocks copy-on-write.
         seqs[0].fork_children = seqs[1:]
@@ -249,7 +269,8 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
-    def add_scoring_request(self, token_ids: list[int], keep: str, max_chunk: int | None = None) -> Sequence:
+    def add_scoring_request(self, token_ids: list[int], keep: str, max_chunk: int | None = None,
+                            lora_request=None) -> Sequence:
         """One of the engine's own scoring requests (engine/scoring.py runs them through the
         driver): its prompt is scored by its prefill, at most `max_chunk` tokens a step (None: the
         step's budget), each position keeping `keep` (Sequence.score_kind: "logits", "logprob",
@@ -260,7 +281,8 @@ class LLMEngine:
         if max_chunk is not None and (not isinstance(max_chunk, int) or max_chunk < 1):
             raise ValueError(f"chunk_size must be a positive integer (tokens per step) or None, "
                              f"got {max_chunk!r}")
-        rid = self.add_request(list(token_ids), SamplingParams(max_tokens=0, prompt_logprobs=0))
+        rid = self.add_request(list(token_ids), SamplingParams(max_tokens=0, prompt_logprobs=0),
+                               lora_request=lora_request)
         seq = self.requests[rid].seqs[0]
         seq.score_kind, seq.max_chunk = keep, max_chunk
         seq.prompt_scores = [] if keep == "logits" else [None]

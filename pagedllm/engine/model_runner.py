@@ -45,6 +45,8 @@ class StepPlan:
     group_slots: list[Ints] = field(default_factory=list)
     group_tables: list[Ints] = field(default_factory=list)
     group_widths: list[int] = field(default_factory=list)
+    # LoRA: each token's adapter slot (-1: the base model); None when no row has an adapter.
+    lora_slots: np.ndarray | None = None
 
 
 @dataclass
@@ -75,6 +77,7 @@ class ModelRunner:
         self.upload = HostUpload(device)
         self.structured = None  # a GrammarEngine, set by the engine
         self.driver = None  # under tensor parallelism: rank 0's TPExecutor, which sends each plan
+        self.lora = None  # a LoRAManager (pagedllm/lora) when adapters are enabled, set by the engine
         # Per-sequence rows kept between steps: block tables of every KV group (input_batch.py).
         self.batch = InputBatch(getattr(backend, "num_groups", 1))
         for i, attn in enumerate(model.attention_modules()):
@@ -149,6 +152,8 @@ class ModelRunner:
             qsl.append(qsl[-1] + n)
         plan = StepPlan(ids, pos, qsl, ctx_lens, num_decodes, seq_ids, logits_rows=logits_idx,
                         hidden_rows=hidden_idx)
+        if self.lora is not None:
+            plan.lora_slots = self._lora_slots(batch, tok_items)
         if paged:
             rows_a = np.array(rows, dtype=np.int64)
             tok_rows = rows_a[tok_items]
@@ -169,6 +174,8 @@ class ModelRunner:
         n = len(seqs)
         plan = StepPlan(ids, pos, list(range(n + 1)), [p + 1 for p in starts], n, [s.seq_id for s in seqs],
                         logits_rows=logits)
+        if self.lora is not None:
+            plan.lora_slots = self._lora_slots(batch, None)
         if paged:
             b = self.batch
             row = b.row
@@ -181,6 +188,17 @@ class ModelRunner:
             rows_a = np.array(rows, dtype=np.int64)
             self._paged_inputs(plan, rows_a, rows_a)
         return plan
+
+    def _lora_slots(self, batch: list[ScheduledSeq], tok_items: np.ndarray | None) -> np.ndarray | None:
+        """Each token's adapter slot (tok_items: each token's item; None: one token per item),
+        the step's adapters loaded into slots first; None when every row runs the base model."""
+        reqs = {it.seq.lora_id: it.seq.lora for it in batch if it.seq.lora is not None}
+        if not reqs:
+            return None
+        slot_of = self.lora.activate(reqs)
+        items = np.array([slot_of[it.seq.lora_id] if it.seq.lora is not None else -1 for it in batch],
+                         dtype=np.int64)
+        return items if tok_items is None else items[tok_items]
 
     def _paged_inputs(self, plan: StepPlan, tok_rows: np.ndarray, attn_rows: np.ndarray) -> None:
         """Slots of the step's tokens and the block tables of its attention rows, in every KV
@@ -249,7 +267,7 @@ class ModelRunner:
 
     def _forward(self, plan: StepPlan) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         input_ids, positions, meta = self.tensors(plan)
-        hidden = self.model(input_ids, positions, meta)
+        hidden = self._run_model(plan, input_ids, positions, meta)
         kept = None
         if plan.hidden_rows:
             kept = hidden.index_select(0, self.upload.ints([plan.hidden_rows])[0]).float()
@@ -316,6 +334,15 @@ class ModelRunner:
         if masks is not None:  # the sampler applies them before anything else
             smeta.allowed_mask, smeta.mask_rows = masks.result(logits.device, len(sampling_seqs))
         return RunnerOutput(sampling_seqs, self.sampler(logits, smeta, finite=finite), scored, next_token, pooled)
+
+    def _run_model(self, plan: StepPlan, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
+        if self.lora is None:
+            return self.model(input_ids, positions, meta)
+        self.lora.state.set_step(plan.lora_slots, self.device)  # the step's adapter row groups
+        try:
+            return self.model(input_ids, positions, meta)
+        finally:
+            self.lora.state.clear()
 
 
 KEEP_ROWS = ("entries", "logits")  # score kinds whose logits rows go to the engine whole

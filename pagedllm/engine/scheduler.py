@@ -122,9 +122,15 @@ class Scheduler:
             i += 1
 
         if not out.preempted:
+            # LoRA: the running sequences use at most max_loras adapters (the slots they run from).
+            loras = {s.lora_id for s in self.running if s.lora_id} if self.config.max_loras else None
             while (self.waiting and budget > 0
                    and len(self.running) < self.config.max_num_seqs):
                 seq = self.waiting[0]
+                if loras is not None and seq.lora_id and seq.lora_id not in loras:
+                    if len(loras) >= self.config.max_loras:
+                        break  # its adapter waits for a slot, in arrival order
+                    loras.add(seq.lora_id)
                 # A prompt still to be scored or pooled computes every position: its outputs are wanted.
                 scoring = seq.computes_whole_prompt
                 if not scoring:

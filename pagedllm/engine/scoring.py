@@ -17,11 +17,12 @@ from .driver import EngineDriver
 from .sequence import Sequence
 
 
-def prompt_logits(driver: EngineDriver, token_ids: list[int], chunk_size: int | None = None) -> torch.Tensor:
+def prompt_logits(driver: EngineDriver, token_ids: list[int], chunk_size: int | None = None,
+                  lora_request=None) -> torch.Tensor:
     """Logits [T, vocab] (float32, on the CPU) at every position of a prompt, computed through the
     same KV cache and attention path as generation, `chunk_size` tokens a step (1 = token by token
     through the decode path; None = the scheduler's max_num_batched_tokens)."""
-    [seq] = _run(driver, [token_ids], "logits", chunk_size)
+    [seq] = _run(driver, [token_ids], "logits", chunk_size, lora_request)
     return torch.stack(seq.prompt_scores)
 
 
@@ -41,14 +42,15 @@ def score_prompts(driver: EngineDriver, prompts: Seq[list[int]], chunk_size: int
     return [torch.tensor([v for v, _ in p], dtype=torch.float32) for p in pairs]
 
 
-def _run(driver: EngineDriver, prompts: Seq[list[int]], keep: str, chunk_size: int | None) -> list[Sequence]:
+def _run(driver: EngineDriver, prompts: Seq[list[int]], keep: str, chunk_size: int | None,
+         lora_request=None) -> list[Sequence]:
     """Add a scoring request per prompt (all or none) and step until they are done (leaving
     early, an error or Ctrl-C included, aborts them); their sequences, with prompt_scores."""
     engine = driver.engine
     seqs: list[Sequence] = []
     try:
         for p in prompts:
-            seqs.append(engine.add_scoring_request(p, keep, chunk_size))
+            seqs.append(engine.add_scoring_request(p, keep, chunk_size, lora_request))
     except BaseException:
         driver.abort([s.request_id for s in seqs])
         raise

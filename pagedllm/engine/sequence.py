@@ -66,9 +66,15 @@ class Sequence:
     pooling: Any = None
     pooled: Any = None
     num_pooled: int = 0
+    lora: Any = None  # the request's LoRARequest (pagedllm/lora), None for the base model
 
     def __post_init__(self) -> None:
         self.token_ids: list[int] = list(self.prompt_token_ids)
+
+    @property
+    def lora_id(self) -> int:
+        """The adapter's lora_int_id, 0 for the base model."""
+        return 0 if self.lora is None else self.lora.lora_int_id
 
     @property
     def num_tokens(self) -> int:

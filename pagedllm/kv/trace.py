@@ -76,6 +76,11 @@ class KVCacheTrace:
     # last step (summed over the sparse layers: each of a step's rows counts k times a layer).
     moe_experts: str = ""
     moe_last_step_rows_per_expert: list = field(default_factory=list)
+    # LoRA (pagedllm/lora): adapter slots, the adapters in them and their weights' memory.
+    lora_slots: int = 0
+    lora_adapters: list = field(default_factory=list)
+    lora_memory_mb: float = 0.0
+    lora_loads: int = 0  # adapters read from disk (LRU reloads included)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -187,7 +192,16 @@ def build_trace(engine) -> KVCacheTrace:
         **_tp_fields(engine),
         **_speculative(engine),
         **_moe(engine),
+        **_lora(engine),
     )
+
+
+def _lora(engine) -> dict:
+    mgr = getattr(engine, "lora", None)  # duck-typed: kv/ does not import the LoRA package
+    if mgr is None:
+        return {}
+    return dict(lora_slots=mgr.max_loras, lora_adapters=[r.lora_name for r in mgr.loaded.values()],
+                lora_memory_mb=mgr.memory_bytes / 2**20, lora_loads=mgr.num_loads)
 
 
 def _tp_fields(engine) -> dict:

@@ -34,6 +34,9 @@ class Linear(nn.Linear):
     # fused projection's parts were quantized with different orders (then each part runs alone).
     in_perm: torch.Tensor | None = None
     part_perms: list[torch.Tensor | None] | None = None
+    # LoRA adapter slots (pagedllm/lora/layers.py: LinearLoRA), set by the LoRA manager; when a
+    # step has rows with an adapter (`lora.active`) the layer adds their low-rank products.
+    lora = None
 
     def set_quantized(self, parts: list[QuantTensor]) -> None:
         """Hold `parts` (stacked by rows) as the weight; the float parameter goes away."""
@@ -67,7 +70,10 @@ class Linear(nn.Linear):
             if self.bias is not None:
                 y = y + self.bias
             return y if residual is None else residual + y
-        if self.qparts is not None and x.shape[0] <= qk.INT_ROWS and x.dim() == 2 and self.part_perms is None:
+        # Rows with an adapter take the plain ops below (forward adds their deltas before the
+        # activation and the residual); the folded native call has no place for them yet.
+        if (self.qparts is not None and x.shape[0] <= qk.INT_ROWS and x.dim() == 2 and self.part_perms is None
+                and (self.lora is None or not self.lora.active)):
             if self.in_perm is not None:  # the norm before the permutation (its weight is in x's order)
                 x = (norm(x) if norm is not None else x).index_select(1, self.in_perm)
                 norm = None
@@ -82,7 +88,10 @@ class Linear(nn.Linear):
         y = self._partial(x)
         if self.tp is not None:
             y = self.tp.all_reduce(y)
-        return y if self.bias is None else y + self.bias
+        y = y if self.bias is None else y + self.bias
+        if self.lora is not None and self.lora.active:
+            y = self.lora.add(x, y)
+        return y
 
     def _partial(self, x: torch.Tensor) -> torch.Tensor:
         """x @ W^T without the bias (under tensor parallelism: this rank's share)."""

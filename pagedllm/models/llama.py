@@ -126,6 +126,7 @@ class LlamaForCausalLM(nn.Module):
     }
     layer_cls: type[nn.Module] = DecoderLayer
     norm_cls: type[nn.Module] = RMSNorm
+    lora_state = None  # set by the LoRA manager (pagedllm/lora): the step's adapter row groups
 
     def __init__(self, cfg: ModelConfig, max_positions: int, tp=None) -> None:
         """`tp`: a TPInfo (pagedllm/distributed) when this is one rank's shard, else None."""
@@ -186,6 +187,10 @@ class LlamaForCausalLM(nn.Module):
         one native call (the same five calls a layer makes below, without the interpreter
         between them); None where that does not apply."""
         if h.dim() != 2 or h.shape[0] > qk.INT_ROWS:
+            return None
+        # A step with adapter rows runs the layers one by one, where the projections add the
+        # deltas (the native stack has no place for them yet); base-only steps stay here.
+        if self.lora_state is not None and self.lora_state.active:
             return None
         plan = self._stack_plan()
         if plan is None:

@@ -31,7 +31,7 @@ from starlette.types import Receive, Scope, Send
 
 from .._version import __version__
 from ..structured import limits as grammar_limits
-from . import embeddings, limits, responses, routes
+from . import embeddings, limits, lora, responses, routes
 from .async_engine import AsyncEngine, EngineError, ShuttingDown, Submission
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .protocol import (
@@ -65,6 +65,8 @@ class ServerConfig:
     header_timeout: float = limits.DEFAULT_HEADER_TIMEOUT_S  # seconds for a request's headers
     keep_alive_timeout: float = limits.DEFAULT_KEEP_ALIVE_S  # an idle connection is closed after
     max_connections: int | None = None  # connections and requests at once; past it a 503
+    lora_modules: tuple[tuple[str, str], ...] = ()  # (name, adapter folder) served at start (--lora-modules)
+    allow_runtime_lora: bool = False  # POST /v1/load_lora_adapter and /v1/unload_lora_adapter
 
 
 # -- errors ----------------------------------------------------------------------------
@@ -362,10 +364,13 @@ def create_app(llm: Any, config: ServerConfig | None = None) -> FastAPI:
     trimmer = limits.IdleTrimmer(llm.engine.has_unfinished)  # first: it caps malloc arenas
     work = limits.WorkPool()  # tokenizing, templates and grammars: never on the event loop
     names = list(dict.fromkeys([ctx.model_name, *cfg.aliases]))
+    adapters = lora.Adapters(llm, names)
+    for name, path in cfg.lora_modules:  # checked now: a bad adapter stops the server from starting
+        adapters.add(name, path)
 
     def check_model(name: str | None) -> None:
-        if name is not None and name not in names:
-            served = ", ".join(f"`{n}`" for n in names)
+        if name is not None and name not in names and adapters.get(name) is None:
+            served = ", ".join(f"`{n}`" for n in [*names, *adapters.by_name])
             raise ApiError(f"the model `{name}` does not exist; this server serves {served}",
                            status=404, param="model", code="model_not_found")
 
@@ -406,7 +411,7 @@ def create_app(llm: Any, config: ServerConfig | None = None) -> FastAPI:
     async def _submit(items: list, grammar_param: str) -> Submission:
         # A grammar is checked (and llguidance's token trie built, once) off the engine thread.
         trimmer.note_work()
-        specs = {id(p.structured): p.structured for _, _, p in items if p.structured is not None}
+        specs = {id(it[2].structured): it[2].structured for it in items if it[2].structured is not None}
         for spec in specs.values():
             try:
                 await work.run(llm.engine.structured.prepare, spec,
@@ -424,6 +429,13 @@ def create_app(llm: Any, config: ServerConfig | None = None) -> FastAPI:
             raise ApiError(msg, code=code) from None
         except EngineError as e:
             raise ApiError(str(e), status=503, type="server_error") from None
+
+    def with_adapter(call: Call, model: str | None) -> Call:
+        """The call's requests run with the adapter its `model` names (none for the base)."""
+        req = adapters.get(model)
+        if req is not None:
+            call.items = [(*it[:3], req) for it in call.items]
+        return call
 
     async def answer(call: Call, request: Request) -> Response:
         """Run a chat or completion call on the engine; its stream, or its whole answer."""
@@ -450,7 +462,9 @@ def create_app(llm: Any, config: ServerConfig | None = None) -> FastAPI:
     @app.get("/v1/models")
     async def models() -> Response:
         cards = [ModelCard(id=n, max_model_len=ctx.max_model_len) for n in names]
-        return JSONResponse(ModelList(data=cards).model_dump())
+        cards += [ModelCard(id=a.lora_name, root=a.lora_path, parent=ctx.model_name, max_model_len=ctx.max_model_len)
+                  for a in list(adapters.by_name.values())]
+        return JSONResponse(ModelList(data=cards).model_dump(exclude_none=True))
 
     @app.get("/metrics")
     async def prometheus() -> Response:
@@ -462,14 +476,23 @@ def create_app(llm: Any, config: ServerConfig | None = None) -> FastAPI:
         check_model(req.model)
         limits.check_prompt_chars(limits.chat_chars(req), ctx.max_model_len, "messages")
         call = await work.run(chat_call, req, ctx, token_text)
-        return await answer(call, request)
+        return await answer(with_adapter(call, req.model), request)
 
-    served = routes.Served(llm, ctx, cfg, names, engine, token_text, check_model, submit,
+    def check_base_model(name: str | None) -> None:
+        """The other routes (responses, embeddings, tokenize, a model's card) run the base model
+        only: an adapter's name there is refused rather than answered by the base."""
+        if adapters.get(name) is not None:
+            raise ApiError(f"`{name}` is a LoRA adapter; adapters are served on /v1/completions and "
+                           "/v1/chat/completions only", param="model")
+        check_model(name)
+
+    served = routes.Served(llm, ctx, cfg, names, engine, token_text, check_base_model, submit,
                            lambda request, model: _read_body(request, model, cfg.max_body_bytes),
                            SSEResponse, _collect_or_fail, work.run)
     routes.install(app, served)
     responses.install(app, served, cfg.responses_store_size)
     embeddings.install(app, served)
+    lora.install(app, adapters, cfg.allow_runtime_lora)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -479,7 +502,7 @@ def create_app(llm: Any, config: ServerConfig | None = None) -> FastAPI:
             if isinstance(p, str):
                 limits.check_prompt_chars(len(p), ctx.max_model_len, "prompt")
         call = await work.run(completion_call, req, ctx, token_text)
-        return await answer(call, request)
+        return await answer(with_adapter(call, req.model), request)
 
     return app
 

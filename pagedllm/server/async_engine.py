@@ -151,7 +151,7 @@ class AsyncEngine:
         if not self.alive:
             raise EngineError("the engine is not running")
         loop = asyncio.get_running_loop()
-        sub = Submission([rid for rid, _, _ in items], asyncio.Queue(), self)
+        sub = Submission([it[0] for it in items], asyncio.Queue(), self)
         accepted = loop.create_future()
         self._cmds.put(_Add(items, loop, sub.outputs, accepted, pooling))
         try:

@@ -258,6 +258,8 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=_now)
     owned_by: str = "pagedllm"
     max_model_len: int | None = None
+    root: str | None = None  # a LoRA adapter's folder
+    parent: str | None = None  # a LoRA adapter's base model
 
 
 class ModelList(BaseModel):

@@ -583,7 +583,7 @@ class Call:
 
     @property
     def request_ids(self) -> list[str]:
-        return [rid for rid, _, _ in self.items]
+        return [it[0] for it in self.items]  # (an item may carry a LoRARequest after its params)
 
     def response(self, finals: list[RequestOutput]) -> ChatCompletionResponse | CompletionResponse:
         return self.respond(finals)

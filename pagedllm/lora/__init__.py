@@ -1,0 +1,13 @@
+"""LoRA adapters over one base model: PEFT folders loaded into slots, applied per row.
+
+- request.py: `LoRARequest` (vLLM's), what a request names its adapter by;
+- peft.py: reads a PEFT folder into per-layer low-rank pairs, stacked for fused projections;
+- layers.py: the per-step row groups and each linear layer's slots (the grouped products);
+- manager.py: `max_loras` slots, LRU beyond them, adapters reloaded from disk.
+
+The models see none of this by import: the manager sets `lora` on their linear layers and
+`lora_state` on the model, which they consult only where it is set.
+"""
+from .request import LoRARequest
+
+__all__ = ["LoRARequest"]

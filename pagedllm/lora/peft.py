@@ -1,0 +1,167 @@
+"""A PEFT LoRA folder (adapter_config.json + adapter_model.safetensors) read for one base model.
+
+Each targeted projection becomes one pair (A [r', in], B [out, r']) on our (possibly fused) layer:
+a fused q|k|v or gate|up layer stacks its parts' A rows and places each part's B block-diagonally
+(its output rows, its A's columns), so one grouped product serves the whole fused layer. The
+scale (lora_alpha / r, or / sqrt(r) with use_rslora) is folded into B once, here.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+CONFIG = "adapter_config.json"
+WEIGHTS = "adapter_model.safetensors"
+# Config features whose effect this loader does not reproduce: refused, never ignored.
+_UNSUPPORTED = {
+    "use_dora": "DoRA (use_dora)",
+    "modules_to_save": "modules_to_save (fully trained copies of layers such as lm_head or embed_tokens)",
+    "layers_pattern": "layers_pattern",
+    "rank_pattern": "rank_pattern (per-layer ranks)",
+    "alpha_pattern": "alpha_pattern (per-layer alphas)",
+    "fan_in_fan_out": "fan_in_fan_out (Conv1D-style transposed weights)",
+    "use_qalora": "QALoRA",
+    "lora_bias": "lora_bias (a bias on lora_B)",
+}
+
+
+@dataclass
+class AdapterWeights:
+    """One adapter's low-rank pairs, keyed by our linear layer's module name, float32 on the CPU;
+    B already carries the scale."""
+
+    path: Path
+    rank: int
+    alpha: float
+    pairs: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in self.pairs.values())
+
+
+def read_config(path: str | Path) -> dict:
+    """The adapter's config, checked: a LoRA, with no feature this loader would silently drop."""
+    folder = Path(path)
+    if not folder.is_dir():
+        raise ValueError(f"LoRA adapter {str(path)!r} is not a folder; give a PEFT adapter folder "
+                         f"holding {CONFIG} and {WEIGHTS}")
+    cfg_file = folder / CONFIG
+    if not cfg_file.is_file():
+        raise ValueError(f"LoRA adapter folder {str(folder)!r} has no {CONFIG}: is it a PEFT adapter?")
+    try:
+        cfg = json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{cfg_file}: not valid JSON ({e})") from None
+    kind = cfg.get("peft_type", "LORA")
+    if str(kind).upper() != "LORA":
+        raise ValueError(f"adapter {str(folder)!r} is a {kind} adapter; only LoRA adapters are supported")
+    for key, what in _UNSUPPORTED.items():
+        if cfg.get(key):
+            raise ValueError(f"adapter {str(folder)!r} uses {what}, which pagedllm does not support; "
+                             "merge it into the base model (peft's merge_and_unload) instead")
+    if cfg.get("bias", "none") != "none":
+        raise ValueError(f"adapter {str(folder)!r} trains biases (bias={cfg['bias']!r}); only bias='none' "
+                         "is supported")
+    if not isinstance(cfg.get("r"), int) or cfg["r"] < 1:
+        raise ValueError(f"{cfg_file}: 'r' must be a positive integer, got {cfg.get('r')!r}")
+    return cfg
+
+
+def scale_of(cfg: dict) -> float:
+    r, alpha = cfg["r"], cfg.get("lora_alpha", 8)
+    return alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
+
+
+def load_adapter(path: str | Path, model, max_rank: int) -> AdapterWeights:
+    """Read the adapter at `path` for `model` (a pagedllm model: its `map_weight_name`,
+    `shard_sizes`, and linear layers with `lora` slots); every shape is checked against the base."""
+    from safetensors.torch import load_file
+
+    cfg = read_config(path)
+    folder = Path(path)
+    r = cfg["r"]
+    if r > max_rank:
+        raise ValueError(f"adapter {str(folder)!r} has rank {r}, above max_lora_rank={max_rank}; "
+                         f"start the engine with max_lora_rank >= {r}")
+    wfile = folder / WEIGHTS
+    if not wfile.is_file():
+        extra = " (adapter_model.bin is not read: save it with safe_serialization)" \
+            if (folder / "adapter_model.bin").exists() else ""
+        raise ValueError(f"LoRA adapter folder {str(folder)!r} has no {WEIGHTS}{extra}")
+    tensors = load_file(str(wfile))
+    scale = scale_of(cfg)
+    parts: dict[str, dict[int | None, list]] = {}  # our module -> shard -> [A, B]
+    for key, t in tensors.items():
+        if key.endswith(".lora_A.weight"):
+            which, base = 0, key[: -len(".lora_A.weight")]
+        elif key.endswith(".lora_B.weight"):
+            which, base = 1, key[: -len(".lora_B.weight")]
+        else:
+            raise ValueError(f"adapter {str(folder)!r}: tensor {key!r} is not a LoRA A/B weight "
+                             "(embedding LoRA, DoRA magnitudes and saved modules are not supported)")
+        hf = base.removeprefix("base_model.model.")
+        leaf = hf.rsplit(".", 1)[-1]
+        if leaf in ("lm_head", "embed_tokens"):
+            raise ValueError(f"adapter {str(folder)!r} targets {leaf}; LoRA on {leaf} is not supported "
+                             "(target the attention and MLP projections)")
+        mapped = model.map_weight_name(hf + ".weight")
+        if mapped is None:
+            raise ValueError(f"adapter {str(folder)!r}: {hf} has no place in the base model")
+        ours, shard = mapped
+        mod_name = ours.rsplit(".", 1)[0]
+        try:
+            module = model.get_submodule(mod_name)
+        except AttributeError:
+            module = None
+        if module is None or getattr(module, "lora", None) is None:
+            raise ValueError(f"adapter {str(folder)!r} targets {hf}, which is not a projection LoRA can "
+                             "apply to in this model (q/k/v/o and gate/up/down of dense layers)")
+        parts.setdefault(mod_name, {}).setdefault(shard, [None, None])[which] = t.float()
+    if not parts:
+        raise ValueError(f"adapter {str(folder)!r} holds no LoRA weights")
+    out = AdapterWeights(folder, r, cfg.get("lora_alpha", 8))
+    for mod_name, shards in parts.items():
+        out.pairs[mod_name] = _stack(folder, model, mod_name, shards, scale, max_rank)
+    return out
+
+
+def _stack(folder: Path, model, mod_name: str, shards: dict, scale: float,
+           max_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer's (A, B): its parts' A rows stacked, each part's scaled B in its own rows and
+    columns (zero elsewhere), after checking each shape against the base layer."""
+    module = model.get_submodule(mod_name)
+    fused = None not in shards
+    sizes = model.shard_sizes(mod_name + ".weight") if fused else [module.out_features]
+    a_rows, b_blocks = [], []
+    col = 0
+    for shard in sorted(shards, key=lambda s: -1 if s is None else s):
+        a, b = shards[shard]
+        where = f"{mod_name}" + (f" part {shard}" if shard is not None else "")
+        if a is None or b is None:
+            raise ValueError(f"adapter {str(folder)!r}: {where} has lora_{'A' if a is None else 'B'} missing")
+        out_rows = sizes[0 if shard is None else shard]
+        if a.dim() != 2 or a.shape[1] != module.in_features:
+            raise ValueError(f"adapter {str(folder)!r}: {where} lora_A has shape {tuple(a.shape)}, but the base "
+                             f"layer takes {module.in_features} inputs: the adapter is for another base model")
+        if b.dim() != 2 or b.shape != (out_rows, a.shape[0]):
+            raise ValueError(f"adapter {str(folder)!r}: {where} lora_B has shape {tuple(b.shape)}, expected "
+                             f"{(out_rows, a.shape[0])} for this base model: the adapter is for another base model")
+        if a.shape[0] > max_rank:
+            raise ValueError(f"adapter {str(folder)!r}: {where} has rank {a.shape[0]}, above max_lora_rank={max_rank}")
+        start = 0 if shard is None else sum(sizes[:shard])
+        a_rows.append(a)
+        b_blocks.append((start, out_rows, col, b * scale))
+        col += a.shape[0]
+    big_a = torch.cat(a_rows, 0)
+    big_b = torch.zeros(module.out_features, col)
+    for start, rows, c0, b in b_blocks:
+        big_b[start:start + rows, c0:c0 + b.shape[1]] = b
+    return big_a, big_b
