@@ -57,6 +57,10 @@ def test_make_gguf_moe_shapes(shape_name, arch, tmp_path, smollm2_gguf_path):
     assert tuple(tensors["blk.0.ffn_down_exps.weight"].shape) == (shape.intermediate, shape.hidden, shape.experts)
     assert tensors["blk.0.ffn_gate_inp.weight"].tensor_type == gguf.GGMLQuantizationType.F32  # the router
     assert "output.weight" in tensors  # untied, as the real models
+    # A token reads only its routed experts' share of the expert tensors.
+    exps = sum(int(t.n_bytes) for n, t in tensors.items() if "_exps." in n)
+    rest = sum(int(t.n_bytes) for n, t in tensors.items() if "_exps." not in n and n != "token_embd.weight")
+    assert compare.weight_bytes(path)["per_token_bytes"] == rest + exps * shape.experts_used // shape.experts
     from pagedllm.loading.gguf import read_gguf
 
     cfg = read_gguf(path).config

@@ -208,8 +208,9 @@ def _summarise(r: dict) -> dict:
 
 def weight_bytes(model: Path) -> dict:
     """Bytes of the GGUF's tensors, and of those read per generated token: all of them, less an
-    untied embedding table (only its prompt rows are gathered; a tied one is the output head).
-    Also the vocabulary size, read from the same header."""
+    untied embedding table (only its prompt rows are gathered; a tied one is the output head), and
+    of a mixture of experts' 3-D expert tensors (`*_exps`) only the share a token routes to
+    (expert_used_count of expert_count). Also the vocabulary size, read from the same header."""
     import gguf
 
     reader = gguf.GGUFReader(str(model))
@@ -217,6 +218,12 @@ def weight_bytes(model: Path) -> dict:
     total = sum(sizes.values())
     tied = "output.weight" not in sizes
     per_token = total if tied else total - sizes.get("token_embd.weight", 0)
+    arch = reader.fields["general.architecture"].contents()
+    experts = reader.fields.get(f"{arch}.expert_count")
+    used = reader.fields.get(f"{arch}.expert_used_count")
+    if experts is not None and used is not None and int(experts.contents()) > 0:
+        exps = sum(n for name, n in sizes.items() if "_exps." in name)
+        per_token -= exps - exps * int(used.contents()) // int(experts.contents())
     return {"total_bytes": total, "per_token_bytes": per_token, "tied_embeddings": tied,
             "vocab": len(reader.fields["tokenizer.ggml.tokens"].data)}
 
