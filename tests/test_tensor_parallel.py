@@ -40,6 +40,17 @@ def _alive(pids: list[int]) -> list[int]:
     return out
 
 
+def _assert_logits_match_reference_and_tp1(path, ref, prompts, got, logits2, kw) -> None:
+    """tp=2's prompt logits of the last prompt within 1e-4 of transformers' and of tp=1's, and
+    tp=1's greedy tokens equal tp=2's (`got`)."""
+    with torch.no_grad():
+        ref_logits = ref(torch.tensor([prompts[-1]])).logits[0]
+    assert (logits2 - ref_logits).abs().max().item() < 1e-4
+    one = LLM(str(path), **kw)
+    assert (logits2 - one.prompt_logits(prompts[-1])).abs().max().item() < 1e-4
+    assert [o.token_ids for o in one.generate(prompts, GREEDY, use_tqdm=False)] == got
+
+
 def test_tp2_matches_transformers_and_tp1(family):
     """Block size 16, a KV budget far below the batch's need and small prefill chunks, so it
     preempts; Mistral's window (48) is shorter than most prompts."""
@@ -56,12 +67,7 @@ def test_tp2_matches_transformers_and_tp1(family):
         assert bm.num_free_blocks == bm.num_usable_blocks
         logits2 = llm.prompt_logits(prompts[-1])
     assert not _alive(pids)  # the context manager stopped the worker
-    with torch.no_grad():
-        ref_logits = ref(torch.tensor([prompts[-1]])).logits[0]
-    assert (logits2 - ref_logits).abs().max().item() < 1e-4
-    one = LLM(str(path), **kw)
-    assert (logits2 - one.prompt_logits(prompts[-1])).abs().max().item() < 1e-4
-    assert [o.token_ids for o in one.generate(prompts, GREEDY, use_tqdm=False)] == got
+    _assert_logits_match_reference_and_tp1(path, ref, prompts, got, logits2, kw)
 
 
 def test_tp2_prefix_cache_multi_turn_n4_and_trace(family):
@@ -216,12 +222,7 @@ def test_tp2_moe_matches_transformers_and_tp1(moe_family):
         assert got == want, name
         assert llm.engine.scheduler.num_preemptions > 0
         logits2 = llm.prompt_logits(prompts[-1])
-    with torch.no_grad():
-        ref_logits = ref(torch.tensor([prompts[-1]])).logits[0]
-    assert (logits2 - ref_logits).abs().max().item() < 1e-4
-    one = LLM(str(path), **kw)
-    assert (logits2 - one.prompt_logits(prompts[-1])).abs().max().item() < 1e-4
-    assert [o.token_ids for o in one.generate(prompts, GREEDY, use_tqdm=False)] == got
+    _assert_logits_match_reference_and_tp1(path, ref, prompts, got, logits2, kw)
 
 
 def test_tp_olmoe_refused_before_any_worker_starts(tmp_path, hf_smollm2_tokenizer):
