@@ -215,18 +215,19 @@ class EngineOptions:
         return kw
 
     def _speculative(self) -> dict[str, Any] | None:
-        if self.speculative_ngram is not None and self.speculative_draft is not None:
-            raise ValueError("give either --speculative-ngram or --speculative-draft, not both")
+        if self.speculative_draft is not None:
+            spec: dict[str, Any] = {"method": "draft", "model": self.speculative_draft}
+            k = self.speculative_tokens if self.speculative_tokens is not None else self.speculative_ngram
+            if k is not None:
+                spec["num_tokens"] = k
+            if self.speculative_ngram is not None:  # both: lookup where it matches, the draft elsewhere
+                spec["ngram"] = True
+            return spec
         if self.speculative_ngram is not None:
             if self.speculative_tokens is not None:
                 raise ValueError("--speculative-tokens goes with --speculative-draft; "
                                  "--speculative-ngram K takes its K itself")
             return {"method": "ngram", "num_tokens": self.speculative_ngram}
-        if self.speculative_draft is not None:
-            spec: dict[str, Any] = {"method": "draft", "model": self.speculative_draft}
-            if self.speculative_tokens is not None:
-                spec["num_tokens"] = self.speculative_tokens
-            return spec
         if self.speculative_tokens is not None:
             raise ValueError("--speculative-tokens needs --speculative-draft MODEL")
         return None

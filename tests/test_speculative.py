@@ -11,11 +11,11 @@ from pagedllm.speculative import decoder as spec_decoder
 from models import build_checkpoint
 
 NEW_TOKENS = 40
-# Never paused, so every lookup that matches is verified.
+# Never paused and fixed lengths (not adaptive), so every lookup that matches is verified.
 # max_rows: these random models run float32 weights (no two-level rounding regime to stay
 # in), and wide verification steps are what the identity checks should see.
 NGRAM = {"method": "ngram", "num_tokens": 4, "min_ngram": 1, "max_ngram": 3, "min_acceptance": 0.0,
-         "max_rows": 64}
+         "adaptive": False, "max_rows": 64}
 # A small vocabulary makes a random model's output repeat, so proposals are both accepted
 # and rejected.
 RANDOM_VOCAB = 256
@@ -128,11 +128,13 @@ def default_models(smollm2_gguf_path):
     for itself. The cache is sized in tokens, not MB: "auto" KV is bf16 on a machine with
     AVX-512 BF16 and float32 elsewhere, and 64 MB of float32 holds 45 blocks, fewer than the
     seeded n=2 test's two 1,038-token siblings need. A context length is given whole to the
-    draft's cache as well."""
+    draft's cache as well. The n-gram model chooses its lengths (adaptive, the default); the
+    draft, as costly as the target, would rarely pay, so its lengths are fixed."""
     return {"plain": LLM("default", kv_cache_context_len=4096),
             "ngram": LLM("default", kv_cache_context_len=4096, speculative={"method": "ngram", "num_tokens": 3}),
             "draft": LLM("default", kv_cache_context_len=4096,
-                         speculative={"method": "draft", "model": "default", "num_tokens": 4}),
+                         speculative={"method": "draft", "model": "default", "num_tokens": 4,
+                                      "adaptive": False}),
             "plain_results": {}}
 
 
@@ -241,7 +243,7 @@ def test_rejection_sampling_keeps_the_target_distribution(tiny_vocab_ckpt, plain
     """n-gram lookups and a draft model's greedy tokens are both deterministic drafts (here the
     tiny model drafts for itself: a proposal is accepted when the sample is its argmax)."""
     spec_cfg = ({"method": "ngram", "num_tokens": 3, "min_ngram": 1, "max_ngram": 3, "max_batch": 1024,
-                 "max_rows": 4096, "min_acceptance": 0.0} if method == "ngram"
+                 "max_rows": 4096, "min_acceptance": 0.0, "adaptive": False} if method == "ngram"
                 else _draft(tiny_vocab_ckpt, 3, max_batch=1024, max_rows=4096))
     # Different seed ranges: independent samples, reproducible test.
     seed0 = {"ngram": 10, "draft": 30}[method] * SAMPLES
@@ -359,8 +361,9 @@ def test_cli_flag_reaches_the_engine():
 
 # -- a draft model ---------------------------------------------------------------------------
 def _draft(model, k: int = 4, **kw) -> dict:
-    """Draft-model speculation, never paused, so every proposal is verified."""
-    return {"method": "draft", "model": str(model), "num_tokens": k, "min_acceptance": 0.0, **{"max_rows": 64, **kw}}
+    """Draft-model speculation, never paused and of fixed length, so every proposal is verified."""
+    return {"method": "draft", "model": str(model), "num_tokens": k, "min_acceptance": 0.0, "adaptive": False,
+            **{"max_rows": 64, **kw}}
 
 
 def _noisy_copy(src, out, scale: float, seed: int = 1):
@@ -526,8 +529,97 @@ def test_cli_draft_flags_reach_the_engine():
     args = build_parser(argv).parse_args(argv)
     assert engine_options(args).llm_kwargs()["speculative"] == {"method": "draft", "model": "path/to/draft",
                                                                  "num_tokens": 3}
+    # Both: n-gram lookup where the sequence's suffix matches, the draft elsewhere.
+    argv = ["serve", "--speculative-ngram", "4", "--speculative-draft", "x"]
+    assert engine_options(build_parser(argv).parse_args(argv)).llm_kwargs()["speculative"] == {
+        "method": "draft", "model": "x", "num_tokens": 4, "ngram": True}
     for argv, msg in ((["serve", "--speculative-tokens", "3"], "needs --speculative-draft"),
-                      (["serve", "--speculative-ngram", "3", "--speculative-draft", "x"], "not both")):
+                      (["serve", "--speculative-ngram", "3", "--speculative-tokens", "2"], "goes with")):
         args = build_parser(argv).parse_args(argv)
         with pytest.raises(ValueError, match=msg):
             engine_options(args).llm_kwargs()
+
+
+# -- adaptive lengths and n-gram + draft -------------------------------------------------------
+def _expected_rate(cands, ks, plain: int, row: float, draft: float) -> float:
+    """Expected tokens per unit of step time (a plain step costs 1) of proposal lengths ks."""
+    tokens = plain + sum(sum(c.acceptance ** j for j in range(1, k + 1)) for c, k in zip(cands, ks))
+    forwards = max((k for c, k in zip(cands, ks) if c.draft), default=0)
+    return tokens / (1 + row * sum(ks) + draft * forwards)
+
+
+@pytest.mark.parametrize("row, draft", [(0.02, 0.0), (0.1, 0.0), (0.05, 0.2), (0.05, 0.35), (0.1, 0.9)])
+def test_planned_lengths_are_the_best_by_enumeration(row, draft):
+    """The planner's lengths against every combination of lengths, scored by the same model of
+    expected tokens per step time: one sequence gets the best length exactly (0 where no
+    length pays), three together at least 99% of the best combination."""
+    import itertools
+
+    from pagedllm.speculative.costs import Candidate, best_rate, plan_lengths
+
+    for a in (0.05, 0.3, 0.5, 0.7, 0.9, 0.99):
+        c = [Candidate(a, 6, draft > 0)]
+        best = max(range(7), key=lambda k: _expected_rate(c, [k], 1, row, draft))
+        assert plan_lengths(c, 1, 8, row, draft) == [best], (a, row, draft)
+        assert best_rate(c[0], row, draft) == pytest.approx(_expected_rate(c, [best], 1, row, draft))
+    for accs in ((0.9, 0.4, 0.1), (0.8, 0.8, 0.6), (0.2, 0.3, 0.95)):
+        cands = [Candidate(a, 4, i != 1 or draft == 0) for i, a in enumerate(accs)]
+        got = plan_lengths(cands, 3, 9, row, draft)
+        assert sum(got) <= 9
+        best = max(_expected_rate(cands, ks, 3, row, draft) for ks in itertools.product(range(5), repeat=3)
+                   if sum(ks) <= 9)
+        assert _expected_rate(cands, got, 3, row, draft) >= 0.99 * best, (accs, got)
+    # A draft as costly as a target step never pays for one proposal, however good it is.
+    assert plan_lengths([Candidate(0.99, 6, True)], 1, 8, row, 1.0) == [0]
+
+
+def test_step_costs_fit_the_rows_line():
+    from pagedllm.speculative.costs import DRAFT_PRIOR, ROW_PRIOR, StepCosts
+
+    c = StepCosts()
+    assert c.relative(1) == (ROW_PRIOR, DRAFT_PRIOR)  # nothing timed yet
+    for rows, secs in ((1, 0.010), (3, 0.012), (5, 0.014), (1, 0.010)):
+        c.observe_step(rows, secs)
+    c.observe_draft(2, 0.006)
+    row, draft = c.relative(1)
+    assert row == pytest.approx(0.001 / 0.010) and draft == pytest.approx(0.003 / 0.010)
+
+
+@pytest.mark.parametrize("draft_cost, declines", [(1.0, True), (0.05, False)])
+def test_adaptive_draft_proposes_what_pays(family_ckpt, drafts, monkeypatch, draft_cost, declines):
+    """Given a draft forward that costs a whole target step, the noisy copy's proposals (about a
+    third accepted) never pay: the decoder declines and only probes now and then, where fixed
+    lengths propose every step. Given a cheap one, they pay and it keeps proposing. The costs
+    are set here (tiny random models' step times are mostly overhead, and the machine may be
+    loaded); that they are measured is asserted, and the fit is tested above. Greedy output is
+    plain decoding's either way."""
+    from pagedllm.speculative.costs import StepCosts
+
+    _, path, prompts, expected = family_ckpt
+    spec = {"method": "draft", "model": str(drafts["noisy"]), "num_tokens": 4, "max_rows": 64, "min_acceptance": 0.0}
+    fixed = LLM(str(path), dtype="float32", kv_cache_memory_mb=16, speculative={**spec, "adaptive": False})
+    assert _greedy(fixed, prompts) == expected
+    monkeypatch.setattr(StepCosts, "relative", lambda self, rows: (0.02, draft_cost))
+    adaptive = LLM(str(path), dtype="float32", kv_cache_memory_mb=16, speculative=spec)
+    assert _greedy(adaptive, prompts) == expected
+    a, f = adaptive.engine.spec, fixed.engine.spec
+    assert a.costs.draft_s is not None and len(a.costs.step_s) >= 2  # it timed both
+    if declines:
+        assert a.stats.declined > 0 and a.stats.proposed < f.stats.proposed / 3, (a.stats, f.stats)
+    else:
+        assert a.stats.proposed > f.stats.proposed / 3, (a.stats, f.stats)
+    _assert_no_leak(adaptive)
+
+
+def test_ngram_and_draft_together(family_ckpt, drafts):
+    """Both on: a sequence whose suffix recurs takes the lookup's proposals, the others the
+    draft's; greedy output is plain decoding's and nothing leaks."""
+    _, path, prompts, expected = family_ckpt
+    spec = {**_draft(drafts["small"]), "ngram": True, "min_ngram": 1, "max_ngram": 3}
+    llm = LLM(str(path), dtype="float32", kv_cache_memory_mb=16, speculative=spec)
+    assert _greedy(llm, prompts) == expected
+    st, draft = llm.engine.spec.stats, llm.engine.spec.draft
+    assert 0 < st.ngram_proposed < st.proposed and draft.forwards > 0, st
+    _assert_no_leak(llm)
+    with pytest.raises(ValueError, match="combines n-gram lookup with a draft"):
+        LLM(str(path), speculative={"method": "ngram", "ngram": True})

@@ -102,6 +102,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "draft's overhead and the ceiling)")
     p.add_argument("--draft-tokens", type=int, default=None, help="the draft's proposals a step (default --num-tokens)")
     p.add_argument("--no-ngram", action="store_true", help="leave the n-gram mode out")
+    p.add_argument("--fixed", action="store_true",
+                   help="every mode proposes its full k each step (adaptive lengths off): the figures "
+                        "before adaptive lengths, for comparison")
     p.add_argument("--pa-gpu-mem", type=float, default=512, help="KV cache MB")
     p.add_argument("--output", default="bench-results/speculative.json")
 
@@ -114,6 +117,11 @@ def run(args: argparse.Namespace) -> dict:
                                                   "max_ngram": args.max_ngram, "min_ngram": args.min_ngram}}
     if args.draft:
         specs["draft"] = {"method": "draft", "model": args.draft, "num_tokens": args.draft_tokens or args.num_tokens}
+        # Both proposers: the lookup where the sequence's suffix recurs, the draft elsewhere.
+        specs["draft+ngram"] = {**specs["draft"], "ngram": True, "max_ngram": args.max_ngram,
+                                "min_ngram": args.min_ngram}
+    if args.fixed:
+        specs = {m: {**spec, "adaptive": False} for m, spec in specs.items()}
     if not specs:
         raise SystemExit("nothing to compare: --no-ngram needs --draft MODEL")
     # Prefix caching off: the repeated runs must not get their prompts for free in one mode only.

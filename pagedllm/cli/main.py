@@ -129,7 +129,8 @@ def _engine_flags(p: argparse.ArgumentParser, top: bool) -> None:
     g.add_argument("--speculative-ngram", type=int, metavar="K", default=d(None),
                    help="speculative decoding by prompt lookup: up to K tokens proposed from the "
                         "sequence's own earlier text, verified in one forward (5 measured best "
-                        "on the default model)")
+                        "on the default model); with --speculative-draft, the lookup where it "
+                        "matches and the draft elsewhere")
     g.add_argument("--speculative-draft", metavar="MODEL", default=d(None),
                    help="speculative decoding with a small draft model sharing the model's tokenizer "
                         "(a folder, GGUF file or hub id; its own KV cache comes out of the same budget)")

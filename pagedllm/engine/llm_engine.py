@@ -328,7 +328,10 @@ class LLMEngine:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("scheduler made no progress although requests are waiting")
             return []
+        t0 = time.perf_counter()
         out = self.runner.execute(sched.scheduled)
+        if self.spec is not None and all(it.is_decode for it in sched.scheduled):
+            self.spec.observe_step(sum(it.num_new_tokens for it in sched.scheduled), time.perf_counter() - t0)
         self.stats["steps"] += 1
         for seq, first, logits in out.prompt_logits if out is not None else ():
             self._score_prompt(seq, first, logits)

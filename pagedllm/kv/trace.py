@@ -225,7 +225,11 @@ def _speculative(engine) -> dict:
     draft = spec.draft
     how = (f"ngram (suffix {c.min_ngram}..{c.max_ngram} tokens)" if c.method == "ngram"
            else f"draft model {draft.name if draft is not None else c.model} (greedy proposals)")
-    out = dict(speculative=f"{how}, up to {c.num_tokens} tokens a step; off above {c.max_batch} "
+    if c.ngram:
+        how += f" and ngram lookup ({st.ngram_proposed} of the proposals)"
+    lengths = ("adaptive lengths (measured costs; "
+               f"{st.declined} declines)" if c.adaptive else "fixed lengths")
+    out = dict(speculative=f"{how}, up to {c.num_tokens} tokens a step, {lengths}; off above {c.max_batch} "
                            f"decoding sequences; {st.paused} pauses for low acceptance",
                spec_proposed_tokens=st.proposed, spec_accepted_tokens=st.accepted,
                spec_acceptance_rate=st.acceptance_rate, spec_mean_accepted_length=st.mean_accepted_length)

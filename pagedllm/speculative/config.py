@@ -23,8 +23,15 @@ class SpeculativeConfig:
     # of the same sequences runs, so both round alike and greedy output stays identical; wider
     # verification is compute bound on a CPU anyway.
     max_rows: int = 8
-    # A sequence pauses speculation when its acceptance (a running mean) falls under this.
+    # A sequence pauses speculation when its per-token acceptance falls under this.
     min_acceptance: float = 0.25
+    # Choose each step's proposal lengths from each sequence's acceptance and the step costs
+    # measured in this run (speculative/costs.py): a length that is not expected to pay is
+    # not proposed. Off: always num_tokens (where they fit).
+    adaptive: bool = True
+    # method "draft": also look up n-gram proposals; a sequence whose suffix has an earlier
+    # match proposes those (they cost no draft forward), the others ask the draft model.
+    ngram: bool = False
 
     @classmethod
     def coerce(cls, value: "SpeculativeConfig | dict[str, Any] | None") -> "SpeculativeConfig | None":
@@ -62,5 +69,11 @@ class SpeculativeConfig:
             raise ValueError("speculative method 'draft' needs 'model': the path (or hub id) of a small "
                              "draft model with the target's tokenizer, e.g. "
                              "{'method': 'draft', 'model': 'path/to/draft', 'num_tokens': 4}")
+        for name in ("adaptive", "ngram"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"speculative {name} must be true or false, got {getattr(self, name)!r}")
+        if self.ngram and self.method != "draft":
+            raise ValueError("speculative 'ngram': true combines n-gram lookup with a draft model (method "
+                             "'draft'); method 'ngram' looks up n-grams already")
         if self.method == "ngram" and self.model:
             raise ValueError("speculative method 'ngram' takes no 'model' (did you mean method 'draft'?)")

@@ -12,22 +12,33 @@ probability p(d), and on rejection t_j is distributed as p with d removed and re
 so the output has the target's distribution. Greedy rows take argmaxes, so greedy output is
 the non-speculative output token for token. Seeded rows draw position p's token with the key
 of position p, as a non-speculative run does.
+
+Lengths. Each step a sequence proposes what is expected to pay (speculative/costs.py): its
+proposer's per-token acceptance so far against the step times measured in this run, so a
+draft that costs more than it brings, or a chat that rarely repeats itself, decodes plainly
+and probes again after a pause. With a draft model and n-gram lookup both on, a sequence
+whose suffix has an earlier match takes the lookup's proposals (free), the others the draft's.
 """
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .config import SpeculativeConfig
+from .costs import Candidate, StepCosts, best_rate, plan_lengths
 from .ngram import NgramIndex
 
 logger = logging.getLogger(__name__)
 
 # A sequence that paused starts again after this many steps, doubling up to the maximum
-# each time it pauses again.
+# each time it pauses again, and then proposes once whatever the planner says (a probe that
+# refreshes its acceptance).
 PAUSE_STEPS, MAX_PAUSE_STEPS = 4, 128
-EMA = 0.3  # weight of the newest verification in a sequence's acceptance mean
+DECAY = 0.8  # weight of the earlier verifications in an acceptance estimate
+# A new sequence's acceptance: this many accepted of this many trials, soon outweighed.
+PRIOR_ACCEPTED, PRIOR_TRIALS = 1.2, 2.0
 
 
 def accepted_length(drafts: list[int], sampled: list[int]) -> int:
@@ -46,6 +57,8 @@ class SpecStats:
     verifications: int = 0  # (sequence, step) pairs that verified proposals
     steps_off_batch: int = 0  # steps where the batch was too wide to speculate
     paused: int = 0  # times a sequence paused for low acceptance
+    declined: int = 0  # times a sequence paused because no proposal was worth its cost
+    ngram_proposed: int = 0  # method "draft" with n-gram on: proposals that came from the lookup
 
     @property
     def acceptance_rate(self) -> float:
@@ -64,12 +77,31 @@ class SpecStats:
 
 
 @dataclass
+class Acceptance:
+    """A proposer's per-token acceptance probability for one sequence: accepted proposals over
+    trials (each accepted one, and the first rejection), older verifications decaying."""
+    accepted: float = PRIOR_ACCEPTED
+    trials: float = PRIOR_TRIALS
+
+    @property
+    def rate(self) -> float:
+        return self.accepted / self.trials
+
+    def update(self, proposed: int, accepted: int) -> None:
+        self.accepted = DECAY * self.accepted + accepted
+        self.trials = DECAY * self.trials + accepted + (accepted < proposed)
+
+
+@dataclass
 class SeqSpecState:
-    """Per sequence: its n-gram index and how well its proposals have been doing."""
+    """Per sequence: its n-gram index and how well each proposer has been doing."""
     index: NgramIndex | None = None
-    acceptance: float = 1.0  # running mean of accepted / proposed
+    ngram: Acceptance = field(default_factory=Acceptance)
+    draft: Acceptance = field(default_factory=Acceptance)
+    source: str = ""  # who made the proposals under verification: "ngram" or "draft"
     pause: int = 0  # steps left without proposals
     pause_len: int = PAUSE_STEPS
+    probe: bool = False  # just back from a pause: propose once whatever the planner says
 
 
 @dataclass
@@ -78,6 +110,7 @@ class SpeculativeDecoder:
     max_model_len: int
     stats: SpecStats = field(default_factory=SpecStats)
     draft: Any = None  # method "draft": the DraftModel (engine/draft.py) that proposes
+    costs: StepCosts = field(default_factory=StepCosts)
 
     def eligible(self, seq) -> bool:
         """Speculation applies: penalties read every earlier token of the row, which the
@@ -96,7 +129,11 @@ class SpeculativeDecoder:
         if len(decoding) > self.config.max_batch:
             self.stats.steps_off_batch += 1
             return
-        want = []
+        c = self.config
+        lookup = self.draft is None or c.ngram
+        plain = sum(1 for s in running if s.num_uncomputed_tokens == 1)
+        costs = self.costs.relative(plain)
+        seqs, cands, found = [], [], []
         for s in decoding:
             if not self.eligible(s):
                 continue
@@ -105,30 +142,84 @@ class SpeculativeDecoder:
                 st = s.spec = SeqSpecState()
             if st.pause > 0:
                 st.pause -= 1
+                st.probe = st.pause == 0
                 continue
-            k = self._num_tokens(s, st)
-            if k > 0:
-                want.append((s, k))
-        # Proposal rows the step may add, shared out evenly (what one leaves goes to the next).
-        room = self.config.max_rows - sum(1 for s in running if s.num_uncomputed_tokens == 1)
-        capped = []
-        for i, (s, k) in enumerate(want):
-            k = min(k, room // (len(want) - i))
-            if k > 0:
-                capped.append((s, k))
-                room -= k
-        want = capped
-        if self.draft is not None:  # its blocks come from the pool the running sequences grow in
-            self.draft.propose(want, running)
-            return
-        c = self.config
-        for s, k in want:
+            cap = self._room(s)
+            if cap <= 0:
+                continue
+            toks: list[int] = []
+            if lookup:
+                if st.index is None:
+                    st.index = NgramIndex(c.min_ngram, c.max_ngram)
+                toks = st.index.propose(s.token_ids, cap)
+                if s.grammar is not None and toks:  # only what the grammar would accept
+                    toks = toks[:s.grammar.validate_tokens(toks)]
+            if toks and not self._draft_pays_more(st, len(toks), cap, costs):
+                st.source, acc = "ngram", st.ngram
+            elif self.draft is not None:
+                toks = []
+                st.source, acc = "draft", st.draft
+            else:
+                continue
+            if acc.rate < c.min_acceptance and not st.probe:
+                self._pause(st)
+                self.stats.paused += 1
+                continue
+            seqs.append(s)
+            found.append(toks)
+            cands.append(Candidate(acc.rate, len(toks) if toks else cap, not toks))
+        # Proposal rows the step may add (the step holds max_rows decode rows at most).
+        room = c.max_rows - plain
+        ks = self._lengths(cands, plain, room, costs)
+        want = []
+        for s, toks, cand, k in zip(seqs, found, cands, ks):
             st = s.spec
-            if st.index is None:
-                st.index = NgramIndex(c.min_ngram, c.max_ngram)
-            s.spec_tokens = st.index.propose(s.token_ids, k)
-            if s.grammar is not None and s.spec_tokens:  # only what the grammar would accept
-                s.spec_tokens = s.spec_tokens[:s.grammar.validate_tokens(s.spec_tokens)]
+            if k == 0 and st.probe and room > 0:
+                k = 1  # back from a pause: one proposal refreshes the acceptance
+            elif k > 0:
+                st.pause_len = PAUSE_STEPS
+            st.probe = False
+            if k == 0:
+                if self.config.adaptive and best_rate(cand, *costs) <= 1.0:  # not for want of room
+                    self._pause(st)
+                    self.stats.declined += 1
+            elif cand.draft:
+                want.append((s, k))
+            else:
+                s.spec_tokens = toks[:k]
+                if self.draft is not None:
+                    self.stats.ngram_proposed += k
+            room -= k
+        if want:  # its blocks come from the pool the running sequences grow in
+            t0 = time.perf_counter()
+            before = self.draft.forwards
+            self.draft.propose(want, running)
+            self.costs.observe_draft(self.draft.forwards - before, time.perf_counter() - t0)
+
+    def _draft_pays_more(self, st: SeqSpecState, found: int, cap: int, costs: tuple[float, float]) -> bool:
+        """n-gram lookup and a draft both on, and the lookup found `found` tokens: whether the
+        draft's proposals are expected to pay more than the lookup's, which cost no forward
+        (with fixed lengths the lookup is always taken)."""
+        if self.draft is None or not self.config.adaptive:
+            return False
+        return (best_rate(Candidate(st.draft.rate, cap, True), *costs)
+                > best_rate(Candidate(st.ngram.rate, found, False), *costs))
+
+    def _lengths(self, cands: list[Candidate], plain: int, room: int, costs: tuple[float, float]) -> list[int]:
+        """Each candidate's proposals: what is worth its measured cost (adaptive), or as many as
+        fit, the room shared out evenly (what one leaves goes to the next)."""
+        if self.config.adaptive:
+            return plan_lengths(cands, plain, room, *costs)
+        ks = []
+        for i, cand in enumerate(cands):
+            k = max(0, min(cand.cap, room // (len(cands) - i)))
+            ks.append(k)
+            room -= k
+        return ks
+
+    def observe_step(self, rows: int, secs: float) -> None:
+        """A decode-only target step (rows: its decode rows, proposals included) took secs."""
+        self.costs.observe_step(rows, secs)
 
     def release(self, seq) -> None:
         """seq finished, was aborted or preempted: the draft model gives back its blocks (to
@@ -136,27 +227,22 @@ class SpeculativeDecoder:
         if self.draft is not None:
             self.draft.release(seq)
 
-    def _num_tokens(self, seq, st: SeqSpecState) -> int:
-        k = self.config.num_tokens
-        if st.acceptance < 0.5:  # turned down before it turns off
-            k = max(1, k // 2)
+    def _room(self, seq) -> int:
+        """Proposals that fit: num_tokens, within max_tokens and the model's length (the step adds
+        up to k + 1 tokens, and the last proposal's position must fit)."""
         room = min(seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens)
-        # The step adds up to k + 1 tokens, and the last proposal's position must fit.
-        room -= 1
-        return max(0, min(k, room))
+        return max(0, min(self.config.num_tokens, room - 1))
+
+    @staticmethod
+    def _pause(st: SeqSpecState) -> None:
+        st.pause = st.pause_len
+        st.pause_len = min(MAX_PAUSE_STEPS, 2 * st.pause_len)
 
     def record(self, seq, proposed: int, accepted: int) -> None:
-        """After a verification: the figures, and the sequence's acceptance mean."""
+        """After a verification: the figures, and the proposer's acceptance for the sequence."""
         s = self.stats
         s.proposed += proposed
         s.accepted += accepted
         s.verifications += 1
         st = seq.spec
-        st.acceptance = (1 - EMA) * st.acceptance + EMA * (accepted / proposed)
-        if st.acceptance < self.config.min_acceptance:
-            st.pause = st.pause_len
-            st.pause_len = min(MAX_PAUSE_STEPS, 2 * st.pause_len)
-            st.acceptance = 0.5  # a fresh start after the pause, at the turned-down k
-            s.paused += 1
-        elif st.acceptance >= 0.5:
-            st.pause_len = PAUSE_STEPS
+        (st.ngram if st.source == "ngram" else st.draft).update(proposed, accepted)

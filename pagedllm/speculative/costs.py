@@ -1,0 +1,113 @@
+"""What speculation costs in this run, measured as it runs, and the proposal lengths worth
+their cost.
+
+A target step's time is a line in its decode rows, fitted to running means per row count
+(each verification row adds a little to a step that streams the weights once); a draft
+forward's time is a running mean. Both are taken relative to a plain decode step of the same
+sequences, so the planner works in "plain steps" and needs no clock of its own.
+
+A sequence whose proposals are each accepted with probability a (independently, the usual
+model) adds 1 + a + ... + a^k tokens a step when it proposes k. The planner gives out
+proposals one at a time, to the sequence where one more raises the step's expected tokens per
+unit of time most, and stops when none does: a sequence with low acceptance, or a draft whose
+forwards cost more than they bring, proposes nothing.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# Before two row counts are timed: one more verification row costs this share of a step.
+ROW_PRIOR = 0.1
+# Before a draft forward is timed: its time as a share of a target step.
+DRAFT_PRIOR = 0.3
+EMA = 0.2  # weight of the newest timing in a running mean
+FIT_WEIGHT_CAP = 16  # a row count's weight in the fit: how often it was seen, at most this
+
+
+@dataclass
+class StepCosts:
+    step_s: dict[int, float] = field(default_factory=dict)  # decode rows -> mean step seconds
+    seen: dict[int, int] = field(default_factory=dict)  # decode rows -> steps timed
+    draft_s: float | None = None  # mean seconds of one draft forward
+
+    def observe_step(self, rows: int, secs: float) -> None:
+        """A decode-only target step of `rows` rows took `secs`."""
+        old = self.step_s.get(rows)
+        self.step_s[rows] = secs if old is None else (1 - EMA) * old + EMA * secs
+        self.seen[rows] = self.seen.get(rows, 0) + 1
+
+    def observe_draft(self, forwards: int, secs: float) -> None:
+        if forwards > 0:
+            per = secs / forwards
+            self.draft_s = per if self.draft_s is None else (1 - EMA) * self.draft_s + EMA * per
+
+    def _line(self) -> tuple[float, float] | None:
+        """(intercept, seconds per row) of the weighted least-squares line; None under two row counts."""
+        if len(self.step_s) < 2:
+            return None
+        w = {r: min(n, FIT_WEIGHT_CAP) for r, n in self.seen.items()}
+        sw = sum(w.values())
+        mr = sum(w[r] * r for r in w) / sw
+        mt = sum(w[r] * t for r, t in self.step_s.items()) / sw
+        var = sum(w[r] * (r - mr) ** 2 for r in w)
+        slope = max(0.0, sum(w[r] * (r - mr) * (t - mt) for r, t in self.step_s.items()) / var)
+        return mt - slope * mr, slope
+
+    def relative(self, rows: int) -> tuple[float, float]:
+        """(one more verification row, one draft forward), each as a share of a plain decode step
+        of `rows` rows."""
+        line = self._line()
+        base = self.step_s.get(rows)
+        if base is None and line is not None:
+            base = line[0] + line[1] * rows
+        if base is None or base <= 0:
+            return ROW_PRIOR, DRAFT_PRIOR
+        row = ROW_PRIOR if line is None else line[1] / base
+        draft = DRAFT_PRIOR if self.draft_s is None else self.draft_s / base
+        return row, draft
+
+
+@dataclass
+class Candidate:
+    acceptance: float  # per-token acceptance probability of its proposer
+    cap: int  # proposals it may make at most (what fits, or what the lookup found)
+    draft: bool  # its proposals come from draft forwards
+
+
+def best_rate(c: Candidate, row_cost: float, draft_cost: float) -> float:
+    """A lone sequence's expected tokens per plain step's time at its best length (1.0: none pays)."""
+    best = tokens = 1.0
+    for k in range(1, c.cap + 1):
+        tokens += c.acceptance ** k
+        best = max(best, tokens / (1 + k * (row_cost + (draft_cost if c.draft else 0.0))))
+    return best
+
+
+def plan_lengths(cands: list[Candidate], plain_rows: int, room: int, row_cost: float,
+                 draft_cost: float) -> list[int]:
+    """Proposals per candidate: greedily the next proposal that raises expected tokens per unit
+    of step time most, while one does and the step has `room` rows for it. `plain_rows`: the
+    step's decode rows without proposals (each adds one token for sure, at cost 1 in all)."""
+    ks = [0] * len(cands)
+    tokens, cost = float(plain_rows), 1.0
+    forwards = 0  # sequential draft forwards so far: the longest draft proposal
+    while room > 0:
+        best, best_rate, best_dt = -1, tokens / cost, 0.0
+        for i, c in enumerate(cands):
+            k = ks[i]
+            if k >= c.cap:
+                continue
+            dt = row_cost + (draft_cost if c.draft and k == forwards else 0.0)
+            rate = (tokens + c.acceptance ** (k + 1)) / (cost + dt)
+            if rate > best_rate:
+                best, best_rate, best_dt = i, rate, dt
+        if best < 0:
+            break
+        c, k = cands[best], ks[best]
+        tokens += c.acceptance ** (k + 1)
+        cost += best_dt
+        if c.draft and k == forwards:
+            forwards += 1
+        ks[best] = k + 1
+        room -= 1
+    return ks
