@@ -5,6 +5,7 @@ import torch
 
 from .gemma2 import Gemma2ForCausalLM
 from .gemma3 import Gemma3ForCausalLM
+from .gemma3_vl import Gemma3ForConditionalGeneration
 from .llama import LlamaForCausalLM
 from .mistral import MistralForCausalLM
 from .mixtral import MixtralForCausalLM
@@ -23,6 +24,8 @@ MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    # Vision-language models (pagedllm/multimodal)
+    "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,
     # Mixtures of experts (models/moe.py)
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
