@@ -130,7 +130,7 @@ class LLM:
                  speculative: dict | None = None, task: str = "auto", keep_float_head: bool = False,
                  enable_lora: bool = False, max_loras: int = 1, max_lora_rank: int = 16,
                  limit_mm_per_prompt: int = 8, allowed_local_media_path: str | None = None,
-                 max_num_encoder_tokens: int | None = None) -> None:
+                 max_num_encoder_tokens: int | None = None, media_fetch_timeout: float = 10.0) -> None:
         """`tensor_parallel_size=N` splits the model over N ranks (pagedllm/distributed): on one
         machine the engine starts N - 1 worker processes and splits the cores among the ranks;
         under torchrun the N ranks are torchrun's. Call `shutdown()` (or use `with LLM(...)`)
@@ -144,10 +144,11 @@ class LLM:
         when needed (pagedllm/lora).
         Vision-language models (pagedllm/multimodal): `limit_mm_per_prompt` images a prompt at
         most, local image paths read only under `allowed_local_media_path`, and
-        `max_num_encoder_tokens` image tokens encoded a step at most (None: max_num_batched_tokens)."""
+        `max_num_encoder_tokens` image tokens encoded a step at most (None: max_num_batched_tokens);
+        an image URL's fetch takes at most `media_fetch_timeout` seconds."""
         from .multimodal.media import MediaPolicy
 
-        self.media_policy = MediaPolicy(allowed_local_dir=allowed_local_media_path)
+        self.media_policy = MediaPolicy(allowed_local_dir=allowed_local_media_path, timeout_s=media_fetch_timeout)
         self._mm_limits = (limit_mm_per_prompt, max_num_encoder_tokens)
         self.processor = None
         if enable_lora:
