@@ -233,7 +233,8 @@ class LLM:
             from .multimodal.processor import ImageProcessor
 
             self.processor = ImageProcessor(source.path, loaded.model.image_token_id,
-                                            loaded.model.bidirectional_images, sched_cfg.limit_images)
+                                            loaded.model.bidirectional_images, sched_cfg.limit_images,
+                                            loaded.model.image_layout)
 
     def _prompt(self, p):
         """A prompt as the engine takes it: text or ids as they are; {"prompt": text,

@@ -124,9 +124,11 @@ def reference_family(family: str, out: Path, tokenizer, prompt_lens: list[int], 
 VLM_CHAT_TEMPLATE = (
     "{% for m in messages %}<start_of_turn>{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n"
     "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for p in m['content'] %}"
-    "{% if p['type'] == 'image' %}<start_of_image>{% elif p['type'] == 'text' %}{{ p['text'] }}{% endif %}"
+    "{% if p['type'] == 'image' %}MARK{% elif p['type'] == 'text' %}{{ p['text'] }}{% endif %}"
     "{% endfor %}{% endif %}<end_of_turn>\n{% endfor %}"
     "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+# Each family's image marker in a prompt (what its processor expands).
+VLM_MARKER = {"gemma3": "<start_of_image>", "idefics3": "<image>"}
 
 
 def build_vlm_checkpoint(family: str, out: Path, tokenizer, seed: int = 0) -> Path:
@@ -135,6 +137,8 @@ def build_vlm_checkpoint(family: str, out: Path, tokenizer, seed: int = 0) -> Pa
     the family's image tokens added), so AutoProcessor reads it back as it reads the real one."""
     import transformers as tf
 
+    if family == "idefics3":
+        return _build_idefics3(out, tokenizer, seed)
     if family != "gemma3":
         raise ValueError(family)
     out.mkdir(parents=True, exist_ok=True)
@@ -144,7 +148,8 @@ def build_vlm_checkpoint(family: str, out: Path, tokenizer, seed: int = 0) -> Pa
     tok.add_special_tokens({"additional_special_tokens": list(marks.values())})
     tok = tf.AutoTokenizer.from_pretrained(_resave(tok, out / "_tok"), extra_special_tokens=marks)
     proc = tf.Gemma3Processor(image_processor=tf.Gemma3ImageProcessor(size={"height": 112, "width": 112}),
-                              tokenizer=tok, image_seq_length=16, chat_template=VLM_CHAT_TEMPLATE)
+                              tokenizer=tok, image_seq_length=16,
+                              chat_template=VLM_CHAT_TEMPLATE.replace("MARK", VLM_MARKER["gemma3"]))
     proc.save_pretrained(out)
     ids = {k: tok.convert_tokens_to_ids(v) for k, v in marks.items()}
     text = dict(vocab_size=len(tok), hidden_size=96, intermediate_size=160, num_hidden_layers=4,
@@ -175,3 +180,36 @@ def build_vlm_checkpoint(family: str, out: Path, tokenizer, seed: int = 0) -> Pa
 def _resave(tok, path: Path) -> Path:
     tok.save_pretrained(path)
     return path
+
+
+def _build_idefics3(out: Path, tokenizer, seed: int) -> Path:
+    """SmolVLM's shape, small: a Llama language model, 112 px tiles of 14 px patches (64 patches,
+    pixel-shuffled by 2 into 16 tokens a tile), images up to 224 px split into 2 x 2 tiles and
+    a global one."""
+    import transformers as tf
+
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer.save_pretrained(out / "_tok")
+    tok = tf.AutoTokenizer.from_pretrained(out / "_tok")
+    tok.add_special_tokens({"additional_special_tokens": ["<fake_token_around_image>", "<image>",
+                                                          "<end_of_utterance>", "<global-img>"]})
+    tok = tf.AutoTokenizer.from_pretrained(_resave(tok, out / "_tok"))
+    ip = tf.Idefics3ImageProcessor(size={"longest_edge": 224}, max_image_size={"longest_edge": 112})
+    proc = tf.Idefics3Processor(image_processor=ip, tokenizer=tok, image_seq_len=16,
+                                chat_template=VLM_CHAT_TEMPLATE.replace("MARK", VLM_MARKER["idefics3"]))
+    proc.save_pretrained(out)
+    text = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=160, num_hidden_layers=3,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, rms_norm_eps=1e-5,
+                initializer_range=0.15, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                  image_size=112, patch_size=14, initializer_range=0.15)
+    cfg = tf.Idefics3Config(text_config=text, vision_config=vision, scale_factor=2,
+                            image_token_id=tok.convert_tokens_to_ids("<image>"), tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = tf.Idefics3ForConditionalGeneration(cfg).eval()
+    with torch.no_grad():  # a connector of some size, so a misread one shows
+        for name, p in model.named_parameters():
+            if "connector" in name:
+                p.normal_(0, 0.3)
+    model.save_pretrained(out)
+    return out

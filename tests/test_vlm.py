@@ -1,23 +1,25 @@
-"""Vision-language models (issue 29) against transformers: a random-weight float32 Gemma 3
-(`Gemma3ForConditionalGeneration`) with its processor saved beside it, real Pillow images.
+"""Vision-language models (issue 29) against transformers: random-weight float32 Gemma 3
+(`Gemma3ForConditionalGeneration`) and SmolVLM / Idefics3 (`Idefics3ForConditionalGeneration`),
+each with its processor saved beside it, real Pillow images.
 
 The reference is transformers' own model and processor on the same folder: prefill logits
 (every position) and greedy tokens, with 1 to 3 images a prompt beside text-only prompts, with
-prefill chunks stopping around the images, under preemption, and across two chat turns on one
-image whose KV blocks the prefix cache serves again."""
+prefill chunks around the images (Gemma 3's stop before an image, whose tokens attend to each
+other both ways; Idefics3's cut through them), under preemption, and across two chat turns on
+one image whose KV blocks the prefix cache serves again."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from models import build_vlm_checkpoint
+from models import VLM_MARKER, build_vlm_checkpoint
 from pagedllm import LLM, SamplingParams
 
 pytest.importorskip("PIL")
 from PIL import Image  # noqa: E402
 
-IMG = "<start_of_image>"
 NEW = 8
+REF = {"gemma3": "Gemma3ForConditionalGeneration", "idefics3": "Idefics3ForConditionalGeneration"}
 
 
 def _image(seed: int, w: int, h: int) -> Image.Image:
@@ -29,12 +31,14 @@ def _image(seed: int, w: int, h: int) -> Image.Image:
     return Image.fromarray((base + noise).clamp(0, 255).byte().numpy())
 
 
-@pytest.fixture(scope="module")
-def vlm(tmp_path_factory, hf_smollm2_tokenizer):
+@pytest.fixture(scope="module", params=["gemma3", "idefics3"])
+def vlm(request, tmp_path_factory, hf_smollm2_tokenizer):
     import transformers as tf
 
-    path = build_vlm_checkpoint("gemma3", tmp_path_factory.mktemp("gemma3_vl"), hf_smollm2_tokenizer)
-    ref = tf.Gemma3ForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    family = request.param
+    IMG = VLM_MARKER[family]
+    path = build_vlm_checkpoint(family, tmp_path_factory.mktemp(family), hf_smollm2_tokenizer)
+    ref = getattr(tf, REF[family]).from_pretrained(path, dtype=torch.float32).eval()
     proc = tf.AutoProcessor.from_pretrained(path)
     images = [_image(i, w, h) for i, (w, h) in enumerate([(90, 70), (50, 130), (128, 128), (33, 47)])]
     # (prompt, images): 1, 2 and 3 images, and text alone.
@@ -49,7 +53,7 @@ def vlm(tmp_path_factory, hf_smollm2_tokenizer):
             want_logits.append(ref(**inp).logits[0])
             out = ref.generate(**inp, max_new_tokens=NEW, do_sample=False, eos_token_id=None, pad_token_id=0)
         want_tokens.append(out[0, inp["input_ids"].shape[1]:].tolist())
-    return path, ref, proc, images, cases, want_logits, want_tokens
+    return family, path, ref, proc, images, cases, want_logits, want_tokens
 
 
 def _reqs(cases):
@@ -69,11 +73,17 @@ def test_prefill_logits_and_greedy_tokens(vlm):
     """Every position's logits within 1e-4 of transformers (images' bidirectional attention
     included), and the same greedy tokens for the 1-, 2- and 3-image prompts batched with a
     text-only one; each image encoded once."""
-    path, _, _, _, cases, want_logits, want_tokens = vlm
+    family, path, _, _, _, cases, want_logits, want_tokens = vlm
     llm = LLM(str(path), dtype="float32", kv_cache_memory_mb=16)
     for (text, ims), want in zip(cases, want_logits):
         mm = llm.processor.process(text, ims)
-        assert [im.length for im in mm.images] == [16] * len(ims)
+        # Gemma 3: 16 tokens an image; Idefics3: tiles and a global image of 16 tokens each, with
+        # row/column markers (text) between the tiles.
+        sizes = [im.num_embeds for im in mm.images]
+        if family == "gemma3":
+            assert sizes == [16] * len(ims)
+        else:
+            assert all(n % 16 == 0 and n > 16 and n < im.length for n, im in zip(sizes, mm.images))
         got = llm.prompt_logits(mm)
         assert got.shape == want.shape
         assert (got - want).abs().max().item() < 1e-4
@@ -86,12 +96,15 @@ def test_prefill_logits_and_greedy_tokens(vlm):
 
 
 def test_chunked_prefill_around_images(vlm):
-    """A step budget of 20 tokens over prompts of 16-token images: prefill chunks stop before an
-    image and take each image whole in one chunk (bidirectional attention needs all of it), an
-    encoder budget of one image a step; the same logits and tokens."""
-    path, _, _, _, cases, want_logits, want_tokens = vlm
-    llm = LLM(str(path), dtype="float32", kv_cache_memory_mb=16, max_num_batched_tokens=20,
-              max_num_encoder_tokens=16)
+    """A step budget a little over one image, and an encoder budget of one image a step.
+    Gemma 3 (20 tokens, 16-token images): prefill chunks stop before an image and take each image
+    whole in one chunk (its bidirectional attention needs all of it). Idefics3 (48 tokens,
+    80-token images): chunks cut through images, each taking its slice of the image's
+    embeddings. The same logits and tokens."""
+    family, path, _, _, _, cases, want_logits, want_tokens = vlm
+    size = 16 if family == "gemma3" else 80
+    llm = LLM(str(path), dtype="float32", kv_cache_memory_mb=16, max_num_batched_tokens=20 if family == "gemma3" else 48,
+              max_num_encoder_tokens=size)
     eng = llm.engine
     chunks = []
     real = eng.runner.execute
@@ -109,19 +122,25 @@ def test_chunked_prefill_around_images(vlm):
     outs = llm.generate(_reqs(cases), GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == want_tokens
     assert len(chunks) > 6
+    inside = 0
     for mm, start, n, held in chunks:
-        for im in mm.images:  # never a chunk that ends inside an image
-            assert not (start < im.end and im.offset < start + n < im.end)
-        assert held <= 1  # one image's tokens a step: the encoder budget is one image
+        inside += sum(im.offset < start + n < im.end for im in mm.images)
+        # Without the encoder cache's help, one image's tokens a step: the encoder budget is one image.
+        assert held <= (1 if family == "gemma3" else 2)
+    if family == "gemma3":
+        assert inside == 0  # never a chunk that ends inside an image
+    else:
+        assert inside > 3  # chunks that end inside an image, and the next that go on through it
     _clean(llm)
 
 
 def test_preemption(vlm):
     """A KV cache far smaller than the batch: sequences with images are preempted and recomputed
     (their images from the encoder cache), with the same greedy tokens."""
-    path, _, _, _, cases, _, want_tokens = vlm
-    llm = LLM(str(path), dtype="float32", block_size=8, max_num_batched_tokens=32, kv_cache_context_len=96,
-              enable_prefix_caching=False)
+    family, path, _, _, _, cases, _, want_tokens = vlm
+    llm = LLM(str(path), dtype="float32", block_size=8, enable_prefix_caching=False,
+              **(dict(max_num_batched_tokens=32, kv_cache_context_len=96) if family == "gemma3" else
+                 dict(max_num_batched_tokens=96, kv_cache_context_len=420)))
     reqs = _reqs(cases) * 2
     outs = llm.generate(reqs, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True), use_tqdm=False)
     assert llm.engine.scheduler.num_preemptions > 0
@@ -133,7 +152,7 @@ def test_prefix_cache_two_turns_and_two_images(vlm):
     """A second chat turn on the same image reuses the first turn's KV blocks, image blocks
     included (hit rate shown); the same conversation about a different image shares only the
     text before the image. Both give transformers' tokens for their whole prompt."""
-    path, ref, proc, images, _, _, _ = vlm
+    _, path, ref, proc, images, _, _, _ = vlm
     llm = LLM(str(path), dtype="float32", block_size=8, kv_cache_memory_mb=16)
 
     def turn1(img):
@@ -179,11 +198,12 @@ def test_prefix_cache_two_turns_and_two_images(vlm):
 
 def test_refusals(vlm, smollm2_gguf_path):
     """Images where they cannot go: each refused with what was wrong, nothing left behind."""
-    path, _, _, images, _, _, _ = vlm
+    family, path, _, _, images, _, _, _ = vlm
+    IMG = VLM_MARKER[family]
     llm = LLM(str(path), dtype="float32", kv_cache_memory_mb=16, limit_mm_per_prompt=2)
     with pytest.raises(ValueError, match="at most 2"):
         llm.generate({"prompt": f"{IMG}{IMG}{IMG}", "multi_modal_data": {"image": images[:3]}}, use_tqdm=False)
-    with pytest.raises(ValueError, match="number of images|image places"):
+    with pytest.raises(ValueError, match="number of|image places"):
         llm.generate({"prompt": f"{IMG} and {IMG}", "multi_modal_data": {"image": images[:1]}}, use_tqdm=False)
     with pytest.raises(ValueError, match="placeholder token"):
         llm.generate([[5, llm.engine.model.image_token_id, 6]], use_tqdm=False)

@@ -236,8 +236,8 @@ class LLMEngine:
             raise ValueError(f"{len(mm.images)} images in one prompt but at most {cfg.limit_images} are allowed "
                              "(limit_mm_per_prompt)")
         for im in mm.images:
-            if im.length > cfg.encoder_budget:
-                raise ValueError(f"an image of {im.length} tokens does not fit the step's encoder budget of "
+            if im.num_embeds > cfg.encoder_budget:
+                raise ValueError(f"an image of {im.num_embeds} tokens does not fit the step's encoder budget of "
                                  f"{cfg.encoder_budget} tokens; raise max_num_batched_tokens")
             if mm.bidirectional and im.length > cfg.max_num_batched_tokens:
                 raise ValueError(f"an image of {im.length} tokens must be prefilled in one step, over "

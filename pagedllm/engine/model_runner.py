@@ -314,16 +314,21 @@ class ModelRunner:
             t0 = time.perf_counter()
             embs = self.model.encode_images([im.pixels for im in todo.values()])
             for (h, im), emb in zip(todo.items(), embs):
-                if emb.shape[0] != im.length:
+                if emb.shape[0] != im.num_embeds:
                     raise RuntimeError(f"internal: the encoder gave {emb.shape[0]} rows for an image of "
-                                       f"{im.length} placeholder tokens")
+                                       f"{im.num_embeds} placeholder tokens")
                 cache.put(h, emb)
                 found[h] = emb
             self.encoder_stats["images_encoded"] += len(todo)
             self.encoder_stats["encoder_s"] += time.perf_counter() - t0
         embeds = self.model.embed(input_ids)
         for row, im, lo, hi in plan.images:
-            embeds[row:row + hi - lo] = found[im.hash][lo:hi].to(embeds.dtype)
+            where, k0, k1 = im.rows(lo, hi)
+            emb = found[im.hash][k0:k1].to(embeds.dtype)
+            if where is None:
+                embeds[row:row + hi - lo] = emb
+            elif where:
+                embeds[torch.tensor(where, device=embeds.device) + row] = emb
         return embeds
 
     @torch.inference_mode()

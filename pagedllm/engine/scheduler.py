@@ -187,10 +187,10 @@ class Scheduler:
         for im in mm.overlapping(start, end):
             cut = None
             if im.hash not in self.encoder_cache and im.hash not in self._encoding:
-                if im.length > left:
+                if im.num_embeds > left:
                     cut = im.offset
                 else:
-                    left -= im.length
+                    left -= im.num_embeds
             if cut is None and mm.bidirectional and end < im.end:
                 cut = im.offset
             if cut is not None:
@@ -207,7 +207,7 @@ class Scheduler:
         for im in images:
             if im.hash not in self.encoder_cache and im.hash not in self._encoding:
                 self._encoding.add(im.hash)
-                self._enc_left -= im.length
+                self._enc_left -= im.num_embeds
 
     def _spec_fits(self, seq: Sequence, budget: int) -> list[int]:
         """seq's proposals, when they fit the token budget and the free blocks as they are:

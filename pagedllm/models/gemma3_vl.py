@@ -30,6 +30,7 @@ _PROJECTOR_PREFIXES = ("model.multi_modal_projector.", "multi_modal_projector.")
 
 class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
     bidirectional_images = True  # token_type_ids: each image's tokens attend to the whole image
+    image_layout = "runs"  # one run of placeholders per image (multimodal/processor.py)
 
     def __init__(self, cfg: ModelConfig, max_positions: int, tp=None) -> None:
         if tp is not None and tp.size > 1:

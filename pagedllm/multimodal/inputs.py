@@ -9,6 +9,7 @@ different images never share K/V and one image's blocks are found again on the n
 """
 from __future__ import annotations
 
+import bisect
 import hashlib
 from dataclasses import dataclass, field
 
@@ -19,12 +20,29 @@ import torch
 class ImageItem:
     hash: str  # the image's content hash (image_hash)
     offset: int  # its first placeholder token in the prompt
-    length: int  # its placeholder tokens: rows of its embeddings
+    length: int  # tokens from its first placeholder to its last (its span)
     pixels: dict[str, torch.Tensor]  # the processor's tensors of this image alone
+    # The span positions that are placeholders, in order, each taking the next embedding row;
+    # None: all of them. (An image split into tiles, Idefics3's, has text tokens between its
+    # tiles' runs: row and column markers.)
+    embed_pos: list[int] | None = None
 
     @property
     def end(self) -> int:
         return self.offset + self.length
+
+    @property
+    def num_embeds(self) -> int:
+        """Rows of its embeddings: the encoder's output for it."""
+        return self.length if self.embed_pos is None else len(self.embed_pos)
+
+    def rows(self, lo: int, hi: int) -> tuple[list[int] | None, int, int]:
+        """Span positions [lo, hi): (their placeholder positions relative to lo, or None when
+        all are; the first and end embedding row they take)."""
+        if self.embed_pos is None:
+            return None, lo, hi
+        k0, k1 = bisect.bisect_left(self.embed_pos, lo), bisect.bisect_left(self.embed_pos, hi)
+        return [p - lo for p in self.embed_pos[k0:k1]], k0, k1
 
 
 @dataclass(eq=False)

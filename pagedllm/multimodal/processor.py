@@ -22,7 +22,13 @@ _TEXT_KEYS = {"input_ids", "attention_mask", "token_type_ids", "mm_token_type_id
 
 
 class ImageProcessor:
-    def __init__(self, folder: Path, image_token_id: int, bidirectional: bool, max_images: int) -> None:
+    """`layout`: how the family's processor lays an image out (see `_items`): "runs" (one run of
+    placeholders per image, its tensors' first dimension one entry per image: Gemma 3) or
+    "tiles" (Idefics3: an image is tiles, one run each, the last after a global-image token;
+    its tensors [1, tiles, ...])."""
+
+    def __init__(self, folder: Path, image_token_id: int, bidirectional: bool, max_images: int,
+                 layout: str = "runs") -> None:
         try:
             from transformers import AutoProcessor
         except ImportError:
@@ -34,6 +40,9 @@ class ImageProcessor:
         self.image_token_id = image_token_id
         self.bidirectional = bidirectional
         self.max_images = max_images
+        self.layout = layout
+        tok = self.hf.tokenizer
+        self.global_image_id = tok.convert_tokens_to_ids("<global-img>") if layout == "tiles" else None
         # What a prompt writes where an image goes (the processor expands it).
         self.marker = getattr(self.hf, "boi_token", None) or getattr(self.hf, "image_token", None)
 
@@ -56,14 +65,37 @@ class ImageProcessor:
         except ValueError as e:
             raise ValueError(f"the model's processor refused the prompt and images: {e}") from None
         ids = out["input_ids"][0].tolist()
-        runs = _runs(ids, self.image_token_id)
-        if len(runs) != len(images):
-            raise ValueError(f"the prompt has {len(runs)} image places after processing but {len(images)} images "
-                             f"were given; write one {self.marker!r} per image")
         tensors = {k: v for k, v in out.items() if k not in _TEXT_KEYS and hasattr(v, "shape")}
-        items = [ImageItem(image_hash(im), a, b - a, {k: v[i:i + 1] for k, v in tensors.items()})
-                 for i, (im, (a, b)) in enumerate(zip(images, runs))]
+        items = self._items(ids, images, tensors)
         return MultiModalInput(ids, items, prompt, self.bidirectional)
+
+    def _items(self, ids: list[int], images: list, tensors: dict) -> list[ImageItem]:
+        runs = _runs(ids, self.image_token_id)
+        if self.layout == "runs":
+            groups = [[r] for r in runs]
+        else:  # tiles: an image's runs end with the one after its global-image token
+            groups, cur = [], []
+            for a, b in runs:
+                cur.append((a, b))
+                if a > 0 and ids[a - 1] == self.global_image_id:
+                    groups.append(cur)
+                    cur = []
+            if cur:
+                groups.append(cur)
+        if len(groups) != len(images):
+            raise ValueError(f"the prompt has {len(groups)} image places after processing but {len(images)} "
+                             f"images were given; write one {self.marker!r} per image")
+        items, tile = [], 0
+        for i, (im, g) in enumerate(zip(images, groups)):
+            a, b = g[0][0], g[-1][1]
+            if self.layout == "runs":
+                pixels, pos = {k: v[i:i + 1] for k, v in tensors.items()}, None
+            else:
+                pixels = {k: v[:, tile:tile + len(g)] for k, v in tensors.items()}
+                pos = [p - a for r0, r1 in g for p in range(r0, r1)]
+                tile += len(g)
+            items.append(ImageItem(image_hash(im), a, b - a, pixels, pos))
+        return items
 
     def chat(self, messages: list[dict], add_generation_prompt: bool = True,
              policy: MediaPolicy | None = None, **template_kwargs) -> MultiModalInput:
