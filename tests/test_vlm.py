@@ -211,3 +211,33 @@ def test_refusals(vlm, smollm2_gguf_path):
     text = LLM(str(smollm2_gguf_path), kv_cache_memory_mb=16)
     with pytest.raises(ValueError, match="text-only"):
         text.generate({"prompt": "hi", "multi_modal_data": {"image": images[0]}}, use_tqdm=False)
+
+
+def test_cli_chat_image_command(vlm, tmp_path):
+    """`pagedllm chat`'s /image PATH attaches a picture to the next message: the answer is the
+    offline chat's for the same image and words; a second message still sees the image."""
+    import io
+
+    from pagedllm.cli.chat import ChatSession
+
+    family, path, _, _, images, _, _, _ = vlm
+    if family != "gemma3":
+        pytest.skip("one family is enough for the terminal's command")
+    images[1].save(tmp_path / "pic.png")
+    llm = LLM(str(path), dtype="float32", kv_cache_memory_mb=16)
+    script = (f"/temperature 0\n/max_tokens {NEW}\n/image {tmp_path / 'nope.png'}\n/image {tmp_path / 'pic.png'}\n"
+              "What is this?\nAnd again?\n")
+    out = io.StringIO()
+    ChatSession(llm, out=out, inp=io.StringIO(script)).run()
+    text = out.getvalue()
+    assert "is not a file" in text and "image attached (50x130)" in text
+    from PIL import Image as PILImage
+
+    pic = PILImage.open(tmp_path / "pic.png")
+    sp = SamplingParams(max_tokens=NEW, temperature=0.0)
+    msgs = [{"role": "user", "content": [{"type": "image", "image": pic}, {"type": "text", "text": "What is this?"}]}]
+    first = llm.chat(msgs, sp, use_tqdm=False).outputs[0].text
+    msgs += [{"role": "assistant", "content": first}, {"role": "user", "content": "And again?"}]
+    second = llm.chat(msgs, sp, use_tqdm=False).outputs[0].text
+    assert f">>> {first}\n" in text and f">>> {second}\n" in text
+    _clean(llm)

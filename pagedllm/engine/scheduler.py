@@ -31,7 +31,7 @@ class ScheduledSeq:
     scores: bool = False
     # A chunk with image placeholder tokens: the images it holds tokens of (the runner puts their
     # embeddings in, encoding those not cached). Empty for every other chunk.
-    images: list = field(default_factory=list)
+    images: list | tuple = ()
 
     @property
     def samples(self) -> bool:
@@ -118,6 +118,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         self._encoding: set[str] = set()  # images this step encodes (charged once)
         self._enc_left = self.encoder_budget
+        vision = self.encoder_cache is not None  # a text-only model never looks at seq.mm
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -125,7 +126,7 @@ class Scheduler:
             spec = self._spec_fits(seq, budget)
             n = 1 + len(spec) if spec else _chunk(seq, budget)
             images = None
-            if seq.mm is not None and not spec:
+            if vision and seq.mm is not None and not spec:
                 n, images = self._image_chunk(seq, n)
                 if n == 0:  # its next image does not fit this step: it waits, keeping its blocks
                     i += 1
@@ -155,7 +156,7 @@ class Scheduler:
                     self.bm.match_prefix(seq)
                 n = _chunk(seq, budget)
                 images = None
-                if seq.mm is not None:
+                if vision and seq.mm is not None:
                     n, images = self._image_chunk(seq, n)
                 self.release_window(seq)
                 if n == 0 or not self.bm.can_grow(seq, seq.num_computed_tokens + n):
