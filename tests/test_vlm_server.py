@@ -147,3 +147,53 @@ def test_image_to_a_text_only_model_is_400(tmp_path_factory, hf_smollm2_tokenize
         wait_idle(srv.get())
     finally:
         gen.close()
+
+
+def test_chat_page_attaches_an_image(server, setup, tmp_path):
+    """The chat page at GET / in headless Chromium: a picture attached with the file input goes
+    with the question as an image_url part, shows in the conversation, and the answer is the
+    offline LLM's for the same image and words."""
+    import shutil
+
+    webdriver = pytest.importorskip("selenium.webdriver")
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    if not (chromium and shutil.which("chromedriver")):
+        pytest.skip("Debian's chromium and chromium-driver are not installed (make setup installs them)")
+    from selenium.webdriver.chrome.service import Service
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+
+    _, _, _, images, _, want = setup
+    pic = tmp_path / "pic.png"
+    pic.write_bytes(_png(images[0]))
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = chromium
+    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"):
+        opts.add_argument(arg)
+    drv = webdriver.Chrome(service=Service(shutil.which("chromedriver")), options=opts)
+    try:
+        drv.get(server.get().url + "/")
+        find = lambda css: drv.find_element(By.CSS_SELECTOR, css)  # noqa: E731
+        for css, value in (("#temperature", "0"), ("#max_tokens", str(MAX_TOKENS))):
+            find(css).clear()
+            find(css).send_keys(value)
+        find("#image").send_keys(str(pic))
+        t0 = time.time()
+        while not drv.find_elements(By.CSS_SELECTOR, "#preview img") and time.time() - t0 < 30:
+            time.sleep(0.1)
+        find("#input").send_keys(QUESTION, Keys.ENTER)
+        t0 = time.time()
+        while time.time() - t0 < 240:
+            done = drv.find_elements(By.CSS_SELECTOR, ".msg.assistant[data-done]")
+            if done:
+                break
+            time.sleep(0.2)
+        assert done and done[0].get_attribute("data-done") == "finished", find("#error").text
+        assert drv.find_elements(By.CSS_SELECTOR, ".msg.user img")  # the picture is in the conversation
+        assert not drv.find_elements(By.CSS_SELECTOR, "#preview img")  # and no longer attached
+        sent, answer = drv.execute_script("return history")
+        assert sent["content"][0]["type"] == "image_url" and sent["content"][1]["text"] == QUESTION
+        assert answer["content"] == want[0]
+    finally:
+        drv.quit()
+    wait_idle(server.get())
