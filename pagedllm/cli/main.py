@@ -246,6 +246,8 @@ BENCHES = {
     "speculative": "n-gram (and --draft MODEL) speculative decoding against plain decoding: code editing, chat, 32 concurrent",
     "soak": "a served model under streaming load, then idle: resident memory at start, peak and at idle",
     "lora": "LoRA adapters against the base model: 32 concurrent over 4 adapters, and batch 1 decode",
+    "vision": "a vision-language model's time to first token for a one-image question, and its encoder share, "
+              "against transformers; then a second turn on the same image",
 }
 
 
