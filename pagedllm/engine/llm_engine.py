@@ -318,6 +318,11 @@ class LLMEngine:
             raise ValueError(f"chunk_size must be a positive integer (tokens per step) or None, "
                              f"got {max_chunk!r}")
         prompt = token_ids if isinstance(token_ids, MultiModalInput) else list(token_ids)
+        if isinstance(prompt, MultiModalInput) and prompt.bidirectional and max_chunk is not None:
+            longest = max((im.length for im in prompt.images), default=0)
+            if max_chunk < longest:
+                raise ValueError(f"chunk_size={max_chunk} is shorter than an image ({longest} tokens), which "
+                                 "this model must prefill in one chunk; use chunk_size >= that, or None")
         rid = self.add_request(prompt, SamplingParams(max_tokens=0, prompt_logprobs=0), lora_request=lora_request)
         seq = self.requests[rid].seqs[0]
         seq.score_kind, seq.max_chunk = keep, max_chunk
