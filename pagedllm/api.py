@@ -150,6 +150,9 @@ class EngineOptions:
     enable_lora: bool = False  # requests may name LoRA adapters (pagedllm/lora)
     max_loras: int | None = None  # adapters held in memory at once (default 1)
     max_lora_rank: int | None = None  # the highest adapter rank accepted (default 16)
+    allowed_local_media_path: str | None = None  # images may be read from files under this folder
+    limit_mm_per_prompt: int | None = None  # images a prompt may hold (default 8)
+    media_fetch_timeout: float | None = None  # seconds an image URL's fetch may take (default 10)
 
     @classmethod
     def from_which(cls, which: Which.Plain | Which.GGUF, **kw: Any) -> "EngineOptions":
@@ -180,7 +183,10 @@ class EngineOptions:
                     "kv_cache_dtype": self.pa_cache_type, "max_num_seqs": self.max_seqs,
                     "max_model_len": self.max_model_len,
                     "max_num_batched_tokens": self.max_num_batched_tokens, "seed": self.seed,
-                    "tensor_parallel_size": self.tensor_parallel_size, "task": self.task}
+                    "tensor_parallel_size": self.tensor_parallel_size, "task": self.task,
+                    "allowed_local_media_path": self.allowed_local_media_path,
+                    "limit_mm_per_prompt": self.limit_mm_per_prompt,
+                    "media_fetch_timeout": self.media_fetch_timeout}
         kw.update({k: v for k, v in optional.items() if v is not None})
         if self.isq:
             from .quant.isq import check_isq_type

@@ -62,6 +62,9 @@ class ModelConfig:
     moe_layers: list[bool] = field(default_factory=list)
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE's always-on expert (0: none)
     clip_qkv: float | None = None  # OLMoE: q, k and v clamped to [-clip, clip]
+    # A vision-language model (pagedllm/multimodal): the whole config.json, whose text_config
+    # the fields above were read from; None for a text-only model.
+    vision: dict | None = None
 
     @property
     def all_layers_sliding(self) -> bool:
@@ -74,6 +77,17 @@ class ModelConfig:
             raise ValueError(
                 "config.json has no 'architectures' entry; cannot tell which model family to build"
             )
+        if isinstance(d.get("text_config"), dict) and isinstance(d.get("vision_config"), dict):
+            # A vision-language model: its language model's config, under the VLM's architecture.
+            # Top-level values the text config lacks (or that override it: tie_word_embeddings)
+            # come along.
+            text = {**{k: d[k] for k in ("eos_token_id", "bos_token_id") if k in d}, **d["text_config"],
+                    "architectures": archs}
+            if "tie_word_embeddings" in d:
+                text["tie_word_embeddings"] = d["tie_word_embeddings"]
+            cfg = cls.from_hf_dict(text)
+            cfg.vision = d
+            return cfg
         n_heads = int(d["num_attention_heads"])
         hidden = int(d["hidden_size"])
         n_layers = int(d["num_hidden_layers"])
@@ -245,6 +259,16 @@ class SchedulerConfig:
     max_model_len: int = 4096
     # LoRA: at most this many distinct adapters among the running sequences (their slots); 0: off.
     max_loras: int = 0
+    # Vision-language models: image tokens the step may encode (None: max_num_batched_tokens, as
+    # vLLM's max_num_encoder_input_tokens), image embedding rows the encoder cache holds, and
+    # images one prompt may have (vLLM's limit_mm_per_prompt).
+    max_num_encoder_tokens: int | None = None
+    encoder_cache_tokens: int = 16384
+    limit_images: int = 8
+
+    @property
+    def encoder_budget(self) -> int:
+        return self.max_num_encoder_tokens or self.max_num_batched_tokens
 
     def validate(self) -> None:
         if self.max_num_seqs < 1:

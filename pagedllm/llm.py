@@ -128,7 +128,9 @@ class LLM:
                  prefix_cache_n: int = 16, dequantize_weights: bool = False,
                  isq: str | None = None, tensor_parallel_size: int = 1,
                  speculative: dict | None = None, task: str = "auto", keep_float_head: bool = False,
-                 enable_lora: bool = False, max_loras: int = 1, max_lora_rank: int = 16) -> None:
+                 enable_lora: bool = False, max_loras: int = 1, max_lora_rank: int = 16,
+                 limit_mm_per_prompt: int = 8, allowed_local_media_path: str | None = None,
+                 max_num_encoder_tokens: int | None = None, media_fetch_timeout: float = 10.0) -> None:
         """`tensor_parallel_size=N` splits the model over N ranks (pagedllm/distributed): on one
         machine the engine starts N - 1 worker processes and splits the cores among the ranks;
         under torchrun the N ranks are torchrun's. Call `shutdown()` (or use `with LLM(...)`)
@@ -139,7 +141,16 @@ class LLM:
         embedding) stays float; by default it is quantized to Q8_0 at load (loading/loader.py).
         `enable_lora`: requests may name a LoRA adapter (`generate(..., lora_request=...)`); up to
         `max_loras` adapters of rank <= `max_lora_rank` are held in memory, others read from disk
-        when needed (pagedllm/lora)."""
+        when needed (pagedllm/lora).
+        Vision-language models (pagedllm/multimodal): `limit_mm_per_prompt` images a prompt at
+        most, local image paths read only under `allowed_local_media_path`, and
+        `max_num_encoder_tokens` image tokens encoded a step at most (None: max_num_batched_tokens);
+        an image URL's fetch takes at most `media_fetch_timeout` seconds."""
+        from .multimodal.media import MediaPolicy
+
+        self.media_policy = MediaPolicy(allowed_local_dir=allowed_local_media_path, timeout_s=media_fetch_timeout)
+        self._mm_limits = (limit_mm_per_prompt, max_num_encoder_tokens)
+        self.processor = None
         if enable_lora:
             for name, v in (("max_loras", max_loras), ("max_lora_rank", max_lora_rank)):
                 if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -206,7 +217,8 @@ class LLM:
         sched_cfg = SchedulerConfig(
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens or max(1024, max_num_seqs),
-            max_model_len=max_model_len, max_loras=self._lora[0] if self._lora else 0)
+            max_model_len=max_model_len, max_loras=self._lora[0] if self._lora else 0,
+            limit_images=self._mm_limits[0], max_num_encoder_tokens=self._mm_limits[1])
         if loaded.model.rope.cos.shape[0] < max_model_len:
             raise ValueError("internal: rope table shorter than max_model_len")
         draft = None
@@ -217,6 +229,33 @@ class LLM:
         self.driver = EngineDriver(self.engine)  # every face drives the engine through it
         self.tokenizer = loaded.tokenizer
         self.model_name = source.short_name
+        if hasattr(loaded.model, "encode_images"):
+            from .multimodal.processor import ImageProcessor
+
+            self.processor = ImageProcessor(source.path, loaded.model.image_token_id,
+                                            loaded.model.bidirectional_images, sched_cfg.limit_images,
+                                            loaded.model.image_layout)
+
+    def _prompt(self, p):
+        """A prompt as the engine takes it: text or ids as they are; {"prompt": text,
+        "multi_modal_data": {"image": PIL image or list}} through the model's processor."""
+        if not isinstance(p, dict):
+            return p
+        if "prompt" not in p:
+            raise ValueError("a dict prompt needs 'prompt' (the text) and optionally 'multi_modal_data'")
+        data = p.get("multi_modal_data") or {}
+        unknown = set(data) - {"image"}
+        if unknown:
+            raise ValueError(f"multi_modal_data {sorted(unknown)} is not supported; this engine takes 'image'")
+        images = data.get("image", [])
+        images = list(images) if isinstance(images, (list, tuple)) else [images]
+        if not images:
+            return p["prompt"]
+        if self.processor is None:
+            raise ValueError(f"model {self.model_name!r} is text-only; it takes no images")
+        from .multimodal.media import load_image
+
+        return self.processor.process(p["prompt"], [load_image(im, self.media_policy) for im in images])
 
     def embed(self, inputs: Prompt | Seq[Prompt], prompt_name: str | None = None) -> list[list[float]]:
         """Embeddings (an embedding model, task="embed"): one vector per text or token-id list,
@@ -273,8 +312,8 @@ class LLM:
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool = True, lora_request=None) -> list[RequestOutput]:
         """`lora_request`: a LoRARequest for every prompt, or a list of one (or None) per prompt."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
-                                        and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
+                                                and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
@@ -289,6 +328,7 @@ class LLM:
             loras = list(lora_request)
             if len(loras) != len(prompts):
                 raise ValueError(f"{len(prompts)} prompts but {len(loras)} LoRA requests")
+        prompts = [self._prompt(p) for p in prompts]
         ids = self.driver.add([(None, p, sp, lr) for p, sp, lr in zip(prompts, params_list, loras)])
         # disable=None: a bar only when stderr is a terminal, never in logs or pipes.
         bar = tqdm(total=len(ids), desc="generating", unit="req", disable=None if use_tqdm else True)
@@ -302,9 +342,13 @@ class LLM:
              add_generation_prompt: bool = True, **template_kwargs) -> RequestOutput | list[RequestOutput]:
         single = bool(messages) and isinstance(messages[0], dict)
         convs = [messages] if single else messages
-        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt,
-                                                      tokenize=True, **template_kwargs)
-                   for c in convs]
+        if self.processor is not None:  # content parts may hold images: the processor's template
+            prompts = [self.processor.chat(c, add_generation_prompt, self.media_policy, **template_kwargs)
+                       for c in convs]
+        else:
+            prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt,
+                                                          tokenize=True, **template_kwargs)
+                       for c in convs]
         outs = self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
         return outs[0] if single else outs
 

@@ -116,3 +116,100 @@ def reference_family(family: str, out: Path, tokenizer, prompt_lens: list[int], 
         want = [ref.generate(torch.tensor([p]), max_new_tokens=new_tokens, do_sample=False,
                              eos_token_id=None, pad_token_id=0)[0, len(p):].tolist() for p in prompts]
     return path, ref, prompts, want
+
+
+# A chat template in Gemma 3's turn format whose content parts may hold images: it writes the
+# processor's image marker where an image part is, as the real one does (the test tokenizer is
+# SmolLM2's, whose own template takes text only).
+VLM_CHAT_TEMPLATE = (
+    "{% for m in messages %}<start_of_turn>{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for p in m['content'] %}"
+    "{% if p['type'] == 'image' %}MARK{% elif p['type'] == 'text' %}{{ p['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<end_of_turn>\n{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+# Each family's image marker in a prompt (what its processor expands).
+VLM_MARKER = {"gemma3": "<start_of_image>", "idefics3": "<image>"}
+
+
+def build_vlm_checkpoint(family: str, out: Path, tokenizer, seed: int = 0) -> Path:
+    """A small random float32 vision-language model of `family` saved as a user's folder: the
+    weights, config.json, and the processor (transformers' image processor and `tokenizer` with
+    the family's image tokens added), so AutoProcessor reads it back as it reads the real one."""
+    import transformers as tf
+
+    if family == "idefics3":
+        return _build_idefics3(out, tokenizer, seed)
+    if family != "gemma3":
+        raise ValueError(family)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer.save_pretrained(out / "_tok")
+    marks = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}
+    tok = tf.AutoTokenizer.from_pretrained(out / "_tok", extra_special_tokens=marks)
+    tok.add_special_tokens({"additional_special_tokens": list(marks.values())})
+    tok = tf.AutoTokenizer.from_pretrained(_resave(tok, out / "_tok"), extra_special_tokens=marks)
+    proc = tf.Gemma3Processor(image_processor=tf.Gemma3ImageProcessor(size={"height": 112, "width": 112}),
+                              tokenizer=tok, image_seq_length=16,
+                              chat_template=VLM_CHAT_TEMPLATE.replace("MARK", VLM_MARKER["gemma3"]))
+    proc.save_pretrained(out)
+    ids = {k: tok.convert_tokens_to_ids(v) for k, v in marks.items()}
+    text = dict(vocab_size=len(tok), hidden_size=96, intermediate_size=160, num_hidden_layers=4,
+                num_attention_heads=6, num_key_value_heads=3, head_dim=16, query_pre_attn_scalar=20,
+                sliding_window=48, max_position_embeddings=1024, rms_norm_eps=1e-5, initializer_range=0.15,
+                bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+                rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
+                                 "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
+    # 112 px at 14 px patches: 8 x 8 patches, pooled 2 x 2 into 16 image tokens.
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                  image_size=112, patch_size=14)
+    cfg = tf.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=16,
+                          boi_token_index=ids["boi_token"], eoi_token_index=ids["eoi_token"],
+                          image_token_index=ids["image_token"], initializer_range=0.15)
+    torch.manual_seed(seed)
+    model = tf.Gemma3ForConditionalGeneration(cfg).eval()
+    with torch.no_grad():  # random norms and a projector of some size, so a misread one shows
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") and "vision_tower" not in name:
+                p.normal_(0, 0.3)
+            elif name.endswith("mm_input_projection_weight"):
+                p.normal_(0, 0.3)
+    model.save_pretrained(out)
+    return out
+
+
+def _resave(tok, path: Path) -> Path:
+    tok.save_pretrained(path)
+    return path
+
+
+def _build_idefics3(out: Path, tokenizer, seed: int) -> Path:
+    """SmolVLM's shape, small: a Llama language model, 112 px tiles of 14 px patches (64 patches,
+    pixel-shuffled by 2 into 16 tokens a tile), images up to 224 px split into 2 x 2 tiles and
+    a global one."""
+    import transformers as tf
+
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer.save_pretrained(out / "_tok")
+    tok = tf.AutoTokenizer.from_pretrained(out / "_tok")
+    tok.add_special_tokens({"additional_special_tokens": ["<fake_token_around_image>", "<image>",
+                                                          "<end_of_utterance>", "<global-img>"]})
+    tok = tf.AutoTokenizer.from_pretrained(_resave(tok, out / "_tok"))
+    ip = tf.Idefics3ImageProcessor(size={"longest_edge": 224}, max_image_size={"longest_edge": 112})
+    proc = tf.Idefics3Processor(image_processor=ip, tokenizer=tok, image_seq_len=16,
+                                chat_template=VLM_CHAT_TEMPLATE.replace("MARK", VLM_MARKER["idefics3"]))
+    proc.save_pretrained(out)
+    text = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=160, num_hidden_layers=3,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, rms_norm_eps=1e-5,
+                initializer_range=0.15, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                  image_size=112, patch_size=14, initializer_range=0.15)
+    cfg = tf.Idefics3Config(text_config=text, vision_config=vision, scale_factor=2,
+                            image_token_id=tok.convert_tokens_to_ids("<image>"), tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = tf.Idefics3ForConditionalGeneration(cfg).eval()
+    with torch.no_grad():  # a connector of some size, so a misread one shows
+        for name, p in model.named_parameters():
+            if "connector" in name:
+                p.normal_(0, 0.3)
+    model.save_pretrained(out)
+    return out

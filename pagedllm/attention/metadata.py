@@ -29,6 +29,9 @@ class AttentionMetadata:
     # KV groups after the first (kv/groups.py): the same batch with their slot mappings and
     # block tables.
     groups: list["AttentionMetadata"] = field(default_factory=list)
+    # Bidirectional image attention (Gemma 3): per prefill sequence index, the [start, end)
+    # positions of the images among its queries; their tokens attend to their whole image.
+    image_spans: dict[int, list[tuple[int, int]]] | None = None
     # Masks and slot ids are shared by every layer: built once, on first use.
     _mask_cache: dict = field(default_factory=dict, repr=False)
 
@@ -59,8 +62,16 @@ class AttentionMetadata:
         key = ("prefill", i, window)
         if key not in self._mask_cache:
             n = self.query_start_loc[i + 1] - self.query_start_loc[i]
-            self._mask_cache[key] = causal_mask(n, self.context_lens[i], window, device)
+            spans = self.image_spans.get(i) if self.image_spans else None
+            if spans:
+                self._mask_cache[key] = image_mask(n, self.context_lens[i], window, spans, device)
+            else:
+                self._mask_cache[key] = causal_mask(n, self.context_lens[i], window, device)
         return self._mask_cache[key]
+
+    def has_image_mask(self, i: int) -> bool:
+        """Sequence i's prefill attends bidirectionally over image tokens (no native kernel)."""
+        return bool(self.image_spans and self.image_spans.get(i))
 
     @property
     def max_decode_len(self) -> int:
@@ -122,6 +133,21 @@ def causal_mask(q_len: int, ctx_len: int, window: int | None, device,
     q_pos = torch.arange(ctx_len - q_len, ctx_len, device=device)[:, None]
     k_pos = torch.arange(ctx_len, device=device)[None, :]
     m = k_pos <= q_pos
+    if window is not None:
+        m &= k_pos > q_pos - window
+    return m
+
+
+def image_mask(q_len: int, ctx_len: int, window: int | None, spans: list[tuple[int, int]],
+               device) -> torch.Tensor:
+    """`causal_mask` where each image's tokens also see every token of their image, as
+    transformers' Gemma 3 mask with token_type_ids does: (causal OR same image), then AND the
+    sliding window (key > query - window) on sliding layers."""
+    q_pos = torch.arange(ctx_len - q_len, ctx_len, device=device)[:, None]
+    k_pos = torch.arange(ctx_len, device=device)[None, :]
+    m = k_pos <= q_pos
+    for a, b in spans:
+        m |= (q_pos >= a) & (q_pos < b) & (k_pos >= a) & (k_pos < b)
     if window is not None:
         m &= k_pos > q_pos - window
     return m

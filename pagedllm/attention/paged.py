@@ -151,7 +151,8 @@ class PagedAttentionLayer:
                  meta: AttentionMetadata, i: int) -> torch.Tensor:
         n = q.shape[0]
         ctx_len = meta.context_lens[i]
-        if self.native is not None and native_prefill(self.native, q.dtype, self.kv.dtype, q.shape[-1]):
+        if (self.native is not None and native_prefill(self.native, q.dtype, self.kv.dtype, q.shape[-1])
+                and not meta.has_image_mask(i)):
             # The chunk's keys are in the cache already (written above): read in place, prefix too.
             return self.native.paged_prefill(q, self.kv.k, self.kv.v, meta.block_tables[i], ctx_len, self.scale,
                                              self.window or 0)

@@ -19,6 +19,8 @@ HELP = """commands:
   /help                 this help
   /system MESSAGE       set the system message (and start over)
   /clear                forget the conversation (keeps the system message)
+  /image PATH           attach an image (a file, or an http(s) URL) to your next message
+                        (vision-language models)
   /trace                KV cache figures: blocks used and free, preemptions
   /settings             show the sampling settings
   /stats                toggle token counts and speed after each answer
@@ -108,6 +110,7 @@ class ChatSession:
         self.system = system
         self.messages: list[dict] = []
         self.show_stats = False
+        self.images: list = []  # attached with /image, sent with the next message
         self.out, self.inp = out, inp
         self._interactive = inp.isatty()
 
@@ -168,7 +171,10 @@ class ChatSession:
                 self.say("system message set; conversation cleared")
         elif name == "clear":
             self.messages.clear()
+            self.images.clear()
             self.say("conversation cleared")
+        elif name == "image":
+            self.attach(arg)
         elif name == "trace":
             self.say(kv_report(self.llm))
         elif name == "settings":
@@ -191,21 +197,51 @@ class ChatSession:
             self.say(f"unknown command /{name}; /help lists them")
         return True
 
+    def attach(self, path: str) -> None:
+        """/image PATH: read the image now (so a bad file is said at once), send it with the next message."""
+        if not path:
+            self.say("usage: /image PATH (a picture file, or an http(s) URL)")
+            return
+        if getattr(self.llm, "processor", None) is None:
+            self.say(f"error: {self.llm.model_name} is text-only; it takes no images")
+            return
+        from pathlib import Path
+
+        from ..multimodal.media import MediaPolicy, load_image
+
+        # The terminal's user reads their own files: any local path (the server keeps its limit).
+        policy = MediaPolicy(allowed_local_dir=Path("/"), timeout_s=self.llm.media_policy.timeout_s)
+        try:
+            self.images.append(load_image(path, policy))
+        except ValueError as e:
+            self.say(f"error: {e}")
+            return
+        self.say(f"image attached ({self.images[-1].size[0]}x{self.images[-1].size[1]}); "
+                 "it goes with your next message")
+
     # -- one exchange -------------------------------------------------------------------------
     def conversation(self) -> list[dict]:
         head = [{"role": "system", "content": self.system}] if self.system else []
         return head + self.messages
 
     def turn(self, text: str) -> None:
-        self.messages.append({"role": "user", "content": text})
+        if self.images:
+            content = [*({"type": "image", "image": im} for im in self.images), {"type": "text", "text": text}]
+            self.messages.append({"role": "user", "content": content})
+        else:
+            self.messages.append({"role": "user", "content": text})
         eng, driver = self.llm.engine, self.llm.driver
         try:
-            ids = self.llm.tokenizer.apply_chat_template(self.conversation(), tokenize=True)
+            if getattr(self.llm, "processor", None) is not None:  # the model's processor writes image turns
+                ids = self.llm.processor.chat(self.conversation())
+            else:
+                ids = self.llm.tokenizer.apply_chat_template(self.conversation(), tokenize=True)
             [rid] = driver.add([(None, ids, self.settings.sampling_params())])
         except ValueError as e:
             self.messages.pop()
             self.say(f"error: {e}\n(/clear starts a new conversation)")
             return
+        self.images = []
         final, parts = None, []
         try:
             for out in driver.outputs([rid]):

@@ -146,6 +146,13 @@ def _engine_flags(p: argparse.ArgumentParser, top: bool) -> None:
                         "disk when a request needs them (default 1)")
     g.add_argument("--max-lora-rank", type=int, metavar="R", default=d(None),
                    help="with --enable-lora: the highest adapter rank accepted (default 16)")
+    g.add_argument("--allowed-local-media-path", metavar="DIR", default=d(None),
+                   help="vision-language models: images may be read from local files under DIR "
+                        "(image_url parts with a path or file:// URL); default: none")
+    g.add_argument("--limit-mm-per-prompt", type=int, metavar="N", default=d(None),
+                   help="vision-language models: images one prompt may hold (default 8)")
+    g.add_argument("--media-fetch-timeout", type=float, metavar="S", default=d(None),
+                   help="vision-language models: seconds an image URL's fetch may take (default 10)")
     g.add_argument("--chat-template", metavar="FILE", default=d(None),
                    help="chat template (.jinja, or JSON with a chat_template key) to use instead "
                         "of the model's")
@@ -240,6 +247,8 @@ BENCHES = {
     "speculative": "n-gram (and --draft MODEL) speculative decoding against plain decoding: code editing, chat, 32 concurrent",
     "soak": "a served model under streaming load, then idle: resident memory at start, peak and at idle",
     "lora": "LoRA adapters against the base model: 32 concurrent over 4 adapters, and batch 1 decode",
+    "vision": "a vision-language model's time to first token for a one-image question, and its encoder share, "
+              "against transformers; then a second turn on the same image",
 }
 
 
@@ -383,7 +392,9 @@ def engine_options(args: argparse.Namespace, model: str | None = None) -> Engine
         chat_template=args.chat_template, tensor_parallel_size=args.tensor_parallel_size,
         speculative_ngram=args.speculative_ngram, speculative_draft=args.speculative_draft,
         speculative_tokens=args.speculative_tokens, task=args.task,
-        enable_lora=bool(args.enable_lora), max_loras=args.max_loras, max_lora_rank=args.max_lora_rank)
+        enable_lora=bool(args.enable_lora), max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
+        allowed_local_media_path=args.allowed_local_media_path, limit_mm_per_prompt=args.limit_mm_per_prompt,
+        media_fetch_timeout=args.media_fetch_timeout)
 
 
 def _model_of(args: argparse.Namespace) -> str:

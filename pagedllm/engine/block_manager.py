@@ -333,7 +333,8 @@ class BlockManager:
                 i = len(hashes)
                 parent = hashes[-1] if hashes else root_of(seq)
                 tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
-                h = block_hash(parent, tokens, self._extra(g, extra))
+                h = block_hash(parent, tokens, self._extra(g, extra if seq.mm is None else
+                                                           _with_images(extra, seq.mm.block_key(i, bs))))
                 hashes.append(h)
                 bid = table[i]
                 if bid == NULL_BLOCK or self.blocks[bid].hash is not None:
@@ -365,7 +366,7 @@ class BlockManager:
         ids = seq.token_ids
         limit = len(ids) - 1
         root = root_of(seq)
-        chains = [self._lookup_chain(ids, limit, g, extra, w, root) for g, w in enumerate(self.group_windows)]
+        chains = [self._lookup_chain(ids, limit, g, extra, w, root, seq.mm) for g, w in enumerate(self.group_windows)]
         n = self._common_match(chains)
         for (hashes, found), w, table, hash_list in zip(chains, self.group_windows, self.tables(seq),
                                                          self._hash_lists(seq)):
@@ -388,10 +389,10 @@ class BlockManager:
         self._last_match = (hit + copied, copied)
 
     def _lookup_chain(self, ids: list[int], limit: int, g: int, extra: object,
-                      window: int | None, root: int = ROOT_HASH) -> tuple[list[int], list[int | None]]:
+                      window: int | None, root: int = ROOT_HASH, mm=None) -> tuple[list[int], list[int | None]]:
         """The chained hashes of group g's full blocks of the prompt before `limit`, and the
         cached block holding each (None where none does); stops after the first miss unless
-        the window slides."""
+        the window slides. `mm`: a prompt's images, whose hashes key the blocks they are in."""
         bs = self.block_size
         key, gid = self._extra(g, extra), self.group_ids[g]
         hashes: list[int] = []
@@ -399,6 +400,8 @@ class BlockManager:
         parent, pos = root, 0
         while pos + bs <= limit:
             tokens = tuple(ids[pos:pos + bs])
+            if mm is not None:
+                key = self._extra(g, _with_images(extra, mm.block_key(pos // bs, bs)))
             h = block_hash(parent, tokens, key)
             bid = self.pool.cached(h, gid, parent, tokens)
             hashes.append(h)
@@ -440,6 +443,8 @@ class BlockManager:
         want = seq.token_ids[start:min(start + self.block_size, limit)]
         if not want or not self.token_exact:
             return 0
+        if seq.mm is not None and seq.mm.block_key(start // self.block_size, self.block_size) is not None:
+            return 0  # a partial block's tokens are matched without keys: never one with image tokens
         best, best_n = None, 0
         for bid in self.pool.children.get((self.group_ids[0], parent), ()):
             n = _common_prefix(self.blocks[bid].tokens, want)
@@ -488,6 +493,11 @@ def root_of(seq: Sequence) -> int:
     """The parent hash of a sequence's first block: the shared root for the base model, its
     adapter's own root under LoRA, so two adapters never share K/V while one adapter's requests do."""
     return ROOT_HASH if seq.lora is None else block_hash(ROOT_HASH, (), seq.lora.cache_key)
+
+
+def _with_images(extra: object, images: tuple[str, ...] | None) -> object:
+    """A block's extra key with the hashes of the images it holds tokens of (None: none)."""
+    return extra if images is None else (extra, images)
 
 
 def _common_prefix(a: tuple[int, ...], b: list[int]) -> int:

@@ -25,6 +25,7 @@ from ..kv.groups import KVGroups, blocks_held, plan_groups
 from ..kv.trace import committed_bytes
 from ..loading.loader import LoadedModel
 from ..lora.manager import LoRAManager
+from ..multimodal import EncoderCache, MultiModalInput
 from ..outputs import RequestMetrics, RequestOutput
 from ..sampling.params import SamplingParams
 from ..sampling.sampler import Sampler
@@ -129,6 +130,13 @@ class LLMEngine:
             self.lora = self.runner.lora = LoRAManager(self.model, sched_cfg.max_loras, max_lora_rank, dtype, device)
             logger.info("LoRA: %d adapter slots of rank <= %d over %d projections", sched_cfg.max_loras,
                         max_lora_rank, len(self.lora.layers))
+        # Vision-language models: image embeddings cached by content hash, encoded in the step
+        # within an encoder budget (pagedllm/multimodal).
+        self.encoder_cache = None
+        if hasattr(self.model, "encode_images"):
+            self.encoder_cache = EncoderCache(max(sched_cfg.encoder_cache_tokens, sched_cfg.encoder_budget))
+            self.runner.encoder_cache = self.scheduler.encoder_cache = self.encoder_cache
+            self.scheduler.encoder_budget = sched_cfg.encoder_budget
         if executor is not None:
             self.runner.driver = executor
             executor.finish_setup(self)
@@ -158,12 +166,17 @@ class LLMEngine:
         release_freed_memory()  # what loading freed, before the KV cache starts to fill
 
     # -- requests ---------------------------------------------------------
-    def add_request(self, prompt: str | list[int] | None, params: SamplingParams | None = None,
+    def add_request(self, prompt: str | list[int] | MultiModalInput | None, params: SamplingParams | None = None,
                     request_id: str | None = None, prompt_token_ids: list[int] | None = None,
                     lora_request=None) -> str:
-        """`lora_request`: a LoRARequest (pagedllm/lora) whose adapter this request runs with."""
+        """`lora_request`: a LoRARequest (pagedllm/lora) whose adapter this request runs with.
+        `prompt` may be a MultiModalInput (pagedllm/multimodal): token ids with images."""
         params = params or SamplingParams()
         params.validate()
+        mm = None
+        if isinstance(prompt, MultiModalInput):
+            mm = self._check_images(prompt)
+            prompt, prompt_token_ids = mm.prompt, mm.prompt_token_ids
         if lora_request is not None:
             if self.lora is None:
                 raise ValueError(f"request names LoRA adapter {lora_request.lora_name!r} but LoRA is not "
@@ -183,13 +196,18 @@ class LLMEngine:
             else:
                 prompt_token_ids = list(prompt)
         prompt_token_ids = self._check_prompt(prompt_token_ids, params)
+        if mm is None and self.encoder_cache is not None and self.model.image_token_id in prompt_token_ids:
+            raise ValueError(f"the prompt holds the image placeholder token ({self.model.image_token_id}) but no "
+                             "image; send images as image parts (or multi_modal_data), not as their tokens")
+        if mm is not None and not mm.images:
+            mm = None  # a prompt without images runs as text
         rid = self._new_request_id(request_id)
         matchers = (self.structured.matchers(params.structured, params.n) if params.structured
                     else [None] * params.n)
         seqs = []
         for i in range(params.n):
             seqs.append(Sequence(rid, prompt_token_ids, params, prompt=text, index=i, grammar=matchers[i],
-                                 lora=lora_request))
+                                 lora=lora_request, mm=mm))
         # n > 1: the prompt is computed once by the first sequence; the others fork from it
         # when it samples, sharing its blocks copy-on-write.
         seqs[0].fork_children = seqs[1:]
@@ -207,6 +225,24 @@ class LLMEngine:
             seqs[0].fork_children = []
         self.scheduler.add(seqs[0])
         return rid
+
+    def _check_images(self, mm: MultiModalInput) -> MultiModalInput:
+        """A prompt with images, checked against what this model and the scheduler can take."""
+        if self.encoder_cache is None:
+            raise ValueError(f"model {self.model_name!r} is text-only ({self.model_config.architecture}); "
+                             "it takes no images: send text, or serve a vision-language model")
+        cfg = self.sched_config
+        if len(mm.images) > cfg.limit_images:
+            raise ValueError(f"{len(mm.images)} images in one prompt but at most {cfg.limit_images} are allowed "
+                             "(limit_mm_per_prompt)")
+        for im in mm.images:
+            if im.num_embeds > cfg.encoder_budget:
+                raise ValueError(f"an image of {im.num_embeds} tokens does not fit the step's encoder budget of "
+                                 f"{cfg.encoder_budget} tokens; raise max_num_batched_tokens")
+            if mm.bidirectional and im.length > cfg.max_num_batched_tokens:
+                raise ValueError(f"an image of {im.length} tokens must be prefilled in one step, over "
+                                 f"max_num_batched_tokens={cfg.max_num_batched_tokens}; raise it")
+        return mm
 
     def _score_prompt(self, seq: Sequence, first: int, logits: torch.Tensor) -> None:
         """vLLM's prompt_logprobs, for the positions first.. of a scoring chunk: each next prompt
@@ -281,8 +317,13 @@ class LLMEngine:
         if max_chunk is not None and (not isinstance(max_chunk, int) or max_chunk < 1):
             raise ValueError(f"chunk_size must be a positive integer (tokens per step) or None, "
                              f"got {max_chunk!r}")
-        rid = self.add_request(list(token_ids), SamplingParams(max_tokens=0, prompt_logprobs=0),
-                               lora_request=lora_request)
+        prompt = token_ids if isinstance(token_ids, MultiModalInput) else list(token_ids)
+        if isinstance(prompt, MultiModalInput) and prompt.bidirectional and max_chunk is not None:
+            longest = max((im.length for im in prompt.images), default=0)
+            if max_chunk < longest:
+                raise ValueError(f"chunk_size={max_chunk} is shorter than an image ({longest} tokens), which "
+                                 "this model must prefill in one chunk; use chunk_size >= that, or None")
+        rid = self.add_request(prompt, SamplingParams(max_tokens=0, prompt_logprobs=0), lora_request=lora_request)
         seq = self.requests[rid].seqs[0]
         seq.score_kind, seq.max_chunk = keep, max_chunk
         seq.prompt_scores = [] if keep == "logits" else [None]
@@ -329,7 +370,7 @@ class LLMEngine:
                 raise RuntimeError("scheduler made no progress although requests are waiting")
             return []
         t0 = time.perf_counter()
-        out = self.runner.execute(sched.scheduled)
+        out = self.runner.execute(sched.scheduled, sched.has_images)
         if self.spec is not None and all(it.is_decode for it in sched.scheduled):
             self.spec.observe_step(sum(it.num_new_tokens for it in sched.scheduled), time.perf_counter() - t0)
         self.stats["steps"] += 1

@@ -5,6 +5,7 @@ batched call), then prefill chunks.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -47,6 +48,12 @@ class StepPlan:
     group_widths: list[int] = field(default_factory=list)
     # LoRA: each token's adapter slot (-1: the base model); None when no row has an adapter.
     lora_slots: np.ndarray | None = None
+    # Images (pagedllm/multimodal): (first row in the flat batch, image, first and end row of its
+    # embeddings) per slice of an image among the step's tokens; and, under bidirectional image
+    # attention, per prefill attention row the [start, end) positions of the images among its
+    # queries. Empty for text-only steps (vision-language models do not run under tensor parallelism).
+    images: list = field(default_factory=list)
+    image_spans: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
 
 
 @dataclass
@@ -78,12 +85,14 @@ class ModelRunner:
         self.structured = None  # a GrammarEngine, set by the engine
         self.driver = None  # under tensor parallelism: rank 0's TPExecutor, which sends each plan
         self.lora = None  # a LoRAManager (pagedllm/lora) when adapters are enabled, set by the engine
+        self.encoder_cache = None  # a vision-language model's EncoderCache (pagedllm/multimodal)
+        self.encoder_stats = {"images_encoded": 0, "encoder_s": 0.0}
         # Per-sequence rows kept between steps: block tables of every KV group (input_batch.py).
         self.batch = InputBatch(getattr(backend, "num_groups", 1))
         for i, attn in enumerate(model.attention_modules()):
             attn.attn = backend.layer(i, attn.window, attn.scale, attn.softcap)
 
-    def plan(self, batch: list[ScheduledSeq]) -> StepPlan:
+    def plan(self, batch: list[ScheduledSeq], images: bool = False) -> StepPlan:
         """The step's inputs (under tensor parallelism rank 0 sends them to the other ranks). A
         decode with speculative proposals becomes one decode row per query token (its last token,
         then each proposal), each over the same block table with the context up to itself: the
@@ -93,7 +102,7 @@ class ModelRunner:
         Python touches each sequence once (its token ids, and its row of the persistent batch,
         updated by what changed); positions, slots and block tables are array operations."""
         paged = self.backend.uses_block_tables
-        if all(it.num_new_tokens == 1 and not it.scores and it.seq.pooling is None for it in batch):
+        if not images and all(it.num_new_tokens == 1 and not it.scores and it.seq.pooling is None for it in batch):
             return self._plan_one_token_each(batch, paged)
         ids: list[int] = []
         seq_ids: list[int] = []  # one per attention row (a sequence, or a decode row)
@@ -103,6 +112,8 @@ class ModelRunner:
         num_decodes = 0  # attention rows of decodes (decode items come first)
         decode_items = 0
         prefill_ends: list[int] = []
+        image_rows: list = []
+        image_spans: dict[int, list[tuple[int, int]]] = {}
         row_of = self.batch.row
         t = 0  # tokens so far
         for item in batch:
@@ -131,6 +142,12 @@ class ModelRunner:
             else:
                 seq_ids.append(seq.seq_id)
                 prefill_ends.append(start + n)
+            if images and item.images:  # each image's slice among this chunk's tokens
+                for im in item.images:
+                    lo, hi = max(start, im.offset), min(start + n, im.end)
+                    image_rows.append((t + lo - start, im, lo - im.offset, hi - im.offset))
+                if seq.mm.bidirectional and not item.is_decode:
+                    image_spans[len(seq_ids) - 1] = seq.mm.spans(start, start + n)
             if item.scores:  # the positions that score the prompt, before the row it samples from
                 lo, hi = item.score_range()
                 logits_idx.extend(range(t + lo - start, t + hi - start))
@@ -151,7 +168,7 @@ class ModelRunner:
         for n in counts[decode_items:]:
             qsl.append(qsl[-1] + n)
         plan = StepPlan(ids, pos, qsl, ctx_lens, num_decodes, seq_ids, logits_rows=logits_idx,
-                        hidden_rows=hidden_idx)
+                        hidden_rows=hidden_idx, images=image_rows, image_spans=image_spans)
         if self.lora is not None:
             plan.lora_slots = self._lora_slots(batch, tok_items)
         if paged:
@@ -225,7 +242,8 @@ class ModelRunner:
 
     def tensors(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         meta = AttentionMetadata(num_decodes=plan.num_decodes, seq_ids=plan.seq_ids,
-                                 query_start_loc=plan.query_start_loc, context_lens=plan.context_lens)
+                                 query_start_loc=plan.query_start_loc, context_lens=plan.context_lens,
+                                 image_spans=plan.image_spans or None)
         if not self.backend.uses_block_tables:
             input_ids, positions = self.upload.ints([plan.ids, plan.pos])
             return input_ids, positions, meta
@@ -267,7 +285,8 @@ class ModelRunner:
 
     def _forward(self, plan: StepPlan) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         input_ids, positions, meta = self.tensors(plan)
-        hidden = self._run_model(plan, input_ids, positions, meta)
+        embeds = self._image_embeds(plan, input_ids) if plan.images else None
+        hidden = self._run_model(plan, input_ids, positions, meta, embeds)
         kept = None
         if plan.hidden_rows:
             kept = hidden.index_select(0, self.upload.ints([plan.hidden_rows])[0]).float()
@@ -278,13 +297,48 @@ class ModelRunner:
         idx = self.upload.ints([plan.logits_rows])[0]
         return self.model.compute_logits(hidden.index_select(0, idx)), kept
 
+    def _image_embeds(self, plan: StepPlan, input_ids: torch.Tensor) -> torch.Tensor:
+        """The step's input embeddings: the tokens', with each image's slice of embedding rows in
+        place of its placeholder tokens. Images the encoder cache lacks are encoded first, all
+        in one call of the vision tower (the scheduler kept them within the encoder budget)."""
+        cache, found, todo = self.encoder_cache, {}, {}
+        for _, im, _, _ in plan.images:
+            if im.hash in found or im.hash in todo:
+                continue
+            emb = cache.get(im.hash)
+            if emb is None:
+                todo[im.hash] = im
+            else:
+                found[im.hash] = emb
+        if todo:
+            t0 = time.perf_counter()
+            embs = self.model.encode_images([im.pixels for im in todo.values()])
+            for (h, im), emb in zip(todo.items(), embs):
+                if emb.shape[0] != im.num_embeds:
+                    raise RuntimeError(f"internal: the encoder gave {emb.shape[0]} rows for an image of "
+                                       f"{im.num_embeds} placeholder tokens")
+                cache.put(h, emb)
+                found[h] = emb
+            self.encoder_stats["images_encoded"] += len(todo)
+            self.encoder_stats["encoder_s"] += time.perf_counter() - t0
+        embeds = self.model.embed(input_ids)
+        for row, im, lo, hi in plan.images:
+            where, k0, k1 = im.rows(lo, hi)
+            emb = found[im.hash][k0:k1].to(embeds.dtype)
+            if where is None:
+                embeds[row:row + hi - lo] = emb
+            elif where:
+                embeds[torch.tensor(where, device=embeds.device) + row] = emb
+        return embeds
+
     @torch.inference_mode()
-    def execute(self, batch: list[ScheduledSeq]) -> RunnerOutput | None:
+    def execute(self, batch: list[ScheduledSeq], images: bool = False) -> RunnerOutput | None:
         """Run one step; returns the sequences whose chunk reached their end and their tokens,
-        and the logits of the prompt positions that scoring chunks keep (None: no logits)."""
+        and the logits of the prompt positions that scoring chunks keep (None: no logits).
+        `images`: some chunk holds image tokens (the scheduler's `has_images`)."""
         # Decodes go first so the attention backend can batch them.
         batch = sorted(batch, key=lambda it: not it.is_decode)
-        plan = self.plan(batch)
+        plan = self.plan(batch, images)
         # One row per sampling sequence; n > 1 siblings waiting to fork sample from their
         # parent's row (the prompt is computed once). A speculating sequence has one row per
         # query token: row j draws its output token num_output_tokens + j. A scoring chunk's
@@ -335,12 +389,14 @@ class ModelRunner:
             smeta.allowed_mask, smeta.mask_rows = masks.result(logits.device, len(sampling_seqs))
         return RunnerOutput(sampling_seqs, self.sampler(logits, smeta, finite=finite), scored, next_token, pooled)
 
-    def _run_model(self, plan: StepPlan, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
+    def _run_model(self, plan: StepPlan, input_ids: torch.Tensor, positions: torch.Tensor, meta,
+                   embeds: torch.Tensor | None = None) -> torch.Tensor:
+        kw = {} if embeds is None else {"inputs_embeds": embeds}
         if self.lora is None:
-            return self.model(input_ids, positions, meta)
+            return self.model(input_ids, positions, meta, **kw)
         self.lora.state.set_step(plan.lora_slots, self.device)  # the step's adapter row groups
         try:
-            return self.model(input_ids, positions, meta)
+            return self.model(input_ids, positions, meta, **kw)
         finally:
             self.lora.state.clear()
 

@@ -29,6 +29,9 @@ class ScheduledSeq:
     # A chunk of the prompt of a request that asked for prompt_logprobs: it keeps the logits
     # of the positions it scores (score_range), beside the row it samples from.
     scores: bool = False
+    # A chunk with image placeholder tokens: the images it holds tokens of (the runner puts their
+    # embeddings in, encoding those not cached). Empty for every other chunk.
+    images: list | tuple = ()
 
     @property
     def samples(self) -> bool:
@@ -72,6 +75,7 @@ class ScheduledSeq:
 class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    has_images: bool = False  # some chunk holds image tokens (ScheduledSeq.images)
 
     def __bool__(self) -> bool:
         return bool(self.scheduled)
@@ -87,6 +91,10 @@ class Scheduler:
         # Called with each preempted sequence once its blocks are freed: a draft model gives
         # back its blocks of the same pool (engine/draft.py), so the next room check counts them.
         self.on_preempt: Callable[[Sequence], None] | None = None
+        # Vision-language models: the runner's encoder cache (what is encoded already) and the
+        # image tokens the step may encode at most; None for text-only models.
+        self.encoder_cache = None
+        self.encoder_budget = 0
 
     # -- queue ------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -108,16 +116,27 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        self._encoding: set[str] = set()  # images this step encodes (charged once)
+        self._enc_left = self.encoder_budget
+        vision = self.encoder_cache is not None  # a text-only model never looks at seq.mm
 
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             spec = self._spec_fits(seq, budget)
             n = 1 + len(spec) if spec else _chunk(seq, budget)
+            images = None
+            if vision and seq.mm is not None and not spec:
+                n, images = self._image_chunk(seq, n)
+                if n == 0:  # its next image does not fit this step: it waits, keeping its blocks
+                    i += 1
+                    continue
             if not self._make_room(seq, n, out):
                 break  # seq itself was preempted; everything after it already was
             self._grow(seq, n)
             out.scheduled.append(ScheduledSeq(seq, n, spec, _scores(seq)))
+            if images:
+                self._charge(out, images)
             budget -= n
             i += 1
 
@@ -136,8 +155,11 @@ class Scheduler:
                 if not scoring:
                     self.bm.match_prefix(seq)
                 n = _chunk(seq, budget)
+                images = None
+                if vision and seq.mm is not None:
+                    n, images = self._image_chunk(seq, n)
                 self.release_window(seq)
-                if not self.bm.can_grow(seq, seq.num_computed_tokens + n):
+                if n == 0 or not self.bm.can_grow(seq, seq.num_computed_tokens + n):
                     self.bm.free(seq, "keep")  # give back what the prefix match took
                     seq.num_computed_tokens = 0
                     break
@@ -148,8 +170,45 @@ class Scheduler:
                 seq.status = SequenceStatus.RUNNING
                 self.running.append(seq)
                 out.scheduled.append(ScheduledSeq(seq, n, scores=_scores(seq)))
+                if images:
+                    self._charge(out, images)
                 budget -= n
         return out
+
+    def _image_chunk(self, seq: Sequence, n: int) -> tuple[int, list]:
+        """seq's chunk of n tokens cut where images demand, and the images it holds tokens of.
+        An image the encoder cache lacks must be encoded whole this step, within what is left
+        of the encoder budget, or the chunk stops before it. Under bidirectional image attention
+        (Gemma 3) a chunk never ends inside an image: it stops before the image, or, starting in
+        it (or at it), takes it to its end or waits (n = 0)."""
+        mm, start = seq.mm, seq.num_computed_tokens
+        end = start + n
+        left = self._enc_left
+        images = []
+        for im in mm.overlapping(start, end):
+            cut = None
+            if im.hash not in self.encoder_cache and im.hash not in self._encoding:
+                if im.num_embeds > left:
+                    cut = im.offset
+                else:
+                    left -= im.num_embeds
+            if cut is None and mm.bidirectional and end < im.end:
+                cut = im.offset
+            if cut is not None:
+                end = cut if cut > start else start
+                break
+            images.append(im)
+        return end - start, images
+
+    def _charge(self, out: SchedulerOutput, images: list) -> None:
+        """The chunk just scheduled holds these images' tokens: those not cached are encoded
+        this step, from the encoder budget."""
+        out.scheduled[-1].images = images
+        out.has_images = True
+        for im in images:
+            if im.hash not in self.encoder_cache and im.hash not in self._encoding:
+                self._encoding.add(im.hash)
+                self._enc_left -= im.num_embeds
 
     def _spec_fits(self, seq: Sequence, budget: int) -> list[int]:
         """seq's proposals, when they fit the token budget and the free blocks as they are:

@@ -67,6 +67,7 @@ class Sequence:
     pooled: Any = None
     num_pooled: int = 0
     lora: Any = None  # the request's LoRARequest (pagedllm/lora), None for the base model
+    mm: Any = None  # a prompt with images: its MultiModalInput (pagedllm/multimodal), else None
 
     def __post_init__(self) -> None:
         self.token_ids: list[int] = list(self.prompt_token_ids)

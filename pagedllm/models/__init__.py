@@ -5,6 +5,8 @@ import torch
 
 from .gemma2 import Gemma2ForCausalLM
 from .gemma3 import Gemma3ForCausalLM
+from .gemma3_vl import Gemma3ForConditionalGeneration
+from .idefics3 import Idefics3ForConditionalGeneration
 from .llama import LlamaForCausalLM
 from .mistral import MistralForCausalLM
 from .mixtral import MixtralForCausalLM
@@ -23,6 +25,9 @@ MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    # Vision-language models (pagedllm/multimodal)
+    "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,
+    "Idefics3ForConditionalGeneration": Idefics3ForConditionalGeneration,
     # Mixtures of experts (models/moe.py)
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,

@@ -170,8 +170,9 @@ class LlamaForCausalLM(nn.Module):
         return self.embed_tokens(input_ids)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                meta: AttentionContext) -> torch.Tensor:
-        h = self.embed(input_ids)
+                meta: AttentionContext, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """`inputs_embeds`: the step's input embeddings where images are among its tokens."""
+        h = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         rope = self.rope.lookup(positions, h.dtype)
         stacked = self._decode_stack(h, rope, meta)
         if stacked is not None:

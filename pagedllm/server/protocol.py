@@ -88,8 +88,10 @@ class _SamplingFields(_Model):
 
 
 class TextPart(_Model):
+    """A content part: {"type": "text", "text": ...} or {"type": "image_url", "image_url": {"url": ...}}."""
     type: str
     text: str | None = None
+    image_url: dict | str | None = None
 
 
 class ChatMessage(_Model):

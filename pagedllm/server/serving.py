@@ -61,6 +61,10 @@ class ServingContext:
     usable_blocks: int
     max_n: int
     vocab_size: int | None = None  # the logits' width (logit_bias ids must fall below it)
+    # A vision-language model's image processor (pagedllm/multimodal) and where images may come
+    # from; None: a text-only model.
+    processor: Any = None
+    media_policy: Any = None
 
     @classmethod
     def from_llm(cls, llm: Any, model_name: str | None = None, max_n: int | None = None) -> "ServingContext":
@@ -70,7 +74,8 @@ class ServingContext:
                    block_size=eng.cache_config.block_size,
                    usable_blocks=eng.block_manager.num_usable_blocks,
                    max_n=max_n or min(128, eng.sched_config.max_num_seqs),
-                   vocab_size=eng.model_config.vocab_size)
+                   vocab_size=eng.model_config.vocab_size,
+                   processor=getattr(llm, "processor", None), media_policy=getattr(llm, "media_policy", None))
 
     def default_max_tokens(self, prompt_len: int, n: int) -> int:
         """Without max_tokens a request may run to the context end, as far as the cache can hold
@@ -150,17 +155,32 @@ def sampling_params(req: ChatCompletionRequest | CompletionRequest, ctx: Serving
         raise ApiError(e.message, param=e.param) from None
 
 
-def _message_text(msg: Any, i: int) -> str:
+def _message_text(msg: Any, i: int, ctx: ServingContext | None = None) -> str | list[dict]:
+    """The message's text; with image parts (a vision-language model), its parts as dicts."""
     content = msg.content
     if content is None:
         return ""
     if isinstance(content, str):
         return content
     parts = []
+    images = False
     for j, part in enumerate(content):
+        if part.type == "image_url":
+            if ctx is None:
+                raise ApiError("image_url parts are taken on /v1/chat/completions only",
+                               param=f"messages.{i}.content.{j}")
+            if ctx.processor is None:
+                raise ApiError(f"model {ctx.model_name!r} is text-only: it takes no images (image_url "
+                               "parts); send text, or serve a vision-language model",
+                               param=f"messages.{i}.content.{j}")
+            images = True
+            continue
         if part.type != "text" or part.text is None:
-            raise ApiError(f"content part type {part.type!r} is not supported: this server handles "
-                           "text only", param=f"messages.{i}.content.{j}")
+            raise ApiError(f"content part type {part.type!r} is not supported: use text or image_url parts",
+                           param=f"messages.{i}.content.{j}")
+    if images:
+        return [p.model_dump(exclude_none=True) for p in content]
+    for part in content:
         parts.append(part.text)
     return "".join(parts)
 
@@ -175,7 +195,9 @@ def tool_plan(req: ChatCompletionRequest, ctx: ServingContext) -> tool_api.ToolP
 
 
 def chat_prompt(req: ChatCompletionRequest, ctx: ServingContext,
-                plan: tool_api.ToolPlan | None = None) -> list[int]:
+                plan: tool_api.ToolPlan | None = None) -> list[int] | Any:
+    """The prompt's token ids; a MultiModalInput (pagedllm/multimodal) when images are in it,
+    made by the model's processor (its chat template and image processing)."""
     if not req.messages:
         raise ApiError("messages must hold at least one message", param="messages")
     messages = []
@@ -183,7 +205,7 @@ def chat_prompt(req: ChatCompletionRequest, ctx: ServingContext,
         if m.role not in CHAT_ROLES:
             raise ApiError(f"unknown role {m.role!r}; use one of {sorted(CHAT_ROLES)}",
                            param=f"messages.{i}.role")
-        msg = {"role": "system" if m.role == "developer" else m.role, "content": _message_text(m, i)}
+        msg = {"role": "system" if m.role == "developer" else m.role, "content": _message_text(m, i, ctx)}
         if m.name:
             msg["name"] = m.name
         if m.tool_calls:
@@ -194,6 +216,13 @@ def chat_prompt(req: ChatCompletionRequest, ctx: ServingContext,
                                param=f"messages.{i}.tool_call_id")
             msg["tool_call_id"] = m.tool_call_id
         messages.append(msg)
+    if ctx.processor is not None and any(isinstance(m["content"], list) for m in messages):
+        if plan is not None:
+            raise ApiError("tools with images are not supported yet", param="tools")
+        try:
+            return ctx.processor.chat(messages, policy=ctx.media_policy)
+        except (ValueError, jinja2.TemplateError) as e:
+            raise ApiError(f"cannot use the messages' images: {e}", param="messages") from None
     template = getattr(ctx.tokenizer, "chat_template", None)
     messages = tool_api.template_messages(messages, plan, template)
     extra = {"tools": plan.tools} if plan is not None else {}
@@ -217,10 +246,11 @@ def _prepare_chat(req: ChatCompletionRequest, ctx: ServingContext
         raise ApiError("top_logprobs needs logprobs to be true", param="top_logprobs")
     plan = tool_plan(req, ctx)
     ids = chat_prompt(req, ctx, plan)
+    n_ids = len(ids) if isinstance(ids, list) else len(ids.prompt_token_ids)
     max_tokens = req.max_completion_tokens or req.max_tokens
-    check_context(ctx, len(ids), max_tokens, "messages")
+    check_context(ctx, n_ids, max_tokens, "messages")
     lp = (req.top_logprobs or 0) if req.logprobs else None
-    params = sampling_params(req, ctx, len(ids), max_tokens, None, lp)
+    params = sampling_params(req, ctx, n_ids, max_tokens, None, lp)
     forced = plan.grammar() if plan is not None else None
     if forced is not None:
         # The forced call is constrained by the tool; response_format governs text answers,
