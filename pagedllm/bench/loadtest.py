@@ -65,6 +65,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--request-rates", default="inf,4", metavar="RATES",
                    help="comma-separated arrival rates: inf (all at once) or requests a second (Poisson)")
     g.add_argument("--runs", type=int, default=3, help="repeat and report medians")
+    g.add_argument("--threads", type=int, default=None, metavar="N",
+                   help="torch threads of each side (OMP_NUM_THREADS for the server); default: torch's "
+                        "(one per core). On a machine busy with other work, 1 keeps a step from waiting on its "
+                        "own descheduled threads")
 
 
 def _json_arg(text: str) -> dict:

@@ -22,6 +22,7 @@ import logging
 import math
 import os
 import random
+import signal
 import subprocess
 import sys
 import time
@@ -187,7 +188,7 @@ def _offline_llm(server_args: list[str]) -> Any:
     return engine_options(ns, _model_of(ns)).load()
 
 
-def _spawn(url: str, server_args: list[str]) -> subprocess.Popen:
+def _spawn(url: str, server_args: list[str], threads: int | None) -> subprocess.Popen:
     u = urlparse(url)
     if u.hostname is None or u.port is None:
         raise ValueError(f"--url {url!r} must name a host and a port, e.g. http://127.0.0.1:8011")
@@ -195,7 +196,14 @@ def _spawn(url: str, server_args: list[str]) -> subprocess.Popen:
              for a in (flag, a)]
     cmd = [sys.executable, "-m", "pagedllm.cli.main", "serve", *server_args, *extra]
     print("starting:", " ".join(cmd), file=sys.stderr, flush=True)
-    return subprocess.Popen(cmd)
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads)) if threads else None
+    return subprocess.Popen(cmd, env=env)
+
+
+def torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
 
 
 def _print_row(name: str, r: dict) -> None:
@@ -216,8 +224,16 @@ def run(args: argparse.Namespace) -> int:
     rates = parse_rates(args.request_rates)
     if args.runs < 1:
         raise ValueError("--runs must be at least 1")
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError("--threads must be at least 1")
+        import torch
+
+        torch.set_num_threads(args.threads)
+    # A SIGTERM (a timeout, a CI cancel) must still stop the spawned server: run the finally below.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     llm = _offline_llm(args.server_args)
-    proc = _spawn(args.url, args.server_args)
+    proc = _spawn(args.url, args.server_args, args.threads)
     result: dict = {"machine": machine_info(), "args": {k: v for k, v in vars(args).items()
                                                         if isinstance(v, (int, float, str, list, type(None)))}}
     try:
@@ -229,7 +245,8 @@ def run(args: argparse.Namespace) -> int:
         vocab, avoid = eng.model_config.vocab_size, set(eng.eos_token_ids)
         print(f"workload: {args.num_requests} requests, prompts {args.min_prompt}-{args.max_prompt} tokens, "
               f"outputs {args.min_output}-{args.max_output} (EOS ignored, greedy), seed {args.seed} + run; "
-              f"rates {', '.join(map(rate_name, rates))}; {args.runs} run(s), {os.cpu_count()} CPUs")
+              f"rates {', '.join(map(rate_name, rates))}; {args.runs} run(s), {os.cpu_count()} CPUs, "
+              f"{torch_threads()} engine threads a side")
         warm = make_requests(argparse.Namespace(num_requests=4, min_prompt=16, max_prompt=32, min_output=4,
                                                 max_output=8), vocab, avoid, 99, math.inf)
         run_offline(llm, warm, "warm")
