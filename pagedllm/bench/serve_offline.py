@@ -206,11 +206,11 @@ def torch_threads() -> int:
     return torch.get_num_threads()
 
 
-def _print_row(name: str, r: dict) -> None:
-    print(f"  {name:8s} {r['output_tokens_per_s']:8.1f} output tok/s  TTFT p50 {r['ttft_p50_s']:.3f} s "
+def _print_row(name: str, r: dict, prefix: str = "  ", file: Any = None) -> None:
+    print(f"{prefix}{name:8s} {r['output_tokens_per_s']:8.1f} output tok/s  TTFT p50 {r['ttft_p50_s']:.3f} s "
           f"p99 {r['ttft_p99_s']:.3f} s  ITL p50 {r['itl_p50_ms']:.1f} ms p99 {r['itl_p99_ms']:.1f} ms  "
           f"({r['output_tokens']} tokens, {r['requests']} requests, {r['errors']} errors, "
-          f"{r['elapsed_s']:.1f} s)")
+          f"{r['elapsed_s']:.1f} s)", file=file, flush=True)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -262,6 +262,8 @@ def run(args: argparse.Namespace) -> int:
                     traces = (run_offline(llm, reqs, f"r{k}-{rate_name(rate)}") if side == "offline"
                               else run_server(args.url, model, reqs))
                     runs[rate_name(rate)][side].append(summarize(traces))
+                    _print_row(side, runs[rate_name(rate)][side][-1], f"run {k + 1} {rate_name(rate)} ",
+                               sys.stderr)  # as it comes: a loaded machine may not see the end
             loads.append((load0, os.getloadavg()[0]))
             print(f"run {k + 1}/{args.runs} done (1-minute load average {loads[-1][0]:.2f} -> "
                   f"{loads[-1][1]:.2f})", file=sys.stderr, flush=True)
