@@ -401,7 +401,10 @@ def test_streaming_client_disconnect_aborts_and_frees_blocks(server):
         with c.stream("POST", f"{server.url}/v1/chat/completions", json=body) as r:
             assert r.status_code == 200
             seen = 0
-            for line in r.iter_lines():
+            # Held in a name: a `for` over r.iter_lines() itself would close the generator at the
+            # break, and with it the connection, before the server is asked whether it is busy.
+            lines = r.iter_lines()
+            for line in lines:
                 if line.startswith("data: ") and '"content":"' in line:
                     seen += 1
                 if seen >= 4:

@@ -52,6 +52,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "measures structured output against the same load without it")
     p.add_argument("--ignore-eos", action="store_true",
                    help="every answer runs to its max_tokens (equal lengths for comparisons)")
+    g = p.add_argument_group("--against-throughput: the server against the offline engine on one workload")
+    g.add_argument("--against-throughput", action="store_true",
+                   help="run a fixed workload through the offline engine (as `bench throughput`) and "
+                        "through a spawned `pagedllm serve` (both built from --server-args), interleaved, "
+                        "and report both and their ratio (pagedllm/bench/serve_offline.py)")
+    g.add_argument("--num-requests", type=int, default=64)
+    g.add_argument("--min-prompt", type=int, default=128, help="prompt tokens, at least")
+    g.add_argument("--max-prompt", type=int, default=256)
+    g.add_argument("--min-output", type=int, default=64, help="output tokens (EOS ignored), at least")
+    g.add_argument("--max-output", type=int, default=128)
+    g.add_argument("--request-rates", default="inf,4", metavar="RATES",
+                   help="comma-separated arrival rates: inf (all at once) or requests a second (Poisson)")
+    g.add_argument("--runs", type=int, default=3, help="repeat and report medians")
+    g.add_argument("--threads", type=int, default=None, metavar="N",
+                   help="torch threads of each side (OMP_NUM_THREADS for the server); default: torch's "
+                        "(one per core). On a machine busy with other work, 1 keeps a step from waiting on its "
+                        "own descheduled threads")
 
 
 def _json_arg(text: str) -> dict:
@@ -234,6 +251,10 @@ def format_report(r: Report) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.against_throughput:
+        from .serve_offline import run as run_against
+
+        return run_against(args)
     try:
         import httpx  # noqa: F401
     except ImportError:

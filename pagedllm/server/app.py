@@ -42,7 +42,7 @@ from .protocol import (
     ModelCard,
     ModelList,
 )
-from .serving import ApiError, Call, ServingContext, TokenText, chat_call, completion_call
+from .serving import ApiError, Call, ServingContext, TokenText, chat_call, completion_call, sse_line
 
 logger = logging.getLogger(__name__)
 
@@ -275,9 +275,7 @@ class SSEResponse(StreamingResponse):
             self.on_close()
 
 
-def _sse(chunk: BaseModel, include_usage: bool) -> str:
-    data = chunk.model_dump_json(exclude=None if include_usage else {"usage"})
-    return f"data: {data}\n\n"
+_sse = sse_line
 
 
 def _sse_error(exc: Exception) -> str:
@@ -285,14 +283,17 @@ def _sse_error(exc: Exception) -> str:
     return f"data: {body.model_dump_json()}\n\n"
 
 
-async def _events(sub: Submission, start: list, update: Callable, usage: Callable | None,
+async def _events(sub: Submission, start: list, events: Callable, usage: Callable | None,
                   include_usage: bool) -> AsyncIterator[str]:
+    """The stream's server-sent events: `events(output, include_usage)` renders one output's;
+    the outputs queued together go out as one write."""
     try:
         for c in start:
             yield _sse(c, include_usage)
-        async for out in sub:
-            for c in update(out):
-                yield _sse(c, include_usage)
+        async for outs in sub.batches():
+            text = "".join(line for out in outs for line in events(out, include_usage))
+            if text:
+                yield text
         if usage is not None:
             yield _sse(usage(sub.final_outputs()), True)
         yield "data: [DONE]\n\n"
@@ -441,7 +442,7 @@ def create_app(llm: Any, config: ServerConfig | None = None) -> FastAPI:
         """Run a chat or completion call on the engine; its stream, or its whole answer."""
         sub = await submit(call.items, request, call.grammar_param)
         if call.stream:
-            events = _events(sub, call.streamer.start(), call.streamer.update, call.usage_chunk(),
+            events = _events(sub, call.streamer.start(), call.streamer.events, call.usage_chunk(),
                              call.include_usage)
             return SSEResponse(events, sub.abort_unfinished)
         finals = await _collect_or_fail(sub, request)

@@ -74,15 +74,31 @@ class Submission:
         return len(self.finals) == len(self.request_ids)
 
     async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        async for batch in self.batches():
+            for item in batch:
+                yield item
+
+    async def batches(self) -> AsyncIterator[list[RequestOutput]]:
+        """The outputs in order, every one already queued at once: a stream that fell behind
+        the engine catches up with one write instead of one per engine step."""
         while not self.finished:
-            item = await self.outputs.get()
-            if isinstance(item, BaseException):
-                raise item
-            if item.finished:
-                self.finals[item.request_id] = item
-            if item.error:  # the handler answers an error body / ends its stream with one
-                raise RequestFailed(item.error)
-            yield item
+            items = [await self.outputs.get()]
+            while not self.outputs.empty():
+                items.append(self.outputs.get_nowait())
+            batch: list[RequestOutput] = []
+            for item in items:
+                if isinstance(item, BaseException):
+                    if batch:
+                        yield batch
+                    raise item
+                if item.finished:
+                    self.finals[item.request_id] = item
+                if item.error:  # the handler answers an error body / ends its stream with one
+                    if batch:
+                        yield batch
+                    raise RequestFailed(item.error)
+                batch.append(item)
+            yield batch
 
     def final_outputs(self) -> list[RequestOutput]:
         return [self.finals[r] for r in self.request_ids]

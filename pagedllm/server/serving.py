@@ -5,6 +5,7 @@ the engine itself, so it is safe to call from any thread.
 """
 from __future__ import annotations
 
+import json
 import logging
 import uuid
 from dataclasses import dataclass, field
@@ -472,6 +473,34 @@ def completion_response(rid: str, model: str, finals: list[RequestOutput], n: in
 # -- streaming -------------------------------------------------------------------------
 
 
+def sse_line(chunk: Any, include_usage: bool) -> str:
+    """One chunk as a server-sent event; without stream_options.include_usage the chunks carry
+    no `usage` key at all."""
+    data = chunk.model_dump_json(exclude=None if include_usage else {"usage"})
+    return f"data: {data}\n\n"
+
+
+_SLOT = "PAGEDLLM_TEXT_SLOT"
+
+
+class TextChunkTemplate:
+    """The server-sent event of the commonest chunk, one choice's plain text delta (no logprobs,
+    tool calls or finish), cut from the chunk model's own JSON around a placeholder text, so a
+    token costs one json.dumps of its text instead of building and serializing the pydantic
+    chunk (about 10x less work on the event loop, which shares the GIL and the cores with the
+    engine thread). The placeholder's chunk fixes `created`, as OpenAI keeps it for a stream."""
+
+    def __init__(self, chunk: Any, include_usage: bool) -> None:
+        head, sep, tail = sse_line(chunk, include_usage).partition(json.dumps(_SLOT))
+        if not sep or _SLOT in tail:
+            raise ValueError("the chunk must hold the placeholder text exactly once")
+        self.head, self.tail = head, tail
+
+    def line(self, text: str) -> str:
+        # pydantic writes strings as json.dumps(ensure_ascii=False) does (tests/test_server.py)
+        return self.head + json.dumps(text, ensure_ascii=False) + self.tail
+
+
 @dataclass
 class _ChoiceState:
     sent_logprobs: int = 0
@@ -491,6 +520,7 @@ class ChatStreamer:
     tools: tool_api.ToolPlan | None = None  # set when the answer may hold tool calls
     states: list[_ChoiceState] = field(default_factory=list)
     parsers: list[tool_api.StreamParser] = field(default_factory=list)
+    templates: dict[tuple[int, bool], TextChunkTemplate] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.states = [_ChoiceState() for _ in range(self.n)]
@@ -541,6 +571,19 @@ class ChatStreamer:
     def usage_chunk(self, finals: list[RequestOutput]) -> ChatCompletionChunk:
         return self._chunk([], usage_from(finals))
 
+    def events(self, out: RequestOutput, include_usage: bool) -> list[str]:
+        """`update(out)` as server-sent events; a plain text delta takes its template."""
+        c = out.outputs[0] if len(out.outputs) == 1 else None
+        if (c is None or self.tt is not None or self.parsers or c.finish_reason is not None
+                or not c.delta_text or self.states[c.index].done):
+            return [sse_line(chunk, include_usage) for chunk in self.update(out)]
+        key = (c.index, include_usage)
+        tpl = self.templates.get(key)
+        if tpl is None:
+            tpl = self.templates[key] = TextChunkTemplate(
+                self._chunk([ChunkChoice(index=c.index, delta=Delta(content=_SLOT))]), include_usage)
+        return [tpl.line(c.delta_text)]
+
 
 @dataclass
 class CompletionStreamer:
@@ -553,6 +596,7 @@ class CompletionStreamer:
     tt: TokenText | None = None
     echo: list[str] | None = None
     states: dict[int, _ChoiceState] = field(default_factory=dict)
+    templates: dict[tuple[int, bool], TextChunkTemplate] = field(default_factory=dict)
 
     def _chunk(self, choices: list[CompletionChoice], usage: Usage | None = None) -> CompletionResponse:
         return CompletionResponse(id=self.rid, model=self.model, choices=choices, usage=usage,
@@ -592,6 +636,22 @@ class CompletionStreamer:
 
     def usage_chunk(self, finals: list[RequestOutput]) -> CompletionResponse:
         return self._chunk([], usage_from(finals))
+
+    def events(self, out: RequestOutput, include_usage: bool) -> list[str]:
+        """`update(out)` as server-sent events; a plain text delta takes its template."""
+        c = out.outputs[0] if len(out.outputs) == 1 else None
+        idx = self.prompt_index[out.request_id] * self.n + c.index if c is not None else -1
+        st = self.states.get(idx)
+        if (c is None or self.tt is not None or st is None or st.done or (self.echo and not st.echoed)
+                or c.finish_reason is not None or not c.delta_text):
+            return [sse_line(chunk, include_usage) for chunk in self.update(out)]
+        st.text_len += len(c.delta_text)
+        key = (idx, include_usage)
+        tpl = self.templates.get(key)
+        if tpl is None:
+            tpl = self.templates[key] = TextChunkTemplate(
+                self._chunk([CompletionChoice(index=idx, text=_SLOT)]), include_usage)
+        return [tpl.line(c.delta_text)]
 
 
 # -- one request, start to answer ---------------------------------------------------------
