@@ -331,3 +331,26 @@ def test_quality_bench_refuses_empty_counts(flag, capsys):
         main(["bench", "quality", flag, "0"])
     assert e.value.code == 2
     assert f"argument {flag}: must be at least 1, got 0" in capsys.readouterr().err
+
+
+def test_quality_bench_takes_dequantize_weights(monkeypatch):
+    """`bench quality --dequantize-weights` scores the cache types on the dequantized model: the
+    flag reaches LLM(dequantize_weights=True) (issue 25 compares the caches' cost on both paths)."""
+    import pagedllm
+    from pagedllm.bench import quality
+    from pagedllm.cli.main import main
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def fake_llm(*args, **kw):
+        seen.update(kw)
+        raise Stop
+
+    monkeypatch.setattr(pagedllm, "LLM", fake_llm)
+    monkeypatch.setattr(quality, "_prepare_text", lambda a: ([[1, 2, 3]], [[1, 2]], 5, 1))
+    with pytest.raises(Stop):
+        main(["bench", "quality", "--cache-types", "int8", "--dequantize-weights", "--noise-dtype", ""])
+    assert seen["dequantize_weights"] is True and seen["kv_cache_dtype"] == "int8"

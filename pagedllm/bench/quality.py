@@ -129,7 +129,7 @@ def run_cache_type(args: argparse.Namespace, cache_type: str, windows: list[list
     t0 = time.perf_counter()
     llm = LLM(args.model, dtype=dtype or args.dtype, kv_cache_dtype=cache_type, block_size=args.block_size,
               kv_cache_context_len=ctx, max_num_seqs=n_seqs, seed=0,
-              max_num_batched_tokens=max(2048, n_seqs))
+              max_num_batched_tokens=max(2048, n_seqs), dequantize_weights=args.dequantize_weights)
     eng = llm.engine
     load_s = time.perf_counter() - t0
     t0 = time.perf_counter()
@@ -188,6 +188,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="compare quantized weights (GGUF blocks or --isq) with dequantize_weights=True "
                         "in float32 instead of KV cache types: perplexity and top-1 agreement, "
                         "teacher-forced through the decode and the prefill paths")
+    p.add_argument("--dequantize-weights", action="store_true",
+                   help="cache types: run a GGUF's weights dequantized to the compute dtype (the exact "
+                        "reference) instead of quantized, to tell what the cache costs on each path")
     p.add_argument("--isq", default=None, help="with --weights: ISQ type for a safetensors model")
     p.add_argument("--head", action="store_true",
                    help="with --weights, for a GPTQ / AWQ / compressed-tensors folder: the LM head quantized "
