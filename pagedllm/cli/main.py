@@ -140,7 +140,8 @@ def _engine_flags(p: argparse.ArgumentParser, top: bool) -> None:
                    help="embed: an embedding model for /v1/embeddings (auto: a folder with "
                         "sentence-transformers files or a head-less architecture is one)")
     g.add_argument("--enable-lora", action="store_true", default=d(False),
-                   help="requests may name LoRA adapters (PEFT folders; see --lora-modules)")
+                   help="requests may name LoRA adapters (PEFT folders or llama.cpp GGUF LoRA files; "
+                   "see --lora-modules)")
     g.add_argument("--max-loras", type=int, metavar="N", default=d(None),
                    help="with --enable-lora: adapters held in memory at once; others are read from "
                         "disk when a request needs them (default 1)")

@@ -2,6 +2,7 @@
 
 - request.py: `LoRARequest` (vLLM's), what a request names its adapter by;
 - peft.py: reads a PEFT folder into per-layer low-rank pairs, stacked for fused projections;
+- gguf_lora.py: llama.cpp's GGUF LoRA files onto the same pairs;
 - layers.py: the per-step row groups and each linear layer's slots (the grouped products);
 - manager.py: `max_loras` slots, LRU beyond them, adapters reloaded from disk.
 

@@ -1,4 +1,5 @@
-"""A PEFT LoRA folder (adapter_config.json + adapter_model.safetensors) read for one base model.
+"""A PEFT LoRA folder (adapter_config.json + adapter_model.safetensors) read for one base model
+(llama.cpp's GGUF LoRA files come in through gguf_lora.py onto the same pairs).
 
 Each targeted projection becomes one pair (A [r', in], B [out, r']) on our (possibly fused) layer:
 a fused q|k|v or gate|up layer stacks its parts' A rows and places each part's B block-diagonally
@@ -51,8 +52,8 @@ def read_config(path: str | Path) -> dict:
     """The adapter's config, checked: a LoRA, with no feature this loader would silently drop."""
     folder = Path(path)
     if not folder.is_dir():
-        raise ValueError(f"LoRA adapter {str(path)!r} is not a folder; give a PEFT adapter folder "
-                         f"holding {CONFIG} and {WEIGHTS}")
+        raise ValueError(f"LoRA adapter {str(path)!r} is not a folder or a file; give a PEFT adapter folder "
+                         f"holding {CONFIG} and {WEIGHTS}, or a llama.cpp GGUF LoRA (.gguf)")
     cfg_file = folder / CONFIG
     if not cfg_file.is_file():
         raise ValueError(f"LoRA adapter folder {str(folder)!r} has no {CONFIG}: is it a PEFT adapter?")
@@ -81,10 +82,15 @@ def scale_of(cfg: dict) -> float:
 
 
 def load_adapter(path: str | Path, model, max_rank: int) -> AdapterWeights:
-    """Read the adapter at `path` for `model` (a pagedllm model: its `map_weight_name`,
-    `shard_sizes`, and linear layers with `lora` slots); every shape is checked against the base."""
+    """Read the adapter at `path` (a PEFT folder, or a llama.cpp GGUF LoRA file: gguf_lora.py)
+    for `model` (a pagedllm model: its `map_weight_name`, `shard_sizes`, and linear layers with
+    `lora` slots); every shape is checked against the base."""
     from safetensors.torch import load_file
 
+    if Path(path).is_file():
+        from .gguf_lora import load_gguf_adapter
+
+        return load_gguf_adapter(path, model, max_rank)
     cfg = read_config(path)
     folder = Path(path)
     r = cfg["r"]
@@ -97,7 +103,6 @@ def load_adapter(path: str | Path, model, max_rank: int) -> AdapterWeights:
             if (folder / "adapter_model.bin").exists() else ""
         raise ValueError(f"LoRA adapter folder {str(folder)!r} has no {WEIGHTS}{extra}")
     tensors = load_file(str(wfile))
-    scale = scale_of(cfg)
     parts: dict[str, dict[int | None, list]] = {}  # our module -> shard -> [A, B]
     for key, t in tensors.items():
         if key.endswith(".lora_A.weight"):
@@ -107,27 +112,40 @@ def load_adapter(path: str | Path, model, max_rank: int) -> AdapterWeights:
         else:
             raise ValueError(f"adapter {str(folder)!r}: tensor {key!r} is not a LoRA A/B weight "
                              "(embedding LoRA, DoRA magnitudes and saved modules are not supported)")
-        hf = base.removeprefix("base_model.model.")
-        leaf = hf.rsplit(".", 1)[-1]
-        if leaf in ("lm_head", "embed_tokens"):
-            raise ValueError(f"adapter {str(folder)!r} targets {leaf}; LoRA on {leaf} is not supported "
-                             "(target the attention and MLP projections)")
-        mapped = model.map_weight_name(hf + ".weight")
-        if mapped is None:
-            raise ValueError(f"adapter {str(folder)!r}: {hf} has no place in the base model")
-        ours, shard = mapped
-        mod_name = ours.rsplit(".", 1)[0]
-        try:
-            module = model.get_submodule(mod_name)
-        except AttributeError:
-            module = None
-        if module is None or getattr(module, "lora", None) is None:
-            raise ValueError(f"adapter {str(folder)!r} targets {hf}, which is not a projection LoRA can "
-                             "apply to in this model (q/k/v/o and gate/up/down of dense layers)")
+        mod_name, shard = target_of(folder, model, base.removeprefix("base_model.model."))
         parts.setdefault(mod_name, {}).setdefault(shard, [None, None])[which] = t.float()
+    return stack_adapter(folder, model, parts, r, cfg.get("lora_alpha", 8), scale_of(cfg), max_rank)
+
+
+def target_of(folder: Path, model, hf: str) -> tuple[str, int | None]:
+    """(our linear layer's module name, its fused part or None) for the HF module `hf` an
+    adapter targets, or a ValueError when LoRA cannot apply there."""
+    leaf = hf.rsplit(".", 1)[-1]
+    if leaf in ("lm_head", "embed_tokens"):
+        raise ValueError(f"adapter {str(folder)!r} targets {leaf}; LoRA on {leaf} is not supported "
+                         "(target the attention and MLP projections)")
+    mapped = model.map_weight_name(hf + ".weight")
+    if mapped is None:
+        raise ValueError(f"adapter {str(folder)!r}: {hf} has no place in the base model")
+    ours, shard = mapped
+    mod_name = ours.rsplit(".", 1)[0]
+    try:
+        module = model.get_submodule(mod_name)
+    except AttributeError:
+        module = None
+    if module is None or getattr(module, "lora", None) is None:
+        raise ValueError(f"adapter {str(folder)!r} targets {hf}, which is not a projection LoRA can "
+                         "apply to in this model (q/k/v/o and gate/up/down of dense layers)")
+    return mod_name, shard
+
+
+def stack_adapter(folder: Path, model, parts: dict[str, dict[int | None, list]], rank: int, alpha: float,
+                  scale: float, max_rank: int) -> AdapterWeights:
+    """The adapter's pairs on our layers from `parts` (our module -> fused part -> [A, B]), B
+    times `scale`."""
     if not parts:
         raise ValueError(f"adapter {str(folder)!r} holds no LoRA weights")
-    out = AdapterWeights(folder, r, cfg.get("lora_alpha", 8))
+    out = AdapterWeights(folder, rank, alpha)
     for mod_name, shards in parts.items():
         out.pairs[mod_name] = _stack(folder, model, mod_name, shards, scale, max_rank)
     return out

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 class LoRARequest:
     lora_name: str
     lora_int_id: int  # > 0, unique per adapter: the slot table and the prefix cache key by it
-    lora_path: str
+    lora_path: str  # a PEFT adapter folder, or a llama.cpp GGUF LoRA file
     base_model_name: str | None = None
 
     def __post_init__(self) -> None:
@@ -16,7 +16,8 @@ class LoRARequest:
             raise ValueError(f"LoRARequest {self.lora_name!r}: lora_int_id must be an integer >= 1 "
                              f"(0 is the base model), got {self.lora_int_id!r}")
         if not self.lora_path:
-            raise ValueError(f"LoRARequest {self.lora_name!r}: lora_path is empty; give the adapter's folder")
+            raise ValueError(f"LoRARequest {self.lora_name!r}: lora_path is empty; give the adapter's folder "
+                             "or .gguf file")
 
     @property
     def cache_key(self) -> tuple:
