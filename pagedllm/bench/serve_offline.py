@@ -179,15 +179,6 @@ def run_server(url: str, model: str, reqs: list[Req], timeout: float = 600.0) ->
 # -- the whole comparison -----------------------------------------------------------------------------
 
 
-def _offline_llm(server_args: list[str]) -> Any:
-    """The offline engine from the same flags `pagedllm serve` gets (the CLI's own parser)."""
-    from ..cli.main import _model_of, build_parser, engine_options
-
-    argv = ["serve", *server_args]
-    ns = build_parser(argv).parse_args(argv)
-    return engine_options(ns, _model_of(ns)).load()
-
-
 def _spawn(url: str, server_args: list[str], threads: int | None) -> subprocess.Popen:
     u = urlparse(url)
     if u.hostname is None or u.port is None:
@@ -232,7 +223,9 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     # A SIGTERM (a timeout, a CI cancel) must still stop the spawned server: run the finally below.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    llm = _offline_llm(args.server_args)
+    if getattr(args, "offline_llm", None) is None:
+        raise SystemExit("--against-throughput runs from the CLI: pagedllm bench serve --against-throughput ...")
+    llm = args.offline_llm(args.server_args)  # the engine `pagedllm serve` would build (cli/main.py)
     proc = _spawn(args.url, args.server_args, args.threads)
     result: dict = {"machine": machine_info(), "args": {k: v for k, v in vars(args).items()
                                                         if isinstance(v, (int, float, str, list, type(None)))}}

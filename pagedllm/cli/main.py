@@ -600,10 +600,20 @@ def _jsonable(x: Any) -> Any:
     return x
 
 
+def _load_serve_args(server_args: list[str]) -> Any:
+    """The `LLM` that `pagedllm serve SERVER_ARGS` would serve."""
+    argv = ["serve", *server_args]
+    ns = build_parser(argv).parse_args(argv)
+    return engine_options(ns, _model_of(ns)).load()
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     if args.bench == "serve":
         from ..bench import loadtest
 
+        # --against-throughput builds its offline engine from the server's flags, read by this
+        # module's parser (the bench layer sits below the CLI and does not import it).
+        args.offline_llm = lambda server_args: _load_serve_args(server_args)
         return loadtest.run(args)
     if args.bench in BENCHES:
         return _run_module(_bench_module(args.bench), args)
