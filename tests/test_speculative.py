@@ -603,11 +603,14 @@ def test_adaptive_draft_proposes_what_pays(family_ckpt, drafts, monkeypatch, dra
     adaptive = LLM(str(path), dtype="float32", kv_cache_memory_mb=16, speculative=spec)
     assert _greedy(adaptive, prompts) == expected
     a, f = adaptive.engine.spec, fixed.engine.spec
-    assert a.costs.draft_s is not None and len(a.costs.step_s) >= 2  # it timed both
+    assert len(a.costs.step_s) >= 2  # it timed target steps of more than one row count
     if declines:
         assert a.stats.declined > 0 and a.stats.proposed < f.stats.proposed / 3, (a.stats, f.stats)
     else:
         assert a.stats.proposed > f.stats.proposed / 3, (a.stats, f.stats)
+        # It timed the draft's decode forwards, not the catch-up prefills (the prompt on first use).
+        d = adaptive.engine.spec.draft
+        assert a.costs.draft_s is not None and 0 < d.decode_forwards < d.forwards
     _assert_no_leak(adaptive)
 
 

@@ -29,6 +29,7 @@ they draw without speculation.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, replace
 
 import torch
@@ -132,6 +133,10 @@ class DraftModel:
         self.chunk = chunk  # most tokens the draft computes in one forward
         self.shadows: dict[int, _Shadow] = {}  # target seq_id -> its shadow
         self.forwards = 0  # draft forward passes, for the trace
+        # Forwards of decode rows only, and their seconds: what one more proposal costs (a
+        # catch-up prefill, such as the prompt on first use, is paid once, not per proposal).
+        self.decode_forwards = 0
+        self.decode_s = 0.0
         self.no_room = 0  # times a sequence proposed less for want of free blocks in the pool
 
     @property
@@ -270,6 +275,7 @@ class DraftModel:
     def _forward(self, batch: list[ScheduledSeq]) -> list[int]:
         """One draft forward over the batch (decodes first): the greedy token after each item
         that reaches its sequence's end, in batch order. Computed counts advance."""
+        t0 = time.perf_counter()
         plan = self.runner.plan(batch)
         rows, end = [], 0
         for it in batch:
@@ -281,7 +287,11 @@ class DraftModel:
         for it in batch:
             it.ran()
         self.forwards += 1
-        return [] if logits is None else logits.argmax(-1).tolist()
+        out = [] if logits is None else logits.argmax(-1).tolist()
+        if all(it.is_decode for it in batch):
+            self.decode_forwards += 1
+            self.decode_s += time.perf_counter() - t0
+        return out
 
 
 def _catch_up(d: Sequence, n: int) -> ScheduledSeq:

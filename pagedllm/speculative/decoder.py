@@ -22,7 +22,6 @@ whose suffix has an earlier match takes the lookup's proposals (free), the other
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -191,10 +190,10 @@ class SpeculativeDecoder:
                     self.stats.ngram_proposed += k
             room -= k
         if want:  # its blocks come from the pool the running sequences grow in
-            t0 = time.perf_counter()
-            before = self.draft.forwards
-            self.draft.propose(want, running)
-            self.costs.observe_draft(self.draft.forwards - before, time.perf_counter() - t0)
+            d = self.draft
+            n0, s0 = d.decode_forwards, d.decode_s
+            d.propose(want, running)
+            self.costs.observe_draft(d.decode_forwards - n0, d.decode_s - s0)
 
     def _draft_pays_more(self, st: SeqSpecState, found: int, cap: int, costs: tuple[float, float]) -> bool:
         """n-gram lookup and a draft both on, and the lookup found `found` tokens: whether the
