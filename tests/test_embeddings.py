@@ -239,9 +239,9 @@ def test_llm_embed_is_scheduled_work_chunked_queued_and_preempted(tmp_path, hf_s
     steps: list[int] = []
     execute, schedule = engine.runner.execute, sched.schedule
 
-    def recorded(batch):
+    def recorded(batch, *args):
         steps.append(sum(it.num_new_tokens for it in batch))
-        return execute(batch)
+        return execute(batch, *args)
 
     def preempting():  # the scheduler's own preemption, of a long input halfway through its prefill
         out = schedule()
