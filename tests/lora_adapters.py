@@ -39,3 +39,14 @@ def make_adapter(base_path, out, seed: int, r: int, alpha: int, rslora: bool, ta
                 p.mul_(0.5)
     model.save_pretrained(out)
     return out
+
+
+def greedy_references(refs: dict, prompts: list[list[int]], new_tokens: int) -> dict:
+    """Each reference model's greedy tokens after each prompt (transformers' generate, no EOS)."""
+    expected = {}
+    with torch.no_grad():
+        for key, ref in refs.items():
+            expected[key] = [ref.generate(input_ids=torch.tensor([p]), max_new_tokens=new_tokens, do_sample=False,
+                                          eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
+                             for p in prompts]
+    return expected

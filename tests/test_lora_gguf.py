@@ -14,7 +14,7 @@ from pagedllm import LLM, LoRARequest, SamplingParams
 
 pytest.importorskip("peft")
 gguf = pytest.importorskip("gguf")
-from lora_adapters import base_model as _base, import_peft, make_adapter  # noqa: E402
+from lora_adapters import base_model as _base, greedy_references, import_peft, make_adapter  # noqa: E402
 
 peft = import_peft()
 
@@ -53,12 +53,7 @@ def family(request, tmp_path_factory, hf_smollm2_tokenizer, llama_cpp):
     prompts = [torch.randint(0, len(tok), (n,), generator=g).tolist() for n in PROMPT_LENS]
     refs = {None: _base(base), **{i: peft.PeftModel.from_pretrained(_base(base), f).eval()
                                   for i, f in enumerate(folders)}}
-    expected = {}
-    with torch.no_grad():
-        for key, ref in refs.items():
-            expected[key] = [ref.generate(input_ids=torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False,
-                                          eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
-                             for p in prompts]
+    expected = greedy_references(refs, prompts, NEW_TOKENS)
     return request.param, base, folders, files, prompts, expected
 
 
