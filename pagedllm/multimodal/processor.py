@@ -114,7 +114,7 @@ class ImageProcessor:
         return self.process(text, images, add_special_tokens=False)
 
 
-def load_hf_processor(folder: Path):
+def load_hf_processor(folder: Path | str):
     """The folder's own transformers processor (`AutoProcessor`). transformers builds one that
     also takes videos (Qwen2.5-VL's) only where torchvision is installed, which has no CPU build
     beside a CPU torch on PyPI; images need none of it, so without torchvision such a processor
