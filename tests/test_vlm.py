@@ -258,3 +258,35 @@ def test_cli_chat_image_command(vlm, tmp_path):
     second = llm.chat(msgs, sp, use_tqdm=False).outputs[0].text
     assert f">>> {first}\n" in text and f">>> {second}\n" in text
     _clean(llm)
+
+
+def test_qwen2_5_vl_published_layout(vlm, tmp_path):
+    """Qwen2.5-VL as its checkpoints are published (written before transformers 5): the language
+    model's keys at the top of config.json with M-RoPE as rope_scaling {"type": "mrope"}, weights
+    named model.layers.* and visual.*. The same logits as the folder transformers 5 saves."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    family, path, _, _, _, cases, want_logits, _ = vlm
+    if family != "qwen2_5_vl":
+        pytest.skip("the older layout is Qwen2.5-VL's")
+    old = tmp_path / "published"
+    shutil.copytree(path, old)
+    cfg = json.loads((path / "config.json").read_text())
+    text = cfg.pop("text_config")
+    rope = text.pop("rope_parameters")
+    text.pop("model_type")
+    cfg.update(text, rope_theta=rope["rope_theta"],
+               rope_scaling={"type": "mrope", "mrope_section": rope["mrope_section"]})
+    (old / "config.json").write_text(json.dumps(cfg))
+    renamed = {k.replace("model.language_model.", "model.").replace("model.visual.", "visual."): v
+               for k, v in load_file(path / "model.safetensors").items()}
+    assert any(k.startswith("visual.") for k in renamed) and any(k.startswith("model.layers.") for k in renamed)
+    save_file(renamed, old / "model.safetensors", metadata={"format": "pt"})
+    llm = LLM(str(old), dtype="float32", kv_cache_memory_mb=16)
+    text, ims = cases[2]
+    got = llm.prompt_logits(llm.processor.process(text, ims))
+    assert (got - want_logits[2]).abs().max().item() < 1e-4
+    _clean(llm)
