@@ -432,6 +432,7 @@ def _mrope_positions(batch: list[ScheduledSeq], pos: np.ndarray, first) -> np.nd
 
 
 def _rope_shape(positions: torch.Tensor, plan: StepPlan) -> torch.Tensor:
+    """The uploaded rope positions as the model takes them: [3, T] for M-RoPE rows, else [T]."""
     return positions.view(3, -1) if plan.rope_pos is not None and plan.rope_pos.ndim == 2 else positions
 
 
