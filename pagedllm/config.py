@@ -65,6 +65,9 @@ class ModelConfig:
     # A vision-language model (pagedllm/multimodal): the whole config.json, whose text_config
     # the fields above were read from; None for a text-only model.
     vision: dict | None = None
+    # M-RoPE (Qwen2.5-VL): how many of the head's rope frequencies follow each of the
+    # (temporal, height, width) position streams; None: one position per token.
+    mrope_section: list[int] | None = None
 
     @property
     def all_layers_sliding(self) -> bool:
@@ -77,6 +80,9 @@ class ModelConfig:
             raise ValueError(
                 "config.json has no 'architectures' entry; cannot tell which model family to build"
             )
+        if isinstance(d.get("vision_config"), dict) and not isinstance(d.get("text_config"), dict):
+            # Qwen2.5-VL's configs as published keep the language model's keys at the top level.
+            d = {**d, "text_config": {k: v for k, v in d.items() if k != "vision_config"}}
         if isinstance(d.get("text_config"), dict) and isinstance(d.get("vision_config"), dict):
             # A vision-language model: its language model's config, under the VLM's architecture.
             # Top-level values the text config lacks (or that override it: tie_word_embeddings)
@@ -97,6 +103,13 @@ class ModelConfig:
         eos = d.get("eos_token_id")
         eos_ids = [] if eos is None else ([int(eos)] if isinstance(eos, int) else [int(e) for e in eos])
         rope_theta, rope_scaling = _rope(d, d.get("rope_theta"), d.get("rope_scaling"), "full_attention")
+        mrope_section = None
+        for rp in (d.get("rope_parameters"), d.get("rope_scaling")):
+            if isinstance(rp, dict) and rp.get("mrope_section"):
+                mrope_section = [int(x) for x in rp["mrope_section"]]
+                break
+        if (rope_scaling or {}).get("rope_type", (rope_scaling or {}).get("type")) == "mrope":
+            rope_scaling = None  # M-RoPE's frequencies are the default ones (mrope_section above)
         local_theta, local_scaling = None, None
         if "rope_local_base_freq" in d or _per_layer_type_rope(d):  # Gemma 3: sliding layers' own rope
             local_theta, local_scaling = _rope(d, d.get("rope_local_base_freq"), None, "sliding_attention")
@@ -133,6 +146,7 @@ class ModelConfig:
             final_logit_softcapping=d.get("final_logit_softcapping"),
             hidden_activation=d.get("hidden_activation") or d.get("hidden_act") or "silu",
             clip_qkv=d.get("clip_qkv"),
+            mrope_section=mrope_section,
             **moe,
         )
 

@@ -128,7 +128,8 @@ VLM_CHAT_TEMPLATE = (
     "{% endfor %}{% endif %}<end_of_turn>\n{% endfor %}"
     "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
 # Each family's image marker in a prompt (what its processor expands).
-VLM_MARKER = {"gemma3": "<start_of_image>", "idefics3": "<image>"}
+VLM_MARKER = {"gemma3": "<start_of_image>", "idefics3": "<image>",
+              "qwen2_5_vl": "<|vision_start|><|image_pad|><|vision_end|>"}
 
 
 def build_vlm_checkpoint(family: str, out: Path, tokenizer, seed: int = 0) -> Path:
@@ -139,6 +140,8 @@ def build_vlm_checkpoint(family: str, out: Path, tokenizer, seed: int = 0) -> Pa
 
     if family == "idefics3":
         return _build_idefics3(out, tokenizer, seed)
+    if family == "qwen2_5_vl":
+        return _build_qwen2_5_vl(out, tokenizer, seed)
     if family != "gemma3":
         raise ValueError(family)
     out.mkdir(parents=True, exist_ok=True)
@@ -210,6 +213,51 @@ def _build_idefics3(out: Path, tokenizer, seed: int) -> Path:
     with torch.no_grad():  # a connector of some size, so a misread one shows
         for name, p in model.named_parameters():
             if "connector" in name:
+                p.normal_(0, 0.3)
+    model.save_pretrained(out)
+    return out
+
+
+def _build_qwen2_5_vl(out: Path, tokenizer, seed: int) -> Path:
+    """Qwen2.5-VL's shape, small: a Qwen2 language model with M-RoPE (sections 2, 3, 3 of 8
+    frequencies), a vision transformer of 3 blocks (window attention over 56 px windows, block 1
+    full attention) over 14 px patches merged 2 x 2, images resized within 56..112 px a side
+    (4 to 16 tokens each, by their size). The folder holds what a real one does: weights,
+    config.json, preprocessor_config.json and the tokenizer with the vision tokens and the chat
+    template (no video processor: transformers builds that only with torchvision)."""
+    import json
+
+    import transformers as tf
+
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer.save_pretrained(out / "_tok")
+    tok = tf.AutoTokenizer.from_pretrained(out / "_tok")
+    marks = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+    tok.add_special_tokens({"additional_special_tokens": marks})
+    tok.chat_template = VLM_CHAT_TEMPLATE.replace("MARK", VLM_MARKER["qwen2_5_vl"])
+    tok = tf.AutoTokenizer.from_pretrained(_resave(tok, out / "_tok"))
+    tok.save_pretrained(out)
+    ip = tf.Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=112 * 112)
+    ip.save_pretrained(out)
+    pre = json.loads((out / "preprocessor_config.json").read_text())
+    pre.update(processor_class="Qwen2_5_VLProcessor", image_processor_type="Qwen2VLImageProcessor")
+    (out / "preprocessor_config.json").write_text(json.dumps(pre, indent=2))
+    ids = {m: tok.convert_tokens_to_ids(m) for m in marks}
+    text = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, rms_norm_eps=1e-5,
+                initializer_range=0.15, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]})
+    vision = dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=14, spatial_merge_size=2,
+                  temporal_patch_size=2, window_size=56, fullatt_block_indexes=[1], out_hidden_size=64,
+                  initializer_range=0.15)
+    cfg = tf.Qwen2_5_VLConfig(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
+                              video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
+                              vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = tf.Qwen2_5_VLForConditionalGeneration(cfg).eval()
+    with torch.no_grad():  # random q/k/v biases and merger, so a dropped or misread one shows
+        for name, p in model.named_parameters():
+            if name.endswith(("q_proj.bias", "k_proj.bias", "v_proj.bias")) or "merger" in name:
                 p.normal_(0, 0.3)
     model.save_pretrained(out)
     return out

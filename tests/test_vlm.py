@@ -1,11 +1,12 @@
 """Vision-language models (issue 29) against transformers: random-weight float32 Gemma 3
-(`Gemma3ForConditionalGeneration`) and SmolVLM / Idefics3 (`Idefics3ForConditionalGeneration`),
-each with its processor saved beside it, real Pillow images.
+(`Gemma3ForConditionalGeneration`), SmolVLM / Idefics3 (`Idefics3ForConditionalGeneration`) and
+Qwen2.5-VL (`Qwen2_5_VLForConditionalGeneration`: images at their own resolution, M-RoPE
+positions), each with its processor saved beside it, real Pillow images.
 
 The reference is transformers' own model and processor on the same folder: prefill logits
 (every position) and greedy tokens, with 1 to 3 images a prompt beside text-only prompts, with
 prefill chunks around the images (Gemma 3's stop before an image, whose tokens attend to each
-other both ways; Idefics3's cut through them), under preemption, and across two chat turns on
+other both ways; Idefics3's and Qwen2.5-VL's cut through them), under preemption, and across two chat turns on
 one image whose KV blocks the prefix cache serves again."""
 from __future__ import annotations
 
@@ -14,12 +15,20 @@ import torch
 
 from models import VLM_MARKER, build_vlm_checkpoint
 from pagedllm import LLM, SamplingParams
+from pagedllm.multimodal.processor import load_hf_processor
 
 pytest.importorskip("PIL")
 from PIL import Image  # noqa: E402
 
 NEW = 8
-REF = {"gemma3": "Gemma3ForConditionalGeneration", "idefics3": "Idefics3ForConditionalGeneration"}
+REF = {"gemma3": "Gemma3ForConditionalGeneration", "idefics3": "Idefics3ForConditionalGeneration",
+       "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}
+# Qwen2.5-VL: tokens of each test image, its sides rounded to 28 px within 56^2..112^2 pixels,
+# 14 px patches merged 2 x 2 (90x70 -> 84x56: 6; 50x130 -> 56x140: 10; 128x128 -> 112x112: 16;
+# 33x47 -> 56x84: 6).
+QWEN_TOKENS = [6, 10, 16, 6]
+# Step and encoder budgets of test_chunked_prefill_around_images.
+CHUNKED = {"gemma3": (20, 16), "idefics3": (48, 80), "qwen2_5_vl": (12, 16)}
 
 
 def _image(seed: int, w: int, h: int) -> Image.Image:
@@ -31,7 +40,7 @@ def _image(seed: int, w: int, h: int) -> Image.Image:
     return Image.fromarray((base + noise).clamp(0, 255).byte().numpy())
 
 
-@pytest.fixture(scope="module", params=["gemma3", "idefics3"])
+@pytest.fixture(scope="module", params=["gemma3", "idefics3", "qwen2_5_vl"])
 def vlm(request, tmp_path_factory, hf_smollm2_tokenizer):
     import transformers as tf
 
@@ -39,7 +48,9 @@ def vlm(request, tmp_path_factory, hf_smollm2_tokenizer):
     IMG = VLM_MARKER[family]
     path = build_vlm_checkpoint(family, tmp_path_factory.mktemp(family), hf_smollm2_tokenizer)
     ref = getattr(tf, REF[family]).from_pretrained(path, dtype=torch.float32).eval()
-    proc = tf.AutoProcessor.from_pretrained(path)
+    # Qwen2.5-VL's processor class also takes videos, which transformers builds only with
+    # torchvision: without it, the same class with the folder's image processor and tokenizer.
+    proc = load_hf_processor(path) if family == "qwen2_5_vl" else tf.AutoProcessor.from_pretrained(path)
     images = [_image(i, w, h) for i, (w, h) in enumerate([(90, 70), (50, 130), (128, 128), (33, 47)])]
     # (prompt, images): 1, 2 and 3 images, and text alone.
     cases = [(f"What is in {IMG} this picture? Say it briefly.", images[:1]),
@@ -73,7 +84,7 @@ def test_prefill_logits_and_greedy_tokens(vlm):
     """Every position's logits within 1e-4 of transformers (images' bidirectional attention
     included), and the same greedy tokens for the 1-, 2- and 3-image prompts batched with a
     text-only one; each image encoded once."""
-    family, path, _, _, _, cases, want_logits, want_tokens = vlm
+    family, path, _, _, images, cases, want_logits, want_tokens = vlm
     llm = LLM(str(path), dtype="float32", kv_cache_memory_mb=16)
     for (text, ims), want in zip(cases, want_logits):
         mm = llm.processor.process(text, ims)
@@ -82,6 +93,8 @@ def test_prefill_logits_and_greedy_tokens(vlm):
         sizes = [im.num_embeds for im in mm.images]
         if family == "gemma3":
             assert sizes == [16] * len(ims)
+        elif family == "qwen2_5_vl":  # each image at its own resolution
+            assert sizes == [QWEN_TOKENS[images.index(im)] for im in ims]
         else:
             assert all(n % 16 == 0 and n > 16 and n < im.length for n, im in zip(sizes, mm.images))
         got = llm.prompt_logits(mm)
@@ -99,11 +112,12 @@ def test_chunked_prefill_around_images(vlm):
     """A step budget a little over one image, and an encoder budget of one image a step.
     Gemma 3 (20 tokens, 16-token images): prefill chunks stop before an image and take each image
     whole in one chunk (its bidirectional attention needs all of it). Idefics3 (48 tokens,
-    80-token images): chunks cut through images, each taking its slice of the image's
-    embeddings. The same logits and tokens."""
+    80-token images) and Qwen2.5-VL (12 tokens, 6- to 16-token images, whose chunks after the
+    first image rotate by M-RoPE positions behind their token indices): chunks cut through
+    images, each taking its slice of the image's embeddings. The same logits and tokens."""
     family, path, _, _, _, cases, want_logits, want_tokens = vlm
-    size = 16 if family == "gemma3" else 80
-    llm = LLM(str(path), dtype="float32", kv_cache_memory_mb=16, max_num_batched_tokens=20 if family == "gemma3" else 48,
+    step, size = CHUNKED[family]
+    llm = LLM(str(path), dtype="float32", kv_cache_memory_mb=16, max_num_batched_tokens=step,
               max_num_encoder_tokens=size)
     eng = llm.engine
     chunks = []
@@ -139,7 +153,7 @@ def test_preemption(vlm):
     (their images from the encoder cache), with the same greedy tokens."""
     family, path, _, _, _, cases, _, want_tokens = vlm
     llm = LLM(str(path), dtype="float32", block_size=8, enable_prefix_caching=False,
-              **(dict(max_num_batched_tokens=32, kv_cache_context_len=96) if family == "gemma3" else
+              **(dict(max_num_batched_tokens=32, kv_cache_context_len=96) if family != "idefics3" else
                  dict(max_num_batched_tokens=96, kv_cache_context_len=420)))
     reqs = _reqs(cases) * 2
     outs = llm.generate(reqs, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True), use_tqdm=False)
@@ -152,8 +166,10 @@ def test_prefix_cache_two_turns_and_two_images(vlm):
     """A second chat turn on the same image reuses the first turn's KV blocks, image blocks
     included (hit rate shown); the same conversation about a different image shares only the
     text before the image. Both give transformers' tokens for their whole prompt."""
-    _, path, ref, proc, images, _, _, _ = vlm
+    family, path, ref, proc, images, _, _, _ = vlm
     llm = LLM(str(path), dtype="float32", block_size=8, kv_cache_memory_mb=16)
+    # Qwen2.5-VL's 90x70 image is 6 tokens: its largest test image (16) keeps the first turn long.
+    img, other = (images[2], images[0]) if family == "qwen2_5_vl" else (images[0], images[2])
 
     def turn1(img):
         return [{"role": "user", "content": [{"type": "text", "text": "Look at this:"},
@@ -171,7 +187,6 @@ def test_prefix_cache_two_turns_and_two_images(vlm):
         return [{**m, "content": [{"type": p["type"], **({"text": p["text"]} if "text" in p else {})}
                                   for p in m["content"]]} if isinstance(m["content"], list) else m for m in msgs]
 
-    img = images[0]
     first = llm.chat(turn1(img), GREEDY, use_tqdm=False)
     assert first.outputs[0].token_ids == ref_greedy(hf_msgs(turn1(img)), [img])
     conv = turn1(img) + [{"role": "assistant", "content": first.outputs[0].text},
@@ -188,7 +203,6 @@ def test_prefix_cache_two_turns_and_two_images(vlm):
     assert rate > 0.5
     assert second.outputs[0].token_ids == ref_greedy(hf_msgs(conv), [img])
     # The same words about another image: only the text before the image is shared.
-    other = images[2]
     third = llm.chat(turn1(other), GREEDY, use_tqdm=False)
     assert third.num_cached_tokens <= mm.images[0].offset
     assert third.outputs[0].token_ids == ref_greedy(hf_msgs(turn1(other)), [other])
@@ -243,4 +257,36 @@ def test_cli_chat_image_command(vlm, tmp_path):
     msgs += [{"role": "assistant", "content": first}, {"role": "user", "content": "And again?"}]
     second = llm.chat(msgs, sp, use_tqdm=False).outputs[0].text
     assert f">>> {first}\n" in text and f">>> {second}\n" in text
+    _clean(llm)
+
+
+def test_qwen2_5_vl_published_layout(vlm, tmp_path):
+    """Qwen2.5-VL as its checkpoints are published (written before transformers 5): the language
+    model's keys at the top of config.json with M-RoPE as rope_scaling {"type": "mrope"}, weights
+    named model.layers.* and visual.*. The same logits as the folder transformers 5 saves."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    family, path, _, _, _, cases, want_logits, _ = vlm
+    if family != "qwen2_5_vl":
+        pytest.skip("the older layout is Qwen2.5-VL's")
+    old = tmp_path / "published"
+    shutil.copytree(path, old)
+    cfg = json.loads((path / "config.json").read_text())
+    text = cfg.pop("text_config")
+    rope = text.pop("rope_parameters")
+    text.pop("model_type")
+    cfg.update(text, rope_theta=rope["rope_theta"],
+               rope_scaling={"type": "mrope", "mrope_section": rope["mrope_section"]})
+    (old / "config.json").write_text(json.dumps(cfg))
+    renamed = {k.replace("model.language_model.", "model.").replace("model.visual.", "visual."): v
+               for k, v in load_file(path / "model.safetensors").items()}
+    assert any(k.startswith("visual.") for k in renamed) and any(k.startswith("model.layers.") for k in renamed)
+    save_file(renamed, old / "model.safetensors", metadata={"format": "pt"})
+    llm = LLM(str(old), dtype="float32", kv_cache_memory_mb=16)
+    text, ims = cases[2]
+    got = llm.prompt_logits(llm.processor.process(text, ims))
+    assert (got - want_logits[2]).abs().max().item() < 1e-4
     _clean(llm)

@@ -1,7 +1,7 @@
 """Images through `pagedllm serve` (issue 29), driven by the real `openai` client: a data-URL
-image, an http URL and an allowed local file give the offline LLM's answer; bad images and
-places images may not come from are each a 400 that says what was wrong, and leave no KV block
-or request behind."""
+image, an http URL and an allowed local file give the offline LLM's answer (Gemma 3; Qwen2.5-VL
+for data URLs); bad images and places images may not come from are each a 400 that says what
+was wrong, and leave no KV block or request behind."""
 from __future__ import annotations
 
 import base64
@@ -144,6 +144,29 @@ def test_image_to_a_text_only_model_is_400(tmp_path_factory, hf_smollm2_tokenize
     try:
         c = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="x", max_retries=0, timeout=300)
         _bad(c, _messages(_data_url(_png(images[0]))), "text-only")
+        wait_idle(srv.get())
+    finally:
+        gen.close()
+
+
+def test_qwen2_5_vl_data_url_gives_the_offline_answer(tmp_path_factory, hf_smollm2_tokenizer):
+    """A Qwen2.5-VL folder served: two images of different sizes (so different token counts and
+    M-RoPE grids), each sent as a data URL by the openai client, get the offline LLM's answers."""
+    from pagedllm import LLM, SamplingParams
+
+    root = tmp_path_factory.mktemp("qwen-vl-serve")
+    path = build_vlm_checkpoint("qwen2_5_vl", root / "model", hf_smollm2_tokenizer)
+    images = [_image(10, 96, 80), _image(11, 60, 120)]
+    llm = LLM(str(path), dtype="float32", kv_cache_memory_mb=16)
+    sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    want = [llm.chat(_messages(_data_url(_png(im))), sp, use_tqdm=False).outputs[0].text for im in images]
+    assert want[0] != want[1], "the two images must lead to different answers"
+    del llm
+    gen = serving(tmp_path_factory, "qwen-vl-serve", [str(path), "--dtype", "float32", "--pa-gpu-mem", "16"])
+    srv = next(gen)
+    try:
+        c = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="x", max_retries=0, timeout=300)
+        assert [_ask(c, _messages(_data_url(_png(im)))) for im in images] == want
         wait_idle(srv.get())
     finally:
         gen.close()

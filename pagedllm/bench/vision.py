@@ -13,6 +13,7 @@ import time
 
 import torch
 
+from ..multimodal.processor import load_hf_processor
 from .common import machine_info, median_of_runs, write_json
 
 QUESTION = "What is in this picture?"
@@ -60,7 +61,8 @@ def _hf_ttft(ref, proc, msgs: list[dict], image) -> float:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="a vision-language model folder (Gemma 3, SmolVLM / Idefics3)")
+    p.add_argument("--model", required=True, help="a vision-language model folder (Gemma 3, SmolVLM / Idefics3, "
+                   "Qwen2.5-VL)")
     p.add_argument("--image-size", type=int, default=640, help="the random image's side in pixels")
     p.add_argument("--runs", type=int, default=3, help="repeat and report medians")
     p.add_argument("--dtype", default="float32")
@@ -79,10 +81,10 @@ def run(args: argparse.Namespace) -> dict:
     arch = llm.engine.model_config.architecture
     dtype = getattr(torch, args.dtype) if args.dtype != "auto" else torch.float32
     ref = getattr(tf, arch).from_pretrained(args.model, dtype=dtype).eval()
-    proc = tf.AutoProcessor.from_pretrained(args.model)
+    proc = load_hf_processor(args.model)  # AutoProcessor's (Qwen2.5-VL's without torchvision: images only)
     inner = ref.model
-    hooked = [getattr(inner, n) for n in ("vision_tower", "multi_modal_projector", "vision_model", "connector")
-              if hasattr(inner, n)]
+    hooked = [getattr(inner, n) for n in ("vision_tower", "multi_modal_projector", "vision_model", "connector",
+                                          "visual") if hasattr(inner, n)]
     hf_encoder = _Timer(*hooked)
     one = SamplingParams(max_tokens=1, temperature=0.0)
     stats = llm.engine.runner.encoder_stats

@@ -242,6 +242,8 @@ class LLMEngine:
             if mm.bidirectional and im.length > cfg.max_num_batched_tokens:
                 raise ValueError(f"an image of {im.length} tokens must be prefilled in one step, over "
                                  f"max_num_batched_tokens={cfg.max_num_batched_tokens}; raise it")
+        if getattr(self.model, "mrope", False) and mm.images:  # M-RoPE: the prompt's own positions
+            mm.rope_positions, mm.rope_delta = self.model.rope_index(mm)
         return mm
 
     def _score_prompt(self, seq: Sequence, first: int, logits: torch.Tensor) -> None:

@@ -54,6 +54,9 @@ class StepPlan:
     # queries. Empty for text-only steps (vision-language models do not run under tensor parallelism).
     images: list = field(default_factory=list)
     image_spans: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
+    # M-RoPE (Qwen2.5-VL): the rope positions where some differ from `pos`, [3, T] where a
+    # token's three streams differ (image tokens), else [T]; None: rotate by `pos`.
+    rope_pos: np.ndarray | None = None
 
 
 @dataclass
@@ -87,6 +90,9 @@ class ModelRunner:
         self.lora = None  # a LoRAManager (pagedllm/lora) when adapters are enabled, set by the engine
         self.encoder_cache = None  # a vision-language model's EncoderCache (pagedllm/multimodal)
         self.encoder_stats = {"images_encoded": 0, "encoder_s": 0.0}
+        # M-RoPE models rotate image prompts by positions of their own (StepPlan.rope_pos); for
+        # every other model the step's positions are the rope's, with no per-sequence look.
+        self.mrope = bool(getattr(model, "mrope", False))
         # Per-sequence rows kept between steps: block tables of every KV group (input_batch.py).
         self.batch = InputBatch(getattr(backend, "num_groups", 1))
         for i, attn in enumerate(model.attention_modules()):
@@ -169,6 +175,8 @@ class ModelRunner:
             qsl.append(qsl[-1] + n)
         plan = StepPlan(ids, pos, qsl, ctx_lens, num_decodes, seq_ids, logits_rows=logits_idx,
                         hidden_rows=hidden_idx, images=image_rows, image_spans=image_spans)
+        if self.mrope:
+            plan.rope_pos = _mrope_positions(batch, pos, first)
         if self.lora is not None:
             plan.lora_slots = self._lora_slots(batch, tok_items)
         if paged:
@@ -191,6 +199,8 @@ class ModelRunner:
         n = len(seqs)
         plan = StepPlan(ids, pos, list(range(n + 1)), [p + 1 for p in starts], n, [s.seq_id for s in seqs],
                         logits_rows=logits)
+        if self.mrope:
+            plan.rope_pos = _mrope_positions(batch, pos, range(n))
         if self.lora is not None:
             plan.lora_slots = self._lora_slots(batch, None)
         if paged:
@@ -244,16 +254,18 @@ class ModelRunner:
         meta = AttentionMetadata(num_decodes=plan.num_decodes, seq_ids=plan.seq_ids,
                                  query_start_loc=plan.query_start_loc, context_lens=plan.context_lens,
                                  image_spans=plan.image_spans or None)
+        rope = plan.pos if plan.rope_pos is None else plan.rope_pos.reshape(-1)
         if not self.backend.uses_block_tables:
-            input_ids, positions = self.upload.ints([plan.ids, plan.pos])
-            return input_ids, positions, meta
+            input_ids, positions = self.upload.ints([plan.ids, rope])
+            return input_ids, _rope_shape(positions, plan), meta
         extra = len(plan.group_slots)
         nd = plan.num_decodes
         # Decode rows are the first tokens and attend up to themselves: their lengths are pos + 1.
         dlens = plan.pos[:nd] + 1 if isinstance(plan.pos, np.ndarray) else plan.context_lens[:nd]
-        up = self.upload.ints([plan.ids, plan.pos, dlens, plan.slots, plan.tables,
+        up = self.upload.ints([plan.ids, rope, dlens, plan.slots, plan.tables,
                                *plan.group_slots, *plan.group_tables])
         input_ids, positions, meta.decode_context_lens, meta.slot_mapping, flat_tables = up[:5]
+        positions = _rope_shape(positions, plan)
         rows = len(plan.seq_ids)
         meta.block_tables = flat_tables.view(rows, plan.width)
         for g in range(extra):
@@ -399,6 +411,29 @@ class ModelRunner:
             return self.model(input_ids, positions, meta, **kw)
         finally:
             self.lora.state.clear()
+
+
+def _mrope_positions(batch: list[ScheduledSeq], pos: np.ndarray, first) -> np.ndarray | None:
+    """M-RoPE's rope positions of a step (`pos`: each token's index; `first`: each item's first
+    token in the flat batch): an image prompt's tokens take their rows of its position table
+    (multimodal/inputs.py), the rest their index. [T] where every token's three streams agree
+    (text, decodes), [3, T] where some differ (image tokens); None: the indices themselves."""
+    if all(it.seq.mm is None for it in batch):
+        return None
+    rope = np.broadcast_to(pos, (3, len(pos))).copy()
+    for it, f in zip(batch, first):
+        mm = it.seq.mm
+        if mm is not None and mm.rope_positions is not None:
+            start = it.seq.num_computed_tokens
+            rope[:, f:f + it.num_new_tokens] = mm.rope_rows(start, start + it.num_new_tokens)
+    if (rope[0] == rope[1]).all() and (rope[0] == rope[2]).all():
+        return rope[0]
+    return rope
+
+
+def _rope_shape(positions: torch.Tensor, plan: StepPlan) -> torch.Tensor:
+    """The uploaded rope positions as the model takes them: [3, T] for M-RoPE rows, else [T]."""
+    return positions.view(3, -1) if plan.rope_pos is not None and plan.rope_pos.ndim == 2 else positions
 
 
 KEEP_ROWS = ("entries", "logits")  # score kinds whose logits rows go to the engine whole

@@ -13,6 +13,7 @@ from .mixtral import MixtralForCausalLM
 from .olmoe import OlmoeForCausalLM
 from .phi3 import Phi3ForCausalLM
 from .qwen2 import Qwen2ForCausalLM
+from .qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
 from .qwen2_moe import Qwen2MoeForCausalLM
 from .qwen3 import Qwen3ForCausalLM
 from .qwen3_moe import Qwen3MoeForCausalLM
@@ -28,6 +29,7 @@ MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     # Vision-language models (pagedllm/multimodal)
     "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,
     "Idefics3ForConditionalGeneration": Idefics3ForConditionalGeneration,
+    "Qwen2_5_VLForConditionalGeneration": Qwen2_5_VLForConditionalGeneration,
     # Mixtures of experts (models/moe.py)
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,

@@ -88,3 +88,28 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     """x: [T, H, D] in the rotate-half layout."""
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class MRotaryEmbedding(RotaryEmbedding):
+    """M-RoPE (Qwen2.5-VL): each token has three positions, (temporal, height, width), and the
+    head's rope frequencies are cut into three sections (`sections`, counts of frequencies),
+    each rotated by its own stream. Positions [T] are one stream for all three (text: plain
+    rope, the same tables); positions [3, T] give each stream its own."""
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None,
+                 sections: list[int]) -> None:
+        if sum(sections) != head_dim // 2:
+            raise ValueError(f"mrope_section {sections} must add up to head_dim / 2 = {head_dim // 2} "
+                             "(rope frequencies per head)")
+        super().__init__(head_dim, max_positions, theta, scaling)
+        self.sections = list(sections)
+
+    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if positions.dim() == 1:
+            return super().lookup(positions, dtype)
+        out = []
+        for table in (self.cos, self.sin):
+            rows = table[positions]  # [3, T, D/2]: each stream's angles
+            parts = rows.split(self.sections, dim=-1)
+            out.append(torch.cat([p[i % 3] for i, p in enumerate(parts)], dim=-1).unsqueeze(1).to(dtype))
+        return out[0], out[1]

@@ -13,6 +13,7 @@ import bisect
 import hashlib
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 
@@ -52,6 +53,11 @@ class MultiModalInput:
     prompt: str | None = None  # the text the processor expanded, when there was one
     # Image tokens attend to their whole image (Gemma 3): a prefill chunk may then not end inside one.
     bidirectional: bool = False
+    # M-RoPE (Qwen2.5-VL): the prompt's (temporal, height, width) positions [3, prompt tokens],
+    # and what a token past the prompt adds to its index (positions go on from the largest + 1);
+    # None: one position per token, its index. Set by the engine from the model.
+    rope_positions: np.ndarray | None = None
+    rope_delta: int = 0
     _keys: dict[tuple[int, int], tuple[str, ...] | None] = field(default_factory=dict, repr=False)
 
     def overlapping(self, start: int, end: int) -> list[ImageItem]:
@@ -65,6 +71,16 @@ class MultiModalInput:
             hs = tuple(im.hash for im in self.overlapping(i * block_size, (i + 1) * block_size))
             self._keys[k] = hs or None
         return self._keys[k]
+
+    def rope_rows(self, start: int, end: int) -> np.ndarray:
+        """M-RoPE positions [3, end - start] of tokens [start, end): the prompt's from its table,
+        the generated ones' their index plus the delta (the same on a recompute)."""
+        table = self.rope_positions
+        k = max(start, min(end, table.shape[1]))
+        rows = np.empty((3, end - start), dtype=np.int64)
+        rows[:, :k - start] = table[:, start:k]
+        rows[:, k - start:] = np.arange(k, end) + self.rope_delta
+        return rows
 
     def spans(self, start: int, end: int) -> list[tuple[int, int]]:
         """[offset, end) of each image with tokens among the queries [start, end)."""

@@ -8,6 +8,7 @@ writes the prompt with one image marker per image, which the processor then expa
 """
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -23,17 +24,14 @@ _TEXT_KEYS = {"input_ids", "attention_mask", "token_type_ids", "mm_token_type_id
 
 class ImageProcessor:
     """`layout`: how the family's processor lays an image out (see `_items`): "runs" (one run of
-    placeholders per image, its tensors' first dimension one entry per image: Gemma 3) or
+    placeholders per image, its tensors' first dimension one entry per image: Gemma 3),
     "tiles" (Idefics3: an image is tiles, one run each, the last after a global-image token;
-    its tensors [1, tiles, ...])."""
+    its tensors [1, tiles, ...]) or "patches" (Qwen2.5-VL: one run per image; pixel_values is
+    every image's patches one after another, image_grid_thw [images, 3] says how many each)."""
 
     def __init__(self, folder: Path, image_token_id: int, bidirectional: bool, max_images: int,
                  layout: str = "runs") -> None:
-        try:
-            from transformers import AutoProcessor
-        except ImportError:
-            raise ValueError(f"this model takes images, which need transformers: {VISION_EXTRA}") from None
-        self.hf = AutoProcessor.from_pretrained(str(folder))
+        self.hf = load_hf_processor(folder)
         if getattr(self.hf, "image_processor", None) is None:
             raise ValueError(f"{folder} has no image processor config (preprocessor_config.json / "
                              "processor_config.json); a vision-language model folder needs its processor files")
@@ -45,6 +43,8 @@ class ImageProcessor:
         self.global_image_id = tok.convert_tokens_to_ids("<global-img>") if layout == "tiles" else None
         # What a prompt writes where an image goes (the processor expands it).
         self.marker = getattr(self.hf, "boi_token", None) or getattr(self.hf, "image_token", None)
+        if layout == "patches" and self.marker and "<|vision_start|>" in tok.get_vocab():
+            self.marker = f"<|vision_start|>{self.marker}<|vision_end|>"  # Qwen's chat template writes this
 
     def process(self, prompt: str, images: list, add_special_tokens: bool = True) -> MultiModalInput:
         """The prompt's ids with each image's placeholder run, and the images' tensors. The prompt
@@ -71,7 +71,7 @@ class ImageProcessor:
 
     def _items(self, ids: list[int], images: list, tensors: dict) -> list[ImageItem]:
         runs = _runs(ids, self.image_token_id)
-        if self.layout == "runs":
+        if self.layout in ("runs", "patches"):
             groups = [[r] for r in runs]
         else:  # tiles: an image's runs end with the one after its global-image token
             groups, cur = [], []
@@ -85,11 +85,16 @@ class ImageProcessor:
         if len(groups) != len(images):
             raise ValueError(f"the prompt has {len(groups)} image places after processing but {len(images)} "
                              f"images were given; write one {self.marker!r} per image")
-        items, tile = [], 0
+        items, tile, patch = [], 0, 0
         for i, (im, g) in enumerate(zip(images, groups)):
             a, b = g[0][0], g[-1][1]
             if self.layout == "runs":
                 pixels, pos = {k: v[i:i + 1] for k, v in tensors.items()}, None
+            elif self.layout == "patches":
+                grid = tensors["image_grid_thw"][i:i + 1]
+                n = int(grid.prod())
+                pixels, pos = {"pixel_values": tensors["pixel_values"][patch:patch + n], "image_grid_thw": grid}, None
+                patch += n
             else:
                 pixels = {k: v[:, tile:tile + len(g)] for k, v in tensors.items()}
                 pos = [p - a for r0, r1 in g for p in range(r0, r1)]
@@ -107,6 +112,56 @@ class ImageProcessor:
                                            **template_kwargs)
         # The template writes the special tokens (BOS) itself, as transformers' tokenize=True does.
         return self.process(text, images, add_special_tokens=False)
+
+
+def load_hf_processor(folder: Path | str):
+    """The folder's own transformers processor (`AutoProcessor`). transformers builds one that
+    also takes videos (Qwen2.5-VL's) only where torchvision is installed, which has no CPU build
+    beside a CPU torch on PyPI; images need none of it, so without torchvision such a processor
+    is built from the folder's image processor and tokenizer alone (the same class, its own
+    resizing, normalisation and placeholder expansion)."""
+    try:
+        import transformers as tf
+    except ImportError:
+        raise ValueError(f"this model takes images, which need transformers: {VISION_EXTRA}") from None
+    try:
+        return tf.AutoProcessor.from_pretrained(str(folder))
+    except ImportError as e:
+        if "torchvision" not in str(e).lower():
+            raise
+        name = _processor_class(Path(folder))
+        cls = getattr(tf, name, None) if name else None
+        if cls is None or "video_processor" not in cls.get_attributes():
+            raise ValueError(f"the processor of {folder} needs torchvision: {e}") from None
+        logger.info("%s without its video processor (no torchvision): images only", name)
+
+        class ImagesOnly(cls):
+            def check_argument_for_proper_class(self, argument_name, argument):
+                if argument_name == "video_processor" and argument is None:
+                    return None
+                return super().check_argument_for_proper_class(argument_name, argument)
+
+        tok = tf.AutoTokenizer.from_pretrained(str(folder))
+        return ImagesOnly(image_processor=tf.AutoImageProcessor.from_pretrained(str(folder)), tokenizer=tok,
+                          video_processor=None, chat_template=_chat_template(Path(folder), tok))
+
+
+def _processor_class(folder: Path) -> str | None:
+    for f in ("processor_config.json", "preprocessor_config.json"):
+        if (folder / f).is_file():
+            name = json.loads((folder / f).read_text()).get("processor_class")
+            if name:
+                return name
+    return None
+
+
+def _chat_template(folder: Path, tok) -> str | None:
+    """The processor's chat template (chat_template.jinja / .json), else the tokenizer's."""
+    if (folder / "chat_template.jinja").is_file():
+        return (folder / "chat_template.jinja").read_text()
+    if (folder / "chat_template.json").is_file():
+        return json.loads((folder / "chat_template.json").read_text()).get("chat_template")
+    return getattr(tok, "chat_template", None)
 
 
 def _hf_message(m: dict, images: list, policy: MediaPolicy | None) -> dict:
