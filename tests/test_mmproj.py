@@ -1,0 +1,230 @@
+"""llama.cpp's `--mmproj` files (issue 29, GGUF): a Gemma 3 vision-language model run from two
+GGUF files, the language model's and the multimodal projector's, both written by llama.cpp's own
+converter (convert_hf_to_gguf.py, and with --mmproj) from a random-weight float32 folder.
+
+The reference is transformers on that folder (and pagedllm on the folder): the same prompt ids
+and pixels from the processor made from the files' metadata, every position's prefill logits
+and the same greedy tokens, for 1 to 3 images a prompt batched with a text-only prompt, and a
+chat written by the chat template the text GGUF carries."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from llama_cpp_convert import convert
+from models import VLM_MARKER, build_vlm_checkpoint
+from pagedllm import LLM, SamplingParams
+
+gguf = pytest.importorskip("gguf")
+pytest.importorskip("PIL")
+from test_vlm import _image  # noqa: E402
+
+IMG = VLM_MARKER["gemma3"]
+NEW = 8
+# What a gemma3 GGUF can say about its language model: llama.cpp stores neither the layer types nor
+# query_pre_attn_scalar, and assumes one global layer in six and a scale of 1/sqrt(head_dim).
+GGUF_TEXT = dict(num_hidden_layers=6, query_pre_attn_scalar=16,
+                 layer_types=["sliding_attention"] * 5 + ["full_attention"])
+# Logits against transformers on the folder, by file type: f32 holds the folder's numbers (the
+# converter writes the projector's matrix in f16 whatever the type; the folder's is f16-exact).
+TOL = {"f32": 1e-4, "f16": 0.05}
+
+
+def _hub_layout(folder: Path) -> None:
+    """The folder's weights as the Hub's Gemma 3 files name them (vision_tower.vision_model.*:
+    what llama.cpp's converter reads; transformers 5 saves without vision_model), the input
+    projection rounded to f16 values (the converter always writes it as F16)."""
+    from safetensors.torch import load_file, save_file
+
+    f = folder / "model.safetensors"
+    sd = load_file(f)
+    out = {}
+    for k, v in sd.items():
+        if k.startswith("vision_tower.") and not k.startswith("vision_tower.vision_model."):
+            k = "vision_tower.vision_model." + k[len("vision_tower."):]
+        out[k] = v.half().float() if k.endswith("mm_input_projection_weight") else v
+    save_file(out, f, metadata={"format": "pt"})
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory, hf_smollm2_tokenizer, llama_cpp):
+    import transformers as tf
+
+    root = tmp_path_factory.mktemp("mmproj")
+    folder = build_vlm_checkpoint("gemma3", root / "hf", hf_smollm2_tokenizer, seed=3, text_overrides=GGUF_TEXT)
+    _hub_layout(folder)
+    files = {}
+    for kind in TOL:
+        text, proj = root / f"text-{kind}.gguf", root / f"mmproj-{kind}.gguf"
+        convert(llama_cpp, "convert_hf_to_gguf.py", "--outtype", kind, "--outfile", text, folder)
+        convert(llama_cpp, "convert_hf_to_gguf.py", "--mmproj", "--outtype", kind, "--outfile", proj, folder)
+        files[kind] = (text, proj)
+    ref = tf.Gemma3ForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
+    proc = tf.AutoProcessor.from_pretrained(folder)
+    images = [_image(i, w, h) for i, (w, h) in enumerate([(90, 70), (50, 130), (128, 128)])]
+    cases = [(f"What is in {IMG} this picture? Say it briefly.", images[:1]),
+             (f"Compare {IMG} with {IMG}, please.", images[1:3]),
+             (f"{IMG} first, {IMG} second and {IMG} third: which is brightest?", [images[2], images[0], images[1]]),
+             ("A question with no picture at all, just words.", [])]
+    inputs, want_logits, want_tokens = [], [], []
+    for text, ims in cases:
+        inp = proc(text=[text], images=[ims] if ims else None, return_tensors="pt")
+        with torch.no_grad():
+            want_logits.append(ref(**inp).logits[0])
+            out = ref.generate(**inp, max_new_tokens=NEW, do_sample=False, eos_token_id=None, pad_token_id=0)
+        inputs.append(inp)
+        want_tokens.append(out[0, inp["input_ids"].shape[1]:].tolist())
+    return folder, files, ref, proc, images, cases, inputs, want_logits, want_tokens
+
+
+GREEDY = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
+
+
+def _reqs(cases):
+    return [{"prompt": t, "multi_modal_data": {"image": ims}} if ims else t for t, ims in cases]
+
+
+def test_mmproj_tensors_are_the_folders(pair):
+    """Every tensor of the mmproj file, read back under its checkpoint name, equals transformers'
+    own weight (the f32 file: exactly, but for the projector's norm, which llama.cpp stores as
+    1 + weight: to float32's rounding there)."""
+    from pagedllm.loading.mmproj import read_mmproj
+
+    _, files, ref, *_ = pair
+    mm = read_mmproj(files["f32"][1])
+    want = {k.removeprefix("model."): v for k, v in ref.state_dict().items()
+            if "vision_tower" in k or "multi_modal_projector" in k}
+    got = dict(mm.tensors())
+    assert len(got) == mm.num_tensors() == len([k for k in want if ".head." not in k])
+    for name, t in got.items():
+        key = name.replace("vision_tower.vision_model.", "vision_tower.")
+        torch.testing.assert_close(t, want[key], rtol=0, atol=1e-7 if "norm" in name else 0, msg=name)
+
+
+@pytest.mark.parametrize("kind", list(TOL))
+def test_gguf_pair_matches_transformers(pair, kind):
+    """The text GGUF and its mmproj: the processor made from their metadata gives transformers'
+    ids and pixels; every position's logits within the file type's tolerance of transformers on
+    the folder, and (f32) the same greedy tokens for 1-, 2- and 3-image prompts batched with a
+    text-only one, as transformers and pagedllm on the folder give."""
+    folder, files, _, _, _, cases, inputs, want_logits, want_tokens = pair
+    text, proj = files[kind]
+    llm = LLM(str(text), mmproj=str(proj), dtype="float32", kv_cache_memory_mb=16)
+    assert llm.engine.model_config.architecture == "Gemma3ForConditionalGeneration"
+    worst = 0.0
+    for (prompt, ims), inp, want in zip(cases, inputs, want_logits):
+        mm = llm.processor.process(prompt, ims)
+        assert mm.prompt_token_ids == inp["input_ids"][0].tolist()
+        assert [im.num_embeds for im in mm.images] == [16] * len(ims)
+        if ims:
+            got_pixels = torch.cat([im.pixels["pixel_values"] for im in mm.images])
+            assert torch.equal(got_pixels, inp["pixel_values"])
+        got = llm.prompt_logits(mm)
+        worst = max(worst, (got - want).abs().max().item())
+    print(f"{kind} GGUF pair: prefill logits within {worst:.2e} of transformers (tolerance {TOL[kind]})")
+    assert worst < TOL[kind]
+    if kind != "f32":
+        return
+    assert len({tuple(t) for t in want_tokens}) > 1  # the prompts do lead to different answers
+    outs = llm.generate(_reqs(cases), GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == want_tokens
+    hf = LLM(str(folder), dtype="float32", kv_cache_memory_mb=16)  # the Hub-layout folder itself
+    assert [o.outputs[0].token_ids for o in hf.generate(_reqs(cases), GREEDY, use_tqdm=False)] == want_tokens
+    assert llm.engine.runner.encoder_stats["images_encoded"] == 3
+
+
+def test_gguf_pair_chat_uses_the_gguf_template(pair):
+    """A chat with an image part: the prompt is written by the text GGUF's chat template, and
+    the answer is transformers' for the folder's processor and template."""
+    _, files, ref, proc, images, *_ = pair
+    llm = LLM(str(files["f32"][0]), mmproj=str(files["f32"][1]), dtype="float32", kv_cache_memory_mb=16)
+    assert llm.tokenizer.chat_template == proc.chat_template
+    msgs = [{"role": "user", "content": [{"type": "text", "text": "Look at this:"},
+                                         {"type": "image", "image": images[1]},
+                                         {"type": "text", "text": "What colour dominates?"}]}]
+    got = llm.chat(msgs, GREEDY, use_tqdm=False)
+    text = proc.apply_chat_template([{"role": "user", "content": [{"type": "text", "text": "Look at this:"},
+                                                                  {"type": "image"},
+                                                                  {"type": "text", "text": "What colour dominates?"}]}],
+                                    add_generation_prompt=True, tokenize=False)
+    inp = proc(text=[text], images=[[images[1]]], return_tensors="pt", add_special_tokens=False)
+    assert got.prompt_token_ids == inp["input_ids"][0].tolist()
+    with torch.no_grad():
+        out = ref.generate(**inp, max_new_tokens=NEW, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert got.outputs[0].token_ids == out[0, inp["input_ids"].shape[1]:].tolist()
+
+
+def test_cli_mmproj_flag(pair):
+    """`--mmproj FILE` (llama-server's and mistral.rs's spelling) reaches the engine, in the
+    serve and the mistral.rs gguf forms."""
+    from pagedllm.cli.main import build_parser, engine_options
+
+    _, files, *_ = pair
+    text, proj = files["f32"]
+    argv = ["serve", "-m", str(text), "--mmproj", str(proj)]
+    args = build_parser(argv).parse_args(argv)
+    opts = engine_options(args, args.model)
+    assert opts.llm_kwargs()["mmproj"] == str(proj)
+    argv = ["gguf", "-m", str(text.parent), "-f", text.name, "--mmproj", str(proj), "--dtype", "float32"]
+    args = build_parser(argv).parse_args(argv)
+    from pagedllm.api import EngineOptions, gguf_source
+
+    model, gguf_file, tok = gguf_source(args.quantized_model_id, args.quantized_filename, args.tok_model_id)
+    opts = engine_options(args, model)
+    opts.gguf_file, opts.tokenizer = gguf_file, tok
+    llm = opts.load()
+    assert isinstance(opts, EngineOptions) and llm.processor is not None
+
+
+def _rewrite(src: Path, dst: Path, **changes) -> Path:
+    """A copy of an mmproj file with some metadata values (and, for projection_dim, a projector
+    matrix of that width: a consistent file from another model) replaced."""
+    r = gguf.GGUFReader(str(src))
+    w = gguf.GGUFWriter(str(dst), arch="clip")
+    for key, field in r.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        value = changes.get(key, field.contents())
+        vtype = field.types[0]
+        if vtype == gguf.GGUFValueType.ARRAY:
+            w.add_array(key, value)
+        else:
+            w.add_key_value(key, value, vtype)
+    for t in r.tensors:
+        data = t.data
+        if t.name == "mm.input_projection.weight" and "clip.vision.projection_dim" in changes:
+            import numpy as np
+
+            data = np.zeros((data.shape[0], changes["clip.vision.projection_dim"]), dtype=data.dtype)
+        w.add_tensor(t.name, data, raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
+
+
+def test_mmproj_refusals(pair, tmp_path, smollm2_gguf_path):
+    """An mmproj that cannot go with the model: each refused before any weight is read, with
+    both files named and what to do."""
+    folder, files, *_ = pair
+    text, proj = files["f32"]
+    other = _rewrite(proj, tmp_path / "mmproj-idefics3.gguf", **{"clip.projector_type": "idefics3"})
+    with pytest.raises(ValueError, match=r"projector type 'idefics3' \(clip.projector_type\) is not supported; "
+                                         r"supported: gemma3"):
+        LLM(str(text), mmproj=str(other), dtype="float32")
+    wide = _rewrite(proj, tmp_path / "mmproj-wide.gguf", **{"clip.vision.projection_dim": 128})
+    with pytest.raises(ValueError, match="mmproj-wide.gguf projects images to 128 dimensions but the language "
+                                         "model text-f32.gguf has hidden size 96"):
+        LLM(str(text), mmproj=str(wide), dtype="float32")
+    with pytest.raises(ValueError, match=f"mmproj-f32.gguf is a 'gemma3' projector, for a 'gemma3' language "
+                                         f"model, but {smollm2_gguf_path.name} is a 'llama' model"):
+        LLM(str(smollm2_gguf_path), mmproj=str(proj))
+    with pytest.raises(ValueError, match="general.architecture is 'gemma3'.*not an mmproj file"):
+        LLM(str(text), mmproj=str(text), dtype="float32")
+    with pytest.raises(ValueError, match="mmproj goes with a GGUF language model"):
+        LLM(str(folder), mmproj=str(proj), dtype="float32")
+    with pytest.raises(FileNotFoundError, match="mmproj file .* not found"):
+        LLM(str(text), mmproj=str(tmp_path / "nope.gguf"), dtype="float32")
