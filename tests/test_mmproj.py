@@ -198,26 +198,50 @@ def test_gguf_pair_chat_uses_the_gguf_template(pair):
     assert got.outputs[0].token_ids == out[0, inp["input_ids"].shape[1]:].tolist()
 
 
-def test_cli_mmproj_flag(pair):
-    """`--mmproj FILE` (llama-server's and mistral.rs's spelling) reaches the engine, in the
-    serve and the mistral.rs gguf forms."""
+def test_serve_mmproj_answers_an_image(pair, tmp_path_factory):
+    """`pagedllm serve TEXT.gguf --mmproj FILE` (llama-server's spelling): the openai client
+    sends a data-URL image and gets the offline chat's answer."""
+    import base64
+    import io
+
+    openai = pytest.importorskip("openai")
+    from test_server import serving
+
+    _, files, _, _, images, *_ = pair
+    text, proj = files["f32"]
+    buf = io.BytesIO()
+    images[1].save(buf, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    msgs = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                         {"type": "text", "text": "What is in this picture?"}]}]
+    llm = LLM(str(text), mmproj=str(proj), dtype="float32", kv_cache_memory_mb=16)
+    want = llm.chat(msgs, GREEDY, use_tqdm=False).outputs[0].text
+    started = serving(tmp_path_factory, "mmproj-serve", [str(text), "--mmproj", str(proj), "--dtype", "float32",
+                                                         "--pa-gpu-mem", "16"])
+    server = next(started)
+    try:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=300)
+        r = client.chat.completions.create(model=client.models.list().data[0].id, messages=msgs, max_tokens=NEW,
+                                           temperature=0.0, extra_body={"ignore_eos": True})
+        assert r.choices[0].message.content == want
+    finally:
+        started.close()
+
+
+def test_cli_mmproj_flag_in_the_mistralrs_gguf_form(pair):
+    """`gguf -m DIR -f FILE --mmproj FILE`: the flag reaches the engine in mistral.rs's form too."""
+    from pagedllm.api import gguf_source
     from pagedllm.cli.main import build_parser, engine_options
 
     _, files, *_ = pair
     text, proj = files["f32"]
-    argv = ["serve", "-m", str(text), "--mmproj", str(proj)]
-    args = build_parser(argv).parse_args(argv)
-    opts = engine_options(args, args.model)
-    assert opts.llm_kwargs()["mmproj"] == str(proj)
     argv = ["gguf", "-m", str(text.parent), "-f", text.name, "--mmproj", str(proj), "--dtype", "float32"]
     args = build_parser(argv).parse_args(argv)
-    from pagedllm.api import EngineOptions, gguf_source
-
     model, gguf_file, tok = gguf_source(args.quantized_model_id, args.quantized_filename, args.tok_model_id)
     opts = engine_options(args, model)
     opts.gguf_file, opts.tokenizer = gguf_file, tok
-    llm = opts.load()
-    assert isinstance(opts, EngineOptions) and llm.processor is not None
+    assert opts.llm_kwargs()["mmproj"] == str(proj)
+    assert opts.load().processor is not None
 
 
 def _rewrite(src: Path, dst: Path, **changes) -> Path:
