@@ -245,8 +245,11 @@ def test_cli_mmproj_flag_in_the_mistralrs_gguf_form(pair):
 
 
 def _rewrite(src: Path, dst: Path, **changes) -> Path:
-    """A copy of an mmproj file with some metadata values (and, for projection_dim, a projector
-    matrix of that width: a consistent file from another model) replaced."""
+    """A copy of an mmproj file with some metadata values replaced (and, for projection_dim, a
+    projector matrix of that width: a consistent file from another model; for
+    feed_forward_length, one layer's matrix of another: a corrupt file)."""
+    import numpy as np
+
     r = gguf.GGUFReader(str(src))
     w = gguf.GGUFWriter(str(dst), arch="clip")
     for key, field in r.fields.items():
@@ -261,9 +264,9 @@ def _rewrite(src: Path, dst: Path, **changes) -> Path:
     for t in r.tensors:
         data = t.data
         if t.name == "mm.input_projection.weight" and "clip.vision.projection_dim" in changes:
-            import numpy as np
-
             data = np.zeros((data.shape[0], changes["clip.vision.projection_dim"]), dtype=data.dtype)
+        if t.name == "v.blk.1.ffn_up.weight" and "clip.vision.feed_forward_length" in changes:
+            data = np.zeros((changes["clip.vision.feed_forward_length"] + 8, data.shape[1]), dtype=data.dtype)
         w.add_tensor(t.name, data, raw_dtype=t.tensor_type)
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -285,6 +288,9 @@ def test_mmproj_refusals(pair, tmp_path, smollm2_gguf_path):
     with pytest.raises(ValueError, match="mmproj-wide.gguf projects images to 128 dimensions but the language "
                                          "model text-f32.gguf has hidden size 96"):
         LLM(str(text), mmproj=str(wide), dtype="float32")
+    bad = _rewrite(proj, tmp_path / "mmproj-bad.gguf", **{"clip.vision.feed_forward_length": 64})
+    with pytest.raises(ValueError, match=r"vision tower does not fit its config: .*encoder.layers.1.mlp.fc1.weight"):
+        LLM(str(text), mmproj=str(bad), dtype="float32")
     with pytest.raises(ValueError, match=f"mmproj-f32.gguf is a 'gemma3' projector, for a 'gemma3' language "
                                          f"model, but {smollm2_gguf_path.name} is a 'llama' model"):
         LLM(str(smollm2_gguf_path), mmproj=str(proj))

@@ -80,7 +80,11 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
         tower_sd = _tower_layout(tower_sd, set(tower.state_dict()))
         for mod, sd, what in ((tower, tower_sd, "vision tower"), (projector, proj_sd, "projector")):
             sd = {k: v.to(device=device, dtype=dtype) for k, v in sd.items()}
-            missing, unexpected = mod.load_state_dict(sd, strict=False, assign=True)
+            try:
+                missing, unexpected = mod.load_state_dict(sd, strict=False, assign=True)
+            except RuntimeError as e:  # torch's "size mismatch for <name>: ..." lines
+                raise ValueError(f"checkpoint's {what} does not fit its config: "
+                                 f"{str(e).split(':', 1)[-1].strip()}") from None
             if missing or unexpected:
                 raise ValueError(f"checkpoint's {what} does not fit {self.config.architecture}: missing "
                                  f"{missing[:4]}, unexpected {unexpected[:4]}")
