@@ -161,10 +161,18 @@ class MMProj:
         return by_file
 
     def tensors(self, dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
-        """(checkpoint name, float tensor in transformers' orientation), one at a time."""
+        """(checkpoint name, float tensor in transformers' orientation), one at a time; the file
+        is unmapped after the last (each tensor is a copy), so its pages are not held twice."""
+        names = self.tensor_names()
+        yield from self._read(names, dtype)
+        try:
+            self._file.mm.close()
+        except BufferError:  # a view still alive somewhere: the mapping goes with it
+            pass
+
+    def _read(self, names: dict[str, str], dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
         import gguf
 
-        names = self.tensor_names()
         for t in self._file.tensors:
             try:
                 array = gguf.quants.dequantize(t.data, t.tensor_type)
