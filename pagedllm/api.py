@@ -153,6 +153,7 @@ class EngineOptions:
     allowed_local_media_path: str | None = None  # images may be read from files under this folder
     limit_mm_per_prompt: int | None = None  # images a prompt may hold (default 8)
     media_fetch_timeout: float | None = None  # seconds an image URL's fetch may take (default 10)
+    mmproj: str | None = None  # a GGUF model's vision tower and projector (llama.cpp's mmproj file)
 
     @classmethod
     def from_which(cls, which: Which.Plain | Which.GGUF, **kw: Any) -> "EngineOptions":
@@ -186,7 +187,7 @@ class EngineOptions:
                     "tensor_parallel_size": self.tensor_parallel_size, "task": self.task,
                     "allowed_local_media_path": self.allowed_local_media_path,
                     "limit_mm_per_prompt": self.limit_mm_per_prompt,
-                    "media_fetch_timeout": self.media_fetch_timeout}
+                    "media_fetch_timeout": self.media_fetch_timeout, "mmproj": self.mmproj}
         kw.update({k: v for k, v in optional.items() if v is not None})
         if self.isq:
             from .quant.isq import check_isq_type

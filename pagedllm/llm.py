@@ -130,7 +130,8 @@ class LLM:
                  speculative: dict | None = None, task: str = "auto", keep_float_head: bool = False,
                  enable_lora: bool = False, max_loras: int = 1, max_lora_rank: int = 16,
                  limit_mm_per_prompt: int = 8, allowed_local_media_path: str | None = None,
-                 max_num_encoder_tokens: int | None = None, media_fetch_timeout: float = 10.0) -> None:
+                 max_num_encoder_tokens: int | None = None, media_fetch_timeout: float = 10.0,
+                 mmproj: str | None = None) -> None:
         """`tensor_parallel_size=N` splits the model over N ranks (pagedllm/distributed): on one
         machine the engine starts N - 1 worker processes and splits the cores among the ranks;
         under torchrun the N ranks are torchrun's. Call `shutdown()` (or use `with LLM(...)`)
@@ -145,7 +146,9 @@ class LLM:
         Vision-language models (pagedllm/multimodal): `limit_mm_per_prompt` images a prompt at
         most, local image paths read only under `allowed_local_media_path`, and
         `max_num_encoder_tokens` image tokens encoded a step at most (None: max_num_batched_tokens);
-        an image URL's fetch takes at most `media_fetch_timeout` seconds."""
+        an image URL's fetch takes at most `media_fetch_timeout` seconds. `mmproj`: llama.cpp's
+        multimodal projector file for a GGUF `model` (its vision tower and projector; Gemma 3), as
+        llama-server's --mmproj."""
         from .multimodal.media import MediaPolicy
 
         self.media_policy = MediaPolicy(allowed_local_dir=allowed_local_media_path, timeout_s=media_fetch_timeout)
@@ -174,7 +177,7 @@ class LLM:
             isq = check_isq_type(isq)
         dev = resolve_device(device)
         dt = resolve_dtype(dtype, dev)
-        source = resolve(model, tokenizer, gguf_file)
+        source = resolve(model, tokenizer, gguf_file, mmproj)
         if max_model_len is not None:  # before the load: the config alone is cheap to read
             from .loading.loader import read_config
 
@@ -230,11 +233,14 @@ class LLM:
         self.tokenizer = loaded.tokenizer
         self.model_name = source.short_name
         if hasattr(loaded.model, "encode_images"):
-            from .multimodal.processor import ImageProcessor
+            from .multimodal.processor import ImageProcessor, gguf_processor
 
+            hf = None
+            if loaded.mmproj is not None:  # a GGUF model: its processor is made from the files' metadata
+                hf = gguf_processor(loaded.mmproj.image_settings(), loaded.tokenizer, loaded.config.vision)
             self.processor = ImageProcessor(source.path, loaded.model.image_token_id,
                                             loaded.model.bidirectional_images, sched_cfg.limit_images,
-                                            loaded.model.image_layout)
+                                            loaded.model.image_layout, hf=hf)
 
     def _prompt(self, p):
         """A prompt as the engine takes it: text or ids as they are; {"prompt": text,

@@ -81,3 +81,12 @@ def hf_smollm2_model(smollm2_gguf_path):
         str(smollm2_gguf_path.parent), gguf_file=smollm2_gguf_path.name, dtype=torch.float32
     )
     return model.eval()
+
+
+@pytest.fixture(scope="session")
+def llama_cpp(request, tmp_path_factory) -> Path:
+    """The folder of llama.cpp's converters (tests/llama_cpp_convert.py), fetched once into pytest's cache."""
+    from llama_cpp_convert import find_llama_cpp
+
+    cache = getattr(request.config, "cache", None)
+    return find_llama_cpp(Path(cache.mkdir("llama_cpp")) if cache else tmp_path_factory.mktemp("llama_cpp"))

@@ -132,10 +132,11 @@ VLM_MARKER = {"gemma3": "<start_of_image>", "idefics3": "<image>",
               "qwen2_5_vl": "<|vision_start|><|image_pad|><|vision_end|>"}
 
 
-def build_vlm_checkpoint(family: str, out: Path, tokenizer, seed: int = 0) -> Path:
+def build_vlm_checkpoint(family: str, out: Path, tokenizer, seed: int = 0, text_overrides: dict | None = None) -> Path:
     """A small random float32 vision-language model of `family` saved as a user's folder: the
     weights, config.json, and the processor (transformers' image processor and `tokenizer` with
-    the family's image tokens added), so AutoProcessor reads it back as it reads the real one."""
+    the family's image tokens added), so AutoProcessor reads it back as it reads the real one.
+    `text_overrides`: Gemma 3's language model config values to replace."""
     import transformers as tf
 
     if family == "idefics3":
@@ -162,6 +163,7 @@ def build_vlm_checkpoint(family: str, out: Path, tokenizer, seed: int = 0) -> Pa
                 layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
                 rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
                                  "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
+    text.update(text_overrides or {})
     # 112 px at 14 px patches: 8 x 8 patches, pooled 2 x 2 into 16 image tokens.
     vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                   image_size=112, patch_size=14)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from llama_cpp_convert import convert, find_llama_cpp
+from llama_cpp_convert import convert
 from models import build_checkpoint
 from pagedllm import LLM, LoRARequest, SamplingParams
 
@@ -28,12 +28,6 @@ ADAPTERS = [
 ]
 _GGUF_PART = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
               "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
-
-
-@pytest.fixture(scope="session")
-def llama_cpp(request, tmp_path_factory) -> Path:
-    cache = getattr(request.config, "cache", None)
-    return find_llama_cpp(Path(cache.mkdir("llama_cpp")) if cache else tmp_path_factory.mktemp("llama_cpp"))
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2"])

@@ -147,6 +147,9 @@ def _engine_flags(p: argparse.ArgumentParser, top: bool) -> None:
                         "disk when a request needs them (default 1)")
     g.add_argument("--max-lora-rank", type=int, metavar="R", default=d(None),
                    help="with --enable-lora: the highest adapter rank accepted (default 16)")
+    g.add_argument("--mmproj", metavar="FILE", default=d(None),
+                   help="a GGUF model's vision tower and projector: llama.cpp's multimodal projector file "
+                        "(convert_hf_to_gguf.py --mmproj; Gemma 3), as llama-server's --mmproj")
     g.add_argument("--allowed-local-media-path", metavar="DIR", default=d(None),
                    help="vision-language models: images may be read from local files under DIR "
                         "(image_url parts with a path or file:// URL); default: none")
@@ -395,7 +398,7 @@ def engine_options(args: argparse.Namespace, model: str | None = None) -> Engine
         speculative_tokens=args.speculative_tokens, task=args.task,
         enable_lora=bool(args.enable_lora), max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
         allowed_local_media_path=args.allowed_local_media_path, limit_mm_per_prompt=args.limit_mm_per_prompt,
-        media_fetch_timeout=args.media_fetch_timeout)
+        media_fetch_timeout=args.media_fetch_timeout, mmproj=args.mmproj)
 
 
 def _model_of(args: argparse.Namespace) -> str:

@@ -7,7 +7,7 @@ import os
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 from tqdm.auto import tqdm
@@ -47,6 +47,7 @@ class LoadedModel:
     # KV-cache scales the checkpoint carries (fp8 KV), by (layer, 0=K / 1=V / 2=both).
     kv_scales: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
     weights: WeightsInfo | None = None
+    mmproj: Any = None  # the MMProj (loading/mmproj.py) a GGUF model's vision tower came from
 
 
 def quantized_path(device: torch.device, dequantize_weights: bool) -> tuple[str | None, str]:
@@ -104,6 +105,7 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
     compressed-tensors checkpoint's float LM head stays float instead of HEAD_FORMAT."""
     qpath, qwhy = quantized_path(device, dequantize_weights)
     quantized: set[str] = set()
+    mmproj = None
     if source.kind == "gguf":
         if isq:
             raise ValueError(f"isq={isq!r} quantizes a safetensors model at load; {source.path.name} is a GGUF "
@@ -115,6 +117,9 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
         weights = ckpt.tensors(dtype, keep_quantized=qpath is not None)
         quantized = ckpt.quantized_names() if qpath is not None else set()
         total = len(ckpt.tensor_names())
+        if source.mmproj is not None:
+            mmproj, hf_config, weights = _with_mmproj(source, ckpt, hf_config, tokenizer, weights, dtype)
+            total += mmproj.num_tensors()
     else:
         hf_config = _read_json(source.path / "config.json")
         tokenizer = Tokenizer.from_pretrained_dir(source.tokenizer_dir or source.path)
@@ -170,7 +175,23 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
     info = _weights_info(model, qpath if quantized else None, qwhy)
     logger.info("loaded %s (%s, %d layers); weights: %s", source.name, cfg.architecture, cfg.num_layers,
                 info.summary())
-    return LoadedModel(model, cfg, tokenizer, source, info.resident_bytes, kv_scales, info)
+    return LoadedModel(model, cfg, tokenizer, source, info.resident_bytes, kv_scales, info, mmproj)
+
+
+def _with_mmproj(source: ModelSource, ckpt, text_config: dict, tokenizer: Tokenizer, weights, dtype: torch.dtype):
+    """A GGUF language model and llama.cpp's mmproj file as one vision-language model: the
+    mmproj (checked against the text model), the whole model's config, and the text weights
+    followed by the tower's and projector's under their checkpoint names."""
+    import itertools
+
+    from .mmproj import read_mmproj
+
+    mm = read_mmproj(source.mmproj)
+    mm.check_text_model(source.path, ckpt.arch, int(text_config["hidden_size"]))
+    config = mm.model_config(text_config, tokenizer.token_to_id)
+    logger.info("%s + %s: %s, %d image tokens an image", source.path.name, source.mmproj.name,
+                config["architectures"][0], config["mm_tokens_per_image"])
+    return mm, config, itertools.chain(weights, mm.tensors(dtype))
 
 
 def _quantized_checkpoint(qcfg: dict, files: list[Path], weights: Iterator[tuple[str, torch.Tensor]],

@@ -20,6 +20,7 @@ class ModelSource:
     path: Path  # the .gguf file or the model folder
     name: str  # what the user called it
     tokenizer_dir: Path | None = None  # optional override for GGUF files
+    mmproj: Path | None = None  # a GGUF model's vision tower and projector (llama.cpp's --mmproj file)
 
     @property
     def short_name(self) -> str:
@@ -45,7 +46,22 @@ def default_model_path() -> Path:
 
 
 def resolve(model: str | os.PathLike, tokenizer: str | os.PathLike | None = None,
-            gguf_file: str | None = None) -> ModelSource:
+            gguf_file: str | None = None, mmproj: str | os.PathLike | None = None) -> ModelSource:
+    source = _resolve(model, tokenizer, gguf_file)
+    if mmproj is not None:
+        path = Path(mmproj).expanduser()
+        if not path.is_file():
+            raise FileNotFoundError(f"mmproj file {path} not found (give the .gguf file llama.cpp's "
+                                    "convert_hf_to_gguf.py --mmproj wrote)")
+        if source.kind != "gguf":
+            raise ValueError(f"mmproj goes with a GGUF language model; {source.name} is a model folder, whose "
+                             "vision tower is in its own weights: drop mmproj")
+        source.mmproj = path
+    return source
+
+
+def _resolve(model: str | os.PathLike, tokenizer: str | os.PathLike | None,
+             gguf_file: str | None) -> ModelSource:
     name = str(model)
     tok_dir = Path(tokenizer) if tokenizer else None
     if name == "default":

@@ -56,7 +56,8 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
             for name, t in weights:
                 if name.startswith(_VISION_PREFIXES):
                     key = name.split("vision_tower.", 1)[1]
-                    if not key.startswith("head."):  # SigLIP's pooling head: Gemma 3 reads the patches
+                    # SigLIP's pooling head is left out: Gemma 3 reads the patches
+                    if not key.removeprefix("vision_model.").startswith("head."):
                         tower[key] = t
                 elif name.startswith(_PROJECTOR_PREFIXES):
                     projector[name.split("multi_modal_projector.", 1)[1]] = t
@@ -76,9 +77,14 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
         with torch.device("meta"):
             tower = tf.SiglipVisionModel(vcfg)
             projector = tf.models.gemma3.modeling_gemma3.Gemma3MultiModalProjector(full)
+        tower_sd = _tower_layout(tower_sd, set(tower.state_dict()))
         for mod, sd, what in ((tower, tower_sd, "vision tower"), (projector, proj_sd, "projector")):
             sd = {k: v.to(device=device, dtype=dtype) for k, v in sd.items()}
-            missing, unexpected = mod.load_state_dict(sd, strict=False, assign=True)
+            try:
+                missing, unexpected = mod.load_state_dict(sd, strict=False, assign=True)
+            except RuntimeError as e:  # torch's "size mismatch for <name>: ..." lines
+                raise ValueError(f"checkpoint's {what} does not fit its config: "
+                                 f"{str(e).split(':', 1)[-1].strip()}") from None
             if missing or unexpected:
                 raise ValueError(f"checkpoint's {what} does not fit {self.config.architecture}: missing "
                                  f"{missing[:4]}, unexpected {unexpected[:4]}")
@@ -99,3 +105,18 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
         pv = torch.cat([p["pixel_values"] for p in pixels]).to(self.norm.weight.device, dtype)
         feats = projector(tower(pixel_values=pv).last_hidden_state)
         return list(feats.to(dtype).unbind(0))
+
+
+def _tower_layout(sd: dict, keys: set[str]) -> dict:
+    """The tower's weights under the installed transformers' SigLIP names: the Hub's files (and
+    llama.cpp's mmproj, read back) say `vision_model.encoder...`, which transformers 5 loads
+    into a SiglipVisionModel that has no `vision_model` level (it renames on load); 4.x keeps it."""
+    out = {}
+    for k, v in sd.items():
+        if k not in keys:
+            if k.startswith("vision_model.") and k[len("vision_model."):] in keys:
+                k = k[len("vision_model."):]
+            elif "vision_model." + k in keys:
+                k = "vision_model." + k
+        out[k] = v
+    return out

@@ -30,8 +30,10 @@ class ImageProcessor:
     every image's patches one after another, image_grid_thw [images, 3] says how many each)."""
 
     def __init__(self, folder: Path, image_token_id: int, bidirectional: bool, max_images: int,
-                 layout: str = "runs") -> None:
-        self.hf = load_hf_processor(folder)
+                 layout: str = "runs", hf: Any = None) -> None:
+        """`hf`: the transformers processor when it does not come from `folder` (a GGUF model's,
+        `gguf_processor`)."""
+        self.hf = load_hf_processor(folder) if hf is None else hf
         if getattr(self.hf, "image_processor", None) is None:
             raise ValueError(f"{folder} has no image processor config (preprocessor_config.json / "
                              "processor_config.json); a vision-language model folder needs its processor files")
@@ -162,6 +164,33 @@ def _chat_template(folder: Path, tok) -> str | None:
     if (folder / "chat_template.json").is_file():
         return json.loads((folder / "chat_template.json").read_text()).get("chat_template")
     return getattr(tok, "chat_template", None)
+
+
+def gguf_processor(settings: dict[str, Any], tokenizer, config: dict[str, Any]) -> Any:
+    """transformers' own Gemma 3 processor for a GGUF language model and its mmproj file (no
+    folder): the image processor (a fixed-size resize and SigLIP's normalisation) set from the
+    mmproj's metadata (`settings`: image_size, image_mean, image_std), the GGUF's tokenizer
+    (pagedllm's, wrapped as a transformers tokenizer with the image tokens named) and chat
+    template. `config`: the model's transformers-style config, with the image tokens' ids."""
+    try:
+        import transformers as tf
+        from tokenizers import Tokenizer as HFTokenizer
+    except ImportError:
+        raise ValueError(f"this model takes images, which need transformers: {VISION_EXTRA}") from None
+    if config["architectures"][0] != "Gemma3ForConditionalGeneration":
+        raise ValueError(f"internal: no GGUF image processor for {config['architectures'][0]}")
+    names = {k: tokenizer.id_to_token(config[f"{k}_index"]) for k in ("boi_token", "eoi_token", "image_token")}
+    # A copy: the wrapper must not change the engine's own tokenizer (its post-processor adds BOS
+    # as the GGUF says, and the wrapper keeps it).
+    backend = HFTokenizer.from_str(tokenizer.backend.to_str())
+    hf_tok = tf.PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=tokenizer.bos_token,
+                                        eos_token=tokenizer.eos_token, unk_token=tokenizer.unk_token,
+                                        pad_token=tokenizer.pad_token, extra_special_tokens=names)
+    size = int(settings["image_size"])
+    images = tf.Gemma3ImageProcessor(size={"height": size, "width": size}, image_mean=settings["image_mean"],
+                                     image_std=settings["image_std"])
+    return tf.Gemma3Processor(image_processor=images, tokenizer=hf_tok, chat_template=tokenizer.chat_template,
+                              image_seq_length=int(config["mm_tokens_per_image"]))
 
 
 def _hf_message(m: dict, images: list, policy: MediaPolicy | None) -> dict:
