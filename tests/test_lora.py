@@ -210,3 +210,19 @@ def test_native_decode_stack_adds_the_deltas(family, monkeypatch):
             compared += 1
     assert compared > len(pairs) * NEW_TOKENS // 2
     assert len({tuple(t) for t, _ in stacked[:len(keys)]}) == len(keys)  # every adapter changes the tokens
+
+
+def test_chat_runs_the_adapter(family):
+    """`llm.chat(..., lora_request=)` runs the adapter, one for all conversations or one each (a
+    run on a real GGUF found the keyword went to the chat template as a variable, unused)."""
+    _, base, adapters, _, _, _ = family
+    llm = LLM(str(base), dtype="float32", kv_cache_memory_mb=16, enable_lora=True, max_loras=2, max_lora_rank=16)
+    msgs = [{"role": "user", "content": "Name three colours."}]
+    sp = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    ids = llm.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+    want = llm.generate([ids], sp, use_tqdm=False, lora_request=_req(adapters, 0))[0].token_ids
+    plain = llm.generate([ids], sp, use_tqdm=False)[0].token_ids
+    assert want != plain
+    assert llm.chat(msgs, sp, use_tqdm=False, lora_request=_req(adapters, 0)).token_ids == want
+    both = llm.chat([msgs, msgs], sp, use_tqdm=False, lora_request=[None, _req(adapters, 0)])
+    assert [o.token_ids for o in both] == [plain, want]
