@@ -345,7 +345,10 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
-             add_generation_prompt: bool = True, **template_kwargs) -> RequestOutput | list[RequestOutput]:
+             add_generation_prompt: bool = True, lora_request=None,
+             **template_kwargs) -> RequestOutput | list[RequestOutput]:
+        """`lora_request` as in `generate` (one for every conversation, or one per conversation);
+        other keywords go to the chat template."""
         single = bool(messages) and isinstance(messages[0], dict)
         convs = [messages] if single else messages
         if self.processor is not None:  # content parts may hold images: the processor's template
@@ -355,7 +358,7 @@ class LLM:
             prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt,
                                                           tokenize=True, **template_kwargs)
                        for c in convs]
-        outs = self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        outs = self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
         return outs[0] if single else outs
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[str]:

@@ -163,3 +163,66 @@ def test_refusals(tmp_path, family):
     with pytest.raises(ValueError, match="LoRA is not enabled"):
         plain.generate(prompts[0], sp, lora_request=_req(adapters, 0))
     assert not llm.engine.requests and not plain.engine.requests
+
+
+def test_native_decode_stack_adds_the_deltas(family, monkeypatch):
+    """On a quantized base (ISQ Q8_0), decode steps with adapter rows stay in the native
+    all-layer call, which adds the deltas: the logprobs of the per-layer path (the one checked
+    against peft above), with four adapters and the base mixed in one batch. The two paths round
+    activations to int8 at other points, so a greedy choice may flip where its top two are tied
+    within that noise; each sequence is compared up to such a flip."""
+    from pagedllm.quant import kernels as qk
+
+    if not qk.decode_layers_available():
+        pytest.skip("native CPU kernels not built here")
+    name, base, adapters, prompts, _, _ = family
+    llm = LLM(str(base), dtype="float32", isq="Q8_0", kv_cache_memory_mb=16, enable_lora=True, max_loras=4,
+              max_lora_rank=16)
+    keys = [None, 0, 1, 2, 3]
+    pairs = [(j, k) for j in range(len(prompts)) for k in keys]
+    ps, loras = [prompts[j] for j, _ in pairs], [_req(adapters, k) for _, k in pairs]
+    sp = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=5)
+
+    def run():
+        return [(o.token_ids, o.outputs[0].logprobs) for o in llm.generate(ps, sp, use_tqdm=False, lora_request=loras)]
+
+    real, stacked_steps = qk.decode_layers, []
+
+    def spy(*args, **kwargs):
+        stacked_steps.append(args[7] if len(args) > 7 else kwargs.get("lora"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(qk, "decode_layers", spy)
+    stacked = run()
+    assert any(lora is not None for lora in stacked_steps), f"{name}: adapter decode steps left the native stack"
+    monkeypatch.setattr(qk, "decode_layers_take_lora", lambda: False)  # adapter steps: the layers one by one
+    per_layer = run()
+    tol, compared = 0.15, 0  # the int8-rounding noise between the paths, on base rows too (Q8_0, hidden 64)
+    for (t1, lp1), (t2, lp2), (j, k) in zip(stacked, per_layer, pairs):
+        for step, (a, b) in enumerate(zip(lp1, lp2)):
+            if t1[step] != t2[step]:  # a flip: only between two choices tied within the noise
+                top = dict(a["top"])
+                assert t2[step] in top and top[t1[step]] - top[t2[step]] < 2 * tol, \
+                    f"{name} prompt {j} adapter {k} step {step}: the paths chose apart without a near-tie"
+                break
+            err = abs(a["logprob"] - b["logprob"])
+            assert err < tol, f"{name} prompt {j} adapter {k} step {step}: logprobs differ by {err}"
+            compared += 1
+    assert compared > len(pairs) * NEW_TOKENS // 2
+    assert len({tuple(t) for t, _ in stacked[:len(keys)]}) == len(keys)  # every adapter changes the tokens
+
+
+def test_chat_runs_the_adapter(family):
+    """`llm.chat(..., lora_request=)` runs the adapter, one for all conversations or one each (a
+    run on a real GGUF found the keyword went to the chat template as a variable, unused)."""
+    _, base, adapters, _, _, _ = family
+    llm = LLM(str(base), dtype="float32", kv_cache_memory_mb=16, enable_lora=True, max_loras=2, max_lora_rank=16)
+    msgs = [{"role": "user", "content": "Name three colours."}]
+    sp = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    ids = llm.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+    want = llm.generate([ids], sp, use_tqdm=False, lora_request=_req(adapters, 0))[0].token_ids
+    plain = llm.generate([ids], sp, use_tqdm=False)[0].token_ids
+    assert want != plain
+    assert llm.chat(msgs, sp, use_tqdm=False, lora_request=_req(adapters, 0)).token_ids == want
+    both = llm.chat([msgs, msgs], sp, use_tqdm=False, lora_request=[None, _req(adapters, 0)])
+    assert [o.token_ids for o in both] == [plain, want]

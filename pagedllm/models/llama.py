@@ -189,10 +189,11 @@ class LlamaForCausalLM(nn.Module):
         between them); None where that does not apply."""
         if h.dim() != 2 or h.shape[0] > qk.INT_ROWS:
             return None
-        # A step with adapter rows runs the layers one by one, where the projections add the
-        # deltas (the native stack has no place for them yet); base-only steps stay here.
+        lora = None
         if self.lora_state is not None and self.lora_state.active:
-            return None
+            if not qk.decode_layers_take_lora():  # a library built before: the layers one by one
+                return None
+            lora = self._stack_lora()
         plan = self._stack_plan()
         if plan is None:
             return None
@@ -200,7 +201,26 @@ class LlamaForCausalLM(nn.Module):
         if kv is None:
             return None
         a = self.layers[0].self_attn
-        return qk.decode_layers(h, plan, kv, rope, a.num_heads, a.num_kv_heads, a.scale)
+        return qk.decode_layers(h, plan, kv, rope, a.num_heads, a.num_kv_heads, a.scale, lora)
+
+    def _stack_lora(self) -> tuple:
+        """The adapter slots of every projection in `_decode_stack`'s order (A, B^T and B^T's
+        spans per projection and slot; None where that slot leaves the projection alone),
+        flattened again only when an adapter came or went, and the step's row groups."""
+        state = self.lora_state
+        cached = getattr(self, "_lora_flat", None)
+        if cached is None or cached[0] != state.version:
+            a, bt, spans, slots = [], [], [], 0
+            for layer in self.layers:
+                for p in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                          layer.mlp.down_proj):
+                    slots = len(p.lora.a)
+                    a += p.lora.a
+                    bt += p.lora.bt
+                    spans += p.lora.spans
+            cached = self._lora_flat = (state.version, a, bt, spans, slots)
+        _, a, bt, spans, slots = cached
+        return a, bt, spans, slots, [s for s, _ in state.groups], [rows for _, rows in state.groups]
 
     def _stack_plan(self) -> dict | None:
         """The flattened weights of `_decode_stack`, made once; None unless every layer is a

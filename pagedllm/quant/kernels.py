@@ -159,16 +159,33 @@ def decode_layers_available() -> bool:
     return ops is not None and hasattr(ops, "quant_decode_layers")
 
 
+def decode_layers_take_lora() -> bool:
+    """Whether the native all-layer decode adds LoRA deltas (a library built before does not)."""
+    ops = cpu_kernels()
+    return ops is not None and hasattr(ops, "quant_decode_layers") and _takes_lora(ops.quant_decode_layers)
+
+
+@lru_cache(maxsize=4)
+def _takes_lora(op) -> bool:
+    return "lora_bt" in str(op.default._schema)
+
+
 def decode_layers(h: torch.Tensor, plan: dict, kv, rope: tuple[torch.Tensor, torch.Tensor], num_heads: int,
-                  num_kv_heads: int, scale: float) -> torch.Tensor:
+                  num_kv_heads: int, scale: float, lora: tuple | None = None) -> torch.Tensor:
     """Every decoder layer of a decode-only step in one native call: per layer the fused
     projections of `plan` (the flattened quantized weights, norms and biases), rope, the paged
-    cache write and attention over `kv` (an attention.backend.DecodeStack, read here only)."""
+    cache write and attention over `kv` (an attention.backend.DecodeStack, read here only).
+    `lora`: (A per projection and slot, B^T likewise, B^T's nonzero column spans likewise, slots,
+    the step's group slots, their rows or None for all rows), the adapter rows' low-rank
+    products added to their projections."""
     cos, sin = rope
-    return cpu_kernels().quant_decode_layers(
+    op = cpu_kernels().quant_decode_layers
+    # (a library built before the LoRA arguments takes the base-only call)
+    extra = (*(lora or ([], [], [], 0, [], [])),) if lora is not None or _takes_lora(op) else ()
+    return op(
         h, plan["weights"], plan["types"], plan["parts"], plan["kdims"], plan["norms"], plan["eps"],
         plan["biases"], kv.k, kv.v, kv.windows, cos, sin, kv.slot_mapping, kv.block_tables, kv.context_lens,
-        num_heads, num_kv_heads, scale, _isa_id(None, h.shape[0]))
+        num_heads, num_kv_heads, scale, *extra, _isa_id(None, h.shape[0]))
 
 
 def embedding(w: QuantTensor, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

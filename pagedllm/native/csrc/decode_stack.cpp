@@ -4,28 +4,163 @@
 // o_proj + residual, gate|up with the post-attention norm and silu(gate) * up, down_proj +
 // residual), so the results are the same bits; what goes is the interpreter and dispatcher
 // work around 150 small calls a token, a large share of a batch-1 step on a 135M model.
+//
+// LoRA adapters (pagedllm/lora): a step whose rows use adapters passes, per projection and
+// slot, A [r', in] and B^T [r', out] with B^T's nonzero column spans, and the step's row groups
+// (a slot and its rows, or every row). Each projection with an adapter in a used slot adds, per
+// group, (x[rows] A^T) B^T to the float32 product of its normed input, before the bias, the
+// activation and the residual: where the Python path's LinearLoRA.add puts it.
 #include "isa.h"  // first: the library headers, and the level this object is compiled for
+#include "quant_common.h"
 
 namespace PAGEDLLM_ISA {
 
-at::Tensor quant_linear(const at::Tensor& x, at::TensorList ws, at::IntArrayRef types, int64_t k,
-                        const c10::optional<at::Tensor>& norm_weight, double eps,
-                        const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& residual,
-                        int64_t act, int64_t isa);
 at::Tensor paged_decode_qkv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
                             at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slot_mapping,
                             const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t hq,
                             int64_t hkv, double scale, int64_t window);
 
+namespace {
+
+// One adapter's rows of a step: which rows of x / y (all when `rows` is null), its weights.
+struct LoRAGroup {
+  const int64_t* rows;
+  int64_t nrows;
+  const at::Tensor* a;      // [r, K] in the model's dtype
+  const at::Tensor* bt;     // [r, N]
+  const int64_t* spans;     // [r, 2]: B^T row j is zero outside columns [spans[2j], spans[2j + 1])
+};
+
+template <typename T>
+inline float as_float(T v) { return static_cast<float>(v); }
+// bfloat16 is float32's top half: a shift, which the compiler vectorizes (c10's conversion it does not).
+template <>
+inline float as_float(c10::BFloat16 v) {
+  const uint32_t u = static_cast<uint32_t>(v.x) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+// t[i, j] = x[row i] . A[j] for one group, rows i in [0, nrows), ranks j in [j0, j1). Four rows
+// at a time: each load of A serves four dot products, in four independent accumulators.
+template <typename T>
+void lora_shrink(const float* x, int64_t K, const LoRAGroup& g, float* t, int64_t j0, int64_t j1) {
+  const T* a = g.a->data_ptr<T>();
+  const int64_t r = g.a->size(0);
+  auto row = [&](int64_t i) { return x + (g.rows ? g.rows[i] : i) * K; };
+  for (int64_t j = j0; j < j1; ++j) {
+    const T* aj = a + j * K;
+    int64_t i = 0;
+    for (; i + 4 <= g.nrows; i += 4) {
+      const float *x0 = row(i), *x1 = row(i + 1), *x2 = row(i + 2), *x3 = row(i + 3);
+      float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
+#pragma omp simd reduction(+ : s0, s1, s2, s3)
+      for (int64_t k = 0; k < K; ++k) {
+        const float w = as_float(aj[k]);
+        s0 += x0[k] * w;
+        s1 += x1[k] * w;
+        s2 += x2[k] * w;
+        s3 += x3[k] * w;
+      }
+      t[i * r + j] = s0;
+      t[(i + 1) * r + j] = s1;
+      t[(i + 2) * r + j] = s2;
+      t[(i + 3) * r + j] = s3;
+    }
+    for (; i < g.nrows; ++i) {
+      const float* xi = row(i);
+      float s = 0.f;
+#pragma omp simd reduction(+ : s)
+      for (int64_t k = 0; k < K; ++k) s += xi[k] * as_float(aj[k]);
+      t[i * r + j] = s;
+    }
+  }
+}
+
+// y[row i, o] += sum_j t[i, j] B^T[j, o] for output columns o in [o0, o1), inside each span.
+// 32 columns at a time, summed over the ranks in registers before y is touched once.
+template <typename T>
+void lora_expand(const float* t, float* y, int64_t N, const LoRAGroup& g, int64_t o0, int64_t o1) {
+  constexpr int64_t W = 32;
+  const T* bt = g.bt->data_ptr<T>();
+  const int64_t r = g.bt->size(0);
+  for (int64_t i = 0; i < g.nrows; ++i) {
+    float* yi = y + (g.rows ? g.rows[i] : i) * N;
+    const float* ti = t + i * r;
+    for (int64_t c = o0; c < o1; c += W) {
+      const int64_t ce = std::min(o1, c + W);
+      alignas(64) float acc[W] = {};
+      for (int64_t j = 0; j < r; ++j) {
+        const int64_t lo = std::max(c, g.spans[2 * j]), hi = std::min(ce, g.spans[2 * j + 1]);
+        if (lo >= hi) continue;
+        const float tj = ti[j];
+        const T* bj = bt + j * N;
+        if (lo == c && hi == c + W) {
+#pragma omp simd
+          for (int64_t u = 0; u < W; ++u) acc[u] += tj * as_float(bj[c + u]);
+        } else {
+          for (int64_t o = lo; o < hi; ++o) acc[o - c] += tj * as_float(bj[o]);
+        }
+      }
+      for (int64_t o = c; o < ce; ++o) yi[o] += acc[o - c];
+    }
+  }
+}
+
+template <typename T>
+void lora_add_groups(const at::Tensor& xin, at::Tensor& y, const std::vector<LoRAGroup>& groups) {
+  const int64_t K = xin.size(1), N = y.size(1);
+  const float* x = xin.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  std::vector<int64_t> t0{0};  // each group's offset in t
+  int64_t shrink_work = 0;
+  for (const auto& g : groups) {
+    t0.push_back(t0.back() + g.nrows * g.a->size(0));
+    shrink_work += g.nrows * g.a->size(0) * K;
+  }
+  std::vector<float> t(t0.back());
+  // The shrink reads A once per group; at decode sizes it is a few microseconds, less than
+  // waking the other threads, so only a wide step splits it (by group and rank).
+  if (shrink_work < (1 << 17)) {
+    for (size_t gi = 0; gi < groups.size(); ++gi)
+      lora_shrink<T>(x, K, groups[gi], t.data() + t0[gi], 0, groups[gi].a->size(0));
+  } else {
+    std::vector<std::pair<size_t, int64_t>> units;  // (group, rank)
+    for (size_t gi = 0; gi < groups.size(); ++gi)
+      for (int64_t j = 0; j < groups[gi].a->size(0); ++j) units.emplace_back(gi, j);
+    at::parallel_for(0, static_cast<int64_t>(units.size()), 1, [&](int64_t b, int64_t e) {
+      for (int64_t u = b; u < e; ++u) {
+        const auto [gi, j] = units[u];
+        lora_shrink<T>(x, K, groups[gi], t.data() + t0[gi], j, j + 1);
+      }
+    });
+  }
+  // The expand streams B^T: the threads split the output columns, 64 at a time.
+  at::parallel_for(0, (N + 63) / 64, 1, [&](int64_t b, int64_t e) {
+    const int64_t o0 = b * 64, o1 = std::min(N, e * 64);  // (chunks of 64: the 32-wide tiles stay whole)
+    for (size_t gi = 0; gi < groups.size(); ++gi) lora_expand<T>(t.data() + t0[gi], yp, N, groups[gi], o0, o1);
+  });
+}
+
+}  // namespace
+
 // Per layer l, projection j (0 q|k|v, 1 o, 2 gate|up, 3 down): parts[4 l + j] weight parts in
 // `weights` / `types` (in order), row length kdims[4 l + j], bias biases[4 l + j]; norms[2 l]
-// and norms[2 l + 1] the input and post-attention RMSNorm weights.
+// and norms[2 l + 1] the input and post-attention RMSNorm weights. LoRA: lora_a, lora_bt,
+// lora_spans hold slot s of projection j at j * lora_slots + s (None: no adapter there);
+// group g of the step uses slot group_slots[g] on the rows group_rows[g] (None: every row).
 at::Tensor quant_decode_layers(const at::Tensor& h0, at::TensorList weights, at::IntArrayRef types,
                                at::IntArrayRef parts, at::IntArrayRef kdims, at::TensorList norms, double eps,
                                const c10::List<c10::optional<at::Tensor>>& biases, at::TensorList k_caches,
                                at::TensorList v_caches, at::IntArrayRef windows, const at::Tensor& cos,
                                const at::Tensor& sin, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
-                               const at::Tensor& context_lens, int64_t hq, int64_t hkv, double scale, int64_t isa) {
+                               const at::Tensor& context_lens, int64_t hq, int64_t hkv, double scale,
+                               const c10::List<c10::optional<at::Tensor>>& lora_a,
+                               const c10::List<c10::optional<at::Tensor>>& lora_bt,
+                               const c10::List<c10::optional<at::Tensor>>& lora_spans, int64_t lora_slots,
+                               at::IntArrayRef group_slots, const c10::List<c10::optional<at::Tensor>>& group_rows,
+                               int64_t isa) {
   const int64_t layers = static_cast<int64_t>(k_caches.size());
   TORCH_CHECK(layers > 0 && static_cast<int64_t>(v_caches.size()) == layers &&
                   static_cast<int64_t>(windows.size()) == layers && static_cast<int64_t>(parts.size()) == 4 * layers &&
@@ -36,15 +171,67 @@ at::Tensor quant_decode_layers(const at::Tensor& h0, at::TensorList weights, at:
   int64_t total = 0;
   for (int64_t p : parts) total += p;
   TORCH_CHECK(total == static_cast<int64_t>(weights.size()), "quant_decode_layers: parts do not cover the weights");
+  const int64_t S = lora_slots;
+  const bool lora = S > 0 && !group_slots.empty();
+  TORCH_CHECK(!lora || (static_cast<int64_t>(lora_a.size()) == 4 * layers * S && lora_bt.size() == lora_a.size() &&
+                        lora_spans.size() == lora_a.size() && group_rows.size() == group_slots.size()),
+              "quant_decode_layers: LoRA lists of inconsistent lengths");
+  const int64_t M = h0.size(0);
+  // The step's rows per group, checked once.
+  std::vector<at::Tensor> rows(group_slots.size());
+  for (size_t g = 0; g < group_slots.size(); ++g) {
+    TORCH_CHECK(group_slots[g] >= 0 && group_slots[g] < S, "quant_decode_layers: LoRA slot out of range");
+    const c10::optional<at::Tensor> r = group_rows.get(g);
+    if (r.has_value()) {
+      rows[g] = r->to(at::kLong).contiguous();
+      TORCH_CHECK(rows[g].numel() == 0 || (rows[g].min().item<int64_t>() >= 0 && rows[g].max().item<int64_t>() < M),
+                  "quant_decode_layers: LoRA rows out of range");
+    }
+  }
   at::Tensor h = h0;
   int64_t w0 = 0;
   auto proj = [&](int64_t j, const at::Tensor& x, const c10::optional<at::Tensor>& norm,
                   const c10::optional<at::Tensor>& residual, int64_t act) {
     const int64_t n = parts[j];
-    at::Tensor y = quant_linear(x, weights.slice(w0, n), types.slice(w0, n), kdims[j], norm, eps,
-                                biases.get(j), residual, act, isa);
+    at::TensorList ws = weights.slice(w0, n);
+    at::IntArrayRef ts = types.slice(w0, n);
     w0 += n;
-    return y;
+    std::vector<at::Tensor> held;  // the optionals' tensors, alive while the groups point at them
+    std::vector<LoRAGroup> groups;
+    if (lora) {
+      held.reserve(3 * group_slots.size());
+      for (size_t g = 0; g < group_slots.size(); ++g) {
+        const int64_t at_ = j * S + group_slots[g];
+        const c10::optional<at::Tensor> a = lora_a.get(at_);
+        if (!a.has_value()) continue;
+        held.push_back(*a);
+        held.push_back(*lora_bt.get(at_));
+        held.push_back(*lora_spans.get(at_));
+        const at::Tensor& A = held[held.size() - 3];
+        const at::Tensor& BT = held[held.size() - 2];
+        const at::Tensor& SP = held.back();
+        TORCH_CHECK(A.dim() == 2 && A.size(1) == kdims[j] && A.is_contiguous() && BT.dim() == 2 &&
+                        BT.size(0) == A.size(0) && BT.is_contiguous() && BT.scalar_type() == A.scalar_type() &&
+                        SP.scalar_type() == at::kLong && SP.numel() == 2 * A.size(0) && SP.is_contiguous(),
+                    "quant_decode_layers: LoRA weights of projection ", j, " are not [r, in], [r, out], [r, 2]");
+        const bool all = !rows[g].defined();
+        groups.push_back({all ? nullptr : rows[g].data_ptr<int64_t>(), all ? M : rows[g].numel(), &A, &BT,
+                          SP.data_ptr<int64_t>()});
+      }
+    }
+    if (groups.empty())
+      return quant_linear_hooked(x, ws, ts, kdims[j], norm, eps, biases.get(j), residual, act, isa, nullptr);
+    const LinearHook hook = [&](const at::Tensor& xin, at::Tensor& y) {
+      TORCH_CHECK(groups[0].bt->size(1) == y.size(1), "quant_decode_layers: LoRA B of projection ", j,
+                  " has ", groups[0].bt->size(1), " outputs; the projection has ", y.size(1));
+      switch (groups[0].a->scalar_type()) {
+        case at::kFloat: lora_add_groups<float>(xin, y, groups); break;
+        case at::kBFloat16: lora_add_groups<c10::BFloat16>(xin, y, groups); break;
+        case at::kHalf: lora_add_groups<c10::Half>(xin, y, groups); break;
+        default: TORCH_CHECK(false, "quant_decode_layers: LoRA weights must be float32, bfloat16 or float16");
+      }
+    };
+    return quant_linear_hooked(x, ws, ts, kdims[j], norm, eps, biases.get(j), residual, act, isa, &hook);
   };
   for (int64_t l = 0; l < layers; ++l) {
     const at::Tensor qkv = proj(4 * l, h, norms[2 * l], c10::nullopt, 0);
@@ -61,7 +248,8 @@ PAGEDLLM_REGISTER(decode_stack) {
   m.def("quant_decode_layers(Tensor h, Tensor[] weights, int[] types, int[] parts, int[] kdims, Tensor[] norms, "
         "float eps, Tensor?[] biases, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, int[] windows, Tensor cos, "
         "Tensor sin, Tensor slot_mapping, Tensor block_tables, Tensor context_lens, int hq, int hkv, float scale, "
-        "int isa) -> Tensor", &quant_decode_layers);
+        "Tensor?[] lora_a, Tensor?[] lora_bt, Tensor?[] lora_spans, int lora_slots, int[] group_slots, "
+        "Tensor?[] group_rows, int isa) -> Tensor", &quant_decode_layers);
 }
 
 }  // namespace PAGEDLLM_ISA

@@ -526,4 +526,12 @@ void check_packed(const at::Tensor& w, int64_t type, int64_t k);
 void packed_matmul(int64_t type, int64_t isa, const uint8_t* w, int64_t gb, int64_t g0, int64_t g1, const QAct& x,
                    float* y, int64_t ldy);
 }  // namespace pq
+
+// quant_linear with a hook between the product and the epilogue (quant_kernels.cpp): it gets the
+// normed input and the float32 product [M, N], and may add to the product in place.
+using LinearHook = std::function<void(const at::Tensor& xin, at::Tensor& y)>;
+at::Tensor quant_linear_hooked(const at::Tensor& x, at::TensorList ws, at::IntArrayRef types, int64_t k,
+                               const c10::optional<at::Tensor>& norm_weight, double eps,
+                               const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& residual,
+                               int64_t act, int64_t isa, const LinearHook* hook);
 }  // namespace PAGEDLLM_ISA

@@ -409,10 +409,12 @@ at::Tensor epilogue(const at::Tensor& y, const c10::optional<at::Tensor>& bias,
 // quant_matmul with what surrounds a projection in a decoder layer folded in: an RMSNorm of x
 // before it, a bias, silu(gate) * up over the two halves (act = 1), and a residual added after.
 // Output in x's dtype: [M, N], or [M, N / 2] with act = 1.
-at::Tensor quant_linear(const at::Tensor& x, at::TensorList ws, at::IntArrayRef types, int64_t k,
-                        const c10::optional<at::Tensor>& norm_weight, double eps,
-                        const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& residual,
-                        int64_t act, int64_t isa) {
+// `hook` (decode_stack.cpp's LoRA deltas) sees the normed input as float32 and may add to the
+// float32 product before the epilogue, where the Python path adds a layer's deltas.
+at::Tensor quant_linear_hooked(const at::Tensor& x, at::TensorList ws, at::IntArrayRef types, int64_t k,
+                               const c10::optional<at::Tensor>& norm_weight, double eps,
+                               const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& residual,
+                               int64_t act, int64_t isa, const LinearHook* hook) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) == k, "x must be [M, ", k, "]");
   TORCH_CHECK(act == 0 || act == 1, "act must be 0 (none) or 1 (silu(gate) * up)");
   at::Tensor xin = x;
@@ -429,7 +431,8 @@ at::Tensor quant_linear(const at::Tensor& x, at::TensorList ws, at::IntArrayRef 
       default: TORCH_CHECK(false, "quant_linear: x must be float32, bfloat16 or float16");
     }
   }
-  const auto y = quant_matmul(xin, ws, types, k, isa);
+  auto y = quant_matmul(xin, ws, types, k, isa);
+  if (hook != nullptr) (*hook)(xin.scalar_type() == at::kFloat ? xin.contiguous() : xin.to(at::kFloat).contiguous(), y);
   const int64_t n = y.size(1);
   TORCH_CHECK(act == 0 || n % 2 == 0, "silu(gate) * up needs an even width");
   if (bias.has_value()) TORCH_CHECK(bias->numel() == n && bias->scalar_type() == x.scalar_type(), "bias must be [", n, "] in x's dtype");
@@ -442,6 +445,13 @@ at::Tensor quant_linear(const at::Tensor& x, at::TensorList ws, at::IntArrayRef 
     case at::kHalf: return epilogue<c10::Half>(y, bias, residual, act, x.options());
     default: TORCH_CHECK(false, "quant_linear: x must be float32, bfloat16 or float16");
   }
+}
+
+at::Tensor quant_linear(const at::Tensor& x, at::TensorList ws, at::IntArrayRef types, int64_t k,
+                        const c10::optional<at::Tensor>& norm_weight, double eps,
+                        const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& residual,
+                        int64_t act, int64_t isa) {
+  return quant_linear_hooked(x, ws, types, k, norm_weight, eps, bias, residual, act, isa, nullptr);
 }
 
 namespace pq {
