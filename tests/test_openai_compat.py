@@ -460,7 +460,9 @@ def test_gone_clients_cost_the_next_request_nothing(server):
         raise AssertionError("no token")
 
     async def quitter(ac: httpx.AsyncClient, i: int) -> None:
-        body = {"model": "default", "messages": [{"role": "user", "content": f"{i}: " + LONG[: 100 + i]}],
+        # Short, distinct prompts: a quitter's prefill is the test's cost, and its length proves
+        # nothing (200 of them, over 12x the server's 16 slots, is what loads the abort path).
+        body = {"model": "default", "messages": [{"role": "user", "content": f"{i}: " + LONG[: 24 + i % 24]}],
                 "max_tokens": 300, "stream": True}
         async with ac.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
             async for line in r.aiter_lines():

@@ -226,24 +226,10 @@ def test_max_completion_tokens_and_logprobs(client):
     assert "".join(t.token for t in content) == r.choices[0].message.content
 
 
-@pytest.fixture(scope="module")
-def exact_server(tmp_path_factory, smollm2_gguf_path):
-    """A server on dequantized float32 weights: logprobs compared with transformers to 2e-3 need
-    the weights transformers uses, not the quantized GGUF blocks the default server keeps."""
-    yield from serving(tmp_path_factory, "exact", ["--dtype", "float32", "--dequantize-weights",
-                                                   "--pa-gpu-mem", "256", "--max-model-len", "1024"])
-
-
-@pytest.fixture
-def exact_client(exact_server):
-    srv = exact_server.get()
-    return openai.OpenAI(base_url=f"{srv.url}/v1", api_key="none", max_retries=0, timeout=120)
-
-
-def test_echo_logprobs_equal_transformers_log_softmax(exact_client, hf_smollm2_model, hf_smollm2_tokenizer):
+def test_echo_logprobs_equal_transformers_log_softmax(client, hf_smollm2_model, hf_smollm2_tokenizer):
+    """The module's server runs dequantized float32 weights: logprobs compared with transformers
+    to 2e-3 need the weights transformers uses, not the quantized GGUF blocks a default server keeps."""
     import torch
-
-    client = exact_client
 
     text = "The quick brown fox jumps over the lazy dog. Paris is the capital of"
     ids = hf_smollm2_tokenizer(text, add_special_tokens=False)["input_ids"]
