@@ -183,8 +183,12 @@ def test_native_decode_stack_adds_the_deltas(family, monkeypatch):
     ps, loras = [prompts[j] for j, _ in pairs], [_req(adapters, k) for _, k in pairs]
     sp = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=5)
 
+    # The mixed batch (groups of several rows), then one adapter row alone (the one-row kernels).
+    batches = [(ps, loras, pairs), ([prompts[0]], [_req(adapters, 1)], [(0, 1)])]
+
     def run():
-        return [(o.token_ids, o.outputs[0].logprobs) for o in llm.generate(ps, sp, use_tqdm=False, lora_request=loras)]
+        return [[(o.token_ids, o.outputs[0].logprobs) for o in llm.generate(p, sp, use_tqdm=False, lora_request=lr)]
+                for p, lr, _ in batches]
 
     real, stacked_steps = qk.decode_layers, []
 
@@ -193,12 +197,13 @@ def test_native_decode_stack_adds_the_deltas(family, monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(qk, "decode_layers", spy)
-    stacked = run()
+    stacked_runs = run()
     assert any(lora is not None for lora in stacked_steps), f"{name}: adapter decode steps left the native stack"
     monkeypatch.setattr(qk, "decode_layers_take_lora", lambda: False)  # adapter steps: the layers one by one
-    per_layer = run()
+    per_layer_runs = run()
     tol, compared = 0.15, 0  # the int8-rounding noise between the paths, on base rows too (Q8_0, hidden 64)
-    for (t1, lp1), (t2, lp2), (j, k) in zip(stacked, per_layer, pairs):
+    rows = [(a, b, pair) for sr, pr, (_, _, prs) in zip(stacked_runs, per_layer_runs, batches) for a, b, pair in zip(sr, pr, prs)]
+    for (t1, lp1), (t2, lp2), (j, k) in rows:
         for step, (a, b) in enumerate(zip(lp1, lp2)):
             if t1[step] != t2[step]:  # a flip: only between two choices tied within the noise
                 top = dict(a["top"])
@@ -208,8 +213,8 @@ def test_native_decode_stack_adds_the_deltas(family, monkeypatch):
             err = abs(a["logprob"] - b["logprob"])
             assert err < tol, f"{name} prompt {j} adapter {k} step {step}: logprobs differ by {err}"
             compared += 1
-    assert compared > len(pairs) * NEW_TOKENS // 2
-    assert len({tuple(t) for t, _ in stacked[:len(keys)]}) == len(keys)  # every adapter changes the tokens
+    assert compared > len(rows) * NEW_TOKENS // 2
+    assert len({tuple(t) for t, _ in stacked_runs[0][:len(keys)]}) == len(keys)  # every adapter changes the tokens
 
 
 def test_chat_runs_the_adapter(family):

@@ -67,18 +67,21 @@ class LinearLoRA:
         self.state.version += 1
 
     def add(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """y (the base output of x) plus each group's low-rank product on its rows."""
+        """y (the base output of x, a tensor of the caller's own) plus each group's low-rank
+        product on its rows, added in place: a prefill's y is large, and a copy of it per group
+        cost more than the products."""
         x2 = x.reshape(-1, x.shape[-1])
-        y2 = y.reshape(-1, y.shape[-1])
+        y = y.contiguous()
+        y2 = y.view(-1, y.shape[-1])
         for slot, rows in self.state.groups:
             a, bt = self.a[slot], self.bt[slot]
             if a is None:
                 continue
             if rows is None:
-                y2 = y2 + (x2 @ a.t()) @ bt
+                y2.addmm_(x2 @ a.t(), bt)
             else:
-                y2 = y2.index_add(0, rows, (x2.index_select(0, rows) @ a.t()) @ bt)
-        return y2.view(y.shape)
+                y2.index_add_(0, rows, (x2.index_select(0, rows) @ a.t()) @ bt)
+        return y
 
 
 def _nonzero_spans(bt: torch.Tensor) -> torch.Tensor:

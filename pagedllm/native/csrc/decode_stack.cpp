@@ -42,6 +42,142 @@ inline float as_float(c10::BFloat16 v) {
   return f;
 }
 
+#ifdef PQ_X86
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// t[i, j + q] = x[i] . A[j + q] for R rows and Q ranks: each load of A serves R rows and each
+// load of x Q ranks, all R * Q sums in registers.
+template <typename T, int R, int Q>
+inline void shrink_block(const float* const* x, const T* a, int64_t K, float* t, int64_t r, int64_t j) {
+  __m256 acc[R][Q];
+  for (int i = 0; i < R; ++i)
+    for (int q = 0; q < Q; ++q) acc[i][q] = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 8 <= K; k += 8) {
+    __m256 w[Q];
+    for (int q = 0; q < Q; ++q) w[q] = pq::load8(a + (j + q) * K + k);
+    for (int i = 0; i < R; ++i) {
+      const __m256 xv = _mm256_loadu_ps(x[i] + k);
+      for (int q = 0; q < Q; ++q) acc[i][q] = _mm256_fmadd_ps(xv, w[q], acc[i][q]);
+    }
+  }
+  for (int i = 0; i < R; ++i)
+    for (int q = 0; q < Q; ++q) {
+      float s = hsum8(acc[i][q]);
+      for (int64_t kk = k; kk < K; ++kk) s += x[i][kk] * as_float(a[(j + q) * K + kk]);
+      t[i * r + j + q] = s;
+    }
+}
+
+template <typename T, int R>
+void shrink_rows(const float* const* x, const T* a, int64_t K, float* t, int64_t r, int64_t j0, int64_t j1) {
+  int64_t j = j0;
+  for (; j + 4 <= j1; j += 4) shrink_block<T, R, 4>(x, a, K, t, r, j);
+  for (; j < j1; ++j) shrink_block<T, R, 1>(x, a, K, t, r, j);
+}
+
+// t[i, j] = x[row i] . A[j] for one group, rows i in [0, nrows), ranks j in [j0, j1), two rows
+// and four ranks a block.
+template <typename T>
+void lora_shrink(const float* x, int64_t K, const LoRAGroup& g, float* t, int64_t j0, int64_t j1) {
+  const T* a = g.a->data_ptr<T>();
+  const int64_t r = g.a->size(0);
+  for (int64_t i = 0; i < g.nrows; i += 2) {
+    const float* xr[2] = {x + (g.rows ? g.rows[i] : i) * K, nullptr};
+    if (i + 1 < g.nrows) {
+      xr[1] = x + (g.rows ? g.rows[i + 1] : i + 1) * K;
+      shrink_rows<T, 2>(xr, a, K, t + i * r, r, j0, j1);
+    } else {
+      shrink_rows<T, 1>(xr, a, K, t + i * r, r, j0, j1);
+    }
+  }
+}
+
+// y[i, c : c + 8 V] += sum_j t[i, j] B^T[j, c : c + 8 V] for R rows: each load of B^T serves R
+// rows, the sums stay in registers until y is touched once. A rank whose span covers only part
+// of these columns (a fused projection's part edge inside them) adds its part directly.
+template <typename T, int R, int V>
+inline void expand_block(const float* const* ti, float* const* yi, const T* bt, int64_t N, const int64_t* spans,
+                         int64_t r, int64_t c) {
+  const int64_t ce = c + 8 * V;
+  __m256 acc[R][V];
+  for (int i = 0; i < R; ++i)
+    for (int v = 0; v < V; ++v) acc[i][v] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < r; ++j) {
+    const int64_t s0 = spans[2 * j], s1 = spans[2 * j + 1];
+    if (s0 >= ce || s1 <= c) continue;
+    const T* bj = bt + j * N;
+    if (s0 > c || s1 < ce) {
+      for (int i = 0; i < R; ++i)
+        for (int64_t o = std::max(c, s0); o < std::min(ce, s1); ++o) yi[i][o] += ti[i][j] * as_float(bj[o]);
+      continue;
+    }
+    __m256 b[V];
+    for (int v = 0; v < V; ++v) b[v] = pq::load8(bj + c + 8 * v);
+    for (int i = 0; i < R; ++i) {
+      const __m256 tv = _mm256_broadcast_ss(ti[i] + j);
+      for (int v = 0; v < V; ++v) acc[i][v] = _mm256_fmadd_ps(tv, b[v], acc[i][v]);
+    }
+  }
+  for (int i = 0; i < R; ++i)
+    for (int v = 0; v < V; ++v)
+      _mm256_storeu_ps(yi[i] + c + 8 * v, _mm256_add_ps(_mm256_loadu_ps(yi[i] + c + 8 * v), acc[i][v]));
+}
+
+template <typename T, int R>
+void expand_rows(const float* const* ti, float* const* yi, const T* bt, int64_t N, const int64_t* spans, int64_t r,
+                 int64_t o0, int64_t o1) {
+  int64_t c = o0;
+  // Tiles on multiples of 32 columns, where a fused projection's parts meet in practice.
+  for (; c % 32 != 0 && c + 8 <= o1; c += 8) expand_block<T, R, 1>(ti, yi, bt, N, spans, r, c);
+  for (; c + 32 <= o1; c += 32) expand_block<T, R, 4>(ti, yi, bt, N, spans, r, c);
+  for (; c + 8 <= o1; c += 8) expand_block<T, R, 1>(ti, yi, bt, N, spans, r, c);
+  for (; c < o1; ++c)
+    for (int64_t j = 0; j < r; ++j)
+      if (spans[2 * j] <= c && c < spans[2 * j + 1])
+        for (int i = 0; i < R; ++i) yi[i][c] += ti[i][j] * as_float(bt[j * N + c]);
+}
+
+// y[row i, o] += sum_j t[i, j] B^T[j, o] for output columns o in [o0, o1), inside each span,
+// two rows a block.
+template <typename T>
+void lora_expand(const float* t, float* y, int64_t N, const LoRAGroup& g, int64_t o0, int64_t o1) {
+  const T* bt = g.bt->data_ptr<T>();
+  const int64_t r = g.bt->size(0);
+  if (g.nrows == 1) {
+    // One row reuses nothing across rows: each rank's run of B^T is streamed in order instead
+    // (y's columns stay in L1), which the prefetcher follows better than 32-column tiles that
+    // hop between the ranks' rows.
+    float* yr = y + (g.rows ? g.rows[0] : 0) * N;
+    for (int64_t j = 0; j < r; ++j) {
+      const int64_t lo = std::max(o0, g.spans[2 * j]), hi = std::min(o1, g.spans[2 * j + 1]);
+      if (lo >= hi) continue;
+      const T* bj = bt + j * N;
+      const __m256 tv = _mm256_set1_ps(t[j]);
+      int64_t c = lo;
+      for (; c + 8 <= hi; c += 8)
+        _mm256_storeu_ps(yr + c, _mm256_fmadd_ps(tv, pq::load8(bj + c), _mm256_loadu_ps(yr + c)));
+      for (; c < hi; ++c) yr[c] += t[j] * as_float(bj[c]);
+    }
+    return;
+  }
+  for (int64_t i = 0; i < g.nrows; i += 2) {
+    const float* ti[2] = {t + i * r, t + (i + 1) * r};
+    float* yi[2] = {y + (g.rows ? g.rows[i] : i) * N, nullptr};
+    if (i + 1 < g.nrows) {
+      yi[1] = y + (g.rows ? g.rows[i + 1] : i + 1) * N;
+      expand_rows<T, 2>(ti, yi, bt, N, g.spans, r, o0, o1);
+    } else {
+      expand_rows<T, 1>(ti, yi, bt, N, g.spans, r, o0, o1);
+    }
+  }
+}
+#else
 // t[i, j] = x[row i] . A[j] for one group, rows i in [0, nrows), ranks j in [j0, j1). Four rows
 // at a time: each load of A serves four dot products, in four independent accumulators.
 template <typename T>
@@ -107,40 +243,67 @@ void lora_expand(const float* t, float* y, int64_t N, const LoRAGroup& g, int64_
     }
   }
 }
+#endif  // PQ_X86
 
+// One projection's deltas for the step's groups: `shrink` before the product (t = x A^T per
+// group, into the call's reused buffer), `expand` inside the product's parallel region on the
+// columns a thread has finished (y += t B^T), so the threads are woken once per projection.
 template <typename T>
-void lora_add_groups(const at::Tensor& xin, at::Tensor& y, const std::vector<LoRAGroup>& groups) {
-  const int64_t K = xin.size(1), N = y.size(1);
-  const float* x = xin.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
+struct LoRADeltas {
+  const std::vector<LoRAGroup>& groups;
+  std::vector<float>& t;
   std::vector<int64_t> t0{0};  // each group's offset in t
-  int64_t shrink_work = 0;
-  for (const auto& g : groups) {
-    t0.push_back(t0.back() + g.nrows * g.a->size(0));
-    shrink_work += g.nrows * g.a->size(0) * K;
-  }
-  std::vector<float> t(t0.back());
-  // The shrink reads A once per group; at decode sizes it is a few microseconds, less than
-  // waking the other threads, so only a wide step splits it (by group and rank).
-  if (shrink_work < (1 << 17)) {
+
+  void shrink(const at::Tensor& xin) {
+    const int64_t K = xin.size(1);
+    const float* x = xin.data_ptr<float>();
+    int64_t work = 0;
+    for (const auto& g : groups) {
+      t0.push_back(t0.back() + g.nrows * g.a->size(0));
+      work += g.nrows * g.a->size(0) * K;
+    }
+    if (static_cast<int64_t>(t.size()) < t0.back()) t.resize(t0.back());
+    // Split by group and block of four ranks, except where the whole shrink is a few
+    // microseconds, less than waking the other threads (at one row it reads all of A, which
+    // one thread alone streams slower than two).
+    if (work < (1 << 12)) {
+      for (size_t gi = 0; gi < groups.size(); ++gi)
+        lora_shrink<T>(x, K, groups[gi], t.data() + t0[gi], 0, groups[gi].a->size(0));
+      return;
+    }
+    std::vector<std::pair<size_t, int64_t>> units;  // (group, first of four ranks): the kernel's block
     for (size_t gi = 0; gi < groups.size(); ++gi)
-      lora_shrink<T>(x, K, groups[gi], t.data() + t0[gi], 0, groups[gi].a->size(0));
-  } else {
-    std::vector<std::pair<size_t, int64_t>> units;  // (group, rank)
-    for (size_t gi = 0; gi < groups.size(); ++gi)
-      for (int64_t j = 0; j < groups[gi].a->size(0); ++j) units.emplace_back(gi, j);
+      for (int64_t j = 0; j < groups[gi].a->size(0); j += 4) units.emplace_back(gi, j);
     at::parallel_for(0, static_cast<int64_t>(units.size()), 1, [&](int64_t b, int64_t e) {
       for (int64_t u = b; u < e; ++u) {
         const auto [gi, j] = units[u];
-        lora_shrink<T>(x, K, groups[gi], t.data() + t0[gi], j, j + 1);
+        lora_shrink<T>(x, K, groups[gi], t.data() + t0[gi], j, std::min(j + 4, groups[gi].a->size(0)));
       }
     });
   }
-  // The expand streams B^T: the threads split the output columns, 64 at a time.
-  at::parallel_for(0, (N + 63) / 64, 1, [&](int64_t b, int64_t e) {
-    const int64_t o0 = b * 64, o1 = std::min(N, e * 64);  // (chunks of 64: the 32-wide tiles stay whole)
-    for (size_t gi = 0; gi < groups.size(); ++gi) lora_expand<T>(t.data() + t0[gi], yp, N, groups[gi], o0, o1);
-  });
+
+  void expand(float* y, int64_t n, int64_t lo, int64_t hi) const {
+    for (size_t gi = 0; gi < groups.size(); ++gi) lora_expand<T>(t.data() + t0[gi], y, n, groups[gi], lo, hi);
+  }
+};
+
+template <typename T>
+at::Tensor linear_with_deltas(const std::vector<LoRAGroup>& groups, std::vector<float>& t, const at::Tensor& x,
+                              at::TensorList ws, at::IntArrayRef ts, int64_t k,
+                              const c10::optional<at::Tensor>& norm, double eps,
+                              const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& residual,
+                              int64_t act, int64_t isa) {
+  LoRADeltas<T> d{groups, t};
+  const LinearHook hook{[&](const at::Tensor& xin) { d.shrink(xin); },
+                        [&](float* y, int64_t n, int64_t lo, int64_t hi) { d.expand(y, n, lo, hi); }};
+  return quant_linear_hooked(x, ws, ts, k, norm, eps, bias, residual, act, isa, &hook);
+}
+
+// A projection's output width: its parts' rows (a packed part's row is a group of 16).
+int64_t out_features(at::TensorList ws, at::IntArrayRef ts) {
+  int64_t n = 0;
+  for (size_t p = 0; p < ws.size(); ++p) n += ws[p].size(0) * (ts[p] >= pq::PACKED ? 16 : 1);
+  return n;
 }
 
 }  // namespace
@@ -190,6 +353,7 @@ at::Tensor quant_decode_layers(const at::Tensor& h0, at::TensorList weights, at:
   }
   at::Tensor h = h0;
   int64_t w0 = 0;
+  std::vector<float> t;  // the shrink's products, reused by every projection
   auto proj = [&](int64_t j, const at::Tensor& x, const c10::optional<at::Tensor>& norm,
                   const c10::optional<at::Tensor>& residual, int64_t act) {
     const int64_t n = parts[j];
@@ -221,17 +385,18 @@ at::Tensor quant_decode_layers(const at::Tensor& h0, at::TensorList weights, at:
     }
     if (groups.empty())
       return quant_linear_hooked(x, ws, ts, kdims[j], norm, eps, biases.get(j), residual, act, isa, nullptr);
-    const LinearHook hook = [&](const at::Tensor& xin, at::Tensor& y) {
-      TORCH_CHECK(groups[0].bt->size(1) == y.size(1), "quant_decode_layers: LoRA B of projection ", j,
-                  " has ", groups[0].bt->size(1), " outputs; the projection has ", y.size(1));
-      switch (groups[0].a->scalar_type()) {
-        case at::kFloat: lora_add_groups<float>(xin, y, groups); break;
-        case at::kBFloat16: lora_add_groups<c10::BFloat16>(xin, y, groups); break;
-        case at::kHalf: lora_add_groups<c10::Half>(xin, y, groups); break;
-        default: TORCH_CHECK(false, "quant_decode_layers: LoRA weights must be float32, bfloat16 or float16");
-      }
-    };
-    return quant_linear_hooked(x, ws, ts, kdims[j], norm, eps, biases.get(j), residual, act, isa, &hook);
+    const int64_t n_out = out_features(ws, ts);
+    for (const auto& g : groups)
+      TORCH_CHECK(g.bt->size(1) == n_out, "quant_decode_layers: LoRA B of projection ", j, " has ", g.bt->size(1),
+                  " outputs; the projection has ", n_out);
+    switch (groups[0].a->scalar_type()) {
+      case at::kFloat: return linear_with_deltas<float>(groups, t, x, ws, ts, kdims[j], norm, eps, biases.get(j), residual, act, isa);
+      case at::kBFloat16: return linear_with_deltas<c10::BFloat16>(groups, t, x, ws, ts, kdims[j], norm, eps, biases.get(j), residual, act, isa);
+      case at::kHalf: return linear_with_deltas<c10::Half>(groups, t, x, ws, ts, kdims[j], norm, eps, biases.get(j), residual, act, isa);
+      default: break;
+    }
+    TORCH_CHECK(false, "quant_decode_layers: LoRA weights must be float32, bfloat16 or float16");
+    return at::Tensor();
   };
   for (int64_t l = 0; l < layers; ++l) {
     const at::Tensor qkv = proj(4 * l, h, norms[2 * l], c10::nullopt, 0);

@@ -527,9 +527,14 @@ void packed_matmul(int64_t type, int64_t isa, const uint8_t* w, int64_t gb, int6
                    float* y, int64_t ldy);
 }  // namespace pq
 
-// quant_linear with a hook between the product and the epilogue (quant_kernels.cpp): it gets the
-// normed input and the float32 product [M, N], and may add to the product in place.
-using LinearHook = std::function<void(const at::Tensor& xin, at::Tensor& y)>;
+// quant_linear with a hook between the product and the epilogue (quant_kernels.cpp), to add to
+// the float32 product [M, n] in place: `prepare` gets the normed float32 input before the
+// product; `columns(y, n, lo, hi)` then runs inside the product's parallel region, on each
+// thread's finished output columns [lo, hi), so the addition costs no second pass over the threads.
+struct LinearHook {
+  std::function<void(const at::Tensor& xin)> prepare;
+  std::function<void(float* y, int64_t n, int64_t lo, int64_t hi)> columns;
+};
 at::Tensor quant_linear_hooked(const at::Tensor& x, at::TensorList ws, at::IntArrayRef types, int64_t k,
                                const c10::optional<at::Tensor>& norm_weight, double eps,
                                const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& residual,

@@ -245,7 +245,12 @@ using namespace pq;
 // y [M, N] float32 = x [M, K] @ dequant(w)^T, where w is the row-wise concatenation of the
 // parts ws (each in its own format, e.g. q/k in Q4_K and v in Q6_K): one call per fused
 // projection, the activation quantized once, the threads spread over all parts' rows.
-at::Tensor quant_matmul(const at::Tensor& x, at::TensorList ws, at::IntArrayRef types, int64_t k, int64_t isa) {
+namespace {
+using ColumnTail = std::function<void(float* y, int64_t n, int64_t lo, int64_t hi)>;
+
+// quant_matmul; `tail` (if any) runs on each thread's output columns once they are done.
+at::Tensor matmul_tailed(const at::Tensor& x, at::TensorList ws, at::IntArrayRef types, int64_t k, int64_t isa,
+                         const ColumnTail* tail) {
   TORCH_CHECK(!ws.empty() && ws.size() == types.size(), "quant_matmul: one format per weight part");
   std::vector<Fmt> fmts;
   std::vector<bool> packed;
@@ -297,6 +302,7 @@ at::Tensor quant_matmul(const at::Tensor& x, at::TensorList ws, at::IntArrayRef 
 #endif
       f.is_signed ? gemv_rows<true>(f, wp, rb, r0, r1, qa, yo, n) : gemv_rows<false>(f, wp, rb, r0, r1, qa, yo, n);
     }
+    if (tail != nullptr && levels == 1) (*tail)(yp, n, b, e);
   });
   if (levels == 1) return y;
   // Each row's two levels, summed: rows 2i and 2i + 1 of y are the halves of output row i.
@@ -309,7 +315,13 @@ at::Tensor quant_matmul(const at::Tensor& x, at::TensorList ws, at::IntArrayRef 
     float* o = op + i * n;
     for (int64_t j = 0; j < n; ++j) o[j] = a[j] + b[j];
   }
+  if (tail != nullptr) (*tail)(op, n, 0, n);
   return out;
+}
+}  // namespace
+
+at::Tensor quant_matmul(const at::Tensor& x, at::TensorList ws, at::IntArrayRef types, int64_t k, int64_t isa) {
+  return matmul_tailed(x, ws, types, k, isa, nullptr);
 }
 
 namespace pq {
@@ -409,7 +421,7 @@ at::Tensor epilogue(const at::Tensor& y, const c10::optional<at::Tensor>& bias,
 // quant_matmul with what surrounds a projection in a decoder layer folded in: an RMSNorm of x
 // before it, a bias, silu(gate) * up over the two halves (act = 1), and a residual added after.
 // Output in x's dtype: [M, N], or [M, N / 2] with act = 1.
-// `hook` (decode_stack.cpp's LoRA deltas) sees the normed input as float32 and may add to the
+// `hook` (decode_stack.cpp's LoRA deltas) sees the normed input as float32 and adds to the
 // float32 product before the epilogue, where the Python path adds a layer's deltas.
 at::Tensor quant_linear_hooked(const at::Tensor& x, at::TensorList ws, at::IntArrayRef types, int64_t k,
                                const c10::optional<at::Tensor>& norm_weight, double eps,
@@ -431,8 +443,8 @@ at::Tensor quant_linear_hooked(const at::Tensor& x, at::TensorList ws, at::IntAr
       default: TORCH_CHECK(false, "quant_linear: x must be float32, bfloat16 or float16");
     }
   }
-  auto y = quant_matmul(xin, ws, types, k, isa);
-  if (hook != nullptr) (*hook)(xin.scalar_type() == at::kFloat ? xin.contiguous() : xin.to(at::kFloat).contiguous(), y);
+  if (hook != nullptr) hook->prepare(xin.scalar_type() == at::kFloat ? xin.contiguous() : xin.to(at::kFloat).contiguous());
+  auto y = matmul_tailed(xin, ws, types, k, isa, hook != nullptr ? &hook->columns : nullptr);
   const int64_t n = y.size(1);
   TORCH_CHECK(act == 0 || n % 2 == 0, "silu(gate) * up needs an even width");
   if (bias.has_value()) TORCH_CHECK(bias->numel() == n && bias->scalar_type() == x.scalar_type(), "bias must be [", n, "] in x's dtype");
