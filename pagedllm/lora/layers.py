@@ -41,16 +41,23 @@ class LoRAState:
 
 class LinearLoRA:
     """One linear layer's adapter slots: A [r', in] and B^T [r', out] per slot (None: the adapter
-    in that slot leaves this layer alone). B is kept transposed so that both products read their
-    weights row after row, here and in the native decode stack; `spans[slot]` [r', 2] holds, for
-    each of B^T's rows, the output columns [start, end) where it is not zero (a fused q|k|v or
-    gate|up layer places each part's B block-diagonally: the native expand skips the zeros)."""
+    in that slot leaves this layer alone), B kept transposed so that both products read their
+    weights row after row. The native decode stack reads B^T as `panels[slot]`: the output
+    columns in panels of 32, each panel the B^T rows that are not zero there, one after another
+    ([entries, 32]), with `panel_index[slot]` = [panel offsets (panels + 1), each entry's rank].
+    A thread's share of the columns is then one run of memory, and a fused q|k|v or gate|up
+    layer's zero blocks (each part's B sits block-diagonally) are neither stored nor read.
+    The native path reads float32 adapters as bfloat16 copies (`a_native`, the panels): at
+    decode sizes its cost is the bytes it streams, and the rounding (2^-9 of each weight of the
+    delta) is far below the 4- to 8-bit rounding of the quantized base it runs beside."""
 
     def __init__(self, state: LoRAState, num_slots: int) -> None:
         self.state = state
         self.a: list[torch.Tensor | None] = [None] * num_slots
         self.bt: list[torch.Tensor | None] = [None] * num_slots
-        self.spans: list[torch.Tensor | None] = [None] * num_slots
+        self.a_native: list[torch.Tensor | None] = [None] * num_slots
+        self.panels: list[torch.Tensor | None] = [None] * num_slots
+        self.panel_index: list[torch.Tensor | None] = [None] * num_slots
 
     @property
     def active(self) -> bool:
@@ -59,12 +66,21 @@ class LinearLoRA:
     def set_slot(self, slot: int, pair: tuple[torch.Tensor, torch.Tensor] | None) -> None:
         """pair: (A [r', in], B [out, r']) or None to empty the slot."""
         if pair is None:
-            self.a[slot] = self.bt[slot] = self.spans[slot] = None
+            self.a[slot] = self.bt[slot] = self.a_native[slot] = self.panels[slot] = self.panel_index[slot] = None
         else:
             a, b = pair
             self.a[slot], self.bt[slot] = a.contiguous(), b.t().contiguous()
-            self.spans[slot] = _nonzero_spans(self.bt[slot])
+            if b.device.type == "cpu":  # (only the CPU's native decode reads them)
+                native = torch.bfloat16 if a.dtype == torch.float32 else a.dtype
+                self.a_native[slot] = self.a[slot].to(native)
+                self.panels[slot], self.panel_index[slot] = _panels(self.bt[slot].to(native))
         self.state.version += 1
+
+    def slot_nbytes(self, slot: int) -> int:
+        """What the adapter in `slot` holds in this layer."""
+        held = {id(t): t for t in (self.a[slot], self.bt[slot], self.a_native[slot], self.panels[slot],
+                                   self.panel_index[slot]) if t is not None}  # (a_native may be a itself)
+        return sum(t.numel() * t.element_size() for t in held.values())
 
     def add(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y (the base output of x, a tensor of the caller's own) plus each group's low-rank
@@ -84,12 +100,18 @@ class LinearLoRA:
         return y
 
 
-def _nonzero_spans(bt: torch.Tensor) -> torch.Tensor:
-    """[rows, 2] int64: per row of bt, the first nonzero column and one past the last ([0, 0]
-    for a zero row)."""
-    nz = bt != 0
-    cols = torch.arange(bt.shape[1], device=bt.device)
-    any_ = nz.any(1)
-    start = torch.where(nz, cols, bt.shape[1]).amin(1)
-    end = torch.where(nz, cols + 1, 0).amax(1)
-    return torch.stack([torch.where(any_, start, 0), torch.where(any_, end, 0)], 1).cpu().contiguous()
+PANEL = 32  # output columns a panel (csrc/decode_stack.cpp reads the same width)
+
+
+def _panels(bt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """B^T [r, out] as panels of PANEL columns: [entries, PANEL] (each panel's nonzero rows in
+    rank order, the last panel zero-padded) and the int64 index [panel offsets..., entry ranks...]."""
+    r, n = bt.shape
+    npan = -(-n // PANEL)
+    padded = torch.nn.functional.pad(bt, (0, npan * PANEL - n)).view(r, npan, PANEL).transpose(0, 1)
+    used = padded.ne(0).any(2)  # [panels, r]
+    entries = used.nonzero()  # (panel, rank), panel-major and rank-minor
+    offsets = torch.zeros(npan + 1, dtype=torch.int64)
+    offsets[1:] = used.sum(1).cumsum(0)
+    data = padded[entries[:, 0], entries[:, 1]].contiguous()
+    return data, torch.cat([offsets, entries[:, 1].to(torch.int64)]).cpu().contiguous()

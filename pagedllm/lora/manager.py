@@ -98,7 +98,7 @@ class LoRAManager:
                            tuple(t.to(self.device, self.dtype).contiguous() for t in pair))
         self.slots[req.lora_int_id] = slot
         self.loaded[req.lora_int_id] = req
-        self.bytes[req.lora_int_id] = w.nbytes * torch.empty((), dtype=self.dtype).element_size() // 4
+        self.bytes[req.lora_int_id] = sum(layer.slot_nbytes(slot) for layer in self.layers.values())
         self.num_loads += 1
         logger.info("LoRA adapter %r (rank %d, %d layers, %.2f MB) loaded into slot %d of %d",
                     req.lora_name, w.rank, len(w.pairs), self.bytes[req.lora_int_id] / 2**20, slot, self.max_loras)

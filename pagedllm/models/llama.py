@@ -204,25 +204,25 @@ class LlamaForCausalLM(nn.Module):
         return qk.decode_layers(h, plan, kv, rope, a.num_heads, a.num_kv_heads, a.scale, lora)
 
     def _stack_lora(self) -> tuple:
-        """The step's adapter slots for every projection in `_decode_stack`'s order (A, B^T and
-        B^T's spans per projection and used slot; None where that slot leaves the projection
-        alone), flattened again only when an adapter came or went or the step's slots changed,
+        """The step's adapter slots for every projection in `_decode_stack`'s order (A's native
+        copy, B^T's panels and their index per projection and used slot; None where that slot leaves the
+        projection alone), flattened again only when an adapter came or went or the step's slots changed,
         and the step's row groups. Only the used slots cross into the native call: each list
         element costs a conversion there, and most steps use few of `max_loras` slots."""
         state = self.lora_state
         used = tuple(s for s, _ in state.groups)
         cached = getattr(self, "_lora_flat", None)
         if cached is None or cached[0] != (state.version, used):
-            a, bt, spans = [], [], []
+            a, panels, index = [], [], []
             for layer in self.layers:
                 for p in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
                           layer.mlp.down_proj):
-                    a += [p.lora.a[s] for s in used]
-                    bt += [p.lora.bt[s] for s in used]
-                    spans += [p.lora.spans[s] for s in used]
-            cached = self._lora_flat = ((state.version, used), a, bt, spans)
-        _, a, bt, spans = cached
-        return a, bt, spans, len(used), list(range(len(used))), [rows for _, rows in state.groups]
+                    a += [p.lora.a_native[s] for s in used]
+                    panels += [p.lora.panels[s] for s in used]
+                    index += [p.lora.panel_index[s] for s in used]
+            cached = self._lora_flat = ((state.version, used), a, panels, index)
+        _, a, panels, index = cached
+        return a, panels, index, len(used), list(range(len(used))), [rows for _, rows in state.groups]
 
     def _stack_plan(self) -> dict | None:
         """The flattened weights of `_decode_stack`, made once; None unless every layer is a

@@ -167,7 +167,7 @@ def decode_layers_take_lora() -> bool:
 
 @lru_cache(maxsize=4)
 def _takes_lora(op) -> bool:
-    return "lora_bt" in str(op.default._schema)
+    return "lora_panels" in str(op.default._schema)  # (an older library's B^T layout is not read)
 
 
 def decode_layers(h: torch.Tensor, plan: dict, kv, rope: tuple[torch.Tensor, torch.Tensor], num_heads: int,
@@ -175,9 +175,9 @@ def decode_layers(h: torch.Tensor, plan: dict, kv, rope: tuple[torch.Tensor, tor
     """Every decoder layer of a decode-only step in one native call: per layer the fused
     projections of `plan` (the flattened quantized weights, norms and biases), rope, the paged
     cache write and attention over `kv` (an attention.backend.DecodeStack, read here only).
-    `lora`: (A per projection and slot, B^T likewise, B^T's nonzero column spans likewise, slots,
-    the step's group slots, their rows or None for all rows), the adapter rows' low-rank
-    products added to their projections."""
+    `lora`: (A per projection and slot, B^T's panels likewise, their index likewise (see
+    lora.layers.LinearLoRA), slots, the step's group slots, their rows or None for all rows),
+    the adapter rows' low-rank products added to their projections."""
     cos, sin = rope
     op = cpu_kernels().quant_decode_layers
     # (a library built before the LoRA arguments takes the base-only call)

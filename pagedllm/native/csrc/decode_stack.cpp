@@ -6,10 +6,12 @@
 // work around 150 small calls a token, a large share of a batch-1 step on a 135M model.
 //
 // LoRA adapters (pagedllm/lora): a step whose rows use adapters passes, per projection and
-// slot, A [r', in] and B^T [r', out] with B^T's nonzero column spans, and the step's row groups
-// (a slot and its rows, or every row). Each projection with an adapter in a used slot adds, per
-// group, (x[rows] A^T) B^T to the float32 product of its normed input, before the bias, the
-// activation and the residual: where the Python path's LinearLoRA.add puts it.
+// slot, A [r', in] and B^T in panels of 32 output columns (each panel's nonzero rows one after
+// another, with an index of panel offsets and entry ranks: lora.layers.LinearLoRA), and the
+// step's row groups (a slot and its rows, or every row). Each projection with an adapter in a
+// used slot adds, per group, (x[rows] A^T) B^T to the float32 product of its normed input,
+// before the bias, the activation and the residual: where the Python path's LinearLoRA.add
+// puts it.
 #include "isa.h"  // first: the library headers, and the level this object is compiled for
 #include "quant_common.h"
 
@@ -27,9 +29,11 @@ struct LoRAGroup {
   const int64_t* rows;
   int64_t nrows;
   const at::Tensor* a;      // [r, K] in the model's dtype
-  const at::Tensor* bt;     // [r, N]
-  const int64_t* spans;     // [r, 2]: B^T row j is zero outside columns [spans[2j], spans[2j + 1])
+  const void* panels;       // [entries, 32] in A's dtype: panel p's entries are [off[p], off[p + 1])
+  const int64_t* off;       // [panels + 1]
+  const int64_t* rank;      // [entries]: the B^T row each entry holds
 };
+constexpr int64_t PANEL = 32;  // as lora.layers.PANEL
 
 template <typename T>
 inline float as_float(T v) { return static_cast<float>(v); }
@@ -98,82 +102,68 @@ void lora_shrink(const float* x, int64_t K, const LoRAGroup& g, float* t, int64_
   }
 }
 
-// y[i, c : c + 8 V] += sum_j t[i, j] B^T[j, c : c + 8 V] for R rows: each load of B^T serves R
-// rows, the sums stay in registers until y is touched once. A rank whose span covers only part
-// of these columns (a fused projection's part edge inside them) adds its part directly.
-template <typename T, int R, int V>
-inline void expand_block(const float* const* ti, float* const* yi, const T* bt, int64_t N, const int64_t* spans,
-                         int64_t r, int64_t c) {
-  const int64_t ce = c + 8 * V;
-  __m256 acc[R][V];
-  for (int i = 0; i < R; ++i)
-    for (int v = 0; v < V; ++v) acc[i][v] = _mm256_setzero_ps();
-  for (int64_t j = 0; j < r; ++j) {
-    const int64_t s0 = spans[2 * j], s1 = spans[2 * j + 1];
-    if (s0 >= ce || s1 <= c) continue;
-    const T* bj = bt + j * N;
-    if (s0 > c || s1 < ce) {
-      for (int i = 0; i < R; ++i)
-        for (int64_t o = std::max(c, s0); o < std::min(ce, s1); ++o) yi[i][o] += ti[i][j] * as_float(bj[o]);
-      continue;
+// y[i, c0 : c1] += sum over panel p's entries e of t[i, rank[e]] * panel_e for R rows, the
+// columns [c0, c1) inside panel p: each load of a panel row serves R rows, the sums stay in
+// registers until y is touched once, and the panels are read in order, one run of memory.
+template <typename T, int R>
+inline void expand_panel(const float* const* ti, float* const* yi, const T* data, const int64_t* off,
+                         const int64_t* rank, int64_t p, int64_t c0, int64_t c1) {
+  const int64_t base = p * PANEL, e0 = off[p], e1 = off[p + 1];
+  if (c0 == base && c1 == base + PANEL) {
+    __m256 acc[R][4];
+    for (int i = 0; i < R; ++i)
+      for (int v = 0; v < 4; ++v) acc[i][v] = _mm256_setzero_ps();
+    for (int64_t e = e0; e < e1; ++e) {
+      __m256 b[4];
+      for (int v = 0; v < 4; ++v) b[v] = pq::load8(data + e * PANEL + 8 * v);
+      for (int i = 0; i < R; ++i) {
+        const __m256 tv = _mm256_broadcast_ss(ti[i] + rank[e]);
+        for (int v = 0; v < 4; ++v) acc[i][v] = _mm256_fmadd_ps(tv, b[v], acc[i][v]);
+      }
     }
-    __m256 b[V];
-    for (int v = 0; v < V; ++v) b[v] = pq::load8(bj + c + 8 * v);
-    for (int i = 0; i < R; ++i) {
-      const __m256 tv = _mm256_broadcast_ss(ti[i] + j);
-      for (int v = 0; v < V; ++v) acc[i][v] = _mm256_fmadd_ps(tv, b[v], acc[i][v]);
-    }
+    for (int i = 0; i < R; ++i)
+      for (int v = 0; v < 4; ++v)
+        _mm256_storeu_ps(yi[i] + c0 + 8 * v, _mm256_add_ps(_mm256_loadu_ps(yi[i] + c0 + 8 * v), acc[i][v]));
+    return;
   }
-  for (int i = 0; i < R; ++i)
-    for (int v = 0; v < V; ++v)
-      _mm256_storeu_ps(yi[i] + c + 8 * v, _mm256_add_ps(_mm256_loadu_ps(yi[i] + c + 8 * v), acc[i][v]));
+  // Part of a panel: the edge of a thread's columns, or the last panel of an odd width.
+  int64_t c = c0;
+  for (; c + 8 <= c1; c += 8) {
+    __m256 acc[R];
+    for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
+    for (int64_t e = e0; e < e1; ++e) {
+      const __m256 b = pq::load8(data + e * PANEL + (c - base));
+      for (int i = 0; i < R; ++i) acc[i] = _mm256_fmadd_ps(_mm256_broadcast_ss(ti[i] + rank[e]), b, acc[i]);
+    }
+    for (int i = 0; i < R; ++i) _mm256_storeu_ps(yi[i] + c, _mm256_add_ps(_mm256_loadu_ps(yi[i] + c), acc[i]));
+  }
+  for (; c < c1; ++c)
+    for (int64_t e = e0; e < e1; ++e)
+      for (int i = 0; i < R; ++i) yi[i][c] += ti[i][rank[e]] * as_float(data[e * PANEL + (c - base)]);
 }
 
 template <typename T, int R>
-void expand_rows(const float* const* ti, float* const* yi, const T* bt, int64_t N, const int64_t* spans, int64_t r,
-                 int64_t o0, int64_t o1) {
-  int64_t c = o0;
-  // Tiles on multiples of 32 columns, where a fused projection's parts meet in practice.
-  for (; c % 32 != 0 && c + 8 <= o1; c += 8) expand_block<T, R, 1>(ti, yi, bt, N, spans, r, c);
-  for (; c + 32 <= o1; c += 32) expand_block<T, R, 4>(ti, yi, bt, N, spans, r, c);
-  for (; c + 8 <= o1; c += 8) expand_block<T, R, 1>(ti, yi, bt, N, spans, r, c);
-  for (; c < o1; ++c)
-    for (int64_t j = 0; j < r; ++j)
-      if (spans[2 * j] <= c && c < spans[2 * j + 1])
-        for (int i = 0; i < R; ++i) yi[i][c] += ti[i][j] * as_float(bt[j * N + c]);
+void expand_rows(const float* const* ti, float* const* yi, const LoRAGroup& g, int64_t o0, int64_t o1) {
+  const T* data = static_cast<const T*>(g.panels);
+  for (int64_t c = o0; c < o1;) {
+    const int64_t p = c / PANEL, ce = std::min(o1, (p + 1) * PANEL);
+    expand_panel<T, R>(ti, yi, data, g.off, g.rank, p, c, ce);
+    c = ce;
+  }
 }
 
-// y[row i, o] += sum_j t[i, j] B^T[j, o] for output columns o in [o0, o1), inside each span,
-// two rows a block.
+// y[row i, o] += sum_j t[i, j] B^T[j, o] for output columns o in [o0, o1), two rows a block.
 template <typename T>
 void lora_expand(const float* t, float* y, int64_t N, const LoRAGroup& g, int64_t o0, int64_t o1) {
-  const T* bt = g.bt->data_ptr<T>();
-  const int64_t r = g.bt->size(0);
-  if (g.nrows == 1) {
-    // One row reuses nothing across rows: each rank's run of B^T is streamed in order instead
-    // (y's columns stay in L1), which the prefetcher follows better than 32-column tiles that
-    // hop between the ranks' rows.
-    float* yr = y + (g.rows ? g.rows[0] : 0) * N;
-    for (int64_t j = 0; j < r; ++j) {
-      const int64_t lo = std::max(o0, g.spans[2 * j]), hi = std::min(o1, g.spans[2 * j + 1]);
-      if (lo >= hi) continue;
-      const T* bj = bt + j * N;
-      const __m256 tv = _mm256_set1_ps(t[j]);
-      int64_t c = lo;
-      for (; c + 8 <= hi; c += 8)
-        _mm256_storeu_ps(yr + c, _mm256_fmadd_ps(tv, pq::load8(bj + c), _mm256_loadu_ps(yr + c)));
-      for (; c < hi; ++c) yr[c] += t[j] * as_float(bj[c]);
-    }
-    return;
-  }
+  const int64_t r = g.a->size(0);
   for (int64_t i = 0; i < g.nrows; i += 2) {
     const float* ti[2] = {t + i * r, t + (i + 1) * r};
     float* yi[2] = {y + (g.rows ? g.rows[i] : i) * N, nullptr};
     if (i + 1 < g.nrows) {
       yi[1] = y + (g.rows ? g.rows[i + 1] : i + 1) * N;
-      expand_rows<T, 2>(ti, yi, bt, N, g.spans, r, o0, o1);
+      expand_rows<T, 2>(ti, yi, g, o0, o1);
     } else {
-      expand_rows<T, 1>(ti, yi, bt, N, g.spans, r, o0, o1);
+      expand_rows<T, 1>(ti, yi, g, o0, o1);
     }
   }
 }
@@ -214,32 +204,19 @@ void lora_shrink(const float* x, int64_t K, const LoRAGroup& g, float* t, int64_
   }
 }
 
-// y[row i, o] += sum_j t[i, j] B^T[j, o] for output columns o in [o0, o1), inside each span.
-// 32 columns at a time, summed over the ranks in registers before y is touched once.
+// y[row i, o] += sum_j t[i, j] B^T[j, o] for output columns o in [o0, o1), from the panels.
 template <typename T>
 void lora_expand(const float* t, float* y, int64_t N, const LoRAGroup& g, int64_t o0, int64_t o1) {
-  constexpr int64_t W = 32;
-  const T* bt = g.bt->data_ptr<T>();
-  const int64_t r = g.bt->size(0);
+  const T* data = static_cast<const T*>(g.panels);
+  const int64_t r = g.a->size(0);
   for (int64_t i = 0; i < g.nrows; ++i) {
     float* yi = y + (g.rows ? g.rows[i] : i) * N;
     const float* ti = t + i * r;
-    for (int64_t c = o0; c < o1; c += W) {
-      const int64_t ce = std::min(o1, c + W);
-      alignas(64) float acc[W] = {};
-      for (int64_t j = 0; j < r; ++j) {
-        const int64_t lo = std::max(c, g.spans[2 * j]), hi = std::min(ce, g.spans[2 * j + 1]);
-        if (lo >= hi) continue;
-        const float tj = ti[j];
-        const T* bj = bt + j * N;
-        if (lo == c && hi == c + W) {
-#pragma omp simd
-          for (int64_t u = 0; u < W; ++u) acc[u] += tj * as_float(bj[c + u]);
-        } else {
-          for (int64_t o = lo; o < hi; ++o) acc[o - c] += tj * as_float(bj[o]);
-        }
-      }
-      for (int64_t o = c; o < ce; ++o) yi[o] += acc[o - c];
+    for (int64_t o = o0; o < o1; ++o) {
+      const int64_t p = o / PANEL;
+      float acc = 0.f;
+      for (int64_t e = g.off[p]; e < g.off[p + 1]; ++e) acc += ti[g.rank[e]] * as_float(data[e * PANEL + o % PANEL]);
+      yi[o] += acc;
     }
   }
 }
@@ -310,8 +287,8 @@ int64_t out_features(at::TensorList ws, at::IntArrayRef ts) {
 
 // Per layer l, projection j (0 q|k|v, 1 o, 2 gate|up, 3 down): parts[4 l + j] weight parts in
 // `weights` / `types` (in order), row length kdims[4 l + j], bias biases[4 l + j]; norms[2 l]
-// and norms[2 l + 1] the input and post-attention RMSNorm weights. LoRA: lora_a, lora_bt,
-// lora_spans hold slot s of projection j at j * lora_slots + s (None: no adapter there);
+// and norms[2 l + 1] the input and post-attention RMSNorm weights. LoRA: lora_a, lora_panels,
+// lora_index hold slot s of projection j at j * lora_slots + s (None: no adapter there);
 // group g of the step uses slot group_slots[g] on the rows group_rows[g] (None: every row).
 at::Tensor quant_decode_layers(const at::Tensor& h0, at::TensorList weights, at::IntArrayRef types,
                                at::IntArrayRef parts, at::IntArrayRef kdims, at::TensorList norms, double eps,
@@ -320,8 +297,8 @@ at::Tensor quant_decode_layers(const at::Tensor& h0, at::TensorList weights, at:
                                const at::Tensor& sin, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                                const at::Tensor& context_lens, int64_t hq, int64_t hkv, double scale,
                                const c10::List<c10::optional<at::Tensor>>& lora_a,
-                               const c10::List<c10::optional<at::Tensor>>& lora_bt,
-                               const c10::List<c10::optional<at::Tensor>>& lora_spans, int64_t lora_slots,
+                               const c10::List<c10::optional<at::Tensor>>& lora_panels,
+                               const c10::List<c10::optional<at::Tensor>>& lora_index, int64_t lora_slots,
                                at::IntArrayRef group_slots, const c10::List<c10::optional<at::Tensor>>& group_rows,
                                int64_t isa) {
   const int64_t layers = static_cast<int64_t>(k_caches.size());
@@ -336,8 +313,8 @@ at::Tensor quant_decode_layers(const at::Tensor& h0, at::TensorList weights, at:
   TORCH_CHECK(total == static_cast<int64_t>(weights.size()), "quant_decode_layers: parts do not cover the weights");
   const int64_t S = lora_slots;
   const bool lora = S > 0 && !group_slots.empty();
-  TORCH_CHECK(!lora || (static_cast<int64_t>(lora_a.size()) == 4 * layers * S && lora_bt.size() == lora_a.size() &&
-                        lora_spans.size() == lora_a.size() && group_rows.size() == group_slots.size()),
+  TORCH_CHECK(!lora || (static_cast<int64_t>(lora_a.size()) == 4 * layers * S && lora_panels.size() == lora_a.size() &&
+                        lora_index.size() == lora_a.size() && group_rows.size() == group_slots.size()),
               "quant_decode_layers: LoRA lists of inconsistent lengths");
   const int64_t M = h0.size(0);
   // The step's rows per group, checked once.
@@ -362,6 +339,7 @@ at::Tensor quant_decode_layers(const at::Tensor& h0, at::TensorList weights, at:
     w0 += n;
     std::vector<at::Tensor> held;  // the optionals' tensors, alive while the groups point at them
     std::vector<LoRAGroup> groups;
+    const int64_t n_out = out_features(ws, ts), npan = (n_out + PANEL - 1) / PANEL;
     if (lora) {
       held.reserve(3 * group_slots.size());
       for (size_t g = 0; g < group_slots.size(); ++g) {
@@ -369,26 +347,26 @@ at::Tensor quant_decode_layers(const at::Tensor& h0, at::TensorList weights, at:
         const c10::optional<at::Tensor> a = lora_a.get(at_);
         if (!a.has_value()) continue;
         held.push_back(*a);
-        held.push_back(*lora_bt.get(at_));
-        held.push_back(*lora_spans.get(at_));
+        held.push_back(*lora_panels.get(at_));
+        held.push_back(*lora_index.get(at_));
         const at::Tensor& A = held[held.size() - 3];
-        const at::Tensor& BT = held[held.size() - 2];
-        const at::Tensor& SP = held.back();
-        TORCH_CHECK(A.dim() == 2 && A.size(1) == kdims[j] && A.is_contiguous() && BT.dim() == 2 &&
-                        BT.size(0) == A.size(0) && BT.is_contiguous() && BT.scalar_type() == A.scalar_type() &&
-                        SP.scalar_type() == at::kLong && SP.numel() == 2 * A.size(0) && SP.is_contiguous(),
-                    "quant_decode_layers: LoRA weights of projection ", j, " are not [r, in], [r, out], [r, 2]");
+        const at::Tensor& PN = held[held.size() - 2];
+        const at::Tensor& IX = held.back();
+        TORCH_CHECK(A.dim() == 2 && A.size(1) == kdims[j] && A.is_contiguous() && PN.dim() == 2 &&
+                        PN.size(1) == PANEL && PN.is_contiguous() && PN.scalar_type() == A.scalar_type() &&
+                        IX.scalar_type() == at::kLong && IX.is_contiguous() && IX.numel() == npan + 1 + PN.size(0),
+                    "quant_decode_layers: LoRA weights of projection ", j, " are not A [r, ", kdims[j],
+                    "] and B^T's panels of ", PANEL, " of ", n_out, " outputs with their index");
+        const int64_t* ix = IX.data_ptr<int64_t>();
+        TORCH_CHECK(ix[0] == 0 && ix[npan] == PN.size(0), "quant_decode_layers: LoRA panel index of projection ", j,
+                    " does not cover its panels");
         const bool all = !rows[g].defined();
-        groups.push_back({all ? nullptr : rows[g].data_ptr<int64_t>(), all ? M : rows[g].numel(), &A, &BT,
-                          SP.data_ptr<int64_t>()});
+        groups.push_back({all ? nullptr : rows[g].data_ptr<int64_t>(), all ? M : rows[g].numel(), &A, PN.data_ptr(),
+                          ix, ix + npan + 1});
       }
     }
     if (groups.empty())
       return quant_linear_hooked(x, ws, ts, kdims[j], norm, eps, biases.get(j), residual, act, isa, nullptr);
-    const int64_t n_out = out_features(ws, ts);
-    for (const auto& g : groups)
-      TORCH_CHECK(g.bt->size(1) == n_out, "quant_decode_layers: LoRA B of projection ", j, " has ", g.bt->size(1),
-                  " outputs; the projection has ", n_out);
     switch (groups[0].a->scalar_type()) {
       case at::kFloat: return linear_with_deltas<float>(groups, t, x, ws, ts, kdims[j], norm, eps, biases.get(j), residual, act, isa);
       case at::kBFloat16: return linear_with_deltas<c10::BFloat16>(groups, t, x, ws, ts, kdims[j], norm, eps, biases.get(j), residual, act, isa);
@@ -413,7 +391,7 @@ PAGEDLLM_REGISTER(decode_stack) {
   m.def("quant_decode_layers(Tensor h, Tensor[] weights, int[] types, int[] parts, int[] kdims, Tensor[] norms, "
         "float eps, Tensor?[] biases, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, int[] windows, Tensor cos, "
         "Tensor sin, Tensor slot_mapping, Tensor block_tables, Tensor context_lens, int hq, int hkv, float scale, "
-        "Tensor?[] lora_a, Tensor?[] lora_bt, Tensor?[] lora_spans, int lora_slots, int[] group_slots, "
+        "Tensor?[] lora_a, Tensor?[] lora_panels, Tensor?[] lora_index, int lora_slots, int[] group_slots, "
         "Tensor?[] group_rows, int isa) -> Tensor", &quant_decode_layers);
 }
 
