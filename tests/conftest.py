@@ -69,18 +69,44 @@ def smollm2_checkpoint(smollm2_gguf_path):
 
 
 @pytest.fixture(scope="session")
-def hf_smollm2_model(smollm2_gguf_path):
-    """transformers' float32 model loaded from the same GGUF (slow: ~10 s), shared by the session.
-    Treat it as read-only."""
+def hf_smollm2_model(request, smollm2_gguf_path):
+    """transformers' float32 model loaded from the same GGUF, shared by the session. Treat it as
+    read-only.
+
+    transformers' reading of the GGUF takes ~30 s on one core, and each xdist worker would pay
+    it: the first reading is saved with transformers' own save_pretrained (float32 safetensors:
+    the same tensors, config and generation config) in pytest's cache, keyed by the file and
+    both libraries' versions, and later workers and sessions load that copy (~1 s)."""
     transformers = pytest.importorskip("transformers")
     import torch
 
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
+    cache = getattr(request.config, "cache", None)
+    st = smollm2_gguf_path.stat()
+    key = f"{smollm2_gguf_path.stem}-{st.st_size}-{st.st_mtime_ns}-tf{transformers.__version__}-torch{torch.__version__}"
+    saved = Path(cache.mkdir("hf_smollm2")) / key if cache else None
+    if saved is not None and (saved / "config.json").is_file():
+        return transformers.AutoModelForCausalLM.from_pretrained(str(saved), dtype=torch.float32).eval()
     model = transformers.AutoModelForCausalLM.from_pretrained(
         str(smollm2_gguf_path.parent), gguf_file=smollm2_gguf_path.name, dtype=torch.float32
-    )
-    return model.eval()
+    ).eval()
+    if saved is not None:  # written aside, then renamed: a worker never reads half a copy
+        partial = saved.with_name(f"{key}.{os.getpid()}.partial")
+        # transformers refuses to save a model read from GGUF (it could be a quantized one); this
+        # one holds plain float32 tensors, which load back equal (checked tensor by tensor).
+        quantizer, model.hf_quantizer = model.hf_quantizer, None
+        try:
+            model.save_pretrained(str(partial))
+        finally:
+            model.hf_quantizer = quantizer
+        try:
+            partial.rename(saved)
+        except OSError:  # another worker saved it first
+            import shutil
+
+            shutil.rmtree(partial, ignore_errors=True)
+    return model
 
 
 @pytest.fixture(scope="session")
