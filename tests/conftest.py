@@ -57,7 +57,37 @@ def hf_smollm2_tokenizer(request):
     if saved:
         return transformers.AutoTokenizer.from_pretrained(saved)
     path = request.getfixturevalue("smollm2_gguf_path")
-    return transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    # Read from the GGUF once (~10 s of field parsing), then, as the saved copy above, from a
+    # save_pretrained copy in pytest's cache (~0.5 s) by the other xdist worker and later sessions.
+    saved = _cached_copy(request, path, "hf_smollm2_tokenizer", f"tf{transformers.__version__}")
+    if saved is not None and (saved / "tokenizer.json").is_file():
+        return transformers.AutoTokenizer.from_pretrained(str(saved))
+    tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    if saved is not None:
+        _save_aside(saved, tok.save_pretrained)
+    return tok
+
+
+def _cached_copy(request, gguf: Path, kind: str, *versions: str) -> Path | None:
+    """Where pytest's cache keeps a copy of what transformers read from `gguf` (None without a
+    cache), keyed by the file's size and mtime and the libraries' versions."""
+    cache = getattr(request.config, "cache", None)
+    if cache is None:
+        return None
+    st = gguf.stat()
+    return Path(cache.mkdir(kind)) / "-".join([gguf.stem, str(st.st_size), str(st.st_mtime_ns), *versions])
+
+
+def _save_aside(saved: Path, save) -> None:
+    """`save(folder)` into a folder of its own, then renamed to `saved`: a worker never reads half a copy."""
+    import shutil
+
+    partial = saved.with_name(f"{saved.name}.{os.getpid()}.partial")
+    save(str(partial))
+    try:
+        partial.rename(saved)
+    except OSError:  # another worker saved it first
+        shutil.rmtree(partial, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
@@ -82,30 +112,21 @@ def hf_smollm2_model(request, smollm2_gguf_path):
 
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
-    cache = getattr(request.config, "cache", None)
-    st = smollm2_gguf_path.stat()
-    key = f"{smollm2_gguf_path.stem}-{st.st_size}-{st.st_mtime_ns}-tf{transformers.__version__}-torch{torch.__version__}"
-    saved = Path(cache.mkdir("hf_smollm2")) / key if cache else None
+    saved = _cached_copy(request, smollm2_gguf_path, "hf_smollm2",
+                         f"tf{transformers.__version__}", f"torch{torch.__version__}")
     if saved is not None and (saved / "config.json").is_file():
         return transformers.AutoModelForCausalLM.from_pretrained(str(saved), dtype=torch.float32).eval()
     model = transformers.AutoModelForCausalLM.from_pretrained(
         str(smollm2_gguf_path.parent), gguf_file=smollm2_gguf_path.name, dtype=torch.float32
     ).eval()
-    if saved is not None:  # written aside, then renamed: a worker never reads half a copy
-        partial = saved.with_name(f"{key}.{os.getpid()}.partial")
+    if saved is not None:
         # transformers refuses to save a model read from GGUF (it could be a quantized one); this
         # one holds plain float32 tensors, which load back equal (checked tensor by tensor).
         quantizer, model.hf_quantizer = model.hf_quantizer, None
         try:
-            model.save_pretrained(str(partial))
+            _save_aside(saved, model.save_pretrained)
         finally:
             model.hf_quantizer = quantizer
-        try:
-            partial.rename(saved)
-        except OSError:  # another worker saved it first
-            import shutil
-
-            shutil.rmtree(partial, ignore_errors=True)
     return model
 
 
