@@ -57,7 +57,37 @@ def hf_smollm2_tokenizer(request):
     if saved:
         return transformers.AutoTokenizer.from_pretrained(saved)
     path = request.getfixturevalue("smollm2_gguf_path")
-    return transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    # Read from the GGUF once (~10 s of field parsing), then, as the saved copy above, from a
+    # save_pretrained copy in pytest's cache (~0.5 s) by the other xdist worker and later sessions.
+    saved = _cached_copy(request, path, "hf_smollm2_tokenizer", f"tf{transformers.__version__}")
+    if saved is not None and (saved / "tokenizer.json").is_file():
+        return transformers.AutoTokenizer.from_pretrained(str(saved))
+    tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    if saved is not None:
+        _save_aside(saved, tok.save_pretrained)
+    return tok
+
+
+def _cached_copy(request, gguf: Path, kind: str, *versions: str) -> Path | None:
+    """Where pytest's cache keeps a copy of what transformers read from `gguf` (None without a
+    cache), keyed by the file's size and mtime and the libraries' versions."""
+    cache = getattr(request.config, "cache", None)
+    if cache is None:
+        return None
+    st = gguf.stat()
+    return Path(cache.mkdir(kind)) / "-".join([gguf.stem, str(st.st_size), str(st.st_mtime_ns), *versions])
+
+
+def _save_aside(saved: Path, save) -> None:
+    """`save(folder)` into a folder of its own, then renamed to `saved`: a worker never reads half a copy."""
+    import shutil
+
+    partial = saved.with_name(f"{saved.name}.{os.getpid()}.partial")
+    save(str(partial))
+    try:
+        partial.rename(saved)
+    except OSError:  # another worker saved it first
+        shutil.rmtree(partial, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
@@ -69,18 +99,35 @@ def smollm2_checkpoint(smollm2_gguf_path):
 
 
 @pytest.fixture(scope="session")
-def hf_smollm2_model(smollm2_gguf_path):
-    """transformers' float32 model loaded from the same GGUF (slow: ~10 s), shared by the session.
-    Treat it as read-only."""
+def hf_smollm2_model(request, smollm2_gguf_path):
+    """transformers' float32 model loaded from the same GGUF, shared by the session. Treat it as
+    read-only.
+
+    transformers' reading of the GGUF takes ~30 s on one core, and each xdist worker would pay
+    it: the first reading is saved with transformers' own save_pretrained (float32 safetensors:
+    the same tensors, config and generation config) in pytest's cache, keyed by the file and
+    both libraries' versions, and later workers and sessions load that copy (~1 s)."""
     transformers = pytest.importorskip("transformers")
     import torch
 
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
+    saved = _cached_copy(request, smollm2_gguf_path, "hf_smollm2",
+                         f"tf{transformers.__version__}", f"torch{torch.__version__}")
+    if saved is not None and (saved / "config.json").is_file():
+        return transformers.AutoModelForCausalLM.from_pretrained(str(saved), dtype=torch.float32).eval()
     model = transformers.AutoModelForCausalLM.from_pretrained(
         str(smollm2_gguf_path.parent), gguf_file=smollm2_gguf_path.name, dtype=torch.float32
-    )
-    return model.eval()
+    ).eval()
+    if saved is not None:
+        # transformers refuses to save a model read from GGUF (it could be a quantized one); this
+        # one holds plain float32 tensors, which load back equal (checked tensor by tensor).
+        quantizer, model.hf_quantizer = model.hf_quantizer, None
+        try:
+            _save_aside(saved, model.save_pretrained)
+        finally:
+            model.hf_quantizer = quantizer
+    return model
 
 
 @pytest.fixture(scope="session")

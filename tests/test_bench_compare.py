@@ -3,6 +3,8 @@ side runs when llama-cpp-python is installed and is skipped, with what to instal
 No timing is asserted: the figures are measurements, the tests check the machinery."""
 from __future__ import annotations
 
+import copy
+import functools
 import json
 
 import gguf
@@ -10,6 +12,17 @@ import pytest
 
 from pagedllm.bench import compare, make_gguf
 from pagedllm.cli.main import build_parser, main
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _tokenizer_read_once():
+    """Every file made here copies the default model's tokenizer, which make-gguf reads from its
+    GGUF (8 s of gguf-py's field parsing each time); the module reads it once per vocabulary
+    size and hands each file its own copy. What is tested is the file written around it."""
+    read = functools.lru_cache(make_gguf.tokenizer_metadata)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(make_gguf, "tokenizer_metadata", lambda vocab: copy.deepcopy(read(vocab)))
+        yield
 
 
 @pytest.fixture(scope="module")
