@@ -205,10 +205,11 @@ class LlamaForCausalLM(nn.Module):
 
     def _stack_lora(self) -> tuple:
         """The step's adapter slots for every projection in `_decode_stack`'s order (A's native
-        copy, B^T's panels and their index per projection and used slot; None where that slot leaves the
-        projection alone), flattened again only when an adapter came or went or the step's slots changed,
-        and the step's row groups. Only the used slots cross into the native call: each list
-        element costs a conversion there, and most steps use few of `max_loras` slots."""
+        copy, B^T's panels and their index per projection and used slot; None where that slot
+        leaves the projection alone), flattened again only when an adapter came or went or the
+        step's slots changed, and the step's row groups. Only the used slots cross into the
+        native call: each list element costs a conversion there, and most steps use few of
+        `max_loras` slots."""
         state = self.lora_state
         used = tuple(s for s, _ in state.groups)
         cached = getattr(self, "_lora_flat", None)
