@@ -47,13 +47,6 @@ inline float as_float(c10::BFloat16 v) {
 }
 
 #ifdef PQ_X86
-inline float hsum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
 // t[i, j + q] = x[i] . A[j + q] for R rows and Q ranks: each load of A serves R rows and each
 // load of x Q ranks, all R * Q sums in registers.
 template <typename T, int R, int Q>
@@ -72,7 +65,7 @@ inline void shrink_block(const float* const* x, const T* a, int64_t K, float* t,
   }
   for (int i = 0; i < R; ++i)
     for (int q = 0; q < Q; ++q) {
-      float s = hsum8(acc[i][q]);
+      float s = pq::hsum(acc[i][q]);
       for (int64_t kk = k; kk < K; ++kk) s += x[i][kk] * as_float(a[(j + q) * K + kk]);
       t[i * r + j + q] = s;
     }
