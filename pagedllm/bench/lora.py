@@ -2,8 +2,9 @@
 
 Random rank-R PEFT adapters (all seven projections, B not zero) are written for the model's
 shape; one engine (enable_lora, max_loras = the adapter count) then runs, interleaved per run:
-32 concurrent requests on the base and 32 spread over the adapters, and one request alone on
-the base and on one adapter. Medians of --runs."""
+32 concurrent requests on the base and 32 spread over the adapters (in alternating order), and
+one request alone on the base and on one adapter (in short alternating requests). Medians of
+--runs."""
 from __future__ import annotations
 
 import argparse
@@ -67,6 +68,18 @@ def _alone(llm, prompt, lora, tokens: int) -> float:
     return out.metrics.decode_tokens_per_s
 
 
+def _alone_pair(llm, prompt, lora, tokens: int, segments: int = 4) -> tuple[float, float]:
+    """Batch-1 decode rates of the base and of `lora`, each over `tokens` tokens taken as
+    `segments` requests alternating base/adapter/adapter/base...: a shared machine's speed
+    drifts within seconds, and one long request each put all of a drift on one side."""
+    per = max(2, tokens // segments)
+    times = {False: 0.0, True: 0.0}
+    for i in range(segments):
+        for with_lora in ((False, True) if i % 2 == 0 else (True, False)):
+            times[with_lora] += (per - 1) / _alone(llm, prompt, lora if with_lora else None, per)
+    return segments * (per - 1) / times[False], segments * (per - 1) / times[True]
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="default")
     p.add_argument("--adapters", type=int, default=4)
@@ -92,14 +105,19 @@ def run(args: argparse.Namespace) -> dict:
         spread = [reqs[i % len(reqs)] for i in range(len(prompts))]
         _batch(llm, prompts[:4], spread[:4], 4)  # warm-up: adapters into their slots, kernels touched
         runs = []
-        for _ in range(args.runs):  # interleaved, so the machine's load weighs on both alike
-            runs.append({"base_batch_tok_s": _batch(llm, prompts, None, args.tokens),
-                         "lora_batch_tok_s": _batch(llm, prompts, spread, args.tokens),
-                         "base_alone_decode_tok_s": _alone(llm, prompts[0], None, args.tokens * 2),
-                         "lora_alone_decode_tok_s": _alone(llm, prompts[0], reqs[0], args.tokens * 2)})
+        for i in range(args.runs):  # interleaved, so the machine's load weighs on both alike
+            batch = {}
+            for with_lora in ((False, True) if i % 2 == 0 else (True, False)):
+                batch[with_lora] = _batch(llm, prompts, spread if with_lora else None, args.tokens)
+            base_alone, lora_alone = _alone_pair(llm, prompts[0], reqs[0], args.tokens * 2)
+            runs.append({"base_batch_tok_s": batch[False], "lora_batch_tok_s": batch[True],
+                         "base_alone_decode_tok_s": base_alone, "lora_alone_decode_tok_s": lora_alone})
     r = median_of_runs(runs)
     r["batch_ratio"] = r["lora_batch_tok_s"] / r["base_batch_tok_s"]
     r["alone_ratio"] = r["lora_alone_decode_tok_s"] / r["base_alone_decode_tok_s"]
+    from .startup import cpu_flags
+
+    print(f"CPU flags: {cpu_flags()}; {torch.get_num_threads()} threads; dtype {str(llm.engine.dtype).removeprefix('torch.')}")
     print(f"{args.concurrent} concurrent over {args.adapters} rank-{args.rank} adapters: "
           f"{r['lora_batch_tok_s']:.1f} tok/s vs base {r['base_batch_tok_s']:.1f} ({r['batch_ratio']:.2f}x); "
           f"batch 1 decode with one adapter: {r['lora_alone_decode_tok_s']:.1f} tok/s vs base "

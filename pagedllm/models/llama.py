@@ -204,12 +204,12 @@ class LlamaForCausalLM(nn.Module):
         return qk.decode_layers(h, plan, kv, rope, a.num_heads, a.num_kv_heads, a.scale, lora)
 
     def _stack_lora(self) -> tuple:
-        """The step's adapter slots for every projection in `_decode_stack`'s order (A's native
-        copy, B^T's panels and their index per projection and used slot; None where that slot
-        leaves the projection alone), flattened again only when an adapter came or went or the
-        step's slots changed, and the step's row groups. Only the used slots cross into the
-        native call: each list element costs a conversion there, and most steps use few of
-        `max_loras` slots."""
+        """The step's adapters for `_decode_stack`: a native LoRAStack of every projection's
+        used slots in its order (A's native copy, B^T's panels and their index; None where
+        that slot leaves the projection alone), made again only when an adapter came or went
+        or the step's slots changed, and the step's row groups. One object crosses into the
+        native call each step, not a list element per projection and slot (each costs a
+        conversion there); only the used slots are in it, as most steps use few of `max_loras`."""
         state = self.lora_state
         used = tuple(s for s, _ in state.groups)
         cached = getattr(self, "_lora_flat", None)
@@ -221,9 +221,8 @@ class LlamaForCausalLM(nn.Module):
                     a += [p.lora.a_native[s] for s in used]
                     panels += [p.lora.panels[s] for s in used]
                     index += [p.lora.panel_index[s] for s in used]
-            cached = self._lora_flat = ((state.version, used), a, panels, index)
-        _, a, panels, index = cached
-        return a, panels, index, len(used), list(range(len(used))), [rows for _, rows in state.groups]
+            cached = self._lora_flat = ((state.version, used), qk.lora_stack(a, panels, index, len(used)))
+        return cached[1], list(range(len(used))), [rows for _, rows in state.groups]
 
     def _stack_plan(self) -> dict | None:
         """The flattened weights of `_decode_stack`, made once; None unless every layer is a

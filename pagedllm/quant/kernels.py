@@ -167,7 +167,13 @@ def decode_layers_take_lora() -> bool:
 
 @lru_cache(maxsize=4)
 def _takes_lora(op) -> bool:
-    return "lora_panels" in str(op.default._schema)  # (an older library's B^T layout is not read)
+    return "LoRAStack" in str(op.default._schema)  # (an older library's LoRA arguments are not read)
+
+
+def lora_stack(a: list, panels: list, index: list, slots: int):
+    """The native LoRAStack `decode_layers` takes: entry j * slots + s is projection j's A,
+    B^T's panels and their index for the step's s-th slot (None: that slot leaves it alone)."""
+    return torch.classes.pagedllm.LoRAStack(a, panels, index, slots)
 
 
 def decode_layers(h: torch.Tensor, plan: dict, kv, rope: tuple[torch.Tensor, torch.Tensor], num_heads: int,
@@ -175,13 +181,13 @@ def decode_layers(h: torch.Tensor, plan: dict, kv, rope: tuple[torch.Tensor, tor
     """Every decoder layer of a decode-only step in one native call: per layer the fused
     projections of `plan` (the flattened quantized weights, norms and biases), rope, the paged
     cache write and attention over `kv` (an attention.backend.DecodeStack, read here only).
-    `lora`: (A per projection and slot, B^T's panels likewise, their index likewise (see
-    lora.layers.LinearLoRA), slots, the step's group slots, their rows or None for all rows),
-    the adapter rows' low-rank products added to their projections."""
+    `lora`: (a `lora_stack` of the step's slots (see lora.layers.LinearLoRA), the step's
+    groups' slots in it, their rows or None for all rows), the adapter rows' low-rank products
+    added to their projections."""
     cos, sin = rope
     op = cpu_kernels().quant_decode_layers
     # (a library built before the LoRA arguments takes the base-only call)
-    extra = (*(lora or ([], [], [], 0, [], [])),) if lora is not None or _takes_lora(op) else ()
+    extra = (*(lora or (None, [], [])),) if lora is not None or _takes_lora(op) else ()
     return op(
         h, plan["weights"], plan["types"], plan["parts"], plan["kdims"], plan["norms"], plan["eps"],
         plan["biases"], kv.k, kv.v, kv.windows, cos, sin, kv.slot_mapping, kv.block_tables, kv.context_lens,

@@ -15,6 +15,9 @@
 #include "isa.h"  // first: the library headers, and the level this object is compiled for
 #include "quant_common.h"
 
+#include <atomic>
+#include <thread>
+
 namespace PAGEDLLM_ISA {
 
 at::Tensor paged_decode_qkv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
@@ -71,52 +74,62 @@ inline void shrink_block(const float* const* x, const T* a, int64_t K, float* t,
     }
 }
 
-template <typename T, int R>
+template <typename T, int R, int Q>
 void shrink_rows(const float* const* x, const T* a, int64_t K, float* t, int64_t r, int64_t j0, int64_t j1) {
   int64_t j = j0;
-  for (; j + 4 <= j1; j += 4) shrink_block<T, R, 4>(x, a, K, t, r, j);
+  for (; j + Q <= j1; j += Q) shrink_block<T, R, Q>(x, a, K, t, r, j);
   for (; j < j1; ++j) shrink_block<T, R, 1>(x, a, K, t, r, j);
 }
 
-// t[i, j] = x[row i] . A[j] for one group, rows i in [0, nrows), ranks j in [j0, j1), two rows
-// and four ranks a block.
+// t[i, j] = x[row i] . A[j] for one group, rows i in [0, nrows), ranks j in [j0, j1): four rows
+// and two ranks a block (each A load, a bfloat16 conversion, serves four rows), then two rows
+// and four ranks, then one (R * Q sums, R + Q loads: within AVX2's 16 registers).
 template <typename T>
 void lora_shrink(const float* x, int64_t K, const LoRAGroup& g, float* t, int64_t j0, int64_t j1) {
   const T* a = g.a->data_ptr<T>();
   const int64_t r = g.a->size(0);
-  for (int64_t i = 0; i < g.nrows; i += 2) {
-    const float* xr[2] = {x + (g.rows ? g.rows[i] : i) * K, nullptr};
-    if (i + 1 < g.nrows) {
-      xr[1] = x + (g.rows ? g.rows[i + 1] : i + 1) * K;
-      shrink_rows<T, 2>(xr, a, K, t + i * r, r, j0, j1);
-    } else {
-      shrink_rows<T, 1>(xr, a, K, t + i * r, r, j0, j1);
-    }
+  auto row = [&](int64_t i) { return x + (g.rows ? g.rows[i] : i) * K; };
+  int64_t i = 0;
+  for (; i + 4 <= g.nrows; i += 4) {
+    const float* xr[4] = {row(i), row(i + 1), row(i + 2), row(i + 3)};
+    shrink_rows<T, 4, 2>(xr, a, K, t + i * r, r, j0, j1);
+  }
+  for (; i + 2 <= g.nrows; i += 2) {
+    const float* xr[2] = {row(i), row(i + 1)};
+    shrink_rows<T, 2, 4>(xr, a, K, t + i * r, r, j0, j1);
+  }
+  if (i < g.nrows) {
+    const float* xr[1] = {row(i)};
+    shrink_rows<T, 1, 4>(xr, a, K, t + i * r, r, j0, j1);
   }
 }
 
 // y[i, c0 : c1] += sum over panel p's entries e of t[i, rank[e]] * panel_e for R rows, the
 // columns [c0, c1) inside panel p: each load of a panel row serves R rows, the sums stay in
 // registers until y is touched once, and the panels are read in order, one run of memory.
-template <typename T, int R>
+template <typename T, int R, int V>
 inline void expand_panel(const float* const* ti, float* const* yi, const T* data, const int64_t* off,
                          const int64_t* rank, int64_t p, int64_t c0, int64_t c1) {
   const int64_t base = p * PANEL, e0 = off[p], e1 = off[p + 1];
   if (c0 == base && c1 == base + PANEL) {
-    __m256 acc[R][4];
-    for (int i = 0; i < R; ++i)
-      for (int v = 0; v < 4; ++v) acc[i][v] = _mm256_setzero_ps();
-    for (int64_t e = e0; e < e1; ++e) {
-      __m256 b[4];
-      for (int v = 0; v < 4; ++v) b[v] = pq::load8(data + e * PANEL + 8 * v);
-      for (int i = 0; i < R; ++i) {
-        const __m256 tv = _mm256_broadcast_ss(ti[i] + rank[e]);
-        for (int v = 0; v < 4; ++v) acc[i][v] = _mm256_fmadd_ps(tv, b[v], acc[i][v]);
+    for (int64_t cc = 0; cc < PANEL; cc += 8 * V) {  // V vectors of the panel's row a pass
+      __m256 acc[R][V];
+      for (int i = 0; i < R; ++i)
+        for (int v = 0; v < V; ++v) acc[i][v] = _mm256_setzero_ps();
+      for (int64_t e = e0; e < e1; ++e) {
+        __m256 b[V];
+        for (int v = 0; v < V; ++v) b[v] = pq::load8(data + e * PANEL + cc + 8 * v);
+        for (int i = 0; i < R; ++i) {
+          const __m256 tv = _mm256_broadcast_ss(ti[i] + rank[e]);
+          for (int v = 0; v < V; ++v) acc[i][v] = _mm256_fmadd_ps(tv, b[v], acc[i][v]);
+        }
       }
+      for (int i = 0; i < R; ++i)
+        for (int v = 0; v < V; ++v) {
+          float* yo = yi[i] + c0 + cc + 8 * v;
+          _mm256_storeu_ps(yo, _mm256_add_ps(_mm256_loadu_ps(yo), acc[i][v]));
+        }
     }
-    for (int i = 0; i < R; ++i)
-      for (int v = 0; v < 4; ++v)
-        _mm256_storeu_ps(yi[i] + c0 + 8 * v, _mm256_add_ps(_mm256_loadu_ps(yi[i] + c0 + 8 * v), acc[i][v]));
     return;
   }
   // Part of a panel: the edge of a thread's columns, or the last panel of an odd width.
@@ -135,29 +148,38 @@ inline void expand_panel(const float* const* ti, float* const* yi, const T* data
       for (int i = 0; i < R; ++i) yi[i][c] += ti[i][rank[e]] * as_float(data[e * PANEL + (c - base)]);
 }
 
-template <typename T, int R>
+template <typename T, int R, int V>
 void expand_rows(const float* const* ti, float* const* yi, const LoRAGroup& g, int64_t o0, int64_t o1) {
   const T* data = static_cast<const T*>(g.panels);
   for (int64_t c = o0; c < o1;) {
     const int64_t p = c / PANEL, ce = std::min(o1, (p + 1) * PANEL);
-    expand_panel<T, R>(ti, yi, data, g.off, g.rank, p, c, ce);
+    expand_panel<T, R, V>(ti, yi, data, g.off, g.rank, p, c, ce);
     c = ce;
   }
 }
 
-// y[row i, o] += sum_j t[i, j] B^T[j, o] for output columns o in [o0, o1), two rows a block.
+// y[row i, o] += sum_j t[i, j] B^T[j, o] for output columns o in [o0, o1): four rows and two
+// vectors of a panel's row a block (each panel load, a bfloat16 conversion, serves four rows),
+// then two rows and four vectors, then one.
 template <typename T>
 void lora_expand(const float* t, float* y, int64_t N, const LoRAGroup& g, int64_t o0, int64_t o1) {
   const int64_t r = g.a->size(0);
-  for (int64_t i = 0; i < g.nrows; i += 2) {
+  auto out = [&](int64_t i) { return y + (g.rows ? g.rows[i] : i) * N; };
+  int64_t i = 0;
+  for (; i + 4 <= g.nrows; i += 4) {
+    const float* ti[4] = {t + i * r, t + (i + 1) * r, t + (i + 2) * r, t + (i + 3) * r};
+    float* yi[4] = {out(i), out(i + 1), out(i + 2), out(i + 3)};
+    expand_rows<T, 4, 2>(ti, yi, g, o0, o1);
+  }
+  for (; i + 2 <= g.nrows; i += 2) {
     const float* ti[2] = {t + i * r, t + (i + 1) * r};
-    float* yi[2] = {y + (g.rows ? g.rows[i] : i) * N, nullptr};
-    if (i + 1 < g.nrows) {
-      yi[1] = y + (g.rows ? g.rows[i + 1] : i + 1) * N;
-      expand_rows<T, 2>(ti, yi, g, o0, o1);
-    } else {
-      expand_rows<T, 1>(ti, yi, g, o0, o1);
-    }
+    float* yi[2] = {out(i), out(i + 1)};
+    expand_rows<T, 2, 4>(ti, yi, g, o0, o1);
+  }
+  if (i < g.nrows) {
+    const float* ti[1] = {t + i * r};
+    float* yi[1] = {out(i)};
+    expand_rows<T, 1, 4>(ti, yi, g, o0, o1);
   }
 }
 #else
@@ -215,56 +237,92 @@ void lora_expand(const float* t, float* y, int64_t N, const LoRAGroup& g, int64_
 }
 #endif  // PQ_X86
 
-// One projection's deltas for the step's groups: `shrink` before the product (t = x A^T per
-// group, into the call's reused buffer), `expand` inside the product's parallel region on the
-// columns a thread has finished (y += t B^T), so the threads are woken once per projection.
+// What the deltas of a call's projections reuse: the shrink's products, a float32 copy of an
+// input that is not float32, and each projection's layout of both.
+struct LoRAScratch {
+  std::vector<float> t, x;
+  std::vector<int64_t> t0;  // each group's offset in t
+  std::vector<std::pair<size_t, int64_t>> units;  // (group, first of four ranks): the shrink's blocks
+};
+
+template <typename U>
+void rows_to_float(const U* src, int64_t n, float* dst) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = as_float(src[i]);
+}
+
+// One projection's deltas for the step's groups, inside the product's parallel region: before
+// its share of the product each thread runs a share of the shrink's blocks of four ranks
+// (t = x A^T per group) in proportion to its share of the columns, so the threads' shares meet
+// exactly and each reads one run of A; on the columns it has finished it waits until every
+// block is done, then adds y += t B^T there. So the threads are woken once per projection.
 template <typename T>
 struct LoRADeltas {
   const std::vector<LoRAGroup>& groups;
-  std::vector<float>& t;
-  std::vector<int64_t> t0{0};  // each group's offset in t
+  LoRAScratch& s;
+  const int64_t n_out;
+  const float* x = nullptr;
+  int64_t K = 0;
+  std::atomic<int64_t> done{0};
 
-  void shrink(const at::Tensor& xin) {
-    const int64_t K = xin.size(1);
-    const float* x = xin.data_ptr<float>();
-    int64_t work = 0;
-    for (const auto& g : groups) {
-      t0.push_back(t0.back() + g.nrows * g.a->size(0));
-      work += g.nrows * g.a->size(0) * K;
+  void prepare(const at::Tensor& in) {
+    K = in.size(1);
+    TORCH_CHECK(in.is_contiguous(), "quant_decode_layers: a projection's input is not contiguous");
+    switch (in.scalar_type()) {
+      case at::kFloat: x = in.data_ptr<float>(); break;
+      case at::kBFloat16: to_float(in.data_ptr<c10::BFloat16>(), in.numel()); break;
+      case at::kHalf: to_float(in.data_ptr<c10::Half>(), in.numel()); break;
+      default: TORCH_CHECK(false, "quant_decode_layers: inputs must be float32, bfloat16 or float16");
     }
-    if (static_cast<int64_t>(t.size()) < t0.back()) t.resize(t0.back());
-    // Split by group and block of four ranks, except where the whole shrink is a few
-    // microseconds, less than waking the other threads (at one row it reads all of A, which
-    // one thread alone streams slower than two).
-    if (work < (1 << 12)) {
-      for (size_t gi = 0; gi < groups.size(); ++gi)
-        lora_shrink<T>(x, K, groups[gi], t.data() + t0[gi], 0, groups[gi].a->size(0));
-      return;
+    s.t0.assign(1, 0);
+    s.units.clear();
+    for (size_t gi = 0; gi < groups.size(); ++gi) {
+      s.t0.push_back(s.t0.back() + groups[gi].nrows * groups[gi].a->size(0));
+      for (int64_t j = 0; j < groups[gi].a->size(0); j += 4) s.units.emplace_back(gi, j);
     }
-    std::vector<std::pair<size_t, int64_t>> units;  // (group, first of four ranks): the kernel's block
-    for (size_t gi = 0; gi < groups.size(); ++gi)
-      for (int64_t j = 0; j < groups[gi].a->size(0); j += 4) units.emplace_back(gi, j);
-    at::parallel_for(0, static_cast<int64_t>(units.size()), 1, [&](int64_t b, int64_t e) {
-      for (int64_t u = b; u < e; ++u) {
-        const auto [gi, j] = units[u];
-        lora_shrink<T>(x, K, groups[gi], t.data() + t0[gi], j, std::min(j + 4, groups[gi].a->size(0)));
-      }
-    });
+    if (static_cast<int64_t>(s.t.size()) < s.t0.back()) s.t.resize(s.t0.back());
   }
 
-  void expand(float* y, int64_t n, int64_t lo, int64_t hi) const {
-    for (size_t gi = 0; gi < groups.size(); ++gi) lora_expand<T>(t.data() + t0[gi], y, n, groups[gi], lo, hi);
+  template <typename U>
+  void to_float(const U* src, int64_t n) {
+    if (static_cast<int64_t>(s.x.size()) < n) s.x.resize(n);
+    rows_to_float(src, n, s.x.data());
+    x = s.x.data();
+  }
+
+  void lead(int64_t lo, int64_t hi) {
+    const int64_t nu = static_cast<int64_t>(s.units.size()), u0 = nu * lo / n_out, u1 = nu * hi / n_out;
+    for (int64_t u = u0; u < u1; ++u) {
+      const auto [gi, j] = s.units[u];
+      lora_shrink<T>(x, K, groups[gi], s.t.data() + s.t0[gi], j, std::min(j + 4, groups[gi].a->size(0)));
+    }
+    done.fetch_add(u1 - u0, std::memory_order_release);
+  }
+
+  void expand(float* y, int64_t n, int64_t lo, int64_t hi) {
+    // Every block is some thread's, and no thread waits before finishing its own blocks.
+    const int64_t nu = static_cast<int64_t>(s.units.size());
+    while (done.load(std::memory_order_acquire) < nu) pause();
+    for (size_t gi = 0; gi < groups.size(); ++gi) lora_expand<T>(s.t.data() + s.t0[gi], y, n, groups[gi], lo, hi);
+  }
+
+  static void pause() {
+#ifdef PQ_X86
+    _mm_pause();
+#else
+    std::this_thread::yield();
+#endif
   }
 };
 
 template <typename T>
-at::Tensor linear_with_deltas(const std::vector<LoRAGroup>& groups, std::vector<float>& t, const at::Tensor& x,
+at::Tensor linear_with_deltas(const std::vector<LoRAGroup>& groups, LoRAScratch& s, int64_t n_out, const at::Tensor& x,
                               at::TensorList ws, at::IntArrayRef ts, int64_t k,
                               const c10::optional<at::Tensor>& norm, double eps,
                               const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& residual,
                               int64_t act, int64_t isa) {
-  LoRADeltas<T> d{groups, t};
-  const LinearHook hook{[&](const at::Tensor& xin) { d.shrink(xin); },
+  LoRADeltas<T> d{groups, s, n_out};
+  const LinearHook hook{[&](const at::Tensor& xin) { d.prepare(xin); },
+                        [&](int64_t lo, int64_t hi) { d.lead(lo, hi); },
                         [&](float* y, int64_t n, int64_t lo, int64_t hi) { d.expand(y, n, lo, hi); }};
   return quant_linear_hooked(x, ws, ts, k, norm, eps, bias, residual, act, isa, &hook);
 }
@@ -280,8 +338,8 @@ int64_t out_features(at::TensorList ws, at::IntArrayRef ts) {
 
 // Per layer l, projection j (0 q|k|v, 1 o, 2 gate|up, 3 down): parts[4 l + j] weight parts in
 // `weights` / `types` (in order), row length kdims[4 l + j], bias biases[4 l + j]; norms[2 l]
-// and norms[2 l + 1] the input and post-attention RMSNorm weights. LoRA: lora_a, lora_panels,
-// lora_index hold slot s of projection j at j * lora_slots + s (None: no adapter there);
+// and norms[2 l + 1] the input and post-attention RMSNorm weights. LoRA: `lora` holds slot s
+// of projection j (lora_stack.h; undefined: no adapter there);
 // group g of the step uses slot group_slots[g] on the rows group_rows[g] (None: every row).
 at::Tensor quant_decode_layers(const at::Tensor& h0, at::TensorList weights, at::IntArrayRef types,
                                at::IntArrayRef parts, at::IntArrayRef kdims, at::TensorList norms, double eps,
@@ -289,9 +347,7 @@ at::Tensor quant_decode_layers(const at::Tensor& h0, at::TensorList weights, at:
                                at::TensorList v_caches, at::IntArrayRef windows, const at::Tensor& cos,
                                const at::Tensor& sin, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                                const at::Tensor& context_lens, int64_t hq, int64_t hkv, double scale,
-                               const c10::List<c10::optional<at::Tensor>>& lora_a,
-                               const c10::List<c10::optional<at::Tensor>>& lora_panels,
-                               const c10::List<c10::optional<at::Tensor>>& lora_index, int64_t lora_slots,
+                               const c10::optional<c10::intrusive_ptr<pagedllm::LoRAStack>>& lora_stack,
                                at::IntArrayRef group_slots, const c10::List<c10::optional<at::Tensor>>& group_rows,
                                int64_t isa) {
   const int64_t layers = static_cast<int64_t>(k_caches.size());
@@ -304,10 +360,11 @@ at::Tensor quant_decode_layers(const at::Tensor& h0, at::TensorList weights, at:
   int64_t total = 0;
   for (int64_t p : parts) total += p;
   TORCH_CHECK(total == static_cast<int64_t>(weights.size()), "quant_decode_layers: parts do not cover the weights");
-  const int64_t S = lora_slots;
+  const pagedllm::LoRAStack* stack = lora_stack.has_value() ? lora_stack->get() : nullptr;
+  const int64_t S = stack != nullptr ? stack->slots : 0;
   const bool lora = S > 0 && !group_slots.empty();
-  TORCH_CHECK(!lora || (static_cast<int64_t>(lora_a.size()) == 4 * layers * S && lora_panels.size() == lora_a.size() &&
-                        lora_index.size() == lora_a.size() && group_rows.size() == group_slots.size()),
+  TORCH_CHECK(!lora || (static_cast<int64_t>(stack->entries.size()) == 4 * layers * S &&
+                        group_rows.size() == group_slots.size()),
               "quant_decode_layers: LoRA lists of inconsistent lengths");
   const int64_t M = h0.size(0);
   // The step's rows per group, checked once.
@@ -323,28 +380,20 @@ at::Tensor quant_decode_layers(const at::Tensor& h0, at::TensorList weights, at:
   }
   at::Tensor h = h0;
   int64_t w0 = 0;
-  std::vector<float> t;  // the shrink's products, reused by every projection
+  LoRAScratch scratch;
   auto proj = [&](int64_t j, const at::Tensor& x, const c10::optional<at::Tensor>& norm,
                   const c10::optional<at::Tensor>& residual, int64_t act) {
     const int64_t n = parts[j];
     at::TensorList ws = weights.slice(w0, n);
     at::IntArrayRef ts = types.slice(w0, n);
     w0 += n;
-    std::vector<at::Tensor> held;  // the optionals' tensors, alive while the groups point at them
     std::vector<LoRAGroup> groups;
     const int64_t n_out = out_features(ws, ts), npan = (n_out + PANEL - 1) / PANEL;
     if (lora) {
-      held.reserve(3 * group_slots.size());
       for (size_t g = 0; g < group_slots.size(); ++g) {
-        const int64_t at_ = j * S + group_slots[g];
-        const c10::optional<at::Tensor> a = lora_a.get(at_);
-        if (!a.has_value()) continue;
-        held.push_back(*a);
-        held.push_back(*lora_panels.get(at_));
-        held.push_back(*lora_index.get(at_));
-        const at::Tensor& A = held[held.size() - 3];
-        const at::Tensor& PN = held[held.size() - 2];
-        const at::Tensor& IX = held.back();
+        const pagedllm::LoRAStack::Entry& e = stack->entries[j * S + group_slots[g]];
+        if (!e.a.defined()) continue;
+        const at::Tensor &A = e.a, &PN = e.panels, &IX = e.index;
         TORCH_CHECK(A.dim() == 2 && A.size(1) == kdims[j] && A.is_contiguous() && PN.dim() == 2 &&
                         PN.size(1) == PANEL && PN.is_contiguous() && PN.scalar_type() == A.scalar_type() &&
                         IX.scalar_type() == at::kLong && IX.is_contiguous() && IX.numel() == npan + 1 + PN.size(0),
@@ -361,9 +410,9 @@ at::Tensor quant_decode_layers(const at::Tensor& h0, at::TensorList weights, at:
     if (groups.empty())
       return quant_linear_hooked(x, ws, ts, kdims[j], norm, eps, biases.get(j), residual, act, isa, nullptr);
     switch (groups[0].a->scalar_type()) {
-      case at::kFloat: return linear_with_deltas<float>(groups, t, x, ws, ts, kdims[j], norm, eps, biases.get(j), residual, act, isa);
-      case at::kBFloat16: return linear_with_deltas<c10::BFloat16>(groups, t, x, ws, ts, kdims[j], norm, eps, biases.get(j), residual, act, isa);
-      case at::kHalf: return linear_with_deltas<c10::Half>(groups, t, x, ws, ts, kdims[j], norm, eps, biases.get(j), residual, act, isa);
+      case at::kFloat: return linear_with_deltas<float>(groups, scratch, n_out, x, ws, ts, kdims[j], norm, eps, biases.get(j), residual, act, isa);
+      case at::kBFloat16: return linear_with_deltas<c10::BFloat16>(groups, scratch, n_out, x, ws, ts, kdims[j], norm, eps, biases.get(j), residual, act, isa);
+      case at::kHalf: return linear_with_deltas<c10::Half>(groups, scratch, n_out, x, ws, ts, kdims[j], norm, eps, biases.get(j), residual, act, isa);
       default: break;
     }
     TORCH_CHECK(false, "quant_decode_layers: LoRA weights must be float32, bfloat16 or float16");
@@ -384,7 +433,7 @@ PAGEDLLM_REGISTER(decode_stack) {
   m.def("quant_decode_layers(Tensor h, Tensor[] weights, int[] types, int[] parts, int[] kdims, Tensor[] norms, "
         "float eps, Tensor?[] biases, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, int[] windows, Tensor cos, "
         "Tensor sin, Tensor slot_mapping, Tensor block_tables, Tensor context_lens, int hq, int hkv, float scale, "
-        "Tensor?[] lora_a, Tensor?[] lora_panels, Tensor?[] lora_index, int lora_slots, int[] group_slots, "
+        "__torch__.torch.classes.pagedllm.LoRAStack? lora, int[] group_slots, "
         "Tensor?[] group_rows, int isa) -> Tensor", &quant_decode_layers);
 }
 

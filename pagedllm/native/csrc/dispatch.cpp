@@ -6,6 +6,8 @@
 #include <torch/library.h>
 #include <torch/version.h>
 
+#include "lora_stack.h"
+
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
@@ -70,6 +72,9 @@ std::string native_torch_version() { return TORCH_VERSION; }
 }  // namespace
 
 TORCH_LIBRARY(pagedllm, m) {
+  // (before the ops: quant_decode_layers' schema names it)
+  using Tensors = c10::List<c10::optional<at::Tensor>>;
+  m.class_<pagedllm::LoRAStack>("LoRAStack").def(torch::init<Tensors, Tensors, Tensors, int64_t>());
   m.def("native_isa() -> str", &native_isa);
   m.def("native_torch_version() -> str", &native_torch_version);
 #if defined(__x86_64__)

@@ -21,6 +21,8 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "lora_stack.h"
+
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif

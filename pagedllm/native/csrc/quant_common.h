@@ -528,11 +528,15 @@ void packed_matmul(int64_t type, int64_t isa, const uint8_t* w, int64_t gb, int6
 }  // namespace pq
 
 // quant_linear with a hook between the product and the epilogue (quant_kernels.cpp), to add to
-// the float32 product [M, n] in place: `prepare` gets the normed float32 input before the
-// product; `columns(y, n, lo, hi)` then runs inside the product's parallel region, on each
-// thread's finished output columns [lo, hi), so the addition costs no second pass over the threads.
+// the float32 product [M, n] in place: `prepare` gets the product's contiguous input before it,
+// on the calling thread (float32 when normed here, else in x's dtype); inside the product's
+// parallel region each thread then runs `lead(lo, hi)` before its share of the product, the
+// output columns [lo, hi), and `columns(y, n, lo, hi)` once they are finished. So the hook's
+// own work (LoRA's shrink in `lead`, its expand in `columns`) wakes the threads no second
+// time. `columns` may wait for every thread's `lead`.
 struct LinearHook {
   std::function<void(const at::Tensor& xin)> prepare;
+  std::function<void(int64_t lo, int64_t hi)> lead;
   std::function<void(float* y, int64_t n, int64_t lo, int64_t hi)> columns;
 };
 at::Tensor quant_linear_hooked(const at::Tensor& x, at::TensorList ws, at::IntArrayRef types, int64_t k,

@@ -246,11 +246,10 @@ using namespace pq;
 // parts ws (each in its own format, e.g. q/k in Q4_K and v in Q6_K): one call per fused
 // projection, the activation quantized once, the threads spread over all parts' rows.
 namespace {
-using ColumnTail = std::function<void(float* y, int64_t n, int64_t lo, int64_t hi)>;
-
-// quant_matmul; `tail` (if any) runs on each thread's output columns once they are done.
+// quant_matmul; `hook` (if any) has its `lead` run by each thread of the product's region first
+// and its `columns` on each thread's output columns once they are done.
 at::Tensor matmul_tailed(const at::Tensor& x, at::TensorList ws, at::IntArrayRef types, int64_t k, int64_t isa,
-                         const ColumnTail* tail) {
+                         const LinearHook* hook) {
   TORCH_CHECK(!ws.empty() && ws.size() == types.size(), "quant_matmul: one format per weight part");
   std::vector<Fmt> fmts;
   std::vector<bool> packed;
@@ -283,9 +282,14 @@ at::Tensor matmul_tailed(const at::Tensor& x, at::TensorList ws, at::IntArrayRef
   const int64_t unit = whole ? 16 : 1;
   auto y = at::empty({m * levels, n}, x.options().dtype(at::kFloat));
   float* yp = y.data_ptr<float>();
+  // Two levels: rows 2i and 2i + 1 of y are the halves of output row i, summed into `out` by
+  // each thread on its own columns.
+  auto out = levels == 1 ? y : at::empty({m, n}, y.options());
+  float* op = out.data_ptr<float>();
   at::parallel_for(0, n / unit, std::max<int64_t>(1, grain_for(n) / unit), [&](int64_t b, int64_t e) {
     b *= unit;
     e *= unit;
+    if (hook != nullptr) hook->lead(b, e);
     for (size_t p = 0; p < fmts.size(); ++p) {
       const int64_t lo = std::max(b, row0[p]), hi = std::min(e, row0[p + 1]);
       if (lo >= hi) continue;
@@ -302,20 +306,15 @@ at::Tensor matmul_tailed(const at::Tensor& x, at::TensorList ws, at::IntArrayRef
 #endif
       f.is_signed ? gemv_rows<true>(f, wp, rb, r0, r1, qa, yo, n) : gemv_rows<false>(f, wp, rb, r0, r1, qa, yo, n);
     }
-    if (tail != nullptr && levels == 1) (*tail)(yp, n, b, e);
+    if (levels == 2)
+      for (int64_t i = 0; i < m; ++i) {
+        const float* l0 = yp + 2 * i * n;
+        const float* l1 = l0 + n;
+        float* o = op + i * n;
+        for (int64_t j = b; j < e; ++j) o[j] = l0[j] + l1[j];
+      }
+    if (hook != nullptr) hook->columns(op, n, b, e);
   });
-  if (levels == 1) return y;
-  // Each row's two levels, summed: rows 2i and 2i + 1 of y are the halves of output row i.
-  // (A plain loop: torch's sum costs more in dispatch than the adds at decode sizes.)
-  auto out = at::empty({m, n}, y.options());
-  float* op = out.data_ptr<float>();
-  for (int64_t i = 0; i < m; ++i) {
-    const float* a = yp + 2 * i * n;
-    const float* b = a + n;
-    float* o = op + i * n;
-    for (int64_t j = 0; j < n; ++j) o[j] = a[j] + b[j];
-  }
-  if (tail != nullptr) (*tail)(op, n, 0, n);
   return out;
 }
 }  // namespace
@@ -443,8 +442,9 @@ at::Tensor quant_linear_hooked(const at::Tensor& x, at::TensorList ws, at::IntAr
       default: TORCH_CHECK(false, "quant_linear: x must be float32, bfloat16 or float16");
     }
   }
-  if (hook != nullptr) hook->prepare(xin.scalar_type() == at::kFloat ? xin.contiguous() : xin.to(at::kFloat).contiguous());
-  auto y = matmul_tailed(xin, ws, types, k, isa, hook != nullptr ? &hook->columns : nullptr);
+  if (!xin.is_contiguous()) xin = xin.contiguous();  // (the hook may keep a pointer into it)
+  if (hook != nullptr) hook->prepare(xin);
+  auto y = matmul_tailed(xin, ws, types, k, isa, hook);
   const int64_t n = y.size(1);
   TORCH_CHECK(act == 0 || n % 2 == 0, "silu(gate) * up needs an even width");
   if (bias.has_value()) TORCH_CHECK(bias->numel() == n && bias->scalar_type() == x.scalar_type(), "bias must be [", n, "] in x's dtype");
