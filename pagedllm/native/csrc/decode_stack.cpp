@@ -291,6 +291,21 @@ struct LoRADeltas {
 
   void lead(int64_t lo, int64_t hi) {
     const int64_t nu = static_cast<int64_t>(s.units.size()), u0 = nu * lo / n_out, u1 = nu * hi / n_out;
+#ifdef PQ_X86
+    // This thread's run of A and its panels of B^T asked for at once, into L2 (a 32-row step
+    // over four adapters asks for some 300 KB): the shrink then finds A on its way, and the
+    // panels arrive while the product streams the base weights (2-4% of a batch-1 step with
+    // an adapter, measured against no prefetch).
+    for (int64_t u = u0; u < u1; ++u) {
+      const auto [gi, j] = s.units[u];
+      const T* a = groups[gi].a->template data_ptr<T>();
+      prefetch_run<_MM_HINT_T1>(a + j * K, a + std::min(j + 4, groups[gi].a->size(0)) * K);
+    }
+    for (const auto& g : groups) {
+      const T* p = static_cast<const T*>(g.panels);
+      prefetch_run<_MM_HINT_T1>(p + g.off[lo / PANEL] * PANEL, p + g.off[(hi + PANEL - 1) / PANEL] * PANEL);
+    }
+#endif
     for (int64_t u = u0; u < u1; ++u) {
       const auto [gi, j] = s.units[u];
       lora_shrink<T>(x, K, groups[gi], s.t.data() + s.t0[gi], j, std::min(j + 4, groups[gi].a->size(0)));
@@ -304,6 +319,14 @@ struct LoRADeltas {
     while (done.load(std::memory_order_acquire) < nu) pause();
     for (size_t gi = 0; gi < groups.size(); ++gi) lora_expand<T>(s.t.data() + s.t0[gi], y, n, groups[gi], lo, hi);
   }
+
+#ifdef PQ_X86
+  template <_mm_hint H>
+  static void prefetch_run(const T* b, const T* e) {
+    for (const char* p = reinterpret_cast<const char*>(b); p < reinterpret_cast<const char*>(e); p += 64)
+      _mm_prefetch(p, H);
+  }
+#endif
 
   static void pause() {
 #ifdef PQ_X86
