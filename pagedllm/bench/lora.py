@@ -2,9 +2,9 @@
 
 Random rank-R PEFT adapters (all seven projections, B not zero) are written for the model's
 shape; one engine (enable_lora, max_loras = the adapter count) then runs, interleaved per run:
-32 concurrent requests on the base and 32 spread over the adapters (in alternating order), and
-one request alone on the base and on one adapter (in short alternating requests). Medians of
---runs."""
+32 concurrent requests on the base and 32 spread over the adapters (twice each, in the order
+base, adapters, adapters, base), and one request alone on the base and on one adapter (in
+eight short alternating requests each). Medians of --runs."""
 from __future__ import annotations
 
 import argparse
@@ -68,7 +68,7 @@ def _alone(llm, prompt, lora, tokens: int) -> float:
     return out.metrics.decode_tokens_per_s
 
 
-def _alone_pair(llm, prompt, lora, tokens: int, segments: int = 4) -> tuple[float, float]:
+def _alone_pair(llm, prompt, lora, tokens: int, segments: int = 8) -> tuple[float, float]:
     """Batch-1 decode rates of the base and of `lora`, each over `tokens` tokens taken as
     `segments` requests alternating base/adapter/adapter/base...: a shared machine's speed
     drifts within seconds, and one long request each put all of a drift on one side."""
@@ -106,9 +106,10 @@ def run(args: argparse.Namespace) -> dict:
         _batch(llm, prompts[:4], spread[:4], 4)  # warm-up: adapters into their slots, kernels touched
         runs = []
         for i in range(args.runs):  # interleaved, so the machine's load weighs on both alike
-            batch = {}
-            for with_lora in ((False, True) if i % 2 == 0 else (True, False)):
-                batch[with_lora] = _batch(llm, prompts, spread if with_lora else None, args.tokens)
+            batch = {False: 0.0, True: 0.0}  # seconds per token, base/adapter/adapter/base
+            for with_lora in (False, True, True, False):
+                batch[with_lora] += 0.5 / _batch(llm, prompts, spread if with_lora else None, args.tokens)
+            batch = {k: 1.0 / v for k, v in batch.items()}
             base_alone, lora_alone = _alone_pair(llm, prompts[0], reqs[0], args.tokens * 2)
             runs.append({"base_batch_tok_s": batch[False], "lora_batch_tok_s": batch[True],
                          "base_alone_decode_tok_s": base_alone, "lora_alone_decode_tok_s": lora_alone})

@@ -247,7 +247,11 @@ struct LoRAScratch {
 
 template <typename U>
 void rows_to_float(const U* src, int64_t n, float* dst) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = as_float(src[i]);
+  int64_t i = 0;
+#ifdef PQ_X86
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, pq::load8(src + i));
+#endif
+  for (; i < n; ++i) dst[i] = as_float(src[i]);
 }
 
 // One projection's deltas for the step's groups, inside the product's parallel region: before
