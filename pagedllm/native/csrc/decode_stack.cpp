@@ -15,9 +15,6 @@
 #include "isa.h"  // first: the library headers, and the level this object is compiled for
 #include "quant_common.h"
 
-#include <atomic>
-#include <thread>
-
 namespace PAGEDLLM_ISA {
 
 at::Tensor paged_decode_qkv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
@@ -269,8 +266,7 @@ struct LoRADeltas {
   std::atomic<int64_t> done{0};
 
   void prepare(const at::Tensor& in) {
-    K = in.size(1);
-    TORCH_CHECK(in.is_contiguous(), "quant_decode_layers: a projection's input is not contiguous");
+    K = in.size(1);  // (contiguous: LinearHook's contract)
     switch (in.scalar_type()) {
       case at::kFloat: x = in.data_ptr<float>(); break;
       case at::kBFloat16: to_float(in.data_ptr<c10::BFloat16>(), in.numel()); break;

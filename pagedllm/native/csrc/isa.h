@@ -28,11 +28,13 @@
 #endif
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <functional>
 #include <limits>
+#include <thread>
 #include <tuple>
 #include <type_traits>
 #include <utility>
