@@ -134,7 +134,8 @@ def test_batch1_decode_rounds_activations_in_two_levels(isq_ckpt, monkeypatch):
     llm = LLM(str(path), dtype="float32", isq="Q4_K", kv_cache_memory_mb=8)
     prompt = torch.randint(0, 49152, (48,), generator=torch.Generator().manual_seed(9)).tolist()
     exact = llm.prompt_logits(prompt)  # 48 rows at once: dequantize + GEMM, no rounding
-    assert "activations int8x2 up to 8 rows" in llm.engine.kv_cache_trace().weight_kernel
+    assert ("activations int8x2 up to 8 rows, int8 above except qkv_proj"
+            in llm.engine.kv_cache_trace().weight_kernel)
     errors = {"default": ((llm.prompt_logits(prompt, chunk_size=1) - exact).abs().max()
                           / exact.abs().max()).item()}
     for mode in ("int8x2", "int8"):
@@ -176,6 +177,45 @@ def test_decode_stack_gives_the_per_layer_bits(isq_ckpt, fmt, monkeypatch):
     for a, b in zip(stacked, plain):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert [lp for lp in a.outputs[0].logprobs] == [lp for lp in b.outputs[0].logprobs]
+
+
+def test_decode_stack_rounds_each_projection_as_the_layers_do(isq_ckpt, monkeypatch):
+    """Steps wider than X2_ROWS round only the X2_WIDE projections in two levels; the all-layer
+    native call carries that per projection (bits of its isa argument) and must give the bits
+    of the per-layer path for every choice, and the choice must change them."""
+    from pagedllm import SamplingParams
+    from pagedllm.models import llama
+    from pagedllm.quant import kernels as qk
+
+    monkeypatch.delenv("PAGEDLLM_QUANT_ACT", raising=False)
+    path, _ = isq_ckpt
+    prompts = [torch.randint(0, 49152, (4 + n,), generator=torch.Generator().manual_seed(n)).tolist()
+               for n in range(12)]  # 12 rows a step: past X2_ROWS
+    assert len(prompts) > qk.X2_ROWS
+    sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=2)
+    llm = LLM(str(path), dtype="float32", isq="Q4_K", kv_cache_memory_mb=8, enable_prefix_caching=False)
+    real = llama.LlamaForCausalLM._decode_stack
+    got = {}
+    for wide in ("qkv_proj", "o_proj,down_proj", "gate_up_proj", ""):
+        monkeypatch.setenv("PAGEDLLM_QUANT_X2_WIDE", wide)
+        calls = []
+
+        def counted(self, h, rope, meta):
+            out = real(self, h, rope, meta)
+            calls.append(out is not None and h.shape[0] == len(prompts))
+            return out
+
+        monkeypatch.setattr(llama.LlamaForCausalLM, "_decode_stack", counted)
+        stacked = llm.generate(prompts, sp, use_tqdm=False)
+        assert any(calls), "no 12-row step ran in the decode stack"
+        monkeypatch.setattr(llama.LlamaForCausalLM, "_decode_stack", lambda self, h, rope, meta: None)
+        plain = llm.generate(prompts, sp, use_tqdm=False)
+        got[wide] = [o.outputs[0].logprobs for o in stacked]
+        assert got[wide] == [o.outputs[0].logprobs for o in plain], wide
+    assert len({repr(v) for v in got.values()}) == len(got), "an X2_WIDE choice changed nothing"
+    monkeypatch.setenv("PAGEDLLM_QUANT_X2_WIDE", "v_proj")
+    with pytest.raises(ValueError, match="PAGEDLLM_QUANT_X2_WIDE names v_proj"):
+        llm.generate(prompts[:1], sp, use_tqdm=False)
 
 
 def test_mistral_rs_numeric_isq_resolves_as_on_a_cpu(isq_ckpt):

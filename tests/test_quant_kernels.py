@@ -348,3 +348,34 @@ def test_packing_refuses_what_it_cannot_hold():
         ops.quant_pack(torch.from_numpy(random_blocks("Q4_0", 20, 64, rng)), FORMATS["Q4_0"][0], 64)
     odd = QuantTensor("Q4_0", torch.from_numpy(random_blocks("Q4_0", 20, 64, rng)), (20, 64))
     assert not odd.can_pack and qk.pack([odd])[0] is odd  # kept in the file's layout
+
+
+@pytest.mark.parametrize("fmt", ["Q8_0", "Q6_K"])
+def test_head_rechecks_its_best_logits_on_single_level_steps(fmt, monkeypatch):
+    """On steps wider than X2_ROWS the head's activations are one int8 level; each row's
+    HEAD_RECHECK best logits are then computed again from the dequantized rows and the unrounded
+    hidden state (gguf's dequantization and a float64 product here), and every other logit is the
+    kernel's. Two-level steps are left as the kernel gives them."""
+    monkeypatch.delenv("PAGEDLLM_QUANT_ACT", raising=False)
+    monkeypatch.delenv("PAGEDLLM_QUANT_X2_WIDE", raising=False)
+    rng = np.random.default_rng(77)
+    vocab, cols, k = 512, 256, qk.HEAD_RECHECK
+    assert k >= 2
+    raw = random_blocks(fmt, vocab, cols, rng)
+    for qt in (QuantTensor(fmt, torch.from_numpy(raw), (vocab, cols)), packed(raw, fmt, vocab, cols)):
+        for m in (qk.X2_ROWS + 1, qk.INT_ROWS, qk.X2_ROWS):
+            x = rng.standard_normal((m, cols)).astype(np.float32)
+            exact = reference(raw, fmt, vocab, cols, x, 0)
+            plain = qk.matmul(torch.from_numpy(x), [qt], out_dtype=torch.float32).numpy()
+            got = qk.head_logits(torch.from_numpy(x), [qt]).numpy()
+            if m <= qk.X2_ROWS:
+                assert np.array_equal(got, plain), m
+                continue
+            best = np.argsort(-plain, axis=1, kind="stable")[:, :k]
+            rechecked = np.zeros_like(got, dtype=bool)
+            np.put_along_axis(rechecked, best, True, axis=1)
+            assert np.array_equal(got[~rechecked], plain[~rechecked])
+            scale = np.abs(exact).max()
+            assert np.abs(got[rechecked] - exact[rechecked]).max() <= 1e-5 * scale, (qt.packed, m)
+            # (one int8 level is far from that: the recheck is what brought them there)
+            assert np.abs(plain[rechecked] - exact[rechecked]).max() > 1e-4 * scale, (qt.packed, m)

@@ -215,10 +215,15 @@ def run_weights(args: argparse.Namespace) -> dict:
     print(f"text: {n_texts} texts; {len(windows)} windows x {args.window_len} tokens = {n} scored tokens; "
           f"{torch.get_num_threads()} threads", flush=True)
     ctx = len(windows) * (args.window_len + 1 + args.block_size)
-    # The decode path once per activation rounding: int8x2 (the default) and int8, llama.cpp's
-    # (quant/kernels.py).
+    # The decode path once per activation rounding (quant/kernels.py): int8x2 (the default up to
+    # X2_ROWS rows), the default at this run's width (steps of len(windows) rows), and one int8
+    # level everywhere, llama.cpp's.
+    from ..quant.kernels import X2_ROWS
+
+    auto = (f"quantized fp32, decode, default ({len(windows)} rows)", dict(dtype="float32"), 1, "auto")
     runs = [("dequantized fp32 (reference)", dict(dtype="float32", dequantize_weights=True), 1, None),
             ("quantized fp32, decode, int8x2", dict(dtype="float32"), 1, "int8x2"),
+            *([auto] if len(windows) > X2_ROWS else []),
             ("quantized fp32, decode, int8", dict(dtype="float32"), 1, "int8"),
             ("quantized fp32, prefill path", dict(dtype="float32"), args.window_len + 1, None)]
     if args.head:  # only the head differs: the checkpoint's own blocks on both sides
@@ -227,7 +232,7 @@ def run_weights(args: argparse.Namespace) -> dict:
                 ("Q8_0 head fp32, prefill path", dict(dtype="float32"), args.window_len + 1, None)]
     elif args.dtype not in ("float32", "fp32"):
         runs += [(f"quantized {args.dtype}, decode, {act}", dict(dtype=args.dtype), 1, act)
-                 for act in ("int8x2", "int8")]
+                 for act in ("int8x2", *(["auto"] if len(windows) > X2_ROWS else []), "int8")]
     results = []
     saved_act = os.environ.get("PAGEDLLM_QUANT_ACT")
     for label, kw, chunk, act in runs:
@@ -261,9 +266,9 @@ def run_weights(args: argparse.Namespace) -> dict:
     for r in results:
         r["ppl_delta_pct"] = 100 * (r["perplexity"] / ref["perplexity"] - 1)
         r["top1_agree_pct"] = 100 * (r["top1"] == ref["top1"]).double().mean().item()
-    head = f"{'run':<36} {'perplexity':>11} {'delta':>8} {'top-1 agree':>12}"
+    head = f"{'run':<44} {'perplexity':>11} {'delta':>8} {'top-1 agree':>12}"
     print("\n".join([head, "-" * len(head)] + [
-        f"{r['run']:<36} {r['perplexity']:>11.4f} {r['ppl_delta_pct']:>+7.2f}% {r['top1_agree_pct']:>11.2f}%"
+        f"{r['run']:<44} {r['perplexity']:>11.4f} {r['ppl_delta_pct']:>+7.2f}% {r['top1_agree_pct']:>11.2f}%"
         for r in results]))
     out = {"machine": machine_info(), "args": vars(args),
            "results": [{k: v for k, v in r.items() if k != "top1"} for r in results]}

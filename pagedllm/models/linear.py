@@ -37,6 +37,9 @@ class Linear(nn.Linear):
     # LoRA adapter slots (pagedllm/lora/layers.py: LinearLoRA), set by the LoRA manager; when a
     # step has rows with an adapter (`lora.active`) the layer adds their low-rank products.
     lora = None
+    # Which projection this is (quant.kernels.ROLES: its attribute name), set at load where the
+    # weight is quantized: it chooses the activation rounding on wide steps.
+    act_role: str | None = None
 
     def set_quantized(self, parts: list[QuantTensor]) -> None:
         """Hold `parts` (stacked by rows) as the weight; the float parameter goes away."""
@@ -77,7 +80,7 @@ class Linear(nn.Linear):
             if self.in_perm is not None:  # the norm before the permutation (its weight is in x's order)
                 x = (norm(x) if norm is not None else x).index_select(1, self.in_perm)
                 norm = None
-            return qk.linear(x, self.qparts, norm, self.bias, residual, silu_mul)
+            return qk.linear(x, self.qparts, norm, self.bias, residual, silu_mul, self.act_role)
         y = self(norm(x) if norm is not None else x)
         if silu_mul:
             gate, up = y.chunk(2, dim=-1)
@@ -98,10 +101,11 @@ class Linear(nn.Linear):
         if self.qparts is not None:
             x2 = x.reshape(-1, x.shape[-1])
             if self.part_perms is not None:
-                y = torch.cat([qk.matmul(x2 if p is None else x2.index_select(1, p), [w])
+                y = torch.cat([qk.matmul(x2 if p is None else x2.index_select(1, p), [w], role=self.act_role)
                                for w, p in zip(self.qparts, self.part_perms)], dim=1)
             else:
-                y = qk.matmul(x2 if self.in_perm is None else x2.index_select(1, self.in_perm), self.qparts)
+                y = qk.matmul(x2 if self.in_perm is None else x2.index_select(1, self.in_perm), self.qparts,
+                              role=self.act_role)
             return y.view(*x.shape[:-1], self.out_features)
         w = self.weight
         if (x.dim() == 2 and x.shape[0] <= MAX_ROWS and w.dtype == torch.bfloat16

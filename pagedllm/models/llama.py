@@ -261,7 +261,7 @@ class LlamaForCausalLM(nn.Module):
         """[rows, vocab] float32 logits. Vocab-parallel: this rank's columns are gathered to
         rank 0, which gets the whole rows; the other ranks get None."""
         if self.lm_head.qparts is not None and not self.lm_head.permutes:  # float32 from the kernel: no bf16 ties
-            logits = qk.matmul(hidden, self.lm_head.qparts, out_dtype=torch.float32)
+            logits = qk.head_logits(hidden, self.lm_head.qparts)
         else:
             logits = self.lm_head(hidden).float()
         if self.tp is None:
@@ -379,6 +379,8 @@ class LlamaForCausalLM(nn.Module):
             return
         if not isinstance(module, Linear):
             raise ValueError(f"checkpoint tensor {hf_name!r} is quantized but {name} is not a linear weight")
+        role = name.rsplit(".", 2)[-2]
+        module.act_role = role if role in qk.ROLES else None
         if shard is None:
             if qt.shape != (module.out_features, module.in_features):
                 raise ValueError(f"weight {hf_name!r} has shape {qt.shape}, expected "

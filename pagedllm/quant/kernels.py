@@ -68,13 +68,27 @@ def kernel_path() -> tuple[str | None, str]:
 # token). "int8x2": the rounding error quantized again as a second row sharing the decoded
 # weights (about 14 bits: 99.98%), which doubles the integer dot products. "auto" (the
 # default): int8x2 for steps of up to X2_ROWS rows, which stream the weights and pay little
-# for it (about 5% at one row: batch-1 chat, speculative verification of up to 7 proposals),
-# int8 for wider steps, which are compute bound (int8x2 cost 30% at 32 rows). A row's rounding
-# therefore depends on its step's width, as the dequantize + GEMM route past INT_ROWS already
-# made it. PAGEDLLM_QUANT_ACT chooses.
+# for it (about 5% at one row: batch-1 chat, speculative verification of up to 7 proposals).
+# Wider steps are compute bound (int8x2 cost 1.9-2.9x a projection at 32 rows), so they
+# round in one level except where that moves greedy tokens most for the least work: the
+# q|k|v projection stays two-level (X2_WIDE) and the head's best logits are computed again
+# (HEAD_RECHECK). A row's rounding therefore depends on its step's width, as the dequantize +
+# GEMM route past INT_ROWS already made it. PAGEDLLM_QUANT_ACT chooses.
 ACT_MODES = ("auto", "int8", "int8x2")
 ACT_X2 = 256  # or-ed into the kernels' isa argument (csrc/quant_common.h)
 X2_ROWS = 8
+# A projection's role: the attribute its Linear has in a decoder layer or the model (set at
+# load, models/llama.py). Bit ACT_X2_PROJ << DECODE_ROLES[role] of quant_decode_layers' isa
+# argument makes that projection of every layer two-level.
+ROLES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")
+DECODE_ROLES = {r: j for j, r in enumerate(ROLES[:4])}
+ACT_X2_PROJ = 512
+# The projections that "auto" keeps two-level on wider steps too, up to INT_ROWS. Chosen by
+# measurement (README, "Activation rounding"): on a real Qwen2.5-0.5B GPTQ model, 32 windows
+# decoded together, top-1 against the float32 model went 97.7% (all int8) -> 98.1% (the head
+# rechecked) -> 98.5% (and q|k|v two-level; +3 ms on an 85 ms step), while o, gate|up and down
+# added 0.0-0.4 points each for 3-26 ms. PAGEDLLM_QUANT_X2_WIDE (roles, comma-separated) overrides.
+X2_WIDE = ("qkv_proj",)
 
 
 def activation_mode() -> str:
@@ -84,28 +98,61 @@ def activation_mode() -> str:
     return mode
 
 
-def _isa_id(isa: str | None, rows: int) -> int:
-    """The kernels' path argument for a step of `rows` activation rows: the instruction set's
-    id, with ACT_X2 where they are rounded in two levels."""
+def wide_x2_roles() -> tuple[str, ...]:
+    """The roles "auto" rounds in two levels on steps wider than X2_ROWS."""
+    return _wide_roles(os.environ.get("PAGEDLLM_QUANT_X2_WIDE"))
+
+
+@lru_cache(maxsize=8)
+def _wide_roles(env: str | None) -> tuple[str, ...]:
+    if env is None:
+        return X2_WIDE
+    roles = tuple(r.strip() for r in env.split(",") if r.strip())
+    bad = [r for r in roles if r not in ROLES]
+    if bad:
+        raise ValueError(f"PAGEDLLM_QUANT_X2_WIDE names {', '.join(bad)}; the roles are {', '.join(ROLES)}")
+    return roles
+
+
+def _x2(rows: int, role: str | None) -> bool:
+    mode, wide = activation_mode(), wide_x2_roles()  # (both checked on every step)
+    return mode == "int8x2" or (mode == "auto" and (rows <= X2_ROWS or (role is not None and role in wide)))
+
+
+def _isa_id(isa: str | None, rows: int, role: str | None = None) -> int:
+    """The kernels' path argument for a step of `rows` activation rows through the projection
+    `role` (one of ROLES, or None): the instruction set's id, with ACT_X2 where they are
+    rounded in two levels."""
     if isa is None:
         path, _ = kernel_path()
         isa_id = ISA_IDS[path] if path else 0
     else:
         isa_id = ISA_IDS[isa]
-    mode = activation_mode()
-    x2 = mode == "int8x2" or (mode == "auto" and rows <= X2_ROWS)
-    return isa_id | (ACT_X2 if x2 else 0)
+    return isa_id | (ACT_X2 if _x2(rows, role) else 0)
+
+
+def _stack_isa_id(rows: int) -> int:
+    """quant_decode_layers' path argument: `_isa_id` of the step, with the per-projection bits
+    of the roles that are two-level where the step as a whole is not."""
+    isa = _isa_id(None, rows)
+    if isa & ACT_X2:
+        return isa
+    for role, j in DECODE_ROLES.items():
+        if _x2(rows, role):
+            isa |= ACT_X2_PROJ << j
+    return isa
 
 
 def matmul(x: torch.Tensor, parts: list[QuantTensor], isa: str | None = None,
-           out_dtype: torch.dtype | None = None) -> torch.Tensor:
+           out_dtype: torch.dtype | None = None, role: str | None = None) -> torch.Tensor:
     """x [M, K] @ W^T -> [M, N] in `out_dtype` (default x's), W the row-wise concatenation of
-    `parts`. The integer kernel accumulates in float32, so asking for float32 loses nothing."""
+    `parts`, the projection `role` (ROLES) if known. The integer kernel accumulates in float32,
+    so asking for float32 loses nothing."""
     ops = cpu_kernels()
     out_dtype = out_dtype or x.dtype
     if x.shape[0] <= INT_ROWS or isa is not None:
         y = ops.quant_matmul(x, [p.data for p in parts], [p.type_id for p in parts], parts[0].shape[1],
-                             _isa_id(isa, x.shape[0]))
+                             _isa_id(isa, x.shape[0], role))
         return y if out_dtype == torch.float32 else y.to(out_dtype)
     # Tile by tile into one output (no list of partial products and no cat: at prefill sizes
     # those doubled the step's peak memory).
@@ -127,6 +174,31 @@ def matmul(x: torch.Tensor, parts: list[QuantTensor], isa: str | None = None,
     return y.to(out_dtype)
 
 
+# Where a step's head runs with single-level (int8) activations, each row's HEAD_RECHECK best
+# logits are computed again from the dequantized head rows and the unrounded hidden state:
+# which token is greedy's then moves only when int8 rounding moves a logit past more than
+# HEAD_RECHECK - 1 others, instead of at every near-tie. It costs one top-k pass over the logits
+# (about 1 ms for 32 rows of a 152k vocabulary on 2 cores), where rounding the head in two
+# levels costs as much again as the head itself. PAGEDLLM_QUANT_HEAD_RECHECK overrides (0: off).
+HEAD_RECHECK = int(os.environ.get("PAGEDLLM_QUANT_HEAD_RECHECK", "4"))
+
+
+def head_logits(hidden: torch.Tensor, parts: list[QuantTensor]) -> torch.Tensor:
+    """The LM head's [rows, vocab] float32 logits for hidden [rows, K] ("auto" rechecks the best
+    of a single-level step; PAGEDLLM_QUANT_ACT=int8 is llama.cpp's rounding, unrechecked)."""
+    logits = matmul(hidden, parts, out_dtype=torch.float32, role="lm_head")
+    rows = hidden.shape[0]
+    if (rows > INT_ROWS or activation_mode() != "auto" or _x2(rows, "lm_head") or len(parts) != 1
+            or HEAD_RECHECK < 1):
+        return logits  # exact already (the GEMM route), two-level, or a rounding chosen by hand
+    k = min(HEAD_RECHECK, logits.shape[1])
+    ops = cpu_kernels()
+    _, ids, _ = ops.sample_topk(logits, torch.ones(rows), k, None, False)
+    w = embedding(parts[0], ids.view(-1), torch.float32).view(rows, k, -1)
+    exact = torch.bmm(w, hidden.float().unsqueeze(2)).squeeze(2)
+    return logits.scatter_(1, ids, exact)
+
+
 def tile_rows(k: int) -> int:
     """Rows per tile of the GEMM route for rows of k values: whole 16-row groups."""
     return max(16, min(TILE_ROWS, TILE_VALUES // k) // 16 * 16)
@@ -144,13 +216,13 @@ def _tile_scratch(dtype: torch.dtype, numel: int) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, parts: list[QuantTensor], norm, bias: torch.Tensor | None,
-           residual: torch.Tensor | None, silu_mul: bool) -> torch.Tensor:
+           residual: torch.Tensor | None, silu_mul: bool, role: str | None = None) -> torch.Tensor:
     """The integer path with the layer's RMSNorm (`norm`: weight and eps), bias, silu(gate) * up
     and residual folded into one native call; output in x's dtype."""
     return cpu_kernels().quant_linear(
         x, [p.data for p in parts], [p.type_id for p in parts], parts[0].shape[1],
         None if norm is None else norm.weight, 0.0 if norm is None else norm.eps, bias, residual,
-        1 if silu_mul else 0, _isa_id(None, x.shape[0]))
+        1 if silu_mul else 0, _isa_id(None, x.shape[0], role))
 
 
 def decode_layers_available() -> bool:
@@ -191,7 +263,7 @@ def decode_layers(h: torch.Tensor, plan: dict, kv, rope: tuple[torch.Tensor, tor
     return op(
         h, plan["weights"], plan["types"], plan["parts"], plan["kdims"], plan["norms"], plan["eps"],
         plan["biases"], kv.k, kv.v, kv.windows, cos, sin, kv.slot_mapping, kv.block_tables, kv.context_lens,
-        num_heads, num_kv_heads, scale, *extra, _isa_id(None, h.shape[0]))
+        num_heads, num_kv_heads, scale, *extra, _stack_isa_id(h.shape[0]))
 
 
 def embedding(w: QuantTensor, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

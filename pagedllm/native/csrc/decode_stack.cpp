@@ -406,7 +406,7 @@ at::Tensor quant_decode_layers(const at::Tensor& h0, at::TensorList weights, at:
   LoRAScratch scratch;
   auto proj = [&](int64_t j, const at::Tensor& x, const c10::optional<at::Tensor>& norm,
                   const c10::optional<at::Tensor>& residual, int64_t act) {
-    const int64_t n = parts[j];
+    const int64_t n = parts[j], isa_j = pq::isa_of_projection(isa, j % 4);
     at::TensorList ws = weights.slice(w0, n);
     at::IntArrayRef ts = types.slice(w0, n);
     w0 += n;
@@ -431,11 +431,11 @@ at::Tensor quant_decode_layers(const at::Tensor& h0, at::TensorList weights, at:
       }
     }
     if (groups.empty())
-      return quant_linear_hooked(x, ws, ts, kdims[j], norm, eps, biases.get(j), residual, act, isa, nullptr);
+      return quant_linear_hooked(x, ws, ts, kdims[j], norm, eps, biases.get(j), residual, act, isa_j, nullptr);
     switch (groups[0].a->scalar_type()) {
-      case at::kFloat: return linear_with_deltas<float>(groups, scratch, n_out, x, ws, ts, kdims[j], norm, eps, biases.get(j), residual, act, isa);
-      case at::kBFloat16: return linear_with_deltas<c10::BFloat16>(groups, scratch, n_out, x, ws, ts, kdims[j], norm, eps, biases.get(j), residual, act, isa);
-      case at::kHalf: return linear_with_deltas<c10::Half>(groups, scratch, n_out, x, ws, ts, kdims[j], norm, eps, biases.get(j), residual, act, isa);
+      case at::kFloat: return linear_with_deltas<float>(groups, scratch, n_out, x, ws, ts, kdims[j], norm, eps, biases.get(j), residual, act, isa_j);
+      case at::kBFloat16: return linear_with_deltas<c10::BFloat16>(groups, scratch, n_out, x, ws, ts, kdims[j], norm, eps, biases.get(j), residual, act, isa_j);
+      case at::kHalf: return linear_with_deltas<c10::Half>(groups, scratch, n_out, x, ws, ts, kdims[j], norm, eps, biases.get(j), residual, act, isa_j);
       default: break;
     }
     TORCH_CHECK(false, "quant_decode_layers: LoRA weights must be float32, bfloat16 or float16");

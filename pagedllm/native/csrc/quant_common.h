@@ -56,6 +56,14 @@ inline Fmt fmt_of(int64_t t) {
 enum Isa : int64_t { AUTO = 0, SCALAR = 1, AVX2 = 2, AVX512VNNI = 3 };
 // Flag or-ed into the isa argument of quant_matmul / quant_linear: two-level activations.
 constexpr int64_t ACT_X2 = 256;
+// quant_decode_layers only: bit ACT_X2_PROJ << j makes projection j of every layer (0 q|k|v,
+// 1 o, 2 gate|up, 3 down) two-level whatever ACT_X2 says, so a wide step can round in two
+// levels only where that pays (quant/kernels.py).
+constexpr int64_t ACT_X2_PROJ = 512;
+inline int64_t isa_of_projection(int64_t isa, int64_t j) {
+  const bool x2 = (isa & ACT_X2) || (isa & (ACT_X2_PROJ << j));
+  return (isa & (ACT_X2 - 1)) | (x2 ? ACT_X2 : 0);
+}
 
 inline float half(const uint8_t* p) {
   uint16_t h;
