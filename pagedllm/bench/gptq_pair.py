@@ -13,9 +13,11 @@ The pair is built once from the same real weights, under `--dir` (default
   TorchLinear.pack and written as a v1 checkpoint (desc_act false); embeddings, norms and a head
   stay float16, as GPTQ tools leave them; the tokenizer is saved with it.
 
-Each figure comes from a fresh process (bench/compare.py's child: a warm-up, then `--repeats`
-timed runs, the median reported) with the same prompt tokens and KV room for both models. The
-ratio is GPTQ / GGUF. gptqmodel needs torch >= 2.14 by its metadata: `pip install --no-deps
+Each figure comes from `--rounds` fresh processes per model (bench/compare.py's child: a
+warm-up, then `--repeats` timed runs), the two models alternating, with the same prompt tokens
+and KV room for both. The ratio is GPTQ / GGUF, the median of the rounds' ratios: a VM's speed
+drifts by tens of percent within a minute, and one process per model in turn measured that
+drift as a 0.82x gap that alternating in one process showed was not there. gptqmodel needs torch >= 2.14 by its metadata: `pip install --no-deps
 gptqmodel` and its small dependencies (as tests/test_gptq.py says).
 """
 from __future__ import annotations
@@ -24,6 +26,7 @@ import argparse
 import ctypes
 import json
 import logging
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -48,7 +51,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--group-size", type=int, default=128, help="GPTQ group size (default 128)")
     p.add_argument("--build-only", action="store_true", help="build the pair and stop")
     p.add_argument("--threads", type=int, default=2, help="threads (default 2)")
-    p.add_argument("--repeats", type=int, default=3, help="timed runs per figure; medians reported")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per process; medians reported")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="processes per model and figure, the two models alternating (GGUF, GPTQ, GPTQ, "
+                        "GGUF, ...); the ratio is the median of the rounds' ratios (default 3)")
     p.add_argument("--max-tokens", type=int, default=128, help="tokens generated per sequence")
     p.add_argument("--prompt-tokens", type=int, default=16, help="prompt length of the decode tests")
     p.add_argument("--context", type=int, default=1024, help="KV room of the batch-1 test, in tokens")
@@ -222,19 +228,27 @@ def _run(args: argparse.Namespace) -> dict | int:
     out = args.output or f"bench-results/gptq-pair-{model.stem}.json"
     result: dict = {"source": str(model), "models": {k: str(v) for k, v in pair.items()},
                     "machine": {**machine_info(), **compare.cpu_info(), "threads": args.threads},
-                    "repeats": args.repeats, "engine_kwargs": engine_kwargs, "measures": {}}
+                    "repeats": args.repeats, "rounds": args.rounds, "engine_kwargs": engine_kwargs, "measures": {}}
     cargs = argparse.Namespace(**{**vars(args), "prefill_tokens": 1})
     for kind in measures:
-        row: dict = {}
-        for which in MODELS:  # the same prompts and KV room for both
-            spec = compare._spec(kind, cargs, str(pair[which]), vocab) | {"engine_kwargs": engine_kwargs}
-            row.setdefault("sequences", len(spec["prompts"]))
-            print(f"{kind}: {which} ...", file=sys.stderr, end=" ", flush=True)
-            r = compare._spawn("pagedllm", spec)
-            row[which] = compare._summarise(r) | {"weights": r.get("weights")}
-            print(f"{row[which]['tok_s']:.1f} tok/s (runs {', '.join(f'{x:.1f}' for x in row[which]['tok_s_runs'])})",
-                  file=sys.stderr, flush=True)
-        row["ratio"] = row["gptq"]["tok_s"] / row["gguf"]["tok_s"]
+        row: dict = {"round_ratios": []}
+        specs = {which: compare._spec(kind, cargs, str(pair[which]), vocab) | {"engine_kwargs": engine_kwargs}
+                 for which in MODELS}  # the same prompts and KV room for both
+        row["sequences"] = len(specs["gguf"]["prompts"])
+        runs: dict = {which: [] for which in MODELS}
+        for rnd in range(args.rounds):  # alternating, so a drift of the machine's speed hits both
+            got = {}
+            for which in (MODELS if rnd % 2 == 0 else MODELS[::-1]):
+                print(f"{kind}, round {rnd + 1}: {which} ...", file=sys.stderr, end=" ", flush=True)
+                r = compare._spawn("pagedllm", specs[which])
+                got[which] = compare._summarise(r) | {"weights": r.get("weights")}
+                runs[which] += got[which]["tok_s_runs"]
+                print(f"{got[which]['tok_s']:.1f} tok/s (runs {', '.join(f'{x:.1f}' for x in got[which]['tok_s_runs'])})",
+                      file=sys.stderr, flush=True)
+            row["round_ratios"].append(got["gptq"]["tok_s"] / got["gguf"]["tok_s"])
+            for which in MODELS:
+                row[which] = got[which] | {"tok_s": statistics.median(runs[which]), "tok_s_runs": runs[which]}
+        row["ratio"] = statistics.median(row["round_ratios"])
         result["measures"][kind] = row
         write_json(out, result)
     print(format_report(result))
@@ -246,7 +260,8 @@ def format_report(result: dict) -> str:
     m = result["machine"]
     lines = [f"source: {result['source']}",
              f"cpu: {m.get('cpu') or m.get('machine')}; flags: {' '.join(m['cpu_flags']) or 'none of note'}; "
-             f"{m['threads']} threads; medians of {result['repeats']}", ""]
+             f"{m['threads']} threads; {result.get('rounds', 1)} alternating rounds of {result['repeats']} runs per "
+             "model; tok/s: median of all runs; ratio: median of the rounds' ratios", ""]
     head = f"{'':<34}{'Q4_0 GGUF':>12}{'GPTQ':>12}{'ratio':>9}"
     lines += [head, "-" * len(head)]
     for kind, row in result["measures"].items():
@@ -255,6 +270,8 @@ def format_report(result: dict) -> str:
         for which in MODELS:
             runs = ", ".join(f"{x:.1f}" for x in row[which]["tok_s_runs"])
             lines.append(f"  {which} runs: {runs}")
+        if row.get("round_ratios"):
+            lines.append(f"  rounds' ratios: {', '.join(f'{x:.2f}x' for x in row['round_ratios'])}")
     for which in MODELS:
         w = next((r[which].get("weights") for r in result["measures"].values() if r[which].get("weights")), None)
         lines.append(f"{which}: {result['models'][which]}" + (f"\n  weights: {w}" if w else ""))
