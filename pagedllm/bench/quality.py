@@ -122,8 +122,14 @@ def run_cache_type(args: argparse.Namespace, cache_type: str, windows: list[list
     """One engine with this cache type: perplexity, then greedy generation. `dtype` overrides
     the compute dtype (the reference row: same cache type, other rounding)."""
     from .. import LLM, SamplingParams
+    from ..quant.kernels import INT_ROWS, kernel_path
 
     n_seqs = max(len(windows), len(prompts))
+    if not args.dequantize_weights and kernel_path()[0] is not None:
+        # Quantized weights take the integer kernels only on steps of at most INT_ROWS rows (wider
+        # ones dequantize and GEMM, exactly): so many sequences a step at most, so that the decode
+        # path scored is the one serving runs, not the exact one.
+        n_seqs = min(n_seqs, INT_ROWS)
     ctx = max(len(windows) * (len(windows[0]) + args.block_size),
               len(prompts) * (len(prompts[0]) + args.new_tokens + args.block_size))
     t0 = time.perf_counter()
@@ -142,7 +148,8 @@ def run_cache_type(args: argparse.Namespace, cache_type: str, windows: list[list
     gen_s = time.perf_counter() - t0
     return {"cache_type": label or cache_type, "dtype": str(eng.kv_spec.dtype).removeprefix("torch."),
             "compute_dtype": str(eng.dtype).removeprefix("torch."),
-            "quant_mode": eng.kv_spec.mode.quant_mode,
+            "quant_mode": eng.kv_spec.mode.quant_mode, "max_num_seqs": n_seqs,
+            "weights": eng.weights.summary() if getattr(eng, "weights", None) else None,
             "scale_granularity": eng.kv_spec.mode.scale_granularity,
             "scale_source": eng.kv_spec.scale_source,
             "bytes_per_token": eng.kv_spec.bytes_per_token,
@@ -298,7 +305,8 @@ def run(args: argparse.Namespace) -> dict:
             # The reference again in another compute dtype: how much plain rounding moves it.
             runs.insert(1, (ct, args.noise_dtype, f"{ct}/{_short(args.noise_dtype)}"))
         print(f"  {r['cache_type']}: perplexity {r['perplexity']:.4f} "
-              f"({r['seconds']['perplexity']:.0f} s), greedy {r['seconds']['greedy']:.0f} s", flush=True)
+              f"({r['seconds']['perplexity']:.0f} s), greedy {r['seconds']['greedy']:.0f} s; at most "
+              f"{r['max_num_seqs']} sequences a step; weights {r['weights']}", flush=True)
         results.append(r)
     ref = results[0]
     for r in results:
