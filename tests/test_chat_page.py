@@ -79,7 +79,10 @@ def test_two_turns_then_stop_frees_the_kv_cache(server, browser):
     set_value("#temperature", "0")
     set_value("#max_tokens", "24")
     set_value("#system", "You are a concise assistant.")
-    for turn, question in enumerate(["What is the capital of France?", "And of Germany?"]):
+    # (Asked bare, SmolLM2's first token is a three-way tie within 0.002 of a logprob between
+    # "The", "La" and "Le": any kernel's rounding picks its own. Asked this way, every weight
+    # path answers "The capital of France is Paris.", each of its first tokens 1.7 clear.)
+    for turn, question in enumerate(["What is the capital of France? Answer in one sentence.", "And of Germany?"]):
         find("#input").send_keys(question, Keys.ENTER)
         _wait(lambda: len(answers()) == turn + 1 and answers()[-1].get_attribute("data-done"))
         assert answers()[-1].get_attribute("data-done") == "finished", find("#error").text
