@@ -210,7 +210,7 @@ def run_weights(args: argparse.Namespace) -> dict:
     chunk 1, every window one row of a batch of at most 32 (the integer kernels). Prefill path:
     whole windows at once (tile dequantize + GEMM)."""
     from .. import LLM
-    from ..quant.kernels import INT_ROWS
+    from ..quant.kernels import INT_ROWS, X2_ROWS
 
     if args.windows > INT_ROWS:
         print(f"--weights: {args.windows} windows would leave the integer kernels (at most {INT_ROWS} "
@@ -225,8 +225,6 @@ def run_weights(args: argparse.Namespace) -> dict:
     # The decode path once per activation rounding (quant/kernels.py): int8x2 (the default up to
     # X2_ROWS rows), the default at this run's width (steps of len(windows) rows), and one int8
     # level everywhere, llama.cpp's.
-    from ..quant.kernels import X2_ROWS
-
     auto = (f"quantized fp32, decode, default ({len(windows)} rows)", dict(dtype="float32"), 1, "auto")
     runs = [("dequantized fp32 (reference)", dict(dtype="float32", dequantize_weights=True), 1, None),
             ("quantized fp32, decode, int8x2", dict(dtype="float32"), 1, "int8x2"),
