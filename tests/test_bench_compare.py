@@ -162,3 +162,46 @@ def test_a_childs_peak_rss_is_its_own():
     peak = float(out)
     del ballast
     assert 50 < peak < 200, peak  # its own 50 MB and an interpreter, not the parent's 400+
+
+
+def _long(path, tmp_path, caches, *extra):
+    out = tmp_path / "long.json"
+    assert main(["bench", "compare", str(path), "--measures", "", "--long-context", "96,160",
+                 "--long-tokens", "4", "--long-caches", caches, "--repeats", "1", "--output", str(out),
+                 *extra]) == 0
+    return json.loads(out.read_text())
+
+
+def test_long_context_prefills_then_decodes_at_depth(tiny_gguf, tmp_path, capsys):
+    """Each (length, cache) pair is one row with both rates, our cache named beside llama.cpp's
+    nearest."""
+    result = _long(tiny_gguf, tmp_path, "auto,int8", "--peer", "none")
+    assert list(result["measures"]) == ["long-96-auto", "long-96-int8", "long-160-auto", "long-160-int8"]
+    row = result["measures"]["long-160-int8"]
+    assert (row["prompt_tokens"], row["cache"], row["peer_cache"]) == (160, "int8", "q8_0")
+    assert result["measures"]["long-96-auto"]["peer_cache"] == "f16"
+    assert row["pagedllm"]["tok_s"] > 0 and row["pagedllm"]["decode_tok_s"] > 0
+    assert len(row["pagedllm"]["first_output"]) == 4  # the first token, then 3 at depth
+    text = capsys.readouterr().out
+    assert "prefill of 160 tokens, cache int8 / q8_0" in text and "then decode at that depth" in text
+    assert "flash attention on" in text
+
+
+def test_long_context_with_llama_cpp(tiny_gguf, tmp_path):
+    """llama.cpp's side of the same rows, flash attention on. (Its q8_0 cache needs head dims in
+    32s, which the tiny shape's are not: the f16 row only.)"""
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python not installed (make bench-deps)")
+    row = _long(tiny_gguf, tmp_path, "auto")["measures"]["long-160-auto"]
+    for engine in ("pagedllm", "llama.cpp"):
+        assert row[engine]["tok_s"] > 0 and row[engine]["decode_tok_s"] > 0
+        assert len(row[engine]["first_output"]) == 4
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--long-context", "4096", "--long-caches", "f8e4m3"], "no llama.cpp counterpart"),
+    (["--long-context", "4k"], "token counts separated by commas"),
+    (["--long-context", "4096", "--long-tokens", "1"], "--long-tokens must be at least 2"),
+])
+def test_long_context_refuses_bad_flags(tiny_gguf, flags, message, capsys):
+    assert main(["bench", "compare", str(tiny_gguf), *flags]) == 1
+    assert message in capsys.readouterr().err

@@ -11,6 +11,12 @@ with EOS ignored, and the same KV room:
   room being `--parallel` x (prompt + max-tokens, rounded up to 256) tokens
   (llama.cpp: n_ctx of that size with n_seq_max = --parallel);
 - one `--prefill-tokens` prefill (512; llama.cpp n_batch = n_ubatch = 512);
+- with `--long-context 8192,16384,...`, at each length: one prompt of that many tokens (the
+  prefill rate), then `--long-tokens` tokens decoded at that depth (the decode rate), once per
+  cache of `--long-caches` against llama.cpp's nearest: our auto (the compute dtype) and bf16 /
+  f16 against its f16 cache, our int8 against its q8_0; llama.cpp runs with flash attention on,
+  its fastest path at length. Our prefill takes the engine's default chunk
+  (max_num_batched_tokens); llama.cpp its 512-token ubatches;
 - at batch 1, the weight-streaming rate: the bytes of weights read per token (the GGUF's tensor
   data, less an untied embedding table, which is only row-gathered) x tok/s, against a read
   bandwidth measured in the same run (a large float32 tensor summed with the same threads).
@@ -42,6 +48,8 @@ ENGINES = ("pagedllm", "llama.cpp")
 CPU_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_tile", "amx_bf16",
              "amx_int8")
 _CHILD = "--child"
+# Our KV cache dtype -> llama.cpp's cache type that stores about as many bits.
+PEER_CACHE = {"auto": "f16", "bf16": "f16", "f16": "f16", "int8": "q8_0"}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -56,7 +64,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--parallel", type=int, default=32, help="sequences decoded together (default 32)")
     p.add_argument("--prefill-tokens", type=int, default=512)
     p.add_argument("--measures", default=",".join(MEASURES),
-                   help=f"comma-separated subset of {','.join(MEASURES)}")
+                   help=f"comma-separated subset of {','.join(MEASURES)} ('' with --long-context: that test only)")
+    p.add_argument("--long-context", default="", metavar="N[,N...]",
+                   help="prompt lengths of the long-context test (e.g. 8192,16384,32768; default: not run)")
+    p.add_argument("--long-tokens", type=int, default=32, help="tokens decoded at depth in the long-context test")
+    p.add_argument("--long-caches", default="auto,int8", metavar="CACHE[,CACHE...]",
+                   help=f"our KV caches in the long-context test, each against llama.cpp's nearest "
+                        f"({', '.join(f'{k}: {v}' for k, v in PEER_CACHE.items())}); default auto,int8")
     p.add_argument("--peer", choices=["llama.cpp", "none"], default="llama.cpp")
     p.add_argument("--bandwidth-mib", type=int, default=1024,
                    help="size of the tensor summed to measure read bandwidth (0: skip)")
@@ -81,7 +95,8 @@ def run(args: argparse.Namespace) -> dict | int:
 
 def _run(args: argparse.Namespace) -> dict:
     model = _model_path(args.model)
-    measures = _measures(args.measures)
+    long_lengths, long_caches = _long_plan(args)
+    measures = _measures(args.measures) if args.measures or not long_lengths else []
     out = args.output or f"bench-results/compare-{model.stem}.json"
     peer_ok = args.peer == "llama.cpp" and _has_llama_cpp()
     if args.peer == "llama.cpp" and not peer_ok:
@@ -96,17 +111,24 @@ def _run(args: argparse.Namespace) -> dict:
     if args.bandwidth_mib > 0 and "decode1" in measures:
         result["read_bandwidth"] = _spawn("bandwidth", {"mib": args.bandwidth_mib, "threads": args.threads,
                                                         "repeats": 7})
-    for kind in measures:
-        spec = _spec(kind, args, str(model), vocab) | {"engine_kwargs": engine_kwargs}
+    plan = [(kind, _spec(kind, args, str(model), vocab)) for kind in measures]
+    plan += [(f"long-{n}-{cache}", _long_spec(n, cache, args, str(model), vocab))
+             for n in long_lengths for cache in long_caches]
+    for kind, spec in plan:
+        spec["engine_kwargs"] = engine_kwargs | spec.pop("cache_kwargs", {})
         row: dict = {"kv_tokens": spec["kv_tokens"], "sequences": len(spec["prompts"]),
                      "prompt_tokens": len(spec["prompts"][0]), "max_tokens": spec["max_tokens"]}
+        if spec["measure"] == "long":
+            row |= {"cache": spec["engine_kwargs"]["kv_cache_dtype"], "peer_cache": spec["peer_cache"]}
         for engine in ENGINES:
             if engine == "llama.cpp" and not peer_ok:
                 row[engine] = {"skipped": MISSING_HINT if args.peer == "llama.cpp" else "--peer none"}
                 continue
             print(f"{kind}: {engine} ...", file=sys.stderr, end=" ", flush=True)
             row[engine] = _summarise(_spawn(engine, spec))
-            print(f"{row[engine]['tok_s']:.1f} tok/s, peak RSS {row[engine]['peak_rss_mb']:.0f} MB",
+            extra = (f", decode at depth {row[engine]['decode_tok_s']:.2f} tok/s"
+                     if "decode_tok_s" in row[engine] else "")
+            print(f"{row[engine]['tok_s']:.1f} tok/s{extra}, peak RSS {row[engine]['peak_rss_mb']:.0f} MB",
                   file=sys.stderr, flush=True)
         result["measures"][kind] = row
         write_json(out, result)  # what is done so far survives an interrupted run
@@ -141,6 +163,24 @@ def _measures(text: str) -> list[str]:
     return wanted
 
 
+def _long_plan(args: argparse.Namespace) -> tuple[list[int], list[str]]:
+    """The long-context test's prompt lengths and our caches, checked before anything runs."""
+    try:
+        lengths = [int(x) for x in args.long_context.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--long-context takes token counts separated by commas, got {args.long_context!r}") from None
+    if any(n < 2 for n in lengths):
+        raise ValueError(f"--long-context: every length must be at least 2 tokens, got {lengths}")
+    caches = [c.strip() for c in args.long_caches.split(",") if c.strip()]
+    bad = [c for c in caches if c not in PEER_CACHE]
+    if bad or (lengths and not caches):
+        raise ValueError(f"--long-caches: {bad or 'empty list'} has no llama.cpp counterpart; choose from "
+                         f"{', '.join(PEER_CACHE)}")
+    if args.long_tokens < 2:
+        raise ValueError(f"--long-tokens must be at least 2 (the first token ends the prefill), got {args.long_tokens}")
+    return lengths, caches
+
+
 def _has_llama_cpp() -> bool:
     import importlib.util
 
@@ -171,6 +211,17 @@ def _spec(kind: str, args: argparse.Namespace, model: str, vocab: int) -> dict:
             "prompts": prompts, "max_tokens": max_tokens, "kv_tokens": kv}
 
 
+def _long_spec(n: int, cache: str, args: argparse.Namespace, model: str, vocab: int) -> dict:
+    """One prompt of n tokens, then `--long-tokens` decoded at that depth, with one of our caches
+    against llama.cpp's nearest and its flash attention on."""
+    rng = random.Random(args.seed + n)
+    lo, hi = 256, min(vocab, 32000)
+    return {"measure": "long", "model": model, "threads": args.threads, "repeats": args.repeats,
+            "prompts": [[rng.randrange(lo, hi) for _ in range(n)]], "max_tokens": args.long_tokens,
+            "kv_tokens": n + args.long_tokens, "cache_kwargs": {"kv_cache_dtype": cache},
+            "peer_cache": PEER_CACHE[cache], "flash_attn": True}
+
+
 def _spawn(engine: str, spec: dict) -> dict:
     """One fresh process for one measurement of one engine; its JSON result."""
     env = dict(os.environ, OMP_NUM_THREADS=str(spec["threads"]))
@@ -199,6 +250,8 @@ def _spawn(engine: str, spec: dict) -> dict:
 def _summarise(r: dict) -> dict:
     rates = r["tok_s"]
     out = {"tok_s": statistics.median(rates), "tok_s_runs": rates, "peak_rss_mb": r["peak_rss_mb"]}
+    if "decode_tok_s" in r:  # the long-context test: tok_s is its prefill rate
+        out |= {"decode_tok_s": statistics.median(r["decode_tok_s"]), "decode_tok_s_runs": r["decode_tok_s"]}
     if r.get("outputs"):
         out["first_output"] = r["outputs"][0][:16]
     if "dtype" in r:
@@ -271,6 +324,11 @@ def format_report(result: dict) -> str:
     head = f"{'':<42}{'pagedllm':>12}{'llama.cpp':>12}{'ratio':>9}"
     lines += [head, "-" * len(head)]
     for kind, row in result["measures"].items():
+        if "cache" in row:  # the long-context test: two rates a row
+            caches = f"cache {row['cache']} / {row['peer_cache']}"
+            lines.append(_row(f"prefill of {row['prompt_tokens']} tokens, {caches}", row, "tok_s", "{:.1f}"))
+            lines.append(_row(f"  then decode at that depth", row, "decode_tok_s", "{:.2f}"))
+            continue
         label = _LABELS[kind].format(n=row["sequences"], p=row["prompt_tokens"])
         lines.append(_row(label, row, "tok_s", "{:.1f}"))
     for kind, row in result["measures"].items():
@@ -290,6 +348,9 @@ def format_report(result: dict) -> str:
     opts = ", ".join(f"{k}={v}" for k, v in result.get("engine_kwargs", {}).items())
     lines.append(f"pagedllm compute dtype {'/'.join(sorted(dtypes)) or '?'}{'; ' + opts if opts else ''}; "
                  "ratio = pagedllm / llama.cpp (for RSS, lower is better)")
+    if any("cache" in r for r in result["measures"].values()):
+        lines.append("long context: llama.cpp with flash attention on; caches named ours / llama.cpp's "
+                     "(auto = the compute dtype)")
     for engine in ENGINES:
         skipped = {r[engine]["skipped"] for r in result["measures"].values()
                    if "skipped" in r.get(engine, {})}
@@ -314,20 +375,26 @@ def _pagedllm_child(spec: dict) -> dict:
     from .. import LLM
 
     n_seq = len(spec["prompts"])
+    long = spec["measure"] == "long"
+    # A long prompt is chunked as the engine chooses; the short tests prefill in one chunk.
+    chunk = {} if long else {"max_num_batched_tokens": max(1024, len(spec["prompts"][0]) + 1)}
     llm = LLM(spec["model"], kv_cache_context_len=spec["kv_tokens"], max_num_seqs=n_seq,
               max_model_len=spec["kv_tokens"] // n_seq, enable_prefix_caching=False, seed=0,
-              max_num_batched_tokens=max(1024, len(spec["prompts"][0]) + 1), **spec["engine_kwargs"])
+              **chunk, **spec["engine_kwargs"])
     eng = llm.engine
     _drive(llm.driver, [p[:8] for p in spec["prompts"]], 3)  # warm-up
-    rates, outputs = [], None
+    rates, decode_rates, outputs = [], [], None
     for _ in range(spec["repeats"]):
         prefill_s, decode_s, decoded, outputs = _drive(llm.driver, spec["prompts"], spec["max_tokens"])
-        if spec["measure"] == "prefill":
+        if spec["measure"] in ("prefill", "long"):
             rates.append(len(spec["prompts"][0]) / prefill_s)
-        else:
-            rates.append(decoded / decode_s)
-    return {"tok_s": rates, "outputs": outputs, "peak_rss_mb": peak_rss_mb(), "dtype": str(eng.dtype),
-            "weights": eng.weights.summary() if eng.weights is not None else None}
+        if spec["measure"] != "prefill":
+            decode_rates.append(decoded / decode_s)
+    out = {"tok_s": rates if rates else decode_rates, "outputs": outputs, "peak_rss_mb": peak_rss_mb(),
+           "dtype": str(eng.dtype), "weights": eng.weights.summary() if eng.weights is not None else None}
+    if long:
+        out["decode_tok_s"] = decode_rates
+    return out
 
 
 def _drive(driver, prompts: list[list[int]], max_tokens: int) -> tuple[float, float, int, list[list[int]]]:

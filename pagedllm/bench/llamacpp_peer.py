@@ -24,6 +24,7 @@ MISSING_HINT = ("llama-cpp-python is not installed. Run `make bench-deps` (it in
                 "in ~/.cache/pagedllm/wheels, or builds one from the PyPI sdist: about 8 minutes on "
                 "2 cores), or `pip install 'pagedllm[bench]'`.")
 BATCH = 512  # n_batch = n_ubatch: the 512-token prefill is one ubatch
+CACHE_TYPES = {"f16": 1, "q8_0": 8}  # ggml_type of the K/V cache
 
 
 @dataclass
@@ -35,8 +36,11 @@ class Model:
 
 
 @contextlib.contextmanager
-def open_model(path: str, n_ctx: int, threads: int, n_seq: int = 1) -> Iterator[Model]:
-    """A model and one context with `n_ctx` KV cells shared by up to `n_seq` sequences."""
+def open_model(path: str, n_ctx: int, threads: int, n_seq: int = 1, flash_attn: bool | None = None,
+               cache_type: str = "f16") -> Iterator[Model]:
+    """A model and one context with `n_ctx` KV cells shared by up to `n_seq` sequences; K and V
+    cached as `cache_type` (f16 or q8_0: a quantized V cache needs flash attention); flash
+    attention on, off, or (None) as llama.cpp chooses."""
     import llama_cpp as L
 
     L.llama_backend_init()
@@ -49,10 +53,15 @@ def open_model(path: str, n_ctx: int, threads: int, n_seq: int = 1) -> Iterator[
     cparams.n_ctx, cparams.n_seq_max = n_ctx, n_seq
     cparams.n_batch = cparams.n_ubatch = BATCH
     cparams.n_threads = cparams.n_threads_batch = threads
+    if flash_attn is not None:  # None: llama.cpp's own choice (auto)
+        cparams.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn else L.LLAMA_FLASH_ATTN_TYPE_DISABLED
+    cparams.type_k = cparams.type_v = CACHE_TYPES[cache_type]
     ctx = L.llama_init_from_model(model, cparams)
     if not ctx:
         L.llama_model_free(model)
-        raise RuntimeError(f"llama.cpp could not make a context of {n_ctx} tokens for {path}")
+        why = (f" with a {cache_type} cache (llama.cpp quantizes the cache in blocks of 32 along the head "
+               "dim, so the model's head dim must be a multiple of 32)" if cache_type != "f16" else "")
+        raise RuntimeError(f"llama.cpp could not make a context of {n_ctx} tokens for {path}{why}")
     try:
         n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(model))
         yield Model(L, model, ctx, n_vocab)
@@ -111,10 +120,13 @@ class Runner:
             first += self.argmax(1)
         return first
 
-    def generate(self, prompts: list[list[int]], max_tokens: int) -> tuple[float, int, list[list[int]]]:
-        """All sequences decoded together; (seconds of the decode steps, tokens they made, outputs)."""
+    def generate(self, prompts: list[list[int]], max_tokens: int) -> tuple[float, float, int, list[list[int]]]:
+        """All sequences decoded together; (seconds of the prefill, seconds of the decode steps,
+        tokens they made, outputs)."""
         self.clear()
+        t0 = time.perf_counter()
         outs = [[t] for t in self.prefill(prompts)]
+        prefill_s = time.perf_counter() - t0
         pos = [len(p) for p in prompts]
         t0 = time.perf_counter()
         for _ in range(max_tokens - 1):
@@ -123,7 +135,7 @@ class Runner:
                 outs[i].append(t)
                 pos[i] += 1
         dt = time.perf_counter() - t0
-        return dt, len(prompts) * (max_tokens - 1), outs
+        return prefill_s, dt, len(prompts) * (max_tokens - 1), outs
 
     def prefill_time(self, prompt: list[int]) -> float:
         self.clear()
@@ -135,20 +147,26 @@ class Runner:
 
 def measure(spec: dict) -> dict:
     prompts, kind = spec["prompts"], spec["measure"]
-    with open_model(spec["model"], spec["kv_tokens"], spec["threads"], len(prompts)) as m:
+    with open_model(spec["model"], spec["kv_tokens"], spec["threads"], len(prompts),
+                    flash_attn=spec.get("flash_attn"), cache_type=spec.get("peer_cache", "f16")) as m:
         run = Runner(m, max(BATCH, len(prompts)))
         try:
             run.generate([p[:8] for p in prompts], 3)  # warm-up: first-call allocations
-            rates, outputs = [], None
+            rates, decode_rates, outputs = [], [], None
             for _ in range(spec["repeats"]):
                 if kind == "prefill":
                     rates.append(len(prompts[0]) / run.prefill_time(prompts[0]))
-                else:
-                    dt, n, outputs = run.generate(prompts, spec["max_tokens"])
-                    rates.append(n / dt)
+                    continue
+                prefill_s, dt, n, outputs = run.generate(prompts, spec["max_tokens"])
+                decode_rates.append(n / dt)
+                if kind == "long":  # one prompt: its prefill, then the decode at its depth
+                    rates.append(len(prompts[0]) / prefill_s)
         finally:
             run.close()
-    return {"tok_s": rates, "outputs": outputs, "peak_rss_mb": peak_rss_mb(), "n_vocab": m.n_vocab}
+    out = {"tok_s": rates or decode_rates, "outputs": outputs, "peak_rss_mb": peak_rss_mb(), "n_vocab": m.n_vocab}
+    if kind == "long":
+        out["decode_tok_s"] = decode_rates
+    return out
 
 
 def peak_rss_mb() -> float:
