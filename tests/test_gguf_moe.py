@@ -203,34 +203,37 @@ def test_quantized_experts_stay_quantized_and_agree(tmp_path, qtype):
         assert agree >= 0.98, f"{qtype.name}, chunk {chunk}: top-1 agreement {agree:.3f}"
 
 
-def test_one_decode_row_takes_its_experts_gate_up_in_one_call(tmp_path, monkeypatch):
-    """A single row's k experts: gate|up in one integer-kernel call, then the downs; the same
-    values as the grouped path (one call chain per expert), which the agreement test above holds
-    to the dequantized model."""
+@pytest.mark.parametrize("rows", [1, 5, 32])
+def test_few_rows_run_their_experts_in_one_native_call(tmp_path, monkeypatch, rows):
+    """A step of up to INT_ROWS rows: every routed expert in one quant_moe_experts call, no
+    Python matmul per expert; the values of the grouped path (one call chain per active
+    expert), which the agreement test above holds to the dequantized model."""
+    from pagedllm.models.moe import route
     from pagedllm.quant import kernels as qk
 
-    if qk.kernel_path()[0] is None:
-        pytest.skip(f"no quantized kernels here: {qk.kernel_path()[1]}")
+    if not qk.moe_experts_available():
+        pytest.skip("the native kernels (quant_moe_experts) are not built here")
     vocab = len(_spm_vocab()[0])
     write_moe_gguf(tmp_path / "m.gguf", "olmoe", _model("olmoe", vocab), Q.Q8_0)
     moe = LLM(str(tmp_path / "m.gguf"), dtype="float32", kv_cache_memory_mb=16).engine.model.layers[0].mlp
-    assert moe._one_call_gate_up()
-    from pagedllm.models.moe import route
-
-    h = torch.randn(1, moe.gate.in_features, generator=torch.Generator().manual_seed(3))
+    h = torch.randn(rows, moe.gate.in_features, generator=torch.Generator().manual_seed(3))
     weights, ids = route(moe.router_logits(h), moe.top_k, moe.renormalize)
-    calls = []
-    real = qk.matmul
-
-    def counting(x, parts, *a, **kw):
-        calls.append(len(parts))
-        return real(x, parts, *a, **kw)
-
-    monkeypatch.setattr(qk, "matmul", counting)
+    native, per_expert = [], []
+    real_native, expert_forward = qk.moe_experts, type(moe.experts[0]).forward
+    monkeypatch.setattr(qk, "moe_experts", lambda *a: native.append(1) or real_native(*a))
+    monkeypatch.setattr(type(moe.experts[0]), "forward",
+                        lambda self, *a, **kw: per_expert.append(1) or expert_forward(self, *a, **kw))
     fast = moe.run_experts(h, weights, ids)
-    monkeypatch.undo()
-    # one gate|up call over all k experts' parts, then one down call per expert
-    assert len(calls) == 1 + moe.top_k and calls[0] == sum(len(moe.experts[e].gate_up_proj.qparts) for e in ids[0])
-    moe._one_call = False  # the grouped path
+    assert (native, per_expert) == ([1], [])
+    assert "one native call (quant_moe_experts" in moe.path()
+    assert sum(moe.last_counts) == rows * moe.top_k
+    moe._native = None  # the grouped path
     grouped = moe.run_experts(h, weights, ids)
-    assert torch.allclose(fast, grouped, rtol=1e-5, atol=1e-6), (fast - grouped).abs().max()
+    assert len(per_expert) == len(ids.unique())
+    assert torch.allclose(fast, grouped, rtol=1e-4, atol=1e-5), (fast - grouped).abs().max()
+    # The ids matter: each row's experts moved to the next ids gives another result.
+    moe._native = False
+    wrong = moe.run_experts(h, weights, (ids + 1) % moe.num_experts)
+    assert not torch.allclose(wrong, fast, rtol=1e-2, atol=1e-3)
+    with pytest.raises(RuntimeError, match=f"expert id {moe.num_experts} out of range"):
+        real_native(h, torch.full_like(ids, moe.num_experts), weights, moe._native_experts())

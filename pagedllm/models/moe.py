@@ -11,8 +11,9 @@
   rows.
 - Each expert is an `MLP` of `Linear` layers, so quantized experts stay quantized in the
   packed layout the dense kernels use (quant/kernels.py), and a step's few decode rows per
-  expert take the integer kernel with the activation fused into the call. A fused native call
-  over all of a row's k experts is later work.
+  expert take the integer kernels. A step of up to INT_ROWS rows (decode, batch 1 to 32) runs
+  all of a layer's routed experts in one native call (`quant_moe_experts`): no Python loop, and
+  the threads split every active expert's rows at once.
 - Qwen2-MoE adds a shared expert, scaled by sigmoid(shared_expert_gate(x)), to every row.
 - Tensor parallelism: every rank routes every row (the router is replicated) and holds a slice
   of each expert's intermediate rows (and of the shared expert's), as the dense MLP is split;
@@ -67,7 +68,8 @@ class SparseMoE(nn.Module):
             self.shared_expert = MLP(cfg, inter=shared)
             self.shared_expert_gate = Linear(cfg.hidden_size, 1, bias=False)
             self.shared_expert_gate.keep_float = True
-        self.last_counts: list[int] = []  # rows routed to each expert in the last call (trace)
+        self._last_ids: torch.Tensor | None = None  # the last call's expert ids (trace)
+        self._native: qk.MoeExperts | None | bool = False  # False: not looked at yet (weights load later)
 
     def forward(self, x: torch.Tensor, norm: nn.Module | None = None,
                 residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -89,17 +91,25 @@ class SparseMoE(nn.Module):
             return qk.matmul(h, self.gate.qparts, out_dtype=torch.float32)
         return F.linear(h.float(), self.gate.weight.float())
 
+    @property
+    def last_counts(self) -> list[int]:
+        """Rows routed to each expert in the last call (for `pagedllm trace`)."""
+        if self._last_ids is None:
+            return []
+        return torch.bincount(self._last_ids.reshape(-1), minlength=self.num_experts).tolist()
+
     def run_experts(self, h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """Rows grouped by expert: one matmul chain per active expert, scattered back weighted."""
-        if h.shape[0] == 1 and self._one_call_gate_up():
-            return self._run_one_row(h, weights, ids)
+        """Rows grouped by expert: one matmul chain per active expert, scattered back weighted
+        (few rows of quantized experts: all of it in one native call)."""
+        self._last_ids = ids
+        if h.shape[0] <= qk.INT_ROWS and self._native_experts() is not None:
+            return qk.moe_experts(h, ids, weights, self._native).to(h.dtype)
         k = ids.shape[1]
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)
         rows = order // k  # the token of each sorted (token, slot) pair
         w = weights.reshape(-1)[order].unsqueeze(1)
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
-        self.last_counts = counts
         out = torch.zeros_like(h)
         start = 0
         for e, n in enumerate(counts):
@@ -111,48 +121,38 @@ class SparseMoE(nn.Module):
             start += n
         return out
 
-    def _one_call_gate_up(self) -> bool:
-        """Whether a row's k experts can take their gate|up projections in one integer-kernel
-        call: every expert quantized, none reading its input permuted."""
-        ok = getattr(self, "_one_call", None)
-        if ok is None:
-            ok = self._one_call = all(m.gate_up_proj.qparts is not None and not m.gate_up_proj.permutes
-                                      and m.down_proj.qparts is not None and not m.down_proj.permutes
-                                      for m in self.experts)
-        return ok
-
-    def _run_one_row(self, h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """A decode row: its k experts' gate|up in one native call (the row's activation
-        quantized once), silu(gate) * up for all k at once, then each expert's down projection,
-        summed with the routing weights in ascending expert order (as the grouped path adds)."""
-        ids_sorted, order = torch.sort(ids[0])
-        experts = ids_sorted.tolist()
-        w = weights[0, order].tolist()
-        self.last_counts = torch.bincount(ids_sorted, minlength=self.num_experts).tolist()
-        mods = [self.experts[e] for e in experts]
-        gu = qk.matmul(h, [p for m in mods for p in m.gate_up_proj.qparts], out_dtype=torch.float32)
-        gate, up = gu.view(len(mods), 2, -1).unbind(1)
-        act = (F.silu(gate) * up).to(h.dtype)
-        out = torch.zeros(1, h.shape[1], dtype=torch.float32)
-        for i, m in enumerate(mods):
-            out.add_(qk.matmul(act[i:i + 1], m.down_proj.qparts, out_dtype=torch.float32), alpha=w[i])
-        return out.to(h.dtype)
+    def _native_experts(self) -> qk.MoeExperts | None:
+        """The experts' weights for `quant_moe_experts`, gathered once; None where that call
+        does not apply: an expert in float, one reading its input permuted, or a library
+        without the call."""
+        plan = self._native
+        if plan is False:
+            plan = self._native = None
+            if qk.moe_experts_available() and all(
+                    p.qparts is not None and not p.permutes and (p is m.gate_up_proj or len(p.qparts) == 1)
+                    for m in self.experts for p in (m.gate_up_proj, m.down_proj)):
+                plan = self._native = qk.MoeExperts.of([m.gate_up_proj.qparts for m in self.experts],
+                                                       [m.down_proj.qparts[0] for m in self.experts])
+        return plan
 
     def path(self) -> str:
         """How the experts run (for `pagedllm trace`)."""
         mlp = self.experts[0]
         parts = mlp.gate_up_proj.qparts
-        if parts:
-            kind = (f"quantized {'/'.join(sorted({p.fmt for p in parts}))}, "
-                    f"integer kernel up to {qk.INT_ROWS} rows an expert, dequantize + GEMM beyond"
-                    + ("; a single decode row: its k experts' gate|up in one integer-kernel call, "
-                       "then k down calls" if self._one_call_gate_up() else ""))
-        else:
-            kind = f"{mlp.gate_up_proj.weight.dtype} GEMMs"
-        return (f"{self.num_experts} experts, top-{self.top_k}"
-                f"{', shared expert' if self.shared_expert is not None else ''}: rows sorted by expert id, "
-                f"one matmul chain per active expert (a Python loop over the active experts; {kind}), "
-                "scattered back with index_add_")
+        head = (f"{self.num_experts} experts, top-{self.top_k}"
+                f"{', shared expert' if self.shared_expert is not None else ''}: ")
+        loop = ("rows sorted by expert id, one matmul chain per active expert (a Python loop over the "
+                "active experts; {}), scattered back with index_add_")
+        if not parts:
+            return head + loop.format(f"{mlp.gate_up_proj.weight.dtype} GEMMs")
+        fmts = "/".join(sorted({p.fmt for p in parts}))
+        if self._native_experts() is None:
+            return head + loop.format(f"quantized {fmts}, integer kernel up to {qk.INT_ROWS} rows an "
+                                      "expert, dequantize + GEMM beyond")
+        return (head + f"quantized {fmts}; steps of up to {qk.INT_ROWS} rows in one native call "
+                "(quant_moe_experts: rows grouped by expert id, every active expert's rows through the "
+                "integer kernels, the threads over all of them at once, summed by weight); wider steps "
+                + loop.format("dequantize + GEMM"))
 
 
 class MoeDecoderLayer(DecoderLayer):

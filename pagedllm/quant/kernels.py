@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
@@ -123,12 +124,13 @@ def _isa_id(isa: str | None, rows: int, role: str | None = None) -> int:
     """The kernels' path argument for a step of `rows` activation rows through the projection
     `role` (one of ROLES, or None): the instruction set's id, with ACT_X2 where they are
     rounded in two levels."""
-    if isa is None:
-        path, _ = kernel_path()
-        isa_id = ISA_IDS[path] if path else 0
-    else:
-        isa_id = ISA_IDS[isa]
+    isa_id = _path_id() if isa is None else ISA_IDS[isa]
     return isa_id | (ACT_X2 if _x2(rows, role) else 0)
+
+
+def _path_id() -> int:
+    path, _ = kernel_path()
+    return ISA_IDS[path] if path else 0
 
 
 def _stack_isa_id(rows: int) -> int:
@@ -172,6 +174,41 @@ def matmul(x: torch.Tensor, parts: list[QuantTensor], isa: str | None = None,
                 torch.mm(x, tile.t(), out=y[:, col:col + count])
             col += count
     return y.to(out_dtype)
+
+
+@dataclass(frozen=True)
+class MoeExperts:
+    """One MoE layer's quantized experts as `quant_moe_experts` takes them: every expert's
+    gate|up parts in one flat list with a count per expert, and one down part per expert."""
+
+    gate_up: list[torch.Tensor]
+    gate_up_types: list[int]
+    gate_up_parts: list[int]
+    down: list[torch.Tensor]
+    down_types: list[int]
+
+    @classmethod
+    def of(cls, gate_up: list[list[QuantTensor]], down: list[QuantTensor]) -> "MoeExperts":
+        flat = [p for parts in gate_up for p in parts]
+        return cls([p.data for p in flat], [p.type_id for p in flat], [len(parts) for parts in gate_up],
+                   [d.data for d in down], [d.type_id for d in down])
+
+
+def moe_experts_available() -> bool:
+    """Whether the native `quant_moe_experts` is built here (a library built before has none)."""
+    ops = cpu_kernels()
+    return ops is not None and hasattr(ops, "quant_moe_experts")
+
+
+def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: MoeExperts) -> torch.Tensor:
+    """[T, H] float32: each row's routed experts (ids, weights [T, k]) run and summed by weight, in
+    one native call. Each expert's rows are rounded as one `matmul` call of that many rows would
+    round them (two levels up to X2_ROWS under "auto")."""
+    mode = activation_mode()
+    x2_rows = INT_ROWS if mode == "int8x2" else X2_ROWS if mode == "auto" else 0
+    return cpu_kernels().quant_moe_experts(x, ids, weights, experts.gate_up, experts.gate_up_types,
+                                           experts.gate_up_parts, experts.down, experts.down_types,
+                                           _path_id(), x2_rows)
 
 
 # Where a step's head runs with single-level (int8) activations, each row's HEAD_RECHECK best

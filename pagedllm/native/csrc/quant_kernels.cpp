@@ -242,6 +242,22 @@ void gemv_fast_any(int64_t type, const uint8_t* w, int64_t rb, int64_t n0, int64
 
 using namespace pq;
 
+namespace {
+// Rows [r0, r1) of one weight part against every row of qa, into y's columns [r0, r1) (row i
+// of qa at y + i * ldy): the kernel of the part's format, packed or not, at path `isa`.
+void part_rows(const Fmt& f, bool packed, const at::Tensor& w, int64_t isa, int64_t r0, int64_t r1,
+               const QAct& qa, float* y, int64_t ldy) {
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  if (packed) { packed_matmul(f.type, isa, wp, w.size(1), r0 / 16, r1 / 16, qa, y, ldy); return; }
+  const int64_t rb = w.stride(0);
+#ifdef PQ_X86
+  if (isa == AVX512VNNI) { gemv_fast_any<AVX512VNNI>(f.type, wp, rb, r0, r1, qa, y, ldy); return; }
+  if (isa == AVX2) { gemv_fast_any<AVX2>(f.type, wp, rb, r0, r1, qa, y, ldy); return; }
+#endif
+  f.is_signed ? gemv_rows<true>(f, wp, rb, r0, r1, qa, y, ldy) : gemv_rows<false>(f, wp, rb, r0, r1, qa, y, ldy);
+}
+}  // namespace
+
 // y [M, N] float32 = x [M, K] @ dequant(w)^T, where w is the row-wise concatenation of the
 // parts ws (each in its own format, e.g. q/k in Q4_K and v in Q6_K): one call per fused
 // projection, the activation quantized once, the threads spread over all parts' rows.
@@ -293,18 +309,8 @@ at::Tensor matmul_tailed(const at::Tensor& x, at::TensorList ws, at::IntArrayRef
     for (size_t p = 0; p < fmts.size(); ++p) {
       const int64_t lo = std::max(b, row0[p]), hi = std::min(e, row0[p + 1]);
       if (lo >= hi) continue;
-      const Fmt& f = fmts[p];
       // The part's rows [lo, hi) land in y's columns [lo, hi).
-      const uint8_t* wp = ws[p].data_ptr<uint8_t>();
-      float* yo = yp + row0[p];
-      const int64_t r0 = lo - row0[p], r1 = hi - row0[p];
-      if (packed[p]) { packed_matmul(f.type, isa, wp, ws[p].size(1), r0 / 16, r1 / 16, qa, yo, n); continue; }
-      const int64_t rb = ws[p].stride(0);
-#ifdef PQ_X86
-      if (isa == AVX512VNNI) { gemv_fast_any<AVX512VNNI>(f.type, wp, rb, r0, r1, qa, yo, n); continue; }
-      if (isa == AVX2) { gemv_fast_any<AVX2>(f.type, wp, rb, r0, r1, qa, yo, n); continue; }
-#endif
-      f.is_signed ? gemv_rows<true>(f, wp, rb, r0, r1, qa, yo, n) : gemv_rows<false>(f, wp, rb, r0, r1, qa, yo, n);
+      part_rows(fmts[p], packed[p], ws[p], isa, lo - row0[p], hi - row0[p], qa, yp + row0[p], n);
     }
     if (levels == 2)
       for (int64_t i = 0; i < m; ++i) {
@@ -321,6 +327,194 @@ at::Tensor matmul_tailed(const at::Tensor& x, at::TensorList ws, at::IntArrayRef
 
 at::Tensor quant_matmul(const at::Tensor& x, at::TensorList ws, at::IntArrayRef types, int64_t k, int64_t isa) {
   return matmul_tailed(x, ws, types, k, isa, nullptr);
+}
+
+namespace {
+// The (weight, row) units of several products, flattened so the threads split all of them at
+// once: product i has units [first[i], first[i + 1]).
+struct Units {
+  std::vector<int64_t> first{0};
+  void add(int64_t n) { first.push_back(first.back() + n); }
+  int64_t total() const { return first.back(); }
+  // Calls f(i, u0, u1) for each product i overlapping [b, e), with its own unit range.
+  template <typename F>
+  void each(int64_t b, int64_t e, F&& f) const {
+    const int64_t np = static_cast<int64_t>(first.size()) - 1;
+    int64_t i = std::upper_bound(first.begin(), first.end(), b) - first.begin() - 1;
+    for (; i < np && first[i] < e; ++i) {
+      const int64_t u0 = std::max(b, first[i]) - first[i], u1 = std::min(e, first[i + 1]) - first[i];
+      if (u0 < u1) f(i, u0, u1);
+    }
+  }
+};
+
+// One MoE layer's routed experts for a step's few rows (T <= INT_ROWS), in one call. The
+// (row, slot) pairs are grouped by expert id; each active expert's rows run its gate|up (one
+// or more parts), silu(gate) * up rounded to x's dtype, and its down projection, on the
+// integer kernels with its rows quantized as one call of that many rows would (two levels
+// where it has at most x2_rows); the threads split each phase over all active experts'
+// output rows at once. out[t] (float32) = sum over t's slots, experts in ascending order, of
+// weight * expert(x[t]): the Python grouped path's loop over active experts, without it.
+template <typename T>
+at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& weights,
+                       at::TensorList gate_up, at::IntArrayRef gu_types, at::IntArrayRef gu_parts,
+                       at::TensorList down, at::IntArrayRef down_types, int64_t isa, int64_t x2_rows) {
+  const int64_t n_tok = x.size(0), hidden = x.size(1), topk = ids.size(1);
+  const int64_t n_exp = static_cast<int64_t>(down.size());
+  TORCH_CHECK(static_cast<int64_t>(gu_parts.size()) == n_exp && down_types.size() == down.size() &&
+              gu_types.size() == gate_up.size(), "quant_moe_experts: one gate|up part count and one down per expert");
+  TORCH_CHECK(ids.dim() == 2 && ids.size(0) == n_tok && weights.sizes() == ids.sizes(),
+              "quant_moe_experts: ids and weights must be [", n_tok, ", k]");
+  // Each expert's parts and their formats; every expert the same widths.
+  std::vector<int64_t> part0{0};
+  for (int64_t e = 0; e < n_exp; ++e) part0.push_back(part0.back() + gu_parts[e]);
+  TORCH_CHECK(part0.back() == static_cast<int64_t>(gate_up.size()), "quant_moe_experts: gate|up part counts do not add up");
+  auto fmt_packed = [](int64_t type) { return std::make_pair(fmt_of(type >= PACKED ? type - PACKED : type), type >= PACKED); };
+  auto rows_of = [](const at::Tensor& w, bool packed) { return w.size(0) * (packed ? 16 : 1); };
+  int64_t inter2 = -1;
+  std::vector<std::vector<int64_t>> gu_row0(n_exp);
+  for (int64_t e = 0; e < n_exp; ++e) {
+    gu_row0[e].push_back(0);
+    for (int64_t p = part0[e]; p < part0[e + 1]; ++p) {
+      const auto [f, packed] = fmt_packed(gu_types[p]);
+      if (packed) check_packed(gate_up[p], f.type, hidden); else check_weight(gate_up[p], f, hidden);
+      gu_row0[e].push_back(gu_row0[e].back() + rows_of(gate_up[p], packed));
+    }
+    TORCH_CHECK(inter2 < 0 || gu_row0[e].back() == inter2, "quant_moe_experts: expert ", e, " has ",
+                gu_row0[e].back(), " gate|up rows, expert 0 ", inter2);
+    inter2 = gu_row0[e].back();
+  }
+  const int64_t inter = inter2 / 2;
+  TORCH_CHECK(inter2 % 2 == 0 && inter % 32 == 0, "quant_moe_experts: gate|up rows must be 2 x a multiple of 32");
+  for (int64_t e = 0; e < n_exp; ++e) {
+    const auto [f, packed] = fmt_packed(down_types[e]);
+    if (packed) check_packed(down[e], f.type, inter); else check_weight(down[e], f, inter);
+    TORCH_CHECK(rows_of(down[e], packed) == hidden, "quant_moe_experts: expert ", e, "'s down projection has ",
+                rows_of(down[e], packed), " rows, not ", hidden);
+  }
+  isa &= ~ACT_X2;
+  if (isa == AUTO) isa = best_isa();
+  TORCH_CHECK(isa_supported(isa), "instruction set path ", isa, " is not available on this CPU");
+  // Group the (row, slot) pairs by expert, rows in order.
+  const auto idc = ids.to(at::kLong).contiguous();
+  const auto wc = weights.to(at::kFloat).contiguous();
+  const int64_t* idp = idc.data_ptr<int64_t>();
+  const float* wp = wc.data_ptr<float>();
+  std::vector<std::vector<std::pair<int64_t, float>>> rows(n_exp);
+  for (int64_t t = 0; t < n_tok; ++t)
+    for (int64_t s = 0; s < topk; ++s) {
+      const int64_t e = idp[t * topk + s];
+      TORCH_CHECK(e >= 0 && e < n_exp, "quant_moe_experts: expert id ", e, " out of range [0, ", n_exp, ")");
+      rows[e].emplace_back(t, wp[t * topk + s]);
+    }
+  std::vector<int64_t> active;
+  for (int64_t e = 0; e < n_exp; ++e)
+    if (!rows[e].empty()) active.push_back(e);
+  const int64_t na = static_cast<int64_t>(active.size());
+  std::vector<int> levels(na);
+  for (int64_t a = 0; a < na; ++a) levels[a] = static_cast<int64_t>(rows[active[a]].size()) <= x2_rows ? 2 : 1;
+  const auto xc = x.contiguous();
+  const T* xp = xc.data_ptr<T>();
+  // Each active expert's rows of x, quantized.
+  std::vector<QAct> qx(na), qh(na);
+  at::parallel_for(0, na, 1, [&](int64_t b, int64_t e) {
+    std::vector<T> gathered;
+    for (int64_t a = b; a < e; ++a) {
+      const auto& r = rows[active[a]];
+      gathered.resize(r.size() * hidden);
+      for (size_t i = 0; i < r.size(); ++i) std::copy_n(xp + r[i].first * hidden, hidden, gathered.data() + i * hidden);
+      quantize_rows(gathered.data(), static_cast<int64_t>(r.size()), hidden, qx[a], levels[a]);
+    }
+  });
+  // gate|up of every active expert: [rows x levels, 2I] each.
+  auto unit_of = [](int64_t n, const std::vector<int64_t>& row0) {
+    for (size_t p = 0; p + 1 < row0.size(); ++p)
+      if ((row0[p + 1] - row0[p]) % 16 != 0) return int64_t{1};
+    return n % 16 == 0 ? int64_t{16} : int64_t{1};
+  };
+  std::vector<std::vector<float>> g(na), d(na);
+  std::vector<int64_t> gu_unit(na);
+  Units ua, ud;
+  for (int64_t a = 0; a < na; ++a) {
+    const int64_t e = active[a];
+    g[a].resize(rows[e].size() * levels[a] * inter2);
+    gu_unit[a] = unit_of(inter2, gu_row0[e]);
+    for (int64_t p = part0[e]; p < part0[e + 1]; ++p)
+      TORCH_CHECK(gu_unit[a] == 16 || gu_types[p] < PACKED, "quant_moe_experts: packed parts need rows in groups of 16");
+    ua.add(inter2 / gu_unit[a]);
+  }
+  at::parallel_for(0, ua.total(), std::max<int64_t>(1, grain_for(inter2) / 16), [&](int64_t b, int64_t e) {
+    ua.each(b, e, [&](int64_t a, int64_t u0, int64_t u1) {
+      const int64_t ex = active[a], lo = u0 * gu_unit[a], hi = u1 * gu_unit[a];
+      const auto& row0 = gu_row0[ex];
+      for (int64_t p = part0[ex]; p < part0[ex + 1]; ++p) {
+        const int64_t j = p - part0[ex], plo = std::max(lo, row0[j]), phi = std::min(hi, row0[j + 1]);
+        if (plo >= phi) continue;
+        const auto [f, packed] = fmt_packed(gu_types[p]);
+        part_rows(f, packed, gate_up[p], isa, plo - row0[j], phi - row0[j], qx[a], g[a].data() + row0[j], inter2);
+      }
+    });
+  });
+  // silu(gate) * up, rounded to T as the Python path's `.to(dtype)`, quantized for the downs.
+  at::parallel_for(0, na, 1, [&](int64_t b, int64_t e) {
+    std::vector<T> act;
+    for (int64_t a = b; a < e; ++a) {
+      const int64_t n = static_cast<int64_t>(rows[active[a]].size());
+      act.resize(n * inter);
+      for (int64_t i = 0; i < n; ++i) {
+        const float* g0 = g[a].data() + i * levels[a] * inter2;
+        const float* g1 = levels[a] == 2 ? g0 + inter2 : nullptr;
+        for (int64_t j = 0; j < inter; ++j) {
+          const float gate = g1 ? g0[j] + g1[j] : g0[j], up = g1 ? g0[inter + j] + g1[inter + j] : g0[inter + j];
+          act[i * inter + j] = static_cast<T>(gate / (1.f + std::exp(-gate)) * up);
+        }
+      }
+      quantize_rows(act.data(), n, inter, qh[a], levels[a]);
+    }
+  });
+  for (int64_t a = 0; a < na; ++a) {
+    d[a].resize(rows[active[a]].size() * levels[a] * hidden);
+    ud.add(hidden % 16 == 0 ? hidden / 16 : hidden);
+  }
+  const int64_t d_unit = hidden % 16 == 0 ? 16 : 1;
+  at::parallel_for(0, ud.total(), std::max<int64_t>(1, grain_for(hidden) / d_unit), [&](int64_t b, int64_t e) {
+    ud.each(b, e, [&](int64_t a, int64_t u0, int64_t u1) {
+      const int64_t ex = active[a];
+      const auto [f, packed] = fmt_packed(down_types[ex]);
+      part_rows(f, packed, down[ex], isa, u0 * d_unit, u1 * d_unit, qh[a], d[a].data(), hidden);
+    });
+  });
+  // The weighted sum, experts in ascending order; threads split the columns.
+  auto out = at::zeros({n_tok, hidden}, x.options().dtype(at::kFloat));
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, hidden, 256, [&](int64_t c0, int64_t c1) {
+    for (int64_t a = 0; a < na; ++a) {
+      const auto& r = rows[active[a]];
+      for (size_t i = 0; i < r.size(); ++i) {
+        const float* d0 = d[a].data() + i * levels[a] * hidden;
+        const float* d1 = levels[a] == 2 ? d0 + hidden : nullptr;
+        float* o = op + r[i].first * hidden;
+        const float w = r[i].second;
+        for (int64_t c = c0; c < c1; ++c) o[c] += w * (d1 ? d0[c] + d1[c] : d0[c]);
+      }
+    }
+  });
+  return out;
+}
+}  // namespace
+
+at::Tensor quant_moe_experts(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& weights,
+                             at::TensorList gate_up, at::IntArrayRef gu_types, at::IntArrayRef gu_parts,
+                             at::TensorList down, at::IntArrayRef down_types, int64_t isa, int64_t x2_rows) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.size(1) % 32 == 0,
+              "quant_moe_experts: x must be a CPU [T, H] tensor, H a multiple of 32");
+  switch (x.scalar_type()) {
+    case at::kFloat: return moe_experts<float>(x, ids, weights, gate_up, gu_types, gu_parts, down, down_types, isa, x2_rows);
+    case at::kBFloat16:
+      return moe_experts<c10::BFloat16>(x, ids, weights, gate_up, gu_types, gu_parts, down, down_types, isa, x2_rows);
+    case at::kHalf: return moe_experts<c10::Half>(x, ids, weights, gate_up, gu_types, gu_parts, down, down_types, isa, x2_rows);
+    default: TORCH_CHECK(false, "quant_moe_experts: x must be float32, bfloat16 or float16");
+  }
 }
 
 namespace pq {
@@ -569,6 +763,9 @@ int64_t quant_isas() {
 
 PAGEDLLM_REGISTER(quant_kernels) {
   m.def("quant_matmul(Tensor x, Tensor[] ws, int[] types, int k, int isa=0) -> Tensor", &quant_matmul);
+  m.def("quant_moe_experts(Tensor x, Tensor ids, Tensor weights, Tensor[] gate_up, int[] gate_up_types, "
+        "int[] gate_up_parts, Tensor[] down, int[] down_types, int isa=0, int x2_rows=0) -> Tensor",
+        &quant_moe_experts);
   m.def("quant_dequant(Tensor w, int type, int k, Tensor? ids=None, int start=0, int count=-1, "
         "ScalarType dtype=float, int isa=0, Tensor? scratch=None) -> Tensor", &quant_dequant);
   m.def("quant_linear(Tensor x, Tensor[] ws, int[] types, int k, Tensor? norm_weight=None, float eps=0., "
