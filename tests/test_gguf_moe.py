@@ -225,7 +225,7 @@ def test_few_rows_run_their_experts_in_one_native_call(tmp_path, monkeypatch, ro
                         lambda self, *a, **kw: per_expert.append(1) or expert_forward(self, *a, **kw))
     fast = moe.run_experts(h, weights, ids)
     assert (native, per_expert) == ([1], [])
-    assert "one native call (quant_moe_experts" in moe.path()
+    assert "in one native call" in moe.path()
     assert sum(moe.last_counts) == rows * moe.top_k
     moe._native = None  # the grouped path
     grouped = moe.run_experts(h, weights, ids)
@@ -237,3 +237,30 @@ def test_few_rows_run_their_experts_in_one_native_call(tmp_path, monkeypatch, ro
     assert not torch.allclose(wrong, fast, rtol=1e-2, atol=1e-3)
     with pytest.raises(RuntimeError, match=f"expert id {moe.num_experts} out of range"):
         real_native(h, torch.full_like(ids, moe.num_experts), weights, moe._native_experts())
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_few_rows_run_the_whole_block_in_one_native_call(tmp_path, monkeypatch, family):
+    """From the layer's residual stream: norm, router, softmax, top k, the experts and the
+    residual add in one quant_moe_block call, with the ids and values of the block run op by
+    op (Qwen2-MoE's shared expert keeps it op by op)."""
+    from pagedllm.quant import kernels as qk
+
+    if not qk.moe_experts_available():
+        pytest.skip("the native kernels (quant_moe_block) are not built here")
+    vocab = len(_spm_vocab()[0])
+    write_moe_gguf(tmp_path / "m.gguf", family, _model(family, vocab), Q.Q8_0)
+    layer = LLM(str(tmp_path / "m.gguf"), dtype="float32", kv_cache_memory_mb=16).engine.model.layers[0]
+    moe, norm = layer.mlp, layer.post_attention_layernorm
+    calls = []
+    real = qk.moe_block
+    monkeypatch.setattr(qk, "moe_block", lambda *a: calls.append(1) or real(*a))
+    for rows in (1, 7, 32):
+        x = torch.randn(rows, moe.gate.in_features, generator=torch.Generator().manual_seed(rows))
+        fused = moe(x, norm=norm, residual=x)
+        fused_ids = moe._last_ids
+        plain = moe(x, norm=norm, residual=x.clone())  # another residual tensor: op by op
+        assert torch.equal(moe._last_ids, fused_ids)
+        assert torch.allclose(fused, plain, rtol=1e-4, atol=1e-5), (rows, (fused - plain).abs().max())
+    assert len(calls) == (0 if family == "qwen2_moe" else 3)
+    assert ("router, softmax, top k too" in moe.path()) == (family != "qwen2_moe")

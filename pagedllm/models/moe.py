@@ -32,7 +32,7 @@ from ..config import ModelConfig
 from ..quant import kernels as qk
 from ..quant.formats import QuantTensor
 from .linear import Linear
-from .llama import MLP, DecoderLayer, LlamaForCausalLM
+from .llama import MLP, DecoderLayer, LlamaForCausalLM, RMSNorm
 from .parallel import ShardLayout
 
 
@@ -70,10 +70,16 @@ class SparseMoE(nn.Module):
             self.shared_expert_gate.keep_float = True
         self._last_ids: torch.Tensor | None = None  # the last call's expert ids (trace)
         self._native: qk.MoeExperts | None | bool = False  # False: not looked at yet (weights load later)
+        self._router32: torch.Tensor | None = None
+        self.norm_type: type | None = None  # the type of forward's `norm` (set by the decoder layer)
 
     def forward(self, x: torch.Tensor, norm: nn.Module | None = None,
                 residual: torch.Tensor | None = None) -> torch.Tensor:
         """residual + sum over the row's top k experts of weight * expert(norm(x)) (+ the shared expert)."""
+        if x.shape[0] <= qk.INT_ROWS and residual is x and self._fused_block(type(norm)):
+            out, self._last_ids = qk.moe_block(x, norm.weight, norm.eps, self._router32, self.top_k,
+                                               self.renormalize, self.weights_in_compute_dtype, self._native)
+            return out
         h = norm(x) if norm is not None else x
         weights, ids = route(self.router_logits(h), self.top_k, self.renormalize)
         if self.weights_in_compute_dtype:
@@ -121,6 +127,17 @@ class SparseMoE(nn.Module):
             start += n
         return out
 
+    def _fused_block(self, norm_type: type) -> bool:
+        """Whether a step of few rows runs the whole block in one native call (`moe_block`): the
+        experts quantized for `quant_moe_experts`, an RMSNorm before it and its input added
+        after (as the decoder layer calls it), a float router, no shared expert, one rank."""
+        if norm_type is not RMSNorm or self.shared_expert is not None or self.tp is not None \
+                or self.gate.qparts is not None or self.gate.bias is not None or self._native_experts() is None:
+            return False
+        if self._router32 is None:  # the router's float32 weight, copied once
+            self._router32 = self.gate.weight.detach().float().contiguous()
+        return True
+
     def _native_experts(self) -> qk.MoeExperts | None:
         """The experts' weights for `quant_moe_experts`, gathered once; None where that call
         does not apply: an expert in float, one reading its input permuted, or a library
@@ -149,9 +166,11 @@ class SparseMoE(nn.Module):
         if self._native_experts() is None:
             return head + loop.format(f"quantized {fmts}, integer kernel up to {qk.INT_ROWS} rows an "
                                       "expert, dequantize + GEMM beyond")
-        return (head + f"quantized {fmts}; steps of up to {qk.INT_ROWS} rows in one native call "
-                "(quant_moe_experts: rows grouped by expert id, every active expert's rows through the "
-                "integer kernels, the threads over all of them at once, summed by weight); wider steps "
+        fused = ("the block from its norm to its residual add (router, softmax, top k too: quant_moe_block)"
+                 if self._fused_block(self.norm_type) else "the routed experts (quant_moe_experts)")
+        return (head + f"quantized {fmts}; steps of up to {qk.INT_ROWS} rows run {fused} in one native call: "
+                "rows grouped by expert id, every active expert's rows through the integer kernels, the "
+                "threads over all of them at once, summed by weight; wider steps "
                 + loop.format("dequantize + GEMM"))
 
 
@@ -164,6 +183,7 @@ class MoeDecoderLayer(DecoderLayer):
         super().__init__(cfg, layer_idx, shard, tp)
         if cfg.moe_layers[layer_idx]:
             self.mlp = SparseMoE(cfg, self.weights_in_compute_dtype, shard, tp)
+            self.mlp.norm_type = type(self.post_attention_layernorm)  # what forward's `norm` will be (trace)
 
 
 # A checkpoint's names for an expert's projections (Mixtral's w1/w3/w2, the Qwen/OLMoE names).

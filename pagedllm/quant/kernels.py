@@ -195,20 +195,36 @@ class MoeExperts:
 
 
 def moe_experts_available() -> bool:
-    """Whether the native `quant_moe_experts` is built here (a library built before has none)."""
+    """Whether the native `quant_moe_experts` / `quant_moe_block` are built here (a library
+    built before has neither)."""
     ops = cpu_kernels()
-    return ops is not None and hasattr(ops, "quant_moe_experts")
+    return ops is not None and hasattr(ops, "quant_moe_experts") and hasattr(ops, "quant_moe_block")
+
+
+def _moe_x2_rows() -> int:
+    """The most rows an expert may have and still round them in two levels, as `matmul` would."""
+    mode = activation_mode()
+    return INT_ROWS if mode == "int8x2" else X2_ROWS if mode == "auto" else 0
 
 
 def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: MoeExperts) -> torch.Tensor:
     """[T, H] float32: each row's routed experts (ids, weights [T, k]) run and summed by weight, in
     one native call. Each expert's rows are rounded as one `matmul` call of that many rows would
     round them (two levels up to X2_ROWS under "auto")."""
-    mode = activation_mode()
-    x2_rows = INT_ROWS if mode == "int8x2" else X2_ROWS if mode == "auto" else 0
     return cpu_kernels().quant_moe_experts(x, ids, weights, experts.gate_up, experts.gate_up_types,
                                            experts.gate_up_parts, experts.down, experts.down_types,
-                                           _path_id(), x2_rows)
+                                           _path_id(), _moe_x2_rows())
+
+
+def moe_block(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, router: torch.Tensor, top_k: int,
+              renormalize: bool, round_weights: bool, experts: MoeExperts) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + the routed experts of rms_norm(x) in x's dtype, expert ids [T, k]): a whole MoE block
+    (norm, float32 router, softmax, top k, `moe_experts`, residual) in one native call.
+    `router`: its float32 [E, H] weight; `round_weights`: the routing weights rounded to x's
+    dtype before they scale (Qwen, OLMoE) rather than kept in float32 (Mixtral)."""
+    return cpu_kernels().quant_moe_block(x, norm_weight, eps, router, top_k, renormalize, round_weights,
+                                         experts.gate_up, experts.gate_up_types, experts.gate_up_parts,
+                                         experts.down, experts.down_types, _path_id(), _moe_x2_rows())
 
 
 # Where a step's head runs with single-level (int8) activations, each row's HEAD_RECHECK best

@@ -1,6 +1,7 @@
 // See quant_common.h for the formats and the activation quantization.
 #include "isa.h"  // first: the library headers, and the level this object is compiled for
 #include "quant_common.h"
+#include <numeric>  // std::iota (the MoE router's top k)
 
 namespace PAGEDLLM_ISA {
 
@@ -355,16 +356,15 @@ struct Units {
 // where it has at most x2_rows); the threads split each phase over all active experts'
 // output rows at once. out[t] (float32) = sum over t's slots, experts in ascending order, of
 // weight * expert(x[t]): the Python grouped path's loop over active experts, without it.
+// x: the rows as float values (each representable in T: the Python path's activations), ids
+// and weights [n_tok, topk].
 template <typename T>
-at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& weights,
-                       at::TensorList gate_up, at::IntArrayRef gu_types, at::IntArrayRef gu_parts,
+at::Tensor moe_experts(const float* xp, int64_t n_tok, int64_t hidden, const int64_t* idp, const float* wp,
+                       int64_t topk, at::TensorList gate_up, at::IntArrayRef gu_types, at::IntArrayRef gu_parts,
                        at::TensorList down, at::IntArrayRef down_types, int64_t isa, int64_t x2_rows) {
-  const int64_t n_tok = x.size(0), hidden = x.size(1), topk = ids.size(1);
   const int64_t n_exp = static_cast<int64_t>(down.size());
   TORCH_CHECK(static_cast<int64_t>(gu_parts.size()) == n_exp && down_types.size() == down.size() &&
               gu_types.size() == gate_up.size(), "quant_moe_experts: one gate|up part count and one down per expert");
-  TORCH_CHECK(ids.dim() == 2 && ids.size(0) == n_tok && weights.sizes() == ids.sizes(),
-              "quant_moe_experts: ids and weights must be [", n_tok, ", k]");
   // Each expert's parts and their formats; every expert the same widths.
   std::vector<int64_t> part0{0};
   for (int64_t e = 0; e < n_exp; ++e) part0.push_back(part0.back() + gu_parts[e]);
@@ -396,10 +396,6 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& ids, const at::Ten
   if (isa == AUTO) isa = best_isa();
   TORCH_CHECK(isa_supported(isa), "instruction set path ", isa, " is not available on this CPU");
   // Group the (row, slot) pairs by expert, rows in order.
-  const auto idc = ids.to(at::kLong).contiguous();
-  const auto wc = weights.to(at::kFloat).contiguous();
-  const int64_t* idp = idc.data_ptr<int64_t>();
-  const float* wp = wc.data_ptr<float>();
   std::vector<std::vector<std::pair<int64_t, float>>> rows(n_exp);
   for (int64_t t = 0; t < n_tok; ++t)
     for (int64_t s = 0; s < topk; ++s) {
@@ -413,12 +409,10 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& ids, const at::Ten
   const int64_t na = static_cast<int64_t>(active.size());
   std::vector<int> levels(na);
   for (int64_t a = 0; a < na; ++a) levels[a] = static_cast<int64_t>(rows[active[a]].size()) <= x2_rows ? 2 : 1;
-  const auto xc = x.contiguous();
-  const T* xp = xc.data_ptr<T>();
   // Each active expert's rows of x, quantized.
   std::vector<QAct> qx(na), qh(na);
   at::parallel_for(0, na, 1, [&](int64_t b, int64_t e) {
-    std::vector<T> gathered;
+    std::vector<float> gathered;
     for (int64_t a = b; a < e; ++a) {
       const auto& r = rows[active[a]];
       gathered.resize(r.size() * hidden);
@@ -485,7 +479,7 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& ids, const at::Ten
     });
   });
   // The weighted sum, experts in ascending order; threads split the columns.
-  auto out = at::zeros({n_tok, hidden}, x.options().dtype(at::kFloat));
+  auto out = at::zeros({n_tok, hidden}, at::TensorOptions().dtype(at::kFloat));
   float* op = out.data_ptr<float>();
   at::parallel_for(0, hidden, 256, [&](int64_t c0, int64_t c1) {
     for (int64_t a = 0; a < na; ++a) {
@@ -508,11 +502,20 @@ at::Tensor quant_moe_experts(const at::Tensor& x, const at::Tensor& ids, const a
                              at::TensorList down, at::IntArrayRef down_types, int64_t isa, int64_t x2_rows) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.size(1) % 32 == 0,
               "quant_moe_experts: x must be a CPU [T, H] tensor, H a multiple of 32");
+  TORCH_CHECK(ids.dim() == 2 && ids.size(0) == x.size(0) && weights.sizes() == ids.sizes(),
+              "quant_moe_experts: ids and weights must be [", x.size(0), ", k]");
+  const auto xf = x.to(at::kFloat).contiguous();
+  const auto idc = ids.to(at::kLong).contiguous();
+  const auto wc = weights.to(at::kFloat).contiguous();
+  auto run = [&](auto tag) {
+    using T = decltype(tag);
+    return moe_experts<T>(xf.data_ptr<float>(), x.size(0), x.size(1), idc.data_ptr<int64_t>(), wc.data_ptr<float>(),
+                          ids.size(1), gate_up, gu_types, gu_parts, down, down_types, isa, x2_rows);
+  };
   switch (x.scalar_type()) {
-    case at::kFloat: return moe_experts<float>(x, ids, weights, gate_up, gu_types, gu_parts, down, down_types, isa, x2_rows);
-    case at::kBFloat16:
-      return moe_experts<c10::BFloat16>(x, ids, weights, gate_up, gu_types, gu_parts, down, down_types, isa, x2_rows);
-    case at::kHalf: return moe_experts<c10::Half>(x, ids, weights, gate_up, gu_types, gu_parts, down, down_types, isa, x2_rows);
+    case at::kFloat: return run(float{});
+    case at::kBFloat16: return run(c10::BFloat16{});
+    case at::kHalf: return run(c10::Half{});
     default: TORCH_CHECK(false, "quant_moe_experts: x must be float32, bfloat16 or float16");
   }
 }
@@ -616,6 +619,103 @@ at::Tensor epilogue(const at::Tensor& y, const c10::optional<at::Tensor>& bias,
 // Output in x's dtype: [M, N], or [M, N / 2] with act = 1.
 // `hook` (decode_stack.cpp's LoRA deltas) sees the normed input as float32 and adds to the
 // float32 product before the epilogue, where the Python path adds a layer's deltas.
+// A whole MoE block for a step of few rows, from the layer's residual stream: x + the routed
+// experts of RMSNorm(x), in x's dtype, and the expert ids [T, k]. As the Python block does it:
+// the norm's output rounded to T, float32 router logits, a softmax, the top k (largest first,
+// the lower id first on a tie), renormalized to sum to one where asked, rounded to T where
+// asked (Qwen, OLMoE: round_weights; Mixtral scales in float32), then quant_moe_experts, its
+// float32 sum rounded to T and added to x. The router's product is a float32 dot per (row,
+// expert), not BLAS's order: a near-tie between two experts may go the other way.
+namespace {
+template <typename T>
+std::tuple<at::Tensor, at::Tensor> moe_block(const at::Tensor& x, const at::Tensor& norm_weight, double eps,
+                                             const at::Tensor& router, int64_t top_k, bool renormalize,
+                                             bool round_weights, at::TensorList gate_up, at::IntArrayRef gu_types,
+                                             at::IntArrayRef gu_parts, at::TensorList down,
+                                             at::IntArrayRef down_types, int64_t isa, int64_t x2_rows) {
+  const int64_t n_tok = x.size(0), hidden = x.size(1), n_exp = router.size(0);
+  const auto xc = x.contiguous();
+  const auto wn = norm_weight.contiguous();
+  std::vector<float> h(n_tok * hidden);
+  rms_norm_rows(xc.data_ptr<T>(), wn.data_ptr<T>(), n_tok, hidden, eps, h.data());
+  // Router logits, softmax, top k, per row.
+  const float* rp = router.data_ptr<float>();
+  std::vector<float> logits(n_tok * n_exp);
+  at::parallel_for(0, n_tok * n_exp, 16, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) {
+      const float* hr = h.data() + (i / n_exp) * hidden;
+      const float* wr = rp + (i % n_exp) * hidden;
+      float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+      for (int64_t j = 0; j < hidden; ++j) acc += hr[j] * wr[j];
+      logits[i] = acc;
+    }
+  });
+  auto ids = at::empty({n_tok, top_k}, at::TensorOptions().dtype(at::kLong));
+  int64_t* idp = ids.data_ptr<int64_t>();
+  std::vector<float> weights(n_tok * top_k);
+  std::vector<int64_t> order(n_exp);
+  std::vector<float> p(n_exp);
+  for (int64_t t = 0; t < n_tok; ++t) {
+    const float* l = logits.data() + t * n_exp;
+    const float mx = *std::max_element(l, l + n_exp);
+    float sum = 0.f;
+    for (int64_t e = 0; e < n_exp; ++e) sum += (p[e] = std::exp(l[e] - mx));
+    for (int64_t e = 0; e < n_exp; ++e) p[e] /= sum;
+    std::iota(order.begin(), order.end(), int64_t{0});
+    std::partial_sort(order.begin(), order.begin() + top_k, order.end(),
+                      [&](int64_t a, int64_t b) { return p[a] > p[b] || (p[a] == p[b] && a < b); });
+    float kept = 0.f;
+    for (int64_t s = 0; s < top_k; ++s) kept += p[order[s]];
+    for (int64_t s = 0; s < top_k; ++s) {
+      float w = p[order[s]];
+      if (renormalize) w /= kept;
+      if (round_weights) w = static_cast<float>(static_cast<T>(w));
+      idp[t * top_k + s] = order[s];
+      weights[t * top_k + s] = w;
+    }
+  }
+  const at::Tensor sum = moe_experts<T>(h.data(), n_tok, hidden, idp, weights.data(), top_k, gate_up, gu_types, gu_parts,
+                                  down, down_types, isa, x2_rows);
+  auto out = at::empty_like(xc);
+  const float* sp = sum.data_ptr<float>();
+  const T* xp = xc.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  for (int64_t i = 0; i < n_tok * hidden; ++i)
+    op[i] = static_cast<T>(static_cast<float>(xp[i]) + static_cast<float>(static_cast<T>(sp[i])));
+  return {out, ids};
+}
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> quant_moe_block(const at::Tensor& x, const at::Tensor& norm_weight, double eps,
+                                                   const at::Tensor& router, int64_t top_k, bool renormalize,
+                                                   bool round_weights, at::TensorList gate_up,
+                                                   at::IntArrayRef gu_types, at::IntArrayRef gu_parts,
+                                                   at::TensorList down, at::IntArrayRef down_types, int64_t isa,
+                                                   int64_t x2_rows) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.size(1) % 32 == 0,
+              "quant_moe_block: x must be a CPU [T, H] tensor, H a multiple of 32");
+  TORCH_CHECK(norm_weight.scalar_type() == x.scalar_type() && norm_weight.numel() == x.size(1),
+              "quant_moe_block: the norm's weight must be [H] in x's dtype");
+  TORCH_CHECK(router.scalar_type() == at::kFloat && router.is_contiguous() && router.dim() == 2 &&
+              router.size(1) == x.size(1) && router.size(0) == static_cast<int64_t>(down.size()),
+              "quant_moe_block: the router must be a contiguous float32 [experts, H]");
+  TORCH_CHECK(top_k >= 1 && top_k <= router.size(0), "quant_moe_block: top_k ", top_k, " of ", router.size(0),
+              " experts");
+  switch (x.scalar_type()) {
+    case at::kFloat:
+      return moe_block<float>(x, norm_weight, eps, router, top_k, renormalize, round_weights, gate_up, gu_types,
+                              gu_parts, down, down_types, isa, x2_rows);
+    case at::kBFloat16:
+      return moe_block<c10::BFloat16>(x, norm_weight, eps, router, top_k, renormalize, round_weights, gate_up,
+                                      gu_types, gu_parts, down, down_types, isa, x2_rows);
+    case at::kHalf:
+      return moe_block<c10::Half>(x, norm_weight, eps, router, top_k, renormalize, round_weights, gate_up, gu_types,
+                                  gu_parts, down, down_types, isa, x2_rows);
+    default: TORCH_CHECK(false, "quant_moe_block: x must be float32, bfloat16 or float16");
+  }
+}
+
 at::Tensor quant_linear_hooked(const at::Tensor& x, at::TensorList ws, at::IntArrayRef types, int64_t k,
                                const c10::optional<at::Tensor>& norm_weight, double eps,
                                const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& residual,
@@ -766,6 +866,9 @@ PAGEDLLM_REGISTER(quant_kernels) {
   m.def("quant_moe_experts(Tensor x, Tensor ids, Tensor weights, Tensor[] gate_up, int[] gate_up_types, "
         "int[] gate_up_parts, Tensor[] down, int[] down_types, int isa=0, int x2_rows=0) -> Tensor",
         &quant_moe_experts);
+  m.def("quant_moe_block(Tensor x, Tensor norm_weight, float eps, Tensor router, int top_k, bool renormalize, "
+        "bool round_weights, Tensor[] gate_up, int[] gate_up_types, int[] gate_up_parts, Tensor[] down, "
+        "int[] down_types, int isa=0, int x2_rows=0) -> (Tensor, Tensor)", &quant_moe_block);
   m.def("quant_dequant(Tensor w, int type, int k, Tensor? ids=None, int start=0, int count=-1, "
         "ScalarType dtype=float, int isa=0, Tensor? scratch=None) -> Tensor", &quant_dequant);
   m.def("quant_linear(Tensor x, Tensor[] ws, int[] types, int k, Tensor? norm_weight=None, float eps=0., "
