@@ -218,6 +218,7 @@ def test_few_rows_run_their_experts_in_one_native_call(tmp_path, monkeypatch, ro
     moe = LLM(str(tmp_path / "m.gguf"), dtype="float32", kv_cache_memory_mb=16).engine.model.layers[0].mlp
     h = torch.randn(rows, moe.gate.in_features, generator=torch.Generator().manual_seed(3))
     weights, ids = route(moe.router_logits(h), moe.top_k, moe.renormalize)
+    plan = moe._native_experts()
     native, per_expert = [], []
     real_native, expert_forward = qk.moe_experts, type(moe.experts[0]).forward
     monkeypatch.setattr(qk, "moe_experts", lambda *a: native.append(1) or real_native(*a))
@@ -227,10 +228,19 @@ def test_few_rows_run_their_experts_in_one_native_call(tmp_path, monkeypatch, ro
     assert (native, per_expert) == ([1], [])
     assert "in one native call" in moe.path()
     assert sum(moe.last_counts) == rows * moe.top_k
-    moe._native = None  # the grouped path
-    grouped = moe.run_experts(h, weights, ids)
-    assert len(per_expert) == len(ids.unique())
-    assert torch.allclose(fast, grouped, rtol=1e-4, atol=1e-5), (fast - grouped).abs().max()
+    # "auto" rounds the experts' inputs by the step's width, as a dense layer's gate|up and down:
+    # two levels up to X2_ROWS rows, one beyond (where the grouped path goes by each expert's rows).
+    for mode in ("int8x2", "int8"):
+        monkeypatch.setenv("PAGEDLLM_QUANT_ACT", mode)
+        moe._native = plan
+        one_call = moe.run_experts(h, weights, ids)
+        if mode == ("int8x2" if rows <= qk.X2_ROWS else "int8"):
+            assert torch.equal(one_call, fast), mode
+        moe._native = None  # the grouped path, which rounds each expert's rows alike in these modes
+        grouped = moe.run_experts(h, weights, ids)
+        assert torch.allclose(one_call, grouped, rtol=1e-4, atol=1e-5), (mode, (one_call - grouped).abs().max())
+    monkeypatch.delenv("PAGEDLLM_QUANT_ACT")
+    assert len(per_expert) == 2 * len(ids.unique())
     # The ids matter: each row's experts moved to the next ids gives another result.
     moe._native = False
     wrong = moe.run_experts(h, weights, (ids + 1) % moe.num_experts)

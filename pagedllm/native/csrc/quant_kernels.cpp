@@ -352,16 +352,16 @@ struct Units {
 // One MoE layer's routed experts for a step's few rows (T <= INT_ROWS), in one call. The
 // (row, slot) pairs are grouped by expert id; each active expert's rows run its gate|up (one
 // or more parts), silu(gate) * up rounded to x's dtype, and its down projection, on the
-// integer kernels with its rows quantized as one call of that many rows would (two levels
-// where it has at most x2_rows); the threads split each phase over all active experts'
-// output rows at once. out[t] (float32) = sum over t's slots, experts in ascending order, of
+// integer kernels, its inputs rounded in two levels where x2 says (bit 0: gate|up's, bit 1:
+// down's; the step's width decides, as for a dense layer's projections); the threads split
+// each phase over all active experts' output rows at once. out[t] (float32) = sum over t's slots, experts in ascending order, of
 // weight * expert(x[t]): the Python grouped path's loop over active experts, without it.
 // x: the rows as float values (each representable in T: the Python path's activations), ids
 // and weights [n_tok, topk].
 template <typename T>
 at::Tensor moe_experts(const float* xp, int64_t n_tok, int64_t hidden, const int64_t* idp, const float* wp,
                        int64_t topk, at::TensorList gate_up, at::IntArrayRef gu_types, at::IntArrayRef gu_parts,
-                       at::TensorList down, at::IntArrayRef down_types, int64_t isa, int64_t x2_rows) {
+                       at::TensorList down, at::IntArrayRef down_types, int64_t isa, int64_t x2) {
   const int64_t n_exp = static_cast<int64_t>(down.size());
   TORCH_CHECK(static_cast<int64_t>(gu_parts.size()) == n_exp && down_types.size() == down.size() &&
               gu_types.size() == gate_up.size(), "quant_moe_experts: one gate|up part count and one down per expert");
@@ -407,8 +407,7 @@ at::Tensor moe_experts(const float* xp, int64_t n_tok, int64_t hidden, const int
   for (int64_t e = 0; e < n_exp; ++e)
     if (!rows[e].empty()) active.push_back(e);
   const int64_t na = static_cast<int64_t>(active.size());
-  std::vector<int> levels(na);
-  for (int64_t a = 0; a < na; ++a) levels[a] = static_cast<int64_t>(rows[active[a]].size()) <= x2_rows ? 2 : 1;
+  const int lg = (x2 & 1) ? 2 : 1, ld = (x2 & 2) ? 2 : 1;  // levels of the gate|up and down inputs
   // Each active expert's rows of x, quantized.
   std::vector<QAct> qx(na), qh(na);
   at::parallel_for(0, na, 1, [&](int64_t b, int64_t e) {
@@ -417,7 +416,7 @@ at::Tensor moe_experts(const float* xp, int64_t n_tok, int64_t hidden, const int
       const auto& r = rows[active[a]];
       gathered.resize(r.size() * hidden);
       for (size_t i = 0; i < r.size(); ++i) std::copy_n(xp + r[i].first * hidden, hidden, gathered.data() + i * hidden);
-      quantize_rows(gathered.data(), static_cast<int64_t>(r.size()), hidden, qx[a], levels[a]);
+      quantize_rows(gathered.data(), static_cast<int64_t>(r.size()), hidden, qx[a], lg);
     }
   });
   // gate|up of every active expert: [rows x levels, 2I] each.
@@ -431,7 +430,7 @@ at::Tensor moe_experts(const float* xp, int64_t n_tok, int64_t hidden, const int
   Units ua, ud;
   for (int64_t a = 0; a < na; ++a) {
     const int64_t e = active[a];
-    g[a].resize(rows[e].size() * levels[a] * inter2);
+    g[a].resize(rows[e].size() * lg * inter2);
     gu_unit[a] = unit_of(inter2, gu_row0[e]);
     for (int64_t p = part0[e]; p < part0[e + 1]; ++p)
       TORCH_CHECK(gu_unit[a] == 16 || gu_types[p] < PACKED, "quant_moe_experts: packed parts need rows in groups of 16");
@@ -456,18 +455,18 @@ at::Tensor moe_experts(const float* xp, int64_t n_tok, int64_t hidden, const int
       const int64_t n = static_cast<int64_t>(rows[active[a]].size());
       act.resize(n * inter);
       for (int64_t i = 0; i < n; ++i) {
-        const float* g0 = g[a].data() + i * levels[a] * inter2;
-        const float* g1 = levels[a] == 2 ? g0 + inter2 : nullptr;
+        const float* g0 = g[a].data() + i * lg * inter2;
+        const float* g1 = lg == 2 ? g0 + inter2 : nullptr;
         for (int64_t j = 0; j < inter; ++j) {
           const float gate = g1 ? g0[j] + g1[j] : g0[j], up = g1 ? g0[inter + j] + g1[inter + j] : g0[inter + j];
           act[i * inter + j] = static_cast<T>(gate / (1.f + std::exp(-gate)) * up);
         }
       }
-      quantize_rows(act.data(), n, inter, qh[a], levels[a]);
+      quantize_rows(act.data(), n, inter, qh[a], ld);
     }
   });
   for (int64_t a = 0; a < na; ++a) {
-    d[a].resize(rows[active[a]].size() * levels[a] * hidden);
+    d[a].resize(rows[active[a]].size() * ld * hidden);
     ud.add(hidden % 16 == 0 ? hidden / 16 : hidden);
   }
   const int64_t d_unit = hidden % 16 == 0 ? 16 : 1;
@@ -485,8 +484,8 @@ at::Tensor moe_experts(const float* xp, int64_t n_tok, int64_t hidden, const int
     for (int64_t a = 0; a < na; ++a) {
       const auto& r = rows[active[a]];
       for (size_t i = 0; i < r.size(); ++i) {
-        const float* d0 = d[a].data() + i * levels[a] * hidden;
-        const float* d1 = levels[a] == 2 ? d0 + hidden : nullptr;
+        const float* d0 = d[a].data() + i * ld * hidden;
+        const float* d1 = ld == 2 ? d0 + hidden : nullptr;
         float* o = op + r[i].first * hidden;
         const float w = r[i].second;
         for (int64_t c = c0; c < c1; ++c) o[c] += w * (d1 ? d0[c] + d1[c] : d0[c]);
@@ -499,7 +498,7 @@ at::Tensor moe_experts(const float* xp, int64_t n_tok, int64_t hidden, const int
 
 at::Tensor quant_moe_experts(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& weights,
                              at::TensorList gate_up, at::IntArrayRef gu_types, at::IntArrayRef gu_parts,
-                             at::TensorList down, at::IntArrayRef down_types, int64_t isa, int64_t x2_rows) {
+                             at::TensorList down, at::IntArrayRef down_types, int64_t isa, int64_t x2) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.size(1) % 32 == 0,
               "quant_moe_experts: x must be a CPU [T, H] tensor, H a multiple of 32");
   TORCH_CHECK(ids.dim() == 2 && ids.size(0) == x.size(0) && weights.sizes() == ids.sizes(),
@@ -510,7 +509,7 @@ at::Tensor quant_moe_experts(const at::Tensor& x, const at::Tensor& ids, const a
   auto run = [&](auto tag) {
     using T = decltype(tag);
     return moe_experts<T>(xf.data_ptr<float>(), x.size(0), x.size(1), idc.data_ptr<int64_t>(), wc.data_ptr<float>(),
-                          ids.size(1), gate_up, gu_types, gu_parts, down, down_types, isa, x2_rows);
+                          ids.size(1), gate_up, gu_types, gu_parts, down, down_types, isa, x2);
   };
   switch (x.scalar_type()) {
     case at::kFloat: return run(float{});
@@ -632,7 +631,7 @@ std::tuple<at::Tensor, at::Tensor> moe_block(const at::Tensor& x, const at::Tens
                                              const at::Tensor& router, int64_t top_k, bool renormalize,
                                              bool round_weights, at::TensorList gate_up, at::IntArrayRef gu_types,
                                              at::IntArrayRef gu_parts, at::TensorList down,
-                                             at::IntArrayRef down_types, int64_t isa, int64_t x2_rows) {
+                                             at::IntArrayRef down_types, int64_t isa, int64_t x2) {
   const int64_t n_tok = x.size(0), hidden = x.size(1), n_exp = router.size(0);
   const auto xc = x.contiguous();
   const auto wn = norm_weight.contiguous();
@@ -676,7 +675,7 @@ std::tuple<at::Tensor, at::Tensor> moe_block(const at::Tensor& x, const at::Tens
     }
   }
   const at::Tensor sum = moe_experts<T>(h.data(), n_tok, hidden, idp, weights.data(), top_k, gate_up, gu_types, gu_parts,
-                                  down, down_types, isa, x2_rows);
+                                  down, down_types, isa, x2);
   auto out = at::empty_like(xc);
   const float* sp = sum.data_ptr<float>();
   const T* xp = xc.data_ptr<T>();
@@ -692,7 +691,7 @@ std::tuple<at::Tensor, at::Tensor> quant_moe_block(const at::Tensor& x, const at
                                                    bool round_weights, at::TensorList gate_up,
                                                    at::IntArrayRef gu_types, at::IntArrayRef gu_parts,
                                                    at::TensorList down, at::IntArrayRef down_types, int64_t isa,
-                                                   int64_t x2_rows) {
+                                                   int64_t x2) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.size(1) % 32 == 0,
               "quant_moe_block: x must be a CPU [T, H] tensor, H a multiple of 32");
   TORCH_CHECK(norm_weight.scalar_type() == x.scalar_type() && norm_weight.numel() == x.size(1),
@@ -705,13 +704,13 @@ std::tuple<at::Tensor, at::Tensor> quant_moe_block(const at::Tensor& x, const at
   switch (x.scalar_type()) {
     case at::kFloat:
       return moe_block<float>(x, norm_weight, eps, router, top_k, renormalize, round_weights, gate_up, gu_types,
-                              gu_parts, down, down_types, isa, x2_rows);
+                              gu_parts, down, down_types, isa, x2);
     case at::kBFloat16:
       return moe_block<c10::BFloat16>(x, norm_weight, eps, router, top_k, renormalize, round_weights, gate_up,
-                                      gu_types, gu_parts, down, down_types, isa, x2_rows);
+                                      gu_types, gu_parts, down, down_types, isa, x2);
     case at::kHalf:
       return moe_block<c10::Half>(x, norm_weight, eps, router, top_k, renormalize, round_weights, gate_up, gu_types,
-                                  gu_parts, down, down_types, isa, x2_rows);
+                                  gu_parts, down, down_types, isa, x2);
     default: TORCH_CHECK(false, "quant_moe_block: x must be float32, bfloat16 or float16");
   }
 }
@@ -864,11 +863,11 @@ int64_t quant_isas() {
 PAGEDLLM_REGISTER(quant_kernels) {
   m.def("quant_matmul(Tensor x, Tensor[] ws, int[] types, int k, int isa=0) -> Tensor", &quant_matmul);
   m.def("quant_moe_experts(Tensor x, Tensor ids, Tensor weights, Tensor[] gate_up, int[] gate_up_types, "
-        "int[] gate_up_parts, Tensor[] down, int[] down_types, int isa=0, int x2_rows=0) -> Tensor",
+        "int[] gate_up_parts, Tensor[] down, int[] down_types, int isa=0, int x2=0) -> Tensor",
         &quant_moe_experts);
   m.def("quant_moe_block(Tensor x, Tensor norm_weight, float eps, Tensor router, int top_k, bool renormalize, "
         "bool round_weights, Tensor[] gate_up, int[] gate_up_types, int[] gate_up_parts, Tensor[] down, "
-        "int[] down_types, int isa=0, int x2_rows=0) -> (Tensor, Tensor)", &quant_moe_block);
+        "int[] down_types, int isa=0, int x2=0) -> (Tensor, Tensor)", &quant_moe_block);
   m.def("quant_dequant(Tensor w, int type, int k, Tensor? ids=None, int start=0, int count=-1, "
         "ScalarType dtype=float, int isa=0, Tensor? scratch=None) -> Tensor", &quant_dequant);
   m.def("quant_linear(Tensor x, Tensor[] ws, int[] types, int k, Tensor? norm_weight=None, float eps=0., "
