@@ -13,7 +13,8 @@
   packed layout the dense kernels use (quant/kernels.py), and a step's few decode rows per
   expert take the integer kernels. A step of up to INT_ROWS rows (decode, batch 1 to 32) runs
   all of a layer's routed experts in one native call (`quant_moe_experts`): no Python loop, and
-  the threads split every active expert's rows at once.
+  the threads split every active expert's rows at once; called from the decoder layer, the
+  norm, router, top k and residual add join that call (`quant_moe_block`).
 - Qwen2-MoE adds a shared expert, scaled by sigmoid(shared_expert_gate(x)), to every row.
 - Tensor parallelism: every rank routes every row (the router is replicated) and holds a slice
   of each expert's intermediate rows (and of the shared expert's), as the dense MLP is split;
