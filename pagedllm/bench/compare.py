@@ -187,15 +187,18 @@ def _has_llama_cpp() -> bool:
     return importlib.util.find_spec("llama_cpp") is not None
 
 
+def _random_prompt(rng: random.Random, n: int, vocab: int) -> list[int]:
+    # Ordinary tokens only: the first few hundred ids of these vocabularies are control tokens
+    # and single bytes; the random tail of a padded vocabulary is never reached.
+    return [rng.randrange(256, min(vocab, 32000)) for _ in range(n)]
+
+
 def _spec(kind: str, args: argparse.Namespace, model: str, vocab: int) -> dict:
     """What one child does: the same for both engines."""
     rng = random.Random(args.seed)
-    # Ordinary tokens only: the first few hundred ids of these vocabularies are control tokens
-    # and single bytes; the random tail of a padded vocabulary is never reached.
-    lo, hi = 256, min(vocab, 32000)
 
     def prompt(n: int) -> list[int]:
-        return [rng.randrange(lo, hi) for _ in range(n)]
+        return _random_prompt(rng, n, vocab)
 
     if kind == "prefill":
         prompts, max_tokens = [prompt(args.prefill_tokens)], 1
@@ -214,10 +217,8 @@ def _spec(kind: str, args: argparse.Namespace, model: str, vocab: int) -> dict:
 def _long_spec(n: int, cache: str, args: argparse.Namespace, model: str, vocab: int) -> dict:
     """One prompt of n tokens, then `--long-tokens` decoded at that depth, with one of our caches
     against llama.cpp's nearest and its flash attention on."""
-    rng = random.Random(args.seed + n)
-    lo, hi = 256, min(vocab, 32000)
     return {"measure": "long", "model": model, "threads": args.threads, "repeats": args.repeats,
-            "prompts": [[rng.randrange(lo, hi) for _ in range(n)]], "max_tokens": args.long_tokens,
+            "prompts": [_random_prompt(random.Random(args.seed + n), n, vocab)], "max_tokens": args.long_tokens,
             "kv_tokens": n + args.long_tokens, "cache_kwargs": {"kv_cache_dtype": cache},
             "peer_cache": PEER_CACHE[cache], "flash_attn": True}
 
