@@ -17,6 +17,7 @@ from .engine.driver import EngineDriver
 from .engine.llm_engine import LLMEngine
 from .loading.loader import load_model
 from .loading.source import resolve
+from .native import release_omp_threads
 from .outputs import RequestOutput
 from .sampling.params import SamplingParams
 from .speculative.config import SpeculativeConfig
@@ -205,6 +206,9 @@ class LLM:
             raise
         if executor is not None:  # workers stop with this object, at the latest at exit
             self._finalizer = weakref.finalize(self, executor.shutdown)
+        # The engine may run on another thread (the server's, a user's): this one's OpenMP
+        # workers would make its parallel regions sleep between steps (native/__init__.py).
+        release_omp_threads()
 
     def _build(self, source, dt, dev, max_model_len, dequantize_weights, isq, max_num_seqs,
                max_num_batched_tokens, cache_cfg, seed, executor, spec_cfg, draft_source=None) -> None:

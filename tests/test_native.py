@@ -384,3 +384,47 @@ def test_trace_names_the_attention_path_the_layers_take(native, tmp_path, hf_smo
     assert all(on_native) == (family == "llama")
     if family == "gemma2":
         assert decode.startswith("torch-paged: all decodes") and "cap" in decode, decode
+
+
+_OMP_THREADS = r"""
+import os, sys, threading, time, torch
+torch.set_num_threads(2)
+from pagedllm import LLM, SamplingParams
+from pagedllm.native import release_omp_threads
+
+def tasks(expect=None):  # the process's threads; an exiting worker may take a moment to go
+    for _ in range(200):
+        n = len(os.listdir("/proc/self/task"))
+        if expect is None or n == expect:
+            return n
+        time.sleep(0.01)
+    return n
+
+x = torch.ones(1 << 23)
+def parallel_op():  # an elementwise op this large opens an OpenMP parallel region
+    (x + 1).sum()
+
+parallel_op(); held = tasks(); release_omp_threads(); freed = tasks(held - 1); parallel_op(); again = tasks()
+llm = LLM(sys.argv[1], seed=0, kv_cache_context_len=256, max_model_len=256)
+loaded = tasks(); parallel_op(); remade = tasks(); release_omp_threads(); tasks(loaded)
+llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
+after_generate = tasks(loaded)
+th = threading.Thread(target=lambda: llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False))
+th.start(); th.join()
+print(held, freed, again, loaded, remade, after_generate, tasks(loaded))
+"""
+
+
+def test_threads_that_stop_driving_the_engine_let_their_openmp_workers_go(native, smollm2_gguf_path):
+    # libgomp makes idle workers sleep instead of spin once it manages more threads than CPUs:
+    # a model loaded on one thread and run on another ran its decode stack 2.4x slower. So the
+    # loading thread, and a thread whose engine has gone idle, hold no OpenMP workers.
+    env = dict(os.environ, OMP_NUM_THREADS="2")
+    res = subprocess.run([sys.executable, "-c", _OMP_THREADS, str(smollm2_gguf_path)], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    held, freed, again, loaded, remade, after_generate, after_thread = map(int, res.stdout.split()[-7:])
+    assert freed == held - 1 and again == held  # the call lets this thread's one worker go
+    assert remade == loaded + 1  # loaded, the loading thread held no worker: a parallel op made one
+    assert after_generate == loaded  # the engine went idle on this thread: its worker went
+    assert after_thread == loaded  # the other thread's went with it

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Iterator
 
+from ..native import release_omp_threads
 from ..outputs import RequestOutput, raise_failed
 from ..sampling.params import SamplingParams
 
@@ -52,7 +53,12 @@ class EngineDriver:
 
     def advance(self) -> list[RequestOutput]:
         """One engine step: the outputs of every request it touched."""
-        return self.engine.step()
+        outs = self.engine.step()
+        if not self.engine.has_unfinished():
+            # Idle: this thread's OpenMP workers go, so that the next thread to drive the engine
+            # (the server's, a user's) finds its own spinning between regions (native/__init__.py).
+            release_omp_threads()
+        return outs
 
     def has_unfinished(self) -> bool:
         return self.engine.has_unfinished()

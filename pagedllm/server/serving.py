@@ -13,6 +13,7 @@ from typing import Any
 
 import jinja2
 
+from ..native import release_omp_threads
 from ..outputs import RequestOutput
 from ..sampling.params import SamplingParams, SamplingParamsError
 from ..structured import openai as structured_api, tools as tool_api
@@ -224,6 +225,8 @@ def chat_prompt(req: ChatCompletionRequest, ctx: ServingContext,
             return ctx.processor.chat(messages, policy=ctx.media_policy)
         except (ValueError, jinja2.TemplateError) as e:
             raise ApiError(f"cannot use the messages' images: {e}", param="messages") from None
+        finally:  # the image work ran on this (the event loop's) thread, not the engine's
+            release_omp_threads()
     template = getattr(ctx.tokenizer, "chat_template", None)
     messages = tool_api.template_messages(messages, plan, template)
     extra = {"tools": plan.tools} if plan is not None else {}

@@ -12,6 +12,9 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #define PAGEDLLM_DECLARE(ns)                         \
   namespace ns {                                     \
@@ -69,6 +72,19 @@ std::string native_isa() { return LEVEL_NAMES[LEVEL]; }
 // The torch release these kernels were compiled against: its C++ ABI is what they link to.
 std::string native_torch_version() { return TORCH_VERSION; }
 
+// Lets the calling thread's OpenMP worker threads go (OpenMP 5.0; libgomp frees that thread's
+// pool, and a later parallel region of the thread makes a new one). 0 where done.
+// Why (native/__init__.py): libgomp counts every pool's workers, and once they outnumber the
+// CPUs its workers sleep between parallel regions instead of spinning.
+int64_t release_omp_threads() {
+// (GCC defines _OPENMP as 201511 but has had the call since GCC 9; clang's libomp since 9.)
+#if defined(_OPENMP) && ((defined(__clang__) && __clang_major__ >= 9) || (!defined(__clang__) && __GNUC__ >= 9))
+  return omp_pause_resource_all(omp_pause_hard);
+#else
+  return -1;
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY(pagedllm, m) {
@@ -77,6 +93,7 @@ TORCH_LIBRARY(pagedllm, m) {
   m.class_<pagedllm::LoRAStack>("LoRAStack").def(torch::init<Tensors, Tensors, Tensors, int64_t>());
   m.def("native_isa() -> str", &native_isa);
   m.def("native_torch_version() -> str", &native_torch_version);
+  m.def("release_omp_threads() -> int", &release_omp_threads);
 #if defined(__x86_64__)
   if (LEVEL >= AVX512VNNI) {
     isa_avx512vnni::register_cpu_kernels(m);
