@@ -57,6 +57,33 @@ def test_kernel_matches_gather_and_sdpa(native, dtype, d, hkv, group, window, in
     assert got.dtype == dtype and got.shape == (n, hkv * group, d)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("d,hkv,group,window", [(64, 3, 3, 0), (128, 2, 4, 40), (80, 4, 1, 0)])
+def test_kernel_reads_an_int8_cache_with_its_scales(native, dtype, d, hkv, group, window):
+    """kv_cache_dtype int8: each stored row is int8 values and one float32 scale per (token,
+    head); the kernel scales them as it reads, against SDPA over the dequantized cache."""
+    from pagedllm.kv.quant import quantize_int8
+
+    g = torch.Generator().manual_seed(d * hkv)
+    nblocks, bs, n = 64, 16, 7
+    kq, ks = quantize_int8(torch.randn(nblocks, bs, hkv, d, generator=g) * 3)
+    vq, vs = quantize_int8(torch.randn(nblocks, bs, hkv, d, generator=g))
+    lens = torch.tensor([1, 5, 16, 17, 90, 131, 160])
+    tables = torch.randint(1, nblocks, (n, 10), generator=g)
+    q = torch.randn(n, hkv * group, d, generator=g).to(dtype)
+    got = native.paged_decode(q, kq, vq, tables, lens, d ** -0.5, window, ks, vs)
+    want = reference(q, kq.float() * ks[..., None], vq.float() * vs[..., None], tables, lens, d ** -0.5, window)
+    tol = {torch.float32: 1e-5, torch.bfloat16: 2e-2}[dtype]
+    torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+    # The scales are read: other scales give other outputs.
+    other = native.paged_decode(q, kq, vq, tables, lens, d ** -0.5, window, ks, vs * 2)
+    assert not torch.allclose(other.float(), want, atol=tol, rtol=tol)
+    with pytest.raises(RuntimeError, match="needs k_scale and v_scale"):
+        native.paged_decode(q, kq, vq, tables, lens, 1.0, 0)
+    with pytest.raises(RuntimeError, match=r"float32 \[num_blocks, block_size, Hkv\]"):
+        native.paged_decode(q, kq, vq, tables, lens, 1.0, 0, ks[:, :, :1], vs)
+
+
 @pytest.mark.parametrize("cache", [torch.bfloat16, torch.float16])
 def test_float32_queries_read_a_half_width_cache(native, cache):
     """kv_cache_dtype bf16 / f16 under float32 compute: the kernel widens each stored key and
@@ -154,11 +181,11 @@ print(json.dumps([llm.engine.backend.decode_kernel, [o.outputs[0].token_ids for 
 """
 
 
-@pytest.mark.parametrize("kv", ["auto", "bf16"])
+@pytest.mark.parametrize("kv", ["auto", "bf16", "int8"])
 def test_engine_tokens_same_with_kernel_on_and_off(native, tmp_path, hf_smollm2_tokenizer, kv):
     """A batch of six through chunked prefill and paged decode: the native kernel and the
-    PyTorch path give the same greedy tokens, with a float32 cache and with a bf16 one read
-    widened. float32 compute: random weights leave logits so flat
+    PyTorch path give the same greedy tokens, with a float32 cache, with a bf16 one read
+    widened and with an int8 one scaled as it is read. float32 compute: random weights leave logits so flat
     that bf16 rounding alone (either path's) flips an argmax now and then; the kernel's bf16
     accuracy is checked above against a float32 reference."""
     from models import build_checkpoint

@@ -1,7 +1,8 @@
 """PyTorch paged attention: the reference backend that runs on every device.
 
-On the CPU, with a plain (unquantized) cache, decodes run the native kernel
-(`pagedllm/native`): it reads K/V in place by block table, with no gather copy. Elsewhere
+On the CPU, with a plain (unquantized) cache or an int8 one, decodes run the native kernel
+(`pagedllm/native`): it reads K/V in place by block table, with no gather copy (int8 values
+are scaled as they are read). Elsewhere
 decodes of the whole batch are one gather of their slots (by block table) and one SDPA
 call, with the query heads of each KV head folded into the query-length axis (GQA
 without repeating K/V). Prefill chunks attend one sequence at a time: they are compute
@@ -35,10 +36,11 @@ class PagedAttentionBackend:
         # Per model layer: the KV group whose block tables it reads (kv/groups.py).
         self.layer_groups = layer_groups
         self.num_groups = 1 + max(layer_groups or [0])
-        # The native decode kernel reads plain float caches (no scales): in the compute dtype, or
-        # bf16 / f16 under float32 compute (`native_reads`).
+        # The native kernels read plain float caches: in the compute dtype, or bf16 / f16 under
+        # float32 compute (`native_reads`). The decode kernel also reads an int8 cache with its
+        # per-(token, head) scales; the fused paths (decode_qkv, the layer stack, prefill) do not.
         self.native = None
-        if cache.data.device.type == "cpu" and not cache.spec.mode.scaled:
+        if cache.data.device.type == "cpu" and (not cache.spec.mode.scaled or cache.spec.mode.token_scales):
             self.native = cpu_kernels()
         self.num_layers = 0
         self.capped_layers = 0  # layers with a score cap (Gemma 2): the native kernels skip them
@@ -67,10 +69,15 @@ class PagedAttentionBackend:
             return (f"{self.name} with the native CPU decode kernel: each (sequence, KV head) reads "
                     "its K/V in place by block table, all query heads of a KV head at once, with no "
                     f"gather copy; prefill chunks use {prefill}{some}")
+        if self.native is not None and spec.mode.token_scales and capped < self.num_layers:
+            return (f"{self.name} with the native CPU decode kernel reading the {spec.mode.name} cache in place: "
+                    "each (sequence, KV head) scales its K/V rows by their per-token scales as it reads "
+                    "them, all query heads of a KV head at once, with no gather copy; prefill chunks gather "
+                    "a cached prefix, dequantize it and call SDPA")
         native_off = disabled_reason()
         why = ("every layer caps its attention scores (attn_logit_softcapping, Gemma 2) and the native "
                "kernels have no score cap" if self.native is not None and capped else
-               "the KV cache is quantized and the native kernel reads plain caches only"
+               "the KV cache is quantized per (layer, head) and the native kernel reads plain or int8 caches only"
                if dev == "cpu" and spec.mode.scaled else
                f"the native kernel reads a cache in the compute dtype, or bf16 / f16 under float32; this one "
                f"is {spec.dtype} under {spec.compute_dtype}" if dev == "cpu" and spec.dtype != spec.compute_dtype else
@@ -135,11 +142,12 @@ class PagedAttentionLayer:
 
     def _decode(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         nd, hq, d = q.shape
-        if self.native is not None and native_reads(q.dtype, self.kv.dtype):
+        if self.native is not None and (native_reads(q.dtype, self.kv.dtype) or self.kv.k_scale is not None):
             if q.stride(-1) != 1:
                 q = q.contiguous()
             return self.native.paged_decode(q, self.kv.k, self.kv.v, meta.block_tables[:nd],
-                                            meta.decode_context_lens, self.scale, self.window or 0)
+                                            meta.decode_context_lens, self.scale, self.window or 0,
+                                            self.kv.k_scale, self.kv.v_scale)
         keys, vals = self.kv.read(meta.decode_slots(self.block_size), q.dtype)  # [nd, L, Hkv, D]
         hkv = keys.shape[2]
         mask = meta.decode_mask(self.window, keys.shape[1])

@@ -39,6 +39,17 @@ inline void load_row(const c10::Half* src, float* dst, int64_t d) {
 }
 #endif
 
+// A key or value row as floats: plain caches are widened; an int8 cache's values are scaled by
+// their (token, head) scale `s` in float32, not rounded to the compute dtype as the PyTorch
+// path's dequantization is.
+template <typename C>
+inline void load_kv(const C* src, const float*, float* dst, int64_t d) { load_row(src, dst, d); }
+inline void load_kv(const int8_t* src, const float* s, float* dst, int64_t d) {
+  const float f = *s;
+#pragma omp simd
+  for (int64_t i = 0; i < d; ++i) dst[i] = static_cast<float>(src[i]) * f;
+}
+
 // Rows that are consecutive positions of one sequence (speculative verification: the last
 // token and its proposals) share the block table and have lengths L, L + 1, ...: they form a
 // group whose keys and values are read once for all its rows (row i sees the first L + i).
@@ -79,7 +90,7 @@ constexpr int64_t CHUNK = 256;
 // D > 0 fixes the head dim at compile time (64, 128: unrolled, no remainder loops);
 // D == 0 reads it at run time.
 template <typename T, typename C, typename I, int D>
-void decode(const T* q, int64_t q_sn, int64_t q_sh, const C* kc, const C* vc,
+void decode(const T* q, int64_t q_sn, int64_t q_sh, const C* kc, const C* vc, const float* ks, const float* vs,
             int64_t blk_stride, int64_t tok_stride, const I* tables, int64_t max_blocks,
             const I* lens, T* out, int64_t n_seqs, int64_t hq, int64_t hkv, int64_t d_run,
             int64_t block_size, int64_t window, float scale) {
@@ -145,9 +156,10 @@ void decode(const T* q, int64_t q_sn, int64_t q_sh, const C* kc, const C* vc,
       scores.resize(nq * CHUNK);
       // Scores: each key row is converted once and used by every query vector that sees it.
       for (int64_t t = lo; t < hi; ++t) {
+        const int64_t slot = static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size;
         const C* k = kc + static_cast<int64_t>(table[t / block_size]) * blk_stride +
                      (t % block_size) * tok_stride + h * d;
-        load_row(k, row.data(), d);
+        load_kv(k, ks == nullptr ? nullptr : ks + slot * hkv + h, row.data(), d);
         for (int64_t r = 0; r < rows; ++r) {
           if (t < lo_r[r] || t >= hi_r[r]) continue;
           for (int64_t g = 0; g < g_per_kv; ++g) {
@@ -174,9 +186,10 @@ void decode(const T* q, int64_t q_sn, int64_t q_sh, const C* kc, const C* vc,
         ps[v] = sum;
       }
       for (int64_t t = lo; t < hi; ++t) {
+        const int64_t slot = static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size;
         const C* v = vc + static_cast<int64_t>(table[t / block_size]) * blk_stride +
                      (t % block_size) * tok_stride + h * d;
-        load_row(v, row.data(), d);
+        load_kv(v, vs == nullptr ? nullptr : vs + slot * hkv + h, row.data(), d);
         for (int64_t r = 0; r < rows; ++r) {
           if (t < lo_r[r] || t >= hi_r[r]) continue;
           for (int64_t g = 0; g < g_per_kv; ++g) {
@@ -224,20 +237,20 @@ void decode(const T* q, int64_t q_sn, int64_t q_sh, const C* kc, const C* vc,
 }
 
 template <typename T, typename C, typename I>
-void dispatch_dim(const T* qp, int64_t q_sn, int64_t q_sh, const C* kp, const C* vp, int64_t blk,
-                  int64_t tok, const I* tables, int64_t max_blocks, const I* lens, T* op, int64_t n,
-                  int64_t hq, int64_t hkv, int64_t d, int64_t bs, int64_t window, float scale) {
+void dispatch_dim(const T* qp, int64_t q_sn, int64_t q_sh, const C* kp, const C* vp, const float* ks,
+                  const float* vs, int64_t blk, int64_t tok, const I* tables, int64_t max_blocks, const I* lens,
+                  T* op, int64_t n, int64_t hq, int64_t hkv, int64_t d, int64_t bs, int64_t window, float scale) {
   switch (d) {
-    case 64: decode<T, C, I, 64>(qp, q_sn, q_sh, kp, vp, blk, tok, tables, max_blocks, lens, op, n, hq, hkv, d, bs, window, scale); break;
-    case 128: decode<T, C, I, 128>(qp, q_sn, q_sh, kp, vp, blk, tok, tables, max_blocks, lens, op, n, hq, hkv, d, bs, window, scale); break;
-    default: decode<T, C, I, 0>(qp, q_sn, q_sh, kp, vp, blk, tok, tables, max_blocks, lens, op, n, hq, hkv, d, bs, window, scale);
+    case 64: decode<T, C, I, 64>(qp, q_sn, q_sh, kp, vp, ks, vs, blk, tok, tables, max_blocks, lens, op, n, hq, hkv, d, bs, window, scale); break;
+    case 128: decode<T, C, I, 128>(qp, q_sn, q_sh, kp, vp, ks, vs, blk, tok, tables, max_blocks, lens, op, n, hq, hkv, d, bs, window, scale); break;
+    default: decode<T, C, I, 0>(qp, q_sn, q_sh, kp, vp, ks, vs, blk, tok, tables, max_blocks, lens, op, n, hq, hkv, d, bs, window, scale);
   }
 }
 
 template <typename T, typename C>
 void dispatch_index(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
                     const at::Tensor& tables, const at::Tensor& lens, at::Tensor& out,
-                    int64_t window, double scale) {
+                    int64_t window, double scale, const float* ks = nullptr, const float* vs = nullptr) {
   const int64_t n = q.size(0), hq = q.size(1), d = q.size(2);
   const int64_t bs = kc.size(1), hkv = kc.size(2);
   const T* qp = q.data_ptr<T>();
@@ -246,11 +259,11 @@ void dispatch_index(const at::Tensor& q, const at::Tensor& kc, const at::Tensor&
   T* op = out.data_ptr<T>();
   const int64_t blk = kc.stride(0), tok = kc.stride(1);
   if (tables.scalar_type() == at::kLong) {
-    dispatch_dim<T, C, int64_t>(qp, q.stride(0), q.stride(1), kp, vp, blk, tok, tables.data_ptr<int64_t>(),
+    dispatch_dim<T, C, int64_t>(qp, q.stride(0), q.stride(1), kp, vp, ks, vs, blk, tok, tables.data_ptr<int64_t>(),
                        tables.size(1), lens.data_ptr<int64_t>(), op, n, hq, hkv, d, bs, window,
                        static_cast<float>(scale));
   } else {
-    dispatch_dim<T, C, int32_t>(qp, q.stride(0), q.stride(1), kp, vp, blk, tok, tables.data_ptr<int32_t>(),
+    dispatch_dim<T, C, int32_t>(qp, q.stride(0), q.stride(1), kp, vp, ks, vs, blk, tok, tables.data_ptr<int32_t>(),
                        tables.size(1), lens.data_ptr<int32_t>(), op, n, hq, hkv, d, bs, window,
                        static_cast<float>(scale));
   }
@@ -289,18 +302,31 @@ void check_tables(const at::Tensor& tables, const at::Tensor& lens, int64_t n, i
 }  // namespace
 
 // q [N, Hq, D] (last dim contiguous); k_cache, v_cache [num_blocks, block_size, Hkv, D]
-// contiguous, same dtype as q; block_tables [N, max_blocks]; context_lens [N] (int32 or
-// int64, both the same). window <= 0 means no sliding window. Returns [N, Hq, D].
+// contiguous, in q's dtype (or bf16 / f16 under a float32 q), or int8 with k_scale, v_scale
+// [num_blocks, block_size, Hkv] float32 (value = int8 * scale, kv/quant.py); block_tables
+// [N, max_blocks]; context_lens [N] (int32 or int64, both the same). window <= 0 means no
+// sliding window. Returns [N, Hq, D].
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache,
                            const at::Tensor& v_cache, const at::Tensor& block_tables,
-                           const at::Tensor& context_lens, double scale, int64_t window) {
+                           const at::Tensor& context_lens, double scale, int64_t window,
+                           const c10::optional<at::Tensor>& k_scale = c10::nullopt,
+                           const c10::optional<at::Tensor>& v_scale = c10::nullopt) {
   TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu(), "paged_decode runs on the CPU");
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [N, Hq, D] with a contiguous last dim");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
                   k_cache.sizes() == v_cache.sizes(),
               "k_cache and v_cache must be contiguous [num_blocks, block_size, Hkv, D]");
-  TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type() && cache_dtype_ok(q.scalar_type(), k_cache.scalar_type()),
-              "the cache must be in q's dtype, or bfloat16 / float16 under a float32 q");
+  const bool int8 = k_cache.scalar_type() == at::kChar;
+  TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type() &&
+                  (int8 || cache_dtype_ok(q.scalar_type(), k_cache.scalar_type())),
+              "the cache must be in q's dtype, bfloat16 / float16 under a float32 q, or int8 with scales");
+  TORCH_CHECK(int8 == (k_scale.has_value() && v_scale.has_value()) && (int8 || !k_scale.has_value()),
+              "an int8 cache needs k_scale and v_scale (and only an int8 cache takes them)");
+  if (int8)
+    for (const auto* sc : {&*k_scale, &*v_scale})
+      TORCH_CHECK(sc->scalar_type() == at::kFloat && sc->is_contiguous() && sc->dim() == 3 &&
+                      sc->sizes() == k_cache.sizes().slice(0, 3),
+                  "k_scale and v_scale must be contiguous float32 [num_blocks, block_size, Hkv]");
   TORCH_CHECK(k_cache.size(3) == q.size(2) && q.size(1) % k_cache.size(2) == 0,
               "head dims differ or query heads are not a multiple of KV heads");
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.is_contiguous() && context_lens.is_contiguous() &&
@@ -311,6 +337,17 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache,
   check_tables(block_tables, context_lens, q.size(0), k_cache.size(0), k_cache.size(1));
   auto out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
   const auto cache = k_cache.scalar_type();
+  if (int8) {
+    const float* ks = k_scale->data_ptr<float>();
+    const float* vs = v_scale->data_ptr<float>();
+    switch (q.scalar_type()) {
+      case at::kFloat: dispatch_index<float, int8_t>(q, k_cache, v_cache, block_tables, context_lens, out, window, scale, ks, vs); break;
+      case at::kBFloat16: dispatch_index<c10::BFloat16, int8_t>(q, k_cache, v_cache, block_tables, context_lens, out, window, scale, ks, vs); break;
+      case at::kHalf: dispatch_index<c10::Half, int8_t>(q, k_cache, v_cache, block_tables, context_lens, out, window, scale, ks, vs); break;
+      default: TORCH_CHECK(false, "paged_decode supports float32, bfloat16 and float16");
+    }
+    return out;
+  }
   switch (q.scalar_type()) {
     case at::kFloat:
       if (cache == at::kBFloat16)
@@ -471,7 +508,7 @@ at::Tensor linear_small_m(const at::Tensor& x, const at::Tensor& w) {
 // torch.compile sees them as opaque calls.
 PAGEDLLM_REGISTER(cpu_kernels) {
   m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor context_lens, "
-        "float scale, int window) -> Tensor", &paged_decode);
+        "float scale, int window, Tensor? k_scale=None, Tensor? v_scale=None) -> Tensor", &paged_decode);
   m.def("linear_small_m(Tensor x, Tensor w) -> Tensor", &linear_small_m);
   m.def("paged_decode_qkv(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
         "Tensor slot_mapping, Tensor block_tables, Tensor context_lens, int hq, int hkv, float scale, "
