@@ -10,7 +10,10 @@ prefills exactly the tokens the offline engine does. Every request rate in
 `--request-rates` ("inf": all at once; else a Poisson process of that many requests a
 second, the same arrival times on both sides) gives, per side: output tok/s (from the
 first arrival to the last token), TTFT (from the request's arrival time) and inter-token
-latency (the gaps between successive pieces of text a client receives) p50/p99. Run i uses
+latency (the gaps between successive pieces of text a client receives) p50/p99, and the CPU
+seconds each side used: the engine's (the server process, or this one offline) and, on the
+server side, the streaming clients', which run on this machine and share its CPUs with the
+server (on 2 CPUs that is part of the gap between the sides). Run i uses
 seed + i on both sides (a fresh workload, so the prefix cache does not answer run 2 from
 run 1); the sides alternate which goes first, and the load average is reported per run.
 """
@@ -191,6 +194,33 @@ def _spawn(url: str, server_args: list[str], threads: int | None) -> subprocess.
     return subprocess.Popen(cmd, env=env)
 
 
+def cpu_seconds(pid: int | None = None) -> float | None:
+    """CPU time (user + system) used so far by this process (None) or by process `pid` (read
+    from /proc; None where there is no /proc)."""
+    if pid is None:
+        return time.process_time()
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+
+
+def _with_cpu(result: dict, here: float, server: float | None, proc: subprocess.Popen, side: str) -> dict:
+    """The run's CPU seconds: on the offline side this process is the engine; on the server side
+    it is the streaming clients, which share this machine's CPUs with the server."""
+    used_here = cpu_seconds() - here
+    if side == "offline":
+        result["engine_cpu_s"] = used_here
+    else:
+        result["client_cpu_s"] = used_here
+        now = cpu_seconds(proc.pid)
+        if now is not None and server is not None:
+            result["engine_cpu_s"] = now - server
+    return result
+
+
 def torch_threads() -> int:
     import torch
 
@@ -201,7 +231,13 @@ def _print_row(name: str, r: dict, prefix: str = "  ", file: Any = None) -> None
     print(f"{prefix}{name:8s} {r['output_tokens_per_s']:8.1f} output tok/s  TTFT p50 {r['ttft_p50_s']:.3f} s "
           f"p99 {r['ttft_p99_s']:.3f} s  ITL p50 {r['itl_p50_ms']:.1f} ms p99 {r['itl_p99_ms']:.1f} ms  "
           f"({r['output_tokens']} tokens, {r['requests']} requests, {r['errors']} errors, "
-          f"{r['elapsed_s']:.1f} s)", file=file, flush=True)
+          f"{r['elapsed_s']:.1f} s{_cpu_text(r)})", file=file, flush=True)
+
+
+def _cpu_text(r: dict) -> str:
+    parts = [f"{name} {r[key]:.1f}" for name, key in (("engine", "engine_cpu_s"), ("clients", "client_cpu_s"))
+             if key in r]
+    return f"; CPU s: {', '.join(parts)}" if parts else ""
 
 
 def run(args: argparse.Namespace) -> int:
@@ -252,9 +288,10 @@ def run(args: argparse.Namespace) -> int:
                 reqs = make_requests(args, vocab, avoid, args.seed + k, rate)
                 sides = SIDES if k % 2 == 0 else SIDES[::-1]  # alternate who goes first
                 for side in sides:
+                    here, server = cpu_seconds(), cpu_seconds(proc.pid)
                     traces = (run_offline(llm, reqs, f"r{k}-{rate_name(rate)}") if side == "offline"
                               else run_server(args.url, model, reqs))
-                    runs[rate_name(rate)][side].append(summarize(traces))
+                    runs[rate_name(rate)][side].append(_with_cpu(summarize(traces), here, server, proc, side))
                     _print_row(side, runs[rate_name(rate)][side][-1], f"run {k + 1} {rate_name(rate)} ",
                                sys.stderr)  # as it comes: a loaded machine may not see the end
             loads.append((load0, os.getloadavg()[0]))

@@ -225,7 +225,7 @@ def chat_prompt(req: ChatCompletionRequest, ctx: ServingContext,
             return ctx.processor.chat(messages, policy=ctx.media_policy)
         except (ValueError, jinja2.TemplateError) as e:
             raise ApiError(f"cannot use the messages' images: {e}", param="messages") from None
-        finally:  # the image work ran on this (the event loop's) thread, not the engine's
+        finally:  # the image work ran on this request-preparation thread, not the engine's
             release_omp_threads()
     template = getattr(ctx.tokenizer, "chat_template", None)
     messages = tool_api.template_messages(messages, plan, template)
