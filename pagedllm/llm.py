@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import operator
 import os
 import weakref
 from contextlib import closing
@@ -247,12 +248,26 @@ class LLM:
                                             loaded.model.image_layout, hf=hf)
 
     def _prompt(self, p):
-        """A prompt as the engine takes it: text or ids as they are; {"prompt": text,
-        "multi_modal_data": {"image": PIL image or list}} through the model's processor."""
+        """A prompt as the engine takes it: text or ids as they are; {"prompt_token_ids": ids}
+        (vLLM's TokensPrompt) as those ids; {"prompt": text, "multi_modal_data": {"image": PIL
+        image or list}} through the model's processor."""
         if not isinstance(p, dict):
             return p
+        if "prompt_token_ids" in p and "prompt" not in p:
+            ids = p["prompt_token_ids"]
+            extra = set(p) - {"prompt_token_ids"}
+            if extra:
+                raise ValueError(f"a token-id prompt takes only 'prompt_token_ids'; it also has {sorted(extra)}")
+            try:
+                ids = [operator.index(t) for t in ids] if isinstance(ids, (list, tuple)) else None
+            except TypeError:
+                ids = None
+            if not ids:
+                raise ValueError("'prompt_token_ids' must be a non-empty list of token ids (ints)")
+            return ids
         if "prompt" not in p:
-            raise ValueError("a dict prompt needs 'prompt' (the text) and optionally 'multi_modal_data'")
+            raise ValueError("a dict prompt needs 'prompt' (the text) and optionally 'multi_modal_data', "
+                             "or 'prompt_token_ids' (token ids)")
         data = p.get("multi_modal_data") or {}
         unknown = set(data) - {"image"}
         if unknown:

@@ -124,6 +124,23 @@ def test_top_k_one_is_greedy(llm):
     assert g.token_ids == k1.token_ids
 
 
+def test_token_id_dicts_are_prompts_as_vllm_takes_them(llm):
+    """{"prompt_token_ids": ids} (vLLM's TokensPrompt) runs those ids, as a plain id list does."""
+    ids = llm.tokenizer.encode("The three primary colors are")
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    want = llm.generate([ids], greedy, use_tqdm=False)[0]
+    got = llm.generate([{"prompt_token_ids": ids}, {"prompt_token_ids": tuple(ids)}], greedy, use_tqdm=False)
+    assert [o.prompt_token_ids for o in got] == [ids, ids]
+    assert [o.outputs[0].token_ids for o in got] == [want.outputs[0].token_ids] * 2
+    for bad, match in (({"prompt_token_ids": []}, "non-empty list of token ids"),
+                       ({"prompt_token_ids": ["a"]}, "non-empty list of token ids"),
+                       ({"prompt_token_ids": ids, "multi_modal_data": {}}, "takes only 'prompt_token_ids'"),
+                       ({"text": "hi"}, "'prompt_token_ids'")):
+        with pytest.raises(ValueError, match=match):
+            llm.generate(bad, greedy, use_tqdm=False)
+    _no_leaks(llm)
+
+
 def test_outputs_carry_timing(llm):
     out = llm.generate(["Hello there"], SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)[0]
     m = out.metrics
