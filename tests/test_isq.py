@@ -149,10 +149,11 @@ def test_batch1_decode_rounds_activations_in_two_levels(isq_ckpt, monkeypatch):
         llm.prompt_logits(prompt[:4], chunk_size=1)
 
 
-@pytest.mark.parametrize("fmt", ["Q8_0", "Q4_K"])
-def test_decode_stack_gives_the_per_layer_bits(isq_ckpt, fmt, monkeypatch):
+@pytest.mark.parametrize("fmt,kv", [("Q8_0", "auto"), ("Q4_K", "auto"), ("Q4_K", "int8")])
+def test_decode_stack_gives_the_per_layer_bits(isq_ckpt, fmt, kv, monkeypatch):
     """Decode steps of a quantized model run every layer in one native call; it must give the
-    same bits as the per-layer path it replaces (greedy tokens and their logprobs, batched)."""
+    same bits as the per-layer path it replaces (greedy tokens and their logprobs, batched),
+    with a plain cache and with an int8 one (written and read with its scales)."""
     from pagedllm import SamplingParams
     from pagedllm.models import llama
 
@@ -169,7 +170,8 @@ def test_decode_stack_gives_the_per_layer_bits(isq_ckpt, fmt, monkeypatch):
         return out
 
     monkeypatch.setattr(llama.LlamaForCausalLM, "_decode_stack", counted)
-    llm = LLM(str(path), dtype="float32", isq=fmt, kv_cache_memory_mb=8, enable_prefix_caching=False)
+    llm = LLM(str(path), dtype="float32", isq=fmt, kv_cache_memory_mb=8, enable_prefix_caching=False,
+              kv_cache_dtype=kv)
     stacked = llm.generate(prompts, sp)
     assert any(calls), "the decode stack never ran"
     monkeypatch.setattr(llama.LlamaForCausalLM, "_decode_stack", lambda self, h, rope, meta: None)

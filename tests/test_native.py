@@ -84,6 +84,36 @@ def test_kernel_reads_an_int8_cache_with_its_scales(native, dtype, d, hkv, group
         native.paged_decode(q, kq, vq, tables, lens, 1.0, 0, ks[:, :, :1], vs)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_decode_writes_the_int8_cache_as_the_pytorch_path_does(native, dtype):
+    """paged_decode_qkv into an int8 cache: k after rope, and v, quantized per (token, head) with
+    the same bits and scales as the PyTorch path's write (rope in the compute dtype, then
+    kv/quant.py's quantize_int8), then attention over them as paged_decode reads them."""
+    from pagedllm.kv.quant import quantize_int8
+    from pagedllm.models.rope import apply_rope
+
+    g = torch.Generator().manual_seed(5)
+    hq, hkv, d, n = 6, 2, 64, 3
+    qkv = (torch.randn(n, (hq + 2 * hkv) * d, generator=g) * 4).to(dtype)
+    qkv[2, (hq + hkv) * d:(hq + hkv + 1) * d] = 0  # an all-zero V head: scale 0, reads back as zeros
+    cos, sin = torch.randn(n, 1, d // 2, generator=g).to(dtype), torch.randn(n, 1, d // 2, generator=g).to(dtype)
+    slots, tables, lens = torch.tensor([5, 40, 41]), torch.tensor([[0, 2, 0], [0, 2, 3], [0, 2, 3]]), torch.tensor([6, 41, 42])
+    kc, vc = torch.zeros(4, 16, hkv, d, dtype=torch.int8), torch.zeros(4, 16, hkv, d, dtype=torch.int8)
+    ks, vs = torch.zeros(4, 16, hkv), torch.zeros(4, 16, hkv)
+    out = native.paged_decode_qkv(qkv, cos, sin, kc, vc, slots, tables, lens, hq, hkv, 0.125, 0, ks, vs)
+    qk = apply_rope(qkv[:, :(hq + hkv) * d].reshape(n, hq + hkv, d), cos, sin)
+    kq, kscale = quantize_int8(qk[:, hq:])
+    vq, vscale = quantize_int8(qkv[:, (hq + hkv) * d:].reshape(n, hkv, d))
+    flat = lambda t: t.view(-1, *t.shape[2:])  # noqa: E731
+    assert torch.equal(flat(kc)[slots], kq) and torch.equal(flat(ks)[slots], kscale)
+    assert torch.equal(flat(vc)[slots], vq) and torch.equal(flat(vs)[slots], vscale)
+    assert flat(vs)[41, 0] == 0
+    want = native.paged_decode(qk[:, :hq].contiguous(), kc, vc, tables, lens, 0.125, 0, ks, vs)
+    assert torch.equal(out, want.reshape(n, hq * d))
+    with pytest.raises(RuntimeError, match="needs k_scale and v_scale"):
+        native.paged_decode_qkv(qkv, cos, sin, kc, vc, slots, tables, lens, hq, hkv, 0.125, 0)
+
+
 @pytest.mark.parametrize("cache", [torch.bfloat16, torch.float16])
 def test_float32_queries_read_a_half_width_cache(native, cache):
     """kv_cache_dtype bf16 / f16 under float32 compute: the kernel widens each stored key and

@@ -7,7 +7,7 @@ the context is opaque to them, they only pass it on and ask it the questions bel
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
 import torch
@@ -18,7 +18,7 @@ class DecodeStack:
     """A decode-only step's paged cache, for a kernel that runs every layer in one call
     (`quant.kernels.decode_layers`): each layer's K and V pools and window (0: none), and the
     step's slot mapping, block tables and context lengths. Built by the context, handed by the
-    model to the kernel unread."""
+    model to the kernel unread. An int8 cache adds each layer's per-(token, head) scales."""
 
     k: list[torch.Tensor]
     v: list[torch.Tensor]
@@ -26,6 +26,8 @@ class DecodeStack:
     slot_mapping: torch.Tensor
     block_tables: torch.Tensor
     context_lens: torch.Tensor
+    k_scales: list[torch.Tensor] = field(default_factory=list)  # empty: a plain cache
+    v_scales: list[torch.Tensor] = field(default_factory=list)
 
 
 class AttentionContext(Protocol):
@@ -49,9 +51,10 @@ class AttentionLayer(Protocol):
         attention): [T, Hq * D]; None where the backend has no such path."""
         ...
 
-    def stack_kv(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, int] | None:
-        """(K pool, V pool, window or 0) when a fused all-layer decode may write and read this
-        layer's cache in place under compute `dtype`; None otherwise."""
+    def stack_kv(self, dtype: torch.dtype) -> tuple | None:
+        """(K pool, V pool, window or 0, K scales, V scales) when a fused all-layer decode may
+        write and read this layer's cache in place under compute `dtype` (the scales: an int8
+        cache's, else None); None otherwise."""
         ...
 
 

@@ -43,7 +43,7 @@ class AttentionMetadata:
         AttentionContext question); None unless every layer's cache can be read in place."""
         if self.num_decodes != len(self.seq_ids) or self.slot_mapping is None:
             return None
-        k, v, windows = [], [], []
+        k, v, windows, ks, vs = [], [], [], [], []
         for layer in layers:
             kv = layer.stack_kv(dtype)
             if kv is None:
@@ -51,7 +51,12 @@ class AttentionMetadata:
             k.append(kv[0])
             v.append(kv[1])
             windows.append(kv[2])
-        return DecodeStack(k, v, windows, self.slot_mapping, self.block_tables, self.decode_context_lens)
+            if kv[3] is not None:
+                ks.append(kv[3])
+                vs.append(kv[4])
+        if ks and len(ks) != len(k):  # (one cache: its layers are all int8 or none is)
+            return None
+        return DecodeStack(k, v, windows, self.slot_mapping, self.block_tables, self.decode_context_lens, ks, vs)
 
     @property
     def num_seqs(self) -> int:

@@ -37,8 +37,8 @@ class PagedAttentionBackend:
         self.layer_groups = layer_groups
         self.num_groups = 1 + max(layer_groups or [0])
         # The native kernels read plain float caches: in the compute dtype, or bf16 / f16 under
-        # float32 compute (`native_reads`). The decode kernel also reads an int8 cache with its
-        # per-(token, head) scales; the fused paths (decode_qkv, the layer stack, prefill) do not.
+        # float32 compute (`native_reads`). The decode kernels (and the all-layer decode) also
+        # read and write an int8 cache with its per-(token, head) scales; prefill does not.
         self.native = None
         if cache.data.device.type == "cpu" and (not cache.spec.mode.scaled or cache.spec.mode.token_scales):
             self.native = cpu_kernels()
@@ -72,8 +72,9 @@ class PagedAttentionBackend:
         if self.native is not None and spec.mode.token_scales and capped < self.num_layers:
             return (f"{self.name} with the native CPU decode kernel reading the {spec.mode.name} cache in place: "
                     "each (sequence, KV head) scales its K/V rows by their per-token scales as it reads "
-                    "them, all query heads of a KV head at once, with no gather copy; prefill chunks gather "
-                    "a cached prefix, dequantize it and call SDPA")
+                    "them, all query heads of a KV head at once, with no gather copy (the new rows are "
+                    "quantized in the same call); prefill chunks gather a cached prefix, dequantize it "
+                    "and call SDPA")
         native_off = disabled_reason()
         why = ("every layer caps its attention scores (attn_logit_softcapping, Gemma 2) and the native "
                "kernels have no score cap" if self.native is not None and capped else
@@ -125,24 +126,29 @@ class PagedAttentionLayer:
                    meta: AttentionMetadata, hq: int, hkv: int) -> torch.Tensor | None:
         """A step of decodes only, on the native kernel: rope, the cache write and attention from
         the fused q|k|v projection in one call; None where that path does not apply."""
-        if self.native is None or meta.num_decodes != meta.num_seqs or not native_reads(qkv.dtype, self.kv.dtype):
+        if self.native is None or meta.num_decodes != meta.num_seqs or not self._native_kv(qkv.dtype):
             return None
         meta = meta.group(self.group)
         cos, sin = rope
         return self.native.paged_decode_qkv(qkv, cos, sin, self.kv.k, self.kv.v, meta.slot_mapping,
                                             meta.block_tables, meta.decode_context_lens, hq, hkv,
-                                            self.scale, self.window or 0)
+                                            self.scale, self.window or 0, self.kv.k_scale, self.kv.v_scale)
+
+    def _native_kv(self, dtype: torch.dtype) -> bool:
+        """Whether the native decode kernels read and write this layer's cache under `dtype`:
+        a plain cache they read (`native_reads`), or an int8 one with its scales."""
+        return native_reads(dtype, self.kv.dtype) or self.kv.k_scale is not None
 
     def stack_kv(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, int] | None:
         """This layer's pools for the fused all-layer decode: the native kernel, reading a cache
         it can read under `dtype`, in KV group 0 (the stack takes one set of block tables)."""
-        if self.native is None or self.group != 0 or not native_reads(dtype, self.kv.dtype):
+        if self.native is None or self.group != 0 or not self._native_kv(dtype):
             return None
-        return self.kv.k, self.kv.v, self.window or 0
+        return self.kv.k, self.kv.v, self.window or 0, self.kv.k_scale, self.kv.v_scale
 
     def _decode(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         nd, hq, d = q.shape
-        if self.native is not None and (native_reads(q.dtype, self.kv.dtype) or self.kv.k_scale is not None):
+        if self.native is not None and self._native_kv(q.dtype):
             if q.stride(-1) != 1:
                 q = q.contiguous()
             return self.native.paged_decode(q, self.kv.k, self.kv.v, meta.block_tables[:nd],

@@ -318,7 +318,7 @@ def decode_layers(h: torch.Tensor, plan: dict, kv, rope: tuple[torch.Tensor, tor
     return op(
         h, plan["weights"], plan["types"], plan["parts"], plan["kdims"], plan["norms"], plan["eps"],
         plan["biases"], kv.k, kv.v, kv.windows, cos, sin, kv.slot_mapping, kv.block_tables, kv.context_lens,
-        num_heads, num_kv_heads, scale, *extra, _stack_isa_id(h.shape[0]))
+        num_heads, num_kv_heads, scale, *extra, _stack_isa_id(h.shape[0]), kv.k_scales, kv.v_scales)
 
 
 def embedding(w: QuantTensor, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

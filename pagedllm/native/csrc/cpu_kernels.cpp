@@ -418,25 +418,79 @@ void rope_and_write(const at::Tensor& qkv, const at::Tensor& cos, const at::Tens
     }
   });
 }
+// One head's row to int8 as kv/quant.py's quantize_int8 does it, bit for bit: scale = amax / 127
+// in float32, values x / scale rounded half to even and clamped to +-127 (an all-zero row: scale 0).
+template <typename T>
+void quantize_row_int8(const T* x, int64_t d, int8_t* q, float* scale) {
+  float amax = 0.f;
+  for (int64_t i = 0; i < d; ++i) amax = std::max(amax, std::fabs(static_cast<float>(x[i])));
+  const float sc = amax / 127.f, den = std::max(sc, std::numeric_limits<float>::min());
+  for (int64_t i = 0; i < d; ++i)
+    q[i] = static_cast<int8_t>(std::clamp(std::nearbyint(static_cast<float>(x[i]) / den), -127.f, 127.f));
+  *scale = sc;
+}
+
+// As rope_and_write, into an int8 cache: k after rope in T, and v, quantized per (token, head)
+// with their scales written beside them (kv/cache.py's KVLayer.write).
+template <typename T>
+void rope_and_write_int8(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& kc,
+                         at::Tensor& vc, at::Tensor& ks, at::Tensor& vs, const int64_t* slots, at::Tensor& q,
+                         int64_t hq, int64_t hkv) {
+  const int64_t n = qkv.size(0), d = kc.size(3), half = d / 2, row = qkv.stride(0);
+  const T* src = qkv.data_ptr<T>();
+  const T* cp = cos.data_ptr<T>();
+  const T* sp = sin.data_ptr<T>();
+  T* qp = q.data_ptr<T>();
+  int8_t* kp = kc.data_ptr<int8_t>();
+  int8_t* vp = vc.data_ptr<int8_t>();
+  float* ksp = ks.data_ptr<float>();
+  float* vsp = vs.data_ptr<float>();
+  at::parallel_for(0, n, 1, [&](int64_t b, int64_t e) {
+    std::vector<T> krot(d);
+    for (int64_t t = b; t < e; ++t) {
+      const T* x = src + t * row;
+      const T* c = cp + t * half;
+      const T* s = sp + t * half;
+      for (int64_t h = 0; h < hq; ++h) rope_head(x + h * d, c, s, qp + (t * hq + h) * d, half);
+      const int64_t slot = slots[t];  // contiguous pools: slot s is row s of [slots, Hkv, D]
+      for (int64_t h = 0; h < hkv; ++h) {
+        rope_head(x + (hq + h) * d, c, s, krot.data(), half);
+        quantize_row_int8(krot.data(), d, kp + (slot * hkv + h) * d, ksp + slot * hkv + h);
+        quantize_row_int8(x + (hq + hkv + h) * d, d, vp + (slot * hkv + h) * d, vsp + slot * hkv + h);
+      }
+    }
+  });
+}
 }  // namespace
 
 // One decode step of attention from the fused q|k|v projection: rope on q and k, k and v
 // written to their cache slots, then paged_decode, in one call instead of a dozen ops.
+// An int8 cache (k_scale, v_scale given, as paged_decode takes them) gets each new row quantized.
 // qkv [N, (Hq + 2 Hkv) D]; cos, sin [N, 1, D/2] in the same dtype; slot_mapping [N] int64.
 // Returns [N, Hq * D].
 at::Tensor paged_decode_qkv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
                             at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slot_mapping,
                             const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t hq,
-                            int64_t hkv, double scale, int64_t window) {
+                            int64_t hkv, double scale, int64_t window,
+                            const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale) {
   TORCH_CHECK(qkv.device().is_cpu() && qkv.dim() == 2 && qkv.stride(1) == 1, "qkv must be a CPU [N, W] tensor");
+  const bool int8 = k_cache.scalar_type() == at::kChar;
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
                   k_cache.sizes() == v_cache.sizes() && k_cache.size(2) == hkv,
               "k_cache and v_cache must be contiguous [num_blocks, block_size, Hkv, D]");
   const int64_t n = qkv.size(0), d = k_cache.size(3);
   TORCH_CHECK(qkv.size(1) == (hq + 2 * hkv) * d && d % 2 == 0 && hq % hkv == 0, "qkv width does not match the heads");
   TORCH_CHECK(cos.scalar_type() == qkv.scalar_type() && sin.scalar_type() == qkv.scalar_type() &&
-                  v_cache.scalar_type() == k_cache.scalar_type() && cache_dtype_ok(qkv.scalar_type(), k_cache.scalar_type()),
-              "qkv, cos and sin must share a dtype, and the cache be in it or bfloat16 / float16 under float32");
+                  v_cache.scalar_type() == k_cache.scalar_type() &&
+                  (int8 || cache_dtype_ok(qkv.scalar_type(), k_cache.scalar_type())),
+              "qkv, cos and sin must share a dtype, and the cache be in it, bfloat16 / float16 under float32, or int8");
+  TORCH_CHECK(int8 == (k_scale.has_value() && v_scale.has_value()) && (int8 || !k_scale.has_value()),
+              "an int8 cache needs k_scale and v_scale (and only an int8 cache takes them)");
+  if (int8)
+    for (const auto* sc : {&*k_scale, &*v_scale})
+      TORCH_CHECK(sc->scalar_type() == at::kFloat && sc->is_contiguous() && sc->dim() == 3 &&
+                      sc->sizes() == k_cache.sizes().slice(0, 3),
+                  "k_scale and v_scale must be contiguous float32 [num_blocks, block_size, Hkv]");
   TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == n * d / 2 && sin.numel() == n * d / 2,
               "cos and sin must be contiguous [N, 1, D/2]");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() && slot_mapping.numel() == n,
@@ -447,6 +501,16 @@ at::Tensor paged_decode_qkv(const at::Tensor& qkv, const at::Tensor& cos, const 
     TORCH_CHECK(slots[t] >= 0 && slots[t] < n_slots, "paged_decode_qkv: slot ", slots[t], " of token ", t,
                 " is outside the pool of ", n_slots, " slots");
   auto q = at::empty({n, hq, d}, qkv.options());
+  if (int8) {
+    at::Tensor ks = *k_scale, vs = *v_scale;
+    switch (qkv.scalar_type()) {
+      case at::kFloat: rope_and_write_int8<float>(qkv, cos, sin, k_cache, v_cache, ks, vs, slots, q, hq, hkv); break;
+      case at::kBFloat16: rope_and_write_int8<c10::BFloat16>(qkv, cos, sin, k_cache, v_cache, ks, vs, slots, q, hq, hkv); break;
+      case at::kHalf: rope_and_write_int8<c10::Half>(qkv, cos, sin, k_cache, v_cache, ks, vs, slots, q, hq, hkv); break;
+      default: TORCH_CHECK(false, "paged_decode_qkv supports float32, bfloat16 and float16");
+    }
+    return paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale, window, ks, vs).view({n, hq * d});
+  }
   switch (qkv.scalar_type()) {
     case at::kFloat:
       if (k_cache.scalar_type() == at::kBFloat16)
@@ -512,7 +576,7 @@ PAGEDLLM_REGISTER(cpu_kernels) {
   m.def("linear_small_m(Tensor x, Tensor w) -> Tensor", &linear_small_m);
   m.def("paged_decode_qkv(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
         "Tensor slot_mapping, Tensor block_tables, Tensor context_lens, int hq, int hkv, float scale, "
-        "int window) -> Tensor", &paged_decode_qkv);
+        "int window, Tensor(c!)? k_scale=None, Tensor(d!)? v_scale=None) -> Tensor", &paged_decode_qkv);
 }
 
 }  // namespace PAGEDLLM_ISA

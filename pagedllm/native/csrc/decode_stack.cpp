@@ -20,7 +20,8 @@ namespace PAGEDLLM_ISA {
 at::Tensor paged_decode_qkv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
                             at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slot_mapping,
                             const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t hq,
-                            int64_t hkv, double scale, int64_t window);
+                            int64_t hkv, double scale, int64_t window,
+                            const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale);
 
 namespace {
 
@@ -364,6 +365,7 @@ int64_t out_features(at::TensorList ws, at::IntArrayRef ts) {
 // and norms[2 l + 1] the input and post-attention RMSNorm weights. LoRA: `lora` holds slot s
 // of projection j (lora_stack.h; undefined: no adapter there);
 // group g of the step uses slot group_slots[g] on the rows group_rows[g] (None: every row).
+// An int8 cache: k_scales[l], v_scales[l] are layer l's per-(token, head) scales (empty: a plain cache).
 at::Tensor quant_decode_layers(const at::Tensor& h0, at::TensorList weights, at::IntArrayRef types,
                                at::IntArrayRef parts, at::IntArrayRef kdims, at::TensorList norms, double eps,
                                const c10::List<c10::optional<at::Tensor>>& biases, at::TensorList k_caches,
@@ -372,7 +374,7 @@ at::Tensor quant_decode_layers(const at::Tensor& h0, at::TensorList weights, at:
                                const at::Tensor& context_lens, int64_t hq, int64_t hkv, double scale,
                                const c10::optional<c10::intrusive_ptr<pagedllm::LoRAStack>>& lora_stack,
                                at::IntArrayRef group_slots, const c10::List<c10::optional<at::Tensor>>& group_rows,
-                               int64_t isa) {
+                               int64_t isa, at::TensorList k_scales, at::TensorList v_scales) {
   const int64_t layers = static_cast<int64_t>(k_caches.size());
   TORCH_CHECK(layers > 0 && static_cast<int64_t>(v_caches.size()) == layers &&
                   static_cast<int64_t>(windows.size()) == layers && static_cast<int64_t>(parts.size()) == 4 * layers &&
@@ -380,6 +382,9 @@ at::Tensor quant_decode_layers(const at::Tensor& h0, at::TensorList weights, at:
                   static_cast<int64_t>(biases.size()) == 4 * layers &&
                   static_cast<int64_t>(norms.size()) == 2 * layers && weights.size() == types.size(),
               "quant_decode_layers: per-layer lists of inconsistent lengths");
+  const bool int8 = !k_scales.empty();  // an int8 cache: every layer's scales, as paged_decode_qkv takes them
+  TORCH_CHECK(k_scales.size() == v_scales.size() && (!int8 || static_cast<int64_t>(k_scales.size()) == layers),
+              "quant_decode_layers: k_scales and v_scales must name every layer's scales, or none");
   int64_t total = 0;
   for (int64_t p : parts) total += p;
   TORCH_CHECK(total == static_cast<int64_t>(weights.size()), "quant_decode_layers: parts do not cover the weights");
@@ -444,7 +449,9 @@ at::Tensor quant_decode_layers(const at::Tensor& h0, at::TensorList weights, at:
   for (int64_t l = 0; l < layers; ++l) {
     const at::Tensor qkv = proj(4 * l, h, norms[2 * l], c10::nullopt, 0);
     const at::Tensor o = paged_decode_qkv(qkv, cos, sin, k_caches[l], v_caches[l], slot_mapping, block_tables,
-                                          context_lens, hq, hkv, scale, windows[l]);
+                                          context_lens, hq, hkv, scale, windows[l],
+                                          int8 ? c10::optional<at::Tensor>(k_scales[l]) : c10::nullopt,
+                                          int8 ? c10::optional<at::Tensor>(v_scales[l]) : c10::nullopt);
     h = proj(4 * l + 1, o, c10::nullopt, h, 0);
     const at::Tensor g = proj(4 * l + 2, h, norms[2 * l + 1], c10::nullopt, 1);
     h = proj(4 * l + 3, g, c10::nullopt, h, 0);
@@ -457,7 +464,7 @@ PAGEDLLM_REGISTER(decode_stack) {
         "float eps, Tensor?[] biases, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, int[] windows, Tensor cos, "
         "Tensor sin, Tensor slot_mapping, Tensor block_tables, Tensor context_lens, int hq, int hkv, float scale, "
         "__torch__.torch.classes.pagedllm.LoRAStack? lora, int[] group_slots, "
-        "Tensor?[] group_rows, int isa) -> Tensor", &quant_decode_layers);
+        "Tensor?[] group_rows, int isa, Tensor(c!)[] k_scales, Tensor(d!)[] v_scales) -> Tensor", &quant_decode_layers);
 }
 
 }  // namespace PAGEDLLM_ISA
