@@ -139,9 +139,10 @@ class PagedAttentionLayer:
         a plain cache they read (`native_reads`), or an int8 one with its scales."""
         return native_reads(dtype, self.kv.dtype) or self.kv.k_scale is not None
 
-    def stack_kv(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, int] | None:
-        """This layer's pools for the fused all-layer decode: the native kernel, reading a cache
-        it can read under `dtype`, in KV group 0 (the stack takes one set of block tables)."""
+    def stack_kv(self, dtype: torch.dtype) -> tuple | None:
+        """This layer's pools (and an int8 cache's scales) for the fused all-layer decode: the
+        native kernel, reading a cache it can read under `dtype`, in KV group 0 (the stack takes
+        one set of block tables)."""
         if self.native is None or self.group != 0 or not self._native_kv(dtype):
             return None
         return self.kv.k, self.kv.v, self.window or 0, self.kv.k_scale, self.kv.v_scale
