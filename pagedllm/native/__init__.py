@@ -88,10 +88,12 @@ def release_omp_threads() -> None:
     spinning, so each parallel region pays a wake-up. The decode stack opens about 150 a step,
     so a model loaded on one thread and run on another (the server's engine thread, a user's
     worker thread) decoded SmolLM2 at 71 tok/s against 186 on the loading thread (2 CPUs).
-    The thread that loads a model calls this when it is done."""
+    The thread that loads a model calls this when it is done, and a thread whose engine has
+    gone idle. Only GNU libgomp is asked (LLVM's libomp would pause the whole runtime, other
+    threads' parallel regions too); elsewhere this does nothing."""
     ops = cpu_kernels()
     if ops is not None and int(ops.release_omp_threads()) != 0:
-        logger.debug("this OpenMP runtime cannot release a thread's workers (omp_pause_resource_all)")
+        logger.debug("this OpenMP runtime does not release one thread's workers: left as they are")
 
 
 def main() -> int:

@@ -15,6 +15,11 @@
 #ifdef _OPENMP
 #include <omp.h>
 #endif
+#if defined(__linux__)
+#include <climits>
+#include <dlfcn.h>
+#include <stdlib.h>
+#endif
 
 #define PAGEDLLM_DECLARE(ns)                         \
   namespace ns {                                     \
@@ -72,18 +77,32 @@ std::string native_isa() { return LEVEL_NAMES[LEVEL]; }
 // The torch release these kernels were compiled against: its C++ ABI is what they link to.
 std::string native_torch_version() { return TORCH_VERSION; }
 
-// Lets the calling thread's OpenMP worker threads go (OpenMP 5.0; libgomp frees that thread's
-// pool, and a later parallel region of the thread makes a new one). 0 where done.
-// Why (native/__init__.py): libgomp counts every pool's workers, and once they outnumber the
-// CPUs its workers sleep between parallel regions instead of spinning.
-int64_t release_omp_threads() {
-// (GCC defines _OPENMP as 201511 but has had the call since GCC 9; clang's libomp since 9.)
-#if defined(_OPENMP) && ((defined(__clang__) && __clang_major__ >= 9) || (!defined(__clang__) && __GNUC__ >= 9))
-  return omp_pause_resource_all(omp_pause_hard);
-#else
-  return -1;
-#endif
+// Lets the calling thread's OpenMP worker threads go: 0 where done, else nonzero and nothing
+// done. Why (native/__init__.py): libgomp counts every pool's workers, and once they outnumber
+// the CPUs its workers sleep between parallel regions instead of spinning.
+// Only GNU libgomp is asked: its omp_pause_resource_all frees the calling thread's pool alone
+// (a later parallel region of that thread makes a new one). LLVM's libomp pauses the whole
+// runtime, other threads' regions too, so where the symbol resolves to another runtime (conda's
+// libgomp.so.1 is a link to libomp) nothing is called. (GCC defines _OPENMP as 201511 but has
+// had the call since GCC 9.)
+#if defined(__linux__) && defined(_OPENMP) && \
+    ((defined(__clang__) && __clang_major__ >= 9) || (!defined(__clang__) && __GNUC__ >= 9))
+bool gnu_openmp() {
+  Dl_info info;
+  if (dladdr(reinterpret_cast<void*>(&omp_pause_resource_all), &info) == 0 || info.dli_fname == nullptr) return false;
+  char buf[PATH_MAX];
+  const char* path = realpath(info.dli_fname, buf) != nullptr ? buf : info.dli_fname;
+  const char* base = std::strrchr(path, '/');
+  return std::strncmp(base != nullptr ? base + 1 : path, "libgomp", 7) == 0;
 }
+
+int64_t release_omp_threads() {
+  static const bool gnu = gnu_openmp();
+  return gnu ? omp_pause_resource_all(omp_pause_hard) : -2;
+}
+#else
+int64_t release_omp_threads() { return -1; }
+#endif
 
 }  // namespace
 
