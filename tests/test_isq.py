@@ -149,11 +149,11 @@ def test_batch1_decode_rounds_activations_in_two_levels(isq_ckpt, monkeypatch):
         llm.prompt_logits(prompt[:4], chunk_size=1)
 
 
-@pytest.mark.parametrize("fmt,kv", [("Q8_0", "auto"), ("Q4_K", "auto"), ("Q4_K", "int8")])
+@pytest.mark.parametrize("fmt,kv", [("Q8_0", "auto"), ("Q4_K", "auto"), ("Q4_K", "int8"), ("Q4_K", "f8e4m3")])
 def test_decode_stack_gives_the_per_layer_bits(isq_ckpt, fmt, kv, monkeypatch):
     """Decode steps of a quantized model run every layer in one native call; it must give the
     same bits as the per-layer path it replaces (greedy tokens and their logprobs, batched),
-    with a plain cache and with an int8 one (written and read with its scales)."""
+    with a plain cache and with an int8 or f8e4m3 one (written and read with its scales)."""
     from pagedllm import SamplingParams
     from pagedllm.models import llama
 

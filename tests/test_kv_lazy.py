@@ -63,7 +63,7 @@ def _scenarios(llm: LLM) -> list:
     return outs
 
 
-PATHS = [("native", "auto"), ("native", "int8"), ("torch", "auto"), ("torch", "int8"), ("torch", "f8e4m3"),
+PATHS = [("native", "auto"), ("native", "int8"), ("native", "f8e4m3"), ("torch", "auto"), ("torch", "int8"), ("torch", "f8e4m3"),
          ("contiguous", "auto"), ("contiguous", "int8"), ("contiguous", "f8e4m3")]
 
 

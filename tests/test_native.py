@@ -85,6 +85,58 @@ def test_kernel_reads_an_int8_cache_with_its_scales(native, dtype, d, hkv, group
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_reads_an_f8e4m3_cache_with_its_head_scales(native, dtype):
+    """kv_cache_dtype f8e4m3: e4m3 values and one float32 scale per (layer, KV head); the kernel
+    widens and scales them as it reads, against SDPA over the dequantized cache."""
+    from pagedllm.kv.quant import quantize_fp8
+
+    g = torch.Generator().manual_seed(3)
+    nblocks, bs, n, hkv, d = 64, 16, 7, 2, 64
+    ks, vs = torch.tensor([0.02, 0.005]), torch.tensor([0.01, 0.03])
+    kq = quantize_fp8(torch.randn(nblocks, bs, hkv, d, generator=g) * 3, ks)
+    vq = quantize_fp8(torch.randn(nblocks, bs, hkv, d, generator=g), vs)
+    lens = torch.tensor([1, 5, 16, 17, 90, 131, 160])
+    tables = torch.randint(1, nblocks, (n, 10), generator=g)
+    q = torch.randn(n, hkv * 3, d, generator=g).to(dtype)
+    got = native.paged_decode(q, kq, vq, tables, lens, d ** -0.5, 0, ks, vs)
+    want = reference(q, kq.float() * ks[:, None], vq.float() * vs[:, None], tables, lens, d ** -0.5, 0)
+    tol = {torch.float32: 1e-5, torch.bfloat16: 2e-2}[dtype]
+    torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+    other = native.paged_decode(q, kq, vq, tables, lens, d ** -0.5, 0, ks, vs * 2)
+    assert not torch.allclose(other.float(), want, atol=tol, rtol=tol)
+    with pytest.raises(RuntimeError, match=r"float32 \[Hkv\] \(f8e4m3\)"):
+        native.paged_decode(q, kq, vq, tables, lens, 1.0, 0, ks[:1], vs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_decode_writes_the_f8e4m3_cache_as_the_pytorch_path_does(native, dtype):
+    """paged_decode_qkv into an f8e4m3 cache: k after rope in the compute dtype, and v, divided
+    by their head's scale and rounded to e4m3 with the bits of kv/quant.py's quantize_fp8 (values
+    past +-448 saturate), then attention over them as paged_decode reads them."""
+    from pagedllm.kv.quant import quantize_fp8
+    from pagedllm.models.rope import apply_rope
+
+    g = torch.Generator().manual_seed(6)
+    hq, hkv, d, n = 6, 2, 64, 3
+    qkv = (torch.randn(n, (hq + 2 * hkv) * d, generator=g) * 4).to(dtype)
+    qkv[1, (hq + hkv) * d] = 1e4  # saturates at 448 * scale
+    cos, sin = torch.randn(n, 1, d // 2, generator=g).to(dtype), torch.randn(n, 1, d // 2, generator=g).to(dtype)
+    slots, tables, lens = torch.tensor([5, 40, 41]), torch.tensor([[0, 2, 0], [0, 2, 3], [0, 2, 3]]), torch.tensor([6, 41, 42])
+    kc = torch.zeros(4, 16, hkv, d, dtype=torch.float8_e4m3fn)
+    vc = torch.zeros(4, 16, hkv, d, dtype=torch.float8_e4m3fn)
+    ks, vs = torch.tensor([0.05, 0.02]), torch.tensor([0.01, 0.03])
+    out = native.paged_decode_qkv(qkv, cos, sin, kc, vc, slots, tables, lens, hq, hkv, 0.125, 0, ks, vs)
+    qk = apply_rope(qkv[:, :(hq + hkv) * d].reshape(n, hq + hkv, d), cos, sin)
+    kq = quantize_fp8(qk[:, hq:], ks)
+    vq = quantize_fp8(qkv[:, (hq + hkv) * d:].reshape(n, hkv, d), vs)
+    bits = lambda t: t.view(torch.uint8).view(-1, hkv, d)  # noqa: E731
+    assert torch.equal(bits(kc)[slots], kq.view(torch.uint8)) and torch.equal(bits(vc)[slots], vq.view(torch.uint8))
+    assert vc.view(-1, hkv, d)[40, 0, 0].float() == 448
+    want = native.paged_decode(qk[:, :hq].contiguous(), kc, vc, tables, lens, 0.125, 0, ks, vs)
+    assert torch.equal(out, want.reshape(n, hq * d))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_decode_writes_the_int8_cache_as_the_pytorch_path_does(native, dtype):
     """paged_decode_qkv into an int8 cache: k after rope, and v, quantized per (token, head) with
     the same bits and scales as the PyTorch path's write (rope in the compute dtype, then
@@ -211,11 +263,11 @@ print(json.dumps([llm.engine.backend.decode_kernel, [o.outputs[0].token_ids for 
 """
 
 
-@pytest.mark.parametrize("kv", ["auto", "bf16", "int8"])
+@pytest.mark.parametrize("kv", ["auto", "bf16", "int8", "f8e4m3"])
 def test_engine_tokens_same_with_kernel_on_and_off(native, tmp_path, hf_smollm2_tokenizer, kv):
     """A batch of six through chunked prefill and paged decode: the native kernel and the
     PyTorch path give the same greedy tokens, with a float32 cache, with a bf16 one read
-    widened and with an int8 one scaled as it is read. float32 compute: random weights leave logits so flat
+    widened and with an int8 or f8e4m3 one scaled as it is read. float32 compute: random weights leave logits so flat
     that bf16 rounding alone (either path's) flips an argmax now and then; the kernel's bf16
     accuracy is checked above against a float32 reference."""
     from models import build_checkpoint

@@ -18,7 +18,7 @@ class DecodeStack:
     """A decode-only step's paged cache, for a kernel that runs every layer in one call
     (`quant.kernels.decode_layers`): each layer's K and V pools and window (0: none), and the
     step's slot mapping, block tables and context lengths. Built by the context, handed by the
-    model to the kernel unread. An int8 cache adds each layer's per-(token, head) scales."""
+    model to the kernel unread. A quantized cache (int8, f8e4m3) adds each layer's scales."""
 
     k: list[torch.Tensor]
     v: list[torch.Tensor]

@@ -54,7 +54,7 @@ class AttentionMetadata:
             if kv[3] is not None:
                 ks.append(kv[3])
                 vs.append(kv[4])
-        if ks and len(ks) != len(k):  # (one cache: its layers are all int8 or none is)
+        if ks and len(ks) != len(k):  # (one cache: its layers are all quantized or none is)
             return None
         return DecodeStack(k, v, windows, self.slot_mapping, self.block_tables, self.decode_context_lens, ks, vs)
 

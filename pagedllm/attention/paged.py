@@ -1,8 +1,8 @@
 """PyTorch paged attention: the reference backend that runs on every device.
 
-On the CPU, with a plain (unquantized) cache or an int8 one, decodes run the native kernel
-(`pagedllm/native`): it reads K/V in place by block table, with no gather copy (int8 values
-are scaled as they are read). Elsewhere
+On the CPU, with a plain (unquantized) cache or a quantized one (int8, f8e4m3), decodes run
+the native kernel (`pagedllm/native`): it reads K/V in place by block table, with no gather
+copy (quantized values are scaled as they are read). Elsewhere
 decodes of the whole batch are one gather of their slots (by block table) and one SDPA
 call, with the query heads of each KV head folded into the query-length axis (GQA
 without repeating K/V). Prefill chunks attend one sequence at a time: they are compute
@@ -38,9 +38,9 @@ class PagedAttentionBackend:
         self.num_groups = 1 + max(layer_groups or [0])
         # The native kernels read plain float caches: in the compute dtype, or bf16 / f16 under
         # float32 compute (`native_reads`). The decode kernels (and the all-layer decode) also
-        # read and write an int8 cache with its per-(token, head) scales; prefill does not.
+        # read and write an int8 or f8e4m3 cache with its scales; prefill does not.
         self.native = None
-        if cache.data.device.type == "cpu" and (not cache.spec.mode.scaled or cache.spec.mode.token_scales):
+        if cache.data.device.type == "cpu":
             self.native = cpu_kernels()
         self.num_layers = 0
         self.capped_layers = 0  # layers with a score cap (Gemma 2): the native kernels skip them
@@ -69,19 +69,19 @@ class PagedAttentionBackend:
             return (f"{self.name} with the native CPU decode kernel: each (sequence, KV head) reads "
                     "its K/V in place by block table, all query heads of a KV head at once, with no "
                     f"gather copy; prefill chunks use {prefill}{some}")
-        if self.native is not None and spec.mode.token_scales and capped < self.num_layers:
+        if self.native is not None and spec.mode.scaled and capped < self.num_layers:
+            per = "per-token" if spec.mode.token_scales else "per-(layer, head)"
             return (f"{self.name} with the native CPU decode kernel reading the {spec.mode.name} cache in place: "
-                    "each (sequence, KV head) scales its K/V rows by their per-token scales as it reads "
+                    f"each (sequence, KV head) scales its K/V rows by their {per} scales as it reads "
                     "them, all query heads of a KV head at once, with no gather copy (the new rows are "
                     "quantized in the same call); prefill chunks gather a cached prefix, dequantize it "
                     "and call SDPA")
         native_off = disabled_reason()
         why = ("every layer caps its attention scores (attn_logit_softcapping, Gemma 2) and the native "
                "kernels have no score cap" if self.native is not None and capped else
-               "the KV cache is quantized per (layer, head) and the native kernel reads plain or int8 caches only"
-               if dev == "cpu" and spec.mode.scaled else
                f"the native kernel reads a cache in the compute dtype, or bf16 / f16 under float32; this one "
-               f"is {spec.dtype} under {spec.compute_dtype}" if dev == "cpu" and spec.dtype != spec.compute_dtype else
+               f"is {spec.dtype} under {spec.compute_dtype}"
+               if dev == "cpu" and spec.dtype != spec.compute_dtype and not spec.mode.scaled else
                f"the native CPU kernel is off ({native_off})" if dev == "cpu" and native_off else
                "the native CPU kernels are not built or do not load here (see the log)" if dev == "cpu" else
                f"no native paged kernel is built for {dev} yet")
@@ -132,20 +132,20 @@ class PagedAttentionLayer:
         cos, sin = rope
         return self.native.paged_decode_qkv(qkv, cos, sin, self.kv.k, self.kv.v, meta.slot_mapping,
                                             meta.block_tables, meta.decode_context_lens, hq, hkv,
-                                            self.scale, self.window or 0, self.kv.k_scale, self.kv.v_scale)
+                                            self.scale, self.window or 0, *self.kv.scales)
 
     def _native_kv(self, dtype: torch.dtype) -> bool:
         """Whether the native decode kernels read and write this layer's cache under `dtype`:
-        a plain cache they read (`native_reads`), or an int8 one with its scales."""
-        return native_reads(dtype, self.kv.dtype) or self.kv.k_scale is not None
+        a plain cache they read (`native_reads`), or a quantized one with its scales."""
+        return native_reads(dtype, self.kv.dtype) or self.kv.scales[0] is not None
 
     def stack_kv(self, dtype: torch.dtype) -> tuple | None:
-        """This layer's pools (and an int8 cache's scales) for the fused all-layer decode: the
+        """This layer's pools (and a quantized cache's scales) for the fused all-layer decode: the
         native kernel, reading a cache it can read under `dtype`, in KV group 0 (the stack takes
         one set of block tables)."""
         if self.native is None or self.group != 0 or not self._native_kv(dtype):
             return None
-        return self.kv.k, self.kv.v, self.window or 0, self.kv.k_scale, self.kv.v_scale
+        return self.kv.k, self.kv.v, self.window or 0, *self.kv.scales
 
     def _decode(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         nd, hq, d = q.shape
@@ -154,7 +154,7 @@ class PagedAttentionLayer:
                 q = q.contiguous()
             return self.native.paged_decode(q, self.kv.k, self.kv.v, meta.block_tables[:nd],
                                             meta.decode_context_lens, self.scale, self.window or 0,
-                                            self.kv.k_scale, self.kv.v_scale)
+                                            *self.kv.scales)
         keys, vals = self.kv.read(meta.decode_slots(self.block_size), q.dtype)  # [nd, L, Hkv, D]
         hkv = keys.shape[2]
         mask = meta.decode_mask(self.window, keys.shape[1])

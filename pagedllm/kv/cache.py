@@ -184,6 +184,11 @@ class KVLayer:
         if k_scale is not None:
             self._ks_slots = k_scale.view(-1, k_scale.shape[-1])
             self._vs_slots = v_scale.view(-1, v_scale.shape[-1])
+        # The scales the native kernels read beside the values: int8's per (token, head) pools,
+        # f8e4m3's per-head [H] rows; (None, None) for a plain cache.
+        self.scales: tuple[torch.Tensor | None, torch.Tensor | None] = (k_scale, v_scale)
+        if codec.head_scales is not None:
+            self.scales = (codec.head_scales[0].contiguous(), codec.head_scales[1].contiguous())
 
     @property
     def dtype(self) -> torch.dtype:

@@ -50,6 +50,20 @@ inline void load_kv(const int8_t* src, const float* s, float* dst, int64_t d) {
   for (int64_t i = 0; i < d; ++i) dst[i] = static_cast<float>(src[i]) * f;
 }
 
+// An f8e4m3 row (its bytes) scaled by its (layer, head) scale `s` in float32. Each byte's sign,
+// exponent and mantissa fields moved into a float32's places read as the value times 2^-120
+// (subnormals included: e4m3's exponent bias is 7, float32's 127), so one multiply by
+// s * 2^120 (exact: a power of two; kv/quant.py keeps scales in range) gives value * s rounded
+// once, as c10's conversion then the multiply would, and it vectorizes.
+inline void load_kv(const uint8_t* src, const float* s, float* dst, int64_t d) {
+  const float f = *s * 0x1p120f;
+#pragma omp simd
+  for (int64_t i = 0; i < d; ++i) {
+    const uint32_t b = src[i];
+    dst[i] = __builtin_bit_cast(float, ((b & 0x80u) << 24) | ((b & 0x7Fu) << 20)) * f;
+  }
+}
+
 // Rows that are consecutive positions of one sequence (speculative verification: the last
 // token and its proposals) share the block table and have lengths L, L + 1, ...: they form a
 // group whose keys and values are read once for all its rows (row i sees the first L + i).
@@ -91,7 +105,7 @@ constexpr int64_t CHUNK = 256;
 // D == 0 reads it at run time.
 template <typename T, typename C, typename I, int D>
 void decode(const T* q, int64_t q_sn, int64_t q_sh, const C* kc, const C* vc, const float* ks, const float* vs,
-            int64_t blk_stride, int64_t tok_stride, const I* tables, int64_t max_blocks,
+            int64_t s_stride, int64_t blk_stride, int64_t tok_stride, const I* tables, int64_t max_blocks,
             const I* lens, T* out, int64_t n_seqs, int64_t hq, int64_t hkv, int64_t d_run,
             int64_t block_size, int64_t window, float scale) {
   const int64_t d = D > 0 ? D : d_run;
@@ -159,7 +173,7 @@ void decode(const T* q, int64_t q_sn, int64_t q_sh, const C* kc, const C* vc, co
         const int64_t slot = static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size;
         const C* k = kc + static_cast<int64_t>(table[t / block_size]) * blk_stride +
                      (t % block_size) * tok_stride + h * d;
-        load_kv(k, ks == nullptr ? nullptr : ks + slot * hkv + h, row.data(), d);
+        load_kv(k, ks == nullptr ? nullptr : ks + slot * s_stride + h, row.data(), d);
         for (int64_t r = 0; r < rows; ++r) {
           if (t < lo_r[r] || t >= hi_r[r]) continue;
           for (int64_t g = 0; g < g_per_kv; ++g) {
@@ -189,7 +203,7 @@ void decode(const T* q, int64_t q_sn, int64_t q_sh, const C* kc, const C* vc, co
         const int64_t slot = static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size;
         const C* v = vc + static_cast<int64_t>(table[t / block_size]) * blk_stride +
                      (t % block_size) * tok_stride + h * d;
-        load_kv(v, vs == nullptr ? nullptr : vs + slot * hkv + h, row.data(), d);
+        load_kv(v, vs == nullptr ? nullptr : vs + slot * s_stride + h, row.data(), d);
         for (int64_t r = 0; r < rows; ++r) {
           if (t < lo_r[r] || t >= hi_r[r]) continue;
           for (int64_t g = 0; g < g_per_kv; ++g) {
@@ -238,32 +252,33 @@ void decode(const T* q, int64_t q_sn, int64_t q_sh, const C* kc, const C* vc, co
 
 template <typename T, typename C, typename I>
 void dispatch_dim(const T* qp, int64_t q_sn, int64_t q_sh, const C* kp, const C* vp, const float* ks,
-                  const float* vs, int64_t blk, int64_t tok, const I* tables, int64_t max_blocks, const I* lens,
+                  const float* vs, int64_t ss, int64_t blk, int64_t tok, const I* tables, int64_t max_blocks, const I* lens,
                   T* op, int64_t n, int64_t hq, int64_t hkv, int64_t d, int64_t bs, int64_t window, float scale) {
   switch (d) {
-    case 64: decode<T, C, I, 64>(qp, q_sn, q_sh, kp, vp, ks, vs, blk, tok, tables, max_blocks, lens, op, n, hq, hkv, d, bs, window, scale); break;
-    case 128: decode<T, C, I, 128>(qp, q_sn, q_sh, kp, vp, ks, vs, blk, tok, tables, max_blocks, lens, op, n, hq, hkv, d, bs, window, scale); break;
-    default: decode<T, C, I, 0>(qp, q_sn, q_sh, kp, vp, ks, vs, blk, tok, tables, max_blocks, lens, op, n, hq, hkv, d, bs, window, scale);
+    case 64: decode<T, C, I, 64>(qp, q_sn, q_sh, kp, vp, ks, vs, ss, blk, tok, tables, max_blocks, lens, op, n, hq, hkv, d, bs, window, scale); break;
+    case 128: decode<T, C, I, 128>(qp, q_sn, q_sh, kp, vp, ks, vs, ss, blk, tok, tables, max_blocks, lens, op, n, hq, hkv, d, bs, window, scale); break;
+    default: decode<T, C, I, 0>(qp, q_sn, q_sh, kp, vp, ks, vs, ss, blk, tok, tables, max_blocks, lens, op, n, hq, hkv, d, bs, window, scale);
   }
 }
 
 template <typename T, typename C>
 void dispatch_index(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
                     const at::Tensor& tables, const at::Tensor& lens, at::Tensor& out,
-                    int64_t window, double scale, const float* ks = nullptr, const float* vs = nullptr) {
+                    int64_t window, double scale, const float* ks = nullptr, const float* vs = nullptr,
+                    int64_t ss = 0) {
   const int64_t n = q.size(0), hq = q.size(1), d = q.size(2);
   const int64_t bs = kc.size(1), hkv = kc.size(2);
   const T* qp = q.data_ptr<T>();
-  const C* kp = kc.data_ptr<C>();
-  const C* vp = vc.data_ptr<C>();
+  const C* kp = static_cast<const C*>(kc.data_ptr());  // (an f8e4m3 cache is read as its bytes)
+  const C* vp = static_cast<const C*>(vc.data_ptr());
   T* op = out.data_ptr<T>();
   const int64_t blk = kc.stride(0), tok = kc.stride(1);
   if (tables.scalar_type() == at::kLong) {
-    dispatch_dim<T, C, int64_t>(qp, q.stride(0), q.stride(1), kp, vp, ks, vs, blk, tok, tables.data_ptr<int64_t>(),
+    dispatch_dim<T, C, int64_t>(qp, q.stride(0), q.stride(1), kp, vp, ks, vs, ss, blk, tok, tables.data_ptr<int64_t>(),
                        tables.size(1), lens.data_ptr<int64_t>(), op, n, hq, hkv, d, bs, window,
                        static_cast<float>(scale));
   } else {
-    dispatch_dim<T, C, int32_t>(qp, q.stride(0), q.stride(1), kp, vp, ks, vs, blk, tok, tables.data_ptr<int32_t>(),
+    dispatch_dim<T, C, int32_t>(qp, q.stride(0), q.stride(1), kp, vp, ks, vs, ss, blk, tok, tables.data_ptr<int32_t>(),
                        tables.size(1), lens.data_ptr<int32_t>(), op, n, hq, hkv, d, bs, window,
                        static_cast<float>(scale));
   }
@@ -301,9 +316,29 @@ void check_tables(const at::Tensor& tables, const at::Tensor& lens, int64_t n, i
 
 }  // namespace
 
+// A scaled cache's scales, checked; the stride between consecutive slots' scales: int8 keeps
+// one float32 per (token, head), [num_blocks, block_size, Hkv] (stride Hkv); f8e4m3 one per
+// (layer, head), [Hkv] (stride 0). -1: a plain cache (no scales, and none may be given).
+int64_t scale_stride(const at::Tensor& k_cache, const c10::optional<at::Tensor>& k_scale,
+                     const c10::optional<at::Tensor>& v_scale, const char* op) {
+  const auto t = k_cache.scalar_type();
+  const bool int8 = t == at::kChar, fp8 = t == at::kFloat8_e4m3fn;
+  TORCH_CHECK((int8 || fp8) == (k_scale.has_value() && v_scale.has_value()) && (int8 || fp8 || !k_scale.has_value()),
+              op, ": an int8 or f8e4m3 cache needs k_scale and v_scale (and only those caches take them)");
+  if (!int8 && !fp8) return -1;
+  for (const auto* sc : {&*k_scale, &*v_scale}) {
+    const bool ok = sc->scalar_type() == at::kFloat && sc->is_contiguous() &&
+                    (int8 ? sc->dim() == 3 && sc->sizes() == k_cache.sizes().slice(0, 3)
+                          : sc->dim() == 1 && sc->size(0) == k_cache.size(2));
+    TORCH_CHECK(ok, op, ": k_scale and v_scale must be contiguous float32 ",
+                int8 ? "[num_blocks, block_size, Hkv] (int8)" : "[Hkv] (f8e4m3)");
+  }
+  return int8 ? k_cache.size(2) : 0;
+}
+
 // q [N, Hq, D] (last dim contiguous); k_cache, v_cache [num_blocks, block_size, Hkv, D]
-// contiguous, in q's dtype (or bf16 / f16 under a float32 q), or int8 with k_scale, v_scale
-// [num_blocks, block_size, Hkv] float32 (value = int8 * scale, kv/quant.py); block_tables
+// contiguous, in q's dtype (or bf16 / f16 under a float32 q), or int8 / f8e4m3 with their
+// k_scale, v_scale (scale_stride; value = stored * scale, kv/quant.py); block_tables
 // [N, max_blocks]; context_lens [N] (int32 or int64, both the same). window <= 0 means no
 // sliding window. Returns [N, Hq, D].
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache,
@@ -316,17 +351,10 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache,
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
                   k_cache.sizes() == v_cache.sizes(),
               "k_cache and v_cache must be contiguous [num_blocks, block_size, Hkv, D]");
-  const bool int8 = k_cache.scalar_type() == at::kChar;
+  const int64_t ss = scale_stride(k_cache, k_scale, v_scale, "paged_decode");
   TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type() &&
-                  (int8 || cache_dtype_ok(q.scalar_type(), k_cache.scalar_type())),
-              "the cache must be in q's dtype, bfloat16 / float16 under a float32 q, or int8 with scales");
-  TORCH_CHECK(int8 == (k_scale.has_value() && v_scale.has_value()) && (int8 || !k_scale.has_value()),
-              "an int8 cache needs k_scale and v_scale (and only an int8 cache takes them)");
-  if (int8)
-    for (const auto* sc : {&*k_scale, &*v_scale})
-      TORCH_CHECK(sc->scalar_type() == at::kFloat && sc->is_contiguous() && sc->dim() == 3 &&
-                      sc->sizes() == k_cache.sizes().slice(0, 3),
-                  "k_scale and v_scale must be contiguous float32 [num_blocks, block_size, Hkv]");
+                  (ss >= 0 || cache_dtype_ok(q.scalar_type(), k_cache.scalar_type())),
+              "the cache must be in q's dtype, bfloat16 / float16 under a float32 q, or int8 / f8e4m3 with scales");
   TORCH_CHECK(k_cache.size(3) == q.size(2) && q.size(1) % k_cache.size(2) == 0,
               "head dims differ or query heads are not a multiple of KV heads");
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.is_contiguous() && context_lens.is_contiguous() &&
@@ -337,15 +365,19 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache,
   check_tables(block_tables, context_lens, q.size(0), k_cache.size(0), k_cache.size(1));
   auto out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
   const auto cache = k_cache.scalar_type();
-  if (int8) {
+  if (ss >= 0) {
     const float* ks = k_scale->data_ptr<float>();
     const float* vs = v_scale->data_ptr<float>();
-    switch (q.scalar_type()) {
-      case at::kFloat: dispatch_index<float, int8_t>(q, k_cache, v_cache, block_tables, context_lens, out, window, scale, ks, vs); break;
-      case at::kBFloat16: dispatch_index<c10::BFloat16, int8_t>(q, k_cache, v_cache, block_tables, context_lens, out, window, scale, ks, vs); break;
-      case at::kHalf: dispatch_index<c10::Half, int8_t>(q, k_cache, v_cache, block_tables, context_lens, out, window, scale, ks, vs); break;
-      default: TORCH_CHECK(false, "paged_decode supports float32, bfloat16 and float16");
-    }
+    auto run = [&](auto stored) {
+      using C = decltype(stored);
+      switch (q.scalar_type()) {
+        case at::kFloat: dispatch_index<float, C>(q, k_cache, v_cache, block_tables, context_lens, out, window, scale, ks, vs, ss); break;
+        case at::kBFloat16: dispatch_index<c10::BFloat16, C>(q, k_cache, v_cache, block_tables, context_lens, out, window, scale, ks, vs, ss); break;
+        case at::kHalf: dispatch_index<c10::Half, C>(q, k_cache, v_cache, block_tables, context_lens, out, window, scale, ks, vs, ss); break;
+        default: TORCH_CHECK(false, "paged_decode supports float32, bfloat16 and float16");
+      }
+    };
+    if (cache == at::kChar) run(int8_t{}); else run(uint8_t{});  // (f8e4m3 read as its bytes)
     return out;
   }
   switch (q.scalar_type()) {
@@ -430,19 +462,29 @@ void quantize_row_int8(const T* x, int64_t d, int8_t* q, float* scale) {
   *scale = sc;
 }
 
-// As rope_and_write, into an int8 cache: k after rope in T, and v, quantized per (token, head)
-// with their scales written beside them (kv/cache.py's KVLayer.write).
+// One head's row to f8e4m3 as kv/quant.py's quantize_fp8 does it, bit for bit: x / scale in
+// float32, clamped to +-448, rounded to nearest even by c10's conversion (what .to() uses).
 template <typename T>
-void rope_and_write_int8(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& kc,
-                         at::Tensor& vc, at::Tensor& ks, at::Tensor& vs, const int64_t* slots, at::Tensor& q,
-                         int64_t hq, int64_t hkv) {
+void quantize_row_fp8(const T* x, int64_t d, float scale, uint8_t* q) {
+  for (int64_t i = 0; i < d; ++i)
+    q[i] = c10::Float8_e4m3fn(std::clamp(static_cast<float>(x[i]) / scale, -448.f, 448.f)).x;
+}
+
+// As rope_and_write, into an int8 or f8e4m3 cache: k after rope in T, and v, quantized per
+// (token, head) as kv/cache.py's KVLayer.write does; int8 writes each row's scale beside it,
+// f8e4m3 reads its (layer, head) scales.
+template <typename T, bool INT8>
+void rope_and_write_scaled(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& kc,
+                           at::Tensor& vc, at::Tensor& ks, at::Tensor& vs, const int64_t* slots, at::Tensor& q,
+                           int64_t hq, int64_t hkv) {
   const int64_t n = qkv.size(0), d = kc.size(3), half = d / 2, row = qkv.stride(0);
   const T* src = qkv.data_ptr<T>();
   const T* cp = cos.data_ptr<T>();
   const T* sp = sin.data_ptr<T>();
   T* qp = q.data_ptr<T>();
-  int8_t* kp = kc.data_ptr<int8_t>();
-  int8_t* vp = vc.data_ptr<int8_t>();
+  using C = std::conditional_t<INT8, int8_t, uint8_t>;
+  C* kp = static_cast<C*>(kc.data_ptr());
+  C* vp = static_cast<C*>(vc.data_ptr());
   float* ksp = ks.data_ptr<float>();
   float* vsp = vs.data_ptr<float>();
   at::parallel_for(0, n, 1, [&](int64_t b, int64_t e) {
@@ -455,8 +497,16 @@ void rope_and_write_int8(const at::Tensor& qkv, const at::Tensor& cos, const at:
       const int64_t slot = slots[t];  // contiguous pools: slot s is row s of [slots, Hkv, D]
       for (int64_t h = 0; h < hkv; ++h) {
         rope_head(x + (hq + h) * d, c, s, krot.data(), half);
-        quantize_row_int8(krot.data(), d, kp + (slot * hkv + h) * d, ksp + slot * hkv + h);
-        quantize_row_int8(x + (hq + hkv + h) * d, d, vp + (slot * hkv + h) * d, vsp + slot * hkv + h);
+        C* kd = kp + (slot * hkv + h) * d;
+        C* vd = vp + (slot * hkv + h) * d;
+        const T* vx = x + (hq + hkv + h) * d;
+        if constexpr (INT8) {
+          quantize_row_int8(krot.data(), d, kd, ksp + slot * hkv + h);
+          quantize_row_int8(vx, d, vd, vsp + slot * hkv + h);
+        } else {
+          quantize_row_fp8(krot.data(), d, ksp[h], kd);
+          quantize_row_fp8(vx, d, vsp[h], vd);
+        }
       }
     }
   });
@@ -465,7 +515,8 @@ void rope_and_write_int8(const at::Tensor& qkv, const at::Tensor& cos, const at:
 
 // One decode step of attention from the fused q|k|v projection: rope on q and k, k and v
 // written to their cache slots, then paged_decode, in one call instead of a dozen ops.
-// An int8 cache (k_scale, v_scale given, as paged_decode takes them) gets each new row quantized.
+// An int8 or f8e4m3 cache (k_scale, v_scale given, as paged_decode takes them) gets each new
+// row quantized.
 // qkv [N, (Hq + 2 Hkv) D]; cos, sin [N, 1, D/2] in the same dtype; slot_mapping [N] int64.
 // Returns [N, Hq * D].
 at::Tensor paged_decode_qkv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
@@ -474,23 +525,17 @@ at::Tensor paged_decode_qkv(const at::Tensor& qkv, const at::Tensor& cos, const 
                             int64_t hkv, double scale, int64_t window,
                             const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale) {
   TORCH_CHECK(qkv.device().is_cpu() && qkv.dim() == 2 && qkv.stride(1) == 1, "qkv must be a CPU [N, W] tensor");
-  const bool int8 = k_cache.scalar_type() == at::kChar;
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
                   k_cache.sizes() == v_cache.sizes() && k_cache.size(2) == hkv,
               "k_cache and v_cache must be contiguous [num_blocks, block_size, Hkv, D]");
+  const int64_t ss = scale_stride(k_cache, k_scale, v_scale, "paged_decode_qkv");
   const int64_t n = qkv.size(0), d = k_cache.size(3);
   TORCH_CHECK(qkv.size(1) == (hq + 2 * hkv) * d && d % 2 == 0 && hq % hkv == 0, "qkv width does not match the heads");
   TORCH_CHECK(cos.scalar_type() == qkv.scalar_type() && sin.scalar_type() == qkv.scalar_type() &&
                   v_cache.scalar_type() == k_cache.scalar_type() &&
-                  (int8 || cache_dtype_ok(qkv.scalar_type(), k_cache.scalar_type())),
-              "qkv, cos and sin must share a dtype, and the cache be in it, bfloat16 / float16 under float32, or int8");
-  TORCH_CHECK(int8 == (k_scale.has_value() && v_scale.has_value()) && (int8 || !k_scale.has_value()),
-              "an int8 cache needs k_scale and v_scale (and only an int8 cache takes them)");
-  if (int8)
-    for (const auto* sc : {&*k_scale, &*v_scale})
-      TORCH_CHECK(sc->scalar_type() == at::kFloat && sc->is_contiguous() && sc->dim() == 3 &&
-                      sc->sizes() == k_cache.sizes().slice(0, 3),
-                  "k_scale and v_scale must be contiguous float32 [num_blocks, block_size, Hkv]");
+                  (ss >= 0 || cache_dtype_ok(qkv.scalar_type(), k_cache.scalar_type())),
+              "qkv, cos and sin must share a dtype, and the cache be in it, bfloat16 / float16 under float32, "
+              "or int8 / f8e4m3");
   TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == n * d / 2 && sin.numel() == n * d / 2,
               "cos and sin must be contiguous [N, 1, D/2]");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() && slot_mapping.numel() == n,
@@ -501,14 +546,18 @@ at::Tensor paged_decode_qkv(const at::Tensor& qkv, const at::Tensor& cos, const 
     TORCH_CHECK(slots[t] >= 0 && slots[t] < n_slots, "paged_decode_qkv: slot ", slots[t], " of token ", t,
                 " is outside the pool of ", n_slots, " slots");
   auto q = at::empty({n, hq, d}, qkv.options());
-  if (int8) {
+  if (ss >= 0) {
     at::Tensor ks = *k_scale, vs = *v_scale;
-    switch (qkv.scalar_type()) {
-      case at::kFloat: rope_and_write_int8<float>(qkv, cos, sin, k_cache, v_cache, ks, vs, slots, q, hq, hkv); break;
-      case at::kBFloat16: rope_and_write_int8<c10::BFloat16>(qkv, cos, sin, k_cache, v_cache, ks, vs, slots, q, hq, hkv); break;
-      case at::kHalf: rope_and_write_int8<c10::Half>(qkv, cos, sin, k_cache, v_cache, ks, vs, slots, q, hq, hkv); break;
-      default: TORCH_CHECK(false, "paged_decode_qkv supports float32, bfloat16 and float16");
-    }
+    auto run = [&](auto int8) {
+      constexpr bool I8 = decltype(int8)::value;
+      switch (qkv.scalar_type()) {
+        case at::kFloat: rope_and_write_scaled<float, I8>(qkv, cos, sin, k_cache, v_cache, ks, vs, slots, q, hq, hkv); break;
+        case at::kBFloat16: rope_and_write_scaled<c10::BFloat16, I8>(qkv, cos, sin, k_cache, v_cache, ks, vs, slots, q, hq, hkv); break;
+        case at::kHalf: rope_and_write_scaled<c10::Half, I8>(qkv, cos, sin, k_cache, v_cache, ks, vs, slots, q, hq, hkv); break;
+        default: TORCH_CHECK(false, "paged_decode_qkv supports float32, bfloat16 and float16");
+      }
+    };
+    if (k_cache.scalar_type() == at::kChar) run(std::true_type{}); else run(std::false_type{});
     return paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale, window, ks, vs).view({n, hq * d});
   }
   switch (qkv.scalar_type()) {
