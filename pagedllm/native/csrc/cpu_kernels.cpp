@@ -59,8 +59,10 @@ inline void load_kv(const uint8_t* src, const float* s, float* dst, int64_t d) {
   const float f = *s * 0x1p120f;
 #pragma omp simd
   for (int64_t i = 0; i < d; ++i) {
-    const uint32_t b = src[i];
-    dst[i] = __builtin_bit_cast(float, ((b & 0x80u) << 24) | ((b & 0x7Fu) << 20)) * f;
+    const uint32_t b = src[i], u = ((b & 0x80u) << 24) | ((b & 0x7Fu) << 20);
+    float v;
+    std::memcpy(&v, &u, sizeof v);  // (a bit cast that every compiler this builds with takes)
+    dst[i] = v * f;
   }
 }
 
