@@ -53,8 +53,8 @@ class AttentionLayer(Protocol):
 
     def stack_kv(self, dtype: torch.dtype) -> tuple | None:
         """(K pool, V pool, window or 0, K scales, V scales) when a fused all-layer decode may
-        write and read this layer's cache in place under compute `dtype` (the scales: an int8
-        cache's, else None); None otherwise."""
+        write and read this layer's cache in place under compute `dtype` (the scales: a quantized
+        cache's, int8 or f8e4m3, else None); None otherwise."""
         ...
 
 

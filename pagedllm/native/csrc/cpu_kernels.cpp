@@ -416,39 +416,46 @@ __attribute__((optimize("fp-contract=off"))) void rope_head(const T* x, const T*
   }
 }
 
-template <typename T, typename C>
-void rope_and_write(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& kc,
-                    at::Tensor& vc, const int64_t* slots, at::Tensor& q, int64_t hq, int64_t hkv) {
-  const int64_t n = qkv.size(0), d = kc.size(3), half = d / 2, tok = kc.stride(1);
-  const int64_t bs = kc.size(1);
+// Rope on each token's q heads (into q) and k heads, then write(slot, h, k, v) for each of its KV
+// heads: k after rope in T (as the PyTorch path rotates it), v as projected. The cache writers
+// below differ only in what they store.
+template <typename T, typename Write>
+void rope_tokens(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, const int64_t* slots,
+                 at::Tensor& q, int64_t hq, int64_t hkv, int64_t d, Write write) {
+  const int64_t n = qkv.size(0), half = d / 2, row = qkv.stride(0);
   const T* src = qkv.data_ptr<T>();
   const T* cp = cos.data_ptr<T>();
   const T* sp = sin.data_ptr<T>();
-  C* kp = kc.data_ptr<C>();
-  C* vp = vc.data_ptr<C>();
   T* qp = q.data_ptr<T>();
-  const int64_t row = qkv.stride(0);
   at::parallel_for(0, n, 1, [&](int64_t b, int64_t e) {
-    std::vector<T> krot(std::is_same_v<T, C> ? 0 : d);
+    std::vector<T> krot(d);
     for (int64_t t = b; t < e; ++t) {
       const T* x = src + t * row;
       const T* c = cp + t * half;
       const T* s = sp + t * half;
       for (int64_t h = 0; h < hq; ++h) rope_head(x + h * d, c, s, qp + (t * hq + h) * d, half);
-      const int64_t slot = slots[t];
-      C* kdst = kp + (slot / bs) * kc.stride(0) + (slot % bs) * tok;
-      C* vdst = vp + (slot / bs) * vc.stride(0) + (slot % bs) * tok;
-      if constexpr (std::is_same_v<T, C>) {
-        for (int64_t h = 0; h < hkv; ++h) rope_head(x + (hq + h) * d, c, s, kdst + h * d, half);
-        std::memcpy(vdst, x + (hq + hkv) * d, sizeof(T) * hkv * d);
-      } else {  // rope in T as the PyTorch path does, then one rounding to the cache's dtype
-        for (int64_t h = 0; h < hkv; ++h) {
-          rope_head(x + (hq + h) * d, c, s, krot.data(), half);
-          for (int64_t i = 0; i < d; ++i) kdst[h * d + i] = static_cast<C>(static_cast<float>(krot[i]));
-        }
-        const T* v = x + (hq + hkv) * d;
-        for (int64_t i = 0; i < hkv * d; ++i) vdst[i] = static_cast<C>(static_cast<float>(v[i]));
+      for (int64_t h = 0; h < hkv; ++h) {
+        rope_head(x + (hq + h) * d, c, s, krot.data(), half);
+        write(slots[t], h, krot.data(), x + (hq + hkv + h) * d);
       }
+    }
+  });
+}
+
+// Into a plain cache (contiguous pools: slot s is row s of [slots, Hkv, D]): k and v as they
+// are, or rounded once to the cache's dtype (a bf16 / f16 cache under float32).
+template <typename T, typename C>
+void rope_and_write(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& kc,
+                    at::Tensor& vc, const int64_t* slots, at::Tensor& q, int64_t hq, int64_t hkv) {
+  const int64_t d = kc.size(3);
+  C* kp = kc.data_ptr<C>();
+  C* vp = vc.data_ptr<C>();
+  rope_tokens<T>(qkv, cos, sin, slots, q, hq, hkv, d, [&](int64_t slot, int64_t h, const T* k, const T* v) {
+    C* kd = kp + (slot * hkv + h) * d;
+    C* vd = vp + (slot * hkv + h) * d;
+    for (int64_t i = 0; i < d; ++i) {
+      kd[i] = static_cast<C>(static_cast<float>(k[i]));
+      vd[i] = static_cast<C>(static_cast<float>(v[i]));
     }
   });
 }
@@ -472,44 +479,27 @@ void quantize_row_fp8(const T* x, int64_t d, float scale, uint8_t* q) {
     q[i] = c10::Float8_e4m3fn(std::clamp(static_cast<float>(x[i]) / scale, -448.f, 448.f)).x;
 }
 
-// As rope_and_write, into an int8 or f8e4m3 cache: k after rope in T, and v, quantized per
-// (token, head) as kv/cache.py's KVLayer.write does; int8 writes each row's scale beside it,
-// f8e4m3 reads its (layer, head) scales.
+// Into an int8 or f8e4m3 cache: k and v quantized per (token, head) as kv/cache.py's
+// KVLayer.write does; int8 writes each row's scale beside it, f8e4m3 reads its (layer, head) scales.
 template <typename T, bool INT8>
 void rope_and_write_scaled(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& kc,
                            at::Tensor& vc, at::Tensor& ks, at::Tensor& vs, const int64_t* slots, at::Tensor& q,
                            int64_t hq, int64_t hkv) {
-  const int64_t n = qkv.size(0), d = kc.size(3), half = d / 2, row = qkv.stride(0);
-  const T* src = qkv.data_ptr<T>();
-  const T* cp = cos.data_ptr<T>();
-  const T* sp = sin.data_ptr<T>();
-  T* qp = q.data_ptr<T>();
+  const int64_t d = kc.size(3);
   using C = std::conditional_t<INT8, int8_t, uint8_t>;
   C* kp = static_cast<C*>(kc.data_ptr());
   C* vp = static_cast<C*>(vc.data_ptr());
   float* ksp = ks.data_ptr<float>();
   float* vsp = vs.data_ptr<float>();
-  at::parallel_for(0, n, 1, [&](int64_t b, int64_t e) {
-    std::vector<T> krot(d);
-    for (int64_t t = b; t < e; ++t) {
-      const T* x = src + t * row;
-      const T* c = cp + t * half;
-      const T* s = sp + t * half;
-      for (int64_t h = 0; h < hq; ++h) rope_head(x + h * d, c, s, qp + (t * hq + h) * d, half);
-      const int64_t slot = slots[t];  // contiguous pools: slot s is row s of [slots, Hkv, D]
-      for (int64_t h = 0; h < hkv; ++h) {
-        rope_head(x + (hq + h) * d, c, s, krot.data(), half);
-        C* kd = kp + (slot * hkv + h) * d;
-        C* vd = vp + (slot * hkv + h) * d;
-        const T* vx = x + (hq + hkv + h) * d;
-        if constexpr (INT8) {
-          quantize_row_int8(krot.data(), d, kd, ksp + slot * hkv + h);
-          quantize_row_int8(vx, d, vd, vsp + slot * hkv + h);
-        } else {
-          quantize_row_fp8(krot.data(), d, ksp[h], kd);
-          quantize_row_fp8(vx, d, vsp[h], vd);
-        }
-      }
+  rope_tokens<T>(qkv, cos, sin, slots, q, hq, hkv, d, [&](int64_t slot, int64_t h, const T* k, const T* v) {
+    C* kd = kp + (slot * hkv + h) * d;
+    C* vd = vp + (slot * hkv + h) * d;
+    if constexpr (INT8) {
+      quantize_row_int8(k, d, kd, ksp + slot * hkv + h);
+      quantize_row_int8(v, d, vd, vsp + slot * hkv + h);
+    } else {
+      quantize_row_fp8(k, d, ksp[h], kd);
+      quantize_row_fp8(v, d, vsp[h], vd);
     }
   });
 }

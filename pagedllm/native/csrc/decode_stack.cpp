@@ -365,7 +365,8 @@ int64_t out_features(at::TensorList ws, at::IntArrayRef ts) {
 // and norms[2 l + 1] the input and post-attention RMSNorm weights. LoRA: `lora` holds slot s
 // of projection j (lora_stack.h; undefined: no adapter there);
 // group g of the step uses slot group_slots[g] on the rows group_rows[g] (None: every row).
-// An int8 cache: k_scales[l], v_scales[l] are layer l's per-(token, head) scales (empty: a plain cache).
+// A quantized cache (int8, f8e4m3): k_scales[l], v_scales[l] are layer l's scales, as paged_decode_qkv
+// takes them (empty: a plain cache).
 at::Tensor quant_decode_layers(const at::Tensor& h0, at::TensorList weights, at::IntArrayRef types,
                                at::IntArrayRef parts, at::IntArrayRef kdims, at::TensorList norms, double eps,
                                const c10::List<c10::optional<at::Tensor>>& biases, at::TensorList k_caches,
@@ -382,8 +383,8 @@ at::Tensor quant_decode_layers(const at::Tensor& h0, at::TensorList weights, at:
                   static_cast<int64_t>(biases.size()) == 4 * layers &&
                   static_cast<int64_t>(norms.size()) == 2 * layers && weights.size() == types.size(),
               "quant_decode_layers: per-layer lists of inconsistent lengths");
-  const bool int8 = !k_scales.empty();  // an int8 cache: every layer's scales, as paged_decode_qkv takes them
-  TORCH_CHECK(k_scales.size() == v_scales.size() && (!int8 || static_cast<int64_t>(k_scales.size()) == layers),
+  const bool scaled = !k_scales.empty();
+  TORCH_CHECK(k_scales.size() == v_scales.size() && (!scaled || static_cast<int64_t>(k_scales.size()) == layers),
               "quant_decode_layers: k_scales and v_scales must name every layer's scales, or none");
   int64_t total = 0;
   for (int64_t p : parts) total += p;
@@ -450,8 +451,8 @@ at::Tensor quant_decode_layers(const at::Tensor& h0, at::TensorList weights, at:
     const at::Tensor qkv = proj(4 * l, h, norms[2 * l], c10::nullopt, 0);
     const at::Tensor o = paged_decode_qkv(qkv, cos, sin, k_caches[l], v_caches[l], slot_mapping, block_tables,
                                           context_lens, hq, hkv, scale, windows[l],
-                                          int8 ? c10::optional<at::Tensor>(k_scales[l]) : c10::nullopt,
-                                          int8 ? c10::optional<at::Tensor>(v_scales[l]) : c10::nullopt);
+                                          scaled ? c10::optional<at::Tensor>(k_scales[l]) : c10::nullopt,
+                                          scaled ? c10::optional<at::Tensor>(v_scales[l]) : c10::nullopt);
     h = proj(4 * l + 1, o, c10::nullopt, h, 0);
     const at::Tensor g = proj(4 * l + 2, h, norms[2 * l + 1], c10::nullopt, 1);
     h = proj(4 * l + 3, g, c10::nullopt, h, 0);
