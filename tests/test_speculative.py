@@ -345,6 +345,9 @@ def test_low_acceptance_pauses_a_sequence(family_ckpt):
     ({"method": "ngram", "min_ngram": 5, "max_ngram": 2}, "exceeds"),
     ({"method": "draft"}, "needs 'model'"), ({"method": "draft", "model": ""}, "needs 'model'"),
     ({"method": "ngram", "model": "x"}, "takes no 'model'"),
+    ({"method": "draft", "model": "x", "draft_vocab": -1}, "draft_vocab"),
+    ({"method": "draft", "model": "x", "draft_vocab": "32k"}, "draft_vocab"),
+    ({"method": "ngram", "draft_vocab": 1024}, "method 'ngram' has none"),
 ])
 def test_bad_speculative_settings_are_refused(bad, msg):
     from pagedllm.speculative.config import SpeculativeConfig
@@ -470,6 +473,102 @@ def test_draft_acceptance_follows_the_draft(family_ckpt, drafts):
         rates[name] = st.acceptance_rate
         _assert_no_leak(llm)
     assert rates["self"] > 0.97 and rates["small"] < 0.2, rates
+
+
+def test_draft_head_over_part_of_the_vocabulary(family_ckpt, drafts):
+    """draft_vocab=64 of 256 ids: the target drafting for itself now misses the tokens it would
+    pick from ids >= 64 that its sequences do not hold yet, so fewer proposals are accepted than
+    with the whole head, the output is still the target's, and the rare ids leave the head
+    with the sequences that held them."""
+    _, path, prompts, expected = family_ckpt
+    rates = {}
+    for dv in (0, 64):
+        llm = LLM(str(path), dtype="float32", kv_cache_memory_mb=16, speculative=_draft(drafts["self"], draft_vocab=dv))
+        assert _greedy(llm, prompts) == expected, dv
+        draft = llm.engine.spec.draft
+        rates[dv] = llm.engine.spec.stats.acceptance_rate
+        _assert_no_leak(llm)
+        if dv:
+            assert draft.head.keep == 64 and not draft.head.count and not draft.head.held
+            assert "head over token ids below 64 of 256" in draft.describe()
+        else:
+            assert draft.head is None and "head over all 256 token ids" in draft.describe()
+    assert rates[0] > 0.97 and 0.3 < rates[64] < rates[0] - 0.02, rates
+
+
+def test_first_token_time_is_when_the_step_hands_it_out(family_ckpt, drafts, monkeypatch):
+    """The draft's catch-up of a new prompt runs after sampling, in the step that samples the
+    first token: the caller has that token only when the step returns, so its time (and so
+    time to first token, and the decode rate from it) counts the catch-up."""
+    import time
+
+    from pagedllm.engine.draft import DraftModel
+
+    _, path, prompts, _ = family_ckpt
+    llm = LLM(str(path), dtype="float32", kv_cache_memory_mb=16, speculative=_draft(drafts["noisy"]))
+    ends = []
+    propose = DraftModel.propose
+
+    def timed(self, *a, **kw):
+        propose(self, *a, **kw)
+        ends.append(time.perf_counter())
+
+    monkeypatch.setattr(DraftModel, "propose", timed)
+    eng = llm.engine
+    eng.add_request(prompts[-1], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    out = []
+    while not out:
+        out = [o for o in eng.step() if o.outputs[0].token_ids]
+    assert ends and out[0].metrics.first_token_time >= ends[0]
+    while eng.has_unfinished():
+        eng.step()
+
+
+@pytest.mark.parametrize("source", ["float", "gguf"])
+def test_draft_head_argmax_is_the_best_of_its_ids(source, family_ckpt, smollm2_gguf_path):
+    """DraftHead.greedy against the whole head's logits: each row's pick is the best-scoring id
+    among the first `keep`, the added tokens and the ids held by live sequences, never another.
+    Float weights (a random model) and the default GGUF's quantized head (whose held rows are
+    dequantized, so equal up to rounding)."""
+    from pagedllm.engine.draft_head import DraftHead
+
+    if source == "float":
+        eng = LLM(str(family_ckpt[1]), dtype="float32", kv_cache_memory_mb=4).engine
+        keep, held = 64, [200, 255, 130]
+    else:
+        eng = LLM(str(smollm2_gguf_path), dtype="float32", kv_cache_memory_mb=4).engine
+        keep, held = 1024, [40000, 2048, 49151]
+    model, cfg = eng.model, eng.model_config
+    vocab = cfg.vocab_size
+    assert DraftHead.usable(model)
+    always = [vocab - 3]
+    head = DraftHead(model, vocab, keep, always)
+    head.hold(1, [5, *held[:2]])
+    head.hold(2, held[1:])
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(64, cfg.hidden_size, generator=g) * 3
+    # Rows pointed at the extra ids' own head rows, so some best ids lie among them.
+    extra = torch.tensor(always + held)
+    lm = model.lm_head
+    with torch.inference_mode():
+        rows = lm.weight[extra] if lm.weight is not None else model.embed_tokens(extra)
+    hidden[:len(extra)] = 8 * rows.float() / rows.float().norm(dim=-1, keepdim=True) * cfg.hidden_size ** 0.5
+    with torch.inference_mode():
+        full = model.compute_logits(hidden)
+    allowed = torch.tensor(list(range(keep)) + always + held)
+    assert full.argmax(-1).ge(keep).any(), "some rows' best id lies outside the first keep"
+    got = torch.tensor(head.greedy(hidden))
+    assert torch.isin(got, allowed).all()
+    assert torch.isin(got, extra).any() and got.lt(keep).any()
+    best = full[:, allowed].max(-1).values
+    picked = full.gather(1, got[:, None]).squeeze(1)
+    tol = 0 if source == "float" else 0.02 * full.abs().max()
+    assert (picked >= best - tol - 1e-5).all()
+    # Ids in the head only through a sequence leave with it (2048 stays: sequence 2 holds it).
+    head.drop(1)
+    assert set(head.count) == ({2048, 49151} if source == "gguf" else {255, 130})
+    head.drop(2)
+    assert not head.count and head.num_extra == 1
 
 
 def test_draft_blocks_share_the_budget_and_are_traced(family_ckpt, drafts):

@@ -56,11 +56,16 @@ def _decode_rate(outs) -> tuple[int, float]:
 
 
 def _run_one_by_one(llm, prompts, sp) -> dict:
-    toks = secs = 0.0
+    """Decode tokens/s (from each first token to its end) and, beside it, whole requests: output
+    tokens over arrival to end, the prompt's prefill (the target's and a draft's) included."""
+    toks = secs = total = whole = 0.0
     for p in prompts:
-        t, s = _decode_rate(llm.generate([p], sp, use_tqdm=False))
+        outs = llm.generate([p], sp, use_tqdm=False)
+        t, s = _decode_rate(outs)
         toks, secs = toks + t, secs + s
-    return {"decode_tok_s": toks / secs, "decode_tokens": toks}
+        total += sum(len(o.outputs[0].token_ids) for o in outs)
+        whole += sum(o.metrics.finished_time - o.metrics.arrival_time for o in outs)
+    return {"decode_tok_s": toks / secs, "decode_tokens": toks, "request_tok_s": total / whole}
 
 
 def _run_concurrent(llm, prompts, sp) -> dict:
@@ -101,6 +106,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "model drafting for itself: about every proposal accepted, so it shows the "
                         "draft's overhead and the ceiling)")
     p.add_argument("--draft-tokens", type=int, default=None, help="the draft's proposals a step (default --num-tokens)")
+    p.add_argument("--draft-vocab", type=int, default=None,
+                   help="token ids the draft's head scores in full (speculative draft_vocab; 0: all; "
+                        "default: the first 32,768 of a vocabulary over 65,536)")
     p.add_argument("--no-ngram", action="store_true", help="leave the n-gram mode out")
     p.add_argument("--fixed", action="store_true",
                    help="every mode proposes its full k each step (adaptive lengths off): the figures "
@@ -116,7 +124,8 @@ def run(args: argparse.Namespace) -> dict:
     specs = {} if args.no_ngram else {"ngram": {"method": "ngram", "num_tokens": args.num_tokens,
                                                   "max_ngram": args.max_ngram, "min_ngram": args.min_ngram}}
     if args.draft:
-        specs["draft"] = {"method": "draft", "model": args.draft, "num_tokens": args.draft_tokens or args.num_tokens}
+        specs["draft"] = {"method": "draft", "model": args.draft, "num_tokens": args.draft_tokens or args.num_tokens,
+                          **({} if args.draft_vocab is None else {"draft_vocab": args.draft_vocab})}
         # Both proposers: the lookup where the sequence's suffix recurs, the draft elsewhere.
         specs["draft+ngram"] = {**specs["draft"], "ngram": True, "max_ngram": args.max_ngram,
                                 "min_ngram": args.min_ngram}
@@ -145,13 +154,23 @@ def run(args: argparse.Namespace) -> dict:
     for name in args.workloads.split(","):
         prompts, sp, fn, key = workloads[name]
         rates = {m: [] for m in llms}
+        whole = {m: [] for m in llms}
         before = {m: _counts(llms[m]) for m in specs}
         for _ in range(args.runs):
             for mode, llm in llms.items():  # alternating, so drifting load hits every mode alike
-                rates[mode].append(fn(llm, prompts, sp)[key])
+                res = fn(llm, prompts, sp)
+                rates[mode].append(res[key])
+                if "request_tok_s" in res:
+                    whole[mode].append(res["request_tok_s"])
         med = {m: statistics.median(v) for m, v in rates.items()}
         r = {"metric": key, "plain": med["plain"], "runs": rates}
         line = f"{name}: {key} plain {med['plain']:.1f}"
+        if whole["plain"]:
+            wmed = {m: statistics.median(v) for m, v in whole.items()}
+            r["request_tok_s"] = {m: {"median": wmed[m], "speedup": wmed[m] / wmed["plain"], "runs": whole[m]}
+                                  for m in llms}
+            line += (" (whole requests, prefill included: plain " + f"{wmed['plain']:.1f}"
+                     + "".join(f", {m} {wmed[m] / wmed['plain']:.2f}x" for m in specs) + ")")
         for m in specs:
             prop, acc, ver = (x - y for x, y in zip(_counts(llms[m]), before[m]))
             row = {m: med[m], "speedup": med[m] / med["plain"], "proposed": prop, "accepted": acc,

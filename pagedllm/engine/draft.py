@@ -38,6 +38,7 @@ from ..config import CacheConfig
 from ..kv.cache import KVCacheSpec, dtype_name
 from ..kv.groups import KVGroups, plan_groups
 from .block_manager import BlockManager
+from .draft_head import DraftHead, resolve_keep
 from .model_runner import ModelRunner
 from .scheduler import ScheduledSeq
 from .sequence import Sequence
@@ -113,8 +114,9 @@ class DraftModel:
     and a shadow per sequence."""
 
     def __init__(self, loaded, spec: KVCacheSpec, cache_cfg: CacheConfig, target: BlockManager,
-                 device: torch.device, dtype: torch.dtype, chunk: int) -> None:
-        """`target`: the target's block manager, whose pool the draft's groups join."""
+                 device: torch.device, dtype: torch.dtype, chunk: int, draft_vocab: int | None = None) -> None:
+        """`target`: the target's block manager, whose pool the draft's groups join.
+        `draft_vocab`: the token ids its head scores in full (draft_head.py; 0: all)."""
         from .llm_engine import build_kv  # the engine module imports this one
 
         self.name = loaded.source.short_name
@@ -138,6 +140,7 @@ class DraftModel:
         self.decode_forwards = 0
         self.decode_s = 0.0
         self.no_room = 0  # times a sequence proposed less for want of free blocks in the pool
+        self.head = _draft_head(loaded, draft_vocab)
 
     @property
     def memory_mb(self) -> float:
@@ -158,7 +161,14 @@ class DraftModel:
                 f"{dtype_name(self.kv_spec.dtype)}: ceiling {self.memory_mb:.1f} MB, committed "
                 f"{self.committed_mb:.1f} MB), {bm.num_held_blocks} held for {len(self.shadows)} sequences "
                 f"of the pool's {bm.num_used_blocks} in use; prefix cache {prefix}; {self.forwards} draft "
-                f"forwards; {self.no_room} times short of draft blocks")
+                f"forwards; {self.no_room} times short of draft blocks; {self.describe_head()}")
+
+    def describe_head(self) -> str:
+        h = self.head
+        if h is None:
+            return f"head over all {self.loaded.config.vocab_size} token ids"
+        return (f"head over token ids below {h.keep} of {h.vocab_size} and {h.num_extra} others "
+                f"(added tokens, and the rarer ids its sequences hold)")
 
     # -- per sequence -------------------------------------------------------
     def release(self, seq: Sequence) -> None:
@@ -168,6 +178,8 @@ class DraftModel:
         sh = self.shadows.pop(seq.seq_id, None)
         if sh is None:
             return
+        if self.head is not None:
+            self.head.drop(seq.seq_id)
         bm = self.block_manager
         bm.commit_full_blocks(sh.seq)
         mode = ("keep" if not seq.is_finished else
@@ -186,9 +198,13 @@ class DraftModel:
             self.block_manager.match_prefix(d)  # a cached prefix of the draft's own K/V
             self.block_manager.record_admission(d)
             sh = self.shadows[seq.seq_id] = _Shadow(d, len(toks))
+            if self.head is not None:
+                self.head.hold(seq.seq_id, toks)
             return sh
         d, mine = sh.seq, sh.seq.token_ids
         c = sh.synced
+        if self.head is not None:
+            self.head.hold(seq.seq_id, toks[c:])
         top = min(len(mine), len(toks))
         while c < top and mine[c] == toks[c]:
             c += 1
@@ -282,16 +298,33 @@ class DraftModel:
             end += it.num_new_tokens
             if it.seq.num_computed_tokens + it.num_new_tokens == it.seq.num_tokens:
                 rows.append(end - 1)  # the item's last token: only its logits are needed
-        plan.logits_rows = rows
-        logits = self.runner.logits(plan)
+        if self.head is None:
+            plan.logits_rows = rows
+            logits = self.runner.logits(plan)
+            out = [] if logits is None else logits.argmax(-1).tolist()
+        else:  # the final hidden states of those rows, through the draft's own head
+            plan.logits_rows, plan.hidden_rows = [], rows
+            _, hidden = self.runner.forward(plan)
+            out = [] if hidden is None else self.head.greedy(hidden)
         for it in batch:
             it.ran()
         self.forwards += 1
-        out = [] if logits is None else logits.argmax(-1).tolist()
         if all(it.is_decode for it in batch):
             self.decode_forwards += 1
             self.decode_s += time.perf_counter() - t0
         return out
+
+
+def _draft_head(loaded, draft_vocab: int | None) -> DraftHead | None:
+    """The draft's head over part of its vocabulary, or None to score every id (a small
+    vocabulary, draft_vocab 0, or a head this cannot slice)."""
+    vocab = loaded.config.vocab_size
+    keep = resolve_keep(draft_vocab, vocab)
+    model = loaded.model
+    if keep >= vocab or not DraftHead.usable(model):
+        return None
+    added = list(loaded.tokenizer.backend.get_added_tokens_decoder())
+    return DraftHead(model, vocab, keep, added)
 
 
 def _catch_up(d: Sequence, n: int) -> ScheduledSeq:

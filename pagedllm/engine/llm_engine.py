@@ -150,7 +150,7 @@ class LLMEngine:
             if self.spec is None or speculative.method != "draft":
                 raise ValueError("a draft model was given without speculative method 'draft'")
             self.spec.draft = DraftModel(draft, draft_spec, cache_cfg, self.block_manager, device, dtype,
-                                         sched_cfg.max_num_batched_tokens)
+                                         sched_cfg.max_num_batched_tokens, speculative.draft_vocab)
             logger.info(self.spec.draft.describe())
         elif self.spec is not None and speculative.method == "draft":
             raise ValueError("speculative method 'draft' needs the draft model loaded (LLM(...) loads it)")
@@ -400,7 +400,6 @@ class LLMEngine:
                     touched[req.request_id] = req
         self._track_waste()
         if out is not None and out.sampled is not None:
-            now = time.perf_counter()
             seqs, sampled = out.seqs, out.sampled
             row = 0
             while row < len(seqs):
@@ -412,9 +411,9 @@ class LLMEngine:
                 if min(toks) < 0:  # the sampler marks rows whose logits were not finite
                     self._fail(seq)
                 elif drafts is None:
-                    self._append(seq, toks[0], lps[0], now)
+                    self._append(seq, toks[0], lps[0])
                 else:
-                    self._accept(seq, drafts, toks, lps, now)
+                    self._accept(seq, drafts, toks, lps)
                 row += m
                 req = self.requests.get(seq.request_id)
                 if req is not None:
@@ -433,12 +432,12 @@ class LLMEngine:
                 self.requests.pop(o.request_id, None)
         return outs
 
-    def _accept(self, seq: Sequence, drafts: list[int], toks: list[int], lps: list, now: float) -> None:
+    def _accept(self, seq: Sequence, drafts: list[int], toks: list[int], lps: list) -> None:
         """Append the accepted proposals and the step's own token; roll the KV back to them."""
         a = spec_decoder.accepted_length(drafts, toks)
         self.spec.record(seq, len(drafts), a)
         for i, tok in enumerate(drafts[:a] + [toks[a]]):
-            self._append(seq, tok, lps[i], now)
+            self._append(seq, tok, lps[i])
             if seq.is_finished:
                 return  # its blocks are already returned
         self.scheduler.verified(seq)
@@ -478,11 +477,11 @@ class LLMEngine:
             self.backend.fork_seq(parent.seq_id, child.seq_id)
         parent.fork_children = []
 
-    def _append(self, seq: Sequence, tok: int, lp, now: float) -> None:
+    def _append(self, seq: Sequence, tok: int, lp) -> None:
         req = self.requests[seq.request_id]
         seq.append_token(tok)
         self.stats["generated_tokens"] += 1
-        self.output.on_token(req, seq, tok, lp, now)
+        self.output.on_token(req, seq, tok, lp)
         p = seq.params
         is_eos = tok in self.eos_token_ids and not p.ignore_eos
         grammar_done = seq.grammar is not None and not is_eos and grammar_advance(seq.grammar, tok)

@@ -79,10 +79,8 @@ class OutputProcessor:
                   for _ in range(params.n)]
         return metrics, states
 
-    def on_token(self, req: Request, seq: Sequence, tok: int, lp, now: float) -> None:
-        """A token was appended to `seq` at step time `now`; `lp`: its (logprob, top) or None."""
-        if req.metrics.first_token_time is None:
-            req.metrics.first_token_time = now
+    def on_token(self, req: Request, seq: Sequence, tok: int, lp) -> None:
+        """A token was appended to `seq`; `lp`: its (logprob, top) or None."""
         if lp is not None:
             st = req.states[seq.index]
             if st.logprobs is None:
@@ -152,6 +150,10 @@ class OutputProcessor:
         m = req.metrics
         m.num_output_tokens = sum(s.num_output_tokens for s in req.seqs)
         finished = req.finished
+        # Times are taken as the step hands its tokens out, which is when a caller can have
+        # them: after the whole step, a draft model's catch-up of a new prompt included.
+        if m.first_token_time is None and m.num_output_tokens:
+            m.first_token_time = time.perf_counter()
         if finished and m.finished_time is None:
             m.finished_time = time.perf_counter()
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, finished, m,

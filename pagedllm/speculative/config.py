@@ -32,6 +32,10 @@ class SpeculativeConfig:
     # method "draft": also look up n-gram proposals; a sequence whose suffix has an earlier
     # match proposes those (they cost no draft forward), the others ask the draft model.
     ngram: bool = False
+    # method "draft": the token ids the draft's head scores in full (engine/draft_head.py), the
+    # added tokens and the rarer ids of the live sequences always beside them. None: the first
+    # 32,768 of a vocabulary over 65,536 (else all); 0: all.
+    draft_vocab: int | None = None
 
     @classmethod
     def coerce(cls, value: "SpeculativeConfig | dict[str, Any] | None") -> "SpeculativeConfig | None":
@@ -72,6 +76,12 @@ class SpeculativeConfig:
         for name in ("adaptive", "ngram"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"speculative {name} must be true or false, got {getattr(self, name)!r}")
+        dv = self.draft_vocab
+        if dv is not None and (not isinstance(dv, int) or isinstance(dv, bool) or dv < 0):
+            raise ValueError(f"speculative draft_vocab must be an integer >= 0 (0: the whole vocabulary), "
+                             f"got {dv!r}")
+        if dv is not None and self.method != "draft":
+            raise ValueError("speculative 'draft_vocab' cuts a draft model's head; method 'ngram' has none")
         if self.ngram and self.method != "draft":
             raise ValueError("speculative 'ngram': true combines n-gram lookup with a draft model (method "
                              "'draft'); method 'ngram' looks up n-grams already")
