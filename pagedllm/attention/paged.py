@@ -38,7 +38,7 @@ class PagedAttentionBackend:
         self.num_groups = 1 + max(layer_groups or [0])
         # The native kernels read plain float caches: in the compute dtype, or bf16 / f16 under
         # float32 compute (`native_reads`). The decode kernels (and the all-layer decode) also
-        # read and write an int8 or f8e4m3 cache with its scales; prefill does not.
+        # read and write an int8 or f8e4m3 cache with its scales; the bf16 prefill kernel reads one.
         self.native = None
         if cache.data.device.type == "cpu":
             self.native = cpu_kernels()
@@ -71,11 +71,14 @@ class PagedAttentionBackend:
                     f"gather copy; prefill chunks use {prefill}{some}")
         if self.native is not None and spec.mode.scaled and capped < self.num_layers:
             per = "per-token" if spec.mode.token_scales else "per-(layer, head)"
+            prefill = ("the native bf16 prefill kernel, reading the context in place too and scaling each "
+                       "row to bf16 as it packs a block of keys"
+                       if native_prefill(self.native, spec.compute_dtype, spec.dtype, spec.head_dim)
+                       else "gather a cached prefix, dequantize it and call SDPA")
             return (f"{self.name} with the native CPU decode kernel reading the {spec.mode.name} cache in place: "
                     f"each (sequence, KV head) scales its K/V rows by their {per} scales as it reads "
                     "them, all query heads of a KV head at once, with no gather copy (the new rows are "
-                    "quantized in the same call); prefill chunks gather a cached prefix, dequantize it "
-                    "and call SDPA")
+                    f"quantized in the same call); prefill chunks use {prefill}")
         native_off = disabled_reason()
         why = ("every layer caps its attention scores (attn_logit_softcapping, Gemma 2) and the native "
                "kernels have no score cap" if self.native is not None and capped else
@@ -170,7 +173,7 @@ class PagedAttentionLayer:
                 and not meta.has_image_mask(i)):
             # The chunk's keys are in the cache already (written above): read in place, prefix too.
             return self.native.paged_prefill(q, self.kv.k, self.kv.v, meta.block_tables[i], ctx_len, self.scale,
-                                             self.window or 0)
+                                             self.window or 0, *self.kv.scales)
         # Earlier chunks or a cached prefix live only in the cache. A cache stored in another
         # dtype (int8, f8e4m3, or bf16 / f16 under float32) is read back even for the chunk's
         # own tokens, so every query sees the same stored values however the sequence was
@@ -182,9 +185,14 @@ class PagedAttentionLayer:
 
 def native_prefill(ops, compute: torch.dtype, cache: torch.dtype, head_dim: int) -> bool:
     """Whether prefill attention runs on the native kernel (csrc/prefill_attention.cpp): a
-    bfloat16 model and cache, head dims in 32s, and AVX-512 BF16 here; SDPA otherwise."""
-    return (compute == cache == torch.bfloat16 and head_dim % 32 == 0 and hasattr(ops, "paged_prefill")
-            and _prefill_available(ops))
+    bfloat16 model, a bfloat16, int8 or f8e4m3 cache, head dims in 32s, and AVX-512 BF16 here;
+    SDPA otherwise."""
+    return (compute == torch.bfloat16 and cache in PREFILL_CACHES and head_dim % 32 == 0
+            and hasattr(ops, "paged_prefill") and _prefill_available(ops))
+
+
+# The caches the native prefill kernel reads: bf16 as it is, int8 and f8e4m3 with their scales.
+PREFILL_CACHES = (torch.bfloat16, torch.int8, torch.float8_e4m3fn)
 
 
 @functools.lru_cache(maxsize=None)

@@ -39,10 +39,40 @@ inline uint32_t u32_at(const c10::BFloat16* p) {
   return v;
 }
 
-template <typename I>
-void prefill(const c10::BFloat16* q, int64_t q_sn, int64_t q_sh, const c10::BFloat16* kc, const c10::BFloat16* vc,
-             int64_t blk_stride, int64_t tok_stride, int64_t block_size, const I* table, int64_t n, int64_t ctx,
-             int64_t hq, int64_t hkv, int64_t d, int64_t window, float scale, c10::BFloat16* out) {
+// A quantized cache's row of d values (d a multiple of 16) as bf16, scaled by `s`: int8 values
+// times their (token, head) scale; f8e4m3 bytes by their sign, exponent and mantissa fields
+// moved into a float32's places (which reads as the value times 2^-120, subnormals included)
+// times s * 2^120, an exact power of two. Each value is the float32 product rounded once to
+// bf16 (nearest even). (kv/quant.py's int8 read multiplies in bf16 by a bf16-rounded scale, so
+// the two may differ by a bf16 unit in the last place.)
+inline void scaled_row_bf16(const int8_t* src, float s, uint16_t* dst, int64_t d) {
+  const __m512 f = _mm512_set1_ps(s);
+  for (int64_t c = 0; c < d; c += 16) {
+    const __m512i x = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + c)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + c),
+                        (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_cvtepi32_ps(x), f)));
+  }
+}
+inline void scaled_row_bf16(const uint8_t* src, float s, uint16_t* dst, int64_t d) {
+  const __m512 f = _mm512_set1_ps(s * 0x1p120f);
+  const __m512i sign = _mm512_set1_epi32(0x80), rest = _mm512_set1_epi32(0x7F);
+  for (int64_t c = 0; c < d; c += 16) {
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + c)));
+    const __m512i u = _mm512_or_si512(_mm512_slli_epi32(_mm512_and_si512(b, sign), 24),
+                                      _mm512_slli_epi32(_mm512_and_si512(b, rest), 20));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + c),
+                        (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_castsi512_ps(u), f)));
+  }
+}
+
+// C: the cache's element, c10::BFloat16, or int8_t / uint8_t (f8e4m3's bytes) with scales
+// ks, vs read at slot * ss + head (ss: Hkv for int8's per-token scales, 0 for f8e4m3's per head).
+template <typename C, typename I>
+void prefill(const c10::BFloat16* q, int64_t q_sn, int64_t q_sh, const C* kc, const C* vc, const float* ks,
+             const float* vs, int64_t ss, int64_t blk_stride, int64_t tok_stride, int64_t block_size, const I* table,
+             int64_t n, int64_t ctx, int64_t hq, int64_t hkv, int64_t d, int64_t window, float scale,
+             c10::BFloat16* out) {
+  constexpr bool plain = std::is_same_v<C, c10::BFloat16>;
   const int64_t g = hq / hkv, p0 = ctx - n, tiles = (n + QT - 1) / QT, rows_max = QT * g;
   // Tiles in the order 0, T-1, 1, T-2, ...: the threads' contiguous shares then hold about
   // the same number of causal keys.
@@ -52,6 +82,7 @@ void prefill(const c10::BFloat16* q, int64_t q_sn, int64_t q_sh, const c10::BFlo
     std::vector<uint32_t> kp(d / 2 * KB), vp(KB / 2 * d), qpair(rows_max * d / 2);
     std::vector<float> acc(rows_max * d), m(rows_max), l(rows_max);
     std::vector<int64_t> pos(rows_max);
+    std::vector<uint16_t> krow(plain ? 0 : d), vrow(plain ? 0 : d);  // a quantized row as bf16
     alignas(64) float sc[RB][KB];
     for (int64_t item = begin; item < end; ++item) {
       const int64_t tile = order[item / hkv], h = item % hkv;
@@ -72,10 +103,20 @@ void prefill(const c10::BFloat16* q, int64_t q_sn, int64_t q_sh, const c10::BFlo
         for (int64_t t = 0; t < KB; ++t) {
           const int64_t key = kb + t;
           if (key < hi) {
-            const int64_t off = static_cast<int64_t>(table[key / block_size]) * blk_stride +
-                                (key % block_size) * tok_stride + h * d;
-            const c10::BFloat16* kr = kc + off;
-            const c10::BFloat16* vr = vc + off;
+            const int64_t blk = static_cast<int64_t>(table[key / block_size]);
+            const int64_t off = blk * blk_stride + (key % block_size) * tok_stride + h * d;
+            const c10::BFloat16* kr;
+            const c10::BFloat16* vr;
+            if constexpr (plain) {
+              kr = kc + off;
+              vr = vc + off;
+            } else {
+              const int64_t si = (blk * block_size + key % block_size) * ss + h;
+              scaled_row_bf16(kc + off, ks[si], krow.data(), d);
+              scaled_row_bf16(vc + off, vs[si], vrow.data(), d);
+              kr = reinterpret_cast<const c10::BFloat16*>(krow.data());
+              vr = reinterpret_cast<const c10::BFloat16*>(vrow.data());
+            }
             for (int64_t j = 0; j < d / 2; ++j) kp[j * KB + t] = u32_at(kr + 2 * j);
             uint16_t* vd = reinterpret_cast<uint16_t*>(vp.data()) + (t / 2) * d * 2 + (t % 2);
             for (int64_t c = 0; c < d; ++c) vd[2 * c] = vr[c].x;
@@ -174,19 +215,33 @@ bool paged_prefill_available() {
 }
 
 // q [n, Hq, D] bf16 (last dim contiguous): the chunk's queries, at positions ctx - n .. ctx - 1;
-// k_cache, v_cache [num_blocks, block_size, Hkv, D] bf16 contiguous, already holding the chunk's
-// keys and values; block_table [max_blocks] of this sequence (int32 or int64); window <= 0: none.
+// k_cache, v_cache [num_blocks, block_size, Hkv, D] contiguous, already holding the chunk's
+// keys and values: bf16, or int8 / f8e4m3 with k_scale, v_scale (float32: int8's per (token,
+// head) [num_blocks, block_size, Hkv], f8e4m3's per head [Hkv]; value = stored * scale);
+// block_table [max_blocks] of this sequence (int32 or int64); window <= 0: none.
 // Query at position p attends keys j <= p (and j > p - window). Returns [n, Hq, D] bf16.
 at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                         const at::Tensor& block_table, int64_t ctx, double scale, int64_t window) {
+                         const at::Tensor& block_table, int64_t ctx, double scale, int64_t window,
+                         const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale) {
   TORCH_CHECK(paged_prefill_available(), "paged_prefill needs AVX-512 BF16, which this CPU or build lacks");
   TORCH_CHECK(q.device().is_cpu() && q.dim() == 3 && q.stride(2) == 1 && q.scalar_type() == at::kBFloat16,
               "q must be a CPU bfloat16 [n, Hq, D] tensor with a contiguous last dim");
+  const auto ct = k_cache.scalar_type();
+  const bool int8 = ct == at::kChar, fp8 = ct == at::kFloat8_e4m3fn;
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
-                  k_cache.sizes() == v_cache.sizes() && k_cache.scalar_type() == at::kBFloat16 &&
-                  v_cache.scalar_type() == at::kBFloat16,
-              "k_cache and v_cache must be contiguous bfloat16 [num_blocks, block_size, Hkv, D]");
+                  k_cache.sizes() == v_cache.sizes() && v_cache.scalar_type() == ct &&
+                  (ct == at::kBFloat16 || int8 || fp8),
+              "k_cache and v_cache must be contiguous [num_blocks, block_size, Hkv, D] bfloat16, int8 or f8e4m3");
+  TORCH_CHECK((int8 || fp8) == (k_scale.has_value() && v_scale.has_value()) &&
+                  (int8 || fp8 || !(k_scale.has_value() || v_scale.has_value())),
+              "paged_prefill: an int8 or f8e4m3 cache needs k_scale and v_scale, and only those caches take them");
   const int64_t n = q.size(0), hq = q.size(1), d = q.size(2), hkv = k_cache.size(2), bs = k_cache.size(1);
+  if (int8 || fp8)
+    for (const at::Tensor& sc : {*k_scale, *v_scale})
+      TORCH_CHECK(sc.scalar_type() == at::kFloat && sc.is_contiguous() &&
+                      (int8 ? sc.sizes() == k_cache.sizes().slice(0, 3) : sc.dim() == 1 && sc.size(0) == hkv),
+                  "paged_prefill: k_scale and v_scale must be contiguous float32 ",
+                  int8 ? "[num_blocks, block_size, Hkv] for an int8 cache" : "[Hkv] for an f8e4m3 cache");
   TORCH_CHECK(k_cache.size(3) == d && d % 32 == 0 && hq % hkv == 0,
               "head dims differ, are not a multiple of 32, or query heads are not a multiple of KV heads");
   TORCH_CHECK(n >= 1 && ctx >= n, "a chunk of ", n, " queries cannot end a context of ", ctx);
@@ -203,9 +258,18 @@ at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& k_cache, const a
                 tp[i], ", outside the pool of ", k_cache.size(0), " blocks");
   auto out = at::empty({n, hq, d}, q.options());
 #ifdef PA_BF16
-  prefill<int64_t>(q.data_ptr<c10::BFloat16>(), q.stride(0), q.stride(1), k_cache.data_ptr<c10::BFloat16>(),
-                   v_cache.data_ptr<c10::BFloat16>(), k_cache.stride(0), k_cache.stride(1), bs, tp, n, ctx, hq, hkv, d,
-                   window, static_cast<float>(scale), out.data_ptr<c10::BFloat16>());
+  auto run = [&](auto elem) {
+    using C = decltype(elem);
+    const float* ks = int8 || fp8 ? k_scale->data_ptr<float>() : nullptr;
+    const float* vs = int8 || fp8 ? v_scale->data_ptr<float>() : nullptr;
+    prefill<C, int64_t>(q.data_ptr<c10::BFloat16>(), q.stride(0), q.stride(1), static_cast<const C*>(k_cache.data_ptr()),
+                        static_cast<const C*>(v_cache.data_ptr()), ks, vs, int8 ? hkv : 0, k_cache.stride(0),
+                        k_cache.stride(1), bs, tp, n, ctx, hq, hkv, d, window, static_cast<float>(scale),
+                        out.data_ptr<c10::BFloat16>());
+  };
+  if (int8) run(int8_t{});
+  else if (fp8) run(uint8_t{});  // (f8e4m3 read as its bytes)
+  else run(c10::BFloat16{});
 #endif
   return out;
 }
@@ -213,7 +277,7 @@ at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& k_cache, const a
 PAGEDLLM_REGISTER(prefill_attention) {
   m.def("paged_prefill_available() -> bool", &paged_prefill_available);
   m.def("paged_prefill(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, int ctx, float scale, "
-        "int window=0) -> Tensor", &paged_prefill);
+        "int window=0, Tensor? k_scale=None, Tensor? v_scale=None) -> Tensor", &paged_prefill);
 }
 
 }  // namespace PAGEDLLM_ISA
