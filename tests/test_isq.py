@@ -181,6 +181,53 @@ def test_decode_stack_gives_the_per_layer_bits(isq_ckpt, fmt, kv, monkeypatch):
         assert [lp for lp in a.outputs[0].logprobs] == [lp for lp in b.outputs[0].logprobs]
 
 
+@pytest.mark.parametrize("dtype,kv", [("float32", "auto"), ("bfloat16", "auto"), ("bfloat16", "int8")])
+def test_decode_stack_applies_qwen3_qk_norms(tmp_path, hf_smollm2_tokenizer, dtype, kv, monkeypatch):
+    """Qwen3 normalizes each q and k head before rope: the all-layer decode applies those norms
+    too, and gives the per-layer path's bits (greedy tokens and logprobs, batched); without the
+    norms in the stack the tokens differ (the random norm weights are far from one)."""
+    from models import build_checkpoint
+
+    from pagedllm import SamplingParams
+    from pagedllm.models import llama
+    from pagedllm.quant import kernels as qk
+
+    if not qk.decode_layers_take_qk_norms():
+        pytest.skip("the native library is not built here")
+    path = build_checkpoint("qwen3", tmp_path / "q3", hf_smollm2_tokenizer, len(hf_smollm2_tokenizer),
+                            intermediate_size=512, hidden_size=256, num_attention_heads=4, head_dim=64)
+    prompts = [torch.randint(0, 49152, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+               for n in (5, 17, 40)]
+    sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2)
+    calls = []
+    real = llama.LlamaForCausalLM._decode_stack
+
+    def counted(self, h, rope, meta):
+        out = real(self, h, rope, meta)
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(llama.LlamaForCausalLM, "_decode_stack", counted)
+    llm = LLM(str(path), dtype=dtype, isq="Q4_K", kv_cache_memory_mb=8, enable_prefix_caching=False,
+              kv_cache_dtype=kv)
+    stacked = llm.generate(prompts, sp)
+    assert sum(calls) >= 10, "the decode stack did not take Qwen3's layers"
+    monkeypatch.setattr(llama.LlamaForCausalLM, "_decode_stack", lambda self, h, rope, meta: None)
+    plain = llm.generate(prompts, sp)
+    for a, b in zip(stacked, plain):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert [lp for lp in a.outputs[0].logprobs] == [lp for lp in b.outputs[0].logprobs]
+    # The norms matter: the stack without them (as if the layers had none) goes elsewhere.
+    monkeypatch.setattr(llama.LlamaForCausalLM, "_decode_stack", real)
+    plan = llm.engine.model._stack_plan()
+    norms, plan["qk_norms"] = plan["qk_norms"], []
+    try:
+        unnormed = llm.generate(prompts, sp)
+    finally:
+        plan["qk_norms"] = norms
+    assert [o.outputs[0].token_ids for o in unnormed] != [o.outputs[0].token_ids for o in plain]
+
+
 def test_decode_stack_rounds_each_projection_as_the_layers_do(isq_ckpt, monkeypatch):
     """Steps wider than X2_ROWS round only the X2_WIDE projections in two levels; the all-layer
     native call carries that per projection (bits of its isa argument) and must give the bits

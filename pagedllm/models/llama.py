@@ -102,6 +102,9 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     qk_norm: type[nn.Module] | None = None  # the per-head q/k norm, for families that have one
     attn_cls: type[Attention] = Attention
+    # The native all-layer decode reproduces this class's forward (`_stack_plan`); a subclass
+    # that changes nothing else but qk_norm says so in its own body (not inherited).
+    stack_decode = True
 
     def __init__(self, cfg: ModelConfig, layer_idx: int, shard: ShardLayout | None = None, tp=None) -> None:
         super().__init__()
@@ -235,12 +238,18 @@ class LlamaForCausalLM(nn.Module):
         layers = list(self.layers)
         if not qk.decode_layers_available() or not layers or self.tp is not None:
             return None  # (tensor-parallel layers all-reduce between their projections)
-        weights, types, parts, kdims, norms, biases = [], [], [], [], [], []
+        weights, types, parts, kdims, norms, biases, qk_norms = [], [], [], [], [], [], []
         eps = {layer.input_layernorm.eps for layer in layers} | {layer.post_attention_layernorm.eps for layer in layers}
         for layer in layers:
-            if type(layer) is not DecoderLayer or type(layer.input_layernorm) is not RMSNorm \
+            if not type(layer).__dict__.get("stack_decode") or type(layer.input_layernorm) is not RMSNorm \
                     or type(layer.post_attention_layernorm) is not RMSNorm:
                 return None
+            a = layer.self_attn
+            if a.q_norm is not None:  # Qwen3: per-head q/k RMSNorms, in the stack too if it takes them
+                if type(a.q_norm) is not RMSNorm or type(a.k_norm) is not RMSNorm or not qk.decode_layers_take_qk_norms():
+                    return None
+                qk_norms += [a.q_norm.weight, a.k_norm.weight]
+                eps |= {a.q_norm.eps, a.k_norm.eps}
             projs = [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
             if any(type(p) is not Linear or p.qparts is None or p.permutes for p in projs):
                 return None
@@ -253,8 +262,10 @@ class LlamaForCausalLM(nn.Module):
             norms += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
         if len(eps) != 1:
             return None
+        if qk_norms and len(qk_norms) != 2 * len(layers):
+            return None
         self._plan = {"attns": [layer.self_attn.attn for layer in layers], "weights": weights, "types": types, "parts": parts, "kdims": kdims,
-                      "norms": norms, "eps": eps.pop(), "biases": biases}
+                      "norms": norms, "eps": eps.pop(), "biases": biases, "qk_norms": qk_norms}
         return self._plan
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:

@@ -4,6 +4,7 @@ from .llama import DecoderLayer, LlamaForCausalLM, RMSNorm
 
 class Qwen3DecoderLayer(DecoderLayer):
     qk_norm = RMSNorm
+    stack_decode = True  # the all-layer decode applies the q/k norms too
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):

@@ -297,6 +297,18 @@ def _takes_lora(op) -> bool:
     return "LoRAStack" in str(op.default._schema)  # (an older library's LoRA arguments are not read)
 
 
+def decode_layers_take_qk_norms() -> bool:
+    """Whether the native all-layer decode applies per-head q/k norms (Qwen3); a library built
+    before does not, and those models then decode layer by layer."""
+    ops = cpu_kernels()
+    return ops is not None and hasattr(ops, "quant_decode_layers") and _takes_qk_norms(ops.quant_decode_layers)
+
+
+@lru_cache(maxsize=4)
+def _takes_qk_norms(op) -> bool:
+    return "qk_norms" in str(op.default._schema)
+
+
 def lora_stack(a: list, panels: list, index: list, slots: int):
     """The native LoRAStack `decode_layers` takes: entry j * slots + s is projection j's A,
     B^T's panels and their index for the step's s-th slot (None: that slot leaves it alone)."""
@@ -318,7 +330,8 @@ def decode_layers(h: torch.Tensor, plan: dict, kv, rope: tuple[torch.Tensor, tor
     return op(
         h, plan["weights"], plan["types"], plan["parts"], plan["kdims"], plan["norms"], plan["eps"],
         plan["biases"], kv.k, kv.v, kv.windows, cos, sin, kv.slot_mapping, kv.block_tables, kv.context_lens,
-        num_heads, num_kv_heads, scale, *extra, _stack_isa_id(h.shape[0]), kv.k_scales, kv.v_scales)
+        num_heads, num_kv_heads, scale, *extra, _stack_isa_id(h.shape[0]), kv.k_scales, kv.v_scales,
+        *([plan.get("qk_norms", [])] if _takes_qk_norms(op) else []))
 
 
 def embedding(w: QuantTensor, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

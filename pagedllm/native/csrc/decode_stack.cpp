@@ -366,7 +366,9 @@ int64_t out_features(at::TensorList ws, at::IntArrayRef ts) {
 // of projection j (lora_stack.h; undefined: no adapter there);
 // group g of the step uses slot group_slots[g] on the rows group_rows[g] (None: every row).
 // A quantized cache (int8, f8e4m3): k_scales[l], v_scales[l] are layer l's scales, as paged_decode_qkv
-// takes them (empty: a plain cache).
+// takes them (empty: a plain cache). Qwen3: qk_norms[2 l], qk_norms[2 l + 1] are layer l's
+// RMSNorm weights over each q and each k head, applied before rope with the same ops as
+// models/llama.py's Attention._norm_qk (empty: no q/k norm).
 at::Tensor quant_decode_layers(const at::Tensor& h0, at::TensorList weights, at::IntArrayRef types,
                                at::IntArrayRef parts, at::IntArrayRef kdims, at::TensorList norms, double eps,
                                const c10::List<c10::optional<at::Tensor>>& biases, at::TensorList k_caches,
@@ -375,7 +377,8 @@ at::Tensor quant_decode_layers(const at::Tensor& h0, at::TensorList weights, at:
                                const at::Tensor& context_lens, int64_t hq, int64_t hkv, double scale,
                                const c10::optional<c10::intrusive_ptr<pagedllm::LoRAStack>>& lora_stack,
                                at::IntArrayRef group_slots, const c10::List<c10::optional<at::Tensor>>& group_rows,
-                               int64_t isa, at::TensorList k_scales, at::TensorList v_scales) {
+                               int64_t isa, at::TensorList k_scales, at::TensorList v_scales,
+                               at::TensorList qk_norms) {
   const int64_t layers = static_cast<int64_t>(k_caches.size());
   TORCH_CHECK(layers > 0 && static_cast<int64_t>(v_caches.size()) == layers &&
                   static_cast<int64_t>(windows.size()) == layers && static_cast<int64_t>(parts.size()) == 4 * layers &&
@@ -386,6 +389,9 @@ at::Tensor quant_decode_layers(const at::Tensor& h0, at::TensorList weights, at:
   const bool scaled = !k_scales.empty();
   TORCH_CHECK(k_scales.size() == v_scales.size() && (!scaled || static_cast<int64_t>(k_scales.size()) == layers),
               "quant_decode_layers: k_scales and v_scales must name every layer's scales, or none");
+  const bool qk_norm = !qk_norms.empty();
+  TORCH_CHECK(!qk_norm || static_cast<int64_t>(qk_norms.size()) == 2 * layers,
+              "quant_decode_layers: qk_norms must hold a q and a k norm weight for every layer, or nothing");
   int64_t total = 0;
   for (int64_t p : parts) total += p;
   TORCH_CHECK(total == static_cast<int64_t>(weights.size()), "quant_decode_layers: parts do not cover the weights");
@@ -448,7 +454,17 @@ at::Tensor quant_decode_layers(const at::Tensor& h0, at::TensorList weights, at:
     return at::Tensor();
   };
   for (int64_t l = 0; l < layers; ++l) {
-    const at::Tensor qkv = proj(4 * l, h, norms[2 * l], c10::nullopt, 0);
+    at::Tensor qkv = proj(4 * l, h, norms[2 * l], c10::nullopt, 0);
+    if (qk_norm) {
+      const int64_t d = qkv.size(1) / (hq + 2 * hkv);
+      TORCH_CHECK(qk_norms[2 * l].numel() == d && qk_norms[2 * l + 1].numel() == d,
+                  "quant_decode_layers: layer ", l, "'s q/k norm weights are not of the head dim ", d);
+      const at::Tensor q = qkv.narrow(1, 0, hq * d).reshape({M, hq, d});
+      const at::Tensor k = qkv.narrow(1, hq * d, hkv * d).reshape({M, hkv, d});
+      qkv = at::cat({at::rms_norm(q, {d}, qk_norms[2 * l], eps).view({M, hq * d}),
+                     at::rms_norm(k, {d}, qk_norms[2 * l + 1], eps).view({M, hkv * d}),
+                     qkv.narrow(1, (hq + hkv) * d, hkv * d)}, 1);
+    }
     const at::Tensor o = paged_decode_qkv(qkv, cos, sin, k_caches[l], v_caches[l], slot_mapping, block_tables,
                                           context_lens, hq, hkv, scale, windows[l],
                                           scaled ? c10::optional<at::Tensor>(k_scales[l]) : c10::nullopt,
@@ -465,7 +481,8 @@ PAGEDLLM_REGISTER(decode_stack) {
         "float eps, Tensor?[] biases, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, int[] windows, Tensor cos, "
         "Tensor sin, Tensor slot_mapping, Tensor block_tables, Tensor context_lens, int hq, int hkv, float scale, "
         "__torch__.torch.classes.pagedllm.LoRAStack? lora, int[] group_slots, "
-        "Tensor?[] group_rows, int isa, Tensor(c!)[] k_scales, Tensor(d!)[] v_scales) -> Tensor", &quant_decode_layers);
+        "Tensor?[] group_rows, int isa, Tensor(c!)[] k_scales, Tensor(d!)[] v_scales, Tensor[] qk_norms) -> Tensor",
+        &quant_decode_layers);
 }
 
 }  // namespace PAGEDLLM_ISA
