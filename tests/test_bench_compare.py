@@ -49,6 +49,29 @@ def test_make_gguf_writes_the_shape(tiny_gguf):
     assert "blk.1.attn_v.bias" in tensors
 
 
+def test_make_gguf_qwen3_shape(tmp_path, smollm2_gguf_path):
+    """Qwen3's dense shape is llama.cpp's `qwen3`: per-head q/k norms, no q/k/v biases, a head dim
+    apart from hidden / heads; llama.cpp quantizes it and both engines open it, ours on the
+    all-layer native decode."""
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python not installed (make bench-deps)")
+    from pagedllm import LLM, SamplingParams
+
+    path = tmp_path / "q3.gguf"
+    assert main(["bench", "make-gguf", str(path), "--shape", "tiny-qwen3", "--type", "Q8_0"]) == 0
+    shape = make_gguf.SHAPES["tiny-qwen3"]
+    reader = gguf.GGUFReader(str(path))
+    assert reader.fields["general.architecture"].contents() == "qwen3"
+    assert reader.fields["qwen3.attention.key_length"].contents() == shape.head_dim == 32
+    tensors = {t.name: t for t in reader.tensors}
+    assert tuple(tensors["blk.1.attn_q_norm.weight"].shape) == (shape.head_dim,)
+    assert tuple(tensors["blk.1.attn_q.weight"].shape) == (shape.hidden, shape.heads * shape.head_dim)
+    assert not any(n.endswith(".bias") for n in tensors)
+    llm = LLM(str(path), kv_cache_memory_mb=8)
+    assert llm.engine.model._stack_plan() is not None
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
+
+
 @pytest.mark.parametrize("shape_name, arch", [("tiny-olmoe", "olmoe"), ("tiny-qwen3moe", "qwen3moe")])
 def test_make_gguf_moe_shapes(shape_name, arch, tmp_path, smollm2_gguf_path):
     """MoE shapes are written as llama.cpp's architecture, experts in 3-D tensors, quantized by

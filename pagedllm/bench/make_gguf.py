@@ -69,6 +69,10 @@ SHAPES = {
                           vocab=151936, context=32768, rope_theta=1e6),
     "qwen2.5-3b": Shape(hidden=2048, layers=36, heads=16, kv_heads=2, intermediate=11008,
                         vocab=151936, context=32768, rope_theta=1e6),
+    # Qwen3-0.6B's config.json: per-head q/k norms, head_dim 128 apart from hidden / heads, no
+    # q/k/v bias, embeddings tied. Its GGUF architecture is llama.cpp's `qwen3`.
+    "qwen3-0.6b": Shape(hidden=1024, layers=28, heads=16, kv_heads=8, intermediate=3072, vocab=151936,
+                        context=40960, rope_theta=1e6, arch="qwen3", head_dim_=128),
     # OLMoE-1B-7B(-0924)'s config.json: 6.9B parameters, 1.3B active (64 experts of 1024, top 8,
     # not renormalized), q/k norms over the whole projection, untied head. F16 intermediate 13.8 GB.
     "olmoe-1b-7b": Shape(hidden=2048, layers=16, heads=16, kv_heads=16, intermediate=1024,
@@ -84,6 +88,8 @@ SHAPES = {
     # A few MB, for tests: still pads the tokenizer, so the padding path is exercised.
     "tiny": Shape(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128,
                   vocab=49152 + 64, context=2048, rope_theta=1e6),
+    "tiny-qwen3": Shape(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128, vocab=49152 + 64,
+                        context=2048, rope_theta=1e6, arch="qwen3", head_dim_=32),
     "tiny-olmoe": Shape(hidden=64, layers=2, heads=4, kv_heads=4, intermediate=32, vocab=49152 + 64,
                         context=2048, rope_theta=1e4, rms_eps=1e-5, arch="olmoe", experts=8,
                         experts_used=2, tied=False),
@@ -117,7 +123,7 @@ def tokenizer_metadata(vocab: int) -> dict:
 
 
 def write_random(path: Path, shape: Shape, seed: int, ftype: str = "F16", std: float = 0.02) -> None:
-    """A GGUF of `shape.arch` (qwen2, olmoe, qwen3moe): F16 (or F32) matrices, F32 norms, biases
+    """A GGUF of `shape.arch` (qwen2, qwen3, olmoe, qwen3moe): F16 (or F32) matrices, F32 norms, biases
     and routers. Each tensor is generated as it is written."""
     import gguf
 
@@ -197,7 +203,7 @@ def tensor_plan(shape: Shape) -> list[tuple[str, tuple[int, ...], str]]:
         plan.append((b + "attn_output.weight", (h, q), "matrix"))
         if shape.arch == "olmoe":  # over the whole projection
             plan += [(b + "attn_q_norm.weight", (q,), "norm"), (b + "attn_k_norm.weight", (kv,), "norm")]
-        elif shape.arch == "qwen3moe":  # per head
+        elif shape.arch in ("qwen3", "qwen3moe"):  # per head
             plan += [(b + "attn_q_norm.weight", (hd,), "norm"), (b + "attn_k_norm.weight", (hd,), "norm")]
         plan.append((b + "ffn_norm.weight", (h,), "norm"))
         inter = shape.intermediate
