@@ -149,15 +149,13 @@ def test_batch1_decode_rounds_activations_in_two_levels(isq_ckpt, monkeypatch):
         llm.prompt_logits(prompt[:4], chunk_size=1)
 
 
-@pytest.mark.parametrize("fmt,kv", [("Q8_0", "auto"), ("Q4_K", "auto"), ("Q4_K", "int8"), ("Q4_K", "f8e4m3")])
-def test_decode_stack_gives_the_per_layer_bits(isq_ckpt, fmt, kv, monkeypatch):
-    """Decode steps of a quantized model run every layer in one native call; it must give the
-    same bits as the per-layer path it replaces (greedy tokens and their logprobs, batched),
-    with a plain cache and with an int8 or f8e4m3 one (written and read with its scales)."""
+def _stack_against_layers(path, monkeypatch, **kw):
+    """Greedy tokens and logprobs of a batch decoded with the all-layer native call, then with it
+    off (layer by layer): (stacked outputs, per-layer outputs, the decode steps the stack took,
+    the sampling params, the prompts, the LLM)."""
     from pagedllm import SamplingParams
     from pagedllm.models import llama
 
-    path, _ = isq_ckpt
     prompts = [torch.randint(0, 49152, (n,), generator=torch.Generator().manual_seed(n)).tolist()
                for n in (5, 17, 40)]
     sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2)
@@ -170,15 +168,25 @@ def test_decode_stack_gives_the_per_layer_bits(isq_ckpt, fmt, kv, monkeypatch):
         return out
 
     monkeypatch.setattr(llama.LlamaForCausalLM, "_decode_stack", counted)
-    llm = LLM(str(path), dtype="float32", isq=fmt, kv_cache_memory_mb=8, enable_prefix_caching=False,
-              kv_cache_dtype=kv)
+    llm = LLM(str(path), kv_cache_memory_mb=8, enable_prefix_caching=False, **kw)
     stacked = llm.generate(prompts, sp)
-    assert any(calls), "the decode stack never ran"
     monkeypatch.setattr(llama.LlamaForCausalLM, "_decode_stack", lambda self, h, rope, meta: None)
     plain = llm.generate(prompts, sp)
+    monkeypatch.setattr(llama.LlamaForCausalLM, "_decode_stack", real)
     for a, b in zip(stacked, plain):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert [lp for lp in a.outputs[0].logprobs] == [lp for lp in b.outputs[0].logprobs]
+    return stacked, plain, sum(calls), sp, prompts, llm
+
+
+@pytest.mark.parametrize("fmt,kv", [("Q8_0", "auto"), ("Q4_K", "auto"), ("Q4_K", "int8"), ("Q4_K", "f8e4m3")])
+def test_decode_stack_gives_the_per_layer_bits(isq_ckpt, fmt, kv, monkeypatch):
+    """Decode steps of a quantized model run every layer in one native call; it must give the
+    same bits as the per-layer path it replaces (greedy tokens and their logprobs, batched),
+    with a plain cache and with an int8 or f8e4m3 one (written and read with its scales)."""
+    path, _ = isq_ckpt
+    *_, stacked_steps, _, _, _ = _stack_against_layers(path, monkeypatch, dtype="float32", isq=fmt, kv_cache_dtype=kv)
+    assert stacked_steps > 0, "the decode stack never ran"
 
 
 @pytest.mark.parametrize("dtype,kv", [("float32", "auto"), ("bfloat16", "auto"), ("bfloat16", "int8")])
@@ -188,37 +196,16 @@ def test_decode_stack_applies_qwen3_qk_norms(tmp_path, hf_smollm2_tokenizer, dty
     norms in the stack the tokens differ (the random norm weights are far from one)."""
     from models import build_checkpoint
 
-    from pagedllm import SamplingParams
-    from pagedllm.models import llama
     from pagedllm.quant import kernels as qk
 
     if not qk.decode_layers_take_qk_norms():
         pytest.skip("the native library is not built here")
     path = build_checkpoint("qwen3", tmp_path / "q3", hf_smollm2_tokenizer, len(hf_smollm2_tokenizer),
                             intermediate_size=512, hidden_size=256, num_attention_heads=4, head_dim=64)
-    prompts = [torch.randint(0, 49152, (n,), generator=torch.Generator().manual_seed(n)).tolist()
-               for n in (5, 17, 40)]
-    sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2)
-    calls = []
-    real = llama.LlamaForCausalLM._decode_stack
-
-    def counted(self, h, rope, meta):
-        out = real(self, h, rope, meta)
-        calls.append(out is not None)
-        return out
-
-    monkeypatch.setattr(llama.LlamaForCausalLM, "_decode_stack", counted)
-    llm = LLM(str(path), dtype=dtype, isq="Q4_K", kv_cache_memory_mb=8, enable_prefix_caching=False,
-              kv_cache_dtype=kv)
-    stacked = llm.generate(prompts, sp)
-    assert sum(calls) >= 10, "the decode stack did not take Qwen3's layers"
-    monkeypatch.setattr(llama.LlamaForCausalLM, "_decode_stack", lambda self, h, rope, meta: None)
-    plain = llm.generate(prompts, sp)
-    for a, b in zip(stacked, plain):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        assert [lp for lp in a.outputs[0].logprobs] == [lp for lp in b.outputs[0].logprobs]
+    _, plain, stacked_steps, sp, prompts, llm = _stack_against_layers(path, monkeypatch, dtype=dtype, isq="Q4_K",
+                                                                      kv_cache_dtype=kv)
+    assert stacked_steps >= 10, "the decode stack did not take Qwen3's layers"
     # The norms matter: the stack without them (as if the layers had none) goes elsewhere.
-    monkeypatch.setattr(llama.LlamaForCausalLM, "_decode_stack", real)
     plan = llm.engine.model._stack_plan()
     norms, plan["qk_norms"] = plan["qk_norms"], []
     try:
