@@ -71,9 +71,10 @@ class DraftHead:
 
     @staticmethod
     def usable(model) -> bool:
-        """The head is one plain weight (not split across ranks, not column-permuted)."""
+        """The head is one plain weight (not split across ranks, not column-permuted, no bias)."""
         lm = getattr(model, "lm_head", None)
-        if lm is None or getattr(model, "tp", None) is not None or getattr(lm, "lora", None) is not None:
+        if (lm is None or getattr(model, "tp", None) is not None or getattr(lm, "lora", None) is not None
+                or getattr(lm, "bias", None) is not None):
             return False
         if lm.qparts is not None:
             return len(lm.qparts) == 1 and lm.qparts[0].col_perm is None and lm.in_perm is None
