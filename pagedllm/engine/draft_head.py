@@ -21,14 +21,10 @@ as Gemma 2's soft-capping, keeps the argmax, so the plain product suffices).
 """
 from __future__ import annotations
 
-import logging
-
 import torch
 
 from ..quant import kernels as qk
 from ..quant.formats import PACK_ROWS, QuantTensor
-
-logger = logging.getLogger(__name__)
 
 # With draft_vocab unset, a vocabulary over AUTO_MIN_VOCAB ids is cut to its first AUTO_KEEP.
 AUTO_KEEP, AUTO_MIN_VOCAB = 32768, 65536
@@ -63,7 +59,7 @@ class DraftHead:
         else:
             self.full = lm.weight
             self.weight = lm.weight[:keep]
-        self.always = sorted({i for i in always if keep <= i < vocab_size})
+        self.always = frozenset(i for i in always if keep <= i < vocab_size)
         self.held: dict[int, set[int]] = {}  # seq id -> its token ids at or above keep
         self.count: dict[int, int] = {}  # token id -> live sequences holding it
         self._ids: torch.Tensor | None = None  # the extra ids in use, and their float32 rows
@@ -86,8 +82,8 @@ class DraftHead:
 
     def hold(self, seq_id: int, token_ids: list[int]) -> None:
         """seq_id holds these tokens (new ones since the last call): their rare ids join."""
-        keep = self.keep
-        rare = [t for t in token_ids if t >= keep]
+        keep, always = self.keep, self.always
+        rare = [t for t in token_ids if t >= keep and t not in always]
         if not rare:
             return
         mine = self.held.setdefault(seq_id, set())
@@ -110,7 +106,7 @@ class DraftHead:
 
     def _extra(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self._ids is None:
-            ids = torch.tensor(sorted(set(self.always) | self.count.keys()), dtype=torch.long)
+            ids = torch.tensor(sorted(self.always | self.count.keys()), dtype=torch.long)
             if self.parts is not None:  # quantized weights live on the CPU
                 rows = qk.embedding(self.full, ids, torch.float32) if len(ids) else \
                     torch.empty(0, self.full.shape[1])
