@@ -686,6 +686,44 @@ def test_step_costs_fit_the_rows_line():
     assert row == pytest.approx(0.001 / 0.010) and draft == pytest.approx(0.003 / 0.010)
 
 
+def test_step_costs_shrug_off_a_slow_step():
+    """One step (or draft forward) the machine slowed does not move the costs: they are medians
+    of the recent timings. (A running mean moved by one such step declined a code edit whose
+    drafts were 99% accepted.)"""
+    from pagedllm.speculative.costs import StepCosts
+
+    c = StepCosts()
+    for _ in range(4):
+        c.observe_step(1, 0.010)
+        c.observe_step(6, 0.020)
+        c.observe_draft(2, 0.008)
+    c.observe_step(6, 0.080)
+    c.observe_draft(1, 0.040)
+    row, draft = c.relative(1)
+    assert row == pytest.approx(0.002 / 0.010) and draft == pytest.approx(0.004 / 0.010)
+
+
+def test_a_paused_draft_probes_again_where_the_sequence_copies():
+    """A draft's probe first catches up on the whole pause, so it waits until the sequence's
+    suffix recurs earlier in it; an n-gram probe costs no forward and never waits."""
+    from types import SimpleNamespace
+
+    from pagedllm.speculative.config import SpeculativeConfig
+    from pagedllm.speculative.decoder import PROBE_NGRAM, SeqSpecState, SpeculativeDecoder
+
+    dec = SpeculativeDecoder(SpeculativeConfig(method="draft", model="draft"), 4096)
+    dec.draft = object()
+    st = SeqSpecState()
+    seq = SimpleNamespace(token_ids=list(range(100)))
+    assert not dec._worth_probing(seq, st)
+    seq.token_ids += list(range(50, 50 + PROBE_NGRAM - 1))  # one token short of a repeat
+    assert not dec._worth_probing(seq, st)
+    seq.token_ids.append(50 + PROBE_NGRAM - 1)
+    assert dec._worth_probing(seq, st)
+    dec.draft = None
+    assert dec._worth_probing(SimpleNamespace(token_ids=list(range(100))), SeqSpecState())
+
+
 @pytest.mark.parametrize("draft_cost, declines", [(1.0, True), (0.05, False)])
 def test_adaptive_draft_proposes_what_pays(family_ckpt, drafts, monkeypatch, draft_cost, declines):
     """Given a draft forward that costs a whole target step, the noisy copy's proposals (about a

@@ -48,32 +48,30 @@ def code_edit_prompt(i: int) -> str:
             "Output only the complete rewritten code.")
 
 
-def _decode_rate(outs) -> tuple[int, float]:
-    """(decode tokens, seconds from each request's first token to its end), summed."""
-    toks = sum(max(0, len(o.outputs[0].token_ids) - 1) for o in outs)
-    secs = sum(o.metrics.finished_time - o.metrics.first_token_time for o in outs)
-    return toks, secs
+def _one_request(llm, prompts, sp) -> dict:
+    """Sums over one request: decode tokens and seconds (from its first token to its end), and
+    for the whole request its output tokens and seconds from arrival to end (the prompt's
+    prefill, the target's and a draft's, included)."""
+    (o,) = llm.generate(prompts, sp, use_tqdm=False)
+    n = len(o.outputs[0].token_ids)
+    m = o.metrics
+    return {"decode_tokens": max(0, n - 1), "decode_s": m.finished_time - m.first_token_time,
+            "tokens": n, "request_s": m.finished_time - m.arrival_time}
 
 
-def _run_one_by_one(llm, prompts, sp) -> dict:
-    """Decode tokens/s (from each first token to its end) and, beside it, whole requests: output
-    tokens over arrival to end, the prompt's prefill (the target's and a draft's) included."""
-    toks = secs = total = whole = 0.0
-    for p in prompts:
-        outs = llm.generate([p], sp, use_tqdm=False)
-        t, s = _decode_rate(outs)
-        toks, secs = toks + t, secs + s
-        total += sum(len(o.outputs[0].token_ids) for o in outs)
-        whole += sum(o.metrics.finished_time - o.metrics.arrival_time for o in outs)
-    return {"decode_tok_s": toks / secs, "decode_tokens": toks, "request_tok_s": total / whole}
+def _one_by_one_rates(sums: dict) -> dict:
+    return {"decode_tok_s": sums["decode_tokens"] / sums["decode_s"], "decode_tokens": sums["decode_tokens"],
+            "request_tok_s": sums["tokens"] / sums["request_s"]}
 
 
 def _run_concurrent(llm, prompts, sp) -> dict:
     t0 = time.perf_counter()
     outs = llm.generate(prompts, sp, use_tqdm=False)
-    dt = time.perf_counter() - t0
-    n = sum(len(o.outputs[0].token_ids) for o in outs)
-    return {"output_tok_s": n / dt, "output_tokens": n}
+    return {"output_tokens": sum(len(o.outputs[0].token_ids) for o in outs), "s": time.perf_counter() - t0}
+
+
+def _concurrent_rates(sums: dict) -> dict:
+    return {"output_tok_s": sums["output_tokens"] / sums["s"], "output_tokens": sums["output_tokens"]}
 
 
 def _chat(llm, text: str) -> list[int]:
@@ -139,26 +137,34 @@ def run(args: argparse.Namespace) -> dict:
     llms.update({m: LLM(args.model, speculative=spec, **common) for m, spec in specs.items()})
     tok_llm = llms["plain"]
     workloads = {
-        "code": ([_chat(tok_llm, code_edit_prompt(i)) for i in range(args.code_requests)],
-                 SamplingParams(max_tokens=args.code_tokens, temperature=0.0), _run_one_by_one,
-                 "decode_tok_s"),
-        "chat": ([_chat(tok_llm, CHAT_QUESTIONS[i % len(CHAT_QUESTIONS)]) for i in range(args.chat_requests)],
-                 SamplingParams(max_tokens=args.chat_tokens, temperature=0.0), _run_one_by_one,
-                 "decode_tok_s"),
-        "concurrent": ([_chat(tok_llm, CHAT_QUESTIONS[i % len(CHAT_QUESTIONS)] + f" ({i})")
-                        for i in range(args.concurrent)],
+        # (the batches each mode runs in turn, what one returns, its sums -> rates, the metric)
+        "code": ([[_chat(tok_llm, code_edit_prompt(i))] for i in range(args.code_requests)],
+                 SamplingParams(max_tokens=args.code_tokens, temperature=0.0), _one_request,
+                 _one_by_one_rates, "decode_tok_s"),
+        "chat": ([[_chat(tok_llm, CHAT_QUESTIONS[i % len(CHAT_QUESTIONS)])] for i in range(args.chat_requests)],
+                 SamplingParams(max_tokens=args.chat_tokens, temperature=0.0), _one_request,
+                 _one_by_one_rates, "decode_tok_s"),
+        "concurrent": ([[_chat(tok_llm, CHAT_QUESTIONS[i % len(CHAT_QUESTIONS)] + f" ({i})")
+                         for i in range(args.concurrent)]],
                        SamplingParams(max_tokens=args.concurrent_tokens, temperature=0.0), _run_concurrent,
-                       "output_tok_s"),
+                       _concurrent_rates, "output_tok_s"),
     }
     result = {"machine": machine_info(), "args": vars(args), "speculative": specs}
     for name in args.workloads.split(","):
-        prompts, sp, fn, key = workloads[name]
+        batches, sp, fn, to_rates, key = workloads[name]
         rates = {m: [] for m in llms}
         whole = {m: [] for m in llms}
         before = {m: _counts(llms[m]) for m in specs}
         for _ in range(args.runs):
-            for mode, llm in llms.items():  # alternating, so drifting load hits every mode alike
-                res = fn(llm, prompts, sp)
+            sums: dict = {m: {} for m in llms}
+            # Every batch (one request at a time, or all at once) in every mode before the next:
+            # the machine's speed drifts over seconds, and this way the drift hits the modes alike.
+            for batch in batches:
+                for mode, llm in llms.items():
+                    for k, v in fn(llm, batch, sp).items():
+                        sums[mode][k] = sums[mode].get(k, 0) + v
+            for mode in llms:
+                res = to_rates(sums[mode])
                 rates[mode].append(res[key])
                 if "request_tok_s" in res:
                     whole[mode].append(res["request_tok_s"])

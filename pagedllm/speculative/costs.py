@@ -1,9 +1,11 @@
 """What speculation costs in this run, measured as it runs, and the proposal lengths worth
 their cost.
 
-A target step's time is a line in its decode rows, fitted to running means per row count
-(each verification row adds a little to a step that streams the weights once); a draft
-forward's time is a running mean. Both are taken relative to a plain decode step of the same
+A target step's time is a line in its decode rows, fitted to the medians of the recent steps
+of each row count (each verification row adds a little to a step that streams the weights
+once); a draft forward's time is the median of the recent ones. Medians, not means: one
+step slowed by the machine (twice its usual time is common on a shared 2-core host) moved a
+running mean enough to decline a code edit whose drafts were 99% accepted. Both are taken relative to a plain decode step of the same
 sequences, so the planner works in "plain steps" and needs no clock of its own.
 
 A sequence whose proposals are each accepted with probability a (independently, the usual
@@ -14,32 +16,50 @@ forwards cost more than they bring, proposes nothing.
 """
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from dataclasses import dataclass, field
 
 # Before two row counts are timed: one more verification row costs this share of a step.
 ROW_PRIOR = 0.1
 # Before a draft forward is timed: its time as a share of a target step.
 DRAFT_PRIOR = 0.3
-EMA = 0.2  # weight of the newest timing in a running mean
+RECENT = 15  # timings kept per row count (and of draft forwards): the median of these
 FIT_WEIGHT_CAP = 16  # a row count's weight in the fit: how often it was seen, at most this
+
+
+def _recent() -> deque:
+    return deque(maxlen=RECENT)
 
 
 @dataclass
 class StepCosts:
-    step_s: dict[int, float] = field(default_factory=dict)  # decode rows -> mean step seconds
+    steps: dict[int, deque] = field(default_factory=dict)  # decode rows -> recent step seconds
     seen: dict[int, int] = field(default_factory=dict)  # decode rows -> steps timed
-    draft_s: float | None = None  # mean seconds of one draft forward
+    drafts: deque = field(default_factory=_recent)  # recent seconds of one draft forward
+    _medians: dict[int, float] | None = field(default=None, repr=False)
+
+    @property
+    def step_s(self) -> dict[int, float]:
+        """Decode rows -> median seconds of the recent steps of that many rows."""
+        if self._medians is None:
+            self._medians = {r: statistics.median(v) for r, v in self.steps.items()}
+        return self._medians
+
+    @property
+    def draft_s(self) -> float | None:
+        """Median seconds of one draft forward, of the recent ones (None before the first)."""
+        return statistics.median(self.drafts) if self.drafts else None
 
     def observe_step(self, rows: int, secs: float) -> None:
         """A decode-only target step of `rows` rows took `secs`."""
-        old = self.step_s.get(rows)
-        self.step_s[rows] = secs if old is None else (1 - EMA) * old + EMA * secs
+        self.steps.setdefault(rows, _recent()).append(secs)
         self.seen[rows] = self.seen.get(rows, 0) + 1
+        self._medians = None
 
     def observe_draft(self, forwards: int, secs: float) -> None:
         if forwards > 0:
-            per = secs / forwards
-            self.draft_s = per if self.draft_s is None else (1 - EMA) * self.draft_s + EMA * per
+            self.drafts.append(secs / forwards)
 
     def _line(self) -> tuple[float, float] | None:
         """(intercept, seconds per row) of the weighted least-squares line; None under two row counts."""

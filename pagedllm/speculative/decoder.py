@@ -16,8 +16,11 @@ of position p, as a non-speculative run does.
 Lengths. Each step a sequence proposes what is expected to pay (speculative/costs.py): its
 proposer's per-token acceptance so far against the step times measured in this run, so a
 draft that costs more than it brings, or a chat that rarely repeats itself, decodes plainly
-and probes again after a pause. With a draft model and n-gram lookup both on, a sequence
-whose suffix has an earlier match takes the lookup's proposals (free), the others the draft's.
+and probes again after a pause. A draft model's probe first catches up on every token added
+during the pause, so it waits for a sign that the sequence is copying (its suffix recurs
+earlier in it), which is where drafts are accepted.
+With a draft model and n-gram lookup both on, a sequence whose suffix has an earlier match
+takes the lookup's proposals (free), the others the draft's.
 """
 from __future__ import annotations
 
@@ -38,6 +41,17 @@ PAUSE_STEPS, MAX_PAUSE_STEPS = 4, 128
 DECAY = 0.8  # weight of the earlier verifications in an acceptance estimate
 # A new sequence's acceptance: this many accepted of this many trials, soon outweighed.
 PRIOR_ACCEPTED, PRIOR_TRIALS = 1.2, 2.0
+# Proposals must be expected to raise tokens per unit of step time by this factor. The cost
+# model leaves out the sampling and bookkeeping of verification rows and the noise of a few
+# verifications' acceptance; at a bare 1.0 a chat with a Qwen2.5-Coder 0.5B draft for its
+# 1.5B (62% accepted, a draft forward 0.4 of a target step: an expected 1.03) ran 0.86-0.97x.
+MIN_GAIN = 1.05
+# A draft model's probe after a pause waits until the sequence's last PROBE_NGRAM tokens occur
+# earlier in it. The probe first catches up on the tokens added during the pause, one forward
+# of 4-8 decode rows at the first pauses (20-30 ms for a 0.5B draft on 2 cores, its 1.5B
+# target's step is 20-25 ms), a prefill chunk later (about 2.5 ms a token), and in free chat
+# that outweighed what the probes' proposals saved (0.96x).
+PROBE_NGRAM = 8
 
 
 def accepted_length(drafts: list[int], sampled: list[int]) -> int:
@@ -101,6 +115,7 @@ class SeqSpecState:
     pause: int = 0  # steps left without proposals
     pause_len: int = PAUSE_STEPS
     probe: bool = False  # just back from a pause: propose once whatever the planner says
+    repeats: NgramIndex | None = None  # a draft's probe: does the suffix recur (PROBE_NGRAM)?
 
 
 @dataclass
@@ -138,10 +153,12 @@ class SpeculativeDecoder:
                 continue
             st = s.spec
             if st is None:
-                st = s.spec = SeqSpecState()
+                st = s.spec = SeqSpecState(probe=True)  # its first step: propose once
             if st.pause > 0:
                 st.pause -= 1
-                st.probe = st.pause == 0
+                if st.pause == 0:
+                    st.probe = self._worth_probing(s, st)
+                    st.pause = 0 if st.probe else 1  # (no evidence: look again next step)
                 continue
             cap = self._room(s)
             if cap <= 0:
@@ -164,9 +181,14 @@ class SpeculativeDecoder:
                 self._pause(st)
                 self.stats.paused += 1
                 continue
+            cand = Candidate(acc.rate, len(toks) if toks else cap, not toks)
+            if c.adaptive and not st.probe and best_rate(cand, *costs) < MIN_GAIN:
+                self._pause(st)  # no length is expected to pay (not for want of room)
+                self.stats.declined += 1
+                continue
             seqs.append(s)
             found.append(toks)
-            cands.append(Candidate(acc.rate, len(toks) if toks else cap, not toks))
+            cands.append(cand)
         # Proposal rows the step may add (the step holds max_rows decode rows at most).
         room = c.max_rows - plain
         ks = self._lengths(cands, plain, room, costs)
@@ -178,11 +200,9 @@ class SpeculativeDecoder:
             elif k > 0:
                 st.pause_len = PAUSE_STEPS
             st.probe = False
-            if k == 0:
-                if self.config.adaptive and best_rate(cand, *costs) <= 1.0:  # not for want of room
-                    self._pause(st)
-                    self.stats.declined += 1
-            elif cand.draft:
+            if k == 0:  # the step's rows went to others: it may propose next step
+                continue
+            if cand.draft:
                 want.append((s, k))
             else:
                 s.spec_tokens = toks[:k]
@@ -194,6 +214,16 @@ class SpeculativeDecoder:
             n0, s0 = d.decode_forwards, d.decode_s
             d.propose(want, running)
             self.costs.observe_draft(d.decode_forwards - n0, d.decode_s - s0)
+
+    def _worth_probing(self, seq, st: SeqSpecState) -> bool:
+        """A pause is over: probe now? An n-gram probe costs no forward; a draft's (its catch-up
+        and its proposals' verification) is worth it where the sequence copies (its suffix
+        recurs), which is where drafts are accepted."""
+        if self.draft is None:
+            return True
+        if st.repeats is None:
+            st.repeats = NgramIndex(PROBE_NGRAM, PROBE_NGRAM)
+        return bool(st.repeats.propose(seq.token_ids, 1))
 
     def _draft_pays_more(self, st: SeqSpecState, found: int, cap: int, costs: tuple[float, float]) -> bool:
         """n-gram lookup and a draft both on, and the lookup found `found` tokens: whether the
