@@ -5,8 +5,9 @@ A target step's time is a line in its decode rows, fitted to the medians of the 
 of each row count (each verification row adds a little to a step that streams the weights
 once); a draft forward's time is the median of the recent ones. Medians, not means: one
 step slowed by the machine (twice its usual time is common on a shared 2-core host) moved a
-running mean enough to decline a code edit whose drafts were 99% accepted. Both are taken relative to a plain decode step of the same
-sequences, so the planner works in "plain steps" and needs no clock of its own.
+running mean enough to decline a code edit whose drafts were 99% accepted. Both are taken
+relative to a plain decode step of the same sequences, so the planner works in "plain steps"
+and needs no clock of its own.
 
 A sequence whose proposals are each accepted with probability a (independently, the usual
 model) adds 1 + a + ... + a^k tokens a step when it proposes k. The planner gives out
@@ -35,31 +36,22 @@ def _recent() -> deque:
 @dataclass
 class StepCosts:
     steps: dict[int, deque] = field(default_factory=dict)  # decode rows -> recent step seconds
+    step_s: dict[int, float] = field(default_factory=dict)  # decode rows -> their median
     seen: dict[int, int] = field(default_factory=dict)  # decode rows -> steps timed
     drafts: deque = field(default_factory=_recent)  # recent seconds of one draft forward
-    _medians: dict[int, float] | None = field(default=None, repr=False)
-
-    @property
-    def step_s(self) -> dict[int, float]:
-        """Decode rows -> median seconds of the recent steps of that many rows."""
-        if self._medians is None:
-            self._medians = {r: statistics.median(v) for r, v in self.steps.items()}
-        return self._medians
-
-    @property
-    def draft_s(self) -> float | None:
-        """Median seconds of one draft forward, of the recent ones (None before the first)."""
-        return statistics.median(self.drafts) if self.drafts else None
+    draft_s: float | None = None  # their median
 
     def observe_step(self, rows: int, secs: float) -> None:
         """A decode-only target step of `rows` rows took `secs`."""
-        self.steps.setdefault(rows, _recent()).append(secs)
+        recent = self.steps.setdefault(rows, _recent())
+        recent.append(secs)
+        self.step_s[rows] = statistics.median(recent)
         self.seen[rows] = self.seen.get(rows, 0) + 1
-        self._medians = None
 
     def observe_draft(self, forwards: int, secs: float) -> None:
         if forwards > 0:
             self.drafts.append(secs / forwards)
+            self.draft_s = statistics.median(self.drafts)
 
     def _line(self) -> tuple[float, float] | None:
         """(intercept, seconds per row) of the weighted least-squares line; None under two row counts."""
