@@ -215,6 +215,44 @@ def test_decode_stack_applies_qwen3_qk_norms(tmp_path, hf_smollm2_tokenizer, dty
     assert [o.outputs[0].token_ids for o in unnormed] != [o.outputs[0].token_ids for o in plain]
 
 
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "olmoe"])
+def test_decode_stack_runs_sparse_moe_layers(tmp_path, hf_smollm2_tokenizer, family, monkeypatch):
+    """The all-layer decode runs a sparse block whole (norm, router, top k, experts, residual:
+    quant_moe_block) in its layer, with Qwen3-MoE's per-head q/k norms, OLMoE's whole-projection
+    ones and its clamp, and Qwen3-MoE's dense layers beside: the per-layer path's bits (greedy
+    tokens and logprobs, batched), the trace's expert counts from the stack's step. Routing each
+    stacked layer to the wrong experts must change the tokens."""
+    from models import build_checkpoint
+
+    from pagedllm.quant import kernels as qk
+
+    if not qk.decode_layers_take_moe():
+        pytest.skip("the native library is not built here")
+    path = build_checkpoint(family, tmp_path / family, hf_smollm2_tokenizer, len(hf_smollm2_tokenizer),
+                            hidden_size=128, head_dim=32, expert_size=64)
+    _, plain, stacked_steps, sp, prompts, llm = _stack_against_layers(path, monkeypatch, dtype="float32",
+                                                                      isq="Q8_0")
+    model = llm.engine.model
+    plan = model._stack_plan()
+    assert stacked_steps >= 10 and plan["moe_layers"], "the decode stack did not take the sparse layers"
+    assert (family == "qwen3_moe") == (len(plan["moe_layers"]) < len(model.layers))
+    assert plan["qkv_clip"] == (4.0 if family == "olmoe" else 0.0)
+    # A last step in the stack: the trace's counts are its rows times top k.
+    llm.generate(prompts[:1], sp)
+    for _, mlp in plan["moe_layers"]:
+        assert mlp._stack_ids is not None and sum(mlp.last_counts) == mlp.top_k
+    # The routers matter: a stack whose routers prefer other experts goes elsewhere.
+    stack = plan["moe"]
+    plan["moe"] = qk.moe_stack([None if i not in dict(plan["moe_layers"]) else
+                                (-m._router32, m._native, m.top_k, m.renormalize, m.weights_in_compute_dtype)
+                                for i, m in ((i, dict(plan["moe_layers"]).get(i)) for i in range(len(model.layers)))])
+    try:
+        rerouted = llm.generate(prompts, sp)
+    finally:
+        plan["moe"] = stack
+    assert [o.outputs[0].token_ids for o in rerouted] != [o.outputs[0].token_ids for o in plain]
+
+
 def test_decode_stack_rounds_each_projection_as_the_layers_do(isq_ckpt, monkeypatch):
     """Steps wider than X2_ROWS round only the X2_WIDE projections in two levels; the all-layer
     native call carries that per projection (bits of its isa argument) and must give the bits

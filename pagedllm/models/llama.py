@@ -192,19 +192,23 @@ class LlamaForCausalLM(nn.Module):
         between them); None where that does not apply."""
         if h.dim() != 2 or h.shape[0] > qk.INT_ROWS:
             return None
-        lora = None
-        if self.lora_state is not None and self.lora_state.active:
-            if not qk.decode_layers_take_lora():  # a library built before: the layers one by one
-                return None
-            lora = self._stack_lora()
         plan = self._stack_plan()
         if plan is None:
             return None
+        lora = None
+        if self.lora_state is not None and self.lora_state.active:
+            # (a library built before, or adapters on MoE layers: the layers one by one)
+            if not qk.decode_layers_take_lora() or plan["moe_layers"]:
+                return None
+            lora = self._stack_lora()
         kv = meta.decode_stack(plan["attns"], h.dtype)  # None: not a decode-only native paged step
         if kv is None:
             return None
         a = self.layers[0].self_attn
-        return qk.decode_layers(h, plan, kv, rope, a.num_heads, a.num_kv_heads, a.scale, lora)
+        out = qk.decode_layers(h, plan, kv, rope, a.num_heads, a.num_kv_heads, a.scale, lora)
+        for i, mlp in plan["moe_layers"]:  # this step's expert ids are the stack's (trace)
+            mlp.ids_from(plan["moe"], i)
+        return out
 
     def _stack_lora(self) -> tuple:
         """The step's adapters for `_decode_stack`: a native LoRAStack of every projection's
@@ -238,19 +242,30 @@ class LlamaForCausalLM(nn.Module):
         layers = list(self.layers)
         if not qk.decode_layers_available() or not layers or self.tp is not None:
             return None  # (tensor-parallel layers all-reduce between their projections)
-        weights, types, parts, kdims, norms, biases, qk_norms = [], [], [], [], [], [], []
+        weights, types, parts, kdims, norms, biases, qk_norms, sparse = [], [], [], [], [], [], [], []
         eps = {layer.input_layernorm.eps for layer in layers} | {layer.post_attention_layernorm.eps for layer in layers}
+        clips = set()
         for layer in layers:
             if not type(layer).__dict__.get("stack_decode") or type(layer.input_layernorm) is not RMSNorm \
                     or type(layer.post_attention_layernorm) is not RMSNorm:
                 return None
             a = layer.self_attn
-            if a.q_norm is not None:  # Qwen3: per-head q/k RMSNorms, in the stack too if it takes them
+            if a.q_norm is not None:  # Qwen3 (per head), OLMoE (whole projections): in the stack if it takes them
                 if type(a.q_norm) is not RMSNorm or type(a.k_norm) is not RMSNorm or not qk.decode_layers_take_qk_norms():
+                    return None
+                if a.q_norm.weight.numel() != a.head_dim and not qk.decode_layers_take_moe():
                     return None
                 qk_norms += [a.q_norm.weight, a.k_norm.weight]
                 eps |= {a.q_norm.eps, a.k_norm.eps}
-            projs = [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
+            clips.add(getattr(a, "clip", None))
+            # A sparse MoE block (models/moe.py) runs whole in the stack where it can; it then
+            # has no dense MLP weights there.
+            entry = layer.mlp.stack_entry(type(layer.post_attention_layernorm)) if hasattr(layer.mlp, "stack_entry") \
+                else False
+            if entry is None or (entry is not False and not qk.decode_layers_take_moe()):
+                return None
+            sparse.append(entry or None)
+            projs = [a.qkv_proj, a.o_proj] + ([layer.mlp.gate_up_proj, layer.mlp.down_proj] if entry is False else [])
             if any(type(p) is not Linear or p.qparts is None or p.permutes for p in projs):
                 return None
             for p in projs:
@@ -259,13 +274,23 @@ class LlamaForCausalLM(nn.Module):
                 parts.append(len(p.qparts))
                 kdims.append(p.in_features)
                 biases.append(p.bias)
+            if entry is not False:
+                parts += [0, 0]
+                kdims += [0, 0]
+                biases += [None, None]
             norms += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
-        if len(eps) != 1:
+        if len(eps) != 1 or len(clips) != 1:
             return None
         if qk_norms and len(qk_norms) != 2 * len(layers):
             return None
+        clip = clips.pop()
+        if clip is not None and (not qk_norms or not qk.decode_layers_take_moe()):
+            return None
+        moe = qk.moe_stack(sparse) if any(e is not None for e in sparse) or clip is not None else None
         self._plan = {"attns": [layer.self_attn.attn for layer in layers], "weights": weights, "types": types, "parts": parts, "kdims": kdims,
-                      "norms": norms, "eps": eps.pop(), "biases": biases, "qk_norms": qk_norms}
+                      "norms": norms, "eps": eps.pop(), "biases": biases, "qk_norms": qk_norms, "moe": moe,
+                      "qkv_clip": float(clip or 0.0),
+                      "moe_layers": [(i, layer.mlp) for i, layer in enumerate(layers) if sparse[i] is not None]}
         return self._plan
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:

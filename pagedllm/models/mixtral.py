@@ -9,6 +9,7 @@ from .moe import MoeDecoderLayer, MoeForCausalLM
 
 class MixtralDecoderLayer(MoeDecoderLayer):
     weights_in_compute_dtype = False  # transformers scales by the float32 weights
+    stack_decode = True
 
 
 class MixtralForCausalLM(MoeForCausalLM):

@@ -70,6 +70,7 @@ class SparseMoE(nn.Module):
             self.shared_expert_gate = Linear(cfg.hidden_size, 1, bias=False)
             self.shared_expert_gate.keep_float = True
         self._last_ids: torch.Tensor | None = None  # the last call's expert ids (trace)
+        self._stack_ids: tuple | None = None  # (MoeStack, layer): the last step ran in the all-layer decode
         self._native: qk.MoeExperts | None | bool = False  # False: not looked at yet (weights load later)
         self._router32: torch.Tensor | None = None
         self.norm_type: type | None = None  # the type of forward's `norm` (set by the decoder layer)
@@ -77,6 +78,7 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor, norm: nn.Module | None = None,
                 residual: torch.Tensor | None = None) -> torch.Tensor:
         """residual + sum over the row's top k experts of weight * expert(norm(x)) (+ the shared expert)."""
+        self._stack_ids = None
         if x.shape[0] <= qk.INT_ROWS and residual is x and self._fused_block(type(norm)):
             out, self._last_ids = qk.moe_block(x, norm.weight, norm.eps, self._router32, self.top_k,
                                                self.renormalize, self.weights_in_compute_dtype, self._native)
@@ -101,9 +103,21 @@ class SparseMoE(nn.Module):
     @property
     def last_counts(self) -> list[int]:
         """Rows routed to each expert in the last call (for `pagedllm trace`)."""
-        if self._last_ids is None:
+        ids = self._last_ids if self._stack_ids is None else self._stack_ids[0].last_ids(self._stack_ids[1])
+        if ids is None:
             return []
-        return torch.bincount(self._last_ids.reshape(-1), minlength=self.num_experts).tolist()
+        return torch.bincount(ids.reshape(-1), minlength=self.num_experts).tolist()
+
+    def stack_entry(self, norm_type: type) -> tuple | None:
+        """This block as the native all-layer decode runs it (`qk.moe_stack`'s entry): where a
+        step of few rows runs it in one native call (`_fused_block`), else None."""
+        if not self._fused_block(norm_type):
+            return None
+        return self._router32, self._native, self.top_k, self.renormalize, self.weights_in_compute_dtype
+
+    def ids_from(self, stack, layer: int) -> None:
+        """The last step ran this block in the all-layer decode: its expert ids are the stack's."""
+        self._stack_ids = (stack, layer)
 
     def run_experts(self, h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Rows grouped by expert: one matmul chain per active expert, scattered back weighted
@@ -171,7 +185,8 @@ class SparseMoE(nn.Module):
                  if self._fused_block(self.norm_type) else "the routed experts (quant_moe_experts)")
         return (head + f"quantized {fmts}; steps of up to {qk.INT_ROWS} rows run {fused} in one native call: "
                 "rows grouped by expert id, every active expert's rows through the integer kernels, the "
-                "threads over all of them at once, summed by weight; wider steps "
+                "threads over all of them at once, summed by weight (a decode step runs it inside the all-layer "
+                "native decode, beside the attention halves, where every layer allows); wider steps "
                 + loop.format("dequantize + GEMM"))
 
 
@@ -179,6 +194,7 @@ class MoeDecoderLayer(DecoderLayer):
     """A decoder layer whose MLP is the sparse block where the config says (else dense)."""
 
     weights_in_compute_dtype = True
+    stack_decode = True  # the all-layer decode runs the sparse block whole (SparseMoE.stack_entry)
 
     def __init__(self, cfg: ModelConfig, layer_idx: int, shard=None, tp=None) -> None:
         super().__init__(cfg, layer_idx, shard, tp)

@@ -24,6 +24,7 @@ class OlmoeAttention(Attention):
 
 class OlmoeDecoderLayer(MoeDecoderLayer):
     attn_cls = OlmoeAttention
+    stack_decode = True  # the all-layer decode applies the whole-projection q/k norms and the clip too
 
 
 class OlmoeForCausalLM(MoeForCausalLM):

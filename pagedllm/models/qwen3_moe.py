@@ -7,6 +7,7 @@ from .moe import MoeDecoderLayer, MoeForCausalLM
 
 class Qwen3MoeDecoderLayer(MoeDecoderLayer):
     qk_norm = RMSNorm
+    stack_decode = True  # the all-layer decode applies the q/k norms too
 
 
 class Qwen3MoeForCausalLM(MoeForCausalLM):

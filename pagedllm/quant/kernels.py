@@ -309,6 +309,32 @@ def _takes_qk_norms(op) -> bool:
     return "qk_norms" in str(op.default._schema)
 
 
+def decode_layers_take_moe() -> bool:
+    """Whether the native all-layer decode runs sparse MoE blocks and whole-projection q/k norms
+    (OLMoE); a library built before does not, and those models then decode layer by layer."""
+    ops = cpu_kernels()
+    return ops is not None and hasattr(ops, "quant_decode_layers") and _takes_moe(ops.quant_decode_layers)
+
+
+@lru_cache(maxsize=4)
+def _takes_moe(op) -> bool:
+    return "MoeStack" in str(op.default._schema)
+
+
+def moe_stack(entries: list[tuple | None]):
+    """The native MoeStack `decode_layers` takes: per decoder layer None (a dense MLP) or a
+    sparse block's (float32 router [E, H], its `MoeExperts`, top_k, renormalize, round_weights)."""
+    stack = torch.classes.pagedllm.MoeStack()
+    for e in entries:
+        if e is None:
+            stack.add_dense()
+        else:
+            router, ex, top_k, renormalize, round_weights = e
+            stack.add_sparse(router, ex.gate_up, ex.gate_up_types, ex.gate_up_parts, ex.down, ex.down_types,
+                             top_k, renormalize, round_weights)
+    return stack
+
+
 def lora_stack(a: list, panels: list, index: list, slots: int):
     """The native LoRAStack `decode_layers` takes: entry j * slots + s is projection j's A,
     B^T's panels and their index for the step's s-th slot (None: that slot leaves it alone)."""
@@ -331,7 +357,8 @@ def decode_layers(h: torch.Tensor, plan: dict, kv, rope: tuple[torch.Tensor, tor
         h, plan["weights"], plan["types"], plan["parts"], plan["kdims"], plan["norms"], plan["eps"],
         plan["biases"], kv.k, kv.v, kv.windows, cos, sin, kv.slot_mapping, kv.block_tables, kv.context_lens,
         num_heads, num_kv_heads, scale, *extra, _stack_isa_id(h.shape[0]), kv.k_scales, kv.v_scales,
-        *([plan.get("qk_norms", [])] if _takes_qk_norms(op) else []))
+        *([plan.get("qk_norms", [])] if _takes_qk_norms(op) else []),
+        *((plan["moe"], _path_id(), _moe_x2(h.shape[0]), plan["qkv_clip"]) if plan.get("moe") is not None else ()))
 
 
 def embedding(w: QuantTensor, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -23,6 +23,13 @@ at::Tensor paged_decode_qkv(const at::Tensor& qkv, const at::Tensor& cos, const 
                             int64_t hkv, double scale, int64_t window,
                             const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale);
 
+std::tuple<at::Tensor, at::Tensor> quant_moe_block(const at::Tensor& x, const at::Tensor& norm_weight, double eps,
+                                                   const at::Tensor& router, int64_t top_k, bool renormalize,
+                                                   bool round_weights, at::TensorList gate_up,
+                                                   at::IntArrayRef gu_types, at::IntArrayRef gu_parts,
+                                                   at::TensorList down, at::IntArrayRef down_types, int64_t isa,
+                                                   int64_t x2);
+
 namespace {
 
 // One adapter's rows of a step: which rows of x / y (all when `rows` is null), its weights.
@@ -366,9 +373,14 @@ int64_t out_features(at::TensorList ws, at::IntArrayRef ts) {
 // of projection j (lora_stack.h; undefined: no adapter there);
 // group g of the step uses slot group_slots[g] on the rows group_rows[g] (None: every row).
 // A quantized cache (int8, f8e4m3): k_scales[l], v_scales[l] are layer l's scales, as paged_decode_qkv
-// takes them (empty: a plain cache). Qwen3: qk_norms[2 l], qk_norms[2 l + 1] are layer l's
-// RMSNorm weights over each q and each k head, applied before rope with the same ops as
-// models/llama.py's Attention._norm_qk (empty: no q/k norm).
+// takes them (empty: a plain cache). q/k norms: qk_norms[2 l], qk_norms[2 l + 1] are layer l's
+// RMSNorm weights, applied before rope with the same ops as the Python path: over each q and
+// each k head where they are head_dim long (Qwen3, models/llama.py's Attention._norm_qk), over
+// the whole q and k projections where they are that long (OLMoE, models/olmoe.py), then q, k
+// and v clamped to +-qkv_clip where it is positive (OLMoE's clip_qkv); empty: no q/k norm.
+// MoE: where `moe` (moe_stack.h) has a sparse entry for layer l, its MLP half is that entry's
+// whole block from the post-attention norm to the residual add (quant_moe_block, at path
+// moe_isa with its x2 bits moe_x2), and parts[4 l + 2], parts[4 l + 3] are 0.
 at::Tensor quant_decode_layers(const at::Tensor& h0, at::TensorList weights, at::IntArrayRef types,
                                at::IntArrayRef parts, at::IntArrayRef kdims, at::TensorList norms, double eps,
                                const c10::List<c10::optional<at::Tensor>>& biases, at::TensorList k_caches,
@@ -378,7 +390,9 @@ at::Tensor quant_decode_layers(const at::Tensor& h0, at::TensorList weights, at:
                                const c10::optional<c10::intrusive_ptr<pagedllm::LoRAStack>>& lora_stack,
                                at::IntArrayRef group_slots, const c10::List<c10::optional<at::Tensor>>& group_rows,
                                int64_t isa, at::TensorList k_scales, at::TensorList v_scales,
-                               at::TensorList qk_norms) {
+                               at::TensorList qk_norms,
+                               const c10::optional<c10::intrusive_ptr<pagedllm::MoeStack>>& moe_stack,
+                               int64_t moe_isa, int64_t moe_x2, double qkv_clip) {
   const int64_t layers = static_cast<int64_t>(k_caches.size());
   TORCH_CHECK(layers > 0 && static_cast<int64_t>(v_caches.size()) == layers &&
                   static_cast<int64_t>(windows.size()) == layers && static_cast<int64_t>(parts.size()) == 4 * layers &&
@@ -392,6 +406,10 @@ at::Tensor quant_decode_layers(const at::Tensor& h0, at::TensorList weights, at:
   const bool qk_norm = !qk_norms.empty();
   TORCH_CHECK(!qk_norm || static_cast<int64_t>(qk_norms.size()) == 2 * layers,
               "quant_decode_layers: qk_norms must hold a q and a k norm weight for every layer, or nothing");
+  pagedllm::MoeStack* moe = moe_stack.has_value() ? moe_stack->get() : nullptr;
+  TORCH_CHECK(moe == nullptr || moe->size() == layers, "quant_decode_layers: the MoE stack has ",
+              moe == nullptr ? 0 : moe->size(), " layers, the model ", layers);
+  TORCH_CHECK(moe == nullptr || group_slots.empty(), "quant_decode_layers: LoRA adapters on MoE layers are not stacked");
   int64_t total = 0;
   for (int64_t p : parts) total += p;
   TORCH_CHECK(total == static_cast<int64_t>(weights.size()), "quant_decode_layers: parts do not cover the weights");
@@ -457,19 +475,37 @@ at::Tensor quant_decode_layers(const at::Tensor& h0, at::TensorList weights, at:
     at::Tensor qkv = proj(4 * l, h, norms[2 * l], c10::nullopt, 0);
     if (qk_norm) {
       const int64_t d = qkv.size(1) / (hq + 2 * hkv);
-      TORCH_CHECK(qk_norms[2 * l].numel() == d && qk_norms[2 * l + 1].numel() == d,
-                  "quant_decode_layers: layer ", l, "'s q/k norm weights are not of the head dim ", d);
-      const at::Tensor q = qkv.narrow(1, 0, hq * d).reshape({M, hq, d});
-      const at::Tensor k = qkv.narrow(1, hq * d, hkv * d).reshape({M, hkv, d});
-      qkv = at::cat({at::rms_norm(q, {d}, qk_norms[2 * l], eps).view({M, hq * d}),
-                     at::rms_norm(k, {d}, qk_norms[2 * l + 1], eps).view({M, hkv * d}),
-                     qkv.narrow(1, (hq + hkv) * d, hkv * d)}, 1);
+      const at::Tensor &wq = qk_norms[2 * l], &wk = qk_norms[2 * l + 1];
+      const at::Tensor v = qkv.narrow(1, (hq + hkv) * d, hkv * d);
+      if (wq.numel() == d && wk.numel() == d) {  // per head
+        const at::Tensor q = qkv.narrow(1, 0, hq * d).reshape({M, hq, d});
+        const at::Tensor k = qkv.narrow(1, hq * d, hkv * d).reshape({M, hkv, d});
+        qkv = at::cat({at::rms_norm(q, {d}, wq, eps).view({M, hq * d}),
+                       at::rms_norm(k, {d}, wk, eps).view({M, hkv * d}), v}, 1);
+      } else {
+        TORCH_CHECK(wq.numel() == hq * d && wk.numel() == hkv * d, "quant_decode_layers: layer ", l,
+                    "'s q/k norm weights are neither of the head dim ", d, " nor of the q and k widths");
+        qkv = at::cat({at::rms_norm(qkv.narrow(1, 0, hq * d), {hq * d}, wq, eps),
+                       at::rms_norm(qkv.narrow(1, hq * d, hkv * d), {hkv * d}, wk, eps), v}, 1);
+      }
+      if (qkv_clip > 0) qkv.clamp_(-qkv_clip, qkv_clip);
     }
     const at::Tensor o = paged_decode_qkv(qkv, cos, sin, k_caches[l], v_caches[l], slot_mapping, block_tables,
                                           context_lens, hq, hkv, scale, windows[l],
                                           scaled ? c10::optional<at::Tensor>(k_scales[l]) : c10::nullopt,
                                           scaled ? c10::optional<at::Tensor>(v_scales[l]) : c10::nullopt);
     h = proj(4 * l + 1, o, c10::nullopt, h, 0);
+    pagedllm::MoeStack::Layer* sparse = moe != nullptr && moe->layers[l].router.defined() ? &moe->layers[l] : nullptr;
+    if (sparse != nullptr) {
+      TORCH_CHECK(parts[4 * l + 2] == 0 && parts[4 * l + 3] == 0, "quant_decode_layers: layer ", l,
+                  " is sparse but has dense MLP weights");
+      auto [out, ids] = quant_moe_block(h, norms[2 * l + 1], eps, sparse->router, sparse->top_k, sparse->renormalize,
+                                        sparse->round_weights, sparse->gate_up, sparse->gate_up_types,
+                                        sparse->gate_up_parts, sparse->down, sparse->down_types, moe_isa, moe_x2);
+      sparse->last_ids = ids;
+      h = out;
+      continue;
+    }
     const at::Tensor g = proj(4 * l + 2, h, norms[2 * l + 1], c10::nullopt, 1);
     h = proj(4 * l + 3, g, c10::nullopt, h, 0);
   }
@@ -481,7 +517,8 @@ PAGEDLLM_REGISTER(decode_stack) {
         "float eps, Tensor?[] biases, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, int[] windows, Tensor cos, "
         "Tensor sin, Tensor slot_mapping, Tensor block_tables, Tensor context_lens, int hq, int hkv, float scale, "
         "__torch__.torch.classes.pagedllm.LoRAStack? lora, int[] group_slots, "
-        "Tensor?[] group_rows, int isa, Tensor(c!)[] k_scales, Tensor(d!)[] v_scales, Tensor[] qk_norms) -> Tensor",
+        "Tensor?[] group_rows, int isa, Tensor(c!)[] k_scales, Tensor(d!)[] v_scales, Tensor[] qk_norms, "
+        "__torch__.torch.classes.pagedllm.MoeStack? moe=None, int moe_isa=0, int moe_x2=0, float qkv_clip=0.) -> Tensor",
         &quant_decode_layers);
 }
 

@@ -7,6 +7,7 @@
 #include <torch/version.h>
 
 #include "lora_stack.h"
+#include "moe_stack.h"
 
 #include <algorithm>
 #include <cstdlib>
@@ -110,6 +111,12 @@ TORCH_LIBRARY(pagedllm, m) {
   // (before the ops: quant_decode_layers' schema names it)
   using Tensors = c10::List<c10::optional<at::Tensor>>;
   m.class_<pagedllm::LoRAStack>("LoRAStack").def(torch::init<Tensors, Tensors, Tensors, int64_t>());
+  m.class_<pagedllm::MoeStack>("MoeStack")
+      .def(torch::init<>())
+      .def("add_dense", &pagedllm::MoeStack::add_dense)
+      .def("add_sparse", &pagedllm::MoeStack::add_sparse)
+      .def("size", &pagedllm::MoeStack::size)
+      .def("last_ids", &pagedllm::MoeStack::last_ids);
   m.def("native_isa() -> str", &native_isa);
   m.def("native_torch_version() -> str", &native_torch_version);
   m.def("release_omp_threads() -> int", &release_omp_threads);

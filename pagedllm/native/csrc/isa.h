@@ -22,6 +22,7 @@
 #include <torch/library.h>
 
 #include "lora_stack.h"
+#include "moe_stack.h"
 
 #if defined(__x86_64__)
 #include <immintrin.h>
