@@ -238,6 +238,37 @@ def test_long_contexts_split_into_chunks_and_merge(native, window):
         assert torch.equal(got[i:i + 1], alone), i
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("per_head,clip", [(True, None), (False, None), (False, 0.8)])
+def test_qk_norm_gives_the_rms_norm_ops_values(native, dtype, per_head, clip):
+    """The native q/k norm (Qwen3's per head, OLMoE's over whole projections, then its clamp)
+    against F.rms_norm on the same splits: float32 within 1e-5, the half types within one
+    rounding step; v is untouched unless clamped; a weight of another length is refused."""
+    from pagedllm.quant import kernels as qk
+
+    g = torch.Generator().manual_seed(0)
+    t, hq, hkv, d = 5, 4, 2, 64
+    qkv = (torch.randn(t, (hq + 2 * hkv) * d, generator=g) * 3).to(dtype)
+    n_q, n_k = (d, d) if per_head else (hq * d, hkv * d)
+    wq, wk = (torch.rand(n, generator=g).add(0.5).to(dtype) for n in (n_q, n_k))
+    got = qk.qk_norm(qkv.clone(), wq, wk, hq, hkv, 1e-6, clip)
+    q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+    if per_head:
+        q = F.rms_norm(q.reshape(t, hq, d), (d,), wq, 1e-6).view(t, hq * d)
+        k = F.rms_norm(k.reshape(t, hkv, d), (d,), wk, 1e-6).view(t, hkv * d)
+    else:
+        q, k = F.rms_norm(q, (hq * d,), wq, 1e-6), F.rms_norm(k, (hkv * d,), wk, 1e-6)
+    want = torch.cat((q, k, v), dim=-1)
+    if clip is not None:
+        want = want.clamp(-clip, clip)
+        assert (got.abs() <= clip).all() and (want.abs() == clip).any()
+    tol = 1e-5 if dtype == torch.float32 else 2 * torch.finfo(dtype).eps
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+    assert not torch.equal(got, qkv)
+    with pytest.raises(RuntimeError, match="neither of the head dim"):
+        qk.qk_norm(qkv.clone(), wq[:-1], wk, hq, hkv, 1e-6)
+
+
 def test_kernel_rejects_bad_input(native):
     kc = torch.zeros(4, 8, 2, 64)
     q = torch.zeros(2, 4, 64)

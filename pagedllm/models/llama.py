@@ -75,7 +75,16 @@ class Attention(nn.Module):
             o = self.attn(q, k, v, meta).reshape(t, self.q_size)
         return self.o_proj.fused(o, residual=residual)
 
+    def _native_qk_norm(self, qkv: torch.Tensor) -> bool:
+        """Whether the q/k norms run as the native call the all-layer decode makes (`qk.qk_norm`):
+        quantized projections (whose decode steps that call also serves), plain RMSNorms."""
+        return (self.qkv_proj.qparts is not None and type(self.q_norm) is RMSNorm and type(self.k_norm) is RMSNorm
+                and self.q_norm.eps == self.k_norm.eps and qkv.is_contiguous() and qkv.device.type == "cpu" and qk.qk_norm_available())
+
     def _norm_qk(self, qkv: torch.Tensor) -> torch.Tensor:
+        if self._native_qk_norm(qkv):
+            return qk.qk_norm(qkv, self.q_norm.weight, self.k_norm.weight, self.num_heads, self.num_kv_heads,
+                              self.q_norm.eps)
         t = qkv.shape[0]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = self.q_norm(q.reshape(t, self.num_heads, self.head_dim)).view(t, self.q_size)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..config import ModelConfig
+from ..quant import kernels as qk
 from .llama import Attention, RMSNorm
 from .moe import MoeDecoderLayer, MoeForCausalLM
 
@@ -17,6 +18,9 @@ class OlmoeAttention(Attention):
         self.clip = cfg.clip_qkv
 
     def _norm_qk(self, qkv: torch.Tensor) -> torch.Tensor:
+        if self._native_qk_norm(qkv):
+            return qk.qk_norm(qkv, self.q_norm.weight, self.k_norm.weight, self.num_heads, self.num_kv_heads,
+                              self.q_norm.eps, self.clip)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         qkv = torch.cat((self.q_norm(q), self.k_norm(k), v), dim=-1)
         return qkv if self.clip is None else qkv.clamp_(-self.clip, self.clip)

@@ -309,6 +309,22 @@ def _takes_qk_norms(op) -> bool:
     return "qk_norms" in str(op.default._schema)
 
 
+def qk_norm_available() -> bool:
+    """Whether the native q/k RMSNorm (`qk_norm`) is built here (a library built before has none)."""
+    ops = cpu_kernels()
+    return ops is not None and hasattr(ops, "qk_norm")
+
+
+def qk_norm(qkv: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, num_heads: int, num_kv_heads: int, eps: float,
+            clip: float | None = None) -> torch.Tensor:
+    """qkv [T, (hq + 2 hkv) d] with its q and k RMSNorms applied in place (over each head where
+    the weights are head_dim long, else over the whole q and k parts), then clamped to +-clip
+    where given: the quantized decode path's q/k norms, one native call instead of ATen's chain
+    of small ops; the all-layer decode makes the same call."""
+    cpu_kernels().qk_norm(qkv, wq, wk, num_heads, num_kv_heads, eps, float(clip or 0.0))
+    return qkv
+
+
 def decode_layers_take_moe() -> bool:
     """Whether the native all-layer decode runs sparse MoE blocks and whole-projection q/k norms
     (OLMoE); a library built before does not, and those models then decode layer by layer."""

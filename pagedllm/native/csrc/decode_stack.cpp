@@ -30,6 +30,9 @@ std::tuple<at::Tensor, at::Tensor> quant_moe_block(const at::Tensor& x, const at
                                                    at::TensorList down, at::IntArrayRef down_types, int64_t isa,
                                                    int64_t x2);
 
+void qk_norm(at::Tensor qkv, const at::Tensor& wq, const at::Tensor& wk, int64_t hq, int64_t hkv, double eps,
+             double clip);
+
 namespace {
 
 // One adapter's rows of a step: which rows of x / y (all when `rows` is null), its weights.
@@ -374,10 +377,10 @@ int64_t out_features(at::TensorList ws, at::IntArrayRef ts) {
 // group g of the step uses slot group_slots[g] on the rows group_rows[g] (None: every row).
 // A quantized cache (int8, f8e4m3): k_scales[l], v_scales[l] are layer l's scales, as paged_decode_qkv
 // takes them (empty: a plain cache). q/k norms: qk_norms[2 l], qk_norms[2 l + 1] are layer l's
-// RMSNorm weights, applied before rope with the same ops as the Python path: over each q and
-// each k head where they are head_dim long (Qwen3, models/llama.py's Attention._norm_qk), over
-// the whole q and k projections where they are that long (OLMoE, models/olmoe.py), then q, k
-// and v clamped to +-qkv_clip where it is positive (OLMoE's clip_qkv); empty: no q/k norm.
+// RMSNorm weights, applied before rope by the call the per-layer path makes (qk_norm: over each
+// q and each k head where they are head_dim long, as Qwen3's; over the whole q and k
+// projections where they are that long, as OLMoE's; then q, k and v clamped to +-qkv_clip
+// where it is positive, OLMoE's clip_qkv); empty: no q/k norm.
 // MoE: where `moe` (moe_stack.h) has a sparse entry for layer l, its MLP half is that entry's
 // whole block from the post-attention norm to the residual add (quant_moe_block, at path
 // moe_isa with its x2 bits moe_x2), and parts[4 l + 2], parts[4 l + 3] are 0.
@@ -403,8 +406,8 @@ at::Tensor quant_decode_layers(const at::Tensor& h0, at::TensorList weights, at:
   const bool scaled = !k_scales.empty();
   TORCH_CHECK(k_scales.size() == v_scales.size() && (!scaled || static_cast<int64_t>(k_scales.size()) == layers),
               "quant_decode_layers: k_scales and v_scales must name every layer's scales, or none");
-  const bool qk_norm = !qk_norms.empty();
-  TORCH_CHECK(!qk_norm || static_cast<int64_t>(qk_norms.size()) == 2 * layers,
+  const bool with_qk_norm = !qk_norms.empty();
+  TORCH_CHECK(!with_qk_norm || static_cast<int64_t>(qk_norms.size()) == 2 * layers,
               "quant_decode_layers: qk_norms must hold a q and a k norm weight for every layer, or nothing");
   pagedllm::MoeStack* moe = moe_stack.has_value() ? moe_stack->get() : nullptr;
   TORCH_CHECK(moe == nullptr || moe->size() == layers, "quant_decode_layers: the MoE stack has ",
@@ -473,23 +476,7 @@ at::Tensor quant_decode_layers(const at::Tensor& h0, at::TensorList weights, at:
   };
   for (int64_t l = 0; l < layers; ++l) {
     at::Tensor qkv = proj(4 * l, h, norms[2 * l], c10::nullopt, 0);
-    if (qk_norm) {
-      const int64_t d = qkv.size(1) / (hq + 2 * hkv);
-      const at::Tensor &wq = qk_norms[2 * l], &wk = qk_norms[2 * l + 1];
-      const at::Tensor v = qkv.narrow(1, (hq + hkv) * d, hkv * d);
-      if (wq.numel() == d && wk.numel() == d) {  // per head
-        const at::Tensor q = qkv.narrow(1, 0, hq * d).reshape({M, hq, d});
-        const at::Tensor k = qkv.narrow(1, hq * d, hkv * d).reshape({M, hkv, d});
-        qkv = at::cat({at::rms_norm(q, {d}, wq, eps).view({M, hq * d}),
-                       at::rms_norm(k, {d}, wk, eps).view({M, hkv * d}), v}, 1);
-      } else {
-        TORCH_CHECK(wq.numel() == hq * d && wk.numel() == hkv * d, "quant_decode_layers: layer ", l,
-                    "'s q/k norm weights are neither of the head dim ", d, " nor of the q and k widths");
-        qkv = at::cat({at::rms_norm(qkv.narrow(1, 0, hq * d), {hq * d}, wq, eps),
-                       at::rms_norm(qkv.narrow(1, hq * d, hkv * d), {hkv * d}, wk, eps), v}, 1);
-      }
-      if (qkv_clip > 0) qkv.clamp_(-qkv_clip, qkv_clip);
-    }
+    if (with_qk_norm) qk_norm(qkv, qk_norms[2 * l], qk_norms[2 * l + 1], hq, hkv, eps, qkv_clip);
     const at::Tensor o = paged_decode_qkv(qkv, cos, sin, k_caches[l], v_caches[l], slot_mapping, block_tables,
                                           context_lens, hq, hkv, scale, windows[l],
                                           scaled ? c10::optional<at::Tensor>(k_scales[l]) : c10::nullopt,

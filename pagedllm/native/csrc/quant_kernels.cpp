@@ -523,32 +523,55 @@ namespace pq {
 // RMSNorm of each row into a float buffer, each value rounded through T as F.rms_norm's output
 // in T would be, so the fused path quantizes the same activations as the unfused one.
 template <typename T>
+void rms_norm_row(const T* xr, const T* w, int64_t k, double eps, float* out) {
+  int64_t i = 0;
+  float ss = 0.f;
+#ifdef PQ_X86
+  __m256 acc = _mm256_setzero_ps();
+  for (; i + 8 <= k; i += 8) {
+    const __m256 v = load8(xr + i);
+    acc = _mm256_fmadd_ps(v, v, acc);
+  }
+  ss = hsum(acc);
+#endif
+  for (; i < k; ++i) {
+    const float v = static_cast<float>(xr[i]);
+    ss += v * v;
+  }
+  const float inv = 1.f / std::sqrt(ss / static_cast<float>(k) + static_cast<float>(eps));
+  i = 0;
+#ifdef PQ_X86
+  for (; i + 8 <= k; i += 8)
+    _mm256_storeu_ps(out + i, round8<T>(_mm256_mul_ps(_mm256_mul_ps(load8(xr + i), _mm256_set1_ps(inv)), load8(w + i))));
+#endif
+  for (; i < k; ++i)
+    out[i] = static_cast<float>(static_cast<T>(static_cast<float>(xr[i]) * inv * static_cast<float>(w[i])));
+}
+
+template <typename T>
 void rms_norm_rows(const T* x, const T* w, int64_t m, int64_t k, double eps, float* out) {
   at::parallel_for(0, m, 16, [&](int64_t b, int64_t e) {
-    for (int64_t r = b; r < e; ++r) {
-      const T* xr = x + r * k;
-      int64_t i = 0;
-      float ss = 0.f;
-#ifdef PQ_X86
-      __m256 acc = _mm256_setzero_ps();
-      for (; i + 8 <= k; i += 8) {
-        const __m256 v = load8(xr + i);
-        acc = _mm256_fmadd_ps(v, v, acc);
-      }
-      ss = hsum(acc);
-#endif
-      for (; i < k; ++i) {
-        const float v = static_cast<float>(xr[i]);
-        ss += v * v;
-      }
-      const float inv = 1.f / std::sqrt(ss / static_cast<float>(k) + static_cast<float>(eps));
-      i = 0;
-#ifdef PQ_X86
-      for (; i + 8 <= k; i += 8)
-        _mm256_storeu_ps(out + r * k + i, round8<T>(_mm256_mul_ps(_mm256_mul_ps(load8(xr + i), _mm256_set1_ps(inv)), load8(w + i))));
-#endif
-      for (; i < k; ++i)
-        out[r * k + i] = static_cast<float>(static_cast<T>(static_cast<float>(xr[i]) * inv * static_cast<float>(w[i])));
+    for (int64_t r = b; r < e; ++r) rms_norm_row(x + r * k, w, k, eps, out + r * k);
+  });
+}
+
+// The q and k RMSNorms of q|k|v projection rows [M, (hq + 2 hkv) d], in place: over each head
+// where the weights are d long (Qwen3, Gemma 3), over the whole q and k parts where they are
+// hq d and hkv d long (OLMoE); each value rounded through T as rms_norm_rows rounds it.
+template <typename T>
+void qk_norm_rows(T* x, const T* wq, const T* wk, int64_t m, int64_t hq, int64_t hkv, int64_t d, bool per_head,
+                  double eps) {
+  const int64_t width = (hq + 2 * hkv) * d, nq = per_head ? hq : 1, nk = per_head ? hkv : 1;
+  const int64_t lq = per_head ? d : hq * d, lk = per_head ? d : hkv * d, per_row = nq + nk;
+  at::parallel_for(0, m * per_row, 4, [&](int64_t b, int64_t e) {
+    std::vector<float> buf(std::max(lq, lk));
+    for (int64_t u = b; u < e; ++u) {
+      const int64_t r = u / per_row, j = u % per_row;
+      const bool is_q = j < nq;
+      const int64_t len = is_q ? lq : lk;
+      T* xr = x + r * width + (is_q ? j * lq : hq * d + (j - nq) * lk);
+      rms_norm_row(xr, is_q ? wq : wk, len, eps, buf.data());
+      for (int64_t i = 0; i < len; ++i) xr[i] = static_cast<T>(buf[i]);
     }
   });
 }
@@ -715,6 +738,30 @@ std::tuple<at::Tensor, at::Tensor> quant_moe_block(const at::Tensor& x, const at
   }
 }
 
+// q|k|v rows [M, (hq + 2 hkv) d] with their q and k RMSNorms applied in place (qk_norm_rows),
+// then every value clamped to +-clip where clip > 0 (OLMoE's clip_qkv). The quantized decode
+// path's q/k norms, per layer (models/llama.py) and in the all-layer decode alike: ATen's
+// rms_norm on CPU is a chain of small ops, some 40 us a layer for the two norms at batch 1.
+void qk_norm(at::Tensor qkv, const at::Tensor& wq, const at::Tensor& wk, int64_t hq, int64_t hkv, double eps,
+             double clip) {
+  TORCH_CHECK(qkv.device().is_cpu() && qkv.dim() == 2 && qkv.is_contiguous() && hq > 0 && hkv > 0 &&
+                  qkv.size(1) % (hq + 2 * hkv) == 0,
+              "qk_norm: qkv must be a contiguous CPU [M, (hq + 2 hkv) * head_dim] tensor");
+  const int64_t d = qkv.size(1) / (hq + 2 * hkv);
+  const bool per_head = wq.numel() == d && wk.numel() == d;
+  TORCH_CHECK(per_head || (wq.numel() == hq * d && wk.numel() == hkv * d),
+              "qk_norm: the q/k norm weights are neither of the head dim ", d, " nor of the q and k widths");
+  TORCH_CHECK(wq.scalar_type() == qkv.scalar_type() && wk.scalar_type() == qkv.scalar_type() && wq.is_contiguous() &&
+                  wk.is_contiguous(), "qk_norm: the norm weights must be contiguous, in qkv's dtype");
+  switch (qkv.scalar_type()) {
+    case at::kFloat: qk_norm_rows(qkv.data_ptr<float>(), wq.data_ptr<float>(), wk.data_ptr<float>(), qkv.size(0), hq, hkv, d, per_head, eps); break;
+    case at::kBFloat16: qk_norm_rows(qkv.data_ptr<c10::BFloat16>(), wq.data_ptr<c10::BFloat16>(), wk.data_ptr<c10::BFloat16>(), qkv.size(0), hq, hkv, d, per_head, eps); break;
+    case at::kHalf: qk_norm_rows(qkv.data_ptr<c10::Half>(), wq.data_ptr<c10::Half>(), wk.data_ptr<c10::Half>(), qkv.size(0), hq, hkv, d, per_head, eps); break;
+    default: TORCH_CHECK(false, "qk_norm: qkv must be float32, bfloat16 or float16");
+  }
+  if (clip > 0) qkv.clamp_(-clip, clip);
+}
+
 at::Tensor quant_linear_hooked(const at::Tensor& x, at::TensorList ws, at::IntArrayRef types, int64_t k,
                                const c10::optional<at::Tensor>& norm_weight, double eps,
                                const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& residual,
@@ -861,6 +908,7 @@ int64_t quant_isas() {
 }
 
 PAGEDLLM_REGISTER(quant_kernels) {
+  m.def("qk_norm(Tensor(a!) qkv, Tensor wq, Tensor wk, int hq, int hkv, float eps, float clip=0.) -> ()", &qk_norm);
   m.def("quant_matmul(Tensor x, Tensor[] ws, int[] types, int k, int isa=0) -> Tensor", &quant_matmul);
   m.def("quant_moe_experts(Tensor x, Tensor ids, Tensor weights, Tensor[] gate_up, int[] gate_up_types, "
         "int[] gate_up_parts, Tensor[] down, int[] down_types, int isa=0, int x2=0) -> Tensor",
