@@ -19,7 +19,7 @@ from ..attention.calibration import resolve_fp8_scales
 from ..attention.contiguous import ContiguousBackend
 from ..attention.paged import PagedAttentionBackend
 from ..config import CacheConfig, SchedulerConfig
-from ..device import release_freed_memory
+from ..device import KEEP_BUFFERS_BYTES, keep_freed_buffers, release_freed_memory
 from ..kv.cache import KVCacheSpec, PagedKVCache, plan_cache
 from ..kv.groups import KVGroups, blocks_held, plan_groups
 from ..kv.trace import committed_bytes
@@ -164,6 +164,8 @@ class LLMEngine:
         # Running share of allocated-but-empty token slots, for the trace.
         self.waste_sum, self.waste_steps = 0.0, 0
         release_freed_memory()  # what loading freed, before the KV cache starts to fill
+        if device.type == "cpu" and keep_freed_buffers():  # steps reuse their large buffers
+            logger.debug("the heap keeps freed blocks up to %d MB for reuse", KEEP_BUFFERS_BYTES >> 20)
 
     # -- requests ---------------------------------------------------------
     def add_request(self, prompt: str | list[int] | MultiModalInput | None, params: SamplingParams | None = None,
