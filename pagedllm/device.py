@@ -57,19 +57,24 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
 
 
-@lru_cache(maxsize=1)
-def _libc_malloc_trim():
-    """glibc's malloc_trim, or None where the C library is not glibc (macOS, musl)."""
+@lru_cache(maxsize=None)
+def _glibc(name: str, argtypes: tuple, restype):
+    """glibc's function `name`, or None where the C library is not glibc (macOS, musl)."""
     import ctypes
     import ctypes.util
 
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        fn = libc.malloc_trim
+        fn = getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), name)
     except (OSError, AttributeError):
         return None
-    fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
+    fn.argtypes, fn.restype = list(argtypes), restype
     return fn
+
+
+def _libc_malloc_trim():
+    import ctypes
+
+    return _glibc("malloc_trim", (ctypes.c_size_t,), ctypes.c_int)
 
 
 def release_freed_memory() -> None:
@@ -103,16 +108,7 @@ def keep_freed_buffers() -> bool:
     return fn(_M_MMAP_THRESHOLD, KEEP_BUFFERS_BYTES) == 1 and fn(_M_TRIM_THRESHOLD, KEEP_BUFFERS_BYTES) == 1
 
 
-@lru_cache(maxsize=1)
 def _libc_mallopt():
-    """glibc's mallopt, or None where the C library is not glibc."""
     import ctypes
-    import ctypes.util
 
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        fn = libc.mallopt
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes, fn.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    return fn
+    return _glibc("mallopt", (ctypes.c_int, ctypes.c_int), ctypes.c_int)
