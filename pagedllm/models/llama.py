@@ -79,7 +79,8 @@ class Attention(nn.Module):
         """Whether the q/k norms run as the native call the all-layer decode makes (`qk.qk_norm`):
         quantized projections (whose decode steps that call also serves), plain RMSNorms."""
         return (self.qkv_proj.qparts is not None and type(self.q_norm) is RMSNorm and type(self.k_norm) is RMSNorm
-                and self.q_norm.eps == self.k_norm.eps and qkv.is_contiguous() and qkv.device.type == "cpu" and qk.qk_norm_available())
+                and self.q_norm.eps == self.k_norm.eps and qkv.is_contiguous() and qkv.device.type == "cpu"
+                and qk.qk_norm_available())
 
     def _norm_qk(self, qkv: torch.Tensor) -> torch.Tensor:
         if self._native_qk_norm(qkv):
