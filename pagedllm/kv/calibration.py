@@ -13,11 +13,16 @@ KV cache) while each layer records amax(|K|) and amax(|V|) per kv head; then
 
     scale = 2 ** ceil(log2(amax * HEADROOM / 448))
 
-HEADROOM = 2 plus the rounding up to a power of two leaves 2x-4x above the
+HEADROOM = 16.0
 calibration maximum before values saturate (they clamp to +-448, never
-inf/NaN), and costs nothing in precision: e4m3 keeps 3 mantissa bits over its
-whole normal range, which at that scale still reaches down to amax * 1e-4. A
-power-of-two scale also makes the dequantizing multiply exact.
+inf/NaN). One paragraph is a small sample: on the default model, 40 windows of
+512 tokens of Shakespeare reach 2.7x its V maximum in the last layer, and at the
+former headroom of 2 that head saturated, costing perplexity +1.02% where 16
+gives +0.80%. The headroom costs nothing measurable in precision: e4m3 keeps 3
+mantissa bits over its whole normal range, which at this scale still reaches
+down to amax / 900, and below it the subnormals' absolute error (amax * 7e-5 at
+most) is a thousandth of the top values'. A power-of-two scale also makes the
+dequantizing multiply exact.
 
 The forward that records the amax runs the model with an observing attention layer, so it
 lives with the attention layers (attention/calibration.py); this module is the arithmetic.
@@ -33,7 +38,7 @@ from .quant import FP8_MAX, FP8_SCALE_MAX, FP8_SCALE_MIN, check_fp8_scales
 
 logger = logging.getLogger(__name__)
 
-HEADROOM = 2.0
+HEADROOM = 16.0
 CALIBRATION_TEXT = (
     "It was a bright cold day in early spring, and the market square was already full of people. "
     "Merchants called out the prices of apples, bread and wool, while children ran between the "
