@@ -138,7 +138,7 @@ void decode(const T* q, int64_t q_sn, int64_t q_sh, const C* kc, const C* vc, co
   const int64_t n_items = static_cast<int64_t>(item_group.size());
   std::vector<float> part(item_off.back());
   at::parallel_for(0, n_items, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf, row(d), scores;
+    std::vector<float> qf, row(d), scores, vbuf;
     std::vector<int64_t> lo_r, hi_r;
     for (int64_t item = begin; item < end; ++item) {
       const auto [n0, rows] = groups[item_group[item] / hkv];
@@ -201,6 +201,43 @@ void decode(const T* q, int64_t q_sn, int64_t q_sh, const C* kc, const C* vc, co
         pm[v] = m;
         ps[v] = sum;
       }
+#ifdef PQ_HAS_VNNI
+      if constexpr (D % 16 == 0 && D > 0 && D <= 256) {
+        // Values a block of VB keys at a time: the rows are widened once into vbuf, then each
+        // query vector's D accumulators stay in registers across the block. Key by key, they
+        // were loaded and stored for every key and query vector (8 loads, 8 FMAs and 8 stores
+        // a key at D = 128). The same FMAs in the same key order: the same bits.
+        constexpr int64_t VB = 32;
+        vbuf.resize(VB * D);
+        for (int64_t t0 = lo; t0 < hi; t0 += VB) {
+          const int64_t t1 = std::min(hi, t0 + VB);
+          for (int64_t t = t0; t < t1; ++t) {
+            const int64_t slot = static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size;
+            const C* v = vc + static_cast<int64_t>(table[t / block_size]) * blk_stride +
+                         (t % block_size) * tok_stride + h * d;
+            load_kv(v, vs == nullptr ? nullptr : vs + slot * s_stride + h, vbuf.data() + (t - t0) * D, d);
+          }
+          for (int64_t r = 0; r < rows; ++r) {
+            const int64_t a = std::max(t0, lo_r[r]), b = std::min(t1, hi_r[r]);
+            if (a >= b) continue;
+            for (int64_t g = 0; g < g_per_kv; ++g) {
+              const int64_t qv = r * g_per_kv + g;
+              const float* sc = scores.data() + qv * CHUNK - lo_r[r];
+              float* ag = pa + qv * D;
+              __m512 acc[D / 16];
+              for (int j = 0; j < D / 16; ++j) acc[j] = _mm512_loadu_ps(ag + 16 * j);
+              for (int64_t t = a; t < b; ++t) {
+                const __m512 p = _mm512_set1_ps(sc[t]);
+                const float* vr = vbuf.data() + (t - t0) * D;
+                for (int j = 0; j < D / 16; ++j) acc[j] = _mm512_fmadd_ps(p, _mm512_loadu_ps(vr + 16 * j), acc[j]);
+              }
+              for (int j = 0; j < D / 16; ++j) _mm512_storeu_ps(ag + 16 * j, acc[j]);
+            }
+          }
+        }
+        continue;
+      }
+#endif
       for (int64_t t = lo; t < hi; ++t) {
         const int64_t slot = static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size;
         const C* v = vc + static_cast<int64_t>(table[t / block_size]) * blk_stride +
