@@ -222,12 +222,12 @@ void decode(const T* q, int64_t q_sn, int64_t q_sh, const C* kc, const C* vc, co
             if (a >= b) continue;
             for (int64_t g = 0; g < g_per_kv; ++g) {
               const int64_t qv = r * g_per_kv + g;
-              const float* sc = scores.data() + qv * CHUNK - lo_r[r];
+              const float* sc = scores.data() + qv * CHUNK;
               float* ag = pa + qv * D;
               __m512 acc[D / 16];
               for (int j = 0; j < D / 16; ++j) acc[j] = _mm512_loadu_ps(ag + 16 * j);
               for (int64_t t = a; t < b; ++t) {
-                const __m512 p = _mm512_set1_ps(sc[t]);
+                const __m512 p = _mm512_set1_ps(sc[t - lo_r[r]]);
                 const float* vr = vbuf.data() + (t - t0) * D;
                 for (int j = 0; j < D / 16; ++j) acc[j] = _mm512_fmadd_ps(p, _mm512_loadu_ps(vr + 16 * j), acc[j]);
               }
