@@ -2,8 +2,8 @@
 
 Every figure comes from a fresh process of one engine doing one measurement (a warm-up that
 does the timed work once, then `--repeats` timed runs; the median is reported), so each
-engine's peak RSS (VmHWM of that process) is its own. Both engines get the same threads, the same prompt tokens, greedy decoding
-with EOS ignored, and the same KV room:
+engine's peak RSS (VmHWM of that process) is its own. Both engines get the same threads, the
+same prompt tokens, greedy decoding with EOS ignored, and the same KV room:
 
 - decode at batch 1: a short prompt, then `--max-tokens` tokens; the rate counts the steps after
   the first token (prefill excluded);

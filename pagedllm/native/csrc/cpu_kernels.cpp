@@ -169,13 +169,16 @@ void decode(const T* q, int64_t q_sn, int64_t q_sh, const C* kc, const C* vc, co
         }
       }
       const I* table = tables + (n0 + rows - 1) * max_blocks;  // the longest row's (a superset)
+      // Position t's key or value row of head h as floats (scaled, for a quantized cache).
+      auto load_at = [&](const C* cache, const float* scales, int64_t t, float* dst) {
+        const int64_t blk = static_cast<int64_t>(table[t / block_size]);
+        const C* src = cache + blk * blk_stride + (t % block_size) * tok_stride + h * d;
+        load_kv(src, scales == nullptr ? nullptr : scales + (blk * block_size + t % block_size) * s_stride + h, dst, d);
+      };
       scores.resize(nq * CHUNK);
       // Scores: each key row is converted once and used by every query vector that sees it.
       for (int64_t t = lo; t < hi; ++t) {
-        const int64_t slot = static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size;
-        const C* k = kc + static_cast<int64_t>(table[t / block_size]) * blk_stride +
-                     (t % block_size) * tok_stride + h * d;
-        load_kv(k, ks == nullptr ? nullptr : ks + slot * s_stride + h, row.data(), d);
+        load_at(kc, ks, t, row.data());
         for (int64_t r = 0; r < rows; ++r) {
           if (t < lo_r[r] || t >= hi_r[r]) continue;
           for (int64_t g = 0; g < g_per_kv; ++g) {
@@ -211,12 +214,7 @@ void decode(const T* q, int64_t q_sn, int64_t q_sh, const C* kc, const C* vc, co
         vbuf.resize(VB * D);
         for (int64_t t0 = lo; t0 < hi; t0 += VB) {
           const int64_t t1 = std::min(hi, t0 + VB);
-          for (int64_t t = t0; t < t1; ++t) {
-            const int64_t slot = static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size;
-            const C* v = vc + static_cast<int64_t>(table[t / block_size]) * blk_stride +
-                         (t % block_size) * tok_stride + h * d;
-            load_kv(v, vs == nullptr ? nullptr : vs + slot * s_stride + h, vbuf.data() + (t - t0) * D, d);
-          }
+          for (int64_t t = t0; t < t1; ++t) load_at(vc, vs, t, vbuf.data() + (t - t0) * D);
           for (int64_t r = 0; r < rows; ++r) {
             const int64_t a = std::max(t0, lo_r[r]), b = std::min(t1, hi_r[r]);
             if (a >= b) continue;
@@ -239,10 +237,7 @@ void decode(const T* q, int64_t q_sn, int64_t q_sh, const C* kc, const C* vc, co
       }
 #endif
       for (int64_t t = lo; t < hi; ++t) {
-        const int64_t slot = static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size;
-        const C* v = vc + static_cast<int64_t>(table[t / block_size]) * blk_stride +
-                     (t % block_size) * tok_stride + h * d;
-        load_kv(v, vs == nullptr ? nullptr : vs + slot * s_stride + h, row.data(), d);
+        load_at(vc, vs, t, row.data());
         for (int64_t r = 0; r < rows; ++r) {
           if (t < lo_r[r] || t >= hi_r[r]) continue;
           for (int64_t g = 0; g < g_per_kv; ++g) {
