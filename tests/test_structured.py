@@ -61,7 +61,10 @@ SCHEMAS = {
     "answer": {
         "type": "object",
         "properties": {"answer": {"type": "string", "maxLength": 60},
-                       "confidence": {"type": "number", "minimum": 0, "maximum": 1},
+                       # A number's digits are unbounded; sampled at 0.9 one ran 400 digits to
+                       # "length" once. multipleOf bounds them, as a user would (1/4: exact in
+                       # binary, so jsonschema's float check agrees).
+                       "confidence": {"type": "number", "minimum": 0, "maximum": 1, "multipleOf": 0.25},
                        "sources": {"type": "array", "items": {"type": "string", "maxLength": 20},
                                    "maxItems": 2}},
         "required": ["answer", "confidence", "sources"], "additionalProperties": False,

@@ -66,6 +66,26 @@ inline void load_kv(const uint8_t* src, const float* s, float* dst, int64_t d) {
   }
 }
 
+#ifdef PQ_HAS_VNNI
+// out[j] = the sum of a[j]'s 16 lanes, for 16 vectors at once: pairs, then quads of lanes
+// within each 128-bit lane, then across the four 128-bit lanes. Every a[j] is summed in the
+// same order: ((l0 + l2) + (l1 + l3)) in each 128-bit lane, then (L0 + L1) + (L2 + L3).
+inline __m512 hsum16(const __m512* a) {
+  __m512 b[8], c[4];
+  for (int k = 0; k < 8; ++k)
+    b[k] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * k], a[2 * k + 1]), _mm512_unpackhi_ps(a[2 * k], a[2 * k + 1]));
+  for (int k = 0; k < 4; ++k)
+    c[k] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * k], b[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(b[2 * k], b[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 e0 = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                  _mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 e1 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                  _mm512_shuffle_f32x4(c[2], c[3], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(e0, e1, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(e0, e1, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+#endif
+
 // Rows that are consecutive positions of one sequence (speculative verification: the last
 // token and its proposals) share the block table and have lengths L, L + 1, ...: they form a
 // group whose keys and values are read once for all its rows (row i sees the first L + i).
@@ -138,7 +158,7 @@ void decode(const T* q, int64_t q_sn, int64_t q_sh, const C* kc, const C* vc, co
   const int64_t n_items = static_cast<int64_t>(item_group.size());
   std::vector<float> part(item_off.back());
   at::parallel_for(0, n_items, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf, row(d), scores, vbuf;
+    std::vector<float> qf, row(d), scores, vbuf, kbuf;
     std::vector<int64_t> lo_r, hi_r;
     for (int64_t item = begin; item < end; ++item) {
       const auto [n0, rows] = groups[item_group[item] / hkv];
@@ -177,6 +197,47 @@ void decode(const T* q, int64_t q_sn, int64_t q_sh, const C* kc, const C* vc, co
       };
       scores.resize(nq * CHUNK);
       // Scores: each key row is converted once and used by every query vector that sees it.
+#ifdef PQ_HAS_VNNI
+      constexpr bool blocked = D % 16 == 0 && D > 0 && D <= 128;
+      if constexpr (blocked) {
+        // Sixteen keys at a time: one accumulator a key, the query vector in registers, and
+        // one transposing reduction for the 16 sums, where a dot product at a time reduced
+        // each key's vector alone. Every key's sum takes the same order whatever its place in
+        // the block, so a score does not depend on the batch or the chunk.
+        kbuf.resize(16 * D);
+        for (int64_t t0 = lo - lo % 16; t0 < hi; t0 += 16) {
+          for (int64_t j = 0; j < 16; ++j) {
+            const int64_t t = t0 + j;
+            float* dst = kbuf.data() + j * D;
+            if (t < lo || t >= hi) {  // outside the item's keys: never read from the pool
+              std::fill(dst, dst + D, 0.f);
+              continue;
+            }
+            load_at(kc, ks, t, dst);
+          }
+          for (int64_t r = 0; r < rows; ++r) {
+            const int64_t a = std::max(t0, lo_r[r]), b = std::min(t0 + 16, hi_r[r]);
+            if (a >= b) continue;
+            for (int64_t g = 0; g < g_per_kv; ++g) {
+              const int64_t qv = r * g_per_kv + g;
+              const float* qg = qf.data() + qv * D;
+              __m512 qr[D / 16], acc[16];
+              for (int c = 0; c < D / 16; ++c) qr[c] = _mm512_loadu_ps(qg + 16 * c);
+              for (int j = 0; j < 16; ++j) {
+                const float* kr = kbuf.data() + j * D;
+                acc[j] = _mm512_mul_ps(qr[0], _mm512_loadu_ps(kr));
+                for (int c = 1; c < D / 16; ++c) acc[j] = _mm512_fmadd_ps(qr[c], _mm512_loadu_ps(kr + 16 * c), acc[j]);
+              }
+              alignas(64) float sums[16];
+              _mm512_store_ps(sums, hsum16(acc));
+              float* sc = scores.data() + qv * CHUNK;
+              for (int64_t t = a; t < b; ++t) sc[t - lo_r[r]] = sums[t - t0];
+            }
+          }
+        }
+      }
+      if constexpr (!blocked)
+#endif
       for (int64_t t = lo; t < hi; ++t) {
         load_at(kc, ks, t, row.data());
         for (int64_t r = 0; r < rows; ++r) {
