@@ -125,8 +125,8 @@ def test_dequantize_is_exact(fmt):
 
 
 def test_many_rows_take_the_gemm_route():
-    """Past INT_ROWS the weight is dequantized by tiles and multiplied in float: no activation
-    quantization, so it matches the float reference closely."""
+    """Past INT_ROWS a weight in the file's layout is dequantized by tiles and multiplied in
+    float: no activation quantization, so it matches the float reference closely."""
     rng = np.random.default_rng(3)
     rows, cols = qk.TILE_ROWS + 5, 256  # more than one tile
     raw = random_blocks("Q4_K", rows, cols, rng)
@@ -297,6 +297,46 @@ def test_packed_and_file_layout_parts_mix_and_take_the_gemm_route():
         levels = levels_of(m) if quantized else 0
         ref = np.concatenate([reference(r, f, n, cols, x, levels) for r, (f, n) in zip(raws, specs)], axis=1)
         assert_close(y, ref, 2e-5 if quantized else 1e-5, f"mixed m={m}")
+
+
+@pytest.mark.parametrize("role", [None, "qkv_proj"])
+def test_wide_steps_of_packed_weights_take_the_integer_kernel_in_chunks(monkeypatch, role):
+    """Past INT_ROWS, with PAGEDLLM_QUANT_WIDE=int, packed parts run the integer kernel in chunks
+    of WIDE_CHUNK rows: one int8 level (two at q|k|v), close to gguf's float reference, and
+    every row the same bits as in one kernel call over them all; the folded linear (norm,
+    silu(gate) * up, residual) likewise. The LM head, parts in the file's layout, and every
+    part by default keep the GEMM route."""
+    monkeypatch.delenv("PAGEDLLM_QUANT_WIDE", raising=False)
+    rng = np.random.default_rng(41)
+    cols, sizes, m = 512, (64, 32), 2 * qk.WIDE_CHUNK + 37
+    raws = [random_blocks("Q4_K", n, cols, rng) for n in sizes]
+    parts = [packed(r, "Q4_K", n, cols) for r, n in zip(raws, sizes)]
+    assert not qk.integer_route(m, parts) and qk.integer_route(qk.INT_ROWS, parts)
+    monkeypatch.setenv("PAGEDLLM_QUANT_WIDE", "int")
+    assert m > qk.INT_ROWS and qk.integer_route(m, parts, role) and not qk.integer_route(m, parts, "lm_head")
+    assert not qk.integer_route(m, [QuantTensor("Q4_K", torch.from_numpy(raws[0]), (64, cols))])
+    x = torch.from_numpy(rng.standard_normal((m, cols)).astype(np.float32))
+    y = qk.matmul(x, parts, role=role)
+    levels = 2 if role in qk.X2_WIDE else 1
+    ref = np.concatenate([reference(r, "Q4_K", n, cols, x.numpy(), levels) for r, n in zip(raws, sizes)], axis=1)
+    assert_close(y.numpy(), ref, 2e-5, f"wide integer route ({levels} levels)")
+    isa_id = qk._isa_id(None, m, role)
+    whole = ops.quant_matmul(x, [p.data for p in parts], [p.type_id for p in parts], cols, isa_id)
+    assert torch.equal(y, whole)
+    # The folded call: RMSNorm before, silu(gate) * up, a residual after, chunk by chunk.
+    norm = torch.nn.RMSNorm(cols, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    res = torch.randn(m, sum(sizes) // 2)
+    got = qk.linear(x, parts, norm, None, res, True, role)
+    want = ops.quant_linear(x, [p.data for p in parts], [p.type_id for p in parts], cols, norm.weight, 1e-6,
+                            None, res, 1, isa_id)
+    assert got.shape == (m, sum(sizes) // 2) and torch.equal(got, want)
+    monkeypatch.setenv("PAGEDLLM_QUANT_WIDE", "gemm")
+    assert not qk.integer_route(m, parts, role)
+    monkeypatch.setenv("PAGEDLLM_QUANT_WIDE", "fast")
+    with pytest.raises(ValueError, match="PAGEDLLM_QUANT_WIDE='fast' is not one of gemm, int"):
+        qk.integer_route(m, parts, role)
 
 
 def test_packed_rows_give_the_same_bits_whatever_the_batch():

@@ -205,10 +205,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output", default="bench-results/quality.json")
 
 
+WIDE_INT = "int8 (PAGEDLLM_QUANT_WIDE=int)"
+
+
 def run_weights(args: argparse.Namespace) -> dict:
     """Quantized weights against the dequantized float32 model on the same windows. Decode path:
     chunk 1, every window one row of a batch of at most 32 (the integer kernels). Prefill path:
-    whole windows at once (tile dequantize + GEMM)."""
+    whole windows at once, by tile dequantize + GEMM (the default) and by the integer kernel
+    (PAGEDLLM_QUANT_WIDE=int)."""
     from .. import LLM
     from ..quant.kernels import INT_ROWS, X2_ROWS
 
@@ -230,7 +234,9 @@ def run_weights(args: argparse.Namespace) -> dict:
             ("quantized fp32, decode, int8x2", dict(dtype="float32"), 1, "int8x2"),
             *([auto] if len(windows) > X2_ROWS else []),
             ("quantized fp32, decode, int8", dict(dtype="float32"), 1, "int8"),
-            ("quantized fp32, prefill path", dict(dtype="float32"), args.window_len + 1, None)]
+            ("quantized fp32, prefill path", dict(dtype="float32"), args.window_len + 1, None),
+            # The integer kernel past INT_ROWS too (PAGEDLLM_QUANT_WIDE=int, quant/kernels.py).
+            (f"quantized fp32, prefill path, {WIDE_INT}", dict(dtype="float32"), args.window_len + 1, None)]
     if args.head:  # only the head differs: the checkpoint's own blocks on both sides
         runs = [("float head fp32 (reference)", dict(dtype="float32", keep_float_head=True), 1, None),
                 ("Q8_0 head fp32, decode, int8x2", dict(dtype="float32"), 1, "int8x2"),
@@ -239,8 +245,12 @@ def run_weights(args: argparse.Namespace) -> dict:
         runs += [(f"quantized {args.dtype}, decode, {act}", dict(dtype=args.dtype), 1, act)
                  for act in ("int8x2", *(["auto"] if len(windows) > X2_ROWS else []), "int8")]
     results = []
-    saved_act = os.environ.get("PAGEDLLM_QUANT_ACT")
+    saved_act, saved_wide = os.environ.get("PAGEDLLM_QUANT_ACT"), os.environ.pop("PAGEDLLM_QUANT_WIDE", None)
     for label, kw, chunk, act in runs:
+        if label.endswith(WIDE_INT):
+            os.environ["PAGEDLLM_QUANT_WIDE"] = "int"
+        else:
+            os.environ.pop("PAGEDLLM_QUANT_WIDE", None)
         if act:
             os.environ["PAGEDLLM_QUANT_ACT"] = act
         elif saved_act is None:
@@ -264,6 +274,10 @@ def run_weights(args: argparse.Namespace) -> dict:
         os.environ.pop("PAGEDLLM_QUANT_ACT", None)
     else:
         os.environ["PAGEDLLM_QUANT_ACT"] = saved_act
+    if saved_wide is None:
+        os.environ.pop("PAGEDLLM_QUANT_WIDE", None)
+    else:
+        os.environ["PAGEDLLM_QUANT_WIDE"] = saved_wide
     peer = None if args.head else _llamacpp_scores(args.model, windows)
     if peer is not None:
         results.append(peer)

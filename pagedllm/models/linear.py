@@ -75,7 +75,8 @@ class Linear(nn.Linear):
             return y if residual is None else residual + y
         # Rows with an adapter take the plain ops below (forward adds their deltas before the
         # activation and the residual); the folded native call has no place for them yet.
-        if (self.qparts is not None and x.shape[0] <= qk.INT_ROWS and x.dim() == 2 and self.part_perms is None
+        if (self.qparts is not None and x.dim() == 2 and qk.integer_route(x.shape[0], self.qparts, self.act_role)
+                and self.part_perms is None
                 and (self.lora is None or not self.lora.active)):
             if self.in_perm is not None:  # the norm before the permutation (its weight is in x's order)
                 x = (norm(x) if norm is not None else x).index_select(1, self.in_perm)

@@ -3,7 +3,8 @@
 Few rows (decode) take the integer path: the activation is quantized to int8 per 32 values
 and multiplied with the weight's blocks by integer dot products (AVX-512 VNNI, AVX2, or the
 scalar reference). Many rows (prefill, wide batches) are compute bound: the weight is
-dequantized a tile of rows at a time into the compute dtype and the GEMM does the rest.
+dequantized a tile of rows at a time into the compute dtype and the GEMM does the rest (or,
+with PAGEDLLM_QUANT_WIDE=int, the integer kernel takes them too, chunk by chunk).
 """
 from __future__ import annotations
 
@@ -31,6 +32,18 @@ INT_ROWS = int(os.environ.get("PAGEDLLM_QUANT_INT_ROWS", "32"))
 # the kernel, whose faults cost more than the dequantization (a 3B model's 512-token prefill
 # spent a third of its time there).
 TILE_ROWS = 2048
+# PAGEDLLM_QUANT_WIDE=int: past INT_ROWS too (prefill, wide decode batches), packed weights take
+# the integer kernel (one int8 level, q|k|v two, as X2_WIDE says; the LM head and weights in the
+# file's layout keep the GEMM route), in chunks of WIDE_CHUNK rows so that a chunk's int8
+# activations stay in cache while every weight group passes over them. Measured on
+# Qwen2.5-Coder-1.5B Q4_K_M (2 threads, AVX-512 VNNI + BF16), prefill tok/s against the default
+# dequantize + GEMM route in bf16: 2.2x at 64 rows, 1.19x at 512, 1.16x at 1024; at 2048 rows
+# 0.73x in one call (the activations no longer fit), 1.06x in chunks of 512, 1.15x in chunks of
+# 64-256. Off by default: prefill then rounds activations to int8 where the GEMM route is exact
+# (perplexity and top-1 of both in README, "Activation rounding"). On AVX2 the integer kernel
+# does a quarter of VNNI's products per instruction: there it is likely slower (not measured).
+WIDE_MODES = ("gemm", "int")
+WIDE_CHUNK = 128
 TILE_VALUES = 4 * 2**20
 TILE_PAD = 32  # a transposed tile's rows are this much longer (csrc/quant_packed.cpp)
 _scratch = threading.local()
@@ -90,6 +103,22 @@ ACT_X2_PROJ = 512
 # rechecked) -> 98.5% (and q|k|v two-level; +3 ms on an 85 ms step), while o, gate|up and down
 # added 0.0-0.4 points each for 3-26 ms. PAGEDLLM_QUANT_X2_WIDE (roles, comma-separated) overrides.
 X2_WIDE = ("qkv_proj",)
+
+
+def wide_mode() -> str:
+    mode = os.environ.get("PAGEDLLM_QUANT_WIDE", "gemm")
+    if mode not in WIDE_MODES:
+        raise ValueError(f"PAGEDLLM_QUANT_WIDE={mode!r} is not one of {', '.join(WIDE_MODES)}")
+    return mode
+
+
+def integer_route(rows: int, parts: list[QuantTensor], role: str | None = None) -> bool:
+    """Whether a step of `rows` rows through `parts` (the projection `role`) takes the integer
+    kernel: always up to INT_ROWS; past it, packed parts other than the head where
+    PAGEDLLM_QUANT_WIDE=int (WIDE_CHUNK)."""
+    if rows <= INT_ROWS:
+        return True
+    return wide_mode() == "int" and role != "lm_head" and all(p.packed for p in parts)
 
 
 def activation_mode() -> str:
@@ -152,9 +181,10 @@ def matmul(x: torch.Tensor, parts: list[QuantTensor], isa: str | None = None,
     so asking for float32 loses nothing."""
     ops = cpu_kernels()
     out_dtype = out_dtype or x.dtype
-    if x.shape[0] <= INT_ROWS or isa is not None:
-        y = ops.quant_matmul(x, [p.data for p in parts], [p.type_id for p in parts], parts[0].shape[1],
-                             _isa_id(isa, x.shape[0], role))
+    if isa is not None or integer_route(x.shape[0], parts, role):
+        isa_id = _isa_id(isa, x.shape[0], role)
+        y = _chunked(x, sum(p.shape[0] for p in parts), torch.float32, lambda rows: ops.quant_matmul(
+            x[rows], [p.data for p in parts], [p.type_id for p in parts], parts[0].shape[1], isa_id))
         return y if out_dtype == torch.float32 else y.to(out_dtype)
     # Tile by tile into one output (no list of partial products and no cat: at prefill sizes
     # those doubled the step's peak memory).
@@ -270,14 +300,30 @@ def _tile_scratch(dtype: torch.dtype, numel: int) -> torch.Tensor:
     return buf
 
 
+def _chunked(x: torch.Tensor, n_out: int, dtype: torch.dtype, call) -> torch.Tensor:
+    """call(rows) for x's rows: all at once up to WIDE_CHUNK of them, else chunk by chunk into one
+    output. A row's result does not depend on its chunk: the kernels compute each row alone, at
+    the rounding the caller chose for the whole step."""
+    m = x.shape[0]
+    if m <= WIDE_CHUNK:
+        return call(slice(None))
+    y = torch.empty(m, n_out, dtype=dtype, device=x.device)
+    for r0 in range(0, m, WIDE_CHUNK):
+        rows = slice(r0, r0 + WIDE_CHUNK)
+        y[rows] = call(rows)
+    return y
+
+
 def linear(x: torch.Tensor, parts: list[QuantTensor], norm, bias: torch.Tensor | None,
            residual: torch.Tensor | None, silu_mul: bool, role: str | None = None) -> torch.Tensor:
     """The integer path with the layer's RMSNorm (`norm`: weight and eps), bias, silu(gate) * up
     and residual folded into one native call; output in x's dtype."""
-    return cpu_kernels().quant_linear(
-        x, [p.data for p in parts], [p.type_id for p in parts], parts[0].shape[1],
-        None if norm is None else norm.weight, 0.0 if norm is None else norm.eps, bias, residual,
-        1 if silu_mul else 0, _isa_id(None, x.shape[0], role))
+    ops, k, act = cpu_kernels(), parts[0].shape[1], 1 if silu_mul else 0
+    data, types, isa_id = [p.data for p in parts], [p.type_id for p in parts], _isa_id(None, x.shape[0], role)
+    w, eps = (None, 0.0) if norm is None else (norm.weight, norm.eps)
+    n_out = sum(p.shape[0] for p in parts) // (2 if silu_mul else 1)
+    return _chunked(x, n_out, x.dtype, lambda rows: ops.quant_linear(
+        x[rows], data, types, k, w, eps, bias, None if residual is None else residual[rows], act, isa_id))
 
 
 def decode_layers_available() -> bool:
