@@ -247,6 +247,22 @@ def test_few_rows_run_their_experts_in_one_native_call(tmp_path, monkeypatch, ro
     assert not torch.allclose(wrong, fast, rtol=1e-2, atol=1e-3)
     with pytest.raises(RuntimeError, match=f"expert id {moe.num_experts} out of range"):
         real_native(h, torch.full_like(ids, moe.num_experts), weights, moe._native_experts())
+    # Only the step's experts are checked and read: a down projection cut short is refused
+    # where it is routed to, and never touched where it is not.
+    import dataclasses
+
+    plan = moe._native_experts()
+    idle = [e for e in range(moe.num_experts) if e not in ids.unique().tolist()][:1]  # (none at 32 rows)
+    busy = int(ids[0, 0])
+    for e in idle + [busy]:
+        down = list(plan.down)
+        down[e] = down[e][:-1]
+        cut = dataclasses.replace(plan, down=down)
+        if e != busy:
+            assert torch.equal(real_native(h, ids, weights, cut), real_native(h, ids, weights, plan))
+        else:
+            with pytest.raises(RuntimeError, match=f"expert {busy}'s down"):
+                real_native(h, ids, weights, cut)
 
 
 @pytest.mark.parametrize("family", MOE_FAMILIES)
