@@ -205,7 +205,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output", default="bench-results/quality.json")
 
 
-WIDE_INT = "int8 (PAGEDLLM_QUANT_WIDE=int)"
+WIDE_INT = "int8 (WIDE=int)"
 
 
 def run_weights(args: argparse.Namespace) -> dict:
@@ -236,7 +236,7 @@ def run_weights(args: argparse.Namespace) -> dict:
             ("quantized fp32, decode, int8", dict(dtype="float32"), 1, "int8"),
             ("quantized fp32, prefill path", dict(dtype="float32"), args.window_len + 1, None),
             # The integer kernel past INT_ROWS too (PAGEDLLM_QUANT_WIDE=int, quant/kernels.py).
-            (f"quantized fp32, prefill path, {WIDE_INT}", dict(dtype="float32"), args.window_len + 1, None)]
+            (f"quantized fp32, prefill, {WIDE_INT}", dict(dtype="float32"), args.window_len + 1, None)]
     if args.head:  # only the head differs: the checkpoint's own blocks on both sides
         runs = [("float head fp32 (reference)", dict(dtype="float32", keep_float_head=True), 1, None),
                 ("Q8_0 head fp32, decode, int8x2", dict(dtype="float32"), 1, "int8x2"),

@@ -32,6 +32,8 @@ INT_ROWS = int(os.environ.get("PAGEDLLM_QUANT_INT_ROWS", "32"))
 # the kernel, whose faults cost more than the dequantization (a 3B model's 512-token prefill
 # spent a third of its time there).
 TILE_ROWS = 2048
+TILE_VALUES = 4 * 2**20
+TILE_PAD = 32  # a transposed tile's rows are this much longer (csrc/quant_packed.cpp)
 # PAGEDLLM_QUANT_WIDE=int: past INT_ROWS too (prefill, wide decode batches), packed weights take
 # the integer kernel (one int8 level, q|k|v two, as X2_WIDE says; the LM head and weights in the
 # file's layout keep the GEMM route), in chunks of WIDE_CHUNK rows so that a chunk's int8
@@ -40,12 +42,11 @@ TILE_ROWS = 2048
 # dequantize + GEMM route in bf16: 2.2x at 64 rows, 1.19x at 512, 1.16x at 1024; at 2048 rows
 # 0.73x in one call (the activations no longer fit), 1.06x in chunks of 512, 1.15x in chunks of
 # 64-256. Off by default: prefill then rounds activations to int8 where the GEMM route is exact
-# (perplexity and top-1 of both in README, "Activation rounding"). On AVX2 the integer kernel
-# does a quarter of VNNI's products per instruction: there it is likely slower (not measured).
+# (perplexity and top-1 of both in README, "Integer prefill"). On AVX2 the integer kernel
+# takes three instructions for half of one vpdpbusd's products: there it is likely slower than
+# the GEMM (not measured).
 WIDE_MODES = ("gemm", "int")
 WIDE_CHUNK = 128
-TILE_VALUES = 4 * 2**20
-TILE_PAD = 32  # a transposed tile's rows are this much longer (csrc/quant_packed.cpp)
 _scratch = threading.local()
 
 
