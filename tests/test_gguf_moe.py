@@ -263,6 +263,7 @@ def test_few_rows_run_their_experts_in_one_native_call(tmp_path, monkeypatch, ro
         else:
             with pytest.raises(RuntimeError, match=f"expert {busy}'s down"):
                 real_native(h, ids, weights, cut)
+    assert real_native(h[:0], ids[:0], weights[:0], plan).shape == (0, h.shape[1])  # no rows, no experts
 
 
 @pytest.mark.parametrize("family", MOE_FAMILIES)

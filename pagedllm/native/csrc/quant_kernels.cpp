@@ -382,6 +382,7 @@ at::Tensor moe_experts(const float* xp, int64_t n_tok, int64_t hidden, const int
   std::vector<int64_t> active;
   for (int64_t e = 0; e < n_exp; ++e)
     if (!rows[e].empty()) active.push_back(e);
+  if (active.empty()) return at::zeros({n_tok, hidden}, at::TensorOptions().dtype(at::kFloat));  // (no rows)
   // Only the active experts' weights are checked: a step reads only those (at batch 1, 8 of
   // OLMoE's 64), and checking all 64 cost about 10 us a layer (a top-1 block on 1 thread,
   // 125 -> 114 us).
