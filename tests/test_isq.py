@@ -189,6 +189,36 @@ def test_decode_stack_gives_the_per_layer_bits(isq_ckpt, fmt, kv, monkeypatch):
     assert stacked_steps > 0, "the decode stack never ran"
 
 
+def test_decode_stack_finds_the_layer_pools_once(isq_ckpt, monkeypatch):
+    """The all-layer decode looks up the layers' KV pools once, not every step (a Python loop
+    over the layers); when other attention layers are set (as the runner and the f8e4m3
+    calibration set them), it looks again and reads theirs."""
+    from pagedllm import SamplingParams
+    from pagedllm.attention.paged import PagedAttentionLayer
+    from pagedllm.quant import kernels as qk
+
+    if not qk.decode_layers_available():
+        pytest.skip("the native library is not built here")
+    path, _ = isq_ckpt
+    llm = LLM(str(path), kv_cache_memory_mb=8, enable_prefix_caching=False, dtype="float32", isq="Q8_0")
+    model = llm.engine.model
+    looked: list = []
+    real = PagedAttentionLayer.stack_kv
+    monkeypatch.setattr(PagedAttentionLayer, "stack_kv", lambda self, dtype: looked.append(self) or real(self, dtype))
+    sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    prompt = list(range(300, 320))
+    first = llm.generate([prompt], sp)[0].outputs[0].token_ids
+    attns = [a.attn for a in model.attention_modules()]
+    assert looked == attns, "11 decode steps should look the pools up once"
+    for a in model.attention_modules():
+        old = a.attn
+        a.attn = PagedAttentionLayer(old.kv, old.window, old.scale, old.native, old.softcap, old.group)
+    looked.clear()
+    again = llm.generate([prompt], sp)[0].outputs[0].token_ids
+    assert looked == [a.attn for a in model.attention_modules()] and looked[0] is not attns[0]
+    assert again == first
+
+
 @pytest.mark.parametrize("dtype,kv", [("float32", "auto"), ("bfloat16", "auto"), ("bfloat16", "int8")])
 def test_decode_stack_applies_qwen3_qk_norms(tmp_path, hf_smollm2_tokenizer, dtype, kv, monkeypatch):
     """Qwen3 normalizes each q and k head before rope: the all-layer decode applies those norms

@@ -33,9 +33,12 @@ class DecodeStack:
 class AttentionContext(Protocol):
     """What one forward pass tells the attention layers about the flattened batch."""
 
-    def decode_stack(self, layers: Sequence["AttentionLayer"], dtype: torch.dtype) -> DecodeStack | None:
+    def decode_stack(self, layers: Sequence["AttentionLayer"], dtype: torch.dtype,
+                     pools: dict | None = None) -> DecodeStack | None:
         """The cache view for running all `layers` of a decode-only step in one native call, or
-        None where that path does not apply (prefill rows, another backend, KV groups)."""
+        None where that path does not apply (prefill rows, another backend, KV groups).
+        `pools`: a memo the caller keeps with `layers` (emptied when they change), so that the
+        layers' pools are looked up once, not every step."""
         ...
 
 

@@ -15,6 +15,26 @@ import torch
 from .backend import AttentionLayer, DecodeStack
 
 
+def layer_pools(layers: Sequence[AttentionLayer], dtype: torch.dtype) -> tuple | None:
+    """(K pools, V pools, windows, K scales, V scales) of `layers` for the all-layer decode
+    under `dtype` (the scales empty for a plain cache); None unless every layer's cache can be
+    read in place."""
+    k, v, windows, ks, vs = [], [], [], [], []
+    for layer in layers:
+        kv = layer.stack_kv(dtype)
+        if kv is None:
+            return None
+        k.append(kv[0])
+        v.append(kv[1])
+        windows.append(kv[2])
+        if kv[3] is not None:
+            ks.append(kv[3])
+            vs.append(kv[4])
+    if ks and len(ks) != len(k):  # (one cache: its layers are all quantized or none is)
+        return None
+    return k, v, windows, ks, vs
+
+
 @dataclass
 class AttentionMetadata:
     num_decodes: int
@@ -38,24 +58,22 @@ class AttentionMetadata:
     def group(self, g: int) -> "AttentionMetadata":
         return self if g == 0 else self.groups[g - 1]
 
-    def decode_stack(self, layers: Sequence[AttentionLayer], dtype: torch.dtype) -> DecodeStack | None:
+    def decode_stack(self, layers: Sequence[AttentionLayer], dtype: torch.dtype,
+                     pools: dict | None = None) -> DecodeStack | None:
         """The paged cache of a decode-only step for one call over all `layers` (the
-        AttentionContext question); None unless every layer's cache can be read in place."""
+        AttentionContext question); None unless every layer's cache can be read in place.
+        `pools`: the caller's memo of the layers' pools per dtype, which it empties when the
+        layers change."""
         if self.num_decodes != len(self.seq_ids) or self.slot_mapping is None:
             return None
-        k, v, windows, ks, vs = [], [], [], [], []
-        for layer in layers:
-            kv = layer.stack_kv(dtype)
-            if kv is None:
-                return None
-            k.append(kv[0])
-            v.append(kv[1])
-            windows.append(kv[2])
-            if kv[3] is not None:
-                ks.append(kv[3])
-                vs.append(kv[4])
-        if ks and len(ks) != len(k):  # (one cache: its layers are all quantized or none is)
+        found = pools.get(dtype, False) if pools is not None else False
+        if found is False:
+            found = layer_pools(layers, dtype)
+            if pools is not None:
+                pools[dtype] = found
+        if found is None:
             return None
+        k, v, windows, ks, vs = found
         return DecodeStack(k, v, windows, self.slot_mapping, self.block_tables, self.decode_context_lens, ks, vs)
 
     @property

@@ -211,7 +211,7 @@ class LlamaForCausalLM(nn.Module):
             if not qk.decode_layers_take_lora() or plan["moe_layers"]:
                 return None
             lora = self._stack_lora()
-        kv = meta.decode_stack(plan["attns"], h.dtype)  # None: not a decode-only native paged step
+        kv = meta.decode_stack(plan["attns"], h.dtype, plan["pools"])  # None: not a decode-only native paged step
         if kv is None:
             return None
         a = self.layers[0].self_attn
@@ -244,10 +244,16 @@ class LlamaForCausalLM(nn.Module):
     def _stack_plan(self) -> dict | None:
         """The flattened weights of `_decode_stack`, made once; None unless every layer is a
         plain decoder layer whose four projections are quantized."""
-        if getattr(self, "_plan", False) is not False:
-            if self._plan is not None:  # the runner may have set other attention layers since
-                self._plan["attns"] = [layer.self_attn.attn for layer in self.layers]
-            return self._plan
+        plan = getattr(self, "_plan", False)
+        if plan is not False:
+            if plan is not None:
+                # The runner (or a calibration pass) may have set other attention layers since;
+                # then the pools found for the old ones go. (Plain attribute reads: going
+                # through the modules costs some 60 us a step on a 30-layer model.)
+                attns = [a.attn for a in plan["attn_modules"]]
+                if attns != plan["attns"]:
+                    plan["attns"], plan["pools"] = attns, {}
+            return plan
         self._plan = None
         layers = list(self.layers)
         if not qk.decode_layers_available() or not layers or self.tp is not None:
@@ -297,7 +303,9 @@ class LlamaForCausalLM(nn.Module):
         if clip is not None and (not qk_norms or not qk.decode_layers_take_moe()):
             return None
         moe = qk.moe_stack(sparse) if any(e is not None for e in sparse) or clip is not None else None
-        self._plan = {"attns": [layer.self_attn.attn for layer in layers], "weights": weights, "types": types, "parts": parts, "kdims": kdims,
+        attn_modules = [layer.self_attn for layer in layers]
+        self._plan = {"attn_modules": attn_modules, "attns": [a.attn for a in attn_modules], "pools": {},
+                      "weights": weights, "types": types, "parts": parts, "kdims": kdims,
                       "norms": norms, "eps": eps.pop(), "biases": biases, "qk_norms": qk_norms, "moe": moe,
                       "qkv_clip": float(clip or 0.0),
                       "moe_layers": [(i, layer.mlp) for i, layer in enumerate(layers) if sparse[i] is not None]}
