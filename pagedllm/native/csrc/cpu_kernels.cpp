@@ -156,6 +156,10 @@ void decode(const T* q, int64_t q_sn, int64_t q_sh, const C* kc, const C* vc, co
       }
   }
   const int64_t n_items = static_cast<int64_t>(item_group.size());
+  // Every (group, head) in one chunk (contexts of up to CHUNK keys, the common decode step):
+  // each item writes its output itself, and the merge pass, a second parallel region a
+  // layer, is skipped. The same arithmetic as the merge of one chunk: the same bits.
+  const bool single = n_items == n_groups * hkv;
   std::vector<float> part(item_off.back());
   at::parallel_for(0, n_items, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf, row(d), scores, vbuf, kbuf;
@@ -168,6 +172,18 @@ void decode(const T* q, int64_t q_sn, int64_t q_sh, const C* kc, const C* vc, co
       float* ps = pm + nq;
       float* pa = ps + nq;
       std::fill(pa, pa + nq * d, 0.f);
+      // Where `single`: the merge's steps for one chunk (its max is the top, so the weight
+      // is expf(0) = 1), written out here.
+      auto finish = [&] {
+        if (!single) return;
+        for (int64_t v = 0; v < nq; ++v) {
+          const float inv = ps[v] > 0.f ? 1.f / ps[v] : 0.f;
+          const float* av = pa + v * d;
+          const int64_t r = v / g_per_kv, g = v % g_per_kv;
+          T* o = out + ((n0 + r) * hq + h * g_per_kv + g) * d;
+          for (int64_t i = 0; i < d; ++i) o[i] = static_cast<T>((0.f + av[i]) * inv);
+        }
+      };
       qf.resize(nq * d);
       lo_r.resize(rows);
       hi_r.resize(rows);
@@ -294,6 +310,7 @@ void decode(const T* q, int64_t q_sn, int64_t q_sh, const C* kc, const C* vc, co
             }
           }
         }
+        finish();
         continue;
       }
 #endif
@@ -310,8 +327,10 @@ void decode(const T* q, int64_t q_sn, int64_t q_sh, const C* kc, const C* vc, co
           }
         }
       }
+      finish();
     }
   });
+  if (single) return;
   // Merge each (group, head)'s chunks in order: rescale to the largest max, sum, divide.
   std::vector<int64_t> first_item(n_groups * hkv + 1, n_items);
   for (int64_t item = n_items - 1; item >= 0; --item) first_item[item_group[item]] = item;
