@@ -212,6 +212,46 @@ def test_greedy_rows_in_a_mixed_batch_take_the_argmax():
     assert [toks[i] for i in (1, 3, 5)] == logits[[1, 3, 5]].argmax(-1).tolist()
 
 
+def test_greedy_rows_take_torchs_argmax_and_mark_non_finite_rows(monkeypatch):
+    """An all-greedy step takes one native pass per row (greedy_tokens): the first maximal
+    logit, as torch.argmax picks it (ties, signed zeros, narrow and wide rows, strided rows),
+    and with check_finite, -1 for rows holding a NaN or an infinity, judged on the model's
+    logits before a mask's -inf. The torch fallback gives the same."""
+    from pagedllm.native import cpu_kernels
+    from pagedllm.sampling import sampler as sm
+
+    g = torch.Generator().manual_seed(3)
+    rows = [torch.randn(b, v, generator=g) for b, v in ((1, 49152), (6, 151936), (3, 37), (2, 9), (1, 1))]
+    ties = torch.zeros(3, 100)
+    ties[0, [5, 50]] = 3.0
+    ties[1, [98, 99]] = 1.0
+    ties[2] = -0.0
+    ties[2, 3] = 0.0
+    bad = torch.randn(5, 1000, generator=g)
+    bad[0, 999], bad[1, 3], bad[2, 500] = float("nan"), float("inf"), float("-inf")
+    strided = torch.randn(6, 300, generator=g)[::2]
+    greedy = _meta([SamplingParams(temperature=0.0)] * 5)
+    ops = cpu_kernels()
+    paths = [True] + ([False] if ops is not None and hasattr(ops, "greedy_tokens") else [])
+    for torch_path in paths:
+        if torch_path:
+            monkeypatch.setattr(sm, "cpu_kernels", lambda: None)
+        else:
+            monkeypatch.undo()
+        for x in [*rows, ties, strided]:
+            assert sm.greedy_ids(x, check_finite=True) == x.argmax(-1).tolist()
+        assert sm.greedy_ids(ties) == [5, 98, 0]
+        assert Sampler(DEV)(bad.clone(), greedy, check_finite=True).token_ids[:3] == [-1, -1, -1]
+        assert Sampler(DEV)(bad.clone(), greedy, check_finite=True).token_ids[3:] == bad[3:].argmax(-1).tolist()
+        picked = Sampler(DEV)(bad.clone(), greedy).token_ids  # unchecked: every row gets a token
+        assert all(0 <= t < 1000 for t in picked) and picked[1:] == bad[1:].argmax(-1).tolist()
+        # A mask's -inf is not a failure; the masked argmax is taken.
+        meta = _meta([SamplingParams(temperature=0.0)] * 2)
+        meta.allowed_mask, meta.mask_rows = torch.zeros(1, 1000, dtype=torch.bool), [0]
+        meta.allowed_mask[0, 7] = True
+        assert Sampler(DEV)(bad[3:].clone(), meta, check_finite=True).token_ids == [7, bad[4].argmax().item()]
+
+
 def test_allowed_mask_is_honoured():
     logits = torch.randn(3, 100)
     allowed = torch.zeros(2, 100, dtype=torch.bool)

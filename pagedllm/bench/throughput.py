@@ -84,7 +84,7 @@ class _TimedSampler:
     def __init__(self, inner) -> None:
         self.inner, self.seconds = inner, 0.0
 
-    def __call__(self, logits, meta, **kw):  # kw: the runner's finite= row check
+    def __call__(self, logits, meta, **kw):  # kw: the runner's check_finite=
         t0 = time.perf_counter()
         out = self.inner(logits, meta, **kw)
         if logits.device.type == "cuda":

@@ -37,6 +37,7 @@ import torch
 from ..config import CacheConfig
 from ..kv.cache import KVCacheSpec, dtype_name
 from ..kv.groups import KVGroups, plan_groups
+from ..sampling.sampler import greedy_ids
 from .block_manager import BlockManager
 from .draft_head import DraftHead, resolve_keep
 from .model_runner import ModelRunner
@@ -301,7 +302,7 @@ class DraftModel:
         if self.head is None:
             plan.logits_rows = rows
             logits = self.runner.logits(plan)
-            out = [] if logits is None else logits.argmax(-1).tolist()
+            out = [] if logits is None else greedy_ids(logits)
         else:  # the final hidden states of those rows, through the draft's own head
             plan.logits_rows, plan.hidden_rows = [], rows
             _, hidden = self.runner.forward(plan)

@@ -25,6 +25,7 @@ import torch
 
 from ..quant import kernels as qk
 from ..quant.formats import PACK_ROWS, QuantTensor
+from ..sampling.sampler import greedy_ids
 
 # With draft_vocab unset, a vocabulary over AUTO_MIN_VOCAB ids is cut to its first AUTO_KEEP.
 AUTO_KEEP, AUTO_MIN_VOCAB = 32768, 65536
@@ -124,7 +125,7 @@ class DraftHead:
             main = (hidden.to(self.weight.dtype) @ self.weight.t()).float()
         ids, rows = self._extra()
         if not len(ids):
-            return main.argmax(-1).tolist()
+            return greedy_ids(main)
         best, arg = main.max(-1)
         ebest, earg = (hidden @ rows.t()).max(-1)
         out = torch.where(ebest > best, ids[earg], arg)

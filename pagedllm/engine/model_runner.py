@@ -392,14 +392,12 @@ class ModelRunner:
             return RunnerOutput([], None, scored, next_token, pooled)
         if len(rows) != logits.shape[0]:
             logits = logits[torch.tensor(rows, device=self.device)]
-        # A sum is finite only if every logit is (NaN and inf propagate): a cheap check that
-        # the sampler folds into its token transfer, so it costs no extra device sync. It must
-        # see the model's own logits: a -inf mask applied to them later is not a failure.
-        finite = logits.sum(-1, dtype=torch.float32).isfinite()
         smeta = sampling_metadata(sampling_seqs, offsets)
         if masks is not None:  # the sampler applies them before anything else
             smeta.allowed_mask, smeta.mask_rows = masks.result(logits.device, len(sampling_seqs))
-        return RunnerOutput(sampling_seqs, self.sampler(logits, smeta, finite=finite), scored, next_token, pooled)
+        # Rows with a NaN or inf logit fail their request (the sampler marks them -1 in its
+        # token transfer, no extra device sync); the batch goes on.
+        return RunnerOutput(sampling_seqs, self.sampler(logits, smeta, check_finite=True), scored, next_token, pooled)
 
     def _run_model(self, plan: StepPlan, input_ids: torch.Tensor, positions: torch.Tensor, meta,
                    embeds: torch.Tensor | None = None) -> torch.Tensor:

@@ -60,6 +60,20 @@ def row_key(seed: int, output_pos: int) -> int:
     return mix32((mix32(seed & MASK32) + output_pos * 0x9E3779B1) & MASK32)
 
 
+def greedy_ids(logits: torch.Tensor, check_finite: bool = False) -> list[int]:
+    """Each row's argmax (the first of equal values), and -1 where `check_finite` and the row
+    holds a NaN or an infinity. On the CPU one native call (`greedy_tokens`): torch's argmax
+    and the finite check cost 50 us a step on a 49k vocabulary, 200 us on 152k, 600 us for
+    a speculative verification's six rows; the native pass a quarter to a tenth of that."""
+    ops = cpu_kernels() if logits.device.type == "cpu" and logits.dtype == torch.float32 else None
+    if ops is not None and hasattr(ops, "greedy_tokens") and logits.dim() == 2 and logits.shape[1] > 0:
+        return ops.greedy_tokens(logits, check_finite).tolist()
+    ids = logits.argmax(dim=-1)
+    if check_finite:
+        ids = ids.masked_fill(~logits.sum(-1, dtype=torch.float32).isfinite(), -1)
+    return ids.tolist()
+
+
 @dataclass
 class SamplerOutput:
     token_ids: list[int]
@@ -87,16 +101,20 @@ class Sampler:
             self.penalties.release(seq_id)
 
     @torch.no_grad()
-    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata,
-                 finite: torch.Tensor | None = None) -> SamplerOutput:
-        """logits: [rows, vocab] float32, owned by the sampler (modified in place). `finite`
-        [rows] bool: False rows get token -1 (their logits were not finite), in the same transfer."""
+    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata, check_finite: bool = False) -> SamplerOutput:
+        """logits: [rows, vocab] float32, owned by the sampler (modified in place).
+        `check_finite`: rows whose logits are not all finite get token -1, in the same transfer.
+        The model's own logits decide that, before any mask, bias or penalty: a -inf a mask
+        puts there is not a failure."""
         b, v = logits.shape
         dev = logits.device
         lp_rows = meta.rows_where("logprobs")
         pen_rows = meta.rows_where("needs_penalties")
         bias_rows = meta.rows_where("has_logit_bias")
         sampled = meta.rows_where("sampled")
+        if not (lp_rows or pen_rows or bias_rows or sampled) and meta.allowed_mask is None:
+            return SamplerOutput(greedy_ids(logits, check_finite))  # nothing to change or report
+        finite = logits.sum(-1, dtype=torch.float32).isfinite() if check_finite else None
         raw = None
         if lp_rows:  # logprobs report the model's distribution, before penalties, masks, sampling
             changed = bool(pen_rows) or meta.allowed_mask is not None or bool(sampled) or bool(bias_rows)

@@ -293,7 +293,64 @@ std::tuple<at::Tensor, at::Tensor> sample_candidates(const at::Tensor& vals, con
   return {tokens, need};
 }
 
+// Greedy tokens: for each row of logits [B, V] float32, the id of its largest value (the first
+// of equal ones, as torch.argmax), and -1 where `check_finite` and the row holds a NaN or an
+// infinity (the sampler's failed-row mark). One pass for the max and the check, one to find
+// its first place, where torch took five ops and as many passes (sum, isfinite, argmax,
+// masked_fill): 80 us a row of 49k and 600 us for six rows of 152k, a speculative verification.
+namespace {
+void greedy_row(const float* x, int64_t v, bool check_finite, int64_t* out) {
+  float m = -std::numeric_limits<float>::infinity();
+  bool bad = false;
+  int64_t j = 0;
+#ifdef PQ_X86
+  __m256 mv = _mm256_set1_ps(m), badv = _mm256_setzero_ps();
+  for (; j + 8 <= v; j += 8) {
+    const __m256 xv = _mm256_loadu_ps(x + j);
+    mv = _mm256_max_ps(mv, xv);
+    // x - x is 0 for a finite x, NaN for an infinity or a NaN: unordered against 0.
+    badv = _mm256_or_ps(badv, _mm256_cmp_ps(_mm256_sub_ps(xv, xv), _mm256_setzero_ps(), _CMP_UNORD_Q));
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, mv);
+  for (float l : lanes) m = std::max(m, l);
+  bad = _mm256_movemask_ps(badv) != 0;
+#endif
+  for (; j < v; ++j) {
+    m = std::max(m, x[j]);
+    bad = bad || !std::isfinite(x[j]);
+  }
+  if (check_finite && bad) {
+    *out = -1;
+    return;
+  }
+  int64_t arg = 0;  // (a NaN row, not checked: any id will do, it is in range)
+  for (int64_t i = 0; i < v; ++i)
+    if (x[i] == m) {
+      arg = i;
+      break;
+    }
+  *out = arg;
+}
+}  // namespace
+
+at::Tensor greedy_tokens(const at::Tensor& logits, bool check_finite) {
+  TORCH_CHECK(logits.device().is_cpu() && logits.dim() == 2 && logits.scalar_type() == at::kFloat,
+              "greedy_tokens: logits must be a CPU float32 [B, V] tensor");
+  TORCH_CHECK(logits.size(1) > 0, "greedy_tokens: rows of no logits");
+  const auto lc = logits.stride(1) == 1 ? logits : logits.contiguous();
+  const int64_t b = lc.size(0), v = lc.size(1), ld = lc.stride(0);
+  auto ids = at::empty({b}, logits.options().dtype(at::kLong));
+  const float* lp = lc.data_ptr<float>();
+  int64_t* op = ids.data_ptr<int64_t>();
+  at::parallel_for(0, b, 2, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) greedy_row(lp + r * ld, v, check_finite, op + r);
+  });
+  return ids;
+}
+
 PAGEDLLM_REGISTER(sample_kernels) {
+  m.def("greedy_tokens(Tensor logits, bool check_finite=True) -> Tensor", &greedy_tokens);
   m.def("sample_topk(Tensor logits, Tensor temps, int k, Tensor? rows=None, bool with_total=True) -> "
         "(Tensor, Tensor, Tensor)",
         &sample_topk);
