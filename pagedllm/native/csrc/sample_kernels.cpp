@@ -296,8 +296,9 @@ std::tuple<at::Tensor, at::Tensor> sample_candidates(const at::Tensor& vals, con
 // Greedy tokens: for each row of logits [B, V] float32, the id of its largest value (the first
 // of equal ones, as torch.argmax), and -1 where `check_finite` and the row holds a NaN or an
 // infinity (the sampler's failed-row mark). One pass for the max and the check, one to find
-// its first place, where torch took five ops and as many passes (sum, isfinite, argmax,
-// masked_fill): 80 us a row of 49k and 600 us for six rows of 152k, a speculative verification.
+// its first place, where torch took four ops and as many passes (sum, isfinite, argmax,
+// masked_fill): 50 us a row of 49k, 210 us a row of 152k, 640 us for six rows of 152k (a
+// speculative verification); here 15, 22 and 186 us.
 namespace {
 void greedy_row(const float* x, int64_t v, bool check_finite, int64_t* out) {
   float m = -std::numeric_limits<float>::infinity();
