@@ -208,6 +208,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 WIDE_INT = "int8 (WIDE=int)"
 
 
+def _set_env(name: str, value: str | None) -> None:
+    """Set an environment variable, or remove it where `value` is None."""
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
+
+
 def run_weights(args: argparse.Namespace) -> dict:
     """Quantized weights against the dequantized float32 model on the same windows. Decode path:
     chunk 1, every window one row of a batch of at most 32 (the integer kernels). Prefill path:
@@ -245,18 +253,10 @@ def run_weights(args: argparse.Namespace) -> dict:
         runs += [(f"quantized {args.dtype}, decode, {act}", dict(dtype=args.dtype), 1, act)
                  for act in ("int8x2", *(["auto"] if len(windows) > X2_ROWS else []), "int8")]
     results = []
-    saved_act, saved_wide = os.environ.get("PAGEDLLM_QUANT_ACT"), os.environ.pop("PAGEDLLM_QUANT_WIDE", None)
+    saved = {name: os.environ.get(name) for name in ("PAGEDLLM_QUANT_ACT", "PAGEDLLM_QUANT_WIDE")}
     for label, kw, chunk, act in runs:
-        if label.endswith(WIDE_INT):
-            os.environ["PAGEDLLM_QUANT_WIDE"] = "int"
-        else:
-            os.environ.pop("PAGEDLLM_QUANT_WIDE", None)
-        if act:
-            os.environ["PAGEDLLM_QUANT_ACT"] = act
-        elif saved_act is None:
-            os.environ.pop("PAGEDLLM_QUANT_ACT", None)
-        else:
-            os.environ["PAGEDLLM_QUANT_ACT"] = saved_act
+        _set_env("PAGEDLLM_QUANT_WIDE", "int" if label.endswith(WIDE_INT) else None)
+        _set_env("PAGEDLLM_QUANT_ACT", act or saved["PAGEDLLM_QUANT_ACT"])
         llm = LLM(args.model, kv_cache_context_len=ctx, max_num_seqs=len(windows), block_size=args.block_size,
                   max_num_batched_tokens=max(2048, len(windows) * chunk), isq=args.isq if "dequant" not in label
                   else None, **kw)
@@ -270,14 +270,8 @@ def run_weights(args: argparse.Namespace) -> dict:
               flush=True)
         results.append(r)
         del llm
-    if saved_act is None:
-        os.environ.pop("PAGEDLLM_QUANT_ACT", None)
-    else:
-        os.environ["PAGEDLLM_QUANT_ACT"] = saved_act
-    if saved_wide is None:
-        os.environ.pop("PAGEDLLM_QUANT_WIDE", None)
-    else:
-        os.environ["PAGEDLLM_QUANT_WIDE"] = saved_wide
+    for name, value in saved.items():
+        _set_env(name, value)
     peer = None if args.head else _llamacpp_scores(args.model, windows)
     if peer is not None:
         results.append(peer)
