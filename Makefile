@@ -82,20 +82,33 @@ bench: $(STAMP)
 # is kept under ~/.cache/pagedllm/wheels/<this CPU's SIMD flags>/ and reused by the next run;
 # a wheel built on another CPU may not run here, hence one folder per flag set. Installed with
 # --no-deps so pip never touches torch: its other needs (numpy, jinja2, typing-extensions) are ours.
+# On a CPU with AMX, ggml's AMX kernels crashed (SIGSEGV in ggml_backend_amx_mul_mat, 0.3.36, an
+# Intel Xeon with amx_int8, on the first decode of Qwen2.5-Coder Q4_K_M and of SmolLM2 Q4_1), so
+# there the peer is built for the AVX-512 sets such CPUs have instead of -march=native, AMX off
+# (its wheels in a folder of their own). pip's wheel cache is bypassed: it keys a wheel by the
+# sdist alone, so it would hand back a build made with other flags, or on another CPU.
 LLAMA_CPP_VERSION ?= 0.3.36
-LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=ON -DLLAMA_CURL=OFF
 CPU_TAG := $(shell grep -o -w 'avx2\|avx512f\|avx512_vnni\|avx512_bf16\|avx_vnni\|amx_int8' /proc/cpuinfo 2>/dev/null | sort -u | paste -sd- -)
+ifneq ($(findstring amx_int8,$(CPU_TAG)),)
+LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_AVX_VNNI=ON -DGGML_FMA=ON -DGGML_F16C=ON \
+  -DGGML_BMI2=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON \
+  -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF -DLLAMA_CURL=OFF
+WHEEL_DIR ?= $(HOME)/.cache/pagedllm/wheels/$(CPU_TAG)-noamx
+else
+LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=ON -DLLAMA_CURL=OFF
 WHEEL_DIR ?= $(HOME)/.cache/pagedllm/wheels/$(or $(CPU_TAG),generic)
+endif
 
 bench-deps: $(STAMP)
 	@whl=$$(ls $(WHEEL_DIR)/llama_cpp_python-$(LLAMA_CPP_VERSION)-*.whl 2>/dev/null | head -1); \
 	if [ -z "$$whl" ]; then \
 	  echo "building llama-cpp-python $(LLAMA_CPP_VERSION) from its sdist into $(WHEEL_DIR) (about 8+ minutes on 2 cores)"; \
-	  CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PIP) wheel -q --no-deps --no-binary :all: \
+	  CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PIP) wheel -q --no-cache-dir --no-deps --no-binary :all: \
 	    "llama-cpp-python==$(LLAMA_CPP_VERSION)" -w $(WHEEL_DIR) || exit 1; \
 	  whl=$$(ls $(WHEEL_DIR)/llama_cpp_python-$(LLAMA_CPP_VERSION)-*.whl | head -1); \
 	else echo "using the kept wheel $$whl"; fi; \
-	$(PIP) install -q --no-deps "$$whl" "diskcache>=5.6.1"
+	$(PIP) install -q --no-deps --force-reinstall "$$whl" || exit 1; \
+	$(PIP) install -q --no-deps "diskcache>=5.6.1"
 	$(PY) -c "import llama_cpp; print('llama_cpp', llama_cpp.__version__, 'ready')"
 
 clean:
