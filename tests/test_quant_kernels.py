@@ -339,6 +339,40 @@ def test_wide_steps_of_packed_weights_take_the_integer_kernel_in_chunks(monkeypa
         qk.integer_route(m, parts, role)
 
 
+def test_amx_turns_off_by_environment(monkeypatch):
+    monkeypatch.setenv("PAGEDLLM_AMX", "0")
+    assert qk.amx_rows() == 0
+
+
+@pytest.mark.skipif(ops is None or qk.amx_rows() == 0, reason="no AMX-BF16 on this CPU (or PAGEDLLM_AMX=0)")
+@pytest.mark.parametrize("fmt", PACKABLE_FORMATS)
+def test_amx_steps_multiply_bf16_weights_with_bf16_activations(fmt, monkeypatch):
+    """A bfloat16 step of 16 or more rows over packed weights, on a CPU with AMX: the weights
+    dequantized to bfloat16 (what the GEMM route multiplies) times the activations as they are,
+    summed in float32. Against gguf's dequantization rounded to bfloat16, in float64; the int8
+    kernel (PAGEDLLM_AMX=0) is further off, so the test sees which path ran."""
+    monkeypatch.delenv("PAGEDLLM_AMX_ROWS", raising=False)
+    rng = np.random.default_rng(40 + FORMATS[fmt][0])
+    vals = FORMATS[fmt][1]
+    isa = qk.ISA_IDS["avx512-vnni"]
+    for rows, nblk, m in [(16, 1, 16), (48, 2, 17), (32, 3, 33), (64, 1, 40)]:
+        cols = vals * nblk if vals == 256 else 32 * (nblk * 3 + 1)
+        raw = random_blocks(fmt, rows, cols, rng)
+        qt = packed(raw, fmt, rows, cols)
+        x = torch.from_numpy(rng.standard_normal((m, cols)).astype(np.float32)).to(torch.bfloat16)
+        w = gguf.quants.dequantize(raw, Q[fmt]).reshape(rows, cols).astype(np.float32)
+        w16 = torch.from_numpy(w).to(torch.bfloat16).double().numpy()
+        ref = x.double().numpy() @ w16.T
+        monkeypatch.delenv("PAGEDLLM_AMX", raising=False)
+        y = ops.quant_matmul(x, [qt.data], [qt.type_id], cols, isa).numpy()
+        assert y.shape == (m, rows)
+        assert_close(y, ref, 1e-5, f"AMX {fmt} {rows}x{cols} m={m}")
+        monkeypatch.setenv("PAGEDLLM_AMX", "0")
+        y8 = ops.quant_matmul(x, [qt.data], [qt.type_id], cols, isa).numpy()
+        err8 = np.abs(y8 - ref).max() / np.abs(ref).max()
+        assert err8 > 1e-4, f"{fmt}: the int8 kernel matched bf16 to {err8:.1e}; did AMX run with PAGEDLLM_AMX=0?"
+
+
 def test_packed_rows_give_the_same_bits_whatever_the_batch():
     rng = np.random.default_rng(32)
     cols = 512

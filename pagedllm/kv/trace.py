@@ -274,12 +274,15 @@ def _weight_kernel(engine) -> str:
     if w is None:
         return ""
     if w.kernel:
-        from ..quant.kernels import X2_ROWS, activation_mode, wide_x2_roles
+        from ..quant.kernels import X2_ROWS, activation_mode, amx_rows, wide_x2_roles
 
         mode = activation_mode()
         wide = wide_x2_roles()
         acts = (f"activations int8x2 up to {X2_ROWS} rows, int8 above"
                 + (f" except {', '.join(wide)}" if wide else "") if mode == "auto" else f"activations {mode}")
+        amx = amx_rows()
+        if amx and str(getattr(engine, "dtype", "")) == "torch.bfloat16":
+            acts += f"; steps of {amx}+ rows on packed weights: AMX bf16 tile products"
         return (f"quantized {w.kernel} integer kernels at decode ({acts}), tile dequantize + GEMM for long "
                 f"prefills ({w.reason})")
     return f"float GEMMs on dequantized weights ({w.reason})"

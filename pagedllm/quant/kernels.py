@@ -106,6 +106,13 @@ ACT_X2_PROJ = 512
 X2_WIDE = ("qkv_proj",)
 
 
+def amx_rows() -> int:
+    """Rows from which a bfloat16 step over packed weights takes the AMX tile product
+    (quant_packed.cpp; PAGEDLLM_AMX_ROWS, default 16), or 0: no AMX here, or PAGEDLLM_AMX=0."""
+    ops = cpu_kernels()
+    return int(ops.quant_amx_rows()) if ops is not None and hasattr(ops, "quant_amx_rows") else 0
+
+
 def wide_mode() -> str:
     mode = os.environ.get("PAGEDLLM_QUANT_WIDE", "gemm")
     if mode not in WIDE_MODES:

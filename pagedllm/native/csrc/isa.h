@@ -27,6 +27,11 @@
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
+#if defined(__x86_64__) && defined(__linux__)
+#include <cpuid.h>        // AMX: the CPU's tile instructions (quant_packed.cpp)
+#include <sys/syscall.h>  // AMX: the kernel's grant of the tile state to this process
+#include <unistd.h>
+#endif
 
 #include <algorithm>
 #include <atomic>

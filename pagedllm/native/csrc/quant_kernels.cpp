@@ -266,7 +266,7 @@ namespace {
 // quant_matmul; `hook` (if any) has its `lead` run by each thread of the product's region first
 // and its `columns` on each thread's output columns once they are done.
 at::Tensor matmul_tailed(const at::Tensor& x, at::TensorList ws, at::IntArrayRef types, int64_t k, int64_t isa,
-                         const LinearHook* hook) {
+                         const LinearHook* hook, at::ScalarType model_dtype) {
   TORCH_CHECK(!ws.empty() && ws.size() == types.size(), "quant_matmul: one format per weight part");
   std::vector<Fmt> fmts;
   std::vector<bool> packed;
@@ -284,6 +284,30 @@ at::Tensor matmul_tailed(const at::Tensor& x, at::TensorList ws, at::IntArrayRef
   TORCH_CHECK(isa_supported(isa), "instruction set path ", isa, " is not available on this CPU");
   const auto xc = x.contiguous();
   const int64_t m = x.size(0), n = row0.back();
+  // A bfloat16 model's step of many rows over packed weights, on a CPU with AMX: the tile
+  // product of bfloat16 weights and activations (quant_packed.cpp), not int8 activations.
+  const bool all_packed = std::all_of(packed.begin(), packed.end(), [](bool p) { return p; });
+  const int64_t amx_min = isa == AVX512VNNI && hook == nullptr && all_packed && model_dtype == at::kBFloat16 ? amx_rows() : 0;
+  if (amx_min > 0 && m >= amx_min) {
+    const int64_t mp = (m + 15) / 16 * 16;  // tiles of 16 rows: the last one padded with zeros
+    at::Tensor xb = xc;
+    if (xc.scalar_type() != at::kBFloat16 || mp != m) {
+      xb = at::zeros({mp, k}, xc.options().dtype(at::kBFloat16));
+      xb.narrow(0, 0, m).copy_(xc);
+    }
+    auto y = at::empty({m, n}, x.options().dtype(at::kFloat));
+    float* yp = y.data_ptr<float>();
+    const c10::BFloat16* xp = xb.data_ptr<c10::BFloat16>();
+    at::parallel_for(0, n / 16, std::max<int64_t>(1, grain_for(n) / 16), [&](int64_t b, int64_t e) {
+      for (size_t p = 0; p < fmts.size(); ++p) {
+        const int64_t lo = std::max(b * 16, row0[p]), hi = std::min(e * 16, row0[p + 1]);
+        if (lo < hi)
+          amx_packed_matmul(fmts[p].type, ws[p].data_ptr<uint8_t>(), ws[p].size(1), (lo - row0[p]) / 16,
+                            (hi - row0[p]) / 16, xp, m, k, yp + row0[p], n);
+      }
+    });
+    return y;
+  }
   QAct qa;
   switch (xc.scalar_type()) {
     case at::kFloat: quantize_rows(xc.data_ptr<float>(), m, k, qa, levels); break;
@@ -327,7 +351,7 @@ at::Tensor matmul_tailed(const at::Tensor& x, at::TensorList ws, at::IntArrayRef
 }  // namespace
 
 at::Tensor quant_matmul(const at::Tensor& x, at::TensorList ws, at::IntArrayRef types, int64_t k, int64_t isa) {
-  return matmul_tailed(x, ws, types, k, isa, nullptr);
+  return matmul_tailed(x, ws, types, k, isa, nullptr, x.scalar_type());
 }
 
 namespace {
@@ -788,7 +812,7 @@ at::Tensor quant_linear_hooked(const at::Tensor& x, at::TensorList ws, at::IntAr
   }
   if (!xin.is_contiguous()) xin = xin.contiguous();  // (the hook may keep a pointer into it)
   if (hook != nullptr) hook->prepare(xin);
-  auto y = matmul_tailed(xin, ws, types, k, isa, hook);
+  auto y = matmul_tailed(xin, ws, types, k, isa, hook, x.scalar_type());
   const int64_t n = y.size(1);
   TORCH_CHECK(act == 0 || n % 2 == 0, "silu(gate) * up needs an even width");
   if (bias.has_value()) TORCH_CHECK(bias->numel() == n && bias->scalar_type() == x.scalar_type(), "bias must be [", n, "] in x's dtype");

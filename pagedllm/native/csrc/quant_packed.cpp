@@ -350,10 +350,56 @@ void group_avx2(const uint8_t* gp, const QAct& x, int64_t r0, float* y, int64_t 
 // ---------------------------------------------------------------------------------------------
 // AVX-512 VNNI: 16 lanes = the whole group; vpdpbusd (u8 x s8, 4 products per lane).
 
+// Block B of a group (its unit's d and dmin as dv, mv for the K-quants): its 8 steps' values
+// as unsigned bytes W[t] (values 4t..4t+3 of the 16 rows; Q8_0 as value + 128) and its
+// scales: s (values 0-15, or all), s_hi (Q6_K's 16-31) and the offsets' mw.
+template <int64_t TYPE>
+__attribute__((always_inline)) inline void decode_vnni(const uint8_t* B, __m512 dv, __m512 mv, __m512i* W, __m512& s, __m512& mw, __m512& s_hi) {
+  constexpr PLayout L = playout(TYPE);
+  const __m512i m4 = _mm512_set1_epi8(0x0F);
+  if constexpr (L.nbits == 8) {
+    for (int t = 0; t < 8; ++t) W[t] = _mm512_loadu_si512(B + 64 * t);
+  } else {
+    for (int c = 0; c < 4; ++c) {
+      const __m512i v = _mm512_loadu_si512(B + 64 * c);
+      W[c] = _mm512_and_si512(v, m4);
+      W[c + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+    }
+    if constexpr (L.nbits == 5) {
+      const __m512i b4 = _mm512_set1_epi8(0x10);
+      for (int t = 0; t < 8; ++t) {
+        uint64_t bits;
+        std::memcpy(&bits, B + 256 + 8 * t, 8);
+        W[t] = _mm512_or_si512(W[t], _mm512_maskz_mov_epi8(_cvtu64_mask64(bits), b4));
+      }
+    }
+    if constexpr (L.nbits == 6) {
+      const __m512i m30 = _mm512_set1_epi8(0x30);
+      for (int h = 0; h < 2; ++h) {
+        const __m512i hb = _mm512_loadu_si512(B + 256 + 64 * h);
+        W[4 * h] = _mm512_or_si512(W[4 * h], _mm512_and_si512(_mm512_slli_epi16(hb, 4), m30));
+        W[4 * h + 1] = _mm512_or_si512(W[4 * h + 1], _mm512_and_si512(_mm512_slli_epi16(hb, 2), m30));
+        W[4 * h + 2] = _mm512_or_si512(W[4 * h + 2], _mm512_and_si512(hb, m30));
+        W[4 * h + 3] = _mm512_or_si512(W[4 * h + 3], _mm512_and_si512(_mm512_srli_epi16(hb, 2), m30));
+      }
+    }
+  }
+  const uint8_t* S = B + L.vbytes + L.hbytes;
+  if constexpr (L.split) {
+    s = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(S)))));
+    s_hi = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(S + 16)))));
+  } else if constexpr (L.kq) {
+    s = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(S)))));
+    mw = _mm512_mul_ps(mv, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(S + 16)))));
+  } else {
+    s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(S)));
+    if constexpr (L.has_min) mw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(S + 32)));
+  }
+}
+
 template <int64_t TYPE, int MR>
 void group_vnni(const uint8_t* gp, const QAct& x, int64_t r0, float* y, int64_t ldy) {
   constexpr PLayout L = playout(TYPE);
-  const __m512i m4 = _mm512_set1_epi8(0x0F);
   // One accumulator a row (the weights' offsets fold into it): 16 rows fit the registers.
   __m512 fa[MR];
   for (int r = 0; r < MR; ++r) fa[r] = _mm512_setzero_ps();
@@ -366,45 +412,8 @@ void group_vnni(const uint8_t* gp, const QAct& x, int64_t r0, float* y, int64_t 
       const uint8_t* B = U + L.hdr + j * L.blk;
       prefetch_ahead(L, B);
       __m512i W[8];
-      if constexpr (L.nbits == 8) {
-        for (int t = 0; t < 8; ++t) W[t] = _mm512_loadu_si512(B + 64 * t);
-      } else {
-        for (int c = 0; c < 4; ++c) {
-          const __m512i v = _mm512_loadu_si512(B + 64 * c);
-          W[c] = _mm512_and_si512(v, m4);
-          W[c + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
-        }
-        if constexpr (L.nbits == 5) {
-          const __m512i b4 = _mm512_set1_epi8(0x10);
-          for (int t = 0; t < 8; ++t) {
-            uint64_t bits;
-            std::memcpy(&bits, B + 256 + 8 * t, 8);
-            W[t] = _mm512_or_si512(W[t], _mm512_maskz_mov_epi8(_cvtu64_mask64(bits), b4));
-          }
-        }
-        if constexpr (L.nbits == 6) {
-          const __m512i m30 = _mm512_set1_epi8(0x30);
-          for (int h = 0; h < 2; ++h) {
-            const __m512i hb = _mm512_loadu_si512(B + 256 + 64 * h);
-            W[4 * h] = _mm512_or_si512(W[4 * h], _mm512_and_si512(_mm512_slli_epi16(hb, 4), m30));
-            W[4 * h + 1] = _mm512_or_si512(W[4 * h + 1], _mm512_and_si512(_mm512_slli_epi16(hb, 2), m30));
-            W[4 * h + 2] = _mm512_or_si512(W[4 * h + 2], _mm512_and_si512(hb, m30));
-            W[4 * h + 3] = _mm512_or_si512(W[4 * h + 3], _mm512_and_si512(_mm512_srli_epi16(hb, 2), m30));
-          }
-        }
-      }
-      const uint8_t* S = B + L.vbytes + L.hbytes;
       __m512 s, mw, s_hi;
-      if constexpr (L.split) {
-        s = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(S)))));
-        s_hi = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(S + 16)))));
-      } else if constexpr (L.kq) {
-        s = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(S)))));
-        mw = _mm512_mul_ps(mv, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(S + 16)))));
-      } else {
-        s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(S)));
-        if constexpr (L.has_min) mw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(S + 32)));
-      }
+      decode_vnni<TYPE>(B, dv, mv, W, s, mw, s_hi);
       const int64_t c = u * (L.vals / 32) + j;
       for (int r = 0; r < MR; ++r) {
         const int64_t ci = x.at(r0 + r, c);
@@ -434,6 +443,128 @@ void group_vnni(const uint8_t* gp, const QAct& x, int64_t r0, float* y, int64_t 
   }
   for (int r = 0; r < MR; ++r) _mm512_storeu_ps(y + (r0 + r) * ldy, fa[r]);
 }
+
+#if defined(__linux__)
+// ---------------------------------------------------------------------------------------------
+// AMX-BF16 (Sapphire Rapids and later), for steps of many rows. An integer tile product does
+// not fit these formats: every 32-value block has its own scales, so each block's 16 x 16 dots
+// would have to leave the tile to be scaled (a tile store, some 50 cycles: measured 0.3-0.9x
+// of vpdpbusd). Here each block is decoded to bfloat16 weights, scales applied (s * q + m,
+// rounded to nearest even: the values the dequantize + GEMM route multiplies), as one
+// [16 pairs of values, 16 rows] tile; TDPBF16PS multiplies it with 16 activation rows and sums
+// in float32 inside the tile over the whole row, and the sums leave the tile once per group.
+#define PQ_AMX 1
+
+struct TileConfig {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// The CPU has AMX-TILE and AMX-BF16 and Linux grants this process the tile state (5.16+).
+bool amx_hardware() {
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 22)) || !(d & (1u << 24))) return false;
+  constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+  return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+}
+
+int64_t amx_rows() {
+  static const bool hw = amx_hardware();
+  if (!hw) return 0;
+  const char* off = std::getenv("PAGEDLLM_AMX");
+  if (off != nullptr && off[0] == '0') return 0;
+  const char* m = std::getenv("PAGEDLLM_AMX_ROWS");
+  return m != nullptr ? std::max<int64_t>(1, std::atoll(m)) : 16;
+}
+
+// Tiles 0, 1: sums [16 rows, 16 floats]; 2, 3: activations [16 rows, 32 bf16]; 4: weights
+// [16 pairs, 16 rows x 2 bf16]. Configured per call and released after: other libraries
+// (oneDNN's AMX kernels) configure and release the tiles on the same threads.
+__attribute__((target("amx-tile"))) void amx_begin() {
+  TileConfig cfg;
+  for (int t = 0; t < 5; ++t) {
+    cfg.rows[t] = 16;
+    cfg.colsb[t] = 64;
+  }
+  // GCC 12 does not see that ldtilecfg reads the 64 bytes, and drops the stores above.
+  asm volatile("" : : "r"(&cfg) : "memory");
+  _tile_loadconfig(&cfg);
+}
+
+__attribute__((target("amx-tile"))) void amx_end() { _tile_release(); }
+
+// Block B's weights as a bfloat16 tile: row 2t + h holds values 4t + 2h and 4t + 2h + 1 of
+// the 16 weight rows, side by side per row.
+template <int64_t TYPE>
+__attribute__((target("avx512bf16"), always_inline)) inline void bf16_block(const uint8_t* B, __m512 dv, __m512 mv,
+                                                                             uint8_t* out) {
+  constexpr PLayout L = playout(TYPE);
+  __m512i W[8];
+  __m512 s, mw, s_hi;
+  decode_vnni<TYPE>(B, dv, mv, W, s, mw, s_hi);
+  const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
+                                         21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  const __m512i byte = _mm512_set1_epi32(0xFF);
+  for (int t = 0; t < 8; ++t) {
+    const __m512 st = L.split && t >= 4 ? s_hi : s;
+    const __m512 m = L.kq && L.has_min ? _mm512_sub_ps(_mm512_setzero_ps(), mw)
+                   : L.has_min ? mw : _mm512_mul_ps(_mm512_set1_ps(static_cast<float>(L.iofs)), st);
+    __m512 f[4];
+    for (int i = 0; i < 4; ++i)
+      f[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(W[t], 8 * i), byte)), st, m);
+    for (int h = 0; h < 2; ++h) {
+      const __m512bh b = _mm512_cvtne2ps_pbh(f[2 * h + 1], f[2 * h]);
+      _mm512_store_si512(out + 64 * (2 * t + h), _mm512_permutexvar_epi16(pairs, reinterpret_cast<const __m512i&>(b)));
+    }
+  }
+}
+
+template <int64_t TYPE>
+__attribute__((target("avx512bf16,amx-tile,amx-bf16"))) void amx_groups(const uint8_t* w, int64_t gb, int64_t g0,
+                                                                         int64_t g1, const c10::BFloat16* xb,
+                                                                         int64_t m, int64_t k, float* y, int64_t ldy) {
+  constexpr PLayout L = playout(TYPE);
+  alignas(64) uint8_t wt[2][1024];
+  alignas(64) float part[256];
+  const int64_t ldx = k * 2;  // bytes between activation rows
+  const uint8_t* xp = reinterpret_cast<const uint8_t*>(xb);
+  for (int64_t g = g0; g < g1; ++g) {
+    const uint8_t* gp = w + g * gb;
+    for (int64_t r0 = 0; r0 < m; r0 += 32) {
+      const bool two = r0 + 16 < m;
+      _tile_zero(0);
+      _tile_zero(1);
+      int64_t c = 0;
+      for (int64_t u = 0; u < k / L.vals; ++u) {
+        const uint8_t* U = gp + u * L.unit;
+        __m512 dv = _mm512_setzero_ps(), mv = _mm512_setzero_ps();
+        if constexpr (L.kq) dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(U)));
+        if constexpr (L.kq && L.has_min) mv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(U + 32)));
+        for (int j = 0; j < L.vals / 32; ++j, ++c) {
+          const uint8_t* B = U + L.hdr + j * L.blk;
+          if (r0 == 0) prefetch_ahead(L, B);
+          uint8_t* wb = wt[c & 1];  // two buffers: a block's stores never wait on the last tile load
+          bf16_block<TYPE>(B, dv, mv, wb);
+          _tile_loadd(4, wb, 64);
+          _tile_loadd(2, xp + r0 * ldx + c * 64, ldx);
+          _tile_dpbf16ps(0, 2, 4);
+          if (two) {
+            _tile_loadd(3, xp + (r0 + 16) * ldx + c * 64, ldx);
+            _tile_dpbf16ps(1, 3, 4);
+          }
+        }
+      }
+      for (int h = 0; h < (two ? 2 : 1); ++h) {
+        const int64_t rb = r0 + 16 * h, rows = std::min<int64_t>(16, m - rb);
+        if (h == 0) _tile_stored(0, part, 64); else _tile_stored(1, part, 64);
+        for (int64_t r = 0; r < rows; ++r) _mm512_storeu_ps(y + (rb + r) * ldy + g * GR, _mm512_load_ps(part + 16 * r));
+      }
+    }
+  }
+}
+#endif  // __linux__
 #endif  // PQ_HAS_VNNI
 
 #ifdef PQ_X86
@@ -559,6 +690,30 @@ void packed_matmul(int64_t type, int64_t isa, const uint8_t* w, int64_t gb, int6
   TORCH_CHECK(false, "no packed layout for ggml type ", type);
 }
 
+#ifdef PQ_AMX
+void amx_packed_matmul(int64_t type, const uint8_t* w, int64_t gb, int64_t g0, int64_t g1, const c10::BFloat16* xb,
+                       int64_t m, int64_t k, float* y, int64_t ldy) {
+  amx_begin();
+  switch (type) {
+    case Q4_0: amx_groups<Q4_0>(w, gb, g0, g1, xb, m, k, y, ldy); break;
+    case Q4_1: amx_groups<Q4_1>(w, gb, g0, g1, xb, m, k, y, ldy); break;
+    case Q5_0: amx_groups<Q5_0>(w, gb, g0, g1, xb, m, k, y, ldy); break;
+    case Q5_1: amx_groups<Q5_1>(w, gb, g0, g1, xb, m, k, y, ldy); break;
+    case Q8_0: amx_groups<Q8_0>(w, gb, g0, g1, xb, m, k, y, ldy); break;
+    case Q4_K: amx_groups<Q4_K>(w, gb, g0, g1, xb, m, k, y, ldy); break;
+    case Q5_K: amx_groups<Q5_K>(w, gb, g0, g1, xb, m, k, y, ldy); break;
+    case Q6_K: amx_groups<Q6_K>(w, gb, g0, g1, xb, m, k, y, ldy); break;
+  }
+  amx_end();
+}
+#else
+int64_t amx_rows() { return 0; }
+void amx_packed_matmul(int64_t, const uint8_t*, int64_t, int64_t, int64_t, const c10::BFloat16*, int64_t, int64_t,
+                       float*, int64_t) {
+  TORCH_CHECK(false, "no AMX path in this build level");
+}
+#endif
+
 void check_packed(const at::Tensor& w, int64_t type, int64_t k) {
   TORCH_CHECK(packable(type), "ggml type ", type, " has no packed layout");
   const PLayout L = playout(type);
@@ -650,6 +805,7 @@ PAGEDLLM_REGISTER(quant_packed) {
   m.def("quant_pack(Tensor w, int type, int k) -> Tensor", &quant_pack);
   m.def("quant_dequant_packed(Tensor w, int type, int k, Tensor? ids=None, int start=0, int count=-1, "
         "ScalarType dtype=float, bool transposed=False, Tensor? scratch=None) -> Tensor", &quant_dequant_packed);
+  m.def("quant_amx_rows() -> int", &amx_rows);
 }
 
 }  // namespace PAGEDLLM_ISA
