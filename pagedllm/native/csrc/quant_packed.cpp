@@ -462,10 +462,12 @@ struct TileConfig {
   uint8_t rows[16] = {};
 };
 
-// The CPU has AMX-TILE and AMX-BF16 and Linux grants this process the tile state (5.16+).
+// The CPU has AMX-TILE, AMX-BF16 and AVX512-BF16 (the weights' conversion) and Linux grants
+// this process the tile state (5.16+).
 bool amx_hardware() {
   unsigned a = 0, b = 0, c = 0, d = 0;
   if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 22)) || !(d & (1u << 24))) return false;
+  if (!__builtin_cpu_supports("avx512bf16")) return false;
   constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
   return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
 }
