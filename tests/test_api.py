@@ -41,7 +41,11 @@ print(res.choices[0].message.content)
 print(res.usage)
 '''
 
-QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+# (Asked bare, SmolLM2's first token is a near tie between "The" and "L" that the CPU's bf16
+# GEMM decides: AMX's picked "L'Étoile". Asked this way every path answers "The capital of
+# France is Paris.", its first token 1.95 of a logprob clear.)
+QUESTION = [{"role": "system", "content": "You are a concise assistant."},
+            {"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
 
 
 @pytest.fixture(scope="module")
