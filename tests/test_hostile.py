@@ -210,7 +210,7 @@ def test_hostile_chat_template_file_gets_400_naming_it(template_file_server):
         err = error_of(post(template_file_server, ask(trigger)))
         assert "--chat-template " in err["message"] and "hostile.jinja" in err["message"], err
         assert LIMIT_WORDS[trigger] in err["message"], err
-    ok = post(template_file_server, ask("What is the capital of France?", temperature=0, max_tokens=12))
+    ok = post(template_file_server, ask("What is the capital of France? Answer in one sentence.", temperature=0, max_tokens=12))
     assert ok.status_code == 200 and "Paris" in ok.json()["choices"][0]["message"]["content"]
 
 
@@ -281,7 +281,7 @@ def test_half_open_connections_closed_within_header_timeout(server):
 def test_after_the_attacks_the_same_process_serves_and_holds_nothing(server, pid):
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=120)
     r = client.chat.completions.create(model="default", temperature=0, max_tokens=12,
-                                       messages=[{"role": "user", "content": "What is the capital of France?"}])
+                                       messages=[{"role": "user", "content": "What is the capital of France? Answer in one sentence."}])
     assert "Paris" in r.choices[0].message.content
     m = server.metrics()
     assert m["pagedllm_num_requests_running"] == 0 and m["pagedllm_kv_blocks_used"] == 0, m

@@ -22,7 +22,7 @@ httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 
 API_KEY = "sk-test-key"
-QUESTION = "What is the capital of France?"
+QUESTION = "What is the capital of France? Answer in one sentence."  # (bare, its first token is a near tie)
 
 
 def free_port() -> int:

@@ -61,7 +61,7 @@ def test_greedy_tokens_match_transformers_in_one_batch(greedy32, hf_model, promp
 
 
 def test_chat_answers_in_english(llm):
-    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+    out = llm.chat([{"role": "user", "content": "What is the capital of France? Answer in one sentence."}],
                    SamplingParams(max_tokens=24, temperature=0.0), use_tqdm=False)
     assert "Paris" in out.text
     assert out.finish_reason in ("stop", "length")
