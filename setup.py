@@ -67,6 +67,7 @@ def level_sources() -> list[str]:
                                               f'#include "{(ROOT / CSRC / name).as_posix()}.cpp"\n')
             sources.append(wrapper.as_posix())
     sources.append((CSRC / "dispatch.cpp").as_posix())
+    sources.append((CSRC / "weight_memory.cpp").as_posix())  # (no SIMD: one copy)
     return sources
 
 

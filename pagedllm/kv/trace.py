@@ -266,7 +266,25 @@ def _weight_formats(engine) -> str:
     if w is None:
         return ""
     fmts = ", ".join(f"{n} x{c}" for n, c in sorted(w.formats.items(), key=lambda kv: -kv[1]))
-    return f"{fmts} ({w.resident_bytes / 2**20:.1f} MB resident)"
+    return f"{fmts} ({w.resident_bytes / 2**20:.1f} MB resident{_huge_pages()})"
+
+
+def _huge_pages() -> str:
+    """Where the packed weights sit: huge-page slabs (and how much of the process the kernel
+    backs with 2 MiB pages), or nothing where they are plain pages."""
+    from ..quant.kernels import weight_memory
+
+    m = weight_memory()
+    if m is None or not m.huge_pages or not m.live:
+        return ""
+    huge = 0
+    try:
+        with open("/proc/self/smaps_rollup") as fh:
+            huge = next((int(line.split()[1]) for line in fh if line.startswith("AnonHugePages:")), 0)
+    except OSError:
+        pass
+    return (f"; packed weights {m.live / 2**20:.1f} MB in slabs marked for 2 MiB pages, "
+            f"the process holds {huge / 1024:.1f} MB in such pages")
 
 
 def _weight_kernel(engine) -> str:

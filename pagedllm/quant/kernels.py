@@ -113,6 +113,27 @@ def amx_rows() -> int:
     return int(ops.quant_amx_rows()) if ops is not None and hasattr(ops, "quant_amx_rows") else 0
 
 
+@dataclass
+class WeightMemory:
+    """Where the packed weights live (native/csrc/weight_memory.cpp): `live` bytes handed out
+    from `slabs` slabs of 2 MiB-aligned memory marked for transparent huge pages, `mapped`
+    bytes mapped for them; `huge_pages` False where PAGEDLLM_HUGE_PAGES=0 or off Linux."""
+
+    live: int
+    mapped: int
+    slabs: int
+    huge_pages: bool
+
+
+def weight_memory() -> WeightMemory | None:
+    """The packed weights' slabs now; None with a library built before them."""
+    ops = cpu_kernels()
+    if ops is None or not hasattr(ops, "weight_memory_stats"):
+        return None
+    live, mapped, slabs, on = ops.weight_memory_stats()
+    return WeightMemory(live, mapped, slabs, bool(on))
+
+
 def wide_mode() -> str:
     mode = os.environ.get("PAGEDLLM_QUANT_WIDE", "gemm")
     if mode not in WIDE_MODES:

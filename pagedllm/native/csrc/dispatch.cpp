@@ -8,6 +8,7 @@
 
 #include "lora_stack.h"
 #include "moe_stack.h"
+#include "weight_memory.h"
 
 #include <algorithm>
 #include <cstdlib>
@@ -120,6 +121,8 @@ TORCH_LIBRARY(pagedllm, m) {
   m.def("native_isa() -> str", &native_isa);
   m.def("native_torch_version() -> str", &native_torch_version);
   m.def("release_omp_threads() -> int", &release_omp_threads);
+  m.def("weight_memory_stats() -> int[]", &pagedllm::weight_memory_stats);
+  m.def("weight_buffer(int bytes) -> Tensor", &pagedllm::weight_buffer);
 #if defined(__x86_64__)
   if (LEVEL >= AVX512VNNI) {
     isa_avx512vnni::register_cpu_kernels(m);

@@ -738,7 +738,7 @@ at::Tensor quant_pack(const at::Tensor& w, int64_t type, int64_t k) {
   TORCH_CHECK(w.size(0) % GR == 0, "packing needs a multiple of ", GR, " rows, got ", w.size(0));
   const PLayout L = playout(type);
   const int64_t groups = w.size(0) / GR, gb = packed_group_bytes(type, k), rb = w.stride(0);
-  auto out = at::empty({groups, gb}, w.options());
+  auto out = pagedllm::weight_buffer(groups * gb).view({groups, gb});  // huge pages (weight_memory.cpp)
   const uint8_t* src = w.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
   at::parallel_for(0, groups, 16, [&](int64_t b, int64_t e) {

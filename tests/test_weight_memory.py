@@ -1,0 +1,108 @@
+"""Packed weights live in slabs marked for 2 MiB pages (native/csrc/weight_memory.cpp): the
+same bytes as plain memory, in a mapping Linux may back with huge pages, handed back when the
+weights go."""
+from __future__ import annotations
+
+import gc
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from pagedllm.native import cpu_kernels
+from pagedllm.quant import kernels as qk
+from pagedllm.quant.formats import FORMATS, QuantTensor
+
+from test_quant_kernels import random_blocks
+
+ops = cpu_kernels()
+pytestmark = pytest.mark.skipif(ops is None or not hasattr(ops, "weight_memory_stats"),
+                                reason="native kernels with weight slabs not built")
+HUGE = 2 << 20
+
+
+def pack(raw: np.ndarray, fmt: str, rows: int, cols: int) -> torch.Tensor:
+    return QuantTensor(fmt, torch.from_numpy(raw), (rows, cols)).pack().data
+
+
+def thp_mode() -> str | None:
+    """The bracketed choice of /sys/kernel/mm/transparent_hugepage/enabled, None off Linux."""
+    p = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if not p.is_file():
+        return None
+    text = p.read_text()
+    return text[text.index("[") + 1:text.index("]")]
+
+
+def mapping_of(addr: int) -> dict[str, str]:
+    """The /proc/self/smaps entry of the mapping holding `addr`: its range and fields."""
+    entry: dict[str, str] | None = None
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            lo, hi = (int(v, 16) for v in head.split("-"))
+            if entry is not None:
+                break
+            if lo <= addr < hi:
+                entry = {"start": str(lo), "end": str(hi)}
+        elif entry is not None and ":" in head:
+            entry[head.rstrip(":")] = line.split(":", 1)[1].strip()
+    assert entry is not None, f"no mapping holds {addr:#x}"
+    return entry
+
+
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_K", "Q6_K", "Q8_0"])
+def test_slab_weights_hold_the_same_bytes_as_plain_memory(fmt, monkeypatch):
+    rng = np.random.default_rng(7 + FORMATS[fmt][0])
+    cols = 512
+    raw = random_blocks(fmt, 48, cols, rng)
+    slab = pack(raw, fmt, 48, cols)
+    monkeypatch.setenv("PAGEDLLM_HUGE_PAGES", "0")
+    plain = pack(raw, fmt, 48, cols)
+    assert torch.equal(slab, plain)
+    assert slab.data_ptr() % 64 == 0
+    x = torch.from_numpy(rng.standard_normal((3, cols)).astype(np.float32))
+    tid = FORMATS[fmt][0] + qk.PACKED_ID
+    assert torch.equal(ops.quant_matmul(x, [slab], [tid], cols, 0), ops.quant_matmul(x, [plain], [tid], cols, 0))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="huge pages are asked of Linux only")
+def test_slabs_are_2mib_aligned_mappings_marked_for_huge_pages(monkeypatch):
+    rng = np.random.default_rng(3)
+    w = pack(random_blocks("Q4_0", 64, 4096, rng), "Q4_0", 64, 4096)
+    vma = mapping_of(w.data_ptr())
+    assert int(vma["start"]) % HUGE == 0 and (int(vma["end"]) - int(vma["start"])) % HUGE == 0
+    mode = thp_mode()
+    if mode in ("always", "madvise") and "THPeligible" in vma:
+        assert vma["THPeligible"] == "1", vma  # the kernel may give it 2 MiB pages
+    monkeypatch.setenv("PAGEDLLM_HUGE_PAGES", "0")
+    plain = pack(random_blocks("Q4_0", 64, 4096, rng), "Q4_0", 64, 4096)
+    assert mapping_of(plain.data_ptr()).get("THPeligible", "0") == "0" or mode == "always"
+    assert qk.weight_memory().huge_pages is False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="huge pages are asked of Linux only")
+def test_slab_memory_is_handed_back_with_the_weights():
+    rng = np.random.default_rng(5)
+    gc.collect()
+    before = qk.weight_memory()
+    assert before.huge_pages
+    small = pack(random_blocks("Q4_0", 32, 1024, rng), "Q4_0", 32, 1024)
+    # Over half a slab (64 MiB): a mapping of its own, unmapped with the weight.
+    rows, cols = 1024, 65536
+    big = pack(random_blocks("Q8_0", rows, cols, rng), "Q8_0", rows, cols)
+    during = qk.weight_memory()
+    assert during.live == before.live + small.numel() + big.numel()
+    assert during.slabs >= before.slabs + 1
+    assert during.mapped >= before.mapped + big.numel()
+    del big
+    gc.collect()
+    after = qk.weight_memory()
+    assert after.live == before.live + small.numel()
+    assert after.slabs == during.slabs - 1 and after.mapped <= during.mapped - 64 * 2**20
+    small[0, 0] = 1  # still its own memory
+    del small
+    gc.collect()
+    assert qk.weight_memory().live == before.live
