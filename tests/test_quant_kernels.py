@@ -453,3 +453,26 @@ def test_head_rechecks_its_best_logits_on_single_level_steps(fmt, monkeypatch):
             assert np.abs(got[rechecked] - exact[rechecked]).max() <= 1e-5 * scale, (qt.packed, m)
             # (one int8 level is far from that: the recheck is what brought them there)
             assert np.abs(plain[rechecked] - exact[rechecked]).max() > 1e-4 * scale, (qt.packed, m)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_native_rms_norm_is_within_an_ulp_of_atens(dtype):
+    """The final norm after the all-layer decode (models/llama.py `_final_norm`) against
+    torch's F.rms_norm: the sum of squares runs in another order, so float32 values may differ
+    in their last 2-3 bits and a few bf16/f16 values round the other way."""
+    import torch.nn.functional as F
+
+    if not hasattr(ops, "rms_norm"):
+        pytest.skip("native library without rms_norm")
+    g = torch.Generator().manual_seed(11)
+    for m, k in [(1, 576), (7, 1536), (33, 100), (2, 8)]:
+        x = (torch.randn(m, k, generator=g) * 3).to(dtype)
+        w = (torch.randn(k, generator=g) * 0.5 + 1).to(dtype)
+        got, want = ops.rms_norm(x, w, 1e-5), F.rms_norm(x, (k,), w, 1e-5)
+        assert got.dtype == dtype and got.shape == (m, k)
+        ulp = torch.finfo(dtype).eps * want.float().abs().clamp_min(torch.finfo(dtype).tiny)
+        assert ((got.float() - want.float()).abs() <= 4 * ulp).all(), (m, k)
+        if dtype != torch.float32:
+            assert (got != want).float().mean() < 0.01, (m, k)
+    with pytest.raises(RuntimeError, match="weight"):
+        ops.rms_norm(torch.ones(2, 8, dtype=dtype), torch.ones(7, dtype=dtype), 1e-5)

@@ -390,6 +390,16 @@ def qk_norm_available() -> bool:
     return ops is not None and hasattr(ops, "qk_norm")
 
 
+def rms_norm(x: torch.Tensor, norm) -> torch.Tensor:
+    """`norm` (an RMSNorm module: weight, eps) of x [M, K] in one native call, as the fused
+    projections' norms compute it (within an ulp of F.rms_norm); the module itself with a
+    library built before."""
+    ops = cpu_kernels()
+    if ops is None or not hasattr(ops, "rms_norm") or x.dim() != 2 or x.device.type != "cpu":
+        return norm(x)
+    return ops.rms_norm(x, norm.weight, norm.eps)
+
+
 def qk_norm(qkv: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, num_heads: int, num_kv_heads: int, eps: float,
             clip: float | None = None) -> torch.Tensor:
     """qkv [T, (hq + 2 hkv) d] with its q and k RMSNorms applied in place (over each head where
