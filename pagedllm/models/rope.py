@@ -80,8 +80,18 @@ class RotaryEmbedding(torch.nn.Module):
 
     def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin for the batch's positions, [T, 1, D/2]: computed once per step, used by every layer."""
-        return (self.cos[positions].unsqueeze(1).to(dtype),
-                self.sin[positions].unsqueeze(1).to(dtype))
+        cos, sin = self._tables(dtype)
+        return cos.index_select(0, positions).unsqueeze(1), sin.index_select(0, positions).unsqueeze(1)
+
+    def _tables(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tables rounded to `dtype` once (the same values as rounding the rows looked up:
+        a decode step then makes two small ops, not four; each cost some 20 us there). Made again
+        when the float32 tables are replaced (reset_buffers, a move to another device)."""
+        key = (dtype, self.cos.device, self.cos.data_ptr(), self.sin.data_ptr())
+        cached = self.__dict__.get("_rounded")
+        if cached is None or cached[0] != key:
+            cached = self.__dict__["_rounded"] = (key, self.cos.to(dtype), self.sin.to(dtype))
+        return cached[1], cached[2]
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
