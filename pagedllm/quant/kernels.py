@@ -392,10 +392,11 @@ def qk_norm_available() -> bool:
 
 def rms_norm(x: torch.Tensor, norm) -> torch.Tensor:
     """`norm` (an RMSNorm module: weight, eps) of x [M, K] in one native call, as the fused
-    projections' norms compute it (within an ulp of F.rms_norm); the module itself with a
-    library built before."""
+    projections' norms compute it (within a few float32 ulps of F.rms_norm); the module itself
+    elsewhere (a library built before, another device, a weight in another dtype)."""
     ops = cpu_kernels()
-    if ops is None or not hasattr(ops, "rms_norm") or x.dim() != 2 or x.device.type != "cpu":
+    if (ops is None or not hasattr(ops, "rms_norm") or x.dim() != 2 or x.device.type != "cpu"
+            or norm.weight.dtype != x.dtype):
         return norm(x)
     return ops.rms_norm(x, norm.weight, norm.eps)
 
