@@ -106,3 +106,33 @@ def test_slab_memory_is_handed_back_with_the_weights():
     del small
     gc.collect()
     assert qk.weight_memory().live == before.live
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="huge pages are asked of Linux only")
+def test_a_dense_models_large_weights_load_into_the_slabs(tmp_path, hf_smollm2_tokenizer, monkeypatch):
+    """A safetensors model's weights of 1 MiB or more (here the embedding, tied to the head) are
+    placed in the slabs when the model is materialised, small ones (norms) in plain memory, and
+    the model gives the tokens it gives with PAGEDLLM_HUGE_PAGES=0."""
+    from pagedllm import LLM, SamplingParams
+
+    from models import build_checkpoint
+
+    tok = hf_smollm2_tokenizer
+    path = build_checkpoint("llama", tmp_path / "llama", tok, len(tok))
+    sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    prompts = [list(range(100, 130)), list(range(400, 405))]
+    llm = LLM(str(path), dtype="float32", kv_cache_memory_mb=8)
+    model = getattr(llm.engine.model, "model", llm.engine.model)
+    embed = model.embed_tokens.weight
+    assert embed.numel() * 4 >= qk.DENSE_SLAB_BYTES
+    vma = mapping_of(embed.data_ptr())
+    assert int(vma["start"]) % HUGE == 0 and vma.get("THPeligible", "1") == "1", vma
+    norm = model.norm.weight
+    assert norm.numel() * 4 < qk.DENSE_SLAB_BYTES
+    assert mapping_of(norm.data_ptr()) != vma
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
+    del llm, model, embed, norm
+    gc.collect()
+    monkeypatch.setenv("PAGEDLLM_HUGE_PAGES", "0")
+    plain = LLM(str(path), dtype="float32", kv_cache_memory_mb=8)
+    assert [o.outputs[0].token_ids for o in plain.generate(prompts, sp)] == got

@@ -56,13 +56,19 @@ def materialize(model: torch.nn.Module, device: torch.device, dtype: torch.dtype
     and buffers in `dtype`, the rest as they are. Unlike `to_empty(...).to(dtype)` this
     allocates once, in the final dtype, and never calls a meta-device kernel written in
     Python (`empty_like` of a meta tensor imports sympy: about 2 s of every start)."""
-    def fresh(t: torch.Tensor) -> torch.Tensor:
-        return torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype, device=device)
+    from ..quant.kernels import weight_buffer
+
+    def fresh(t: torch.Tensor, weight: bool = False) -> torch.Tensor:
+        dt = dtype if t.is_floating_point() else t.dtype
+        # Large CPU weights in 2 MiB pages, as the packed ones (quant/kernels.py weight_buffer):
+        # a dense bf16 model's batch-1 decode streams them every step.
+        placed = weight_buffer(t.shape, dt) if weight and device.type == "cpu" else None
+        return placed if placed is not None else torch.empty(t.shape, dtype=dt, device=device)
 
     for mod in model.modules():
         for name, p in mod._parameters.items():
             if p is not None:
-                mod._parameters[name] = torch.nn.Parameter(fresh(p), requires_grad=p.requires_grad)
+                mod._parameters[name] = torch.nn.Parameter(fresh(p, weight=True), requires_grad=p.requires_grad)
         for name, b in mod._buffers.items():
             if b is not None:
                 mod._buffers[name] = fresh(b)
