@@ -436,14 +436,14 @@ def _bandwidth_child(spec: dict) -> dict:
     is faster on some machines, so the ceiling is the faster of the two)."""
     import torch
 
-    from ..native import cpu_kernels
+    from ..quant.kernels import weight_buffer
 
     torch.set_num_threads(spec["threads"])
     n = spec["mib"] * 2**20 // 4
     tensors = {"4k": torch.ones(n, dtype=torch.float32)}  # pages touched before timing
-    ops = cpu_kernels()
-    if ops is not None and hasattr(ops, "weight_buffer") and ops.weight_memory_stats()[3]:
-        tensors["huge"] = ops.weight_buffer(n * 4).view(torch.float32).fill_(1.0)
+    huge = weight_buffer((n,), torch.float32)  # (None where the slabs are off)
+    if huge is not None:
+        tensors["huge"] = huge.fill_(1.0)
     runs: dict[str, list[float]] = {k: [] for k in tensors}
     for x in tensors.values():
         x.sum()
