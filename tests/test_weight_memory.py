@@ -126,7 +126,9 @@ def test_a_dense_models_large_weights_load_into_the_slabs(tmp_path, hf_smollm2_t
     embed = model.embed_tokens.weight
     assert embed.numel() * 4 >= qk.DENSE_SLAB_BYTES
     vma = mapping_of(embed.data_ptr())
-    assert int(vma["start"]) % HUGE == 0 and vma.get("THPeligible", "1") == "1", vma
+    assert int(vma["start"]) % HUGE == 0, vma
+    if thp_mode() in ("always", "madvise"):  # (with "never" no mapping is eligible)
+        assert vma.get("THPeligible", "1") == "1", vma
     norm = model.norm.weight
     assert norm.numel() * 4 < qk.DENSE_SLAB_BYTES
     assert mapping_of(norm.data_ptr()) != vma
