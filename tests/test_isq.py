@@ -322,6 +322,49 @@ def test_decode_stack_rounds_each_projection_as_the_layers_do(isq_ckpt, monkeypa
         llm.generate(prompts[:1], sp, use_tqdm=False)
 
 
+def test_wide_models_round_a_row_alike_at_every_step_width(isq_ckpt, monkeypatch):
+    """In a model at least X2_WIDTH wide, "auto" rounds narrow steps as wide ones (one level but
+    X2_WIDE, the head rechecked): a sequence decoded alone gets the logprobs it gets among 11
+    others. A narrower model rounds its batch-1 steps in two levels, so there they differ."""
+    from pagedllm import SamplingParams
+    from pagedllm.quant import kernels as qk
+
+    monkeypatch.delenv("PAGEDLLM_QUANT_ACT", raising=False)
+    monkeypatch.delenv("PAGEDLLM_QUANT_X2_WIDE", raising=False)
+    path, _ = isq_ckpt
+    # (12 prompts of 2 tokens: their prefill, 24 rows, stays on the integer kernels too)
+    prompts = [torch.randint(0, 49152, (2,), generator=torch.Generator().manual_seed(n)).tolist()
+               for n in range(12)]
+    assert qk.X2_ROWS < len(prompts) and 2 * len(prompts) <= qk.INT_ROWS
+    sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=2)
+    llm = LLM(str(path), dtype="float32", isq="Q4_K", kv_cache_memory_mb=8, enable_prefix_caching=False)
+    hidden = llm.engine.model_config.hidden_size
+    assert hidden < qk.X2_WIDTH  # (the model is narrow as it is)
+
+    def alone_and_among_others():
+        alone = llm.generate(prompts[:1], sp, use_tqdm=False)[0].outputs[0].logprobs
+        among = llm.generate(prompts, sp, use_tqdm=False)[0].outputs[0].logprobs
+        return alone, among
+
+    def gap(a, b):  # the largest logprob difference; the same tokens chosen and ranked
+        assert [[t for t, _ in x["top"]] for x in a] == [[t for t, _ in x["top"]] for x in b]
+        return max(abs(p - q) for x, y in zip(a, b) for (_, p), (_, q) in zip(x["top"], y["top"]))
+
+    alone, among = alone_and_among_others()
+    # Two levels against one: far apart. (Sums in another order within a step of another
+    # width move a logprob by float32 ulps, some 1e-6.)
+    assert gap(alone, among) > 1e-3, "batch-1 steps of a narrow model should round in two levels"
+    assert "activations int8x2 up to 8 rows" in llm.engine.kv_cache_trace().weight_kernel
+    monkeypatch.setattr(qk, "X2_WIDTH", hidden)
+    alone, among = alone_and_among_others()
+    assert gap(alone, among) < 1e-5
+    assert f"activations int8 except qkv_proj at every width (hidden {hidden} >= {hidden})" in \
+        llm.engine.kv_cache_trace().weight_kernel
+    monkeypatch.setenv("PAGEDLLM_QUANT_ACT", "int8x2")  # the choice by hand still holds
+    alone_x2, _ = alone_and_among_others()
+    assert gap(alone_x2, alone) > 1e-3
+
+
 def test_mistral_rs_numeric_isq_resolves_as_on_a_cpu(isq_ckpt):
     from pagedllm.quant.isq import check_isq_type
 

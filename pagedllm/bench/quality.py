@@ -222,7 +222,7 @@ def run_weights(args: argparse.Namespace) -> dict:
     whole windows at once, by tile dequantize + GEMM (the default) and by the integer kernel
     (PAGEDLLM_QUANT_WIDE=int)."""
     from .. import LLM
-    from ..quant.kernels import INT_ROWS, X2_ROWS
+    from ..quant.kernels import INT_ROWS
 
     if args.windows > INT_ROWS:
         print(f"--weights: {args.windows} windows would leave the integer kernels (at most {INT_ROWS} "
@@ -235,12 +235,12 @@ def run_weights(args: argparse.Namespace) -> dict:
           f"{torch.get_num_threads()} threads", flush=True)
     ctx = len(windows) * (args.window_len + 1 + args.block_size)
     # The decode path once per activation rounding (quant/kernels.py): int8x2 (the default up to
-    # X2_ROWS rows), the default at this run's width (steps of len(windows) rows), and one int8
-    # level everywhere, llama.cpp's.
+    # X2_ROWS rows in models narrower than X2_WIDTH), the default at this run's width (steps of
+    # len(windows) rows) in this model, and one int8 level everywhere, llama.cpp's.
     auto = (f"quantized fp32, decode, default ({len(windows)} rows)", dict(dtype="float32"), 1, "auto")
     runs = [("dequantized fp32 (reference)", dict(dtype="float32", dequantize_weights=True), 1, None),
             ("quantized fp32, decode, int8x2", dict(dtype="float32"), 1, "int8x2"),
-            *([auto] if len(windows) > X2_ROWS else []),
+            auto,
             ("quantized fp32, decode, int8", dict(dtype="float32"), 1, "int8"),
             ("quantized fp32, prefill path", dict(dtype="float32"), args.window_len + 1, None),
             # The integer kernel past INT_ROWS too (PAGEDLLM_QUANT_WIDE=int, quant/kernels.py).
@@ -251,7 +251,7 @@ def run_weights(args: argparse.Namespace) -> dict:
                 ("Q8_0 head fp32, prefill path", dict(dtype="float32"), args.window_len + 1, None)]
     elif args.dtype not in ("float32", "fp32"):
         runs += [(f"quantized {args.dtype}, decode, {act}", dict(dtype=args.dtype), 1, act)
-                 for act in ("int8x2", *(["auto"] if len(windows) > X2_ROWS else []), "int8")]
+                 for act in ("int8x2", "auto", "int8")]
     results = []
     saved = {name: os.environ.get(name) for name in ("PAGEDLLM_QUANT_ACT", "PAGEDLLM_QUANT_WIDE")}
     for label, kw, chunk, act in runs:

@@ -292,12 +292,18 @@ def _weight_kernel(engine) -> str:
     if w is None:
         return ""
     if w.kernel:
-        from ..quant.kernels import X2_ROWS, activation_mode, amx_rows, wide_x2_roles
+        from ..quant.kernels import X2_ROWS, X2_WIDTH, activation_mode, amx_rows, wide_x2_roles
 
         mode = activation_mode()
         wide = wide_x2_roles()
-        acts = (f"activations int8x2 up to {X2_ROWS} rows, int8 above"
-                + (f" except {', '.join(wide)}" if wide else "") if mode == "auto" else f"activations {mode}")
+        hidden = getattr(getattr(engine, "model_config", None), "hidden_size", 0) or 0
+        except_wide = f" except {', '.join(wide)}" if wide else ""
+        if mode != "auto":
+            acts = f"activations {mode}"
+        elif hidden < X2_WIDTH:
+            acts = f"activations int8x2 up to {X2_ROWS} rows, int8 above{except_wide}"
+        else:  # (quant/kernels.py X2_WIDTH: a second level does not pay in models this wide)
+            acts = f"activations int8{except_wide} at every width (hidden {hidden} >= {X2_WIDTH})"
         amx = amx_rows()
         if amx and str(getattr(engine, "dtype", "")) == "torch.bfloat16":
             acts += f"; steps of {amx}+ rows on packed weights: AMX bf16 tile products"

@@ -93,6 +93,14 @@ def kernel_path() -> tuple[str | None, str]:
 ACT_MODES = ("auto", "int8", "int8x2")
 ACT_X2 = 256  # or-ed into the kernels' isa argument (csrc/quant_common.h)
 X2_ROWS = 8
+# ... and only in models narrower than X2_WIDTH (hidden size; a projection's narrower side):
+# wider models round narrow steps as wide ones (one level but X2_WIDE, the head rechecked).
+# There the second level does not pay: on the real Qwen2.5-Coder-1.5B Q4_K_M (hidden 1536) that
+# rounding keeps top-1 98.69% and perplexity +0.04% against the dequantized float32 model
+# (`bench quality --weights`, 32 windows x 256 tokens), past the 98% / 0.5% bar, while a second
+# level made a batch-1 step about 10% slower on an AVX-512/AMX Xeon (README, "Activation
+# rounding"). SmolLM2-135M (hidden 576) falls to 96.53% with it, so narrow models keep it.
+X2_WIDTH = 1536
 # A projection's role: the attribute its Linear has in a decoder layer or the model (set at
 # load, models/llama.py). Bit ACT_X2_PROJ << DECODE_ROLES[role] of quant_decode_layers' isa
 # argument makes that projection of every layer two-level.
@@ -193,17 +201,26 @@ def _wide_roles(env: str | None) -> tuple[str, ...]:
     return roles
 
 
-def _x2(rows: int, role: str | None) -> bool:
+def _x2(rows: int, role: str | None, width: int = 0) -> bool:
+    """Whether "auto" (or the mode chosen) rounds a step of `rows` rows through the projection
+    `role` in two levels, in a model `width` wide (its hidden size; 0: unknown, as narrow)."""
     mode, wide = activation_mode(), wide_x2_roles()  # (both checked on every step)
-    return mode == "int8x2" or (mode == "auto" and (rows <= X2_ROWS or (role is not None and role in wide)))
+    return mode == "int8x2" or (mode == "auto" and ((rows <= X2_ROWS and width < X2_WIDTH)
+                                                    or (role is not None and role in wide)))
 
 
-def _isa_id(isa: str | None, rows: int, role: str | None = None) -> int:
+def _isa_id(isa: str | None, rows: int, role: str | None = None, width: int = 0) -> int:
     """The kernels' path argument for a step of `rows` activation rows through the projection
-    `role` (one of ROLES, or None): the instruction set's id, with ACT_X2 where they are
-    rounded in two levels."""
+    `role` (one of ROLES, or None) of a model `width` wide: the instruction set's id, with
+    ACT_X2 where they are rounded in two levels."""
     isa_id = _path_id() if isa is None else ISA_IDS[isa]
-    return isa_id | (ACT_X2 if _x2(rows, role) else 0)
+    return isa_id | (ACT_X2 if _x2(rows, role, width) else 0)
+
+
+def _width(parts: list[QuantTensor]) -> int:
+    """A projection's narrower side: the model's hidden size for every projection of a decoder
+    layer (down_proj's input is wider, every other one's output) and for the head."""
+    return min(parts[0].shape[1], sum(p.shape[0] for p in parts))
 
 
 def _path_id() -> int:
@@ -211,14 +228,14 @@ def _path_id() -> int:
     return ISA_IDS[path] if path else 0
 
 
-def _stack_isa_id(rows: int) -> int:
+def _stack_isa_id(rows: int, width: int) -> int:
     """quant_decode_layers' path argument: `_isa_id` of the step, with the per-projection bits
     of the roles that are two-level where the step as a whole is not."""
-    isa = _isa_id(None, rows)
+    isa = _isa_id(None, rows, None, width)
     if isa & ACT_X2:
         return isa
     for role, j in DECODE_ROLES.items():
-        if _x2(rows, role):
+        if _x2(rows, role, width):
             isa |= ACT_X2_PROJ << j
     return isa
 
@@ -231,7 +248,7 @@ def matmul(x: torch.Tensor, parts: list[QuantTensor], isa: str | None = None,
     ops = cpu_kernels()
     out_dtype = out_dtype or x.dtype
     if isa is not None or integer_route(x.shape[0], parts, role):
-        isa_id = _isa_id(isa, x.shape[0], role)
+        isa_id = _isa_id(isa, x.shape[0], role, _width(parts))
         y = _chunked(x, sum(p.shape[0] for p in parts), torch.float32, lambda rows: ops.quant_matmul(
             x[rows], [p.data for p in parts], [p.type_id for p in parts], parts[0].shape[1], isa_id))
         return y if out_dtype == torch.float32 else y.to(out_dtype)
@@ -280,13 +297,13 @@ def moe_experts_available() -> bool:
     return ops is not None and hasattr(ops, "quant_moe_experts") and hasattr(ops, "quant_moe_block")
 
 
-def _moe_x2(rows: int) -> int:
+def _moe_x2(rows: int, width: int) -> int:
     """quant_moe_experts' x2 bits for a step of `rows` rows: its experts' gate|up (bit 0) and
     down (bit 1) inputs in two levels where a dense layer's gate_up_proj / down_proj would round
     that step's in two levels. By the step's width, not each expert's few rows: a 32-row step
     whose experts each see about 4 rows ran 1.21x slower in two levels (OLMoE-1B-7B shape, 2
     threads, AVX-512), the cost a dense layer's wide steps are spared."""
-    return int(_x2(rows, "gate_up_proj")) | int(_x2(rows, "down_proj")) << 1
+    return int(_x2(rows, "gate_up_proj", width)) | int(_x2(rows, "down_proj", width)) << 1
 
 
 def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: MoeExperts) -> torch.Tensor:
@@ -294,7 +311,7 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, exper
     one native call, the experts' inputs rounded as the step's width decides (`_moe_x2`)."""
     return cpu_kernels().quant_moe_experts(x, ids, weights, experts.gate_up, experts.gate_up_types,
                                            experts.gate_up_parts, experts.down, experts.down_types,
-                                           _path_id(), _moe_x2(x.shape[0]))
+                                           _path_id(), _moe_x2(x.shape[0], x.shape[1]))
 
 
 def moe_block(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, router: torch.Tensor, top_k: int,
@@ -305,7 +322,7 @@ def moe_block(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, router: to
     dtype before they scale (Qwen, OLMoE) rather than kept in float32 (Mixtral)."""
     return cpu_kernels().quant_moe_block(x, norm_weight, eps, router, top_k, renormalize, round_weights,
                                          experts.gate_up, experts.gate_up_types, experts.gate_up_parts,
-                                         experts.down, experts.down_types, _path_id(), _moe_x2(x.shape[0]))
+                                         experts.down, experts.down_types, _path_id(), _moe_x2(x.shape[0], x.shape[1]))
 
 
 # Where a step's head runs with single-level (int8) activations, each row's HEAD_RECHECK best
@@ -322,7 +339,7 @@ def head_logits(hidden: torch.Tensor, parts: list[QuantTensor]) -> torch.Tensor:
     of a single-level step; PAGEDLLM_QUANT_ACT=int8 is llama.cpp's rounding, unrechecked)."""
     logits = matmul(hidden, parts, out_dtype=torch.float32, role="lm_head")
     rows = hidden.shape[0]
-    if (rows > INT_ROWS or activation_mode() != "auto" or _x2(rows, "lm_head") or len(parts) != 1
+    if (rows > INT_ROWS or activation_mode() != "auto" or _x2(rows, "lm_head", _width(parts)) or len(parts) != 1
             or HEAD_RECHECK < 1):
         return logits  # exact already (the GEMM route), two-level, or a rounding chosen by hand
     k = min(HEAD_RECHECK, logits.shape[1])
@@ -368,7 +385,7 @@ def linear(x: torch.Tensor, parts: list[QuantTensor], norm, bias: torch.Tensor |
     """The integer path with the layer's RMSNorm (`norm`: weight and eps), bias, silu(gate) * up
     and residual folded into one native call; output in x's dtype."""
     ops, k, act = cpu_kernels(), parts[0].shape[1], 1 if silu_mul else 0
-    data, types, isa_id = [p.data for p in parts], [p.type_id for p in parts], _isa_id(None, x.shape[0], role)
+    data, types, isa_id = [p.data for p in parts], [p.type_id for p in parts], _isa_id(None, x.shape[0], role, _width(parts))
     w, eps = (None, 0.0) if norm is None else (norm.weight, norm.eps)
     n_out = sum(p.shape[0] for p in parts) // (2 if silu_mul else 1)
     return _chunked(x, n_out, x.dtype, lambda rows: ops.quant_linear(
@@ -478,9 +495,9 @@ def decode_layers(h: torch.Tensor, plan: dict, kv, rope: tuple[torch.Tensor, tor
     return op(
         h, plan["weights"], plan["types"], plan["parts"], plan["kdims"], plan["norms"], plan["eps"],
         plan["biases"], kv.k, kv.v, kv.windows, cos, sin, kv.slot_mapping, kv.block_tables, kv.context_lens,
-        num_heads, num_kv_heads, scale, *extra, _stack_isa_id(h.shape[0]), kv.k_scales, kv.v_scales,
+        num_heads, num_kv_heads, scale, *extra, _stack_isa_id(h.shape[0], h.shape[1]), kv.k_scales, kv.v_scales,
         *([plan.get("qk_norms", [])] if _takes_qk_norms(op) else []),
-        *((plan["moe"], _path_id(), _moe_x2(h.shape[0]), plan["qkv_clip"]) if plan.get("moe") is not None else ()))
+        *((plan["moe"], _path_id(), _moe_x2(*h.shape), plan["qkv_clip"]) if plan.get("moe") is not None else ()))
 
 
 def embedding(w: QuantTensor, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -19,7 +19,7 @@ class SpeculativeConfig:
     max_batch: int = 8
     # Decode rows a speculating step holds at most (its sequences and their proposals): a
     # sequence's proposals are cut to fit. It keeps verification within the quantized
-    # kernels' two-level activation rounding (quant/kernels.py X2_ROWS), where plain decoding
+    # kernels' activation rounding of narrow steps (quant/kernels.py X2_ROWS), where plain decoding
     # of the same sequences runs, so both round alike and greedy output stays identical; wider
     # verification is compute bound on a CPU anyway.
     max_rows: int = 8
