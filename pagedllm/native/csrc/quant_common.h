@@ -526,6 +526,41 @@ inline int64_t grain_for(int64_t rows) {
   return std::max<int64_t>(1, rows / (4 * threads));
 }
 
+// Runs f(b, e) on [0, n) in one parallel region, each thread one contiguous share, cut where
+// the summed cost is even rather than the unit count. The units come in runs of equal cost
+// (a fused projection's parts: bytes read per unit; run r ends at unit ends[r]). q|k|v with a
+// Q6_K v and Q4_K q and k gave the thread holding v 28% more bytes to read on OLMoE's shape,
+// and the other waited for it.
+template <typename F>
+void parallel_by_cost(const std::vector<int64_t>& ends, const std::vector<double>& cost, int64_t min_units, F&& f) {
+  const int64_t n = ends.empty() ? 0 : ends.back();
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), n / std::max<int64_t>(1, min_units));
+  if (threads <= 1 || at::in_parallel_region()) { f(0, n); return; }
+  double total = 0;
+  for (size_t r = 0; r < ends.size(); ++r) total += cost[r] * static_cast<double>(ends[r] - (r ? ends[r - 1] : 0));
+  std::vector<int64_t> cut{0};
+  double acc = 0;  // cost of units [0, u)
+  int64_t u = 0;
+  size_t r = 0;
+  for (int64_t t = 1; t < threads; ++t) {
+    const double goal = total * static_cast<double>(t) / static_cast<double>(threads);
+    while (u < n) {  // whole runs, then the units of the run where the goal falls
+      while (ends[r] <= u) ++r;
+      const double run = cost[r] * static_cast<double>(ends[r] - u);
+      if (acc + run <= goal) { acc += run; u = ends[r]; continue; }
+      const int64_t take = static_cast<int64_t>((goal - acc) / cost[r] + 0.5);
+      acc += cost[r] * static_cast<double>(take);
+      u += take;
+      break;
+    }
+    cut.push_back(u);
+  }
+  cut.push_back(n);
+  at::parallel_for(0, threads, 1, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t)
+      if (cut[t] < cut[t + 1]) f(cut[t], cut[t + 1]);
+  });
+}
 
 // The packed layout (quant_packed.cpp): type ids PACKED + ggml type, 16 rows a group.
 constexpr int64_t PACKED = 100;

@@ -327,7 +327,14 @@ at::Tensor matmul_tailed(const at::Tensor& x, at::TensorList ws, at::IntArrayRef
   // each thread on its own columns.
   auto out = levels == 1 ? y : at::empty({m, n}, y.options());
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, n / unit, std::max<int64_t>(1, grain_for(n) / unit), [&](int64_t b, int64_t e) {
+  // Bytes read per unit of each part: the threads' shares are cut where those are even.
+  std::vector<int64_t> ends;
+  std::vector<double> unit_bytes;
+  for (size_t p = 0; p < ws.size(); ++p) {
+    ends.push_back(row0[p + 1] / unit);
+    unit_bytes.push_back(static_cast<double>(packed[p] ? ws[p].size(1) : ws[p].stride(0) * unit));
+  }
+  parallel_by_cost(ends, unit_bytes, std::max<int64_t>(1, grain_for(n) / unit), [&](int64_t b, int64_t e) {
     b *= unit;
     e *= unit;
     if (hook != nullptr) hook->lead(b, e);
