@@ -358,7 +358,7 @@ def test_wide_models_round_a_row_alike_at_every_step_width(isq_ckpt, monkeypatch
     monkeypatch.setattr(qk, "X2_WIDTH", hidden)
     alone, among = alone_and_among_others()
     assert gap(alone, among) < 1e-5
-    assert f"activations int8 except qkv_proj at every width (hidden {hidden} >= {hidden})" in \
+    assert f"activations int8 except qkv_proj at every width, the model {hidden} >= {hidden} wide" in \
         llm.engine.kv_cache_trace().weight_kernel
     monkeypatch.setenv("PAGEDLLM_QUANT_ACT", "int8x2")  # the choice by hand still holds
     alone_x2, _ = alone_and_among_others()

@@ -303,7 +303,7 @@ def _weight_kernel(engine) -> str:
         elif hidden < X2_WIDTH:
             acts = f"activations int8x2 up to {X2_ROWS} rows, int8 above{except_wide}"
         else:  # (quant/kernels.py X2_WIDTH: a second level does not pay in models this wide)
-            acts = f"activations int8{except_wide} at every width (hidden {hidden} >= {X2_WIDTH})"
+            acts = f"activations int8{except_wide} at every width, the model {hidden} >= {X2_WIDTH} wide"
         amx = amx_rows()
         if amx and str(getattr(engine, "dtype", "")) == "torch.bfloat16":
             acts += f"; steps of {amx}+ rows on packed weights: AMX bf16 tile products"
