@@ -292,7 +292,7 @@ def _weight_kernel(engine) -> str:
     if w is None:
         return ""
     if w.kernel:
-        from ..quant.kernels import X2_ROWS, X2_WIDTH, activation_mode, amx_rows, wide_x2_roles
+        from ..quant.kernels import X2_ROWS, X2_WIDTH, activation_mode, amx_rows, narrow_steps_x2, wide_x2_roles
 
         mode = activation_mode()
         wide = wide_x2_roles()
@@ -300,9 +300,9 @@ def _weight_kernel(engine) -> str:
         except_wide = f" except {', '.join(wide)}" if wide else ""
         if mode != "auto":
             acts = f"activations {mode}"
-        elif hidden < X2_WIDTH:
+        elif narrow_steps_x2(hidden):
             acts = f"activations int8x2 up to {X2_ROWS} rows, int8 above{except_wide}"
-        else:  # (quant/kernels.py X2_WIDTH: a second level does not pay in models this wide)
+        else:
             acts = f"activations int8{except_wide} at every width, the model {hidden} >= {X2_WIDTH} wide"
         amx = amx_rows()
         if amx and str(getattr(engine, "dtype", "")) == "torch.bfloat16":

@@ -205,8 +205,13 @@ def _x2(rows: int, role: str | None, width: int = 0) -> bool:
     """Whether "auto" (or the mode chosen) rounds a step of `rows` rows through the projection
     `role` in two levels, in a model `width` wide (its hidden size; 0: unknown, as narrow)."""
     mode, wide = activation_mode(), wide_x2_roles()  # (both checked on every step)
-    return mode == "int8x2" or (mode == "auto" and ((rows <= X2_ROWS and width < X2_WIDTH)
+    return mode == "int8x2" or (mode == "auto" and ((rows <= X2_ROWS and narrow_steps_x2(width))
                                                     or (role is not None and role in wide)))
+
+
+def narrow_steps_x2(width: int) -> bool:
+    """Whether "auto" rounds steps of up to X2_ROWS rows in two levels in a model `width` wide."""
+    return width < X2_WIDTH
 
 
 def _isa_id(isa: str | None, rows: int, role: str | None = None, width: int = 0) -> int:
