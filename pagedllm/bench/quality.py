@@ -340,8 +340,12 @@ def _llamacpp_scores(model: str, windows: list[list[int]]) -> dict | None:
     import numpy as np
 
     t0 = time.perf_counter()
-    m = llama_cpp.Llama(model_path=str(src.path), n_ctx=max(map(len, windows)), n_threads=torch.get_num_threads(),
-                        logits_all=True, verbose=False)
+    try:
+        m = llama_cpp.Llama(model_path=str(src.path), n_ctx=max(map(len, windows)),
+                            n_threads=torch.get_num_threads(), logits_all=True, verbose=False)
+    except ValueError as e:  # a file llama.cpp cannot read (an architecture or layout it lacks)
+        print(f"  llama.cpp, same file: not scored, llama.cpp did not load it ({e})", flush=True)
+        return None
     nll, top1 = [], []
     for w in windows:
         m.reset()
