@@ -3,7 +3,7 @@
     pagedllm serve [MODEL] [--host 127.0.0.1] [--port 8000] [--api-key KEY] [engine flags]
     pagedllm chat [MODEL] [engine flags]             interactive chat in the terminal
     pagedllm generate [PROMPT] [-m MODEL]            one-shot; the prompt may come on stdin
-    pagedllm bench throughput|prefix|quality|compare|gptq-pair|make-gguf|soak|serve ...
+    pagedllm bench throughput|prefix|quality|compare|gptq-pair|make-gguf|upcycle|soak|serve ...
     pagedllm trace [MODEL]                           KV cache figures while a request runs
     pagedllm demo
 
@@ -246,6 +246,7 @@ BENCHES = {
     "compare": "pagedllm beside llama.cpp on the same GGUF file, one process per figure",
     "gptq-pair": "a GGUF's weights as a GPTQ checkpoint and as a Q4_0 GGUF: decode speed of both, in one run",
     "make-gguf": "write a GGUF with a real model's shape and random weights (llama.cpp quantizes it)",
+    "upcycle": "a mixture-of-experts GGUF whose experts are copies of a real dense GGUF's MLP (its text is the dense model's)",
     "startup": "time from starting `pagedllm generate` to its first token (median of 5)",
     "allreduce": "torch.distributed all-reduce latency and bandwidth at a TP step's message sizes",
     "speculative": "n-gram (and --draft MODEL) speculative decoding against plain decoding: code editing, chat, 32 concurrent",
