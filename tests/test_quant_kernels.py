@@ -136,6 +136,27 @@ def test_many_rows_take_the_gemm_route():
     assert_close(y, reference(raw, "Q4_K", rows, cols, x, 0), 1e-5, "gemm route")
 
 
+@pytest.mark.parametrize("m", [qk.INT_ROWS + 5, 255, 257, 700])
+def test_bf16_gemm_route_runs_whole_buckets_of_rows(m, monkeypatch):
+    """A bfloat16 product past INT_ROWS runs oneDNN on rows padded to a bucket (qk.gemm_rows),
+    so a server meets few new kernel shapes: the m rows that come back are the product of the
+    m rows given, as close to the float reference as bfloat16 allows, and the zero rows are not
+    returned."""
+    rng = np.random.default_rng(m)
+    rows, cols = 96, 256
+    raw = random_blocks("Q4_K", rows, cols, rng)
+    qt = QuantTensor("Q4_K", torch.from_numpy(raw), (rows, cols)).pack()
+    x = torch.from_numpy(rng.standard_normal((m, cols)).astype(np.float32)).bfloat16()
+    seen = []
+    real_mm = torch.mm
+    monkeypatch.setattr(qk.torch, "mm", lambda a, b, **kw: seen.append(a.shape[0]) or real_mm(a, b, **kw))
+    y = qk.matmul(x, [qt], out_dtype=torch.float32)
+    assert y.shape == (m, rows) and set(seen) == {qk.gemm_rows(m)} and qk.gemm_rows(m) % 16 == 0
+    ref = reference(raw, "Q4_K", rows, cols, x.float().numpy(), 0)
+    assert_close(y.numpy(), ref, 2e-2, "bf16 gemm route")
+    assert len({qk.gemm_rows(n) for n in range(17, 4097)}) < 100  # (against 4080 counts)
+
+
 @pytest.mark.parametrize("packed", [False, True])
 def test_gemm_route_tiles_share_one_scratch_buffer(monkeypatch, packed):
     """Tiles bounded by TILE_VALUES (several per part, a last one short), packed tiles with their
