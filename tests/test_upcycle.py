@@ -80,3 +80,7 @@ def test_refuses_what_it_cannot_upcycle(tmp_path, moe_file):
         upcycle(moe_file, tmp_path / "again.gguf")
     with pytest.raises(ValueError, match="between 1 and"):
         upcycle(moe_file, tmp_path / "x.gguf", experts=2, used=3)
+    text = tmp_path / "notes.txt"
+    text.write_text("not a model")
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        upcycle(text, tmp_path / "y.gguf")

@@ -38,7 +38,10 @@ def upcycle(src: Path, dst: Path, experts: int = 4, used: int = 2, seed: int = 0
 
     if not 1 <= used <= experts:
         raise ValueError(f"--experts-used {used} must be between 1 and --experts {experts}")
-    reader = gguf.GGUFReader(str(src))
+    try:
+        reader = gguf.GGUFReader(str(src))
+    except (ValueError, OSError) as e:
+        raise ValueError(f"{src}: not a GGUF file that can be read ({e})") from None
     arch_field = reader.fields.get("general.architecture")
     if arch_field is None:
         raise ValueError(f"{src}: no general.architecture: not a model GGUF")
