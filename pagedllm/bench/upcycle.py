@@ -50,7 +50,7 @@ def upcycle(src: Path, dst: Path, experts: int = 4, used: int = 2, seed: int = 0
         raise ValueError(f"{src}: architecture {arch!r} has no MoE counterpart here; "
                          f"upcycle takes {', '.join(sorted(MOE_ARCH))}")
     moe = MOE_ARCH[arch]
-    if any(f"{arch}.expert_count" == k for k in reader.fields):
+    if f"{arch}.expert_count" in reader.fields:
         raise ValueError(f"{src}: already a mixture of experts ({arch}.expert_count is set)")
     writer = gguf.GGUFWriter(str(dst), arch=moe)
     hidden = ffn = 0

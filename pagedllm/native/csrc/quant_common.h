@@ -510,8 +510,7 @@ void quantize_rows(const T* x, int64_t m, int64_t k, QAct& out, int levels = 1) 
         quantize_block8(v8, out.a.data() + (c1 + 1) * 32, d8, t0, t1);
         record(c1 + 1, d8, t0, t1);
       }
-      continue;
-#endif
+#else
       float v[32];
       for (int i = 0; i < 32; ++i) v[i] = static_cast<float>(src[i]);
       float d;
@@ -525,6 +524,7 @@ void quantize_rows(const T* x, int64_t m, int64_t k, QAct& out, int levels = 1) 
         quantize_block(v, out.a.data() + c2 * 32, d, s0, s1);
         record(c2, d, s0, s1);
       }
+#endif
     }
   });
 }
