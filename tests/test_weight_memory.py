@@ -78,9 +78,15 @@ def test_slabs_are_2mib_aligned_mappings_marked_for_huge_pages(monkeypatch):
     if mode in ("always", "madvise") and "THPeligible" in vma:
         assert vma["THPeligible"] == "1", vma  # the kernel may give it 2 MiB pages
     monkeypatch.setenv("PAGEDLLM_HUGE_PAGES", "0")
+    before = qk.weight_memory()
     plain = pack(random_blocks("Q4_0", 64, 4096, rng), "Q4_0", 64, 4096)
-    assert mapping_of(plain.data_ptr()).get("THPeligible", "0") == "0" or mode == "always"
-    assert qk.weight_memory().huge_pages is False
+    # Off, the weight is at::empty's, not cut from a slab. (Whether Linux may give the
+    # allocator's own memory huge pages is not ours to assert: per-size THP settings and
+    # malloc tunables differ between machines, and a CI run saw THPeligible 1 there.)
+    after = qk.weight_memory()
+    assert after.huge_pages is False
+    assert (after.live, after.mapped) == (before.live, before.mapped)
+    assert not int(vma["start"]) <= plain.data_ptr() < int(vma["end"])
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="huge pages are asked of Linux only")
