@@ -78,6 +78,7 @@ def test_slabs_are_2mib_aligned_mappings_marked_for_huge_pages(monkeypatch):
     if mode in ("always", "madvise") and "THPeligible" in vma:
         assert vma["THPeligible"] == "1", vma  # the kernel may give it 2 MiB pages
     monkeypatch.setenv("PAGEDLLM_HUGE_PAGES", "0")
+    gc.collect()  # (earlier tests' weights freed now, not while this one packs)
     before = qk.weight_memory()
     plain = pack(random_blocks("Q4_0", 64, 4096, rng), "Q4_0", 64, 4096)
     # Off, the weight is at::empty's, not cut from a slab. (Whether Linux may give the
@@ -85,7 +86,7 @@ def test_slabs_are_2mib_aligned_mappings_marked_for_huge_pages(monkeypatch):
     # malloc tunables differ between machines, and a CI run saw THPeligible 1 there.)
     after = qk.weight_memory()
     assert after.huge_pages is False
-    assert (after.live, after.mapped) == (before.live, before.mapped)
+    assert after.live <= before.live and after.mapped <= before.mapped  # (a freed weight may leave meanwhile)
     assert not int(vma["start"]) <= plain.data_ptr() < int(vma["end"])
 
 
