@@ -69,11 +69,9 @@ def pad_rows(x: torch.Tensor) -> torch.Tensor:
     """x [m, k] with zero rows appended up to gemm_rows(m) where oneDNN would run the product
     (bfloat16 or float16 on CPU); x itself otherwise."""
     m = x.shape[0]
-    if x.dtype not in (torch.bfloat16, torch.float16) or x.device.type != "cpu" or gemm_rows(m) == m:
+    if x.dtype not in (torch.bfloat16, torch.float16) or x.device.type != "cpu":
         return x
-    out = torch.zeros(gemm_rows(m), x.shape[1], dtype=x.dtype)
-    out[:m] = x
-    return out
+    return torch.nn.functional.pad(x, (0, 0, 0, gemm_rows(m) - m)) if gemm_rows(m) > m else x
 
 
 def available_isas() -> list[str]:
