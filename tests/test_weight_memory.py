@@ -4,6 +4,8 @@ weights go."""
 from __future__ import annotations
 
 import gc
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -145,3 +147,52 @@ def test_a_dense_models_large_weights_load_into_the_slabs(tmp_path, hf_smollm2_t
     monkeypatch.setenv("PAGEDLLM_HUGE_PAGES", "0")
     plain = LLM(str(path), dtype="float32", kv_cache_memory_mb=8)
     assert [o.outputs[0].token_ids for o in plain.generate(prompts, sp)] == got
+
+
+def llc_bytes() -> int:
+    """The last-level cache's size as Linux says it, 0 where it does not."""
+    p = Path("/sys/devices/system/cpu/cpu0/cache/index3/size")
+    text = p.read_text().strip() if p.is_file() else ""
+    if not text:
+        return 0
+    scale = {"K": 2**10, "M": 2**20}.get(text[-1], 1)
+    return int(text.rstrip("KM")) * scale
+
+
+def amd_cpu() -> bool:
+    p = Path("/proc/cpuinfo")
+    return p.is_file() and "AuthenticAMD" in p.read_text()
+
+
+@pytest.mark.parametrize("slabs", ["1", "0"])
+def test_the_prefetch_distance_follows_the_weights_alive(slabs, monkeypatch):
+    """The packed kernels prefetch 2 KiB ahead while the weights alive, slabs or plain memory,
+    exceed half the last-level cache (a step reads them from DRAM), 8 KiB while they fit; on
+    AMD's CPUs, whose hardware prefetcher needs no help beyond the next lines, 256 bytes."""
+    monkeypatch.setenv("PAGEDLLM_HUGE_PAGES", slabs)
+    gc.collect()
+    before = qk.weight_memory()
+    llc = llc_bytes()
+    if amd_cpu():
+        assert before.prefetch == 256
+    elif llc:
+        assert before.prefetch == (8192 if before.weights <= llc // 2 else 2048), (before, llc)
+    n = max(4 << 30, llc)  # (mapped, never touched)
+    big = ops.weight_buffer(n)
+    during = qk.weight_memory()
+    assert during.weights == before.weights + n
+    assert during.prefetch == (256 if amd_cpu() else 2048)
+    del big
+    gc.collect()
+    after = qk.weight_memory()
+    assert (after.weights, after.prefetch) == (before.weights, before.prefetch)
+
+
+def test_a_fixed_prefetch_distance_holds():
+    """PAGEDLLM_PREFETCH_BYTES fixes the distance, whatever the weights."""
+    code = ("from pagedllm.quant import kernels as qk; from pagedllm.native import cpu_kernels; "
+            "m0 = qk.weight_memory(); w = cpu_kernels().weight_buffer(4 << 30); m1 = qk.weight_memory(); "
+            "print(m0.prefetch, m1.prefetch)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "PAGEDLLM_PREFETCH_BYTES": "1000"})
+    assert out.stdout.split() == ["1000", "1000"], out

@@ -283,7 +283,8 @@ def _huge_pages() -> str:
             huge = next((int(line.split()[1]) for line in fh if line.startswith("AnonHugePages:")), 0)
     except OSError:
         pass
-    return (f"; packed weights {m.live / 2**20:.1f} MB in slabs marked for 2 MiB pages, "
+    ahead = f", prefetched {m.prefetch / 1024:g} KiB ahead" if m.prefetch is not None else ""
+    return (f"; packed weights {m.live / 2**20:.1f} MB in slabs marked for 2 MiB pages{ahead}, "
             f"the process holds {huge / 1024:.1f} MB in such pages")
 
 

@@ -149,12 +149,17 @@ def amx_rows() -> int:
 class WeightMemory:
     """Where the packed weights live (native/csrc/weight_memory.cpp): `live` bytes handed out
     from `slabs` slabs of 2 MiB-aligned memory marked for transparent huge pages, `mapped`
-    bytes mapped for them; `huge_pages` False where PAGEDLLM_HUGE_PAGES=0 or off Linux."""
+    bytes mapped for them; `huge_pages` False where PAGEDLLM_HUGE_PAGES=0 or off Linux;
+    `weights` bytes of all such weights alive, slabs or not, and `prefetch` how many bytes ahead
+    the packed kernels prefetch them (2 KiB while they exceed half the last-level cache, else
+    8 KiB; 256 B on AMD's CPUs; PAGEDLLM_PREFETCH_BYTES fixes it): None with a library built before."""
 
     live: int
     mapped: int
     slabs: int
     huge_pages: bool
+    weights: int | None = None
+    prefetch: int | None = None
 
 
 def weight_memory() -> WeightMemory | None:
@@ -162,8 +167,8 @@ def weight_memory() -> WeightMemory | None:
     ops = cpu_kernels()
     if ops is None or not hasattr(ops, "weight_memory_stats"):
         return None
-    live, mapped, slabs, on = ops.weight_memory_stats()
-    return WeightMemory(live, mapped, slabs, bool(on))
+    live, mapped, slabs, on, *rest = ops.weight_memory_stats()
+    return WeightMemory(live, mapped, slabs, bool(on), *rest)
 
 
 # Dense weights from this size up go to the huge-page slabs too (smaller ones, norms and

@@ -46,14 +46,12 @@ struct PLayout {
   int vbytes, hbytes, sbytes, blk, hdr, unit;
 };
 
-// Software prefetch of the weights PF_AHEAD blocks ahead (past a group's end it reaches the
-// next group, which follows in memory). With several rows a block takes long enough that the
-// hardware prefetcher fell behind: tiles of 8+ rows ran 2.5x slower streaming from DRAM than
-// from cache, and even 1-4 rows gained a little. A fixed 1-2 KiB instead (Q6_K's 8 blocks are
-// 3.3 KiB) read the real 1.5B's Q6_K head from DRAM at 95% of a sum's rate against 78%, alone
-// with the caches flushed; inside the decode loop it gained nothing (alternating processes,
-// Intel AMX, 2 threads), so the distance stays in blocks.
-constexpr int PF_AHEAD = 8;
+// Software prefetch of the weights `ahead` bytes before the block being read (past a group's end
+// it reaches the next group, which follows in memory). With several rows a block takes long
+// enough that the hardware prefetcher fell behind: tiles of 8+ rows ran 2.5x slower streaming
+// from DRAM than from cache, and even 1-4 rows gained a little. The distance is
+// pagedllm::weight_prefetch_bytes(): nearer while the weights come from DRAM, farther while
+// they fit the cache (weight_memory.cpp, where it was measured).
 
 constexpr bool packable(int64_t t) {
   return t == Q4_0 || t == Q4_1 || t == Q5_0 || t == Q5_1 || t == Q8_0 || t == Q4_K || t == Q5_K || t == Q6_K;
@@ -79,8 +77,9 @@ int64_t packed_group_bytes(int64_t type, int64_t k) {
 // Value i (0..31) of lane r in a block, as the unsigned q of w = s * q + m.
 #ifdef PQ_X86
 template <typename Layout>
-inline void prefetch_ahead(const Layout& L, const uint8_t* B) {
-  for (int off = 0; off < L.blk; off += 64) _mm_prefetch(reinterpret_cast<const char*>(B + PF_AHEAD * L.blk + off), _MM_HINT_T0);
+inline void prefetch_ahead(const Layout& L, const uint8_t* B, int ahead) {
+  if (ahead <= 0) return;  // (none: the hardware prefetcher alone)
+  for (int off = 0; off < L.blk; off += 64) _mm_prefetch(reinterpret_cast<const char*>(B + ahead + off), _MM_HINT_T0);
 }
 #endif
 
@@ -286,6 +285,7 @@ template <int64_t TYPE, int MR>
 void group_avx2(const uint8_t* gp, const QAct& x, int64_t r0, float* y, int64_t ldy) {
   constexpr PLayout L = playout(TYPE);
   const __m256i ones = _mm256_set1_epi16(1);
+  const int ahead = pagedllm::weight_prefetch_bytes();
   for (int h = 0; h < 2; ++h) {
     __m256 fa[MR], ma[MR];
     for (int r = 0; r < MR; ++r) fa[r] = ma[r] = _mm256_setzero_ps();
@@ -296,7 +296,7 @@ void group_avx2(const uint8_t* gp, const QAct& x, int64_t r0, float* y, int64_t 
       if constexpr (L.kq && L.has_min) mv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(U + 32 + 16 * h)));
       for (int j = 0; j < L.vals / 32; ++j) {
         const uint8_t* B = U + L.hdr + j * L.blk;
-        if (h == 0) prefetch_ahead(L, B);  // (the second half reads the group from cache)
+        if (h == 0) prefetch_ahead(L, B, ahead);  // (the second half reads the group from cache)
         __m256i W[8];
         __m256 s, mw, s_hi;
         decode_avx2<TYPE>(B, h, dv, mv, W, s, s_hi, mw);
@@ -403,6 +403,7 @@ __attribute__((always_inline)) inline void decode_vnni(const uint8_t* B, __m512 
 template <int64_t TYPE, int MR>
 void group_vnni(const uint8_t* gp, const QAct& x, int64_t r0, float* y, int64_t ldy) {
   constexpr PLayout L = playout(TYPE);
+  const int ahead = pagedllm::weight_prefetch_bytes();
   // One accumulator a row (the weights' offsets fold into it): 16 rows fit the registers.
   __m512 fa[MR];
   for (int r = 0; r < MR; ++r) fa[r] = _mm512_setzero_ps();
@@ -413,7 +414,7 @@ void group_vnni(const uint8_t* gp, const QAct& x, int64_t r0, float* y, int64_t 
     if constexpr (L.kq && L.has_min) mv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(U + 32)));
     for (int j = 0; j < L.vals / 32; ++j) {
       const uint8_t* B = U + L.hdr + j * L.blk;
-      prefetch_ahead(L, B);
+      prefetch_ahead(L, B, ahead);
       __m512i W[8];
       __m512 s, mw, s_hi;
       decode_vnni<TYPE>(B, dv, mv, W, s, mw, s_hi);
@@ -535,6 +536,7 @@ __attribute__((target("avx512bf16,amx-tile,amx-bf16"))) void amx_groups(const ui
   alignas(64) float part[256];
   const int64_t ldx = k * 2;  // bytes between activation rows
   const uint8_t* xp = reinterpret_cast<const uint8_t*>(xb);
+  const int ahead = pagedllm::weight_prefetch_bytes();
   for (int64_t g = g0; g < g1; ++g) {
     const uint8_t* gp = w + g * gb;
     for (int64_t r0 = 0; r0 < m; r0 += 32) {
@@ -549,7 +551,7 @@ __attribute__((target("avx512bf16,amx-tile,amx-bf16"))) void amx_groups(const ui
         if constexpr (L.kq && L.has_min) mv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(U + 32)));
         for (int j = 0; j < L.vals / 32; ++j, ++c) {
           const uint8_t* B = U + L.hdr + j * L.blk;
-          if (r0 == 0) prefetch_ahead(L, B);
+          if (r0 == 0) prefetch_ahead(L, B, ahead);
           uint8_t* wb = wt[c & 1];  // two buffers: a block's stores never wait on the last tile load
           bf16_block<TYPE>(B, dv, mv, wb);
           _tile_loadd(4, wb, 64);

@@ -5,6 +5,7 @@
 
 #include <ATen/ATen.h>
 
+#include <atomic>
 #include <cstdint>
 #include <vector>
 
@@ -14,7 +15,13 @@ namespace pagedllm {
 // huge pages are off or unavailable). The caller writes every byte: the memory is not zeroed.
 at::Tensor weight_buffer(int64_t bytes);
 
-// [bytes handed out and alive, bytes mapped for slabs, slabs mapped, whether slabs are used].
+// [bytes handed out and alive from slabs, bytes mapped for slabs, slabs mapped, whether slabs
+// are used, bytes of every weight_buffer alive (slabs or not), the weight prefetch distance].
 std::vector<int64_t> weight_memory_stats();
+
+// How many bytes ahead of its reads a kernel streaming packed weights prefetches them, set
+// from the weights alive (weight_memory.cpp) and read once per group of rows.
+extern std::atomic<int> weight_prefetch;
+inline int weight_prefetch_bytes() { return weight_prefetch.load(std::memory_order_relaxed); }
 
 }  // namespace pagedllm
