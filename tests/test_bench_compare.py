@@ -134,6 +134,18 @@ def test_compare_with_llama_cpp(tiny_gguf, tmp_path):
         assert len(row[engine]["first_output"]) == 4
 
 
+def test_compare_in_rounds(tiny_gguf, tmp_path):
+    """--rounds 2: each engine twice, each batch-1 run after a bandwidth measurement of its own."""
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python not installed (make bench-deps)")
+    result = _compare(tiny_gguf, tmp_path, "--rounds", "2")
+    row = result["measures"]["decode1"]
+    for engine in ("pagedllm", "llama.cpp"):
+        assert len(row[engine]["tok_s_rounds"]) == 2 and len(row[engine]["read_bandwidth_gb_s_rounds"]) == 2
+    assert len(row["ratio_rounds"]["tok_s"]) == 2
+    assert len(result["read_bandwidth"]["measurements"]) == 4
+    assert 0 < result["streaming"]["pagedllm"]["share_of_bandwidth"]
+
+
 def test_engine_options_are_passed_only_when_given():
     def kwargs(*argv):
         return compare.pagedllm_kwargs(build_parser(list(argv)).parse_args(list(argv)))
@@ -158,6 +170,33 @@ def test_report_ratios_and_streaming():
     assert "1.50x" in text  # both the decode ratio and the RSS ratio
     assert text.count("1.50x") == 2
     assert "pagedllm 30%, llama.cpp 20%" in text
+
+
+def test_rounds_report_the_median_of_their_ratios_and_shares():
+    """With --rounds, the ratio is the median of the rounds' ratios (not the ratio of medians) and
+    each run's share is against the bandwidth measured just before it."""
+    rounds = [(30.0, 20.0, 40.0, 80.0), (10.0, 20.0, 20.0, 20.0), (33.0, 30.0, 60.0, 60.0)]  # ours, peer, bws
+    ours = compare._over_rounds([{"tok_s": a, "tok_s_runs": [a], "peak_rss_mb": 600.0, "read_bandwidth_gb_s": bw}
+                                 for a, _, bw, _ in rounds])
+    peer = compare._over_rounds([{"tok_s": b, "tok_s_runs": [b], "peak_rss_mb": 400.0 + i, "read_bandwidth_gb_s": bw}
+                                 for i, (_, b, _, bw) in enumerate(rounds)])
+    assert ours["tok_s"] == 30.0 and peer["tok_s"] == 20.0 and peer["peak_rss_mb"] == 402.0
+    row = {"kv_tokens": 1024, "sequences": 1, "prompt_tokens": 16, "max_tokens": 128, "pagedllm": ours,
+           "llama.cpp": peer, "ratio_rounds": {"tok_s": [a / b for a, b, _, _ in rounds]}}
+    bws = [compare._bandwidth_child({"threads": 1, "mib": 8, "repeats": 1}) for _ in range(2)]
+    result = {"model": "m.gguf", "threads": 2, "repeats": 1, "rounds": 3, "measures": {"decode1": row},
+              "machine": {"cpu": "test cpu", "cpu_flags": ["avx2"]},
+              "weights": {"total_bytes": 500e6, "per_token_bytes": 400e6, "tied_embeddings": True},
+              "read_bandwidth": compare._bandwidth_over(bws)}
+    s = compare.streaming(result)
+    # ours: 12/40, 4/20, 13.2/60 -> median 0.22; the peer's: 8/80, 8/20, 12/60 -> median 0.2
+    assert s["pagedllm"]["share_of_bandwidth"] == pytest.approx(0.22)
+    assert s["llama.cpp"]["share_of_bandwidth"] == pytest.approx(0.2)
+    assert len(result["read_bandwidth"]["measurements"]) == 2
+    result["streaming"] = s
+    text = compare.format_report(result)
+    assert "1.10x" in text  # median of 1.5, 0.5, 1.1 (the ratio of the medians would be 1.50x)
+    assert "3 rounds" in text and "pagedllm 22%, llama.cpp 20%" in text
 
 
 def test_compare_refuses_a_non_gguf(tmp_path, capsys):

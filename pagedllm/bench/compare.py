@@ -21,6 +21,12 @@ same prompt tokens, greedy decoding with EOS ignored, and the same KV room:
   data, less an untied embedding table, which is only row-gathered) x tok/s, against a read
   bandwidth measured in the same run (a large float32 tensor summed with the same threads).
 
+With `--rounds N`, every figure is measured N times, each a fresh process of each engine, the
+engines' order alternating; each batch-1 run gets a bandwidth measurement of its own just before
+it. The ratios and shares reported are the medians of the rounds': on a machine whose read
+bandwidth drifts by half within minutes (seen on a 2-core EPYC VM: 34 to 59 GB/s), one engine's
+run after the other's compares the machine's moods, not the engines.
+
 llama.cpp runs through llama-cpp-python (optional: `make bench-deps`); without it our side still
 runs and the report says what to install.
 """
@@ -57,6 +63,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a GGUF file; 'default' is the embedded SmolLM2 Q4_1")
     p.add_argument("--threads", type=int, default=2, help="threads of both engines (default 2)")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per figure; medians reported")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="fresh processes of both engines per figure, in alternating order, the read "
+                        "bandwidth measured just before each batch-1 run; the ratio and the share of "
+                        "bandwidth are the medians of the rounds' (a machine whose speed drifts between "
+                        "runs: 3)")
     p.add_argument("--max-tokens", type=int, default=128, help="tokens generated per sequence")
     p.add_argument("--prompt-tokens", type=int, default=16, help="prompt length of the decode tests")
     p.add_argument("--context", type=int, default=1024,
@@ -105,12 +116,13 @@ def _run(args: argparse.Namespace) -> dict:
     weights = weight_bytes(model)
     vocab = weights.pop("vocab")
     result: dict = {"model": str(model), "machine": {**machine_info(), **cpu_info()},
-                    "threads": args.threads, "repeats": args.repeats, "weights": weights,
+                    "threads": args.threads, "repeats": args.repeats, "rounds": max(1, args.rounds),
+                    "weights": weights,
                     "engine_kwargs": engine_kwargs, "measures": {}}
     result["machine"]["threads"] = args.threads
-    if args.bandwidth_mib > 0 and "decode1" in measures:
-        result["read_bandwidth"] = _spawn("bandwidth", {"mib": args.bandwidth_mib, "threads": args.threads,
-                                                        "repeats": 7})
+    measure_bw = args.bandwidth_mib > 0 and "decode1" in measures
+    bandwidth = {"mib": args.bandwidth_mib, "threads": args.threads, "repeats": 7}
+    bw_runs: list[dict] = []
     plan = [(kind, _spec(kind, args, str(model), vocab)) for kind in measures]
     plan += [(f"long-{n}-{cache}", _long_spec(n, cache, args, str(model), vocab))
              for n in long_lengths for cache in long_caches]
@@ -120,17 +132,35 @@ def _run(args: argparse.Namespace) -> dict:
                      "prompt_tokens": len(spec["prompts"][0]), "max_tokens": spec["max_tokens"]}
         if spec["measure"] == "long":
             row |= {"cache": spec["engine_kwargs"]["kv_cache_dtype"], "peer_cache": spec["peer_cache"]}
-        for engine in ENGINES:
-            if engine == "llama.cpp" and not peer_ok:
-                row[engine] = {"skipped": MISSING_HINT if args.peer == "llama.cpp" else "--peer none"}
-                continue
-            print(f"{kind}: {engine} ...", file=sys.stderr, end=" ", flush=True)
-            row[engine] = _summarise(_spawn(engine, spec))
-            extra = (f", decode at depth {row[engine]['decode_tok_s']:.2f} tok/s"
-                     if "decode_tok_s" in row[engine] else "")
-            print(f"{row[engine]['tok_s']:.1f} tok/s{extra}, peak RSS {row[engine]['peak_rss_mb']:.0f} MB",
-                  file=sys.stderr, flush=True)
+        runs: dict[str, list[dict]] = {e: [] for e in ENGINES}
+        for rnd in range(max(1, args.rounds)):
+            for engine in (ENGINES if rnd % 2 == 0 else ENGINES[::-1]):  # (the machine's speed drifts)
+                if engine == "llama.cpp" and not peer_ok:
+                    row[engine] = {"skipped": MISSING_HINT if args.peer == "llama.cpp" else "--peer none"}
+                    continue
+                bw = None
+                if measure_bw and kind == "decode1":
+                    bw = _spawn("bandwidth", bandwidth)
+                    bw_runs.append(bw)
+                tag = f" (round {rnd + 1} of {args.rounds})" if args.rounds > 1 else ""
+                print(f"{kind}: {engine}{tag} ...", file=sys.stderr, end=" ", flush=True)
+                got = _summarise(_spawn(engine, spec))
+                if bw is not None:
+                    got["read_bandwidth_gb_s"] = bw["gb_s"]
+                runs[engine].append(got)
+                extra = (f", decode at depth {got['decode_tok_s']:.2f} tok/s" if "decode_tok_s" in got else "")
+                print(f"{got['tok_s']:.1f} tok/s{extra}, peak RSS {got['peak_rss_mb']:.0f} MB",
+                      file=sys.stderr, flush=True)
+        for engine, got in runs.items():
+            if got:
+                row[engine] = _over_rounds(got)
+        if all(runs.values()):
+            keys = [k for k in ("tok_s", "decode_tok_s") if k in runs["pagedllm"][0]]
+            row["ratio_rounds"] = {k: [a[k] / b[k] for a, b in zip(runs["pagedllm"], runs["llama.cpp"])]
+                                   for k in keys}
         result["measures"][kind] = row
+        if bw_runs:
+            result["read_bandwidth"] = _bandwidth_over(bw_runs)
         write_json(out, result)  # what is done so far survives an interrupted run
     if "decode1" in result["measures"]:
         result["streaming"] = streaming(result)
@@ -248,6 +278,35 @@ def _spawn(engine: str, spec: dict) -> dict:
     return result
 
 
+def _over_rounds(got: list[dict]) -> dict:
+    """One engine's figures over the rounds: the medians of the rounds' medians, every run kept,
+    the highest peak RSS."""
+    out = dict(got[0])
+    for key in ("tok_s", "decode_tok_s", "read_bandwidth_gb_s"):
+        if key in out:
+            out[key] = statistics.median(g[key] for g in got)
+            if len(got) > 1:
+                out[f"{key}_rounds"] = [g[key] for g in got]
+    for key in ("tok_s_runs", "decode_tok_s_runs"):
+        if key in out:
+            out[key] = [v for g in got for v in g[key]]
+    out["peak_rss_mb"] = max(g["peak_rss_mb"] for g in got)
+    return out
+
+
+def _bandwidth_over(runs: list[dict]) -> dict:
+    """The read bandwidth over every measurement of the run: medians of their medians."""
+    out = dict(runs[0])
+    if len(runs) > 1:
+        out["gb_s"] = statistics.median(r["gb_s"] for r in runs)
+        out["gb_s_4k"] = statistics.median(r["gb_s_4k"] for r in runs)
+        if all(r.get("gb_s_huge") for r in runs):
+            out["gb_s_huge"] = statistics.median(r["gb_s_huge"] for r in runs)
+        out["runs"] = [v for r in runs for v in r["runs"]]
+        out["measurements"] = [r["gb_s"] for r in runs]
+    return out
+
+
 def _summarise(r: dict) -> dict:
     rates = r["tok_s"]
     out = {"tok_s": statistics.median(rates), "tok_s_runs": rates, "peak_rss_mb": r["peak_rss_mb"]}
@@ -291,6 +350,13 @@ def streaming(result: dict) -> dict:
         if "tok_s" in r:
             gb_s = r["tok_s"] * per_token / 1e9
             out[engine] = {"gb_s": gb_s, "share_of_bandwidth": gb_s / bw if bw else None}
+            # Each run against the bandwidth measured just before it, where it was: the machine's
+            # bandwidth can drift by half between runs minutes apart.
+            rates = r.get("tok_s_rounds", [r["tok_s"]])
+            own = r.get("read_bandwidth_gb_s_rounds") or ([r["read_bandwidth_gb_s"]] if "read_bandwidth_gb_s" in r else [])
+            if own:
+                out[engine]["share_of_bandwidth"] = statistics.median(
+                    t * per_token / 1e9 / b for t, b in zip(rates, own))
     return out
 
 
@@ -320,7 +386,9 @@ def format_report(result: dict) -> str:
     lines = [f"model: {result['model']} ({w['total_bytes'] / 1e6:.0f} MB of tensors, "
              f"{w['per_token_bytes'] / 1e6:.0f} MB read per token)",
              f"cpu: {m.get('cpu') or m.get('machine')}; flags: {' '.join(m['cpu_flags']) or 'none of note'}; "
-             f"{result['threads']} threads; medians of {result['repeats']}",
+             f"{result['threads']} threads; medians of {result['repeats']}"
+             + (f" runs in each of {result['rounds']} rounds (engines alternating; ratios: medians of the "
+                "rounds')" if result.get("rounds", 1) > 1 else ""),
              ""]
     head = f"{'':<42}{'pagedllm':>12}{'llama.cpp':>12}{'ratio':>9}"
     lines += [head, "-" * len(head)]
@@ -344,8 +412,10 @@ def format_report(result: dict) -> str:
             rb = result["read_bandwidth"]
             pages = (f"; in 4 KiB pages {rb['gb_s_4k']:.1f}, in 2 MiB pages {rb['gb_s_huge']:.1f}"
                      if rb.get("gb_s_huge") else "")
+            many = (f"; median of {len(rb['measurements'])} measurements, each just before an engine's "
+                    f"batch-1 run, whose share is against it" if rb.get("measurements") else "")
             lines.append(f"read bandwidth {s['read_bandwidth_gb_s']:.1f} GB/s (sum of a {rb['mib']} MiB tensor, "
-                         f"median of {len(rb['runs'])}{pages}): batch-1 ceiling "
+                         f"median of {len(rb['runs'])}{pages}{many}): batch-1 ceiling "
                          f"{s['ceiling_tok_s']:.0f} tok/s; share reached: {shares}")
     dtypes = {r["pagedllm"]["dtype"] for r in result["measures"].values() if "dtype" in r.get("pagedllm", {})}
     opts = ", ".join(f"{k}={v}" for k, v in result.get("engine_kwargs", {}).items())
@@ -364,7 +434,11 @@ def format_report(result: dict) -> str:
 def _row(label: str, row: dict, key: str, fmt: str) -> str:
     vals = [row.get(e, {}).get(key) for e in ENGINES]
     cells = [fmt.format(v) if v is not None else "-" for v in vals]
-    ratio = f"{vals[0] / vals[1]:.2f}x" if None not in vals and vals[1] else "-"
+    rounds = row.get("ratio_rounds", {}).get(key)
+    if rounds:  # the median of the rounds' ratios: each round ran both engines minutes apart
+        ratio = f"{statistics.median(rounds):.2f}x"
+    else:
+        ratio = f"{vals[0] / vals[1]:.2f}x" if None not in vals and vals[1] else "-"
     return f"{label:<42}{cells[0]:>12}{cells[1]:>12}{ratio:>9}"
 
 
