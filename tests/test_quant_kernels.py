@@ -359,8 +359,36 @@ def test_wide_steps_of_packed_weights_take_the_integer_kernel_in_chunks(monkeypa
     monkeypatch.setenv("PAGEDLLM_QUANT_WIDE", "gemm")
     assert not qk.integer_route(m, parts, role)
     monkeypatch.setenv("PAGEDLLM_QUANT_WIDE", "fast")
-    with pytest.raises(ValueError, match="PAGEDLLM_QUANT_WIDE='fast' is not one of gemm, int"):
+    with pytest.raises(ValueError, match="PAGEDLLM_QUANT_WIDE='fast' is not one of auto, gemm, int"):
         qk.integer_route(m, parts, role)
+
+
+def test_wide_steps_of_wide_models_take_the_integer_kernel_by_default_without_amx(monkeypatch):
+    """"auto" (the default) sends steps past INT_ROWS through the integer kernel in models
+    INT_WIDE_WIDTH or more wide, where the kernel is AVX-512 VNNI and there is no AMX; narrower
+    models, the head, AVX2 and AMX machines keep the GEMM route."""
+    monkeypatch.delenv("PAGEDLLM_QUANT_WIDE", raising=False)
+    monkeypatch.delenv("PAGEDLLM_QUANT_ISA", raising=False)
+    monkeypatch.setenv("PAGEDLLM_AMX", "0")
+    rng = np.random.default_rng(43)
+    wide, narrow = qk.INT_WIDE_WIDTH, qk.INT_WIDE_WIDTH - 256
+    m = qk.INT_ROWS + 1
+    parts = [packed(random_blocks("Q4_K", 16, wide, rng), "Q4_K", 16, wide) for _ in range(wide // 16)]
+    few = [packed(random_blocks("Q4_K", 16, wide, rng), "Q4_K", 16, wide) for _ in range(narrow // 16)]
+    vnni = "avx512-vnni" in qk.available_isas()
+    assert qk.integer_route(m, parts, "o_proj") is vnni
+    assert not qk.integer_route(m, parts, "lm_head") and not qk.integer_route(m, few, "o_proj")
+    if vnni:  # (the path is read once a process: cleared around the forced one)
+        monkeypatch.setenv("PAGEDLLM_QUANT_ISA", "avx2")
+        qk.kernel_path.cache_clear()
+        try:
+            assert not qk.integer_route(m, parts, "o_proj")
+        finally:
+            monkeypatch.delenv("PAGEDLLM_QUANT_ISA")
+            qk.kernel_path.cache_clear()
+    if qk.cpu_kernels() is not None and hasattr(qk.cpu_kernels(), "quant_amx_rows"):
+        monkeypatch.delenv("PAGEDLLM_AMX")
+        assert qk.integer_route(m, parts, "o_proj") is (vnni and qk.amx_rows() == 0)
 
 
 def test_amx_turns_off_by_environment(monkeypatch):

@@ -206,6 +206,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 WIDE_INT = "int8 (WIDE=int)"
+WIDE_GEMM = "dequantize + GEMM (WIDE=gemm)"
 
 
 def _set_env(name: str, value: str | None) -> None:
@@ -219,8 +220,9 @@ def _set_env(name: str, value: str | None) -> None:
 def run_weights(args: argparse.Namespace) -> dict:
     """Quantized weights against the dequantized float32 model on the same windows. Decode path:
     chunk 1, every window one row of a batch of at most 32 (the integer kernels). Prefill path:
-    whole windows at once, by tile dequantize + GEMM (the default) and by the integer kernel
-    (PAGEDLLM_QUANT_WIDE=int)."""
+    whole windows at once, by tile dequantize + GEMM and by the integer kernel, each forced
+    (PAGEDLLM_QUANT_WIDE=gemm, =int): which one a model takes by default depends on its width and
+    the CPU (quant/kernels.py, wide_int_here)."""
     from .. import LLM
     from ..quant.kernels import INT_ROWS
 
@@ -242,8 +244,7 @@ def run_weights(args: argparse.Namespace) -> dict:
             ("quantized fp32, decode, int8x2", dict(dtype="float32"), 1, "int8x2"),
             auto,
             ("quantized fp32, decode, int8", dict(dtype="float32"), 1, "int8"),
-            ("quantized fp32, prefill path", dict(dtype="float32"), args.window_len + 1, None),
-            # The integer kernel past INT_ROWS too (PAGEDLLM_QUANT_WIDE=int, quant/kernels.py).
+            (f"quantized fp32, prefill, {WIDE_GEMM}", dict(dtype="float32"), args.window_len + 1, None),
             (f"quantized fp32, prefill, {WIDE_INT}", dict(dtype="float32"), args.window_len + 1, None)]
     if args.head:  # only the head differs: the checkpoint's own blocks on both sides
         runs = [("float head fp32 (reference)", dict(dtype="float32", keep_float_head=True), 1, None),
@@ -255,7 +256,8 @@ def run_weights(args: argparse.Namespace) -> dict:
     results = []
     saved = {name: os.environ.get(name) for name in ("PAGEDLLM_QUANT_ACT", "PAGEDLLM_QUANT_WIDE")}
     for label, kw, chunk, act in runs:
-        _set_env("PAGEDLLM_QUANT_WIDE", "int" if label.endswith(WIDE_INT) else None)
+        _set_env("PAGEDLLM_QUANT_WIDE", "int" if label.endswith(WIDE_INT) else "gemm" if label.endswith(WIDE_GEMM)
+                 else saved["PAGEDLLM_QUANT_WIDE"])
         _set_env("PAGEDLLM_QUANT_ACT", act or saved["PAGEDLLM_QUANT_ACT"])
         llm = LLM(args.model, kv_cache_context_len=ctx, max_num_seqs=len(windows), block_size=args.block_size,
                   max_num_batched_tokens=max(2048, len(windows) * chunk), isq=args.isq if "dequant" not in label

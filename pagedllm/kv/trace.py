@@ -293,7 +293,8 @@ def _weight_kernel(engine) -> str:
     if w is None:
         return ""
     if w.kernel:
-        from ..quant.kernels import X2_ROWS, X2_WIDTH, activation_mode, amx_rows, narrow_steps_x2, wide_x2_roles
+        from ..quant.kernels import (INT_ROWS, X2_ROWS, X2_WIDTH, activation_mode, amx_rows, narrow_steps_x2,
+                                     wide_int_here, wide_mode, wide_x2_roles)
 
         mode = activation_mode()
         wide = wide_x2_roles()
@@ -308,6 +309,11 @@ def _weight_kernel(engine) -> str:
         amx = amx_rows()
         if amx and str(getattr(engine, "dtype", "")) == "torch.bfloat16":
             acts += f"; steps of {amx}+ rows on packed weights: AMX bf16 tile products"
-        return (f"quantized {w.kernel} integer kernels at decode ({acts}), tile dequantize + GEMM for long "
-                f"prefills ({w.reason})")
+        route = wide_mode()
+        if route == "int" or (route == "auto" and wide_int_here(hidden)):
+            why = "PAGEDLLM_QUANT_WIDE=int" if route == "int" else f"the model {hidden} wide, no AMX"
+            prefill = f"and past {INT_ROWS} rows too (prefill), the head aside ({why})"
+        else:
+            prefill = "tile dequantize + GEMM for long prefills"
+        return f"quantized {w.kernel} integer kernels at decode ({acts}), {prefill} ({w.reason})"
     return f"float GEMMs on dequantized weights ({w.reason})"

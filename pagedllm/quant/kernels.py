@@ -3,8 +3,9 @@
 Few rows (decode) take the integer path: the activation is quantized to int8 per 32 values
 and multiplied with the weight's blocks by integer dot products (AVX-512 VNNI, AVX2, or the
 scalar reference). Many rows (prefill, wide batches) are compute bound: the weight is
-dequantized a tile of rows at a time into the compute dtype and the GEMM does the rest (or,
-with PAGEDLLM_QUANT_WIDE=int, the integer kernel takes them too, chunk by chunk).
+dequantized a tile of rows at a time into the compute dtype and the GEMM does the rest, or,
+in models 1536+ wide on AVX-512 VNNI CPUs without AMX (PAGEDLLM_QUANT_WIDE), the integer kernel
+takes them too, chunk by chunk.
 """
 from __future__ import annotations
 
@@ -35,18 +36,22 @@ INT_ROWS = int(os.environ.get("PAGEDLLM_QUANT_INT_ROWS", "32"))
 TILE_ROWS = 2048
 TILE_VALUES = 4 * 2**20
 TILE_PAD = 32  # a transposed tile's rows are this much longer (csrc/quant_packed.cpp)
-# PAGEDLLM_QUANT_WIDE=int: past INT_ROWS too (prefill, wide decode batches), packed weights take
-# the integer kernel (one int8 level, q|k|v two, as X2_WIDE says; the LM head and weights in the
-# file's layout keep the GEMM route), in chunks of WIDE_CHUNK rows so that a chunk's int8
-# activations stay in cache while every weight group passes over them. Measured on
-# Qwen2.5-Coder-1.5B Q4_K_M (2 threads, AVX-512 VNNI + BF16), prefill tok/s against the default
-# dequantize + GEMM route in bf16: 2.2x at 64 rows, 1.19x at 512, 1.16x at 1024; at 2048 rows
-# 0.73x in one call (the activations no longer fit), 1.06x in chunks of 512, 1.15x in chunks of
-# 64-256. Off by default: prefill then rounds activations to int8 where the GEMM route is exact
-# (perplexity and top-1 of both in README, "Integer prefill"). On AVX2 the integer kernel
-# takes three instructions for half of one vpdpbusd's products: there it is likely slower than
-# the GEMM (not measured).
-WIDE_MODES = ("gemm", "int")
+# The integer kernel past INT_ROWS too (prefill, wide decode batches): packed weights other than
+# the LM head (and weights in the file's layout) in chunks of WIDE_CHUNK rows, so that a chunk's
+# int8 activations stay in cache while every weight group passes over them; one int8 level, q|k|v
+# two, as X2_WIDE says. Measured on Qwen2.5-Coder-1.5B Q4_K_M (2 threads, AMD EPYC, AVX-512
+# VNNI + BF16), prefill tok/s against the dequantize + GEMM route in bf16: 2.2x at 64 rows, 1.19x
+# at 512 (1.22x in another session: 157.6 against 128.8, `bench compare --rounds 3`), 1.16x at
+# 1024; at 2048 rows 0.73x in one call (the activations no longer fit), 1.06x in chunks of 512,
+# 1.15x in chunks of 64-256. It rounds activations where the GEMM route is exact, so it is taken
+# where that was measured to hold the quality bar (98% top-1, perplexity within 0.5% of the
+# dequantized model; README, "Integer prefill"): models INT_WIDE_WIDTH or more wide (the 1.5B:
+# 98.71%, -0.01%; SmolLM2, 576 wide: 97.41%), on CPUs whose integer kernel is AVX-512 VNNI and
+# which have no AMX (there the GEMM's bf16 products run on AMX: 2.7x llama.cpp's prefill). On
+# AVX2 the integer kernel takes three instructions for half of one vpdpbusd's products: there
+# it is likely slower than the GEMM (not measured). PAGEDLLM_QUANT_WIDE=gemm | int forces a route.
+INT_WIDE_WIDTH = 1536
+WIDE_MODES = ("auto", "gemm", "int")
 WIDE_CHUNK = 128
 _scratch = threading.local()
 
@@ -191,7 +196,7 @@ def weight_buffer(shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> to
 
 
 def wide_mode() -> str:
-    mode = os.environ.get("PAGEDLLM_QUANT_WIDE", "gemm")
+    mode = os.environ.get("PAGEDLLM_QUANT_WIDE", "auto")
     if mode not in WIDE_MODES:
         raise ValueError(f"PAGEDLLM_QUANT_WIDE={mode!r} is not one of {', '.join(WIDE_MODES)}")
     return mode
@@ -200,10 +205,20 @@ def wide_mode() -> str:
 def integer_route(rows: int, parts: list[QuantTensor], role: str | None = None) -> bool:
     """Whether a step of `rows` rows through `parts` (the projection `role`) takes the integer
     kernel: always up to INT_ROWS; past it, packed parts other than the head where
-    PAGEDLLM_QUANT_WIDE=int (WIDE_CHUNK)."""
+    PAGEDLLM_QUANT_WIDE=int, or where "auto" (the default) finds it measured faster and exact
+    enough (wide_int_here)."""
     if rows <= INT_ROWS:
         return True
-    return wide_mode() == "int" and role != "lm_head" and all(p.packed for p in parts)
+    mode = wide_mode()
+    if role == "lm_head" or not all(p.packed for p in parts):
+        return False
+    return mode == "int" or (mode == "auto" and wide_int_here(_width(parts)))
+
+
+def wide_int_here(width: int) -> bool:
+    """Whether "auto" sends steps past INT_ROWS through the integer kernel in a model `width`
+    wide on this machine (INT_WIDE_WIDTH, above)."""
+    return width >= INT_WIDE_WIDTH and _path_id() == ISA_IDS["avx512-vnni"] and amx_rows() == 0
 
 
 def activation_mode() -> str:
