@@ -281,9 +281,10 @@ def run_weights(args: argparse.Namespace) -> dict:
     for r in results:
         r["ppl_delta_pct"] = 100 * (r["perplexity"] / ref["perplexity"] - 1)
         r["top1_agree_pct"] = 100 * (r["top1"] == ref["top1"]).double().mean().item()
-    head = f"{'run':<44} {'perplexity':>11} {'delta':>8} {'top-1 agree':>12}"
+    w = max(44, *(len(r["run"]) for r in results))
+    head = f"{'run':<{w}} {'perplexity':>11} {'delta':>8} {'top-1 agree':>12}"
     print("\n".join([head, "-" * len(head)] + [
-        f"{r['run']:<44} {r['perplexity']:>11.4f} {r['ppl_delta_pct']:>+7.2f}% {r['top1_agree_pct']:>11.2f}%"
+        f"{r['run']:<{w}} {r['perplexity']:>11.4f} {r['ppl_delta_pct']:>+7.2f}% {r['top1_agree_pct']:>11.2f}%"
         for r in results]))
     out = {"machine": machine_info(), "args": vars(args),
            "results": [{k: v for k, v in r.items() if k != "top1"} for r in results]}
