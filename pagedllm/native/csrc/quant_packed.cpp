@@ -50,8 +50,9 @@ struct PLayout {
 // it reaches the next group, which follows in memory). With several rows a block takes long
 // enough that the hardware prefetcher fell behind: tiles of 8+ rows ran 2.5x slower streaming
 // from DRAM than from cache, and even 1-4 rows gained a little. The distance is
-// pagedllm::weight_prefetch_bytes(): nearer while the weights come from DRAM, farther while
-// they fit the cache (weight_memory.cpp, where it was measured).
+// pagedllm::weight_prefetch_bytes(rows): nearer while the weights come from DRAM, farther while
+// they fit the cache, at least 2 KiB for tiles of 4+ rows (weight_memory.h and .cpp, where it
+// was measured).
 
 constexpr bool packable(int64_t t) {
   return t == Q4_0 || t == Q4_1 || t == Q5_0 || t == Q5_1 || t == Q8_0 || t == Q4_K || t == Q5_K || t == Q6_K;
@@ -285,7 +286,7 @@ template <int64_t TYPE, int MR>
 void group_avx2(const uint8_t* gp, const QAct& x, int64_t r0, float* y, int64_t ldy) {
   constexpr PLayout L = playout(TYPE);
   const __m256i ones = _mm256_set1_epi16(1);
-  const int ahead = pagedllm::weight_prefetch_bytes();
+  const int ahead = pagedllm::weight_prefetch_bytes(MR);
   for (int h = 0; h < 2; ++h) {
     __m256 fa[MR], ma[MR];
     for (int r = 0; r < MR; ++r) fa[r] = ma[r] = _mm256_setzero_ps();
@@ -403,7 +404,7 @@ __attribute__((always_inline)) inline void decode_vnni(const uint8_t* B, __m512 
 template <int64_t TYPE, int MR>
 void group_vnni(const uint8_t* gp, const QAct& x, int64_t r0, float* y, int64_t ldy) {
   constexpr PLayout L = playout(TYPE);
-  const int ahead = pagedllm::weight_prefetch_bytes();
+  const int ahead = pagedllm::weight_prefetch_bytes(MR);
   // One accumulator a row (the weights' offsets fold into it): 16 rows fit the registers.
   __m512 fa[MR];
   for (int r = 0; r < MR; ++r) fa[r] = _mm512_setzero_ps();
@@ -536,7 +537,7 @@ __attribute__((target("avx512bf16,amx-tile,amx-bf16"))) void amx_groups(const ui
   alignas(64) float part[256];
   const int64_t ldx = k * 2;  // bytes between activation rows
   const uint8_t* xp = reinterpret_cast<const uint8_t*>(xb);
-  const int ahead = pagedllm::weight_prefetch_bytes();
+  const int ahead = pagedllm::weight_prefetch_bytes(16);
   for (int64_t g = g0; g < g1; ++g) {
     const uint8_t* gp = w + g * gb;
     for (int64_t r0 = 0; r0 < m; r0 += 32) {
