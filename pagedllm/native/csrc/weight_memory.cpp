@@ -66,8 +66,9 @@ int64_t llc_bytes() {
   return n > 0 ? n : 0;
 }
 
-// AMD's cores (Zen 4 measured) need no help beyond the next lines: any distance from 0 to
-// 256 B ran as fast as any other or faster, 2 KiB up to 6% and 8 KiB 6-9% slower (above).
+// AMD's cores (Zen 4 measured) need no help beyond the next lines at batch 1: any distance
+// from 0 to 256 B ran as fast as any other or faster, 2 KiB up to 6% and 8 KiB 6-9% slower
+// (above). Tiles of 4+ rows still take 2 KiB (weight_memory.h).
 constexpr int AMD_DISTANCE = 256;
 
 bool amd_cpu() {
