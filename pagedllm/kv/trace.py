@@ -294,7 +294,7 @@ def _weight_kernel(engine) -> str:
         return ""
     if w.kernel:
         from ..quant.kernels import (INT_ROWS, X2_ROWS, X2_WIDTH, activation_mode, amx_rows, narrow_steps_x2,
-                                     wide_int_here, wide_mode, wide_x2_roles)
+                                     wide_mode, wide_steps_int, wide_x2_roles)
 
         mode = activation_mode()
         wide = wide_x2_roles()
@@ -309,9 +309,8 @@ def _weight_kernel(engine) -> str:
         amx = amx_rows()
         if amx and str(getattr(engine, "dtype", "")) == "torch.bfloat16":
             acts += f"; steps of {amx}+ rows on packed weights: AMX bf16 tile products"
-        route = wide_mode()
-        if route == "int" or (route == "auto" and wide_int_here(hidden)):
-            why = "PAGEDLLM_QUANT_WIDE=int" if route == "int" else f"the model {hidden} wide, no AMX"
+        if wide_steps_int(hidden):
+            why = "PAGEDLLM_QUANT_WIDE=int" if wide_mode() == "int" else f"the model {hidden} wide, no AMX"
             prefill = f"and past {INT_ROWS} rows too (prefill), the head aside ({why})"
         else:
             prefill = "tile dequantize + GEMM for long prefills"

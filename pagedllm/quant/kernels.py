@@ -209,10 +209,15 @@ def integer_route(rows: int, parts: list[QuantTensor], role: str | None = None) 
     enough (wide_int_here)."""
     if rows <= INT_ROWS:
         return True
+    wide = wide_steps_int(_width(parts))  # (first: a bad PAGEDLLM_QUANT_WIDE is refused on any part)
+    return wide and role != "lm_head" and all(p.packed for p in parts)
+
+
+def wide_steps_int(width: int) -> bool:
+    """Whether steps past INT_ROWS of packed projections (the head aside) in a model `width`
+    wide take the integer kernel: PAGEDLLM_QUANT_WIDE=int, or "auto" where wide_int_here."""
     mode = wide_mode()
-    if role == "lm_head" or not all(p.packed for p in parts):
-        return False
-    return mode == "int" or (mode == "auto" and wide_int_here(_width(parts)))
+    return mode == "int" or (mode == "auto" and wide_int_here(width))
 
 
 def wide_int_here(width: int) -> bool:
