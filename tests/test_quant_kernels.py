@@ -391,6 +391,28 @@ def test_wide_steps_of_wide_models_take_the_integer_kernel_by_default_without_am
         assert qk.integer_route(m, parts, "o_proj") is (vnni and qk.amx_rows() == 0)
 
 
+def test_proposals_take_the_integer_kernel_past_int_rows_at_any_width(monkeypatch):
+    """Inside proposals_only (a draft model's forwards) "auto" takes the integer kernel past
+    INT_ROWS in narrow models too, where it does for wide ones (AVX-512 VNNI, no AMX); the
+    head keeps the GEMM, forced routes stay forced, and the flag ends with the block."""
+    monkeypatch.delenv("PAGEDLLM_QUANT_WIDE", raising=False)
+    monkeypatch.delenv("PAGEDLLM_QUANT_ISA", raising=False)
+    monkeypatch.setenv("PAGEDLLM_AMX", "0")
+    rng = np.random.default_rng(44)
+    narrow = qk.INT_WIDE_WIDTH // 2
+    m = qk.INT_ROWS + 8
+    few = [packed(random_blocks("Q4_K", 16, narrow * 2, rng), "Q4_K", 16, narrow * 2) for _ in range(narrow // 16)]
+    vnni = "avx512-vnni" in qk.available_isas()
+    assert not qk.integer_route(m, few, "o_proj")
+    with qk.proposals_only():
+        assert qk.integer_route(m, few, "o_proj") is vnni
+        assert not qk.integer_route(m, few, "lm_head")
+        monkeypatch.setenv("PAGEDLLM_QUANT_WIDE", "gemm")
+        assert not qk.integer_route(m, few, "o_proj")
+        monkeypatch.delenv("PAGEDLLM_QUANT_WIDE")
+    assert not qk.integer_route(m, few, "o_proj")
+
+
 def test_amx_turns_off_by_environment(monkeypatch):
     monkeypatch.setenv("PAGEDLLM_AMX", "0")
     assert qk.amx_rows() == 0

@@ -524,6 +524,34 @@ def test_first_token_time_is_when_the_step_hands_it_out(family_ckpt, drafts, mon
         eng.step()
 
 
+def test_draft_forwards_take_the_fastest_route_and_the_target_keeps_its_own(smollm2_gguf_path, monkeypatch):
+    """A quantized draft's forwards run inside proposals_only (its catch-up of a 40-token prompt
+    through the integer kernel where the CPU's is AVX-512 VNNI), the target's never: the
+    target's route and so its output are those of plain decoding, token for token."""
+    from pagedllm.quant import kernels as qk
+
+    monkeypatch.delenv("PAGEDLLM_QUANT_WIDE", raising=False)
+    seen = []
+    route = qk.integer_route
+
+    def spy(rows, parts, role=None):
+        seen.append((rows, getattr(qk._route, "proposals_only", False)))
+        return route(rows, parts, role)
+
+    monkeypatch.setattr(qk, "integer_route", spy)
+    path = str(smollm2_gguf_path)
+    prompt = [[1] + list(range(200, 239))]  # 40 tokens: past INT_ROWS (32)
+    plain = _greedy(LLM(path, kv_cache_memory_mb=16), prompt)
+    seen.clear()
+    llm = LLM(path, kv_cache_memory_mb=16, speculative=_draft(path, max_rows=8))  # plain's rounding
+    assert _greedy(llm, prompt) == plain
+    wide = {d for r, d in seen if r > qk.INT_ROWS}  # the target's prefill, the draft's catch-up (41 tokens)
+    assert wide == {False, True}, sorted(set(seen))
+    assert llm.engine.spec.stats.verifications > 0
+    assert not getattr(qk._route, "proposals_only", False)
+    _assert_no_leak(llm)
+
+
 @pytest.mark.parametrize("source", ["float", "gguf"])
 def test_draft_head_argmax_is_the_best_of_its_ids(source, family_ckpt, smollm2_gguf_path):
     """DraftHead.greedy against the whole head's logits: each row's pick is the best-scoring id

@@ -37,6 +37,7 @@ import torch
 from ..config import CacheConfig
 from ..kv.cache import KVCacheSpec, dtype_name
 from ..kv.groups import KVGroups, plan_groups
+from ..quant import kernels as qk
 from ..sampling.sampler import greedy_ids
 from .block_manager import BlockManager
 from .draft_head import DraftHead, resolve_keep
@@ -293,20 +294,21 @@ class DraftModel:
         """One draft forward over the batch (decodes first): the greedy token after each item
         that reaches its sequence's end, in batch order. Computed counts advance."""
         t0 = time.perf_counter()
-        plan = self.runner.plan(batch)
         rows, end = [], 0
         for it in batch:
             end += it.num_new_tokens
             if it.seq.num_computed_tokens + it.num_new_tokens == it.seq.num_tokens:
                 rows.append(end - 1)  # the item's last token: only its logits are needed
-        if self.head is None:
-            plan.logits_rows = rows
-            logits = self.runner.logits(plan)
-            out = [] if logits is None else greedy_ids(logits)
-        else:  # the final hidden states of those rows, through the draft's own head
-            plan.logits_rows, plan.hidden_rows = [], rows
-            _, hidden = self.runner.forward(plan)
-            out = [] if hidden is None else self.head.greedy(hidden)
+        with qk.proposals_only():  # the target verifies them: the fastest kernels, at any width
+            plan = self.runner.plan(batch)
+            if self.head is None:
+                plan.logits_rows = rows
+                logits = self.runner.logits(plan)
+                out = [] if logits is None else greedy_ids(logits)
+            else:  # the final hidden states of those rows, through the draft's own head
+                plan.logits_rows, plan.hidden_rows = [], rows
+                _, hidden = self.runner.forward(plan)
+                out = [] if hidden is None else self.head.greedy(hidden)
         for it in batch:
             it.ran()
         self.forwards += 1
