@@ -393,10 +393,11 @@ def test_wide_steps_of_wide_models_take_the_integer_kernel_by_default_without_am
 
 def test_proposals_take_the_integer_kernel_past_int_rows_at_any_width(monkeypatch):
     """Inside proposals_only (a draft model's forwards) "auto" takes the integer kernel past
-    INT_ROWS in narrow models too, where it does for wide ones (AVX-512 VNNI, no AMX); the
-    head keeps the GEMM, forced routes stay forced, and the flag ends with the block."""
-    monkeypatch.delenv("PAGEDLLM_QUANT_WIDE", raising=False)
-    monkeypatch.delenv("PAGEDLLM_QUANT_ISA", raising=False)
+    INT_ROWS in narrow models too, where it does for wide ones (AVX-512 VNNI, no AMX), and
+    rounds activations in one level; the head keeps the GEMM, forced routes and modes stay
+    forced, and the flag ends with the block."""
+    for env in ("PAGEDLLM_QUANT_WIDE", "PAGEDLLM_QUANT_ISA", "PAGEDLLM_QUANT_ACT", "PAGEDLLM_QUANT_X2_WIDE"):
+        monkeypatch.delenv(env, raising=False)
     monkeypatch.setenv("PAGEDLLM_AMX", "0")
     rng = np.random.default_rng(44)
     narrow = qk.INT_WIDE_WIDTH // 2
@@ -407,10 +408,17 @@ def test_proposals_take_the_integer_kernel_past_int_rows_at_any_width(monkeypatc
     with qk.proposals_only():
         assert qk.integer_route(m, few, "o_proj") is vnni
         assert not qk.integer_route(m, few, "lm_head")
+        # and one level of activation rounding at every width (a draft's proposals are verified)
+        assert not any(qk._isa_id(None, r, "qkv_proj", narrow) & qk.ACT_X2 for r in (1, m))
+        assert not qk._stack_isa_id(1, narrow) & (qk.ACT_X2 | qk.ACT_X2_PROJ)
+        monkeypatch.setenv("PAGEDLLM_QUANT_ACT", "int8x2")  # a forced mode stays forced
+        assert qk._isa_id(None, 1, None, narrow) & qk.ACT_X2
+        monkeypatch.delenv("PAGEDLLM_QUANT_ACT")
         monkeypatch.setenv("PAGEDLLM_QUANT_WIDE", "gemm")
         assert not qk.integer_route(m, few, "o_proj")
         monkeypatch.delenv("PAGEDLLM_QUANT_WIDE")
     assert not qk.integer_route(m, few, "o_proj")
+    assert qk._isa_id(None, 1, None, narrow) & qk.ACT_X2  # outside: narrow steps two-level
 
 
 def test_amx_turns_off_by_environment(monkeypatch):

@@ -271,6 +271,8 @@ def _x2(rows: int, role: str | None, width: int = 0) -> bool:
     """Whether "auto" (or the mode chosen) rounds a step of `rows` rows through the projection
     `role` in two levels, in a model `width` wide (its hidden size; 0: unknown, as narrow)."""
     mode, wide = activation_mode(), wide_x2_roles()  # (both checked on every step)
+    if mode == "auto" and getattr(_route, "proposals_only", False):
+        return False  # a draft's proposals: one level (see proposals_only)
     return mode == "int8x2" or (mode == "auto" and ((rows <= X2_ROWS and narrow_steps_x2(width))
                                                     or (role is not None and role in wide)))
 
