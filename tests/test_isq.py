@@ -9,7 +9,7 @@ import torch
 
 from pagedllm import LLM
 from pagedllm.quant.formats import QuantFormatError
-from pagedllm.quant.isq import ISQ_TYPES, quantize
+from pagedllm.quant.isq import ISQ_TYPES, quantize, requantize
 from pagedllm.quant.kernels import available_isas
 
 Q = gguf.GGMLQuantizationType
@@ -31,6 +31,32 @@ def test_legacy_isq_is_byte_exact_with_ggufs_quantizer(fmt):
     ours = quantize(w, fmt).data.numpy()
     ref = gguf.quants.quantize(w.numpy(), Q[fmt])
     np.testing.assert_array_equal(ours, ref)
+
+
+@pytest.mark.parametrize("src", ["Q5_0", "Q8_0", "Q6_K"])
+def test_requantize_is_ggufs_quantizer_on_ggufs_dequantized_values(src):
+    """A weight rounded again (a speculative draft's, engine/draft_weights.py): gguf-py's Q4_0
+    quantizer on gguf-py's dequantization of the source blocks, byte for byte, whole or its
+    first rows, and from the packed layout the same values."""
+    from pagedllm.quant.formats import QuantTensor
+
+    w = _weights(64, 512, 3)
+    src_blocks = quantize(w, src)
+    ref = gguf.quants.quantize(gguf.quants.dequantize(src_blocks.data.numpy(), Q[src]).reshape(64, 512), Q.Q4_0)
+    got = requantize(src_blocks, "Q4_0")
+    assert got.fmt == "Q4_0" and not got.packed and got.shape == (64, 512)
+    # (Row 0 is zero: gguf-py dequantizes it to -0.0, which its quantizer scales by +0.0, and
+    # our kernel to +0.0, scaled by -0.0: the same zero weights, a scale's sign bit apart.)
+    np.testing.assert_array_equal(got.data.numpy()[1:], ref[1:])
+    np.testing.assert_array_equal(gguf.quants.dequantize(got.data.numpy(), Q.Q4_0),
+                                  gguf.quants.dequantize(ref, Q.Q4_0))
+    np.testing.assert_array_equal(requantize(src_blocks, "Q4_0", rows=32).data.numpy()[1:], ref[1:32])
+    packed = QuantTensor(src, src_blocks.data.clone(), (64, 512)).pack()
+    again = requantize(packed, "Q4_0", rows=48)
+    assert again.packed and again.shape == (48, 512)
+    back = gguf.quants.dequantize(ref[:48], Q.Q4_0).reshape(48, 512)
+    from pagedllm.quant import kernels as qk
+    np.testing.assert_array_equal(qk.embedding(again, torch.arange(48), torch.float32).numpy(), back)
 
 
 # Each K-quant's step at a 256-value block: what one code step can be worth there (a packing bug

@@ -125,16 +125,16 @@ def test_invariants_hold_every_step(family_ckpt, method, request):
 @pytest.fixture(scope="module")
 def default_models(smollm2_gguf_path):
     """The default model (GGUF, quantized kernels) plain, with n-gram speculation, and drafting
-    for itself. The cache is sized in tokens, not MB: "auto" KV is bf16 on a machine with
-    AVX-512 BF16 and float32 elsewhere, and 64 MB of float32 holds 45 blocks, fewer than the
-    seeded n=2 test's two 1,038-token siblings need. A context length is given whole to the
+    for itself (its weights as the file's: the same model). The cache is sized in tokens, not
+    MB: "auto" KV is bf16 on a machine with AVX-512 BF16 and float32 elsewhere, and 64 MB of
+    float32 holds 45 blocks, fewer than the seeded n=2 test's two 1,038-token siblings need. A context length is given whole to the
     draft's cache as well. The n-gram model chooses its lengths (adaptive, the default); the
     draft, as costly as the target, would rarely pay, so its lengths are fixed."""
     return {"plain": LLM("default", kv_cache_context_len=4096),
             "ngram": LLM("default", kv_cache_context_len=4096, speculative={"method": "ngram", "num_tokens": 3}),
             "draft": LLM("default", kv_cache_context_len=4096,
                          speculative={"method": "draft", "model": "default", "num_tokens": 4,
-                                      "adaptive": False}),
+                                      "adaptive": False, "draft_weights": "file"}),
             "plain_results": {}}
 
 
@@ -348,6 +348,8 @@ def test_low_acceptance_pauses_a_sequence(family_ckpt):
     ({"method": "draft", "model": "x", "draft_vocab": -1}, "draft_vocab"),
     ({"method": "draft", "model": "x", "draft_vocab": "32k"}, "draft_vocab"),
     ({"method": "ngram", "draft_vocab": 1024}, "method 'ngram' has none"),
+    ({"method": "draft", "model": "x", "draft_weights": "Q3_X"}, "draft_weights must be"),
+    ({"method": "ngram", "draft_weights": "Q4_0"}, "method 'ngram' has none"),
 ])
 def test_bad_speculative_settings_are_refused(bad, msg):
     from pagedllm.speculative.config import SpeculativeConfig
@@ -550,6 +552,39 @@ def test_draft_forwards_take_the_fastest_route_and_the_target_keeps_its_own(smol
     assert llm.engine.spec.stats.verifications > 0
     assert not getattr(qk._route, "proposals_only", False)
     _assert_no_leak(llm)
+
+
+def _decoder_formats(model) -> set[str]:
+    from pagedllm.quant import kernels as qk
+
+    return {w.fmt for m in model.modules() if getattr(m, "act_role", None) in qk.DECODE_ROLES
+            and getattr(m, "qparts", None) for w in m.qparts}
+
+
+def test_a_quantized_draft_runs_in_fewer_bits_and_output_is_unchanged(smollm2_gguf_path):
+    """speculative draft_weights: "auto" (the default) runs the default GGUF's Q4_1 decoder
+    projections (5 bits a weight) and its head's scored rows as Q4_0 in the draft, the target
+    keeping the file's; "file" keeps the file's; a type sets it. Greedy output is plain
+    decoding's in each, and nothing leaks."""
+    path = str(smollm2_gguf_path)
+    prompt = [[1] + list(range(300, 339))]
+    plain_llm = LLM(path, kv_cache_memory_mb=16)
+    plain = _greedy(plain_llm, prompt)
+    file_fmts = _decoder_formats(plain_llm.engine.model)
+    assert file_fmts == {"Q4_1"}, file_fmts  # (the file this test is about)
+    head_fmt = plain_llm.engine.model.lm_head.qparts[0].fmt
+    for setting, want in (("auto", "Q4_0"), ("file", "Q4_1"), ("Q8_0", "Q8_0")):
+        kw = {} if setting == "auto" else {"draft_weights": setting}
+        llm = LLM(path, kv_cache_memory_mb=16, speculative=_draft(path, max_rows=8, draft_vocab=16384, **kw))
+        draft = llm.engine.spec.draft
+        assert _decoder_formats(draft.loaded.model) == {want}, setting
+        assert _decoder_formats(llm.engine.model) == file_fmts  # the target's are its own
+        assert draft.head.parts[0].fmt == (head_fmt if setting == "file" else want)
+        assert draft.head.parts[0].shape[0] == draft.head.keep == 16384
+        assert (setting == "file") == ("weights as loaded" in draft.describe())
+        assert _greedy(llm, prompt) == plain, setting
+        assert llm.engine.spec.stats.verifications > 0 and llm.engine.spec.stats.accepted > 0
+        _assert_no_leak(llm)
 
 
 @pytest.mark.parametrize("source", ["float", "gguf"])

@@ -101,12 +101,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workloads", default="code,chat,concurrent")
     p.add_argument("--draft", metavar="MODEL", default=None,
                    help="also run draft-model speculation with this draft ('default' is the default "
-                        "model drafting for itself: about every proposal accepted, so it shows the "
-                        "draft's overhead and the ceiling)")
+                        "model drafting for itself: with --draft-weights file about every proposal "
+                        "accepted, so it shows the draft's overhead and the ceiling)")
     p.add_argument("--draft-tokens", type=int, default=None, help="the draft's proposals a step (default --num-tokens)")
     p.add_argument("--draft-vocab", type=int, default=None,
                    help="token ids the draft's head scores in full (speculative draft_vocab; 0: all; "
                         "default: the first 32,768 of a vocabulary over 65,536)")
+    p.add_argument("--draft-weights", default=None,
+                   help="the format the draft's quantized weights run in (speculative draft_weights: "
+                        "'auto', the default, requantizes those over 4.5 bits a weight to Q4_0; 'file' keeps "
+                        "the file's; or a type such as Q8_0)")
     p.add_argument("--no-ngram", action="store_true", help="leave the n-gram mode out")
     p.add_argument("--fixed", action="store_true",
                    help="every mode proposes its full k each step (adaptive lengths off): the figures "
@@ -123,7 +127,8 @@ def run(args: argparse.Namespace) -> dict:
                                                   "max_ngram": args.max_ngram, "min_ngram": args.min_ngram}}
     if args.draft:
         specs["draft"] = {"method": "draft", "model": args.draft, "num_tokens": args.draft_tokens or args.num_tokens,
-                          **({} if args.draft_vocab is None else {"draft_vocab": args.draft_vocab})}
+                          **({} if args.draft_vocab is None else {"draft_vocab": args.draft_vocab}),
+                          **({} if args.draft_weights is None else {"draft_weights": args.draft_weights})}
         # Both proposers: the lookup where the sequence's suffix recurs, the draft elsewhere.
         specs["draft+ngram"] = {**specs["draft"], "ngram": True, "max_ngram": args.max_ngram,
                                 "min_ngram": args.min_ngram}

@@ -41,6 +41,7 @@ from ..quant import kernels as qk
 from ..sampling.sampler import greedy_ids
 from .block_manager import BlockManager
 from .draft_head import DraftHead, resolve_keep
+from .draft_weights import lighten
 from .model_runner import ModelRunner
 from .scheduler import ScheduledSeq
 from .sequence import Sequence
@@ -116,13 +117,16 @@ class DraftModel:
     and a shadow per sequence."""
 
     def __init__(self, loaded, spec: KVCacheSpec, cache_cfg: CacheConfig, target: BlockManager,
-                 device: torch.device, dtype: torch.dtype, chunk: int, draft_vocab: int | None = None) -> None:
+                 device: torch.device, dtype: torch.dtype, chunk: int, draft_vocab: int | None = None,
+                 draft_weights: str = "file") -> None:
         """`target`: the target's block manager, whose pool the draft's groups join.
-        `draft_vocab`: the token ids its head scores in full (draft_head.py; 0: all)."""
+        `draft_vocab`: the token ids its head scores in full (draft_head.py; 0: all).
+        `draft_weights`: the format its quantized weights run in (draft_weights.py)."""
         from .llm_engine import build_kv  # the engine module imports this one
 
         self.name = loaded.source.short_name
         self.loaded = loaded
+        self.weights_note = lighten(loaded.model, draft_weights)  # (before its first forward)
         self.cache_config = dcfg = draft_cache_config(cache_cfg)
         self.kv_groups = draft_kv_groups(loaded)
         self.kv_spec = spec
@@ -142,7 +146,7 @@ class DraftModel:
         self.decode_forwards = 0
         self.decode_s = 0.0
         self.no_room = 0  # times a sequence proposed less for want of free blocks in the pool
-        self.head = _draft_head(loaded, draft_vocab)
+        self.head = _draft_head(loaded, draft_vocab, draft_weights)
 
     @property
     def memory_mb(self) -> float:
@@ -163,14 +167,15 @@ class DraftModel:
                 f"{dtype_name(self.kv_spec.dtype)}: ceiling {self.memory_mb:.1f} MB, committed "
                 f"{self.committed_mb:.1f} MB), {bm.num_held_blocks} held for {len(self.shadows)} sequences "
                 f"of the pool's {bm.num_used_blocks} in use; prefix cache {prefix}; {self.forwards} draft "
-                f"forwards; {self.no_room} times short of draft blocks; {self.describe_head()}")
+                f"forwards; {self.no_room} times short of draft blocks; {self.describe_head()}; "
+                f"{self.weights_note or 'weights as loaded'}")
 
     def describe_head(self) -> str:
         h = self.head
         if h is None:
             return f"head over all {self.loaded.config.vocab_size} token ids"
-        return (f"head over token ids below {h.keep} of {h.vocab_size} and {h.num_extra} others "
-                f"(added tokens, and the rarer ids its sequences hold)")
+        return (f"head over token ids below {h.keep} of {h.vocab_size} ({h.parts[0].fmt if h.parts else 'float'}) "
+                f"and {h.num_extra} others (added tokens, and the rarer ids its sequences hold)")
 
     # -- per sequence -------------------------------------------------------
     def release(self, seq: Sequence) -> None:
@@ -318,7 +323,7 @@ class DraftModel:
         return out
 
 
-def _draft_head(loaded, draft_vocab: int | None) -> DraftHead | None:
+def _draft_head(loaded, draft_vocab: int | None, draft_weights: str) -> DraftHead | None:
     """The draft's head over part of its vocabulary, or None to score every id (a small
     vocabulary, draft_vocab 0, or a head this cannot slice)."""
     vocab = loaded.config.vocab_size
@@ -327,7 +332,7 @@ def _draft_head(loaded, draft_vocab: int | None) -> DraftHead | None:
     if keep >= vocab or not DraftHead.usable(model):
         return None
     added = list(loaded.tokenizer.backend.get_added_tokens_decoder())
-    return DraftHead(model, vocab, keep, added)
+    return DraftHead(model, vocab, keep, added, draft_weights)
 
 
 def _catch_up(d: Sequence, n: int) -> ScheduledSeq:

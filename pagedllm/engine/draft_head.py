@@ -25,7 +25,9 @@ import torch
 
 from ..quant import kernels as qk
 from ..quant.formats import PACK_ROWS, QuantTensor
+from ..quant.isq import requantize
 from ..sampling.sampler import greedy_ids
+from .draft_weights import target_format
 
 # With draft_vocab unset, a vocabulary over AUTO_MIN_VOCAB ids is cut to its first AUTO_KEEP.
 AUTO_KEEP, AUTO_MIN_VOCAB = 32768, 65536
@@ -45,7 +47,8 @@ class DraftHead:
     """Greedy tokens from the draft's final hidden states over the first `keep` ids, the
     added tokens, and the ids the live sequences hold (see the module docstring)."""
 
-    def __init__(self, model, vocab_size: int, keep: int, always: list[int]) -> None:
+    def __init__(self, model, vocab_size: int, keep: int, always: list[int], weights: str = "file") -> None:
+        """`weights`: speculative draft_weights, for the `keep` rows scored (draft_weights.py)."""
         lm = model.lm_head
         self.vocab_size = vocab_size
         self.keep = keep
@@ -55,8 +58,12 @@ class DraftHead:
         if lm.qparts is not None:
             (w,) = lm.qparts
             self.full = w
-            n = keep // PACK_ROWS if w.packed else keep
-            self.parts = [QuantTensor(w.fmt, w.data[:n], (keep, w.shape[1]), packed=w.packed)]
+            fmt = target_format(weights, w)
+            if fmt is not None:
+                self.parts = [requantize(w, fmt, keep, "lm_head")]
+            else:
+                n = keep // PACK_ROWS if w.packed else keep
+                self.parts = [QuantTensor(w.fmt, w.data[:n], (keep, w.shape[1]), packed=w.packed)]
         else:
             self.full = lm.weight
             self.weight = lm.weight[:keep]

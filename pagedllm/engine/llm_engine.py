@@ -150,7 +150,8 @@ class LLMEngine:
             if self.spec is None or speculative.method != "draft":
                 raise ValueError("a draft model was given without speculative method 'draft'")
             self.spec.draft = DraftModel(draft, draft_spec, cache_cfg, self.block_manager, device, dtype,
-                                         sched_cfg.max_num_batched_tokens, speculative.draft_vocab)
+                                         sched_cfg.max_num_batched_tokens, speculative.draft_vocab,
+                                         speculative.draft_weights)
             logger.info(self.spec.draft.describe())
         elif self.spec is not None and speculative.method == "draft":
             raise ValueError("speculative method 'draft' needs the draft model loaded (LLM(...) loads it)")

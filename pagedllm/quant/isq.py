@@ -20,6 +20,7 @@ from typing import Iterator
 
 import torch
 
+from . import kernels as qk
 from .formats import FORMATS, QuantFormatError, QuantTensor
 
 logger = logging.getLogger(__name__)
@@ -81,6 +82,24 @@ def quantize(w: torch.Tensor, fmt: str, name: str = "weight") -> QuantTensor:
     blocks = {"Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q4_K": _q4_k,
               "Q5_K": _q5_k, "Q6_K": _q6_k}[fmt](x)
     return QuantTensor(fmt, blocks.reshape(rows, -1).contiguous(), (rows, cols))
+
+
+def bits_per_weight(fmt: str) -> float:
+    _, vals, nbytes = FORMATS[fmt]
+    return 8 * nbytes / vals
+
+
+def requantize(w: QuantTensor, fmt: str, rows: int | None = None, name: str = "weight") -> QuantTensor:
+    """w's first `rows` rows (None: all) quantized again as `fmt`, from the values w stands for,
+    in chunks (a large head's float32 copy whole would be hundreds of MB); packed where w is.
+    Rounding twice loses more than rounding once: for weights whose products only propose
+    (a speculative draft's), not for output."""
+    rows = w.shape[0] if rows is None else rows
+    step = max(1, (1 << 24) // w.shape[1])  # rows per chunk: 64 MB of float32
+    chunks = [quantize(qk.embedding(w, torch.arange(r, min(rows, r + step)), torch.float32), fmt, name)
+              for r in range(0, rows, step)]  # (a type that does not tile the rows falls back alike in each)
+    out = QuantTensor(chunks[0].fmt, torch.cat([c.data for c in chunks]), (rows, w.shape[1]))
+    return out.pack() if w.packed and out.can_pack else out
 
 
 def _half_bytes(v: torch.Tensor) -> torch.Tensor:

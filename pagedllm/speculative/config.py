@@ -36,6 +36,11 @@ class SpeculativeConfig:
     # added tokens and the rarer ids of the live sequences always beside them. None: the first
     # 32,768 of a vocabulary over 65,536 (else all); 0: all.
     draft_vocab: int | None = None
+    # method "draft": the format the draft's quantized weights run in (engine/draft_weights.py):
+    # "auto" requantizes those stored in more bits a weight than Q4_0 to Q4_0 at load (a draft
+    # only proposes, and fewer bytes make its forwards faster); a type (Q4_0, Q8_0, ...) all of
+    # them to it; "file" keeps the file's.
+    draft_weights: str = "auto"
 
     @classmethod
     def coerce(cls, value: "SpeculativeConfig | dict[str, Any] | None") -> "SpeculativeConfig | None":
@@ -82,6 +87,14 @@ class SpeculativeConfig:
                              f"got {dv!r}")
         if dv is not None and self.method != "draft":
             raise ValueError("speculative 'draft_vocab' cuts a draft model's head; method 'ngram' has none")
+        if self.draft_weights not in ("auto", "file"):
+            from ..quant.isq import check_isq_type
+            try:
+                self.draft_weights = check_isq_type(self.draft_weights)
+            except ValueError as e:
+                raise ValueError(f"speculative draft_weights must be 'auto', 'file' or a quantized type: {e}") from None
+        if self.draft_weights != "auto" and self.method != "draft":
+            raise ValueError("speculative 'draft_weights' sets a draft model's weights; method 'ngram' has none")
         if self.ngram and self.method != "draft":
             raise ValueError("speculative 'ngram': true combines n-gram lookup with a draft model (method "
                              "'draft'); method 'ngram' looks up n-grams already")
