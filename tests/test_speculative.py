@@ -526,6 +526,37 @@ def test_first_token_time_is_when_the_step_hands_it_out(family_ckpt, drafts, mon
         eng.step()
 
 
+def test_draft_lag_is_the_catch_up_it_then_computes(family_ckpt, drafts, monkeypatch):
+    """DraftModel.lag, which decides whether a probe is cheap, against what the draft then
+    computes for each sequence asking for proposals: the prompt at first, then one token (the
+    target's) after a rejection or two (the last proposal and the target's) after a full
+    acceptance."""
+    import pagedllm.engine.draft as dm
+
+    _, path, prompts, expected = family_ckpt
+    llm = LLM(str(path), dtype="float32", kv_cache_memory_mb=16, enable_prefix_caching=False,
+              speculative=_draft(drafts["noisy"]))
+    before, caught = [], []
+    propose, catch_up = dm.DraftModel.propose, dm._catch_up
+
+    def spy_propose(self, want, running=()):
+        before.append({s.request_id: self.lag(s) for s, _ in want})
+        caught.append({})
+        return propose(self, want, running)
+
+    def spy_catch_up(d, n):
+        caught[-1][d.request_id] = n
+        return catch_up(d, n)
+
+    monkeypatch.setattr(dm.DraftModel, "propose", spy_propose)
+    monkeypatch.setattr(dm, "_catch_up", spy_catch_up)
+    assert _greedy(llm, prompts) == expected
+    assert len(before) > 3 and before == caught
+    lags = [n for b in before for n in b.values()]
+    assert any(n > dm.CATCH_UP_ROWS for n in lags) and 1 in lags, sorted(set(lags))
+    _assert_no_leak(llm)
+
+
 def test_draft_forwards_take_the_fastest_route_and_the_target_keeps_its_own(smollm2_gguf_path, monkeypatch):
     """A quantized draft's forwards run inside proposals_only (its catch-up of a 40-token prompt
     through the integer kernel where the CPU's is AVX-512 VNNI), the target's never: the
@@ -745,8 +776,45 @@ def test_step_costs_fit_the_rows_line():
     for rows, secs in ((1, 0.010), (3, 0.012), (5, 0.014), (1, 0.010)):
         c.observe_step(rows, secs)
     c.observe_draft(2, 0.006)
+    row, draft = c.relative(1)  # (3 and 5 seen once: the line prices every row)
+    assert row == pytest.approx([0.001 / 0.010] * len(row)) and draft == pytest.approx(0.003 / 0.010)
+
+
+def test_step_costs_follow_the_curve_of_trusted_row_counts():
+    """Row counts timed often enough are joined piece by piece, the line past them: a second
+    row that costs nothing is priced at nothing, so one proposal of a chat's draft (60%
+    accepted, a forward 0.24 of a step) pays, which the line through every count declined."""
+    from pagedllm.speculative.costs import TRUSTED, Candidate, StepCosts, best_rate, plan_lengths
+    from pagedllm.speculative.decoder import MIN_GAIN
+
+    c = StepCosts()
+    for _ in range(TRUSTED):
+        for rows, secs in ((1, 0.030), (2, 0.030), (6, 0.075)):
+            c.observe_step(rows, secs)
+    c.observe_draft(1, 0.0072)
     row, draft = c.relative(1)
-    assert row == pytest.approx(0.001 / 0.010) and draft == pytest.approx(0.003 / 0.010)
+    slope = c._line()[1]
+    assert row[0] == 0.0 and row[1:5] == pytest.approx([0.045 / 4 / 0.030] * 4)
+    assert row[5:] == pytest.approx([slope / 0.030] * len(row[5:])) and draft == pytest.approx(0.24)
+    chat = Candidate(0.6, 5, True)
+    assert plan_lengths([chat], 1, 8, row, draft) == [1]
+    assert best_rate(chat, row, draft) == pytest.approx(1.6 / 1.24) and best_rate(chat, row, draft) >= MIN_GAIN
+    assert best_rate(chat, slope / 0.030, draft) < MIN_GAIN
+
+
+@pytest.mark.parametrize("prices", [[0.0, 0.3, 0.3, 0.3, 0.3, 0.3], [0.05, 0.1, 0.2, 0.3, 0.4, 0.5]])
+def test_planned_lengths_with_rising_row_prices_are_the_best_by_enumeration(prices):
+    from pagedllm.speculative.costs import Candidate, best_rate, plan_lengths
+
+    def rate(a, k, draft):
+        return sum(a ** j for j in range(k + 1)) / (1 + sum(prices[:k]) + draft * k)
+
+    for draft in (0.0, 0.2):
+        for a in (0.05, 0.3, 0.5, 0.7, 0.9, 0.99):
+            c = Candidate(a, 6, draft > 0)
+            best = max(range(7), key=lambda k: rate(a, k, draft))
+            assert plan_lengths([c], 1, 8, prices, draft) == [best], (a, draft)
+            assert best_rate(c, prices, draft) == pytest.approx(rate(a, best, draft))
 
 
 def test_step_costs_shrug_off_a_slow_step():
@@ -763,19 +831,22 @@ def test_step_costs_shrug_off_a_slow_step():
     c.observe_step(6, 0.080)
     c.observe_draft(1, 0.040)
     row, draft = c.relative(1)
-    assert row == pytest.approx(0.002 / 0.010) and draft == pytest.approx(0.004 / 0.010)
+    assert row == pytest.approx([0.002 / 0.010] * len(row)) and draft == pytest.approx(0.004 / 0.010)
 
 
 def test_a_paused_draft_probes_again_where_the_sequence_copies():
-    """A draft's probe first catches up on the whole pause, so it waits until the sequence's
-    suffix recurs earlier in it; an n-gram probe costs no forward and never waits."""
+    """A draft's probe first catches up on the whole pause: past a few decode rows' worth it
+    waits until the sequence's suffix recurs earlier in it; a short catch-up (a proposal's own
+    forward) and an n-gram probe, which costs no forward, never wait."""
     from types import SimpleNamespace
 
     from pagedllm.speculative.config import SpeculativeConfig
     from pagedllm.speculative.decoder import PROBE_NGRAM, SeqSpecState, SpeculativeDecoder
 
     dec = SpeculativeDecoder(SpeculativeConfig(method="draft", model="draft"), 4096)
-    dec.draft = object()
+    dec.draft = SimpleNamespace(cheap_probe=lambda seq: True)
+    assert dec._worth_probing(SimpleNamespace(token_ids=list(range(100))), SeqSpecState())
+    dec.draft = SimpleNamespace(cheap_probe=lambda seq: False)
     st = SeqSpecState()
     seq = SimpleNamespace(token_ids=list(range(100)))
     assert not dec._worth_probing(seq, st)

@@ -226,6 +226,25 @@ class DraftModel:
         self.block_manager.commit_full_blocks(d)
         return sh
 
+    def lag(self, seq: Sequence) -> int:
+        """Tokens of seq the draft would compute before its next proposal: its catch-up (for a
+        sequence it has not seen, the whole prompt: at most that, as its prefix cache may hold
+        the start)."""
+        sh = self.shadows.get(seq.seq_id)
+        toks = seq.token_ids
+        if sh is None:
+            return len(toks)
+        d, c = sh.seq, sh.synced
+        top = min(len(d.token_ids), len(toks))
+        while c < top and d.token_ids[c] == toks[c]:
+            c += 1
+        return len(toks) - min(c, d.num_computed_tokens)
+
+    def cheap_probe(self, seq: Sequence) -> bool:
+        """Whether seq's catch-up runs as decode rows (CATCH_UP_ROWS), in the forward that makes
+        its first proposal: then a probe costs what any proposal does."""
+        return self.lag(seq) <= CATCH_UP_ROWS
+
     # -- proposing ------------------------------------------------------------
     def _reserve(self, running: list[Sequence]) -> int:
         """Free blocks the draft leaves in the pool: what the target's running sequences take

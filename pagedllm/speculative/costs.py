@@ -1,9 +1,13 @@
 """What speculation costs in this run, measured as it runs, and the proposal lengths worth
 their cost.
 
-A target step's time is a line in its decode rows, fitted to the medians of the recent steps
-of each row count (each verification row adds a little to a step that streams the weights
-once); a draft forward's time is the median of the recent ones. Medians, not means: one
+A target step's time is a curve in its decode rows: the median of the recent steps of each
+row count seen often enough, joined by straight pieces, and past the last of them a line
+fitted to all of them. A line alone does not fit: a step that streams the weights once takes
+its second row almost free (a 1.5B on 2 cores: 0.0 of a step) and later rows at a growing
+share (0.26 a row at 6), and one slope through both counted a single proposal at 0.2 and
+declined free chat that proposing one token at a time ran 1.14x faster. A draft forward's
+time is the median of the recent ones. Medians, not means: one
 step slowed by the machine (twice its usual time is common on a shared 2-core host) moved a
 running mean enough to decline a code edit whose drafts were 99% accepted. Both are taken
 relative to a plain decode step of the same sequences, so the planner works in "plain steps"
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 # Before two row counts are timed: one more verification row costs this share of a step.
@@ -27,6 +32,19 @@ ROW_PRIOR = 0.1
 DRAFT_PRIOR = 0.3
 RECENT = 15  # timings kept per row count (and of draft forwards): the median of these
 FIT_WEIGHT_CAP = 16  # a row count's weight in the fit: how often it was seen, at most this
+TRUSTED = 3  # a row count's median joins the curve once this many of its steps were timed
+EXTRA_ROWS = 32  # verification rows `relative` prices one by one (past them: the last price)
+
+# One more verification row's cost as a share of a plain step: the same for every row (a
+# float), or the j-th extra row's at index j (the last one's for any row past the list).
+RowCost = float | Sequence[float]
+
+
+def row_price(row_cost: RowCost, j: int) -> float:
+    """The cost of the step's j-th extra row (from 0)."""
+    if isinstance(row_cost, (int, float)):
+        return float(row_cost)
+    return row_cost[min(j, len(row_cost) - 1)]
 
 
 def _recent() -> deque:
@@ -65,18 +83,33 @@ class StepCosts:
         slope = max(0.0, sum(w[r] * (r - mr) * (t - mt) for r, t in self.step_s.items()) / var)
         return mt - slope * mr, slope
 
-    def relative(self, rows: int) -> tuple[float, float]:
-        """(one more verification row, one draft forward), each as a share of a plain decode step
-        of `rows` rows."""
+    def _time(self, rows: int, line: tuple[float, float] | None) -> float | None:
+        """A step of `rows` decode rows: on the trusted medians' curve between its ends, the
+        line past them (from the last trusted median where there is one)."""
+        pts = sorted((r, t) for r, t in self.step_s.items() if self.seen[r] >= TRUSTED)
+        for (r0, t0), (r1, t1) in zip(pts, pts[1:]):
+            if r0 <= rows <= r1:
+                return t0 + (t1 - t0) * (rows - r0) / (r1 - r0)
+        if line is None:
+            return self.step_s.get(rows)
+        if pts and rows > pts[-1][0]:
+            return pts[-1][1] + line[1] * (rows - pts[-1][0])
+        if pts and rows == pts[0][0]:
+            return pts[0][1]
+        return line[0] + line[1] * rows
+
+    def relative(self, rows: int) -> tuple[RowCost, float]:
+        """(the price of each verification row added to a step of `rows` decode rows, in order,
+        and of one draft forward), each as a share of a plain decode step of `rows` rows."""
         line = self._line()
-        base = self.step_s.get(rows)
-        if base is None and line is not None:
-            base = line[0] + line[1] * rows
+        base = self._time(rows, line)
         if base is None or base <= 0:
             return ROW_PRIOR, DRAFT_PRIOR
-        row = ROW_PRIOR if line is None else line[1] / base
         draft = DRAFT_PRIOR if self.draft_s is None else self.draft_s / base
-        return row, draft
+        if line is None:
+            return ROW_PRIOR, draft
+        times = [base] + [self._time(rows + j, line) for j in range(1, EXTRA_ROWS + 1)]
+        return [max(0.0, b - a) / base for a, b in zip(times, times[1:])], draft
 
 
 @dataclass
@@ -86,16 +119,17 @@ class Candidate:
     draft: bool  # its proposals come from draft forwards
 
 
-def best_rate(c: Candidate, row_cost: float, draft_cost: float) -> float:
+def best_rate(c: Candidate, row_cost: RowCost, draft_cost: float) -> float:
     """A lone sequence's expected tokens per plain step's time at its best length (1.0: none pays)."""
-    best = tokens = 1.0
+    best = tokens = cost = 1.0
     for k in range(1, c.cap + 1):
         tokens += c.acceptance ** k
-        best = max(best, tokens / (1 + k * (row_cost + (draft_cost if c.draft else 0.0))))
+        cost += row_price(row_cost, k - 1) + (draft_cost if c.draft else 0.0)
+        best = max(best, tokens / cost)
     return best
 
 
-def plan_lengths(cands: list[Candidate], plain_rows: int, room: int, row_cost: float,
+def plan_lengths(cands: list[Candidate], plain_rows: int, room: int, row_cost: RowCost,
                  draft_cost: float) -> list[int]:
     """Proposals per candidate: greedily the next proposal that raises expected tokens per unit
     of step time most, while one does and the step has `room` rows for it. `plain_rows`: the
@@ -105,11 +139,12 @@ def plan_lengths(cands: list[Candidate], plain_rows: int, room: int, row_cost: f
     forwards = 0  # sequential draft forwards so far: the longest draft proposal
     while room > 0:
         best, best_rate, best_dt = -1, tokens / cost, 0.0
+        row = row_price(row_cost, sum(ks))
         for i, c in enumerate(cands):
             k = ks[i]
             if k >= c.cap:
                 continue
-            dt = row_cost + (draft_cost if c.draft and k == forwards else 0.0)
+            dt = row + (draft_cost if c.draft and k == forwards else 0.0)
             rate = (tokens + c.acceptance ** (k + 1)) / (cost + dt)
             if rate > best_rate:
                 best, best_rate, best_dt = i, rate, dt
