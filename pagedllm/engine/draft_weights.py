@@ -5,9 +5,10 @@ rounded changes which proposals are accepted, never the output. A batch-1 draft 
 streams its weights, and a quantized decoder layer's projections run at about the same
 values a second in any packed 4- to 8-bit format, so a format with fewer bits a weight
 reads fewer bytes in less time. Qwen2.5-0.5B's Q4_K_M file stores most of its layers as
-Q5_0 and Q6_K (896 values a row do not tile Q4_K's 256); requantized to Q4_0 they are 201
-MB for 248, and a draft forward beside the 1.5B target took 13.2 ms for 15.6, with
-acceptance on code edits unchanged (99.0% against 98.8%; README, "Speculative decoding").
+Q5_0, Q6_K and Q8_0 (896 values a row do not tile Q4_K's 256): 218 of its decoder's 248 MB,
+172 MB as Q4_0 (its Q4_K parts, as many bits a weight, stay). With every projection Q4_0
+(201 MB) a draft forward beside the 1.5B target took 13.2 ms for 15.6, acceptance on code
+edits 99.0% against 98.8% (README, "Speculative decoding").
 
 speculative `draft_weights`: "auto" (the default) requantizes the decoder projections and
 the head's scored rows stored in more bits a weight than LIGHT to LIGHT, at load (some 4 s

@@ -7,9 +7,9 @@ fitted to all of them. A line alone does not fit: a step that streams the weight
 its second row almost free (a 1.5B on 2 cores: 0.0 of a step) and later rows at a growing
 share (0.26 a row at 6), and one slope through both counted a single proposal at 0.2 and
 declined free chat that proposing one token at a time ran 1.14x faster. A draft forward's
-time is the median of the recent ones. Medians, not means: one
-step slowed by the machine (twice its usual time is common on a shared 2-core host) moved a
-running mean enough to decline a code edit whose drafts were 99% accepted. Both are taken
+time is the median of the recent ones. Medians, not means: one step slowed by the machine
+(twice its usual time is common on a shared 2-core host) moved a running mean enough to
+decline a code edit whose drafts were 99% accepted. Both are taken
 relative to a plain decode step of the same sequences, so the planner works in "plain steps"
 and needs no clock of its own.
 
@@ -83,10 +83,10 @@ class StepCosts:
         slope = max(0.0, sum(w[r] * (r - mr) * (t - mt) for r, t in self.step_s.items()) / var)
         return mt - slope * mr, slope
 
-    def _time(self, rows: int, line: tuple[float, float] | None) -> float | None:
-        """A step of `rows` decode rows: on the trusted medians' curve between its ends, the
-        line past them (from the last trusted median where there is one)."""
-        pts = sorted((r, t) for r, t in self.step_s.items() if self.seen[r] >= TRUSTED)
+    def _time(self, rows: int, line: tuple[float, float] | None, pts: list[tuple[int, float]]) -> float | None:
+        """A step of `rows` decode rows: on the curve through the trusted medians `pts` (row
+        count, seconds; in order) between its ends, the line past them (from the last of them
+        where there is one)."""
         for (r0, t0), (r1, t1) in zip(pts, pts[1:]):
             if r0 <= rows <= r1:
                 return t0 + (t1 - t0) * (rows - r0) / (r1 - r0)
@@ -102,13 +102,14 @@ class StepCosts:
         """(the price of each verification row added to a step of `rows` decode rows, in order,
         and of one draft forward), each as a share of a plain decode step of `rows` rows."""
         line = self._line()
-        base = self._time(rows, line)
+        pts = sorted((r, t) for r, t in self.step_s.items() if self.seen[r] >= TRUSTED)
+        base = self._time(rows, line, pts)
         if base is None or base <= 0:
             return ROW_PRIOR, DRAFT_PRIOR
         draft = DRAFT_PRIOR if self.draft_s is None else self.draft_s / base
         if line is None:
             return ROW_PRIOR, draft
-        times = [base] + [self._time(rows + j, line) for j in range(1, EXTRA_ROWS + 1)]
+        times = [base] + [self._time(rows + j, line, pts) for j in range(1, EXTRA_ROWS + 1)]
         return [max(0.0, b - a) / base for a, b in zip(times, times[1:])], draft
 
 
