@@ -223,9 +223,9 @@ class SpeculativeDecoder:
             self.costs.observe_draft(d.decode_forwards - n0, d.decode_s - s0)
 
     def _worth_probing(self, seq, st: SeqSpecState) -> bool:
-        """A pause is over: probe now? An n-gram probe costs no forward, nor does a draft's whose
-        catch-up runs in its first proposal's forward; a longer catch-up is worth it where the
-        sequence copies (its suffix recurs), which is where drafts are accepted."""
+        """A pause is over: probe now? An n-gram probe costs no forward, and a draft's whose
+        catch-up runs in its first proposal's forward no extra one; a longer catch-up is worth
+        it where the sequence copies (its suffix recurs), which is where drafts are accepted."""
         if self.draft is None or self.draft.cheap_probe(seq):
             return True
         if st.repeats is None:
