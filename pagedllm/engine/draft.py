@@ -111,6 +111,15 @@ class _Shadow:
     seq: Sequence  # the draft's view: tokens it holds K/V for (+ pending), its block tables
     synced: int  # the target's length at the last sync: seq.token_ids[:synced] are the target's
 
+    def kept(self, toks: list[int]) -> int:
+        """How many of the target's tokens `toks` the draft's computed K/V still holds: those
+        synced before, the proposals the target took, never past what it has computed."""
+        mine, c = self.seq.token_ids, self.synced
+        top = min(len(mine), len(toks))
+        while c < top and mine[c] == toks[c]:
+            c += 1
+        return min(c, self.seq.num_computed_tokens)
+
 
 class DraftModel:
     """The draft's model, its pages and runner, its KV groups on the target's block pool,
@@ -209,13 +218,9 @@ class DraftModel:
                 self.head.hold(seq.seq_id, toks)
             return sh
         d, mine = sh.seq, sh.seq.token_ids
-        c = sh.synced
         if self.head is not None:
-            self.head.hold(seq.seq_id, toks[c:])
-        top = min(len(mine), len(toks))
-        while c < top and mine[c] == toks[c]:
-            c += 1
-        c = min(c, d.num_computed_tokens)
+            self.head.hold(seq.seq_id, toks[sh.synced:])
+        c = sh.kept(toks)
         del mine[c:]
         mine.extend(toks[c:])
         sh.synced = len(toks)
@@ -231,14 +236,7 @@ class DraftModel:
         sequence it has not seen, the whole prompt: at most that, as its prefix cache may hold
         the start)."""
         sh = self.shadows.get(seq.seq_id)
-        toks = seq.token_ids
-        if sh is None:
-            return len(toks)
-        d, c = sh.seq, sh.synced
-        top = min(len(d.token_ids), len(toks))
-        while c < top and d.token_ids[c] == toks[c]:
-            c += 1
-        return len(toks) - min(c, d.num_computed_tokens)
+        return len(seq.token_ids) - (sh.kept(seq.token_ids) if sh is not None else 0)
 
     def cheap_probe(self, seq: Sequence) -> bool:
         """Whether seq's catch-up runs as decode rows (CATCH_UP_ROWS), in the forward that makes

@@ -46,14 +46,16 @@ def lighten(model, setting: str) -> str | None:
     """Requantize the decoder projections of `model` (before its first forward: the native
     decode stack's plan holds the weights it was made with) as `setting` says. Returns what
     changed, for the log, or None."""
+    if setting == "file":
+        return None
+    if isinstance(getattr(model, "_plan", None), dict):
+        raise RuntimeError("draft weights requantized after the model's decode plan was made")
     moved: Counter[str] = Counter()
     before = after = 0
     for name, module in model.named_modules():
         parts = getattr(module, "qparts", None)
         if parts is None or getattr(module, "act_role", None) not in qk.DECODE_ROLES or module.permutes:
             continue
-        if isinstance(getattr(model, "_plan", None), dict):
-            raise RuntimeError("draft weights requantized after the model's decode plan was made")
         fmts = [target_format(setting, w) for w in parts]
         if not any(fmts):
             continue
