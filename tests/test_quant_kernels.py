@@ -455,14 +455,20 @@ def test_amx_steps_multiply_bf16_weights_with_bf16_activations(fmt, monkeypatch)
         assert err8 > 1e-4, f"{fmt}: the int8 kernel matched bf16 to {err8:.1e}; did AMX run with PAGEDLLM_AMX=0?"
 
 
-def test_packed_rows_give_the_same_bits_whatever_the_batch():
+@pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0", "Q4_K", "Q6_K"])
+def test_packed_rows_give_the_same_bits_whatever_the_batch(fmt):
+    """A row's output is the same bits in a tile of one row, of a pair or of quads (the VNNI
+    kernel runs each differently), and in the first or the second tile of 16."""
     rng = np.random.default_rng(32)
     cols = 512
-    qt = packed(random_blocks("Q4_1", 64, cols, rng), "Q4_1", 64, cols)
+    qt = packed(random_blocks(fmt, 64, cols, rng), fmt, 64, cols)
     x = torch.randn(30, cols)
     full = ops.quant_matmul(x, [qt.data], [qt.type_id], cols, 0)
-    for m in (1, 2, 5, 8, 9):
+    for m in (1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 16, 17, 23):
         assert torch.equal(ops.quant_matmul(x[:m], [qt.data], [qt.type_id], cols, 0), full[:m]), m
+    assert torch.equal(ops.quant_matmul(x[16:19], [qt.data], [qt.type_id], cols, 0), full[16:19])
+    if fmt != "Q4_1":
+        return
     full = ops.quant_matmul(x, [qt.data], [qt.type_id], cols, qk.ACT_X2)  # two-level activations
     for m in (1, 3, 4, 5, 9):
         assert torch.equal(ops.quant_matmul(x[:m], [qt.data], [qt.type_id], cols, qk.ACT_X2), full[:m]), m

@@ -401,6 +401,54 @@ __attribute__((always_inline)) inline void decode_vnni(const uint8_t* B, __m512 
   }
 }
 
+// Q consecutive activation rows (from index ci: a block's rows are adjacent) against one decoded
+// block: fa[q] += the block's products for row q. Two sums a row (values 0-15 and 16-31): Q6_K's
+// halves have scales of their own, and two chains halve a row's dependent chain. The weights'
+// offset (iofs * the activations' sum) is where the sums start, not an add after them.
+template <int64_t TYPE, int Q>
+__attribute__((always_inline)) inline void rows_vnni(const __m512i* W, __m512 s, __m512 mw, __m512 s_hi, const QAct& x,
+                                                     int64_t ci, __m512* fa) {
+  constexpr PLayout L = playout(TYPE);
+  __m512i i0[Q], i1[Q];
+  const uint8_t* a = reinterpret_cast<const uint8_t*>(x.a.data() + ci * 32);
+#pragma GCC unroll 4
+  for (int q = 0; q < Q; ++q) {
+    if constexpr (L.split) {
+      i0[q] = _mm512_set1_epi32(L.iofs * x.s16[2 * (ci + q)]);
+      i1[q] = _mm512_set1_epi32(L.iofs * x.s16[2 * (ci + q) + 1]);
+    } else {
+      i0[q] = L.iofs != 0 ? _mm512_set1_epi32(L.iofs * x.s32[ci + q]) : _mm512_setzero_si512();
+      i1[q] = _mm512_setzero_si512();
+    }
+  }
+#pragma GCC unroll 4
+  for (int t = 0; t < 4; ++t)
+#pragma GCC unroll 4
+    for (int q = 0; q < Q; ++q) {
+      i0[q] = _mm512_dpbusd_epi32(i0[q], W[t], _mm512_set1_epi32(static_cast<int>(u32(a + 32 * q + 4 * t))));
+      i1[q] = _mm512_dpbusd_epi32(i1[q], W[t + 4], _mm512_set1_epi32(static_cast<int>(u32(a + 32 * q + 16 + 4 * t))));
+    }
+  // The rows' activation scales read before any accumulator is touched: a float load after a
+  // store to fa may alias it, which kept every accumulator in memory.
+  __m512 d[Q], ds[Q];
+#pragma GCC unroll 4
+  for (int q = 0; q < Q; ++q) {
+    d[q] = _mm512_set1_ps(x.d[ci + q]);
+    if constexpr (!L.split && (L.kq || L.has_min)) ds[q] = _mm512_set1_ps(x.ds32[ci + q]);
+  }
+#pragma GCC unroll 4
+  for (int q = 0; q < Q; ++q) {
+    if constexpr (L.split) {
+      fa[q] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i0[q]), _mm512_mul_ps(s, d[q]), fa[q]);
+      fa[q] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i1[q]), _mm512_mul_ps(s_hi, d[q]), fa[q]);
+    } else {
+      fa[q] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(i0[q], i1[q])), _mm512_mul_ps(s, d[q]), fa[q]);
+      if constexpr (L.kq) fa[q] = _mm512_fnmadd_ps(mw, ds[q], fa[q]);
+      else if constexpr (L.has_min) fa[q] = _mm512_fmadd_ps(mw, ds[q], fa[q]);
+    }
+  }
+}
+
 template <int64_t TYPE, int MR>
 void group_vnni(const uint8_t* gp, const QAct& x, int64_t r0, float* y, int64_t ldy) {
   constexpr PLayout L = playout(TYPE);
@@ -420,30 +468,13 @@ void group_vnni(const uint8_t* gp, const QAct& x, int64_t r0, float* y, int64_t 
       __m512 s, mw, s_hi;
       decode_vnni<TYPE>(B, dv, mv, W, s, mw, s_hi);
       const int64_t c = u * (L.vals / 32) + j;
-      for (int r = 0; r < MR; ++r) {
-        const int64_t ci = x.at(r0 + r, c);
-        const uint8_t* a = reinterpret_cast<const uint8_t*>(x.a.data() + ci * 32);
-        // Two chains of four (values 0-15 and 16-31) so the dot products' latency overlaps even
-        // with one row.
-        __m512i i0 = _mm512_setzero_si512(), i1 = _mm512_setzero_si512();
-        for (int t = 0; t < 4; ++t) {
-          i0 = _mm512_dpbusd_epi32(i0, W[t], _mm512_set1_epi32(static_cast<int>(u32(a + 4 * t))));
-          i1 = _mm512_dpbusd_epi32(i1, W[t + 4], _mm512_set1_epi32(static_cast<int>(u32(a + 16 + 4 * t))));
-        }
-        if constexpr (L.split) {
-          const __m512 d = _mm512_set1_ps(x.d[ci]);
-          i0 = _mm512_add_epi32(i0, _mm512_set1_epi32(L.iofs * x.s16[2 * ci]));
-          i1 = _mm512_add_epi32(i1, _mm512_set1_epi32(L.iofs * x.s16[2 * ci + 1]));
-          fa[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i0), _mm512_mul_ps(s, d), fa[r]);
-          fa[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i1), _mm512_mul_ps(s_hi, d), fa[r]);
-          continue;
-        }
-        __m512i ia = _mm512_add_epi32(i0, i1);
-        if constexpr (L.iofs != 0) ia = _mm512_add_epi32(ia, _mm512_set1_epi32(L.iofs * x.s32[ci]));
-        fa[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia), _mm512_mul_ps(s, _mm512_set1_ps(x.d[ci])), fa[r]);
-        if constexpr (L.kq) fa[r] = _mm512_fnmadd_ps(mw, _mm512_set1_ps(x.ds32[ci]), fa[r]);
-        else if constexpr (L.has_min) fa[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(x.ds32[ci]), fa[r]);
-      }
+      // Rows in quads (then a pair, then one), each quad's dot products interleaved, and the
+      // loop unrolled so that every row's accumulator stays in a register.
+      int r = 0;
+#pragma GCC unroll 4
+      for (; r + 4 <= MR; r += 4) rows_vnni<TYPE, 4>(W, s, mw, s_hi, x, x.at(r0 + r, c), fa + r);
+      if constexpr (MR % 4 >= 2) { rows_vnni<TYPE, 2>(W, s, mw, s_hi, x, x.at(r0 + r, c), fa + r); r += 2; }
+      if constexpr (MR % 2 == 1) rows_vnni<TYPE, 1>(W, s, mw, s_hi, x, x.at(r0 + r, c), fa + r);
     }
   }
   for (int r = 0; r < MR; ++r) _mm512_storeu_ps(y + (r0 + r) * ldy, fa[r]);
