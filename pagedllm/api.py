@@ -146,6 +146,7 @@ class EngineOptions:
     speculative_ngram: int | None = None  # n-gram speculation with up to K proposals a step
     speculative_draft: str | None = None  # draft-model speculation with this model
     speculative_tokens: int | None = None  # the draft model's proposals a step (K)
+    speculative_draft_weights: str | None = None  # "auto" | "file" | a quantized type (draft_weights)
     task: str | None = None  # "auto" | "generate" | "embed"
     enable_lora: bool = False  # requests may name LoRA adapters (pagedllm/lora)
     max_loras: int | None = None  # adapters held in memory at once (default 1)
@@ -229,7 +230,15 @@ class EngineOptions:
                 spec["num_tokens"] = k
             if self.speculative_ngram is not None:  # both: lookup where it matches, the draft elsewhere
                 spec["ngram"] = True
+            if self.speculative_draft_weights is not None:
+                from .speculative.config import SpeculativeConfig
+
+                spec["draft_weights"] = self.speculative_draft_weights
+                SpeculativeConfig.coerce(dict(spec))  # a bad format is refused before the slow load
             return spec
+        if self.speculative_draft_weights is not None:
+            raise ValueError("--speculative-draft-weights sets a draft model's weights; it needs "
+                             "--speculative-draft MODEL")
         if self.speculative_ngram is not None:
             if self.speculative_tokens is not None:
                 raise ValueError("--speculative-tokens goes with --speculative-draft; "

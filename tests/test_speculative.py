@@ -728,8 +728,16 @@ def test_cli_draft_flags_reach_the_engine():
     argv = ["serve", "--speculative-ngram", "4", "--speculative-draft", "x"]
     assert engine_options(build_parser(argv).parse_args(argv)).llm_kwargs()["speculative"] == {
         "method": "draft", "model": "x", "num_tokens": 4, "ngram": True}
+    # The draft's weight format (engine/draft_weights.py; default "auto", so left out when not given).
+    argv = ["serve", "--speculative-draft", "x", "--speculative-draft-weights", "file"]
+    assert engine_options(build_parser(argv).parse_args(argv)).llm_kwargs()["speculative"] == {
+        "method": "draft", "model": "x", "draft_weights": "file"}
     for argv, msg in ((["serve", "--speculative-tokens", "3"], "needs --speculative-draft"),
-                      (["serve", "--speculative-ngram", "3", "--speculative-tokens", "2"], "goes with")):
+                      (["serve", "--speculative-ngram", "3", "--speculative-tokens", "2"], "goes with"),
+                      (["serve", "--speculative-ngram", "3", "--speculative-draft-weights", "Q4_0"],
+                       "needs --speculative-draft"),
+                      (["serve", "--speculative-draft", "x", "--speculative-draft-weights", "Q9_9"],
+                       "draft_weights must be 'auto', 'file' or a quantized type")):
         args = build_parser(argv).parse_args(argv)
         with pytest.raises(ValueError, match=msg):
             engine_options(args).llm_kwargs()

@@ -136,6 +136,10 @@ def _engine_flags(p: argparse.ArgumentParser, top: bool) -> None:
                         "(a folder, GGUF file or hub id; its own KV cache comes out of the same budget)")
     g.add_argument("--speculative-tokens", type=int, metavar="K", default=d(None),
                    help="with --speculative-draft: up to K draft tokens proposed a step (default 5)")
+    g.add_argument("--speculative-draft-weights", metavar="FORMAT", default=d(None),
+                   help="with --speculative-draft: the format a quantized draft's weights run in: "
+                        "auto (default: parts stored in more than 4.5 bits a weight requantized to "
+                        "Q4_0 at load, a cheaper draft), file (the file's own), or a type such as Q8_0")
     g.add_argument("--task", choices=["auto", "generate", "embed"], default=d(None),
                    help="embed: an embedding model for /v1/embeddings (auto: a folder with "
                         "sentence-transformers files or a head-less architecture is one)")
@@ -396,7 +400,8 @@ def engine_options(args: argparse.Namespace, model: str | None = None) -> Engine
         keep_float_head=bool(args.keep_float_head),
         chat_template=args.chat_template, tensor_parallel_size=args.tensor_parallel_size,
         speculative_ngram=args.speculative_ngram, speculative_draft=args.speculative_draft,
-        speculative_tokens=args.speculative_tokens, task=args.task,
+        speculative_tokens=args.speculative_tokens,
+        speculative_draft_weights=args.speculative_draft_weights, task=args.task,
         enable_lora=bool(args.enable_lora), max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
         allowed_local_media_path=args.allowed_local_media_path, limit_mm_per_prompt=args.limit_mm_per_prompt,
         media_fetch_timeout=args.media_fetch_timeout, mmproj=args.mmproj)
