@@ -3,6 +3,8 @@ the target's distribution (a chi-square test that also rejects a broken acceptan
 no KV block leaked, across batching, preemption, prefix caching and a quantized KV cache."""
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
@@ -802,12 +804,37 @@ def test_step_costs_follow_the_curve_of_trusted_row_counts():
     c.observe_draft(1, 0.0072)
     row, draft = c.relative(1)
     slope = c._line()[1]
-    assert row[0] == 0.0 and row[1:5] == pytest.approx([0.045 / 4 / 0.030] * 4)
-    assert row[5:] == pytest.approx([slope / 0.030] * len(row[5:])) and draft == pytest.approx(0.24)
+    # Pieces 2 -> 6 at 0.375 a row, the line past 6 at its slope (lower: it starts flat), so
+    # the prices past the free second row are those pooled into one non-decreasing run.
+    pooled = (4 * 0.045 / 4 / 0.030 + (len(row) - 5) * slope / 0.030) / (len(row) - 1)
+    assert row[0] == 0.0 and row[1:] == pytest.approx([pooled] * (len(row) - 1)) and draft == pytest.approx(0.24)
     chat = Candidate(0.6, 5, True)
     assert plan_lengths([chat], 1, 8, row, draft) == [1]
     assert best_rate(chat, row, draft) == pytest.approx(1.6 / 1.24) and best_rate(chat, row, draft) >= MIN_GAIN
     assert best_rate(chat, slope / 0.030, draft) < MIN_GAIN
+
+
+def test_row_prices_are_scipys_isotonic_regression():
+    """`rising` is the least-squares non-decreasing fit (scipy's isotonic regression is the
+    reference), and a code edit's lookups are no longer stopped short by one noisy row count."""
+    from scipy.optimize import isotonic_regression
+
+    from pagedllm.speculative.costs import TRUSTED, Candidate, StepCosts, plan_lengths, rising
+
+    rnd = random.Random(7)
+    for n in (1, 2, 5, 33):
+        for _ in range(20):
+            prices = [rnd.choice([0.0, 0.03, 0.1, 0.3]) * rnd.uniform(0.5, 1.5) for _ in range(n)]
+            assert rising(prices) == pytest.approx(isotonic_regression(prices).x, abs=1e-12)
+    # Medians of 1-5 rows timed in different phases of the machine: the 3rd row looks free and
+    # the 4th costs a third of a step. Raw, the planner proposed 2 of an 80% lookup's tokens.
+    c = StepCosts()
+    for _ in range(TRUSTED):
+        for rows, secs in ((1, 0.030), (2, 0.0353), (3, 0.0353), (4, 0.0453), (5, 0.050), (8, 0.056)):
+            c.observe_step(rows, secs)
+    row, draft = c.relative(1)
+    assert all(a <= b for a, b in zip(row, row[1:]))
+    assert plan_lengths([Candidate(0.8, 5, False)], 1, 8, row, draft) == [5]
 
 
 @pytest.mark.parametrize("prices", [[0.0, 0.3, 0.3, 0.3, 0.3, 0.3], [0.05, 0.1, 0.2, 0.3, 0.4, 0.5]])
