@@ -60,9 +60,7 @@ def lighten(model, setting: str) -> str | None:
         if not any(fmts):
             continue
         new = [w if f is None else requantize(w, f, name=name) for w, f in zip(parts, fmts)]
-        for w, f in zip(parts, fmts):
-            if f is not None:
-                moved[f"{w.fmt}->{f}"] += 1
+        moved.update(f"{w.fmt}->{f}" for w, f in zip(parts, fmts) if f is not None)
         before += sum(w.nbytes for w in parts)
         after += sum(w.nbytes for w in new)
         module.qparts = new
