@@ -85,6 +85,39 @@ inline __m512 hsum16(const __m512* a) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(e0, e1, _MM_SHUFFLE(2, 0, 2, 0)),
                        _mm512_shuffle_f32x4(e0, e1, _MM_SHUFFLE(3, 1, 3, 1)));
 }
+
+// AVX-512 BF16 (Zen 4, Cooper Lake, Sapphire Rapids): a bf16 query against a bf16 cache's keys
+// by vdpbf16ps, two products a lane per instruction, straight from the pool. Each pair's
+// products are exact in float32 and added one at a time, as an fma of the widened values
+// would; the sums' order differs (lane i takes values 2i and 2i + 1 of each 32) and the scale
+// multiplies the sum, not the query. It halves the scores' multiply-adds and drops the keys'
+// widening into a buffer. Used where the CPU has the instructions and PAGEDLLM_NATIVE_ISA does
+// not cap the kernels below that level.
+bool bf16_dots() {
+  static const bool ok = [] {
+    if (!__builtin_cpu_supports("avx512bf16")) return false;
+    const char* cap = std::getenv("PAGEDLLM_NATIVE_ISA");
+    return cap == nullptr || std::strcmp(cap, "avx512bf16") == 0;
+  }();
+  return ok;
+}
+
+// The scores of 16 keys (rows k[j], D values each) for one query vector q, times scale, in the
+// order of hsum16.
+template <int D>
+__attribute__((target("avx512bf16"))) __m512 key_dots_bf16(const c10::BFloat16* q, const c10::BFloat16* const* k,
+                                                            float scale) {
+  static_assert(D % 32 == 0, "32 bf16 values a vector");
+  __m512bh qb[D / 32];
+  for (int c = 0; c < D / 32; ++c) qb[c] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(q + 32 * c));
+  __m512 acc[16];
+  for (int j = 0; j < 16; ++j) {
+    acc[j] = _mm512_dpbf16_ps(_mm512_setzero_ps(), qb[0], reinterpret_cast<__m512bh>(_mm512_loadu_si512(k[j])));
+    for (int c = 1; c < D / 32; ++c)
+      acc[j] = _mm512_dpbf16_ps(acc[j], qb[c], reinterpret_cast<__m512bh>(_mm512_loadu_si512(k[j] + 32 * c)));
+  }
+  return _mm512_mul_ps(hsum16(acc), _mm512_set1_ps(scale));
+}
 #endif
 
 // Rows that are consecutive positions of one sequence (speculative verification: the last
@@ -234,34 +267,64 @@ void decode(const T* q, int64_t q_sn, int64_t q_sh, const C* kc, const C* vc, co
         // one transposing reduction for the 16 sums, where a dot product at a time reduced
         // each key's vector alone. Every key's sum takes the same order whatever its place in
         // the block, so a score does not depend on the batch or the chunk.
-        kbuf.resize(16 * D);
-        for (int64_t t0 = lo - lo % 16; t0 < hi; t0 += 16) {
-          for (int64_t j = 0; j < 16; ++j) {
-            const int64_t t = t0 + j;
-            float* dst = kbuf.data() + j * D;
-            if (t < lo || t >= hi) {  // outside the item's keys: never read from the pool
-              std::fill(dst, dst + D, 0.f);
-              continue;
+        // A bf16 query and cache on a CPU with AVX-512 BF16: key_dots_bf16 reads the keys in place.
+        constexpr bool bf16_pair =
+            std::is_same_v<T, c10::BFloat16> && std::is_same_v<C, c10::BFloat16> && D > 0 && D % 32 == 0;
+        if (bf16_pair && bf16_dots()) {
+          alignas(64) static const c10::BFloat16 zeros[D > 0 ? D : 1] = {};
+          const C* krow[16];
+          for (int64_t t0 = lo - lo % 16; t0 < hi; t0 += 16) {
+            for (int64_t j = 0; j < 16; ++j) {  // keys outside the item's: a zero row, not the pool
+              const int64_t t = t0 + j;
+              krow[j] = t < lo || t >= hi ? reinterpret_cast<const C*>(zeros)
+                                          : kc + static_cast<int64_t>(table[t / block_size]) * blk_stride +
+                                                (t % block_size) * tok_stride + h * D;
             }
-            load_at(kc, ks, t, dst);
-          }
-          for (int64_t r = 0; r < rows; ++r) {
-            const int64_t a = std::max(t0, lo_r[r]), b = std::min(t0 + 16, hi_r[r]);
-            if (a >= b) continue;
-            for (int64_t g = 0; g < g_per_kv; ++g) {
-              const int64_t qv = r * g_per_kv + g;
-              const float* qg = qf.data() + qv * D;
-              __m512 qr[D / 16], acc[16];
-              for (int c = 0; c < D / 16; ++c) qr[c] = _mm512_loadu_ps(qg + 16 * c);
-              for (int j = 0; j < 16; ++j) {
-                const float* kr = kbuf.data() + j * D;
-                acc[j] = _mm512_mul_ps(qr[0], _mm512_loadu_ps(kr));
-                for (int c = 1; c < D / 16; ++c) acc[j] = _mm512_fmadd_ps(qr[c], _mm512_loadu_ps(kr + 16 * c), acc[j]);
+            for (int64_t r = 0; r < rows; ++r) {
+              const int64_t a = std::max(t0, lo_r[r]), b = std::min(t0 + 16, hi_r[r]);
+              if (a >= b) continue;
+              for (int64_t g = 0; g < g_per_kv; ++g) {
+                const int64_t qv = r * g_per_kv + g;
+                alignas(64) float sums[16];
+                if constexpr (bf16_pair)
+                  _mm512_store_ps(sums, key_dots_bf16<D>(reinterpret_cast<const c10::BFloat16*>(
+                                                             q + (n0 + r) * q_sn + (h * g_per_kv + g) * q_sh),
+                                                         reinterpret_cast<const c10::BFloat16* const*>(krow), scale));
+                float* sc = scores.data() + qv * CHUNK;
+                for (int64_t t = a; t < b; ++t) sc[t - lo_r[r]] = sums[t - t0];
               }
-              alignas(64) float sums[16];
-              _mm512_store_ps(sums, hsum16(acc));
-              float* sc = scores.data() + qv * CHUNK;
-              for (int64_t t = a; t < b; ++t) sc[t - lo_r[r]] = sums[t - t0];
+            }
+          }
+        } else {
+          kbuf.resize(16 * D);
+          for (int64_t t0 = lo - lo % 16; t0 < hi; t0 += 16) {
+            for (int64_t j = 0; j < 16; ++j) {
+              const int64_t t = t0 + j;
+              float* dst = kbuf.data() + j * D;
+              if (t < lo || t >= hi) {  // outside the item's keys: never read from the pool
+                std::fill(dst, dst + D, 0.f);
+                continue;
+              }
+              load_at(kc, ks, t, dst);
+            }
+            for (int64_t r = 0; r < rows; ++r) {
+              const int64_t a = std::max(t0, lo_r[r]), b = std::min(t0 + 16, hi_r[r]);
+              if (a >= b) continue;
+              for (int64_t g = 0; g < g_per_kv; ++g) {
+                const int64_t qv = r * g_per_kv + g;
+                const float* qg = qf.data() + qv * D;
+                __m512 qr[D / 16], acc[16];
+                for (int c = 0; c < D / 16; ++c) qr[c] = _mm512_loadu_ps(qg + 16 * c);
+                for (int j = 0; j < 16; ++j) {
+                  const float* kr = kbuf.data() + j * D;
+                  acc[j] = _mm512_mul_ps(qr[0], _mm512_loadu_ps(kr));
+                  for (int c = 1; c < D / 16; ++c) acc[j] = _mm512_fmadd_ps(qr[c], _mm512_loadu_ps(kr + 16 * c), acc[j]);
+                }
+                alignas(64) float sums[16];
+                _mm512_store_ps(sums, hsum16(acc));
+                float* sc = scores.data() + qv * CHUNK;
+                for (int64_t t = a; t < b; ++t) sc[t - lo_r[r]] = sums[t - t0];
+              }
             }
           }
         }
