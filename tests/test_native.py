@@ -560,17 +560,24 @@ def test_engine_prefill_on_the_kernel_matches_sdpa(native, tmp_path, hf_smollm2_
         assert (got[c].argmax(-1) == want[c].argmax(-1)).float().mean() > 0.9, c
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma2"])
-def test_trace_names_the_attention_path_the_layers_take(native, tmp_path, hf_smollm2_tokenizer, family):
+@pytest.mark.parametrize("family,dtype", [("llama", "float32"), ("llama", "bfloat16"), ("gemma2", "float32")])
+def test_trace_names_the_attention_path_the_layers_take(native, tmp_path, hf_smollm2_tokenizer, family, dtype):
     """Gemma 2's layers cap their scores, which the native kernels cannot: its trace must name the
-    PyTorch path they take (and say why), not the native kernels."""
+    PyTorch path they take (and say why), not the native kernels. A bf16 model's trace says whether
+    the scores run on vdpbf16ps, as the kernel decides it."""
     from models import build_checkpoint
 
     from pagedllm import LLM
 
-    path = build_checkpoint(family, tmp_path / "m", hf_smollm2_tokenizer, len(hf_smollm2_tokenizer))
-    llm = LLM(str(path), dtype="float32", kv_cache_memory_mb=16)
+    # bf16: heads of 64, a head dim the kernel unrolls.
+    wide = {"hidden_size": 128, "num_attention_heads": 2, "head_dim": 64} if dtype == "bfloat16" else {}
+    path = build_checkpoint(family, tmp_path / "m", hf_smollm2_tokenizer, len(hf_smollm2_tokenizer), **wide)
+    llm = LLM(str(path), dtype=dtype, kv_cache_memory_mb=16)
     decode = llm.kv_cache_trace().decode_attention
+    head_dim = llm.engine.kv_cache.spec.head_dim
+    bf16_scores = dtype == "bfloat16" and head_dim in (64, 128) and native.paged_decode_bf16_scores()
+    assert ("vdpbf16ps" in decode) == bool(bf16_scores), decode
+    assert head_dim == (64 if dtype == "bfloat16" else 16)
     on_native = [a.attn.native is not None for a in llm.engine.model.attention_modules()]
     assert any(on_native) == ("native CPU decode kernel" in decode), decode
     assert all(on_native) == (family == "llama")
@@ -620,3 +627,52 @@ def test_threads_that_stop_driving_the_engine_let_their_openmp_workers_go(native
     assert remade == loaded + 1  # loaded, the loading thread held no worker: a parallel op made one
     assert after_generate == loaded  # the engine went idle on this thread: its worker went
     assert after_thread == loaded  # the other thread's went with it
+
+
+def _cpu_has_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo") as fh:
+            return "avx512_bf16" in fh.read().split()
+    except OSError:
+        return False
+
+
+def test_bf16_scores_follow_the_cpu_and_the_level_cap(native, tmp_path):
+    """The scores of a bf16 query against a bf16 cache run on vdpbf16ps where the CPU has AVX-512
+    BF16 and PAGEDLLM_NATIVE_ISA does not cap the kernels below it; a process capped at
+    avx512vnni takes the float32 path, and the two agree within bf16's rounding."""
+    cap = os.environ.get("PAGEDLLM_NATIVE_ISA")
+    assert native.paged_decode_bf16_scores() == (_cpu_has_bf16() and cap in (None, "avx512bf16"))
+    g = torch.Generator().manual_seed(5)
+    nblocks, bs, n, hkv, group = 40, 16, 6, 2, 6
+    for d in (64, 128):
+        kc = torch.randn(nblocks, bs, hkv, d, generator=g).bfloat16()
+        vc = torch.randn(nblocks, bs, hkv, d, generator=g).bfloat16()
+        q = torch.randn(n, hkv * group, d, generator=g).bfloat16()
+        lens = torch.tensor([1, 15, 33, 130, 257, 300])
+        tables = torch.randint(1, nblocks, (n, 19), generator=g)
+        torch.save((q, kc, vc, tables, lens), tmp_path / f"in{d}.pt")
+    script = (
+        "import sys, torch\n"
+        "from pagedllm.native import cpu_kernels\n"
+        "ops = cpu_kernels()\n"
+        "outs = {}\n"
+        "for d in (64, 128):\n"
+        f"    q, kc, vc, tables, lens = torch.load(r'{tmp_path}/in' + str(d) + '.pt')\n"
+        "    outs[d] = ops.paged_decode(q, kc, vc, tables, lens, d ** -0.5, 0)\n"
+        f"torch.save(outs, r'{tmp_path}/capped.pt')\n"
+        "print(ops.paged_decode_bf16_scores())\n")
+    env = {**os.environ, "PAGEDLLM_NATIVE_ISA": "avx512vnni"}
+    r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().splitlines()[-1] == "False", r.stdout
+    capped = torch.load(tmp_path / "capped.pt")
+    for d in (64, 128):
+        q, kc, vc, tables, lens = torch.load(tmp_path / f"in{d}.pt")
+        got = native.paged_decode(q, kc, vc, tables, lens, d ** -0.5, 0)
+        want = reference(q, kc, vc, tables, lens, d ** -0.5, 0)
+        torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+        # One bf16 unit in the last place apart at most, and rarely.
+        diff = (got.float() - capped[d].float()).abs()
+        assert (diff <= want.abs() * 2 ** -7 + 1e-6).all(), diff.max()
+        assert (got != capped[d]).float().mean() < 0.01

@@ -66,9 +66,11 @@ class PagedAttentionBackend:
                        if native_prefill(self.native, spec.compute_dtype, spec.dtype, spec.head_dim) else "SDPA")
             some = (f" ({capped} of {self.num_layers} layers cap their attention scores and take the "
                     "PyTorch path: the native kernels have no score cap)" if capped else "")
+            scores = (", the scores by AVX-512 BF16 dot products (vdpbf16ps) on the keys as stored"
+                      if self._bf16_scores(spec) else "")
             return (f"{self.name} with the native CPU decode kernel: each (sequence, KV head) reads "
                     "its K/V in place by block table, all query heads of a KV head at once, with no "
-                    f"gather copy; prefill chunks use {prefill}{some}")
+                    f"gather copy{scores}; prefill chunks use {prefill}{some}")
         if self.native is not None and spec.mode.scaled and capped < self.num_layers:
             per = "per-token" if spec.mode.token_scales else "per-(layer, head)"
             prefill = ("the native bf16 prefill kernel, reading the context in place too and scaling each "
@@ -91,6 +93,13 @@ class PagedAttentionBackend:
         return (f"{self.name}: all decodes of a step in one batched gather of their blocks by block "
                 f"table and one SDPA call per layer, on {dev}; prefill chunks gather a cached prefix "
                 f"and call SDPA; the PyTorch path is used because {why}")
+
+    def _bf16_scores(self, spec) -> bool:
+        """Whether the native kernel's scores run on vdpbf16ps: a bf16 model and cache, a head
+        dim it unrolls (64, 128), and a CPU with AVX-512 BF16."""
+        ask = getattr(self.native, "paged_decode_bf16_scores", None)
+        return (spec.compute_dtype == spec.dtype == torch.bfloat16 and spec.head_dim in (64, 128)
+                and ask is not None and bool(ask()))
 
     def free_seq(self, seq_id: int) -> None:  # blocks are owned by the block manager
         pass

@@ -797,11 +797,22 @@ at::Tensor linear_small_m(const at::Tensor& x, const at::Tensor& w) {
   return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
 }
 
+// Whether paged decode takes the scores of a bf16 query against a bf16 cache by vdpbf16ps on
+// this CPU (the KV trace names the path).
+bool paged_decode_bf16_scores() {
+#ifdef PQ_HAS_VNNI
+  return bf16_dots();
+#else
+  return false;
+#endif
+}
+
 // Registered as torch ops (torch.ops.pagedllm.*): they show in torch.profiler by name and
 // torch.compile sees them as opaque calls.
 PAGEDLLM_REGISTER(cpu_kernels) {
   m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor context_lens, "
         "float scale, int window, Tensor? k_scale=None, Tensor? v_scale=None) -> Tensor", &paged_decode);
+  m.def("paged_decode_bf16_scores() -> bool", &paged_decode_bf16_scores);
   m.def("linear_small_m(Tensor x, Tensor w) -> Tensor", &linear_small_m);
   m.def("paged_decode_qkv(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
         "Tensor slot_mapping, Tensor block_tables, Tensor context_lens, int hq, int hkv, float scale, "
