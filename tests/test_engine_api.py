@@ -128,10 +128,12 @@ def test_token_id_dicts_are_prompts_as_vllm_takes_them(llm):
     """{"prompt_token_ids": ids} (vLLM's TokensPrompt) runs those ids, as a plain id list does."""
     ids = llm.tokenizer.encode("The three primary colors are")
     greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    want = llm.generate([ids], greedy, use_tqdm=False)[0]
+    # The same batch shape on both sides: a 5-token prefill rounds its activations otherwise than
+    # a 10-token one on this quantized model, and the 4th token here is a near-tie.
+    want = llm.generate([ids, ids], greedy, use_tqdm=False)
     got = llm.generate([{"prompt_token_ids": ids}, {"prompt_token_ids": tuple(ids)}], greedy, use_tqdm=False)
     assert [o.prompt_token_ids for o in got] == [ids, ids]
-    assert [o.outputs[0].token_ids for o in got] == [want.outputs[0].token_ids] * 2
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
     for bad, match in (({"prompt_token_ids": []}, "non-empty list of token ids"),
                        ({"prompt_token_ids": ["a"]}, "non-empty list of token ids"),
                        ({"prompt_token_ids": ids, "multi_modal_data": {}}, "takes only 'prompt_token_ids'"),
