@@ -286,7 +286,7 @@ void decode(const T* q, int64_t q_sn, int64_t q_sh, const C* kc, const C* vc, co
               for (int64_t g = 0; g < g_per_kv; ++g) {
                 const int64_t qv = r * g_per_kv + g;
                 alignas(64) float sums[16];
-                if constexpr (bf16_pair)
+                if constexpr (bf16_pair)  // (compiled for a bf16 query and cache alone)
                   _mm512_store_ps(sums, key_dots_bf16<D>(reinterpret_cast<const c10::BFloat16*>(
                                                              q + (n0 + r) * q_sn + (h * g_per_kv + g) * q_sh),
                                                          reinterpret_cast<const c10::BFloat16* const*>(krow), scale));
