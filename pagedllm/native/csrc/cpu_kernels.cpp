@@ -207,6 +207,15 @@ void decode(const T* q, int64_t q_sn, int64_t q_sh, const C* kc, const C* vc, co
   // each item writes its output itself, and the merge pass, a second parallel region a
   // layer, is skipped. The same arithmetic as the merge of one chunk: the same bits.
   const bool single = n_items == n_groups * hkv;
+#ifdef PQ_HAS_VNNI
+  // A bf16 query and cache, a head dim the blocked scores unroll, a CPU with AVX-512 BF16:
+  // key_dots_bf16 reads the query and keys as stored, so the query is not widened either.
+  constexpr bool bf16_pair = std::is_same_v<T, c10::BFloat16> && std::is_same_v<C, c10::BFloat16> && D > 0 &&
+                             D % 32 == 0 && D <= 128;
+  const bool bf16_scores = bf16_pair && bf16_dots();
+#else
+  const bool bf16_scores = false;
+#endif
   std::vector<float> part(item_off.back());
   at::parallel_for(0, n_items, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf, row(d), scores, vbuf, kbuf;
@@ -243,7 +252,7 @@ void decode(const T* q, int64_t q_sn, int64_t q_sh, const C* kc, const C* vc, co
           lo = std::min(lo, lo_r[r]);
           hi = std::max(hi, hi_r[r]);
         }
-        for (int64_t g = 0; g < g_per_kv; ++g) {
+        for (int64_t g = 0; g < g_per_kv && !bf16_scores; ++g) {
           const T* src = q + (n0 + r) * q_sn + (h * g_per_kv + g) * q_sh;
           float* dst = qf.data() + (r * g_per_kv + g) * d;
           load_row(src, dst, d);
@@ -267,10 +276,7 @@ void decode(const T* q, int64_t q_sn, int64_t q_sh, const C* kc, const C* vc, co
         // one transposing reduction for the 16 sums, where a dot product at a time reduced
         // each key's vector alone. Every key's sum takes the same order whatever its place in
         // the block, so a score does not depend on the batch or the chunk.
-        // A bf16 query and cache on a CPU with AVX-512 BF16: key_dots_bf16 reads the keys in place.
-        constexpr bool bf16_pair =
-            std::is_same_v<T, c10::BFloat16> && std::is_same_v<C, c10::BFloat16> && D > 0 && D % 32 == 0;
-        if (bf16_pair && bf16_dots()) {
+        if (bf16_scores) {
           alignas(64) static const c10::BFloat16 zeros[D > 0 ? D : 1] = {};
           const C* krow[16];
           for (int64_t t0 = lo - lo % 16; t0 < hi; t0 += 16) {
