@@ -12,6 +12,7 @@ import pytest
 
 from pagedllm.bench import compare, make_gguf
 from pagedllm.cli.main import build_parser, main
+from pagedllm.quant import kernels
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -170,6 +171,66 @@ def test_report_ratios_and_streaming():
     assert "1.50x" in text  # both the decode ratio and the RSS ratio
     assert text.count("1.50x") == 2
     assert "pagedllm 30%, llama.cpp 20%" in text
+
+
+def test_multiply_adds_per_token_are_the_matrices_a_token_goes_through(tiny_gguf):
+    """The tiny Qwen2 shape, counted from its config rather than from the file: q, k, v, o, gate,
+    up and down in every layer, and the tied embedding once as the head (no norms, no biases)."""
+    sh = make_gguf.SHAPES["tiny"]
+    kv = sh.kv_heads * sh.head_dim
+    layer = sh.hidden * (sh.hidden + 2 * kv) + sh.hidden * sh.hidden + 3 * sh.hidden * sh.intermediate
+    got = compare.weight_bytes(tiny_gguf)
+    assert got["per_token_macs"] == sh.layers * layer + sh.vocab * sh.hidden
+    assert not got["quantized"]  # F16: no int8 peak measured for it
+
+
+def test_a_quantized_file_is_told_from_a_float_one(smollm2_gguf_path):
+    assert compare.weight_bytes(smollm2_gguf_path)["quantized"]  # Q4_1
+
+
+@pytest.mark.skipif(kernels.kernel_path()[0] is None, reason="no native integer path here")
+def test_many_sequences_are_set_against_the_int8_peak(tmp_path, capsys):
+    """On the default model (Q4_1): the peak measured in a child of its own before the run, and
+    the share of it reached in the report."""
+    out = tmp_path / "compare.json"
+    assert main(["bench", "compare", "default", "--measures", "parallel", "--parallel", "2", "--max-tokens", "4",
+                 "--prompt-tokens", "8", "--repeats", "1", "--peak-seconds", "0.1", "--peer", "none",
+                 "--output", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["int8_peak"]["gmac_s"] > 0 and len(result["int8_peak"]["measurements"]) == 1
+    assert result["measures"]["parallel"]["pagedllm"]["int8_peak_gmac_s"] == result["int8_peak"]["gmac_s"]
+    assert 0 < result["compute"]["pagedllm"]["share_of_peak"] < 1
+    assert "share reached at 2 sequences: pagedllm " in capsys.readouterr().out
+
+
+def test_report_the_share_of_the_int8_peak():
+    """Each engine's many-sequence runs against the peak measured just before each: the median
+    of those shares (not the rate's median over the peaks' median)."""
+    ours = compare._over_rounds([{"tok_s": t, "tok_s_runs": [t], "peak_rss_mb": 900.0, "int8_peak_gmac_s": p}
+                                 for t, p in [(100.0, 400.0), (60.0, 200.0), (90.0, 300.0)]])
+    peer = compare._over_rounds([{"tok_s": t, "tok_s_runs": [t], "peak_rss_mb": 800.0, "int8_peak_gmac_s": p}
+                                 for t, p in [(50.0, 400.0), (30.0, 300.0), (40.0, 400.0)]])
+    row = {"kv_tokens": 8192, "sequences": 32, "prompt_tokens": 16, "max_tokens": 128, "pagedllm": ours,
+           "llama.cpp": peer}
+    result = {"model": "m.gguf", "threads": 2, "repeats": 1, "rounds": 3, "measures": {"parallel": row},
+              "machine": {"cpu": "test cpu", "cpu_flags": ["avx512_vnni"]},
+              "weights": {"total_bytes": 1.1e9, "per_token_bytes": 1.0e9, "per_token_macs": 2.0e9,
+                          "tied_embeddings": False},
+              "int8_peak": {"gmac_s": 350.0, "isa": "avx512-vnni", "seconds": 0.5,
+                            "measurements": [400.0, 400.0, 200.0, 300.0, 300.0, 400.0]}}
+    c = compare.compute_share(result)
+    # ours: 200/400, 120/200, 180/300 -> 0.5, 0.6, 0.6; the peer's: 100/400, 60/300, 80/400 -> 0.25, 0.2, 0.2
+    assert c["pagedllm"]["share_of_peak"] == pytest.approx(0.6)
+    assert c["llama.cpp"]["share_of_peak"] == pytest.approx(0.2)
+    assert c["pagedllm"]["gmac_s"] == pytest.approx(180.0)  # the median rate (90 tok/s) x 2 G
+    result["compute"] = c
+    text = compare.format_report(result)
+    assert "int8 dot-product peak 350 GMAC/s (avx512-vnni, 2 threads" in text
+    assert "median of 6" in text and "2.00 G multiply-adds" in text
+    assert "share reached at 32 sequences: pagedllm 60%, llama.cpp 20%" in text
+    assert "AMX" not in text
+    result["int8_peak"]["amx_rows"] = 16  # a CPU where our wide bf16 steps take AMX tiles instead
+    assert "our bfloat16 steps of 16+ rows multiply on AMX tiles here" in compare.format_report(result)
 
 
 def test_rounds_report_the_median_of_their_ratios_and_shares():

@@ -564,3 +564,28 @@ def test_native_rms_norm_is_within_an_ulp_of_atens(dtype):
             assert (got != want).float().mean() < 0.01, (m, k)
     with pytest.raises(RuntimeError, match="weight"):
         ops.rms_norm(torch.ones(2, 8, dtype=dtype), torch.ones(7, dtype=dtype), 1e-5)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_int8_peak_bounds_the_kernel_that_issues_those_products(isa):
+    """The int8 dot-product peak (what `bench compare` sets a many-row step against) is a rate
+    the integer kernel itself cannot pass: 32 rows through a packed Q4_K projection, timed
+    between two peak measurements, multiply-add fewer values a second than the larger of them.
+    A miscounted peak (too few products per instruction, or threads left idle) fails this."""
+    if isa == "scalar":
+        assert qk.int8_peak_gmacs(0.05, isa) is None  # no int8 SIMD: no peak to set a step against
+        return
+    import time
+
+    n, k, m = 2048, 1536, 32
+    w = packed(random_blocks("Q4_K", n, k, np.random.default_rng(0)), "Q4_K", n, k)
+    x = torch.randn(m, k)
+    ops.quant_matmul(x, [w.data], [w.type_id], k, qk.ISA_IDS[isa])  # (warm)
+    before = qk.int8_peak_gmacs(0.15, isa)
+    t0, runs = time.perf_counter(), 0
+    while (took := time.perf_counter() - t0) < 0.15:
+        ops.quant_matmul(x, [w.data], [w.type_id], k, qk.ISA_IDS[isa])
+        runs += 1
+    after = qk.int8_peak_gmacs(0.15, isa)
+    kernel = m * n * k * runs / took / 1e9
+    assert 0 < kernel < max(before, after), (kernel, before, after)

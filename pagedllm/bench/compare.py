@@ -19,7 +19,12 @@ same prompt tokens, greedy decoding with EOS ignored, and the same KV room:
   (max_num_batched_tokens); llama.cpp its 512-token ubatches;
 - at batch 1, the weight-streaming rate: the bytes of weights read per token (the GGUF's tensor
   data, less an untied embedding table, which is only row-gathered) x tok/s, against a read
-  bandwidth measured in the same run (a large float32 tensor summed with the same threads).
+  bandwidth measured in the same run (a large float32 tensor summed with the same threads);
+- for `--parallel` sequences, the share of the CPU's int8 dot-product peak: the multiply-adds of
+  the weights per token (their values, less an untied embedding table) x tok/s, against the peak
+  measured just before each engine's run (vpdpbusd or vpmaddubsw on register chains with the
+  same threads: what both engines' integer kernels issue). Such a step is bound by these
+  products, not by the bytes it reads; attention's share is not counted.
 
 With `--rounds N`, every figure is measured N times, each a fresh process of each engine, the
 engines' order alternating; each batch-1 run gets a bandwidth measurement of its own just before
@@ -85,6 +90,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--peer", choices=["llama.cpp", "none"], default="llama.cpp")
     p.add_argument("--bandwidth-mib", type=int, default=1024,
                    help="size of the tensor summed to measure read bandwidth (0: skip)")
+    p.add_argument("--peak-seconds", type=float, default=0.5,
+                   help="seconds measuring the CPU's int8 dot-product peak before each many-sequence "
+                        "run (0: skip)")
     p.add_argument("--seed", type=int, default=0, help="seed of the prompt tokens")
     p.add_argument("--dtype", default=None, help="pagedllm's dtype (default: the engine's choice)")
     p.add_argument("--dequantize-weights", action="store_true", default=None,
@@ -123,6 +131,11 @@ def _run(args: argparse.Namespace) -> dict:
     measure_bw = args.bandwidth_mib > 0 and "decode1" in measures
     bandwidth = {"mib": args.bandwidth_mib, "threads": args.threads, "repeats": 7}
     bw_runs: list[dict] = []
+    # (int8 products are what a quantized file's matrices run on; float ones take the GEMM)
+    measure_peak = (args.peak_seconds > 0 and "parallel" in measures and weights["quantized"]
+                    and not args.dequantize_weights)
+    peak_spec = {"threads": args.threads, "seconds": args.peak_seconds}
+    peak_runs: list[dict] = []
     plan = [(kind, _spec(kind, args, str(model), vocab)) for kind in measures]
     plan += [(f"long-{n}-{cache}", _long_spec(n, cache, args, str(model), vocab))
              for n in long_lengths for cache in long_caches]
@@ -142,11 +155,18 @@ def _run(args: argparse.Namespace) -> dict:
                 if measure_bw and kind == "decode1":
                     bw = _spawn("bandwidth", bandwidth)
                     bw_runs.append(bw)
+                pk = None
+                if measure_peak and kind == "parallel":
+                    pk = _spawn("int8peak", peak_spec)
+                    if pk.get("gmac_s"):
+                        peak_runs.append(pk)
                 tag = f" (round {rnd + 1} of {args.rounds})" if args.rounds > 1 else ""
                 print(f"{kind}: {engine}{tag} ...", file=sys.stderr, end=" ", flush=True)
                 got = _summarise(_spawn(engine, spec))
                 if bw is not None:
                     got["read_bandwidth_gb_s"] = bw["gb_s"]
+                if pk is not None and pk.get("gmac_s"):
+                    got["int8_peak_gmac_s"] = pk["gmac_s"]
                 runs[engine].append(got)
                 extra = (f", decode at depth {got['decode_tok_s']:.2f} tok/s" if "decode_tok_s" in got else "")
                 print(f"{got['tok_s']:.1f} tok/s{extra}, peak RSS {got['peak_rss_mb']:.0f} MB",
@@ -161,9 +181,16 @@ def _run(args: argparse.Namespace) -> dict:
         result["measures"][kind] = row
         if bw_runs:
             result["read_bandwidth"] = _bandwidth_over(bw_runs)
+        if peak_runs:
+            result["int8_peak"] = {"gmac_s": statistics.median(r["gmac_s"] for r in peak_runs),
+                                   "isa": peak_runs[0]["isa"], "seconds": args.peak_seconds,
+                                   "amx_rows": peak_runs[0].get("amx_rows", 0),
+                                   "measurements": [r["gmac_s"] for r in peak_runs]}
         write_json(out, result)  # what is done so far survives an interrupted run
     if "decode1" in result["measures"]:
         result["streaming"] = streaming(result)
+    if "parallel" in result["measures"] and "int8_peak" in result:
+        result["compute"] = compute_share(result)
     print(format_report(result))
     print(f"results written to {write_json(out, result)}")
     return result
@@ -282,7 +309,7 @@ def _over_rounds(got: list[dict]) -> dict:
     """One engine's figures over the rounds: the medians of the rounds' medians, every run kept,
     the highest peak RSS."""
     out = dict(got[0])
-    for key in ("tok_s", "decode_tok_s", "read_bandwidth_gb_s"):
+    for key in ("tok_s", "decode_tok_s", "read_bandwidth_gb_s", "int8_peak_gmac_s"):
         if key in out:
             out[key] = statistics.median(g[key] for g in got)
             if len(got) > 1:
@@ -323,21 +350,32 @@ def weight_bytes(model: Path) -> dict:
     """Bytes of the GGUF's tensors, and of those read per generated token: all of them, less an
     untied embedding table (only its prompt rows are gathered; a tied one is the output head), and
     of a mixture of experts' 3-D expert tensors (`*_exps`) only the share a token routes to
-    (expert_used_count of expert_count). Also the vocabulary size, read from the same header."""
+    (expert_used_count of expert_count). The same count in values of the matrices (2-D and up:
+    one multiply-add each per token) is `per_token_macs`. Also the vocabulary size, read from the
+    same header, and whether any matrix is quantized (not F32, F16 or BF16)."""
     import gguf
 
     reader = gguf.GGUFReader(str(model))
     sizes = {t.name: int(t.n_bytes) for t in reader.tensors}
-    total = sum(sizes.values())
-    tied = "output.weight" not in sizes
-    per_token = total if tied else total - sizes.get("token_embd.weight", 0)
+    values = {t.name: int(t.n_elements) for t in reader.tensors if len(t.shape) >= 2}
+    floats = (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16)
+    quantized = any(t.tensor_type not in floats for t in reader.tensors if t.name in values)
     arch = reader.fields["general.architecture"].contents()
     experts = reader.fields.get(f"{arch}.expert_count")
     used = reader.fields.get(f"{arch}.expert_used_count")
-    if experts is not None and used is not None and int(experts.contents()) > 0:
-        exps = sum(n for name, n in sizes.items() if "_exps." in name)
-        per_token -= exps - exps * int(used.contents()) // int(experts.contents())
-    return {"total_bytes": total, "per_token_bytes": per_token, "tied_embeddings": tied,
+    routed = ((int(used.contents()), int(experts.contents()))
+              if experts is not None and used is not None and int(experts.contents()) > 0 else None)
+    tied = "output.weight" not in sizes
+
+    def per_token(counts: dict[str, int]) -> int:
+        n = sum(counts.values()) - (0 if tied else counts.get("token_embd.weight", 0))
+        if routed:
+            exps = sum(v for name, v in counts.items() if "_exps." in name)
+            n -= exps - exps * routed[0] // routed[1]
+        return n
+
+    return {"total_bytes": sum(sizes.values()), "per_token_bytes": per_token(sizes),
+            "per_token_macs": per_token(values), "quantized": quantized, "tied_embeddings": tied,
             "vocab": len(reader.fields["tokenizer.ggml.tokens"].data)}
 
 
@@ -357,6 +395,23 @@ def streaming(result: dict) -> dict:
             if own:
                 out[engine]["share_of_bandwidth"] = statistics.median(
                     t * per_token / 1e9 / b for t, b in zip(rates, own))
+    return out
+
+
+def compute_share(result: dict) -> dict:
+    """The many-sequence rate as multiply-adds of the weights a second, against the int8
+    dot-product peak: each run against the peak measured just before it (the machine's speed
+    drifts between runs minutes apart), the median over the rounds."""
+    macs = result["weights"]["per_token_macs"]
+    out: dict = {"per_token_macs": macs, "int8_peak_gmac_s": result["int8_peak"]["gmac_s"]}
+    for engine in ENGINES:
+        r = result["measures"]["parallel"].get(engine, {})
+        if "tok_s" not in r or "int8_peak_gmac_s" not in r:
+            continue
+        rates = r.get("tok_s_rounds", [r["tok_s"]])
+        peaks = r.get("int8_peak_gmac_s_rounds", [r["int8_peak_gmac_s"]])
+        out[engine] = {"gmac_s": r["tok_s"] * macs / 1e9,
+                       "share_of_peak": statistics.median(t * macs / 1e9 / p for t, p in zip(rates, peaks))}
     return out
 
 
@@ -417,6 +472,17 @@ def format_report(result: dict) -> str:
             lines.append(f"read bandwidth {s['read_bandwidth_gb_s']:.1f} GB/s (sum of a {rb['mib']} MiB tensor, "
                          f"median of {len(rb['runs'])}{pages}{many}): batch-1 ceiling "
                          f"{s['ceiling_tok_s']:.0f} tok/s; share reached: {shares}")
+    c = result.get("compute")
+    if c and any(e in c for e in ENGINES):
+        pk = result["int8_peak"]
+        n = result["measures"]["parallel"]["sequences"]
+        shares = ", ".join(f"{e} {c[e]['share_of_peak']:.0%}" for e in ENGINES if e in c)
+        many = f", median of {len(pk['measurements'])}" if len(pk.get("measurements", [])) > 1 else ""
+        lines.append(f"int8 dot-product peak {pk['gmac_s']:.0f} GMAC/s ({pk['isa']}, {result['threads']} threads, "
+                     f"measured just before each {n}-sequence run{many}); {c['per_token_macs'] / 1e9:.2f} G "
+                     f"multiply-adds of weights per token; share reached at {n} sequences: {shares}"
+                     + (f" (our bfloat16 steps of {pk['amx_rows']}+ rows multiply on AMX tiles here, which "
+                        "this peak does not bound)" if pk.get("amx_rows") else ""))
     dtypes = {r["pagedllm"]["dtype"] for r in result["measures"].values() if "dtype" in r.get("pagedllm", {})}
     opts = ", ".join(f"{k}={v}" for k, v in result.get("engine_kwargs", {}).items())
     lines.append(f"pagedllm compute dtype {'/'.join(sorted(dtypes)) or '?'}{'; ' + opts if opts else ''}; "
@@ -531,11 +597,25 @@ def _bandwidth_child(spec: dict) -> dict:
             "gb_s_4k": medians["4k"], "gb_s_huge": medians.get("huge"), "runs_huge": runs.get("huge")}
 
 
+def _int8_peak_child(spec: dict) -> dict:
+    """The int8 dot-product peak with the bench's threads (quant/kernels.py), on the integer
+    path our kernels take here; gmac_s None where there is none."""
+    import torch
+
+    from ..quant import kernels
+
+    torch.set_num_threads(spec["threads"])
+    isa = kernels.kernel_path()[0]
+    gmac_s = kernels.int8_peak_gmacs(spec["seconds"], isa) if isa else None
+    return {"gmac_s": gmac_s, "isa": isa, "threads": spec["threads"], "amx_rows": kernels.amx_rows()}
+
+
 def _child_main(argv: list[str]) -> int:
     engine, spec_path, out_path = argv
     spec = json.loads(Path(spec_path).read_text())
     logging.basicConfig(level=logging.WARNING)
-    result = _bandwidth_child(spec) if engine == "bandwidth" else _pagedllm_child(spec)
+    children = {"bandwidth": _bandwidth_child, "int8peak": _int8_peak_child}
+    result = children.get(engine, _pagedllm_child)(spec)
     Path(out_path).write_text(json.dumps(result))
     return 0
 

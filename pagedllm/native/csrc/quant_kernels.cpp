@@ -963,6 +963,77 @@ int64_t quant_bad_scales(const at::Tensor& w, int64_t type, int64_t k) {
   return bad;
 }
 
+// The CPU's int8 dot-product peak, as the quantized kernels issue their products: vpdpbusd on
+// 512-bit registers (AVX-512 VNNI: 64 products an instruction) or vpmaddubsw on 256-bit ones
+// (AVX2: 32, summed in int16 as group_avx2 sums them), ten independent chains a thread, no
+// memory touched. A decode step of many rows is bound by these (not by the bytes it reads), so
+// `pagedllm bench compare` sets its rate against this figure as it sets batch 1's against the
+// read bandwidth. `iters` passes of ten instructions on each of torch's threads; the caller times it.
+namespace {
+#ifdef PQ_HAS_VNNI
+int64_t peak_chains_vnni(int64_t iters) {
+  __m512i acc[10];
+  for (auto& a : acc) a = _mm512_setzero_si512();
+  __m512i w = _mm512_set1_epi8(3), x = _mm512_set1_epi8(5);
+  for (int64_t i = 0; i < iters; ++i) {
+#pragma GCC unroll 10
+    for (auto& a : acc) a = _mm512_dpbusd_epi32(a, w, x);
+    asm volatile("" : "+v"(w), "+v"(x));  // (the operands are not constants to fold)
+  }
+  __m512i r = acc[0];
+  for (int c = 1; c < 10; ++c) r = _mm512_add_epi32(r, acc[c]);
+  return _mm512_reduce_add_epi32(r);
+}
+#endif
+#ifdef PQ_X86
+int64_t peak_chains_avx2(int64_t iters) {
+  // Each chain its own weights: with one operand pair the compiler computes the product once
+  // for all chains (it did: the "peak" read 1.3x VNNI's on a Zen 4).
+  __m256i acc[5], w[5];
+  for (int c = 0; c < 5; ++c) acc[c] = _mm256_setzero_si256(), w[c] = _mm256_set1_epi8(static_cast<char>(3 + c));
+  __m256i x = _mm256_set1_epi8(5);
+  for (int64_t i = 0; i < iters; ++i) {
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {  // (ten products a pass, as the VNNI loop's ten)
+#pragma GCC unroll 5
+      for (int c = 0; c < 5; ++c) acc[c] = _mm256_add_epi16(acc[c], _mm256_maddubs_epi16(w[c], x));
+      asm volatile("" : "+x"(w[0]), "+x"(w[1]), "+x"(w[2]), "+x"(w[3]), "+x"(w[4]), "+x"(x));
+    }
+  }
+  __m256i r = acc[0];
+  for (int c = 1; c < 5; ++c) r = _mm256_add_epi16(r, acc[c]);
+  return _mm256_extract_epi16(r, 0);
+}
+#endif
+}  // namespace
+
+// Multiply-accumulates a pass of peak_chains runs per thread (0: no int8 SIMD on this path).
+int64_t int8_peak_macs_per_pass(int64_t isa) {
+  if (isa == AUTO) isa = best_isa();
+  return isa == AVX512VNNI ? 10 * 64 : isa == AVX2 ? 10 * 32 : 0;
+}
+
+// Runs `iters` passes on every thread of torch's pool; returns a checksum (the caller times it).
+int64_t int8_peak_run(int64_t isa, int64_t iters) {
+  if (isa == AUTO) isa = best_isa();
+  TORCH_CHECK(isa_supported(isa), "instruction set path ", isa, " is not available on this CPU");
+  TORCH_CHECK(iters >= 0, "iters must be >= 0, got ", iters);
+  const int64_t threads = at::get_num_threads();
+  std::vector<int64_t> sums(threads, 0);
+  at::parallel_for(0, threads, 1, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+#ifdef PQ_HAS_VNNI
+      if (isa == AVX512VNNI) { sums[t] = peak_chains_vnni(iters); continue; }
+#endif
+#ifdef PQ_X86
+      if (isa == AVX2) { sums[t] = peak_chains_avx2(iters); continue; }
+#endif
+      sums[t] = 0;
+    }
+  });
+  return std::accumulate(sums.begin(), sums.end(), int64_t{0});
+}
+
 // Bit 0: scalar (always), 1: AVX2, 2: AVX-512 VNNI; which paths this CPU can run.
 int64_t quant_isas() {
   int64_t mask = 0;
@@ -987,6 +1058,8 @@ PAGEDLLM_REGISTER(quant_kernels) {
         "Tensor? bias=None, Tensor? residual=None, int act=0, int isa=0) -> Tensor", &quant_linear);
   m.def("quant_bad_scales(Tensor w, int type, int k) -> int", &quant_bad_scales);
   m.def("quant_isas() -> int", &quant_isas);
+  m.def("int8_peak_macs_per_pass(int isa=0) -> int", &int8_peak_macs_per_pass);
+  m.def("int8_peak_run(int isa, int iters) -> int", &int8_peak_run);
 }
 
 }  // namespace PAGEDLLM_ISA
