@@ -91,16 +91,9 @@ inline __m512 hsum16(const __m512* a) {
 // products are exact in float32 and added one at a time, as an fma of the widened values
 // would; the sums' order differs (lane i takes values 2i and 2i + 1 of each 32) and the scale
 // multiplies the sum, not the query. It halves the scores' multiply-adds and drops the keys'
-// widening into a buffer. Used where the CPU has the instructions and PAGEDLLM_NATIVE_ISA does
-// not cap the kernels below that level.
-bool bf16_dots() {
-  static const bool ok = [] {
-    if (!__builtin_cpu_supports("avx512bf16")) return false;
-    const char* cap = std::getenv("PAGEDLLM_NATIVE_ISA");
-    return cap == nullptr || std::strcmp(cap, "avx512bf16") == 0;
-  }();
-  return ok;
-}
+// widening into a buffer. Used where the library runs at the avx512bf16 level (the CPU has the
+// instructions and PAGEDLLM_NATIVE_ISA does not cap the kernels below it).
+bool bf16_dots() { return pagedllm::native_level() >= 3; }
 
 // The scores of 16 keys (rows k[j], D values each) for one query vector q, times scale, in the
 // order of hsum16.
@@ -276,48 +269,37 @@ void decode(const T* q, int64_t q_sn, int64_t q_sh, const C* kc, const C* vc, co
         // one transposing reduction for the 16 sums, where a dot product at a time reduced
         // each key's vector alone. Every key's sum takes the same order whatever its place in
         // the block, so a score does not depend on the batch or the chunk.
-        if (bf16_scores) {
-          alignas(64) static const c10::BFloat16 zeros[D > 0 ? D : 1] = {};
-          const C* krow[16];
-          for (int64_t t0 = lo - lo % 16; t0 < hi; t0 += 16) {
-            for (int64_t j = 0; j < 16; ++j) {  // keys outside the item's: a zero row, not the pool
-              const int64_t t = t0 + j;
-              krow[j] = t < lo || t >= hi ? reinterpret_cast<const C*>(zeros)
-                                          : kc + static_cast<int64_t>(table[t / block_size]) * blk_stride +
-                                                (t % block_size) * tok_stride + h * D;
+        // bf16 scores: the keys read in place (a zero row outside the item's); else widened
+        // into kbuf (zeros outside), whose rows the float32 FMAs read.
+        alignas(64) static const c10::BFloat16 zeros[D > 0 ? D : 1] = {};
+        const C* krow[16];
+        if (!bf16_scores) kbuf.resize(16 * D);
+        for (int64_t t0 = lo - lo % 16; t0 < hi; t0 += 16) {
+          for (int64_t j = 0; j < 16; ++j) {
+            const int64_t t = t0 + j;
+            const bool outside = t < lo || t >= hi;  // never read from the pool
+            if (bf16_scores) {
+              krow[j] = outside ? reinterpret_cast<const C*>(zeros)
+                                : kc + static_cast<int64_t>(table[t / block_size]) * blk_stride +
+                                      (t % block_size) * tok_stride + h * D;
+            } else if (outside) {
+              std::fill(kbuf.data() + j * D, kbuf.data() + (j + 1) * D, 0.f);
+            } else {
+              load_at(kc, ks, t, kbuf.data() + j * D);
             }
-            for (int64_t r = 0; r < rows; ++r) {
-              const int64_t a = std::max(t0, lo_r[r]), b = std::min(t0 + 16, hi_r[r]);
-              if (a >= b) continue;
-              for (int64_t g = 0; g < g_per_kv; ++g) {
-                const int64_t qv = r * g_per_kv + g;
-                alignas(64) float sums[16];
+          }
+          for (int64_t r = 0; r < rows; ++r) {
+            const int64_t a = std::max(t0, lo_r[r]), b = std::min(t0 + 16, hi_r[r]);
+            if (a >= b) continue;
+            for (int64_t g = 0; g < g_per_kv; ++g) {
+              const int64_t qv = r * g_per_kv + g;
+              alignas(64) float sums[16];
+              if (bf16_scores) {
                 if constexpr (bf16_pair)  // (compiled for a bf16 query and cache alone)
                   _mm512_store_ps(sums, key_dots_bf16<D>(reinterpret_cast<const c10::BFloat16*>(
                                                              q + (n0 + r) * q_sn + (h * g_per_kv + g) * q_sh),
                                                          reinterpret_cast<const c10::BFloat16* const*>(krow), scale));
-                float* sc = scores.data() + qv * CHUNK;
-                for (int64_t t = a; t < b; ++t) sc[t - lo_r[r]] = sums[t - t0];
-              }
-            }
-          }
-        } else {
-          kbuf.resize(16 * D);
-          for (int64_t t0 = lo - lo % 16; t0 < hi; t0 += 16) {
-            for (int64_t j = 0; j < 16; ++j) {
-              const int64_t t = t0 + j;
-              float* dst = kbuf.data() + j * D;
-              if (t < lo || t >= hi) {  // outside the item's keys: never read from the pool
-                std::fill(dst, dst + D, 0.f);
-                continue;
-              }
-              load_at(kc, ks, t, dst);
-            }
-            for (int64_t r = 0; r < rows; ++r) {
-              const int64_t a = std::max(t0, lo_r[r]), b = std::min(t0 + 16, hi_r[r]);
-              if (a >= b) continue;
-              for (int64_t g = 0; g < g_per_kv; ++g) {
-                const int64_t qv = r * g_per_kv + g;
+              } else {
                 const float* qg = qf.data() + qv * D;
                 __m512 qr[D / 16], acc[16];
                 for (int c = 0; c < D / 16; ++c) qr[c] = _mm512_loadu_ps(qg + 16 * c);
@@ -326,11 +308,10 @@ void decode(const T* q, int64_t q_sn, int64_t q_sh, const C* kc, const C* vc, co
                   acc[j] = _mm512_mul_ps(qr[0], _mm512_loadu_ps(kr));
                   for (int c = 1; c < D / 16; ++c) acc[j] = _mm512_fmadd_ps(qr[c], _mm512_loadu_ps(kr + 16 * c), acc[j]);
                 }
-                alignas(64) float sums[16];
                 _mm512_store_ps(sums, hsum16(acc));
-                float* sc = scores.data() + qv * CHUNK;
-                for (int64_t t = a; t < b; ++t) sc[t - lo_r[r]] = sums[t - t0];
               }
+              float* sc = scores.data() + qv * CHUNK;
+              for (int64_t t = a; t < b; ++t) sc[t - lo_r[r]] = sums[t - t0];
             }
           }
         }

@@ -108,6 +108,10 @@ int64_t release_omp_threads() { return -1; }
 
 }  // namespace
 
+namespace pagedllm {
+int native_level() { return LEVEL; }  // (declared in isa.h)
+}  // namespace pagedllm
+
 TORCH_LIBRARY(pagedllm, m) {
   // (before the ops: quant_decode_layers' schema names it)
   using Tensors = c10::List<c10::optional<at::Tensor>>;

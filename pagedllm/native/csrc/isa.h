@@ -47,6 +47,13 @@
 #include <utility>
 #include <vector>
 
+namespace pagedllm {
+// The level whose ops dispatch.cpp registered (0 base, 1 avx2, 2 avx512vnni, 3 avx512bf16): the
+// CPU's best, capped by PAGEDLLM_NATIVE_ISA. Code of a lower level with a faster path for a
+// higher one asks this, rather than the CPU's flags, so that the cap reaches that path too.
+int native_level();
+}  // namespace pagedllm
+
 #ifndef PAGEDLLM_LEVEL
 #define PAGEDLLM_LEVEL 0
 #endif
