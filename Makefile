@@ -87,9 +87,22 @@ bench: $(STAMP)
 # there the peer is built for the AVX-512 sets such CPUs have instead of -march=native, AMX off
 # (its wheels in a folder of their own). pip's wheel cache is bypassed: it keys a wheel by the
 # sdist alone, so it would hand back a build made with other flags, or on another CPU.
+# `make bench-deps LLAMA_ISA=avx2` builds the peer for AVX2 + FMA + F16C only, without AVX-512
+# (GGML_NATIVE=OFF), whatever this CPU has: the peer of `bench compare --isa avx2`, an AVX2-only
+# machine measured on a newer one. Its wheel has a folder of its own; with LLAMA_TARGET=DIR it is
+# installed into DIR instead of the venv (then run the bench with PYTHONPATH=DIR), so the venv's
+# native peer stays.
 LLAMA_CPP_VERSION ?= 0.3.36
+LLAMA_ISA ?= native
+LLAMA_TARGET ?=
 CPU_TAG := $(shell grep -o -w 'avx2\|avx512f\|avx512_vnni\|avx512_bf16\|avx_vnni\|amx_int8' /proc/cpuinfo 2>/dev/null | sort -u | paste -sd- -)
-ifneq ($(findstring amx_int8,$(CPU_TAG)),)
+ifeq ($(LLAMA_ISA),avx2)
+LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
+  -DGGML_AVX512=OFF -DGGML_AVX512_VNNI=OFF -DGGML_AVX512_BF16=OFF -DGGML_AVX_VNNI=OFF -DLLAMA_CURL=OFF
+WHEEL_DIR ?= $(HOME)/.cache/pagedllm/wheels/avx2-only
+else ifneq ($(LLAMA_ISA),native)
+$(error LLAMA_ISA=$(LLAMA_ISA): use native (this CPU's best, the default) or avx2)
+else ifneq ($(findstring amx_int8,$(CPU_TAG)),)
 LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_AVX_VNNI=ON -DGGML_FMA=ON -DGGML_F16C=ON \
   -DGGML_BMI2=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON \
   -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF -DLLAMA_CURL=OFF
@@ -107,9 +120,9 @@ bench-deps: $(STAMP)
 	    "llama-cpp-python==$(LLAMA_CPP_VERSION)" -w $(WHEEL_DIR) || exit 1; \
 	  whl=$$(ls $(WHEEL_DIR)/llama_cpp_python-$(LLAMA_CPP_VERSION)-*.whl | head -1); \
 	else echo "using the kept wheel $$whl"; fi; \
-	$(PIP) install -q --no-deps --force-reinstall "$$whl" || exit 1; \
-	$(PIP) install -q --no-deps "diskcache>=5.6.1"
-	$(PY) -c "import llama_cpp; print('llama_cpp', llama_cpp.__version__, 'ready')"
+	$(PIP) install -q --no-deps --force-reinstall $(if $(LLAMA_TARGET),--target "$(LLAMA_TARGET)" --upgrade) "$$whl" || exit 1; \
+	$(PIP) install -q --no-deps $(if $(LLAMA_TARGET),--target "$(LLAMA_TARGET)" --upgrade) "diskcache>=5.6.1"
+	$(if $(LLAMA_TARGET),PYTHONPATH="$(LLAMA_TARGET)") $(PY) -c "import llama_cpp; print('llama_cpp', llama_cpp.__version__, 'ready:', llama_cpp.llama_print_system_info().decode())"
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache build pagedllm/native/_kernels*.so
