@@ -51,6 +51,20 @@ class Stage:
         """The only stage: no pipeline parallelism."""
         return self.size == 1
 
+    def keeps_tensor(self, name: str, tie_word_embeddings: bool) -> bool:
+        """Whether a checkpoint tensor (HF name) is one this stage loads; a loader skips the
+        others before reading them."""
+        if self.whole:
+            return True
+        m = _LAYER.search(name)
+        if m is not None:
+            return self.holds(int(m.group(1)))
+        if "embed_tokens" in name:
+            return self.first or (self.last and tie_word_embeddings)
+        if "lm_head" in name or name.removeprefix("model.") == "norm.weight":
+            return self.last
+        return True
+
 
 def check_pp(num_layers: int, size: int) -> None:
     if size < 1:
