@@ -113,10 +113,11 @@ class StageLink:
         if ok is False:  # some backends report a timeout by returning False
             raise self._fail(what, peer, TimeoutError(f"no answer in {self.timeout.total_seconds():g} s"))
 
-    def _fail(self, what: str, peer: int | None, err: BaseException) -> StageLinkError:
+    def _fail(self, what: str, peer, err: BaseException) -> StageLinkError:
         text = str(err).splitlines()[0] if str(err) else type(err).__name__
         kind = "timed out" if "timeout" in text.lower() or "timed out" in text.lower() else "failed"
-        self.failed = (f"pipeline stage link {kind}: rank {self.rank} could not {what} rank {peer} ({text}); "
+        who = "the other ranks" if peer == "any" else f"rank {peer}"
+        self.failed = (f"pipeline stage link {kind}: rank {self.rank} could not {what} {who} ({text}); "
                        f"the peer died or is stuck (waits are bounded by {self.timeout.total_seconds():g} s, "
                        "PAGEDLLM_PP_TIMEOUT_S). The requests in flight failed; restart the pipeline to go on")
         return StageLinkError(self.failed)
