@@ -8,13 +8,11 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 import time
 
 import numpy as np
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from models import reference_family
 
@@ -22,52 +20,25 @@ BLOCK = 16
 PROMPT, NEW = 37, 12
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _stage_parts(path, rank: int, size: int, init: str, num_blocks: int):
-    """Join the group, load this rank's stage, build its cache and runner."""
+def _spec(path):
     from pagedllm.config import CacheConfig
-    from pagedllm.distributed.group import TPInfo, init_groups
-    from pagedllm.distributed.p2p import StageLink
-    from pagedllm.distributed.pipeline import stage_kv
-    from pagedllm.engine.model_runner import ModelRunner
-    from pagedllm.loading.loader import load_model, read_config
+    from pagedllm.distributed.worker import WorkerSpec
     from pagedllm.loading.source import resolve
-    from pagedllm.models.stages import estimated_bytes, plan_stages
 
-    torch.set_num_threads(1)
-    info = TPInfo(rank, size)
-    init_groups(info, torch.device("cpu"), init)
-    source = resolve(str(path))
-    cfg = read_config(source)
-    stage = plan_stages(*_args(estimated_bytes(cfg), size))[rank]
-    loaded = load_model(source, torch.float32, torch.device("cpu"), stage=stage)
-    cache_cfg = CacheConfig(block_size=BLOCK)
-    cache, backend, copy_fn = stage_kv(loaded.config, stage, loaded.model.shard.kv_heads, cache_cfg, num_blocks,
-                                       torch.device("cpu"), torch.float32)
-    runner = ModelRunner(loaded.model, backend, BLOCK, torch.device("cpu"), sampler=None)
-    link = StageLink(rank, rank - 1 if rank else None, rank + 1 if rank + 1 < size else None, timeout_s=15)
-    return info, stage, loaded, cache, backend, copy_fn, runner, link
+    return WorkerSpec(resolve(str(path)), torch.float32, "cpu", None, False, None, CacheConfig(block_size=BLOCK), 1)
 
 
-def _args(parts, size):
-    layers, embed, head = parts
-    return layers, size, embed, head
+def _alive(pids: list[int]) -> list[int]:
+    import psutil
 
-
-def _worker(path, rank: int, size: int, init: str, num_blocks: int) -> None:
-    from pagedllm.distributed.group import destroy_groups
-    from pagedllm.distributed.pipeline import serve_stage
-
-    info, stage, loaded, cache, backend, copy_fn, runner, link = _stage_parts(path, rank, size, init, num_blocks)
-    try:
-        serve_stage(info, stage, loaded.model, runner, link, copy_fn, backend)
-    finally:
-        destroy_groups(info)
+    out = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                out.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return out
 
 
 def _plans(cfg, prompt: list[int]):
@@ -93,23 +64,20 @@ def _plans(cfg, prompt: list[int]):
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "gemma3", "mixtral"])
 def test_two_stage_greedy_matches_transformers(family, tmp_path, hf_smollm2_tokenizer):
-    from pagedllm.distributed.group import destroy_groups
-    from pagedllm.distributed.pipeline import PipelineDriver, StageRunner
+    from pagedllm.distributed.pipeline import PipelineExecutor
     from pagedllm.loading.loader import read_config
     from pagedllm.loading.source import resolve
 
     path, _, prompts, want = reference_family(family, tmp_path / family, hf_smollm2_tokenizer, [PROMPT], NEW, seed=3)
     prompt = prompts[0]
     plan, num_blocks = _plans(read_config(resolve(str(path))), prompt)
-    init = f"tcp://127.0.0.1:{_port()}"
-    worker = mp.get_context("spawn").Process(target=_worker, args=(path, 1, 2, init, num_blocks), daemon=True)
-    worker.start()
-    info = None
+    ex = PipelineExecutor.start(2, _spec(path))
     try:
-        info, stage, loaded, cache, backend, _, runner, link = _stage_parts(path, 0, 2, init, num_blocks)
+        pids = ex.pids
+        assert len(_alive(pids)) == 1
+        driver, stage, loaded = ex.build(_spec(path), num_blocks, timeout_s=15)
         assert stage.first and not stage.last and loaded.model.lm_head is None
         assert len(loaded.model.attention_modules()) == stage.end < loaded.config.num_layers
-        driver = PipelineDriver(info, StageRunner(loaded.model, runner, link, stage))
         got, ids, start = [], prompt, 0
         for step in range(NEW):
             logits = driver.forward(plan(ids, start, decode=step > 0))
@@ -117,21 +85,16 @@ def test_two_stage_greedy_matches_transformers(family, tmp_path, hf_smollm2_toke
             start += len(ids)
             ids = [int(logits[0].argmax())]
             got.append(ids[0])
-        driver.stop()
-        worker.join(timeout=30)
-        assert worker.exitcode == 0
         assert got == want[0], family
     finally:
-        if worker.is_alive():
-            worker.kill()
-        if info is not None:
-            destroy_groups(info)
+        ex.shutdown()
+    assert ex.procs[0].exitcode == 0  # it left on STOP
+    assert not _alive(pids)
 
 
 def test_killed_stage_fails_rank0_within_30s(tmp_path, hf_smollm2_tokenizer):
-    from pagedllm.distributed.group import destroy_groups
     from pagedllm.distributed.p2p import StageLinkError
-    from pagedllm.distributed.pipeline import PipelineDriver, StageRunner
+    from pagedllm.distributed.pipeline import PipelineExecutor
     from pagedllm.loading.loader import read_config
     from pagedllm.loading.source import resolve
     from models import build_checkpoint
@@ -140,15 +103,11 @@ def test_killed_stage_fails_rank0_within_30s(tmp_path, hf_smollm2_tokenizer):
     path = build_checkpoint("llama", tmp_path / "m", tok, len(tok))
     prompt = list(range(5, 5 + PROMPT))
     plan, num_blocks = _plans(read_config(resolve(str(path))), prompt)
-    init = f"tcp://127.0.0.1:{_port()}"
-    worker = mp.get_context("spawn").Process(target=_worker, args=(path, 1, 2, init, num_blocks), daemon=True)
-    worker.start()
-    info = None
+    ex = PipelineExecutor.start(2, _spec(path))
     try:
-        info, stage, loaded, cache, backend, _, runner, link = _stage_parts(path, 0, 2, init, num_blocks)
-        driver = PipelineDriver(info, StageRunner(loaded.model, runner, link, stage))
+        driver, stage, loaded = ex.build(_spec(path), num_blocks, timeout_s=15)
         driver.forward(plan(prompt, 0, decode=False))  # a healthy step first
-        os.kill(worker.pid, 9)
+        os.kill(ex.pids[0], 9)
         t0 = time.monotonic()
         with pytest.raises(StageLinkError, match=r"rank 0 could not .* The requests in flight failed") as err:
             for step in range(1, NEW):  # the failure shows on the next step's plan or hidden states
@@ -158,7 +117,5 @@ def test_killed_stage_fails_rank0_within_30s(tmp_path, hf_smollm2_tokenizer):
         with pytest.raises(StageLinkError):  # and at once on every later step
             driver.forward(plan([7], PROMPT, decode=True))
     finally:
-        if worker.is_alive():
-            worker.kill()
-        if info is not None:
-            destroy_groups(info)
+        ex.shutdown()
+    assert not _alive(ex.pids)

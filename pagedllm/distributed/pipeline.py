@@ -11,12 +11,18 @@ block, slots for its own layers of each group only. With one group (all layers a
 that is 1/P of the layers; with Gemma's sliding groups a stage keeps as many slots as its
 fullest group, so the saving is smaller where a stage holds a whole group's worth of layers.
 
+`PipelineExecutor.start` spawns the other stages on this machine (torch.multiprocessing, as
+tensor parallelism's executor does) or, under torchrun (WORLD_SIZE set), joins the group the
+other nodes' ranks join; `pipeline_worker_main` is a rank > 0's whole life.
+
 Not yet here (issue 65): rank 0's side inside the engine (`LLM(pipeline_parallel_size=...)`),
 tensor parallelism inside a stage, several micro-batches in flight.
 """
 from __future__ import annotations
 
 import logging
+import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -125,3 +131,132 @@ def serve_stage(info: TPInfo, stage, model, runner, link: StageLink, copy_fn, ba
         for i in range(0, len(ops), 4):
             apply[ops[i]](*ops[i + 1:i + 4])
         stage_runner.run(plan)
+
+
+def plan_for(source, size: int) -> list:
+    """The stage plan every rank computes alike, from the model's config."""
+    from ..loading.loader import read_config
+    from ..models.stages import estimated_bytes, plan_stages
+
+    layers, embed, head = estimated_bytes(read_config(source))
+    return plan_stages(layers, size, embed, head)
+
+
+def build_stage(info: TPInfo, spec, num_blocks: int, timeout_s: float | None = None):
+    """This rank's stage: (stage, loaded model, cache, backend, copy function, runner, link)."""
+    from ..engine.model_runner import ModelRunner
+    from ..loading.loader import load_model
+    from .worker import rank_device
+
+    device = rank_device(spec.device, info.rank)
+    stage = plan_for(spec.source, info.size)[info.rank]
+    loaded = load_model(spec.source, spec.dtype, device, max_positions=spec.max_positions,
+                        dequantize_weights=spec.dequantize_weights, isq=spec.isq, stage=stage)
+    cache, backend, copy_fn = stage_kv(loaded.config, stage, loaded.model.shard.kv_heads, spec.cache_cfg,
+                                       num_blocks, device, spec.dtype)
+    runner = ModelRunner(loaded.model, backend, spec.cache_cfg.block_size, device, sampler=None)
+    kw = {} if timeout_s is None else {"timeout_s": timeout_s}
+    link = StageLink(info.rank, info.rank - 1 if info.rank else None,
+                     info.rank + 1 if info.rank + 1 < info.size else None, **kw)
+    return stage, loaded, cache, backend, copy_fn, runner, link
+
+
+def pipeline_worker_main(rank: int, size: int, init_method: str | None, spec, conn=None) -> None:
+    """A stage other than the first: join the group, wait for rank 0's cache size, build the
+    stage, serve steps until STOP. Exits non-zero on any failure (rank 0's waits then fail)."""
+    from .group import destroy_groups, init_groups
+    from .worker import _die_with_parent, rank_device
+
+    _die_with_parent()
+    logging.basicConfig(level=spec.log_level, format=f"[pp rank {rank}] %(levelname)s %(name)s: %(message)s")
+    torch.set_num_threads(spec.threads)
+    info = TPInfo(rank, size)
+    code = 0
+    try:
+        init_groups(info, rank_device(spec.device, rank), init_method)
+        if conn is not None:
+            conn.send(("started", os.getpid()))
+        command, lists = messages.recv(info.control)
+        if command == messages.SETUP:
+            stage, loaded, _, backend, copy_fn, runner, link = build_stage(info, spec, lists[0][0])
+            if conn is not None:
+                conn.send(("loaded", loaded.weight_bytes))
+            serve_stage(info, stage, loaded.model, runner, link, copy_fn, backend)
+    except BaseException as e:
+        code = 1
+        logger.error("pipeline stage %d failed: %s: %s", rank, type(e).__name__, e)
+    finally:
+        destroy_groups(info)
+    sys.exit(code)
+
+
+class PipelineExecutor:
+    """Rank 0's processes and group: the other stages started (or joined under torchrun),
+    stopped by `shutdown` (STOP, join, kill what does not exit)."""
+
+    def __init__(self, info: TPInfo, procs: list) -> None:
+        self.info, self.procs = info, procs
+        self.driver: PipelineDriver | None = None
+        self.closed = False
+
+    @classmethod
+    def start(cls, size: int, spec) -> "PipelineExecutor":
+        from .executor import _free_port
+        from .group import init_groups
+        from .worker import rank_device
+
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if world > 1:  # torchrun: the other stages run the same command on their nodes
+            if world != size:
+                raise ValueError(f"pipeline_parallel_size={size} but torchrun started {world} ranks")
+            info = TPInfo(int(os.environ["RANK"]), size)
+            init_groups(info, rank_device(spec.device, info.rank), None)
+            return cls(info, [])
+        import torch.multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        init = f"tcp://127.0.0.1:{_free_port()}"
+        procs = [ctx.Process(target=pipeline_worker_main, args=(r, size, init, spec), name=f"pagedllm-pp{r}",
+                             daemon=True) for r in range(1, size)]
+        ex = cls(TPInfo(0, size), procs)
+        try:
+            for p in procs:
+                p.start()
+            init_groups(ex.info, rank_device(spec.device, 0), init)
+        except BaseException:
+            ex.shutdown()
+            raise
+        return ex
+
+    def build(self, spec, num_blocks: int, timeout_s: float | None = None):
+        """Send the cache size, build rank 0's stage; (driver, stage, loaded model)."""
+        driver = PipelineDriver(self.info, None)
+        driver.setup(num_blocks)
+        stage, loaded, _, _, _, runner, link = build_stage(self.info, spec, num_blocks, timeout_s)
+        driver.stage = StageRunner(loaded.model, runner, link, stage)
+        self.driver = driver
+        return driver, stage, loaded
+
+    def shutdown(self) -> None:
+        from .group import destroy_groups
+
+        if self.closed:
+            return
+        self.closed = True
+        link = self.driver.stage.link if self.driver is not None and self.driver.stage is not None else None
+        if self.info.control is not None and not (link is not None and link.failed):
+            try:
+                self.driver.stop() if self.driver else messages.send(self.info.control, messages.STOP)
+            except Exception:
+                pass
+        for p in self.procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                logger.warning("pipeline stage %s did not stop; killing it", p.name)
+                p.kill()
+                p.join(timeout=5)
+        destroy_groups(self.info)
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
