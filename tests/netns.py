@@ -71,9 +71,9 @@ def two_nodes() -> Iterator[tuple[Node, Node]]:
             _ip("netns", "del", ns, check=False)
 
 
-def stop(procs: list[subprocess.Popen], grace: float = 10.0) -> None:
+def stop(procs: list[subprocess.Popen], grace: float = 10.0) -> list[int]:
     """SIGTERM each process's group (they were started with start_new_session), then SIGKILL
-    what is left after `grace` seconds."""
+    what is left after `grace` seconds; returns the pids SIGTERM did not end."""
     for p in procs:
         if p.poll() is None:
             with contextlib.suppress(ProcessLookupError):
@@ -84,8 +84,10 @@ def stop(procs: list[subprocess.Popen], grace: float = 10.0) -> None:
             p.wait(timeout=max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             pass
+    lingered = [p.pid for p in procs if p.poll() is None]
     for p in procs:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(p.pid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             p.wait(timeout=5)
+    return lingered
