@@ -500,6 +500,7 @@ def cmd_chat(args: argparse.Namespace, opts: EngineOptions) -> int:
 
 def cmd_generate(args: argparse.Namespace, opts: EngineOptions) -> int:
     from ..sampling.params import SamplingParams
+    from ..tokenizer.chat import render_chat
     from .chat import cut_off_note
 
     prompt = args.prompt
@@ -522,8 +523,7 @@ def cmd_generate(args: argparse.Namespace, opts: EngineOptions) -> int:
         inputs: str | list[int] = prompt
     else:
         msgs = ([{"role": "system", "content": args.system}] if args.system else [])
-        inputs = tok.apply_chat_template(msgs + [{"role": "user", "content": prompt.strip()}],
-                                         tokenize=True)
+        inputs = render_chat(tok, msgs + [{"role": "user", "content": prompt.strip()}])
     eng, driver = llm.engine, llm.driver
     [rid] = driver.add([(None, inputs, params)])
     final = None
@@ -558,13 +558,14 @@ def cmd_generate(args: argparse.Namespace, opts: EngineOptions) -> int:
 def cmd_trace(args: argparse.Namespace, opts: EngineOptions) -> int:
     from .chat import kv_report
     from ..sampling.params import SamplingParams
+    from ..tokenizer.chat import render_chat
 
     llm = load_llm(opts)
     eng = llm.engine
     tok = llm.tokenizer
     prompt: str | list[int] = args.prompt
     if getattr(tok, "chat_template", None):
-        prompt = tok.apply_chat_template([{"role": "user", "content": args.prompt}], tokenize=True)
+        prompt = render_chat(tok, [{"role": "user", "content": args.prompt}])
     params = SamplingParams(n=args.n, max_tokens=args.max_tokens, temperature=0.0)
     rows = [_snapshot(eng, 0)]
     llm.driver.add([(None, prompt, params)])
