@@ -31,11 +31,9 @@ from ..protocols.common.tokens import TokenText
 from ..protocols.openai.models import ModelCard, ModelList
 from . import embeddings, generation, limits, lora, responses, routes
 from .async_engine import AsyncEngine, ShuttingDown
-from .bodies import read_body
 from .errors import error_response, install_error_handlers
-from .generation import Generation, collect_or_fail
+from .generation import Generation
 from .metrics import CONTENT_TYPE, ServerMetrics
-from .sse import SSEResponse
 
 logger = logging.getLogger(__name__)
 
@@ -170,9 +168,8 @@ def create_app(llm: Any, config: ServerConfig | None = None) -> FastAPI:
     routes.add_cors(app, cfg.allowed_origins)  # outside the key check: preflights carry no key
     _install_basics(app, engine, metrics, ctx, models)
     generation.install(app, gen, ctx, token_text, models.check, cfg.max_body_bytes)
-    served = routes.Served(llm, ctx, cfg, names, engine, token_text, models.check_base, gen.submit,
-                           lambda request, model: read_body(request, model, cfg.max_body_bytes),
-                           SSEResponse, collect_or_fail, work.run)
+    served = routes.Served(llm, ctx, engine, token_text, models.check_base, gen.submit, work.run,
+                           cfg.max_body_bytes)
     routes.install(app, served)
     responses.install(app, served, cfg.responses_store_size)
     embeddings.install(app, served)

@@ -29,7 +29,9 @@ from ..protocols.openai.responses import (
 )
 from . import limits
 from .async_engine import EngineError
+from .generation import collect_or_fail
 from .routes import Served, document_bodies
+from .sse import SSEResponse
 
 
 async def _events(sub: Any, ev: ResponseEvents, on_done: Any) -> AsyncIterator[str]:
@@ -83,8 +85,8 @@ def install(app: FastAPI, s: Served, store_size: int = DEFAULT_STORE_SIZE) -> No
 
         if req.stream:
             ev = ResponseEvents(resp, call.streamer)
-            return s.sse(_events(sub, ev, keep), sub.abort_unfinished)
-        finals = await s.collect(sub, request)
+            return SSEResponse(_events(sub, ev, keep), sub.abort_unfinished)
+        finals = await collect_or_fail(sub, request)
         if finals is None:
             return Response(status_code=499)
         chat_resp = call.response(finals)

@@ -21,24 +21,25 @@ from ..protocols.common.context import ServingContext
 from ..protocols.openai.models import ModelCard
 from ..protocols.openai.tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
 from . import limits
+from .bodies import read_body
 
 
 @dataclass
 class Served:
-    """The app's shared state, as the route modules see it."""
+    """What the route modules beside generation need from `create_app`."""
 
     llm: Any
     ctx: ServingContext
-    config: Any  # app.ServerConfig
-    names: list[str]  # the model's names; responses carry the first
     engine: Any  # async_engine.AsyncEngine
     token_text: Any  # protocols.common.tokens.TokenText
-    check_model: Callable[[str | None], None]
-    submit: Callable  # async (items, request, grammar_param) -> Submission
-    read_body: Callable  # async (request, model) -> a parsed request model
-    sse: Callable  # app.SSEResponse: (events, on_close) -> a server-sent events response
-    collect: Callable  # async (submission, request) -> final outputs, or None if the client left
+    check_model: Callable[[str | None], None]  # refuses a name this server does not serve
+    submit: Callable  # generation.Generation.submit: async (items, request, grammar_param) -> Submission
     run: Callable  # async (fn, *args): tokenizing and templates off the event loop (limits.WorkPool.run)
+    max_body_bytes: int
+
+    async def read_body(self, request: Request, model: type[BaseModel]) -> Any:
+        """The request's body within the size limit, as `model` (OpenAI's error for a bad field)."""
+        return await read_body(request, model, self.max_body_bytes)
 
 
 # -- installing ----------------------------------------------------------------------------------
