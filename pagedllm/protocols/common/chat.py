@@ -89,3 +89,23 @@ def constrain_to_tools(params: SamplingParams, plan: tool_api.ToolPlan | None) -
 def grammar_param(plan: tool_api.ToolPlan | None, text_format_param: str) -> str:
     """The request field to blame when the request's grammar does not compile."""
     return "tools" if plan is not None and plan.grammar() else text_format_param
+
+
+# -- answers: the tool parser (structured/tools.py), called from here only -------------------
+
+
+def parse_answer(text: str, plan: tool_api.ToolPlan | None) -> tuple[str | None, list[tool_api.ToolCall]]:
+    """A whole answer's text and tool calls under `plan`; a forced answer holds nothing but its
+    calls (its text is None then)."""
+    if plan is None or not plan.parses:
+        return text, []
+    content, calls = tool_api.parse(text, plan.fmt)
+    if calls and plan.forced:
+        return None, calls
+    return content, calls
+
+
+def answer_stream_parser(plan: tool_api.ToolPlan | None) -> tool_api.StreamParser | None:
+    """A parser that splits a streamed answer into text and tool-call deltas; None when the
+    answer holds no calls to parse."""
+    return tool_api.StreamParser(plan.fmt) if plan is not None and plan.parses else None

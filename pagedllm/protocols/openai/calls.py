@@ -32,10 +32,7 @@ def chat_response(rid: str, model: str, final: RequestOutput, tt: TokenText | No
     choices = []
     for c in final.outputs:
         lp = chat_logprobs(c.logprobs or [], tt) if tt is not None else None
-        content, calls = (tool_api.parse(c.text, tools.fmt) if tools is not None and tools.parses
-                          else (c.text, []))
-        if calls and tools.forced:
-            content = None  # a forced answer holds nothing but its calls
+        content, calls = neutral.parse_answer(c.text, tools)
         msg = ResponseMessage(content=content, tool_calls=_tool_call_dicts(calls) or None)
         choices.append(ChatChoice(index=c.index, message=msg, logprobs=lp,
                                   finish_reason=finish_reason(c.finish_reason, tools, bool(calls)),

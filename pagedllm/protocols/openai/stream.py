@@ -8,6 +8,7 @@ from typing import Any
 
 from ...outputs import RequestOutput
 from ...structured import tools as tool_api
+from ..common import chat as neutral
 from ..common.tokens import TokenText
 from .logprobs import chat_logprobs, completion_logprobs, join_logprobs, prompt_logprobs, usage_from
 from .models import (
@@ -81,8 +82,8 @@ class ChatStreamer:
 
     def __post_init__(self) -> None:
         self.states = [_ChoiceState() for _ in range(self.n)]
-        if self.tools is not None and self.tools.parses:
-            self.parsers = [tool_api.StreamParser(self.tools.fmt) for _ in range(self.n)]
+        parsers = [neutral.answer_stream_parser(self.tools) for _ in range(self.n)]
+        self.parsers = [p for p in parsers if p is not None]  # (all or none)
 
     def _chunk(self, choices: list[ChunkChoice], usage: Usage | None = None) -> ChatCompletionChunk:
         return ChatCompletionChunk(id=self.rid, model=self.model, choices=choices, usage=usage,
