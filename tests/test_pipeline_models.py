@@ -94,3 +94,40 @@ def test_two_stages_give_the_whole_models_logits(family, tmp_path, hf_smollm2_to
     assert (got - ref).abs().max().item() < 1e-4
     with pytest.raises(ValueError, match="previous stage's hidden states"):
         _run(last, ids)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_each_stage_holds_about_half_the_weights_and_kv(family, tmp_path, hf_smollm2_tokenizer):
+    """Eight layers at pp=2: each stage's weight bytes within 10% of half the whole model's
+    (an untied head weighs what the embedding does, so the plan splits 4 + 4), and its KV cache
+    for the same blocks half of pp=1's where the layers attend alike. Gemma 3's KV groups keep,
+    per block, as many slots as the stage's fullest group holds layers."""
+    from pagedllm.config import CacheConfig
+    from pagedllm.distributed.pipeline import stage_kv
+    from pagedllm.models.stages import whole as whole_stage
+
+    tok = hf_smollm2_tokenizer
+    over = {"num_hidden_layers": 8, "tie_word_embeddings": False}
+    if family == "gemma3":
+        over["layer_types"] = ["sliding_attention"] * 3 + ["full_attention"] + ["sliding_attention"] * 3 + ["full_attention"]
+    path = build_checkpoint(family, tmp_path / family, tok, len(tok), **over)
+    whole = load_model(resolve(str(path)), torch.float32, torch.device("cpu"))
+    cfg = whole.config
+    layer_bytes, embed, head = estimated_bytes(cfg)
+    stages = plan_stages(layer_bytes, 2, embed, head)
+    assert [len(s.layers) for s in stages] == [4, 4]
+    cache_cfg = CacheConfig(block_size=16)
+    kv_heads = whole.model.shard.kv_heads
+    full, _, _ = stage_kv(cfg, whole_stage(cfg), kv_heads, cache_cfg, 64, torch.device("cpu"), torch.float32)
+    for s in stages:
+        part = load_model(resolve(str(path)), torch.float32, torch.device("cpu"), stage=s)
+        assert abs(part.weight_bytes / (whole.weight_bytes / 2) - 1) < 0.10, (part.weight_bytes, whole.weight_bytes)
+        kv, _, _ = stage_kv(part.config, s, kv_heads, cache_cfg, 64, torch.device("cpu"), torch.float32)
+        if family == "llama":
+            assert kv.nbytes * 2 == full.nbytes
+        else:
+            # Groups of 2 layers (2 global layers): global [3, 7], sliding [0, 1], [2, 4], [5, 6].
+            # Each stage holds both layers of one sliding group, so its blocks keep 2 slots, as
+            # the whole model's do: no saving per block (the limit docs/scale-out.md states).
+            assert full.spec.num_layers == 2 and kv.spec.num_layers == 2
+            assert kv.nbytes == full.nbytes
