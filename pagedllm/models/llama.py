@@ -191,12 +191,14 @@ class LlamaForCausalLM(nn.Module):
             MissingLayer() if not st.holds(i) else
             self.layer_cls(cfg, i, sh, self.tp) if self.tp else self.layer_cls(cfg, i)
             for i in range(cfg.num_layers))
+        # The layers this rank runs, kept once: slicing the ModuleList each step builds a new one.
+        self._run = tuple(self.layers[st.start:st.end])
         self.norm = self.norm_cls(cfg.hidden_size, cfg.rms_norm_eps) if st.last else None
         self.lm_head = Linear(cfg.hidden_size, sh.vocab, bias=False) if st.last else None
 
     def stage_layers(self) -> list[nn.Module]:
         """The layers this rank runs, in order (all of them without pipeline parallelism)."""
-        return list(self.layers[self.stage.start:self.stage.end])
+        return list(self._run)
 
     def drop_head(self) -> None:
         """An embedding model: no LM head (its checkpoint may hold none); the final-norm hidden
@@ -227,7 +229,7 @@ class LlamaForCausalLM(nn.Module):
         if stacked is not None:
             return self._final_norm(stacked)
         local = self.rope_local.lookup(positions, h.dtype) if self.rope_local is not None else rope
-        for layer in self.layers[self.stage.start:self.stage.end]:
+        for layer in self._run:
             h = layer(local if layer.self_attn.window is not None else rope, h, meta)
         return self._final_norm(h)
 
