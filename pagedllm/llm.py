@@ -15,7 +15,7 @@ from .config import CacheConfig, SchedulerConfig
 from .device import resolve_device, resolve_dtype
 from .engine import scoring
 from .engine.driver import EngineDriver
-from .engine.llm_engine import LLMEngine
+from .engine.factory import build_engine
 from .loading.loader import load_model
 from .loading.source import resolve
 from .native import release_omp_threads
@@ -232,8 +232,8 @@ class LLM:
         draft = None
         if draft_source is not None:
             draft = _load_draft(draft_source, loaded, dt, dev, max_model_len, dequantize_weights, isq)
-        self.engine = LLMEngine(loaded, cache_cfg, sched_cfg, dev, dt, seed, executor, spec_cfg, draft,
-                                max_lora_rank=self._lora[1] if self._lora else 16)
+        self.engine = build_engine(loaded, cache_cfg, sched_cfg, dev, dt, seed, executor, spec_cfg, draft,
+                                   max_lora_rank=self._lora[1] if self._lora else 16)
         self.driver = EngineDriver(self.engine)  # every face drives the engine through it
         self.tokenizer = loaded.tokenizer
         self.model_name = source.short_name

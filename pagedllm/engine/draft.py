@@ -34,6 +34,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from ..attention.build import build_kv
 from ..config import CacheConfig
 from ..kv.cache import KVCacheSpec, dtype_name
 from ..kv.groups import KVGroups, plan_groups
@@ -131,8 +132,6 @@ class DraftModel:
         """`target`: the target's block manager, whose pool the draft's groups join.
         `draft_vocab`: the token ids its head scores in full (draft_head.py; 0: all).
         `draft_weights`: the format its quantized weights run in (draft_weights.py)."""
-        from .llm_engine import build_kv  # the engine module imports this one
-
         self.name = loaded.source.short_name
         self.loaded = loaded
         self.weights_note = lighten(loaded.model, draft_weights)  # (before its first forward)

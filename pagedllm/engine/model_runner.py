@@ -78,17 +78,22 @@ class RunnerOutput:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, backend, block_size: int,
-                 device: torch.device, sampler: Sampler) -> None:
+                 device: torch.device, sampler: Sampler | None, structured=None, driver=None,
+                 lora=None, encoder_cache=None) -> None:
+        """`structured`: the GrammarEngine of constrained requests (None: none run here).
+        `driver`: under tensor parallelism, rank 0's TPExecutor, which sends each plan.
+        `lora`: a LoRAManager (pagedllm/lora) when adapters are enabled.
+        `encoder_cache`: a vision-language model's EncoderCache (pagedllm/multimodal)."""
         self.model = model
         self.backend = backend
         self.block_size = block_size
         self.device = device
         self.sampler = sampler
         self.upload = HostUpload(device)
-        self.structured = None  # a GrammarEngine, set by the engine
-        self.driver = None  # under tensor parallelism: rank 0's TPExecutor, which sends each plan
-        self.lora = None  # a LoRAManager (pagedllm/lora) when adapters are enabled, set by the engine
-        self.encoder_cache = None  # a vision-language model's EncoderCache (pagedllm/multimodal)
+        self.structured = structured
+        self.driver = driver
+        self.lora = lora
+        self.encoder_cache = encoder_cache
         self.encoder_stats = {"images_encoded": 0, "encoder_s": 0.0}
         # M-RoPE models rotate image prompts by positions of their own (StepPlan.rope_pos); for
         # every other model the step's positions are the rope's, with no per-sequence look.

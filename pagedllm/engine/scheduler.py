@@ -82,19 +82,21 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, encoder_cache=None,
+                 on_preempt: Callable[[Sequence], None] | None = None) -> None:
+        """`encoder_cache`: a vision-language model's EncoderCache (pagedllm/multimodal), the
+        runner's, which says what is encoded already; None for text-only models.
+        `on_preempt`: called with each preempted sequence once its blocks are freed: a draft model
+        gives back its blocks of the same pool (engine/draft.py), so the next room check counts them."""
         self.config = config
         self.bm = block_manager
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
-        # Called with each preempted sequence once its blocks are freed: a draft model gives
-        # back its blocks of the same pool (engine/draft.py), so the next room check counts them.
-        self.on_preempt: Callable[[Sequence], None] | None = None
-        # Vision-language models: the runner's encoder cache (what is encoded already) and the
-        # image tokens the step may encode at most; None for text-only models.
-        self.encoder_cache = None
-        self.encoder_budget = 0
+        self.on_preempt = on_preempt
+        self.encoder_cache = encoder_cache
+        # The image tokens the step may encode at most (0 for text-only models).
+        self.encoder_budget = config.encoder_budget if encoder_cache is not None else 0
 
     # -- queue ------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
