@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlparse
 
-from .common import machine_info, median_of_runs, percentile, write_json
+from .common import machine_info, median_of_runs, percentile, wait_ready, write_json
 
 logger = logging.getLogger(__name__)
 
@@ -246,7 +246,6 @@ def run(args: argparse.Namespace) -> int:
     except ImportError:
         print("error: --against-throughput needs the openai client (pip install openai)", file=sys.stderr)
         return 2
-    from .loadtest import _wait_ready
 
     rates = parse_rates(args.request_rates)
     if args.runs < 1:
@@ -266,7 +265,7 @@ def run(args: argparse.Namespace) -> int:
     result: dict = {"machine": machine_info(), "args": {k: v for k, v in vars(args).items()
                                                         if isinstance(v, (int, float, str, list, type(None)))}}
     try:
-        _wait_ready(args.url, proc)
+        wait_ready(args.url, proc)
         import httpx
 
         model = args.model or httpx.get(f"{args.url}/v1/models", timeout=30).json()["data"][0]["id"]

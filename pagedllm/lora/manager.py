@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 from .layers import LinearLoRA, LoRAState
-from .peft import AdapterWeights, load_adapter
+from .pairs import AdapterWeights
+from .peft import load_adapter
 from .request import LoRARequest
 
 logger = logging.getLogger(__name__)
