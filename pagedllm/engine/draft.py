@@ -59,6 +59,17 @@ _FIX = ("a draft model must share the target's tokenizer: use a smaller model of
         "and release (for example SmolLM2-135M for SmolLM2-1.7B), or n-gram speculation")
 
 
+def check_draft_setup(speculative, draft, executor) -> None:
+    """Refuse a draft model without its method, the method without the model, or either under
+    tensor parallelism."""
+    if draft is not None and executor is not None:
+        raise ValueError(NO_TP)
+    if draft is not None and (speculative is None or speculative.method != "draft"):
+        raise ValueError("a draft model was given without speculative method 'draft'")
+    if draft is None and speculative is not None and speculative.method == "draft":
+        raise ValueError("speculative method 'draft' needs the draft model loaded (LLM(...) loads it)")
+
+
 def check_vocab_size(t_name: str, tv: int, d_name: str, dv: int) -> None:
     """Refuse a draft whose logits cover other token ids than the target's (checked from the
     configs, before either model is loaded)."""
@@ -155,6 +166,7 @@ class DraftModel:
         self.decode_s = 0.0
         self.no_room = 0  # times a sequence proposed less for want of free blocks in the pool
         self.head = _draft_head(loaded, draft_vocab, draft_weights)
+        logger.info(self.describe())
 
     @property
     def memory_mb(self) -> float:

@@ -18,7 +18,7 @@ from ..speculative.config import SpeculativeConfig
 from ..speculative.decoder import SpeculativeDecoder
 from ..structured.grammar import GrammarEngine
 from .block_manager import BlockManager
-from .draft import NO_TP, DraftModel, draft_cache_config, draft_kv_groups, shared_pool_note
+from .draft import DraftModel, check_draft_setup, draft_cache_config, draft_kv_groups, shared_pool_note
 from .llm_engine import KVParts, LLMEngine
 from .model_runner import ModelRunner
 from .output_processor import OutputProcessor
@@ -30,21 +30,17 @@ logger = logging.getLogger(__name__)
 def build_engine(loaded: LoadedModel, cache_cfg: CacheConfig, sched_cfg: SchedulerConfig, device: torch.device,
                  dtype: torch.dtype, seed: int = 0, executor=None, speculative: SpeculativeConfig | None = None,
                  draft: LoadedModel | None = None, max_lora_rank: int = 16, runner_cls=ModelRunner) -> LLMEngine:
-    """`executor`: rank 0's side of tensor parallelism (every rank builds the same number of
-    blocks of its heads), or None. `draft`: the loaded draft model of speculative method "draft"
+    """`executor`: rank 0's side of tensor parallelism, or None. `draft`: the loaded draft model of speculative method "draft"
     (its KV groups draw from this engine's block pool: one budget, each block a page of both
     caches). LoRA adapters are enabled by `sched_cfg.max_loras` > 0 (that many slots, of rank up
     to `max_lora_rank`). `runner_cls`: the ModelRunner, or a subclass that runs the step another
     way (the planning benchmark's runner plans every step without the forward)."""
     cache_cfg.validate()
     sched_cfg.validate()
-    if executor is not None and (draft is not None or sched_cfg.max_loras):
-        raise ValueError(NO_TP if draft is not None else "LoRA adapters do not run under tensor parallelism "
-                         "yet; use tensor_parallel_size=1 with enable_lora")
-    if draft is not None and (speculative is None or speculative.method != "draft"):
-        raise ValueError("a draft model was given without speculative method 'draft'")
-    if draft is None and speculative is not None and speculative.method == "draft":
-        raise ValueError("speculative method 'draft' needs the draft model loaded (LLM(...) loads it)")
+    check_draft_setup(speculative, draft, executor)
+    if executor is not None and sched_cfg.max_loras:
+        raise ValueError("LoRA adapters do not run under tensor parallelism yet; use tensor_parallel_size=1 "
+                         "with enable_lora")
     cfg, model = loaded.config, loaded.model
     # Layers that attend alike share a block table; sliding and global layers do not.
     groups = plan_groups(cfg.layer_windows, cfg.num_layers, hybrid=cache_cfg.paged_attention)
@@ -87,11 +83,6 @@ def build_engine(loaded: LoadedModel, cache_cfg: CacheConfig, sched_cfg: Schedul
     # A preempted sequence's draft blocks go back to the pool at once, so the scheduler's room
     # check sees them before it preempts another.
     scheduler = Scheduler(sched_cfg, block_manager, encoder_cache, on_preempt=spec.release if spec else None)
-    if lora is not None:
-        logger.info("LoRA: %d adapter slots of rank <= %d over %d projections", sched_cfg.max_loras,
-                    max_lora_rank, len(lora.layers))
-    if draft_model is not None:
-        logger.info(draft_model.describe())
     kv = KVParts(groups, kv_spec, plan, kv_cache, backend, prefix_caching, note)
     return LLMEngine(loaded, cache_cfg, sched_cfg, device, dtype, kv=kv, block_manager=block_manager,
                      scheduler=scheduler, runner=runner, output=output, structured=structured, lora=lora,

@@ -35,6 +35,8 @@ class LoRAManager:
                 module.lora = self.layers[name] = LinearLoRA(self.state, max_loras)
         if not self.layers:
             raise ValueError(f"{type(model).__name__} has no projections LoRA adapters can apply to")
+        logger.info("LoRA: %d adapter slots of rank <= %d over %d projections", max_loras, max_lora_rank,
+                    len(self.layers))
         model.lora_state = self.state
         self.slots: OrderedDict[int, int] = OrderedDict()  # lora_int_id -> slot, least recent first
         self.loaded: dict[int, LoRARequest] = {}
