@@ -16,8 +16,8 @@ driven by the same engine driver. `EngineOptions` maps mistral.rs's engine setti
 from __future__ import annotations
 
 import enum
-import inspect
 import logging
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
@@ -48,8 +48,13 @@ def __getattr__(name: str) -> Any:
         return value
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
-# The model families the engine implements, by the config.json architecture names.
-_ARCH_NAMES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
+
+def _family(name: str) -> str:
+    """A model family as one spelling: "Qwen2MoeForCausalLM", "qwen2_moe" and mistral.rs's
+    "qwen2moe" all give "qwen2moe"."""
+    for suffix in ("ForCausalLM", "ForConditionalGeneration"):
+        name = name.removesuffix(suffix)
+    return re.sub(r"[^a-z0-9]", "", name.lower())
 
 
 class Architecture(enum.Enum):
@@ -169,9 +174,6 @@ class EngineOptions:
         raise TypeError(f"which must be Which.Plain or Which.GGUF, got {type(which).__name__}")
 
     def llm_kwargs(self) -> dict[str, Any]:
-        from .llm import LLM
-
-        accepted = inspect.signature(LLM.__init__).parameters
         sizes = [n for n, v in (("pa_gpu_mem", self.pa_gpu_mem), ("pa_gpu_mem_usage", self.pa_gpu_mem_usage),
                                 ("pa_ctxt_len", self.pa_ctxt_len)) if v is not None]
         if len(sizes) > 1:
@@ -213,13 +215,8 @@ class EngineOptions:
             n = self.prefix_cache_n
             if n < 0:
                 raise ValueError(f"prefix_cache_n must be >= 0, got {n}")
-            if "prefix_cache_n" in accepted:
-                kw["prefix_cache_n"] = n
-            if "enable_prefix_caching" in accepted:
-                kw["enable_prefix_caching"] = n > 0 and not self.no_prefix_cache
-            elif "prefix_cache_n" not in accepted and n > 0:
-                raise UnsupportedOption("--prefix-cache-n (prefix caching) is not supported yet; "
-                                        "leave it out or pass 0")
+            kw["prefix_cache_n"] = n
+            kw["enable_prefix_caching"] = n > 0 and not self.no_prefix_cache
         return kw
 
     def _speculative(self) -> dict[str, Any] | None:
@@ -263,7 +260,7 @@ class EngineOptions:
         if not self.arch:
             return
         actual = llm.engine.model_config.architecture
-        if _ARCH_NAMES.get(actual, actual).lower() != str(self.arch).lower():
+        if _family(actual) != _family(str(self.arch)):
             logger.warning("arch %s was given but the checkpoint is %s; using the checkpoint's",
                            self.arch, actual)
 
