@@ -445,7 +445,9 @@ def cmd_serve(args: argparse.Namespace, opts: EngineOptions) -> int:
                 print(f"error: --lora-modules {name}: {e}", file=sys.stderr)
                 return 2
     eng = llm.engine
-    api_key = args.api_key or os.environ.get("PAGEDLLM_API_KEY") or None
+    from .. import settings
+
+    api_key = args.api_key or settings.get("api_key") or None
     names = args.served_model_name or [llm.model_name]
     try:
         origins = parse_origins(args.allowed_origins)
