@@ -521,7 +521,7 @@ def test_head_rechecks_its_best_logits_on_single_level_steps(fmt, monkeypatch):
     monkeypatch.delenv("PAGEDLLM_QUANT_ACT", raising=False)
     monkeypatch.delenv("PAGEDLLM_QUANT_X2_WIDE", raising=False)
     rng = np.random.default_rng(77)
-    vocab, cols, k = 512, 256, qk.HEAD_RECHECK
+    vocab, cols, k = 512, 256, qk.head_recheck()
     assert k >= 2
     raw = random_blocks(fmt, vocab, cols, rng)
     for qt in (QuantTensor(fmt, torch.from_numpy(raw), (vocab, cols)), packed(raw, fmt, vocab, cols)):

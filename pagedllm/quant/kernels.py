@@ -334,11 +334,17 @@ def moe_block(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, router: to
 # HEAD_RECHECK (0: off).
 
 
+def head_recheck() -> int:
+    """HEAD_RECHECK, above: how many of a single-level head's best logits are computed again."""
+    return settings.get("quant_head_recheck")
+
+
+
 def head_logits(hidden: torch.Tensor, parts: list[QuantTensor]) -> torch.Tensor:
     """The LM head's [rows, vocab] float32 logits for hidden [rows, K] ("auto" rechecks the best
     of a single-level step; PAGEDLLM_QUANT_ACT=int8 is llama.cpp's rounding, unrechecked)."""
     logits = matmul(hidden, parts, out_dtype=torch.float32, role="lm_head")
-    rows, recheck = hidden.shape[0], settings.get("quant_head_recheck")
+    rows, recheck = hidden.shape[0], head_recheck()
     if (rows > int_rows() or activation_mode() != "auto" or _x2(rows, "lm_head", _width(parts)) or len(parts) != 1
             or recheck < 1):
         return logits  # exact already (the GEMM route), two-level, or a rounding chosen by hand
