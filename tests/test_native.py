@@ -693,7 +693,9 @@ def test_a_library_of_another_op_set_is_refused_with_how_to_rebuild(native):
     # The library stamps its op set (csrc/dispatch.cpp); a build whose stamp is not the one the
     # Python side calls is a stale build: not used at all, with one warning that says how to
     # rebuild, rather than some ops probed and others crashing.
-    assert int(native.native_abi()) == __import__("pagedllm.native").native.NATIVE_ABI
+    from pagedllm.native import NATIVE_ABI
+
+    assert int(native.native_abi()) == NATIVE_ABI  # this build is the one the code calls
     res = subprocess.run([sys.executable, "-c", _STALE], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "LOADED False False None" in res.stdout
