@@ -19,14 +19,15 @@ from __future__ import annotations
 import argparse
 import difflib
 import importlib
-import json
 import logging
 import os
 import sys
 from typing import TYPE_CHECKING, Any, Callable
 
+from .generate import cmd_generate, cmd_trace, load_llm
+
 if TYPE_CHECKING:
-    from ..api import EngineOptions
+    from ..options import EngineOptions
 
 logger = logging.getLogger("pagedllm.cli")
 
@@ -253,6 +254,7 @@ BENCHES = {
     "upcycle": "a mixture-of-experts GGUF whose experts are copies of a real dense GGUF's MLP (its text is the dense model's)",
     "startup": "time from starting `pagedllm generate` to its first token (median of 5)",
     "allreduce": "torch.distributed all-reduce latency and bandwidth at a TP step's message sizes",
+    "p2p": "pipeline stage-to-stage point-to-point latency and bandwidth (loopback, or two nodes under torchrun)",
     "speculative": "n-gram (and --draft MODEL) speculative decoding against plain decoding: code editing, chat, 32 concurrent",
     "soak": "a served model under streaming load, then idle: resident memory at start, peak and at idle",
     "lora": "LoRA adapters against the base model: 32 concurrent over 4 adapters, and batch 1 decode",
@@ -387,14 +389,15 @@ def _version() -> str:
 
 
 def engine_options(args: argparse.Namespace, model: str | None = None) -> EngineOptions:
-    from ..api import EngineOptions
+    from ..options import EngineOptions
 
+    # (the flags keep mistral.rs's spellings: aliases, at this face only, of LLM's names)
     return EngineOptions(
         model=model or "default", dtype=args.dtype or "auto", device=args.device or "auto",
-        pa_gpu_mem=args.pa_gpu_mem, pa_gpu_mem_usage=args.pa_gpu_mem_usage,
-        pa_ctxt_len=args.pa_ctxt_len, pa_blk_size=args.pa_blk_size, pa_cache_type=args.pa_cache_type,
-        no_paged_attn=args.no_paged_attn, prefix_cache_n=args.prefix_cache_n,
-        no_prefix_cache=args.no_prefix_cache, max_seqs=args.max_seqs,
+        kv_cache_memory_mb=args.pa_gpu_mem, kv_cache_memory_fraction=args.pa_gpu_mem_usage,
+        kv_cache_context_len=args.pa_ctxt_len, block_size=args.pa_blk_size, kv_cache_dtype=args.pa_cache_type,
+        paged_attention=not args.no_paged_attn, prefix_cache_n=args.prefix_cache_n,
+        enable_prefix_caching=not args.no_prefix_cache, max_num_seqs=args.max_seqs,
         max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
         seed=args.seed, isq=args.isq, dequantize_weights=bool(args.dequantize_weights),
         keep_float_head=bool(args.keep_float_head),
@@ -409,13 +412,6 @@ def engine_options(args: argparse.Namespace, model: str | None = None) -> Engine
 
 def _model_of(args: argparse.Namespace) -> str:
     return args.model or getattr(args, "model_pos", None) or "default"
-
-
-def load_llm(opts: EngineOptions) -> Any:
-    opts.llm_kwargs()  # refuse unsupported options before the slow load
-    print(f"loading {opts.model if not opts.gguf_file else opts.gguf_file} ...", file=sys.stderr,
-          flush=True)
-    return opts.load()
 
 
 # -- commands ---------------------------------------------------------------------------------
@@ -445,7 +441,9 @@ def cmd_serve(args: argparse.Namespace, opts: EngineOptions) -> int:
                 print(f"error: --lora-modules {name}: {e}", file=sys.stderr)
                 return 2
     eng = llm.engine
-    api_key = args.api_key or os.environ.get("PAGEDLLM_API_KEY") or None
+    from .. import settings
+
+    api_key = args.api_key or settings.get("api_key") or None
     names = args.served_model_name or [llm.model_name]
     try:
         origins = parse_origins(args.allowed_origins)
@@ -498,117 +496,6 @@ def cmd_chat(args: argparse.Namespace, opts: EngineOptions) -> int:
     return ChatSession(llm, settings, system=getattr(args, "system", None)).run()
 
 
-def cmd_generate(args: argparse.Namespace, opts: EngineOptions) -> int:
-    from ..sampling.params import SamplingParams
-    from .chat import cut_off_note
-
-    prompt = args.prompt
-    if prompt is None or prompt == "-":
-        prompt = sys.stdin.read()
-    if not prompt.strip():
-        print("error: the prompt is empty (give it as an argument or on stdin)", file=sys.stderr)
-        return 2
-    llm = load_llm(opts)
-    try:
-        params = SamplingParams(
-            n=args.n, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-            top_k=args.top_k, min_p=args.min_p, presence_penalty=args.presence_penalty,
-            frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    tok = llm.tokenizer
-    if args.raw or not getattr(tok, "chat_template", None):
-        inputs: str | list[int] = prompt
-    else:
-        msgs = ([{"role": "system", "content": args.system}] if args.system else [])
-        inputs = tok.apply_chat_template(msgs + [{"role": "user", "content": prompt.strip()}],
-                                         tokenize=True)
-    eng, driver = llm.engine, llm.driver
-    [rid] = driver.add([(None, inputs, params)])
-    final = None
-    try:
-        for out in driver.outputs([rid]):
-            if args.n == 1:
-                sys.stdout.write(out.outputs[0].delta_text)
-                sys.stdout.flush()
-            if out.finished:
-                final = out
-    except KeyboardInterrupt:
-        driver.abort([rid])
-        print(file=sys.stderr)
-        return 130
-    if args.n == 1:
-        print()
-        note = cut_off_note(final, eng.sched_config.max_model_len,
-                            ("--max-tokens N allows more", "--max-model-len N allows more"))
-        if note:
-            print(note, file=sys.stderr)
-    else:
-        for c in final.outputs:
-            print(f"--- completion {c.index} ({c.finish_reason}) ---\n{c.text}")
-    if args.stats:
-        m = final.metrics
-        print(f"[{m.num_prompt_tokens} prompt tokens, {m.num_output_tokens} generated, "
-              f"TTFT {m.time_to_first_token or 0:.2f} s, {m.decode_tokens_per_s or 0:.1f} tok/s]",
-              file=sys.stderr)
-    return 0
-
-
-def cmd_trace(args: argparse.Namespace, opts: EngineOptions) -> int:
-    from .chat import kv_report
-    from ..sampling.params import SamplingParams
-
-    llm = load_llm(opts)
-    eng = llm.engine
-    tok = llm.tokenizer
-    prompt: str | list[int] = args.prompt
-    if getattr(tok, "chat_template", None):
-        prompt = tok.apply_chat_template([{"role": "user", "content": args.prompt}], tokenize=True)
-    params = SamplingParams(n=args.n, max_tokens=args.max_tokens, temperature=0.0)
-    rows = [_snapshot(eng, 0)]
-    llm.driver.add([(None, prompt, params)])
-    for step, _ in enumerate(llm.driver.steps(), 1):  # until the engine is idle
-        rows.append(_snapshot(eng, step))
-    trace_fn = getattr(llm, "kv_cache_trace", None)
-    if args.json:
-        out: dict[str, Any] = {"steps": rows}
-        if callable(trace_fn):
-            out["kv_cache_trace"] = _jsonable(trace_fn())
-        print(json.dumps(out, indent=2, default=str))
-        return 0
-    draft = "draft_used_blocks" in rows[0]  # speculative draft model: of the used blocks, its own
-    print(f"{'step':>5} {'running':>8} {'waiting':>8} {'used':>6} {'free':>6} {'preempt':>8}"
-          + (f" {'draft used':>10}" if draft else ""))
-    for r in rows:
-        print(f"{r['step']:>5} {r['running']:>8} {r['waiting']:>8} {r['used_blocks']:>6} "
-              f"{r['free_blocks']:>6} {r['preemptions']:>8}"
-              + (f" {r['draft_used_blocks']:>10}" if draft else ""))
-    print(kv_report(llm))
-    return 0
-
-
-def _snapshot(eng: Any, step: int) -> dict:
-    bm, sched = eng.block_manager, eng.scheduler
-    row = {"step": step, "running": sched.num_running, "waiting": sched.num_waiting,
-           "used_blocks": bm.num_used_blocks, "free_blocks": bm.num_free_blocks,
-           "preemptions": sched.num_preemptions}
-    draft = eng.spec.draft if getattr(eng, "spec", None) is not None else None
-    if draft is not None:  # one pool: the draft's share of the used blocks (free ones are shared)
-        row.update(draft_used_blocks=draft.block_manager.num_held_blocks)
-    return row
-
-
-def _jsonable(x: Any) -> Any:
-    if hasattr(x, "to_dict"):
-        return x.to_dict()
-    if hasattr(x, "__dataclass_fields__"):
-        import dataclasses
-
-        return dataclasses.asdict(x)
-    return x
-
-
 def _load_serve_args(server_args: list[str]) -> Any:
     """The `LLM` that `pagedllm serve SERVER_ARGS` would serve."""
     argv = ["serve", *server_args]
@@ -650,7 +537,7 @@ def _mistralrs_options(args: argparse.Namespace) -> EngineOptions:
         opts.tokenizer = _tokenizer_dir(args.tokenizer_json)
         opts.arch = args.arch
         return opts
-    from ..api import gguf_source
+    from ..options import gguf_source
 
     model, gguf_file, tok = gguf_source(args.quantized_model_id, args.quantized_filename, args.tok_model_id)
     opts = engine_options(args, model)
@@ -659,7 +546,7 @@ def _mistralrs_options(args: argparse.Namespace) -> EngineOptions:
 
 
 def _tokenizer_dir(tok: str | None) -> str | None:
-    from ..api import _local_tokenizer_dir
+    from ..options import _local_tokenizer_dir
 
     return _local_tokenizer_dir(tok)
 
@@ -693,8 +580,8 @@ def main(argv: list[str] | None = None) -> int:
         return handlers[args.command](args, engine_options(args, _model_of(args)))
     except (ValueError, FileNotFoundError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
-        api = sys.modules.get("pagedllm.api")  # not imported: e cannot be an UnsupportedOption
-        return 2 if api is not None and isinstance(e, api.UnsupportedOption) else 1
+        options = sys.modules.get("pagedllm.options")  # not imported: e cannot be an UnsupportedOption
+        return 2 if options is not None and isinstance(e, options.UnsupportedOption) else 1
     except KeyboardInterrupt:
         return 130
 
