@@ -35,17 +35,22 @@ def run(args: argparse.Namespace) -> int:
     prompts = [llm.tokenizer.apply_chat_template(c, tokenize=True) for c in convs]
     ids = llm.driver.add([(None, p, sp) for p in prompts])
     done, peak_blocks, peak_tokens = {}, 0, 0
+    question = dict(zip(ids, QUESTIONS))
+    print(f"{len(ids)} requests sent together; each answer is printed as it finishes", flush=True)
+    said = time.perf_counter()
     for outs in llm.driver.steps(ids):
         for out in outs:
             if out.finished:
-                done[out.request_id] = out
+                done[out.request_id] = o = out
+                print(f"\n>>> {question[o.request_id]}\n{o.text.strip()}\n[{len(o.token_ids)} tokens, "
+                      f"{o.finish_reason}, TTFT {o.metrics.time_to_first_token:.2f} s]", flush=True)
+                said = time.perf_counter()
         peak_blocks = max(peak_blocks, eng.block_manager.num_used_blocks)
         peak_tokens = max(peak_tokens, sum(s.num_computed_tokens for s in eng.scheduler.running))
+        if time.perf_counter() - said > 5:  # a busy machine: say it is still at work
+            print(f"  ... {len(done)} of {len(ids)} answers done, {time.perf_counter() - t0:.0f} s", flush=True)
+            said = time.perf_counter()
     dt = time.perf_counter() - t0
-    for q, rid in zip(QUESTIONS, ids):
-        o = done[rid]
-        print(f"\n>>> {q}\n{o.text.strip()}\n[{len(o.token_ids)} tokens, {o.finish_reason}, "
-              f"TTFT {o.metrics.time_to_first_token:.2f} s]")
     n_out = sum(len(o.token_ids) for o in done.values())
     bm = eng.block_manager
     print(f"\n{len(ids)} requests served together in {dt:.1f} s: {n_out} tokens, "
