@@ -34,6 +34,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_bench(args)
         if args.command == "demo":
             return _run_module("pagedllm.cli.demo", args)
+        if args.command in ("env", "collect-env"):
+            return _run_module("pagedllm.cli.env", args)
         if args.command in ("plain", "gguf"):
             opts = _mistralrs_options(args)
             return cmd_chat(args, opts) if args.interactive_mode else cmd_serve(args, opts)

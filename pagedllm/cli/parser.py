@@ -6,6 +6,7 @@
     pagedllm bench throughput|prefix|quality|compare|gptq-pair|make-gguf|upcycle|soak|serve ...
     pagedllm trace [MODEL]                           KV cache figures while a request runs
     pagedllm demo
+    pagedllm env                                     what a bug report needs (alias: collect-env)
 
 and mistral.rs's form, global flags first, then where the model comes from:
 
@@ -336,6 +337,12 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
         _add_module_args(dm, "pagedllm.cli.demo")
     else:
         dm.add_argument("rest", nargs=argparse.REMAINDER)
+
+    ev = sub.add_parser("env", aliases=["collect-env"],
+                        help="versions, machine, native kernels' level: what a bug report needs")
+    from .env import add_arguments as env_arguments  # (the standard library only)
+
+    env_arguments(ev)
 
     pl = sub.add_parser("plain", help="mistral.rs form: a safetensors model folder or hub id",
                         usage="pagedllm [-i] [flags] plain -m MODEL_ID [-a ARCH] [-t TOKENIZER] [flags]")
