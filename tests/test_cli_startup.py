@@ -15,8 +15,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 ENV = {**{k: v for k, v in os.environ.items() if not k.startswith("PAGEDLLM_")}, "PYTHONPATH": str(ROOT)}
+from pagedllm.cli.parser import BENCHES  # noqa: E402  (the standard library only)
+
 COMMANDS = ["serve", "chat", "generate", "trace", "bench", "demo", "env", "collect-env", "plain", "gguf",
-            "bench startup", "bench soak", "bench serve", "bench allreduce"]
+            *(f"bench {kind}" for kind in [*BENCHES, "serve"])]
 
 
 def _imported(*args: str) -> tuple[set[str], str]:
