@@ -9,8 +9,8 @@
     print(res.choices[0].message.content, res.usage)
 
 It is a thin layer over the same engine: requests are validated and answered by
-the code the HTTP server uses (serving.py's `chat_call` / `completion_call`), and
-driven by the same engine driver. `EngineOptions` maps mistral.rs's engine settings
+the protocol package the HTTP server uses (pagedllm/protocols/openai: `chat_call` /
+`completion_call`), and driven by the same engine driver. `EngineOptions` maps mistral.rs's engine settings
 (and the CLI flags of the same names) onto `LLM` keyword arguments.
 """
 from __future__ import annotations
@@ -23,20 +23,20 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
 if TYPE_CHECKING:
-    from .server.protocol import (
+    from .protocols.common.call import Call
+    from .protocols.openai.models import (
         ChatCompletionChunk,
         ChatCompletionRequest,
         ChatCompletionResponse,
         CompletionRequest,
         CompletionResponse,
     )
-    from .server.serving import Call
 
 logger = logging.getLogger(__name__)
 
-# The request models are pydantic's, and the response builders the server's: both are loaded
+# The request models are pydantic's, and the response builders the protocol package's: both are loaded
 # on first use, so `pagedllm generate` (which needs only EngineOptions) starts ~0.4 s sooner.
-_LAZY = {"ChatCompletionRequest": "server.protocol", "CompletionRequest": "server.protocol"}
+_LAZY = {"ChatCompletionRequest": "protocols.openai.models", "CompletionRequest": "protocols.openai.models"}
 
 
 def __getattr__(name: str) -> Any:
@@ -316,7 +316,8 @@ class Runner:
             no_paged_attn=no_paged_attn and not paged_attn, prefix_cache_n=prefix_cache_n,
             max_seqs=max_seqs, max_model_len=max_model_len, seed=seed, isq=in_situ_quant,
             chat_template=chat_template)
-        from .server.serving import ServingContext, TokenText
+        from .protocols.common.context import ServingContext
+        from .protocols.common.tokens import TokenText
 
         self.llm = opts.load()
         self._ctx = ServingContext.from_llm(self.llm)
@@ -330,8 +331,8 @@ class Runner:
     def send_chat_completion_request(self, request: ChatCompletionRequest | dict
                                      ) -> ChatCompletionResponse | Iterator[ChatCompletionChunk]:
         """The answer, or with `stream=True` an iterator of chunks (closing it early aborts)."""
-        from .server.protocol import ChatCompletionRequest
-        from .server.serving import chat_call
+        from .protocols.openai.calls import chat_call
+        from .protocols.openai.models import ChatCompletionRequest
 
         req = request if isinstance(request, ChatCompletionRequest) else ChatCompletionRequest(**request)
         return self._answer(self._call(chat_call, req))
@@ -339,8 +340,8 @@ class Runner:
     # -- text completion ----------------------------------------------------------------------
     def send_completion_request(self, request: CompletionRequest | dict
                                 ) -> CompletionResponse | Iterator[CompletionResponse]:
-        from .server.protocol import CompletionRequest
-        from .server.serving import completion_call
+        from .protocols.openai.calls import completion_call
+        from .protocols.openai.models import CompletionRequest
 
         req = request if isinstance(request, CompletionRequest) else CompletionRequest(**request)
         return self._answer(self._call(completion_call, req))
@@ -354,7 +355,7 @@ class Runner:
 
     # -- engine driving -------------------------------------------------------------------------
     def _call(self, fn: Any, req: Any) -> Call:
-        from .server.serving import ApiError
+        from .protocols.common.errors import ApiError
 
         try:
             return fn(req, self._ctx, self._tt)
@@ -362,7 +363,7 @@ class Runner:
             raise ValueError(e.message) from None
 
     def _answer(self, call: Call) -> Any:
-        """Run the call on the engine (the server's response builder makes the answer)."""
+        """Run the call on the engine (the protocol package's response builder makes the answer)."""
         rids = self.llm.driver.add(call.items)
         if call.stream:
             return self._stream(call, rids)

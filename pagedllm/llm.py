@@ -22,6 +22,7 @@ from .native import release_omp_threads
 from .outputs import RequestOutput
 from .sampling.params import SamplingParams
 from .speculative.config import SpeculativeConfig
+from .tokenizer.chat import render_chat
 
 logger = logging.getLogger(__name__)
 
@@ -370,13 +371,10 @@ class LLM:
         other keywords go to the chat template."""
         single = bool(messages) and isinstance(messages[0], dict)
         convs = [messages] if single else messages
-        if self.processor is not None:  # content parts may hold images: the processor's template
-            prompts = [self.processor.chat(c, add_generation_prompt, self.media_policy, **template_kwargs)
-                       for c in convs]
-        else:
-            prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt,
-                                                          tokenize=True, **template_kwargs)
-                       for c in convs]
+        # With a processor, content parts may hold images: the processor's template.
+        prompts = [render_chat(self.tokenizer, c, processor=self.processor, media_policy=self.media_policy,
+                               add_generation_prompt=add_generation_prompt, **template_kwargs)
+                   for c in convs]
         outs = self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
         return outs[0] if single else outs
 

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from pagedllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from pagedllm.server.serving import ChatStreamer, CompletionStreamer, sse_line
+from pagedllm.protocols.openai.stream import ChatStreamer, CompletionStreamer, sse_line
 
 TEXTS = ["hello", "héllo ✓ 😀", ' "quoted" \\ back\nslash\t', "\x00\x1f\x7f", "\u2028\u2029 end",
          "</script>", "", "e\u0301"]

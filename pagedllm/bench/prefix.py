@@ -25,6 +25,7 @@ def run_conversations(llm, n_convs: int, turns: int, answer_tokens: int, user_wo
                       seed: int) -> list[list]:
     """Conversations advance together, one turn per generate call. Returns outputs per turn."""
     from ..sampling.params import SamplingParams
+    from ..tokenizer.chat import render_chat
 
     rng = random.Random(seed)
     convs = [[{"role": "system", "content": "You are a helpful assistant."}] for _ in range(n_convs)]
@@ -32,7 +33,7 @@ def run_conversations(llm, n_convs: int, turns: int, answer_tokens: int, user_wo
     for _ in range(turns):
         for c in convs:
             c.append({"role": "user", "content": _user_turn(rng, user_words)})
-        prompts = [llm.tokenizer.apply_chat_template(c, tokenize=True) for c in convs]
+        prompts = [render_chat(llm.tokenizer, c) for c in convs]
         sp = SamplingParams(max_tokens=answer_tokens, temperature=0.0, ignore_eos=True)
         outs = llm.generate(prompts, sp, use_tqdm=False)
         for c, o in zip(convs, outs):
@@ -43,12 +44,13 @@ def run_conversations(llm, n_convs: int, turns: int, answer_tokens: int, user_wo
 
 def run_shared_system(llm, n: int, system_words: int, answer_tokens: int, seed: int) -> list:
     from ..sampling.params import SamplingParams
+    from ..tokenizer.chat import render_chat
 
     rng = random.Random(seed + 1)
     system = "You are an expert assistant. " + " ".join(_sentence(rng, 12) for _ in range(system_words // 12))
     msgs = [[{"role": "system", "content": system},
              {"role": "user", "content": f"Question {i}: " + _sentence(rng, 12)}] for i in range(n)]
-    prompts = [llm.tokenizer.apply_chat_template(m, tokenize=True) for m in msgs]
+    prompts = [render_chat(llm.tokenizer, m) for m in msgs]
     sp = SamplingParams(max_tokens=answer_tokens, temperature=0.0, ignore_eos=True)
     return llm.generate(prompts, sp, use_tqdm=False)
 

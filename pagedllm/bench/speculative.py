@@ -75,8 +75,9 @@ def _concurrent_rates(sums: dict) -> dict:
 
 
 def _chat(llm, text: str) -> list[int]:
-    return llm.tokenizer.apply_chat_template([{"role": "user", "content": text}],
-                                             add_generation_prompt=True, tokenize=True)
+    from ..tokenizer.chat import render_chat
+
+    return render_chat(llm.tokenizer, [{"role": "user", "content": text}])
 
 
 def _counts(llm) -> tuple[int, int, int]:

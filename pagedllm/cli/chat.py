@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any, TextIO
 
 from ..sampling.params import SamplingParams
+from ..tokenizer.chat import render_chat
 
 PROMPT = ">>> "
 
@@ -232,10 +233,8 @@ class ChatSession:
             self.messages.append({"role": "user", "content": text})
         eng, driver = self.llm.engine, self.llm.driver
         try:
-            if getattr(self.llm, "processor", None) is not None:  # the model's processor writes image turns
-                ids = self.llm.processor.chat(self.conversation())
-            else:
-                ids = self.llm.tokenizer.apply_chat_template(self.conversation(), tokenize=True)
+            # A model's processor, where it has one, writes image turns.
+            ids = render_chat(self.llm.tokenizer, self.conversation(), processor=getattr(self.llm, "processor", None))
             [rid] = driver.add([(None, ids, self.settings.sampling_params())])
         except ValueError as e:
             self.messages.pop()

@@ -1,15 +1,15 @@
 """What each `pagedllm` command does once its command line is parsed (cli/parser.py reads it):
-engine options from the flags, then serve, chat, generate, trace and bench."""
+engine options from the flags, then serve, chat and bench (generate and trace: cli/generate.py)."""
 from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import logging
 import os
 import sys
 from typing import TYPE_CHECKING, Any
 
+from .generate import load_llm
 from .parser import BENCHES, _bench_module, build_parser
 
 if TYPE_CHECKING:
@@ -44,13 +44,6 @@ def engine_options(args: argparse.Namespace, model: str | None = None) -> Engine
 
 def _model_of(args: argparse.Namespace) -> str:
     return args.model or getattr(args, "model_pos", None) or "default"
-
-
-def load_llm(opts: EngineOptions) -> Any:
-    opts.llm_kwargs()  # refuse unsupported options before the slow load
-    print(f"loading {opts.model if not opts.gguf_file else opts.gguf_file} ...", file=sys.stderr,
-          flush=True)
-    return opts.load()
 
 
 # -- commands ---------------------------------------------------------------------------------
@@ -131,117 +124,6 @@ def cmd_chat(args: argparse.Namespace, opts: EngineOptions) -> int:
         frequency_penalty=getattr(args, "frequency_penalty", 0.0),
         repetition_penalty=getattr(args, "repetition_penalty", 1.0))
     return ChatSession(llm, settings, system=getattr(args, "system", None)).run()
-
-
-def cmd_generate(args: argparse.Namespace, opts: EngineOptions) -> int:
-    from ..sampling.params import SamplingParams
-    from .chat import cut_off_note
-
-    prompt = args.prompt
-    if prompt is None or prompt == "-":
-        prompt = sys.stdin.read()
-    if not prompt.strip():
-        print("error: the prompt is empty (give it as an argument or on stdin)", file=sys.stderr)
-        return 2
-    llm = load_llm(opts)
-    try:
-        params = SamplingParams(
-            n=args.n, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-            top_k=args.top_k, min_p=args.min_p, presence_penalty=args.presence_penalty,
-            frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    tok = llm.tokenizer
-    if args.raw or not getattr(tok, "chat_template", None):
-        inputs: str | list[int] = prompt
-    else:
-        msgs = ([{"role": "system", "content": args.system}] if args.system else [])
-        inputs = tok.apply_chat_template(msgs + [{"role": "user", "content": prompt.strip()}],
-                                         tokenize=True)
-    eng, driver = llm.engine, llm.driver
-    [rid] = driver.add([(None, inputs, params)])
-    final = None
-    try:
-        for out in driver.outputs([rid]):
-            if args.n == 1:
-                sys.stdout.write(out.outputs[0].delta_text)
-                sys.stdout.flush()
-            if out.finished:
-                final = out
-    except KeyboardInterrupt:
-        driver.abort([rid])
-        print(file=sys.stderr)
-        return 130
-    if args.n == 1:
-        print()
-        note = cut_off_note(final, eng.sched_config.max_model_len,
-                            ("--max-tokens N allows more", "--max-model-len N allows more"))
-        if note:
-            print(note, file=sys.stderr)
-    else:
-        for c in final.outputs:
-            print(f"--- completion {c.index} ({c.finish_reason}) ---\n{c.text}")
-    if args.stats:
-        m = final.metrics
-        print(f"[{m.num_prompt_tokens} prompt tokens, {m.num_output_tokens} generated, "
-              f"TTFT {m.time_to_first_token or 0:.2f} s, {m.decode_tokens_per_s or 0:.1f} tok/s]",
-              file=sys.stderr)
-    return 0
-
-
-def cmd_trace(args: argparse.Namespace, opts: EngineOptions) -> int:
-    from .chat import kv_report
-    from ..sampling.params import SamplingParams
-
-    llm = load_llm(opts)
-    eng = llm.engine
-    tok = llm.tokenizer
-    prompt: str | list[int] = args.prompt
-    if getattr(tok, "chat_template", None):
-        prompt = tok.apply_chat_template([{"role": "user", "content": args.prompt}], tokenize=True)
-    params = SamplingParams(n=args.n, max_tokens=args.max_tokens, temperature=0.0)
-    rows = [_snapshot(eng, 0)]
-    llm.driver.add([(None, prompt, params)])
-    for step, _ in enumerate(llm.driver.steps(), 1):  # until the engine is idle
-        rows.append(_snapshot(eng, step))
-    trace_fn = getattr(llm, "kv_cache_trace", None)
-    if args.json:
-        out: dict[str, Any] = {"steps": rows}
-        if callable(trace_fn):
-            out["kv_cache_trace"] = _jsonable(trace_fn())
-        print(json.dumps(out, indent=2, default=str))
-        return 0
-    draft = "draft_used_blocks" in rows[0]  # speculative draft model: of the used blocks, its own
-    print(f"{'step':>5} {'running':>8} {'waiting':>8} {'used':>6} {'free':>6} {'preempt':>8}"
-          + (f" {'draft used':>10}" if draft else ""))
-    for r in rows:
-        print(f"{r['step']:>5} {r['running']:>8} {r['waiting']:>8} {r['used_blocks']:>6} "
-              f"{r['free_blocks']:>6} {r['preemptions']:>8}"
-              + (f" {r['draft_used_blocks']:>10}" if draft else ""))
-    print(kv_report(llm))
-    return 0
-
-
-def _snapshot(eng: Any, step: int) -> dict:
-    bm, sched = eng.block_manager, eng.scheduler
-    row = {"step": step, "running": sched.num_running, "waiting": sched.num_waiting,
-           "used_blocks": bm.num_used_blocks, "free_blocks": bm.num_free_blocks,
-           "preemptions": sched.num_preemptions}
-    draft = eng.spec.draft if getattr(eng, "spec", None) is not None else None
-    if draft is not None:  # one pool: the draft's share of the used blocks (free ones are shared)
-        row.update(draft_used_blocks=draft.block_manager.num_held_blocks)
-    return row
-
-
-def _jsonable(x: Any) -> Any:
-    if hasattr(x, "to_dict"):
-        return x.to_dict()
-    if hasattr(x, "__dataclass_fields__"):
-        import dataclasses
-
-        return dataclasses.asdict(x)
-    return x
 
 
 def _load_serve_args(server_args: list[str]) -> Any:

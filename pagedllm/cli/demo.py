@@ -22,6 +22,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from .. import LLM, SamplingParams
+    from ..tokenizer.chat import render_chat
 
     print(f"loading {args.model} ...", flush=True)
     llm = LLM(args.model, kv_cache_memory_mb=args.pa_gpu_mem)
@@ -32,7 +33,7 @@ def run(args: argparse.Namespace) -> int:
     sp = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     t0 = time.perf_counter()
     # Track the cache while the requests run together.
-    prompts = [llm.tokenizer.apply_chat_template(c, tokenize=True) for c in convs]
+    prompts = [render_chat(llm.tokenizer, c) for c in convs]
     ids = llm.driver.add([(None, p, sp) for p in prompts])
     done, peak_blocks, peak_tokens = {}, 0, 0
     question = dict(zip(ids, QUESTIONS))

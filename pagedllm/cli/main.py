@@ -6,8 +6,8 @@ import logging
 import sys
 from typing import Callable
 
-from .commands import (_mistralrs_options, _model_of, _run_module, cmd_bench, cmd_chat,
-                       cmd_generate, cmd_serve, cmd_trace, engine_options)
+from .commands import _mistralrs_options, _model_of, _run_module, cmd_bench, cmd_chat, cmd_serve, engine_options
+from .generate import cmd_generate, cmd_trace
 from .parser import build_parser
 
 __all__ = ["build_parser", "engine_options", "main"]

@@ -6,48 +6,17 @@ through the engine (engine/pooling.py). A generative model answers a clear 400.
 """
 from __future__ import annotations
 
-import base64
 import math
-from typing import Any, Literal
 
-import torch
 import torch.nn.functional as F
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import Field
 
+from ..protocols.common.errors import ApiError
+from ..protocols.openai.embeddings import MAX_INPUTS, EmbeddingRequest, embedding_inputs, encode_vector
 from . import limits
 from .async_engine import EngineError
-from .protocol import Int, _Model
 from .routes import Served, document_bodies
-from .serving import ApiError
-
-MAX_INPUTS = 2048  # OpenAI's limit on inputs per request
-
-
-class EmbeddingRequest(_Model):
-    model: str | None = None
-    input: str | list[str] | list[Int] | list[list[Int]]
-    encoding_format: Literal["float", "base64"] = "float"
-    dimensions: Int | None = Field(default=None, ge=1)
-    user: str | None = None
-    prompt_name: str | None = None  # sentence-transformers' prompt (e.g. "query"); an extension
-
-
-def _inputs(inp: Any) -> list[str | list[int]]:
-    if isinstance(inp, str):
-        return [inp]
-    if not inp:
-        raise ApiError("input is empty: give a string, a list of strings or token ids", param="input")
-    if all(isinstance(x, int) for x in inp):
-        return [list(inp)]
-    return list(inp)
-
-
-def _encode(vec: torch.Tensor, fmt: str) -> list[float] | str:
-    if fmt == "base64":  # little-endian float32, as OpenAI sends it
-        return base64.b64encode(vec.to(torch.float32).numpy().astype("<f4").tobytes()).decode("ascii")
-    return vec.tolist()
 
 
 def install(app: FastAPI, s: Served) -> None:
@@ -62,7 +31,7 @@ def install(app: FastAPI, s: Served) -> None:
                            "model; serve an embedding model (e.g. a Qwen3-Embedding folder) with "
                            "`pagedllm serve MODEL --task embed` for /v1/embeddings", param="model",
                            code="model_not_supported")
-        inputs = _inputs(req.input)
+        inputs = embedding_inputs(req.input)
         if len(inputs) > MAX_INPUTS:
             raise ApiError(f"at most {MAX_INPUTS} inputs per request, got {len(inputs)}", param="input")
         try:
@@ -98,7 +67,7 @@ def install(app: FastAPI, s: Served) -> None:
             raise ApiError("the model produced non-finite embeddings (NaN or inf); check the model file",
                            status=500, type="server_error")
         n_tokens = sum(len(p) for p in ids)
-        data = [{"object": "embedding", "index": i, "embedding": _encode(v, req.encoding_format)}
+        data = [{"object": "embedding", "index": i, "embedding": encode_vector(v, req.encoding_format)}
                 for i, v in enumerate(vecs)]
         return JSONResponse({"object": "list", "data": data, "model": s.ctx.model_name,
                              "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens}})

@@ -22,7 +22,7 @@ from typing import Any, Callable
 import pydantic_core
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from .serving import ApiError
+from ..protocols.common.errors import ApiError
 
 logger = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from fastapi.responses import PlainTextResponse, Response
 
 from ..lora.peft import load_adapter
 from ..lora.request import LoRARequest
-from .serving import ApiError
+from ..protocols.common.errors import ApiError
 
 logger = logging.getLogger(__name__)
 

@@ -1,382 +1,37 @@
-"""OpenAI's Responses API (`POST /v1/responses`), which OpenAI's agent SDKs call.
+"""`POST /v1/responses` and `GET /v1/responses/{id}`: the HTTP face of OpenAI's Responses API.
 
-A request is turned into a chat completion request and runs through the chat route's own
-preparation (chat template, sampling, function tools, structured output); its answer (or
-stream of chunks) is turned back into a response object (or OpenAI's typed stream events).
-Responses are kept in a bounded in-memory store so a later request can continue one with
-`previous_response_id`.
+The translation (request to a chat request, chat answer and stream to response objects and
+typed events, the `previous_response_id` store) is pagedllm/protocols/openai/responses.py.
 """
 from __future__ import annotations
 
-import json
-import logging
-import time
-import uuid
-from collections import OrderedDict
 from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import ValidationError
 
-from .async_engine import EngineError
-from .protocol import ChatCompletionRequest, ChatCompletionResponse, Int, Num, _Model
-from .routes import Served, document_bodies
+from ..protocols.common.errors import ApiError
+from ..protocols.openai.calls import chat_call
+from ..protocols.openai.responses import (
+    DEFAULT_STORE_SIZE,
+    ResponseEvents,
+    ResponsesRequest,
+    ResponseStore,
+    new_item_id,
+    renamed_error,
+    as_messages,
+    chat_request,
+    finish,
+    input_messages,
+    output_of,
+    skeleton,
+    usage_of,
+)
 from . import limits
-from .serving import ApiError, ChatStreamer, chat_call, usage_from
-
-logger = logging.getLogger(__name__)
-
-DEFAULT_STORE_SIZE = 1000
-# Sampling fields a Responses request may carry (OpenAI's, then vLLM's extensions), passed on as is.
-_PASSED_ON = ("temperature", "top_p", "parallel_tool_calls", "user", "seed", "top_k", "min_p",
-              "presence_penalty", "frequency_penalty", "repetition_penalty", "stop", "stop_token_ids",
-              "ignore_eos")
-# Chat parameter names -> the Responses names a client sent.
-_PARAM_NAMES = (("response_format", "text.format"), ("max_completion_tokens", "max_output_tokens"),
-                ("max_tokens", "max_output_tokens"), ("messages", "input"))
-
-
-class ResponsesRequest(_Model):
-    model: str | None = None
-    input: str | list[dict]
-    instructions: str | None = None
-    previous_response_id: str | None = None
-    max_output_tokens: Int | None = None
-    temperature: Num | None = None
-    top_p: Num | None = None
-    tools: list[dict] | None = None
-    tool_choice: str | dict | None = None
-    parallel_tool_calls: bool | None = None
-    text: dict | None = None  # {"format": {"type": "text" | "json_object" | "json_schema", ...}}
-    stream: bool = False
-    store: bool = True
-    metadata: dict[str, str] | None = None
-    user: str | None = None
-
-
-class ResponseStore:
-    """The latest responses, for `previous_response_id`: each one's whole conversation as chat
-    messages (its instructions aside, which OpenAI does not carry over) and its response object."""
-
-    def __init__(self, size: int) -> None:
-        self.size = size
-        self._items: OrderedDict[str, tuple[list[dict], dict]] = OrderedDict()
-
-    def put(self, rid: str, messages: list[dict], response: dict) -> None:
-        if self.size <= 0:
-            return
-        self._items[rid] = (messages, response)
-        self._items.move_to_end(rid)
-        while len(self._items) > self.size:
-            self._items.popitem(last=False)
-
-    def get(self, rid: str) -> tuple[list[dict], dict] | None:
-        item = self._items.get(rid)
-        if item is not None:
-            self._items.move_to_end(rid)
-        return item
-
-
-# -- request: Responses -> chat ------------------------------------------------------------------
-
-
-def _text_of(content: Any, where: str) -> str:
-    if content is None or isinstance(content, str):
-        return content or ""
-    if not isinstance(content, list):
-        raise ApiError("content must be a string or a list of content parts", param=where)
-    parts = []
-    for j, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in ("input_text", "output_text", "text") or not isinstance(part.get("text"), str):
-            raise ApiError(f"content part type {kind!r} is not supported: this server handles text "
-                           "only (input_text, output_text)", param=f"{where}.{j}")
-        parts.append(part["text"])
-    return "".join(parts)
-
-
-def input_messages(inp: str | list[dict]) -> list[dict]:
-    """The `input` as chat messages: messages, earlier function calls and their outputs."""
-    if isinstance(inp, str):
-        return [{"role": "user", "content": inp}]
-    if not inp:
-        raise ApiError("input is empty: give a string or at least one input item", param="input")
-    out: list[dict] = []
-    for i, item in enumerate(inp):
-        kind = item.get("type", "message")
-        if kind == "message":
-            role = item.get("role")
-            if role not in ("user", "assistant", "system", "developer"):
-                raise ApiError(f"unknown role {role!r}; use user, assistant, system or developer",
-                               param=f"input.{i}.role")
-            out.append({"role": role, "content": _text_of(item.get("content"), f"input.{i}.content")})
-        elif kind == "function_call":
-            call = {"id": item.get("call_id"), "type": "function",
-                    "function": {"name": item.get("name"), "arguments": item.get("arguments", "{}")}}
-            if not all(isinstance(v, str) for v in (call["id"], item.get("name"))):
-                raise ApiError("a function_call item needs call_id, name and arguments", param=f"input.{i}")
-            last = out[-1] if out else None
-            if last is not None and last["role"] == "assistant" and last.get("tool_calls") is not None:
-                last["tool_calls"].append(call)  # parallel calls: one assistant turn
-            else:
-                out.append({"role": "assistant", "content": None, "tool_calls": [call]})
-        elif kind == "function_call_output":
-            if not isinstance(item.get("call_id"), str):
-                raise ApiError("a function_call_output item needs the call_id it answers",
-                               param=f"input.{i}.call_id")
-            out.append({"role": "tool", "tool_call_id": item["call_id"],
-                        "content": _text_of(item.get("output"), f"input.{i}.output")})
-        elif kind == "reasoning":
-            continue  # another model's reasoning: nothing this one can use
-        else:
-            raise ApiError(f"input item type {kind!r} is not supported; use message, function_call "
-                           "or function_call_output", param=f"input.{i}.type")
-    return out
-
-
-def _chat_tools(tools: list[dict] | None) -> list[dict] | None:
-    if not tools:
-        return None
-    out = []
-    for i, t in enumerate(tools):
-        if not isinstance(t, dict) or t.get("type") != "function":
-            kind = t.get("type") if isinstance(t, dict) else None
-            raise ApiError(f"tool type {kind!r} is not supported: this server runs function tools only",
-                           param=f"tools.{i}.type")
-        fn = {k: t[k] for k in ("name", "description", "parameters", "strict") if k in t}
-        out.append({"type": "function", "function": fn})
-    return out
-
-
-def _chat_tool_choice(choice: str | dict | None) -> str | dict | None:
-    if isinstance(choice, dict) and choice.get("type") == "function":
-        return {"type": "function", "function": {"name": choice.get("name")}}
-    return choice
-
-
-def _response_format(text: dict | None) -> dict | None:
-    fmt = (text or {}).get("format")
-    if fmt is None:
-        return None
-    if not isinstance(fmt, dict):
-        raise ApiError("text.format must be an object", param="text.format")
-    if fmt.get("type") == "json_schema":
-        spec = {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}
-        return {"type": "json_schema", "json_schema": spec}
-    return {"type": fmt.get("type")}
-
-
-def chat_request(req: ResponsesRequest, history: list[dict], new: list[dict]) -> ChatCompletionRequest:
-    messages = ([{"role": "system", "content": req.instructions}] if req.instructions else []) + history + new
-    body: dict[str, Any] = {"messages": messages, "tools": _chat_tools(req.tools),
-                            "tool_choice": _chat_tool_choice(req.tool_choice),
-                            "response_format": _response_format(req.text), "stream": req.stream,
-                            "max_completion_tokens": req.max_output_tokens}
-    extra = req.model_extra or {}
-    for key in _PASSED_ON:
-        value = getattr(req, key, None) if key in type(req).model_fields else extra.get(key)
-        if value is not None:
-            body[key] = value
-    try:
-        return ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
-    except ValidationError as e:  # a value chat's checks refuse (a range, a type)
-        err = e.errors()[0]
-        param = str(err["loc"][0]) if err.get("loc") else None
-        msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
-        raise _renamed(ApiError(f"invalid request: {param}: {msg}" if param else f"invalid request: {msg}",
-                                param=param)) from None
-
-
-def _renamed(e: ApiError) -> ApiError:
-    """A chat preparation error, under the parameter names of the Responses request."""
-    if e.param:
-        for chat, ours in _PARAM_NAMES:
-            if e.param == chat or e.param.startswith(chat + "."):
-                e.param = ours + e.param[len(chat):]
-        if e.param.startswith("tools.") and ".function." in e.param:
-            e.param = e.param.replace(".function.", ".")
-    for chat, ours in _PARAM_NAMES:
-        e.message = e.message.replace(chat, ours)
-    e.args = (e.message,)
-    return e
-
-
-# -- response objects ------------------------------------------------------------------------
-
-
-def _item_id(prefix: str) -> str:
-    return f"{prefix}_{uuid.uuid4().hex}"
-
-
-def message_item(text: str, status: str = "completed", item_id: str | None = None) -> dict:
-    return {"type": "message", "id": item_id or _item_id("msg"), "status": status, "role": "assistant",
-            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
-
-
-def call_item(call: dict, status: str = "completed", item_id: str | None = None) -> dict:
-    return {"type": "function_call", "id": item_id or _item_id("fc"), "call_id": call["id"],
-            "name": call["function"]["name"], "arguments": call["function"]["arguments"],
-            "status": status}
-
-
-def usage_of(u: Any) -> dict:
-    return {"input_tokens": u.prompt_tokens, "output_tokens": u.completion_tokens,
-            "total_tokens": u.total_tokens,
-            "input_tokens_details": {"cached_tokens": u.prompt_tokens_details.cached_tokens,
-                                     "cache_write_tokens": 0},
-            "output_tokens_details": {"reasoning_tokens": 0}}
-
-
-def skeleton(rid: str, model: str, req: ResponsesRequest) -> dict:
-    """The response object before its output: what the request asked, as OpenAI echoes it."""
-    fmt = (req.text or {}).get("format") or {"type": "text"}
-    return {"id": rid, "object": "response", "created_at": int(time.time()), "status": "in_progress",
-            "model": model, "output": [], "error": None, "incomplete_details": None,
-            "instructions": req.instructions, "previous_response_id": req.previous_response_id,
-            "max_output_tokens": req.max_output_tokens, "metadata": req.metadata or {},
-            "parallel_tool_calls": req.parallel_tool_calls is not False,
-            "temperature": 1.0 if req.temperature is None else req.temperature,
-            "top_p": 1.0 if req.top_p is None else req.top_p,
-            "tool_choice": req.tool_choice or "auto", "tools": req.tools or [],
-            "text": {"format": fmt}, "truncation": "disabled", "store": req.store, "usage": None,
-            "user": req.user}
-
-
-def finish(resp: dict, output: list[dict], finish_reason: str | None, usage: dict) -> dict:
-    incomplete = finish_reason == "length"
-    resp.update(output=output, usage=usage, status="incomplete" if incomplete else "completed",
-                incomplete_details={"reason": "max_output_tokens"} if incomplete else None)
-    if not incomplete:
-        resp["completed_at"] = int(time.time())
-    return resp
-
-
-def output_of(chat: ChatCompletionResponse) -> tuple[list[dict], str | None]:
-    choice = chat.choices[0]
-    msg = choice.message
-    items = []
-    if msg.content or not msg.tool_calls:
-        items.append(message_item(msg.content or ""))
-    items += [call_item(c) for c in msg.tool_calls or []]
-    return items, choice.finish_reason
-
-
-def as_messages(output: list[dict]) -> list[dict]:
-    """A response's output items as the chat messages of its turn (for the next turn)."""
-    text = "".join(p["text"] for it in output if it["type"] == "message" for p in it["content"])
-    calls = [{"id": it["call_id"], "type": "function",
-              "function": {"name": it["name"], "arguments": it["arguments"]}}
-             for it in output if it["type"] == "function_call"]
-    msg: dict[str, Any] = {"role": "assistant", "content": text or (None if calls else "")}
-    if calls:
-        msg["tool_calls"] = calls
-    return [msg]
-
-
-# -- streaming -------------------------------------------------------------------------------
-
-
-class ResponseEvents:
-    """OpenAI's typed stream events, built from the chunks of the chat route's own streamer."""
-
-    def __init__(self, resp: dict, chat: ChatStreamer) -> None:
-        self.resp = resp
-        self.chat = chat
-        self.seq = 0
-        self.output: list[dict] = []
-        self.text: dict | None = None  # the open message item
-        self.calls: dict[int, dict] = {}  # open function_call items by chat tool-call index
-        self.finish_reason: str | None = None
-
-    def event(self, kind: str, **fields: Any) -> str:
-        body = {"type": kind, "sequence_number": self.seq, **fields}
-        self.seq += 1
-        return f"event: {kind}\ndata: {json.dumps(body, ensure_ascii=False)}\n\n"
-
-    def start(self) -> list[str]:
-        return [self.event("response.created", response=self.resp),
-                self.event("response.in_progress", response=self.resp)]
-
-    def update(self, out: Any) -> list[str]:
-        events: list[str] = []
-        for chunk in self.chat.update(out):
-            for choice in chunk.choices:
-                d = choice.delta
-                if d.content:
-                    events += self._text(d.content)
-                for tc in d.tool_calls or []:
-                    events += self._call(tc)
-                if choice.finish_reason is not None:
-                    self.finish_reason = choice.finish_reason
-        return events
-
-    def _text(self, delta: str) -> list[str]:
-        events = []
-        if self.text is None:
-            self.text = message_item("", "in_progress")
-            self.text["content"] = []
-            self.output.append(self.text)
-            idx = len(self.output) - 1
-            events.append(self.event("response.output_item.added", output_index=idx, item=dict(self.text)))
-            self.text["content"] = [{"type": "output_text", "text": "", "annotations": [], "logprobs": []}]
-            events.append(self.event("response.content_part.added", item_id=self.text["id"], output_index=idx,
-                                     content_index=0, part=dict(self.text["content"][0])))
-        self.text["content"][0]["text"] += delta
-        events.append(self.event("response.output_text.delta", item_id=self.text["id"],
-                                 output_index=self.output.index(self.text), content_index=0, delta=delta,
-                                 logprobs=[]))
-        return events
-
-    def _close_text(self) -> list[str]:
-        item, self.text = self.text, None
-        if item is None:
-            return []
-        idx = self.output.index(item)
-        part = item["content"][0]
-        item["status"] = "completed"
-        return [self.event("response.output_text.done", item_id=item["id"], output_index=idx,
-                           content_index=0, text=part["text"], logprobs=[]),
-                self.event("response.content_part.done", item_id=item["id"], output_index=idx,
-                           content_index=0, part=part),
-                self.event("response.output_item.done", output_index=idx, item=item)]
-
-    def _call(self, tc: dict) -> list[str]:
-        events = self._close_text()  # (a call ends the text before it)
-        fn = tc.get("function") or {}
-        item = self.calls.get(tc["index"])
-        if item is None:
-            item = call_item({"id": tc.get("id"), "function": {"name": fn.get("name") or "", "arguments": ""}},
-                             "in_progress")
-            self.calls[tc["index"]] = item
-            self.output.append(item)
-            events.append(self.event("response.output_item.added", output_index=len(self.output) - 1,
-                                     item=dict(item)))
-        elif fn.get("name"):
-            item["name"] += fn["name"]
-        if fn.get("arguments"):
-            item["arguments"] += fn["arguments"]
-            events.append(self.event("response.function_call_arguments.delta", item_id=item["id"],
-                                     output_index=self.output.index(item), delta=fn["arguments"]))
-        return events
-
-    def end(self, finals: list) -> list[str]:
-        events = self._close_text()
-        for item in self.calls.values():
-            idx = self.output.index(item)
-            item["status"] = "completed"
-            events += [self.event("response.function_call_arguments.done", item_id=item["id"], output_index=idx,
-                                  name=item["name"], arguments=item["arguments"]),
-                       self.event("response.output_item.done", output_index=idx, item=item)]
-        self.calls = {}
-        if not self.output:  # an empty answer is still one (empty) message, as without streaming
-            events += self._text("")[:-1] + self._close_text()
-        resp = finish(self.resp, self.output, self.finish_reason, usage_of(usage_from(finals)))
-        kind = "response.incomplete" if resp["status"] == "incomplete" else "response.completed"
-        return events + [self.event(kind, response=resp)]
-
-    def error(self, exc: Exception) -> str:
-        return self.event("error", code="server_error", message=str(exc), param=None)
+from .async_engine import EngineError
+from .generation import collect_or_fail
+from .routes import Served, document_bodies
+from .sse import SSEResponse
 
 
 async def _events(sub: Any, ev: ResponseEvents, on_done: Any) -> AsyncIterator[str]:
@@ -419,8 +74,8 @@ def install(app: FastAPI, s: Served, store_size: int = DEFAULT_STORE_SIZE) -> No
             limits.check_prompt_chars(limits.chat_chars(chat), s.ctx.max_model_len, "input")
             call = await s.run(chat_call, chat, s.ctx, s.token_text)  # the chat route's builder
         except ApiError as e:
-            raise _renamed(e) from None
-        rid = _item_id("resp")
+            raise renamed_error(e) from None
+        rid = new_item_id("resp")
         sub = await s.submit(call.items, request, call.grammar_param.replace("response_format", "text.format"))
         resp = skeleton(rid, s.ctx.model_name, req)
 
@@ -430,8 +85,8 @@ def install(app: FastAPI, s: Served, store_size: int = DEFAULT_STORE_SIZE) -> No
 
         if req.stream:
             ev = ResponseEvents(resp, call.streamer)
-            return s.sse(_events(sub, ev, keep), sub.abort_unfinished)
-        finals = await s.collect(sub, request)
+            return SSEResponse(_events(sub, ev, keep), sub.abort_unfinished)
+        finals = await collect_or_fail(sub, request)
         if finals is None:
             return Response(status_code=499)
         chat_resp = call.response(finals)

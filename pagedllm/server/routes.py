@@ -10,7 +10,6 @@ import json
 from dataclasses import dataclass
 from typing import Any, Callable
 
-import jinja2
 from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
@@ -18,104 +17,29 @@ from pydantic import BaseModel
 from starlette.middleware.cors import CORSMiddleware
 
 from .._version import __version__
+from ..protocols.common.context import ServingContext
+from ..protocols.openai.models import ModelCard
+from ..protocols.openai.tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
 from . import limits
-from .protocol import ChatMessage, Int, ModelCard, _Model
-from .serving import CHAT_ROLES, ApiError, ServingContext, _message_text
+from .bodies import read_body
 
 
 @dataclass
 class Served:
-    """The app's shared state, as the route modules see it."""
+    """What the route modules beside generation need from `create_app`."""
 
     llm: Any
     ctx: ServingContext
-    config: Any  # app.ServerConfig
-    names: list[str]  # the model's names; responses carry the first
     engine: Any  # async_engine.AsyncEngine
-    token_text: Any  # serving.TokenText
-    check_model: Callable[[str | None], None]
-    submit: Callable  # async (items, request, grammar_param) -> Submission
-    read_body: Callable  # async (request, model) -> a parsed request model
-    sse: Callable  # app.SSEResponse: (events, on_close) -> a server-sent events response
-    collect: Callable  # async (submission, request) -> final outputs, or None if the client left
+    token_text: Any  # protocols.common.tokens.TokenText
+    check_model: Callable[[str | None], None]  # refuses a name this server does not serve
+    submit: Callable  # generation.Generation.submit: async (items, request, grammar_param) -> Submission
     run: Callable  # async (fn, *args): tokenizing and templates off the event loop (limits.WorkPool.run)
+    max_body_bytes: int
 
-
-# -- /tokenize and /detokenize (vLLM's shapes) -------------------------------------------------
-
-
-class TokenizeRequest(_Model):
-    """vLLM's: a `prompt`, or chat `messages` rendered with the model's template."""
-
-    model: str | None = None
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = None
-    add_generation_prompt: bool = True
-    # vLLM's defaults: True for a prompt; False for messages (the template writes them).
-    add_special_tokens: bool | None = None
-    return_token_strs: bool = False
-
-
-class TokenizeResponse(BaseModel):
-    count: int
-    max_model_len: int
-    tokens: list[int]
-    token_strs: list[str] | None = None
-
-
-class DetokenizeRequest(_Model):
-    model: str | None = None
-    tokens: list[Int]
-
-
-class DetokenizeResponse(BaseModel):
-    prompt: str
-
-
-def template_messages(messages: list[ChatMessage]) -> list[dict]:
-    """Chat messages as the chat template takes them (the checks of /v1/chat/completions)."""
-    out = []
-    for i, m in enumerate(messages):
-        if m.role not in CHAT_ROLES:
-            raise ApiError(f"unknown role {m.role!r}; use one of {sorted(CHAT_ROLES)}",
-                           param=f"messages.{i}.role")
-        msg: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role,
-                               "content": _message_text(m, i)}
-        for key in ("name", "tool_calls", "tool_call_id"):
-            if getattr(m, key):
-                msg[key] = getattr(m, key)
-        out.append(msg)
-    return out
-
-
-def tokenize(req: TokenizeRequest, ctx: ServingContext) -> TokenizeResponse:
-    tok = ctx.tokenizer
-    if (req.prompt is None) == (req.messages is None):
-        raise ApiError("give exactly one of `prompt` (a string) and `messages` (chat messages)",
-                       param="prompt")
-    if req.messages is not None:
-        if not req.messages:
-            raise ApiError("messages must hold at least one message", param="messages")
-        try:
-            text = tok.apply_chat_template(template_messages(req.messages), tokenize=False,
-                                           add_generation_prompt=req.add_generation_prompt)
-        except (ValueError, jinja2.TemplateError) as e:
-            raise ApiError(f"cannot format the messages with the model's chat template: {e}",
-                           param="messages") from None
-        ids = tok.encode(text, add_special_tokens=bool(req.add_special_tokens))
-    else:
-        special = True if req.add_special_tokens is None else req.add_special_tokens
-        ids = tok.encode(req.prompt, add_special_tokens=special)
-    strs = [tok.id_to_token(t) or "" for t in ids] if req.return_token_strs else None
-    return TokenizeResponse(count=len(ids), max_model_len=ctx.max_model_len, tokens=ids, token_strs=strs)
-
-
-def detokenize(req: DetokenizeRequest, ctx: ServingContext) -> DetokenizeResponse:
-    vocab = len(ctx.tokenizer)
-    bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
-    if bad is not None:
-        raise ApiError(f"token id {bad} is outside the vocabulary [0, {vocab})", param="tokens")
-    return DetokenizeResponse(prompt=ctx.tokenizer.decode(req.tokens, skip_special_tokens=False))
+    async def read_body(self, request: Request, model: type[BaseModel]) -> Any:
+        """The request's body within the size limit, as `model` (OpenAI's error for a bad field)."""
+        return await read_body(request, model, self.max_body_bytes)
 
 
 # -- installing ----------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 from pydantic import (AliasChoices, BaseModel, ConfigDict, Field, PlainValidator, WithJsonSchema, model_serializer,
                       model_validator)
 
-from ..sampling.params import check_limits
+from ...sampling.params import check_limits
 
 # -- strict scalar types -------------------------------------------------------
 

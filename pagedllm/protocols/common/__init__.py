@@ -1,0 +1,1 @@
+"""What every protocol dialect shares (see pagedllm/protocols/__init__.py)."""
