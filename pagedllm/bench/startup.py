@@ -75,7 +75,7 @@ def import_torch_time() -> tuple[float, float, float]:
     return _time_first_byte([sys.executable, "-c", "import torch, sys; sys.stdout.write('x')"])
 
 
-def _series(label: str, runs: int, once: Callable[[], tuple[float, float, float]]) -> float:
+def _series(label: str, runs: int, once: Callable[[], tuple[float, float, float]]) -> tuple[float, float]:
     firsts, totals, cpus = [], [], []
     for i in range(runs):
         t_first, t_total, cpu = once()
@@ -87,7 +87,7 @@ def _series(label: str, runs: int, once: Callable[[], tuple[float, float, float]
     print(f"{label} median of {runs}: first token {statistics.median(firsts):.2f} s "
           f"(min {min(firsts):.2f}, max {max(firsts):.2f}), exit {statistics.median(totals):.2f} s, "
           f"{statistics.median(cpus):.2f} CPU s", flush=True)
-    return statistics.median(firsts)
+    return statistics.median(firsts), statistics.median(cpus)
 
 
 def llama_cpp_skip_reason(model: str) -> tuple[str | None, str]:
@@ -111,8 +111,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"CPU flags: {cpu_flags()}", flush=True)
     floor = _series("import torch", args.runs, import_torch_time)
     first = _series("pagedllm", args.runs, lambda: time_to_first_token(args.model, args.prompt, extra))
-    print(f"pagedllm's first token {first:.2f} s - bare import torch {floor:.2f} s = {first - floor:.2f} s "
-          f"(medians of {args.runs})", flush=True)
+    print(f"pagedllm's first token {first[0]:.2f} s - bare import torch {floor[0]:.2f} s = "
+          f"{first[0] - floor[0]:.2f} s; in CPU seconds {first[1]:.2f} - {floor[1]:.2f} = {first[1] - floor[1]:.2f} "
+          f"(medians of {args.runs}; CPU seconds are what a busy machine disturbs least)", flush=True)
     why, gguf = llama_cpp_skip_reason(args.model)
     if why:
         print(f"llama.cpp: skipped ({why})", flush=True)
