@@ -139,6 +139,11 @@ def parse_answer(text: str, plan: tool_api.ToolPlan | None) -> tuple[str | None,
     content, calls = tool_api.parse(text, plan.fmt)
     if calls and plan.forced:
         return None, calls
+    if not calls and plan.mode == "auto":  # a call as bare or fenced JSON naming a request's tool
+        names = [t["function"]["name"] for t in plan.tools if "function" in t]
+        calls = tool_api.bare_json_calls(text, names)
+        if calls:
+            return None, calls
     return content, calls
 
 
