@@ -159,3 +159,19 @@ def test_anthropic_thinking_block(started, thinker):
     follow = client.messages.count_tokens(model="default", messages=[
         *ASK, {"role": "assistant", "content": msg.content}, {"role": "user", "content": "And?"}])
     assert follow.input_tokens > on.input_tokens
+
+
+def test_continuous_usage_stats(started):
+    # (issue 66.5; on this server because its model answers fast and always alike)
+    server = started.get()
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=300)
+    chunks = list(client.chat.completions.create(
+        model="default", messages=ASK, temperature=0, max_tokens=12, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    assert all(c.usage is not None for c in chunks[1:])
+    done = [c.usage.completion_tokens for c in chunks[1:]]
+    assert done == sorted(done) and done[-1] == 7  # the chain's seven tokens, <|im_end|> included
+    assert {c.usage.prompt_tokens for c in chunks[1:]} == {chunks[-1].usage.prompt_tokens}
+    plain = list(client.chat.completions.create(model="default", messages=ASK, temperature=0, max_tokens=12,
+                                                stream=True, stream_options={"include_usage": True}))
+    assert all(c.usage is None for c in plain[:-1]) and plain[-1].usage.completion_tokens == 7

@@ -45,12 +45,16 @@ def _chars(req: Any) -> int:
 
 
 def install(app: FastAPI, s: Served, gen: Generation, keep_attribution: bool) -> None:
+    async def read(request: Request, model: type) -> Any:
+        req = await s.read_body(request, model)
+        s.check_model(req.model)
+        limits.check_prompt_chars(_chars(req), s.ctx.max_model_len, "messages")
+        return req
+
     @app.post("/v1/messages")
     @anthropic_errors
     async def create_message(request: Request) -> Response:
-        req: dialect.MessagesRequest = await s.read_body(request, dialect.MessagesRequest)
-        s.check_model(req.model)
-        limits.check_prompt_chars(_chars(req), s.ctx.max_model_len, "messages")
+        req: dialect.MessagesRequest = await read(request, dialect.MessagesRequest)
         call = await s.run(dialect.messages_call, req, s.ctx, keep_attribution)
         sub = await gen.submit(call.items, request, call.grammar_param)
         if call.stream:
@@ -64,9 +68,7 @@ def install(app: FastAPI, s: Served, gen: Generation, keep_attribution: bool) ->
     @app.post("/v1/messages/count_tokens")
     @anthropic_errors
     async def count_tokens(request: Request) -> Response:
-        req: dialect.CountTokensRequest = await s.read_body(request, dialect.CountTokensRequest)
-        s.check_model(req.model)
-        limits.check_prompt_chars(_chars(req), s.ctx.max_model_len, "messages")
+        req: dialect.CountTokensRequest = await read(request, dialect.CountTokensRequest)
         return JSONResponse(await s.run(dialect.count_tokens, req, s.ctx, keep_attribution))
 
     document_bodies(app, {"/v1/messages": dialect.MessagesRequest,

@@ -64,6 +64,10 @@ def _include_usage(req: ChatCompletionRequest | CompletionRequest) -> bool:
     return bool(req.stream and req.stream_options and req.stream_options.include_usage)
 
 
+def _continuous_usage(req: ChatCompletionRequest | CompletionRequest) -> bool:
+    return bool(_include_usage(req) and req.stream_options.continuous_usage_stats)
+
+
 def chat_call(req: ChatCompletionRequest, ctx: ServingContext, token_text: TokenText) -> Call:
     """Validate and prepare a chat request (raises ApiError); its tool plan parses the answer."""
     ids, params, tools = prepare_chat_plan(req, ctx)
@@ -73,7 +77,8 @@ def chat_call(req: ChatCompletionRequest, ctx: ServingContext, token_text: Token
     streamer = ChatStreamer(rid, ctx.model_name, req.n, tt, tools, reasoning)
     grammar_param = neutral.grammar_param(tools, "response_format")
     return Call(rid, [(rid, ids, params)], bool(req.stream), _include_usage(req), grammar_param, streamer,
-                lambda finals: chat_response(rid, ctx.model_name, finals[0], tt, tools, reasoning))
+                lambda finals: chat_response(rid, ctx.model_name, finals[0], tt, tools, reasoning),
+                _continuous_usage(req))
 
 
 def completion_call(req: CompletionRequest, ctx: ServingContext, token_text: TokenText) -> Call:
@@ -86,4 +91,5 @@ def completion_call(req: CompletionRequest, ctx: ServingContext, token_text: Tok
     echo = echo_texts(prompts, ctx.tokenizer) if req.echo else None
     streamer = CompletionStreamer(rid, ctx.model_name, req.n, {r: i for i, r in enumerate(rids)}, tt, echo)
     return Call(rid, list(zip(rids, ids, params)), bool(req.stream), _include_usage(req), "response_format",
-                streamer, lambda finals: completion_response(rid, ctx.model_name, finals, req.n, tt, echo))
+                streamer, lambda finals: completion_response(rid, ctx.model_name, finals, req.n, tt, echo),
+                _continuous_usage(req))

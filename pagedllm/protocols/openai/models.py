@@ -48,6 +48,7 @@ class _Model(BaseModel):
 
 class StreamOptions(_Model):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: every chunk carries the usage so far
 
 
 class _SamplingFields(_Model):

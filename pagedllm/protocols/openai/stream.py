@@ -38,6 +38,20 @@ def sse_line(chunk: Any, include_usage: bool) -> str:
     return f"data: {data}\n\n"
 
 
+def with_running_usage(update: Any) -> Any:
+    """A streamer's `events` whose chunks each carry the usage so far (vLLM's
+    stream_options.continuous_usage_stats), from its `update`."""
+    def events(out: RequestOutput, include_usage: bool) -> list[str]:
+        done = sum(len(c.token_ids) for c in out.outputs)
+        usage = Usage(prompt_tokens=len(out.prompt_token_ids), completion_tokens=done,
+                      total_tokens=len(out.prompt_token_ids) + done)
+        chunks = update(out)
+        for chunk in chunks:
+            chunk.usage = usage
+        return [sse_line(chunk, True) for chunk in chunks]
+    return events
+
+
 _SLOT = "PAGEDLLM_TEXT_SLOT"
 
 
