@@ -148,7 +148,8 @@ def prepare_chat_plan(req: ChatCompletionRequest, ctx: ServingContext
     if req.top_logprobs is not None and not req.logprobs:
         raise ApiError("top_logprobs needs logprobs to be true", param="top_logprobs")
     plan = neutral.tool_plan(ctx, req.tools, req.tool_choice, req.parallel_tool_calls)
-    ids = neutral.chat_prompt(ctx, chat_messages(req.messages, ctx), plan)
+    ids = neutral.chat_prompt(ctx, chat_messages(req.messages, ctx), plan,
+                              **neutral.template_kwargs(req.chat_template_kwargs, "chat_template_kwargs"))
     n_ids = neutral.prompt_len(ids)
     max_tokens = req.max_completion_tokens or req.max_tokens
     check_context(ctx, n_ids, max_tokens, "messages")
