@@ -29,7 +29,7 @@ from ..protocols.common.context import ServingContext
 from ..protocols.common.errors import ApiError
 from ..protocols.common.tokens import TokenText
 from ..protocols.openai.models import ModelCard, ModelList
-from . import embeddings, generation, limits, lora, responses, routes
+from . import embeddings, generation, infill, limits, lora, ollama, responses, routes
 from .async_engine import AsyncEngine, ShuttingDown
 from .errors import error_response, install_error_handlers
 from .generation import Generation
@@ -173,6 +173,8 @@ def create_app(llm: Any, config: ServerConfig | None = None) -> FastAPI:
     routes.install(app, served)
     responses.install(app, served, cfg.responses_store_size)
     embeddings.install(app, served)
+    infill.install(app, served, gen)
+    ollama.install(app, served, gen, models.names)
     lora.install(app, adapters, cfg.allow_runtime_lora)
     return app
 

@@ -1,0 +1,113 @@
+"""Ollama's API through the official `ollama` client, against `pagedllm serve` on the default
+model; greedy answers must equal the OpenAI routes' for the same request."""
+from __future__ import annotations
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+ollama = pytest.importorskip("ollama")
+openai = pytest.importorskip("openai")
+
+from test_server import serving  # noqa: E402
+
+GREEDY = {"temperature": 0, "num_predict": 12, "seed": 0}
+ASK = [{"role": "user", "content": "Name three colors."}]
+# In the key order the ollama client's Tool model sends, so both routes template the same text.
+ADD = {"type": "function", "function": {"name": "add", "description": "Add two integers",
+       "parameters": {"type": "object", "required": ["a", "b"],
+                      "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}}
+# The small model calls a tool (in the hermes tags its template is offered) when shown how.
+CALL_ASK = [{"role": "system", "content": 'To add numbers, reply with exactly <tool_call>\n{"name": "add", '
+             '"arguments": {"a": 1, "b": 1}}\n</tool_call> with the numbers filled in, and nothing else.'},
+            {"role": "user", "content": "What is 2 + 3?"}]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, smollm2_gguf_path):
+    yield from serving(tmp_path_factory, "ollama", ["--pa-gpu-mem", "256", "--max-model-len", "1024",
+                                                    "--max-seqs", "8", "--log-level", "info"])
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return ollama.Client(host=server.url, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def oai(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=300)
+
+
+def test_list_show_ps_version(client, server):
+    names = [m.model for m in client.list().models]
+    assert names and names[0]
+    shown = client.show(names[0])
+    assert "completion" in shown.capabilities
+    assert "insert" not in shown.capabilities  # SmolLM2's vocabulary has no FIM tokens
+    assert [m.model for m in client.ps().models] == names
+    assert httpx.get(f"{server.url}/api/version").json()["version"]
+
+
+def test_chat_equals_openai(client, oai):
+    r = client.chat(model="default", messages=ASK, options=GREEDY, stream=False)
+    ref = oai.chat.completions.create(model="default", messages=ASK, temperature=0, max_tokens=12)
+    assert r.message.content == ref.choices[0].message.content
+    assert r.done and r.done_reason == ref.choices[0].finish_reason
+    assert r.eval_count == ref.usage.completion_tokens
+    assert r.prompt_eval_count == ref.usage.prompt_tokens and r.total_duration > 0
+    parts = list(client.chat(model="default", messages=ASK, options=GREEDY, stream=True))
+    assert "".join(p.message.content for p in parts) == r.message.content
+    assert parts[-1].done and not any(p.done for p in parts[:-1]) and parts[-1].eval_duration > 0
+
+
+def test_chat_tool_call(client, oai):
+    msgs = CALL_ASK
+    r = client.chat(model="default", messages=msgs, tools=[ADD], options={**GREEDY, "num_predict": 60})
+    ref = oai.chat.completions.create(model="default", messages=msgs, tools=[ADD], temperature=0, max_tokens=60)
+    ref_calls = ref.choices[0].message.tool_calls or []
+    calls = r.message.tool_calls or []
+    assert calls and all(isinstance(c.function.arguments, dict) for c in calls)
+    assert [(c.function.name, dict(c.function.arguments)) for c in calls] == \
+        [(c.function.name, __import__("json").loads(c.function.arguments)) for c in ref_calls]
+    assert (r.message.content or None) == (ref.choices[0].message.content or None)
+    # the round trip: the call and its result go back in
+    follow = msgs + [r.message, {"role": "tool", "content": "5", "tool_name": "add"}]
+    again = client.chat(model="default", messages=follow, tools=[ADD], options=GREEDY)
+    assert again.done
+
+
+def test_chat_format_schema(client):
+    schema = {"type": "object", "properties": {"color": {"type": "string", "maxLength": 10}},
+              "required": ["color"], "additionalProperties": False}
+    r = client.chat(model="default", messages=ASK, format=schema, options={**GREEDY, "num_predict": 40})
+    import json
+    assert set(json.loads(r.message.content)) == {"color"}
+
+
+def test_generate_equals_openai(client, oai):
+    r = client.generate(model="default", prompt="Name three colors.", options=GREEDY, keep_alive="5m")
+    ref = oai.chat.completions.create(model="default", messages=ASK, temperature=0, max_tokens=12)
+    assert r.response == ref.choices[0].message.content
+    raw = client.generate(model="default", prompt="The sky is", raw=True, options=GREEDY)
+    ref = oai.completions.create(model="default", prompt="The sky is", temperature=0, max_tokens=12)
+    assert raw.response == ref.choices[0].text
+    assert "".join(p.response for p in client.generate(model="default", prompt="The sky is", raw=True,
+                                                       options=GREEDY, stream=True)) == raw.response
+
+
+def test_embed_on_generative_model_and_management_refused(client):
+    with pytest.raises(ollama.ResponseError) as e:
+        client.embed(model="default", input="hello")
+    assert "embedding model" in str(e.value)
+    for call in (lambda: client.pull("llama3"), lambda: client.delete("default"),
+                 lambda: client.create(model="x", from_="default")):
+        with pytest.raises(ollama.ResponseError) as e:
+            call()
+        assert "chosen when pagedllm starts" in str(e.value)
+
+
+def test_fim_refused_without_tokens(client, server):
+    r = httpx.post(f"{server.url}/infill", json={"input_prefix": "def f(", "input_suffix": ")"}, timeout=60)
+    assert r.status_code == 400 and "fill-in-the-middle tokens" in r.text
+    r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "def f(", "suffix": ")"}, timeout=60)
+    assert r.status_code == 400 and "fill-in-the-middle tokens" in r.text
