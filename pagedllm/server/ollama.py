@@ -2,6 +2,7 @@
 like the OpenAI routes; streams are NDJSON lines."""
 from __future__ import annotations
 
+import functools
 import json
 from datetime import datetime, timezone
 from pathlib import Path
@@ -22,6 +23,17 @@ from .sse import SSEResponse
 
 class NDJSONResponse(SSEResponse):
     media_type = "application/x-ndjson"
+
+
+def ollama_errors(handler: Any) -> Any:
+    """Ollama's error body, {"error": "..."}, for a refused request (its client reads that)."""
+    @functools.wraps(handler)
+    async def wrapped(*args: Any, **kwargs: Any) -> Response:
+        try:
+            return await handler(*args, **kwargs)
+        except ApiError as e:
+            return JSONResponse({"error": e.message}, status_code=e.status)
+    return wrapped
 
 
 def _family(llm: Any) -> str:
@@ -69,18 +81,21 @@ def install(app: FastAPI, s: Served, gen: Generation, names: list[str]) -> None:
                                          "context_length": s.ctx.max_model_len} for n in names]})
 
     @app.post("/api/show")
+    @ollama_errors
     async def show(request: Request) -> Response:
         req: ollama.ShowRequest = await s.read_body(request, ollama.ShowRequest)
         s.check_model(req.model or req.name)
         return JSONResponse(ollama.show(s.ctx, family, task, modified))
 
     @app.post("/api/chat")
+    @ollama_errors
     async def chat(request: Request) -> Response:
         req: ollama.ChatRequest = await s.read_body(request, ollama.ChatRequest)
         s.check_model(req.model)
         return await answer(await s.run(ollama.chat_call, req, s.ctx), request)
 
     @app.post("/api/generate")
+    @ollama_errors
     async def generate(request: Request) -> Response:
         req: ollama.GenerateRequest = await s.read_body(request, ollama.GenerateRequest)
         s.check_model(req.model)
@@ -90,6 +105,7 @@ def install(app: FastAPI, s: Served, gen: Generation, names: list[str]) -> None:
         return await answer(await s.run(ollama.generate_call, req, s.ctx), request)
 
     @app.post("/api/embed")
+    @ollama_errors
     async def embed_route(request: Request) -> Response:
         req: ollama.EmbedRequest = await s.read_body(request, ollama.EmbedRequest)
         s.check_model(req.model)
@@ -100,6 +116,7 @@ def install(app: FastAPI, s: Served, gen: Generation, names: list[str]) -> None:
     for route, what in (("/api/pull", "pull"), ("/api/create", "create"), ("/api/delete", "delete"),
                         ("/api/copy", "copy"), ("/api/push", "push")):
         def refuse(what: str = what) -> Any:
+            @ollama_errors
             async def handler() -> Response:
                 raise ApiError(ollama.MODEL_MANAGEMENT.format(what=what), status=400)
             return handler
