@@ -6,7 +6,8 @@ function's code before it as the prefix and after it as the suffix. Checked:
   loaded from the same GGUF, builds from the model's documented format
   `<|fim_prefix|>PRE<|fim_suffix|>SUF<|fim_middle|>`;
 - `/infill` and `/v1/completions` with `suffix` answer the same greedy text;
-- how many completions restore the removed line exactly (its first line, indentation included).
+- how many completions restore the removed line exactly (indentation included; both routes stop
+  at the first newline, since only the one line is scored).
 
     pagedllm bench fim --model ~/.cache/pagedllm/models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf
 """
@@ -85,9 +86,9 @@ def run(args: argparse.Namespace) -> int:
                         add_special_tokens=False)["input_ids"]
             same_ids = ours == theirs
             c = http.post("/v1/completions", json={"prompt": prefix, "suffix": suffix, "temperature": 0,
-                                                   "max_tokens": args.max_tokens}).json()
+                                                   "max_tokens": args.max_tokens, "stop": ["\n"]}).json()
             i = http.post("/infill", json={"input_prefix": prefix, "input_suffix": suffix, "temperature": 0,
-                                           "n_predict": args.max_tokens}).json()
+                                           "n_predict": args.max_tokens, "stop": ["\n"]}).json()
             text = c["choices"][0]["text"]
             same_text = text == i["content"]
             exact = text.split("\n")[0] == removed
