@@ -106,7 +106,7 @@ def test_model_matches_transformers_on_autoawqs_weights(awq_model, awq_llm, monk
         want = ref(torch.tensor([prompt])).logits[0]
     got = llm.prompt_logits(prompt)
     assert (got - want).abs().max().item() < 1e-3
-    monkeypatch.setattr(qk, "INT_ROWS", 0)
+    monkeypatch.setenv("PAGEDLLM_QUANT_INT_ROWS", "0")
     p = _prompt(12, 8)
     _assert_greedy_equals(ref, llm, p)
 

@@ -129,7 +129,7 @@ def test_model_matches_transformers_running_the_checkpoint(ct_model, ct_llm, mon
         want = ref(torch.tensor([prompt])).logits[0]
     got = llm.prompt_logits(prompt)
     assert (got - want).abs().max().item() < 1e-3
-    monkeypatch.setattr(qk, "INT_ROWS", 0)  # every step on the blocks' dequantize + GEMM route
+    monkeypatch.setenv("PAGEDLLM_QUANT_INT_ROWS", "0")  # every step on the blocks' dequantize + GEMM route
     p = _prompt(12, 4)
     _assert_greedy_equals(ref, llm, p)
 

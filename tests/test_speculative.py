@@ -580,7 +580,7 @@ def test_draft_forwards_take_the_fastest_route_and_the_target_keeps_its_own(smol
     seen.clear()
     llm = LLM(path, kv_cache_memory_mb=16, speculative=_draft(path, max_rows=8))  # plain's rounding
     assert _greedy(llm, prompt) == plain
-    wide = {d for r, d in seen if r > qk.INT_ROWS}  # the target's prefill, the draft's catch-up (41 tokens)
+    wide = {d for r, d in seen if r > qk.int_rows()}  # the target's prefill, the draft's catch-up (41 tokens)
     assert wide == {False, True}, sorted(set(seen))
     assert llm.engine.spec.stats.verifications > 0
     assert not getattr(qk._route, "proposals_only", False)

@@ -122,14 +122,14 @@ def run_cache_type(args: argparse.Namespace, cache_type: str, windows: list[list
     """One engine with this cache type: perplexity, then greedy generation. `dtype` overrides
     the compute dtype (the reference row: same cache type, other rounding)."""
     from .. import LLM, SamplingParams
-    from ..quant.kernels import INT_ROWS, kernel_path
+    from ..quant.kernels import int_rows, kernel_path
 
     n_seqs = max(len(windows), len(prompts))
     if not args.dequantize_weights and kernel_path()[0] is not None:
         # Quantized weights take the integer kernels only on steps of at most INT_ROWS rows (wider
         # ones dequantize and GEMM, exactly): so many sequences a step at most, so that the decode
         # path scored is the one serving runs, not the exact one.
-        n_seqs = min(n_seqs, INT_ROWS)
+        n_seqs = min(n_seqs, int_rows())
     ctx = max(len(windows) * (len(windows[0]) + args.block_size),
               len(prompts) * (len(prompts[0]) + args.new_tokens + args.block_size))
     t0 = time.perf_counter()
@@ -224,7 +224,9 @@ def run_weights(args: argparse.Namespace) -> dict:
     (PAGEDLLM_QUANT_WIDE=gemm, =int): which one a model takes by default depends on its width and
     the CPU (quant/kernels.py, wide_int_here)."""
     from .. import LLM
-    from ..quant.kernels import INT_ROWS
+    from ..quant.kernels import int_rows
+
+    INT_ROWS = int_rows()
 
     if args.windows > INT_ROWS:
         print(f"--weights: {args.windows} windows would leave the integer kernels (at most {INT_ROWS} "

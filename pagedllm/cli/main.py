@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from .generate import cmd_generate, cmd_trace, load_llm
 
 if TYPE_CHECKING:
-    from ..api import EngineOptions
+    from ..options import EngineOptions
 
 logger = logging.getLogger("pagedllm.cli")
 
@@ -255,6 +255,7 @@ BENCHES = {
     "upcycle": "a mixture-of-experts GGUF whose experts are copies of a real dense GGUF's MLP (its text is the dense model's)",
     "startup": "time from starting `pagedllm generate` to its first token (median of 5)",
     "allreduce": "torch.distributed all-reduce latency and bandwidth at a TP step's message sizes",
+    "p2p": "pipeline stage-to-stage point-to-point latency and bandwidth (loopback, or two nodes under torchrun)",
     "speculative": "n-gram (and --draft MODEL) speculative decoding against plain decoding: code editing, chat, 32 concurrent",
     "soak": "a served model under streaming load, then idle: resident memory at start, peak and at idle",
     "lora": "LoRA adapters against the base model: 32 concurrent over 4 adapters, and batch 1 decode",
@@ -392,14 +393,15 @@ def _version() -> str:
 
 
 def engine_options(args: argparse.Namespace, model: str | None = None) -> EngineOptions:
-    from ..api import EngineOptions
+    from ..options import EngineOptions
 
+    # (the flags keep mistral.rs's spellings: aliases, at this face only, of LLM's names)
     return EngineOptions(
         model=model or "default", dtype=args.dtype or "auto", device=args.device or "auto",
-        pa_gpu_mem=args.pa_gpu_mem, pa_gpu_mem_usage=args.pa_gpu_mem_usage,
-        pa_ctxt_len=args.pa_ctxt_len, pa_blk_size=args.pa_blk_size, pa_cache_type=args.pa_cache_type,
-        no_paged_attn=args.no_paged_attn, prefix_cache_n=args.prefix_cache_n,
-        no_prefix_cache=args.no_prefix_cache, max_seqs=args.max_seqs,
+        kv_cache_memory_mb=args.pa_gpu_mem, kv_cache_memory_fraction=args.pa_gpu_mem_usage,
+        kv_cache_context_len=args.pa_ctxt_len, block_size=args.pa_blk_size, kv_cache_dtype=args.pa_cache_type,
+        paged_attention=not args.no_paged_attn, prefix_cache_n=args.prefix_cache_n,
+        enable_prefix_caching=not args.no_prefix_cache, max_num_seqs=args.max_seqs,
         max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
         seed=args.seed, isq=args.isq, dequantize_weights=bool(args.dequantize_weights),
         keep_float_head=bool(args.keep_float_head),
@@ -443,7 +445,9 @@ def cmd_serve(args: argparse.Namespace, opts: EngineOptions) -> int:
                 print(f"error: --lora-modules {name}: {e}", file=sys.stderr)
                 return 2
     eng = llm.engine
-    api_key = args.api_key or os.environ.get("PAGEDLLM_API_KEY") or None
+    from .. import settings
+
+    api_key = args.api_key or settings.get("api_key") or None
     names = args.served_model_name or [llm.model_name]
     try:
         origins = parse_origins(args.allowed_origins)
@@ -537,7 +541,7 @@ def _mistralrs_options(args: argparse.Namespace) -> EngineOptions:
         opts.tokenizer = _tokenizer_dir(args.tokenizer_json)
         opts.arch = args.arch
         return opts
-    from ..api import gguf_source
+    from ..options import gguf_source
 
     model, gguf_file, tok = gguf_source(args.quantized_model_id, args.quantized_filename, args.tok_model_id)
     opts = engine_options(args, model)
@@ -546,7 +550,7 @@ def _mistralrs_options(args: argparse.Namespace) -> EngineOptions:
 
 
 def _tokenizer_dir(tok: str | None) -> str | None:
-    from ..api import _local_tokenizer_dir
+    from ..options import _local_tokenizer_dir
 
     return _local_tokenizer_dir(tok)
 
@@ -580,8 +584,8 @@ def main(argv: list[str] | None = None) -> int:
         return handlers[args.command](args, engine_options(args, _model_of(args)))
     except (ValueError, FileNotFoundError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
-        api = sys.modules.get("pagedllm.api")  # not imported: e cannot be an UnsupportedOption
-        return 2 if api is not None and isinstance(e, api.UnsupportedOption) else 1
+        options = sys.modules.get("pagedllm.options")  # not imported: e cannot be an UnsupportedOption
+        return 2 if options is not None and isinstance(e, options.UnsupportedOption) else 1
     except KeyboardInterrupt:
         return 130
 

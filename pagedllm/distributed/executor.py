@@ -22,14 +22,13 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
+from .. import settings
 from . import messages
 from .group import TPInfo, destroy_groups, init_groups
 from .worker import WorkerSpec, rank_device, worker_main
 
 logger = logging.getLogger(__name__)
 
-# How long rank 0 waits for the workers to load their shards.
-LOAD_TIMEOUT_S = float(os.environ.get("PAGEDLLM_TP_LOAD_TIMEOUT_S", "600"))
 _live: list["TPExecutor"] = []  # torch.distributed has one default group per process
 
 
@@ -116,7 +115,7 @@ class TPExecutor:
 
     def wait_loaded(self) -> None:
         """Block until every spawned worker has loaded its shard; a worker's error is raised here."""
-        self._wait_for("loaded", LOAD_TIMEOUT_S)
+        self._wait_for("loaded", settings.get("tp_load_timeout_s"))  # (the workers loading their shards)
 
     def _wait_for(self, what: str, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -147,10 +146,9 @@ class TPExecutor:
         with self.guard():
             messages.send(self.tp.control, messages.SETUP, [[num_blocks]])
 
-    def finish_setup(self, engine) -> None:
-        """Collect every rank's weight and KV bytes (for the trace)."""
-        kv = engine.kv_cache.nbytes if engine.kv_cache is not None else 0
-        mine = torch.tensor([engine.weights.resident_bytes if engine.weights else 0, kv], dtype=torch.int64)
+    def gather_sizes(self, weight_bytes: int, kv_bytes: int) -> None:
+        """Collect every rank's weight and KV bytes (for the trace), given rank 0's own."""
+        mine = torch.tensor([weight_bytes, kv_bytes], dtype=torch.int64)
         parts = [torch.empty_like(mine) for _ in range(self.tp.size)]
         with self.guard():
             dist.gather(mine, parts if self.tp.rank == 0 else None, dst=0, group=self.tp.control)

@@ -76,6 +76,11 @@ int chosen_level() {
 const int LEVEL = chosen_level();
 
 std::string native_isa() { return LEVEL_NAMES[LEVEL]; }
+// The op set's stamp: bumped whenever an op or class is added, removed or changes its schema.
+// native/__init__.py expects one number (NATIVE_ABI there) and refuses a library with another,
+// so the Python side asks this once instead of probing for each op.
+constexpr int64_t NATIVE_ABI = 1;
+int64_t native_abi() { return NATIVE_ABI; }
 // The torch release these kernels were compiled against: its C++ ABI is what they link to.
 std::string native_torch_version() { return TORCH_VERSION; }
 
@@ -122,6 +127,7 @@ TORCH_LIBRARY(pagedllm, m) {
       .def("add_sparse", &pagedllm::MoeStack::add_sparse)
       .def("size", &pagedllm::MoeStack::size)
       .def("last_ids", &pagedllm::MoeStack::last_ids);
+  m.def("native_abi() -> int", &native_abi);
   m.def("native_isa() -> str", &native_isa);
   m.def("native_torch_version() -> str", &native_torch_version);
   m.def("release_omp_threads() -> int", &release_omp_threads);
