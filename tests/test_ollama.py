@@ -144,7 +144,7 @@ def test_chat_tool_call_streamed_and_not(qwen):
     assert r.message.content == (ref.choices[0].message.content or "")
     assert all(isinstance(c.function.arguments, dict) for c in calls)
     assert [(c.function.name, dict(c.function.arguments)) for c in calls] == \
-        [(c.function.name, json.loads(c.function.arguments)) for c in ref.choices[0].message.tool_calls]
+        [(c.function.name, json.loads(c.function.arguments)) for c in ref.choices[0].message.tool_calls or []]
     parts = list(client.chat(model="qwen", messages=CALL_ASK, tools=[ADD], options=opts, stream=True))
     assert parts[-1].done and [(c.function.name, dict(c.function.arguments))
                                for p in parts for c in p.message.tool_calls or []] == \
