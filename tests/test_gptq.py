@@ -16,7 +16,8 @@ from pagedllm.quant import checkpoint as qc
 from pagedllm.quant.formats import QuantFormatError
 from pagedllm.quant.kernels import available_isas
 
-pytestmark = pytest.mark.skipif(not available_isas(), reason="native CPU kernels not built here")
+# slow: whole models, servers or builds; `make test-fast` leaves it out
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not available_isas(), reason="native CPU kernels not built here")]
 
 
 def _gptqmodel():

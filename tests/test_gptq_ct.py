@@ -15,7 +15,8 @@ from pagedllm.quant.kernels import available_isas
 
 from test_gptq import _assert_close_to_float32, _assert_greedy_equals, _block_values, _prompt, float_head_llm
 
-pytestmark = pytest.mark.skipif(not available_isas(), reason="native CPU kernels not built here")
+# slow: whole models, servers or builds; `make test-fast` leaves it out
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not available_isas(), reason="native CPU kernels not built here")]
 
 CALIBRATION = ["The quick brown fox jumps over the lazy dog while the cat sleeps by the fire. " * 6,
                "Paged attention keeps the key and value cache in fixed-size blocks of tokens. " * 6]

@@ -13,7 +13,8 @@ from pagedllm.quant.isq import ISQ_TYPES, quantize, requantize
 from pagedllm.quant.kernels import available_isas
 
 Q = gguf.GGMLQuantizationType
-pytestmark = pytest.mark.skipif(not available_isas(), reason="native CPU kernels not built here")
+# slow: whole models, servers or builds; `make test-fast` leaves it out
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not available_isas(), reason="native CPU kernels not built here")]
 
 
 def _weights(rows: int, cols: int, seed: int) -> torch.Tensor:

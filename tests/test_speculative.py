@@ -12,6 +12,9 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.speculative import decoder as spec_decoder
 from models import build_checkpoint
 
+# slow: whole models, servers or builds; `make test-fast` leaves it out
+pytestmark = pytest.mark.slow
+
 NEW_TOKENS = 40
 # Never paused and fixed lengths (not adaptive), so every lookup that matches is verified.
 # max_rows: these random models run float32 weights (no two-level rounding regime to stay

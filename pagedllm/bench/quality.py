@@ -28,8 +28,6 @@ import re
 import time
 from pathlib import Path
 
-import torch
-
 from .common import machine_info, write_json
 
 logger = logging.getLogger(__name__)
@@ -93,6 +91,8 @@ def cut_slices(tokens: list[list[int]], length: int, count: int, skip: int = 0) 
 # -- measurements ---------------------------------------------------------
 def capacity_blocks(model_cfg, kv_mb: float, block_size: int, compute_dtype: torch.dtype,
                     cache_type: str) -> int:
+    import torch
+
     from ..config import CacheConfig
     from ..kv.cache import KVCacheSpec, plan_cache
 
@@ -121,6 +121,8 @@ def run_cache_type(args: argparse.Namespace, cache_type: str, windows: list[list
                    prompts: list[list[int]], dtype: str | None = None, label: str | None = None) -> dict:
     """One engine with this cache type: perplexity, then greedy generation. `dtype` overrides
     the compute dtype (the reference row: same cache type, other rounding)."""
+    import torch
+
     from .. import LLM, SamplingParams
     from ..quant.kernels import int_rows, kernel_path
 
@@ -223,6 +225,8 @@ def run_weights(args: argparse.Namespace) -> dict:
     whole windows at once, by tile dequantize + GEMM and by the integer kernel, each forced
     (PAGEDLLM_QUANT_WIDE=gemm, =int): which one a model takes by default depends on its width and
     the CPU (quant/kernels.py, wide_int_here)."""
+    import torch
+
     from .. import LLM
     from ..quant.kernels import int_rows
 
@@ -295,6 +299,8 @@ def run_weights(args: argparse.Namespace) -> dict:
 
 
 def run(args: argparse.Namespace) -> dict:
+    import torch
+
     if args.weights:
         return run_weights(args)
     from ..config import normalize_kv_cache_dtype
@@ -336,6 +342,8 @@ def run(args: argparse.Namespace) -> dict:
 def _llamacpp_scores(model: str, windows: list[list[int]]) -> dict | None:
     """llama.cpp on the same GGUF file and windows, teacher-forced (when llama-cpp-python is
     installed): the peer's own perplexity and top-1 predictions, against the same reference."""
+    import torch
+
     from ..loading.source import resolve
 
     src = resolve(model)

@@ -28,7 +28,7 @@ BUILD_HINT = ("build them with `make kernels` in a checkout, or reinstall with "
 # The op set this code calls, as csrc/dispatch.cpp stamps it (NATIVE_ABI there; both bumped
 # together whenever an op or class is added, removed or changes its schema). A library with
 # another stamp, or none, is refused whole: callers then need only ask whether it loaded.
-NATIVE_ABI = 1
+NATIVE_ABI = 2
 REBUILD_HINT = "rebuild with `make kernels` or `pip install --no-build-isolation -e .`"
 
 
