@@ -249,6 +249,7 @@ BENCHES = {
     "compare": "pagedllm beside llama.cpp on the same GGUF file, one process per figure",
     "gptq-pair": "a GGUF's weights as a GPTQ checkpoint and as a Q4_0 GGUF: decode speed of both, in one run",
     "make-gguf": "write a GGUF with a real model's shape and random weights (llama.cpp quantizes it)",
+    "fim": "fill-in-the-middle on a code model: held-out stdlib lines, prompt ids against transformers",
     "upcycle": "a mixture-of-experts GGUF whose experts are copies of a real dense GGUF's MLP (its text is the dense model's)",
     "startup": "time from starting `pagedllm generate` to its first token (median of 5)",
     "allreduce": "torch.distributed all-reduce latency and bandwidth at a TP step's message sizes",
@@ -308,7 +309,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     _sampling_flags(c, max_tokens=512, temperature=0.7)
 
     g = sub.add_parser("generate", help="one-shot generation (prompt argument or stdin)",
-                       usage="pagedllm generate [PROMPT] [-m MODEL] [--raw] [--stats] "
+                       usage="pagedllm generate [PROMPT] [-m MODEL] [--raw] [--suffix TEXT] [--stats] "
                              "[engine and sampling flags]")
     g.add_argument("prompt", nargs="?", metavar="PROMPT", help="the prompt; '-' or nothing reads stdin")
     _log_flag(g, top=False)
@@ -318,6 +319,9 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     g.add_argument("-n", type=int, default=1, help="completions to generate (default: %(default)s)")
     g.add_argument("--raw", action="store_true", help="no chat template: continue the text as is")
     g.add_argument("--system", default=None, metavar="MSG", help="system message")
+    g.add_argument("--suffix", default=None, metavar="TEXT",
+                   help="fill in the middle: PROMPT is the code before the cursor, TEXT the code after it "
+                        "(a code model with FIM tokens, e.g. Qwen2.5-Coder)")
     g.add_argument("--stats", action="store_true", help="print token counts and speed to stderr")
 
     t = sub.add_parser("trace", help="run a request and show the KV cache as it fills and empties",

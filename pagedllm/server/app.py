@@ -29,7 +29,7 @@ from ..protocols.common.context import ServingContext
 from ..protocols.common.errors import ApiError
 from ..protocols.common.tokens import TokenText
 from ..protocols.openai.models import ModelCard, ModelList
-from . import anthropic, embeddings, generation, limits, lora, responses, routes
+from . import anthropic, embeddings, generation, infill, limits, lora, ollama, responses, routes
 from .async_engine import AsyncEngine, ShuttingDown
 from .errors import error_response, install_error_handlers
 from .generation import Generation
@@ -189,6 +189,8 @@ def create_app(llm: Any, config: ServerConfig | None = None) -> FastAPI:
     responses.install(app, served, cfg.responses_store_size)
     anthropic.install(app, served, gen, cfg.keep_anthropic_attribution)
     embeddings.install(app, served)
+    infill.install(app, served, gen)
+    ollama.install(app, served, gen, models.names)
     lora.install(app, adapters, cfg.allow_runtime_lora)
     return app
 

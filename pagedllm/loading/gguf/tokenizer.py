@@ -84,6 +84,8 @@ def _build_tokenizer(path: Path, meta: dict) -> Tokenizer:
         eos_token_ids=_eos_token_ids(meta),
         pad_token=pad,
         unk_token=unk,
+        fim_token_ids={k: int(meta[f"tokenizer.ggml.fim_{k}_token_id"]) for k in ("pre", "suf", "mid", "rep", "sep")
+                       if f"tokenizer.ggml.fim_{k}_token_id" in meta},
     )
     # A template is code, and this one came with a (maybe downloaded) file: check it runs.
     tokenizer.chat_template_source = f"GGUF metadata (tokenizer.chat_template of {path.name})"
