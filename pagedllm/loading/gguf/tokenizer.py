@@ -9,6 +9,7 @@ from typing import Any
 
 from pagedllm.tokenizer import Tokenizer
 from pagedllm.tokenizer import template_guard
+from pagedllm.tokenizer.byte_level import bytes_to_unicode as _bytes_to_unicode
 
 from .arch import _GEMMA_ARCHS
 from .config import _eos_token_ids
@@ -91,18 +92,6 @@ def _build_tokenizer(path: Path, meta: dict) -> Tokenizer:
     tokenizer.chat_template_source = f"GGUF metadata (tokenizer.chat_template of {path.name})"
     template_guard.check_gguf_template(tokenizer)
     return tokenizer
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte alphabet: printable Latin-1 bytes stand for themselves, the rest map to 256+."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    mapping = {b: chr(b) for b in printable}
-    extra = 0
-    for b in range(256):
-        if b not in mapping:
-            mapping[b] = chr(256 + extra)
-            extra += 1
-    return mapping
 
 
 def _merge_pairs(merges: list[str]) -> list[tuple[str, str]]:
