@@ -16,6 +16,9 @@ from pagedllm.device import keep_freed_buffers
 glibc = pytest.mark.skipif(not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc",
                            reason="a glibc heap policy")
 
+# slow: whole models, servers or builds; `make test-fast` leaves it out
+pytestmark = pytest.mark.slow
+
 # A fresh process (the policy is process-wide): rounds of a 48 MB buffer and a third of one,
 # written and freed as a prefill's activations are; after 20 rounds, the page faults and the
 # growth of the resident set over 40 more.
@@ -23,8 +26,6 @@ _ROUNDS = """
 import json, resource, psutil, torch
 from pagedllm.device import keep_freed_buffers
 
-# slow: whole models, servers or builds; `make test-fast` leaves it out
-pytestmark = pytest.mark.slow
 kept = keep_freed_buffers()
 def round_(i):
     n = (48 << 20) + (i % 3) * 28672
