@@ -22,9 +22,11 @@ import importlib
 import logging
 import os
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from .generate import cmd_generate, cmd_trace, load_llm
+from . import scaleout
 
 if TYPE_CHECKING:
     from ..api import EngineOptions
@@ -289,6 +291,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     _model_arg(s)
     _engine_flags(s, top=False)
     _server_flags(s, top=False)
+    scaleout.add_serve_flags(s)
+    scaleout.add_router_parser(sub)
 
     c = sub.add_parser("chat", help="interactive chat in the terminal",
                        usage="pagedllm chat [MODEL] [--system MSG] [engine and sampling flags]")
@@ -455,7 +459,7 @@ def cmd_serve(args: argparse.Namespace, opts: EngineOptions) -> int:
                        responses_store_size=max(0, args.responses_store_size),
                        header_timeout=args.header_timeout, keep_alive_timeout=args.keep_alive_timeout,
                        max_connections=args.max_connections, lora_modules=tuple(modules),
-                       allow_runtime_lora=bool(args.allow_runtime_lora))
+                       allow_runtime_lora=bool(args.allow_runtime_lora), tokenizer_path=_tokenizer_path(opts))
     print(f"serving {' = '.join(names)} on http://{args.host}:{args.port}/v1 "
           f"({eng.block_manager.num_usable_blocks} KV blocks of {eng.cache_config.block_size} tokens"
           f"{', API key required' if api_key else ''})", file=sys.stderr, flush=True)
@@ -470,6 +474,14 @@ def cmd_serve(args: argparse.Namespace, opts: EngineOptions) -> int:
         # Everything is stopped and said; tearing down torch's modules would add 1-2 s more.
         _exit_now(0)
     return 0
+
+
+def _tokenizer_path(opts: EngineOptions) -> str | None:
+    """A tokenizer a router could load itself: the folder given, or the model's when it holds one."""
+    for cand in (opts.tokenizer, opts.model):
+        if cand and (Path(cand).expanduser() / "tokenizer.json").is_file():
+            return str(Path(cand).expanduser().resolve())
+    return None
 
 
 def _exit_now(code: int) -> None:
@@ -559,6 +571,10 @@ def main(argv: list[str] | None = None) -> int:
     handlers: dict[str, Callable[..., int]] = {"serve": cmd_serve, "chat": cmd_chat,
                                                "generate": cmd_generate, "trace": cmd_trace}
     try:
+        if args.command == "router":
+            return scaleout.cmd_router(args)
+        if args.command == "serve" and args.data_parallel_size != 1:
+            return scaleout.cmd_serve_replicas(argv, args)
         if args.command == "serve" or (args.command in ("plain", "gguf") and not args.interactive_mode):
             from ..server.listen import listen_socket
 

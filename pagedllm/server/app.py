@@ -29,7 +29,7 @@ from ..protocols.common.context import ServingContext
 from ..protocols.common.errors import ApiError
 from ..protocols.common.tokens import TokenText
 from ..protocols.openai.models import ModelCard, ModelList
-from . import embeddings, generation, limits, lora, responses, routes
+from . import embeddings, generation, limits, lora, responses, routes, worker
 from .async_engine import AsyncEngine, ShuttingDown
 from .errors import error_response, install_error_handlers
 from .generation import Generation
@@ -56,6 +56,7 @@ class ServerConfig:
     max_connections: int | None = None  # connections and requests at once; past it a 503
     lora_modules: tuple[tuple[str, str], ...] = ()  # (name, adapter folder) served at start (--lora-modules)
     allow_runtime_lora: bool = False  # POST /v1/load_lora_adapter and /v1/unload_lora_adapter
+    tokenizer_path: str | None = None  # told to a router's /model_info: a tokenizer folder or hub id it can load
 
 
 class AuthMiddleware:
@@ -174,6 +175,7 @@ def create_app(llm: Any, config: ServerConfig | None = None) -> FastAPI:
     responses.install(app, served, cfg.responses_store_size)
     embeddings.install(app, served)
     lora.install(app, adapters, cfg.allow_runtime_lora)
+    worker.install(app, llm, engine, ctx, names, cfg.tokenizer_path)
     return app
 
 
