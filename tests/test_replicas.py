@@ -77,17 +77,20 @@ def _answers(base_url: str) -> list:
     c = openai.OpenAI(base_url=base_url + "/v1", api_key="none", max_retries=0)
     msgs = [{"role": "user", "content": "What is the weather in Paris?"}]
     tool = {"type": "function", "function": {"name": "get_weather", "parameters": {
-        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
-    schema = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"]}
+        "type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"], "additionalProperties": False}}}
+    # Bounded answers: a random tiny model would fill an open string up to max_tokens.
+    schema = {"type": "object", "properties": {"answer": {"type": "boolean"}}, "required": ["answer"],
+              "additionalProperties": False}
     out = [c.chat.completions.create(model="base", messages=msgs, max_tokens=12, temperature=0).choices[0].message.content,
            c.completions.create(model="base", prompt="Once upon a time", max_tokens=12, temperature=0).choices[0].text,
-           c.chat.completions.create(model="base", messages=msgs, tools=[tool], max_tokens=40, temperature=0,
+           c.chat.completions.create(model="base", messages=msgs, tools=[tool], max_tokens=60, temperature=0,
                                      tool_choice={"type": "function", "function": {"name": "get_weather"}}
                                      ).choices[0].message.tool_calls[0].function.arguments,
-           c.chat.completions.create(model="base", messages=msgs, max_tokens=40, temperature=0, response_format={
+           c.chat.completions.create(model="base", messages=msgs, max_tokens=60, temperature=0, response_format={
                "type": "json_schema", "json_schema": {"name": "a", "schema": schema}}).choices[0].message.content,
            c.completions.create(model="a0", prompt="Once upon a time", max_tokens=12, temperature=0).choices[0].text]
-    json.loads(out[2]), json.loads(out[3])  # the constrained answers are JSON
+    assert json.loads(out[2])["city"] in ("Paris", "Rome"), out[2]  # the constrained answers are JSON
+    assert isinstance(json.loads(out[3])["answer"], bool), out[3]
     return out
 
 
@@ -107,7 +110,7 @@ def test_kill9_one_replica_under_streams(fleet):
     urls = _replicas(gateway)
     victim = urls[0]
     port = int(victim.rsplit(":", 1)[1])
-    pid = next(p.info["pid"] for p in psutil.Process(proc.pid).children(recursive=True)
+    pid = next(p.pid for p in psutil.Process(proc.pid).children(recursive=True)
                if any(c.laddr.port == port and c.status == "LISTEN" for c in p.net_connections()))
     c = openai.OpenAI(base_url=gateway + "/v1", api_key="none", max_retries=0, timeout=60)
     ended: list[tuple[str, float]] = []
