@@ -258,6 +258,7 @@ BENCHES = {
     "allreduce": "torch.distributed all-reduce latency and bandwidth at a TP step's message sizes",
     "speculative": "n-gram (and --draft MODEL) speculative decoding against plain decoding: code editing, chat, 32 concurrent",
     "soak": "a served model under streaming load, then idle: resident memory at start, peak and at idle",
+    "router": "2 replicas behind SGLang's gateway: cache-aware against round-robin routing on multi-turn chats",
     "lora": "LoRA adapters against the base model: 32 concurrent over 4 adapters, and batch 1 decode",
     "vision": "a vision-language model's time to first token for a one-image question, and its encoder share, "
               "against transformers; then a second turn on the same image",
