@@ -15,7 +15,8 @@ from .config import CacheConfig, SchedulerConfig
 from .device import resolve_device, resolve_dtype
 from .engine import scoring
 from .engine.driver import EngineDriver
-from .engine.llm_engine import LLMEngine
+from .engine.factory import build_engine
+from .engine.model_runner import ModelRunner
 from .loading.loader import load_model
 from .loading.source import resolve
 from .native import release_omp_threads
@@ -134,7 +135,7 @@ class LLM:
                  enable_lora: bool = False, max_loras: int = 1, max_lora_rank: int = 16,
                  limit_mm_per_prompt: int = 8, allowed_local_media_path: str | None = None,
                  max_num_encoder_tokens: int | None = None, media_fetch_timeout: float = 10.0,
-                 mmproj: str | None = None) -> None:
+                 mmproj: str | None = None, runner_cls: type | None = None) -> None:
         """`tensor_parallel_size=N` splits the model over N ranks (pagedllm/distributed): on one
         machine the engine starts N - 1 worker processes and splits the cores among the ranks;
         under torchrun the N ranks are torchrun's. Call `shutdown()` (or use `with LLM(...)`)
@@ -151,7 +152,9 @@ class LLM:
         `max_num_encoder_tokens` image tokens encoded a step at most (None: max_num_batched_tokens);
         an image URL's fetch takes at most `media_fetch_timeout` seconds. `mmproj`: llama.cpp's
         multimodal projector file for a GGUF `model` (its vision tower and projector; Gemma 3), as
-        llama-server's --mmproj."""
+        llama-server's --mmproj. `runner_cls`: a ModelRunner subclass that runs each step another
+        way (the planning benchmark's runner plans every step and skips the forward); None: the
+        ModelRunner."""
         from .multimodal.media import MediaPolicy
 
         self.media_policy = MediaPolicy(allowed_local_dir=allowed_local_media_path, timeout_s=media_fetch_timeout)
@@ -201,7 +204,7 @@ class LLM:
                                  isq, cache_cfg)
         try:
             self._build(source, dt, dev, max_model_len, dequantize_weights, isq, max_num_seqs,
-                        max_num_batched_tokens, cache_cfg, seed, executor, spec_cfg, draft_source)
+                        max_num_batched_tokens, cache_cfg, seed, executor, spec_cfg, draft_source, runner_cls)
         except BaseException:
             if executor is not None:
                 executor.shutdown()
@@ -213,7 +216,8 @@ class LLM:
         release_omp_threads()
 
     def _build(self, source, dt, dev, max_model_len, dequantize_weights, isq, max_num_seqs,
-               max_num_batched_tokens, cache_cfg, seed, executor, spec_cfg, draft_source=None) -> None:
+               max_num_batched_tokens, cache_cfg, seed, executor, spec_cfg, draft_source=None,
+               runner_cls=None) -> None:
         loaded = load_model(source, dt, dev, max_positions=max_model_len,
                             dequantize_weights=dequantize_weights, isq=isq,
                             tp=executor.tp if executor is not None else None,
@@ -233,8 +237,9 @@ class LLM:
         draft = None
         if draft_source is not None:
             draft = _load_draft(draft_source, loaded, dt, dev, max_model_len, dequantize_weights, isq)
-        self.engine = LLMEngine(loaded, cache_cfg, sched_cfg, dev, dt, seed, executor, spec_cfg, draft,
-                                max_lora_rank=self._lora[1] if self._lora else 16)
+        self.engine = build_engine(loaded, cache_cfg, sched_cfg, dev, dt, seed, executor, spec_cfg, draft,
+                                   max_lora_rank=self._lora[1] if self._lora else 16,
+                                   runner_cls=runner_cls or ModelRunner)
         self.driver = EngineDriver(self.engine)  # every face drives the engine through it
         self.tokenizer = loaded.tokenizer
         self.model_name = source.short_name

@@ -36,7 +36,7 @@ def _gemma3_shaped(tmp_path, tok):
 
 def _blocks_held_at_8192(path, monkeypatch=None, hybrid=True):
     if not hybrid:  # one table for every layer, as before KV groups
-        import pagedllm.engine.llm_engine as le
+        import pagedllm.engine.factory as le
 
         real = le.plan_groups
         monkeypatch.setattr(le, "plan_groups", lambda w, n, hybrid=True: real(w, n, hybrid=False))

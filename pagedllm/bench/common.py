@@ -1,4 +1,5 @@
-"""Shared pieces of the benchmarks: percentiles, medians over runs, JSON output."""
+"""Shared pieces of the benchmarks: percentiles, medians over runs, JSON output, waiting for a
+server they started."""
 from __future__ import annotations
 
 import json
@@ -14,9 +15,10 @@ import torch
 logger = logging.getLogger(__name__)
 
 
-def percentile(xs: list[float], q: float) -> float:
+def percentile(xs: list[float], q: float, empty: float | None = float("nan")) -> float | None:
+    """The q-th percentile of `xs`, linearly interpolated; `empty` when there is none."""
     if not xs:
-        return float("nan")
+        return empty
     xs = sorted(xs)
     k = (len(xs) - 1) * q / 100
     lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
@@ -43,3 +45,20 @@ def write_json(path: str | os.PathLike, data: dict) -> Path:
     p.parent.mkdir(parents=True, exist_ok=True)
     p.write_text(json.dumps(data, indent=2, default=str))
     return p
+
+
+def wait_ready(url: str, proc, timeout: float = 300) -> None:
+    """Wait until the server `proc` answers /health at `url`; an error when it exits or times out."""
+    import httpx
+
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with code {proc.returncode}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError("the server did not become ready")

@@ -19,6 +19,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .common import percentile, wait_ready
+
 PROMPTS = [
     "What is the capital of France?",
     "Write a haiku about the sea.",
@@ -111,15 +113,6 @@ class Report:
     error_samples: list[str] = field(default_factory=list)
 
 
-def percentile(xs: list[float], q: float) -> float | None:
-    if not xs:
-        return None
-    s = sorted(xs)
-    k = (len(s) - 1) * q / 100
-    lo, hi = int(k), min(int(k) + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
-
-
 def parse_metrics(text: str) -> dict[str, float]:
     out = {}
     for line in text.splitlines():
@@ -207,30 +200,14 @@ async def _run(args: argparse.Namespace) -> Report:
     return Report(
         duration_s=elapsed, concurrency=args.concurrency, requests=len(ok),
         errors=len(results) - len(ok), requests_per_s=len(ok) / elapsed,
-        ttft_p50_s=percentile(ttfts, 50), ttft_p99_s=percentile(ttfts, 99),
-        latency_p50_s=percentile([r.latency for r in ok], 50),
-        latency_p99_s=percentile([r.latency for r in ok], 99),
+        ttft_p50_s=percentile(ttfts, 50, None), ttft_p99_s=percentile(ttfts, 99, None),
+        latency_p50_s=percentile([r.latency for r in ok], 50, None),
+        latency_p99_s=percentile([r.latency for r in ok], 99, None),
         output_tokens=sum(r.tokens for r in ok), output_tokens_per_s=sum(r.tokens for r in ok) / elapsed,
         server_rss_start_mb=before[rss] / 2**20 if rss in before else None,
         server_rss_end_mb=after[rss] / 2**20 if rss in after else None,
         kv_blocks_used_after=after.get("pagedllm_kv_blocks_used"),
         error_samples=sorted({r.error for r in results if r.error})[:5])
-
-
-def _wait_ready(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
-    import httpx
-
-    t0 = time.time()
-    while time.time() - t0 < timeout:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with code {proc.returncode}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError("the server did not become ready")
 
 
 def format_report(r: Report) -> str:
@@ -267,7 +244,7 @@ def run(args: argparse.Namespace) -> int:
         proc = subprocess.Popen(cmd)
     try:
         if proc is not None:
-            _wait_ready(args.url, proc)
+            wait_ready(args.url, proc)
         report = asyncio.run(_run(args))
     finally:
         if proc is not None:

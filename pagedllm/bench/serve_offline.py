@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlparse
 
-from .common import machine_info, median_of_runs, percentile, write_json
+from .common import machine_info, median_of_runs, percentile, wait_ready, write_json
 
 logger = logging.getLogger(__name__)
 
@@ -109,27 +109,12 @@ def run_offline(llm: Any, reqs: list[Req], tag: str) -> list[Trace]:
     the server's engine thread adds them); a step's outputs are timed when the step returns."""
     from ..sampling.params import SamplingParams
 
-    driver = llm.driver
     order = sorted(range(len(reqs)), key=lambda i: reqs[i].arrival)
     traces = [Trace(r.arrival) for r in reqs]
-    index: dict[str, int] = {}
-    t0, nxt = time.perf_counter(), 0
-    while nxt < len(order) or driver.has_unfinished():
-        now = time.perf_counter() - t0
-        if not driver.has_unfinished() and reqs[order[nxt]].arrival > now:
-            time.sleep(reqs[order[nxt]].arrival - now)
-            now = time.perf_counter() - t0
-        due = []
-        while nxt < len(order) and reqs[order[nxt]].arrival <= now:
-            i = order[nxt]
-            due.append((f"{tag}-{i}", reqs[i].prompt, SamplingParams(
-                max_tokens=reqs[i].max_tokens, temperature=0.0, ignore_eos=True)))
-            index[f"{tag}-{i}"] = i
-            nxt += 1
-        if due:
-            driver.add(due)
-        outs = driver.advance()
-        now = time.perf_counter() - t0
+    index = {f"{tag}-{i}": i for i in order}
+    arrivals = [(reqs[i].arrival, (f"{tag}-{i}", reqs[i].prompt, SamplingParams(
+        max_tokens=reqs[i].max_tokens, temperature=0.0, ignore_eos=True))) for i in order]
+    for now, outs in llm.driver.paced(arrivals):
         for out in outs:
             i = index.get(out.request_id)
             if i is None:
@@ -246,7 +231,6 @@ def run(args: argparse.Namespace) -> int:
     except ImportError:
         print("error: --against-throughput needs the openai client (pip install openai)", file=sys.stderr)
         return 2
-    from .loadtest import _wait_ready
 
     rates = parse_rates(args.request_rates)
     if args.runs < 1:
@@ -266,7 +250,7 @@ def run(args: argparse.Namespace) -> int:
     result: dict = {"machine": machine_info(), "args": {k: v for k, v in vars(args).items()
                                                         if isinstance(v, (int, float, str, list, type(None)))}}
     try:
-        _wait_ready(args.url, proc)
+        wait_ready(args.url, proc)
         import httpx
 
         model = args.model or httpx.get(f"{args.url}/v1/models", timeout=30).json()["data"][0]["id"]

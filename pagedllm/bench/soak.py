@@ -20,7 +20,8 @@ from pathlib import Path
 
 import httpx
 
-from .loadtest import _wait_ready, parse_metrics
+from .common import wait_ready
+from .loadtest import parse_metrics
 
 FIELDS = {"rss_mb": "process_resident_memory_bytes", "blocks_used": "pagedllm_kv_blocks_used",
           "blocks_peak_used": "pagedllm_kv_blocks_peak_used", "blocks_touched": "pagedllm_kv_blocks_touched",
@@ -74,7 +75,7 @@ def soak(args: argparse.Namespace) -> dict:
         return rows[-1]
 
     try:
-        _wait_ready(url, server)
+        wait_ready(url, server)
         t0 = time.monotonic()
         start = sample("start")
         _first_request(url, args.max_tokens)

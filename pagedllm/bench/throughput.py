@@ -343,78 +343,82 @@ def planning_report(args: argparse.Namespace, sizes=(32, 256), context: int = 51
     # Every prompt admitted in one step, so no sequence decodes (and grows) while others wait.
     llm = LLM(args.model, dtype=args.dtype, max_num_seqs=max(sizes), block_size=args.pa_blk_size,
               kv_cache_context_len=max(sizes) * (context + 64), max_model_len=context + 64 + 16,
-              max_num_batched_tokens=max(sizes) * (context + 1))
+              max_num_batched_tokens=max(sizes) * (context + 1), runner_cls=planning_runner())
     out = {}
     try:
         for n in sizes:
             r = out[n] = profile_planning(llm, n, context)
             print(f"planning at {n} running sequences (context {context}): median {r['median_ms']:.3f} ms "
                   f"per decode step over {r['steps']} steps (plan {r['plan_ms']:.3f}, tensors "
-                  f"{r['tensors_ms']:.3f}, waste {r['waste_ms']:.3f})")
+                  f"{r['tensors_ms']:.3f}, the rest of the step {r['rest_ms']:.3f})")
     finally:
         llm.shutdown()
     return out
 
 
+def planning_runner():
+    """A ModelRunner whose step plans its inputs (ModelRunner.plan and .tensors, timed) and skips
+    the forward: each sampling row takes the next token of its own prompt, so the engine's real
+    step (schedule, update, record, outputs) runs around the planning alone."""
+    from ..engine.model_runner import ModelRunner, RunnerOutput
+    from ..sampling.sampler import SamplerOutput
+
+    class PlanningRunner(ModelRunner):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            self.timed = {"plan": 0.0, "tensors": 0.0}
+            self.decodes = 0  # the last step's sequences if every one decoded, else 0
+
+        def execute(self, batch, images: bool = False):
+            batch = sorted(batch, key=lambda it: not it.is_decode)
+            self.decodes = len(batch) if all(it.is_decode for it in batch) else 0
+            t0 = time.perf_counter()
+            plan = self.plan(batch, images)
+            t1 = time.perf_counter()
+            self.tensors(plan)
+            self.timed["plan"] += t1 - t0
+            self.timed["tensors"] += time.perf_counter() - t1
+            seqs = [it.seq for it in batch if it.samples]
+            toks = [s.prompt_token_ids[s.num_output_tokens % len(s.prompt_token_ids)] for s in seqs]
+            return RunnerOutput(seqs, SamplerOutput(toks)) if seqs else None
+
+    return PlanningRunner
+
+
 def profile_planning(llm, num_seqs: int, context: int = 512, steps: int = 16) -> dict:
-    """Per-step input planning with `num_seqs` sequences decoding at about `context` tokens:
-    ModelRunner.plan and .tensors (the step's inputs as tensors) and the engine's per-step KV
-    waste tracking. The model never runs: each step's tokens are appended here, so the figure
-    is the planning alone, on the engine's real scheduler, block manager and runner."""
+    """Per-step input planning with `num_seqs` sequences decoding at about `context` tokens, on
+    an LLM made with `runner_cls=planning_runner()`: the engine's real step without the forward,
+    timed whole (median_ms) and in its parts: ModelRunner.plan and .tensors (the step's inputs as
+    tensors), and the rest of the step (scheduling, the update, KV waste tracking, outputs)."""
     import statistics
 
     from ..sampling.params import SamplingParams
 
     eng = llm.engine
+    runner = eng.runner
+    if not hasattr(runner, "timed"):
+        raise ValueError("profile_planning needs an LLM made with runner_cls=planning_runner()")
     if eng.sched_config.max_num_seqs < num_seqs:
         raise ValueError(f"profile_planning needs max_num_seqs >= {num_seqs} (the engine has "
                          f"{eng.sched_config.max_num_seqs}); pass --max-seqs")
     wl = make_workload(num_seqs, eng.model_config.vocab_size, 11, (context, context), (1, 1),
                        set(eng.eos_token_ids))
-    rids = [eng.add_request(p, SamplingParams(max_tokens=steps + 4, temperature=0.0, ignore_eos=True))
-            for p in wl.prompts]
-    runner = eng.runner
-    timed = {"plan": 0.0, "tensors": 0.0, "waste": 0.0}
-    originals = {"plan": runner.plan, "tensors": runner.tensors, "waste": eng._track_waste}
-
-    def timer(name):
-        fn = originals[name]
-
-        def wrapped(*a, **kw):
-            t0 = time.perf_counter()
-            try:
-                return fn(*a, **kw)
-            finally:
-                timed[name] += time.perf_counter() - t0
-        return wrapped
-
-    runner.plan, runner.tensors, eng._track_waste = timer("plan"), timer("tensors"), timer("waste")
-    per_step, parts = [], {k: [] for k in timed}
+    rids = llm.driver.add((None, p, SamplingParams(max_tokens=steps + 4, temperature=0.0, ignore_eos=True))
+                          for p in wl.prompts)
+    per_step, parts = [], {"plan": [], "tensors": [], "rest": []}
     try:
-        for _ in range(10_000):
-            sched = eng.scheduler.schedule()
-            batch = sorted(sched.scheduled, key=lambda it: not it.is_decode)
-            decoding = len(batch) == num_seqs and all(it.is_decode for it in batch)
-            for k in timed:
-                timed[k] = 0.0
-            runner.tensors(runner.plan(batch))
-            for it in batch:  # what execute and the engine would record, without the forward
-                seq, samples = it.seq, it.samples
-                it.ran()
-                eng.block_manager.commit_full_blocks(seq)
-                if samples:
-                    seq.append_token(int(wl.prompts[0][seq.num_output_tokens % context]))
-            eng._track_waste()
-            if decoding:
-                per_step.append(sum(timed.values()))
-                for k, v in timed.items():
-                    parts[k].append(v)
-                if len(per_step) == steps:
-                    break
+        while len(per_step) < steps and eng.has_unfinished():
+            runner.timed["plan"] = runner.timed["tensors"] = 0.0
+            t0 = time.perf_counter()
+            llm.driver.advance()
+            took = time.perf_counter() - t0
+            if runner.decodes == num_seqs:
+                per_step.append(took)
+                parts["plan"].append(runner.timed["plan"])
+                parts["tensors"].append(runner.timed["tensors"])
+                parts["rest"].append(took - runner.timed["plan"] - runner.timed["tensors"])
     finally:
-        runner.plan, runner.tensors, eng._track_waste = originals["plan"], originals["tensors"], originals["waste"]
-        for rid in rids:
-            eng.abort(rid)
+        llm.driver.abort(rids)
     med = lambda xs: 1000 * statistics.median(xs) if xs else float("nan")
     return {"num_seqs": num_seqs, "context": context, "steps": len(per_step), "median_ms": med(per_step),
             "min_ms": 1000 * min(per_step, default=float("nan")), "max_ms": 1000 * max(per_step, default=float("nan")),

@@ -256,6 +256,7 @@ BENCHES = {
     "upcycle": "a mixture-of-experts GGUF whose experts are copies of a real dense GGUF's MLP (its text is the dense model's)",
     "startup": "time from starting `pagedllm generate` to its first token (median of 5)",
     "allreduce": "torch.distributed all-reduce latency and bandwidth at a TP step's message sizes",
+    "p2p": "pipeline stage-to-stage point-to-point latency and bandwidth (loopback, or two nodes under torchrun)",
     "speculative": "n-gram (and --draft MODEL) speculative decoding against plain decoding: code editing, chat, 32 concurrent",
     "soak": "a served model under streaming load, then idle: resident memory at start, peak and at idle",
     "router": "2 replicas behind SGLang's gateway: cache-aware against round-robin routing on multi-turn chats",

@@ -147,10 +147,9 @@ class TPExecutor:
         with self.guard():
             messages.send(self.tp.control, messages.SETUP, [[num_blocks]])
 
-    def finish_setup(self, engine) -> None:
-        """Collect every rank's weight and KV bytes (for the trace)."""
-        kv = engine.kv_cache.nbytes if engine.kv_cache is not None else 0
-        mine = torch.tensor([engine.weights.resident_bytes if engine.weights else 0, kv], dtype=torch.int64)
+    def gather_sizes(self, weight_bytes: int, kv_bytes: int) -> None:
+        """Collect every rank's weight and KV bytes (for the trace), given rank 0's own."""
+        mine = torch.tensor([weight_bytes, kv_bytes], dtype=torch.int64)
         parts = [torch.empty_like(mine) for _ in range(self.tp.size)]
         with self.guard():
             dist.gather(mine, parts if self.tp.rank == 0 else None, dst=0, group=self.tp.control)

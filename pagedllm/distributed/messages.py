@@ -46,10 +46,15 @@ def recv(group) -> tuple[int, list[list[int]]]:
 
 
 def step_lists(plan: StepPlan, ops: list[int]) -> list[list[int]]:
+    """The plan as lists; the KV groups after the first (sliding layers beside global ones:
+    a pipeline stage of Gemma 2/3) follow as their widths, then each group's slots and table."""
     rows = plan.logits_rows
     scalars = [plan.num_decodes, plan.width, 1 if rows is None else 0]
+    groups = [list(plan.group_widths)]
+    for slots, table in zip(plan.group_slots, plan.group_tables):
+        groups += [_ints(slots), _ints(table)]
     return [scalars, plan.ids, _ints(plan.pos), plan.query_start_loc, plan.context_lens, plan.seq_ids,
-            _ints(plan.slots), _ints(plan.tables), rows or [], ops]
+            _ints(plan.slots), _ints(plan.tables), rows or [], ops, *groups]
 
 
 def _ints(x) -> list[int]:
@@ -58,6 +63,7 @@ def _ints(x) -> list[int]:
 
 
 def step_from_lists(lists: list[list[int]]) -> tuple[StepPlan, list[int]]:
-    (nd, width, all_rows), ids, pos, qsl, ctx, seq_ids, slots, tables, rows, ops = lists
-    plan = StepPlan(ids, pos, qsl, ctx, nd, seq_ids, slots, tables, width, None if all_rows else rows)
+    (nd, width, all_rows), ids, pos, qsl, ctx, seq_ids, slots, tables, rows, ops, widths, *groups = lists
+    plan = StepPlan(ids, pos, qsl, ctx, nd, seq_ids, slots, tables, width, None if all_rows else rows,
+                    group_slots=groups[0::2], group_tables=groups[1::2], group_widths=widths)
     return plan, ops

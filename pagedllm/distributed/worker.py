@@ -66,7 +66,8 @@ def worker_main(rank: int, size: int, init_method: str | None, spec: WorkerSpec,
 
 
 def serve(tp: TPInfo, init_method: str | None, spec: WorkerSpec, conn=None) -> None:
-    from ..engine.llm_engine import build_kv, kv_spec_of
+    from ..attention.build import build_kv
+    from ..kv.spec import kv_spec_of
     from ..engine.model_runner import ModelRunner
     from ..loading.loader import load_model
 

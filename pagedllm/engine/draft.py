@@ -34,6 +34,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from ..attention.build import build_kv
 from ..config import CacheConfig
 from ..kv.cache import KVCacheSpec, dtype_name
 from ..kv.groups import KVGroups, plan_groups
@@ -56,6 +57,17 @@ NO_TP = ("a speculative draft model does not run under tensor parallelism yet; u
          "tensor_parallel_size=1 or n-gram speculation")
 _FIX = ("a draft model must share the target's tokenizer: use a smaller model of the same family "
         "and release (for example SmolLM2-135M for SmolLM2-1.7B), or n-gram speculation")
+
+
+def check_draft_setup(speculative, draft, executor) -> None:
+    """Refuse a draft model without its method, the method without the model, or either under
+    tensor parallelism."""
+    if draft is not None and executor is not None:
+        raise ValueError(NO_TP)
+    if draft is not None and (speculative is None or speculative.method != "draft"):
+        raise ValueError("a draft model was given without speculative method 'draft'")
+    if draft is None and speculative is not None and speculative.method == "draft":
+        raise ValueError("speculative method 'draft' needs the draft model loaded (LLM(...) loads it)")
 
 
 def check_vocab_size(t_name: str, tv: int, d_name: str, dv: int) -> None:
@@ -131,8 +143,6 @@ class DraftModel:
         """`target`: the target's block manager, whose pool the draft's groups join.
         `draft_vocab`: the token ids its head scores in full (draft_head.py; 0: all).
         `draft_weights`: the format its quantized weights run in (draft_weights.py)."""
-        from .llm_engine import build_kv  # the engine module imports this one
-
         self.name = loaded.source.short_name
         self.loaded = loaded
         self.weights_note = lighten(loaded.model, draft_weights)  # (before its first forward)
@@ -156,6 +166,7 @@ class DraftModel:
         self.decode_s = 0.0
         self.no_room = 0  # times a sequence proposed less for want of free blocks in the pool
         self.head = _draft_head(loaded, draft_vocab, draft_weights)
+        logger.info(self.describe())
 
     @property
     def memory_mb(self) -> float:

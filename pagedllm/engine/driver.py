@@ -7,6 +7,7 @@ thread calls `add`, `abort` and `advance` (one step) between its commands. Nothi
 """
 from __future__ import annotations
 
+import time
 from typing import Any, Iterable, Iterator
 
 from ..native import release_omp_threads
@@ -62,6 +63,26 @@ class EngineDriver:
 
     def has_unfinished(self) -> bool:
         return self.engine.has_unfinished()
+
+    def paced(self, arrivals: list[tuple[float, Item]]) -> Iterator[tuple[float, list[RequestOutput]]]:
+        """Arrival-paced driving, as a server's engine thread sees its clients: each item is added
+        at its arrival (seconds from the start; the list in arrival order), between steps, and
+        the engine sleeps only while idle. Yields (seconds since the start, the step's outputs)
+        after each step, until every item has arrived and finished."""
+        t0, nxt = time.perf_counter(), 0
+        while nxt < len(arrivals) or self.has_unfinished():
+            now = time.perf_counter() - t0
+            if not self.has_unfinished() and arrivals[nxt][0] > now:
+                time.sleep(arrivals[nxt][0] - now)
+                now = time.perf_counter() - t0
+            due = []
+            while nxt < len(arrivals) and arrivals[nxt][0] <= now:
+                due.append(arrivals[nxt][1])
+                nxt += 1
+            if due:
+                self.add(due)
+            outs = self.advance()
+            yield time.perf_counter() - t0, outs
 
     # -- the sync face ------------------------------------------------------------------------
     def steps(self, request_ids: Iterable[str] | None = None) -> Iterator[list[RequestOutput]]:

@@ -1,169 +1,98 @@
-"""The engine loop: admit requests, schedule, run, record.
+"""The engine loop: admit requests, schedule, run, update, then output processing.
 
-State flows one way each step: Scheduler.schedule() decides, ModelRunner
-computes, then the engine appends tokens, checks stop conditions and frees
-finished sequences. Text, stop strings, logprob entries and request metrics are
-the output processor's (output_processor.py); callers drive the loop through
-the driver (driver.py).
+Each step has vLLM v1's shape: Scheduler.schedule() decides, ModelRunner executes, the
+scheduler's update records what ran, then the engine records the step's results (prompt
+scores, pooled rows, sampled and accepted tokens) and the output processor makes the
+outputs. Text, stop strings, logprob entries and request metrics are the output processor's
+(output_processor.py); callers drive the loop through the driver (driver.py); the parts are
+assembled from the config by factory.py.
 """
 from __future__ import annotations
 
 import itertools
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from ..attention.calibration import resolve_fp8_scales
-from ..attention.contiguous import ContiguousBackend
-from ..attention.paged import PagedAttentionBackend
 from ..config import CacheConfig, SchedulerConfig
 from ..device import KEEP_BUFFERS_BYTES, keep_freed_buffers, release_freed_memory
-from ..kv.cache import KVCacheSpec, PagedKVCache, plan_cache
-from ..kv.groups import KVGroups, blocks_held, plan_groups
+from ..kv.cache import CachePlan, KVCacheSpec
+from ..kv.groups import KVGroups
 from ..kv.trace import committed_bytes
 from ..loading.loader import LoadedModel
 from ..lora.manager import LoRAManager
 from ..multimodal import EncoderCache, MultiModalInput
-from ..outputs import RequestMetrics, RequestOutput
+from ..outputs import RequestOutput
 from ..sampling.params import SamplingParams
-from ..sampling.sampler import Sampler
 from ..speculative import decoder as spec_decoder
-from ..speculative.config import SpeculativeConfig
 from ..structured.grammar import GrammarEngine, advance as grammar_advance
 from .block_manager import BlockManager
-from .draft import NO_TP, DraftModel, draft_cache_config, draft_kv_groups, shared_pool_note
-from .model_runner import ModelRunner
-from .output_processor import OutputProcessor, SeqOutputState
+from .model_runner import ModelRunner, RunnerOutput
+from .output_processor import OutputProcessor
 from .pooling import PoolingConfig, check_pooling_input, pool_rows, pooled_vector
-from .scheduler import Scheduler
+from .request import Request
+from .scheduler import Scheduler, SchedulerOutput
 from .sequence import Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
-class Request:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    seqs: list[Sequence]
-    metrics: RequestMetrics
-    states: list[SeqOutputState] = field(default_factory=list)  # the output processor's
-    error: str | None = None  # why the request failed (finish_reason "error")
-    prompt_logprobs: list[dict[int, float] | None] | None = None
-    embedding: torch.Tensor | None = None  # a pooling request's vector, once its prompt is pooled
+class KVParts:
+    """The engine's KV cache: its groups, spec and size plan (kv/spec.py), the paged cache (None
+    for the contiguous backend) and the attention backend over it (attention/build.py), and
+    whether prefix caching really runs, with why (not)."""
 
-    @property
-    def finished(self) -> bool:
-        return all(s.is_finished for s in self.seqs)
+    groups: KVGroups
+    spec: KVCacheSpec
+    plan: CachePlan
+    cache: Any
+    backend: Any
+    prefix_caching: bool
+    prefix_caching_note: str
 
 
 class LLMEngine:
+    """The engine's parts, whole when they come (engine/factory.py assembles them from the
+    config), and the loop over them."""
+
     def __init__(self, loaded: LoadedModel, cache_cfg: CacheConfig, sched_cfg: SchedulerConfig,
-                 device: torch.device, dtype: torch.dtype, seed: int = 0, executor=None,
-                 speculative: SpeculativeConfig | None = None, draft: LoadedModel | None = None,
-                 max_lora_rank: int = 16) -> None:
-        """`draft`: the loaded draft model of speculative method "draft" (its KV groups draw
-        from this engine's block pool: one budget, each block a page of both caches).
-        LoRA adapters are enabled by `sched_cfg.max_loras` > 0 (that many slots, of rank up to
-        `max_lora_rank`)."""
-        cache_cfg.validate()
-        sched_cfg.validate()
-        self.model = loaded.model
-        self.model_config = cfg = loaded.config
+                 device: torch.device, dtype: torch.dtype, *, kv: KVParts, block_manager: BlockManager,
+                 scheduler: Scheduler, runner: ModelRunner, output: OutputProcessor,
+                 structured: GrammarEngine, lora: LoRAManager | None, encoder_cache: EncoderCache | None,
+                 spec: spec_decoder.SpeculativeDecoder | None, executor=None) -> None:
+        """`executor`: rank 0's side of tensor parallelism, or None."""
+        self.model, self.model_config = loaded.model, loaded.config
         self.tokenizer = loaded.tokenizer
         self.weights = loaded.weights  # formats, resident bytes, kernel path (for the trace)
-        self.cache_config = cache_cfg
-        self.sched_config = sched_cfg
-        self.device, self.dtype = device, dtype
-        self.eos_token_ids = set(cfg.eos_token_ids) | set(self.tokenizer.eos_token_ids)
-        self.output = OutputProcessor(self.tokenizer, self.eos_token_ids)  # text, stop strings, metrics
         src = loaded.source
         self.model_name = src.path.name if src.name == "default" else src.name  # for errors
-
-        # Layers that attend alike share a block table; sliding and global layers do not.
-        self.kv_groups = plan_groups(cfg.layer_windows, cfg.num_layers, hybrid=cache_cfg.paged_attention)
-        self.kv_spec = kv_spec_of(loaded, cache_cfg, dtype, self.kv_groups)
-        windows = self.kv_groups.windows
-        # The pool's tables per sequence: the target's groups, and a draft model's beside them.
-        all_windows = list(windows)
-        draft_spec = None
-        if draft is not None:
-            if executor is not None:
-                raise ValueError(NO_TP)
-            draft_groups = draft_kv_groups(draft)
-            draft_spec = kv_spec_of(draft, draft_cache_config(cache_cfg), dtype, draft_groups)
-            all_windows += draft_groups.windows
-        self.cache_plan = plan_cache(self.kv_spec, cache_cfg, device, sched_cfg.max_model_len,
-                                     sched_cfg.max_num_seqs,
-                                     lambda n: blocks_held(all_windows, n, cache_cfg.block_size,
-                                                           sched_cfg.max_num_batched_tokens),
-                                     len(all_windows), also=draft_spec)
-        if draft is not None:
-            self.cache_plan.source += shared_pool_note(self.cache_plan.num_blocks, self.kv_spec, draft_spec)
-        self.executor = executor  # rank 0's side of tensor parallelism, or None
-        if executor is not None:  # every rank builds the same number of blocks of its heads
-            executor.setup(self.cache_plan.num_blocks)
-        self.kv_cache, backend, copy_fn = build_kv(loaded, self.kv_spec, cache_cfg,
-                                                   self.cache_plan.num_blocks, device, dtype, self.kv_groups)
-        if executor is not None:  # the other ranks repeat every cache operation
-            backend, copy_fn = executor.recorded(backend, copy_fn)
-        self.prefix_caching, self.prefix_caching_note = _prefix_caching_mode(cache_cfg, cfg)
-        if cache_cfg.prefix_caching and not self.prefix_caching:
-            logger.info("prefix caching is off: %s", self.prefix_caching_note)
-        self.block_manager = BlockManager(self.cache_plan.num_blocks, cache_cfg.block_size,
-                                          self.prefix_caching, cache_cfg.prefix_cache_n, copy_fn, windows)
-        self.backend = backend
-        committed, how = committed_bytes(self)
-        logger.info("%s; committed now %.1f MB (%s)", self.cache_plan.describe(self.kv_spec),
-                    committed / 2**20, how)
-        self.scheduler = Scheduler(sched_cfg, self.block_manager)
-        self.runner = ModelRunner(self.model, backend, cache_cfg.block_size, device, Sampler(device, seed))
-        self.lora = None
-        if sched_cfg.max_loras:
-            if executor is not None:
-                raise ValueError("LoRA adapters do not run under tensor parallelism yet; use "
-                                 "tensor_parallel_size=1 with enable_lora")
-            self.lora = self.runner.lora = LoRAManager(self.model, sched_cfg.max_loras, max_lora_rank, dtype, device)
-            logger.info("LoRA: %d adapter slots of rank <= %d over %d projections", sched_cfg.max_loras,
-                        max_lora_rank, len(self.lora.layers))
-        # Vision-language models: image embeddings cached by content hash, encoded in the step
-        # within an encoder budget (pagedllm/multimodal).
-        self.encoder_cache = None
-        if hasattr(self.model, "encode_images"):
-            self.encoder_cache = EncoderCache(max(sched_cfg.encoder_cache_tokens, sched_cfg.encoder_budget))
-            self.runner.encoder_cache = self.scheduler.encoder_cache = self.encoder_cache
-            self.scheduler.encoder_budget = sched_cfg.encoder_budget
-        if executor is not None:
-            self.runner.driver = executor
-            executor.finish_setup(self)
-        # Structured output; llguidance's token trie is built on the first constrained request.
-        self.structured = GrammarEngine(self.tokenizer, cfg.vocab_size, sorted(self.eos_token_ids))
-        self.runner.structured = self.structured
-        # Speculative decoding (None: off).
-        self.spec = (spec_decoder.SpeculativeDecoder(speculative, sched_cfg.max_model_len)
-                     if speculative is not None else None)
-        if draft is not None:
-            if self.spec is None or speculative.method != "draft":
-                raise ValueError("a draft model was given without speculative method 'draft'")
-            self.spec.draft = DraftModel(draft, draft_spec, cache_cfg, self.block_manager, device, dtype,
-                                         sched_cfg.max_num_batched_tokens, speculative.draft_vocab,
-                                         speculative.draft_weights)
-            logger.info(self.spec.draft.describe())
-        elif self.spec is not None and speculative.method == "draft":
-            raise ValueError("speculative method 'draft' needs the draft model loaded (LLM(...) loads it)")
-        if self.spec is not None:
-            # A preempted sequence's draft blocks go back to the pool at once, so the
-            # scheduler's room check sees them before it preempts another.
-            self.scheduler.on_preempt = self.spec.release
+        self.cache_config, self.sched_config = cache_cfg, sched_cfg
+        self.device, self.dtype = device, dtype
+        self.eos_token_ids = output.eos_token_ids
+        self.kv_groups, self.kv_spec, self.cache_plan = kv.groups, kv.spec, kv.plan
+        self.kv_cache, self.backend = kv.cache, kv.backend
+        self.prefix_caching, self.prefix_caching_note = kv.prefix_caching, kv.prefix_caching_note
+        self.block_manager = block_manager
+        self.scheduler = scheduler
+        self.runner = runner
+        self.output = output  # text, stop strings, logprob entries, metrics
+        self.structured = structured  # llguidance's token trie is built on the first constrained request
+        self.lora = lora
+        self.encoder_cache = encoder_cache  # image embeddings by content hash (pagedllm/multimodal)
+        self.spec = spec  # speculative decoding (None: off)
+        self.executor = executor
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.stats = {"prompt_tokens": 0, "generated_tokens": 0, "steps": 0}
         # Running share of allocated-but-empty token slots, for the trace.
         self.waste_sum, self.waste_steps = 0.0, 0
+        committed, how = committed_bytes(self)
+        logger.info("%s; committed now %.1f MB (%s)", self.cache_plan.describe(self.kv_spec),
+                    committed / 2**20, how)
         release_freed_memory()  # what loading freed, before the KV cache starts to fill
         if device.type == "cpu" and keep_freed_buffers():  # steps reuse their large buffers
             logger.debug("the heap keeps freed blocks up to %d MB for reuse", KEEP_BUFFERS_BYTES >> 20)
@@ -364,36 +293,63 @@ class LLMEngine:
 
     # -- the step ---------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """One schedule, one execute, then the record: tokens appended, proposals accepted, and
-        the next step's proposals made from this step's tokens."""
+        """One schedule, one execute, the scheduler's update, then the record (scores, pooled
+        rows, tokens appended, proposals accepted), the next step's proposals made from this
+        step's tokens, and the outputs of every request the step touched."""
         sched = self.scheduler.schedule()
-        for s in sched.preempted:  # their draft blocks went back as they were preempted
-            self.backend.free_seq(s.seq_id)
-            self.runner.release(s.seq_id)
+        self._drop_preempted(sched)
         if not sched:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("scheduler made no progress although requests are waiting")
             return []
-        t0 = time.perf_counter()
-        out = self.runner.execute(sched.scheduled, sched.has_images)
-        if self.spec is not None and all(it.is_decode for it in sched.scheduled):
-            self.spec.observe_step(sum(it.num_new_tokens for it in sched.scheduled), time.perf_counter() - t0)
-        self.stats["steps"] += 1
-        for seq, first, logits in out.prompt_logits if out is not None else ():
-            self._score_prompt(seq, first, logits)
-        for seq, _, values in out.next_token_scores if out is not None else ():
-            seq.prompt_scores.extend(values)  # already reduced by the runner, in order
-        for seq, first, rows in out.pooled if out is not None else ():
-            pool_rows(seq, first, rows)
-        touched: dict[str, Request] = {}
+        out = self._execute(sched)
+        if out is not None:
+            self._record_scores(out)
         verifying = {it.seq.seq_id: it.spec_tokens for it in sched.scheduled if it.spec_tokens}
         forking = [it.seq for it in sched.scheduled if it.seq.fork_children and it.samples]
         self.scheduler.update(sched)
         for seq in forking:
             self._fork(seq)
+        touched: dict[str, Request] = {}
+        self._finish_scored(sched, touched)
+        self._track_waste()
+        if out is not None and out.sampled is not None:
+            self._record_samples(out, verifying, touched)
+        if self.spec is not None:
+            # The next step's proposals, from the tokens this one added: n-gram lookup, or the
+            # draft model's catch-up and proposal forwards, after sampling as vLLM's drafter runs.
+            self.spec.propose(self.scheduler.running)
+        return self._outputs(list(touched.values()))
+
+    def _drop_preempted(self, sched: SchedulerOutput) -> None:
+        """The preempted sequences' K/V and runner rows go (their draft blocks went back as they
+        were preempted)."""
+        for s in sched.preempted:
+            self.backend.free_seq(s.seq_id)
+            self.runner.release(s.seq_id)
+
+    def _execute(self, sched: SchedulerOutput) -> RunnerOutput | None:
+        """The forward; a step of decode rows only also tells speculation what a step costs."""
+        t0 = time.perf_counter()
+        out = self.runner.execute(sched.scheduled, sched.has_images)
+        if self.spec is not None and all(it.is_decode for it in sched.scheduled):
+            self.spec.observe_step(sum(it.num_new_tokens for it in sched.scheduled), time.perf_counter() - t0)
+        self.stats["steps"] += 1
+        return out
+
+    def _record_scores(self, out: RunnerOutput) -> None:
+        """Prompt scoring (prompt_logprobs and the engine's own scoring requests) and pooling."""
+        for seq, first, logits in out.prompt_logits:
+            self._score_prompt(seq, first, logits)
+        for seq, _, values in out.next_token_scores:
+            seq.prompt_scores.extend(values)  # already reduced by the runner, in order
+        for seq, first, rows in out.pooled:
+            pool_rows(seq, first, rows)
+
+    def _finish_scored(self, sched: SchedulerOutput, touched: dict[str, Request]) -> None:
+        """Scoring-only sequences whose prompt is now scored (or pooled): their request is done."""
         for it in sched.scheduled:
             if it.seq.scoring_only and it.seq.num_computed_tokens == it.seq.num_tokens:
-                # The prompt is scored (or pooled): the request is done.
                 req = self.requests.get(it.seq.request_id)
                 if req is not None and it.seq.pooling is not None:
                     req.embedding = pooled_vector(it.seq)
@@ -401,31 +357,28 @@ class LLMEngine:
                 self._finish(it.seq)
                 if req is not None:
                     touched[req.request_id] = req
-        self._track_waste()
-        if out is not None and out.sampled is not None:
-            seqs, sampled = out.seqs, out.sampled
-            row = 0
-            while row < len(seqs):
-                seq = seqs[row]
-                drafts = verifying.get(seq.seq_id)
-                m = 1 if drafts is None else len(drafts) + 1
-                toks = sampled.token_ids[row:row + m]
-                lps = sampled.logprobs[row:row + m] if sampled.logprobs else [None] * m
-                if min(toks) < 0:  # the sampler marks rows whose logits were not finite
-                    self._fail(seq)
-                elif drafts is None:
-                    self._append(seq, toks[0], lps[0])
-                else:
-                    self._accept(seq, drafts, toks, lps)
-                row += m
-                req = self.requests.get(seq.request_id)
-                if req is not None:
-                    touched[req.request_id] = req
-        if self.spec is not None:
-            # The next step's proposals, from the tokens this one added: n-gram lookup, or the
-            # draft model's catch-up and proposal forwards, after sampling as vLLM's drafter runs.
-            self.spec.propose(self.scheduler.running)
-        return self._outputs(list(touched.values()))
+
+    def _record_samples(self, out: RunnerOutput, verifying: dict[int, list[int]],
+                        touched: dict[str, Request]) -> None:
+        """Each sampled row's token appended; a verified sequence's rows accepted together."""
+        seqs, sampled = out.seqs, out.sampled
+        row = 0
+        while row < len(seqs):
+            seq = seqs[row]
+            drafts = verifying.get(seq.seq_id)
+            m = 1 if drafts is None else len(drafts) + 1
+            toks = sampled.token_ids[row:row + m]
+            lps = sampled.logprobs[row:row + m] if sampled.logprobs else [None] * m
+            if min(toks) < 0:  # the sampler marks rows whose logits were not finite
+                self._fail(seq)
+            elif drafts is None:
+                self._append(seq, toks[0], lps[0])
+            else:
+                self._accept(seq, drafts, toks, lps)
+            row += m
+            req = self.requests.get(seq.request_id)
+            if req is not None:
+                touched[req.request_id] = req
 
     def _outputs(self, reqs: list[Request]) -> list[RequestOutput]:
         """The step's outputs, built by the output processor; finished requests leave the engine."""
@@ -524,52 +477,3 @@ class LLMEngine:
         self.runner.sampler.release(seq.seq_id)
         if self.spec is not None:
             self.spec.release(seq)
-
-
-def _no_copy(src: int, dst: int, n: int) -> None:
-    pass
-
-
-def kv_spec_of(loaded: LoadedModel, cache_cfg: CacheConfig, dtype: torch.dtype,
-               groups: KVGroups | None = None) -> KVCacheSpec:
-    """The cache of this rank's KV heads (all of them without tensor parallelism), one slot per
-    layer of a KV group."""
-    cfg = loaded.config
-    groups = groups or plan_groups(cfg.layer_windows, cfg.num_layers, hybrid=cache_cfg.paged_attention)
-    return KVCacheSpec(groups.slots, loaded.model.shard.kv_heads, cfg.head_dim, cache_cfg.block_size,
-                       dtype, cache_cfg.kv_cache_dtype)
-
-
-def build_kv(loaded: LoadedModel, spec: KVCacheSpec, cache_cfg: CacheConfig, num_blocks: int,
-             device: torch.device, dtype: torch.dtype, groups: KVGroups | None = None):
-    """(paged cache or None, attention backend, the block manager's copy function). An f8e4m3
-    cache first gets its fixed per-(layer, KV head) scales (from the checkpoint, else calibrated:
-    under tensor parallelism every rank calibrates its own heads in the same forward)."""
-    cfg = loaded.config
-    groups = groups or plan_groups(cfg.layer_windows, cfg.num_layers, hybrid=cache_cfg.paged_attention)
-    head_scales = None
-    if spec.mode.head_scales:
-        head_scales, spec.scale_source = resolve_fp8_scales(
-            loaded.model, loaded.tokenizer, loaded.kv_scales, cfg.num_layers, cfg.num_kv_heads, device)
-    if cache_cfg.paged_attention:
-        slot, group = groups.layer_slot, groups.layer_group
-        kv_cache = PagedKVCache(spec, num_blocks, device, head_scales, [slot[i] for i in range(cfg.num_layers)])
-        return kv_cache, PagedAttentionBackend(kv_cache, [group[i] for i in range(cfg.num_layers)]), \
-            kv_cache.copy_block_prefix
-    # Each sequence's K/V is private: nothing to copy; forks copy in the backend.
-    return None, ContiguousBackend(dtype, device, spec.mode, head_scales), _no_copy
-
-
-def _prefix_caching_mode(cache_cfg: CacheConfig, cfg) -> tuple[bool, str]:
-    """Whether prefix caching is really on, and why not when it was asked for."""
-    if not cache_cfg.enable_prefix_caching:
-        return False, "disabled by the user"
-    if cache_cfg.prefix_cache_n == 0:
-        return False, "disabled by the user (prefix_cache_n=0)"
-    if not cache_cfg.paged_attention:
-        return False, "needs paged attention (a contiguous per-sequence cache cannot share blocks)"
-    note = f"on: chained block hashes, up to {cache_cfg.prefix_cache_n} finished sequences kept"
-    if cfg.all_layers_sliding:
-        note += ("; blocks behind the sliding window are released into the LRU, and a prefix is "
-                 "reused where the window before its end is still cached")
-    return True, note

@@ -78,17 +78,22 @@ class RunnerOutput:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, backend, block_size: int,
-                 device: torch.device, sampler: Sampler) -> None:
+                 device: torch.device, sampler: Sampler | None, structured=None, driver=None,
+                 lora=None, encoder_cache=None) -> None:
+        """`structured`: the GrammarEngine of constrained requests (None: none run here).
+        `driver`: under tensor parallelism, rank 0's TPExecutor, which sends each plan.
+        `lora`: a LoRAManager (pagedllm/lora) when adapters are enabled.
+        `encoder_cache`: a vision-language model's EncoderCache (pagedllm/multimodal)."""
         self.model = model
         self.backend = backend
         self.block_size = block_size
         self.device = device
         self.sampler = sampler
         self.upload = HostUpload(device)
-        self.structured = None  # a GrammarEngine, set by the engine
-        self.driver = None  # under tensor parallelism: rank 0's TPExecutor, which sends each plan
-        self.lora = None  # a LoRAManager (pagedllm/lora) when adapters are enabled, set by the engine
-        self.encoder_cache = None  # a vision-language model's EncoderCache (pagedllm/multimodal)
+        self.structured = structured
+        self.driver = driver
+        self.lora = lora
+        self.encoder_cache = encoder_cache
         self.encoder_stats = {"images_encoded": 0, "encoder_s": 0.0}
         # M-RoPE models rotate image prompts by positions of their own (StepPlan.rope_pos); for
         # every other model the step's positions are the rope's, with no per-sequence look.
@@ -110,6 +115,11 @@ class ModelRunner:
         paged = self.backend.uses_block_tables
         if not images and all(it.num_new_tokens == 1 and not it.scores and it.seq.pooling is None for it in batch):
             return self._plan_one_token_each(batch, paged)
+        return self._plan_rows(batch, images, paged)
+
+    def _plan_rows(self, batch: list[ScheduledSeq], images: bool, paged: bool) -> StepPlan:
+        """`plan` for any step: each item's tokens, attention rows, logits and hidden rows and
+        image slices gathered in one pass, then `_plan_arrays`."""
         ids: list[int] = []
         seq_ids: list[int] = []  # one per attention row (a sequence, or a decode row)
         logits_idx: list[int] = []
@@ -163,6 +173,15 @@ class ModelRunner:
             t += n
             if item.samples and not spec:
                 logits_idx.append(t - 1)
+        plan = StepPlan(ids, None, None, None, num_decodes, seq_ids, logits_rows=logits_idx,
+                        hidden_rows=hidden_idx, images=image_rows, image_spans=image_spans)
+        return self._plan_arrays(plan, batch, starts, counts, rows if paged else None, decode_items, prefill_ends)
+
+    def _plan_arrays(self, plan: StepPlan, batch: list[ScheduledSeq], starts: list[int], counts: list[int],
+                     rows: list[int] | None, decode_items: int, prefill_ends: list[int]) -> StepPlan:
+        """Positions, query and context lengths, and (paged) slots and block tables, as array
+        operations over the items' starts and token counts."""
+        num_decodes, t = plan.num_decodes, sum(counts)
         starts_a = np.array(starts, dtype=np.int64)
         counts_a = np.array(counts, dtype=np.int64)
         tok_items = np.repeat(np.arange(len(batch)), counts_a)  # each token's item
@@ -173,13 +192,12 @@ class ModelRunner:
         qsl = list(range(num_decodes + 1))
         for n in counts[decode_items:]:
             qsl.append(qsl[-1] + n)
-        plan = StepPlan(ids, pos, qsl, ctx_lens, num_decodes, seq_ids, logits_rows=logits_idx,
-                        hidden_rows=hidden_idx, images=image_rows, image_spans=image_spans)
+        plan.pos, plan.query_start_loc, plan.context_lens = pos, qsl, ctx_lens
         if self.mrope:
             plan.rope_pos = _mrope_positions(batch, pos, first)
         if self.lora is not None:
             plan.lora_slots = self._lora_slots(batch, tok_items)
-        if paged:
+        if rows is not None:
             rows_a = np.array(rows, dtype=np.int64)
             tok_rows = rows_a[tok_items]
             # One table per attention row: decode rows repeat their sequence's row.

@@ -18,8 +18,8 @@ from ..outputs import CompletionOutput, RequestMetrics, RequestOutput
 from ..sampling.params import SamplingParams
 from ..tokenizer import IncrementalDetokenizer
 
-if TYPE_CHECKING:  # the engine's request record; only its fields are read here
-    from .llm_engine import Request
+if TYPE_CHECKING:
+    from .request import Request
     from .sequence import Sequence
 
 

@@ -82,19 +82,21 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, encoder_cache=None,
+                 on_preempt: Callable[[Sequence], None] | None = None) -> None:
+        """`encoder_cache`: a vision-language model's EncoderCache (pagedllm/multimodal), the
+        runner's, which says what is encoded already; None for text-only models.
+        `on_preempt`: called with each preempted sequence once its blocks are freed: a draft model
+        gives back its blocks of the same pool (engine/draft.py), so the next room check counts them."""
         self.config = config
         self.bm = block_manager
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
-        # Called with each preempted sequence once its blocks are freed: a draft model gives
-        # back its blocks of the same pool (engine/draft.py), so the next room check counts them.
-        self.on_preempt: Callable[[Sequence], None] | None = None
-        # Vision-language models: the runner's encoder cache (what is encoded already) and the
-        # image tokens the step may encode at most; None for text-only models.
-        self.encoder_cache = None
-        self.encoder_budget = 0
+        self.on_preempt = on_preempt
+        self.encoder_cache = encoder_cache
+        # The image tokens the step may encode at most (0 for text-only models).
+        self.encoder_budget = config.encoder_budget if encoder_cache is not None else 0
 
     # -- queue ------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -119,7 +121,14 @@ class Scheduler:
         self._encoding: set[str] = set()  # images this step encodes (charged once)
         self._enc_left = self.encoder_budget
         vision = self.encoder_cache is not None  # a text-only model never looks at seq.mm
+        budget = self._schedule_running(out, budget, vision)
+        if not out.preempted:
+            self._admit_waiting(out, budget, vision)
+        return out
 
+    def _schedule_running(self, out: SchedulerOutput, budget: int, vision: bool) -> int:
+        """The running sequences' next tokens (proposals to verify, a decode, a prefill chunk),
+        in order, preempting from the back when blocks run short; the budget left."""
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -139,41 +148,43 @@ class Scheduler:
                 self._charge(out, images)
             budget -= n
             i += 1
+        return budget
 
-        if not out.preempted:
-            # LoRA: the running sequences use at most max_loras adapters (the slots they run from).
-            loras = {s.lora_id for s in self.running if s.lora_id} if self.config.max_loras else None
-            while (self.waiting and budget > 0
-                   and len(self.running) < self.config.max_num_seqs):
-                seq = self.waiting[0]
-                if loras is not None and seq.lora_id and seq.lora_id not in loras:
-                    if len(loras) >= self.config.max_loras:
-                        break  # its adapter waits for a slot, in arrival order
-                    loras.add(seq.lora_id)
-                # A prompt still to be scored or pooled computes every position: its outputs are wanted.
-                scoring = seq.computes_whole_prompt
-                if not scoring:
-                    self.bm.match_prefix(seq)
-                n = _chunk(seq, budget)
-                images = None
-                if vision and seq.mm is not None:
-                    n, images = self._image_chunk(seq, n)
-                self.release_window(seq)
-                if n == 0 or not self.bm.can_grow(seq, seq.num_computed_tokens + n):
-                    self.bm.free(seq, "keep")  # give back what the prefix match took
-                    seq.num_computed_tokens = 0
-                    break
-                self.waiting.popleft()
-                if not scoring:
-                    self.bm.record_admission(seq)
-                self._grow(seq, n)
-                seq.status = SequenceStatus.RUNNING
-                self.running.append(seq)
-                out.scheduled.append(ScheduledSeq(seq, n, scores=_scores(seq)))
-                if images:
-                    self._charge(out, images)
-                budget -= n
-        return out
+    def _admit_waiting(self, out: SchedulerOutput, budget: int, vision: bool) -> None:
+        """Waiting sequences admitted in arrival order while the budget, the sequence limit, the
+        blocks and the LoRA slots allow (after their cached prefix)."""
+        # LoRA: the running sequences use at most max_loras adapters (the slots they run from).
+        loras = {s.lora_id for s in self.running if s.lora_id} if self.config.max_loras else None
+        while (self.waiting and budget > 0
+               and len(self.running) < self.config.max_num_seqs):
+            seq = self.waiting[0]
+            if loras is not None and seq.lora_id and seq.lora_id not in loras:
+                if len(loras) >= self.config.max_loras:
+                    break  # its adapter waits for a slot, in arrival order
+                loras.add(seq.lora_id)
+            # A prompt still to be scored or pooled computes every position: its outputs are wanted.
+            scoring = seq.computes_whole_prompt
+            if not scoring:
+                self.bm.match_prefix(seq)
+            n = _chunk(seq, budget)
+            images = None
+            if vision and seq.mm is not None:
+                n, images = self._image_chunk(seq, n)
+            self.release_window(seq)
+            if n == 0 or not self.bm.can_grow(seq, seq.num_computed_tokens + n):
+                self.bm.free(seq, "keep")  # give back what the prefix match took
+                seq.num_computed_tokens = 0
+                break
+            self.waiting.popleft()
+            if not scoring:
+                self.bm.record_admission(seq)
+            self._grow(seq, n)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append(ScheduledSeq(seq, n, scores=_scores(seq)))
+            if images:
+                self._charge(out, images)
+            budget -= n
 
     def _image_chunk(self, seq: Sequence, n: int) -> tuple[int, list]:
         """seq's chunk of n tokens cut where images demand, and the images it holds tokens of.

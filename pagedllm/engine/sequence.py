@@ -48,7 +48,6 @@ class Sequence:
     num_released: int = 0  # null entries behind a sliding window, over all its tables
     fork_children: list["Sequence"] = field(default_factory=list)  # n > 1: siblings to fork
     grammar: Any = None  # structured output: this stream's llguidance matcher
-    logprobs: list[dict] | None = None  # filled by the engine when asked for
     spec_tokens: list[int] = field(default_factory=list)  # proposals to verify this step
     spec: Any = None  # speculative decoding's per-sequence state (SeqSpecState)
     # prompt_logprobs: the prompt's entries so far ([None] for its first token), filled by the

@@ -98,9 +98,11 @@ def read_config(source: ModelSource) -> ModelConfig:
 def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
                max_positions: int | None = None, dequantize_weights: bool = False,
                isq: str | None = None, tp=None, headless: bool = False,
-               keep_float_head: bool = False) -> LoadedModel:
+               keep_float_head: bool = False, stage=None) -> LoadedModel:
     """`tp`: a TPInfo when this process is one rank of a tensor-parallel group: it builds and
-    loads only its shard (models/parallel.py). `headless`: an embedding model, built without
+    loads only its shard (models/parallel.py). `stage`: a models.stages.Stage when this process
+    runs one pipeline stage: it builds and reads only that stage's layers (and the embedding on
+    the first stage, the final norm and head on the last). `headless`: an embedding model, built without
     the LM head (any head in the checkpoint is skipped). `keep_float_head`: a GPTQ / AWQ /
     compressed-tensors checkpoint's float LM head stays float instead of HEAD_FORMAT."""
     qpath, qwhy = quantized_path(device, dequantize_weights)
@@ -126,7 +128,11 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
         files = sorted(source.path.glob("*.safetensors"))
         if not files:
             raise FileNotFoundError(f"{source.path} has no *.safetensors weight files")
-        weights = _safetensors(files)
+        keep = None
+        if stage is not None and not stage.whole:  # the other stages' tensors are never read
+            tied = ModelConfig.from_hf_dict(hf_config).tie_word_embeddings
+            keep = lambda name: stage.keeps_tensor(name, tied)  # noqa: E731
+        weights = _safetensors(files, keep)
         total = len(_safetensors_keys(files))
         if hf_config.get("quantization_config"):
             weights, quantized, total, qwhy = _quantized_checkpoint(
@@ -137,8 +143,16 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
         cfg.eos_token_ids = [tokenizer.eos_token_id]
     cls = model_class(cfg.architecture)
     positions = max_positions or cfg.max_position_embeddings
+    staged = stage is not None and not stage.whole
+    if staged:
+        if not cls.pipeline_stages or mmproj is not None or headless:
+            raise ValueError(f"pipeline parallelism runs causal language models; {cfg.architecture}"
+                             f"{' with a vision tower' if mmproj is not None else ''}"
+                             f"{' as an embedding model' if headless else ''} is not split into stages yet "
+                             "(use pipeline_parallel_size=1)")
+        weights = ((n, t) for n, t in weights if stage.keeps_tensor(n, cfg.tie_word_embeddings))
     with torch.device("meta"):
-        model = cls(cfg, positions, tp)
+        model = cls(cfg, positions, tp, stage) if staged else cls(cfg, positions, tp)
     if headless:
         model.drop_head()
     if quantized and source.kind != "gguf" and hf_config.get("quantization_config") and not keep_float_head:
@@ -319,14 +333,16 @@ def _read_json(path: Path) -> dict:
         return json.load(f)
 
 
-def _safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
-    """The checkpoint's tensors as stored, one at a time (the consumer casts or quantizes)."""
+def _safetensors(files: list[Path], keep=None) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors as stored, one at a time (the consumer casts or quantizes);
+    `keep`: a test on the name, the tensors it refuses left unread."""
     from safetensors import safe_open
 
     for f in files:
         with safe_open(str(f), framework="pt", device="cpu") as st:
             for name in st.keys():
-                yield name, st.get_tensor(name)
+                if keep is None or keep(name):
+                    yield name, st.get_tensor(name)
 
 
 def _safetensors_keys(files: list[Path]) -> list[str]:

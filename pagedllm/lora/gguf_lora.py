@@ -1,5 +1,5 @@
 """A llama.cpp GGUF LoRA adapter (written by its convert_lora_to_gguf.py) read onto the same
-pairs a PEFT folder gives (peft.py), for users whose bases and adapters are GGUF files.
+pairs a PEFT folder gives (pairs.py), for users whose bases and adapters are GGUF files.
 
 The file is read by pagedllm/loading/gguf.py (HF module names, float32 A/B, q/k's B rows back in
 HF order); here each pair is scaled as llama.cpp scales it (adapter.lora.alpha / the pair's rank;
@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..loading.gguf import GGUFError, read_gguf_lora
-from .peft import AdapterWeights, stack_adapter, target_of
+from .pairs import AdapterWeights, stack_adapter, target_of
 
 # GGUF architecture -> HF architectures llama.cpp converts to it beyond its own (Mistral's
 # checkpoints are converted as "llama").

@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 from .layers import LinearLoRA, LoRAState
-from .peft import AdapterWeights, load_adapter
+from .pairs import AdapterWeights
+from .peft import load_adapter
 from .request import LoRARequest
 
 logger = logging.getLogger(__name__)
@@ -34,6 +35,8 @@ class LoRAManager:
                 module.lora = self.layers[name] = LinearLoRA(self.state, max_loras)
         if not self.layers:
             raise ValueError(f"{type(model).__name__} has no projections LoRA adapters can apply to")
+        logger.info("LoRA: %d adapter slots of rank <= %d over %d projections", max_loras, max_lora_rank,
+                    len(self.layers))
         model.lora_state = self.state
         self.slots: OrderedDict[int, int] = OrderedDict()  # lora_int_id -> slot, least recent first
         self.loaded: dict[int, LoRARequest] = {}

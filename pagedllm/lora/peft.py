@@ -1,5 +1,6 @@
 """A PEFT LoRA folder (adapter_config.json + adapter_model.safetensors) read for one base model
-(llama.cpp's GGUF LoRA files come in through gguf_lora.py onto the same pairs).
+(llama.cpp's GGUF LoRA files come in through gguf_lora.py onto the same pairs, pairs.py;
+`load_adapter` takes either).
 
 Each targeted projection becomes one pair (A [r', in], B [out, r']) on our (possibly fused) layer:
 a fused q|k|v or gate|up layer stacks its parts' A rows and places each part's B block-diagonally
@@ -11,10 +12,10 @@ from __future__ import annotations
 import json
 import logging
 import math
-from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
+from .gguf_lora import load_gguf_adapter
+from .pairs import AdapterWeights, stack_adapter, target_of
 
 logger = logging.getLogger(__name__)
 
@@ -31,21 +32,6 @@ _UNSUPPORTED = {
     "use_qalora": "QALoRA",
     "lora_bias": "lora_bias (a bias on lora_B)",
 }
-
-
-@dataclass
-class AdapterWeights:
-    """One adapter's low-rank pairs, keyed by our linear layer's module name, float32 on the CPU;
-    B already carries the scale."""
-
-    path: Path
-    rank: int
-    alpha: float
-    pairs: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in self.pairs.values())
 
 
 def read_config(path: str | Path) -> dict:
@@ -87,9 +73,7 @@ def load_adapter(path: str | Path, model, max_rank: int) -> AdapterWeights:
     `lora` slots); every shape is checked against the base."""
     from safetensors.torch import load_file
 
-    if Path(path).is_file():
-        from .gguf_lora import load_gguf_adapter
-
+    if Path(path).is_file():  # the one place that tells the two formats apart
         return load_gguf_adapter(path, model, max_rank)
     cfg = read_config(path)
     folder = Path(path)
@@ -115,71 +99,3 @@ def load_adapter(path: str | Path, model, max_rank: int) -> AdapterWeights:
         mod_name, shard = target_of(folder, model, base.removeprefix("base_model.model."))
         parts.setdefault(mod_name, {}).setdefault(shard, [None, None])[which] = t.float()
     return stack_adapter(folder, model, parts, r, cfg.get("lora_alpha", 8), scale_of(cfg), max_rank)
-
-
-def target_of(folder: Path, model, hf: str) -> tuple[str, int | None]:
-    """(our linear layer's module name, its fused part or None) for the HF module `hf` an
-    adapter targets, or a ValueError when LoRA cannot apply there."""
-    leaf = hf.rsplit(".", 1)[-1]
-    if leaf in ("lm_head", "embed_tokens"):
-        raise ValueError(f"adapter {str(folder)!r} targets {leaf}; LoRA on {leaf} is not supported "
-                         "(target the attention and MLP projections)")
-    mapped = model.map_weight_name(hf + ".weight")
-    if mapped is None:
-        raise ValueError(f"adapter {str(folder)!r}: {hf} has no place in the base model")
-    ours, shard = mapped
-    mod_name = ours.rsplit(".", 1)[0]
-    try:
-        module = model.get_submodule(mod_name)
-    except AttributeError:
-        module = None
-    if module is None or getattr(module, "lora", None) is None:
-        raise ValueError(f"adapter {str(folder)!r} targets {hf}, which is not a projection LoRA can "
-                         "apply to in this model (q/k/v/o and gate/up/down of dense layers)")
-    return mod_name, shard
-
-
-def stack_adapter(folder: Path, model, parts: dict[str, dict[int | None, list]], rank: int, alpha: float,
-                  scale: float, max_rank: int) -> AdapterWeights:
-    """The adapter's pairs on our layers from `parts` (our module -> fused part -> [A, B]), B
-    times `scale`."""
-    if not parts:
-        raise ValueError(f"adapter {str(folder)!r} holds no LoRA weights")
-    out = AdapterWeights(folder, rank, alpha)
-    for mod_name, shards in parts.items():
-        out.pairs[mod_name] = _stack(folder, model, mod_name, shards, scale, max_rank)
-    return out
-
-
-def _stack(folder: Path, model, mod_name: str, shards: dict, scale: float,
-           max_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """One layer's (A, B): its parts' A rows stacked, each part's scaled B in its own rows and
-    columns (zero elsewhere), after checking each shape against the base layer."""
-    module = model.get_submodule(mod_name)
-    fused = None not in shards
-    sizes = model.shard_sizes(mod_name + ".weight") if fused else [module.out_features]
-    a_rows, b_blocks = [], []
-    col = 0
-    for shard in sorted(shards, key=lambda s: -1 if s is None else s):
-        a, b = shards[shard]
-        where = f"{mod_name}" + (f" part {shard}" if shard is not None else "")
-        if a is None or b is None:
-            raise ValueError(f"adapter {str(folder)!r}: {where} has lora_{'A' if a is None else 'B'} missing")
-        out_rows = sizes[0 if shard is None else shard]
-        if a.dim() != 2 or a.shape[1] != module.in_features:
-            raise ValueError(f"adapter {str(folder)!r}: {where} lora_A has shape {tuple(a.shape)}, but the base "
-                             f"layer takes {module.in_features} inputs: the adapter is for another base model")
-        if b.dim() != 2 or b.shape != (out_rows, a.shape[0]):
-            raise ValueError(f"adapter {str(folder)!r}: {where} lora_B has shape {tuple(b.shape)}, expected "
-                             f"{(out_rows, a.shape[0])} for this base model: the adapter is for another base model")
-        if a.shape[0] > max_rank:
-            raise ValueError(f"adapter {str(folder)!r}: {where} has rank {a.shape[0]}, above max_lora_rank={max_rank}")
-        start = 0 if shard is None else sum(sizes[:shard])
-        a_rows.append(a)
-        b_blocks.append((start, out_rows, col, b * scale))
-        col += a.shape[0]
-    big_a = torch.cat(a_rows, 0)
-    big_b = torch.zeros(module.out_features, col)
-    for start, rows, c0, b in b_blocks:
-        big_b[start:start + rows, c0:c0 + b.shape[1]] = b
-    return big_a, big_b

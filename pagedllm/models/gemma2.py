@@ -51,8 +51,8 @@ class Gemma2DecoderLayer(nn.Module):
 class Gemma2ForCausalLM(LlamaForCausalLM):
     layer_cls = Gemma2DecoderLayer
 
-    def __init__(self, cfg: ModelConfig, max_positions: int, tp=None) -> None:
-        super().__init__(cfg, max_positions, tp)
+    def __init__(self, cfg: ModelConfig, max_positions: int, tp=None, stage=None) -> None:
+        super().__init__(cfg, max_positions, tp, stage)
         self.embed_scale = cfg.hidden_size ** 0.5
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:

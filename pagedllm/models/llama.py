@@ -5,6 +5,9 @@ positions); attention storage is behind `self.attn`, set by the runner.
 q/k/v and gate/up projections are fused at load time so each is one matmul.
 Under tensor parallelism (`tp`) each rank builds the model with its share of the heads,
 intermediate rows and vocabulary, and loads only those slices (models/parallel.py).
+Under pipeline parallelism (`stage`, models/stages.py) a rank builds and loads only its run of
+layers: the first stage embeds, the last applies the final norm and the head, and the others
+take and return hidden states.
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ from ..quant.formats import QuantTensor
 from .linear import Embedding, Linear
 from .parallel import ShardLayout, narrow
 from .rope import RotaryEmbedding, apply_rope
+from .stages import Stage, whole
 
 
 class RMSNorm(nn.Module):
@@ -131,6 +135,14 @@ class DecoderLayer(nn.Module):
         return self.mlp(h, norm=self.post_attention_layernorm, residual=h)
 
 
+class MissingLayer(nn.Module):
+    """The place of a layer another pipeline stage runs: no weights, never called (its index
+    keeps the checkpoint's layer names lined up with the modules)."""
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError("this layer runs on another pipeline stage")
+
+
 class LlamaForCausalLM(nn.Module):
     # HF checkpoint name fragment -> (our parameter fragment, shard index)
     packed = {
@@ -141,10 +153,21 @@ class LlamaForCausalLM(nn.Module):
     norm_cls: type[nn.Module] = RMSNorm
     lora_state = None  # set by the LoRA manager (pagedllm/lora): the step's adapter row groups
 
-    def __init__(self, cfg: ModelConfig, max_positions: int, tp=None) -> None:
-        """`tp`: a TPInfo (pagedllm/distributed) when this is one rank's shard, else None."""
+    # Whether the family can be cut into pipeline stages (the vision-language ones cannot yet:
+    # their image tower feeds the first stage's embeddings).
+    pipeline_stages = True
+
+    def __init__(self, cfg: ModelConfig, max_positions: int, tp=None, stage: Stage | None = None) -> None:
+        """`tp`: a TPInfo (pagedllm/distributed) when this is one rank's shard, else None.
+        `stage`: the pipeline stage this rank runs (models/stages.py), None for all layers."""
         super().__init__()
         self.config = cfg
+        if stage is not None and not stage.whole and not self.pipeline_stages:
+            raise ValueError(f"pipeline parallelism does not split {type(self).__name__} yet "
+                             "(use pipeline_parallel_size=1)")
+        if stage is not None and stage.num_layers != cfg.num_layers:
+            raise ValueError(f"stage {stage} was planned for {stage.num_layers} layers; the model has {cfg.num_layers}")
+        self.stage = st = stage or whole(cfg)
         self.tp = tp if tp is not None and tp.size > 1 else None
         self.shard = sh = ShardLayout.of(cfg, *((tp.rank, tp.size) if self.tp else (0, 1)))
         self.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
@@ -154,17 +177,28 @@ class LlamaForCausalLM(nn.Module):
             self.rope_local = RotaryEmbedding(cfg.head_dim, max_positions, cfg.local_rope_theta,
                                               cfg.local_rope_scaling)
         # An uninitialised table: the checkpoint fills it. (nn.Embedding's own init draws
-        # normal_ values, whose meta-device kernel imports sympy: 2 s of startup.)
-        self.embed_tokens = Embedding(sh.vocab, cfg.hidden_size,
-                                      _weight=torch.empty(sh.vocab, cfg.hidden_size))
-        self.embed_tokens.tp, self.embed_tokens.vocab_start = self.tp, sh.vocab_start
+        # normal_ values, whose meta-device kernel imports sympy: 2 s of startup.) The last
+        # stage of a tied model keeps the table too, as its head's weight.
+        self.embed_tokens = None
+        if st.first or (st.last and cfg.tie_word_embeddings):
+            self.embed_tokens = Embedding(sh.vocab, cfg.hidden_size,
+                                          _weight=torch.empty(sh.vocab, cfg.hidden_size))
+            self.embed_tokens.tp, self.embed_tokens.vocab_start = self.tp, sh.vocab_start
         if self.tp is not None and not issubclass(self.layer_cls, DecoderLayer):
             raise ValueError(f"tensor parallelism does not split {type(self).__name__} yet; it runs "
                              "Llama, Mistral, Qwen2 and Qwen3 (use tensor_parallel_size=1)")
-        self.layers = nn.ModuleList(self.layer_cls(cfg, i, sh, self.tp) if self.tp else self.layer_cls(cfg, i)
-                                    for i in range(cfg.num_layers))
-        self.norm = self.norm_cls(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = Linear(cfg.hidden_size, sh.vocab, bias=False)
+        self.layers = nn.ModuleList(
+            MissingLayer() if not st.holds(i) else
+            self.layer_cls(cfg, i, sh, self.tp) if self.tp else self.layer_cls(cfg, i)
+            for i in range(cfg.num_layers))
+        # The layers this rank runs, kept once: slicing the ModuleList each step builds a new one.
+        self._run = tuple(self.layers[st.start:st.end])
+        self.norm = self.norm_cls(cfg.hidden_size, cfg.rms_norm_eps) if st.last else None
+        self.lm_head = Linear(cfg.hidden_size, sh.vocab, bias=False) if st.last else None
+
+    def stage_layers(self) -> list[nn.Module]:
+        """The layers this rank runs, in order (all of them without pipeline parallelism)."""
+        return list(self._run)
 
     def drop_head(self) -> None:
         """An embedding model: no LM head (its checkpoint may hold none); the final-norm hidden
@@ -184,18 +218,24 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionContext, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        """`inputs_embeds`: the step's input embeddings where images are among its tokens."""
+        """`inputs_embeds`: the step's input embeddings where images are among its tokens; on a
+        pipeline stage after the first, the previous stage's hidden states (required). The last
+        stage returns the final-norm hidden states, the others their last layer's output."""
+        if inputs_embeds is None and not self.stage.first:
+            raise ValueError(f"pipeline stage {self.stage.index} runs on the previous stage's hidden states")
         h = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         rope = self.rope.lookup(positions, h.dtype)
         stacked = self._decode_stack(h, rope, meta)
         if stacked is not None:
             return self._final_norm(stacked)
         local = self.rope_local.lookup(positions, h.dtype) if self.rope_local is not None else rope
-        for layer in self.layers:
+        for layer in self._run:
             h = layer(local if layer.self_attn.window is not None else rope, h, meta)
         return self._final_norm(h)
 
     def _final_norm(self, h: torch.Tensor) -> torch.Tensor:
+        if self.norm is None:  # a pipeline stage before the last: the next stage goes on from h
+            return h
         # One native call where it is a plain RMSNorm, on both paths so the all-layer decode keeps
         # the per-layer path's bits: ATen's chain of small ops took some 167 us after a decode
         # step (2% of a SmolLM2 step at batch 1; 14 us with warm caches).
@@ -220,7 +260,7 @@ class LlamaForCausalLM(nn.Module):
         kv = meta.decode_stack(plan["attns"], h.dtype, plan["pools"])  # None: not a decode-only native paged step
         if kv is None:
             return None
-        a = self.layers[0].self_attn
+        a = self.layers[self.stage.start].self_attn
         out = qk.decode_layers(h, plan, kv, rope, a.num_heads, a.num_kv_heads, a.scale, lora)
         for i, mlp in plan["moe_layers"]:  # this step's expert ids are the stack's (trace)
             mlp.ids_from(plan["moe"], i)
@@ -238,7 +278,7 @@ class LlamaForCausalLM(nn.Module):
         cached = getattr(self, "_lora_flat", None)
         if cached is None or cached[0] != (state.version, used):
             a, panels, index = [], [], []
-            for layer in self.layers:
+            for layer in self.stage_layers():
                 for p in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
                           layer.mlp.down_proj):
                     a += [p.lora.a_native[s] for s in used]
@@ -261,7 +301,7 @@ class LlamaForCausalLM(nn.Module):
                     plan["attns"], plan["pools"] = attns, {}
             return plan
         self._plan = None
-        layers = list(self.layers)
+        layers = self.stage_layers()
         if not qk.decode_layers_available() or not layers or self.tp is not None:
             return None  # (tensor-parallel layers all-reduce between their projections)
         weights, types, parts, kdims, norms, biases, qk_norms, sparse = [], [], [], [], [], [], [], []
@@ -329,12 +369,13 @@ class LlamaForCausalLM(nn.Module):
         return self.tp.gather_columns(logits, self.shard.vocab_total)
 
     def attention_modules(self) -> list[Attention]:
-        return [layer.self_attn for layer in self.layers]
+        """This stage's attention layers in order (their KV cache holds only these)."""
+        return [layer.self_attn for layer in self.stage_layers()]
 
     # -- weights ----------------------------------------------------------
     def shard_sizes(self, name: str) -> list[int]:
         """Rows of each checkpoint part of our fused parameter `name` (q|k|v or gate|up)."""
-        a = self.layers[0].self_attn
+        a = self.layers[self.stage.start].self_attn
         if name.split(".")[-2] == "qkv_proj":
             return [a.q_size, a.kv_size, a.kv_size]
         # gate|up: the halves of this layer's projection (an MoE expert's may be narrower)
@@ -366,10 +407,25 @@ class LlamaForCausalLM(nn.Module):
         name = name.removeprefix("model.")
         if name == "lm_head.weight" and (self.config.tie_word_embeddings or self.lm_head is None):
             return None
+        if not self._on_stage(name):
+            return None
         for frag, (ours, shard) in self.packed.items():
             if f".{frag}." in name:
                 return name.replace(frag, ours), shard
         return name, None
+
+    def _on_stage(self, name: str) -> bool:
+        """Whether our parameter `name` lives on this pipeline stage."""
+        st = self.stage
+        if st.whole:
+            return True
+        if name.startswith("layers."):
+            return st.holds(int(name.split(".", 2)[1]))
+        if name.startswith("embed_tokens."):
+            return self.embed_tokens is not None
+        if name.startswith(("norm.", "lm_head.")):
+            return st.last
+        return True
 
     def expect_quantized(self, hf_names: set[str]) -> None:
         """Before materializing (the model is on the meta device): the weights named will
@@ -379,7 +435,8 @@ class LlamaForCausalLM(nn.Module):
             if mapped is not None:
                 module = self.get_submodule(mapped[0].rsplit(".", 1)[0])
                 module.weight = None
-        if self.config.tie_word_embeddings and self.embed_tokens.weight is None and self.lm_head is not None:
+        if (self.config.tie_word_embeddings and self.embed_tokens is not None and self.embed_tokens.weight is None
+                and self.lm_head is not None):
             self.lm_head.weight = None
 
     @torch.no_grad()
@@ -426,7 +483,7 @@ class LlamaForCausalLM(nn.Module):
         """A float parameter for a weight expected quantized whose slice came dequantized
         (a row-parallel split off the format's blocks: models/parallel.py)."""
         module = self.get_submodule(name.rsplit(".", 1)[0])
-        module.weight = nn.Parameter(torch.empty(t.shape, dtype=dtype, device=self.norm.weight.device),
+        module.weight = nn.Parameter(torch.empty(t.shape, dtype=dtype, device=self.rope.cos.device),
                                      requires_grad=False)
         return module.weight
 

@@ -213,10 +213,10 @@ _FUSED_EXPERTS = re.compile(r"(.*\.experts)\.(gate_up_proj|down_proj)$")
 class MoeForCausalLM(LlamaForCausalLM):
     layer_cls = MoeDecoderLayer
 
-    def __init__(self, cfg: ModelConfig, max_positions: int, tp=None) -> None:
+    def __init__(self, cfg: ModelConfig, max_positions: int, tp=None, stage=None) -> None:
         if len(cfg.moe_layers) != cfg.num_layers:
             raise ValueError(f"{cfg.architecture}: the config names no experts (num_experts / num_local_experts)")
-        super().__init__(cfg, max_positions, tp)
+        super().__init__(cfg, max_positions, tp, stage)
 
     def map_weight_name(self, name: str) -> tuple[str, int | None] | None:
         name = name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's name for the block
@@ -235,7 +235,8 @@ class MoeForCausalLM(LlamaForCausalLM):
         return cut[0], start, n
 
     def expert_paths(self) -> list[tuple[int, SparseMoE]]:
-        return [(i, layer.mlp) for i, layer in enumerate(self.layers) if isinstance(layer.mlp, SparseMoE)]
+        return [(i, layer.mlp) for i, layer in enumerate(self.layers)
+                if self.stage.holds(i) and isinstance(layer.mlp, SparseMoE)]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantTensor]],
                      dtype: torch.dtype = torch.float32) -> None:

@@ -4,7 +4,7 @@ from .llama import LlamaForCausalLM
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
-    def __init__(self, cfg: ModelConfig, max_positions: int, tp=None) -> None:
+    def __init__(self, cfg: ModelConfig, max_positions: int, tp=None, stage=None) -> None:
         cfg.attention_bias = True
         cfg.o_proj_bias = False
-        super().__init__(cfg, max_positions, tp)
+        super().__init__(cfg, max_positions, tp, stage)

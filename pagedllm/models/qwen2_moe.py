@@ -5,6 +5,6 @@ from .moe import MoeForCausalLM
 
 
 class Qwen2MoeForCausalLM(MoeForCausalLM):
-    def __init__(self, cfg: ModelConfig, max_positions: int, tp=None) -> None:
+    def __init__(self, cfg: ModelConfig, max_positions: int, tp=None, stage=None) -> None:
         cfg.o_proj_bias = False
-        super().__init__(cfg, max_positions, tp)
+        super().__init__(cfg, max_positions, tp, stage)

@@ -1,0 +1,156 @@
+"""Which layers a pipeline-parallel stage runs: the model cut into P contiguous runs of layers.
+
+The embedding belongs to the first stage and the final norm and LM head to the last, so a cut
+is balanced by weight bytes with those counted where they live: with a large vocabulary the
+first and last stages take fewer layers. The cut minimises the largest stage's bytes (the
+slowest stage sets a pipeline's pace, and the largest stage's memory is what has to fit on one
+node); among equal cuts the earliest-layer-heavy one is taken, so the plan is deterministic.
+
+Hybrid-KV models (Gemma 2/3: sliding layers beside global ones) and mixtures of experts are
+cut the same way: a stage holds whole layers, whatever their attention window or experts, and
+its KV cache holds the groups its own layers fall in.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Iterable
+
+from ..config import ModelConfig
+
+
+@dataclass(frozen=True)
+class Stage:
+    """Stage `index` of `size`: layers [start, end) of `num_layers`."""
+
+    index: int
+    size: int
+    start: int
+    end: int
+    num_layers: int
+
+    @property
+    def first(self) -> bool:
+        """This stage embeds the tokens."""
+        return self.index == 0
+
+    @property
+    def last(self) -> bool:
+        """This stage applies the final norm and the LM head."""
+        return self.index == self.size - 1
+
+    @property
+    def layers(self) -> range:
+        return range(self.start, self.end)
+
+    def holds(self, layer: int) -> bool:
+        return self.start <= layer < self.end
+
+    @property
+    def whole(self) -> bool:
+        """The only stage: no pipeline parallelism."""
+        return self.size == 1
+
+    def keeps_tensor(self, name: str, tie_word_embeddings: bool) -> bool:
+        """Whether a checkpoint tensor (HF name) is one this stage loads; a loader skips the
+        others before reading them."""
+        if self.whole:
+            return True
+        m = _LAYER.search(name)
+        if m is not None:
+            return self.holds(int(m.group(1)))
+        if "embed_tokens" in name:
+            return self.first or (self.last and tie_word_embeddings)
+        if "lm_head" in name or name.removeprefix("model.") == "norm.weight":
+            return self.last
+        return True
+
+
+def check_pp(num_layers: int, size: int) -> None:
+    if size < 1:
+        raise ValueError(f"pipeline_parallel_size must be >= 1, got {size}")
+    if size > num_layers:
+        raise ValueError(f"pipeline_parallel_size={size} is more stages than the model's {num_layers} layers "
+                         f"(each stage runs at least one layer); use at most {num_layers}")
+
+
+def plan_stages(layer_bytes: list[int], size: int, embed_bytes: int = 0, head_bytes: int = 0) -> list[Stage]:
+    """Cut layers with these weight bytes into `size` contiguous stages, the first also holding
+    `embed_bytes` and the last `head_bytes` (the final norm and LM head; with tied embeddings the
+    head's copy of the table), minimising the largest stage's bytes."""
+    n = len(layer_bytes)
+    check_pp(n, size)
+    if any(b < 0 for b in layer_bytes) or embed_bytes < 0 or head_bytes < 0:
+        raise ValueError("weight bytes must be non-negative")
+    prefix = [0]
+    for b in layer_bytes:
+        prefix.append(prefix[-1] + b)
+
+    def cost(s: int, i: int, j: int) -> int:  # stage s holding layers [i, j)
+        return prefix[j] - prefix[i] + (embed_bytes if s == 0 else 0) + (head_bytes if s == size - 1 else 0)
+
+    # best[s][j]: the smallest largest-stage bytes cutting layers [0, j) into stages 0..s.
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(size)]
+    cut = [[0] * (n + 1) for _ in range(size)]
+    for j in range(1, n + 1):
+        best[0][j] = cost(0, 0, j)
+    for s in range(1, size):
+        for j in range(s + 1, n + 1):
+            # Latest start first, so that ties leave the earlier stages the more layers.
+            for i in range(j - 1, s - 1, -1):
+                v = max(best[s - 1][i], cost(s, i, j))
+                if v < best[s][j]:
+                    best[s][j], cut[s][j] = v, i
+    bounds, j = [n], n
+    for s in range(size - 1, 0, -1):
+        j = cut[s][j]
+        bounds.append(j)
+    bounds.append(0)
+    bounds.reverse()
+    return [Stage(s, size, bounds[s], bounds[s + 1], n) for s in range(size)]
+
+
+def whole(cfg: ModelConfig) -> Stage:
+    """The single stage of a model run without pipeline parallelism."""
+    return Stage(0, 1, 0, cfg.num_layers, cfg.num_layers)
+
+
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def bytes_by_part(tensors: Iterable[tuple[str, int]], num_layers: int,
+                  tie_word_embeddings: bool) -> tuple[list[int], int, int]:
+    """(per-layer bytes, embedding bytes, final norm + head bytes) from a checkpoint's
+    (HF tensor name, stored bytes) pairs: what the file holds, quantized or not. A tied head
+    counts the embedding's bytes again on the last stage, which holds its own copy."""
+    layers, embed, head = [0] * num_layers, 0, 0
+    for name, nbytes in tensors:
+        m = _LAYER.search(name)
+        if m is not None and int(m.group(1)) < num_layers:
+            layers[int(m.group(1))] += nbytes
+        elif "embed_tokens" in name:
+            embed += nbytes
+        elif "lm_head" in name or name.endswith("norm.weight"):
+            head += nbytes
+    if tie_word_embeddings:
+        head += embed
+    return layers, embed, head
+
+
+def estimated_bytes(cfg: ModelConfig, bytes_per_value: float = 2.0) -> tuple[list[int], int, int]:
+    """(per-layer bytes, embedding bytes, head bytes) from the config alone, at one width for
+    every weight: for a plan made before a checkpoint's tensor sizes are known."""
+    h, d = cfg.hidden_size, cfg.head_dim
+    attn = h * d * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)
+    layers = []
+    for i in range(cfg.num_layers):
+        moe = bool(cfg.moe_layers and cfg.moe_layers[i])
+        if moe:
+            mlp = cfg.num_experts * 3 * h * cfg.moe_intermediate_size + cfg.num_experts * h
+            mlp += 3 * h * (cfg.shared_expert_intermediate_size or 0)
+        else:
+            mlp = 3 * h * cfg.intermediate_size
+        layers.append(int((attn + mlp + 4 * h) * bytes_per_value))
+    embed = int(cfg.vocab_size * h * bytes_per_value)
+    return layers, embed, embed + int(h * bytes_per_value)

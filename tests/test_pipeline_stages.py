@@ -1,0 +1,104 @@
+"""The pipeline stage plan (models/stages.py): contiguous cuts balanced by weight bytes, the
+embedding on the first stage and the head on the last, checked against every possible cut."""
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from pagedllm.config import ModelConfig
+from pagedllm.models.stages import bytes_by_part, estimated_bytes, plan_stages
+
+
+def _best_by_search(layer_bytes, size, embed, head) -> int:
+    """The smallest largest-stage bytes over every cut (what the plan must reach)."""
+    n = len(layer_bytes)
+    best = None
+    for cuts in itertools.combinations(range(1, n), size - 1):
+        bounds = (0, *cuts, n)
+        worst = max(sum(layer_bytes[bounds[s]:bounds[s + 1]]) + (embed if s == 0 else 0)
+                    + (head if s == size - 1 else 0) for s in range(size))
+        best = worst if best is None else min(best, worst)
+    return best
+
+
+def _stage_bytes(stages, layer_bytes, embed, head) -> list[int]:
+    return [sum(layer_bytes[s.start:s.end]) + (embed if s.first else 0) + (head if s.last else 0) for s in stages]
+
+
+def _check_shape(stages, n, size) -> None:
+    assert len(stages) == size
+    assert stages[0].start == 0 and stages[-1].end == n
+    for a, b in zip(stages, stages[1:]):
+        assert a.end == b.start  # contiguous, no layer twice, none dropped
+    assert all(s.end > s.start for s in stages)  # every stage runs a layer
+    assert [s.first for s in stages] == [True] + [False] * (size - 1)
+    assert [s.last for s in stages] == [False] * (size - 1) + [True]
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_plan_is_an_optimal_contiguous_cut(seed):
+    rng = random.Random(seed)
+    n = rng.randint(1, 9)
+    size = rng.randint(1, n)
+    layer_bytes = [rng.randint(1, 100) for _ in range(n)]
+    embed, head = rng.randint(0, 300), rng.randint(0, 300)
+    stages = plan_stages(layer_bytes, size, embed, head)
+    _check_shape(stages, n, size)
+    assert max(_stage_bytes(stages, layer_bytes, embed, head)) == _best_by_search(layer_bytes, size, embed, head)
+
+
+def test_even_layers_split_evenly_and_a_big_vocabulary_shortens_the_end_stages():
+    stages = plan_stages([10] * 24, 2)
+    assert [(s.start, s.end) for s in stages] == [(0, 12), (12, 24)]
+    stages = plan_stages([10] * 24, 4)
+    assert [(s.start, s.end) for s in stages] == [(0, 6), (6, 12), (12, 18), (18, 24)]
+    # An embedding and head of 4 layers' bytes each: the middle stages carry more layers.
+    stages = plan_stages([10] * 24, 4, embed_bytes=40, head_bytes=40)
+    assert [len(s.layers) for s in stages] == [4, 8, 8, 4]
+
+
+def test_bad_sizes_are_refused_with_the_limit():
+    with pytest.raises(ValueError, match="at most 3"):
+        plan_stages([1, 1, 1], 4)
+    with pytest.raises(ValueError, match=">= 1"):
+        plan_stages([1, 1, 1], 0)
+
+
+def _cfg(**over) -> ModelConfig:
+    d = dict(architectures=["LlamaForCausalLM"], hidden_size=64, intermediate_size=160, num_hidden_layers=4,
+             num_attention_heads=4, num_key_value_heads=2, vocab_size=1000, max_position_embeddings=512)
+    d.update(over)
+    return ModelConfig.from_hf_dict(d)
+
+
+def test_hybrid_kv_gemma3_cuts_across_window_kinds():
+    """Gemma 3's global layer sits among sliding ones; a stage holds whole layers of either kind."""
+    cfg = _cfg(architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", head_dim=16, sliding_window=48,
+               layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+               hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=16)
+    assert cfg.layer_windows.count(None) == 1
+    layers, embed, head = estimated_bytes(cfg)
+    stages = plan_stages(layers, 2, embed, head)
+    _check_shape(stages, 4, 2)
+    assert max(_stage_bytes(stages, layers, embed, head)) == _best_by_search(layers, 2, embed, head)
+
+
+def test_moe_layers_weigh_their_experts():
+    """Mixtral-shaped: every layer's experts count, so MoE layers outweigh a dense one."""
+    cfg = _cfg(architectures=["MixtralForCausalLM"], num_local_experts=8, num_experts_per_tok=2)
+    layers, embed, head = estimated_bytes(cfg)
+    dense, _, _ = estimated_bytes(_cfg())
+    assert all(m > d for m, d in zip(layers, dense))
+    stages = plan_stages(layers, 2, embed, head)
+    _check_shape(stages, 4, 2)
+
+
+def test_checkpoint_bytes_by_part():
+    names = [("model.embed_tokens.weight", 1000), ("lm_head.weight", 1000), ("model.norm.weight", 8),
+             ("model.layers.0.self_attn.q_proj.weight", 50), ("model.layers.0.mlp.experts.3.w1.weight", 70),
+             ("model.layers.1.input_layernorm.weight", 8), ("model.layers.1.self_attn.o_proj.weight", 40)]
+    assert bytes_by_part(names, 2, tie_word_embeddings=False) == ([120, 48], 1000, 1008)
+    tied = [x for x in names if x[0] != "lm_head.weight"]
+    assert bytes_by_part(tied, 2, tie_word_embeddings=True) == ([120, 48], 1000, 1008)
