@@ -95,10 +95,12 @@ async def _drive(url: str, model: str, convs: list[list[str]], max_tokens: int) 
 def _hit_rate(url: str) -> dict:
     import urllib.request
 
-    from .loadtest import parse_metrics
-
     with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
-        m = parse_metrics(r.read().decode())
+        m = {}
+        for line in r.read().decode().splitlines():
+            name, _, value = line.rpartition(" ")
+            if line and not line.startswith("#"):
+                m[name] = float(value)
     prompt, cached = m.get("pagedllm_prompt_tokens_total", 0.0), m.get("pagedllm_cached_prompt_tokens_total", 0.0)
     return {"prompt_tokens": prompt, "cached_tokens": cached, "hit_rate": cached / prompt if prompt else 0.0}
 
