@@ -74,6 +74,16 @@ def gateway_command(workers: Sequence[str], host: str, port: int, policy: str, f
     return cmd
 
 
+def _child_setup(cores: Sequence[int] | None) -> None:
+    """In the child before exec: pinned to `cores`, and sent SIGTERM if the supervising process
+    dies (even by SIGKILL), so no replica or gateway outlives it."""
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    if cores:
+        os.sched_setaffinity(0, cores)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
@@ -128,7 +138,7 @@ class Replica:
         cores = self.cores
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(self.cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env,
-                                         preexec_fn=lambda: os.sched_setaffinity(0, cores))
+                                         preexec_fn=lambda: _child_setup(cores))
 
     def died(self) -> bool:
         return self.proc is not None and self.proc.poll() is not None
@@ -160,7 +170,8 @@ class Fleet:
         for r in self.replicas:
             wait_healthy(r.url, r.proc, timeout)
         with open(self.gateway_log, "ab") as log:
-            self.gateway = subprocess.Popen(self.gateway_cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+            self.gateway = subprocess.Popen(self.gateway_cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                            preexec_fn=lambda: _child_setup(None))
         wait_healthy(self.url, self.gateway, 120, path="/readiness")
 
     def watch(self, poll_s: float = 0.5) -> None:
