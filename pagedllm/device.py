@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 import logging
-import os
 from functools import lru_cache
 
 import torch
+
+from . import settings
 
 logger = logging.getLogger(__name__)
 
@@ -100,7 +101,7 @@ def keep_freed_buffers() -> bool:
     Q4_K_M, 2 threads; a page's first touch cost some 35 us on that machine). Set after loading, whose
     freed memory `release_freed_memory` hands back first; `PAGEDLLM_KEEP_BUFFERS=0` leaves
     glibc's defaults. False where it was not set (another C library, or turned off)."""
-    if os.environ.get("PAGEDLLM_KEEP_BUFFERS", "1") == "0":
+    if not settings.get("keep_buffers"):
         return False
     fn = _libc_mallopt()
     if fn is None:

@@ -11,6 +11,7 @@ from typing import Iterator, Sequence as Seq
 import torch
 from tqdm.auto import tqdm
 
+from . import settings
 from .config import CacheConfig, SchedulerConfig
 from .device import resolve_device, resolve_dtype
 from .engine import scoring
@@ -103,14 +104,14 @@ def _resolve_task(task: str, source) -> tuple[str, "PoolingConfig | None"]:
 Prompt = str | list[int]
 
 
-ALLOW_LONG_ENV = "PAGEDLLM_ALLOW_LONG_MAX_MODEL_LEN"
+ALLOW_LONG_ENV = settings.env_name("allow_long_max_model_len")
 
 
 def check_max_model_len(max_model_len: int, limit: int) -> None:
     """Refuse a max_model_len past the model's trained positions (as vLLM does), unless
     PAGEDLLM_ALLOW_LONG_MAX_MODEL_LEN=1: past them a model without rope scaling for that length
     gives garbage, with no error anywhere."""
-    if os.environ.get(ALLOW_LONG_ENV, "").strip().lower() in ("1", "true", "yes", "on"):
+    if settings.get("allow_long_max_model_len"):
         logger.warning("max_model_len=%d exceeds the model's %d positions (allowed by %s=1): outputs past "
                        "%d positions may be wrong", max_model_len, limit, ALLOW_LONG_ENV, limit)
         return

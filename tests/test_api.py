@@ -176,3 +176,25 @@ def test_completion_request_and_short_model_names(smollm2_gguf_path, tmp_path):
     (folder / "config.json").write_text("{}")
     assert resolve(str(folder)).short_name == "my-model"
     assert resolve(f"{folder}/").short_name == "my-model"
+
+
+def test_an_arch_hint_naming_the_checkpoints_family_is_no_mismatch(caplog):
+    # mistral.rs's --arch names a family; the checkpoint says its architecture class. The
+    # warning is for a hint that names another family, not for every family outside Llama,
+    # Mistral and Qwen2.
+    import logging
+    from types import SimpleNamespace
+
+    from pagedllm.options import EngineOptions
+
+    def llm_of(architecture):
+        return SimpleNamespace(engine=SimpleNamespace(model_config=SimpleNamespace(architecture=architecture)))
+
+    with caplog.at_level(logging.WARNING, logger="pagedllm.options"):
+        for arch, actual in [("qwen3", "Qwen3ForCausalLM"), ("gemma2", "Gemma2ForCausalLM"),
+                             ("phi3", "Phi3ForCausalLM"), ("mixtral", "MixtralForCausalLM"),
+                             ("qwen2_moe", "Qwen2MoeForCausalLM"), ("Llama", "LlamaForCausalLM")]:
+            EngineOptions(arch=arch)._check_arch(llm_of(actual))
+        assert not caplog.records
+        EngineOptions(arch="mistral")._check_arch(llm_of("LlamaForCausalLM"))
+    assert "arch mistral was given but the checkpoint is LlamaForCausalLM" in caplog.text

@@ -10,7 +10,7 @@ import json
 import gguf
 import pytest
 
-from pagedllm.bench import compare, make_gguf
+from pagedllm.bench import compare, compare_child, make_gguf
 from pagedllm.cli.main import build_parser, main
 from pagedllm.quant import kernels
 
@@ -124,6 +124,24 @@ def test_compare_without_llama_cpp(tiny_gguf, tmp_path, monkeypatch, capsys):
     assert result["streaming"]["pagedllm"]["gb_s"] > 0
     out = capsys.readouterr().out
     assert "llama.cpp not run: llama-cpp-python is not installed" in out
+
+
+def test_compare_caps_our_isa(tiny_gguf, tmp_path, monkeypatch, capsys):
+    """--isa caps our kernels in the child processes, names the level they ran at, and takes
+    float32 (auto's choice without AVX-512 BF16) unless --dtype says otherwise."""
+    from pagedllm.native import cpu_kernels
+
+    if cpu_kernels() is None:
+        pytest.skip("native kernels not built here")
+    monkeypatch.setattr(compare, "_has_llama_cpp", lambda: False)
+    monkeypatch.delenv("PAGEDLLM_NATIVE_ISA", raising=False)
+    result = _compare(tiny_gguf, tmp_path, "--isa", "base")
+    ours = result["measures"]["decode1"]["pagedllm"]
+    assert ours["isa"] == "base" and ours["dtype"] == "torch.float32"
+    assert result["isa_cap"] == "base" and result["engine_kwargs"]["dtype"] == "float32"
+    assert "instruction sets: pagedllm base kernels (capped with --isa base)" in capsys.readouterr().out
+    uncapped = _compare(tiny_gguf, tmp_path)["measures"]["decode1"]["pagedllm"]
+    assert uncapped["isa"] == str(cpu_kernels().native_isa())
 
 
 def test_compare_with_llama_cpp(tiny_gguf, tmp_path):
@@ -244,7 +262,7 @@ def test_rounds_report_the_median_of_their_ratios_and_shares():
     assert ours["tok_s"] == 30.0 and peer["tok_s"] == 20.0 and peer["peak_rss_mb"] == 402.0
     row = {"kv_tokens": 1024, "sequences": 1, "prompt_tokens": 16, "max_tokens": 128, "pagedllm": ours,
            "llama.cpp": peer, "ratio_rounds": {"tok_s": [a / b for a, b, _, _ in rounds]}}
-    bws = [compare._bandwidth_child({"threads": 1, "mib": 8, "repeats": 1}) for _ in range(2)]
+    bws = [compare_child.bandwidth_child({"threads": 1, "mib": 8, "repeats": 1}) for _ in range(2)]
     result = {"model": "m.gguf", "threads": 2, "repeats": 1, "rounds": 3, "measures": {"decode1": row},
               "machine": {"cpu": "test cpu", "cpu_flags": ["avx2"]},
               "weights": {"total_bytes": 500e6, "per_token_bytes": 400e6, "tied_embeddings": True},

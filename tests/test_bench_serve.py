@@ -8,6 +8,9 @@ import socket
 
 import pytest
 
+# slow: whole models, servers or builds; `make test-fast` leaves it out
+pytestmark = pytest.mark.slow
+
 pytest.importorskip("openai")
 
 

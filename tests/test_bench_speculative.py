@@ -4,6 +4,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
+# slow: whole models, servers or builds; `make test-fast` leaves it out
+pytestmark = pytest.mark.slow
+
 
 def test_speculative_bench_reports_decode_and_whole_requests(tmp_path, capsys):
     from pagedllm.cli.main import main

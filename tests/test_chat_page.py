@@ -12,6 +12,9 @@ webdriver = pytest.importorskip("selenium.webdriver")
 
 from test_server import serving  # noqa: E402
 
+# slow: whole models, servers or builds; `make test-fast` leaves it out
+pytestmark = pytest.mark.slow
+
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 DRIVER = shutil.which("chromedriver")
 if not (CHROMIUM and DRIVER):

@@ -13,6 +13,9 @@ import pytest
 
 from test_server import ServerProcess, free_port
 
+# slow: whole models, servers or builds; `make test-fast` leaves it out
+pytestmark = pytest.mark.slow
+
 httpx = pytest.importorskip("httpx")
 
 # mistral.rs's docs give the KV cache 8 GB, or 95% of GPU memory. On CPU that is RAM, zero-filled

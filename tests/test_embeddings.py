@@ -18,6 +18,9 @@ st = pytest.importorskip("sentence_transformers")
 
 from test_server import serving  # noqa: E402
 
+# slow: whole models, servers or builds; `make test-fast` leaves it out
+pytestmark = pytest.mark.slow
+
 QUERY_PROMPT = "Instruct: Given a web search query, retrieve relevant passages that answer the query\nQuery:"
 WORDS = ("paged attention keeps the cache in blocks so many requests share memory without waste ; "
          "Paris est la capitale de la France . 東京 は 日本 の 首都 です 🙂 12345 6.02e23 "

@@ -7,6 +7,9 @@ import torch
 from pagedllm import LLM, SamplingParams
 from models import FAMILIES, SLIDING, build_checkpoint, reference_family
 
+# slow: whole models, servers or builds; `make test-fast` leaves it out
+pytestmark = pytest.mark.slow
+
 PROMPT_LENS = [1, 7, 31, 64, 100, 173, 250, 300, 600]
 NEW_TOKENS = 32
 

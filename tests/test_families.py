@@ -8,6 +8,9 @@ from pagedllm.config import ModelConfig
 from pagedllm.models import model_class
 from pagedllm.models.rope import inv_frequencies
 
+# slow: whole models, servers or builds; `make test-fast` leaves it out
+pytestmark = pytest.mark.slow
+
 BASE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=4,
             num_key_value_heads=1, head_dim=16, max_position_embeddings=32768)
 

@@ -10,6 +10,9 @@ import torch
 from pagedllm import LLM, SamplingParams
 from test_gguf import _spm_vocab
 
+# slow: whole models, servers or builds; `make test-fast` leaves it out
+pytestmark = pytest.mark.slow
+
 Q = gguf.GGMLQuantizationType
 WINDOW = 32
 # HF parameter name part -> llama.cpp tensor name part.

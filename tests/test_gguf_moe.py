@@ -16,6 +16,9 @@ from pagedllm import LLM, SamplingParams
 from models import MOE_FAMILIES, build_model
 from test_gguf import _llama_permute, _spm_vocab
 
+# slow: whole models, servers or builds; `make test-fast` leaves it out
+pytestmark = pytest.mark.slow
+
 Q = gguf.GGMLQuantizationType
 ARCH = {"mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "olmoe": "olmoe"}
 # Expert widths that are whole Q8_0 blocks (and Q4_K superblocks where hidden is 256).

@@ -15,7 +15,8 @@ from pagedllm.quant.kernels import available_isas
 
 from test_gptq import _assert_close_to_float32, _assert_greedy_equals, _block_values, _build, _prompt, float_head_llm
 
-pytestmark = pytest.mark.skipif(not available_isas(), reason="native CPU kernels not built here")
+# slow: whole models, servers or builds; `make test-fast` leaves it out
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not available_isas(), reason="native CPU kernels not built here")]
 
 
 def _awq():
@@ -106,7 +107,7 @@ def test_model_matches_transformers_on_autoawqs_weights(awq_model, awq_llm, monk
         want = ref(torch.tensor([prompt])).logits[0]
     got = llm.prompt_logits(prompt)
     assert (got - want).abs().max().item() < 1e-3
-    monkeypatch.setattr(qk, "INT_ROWS", 0)
+    monkeypatch.setenv("PAGEDLLM_QUANT_INT_ROWS", "0")
     p = _prompt(12, 8)
     _assert_greedy_equals(ref, llm, p)
 

@@ -15,7 +15,8 @@ from pagedllm.quant.kernels import available_isas
 
 from test_gptq import _assert_close_to_float32, _assert_greedy_equals, _block_values, _prompt, float_head_llm
 
-pytestmark = pytest.mark.skipif(not available_isas(), reason="native CPU kernels not built here")
+# slow: whole models, servers or builds; `make test-fast` leaves it out
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not available_isas(), reason="native CPU kernels not built here")]
 
 CALIBRATION = ["The quick brown fox jumps over the lazy dog while the cat sleeps by the fire. " * 6,
                "Paged attention keeps the key and value cache in fixed-size blocks of tokens. " * 6]
@@ -129,7 +130,7 @@ def test_model_matches_transformers_running_the_checkpoint(ct_model, ct_llm, mon
         want = ref(torch.tensor([prompt])).logits[0]
     got = llm.prompt_logits(prompt)
     assert (got - want).abs().max().item() < 1e-3
-    monkeypatch.setattr(qk, "INT_ROWS", 0)  # every step on the blocks' dequantize + GEMM route
+    monkeypatch.setenv("PAGEDLLM_QUANT_INT_ROWS", "0")  # every step on the blocks' dequantize + GEMM route
     p = _prompt(12, 4)
     _assert_greedy_equals(ref, llm, p)
 

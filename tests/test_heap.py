@@ -22,6 +22,9 @@ glibc = pytest.mark.skipif(not sys.platform.startswith("linux") or platform.libc
 _ROUNDS = """
 import json, resource, psutil, torch
 from pagedllm.device import keep_freed_buffers
+
+# slow: whole models, servers or builds; `make test-fast` leaves it out
+pytestmark = pytest.mark.slow
 kept = keep_freed_buffers()
 def round_(i):
     n = (48 << 20) + (i % 3) * 28672

@@ -13,7 +13,8 @@ from pagedllm.quant.isq import ISQ_TYPES, quantize, requantize
 from pagedllm.quant.kernels import available_isas
 
 Q = gguf.GGMLQuantizationType
-pytestmark = pytest.mark.skipif(not available_isas(), reason="native CPU kernels not built here")
+# slow: whole models, servers or builds; `make test-fast` leaves it out
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not available_isas(), reason="native CPU kernels not built here")]
 
 
 def _weights(rows: int, cols: int, seed: int) -> torch.Tensor:
@@ -361,7 +362,7 @@ def test_wide_models_round_a_row_alike_at_every_step_width(isq_ckpt, monkeypatch
     # (12 prompts of 2 tokens: their prefill, 24 rows, stays on the integer kernels too)
     prompts = [torch.randint(0, 49152, (2,), generator=torch.Generator().manual_seed(n)).tolist()
                for n in range(12)]
-    assert qk.X2_ROWS < len(prompts) and 2 * len(prompts) <= qk.INT_ROWS
+    assert qk.X2_ROWS < len(prompts) and 2 * len(prompts) <= qk.int_rows()
     sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=2)
     llm = LLM(str(path), dtype="float32", isq="Q4_K", kv_cache_memory_mb=8, enable_prefix_caching=False)
     hidden = llm.engine.model_config.hidden_size

@@ -18,6 +18,9 @@ from pagedllm.kv import cache as kv_cache
 from pagedllm.outputs import RequestFailedError
 from models import build_checkpoint
 
+# slow: whole models, servers or builds; `make test-fast` leaves it out
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory, hf_smollm2_tokenizer):

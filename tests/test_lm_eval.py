@@ -13,6 +13,9 @@ pytest.importorskip("transformers")
 
 from test_server import serving  # noqa: E402
 
+# slow: whole models, servers or builds; `make test-fast` leaves it out
+pytestmark = pytest.mark.slow
+
 DATA = Path(__file__).parent / "data" / "tiny_mc.jsonl"
 MC_TASK = f"""task: pagedllm_tiny_mc
 dataset_path: json

@@ -14,6 +14,9 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 from lora_adapters import make_adapter  # noqa: E402
 
+# slow: whole models, servers or builds; `make test-fast` leaves it out
+pytestmark = pytest.mark.slow
+
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 MAX_TOKENS = 24
 LONG = 400  # the request an unload overlaps

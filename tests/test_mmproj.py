@@ -21,6 +21,9 @@ gguf = pytest.importorskip("gguf")
 pytest.importorskip("PIL")
 from test_vlm import _image  # noqa: E402
 
+# slow: whole models, servers or builds; `make test-fast` leaves it out
+pytestmark = pytest.mark.slow
+
 IMG = VLM_MARKER["gemma3"]
 NEW = 8
 # What a gemma3 GGUF can say about its language model: llama.cpp stores neither the layer types nor

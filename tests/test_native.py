@@ -676,3 +676,29 @@ def test_bf16_scores_follow_the_cpu_and_the_level_cap(native, tmp_path):
         diff = (got.float() - capped[d].float()).abs()
         assert (diff <= want.abs() * 2 ** -7 + 1e-6).all(), diff.max()
         assert (got != capped[d]).float().mean() < 0.01
+
+
+_STALE = """
+import logging
+import pagedllm.native as native
+logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
+native.NATIVE_ABI += 1  # this code now calls an op set the built library does not have
+first, again = native.cpu_kernels(), native.cpu_kernels()
+from pagedllm.quant.kernels import decode_layers_available, kernel_path
+print("LOADED", first is not None or again is not None, decode_layers_available(), kernel_path()[0])
+"""
+
+
+def test_a_library_of_another_op_set_is_refused_with_how_to_rebuild(native):
+    # The library stamps its op set (csrc/dispatch.cpp); a build whose stamp is not the one the
+    # Python side calls is a stale build: not used at all, with one warning that says how to
+    # rebuild, rather than some ops probed and others crashing.
+    from pagedllm.native import NATIVE_ABI
+
+    assert int(native.native_abi()) == NATIVE_ABI  # this build is the one the code calls
+    res = subprocess.run([sys.executable, "-c", _STALE], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "LOADED False False None" in res.stdout
+    warnings = [ln for ln in res.stderr.splitlines() if ln.startswith("WARNING")]
+    assert len(warnings) == 1, res.stderr
+    assert "stale build" in warnings[0] and "make kernels" in warnings[0] and "pip install" in warnings[0]

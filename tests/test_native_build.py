@@ -18,7 +18,8 @@ from pagedllm.native import disabled_reason, library_path
 ROOT = Path(__file__).resolve().parent.parent
 ENV = {k: v for k, v in os.environ.items() if not k.startswith("PAGEDLLM_")}
 
-pytestmark = pytest.mark.skipif(disabled_reason() is not None, reason="native kernels turned off")
+# slow: whole models, servers or builds; `make test-fast` leaves it out
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(disabled_reason() is not None, reason="native kernels turned off")]
 
 
 def _library() -> Path:
@@ -61,11 +62,28 @@ def _encodings(lib: Path) -> dict[str, set[str]]:
 @pytest.mark.skipif(sysconfig.get_platform() != "linux-x86_64", reason="x86-64 instruction sets")
 def test_every_instruction_is_of_its_functions_level():
     """No AVX outside the AVX2 and AVX-512 levels' code, no AVX-512 outside the AVX-512 levels':
-    in particular none in the library code (std::, at::) the linker keeps one copy of."""
-    enc = _encodings(_library())
-    assert any("isa_avx2::" in n for n in enc) and any("isa_avx512vnni::" in n for n in enc), \
-        "the AVX2 and AVX-512 levels are missing from the library"
-    assert any("evex" in e for n, e in enc.items() if "isa_avx512bf16::" in n)
+    in particular none in the library code (std::, at::) the linker keeps one copy of. Each level
+    the build compiled is there (a build for this machine: the baseline and this CPU's best;
+    `PAGEDLLM_ISA_LEVELS=all`: every one, checked on the wheel below)."""
+    _check_levels(_library(), _built_levels())
+
+
+def _built_levels() -> list[str]:
+    from pagedllm.native import cpu_kernels
+
+    ops = cpu_kernels()
+    assert ops is not None and hasattr(ops, "native_built_levels"), "the kernels do not load: `make kernels`"
+    return str(ops.native_built_levels()).split(",")
+
+
+def _check_levels(lib: Path, built: list[str]) -> None:
+    enc = _encodings(lib)
+    spaces = {"avx2": "isa_avx2::", "avx512vnni": "isa_avx512vnni::", "avx512bf16": "isa_avx512bf16::"}
+    assert built[0] == "base" and any("isa_base::" in n for n in enc), built
+    for level, space in spaces.items():
+        assert any(space in n for n in enc) == (level in built), f"{level}: compiled {built}"
+    if "avx512bf16" in built:
+        assert any("evex" in e for n, e in enc.items() if "isa_avx512bf16::" in n)
     wrong = sorted(n for n, e in enc.items()
                    if ("evex" in e and "isa_avx512" not in n)
                    or ("vex" in e and "isa_avx2" not in n and "isa_avx512" not in n))
@@ -149,9 +167,11 @@ def test_wheel_carries_the_kernels_to_a_machine_without_compiler(tmp_path, smoll
     compiles; a clone without them compiles everything, a few minutes)."""
     # Built by this environment's Python: a fresh venv's include folder enters every compile
     # command, so ninja would recompile every object instead of reusing this checkout's.
+    # Every level, as `make wheel` builds it: one wheel for every x86-64 CPU.
     r = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-build-isolation", "--no-deps",
                         "-w", str(tmp_path / "dist"), str(ROOT)],
-                       capture_output=True, text=True, timeout=3600, env={**ENV, "PYTHONPATH": ""})
+                       capture_output=True, text=True, timeout=3600,
+                       env={**ENV, "PYTHONPATH": "", "PAGEDLLM_ISA_LEVELS": "all"})
     assert r.returncode == 0, r.stderr[-5000:]
     (wheel,) = (tmp_path / "dist").glob("pagedllm-*.whl")
     import zipfile
@@ -188,3 +208,17 @@ def test_wheel_carries_the_kernels_to_a_machine_without_compiler(tmp_path, smoll
     forced = run(*prompt, PAGEDLLM_QUANT_ISA="avx2")
     assert default.returncode == 0 and forced.returncode == 0, default.stderr[-2000:] + forced.stderr[-2000:]
     assert default.stdout.strip() and forced.stdout == default.stdout
+    # The wheel holds every level, and capped with PAGEDLLM_NATIVE_ISA it registers that level's
+    # objects: the AVX2 ones give the host level's greedy tokens.
+    if sysconfig.get_platform() != "linux-x86_64" or "avx2" not in Path("/proc/cpuinfo").read_text():
+        return
+    (lib,) = (tmp_path / "run-venv").glob("lib/python*/site-packages/pagedllm/native/_kernels*.so")
+    if shutil.which("objdump") is not None:
+        _check_levels(lib, ["base", "avx2", "avx512vnni", "avx512bf16"])
+    level = "import pagedllm.native as n; print(n.cpu_kernels().native_isa())"
+    capped = subprocess.run([str(runner), "-c", level], capture_output=True, text=True, cwd=tmp_path,
+                            env={**env, "PAGEDLLM_NATIVE_ISA": "avx2"})
+    assert capped.stdout.strip() == "avx2", capped.stdout + capped.stderr
+    on_avx2 = run(*prompt, PAGEDLLM_NATIVE_ISA="avx2")
+    assert on_avx2.returncode == 0, on_avx2.stderr[-2000:]
+    assert on_avx2.stdout == default.stdout

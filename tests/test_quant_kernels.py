@@ -131,12 +131,12 @@ def test_many_rows_take_the_gemm_route():
     rows, cols = qk.TILE_ROWS + 5, 256  # more than one tile
     raw = random_blocks("Q4_K", rows, cols, rng)
     qt = QuantTensor("Q4_K", torch.from_numpy(raw), (rows, cols))
-    x = rng.standard_normal((qk.INT_ROWS + 1, cols)).astype(np.float32)
+    x = rng.standard_normal((qk.int_rows() + 1, cols)).astype(np.float32)
     y = qk.matmul(torch.from_numpy(x), [qt]).numpy()
     assert_close(y, reference(raw, "Q4_K", rows, cols, x, 0), 1e-5, "gemm route")
 
 
-@pytest.mark.parametrize("m", [qk.INT_ROWS + 5, 255, 257, 700])
+@pytest.mark.parametrize("m", [qk.int_rows() + 5, 255, 257, 700])
 def test_bf16_gemm_route_runs_whole_buckets_of_rows(m, monkeypatch):
     """A bfloat16 product past INT_ROWS runs oneDNN on rows padded to a bucket (qk.gemm_rows),
     so a server meets few new kernel shapes: the m rows that come back are the product of the
@@ -170,7 +170,7 @@ def test_gemm_route_tiles_share_one_scratch_buffer(monkeypatch, packed):
     if packed:
         parts = [p.pack() for p in parts]
     assert qk.tile_rows(cols) == 48
-    x = rng.standard_normal((qk.INT_ROWS + 3, cols)).astype(np.float32)
+    x = rng.standard_normal((qk.int_rows() + 3, cols)).astype(np.float32)
     y = qk.matmul(torch.from_numpy(x), parts).numpy()
     ref = np.concatenate([reference(r, "Q4_K", n, cols, x, 0) for r, n in zip(raws, sizes)], axis=1)
     assert_close(y, ref, 1e-5, "tiled gemm route")
@@ -314,10 +314,10 @@ def test_packed_and_file_layout_parts_mix_and_take_the_gemm_route():
     raws = [random_blocks(f, r, cols, rng) for f, r in specs]
     parts = [packed(r, f, n, cols) if f in PACKABLE else QuantTensor(f, torch.from_numpy(r), (n, cols))
              for r, (f, n) in zip(raws, specs)]
-    for m in (3, qk.INT_ROWS + 1):
+    for m in (3, qk.int_rows() + 1):
         x = rng.standard_normal((m, cols)).astype(np.float32)
         y = qk.matmul(torch.from_numpy(x), parts).numpy()
-        quantized = m <= qk.INT_ROWS
+        quantized = m <= qk.int_rows()
         levels = levels_of(m) if quantized else 0
         ref = np.concatenate([reference(r, f, n, cols, x, levels) for r, (f, n) in zip(raws, specs)], axis=1)
         assert_close(y, ref, 2e-5 if quantized else 1e-5, f"mixed m={m}")
@@ -335,9 +335,9 @@ def test_wide_steps_of_packed_weights_take_the_integer_kernel_in_chunks(monkeypa
     cols, sizes, m = 512, (64, 32), 2 * qk.WIDE_CHUNK + 37
     raws = [random_blocks("Q4_K", n, cols, rng) for n in sizes]
     parts = [packed(r, "Q4_K", n, cols) for r, n in zip(raws, sizes)]
-    assert not qk.integer_route(m, parts) and qk.integer_route(qk.INT_ROWS, parts)
+    assert not qk.integer_route(m, parts) and qk.integer_route(qk.int_rows(), parts)
     monkeypatch.setenv("PAGEDLLM_QUANT_WIDE", "int")
-    assert m > qk.INT_ROWS and qk.integer_route(m, parts, role) and not qk.integer_route(m, parts, "lm_head")
+    assert m > qk.int_rows() and qk.integer_route(m, parts, role) and not qk.integer_route(m, parts, "lm_head")
     assert not qk.integer_route(m, [QuantTensor("Q4_K", torch.from_numpy(raws[0]), (64, cols))])
     x = torch.from_numpy(rng.standard_normal((m, cols)).astype(np.float32))
     y = qk.matmul(x, parts, role=role)
@@ -372,7 +372,7 @@ def test_wide_steps_of_wide_models_take_the_integer_kernel_by_default_without_am
     monkeypatch.setenv("PAGEDLLM_AMX", "0")
     rng = np.random.default_rng(43)
     wide, narrow = qk.INT_WIDE_WIDTH, qk.INT_WIDE_WIDTH - 256
-    m = qk.INT_ROWS + 1
+    m = qk.int_rows() + 1
     parts = [packed(random_blocks("Q4_K", 16, wide, rng), "Q4_K", 16, wide) for _ in range(wide // 16)]
     few = [packed(random_blocks("Q4_K", 16, wide, rng), "Q4_K", 16, wide) for _ in range(narrow // 16)]
     vnni = "avx512-vnni" in qk.available_isas()
@@ -401,7 +401,7 @@ def test_proposals_take_the_integer_kernel_past_int_rows_at_any_width(monkeypatc
     monkeypatch.setenv("PAGEDLLM_AMX", "0")
     rng = np.random.default_rng(44)
     narrow = qk.INT_WIDE_WIDTH // 2
-    m = qk.INT_ROWS + 8
+    m = qk.int_rows() + 8
     few = [packed(random_blocks("Q4_K", 16, narrow * 2, rng), "Q4_K", 16, narrow * 2) for _ in range(narrow // 16)]
     vnni = "avx512-vnni" in qk.available_isas()
     assert not qk.integer_route(m, few, "o_proj")
@@ -521,11 +521,11 @@ def test_head_rechecks_its_best_logits_on_single_level_steps(fmt, monkeypatch):
     monkeypatch.delenv("PAGEDLLM_QUANT_ACT", raising=False)
     monkeypatch.delenv("PAGEDLLM_QUANT_X2_WIDE", raising=False)
     rng = np.random.default_rng(77)
-    vocab, cols, k = 512, 256, qk.HEAD_RECHECK
+    vocab, cols, k = 512, 256, qk.head_recheck()
     assert k >= 2
     raw = random_blocks(fmt, vocab, cols, rng)
     for qt in (QuantTensor(fmt, torch.from_numpy(raw), (vocab, cols)), packed(raw, fmt, vocab, cols)):
-        for m in (qk.X2_ROWS + 1, qk.INT_ROWS, qk.X2_ROWS):
+        for m in (qk.X2_ROWS + 1, qk.int_rows(), qk.X2_ROWS):
             x = rng.standard_normal((m, cols)).astype(np.float32)
             exact = reference(raw, fmt, vocab, cols, x, 0)
             plain = qk.matmul(torch.from_numpy(x), [qt], out_dtype=torch.float32).numpy()

@@ -13,6 +13,9 @@ import pytest
 
 from test_server import ServerProcess, free_port
 
+# slow: whole models, servers or builds; `make test-fast` leaves it out
+pytestmark = pytest.mark.slow
+
 README = Path(__file__).resolve().parent.parent / "README.md"
 ENV = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
 

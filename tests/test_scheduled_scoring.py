@@ -12,6 +12,9 @@ import torch
 from pagedllm import LLM, SamplingParams
 from models import build_checkpoint
 
+# slow: whole models, servers or builds; `make test-fast` leaves it out
+pytestmark = pytest.mark.slow
+
 BUDGET = 256  # max_num_batched_tokens
 PROMPT = 2000  # tokens of the scored prompt
 STREAMS = 8

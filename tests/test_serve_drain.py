@@ -12,6 +12,9 @@ import pytest
 
 from test_server import ServerProcess, free_port
 
+# slow: whole models, servers or builds; `make test-fast` leaves it out
+pytestmark = pytest.mark.slow
+
 httpx = pytest.importorskip("httpx")
 
 

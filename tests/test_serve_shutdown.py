@@ -13,6 +13,9 @@ import pytest
 
 from test_server import ServerProcess, free_port
 
+# slow: whole models, servers or builds; `make test-fast` leaves it out
+pytestmark = pytest.mark.slow
+
 httpx = pytest.importorskip("httpx")
 
 # Far more tokens than the server can produce before the signal, whatever the machine's speed:

@@ -18,6 +18,9 @@ from pathlib import Path
 
 import pytest
 
+# slow: whole models, servers or builds; `make test-fast` leaves it out
+pytestmark = pytest.mark.slow
+
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 

@@ -7,6 +7,9 @@ import torch
 
 from pagedllm import LLM, SamplingParams
 
+# slow: whole models, servers or builds; `make test-fast` leaves it out
+pytestmark = pytest.mark.slow
+
 PROMPT_LENS = [1, 5, 17, 40, 80, 150, 220, 300]
 
 

@@ -12,6 +12,9 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.speculative import decoder as spec_decoder
 from models import build_checkpoint
 
+# slow: whole models, servers or builds; `make test-fast` leaves it out
+pytestmark = pytest.mark.slow
+
 NEW_TOKENS = 40
 # Never paused and fixed lengths (not adaptive), so every lookup that matches is verified.
 # max_rows: these random models run float32 weights (no two-level rounding regime to stay
@@ -580,7 +583,7 @@ def test_draft_forwards_take_the_fastest_route_and_the_target_keeps_its_own(smol
     seen.clear()
     llm = LLM(path, kv_cache_memory_mb=16, speculative=_draft(path, max_rows=8))  # plain's rounding
     assert _greedy(llm, prompt) == plain
-    wide = {d for r, d in seen if r > qk.INT_ROWS}  # the target's prefill, the draft's catch-up (41 tokens)
+    wide = {d for r, d in seen if r > qk.int_rows()}  # the target's prefill, the draft's catch-up (41 tokens)
     assert wide == {False, True}, sorted(set(seen))
     assert llm.engine.spec.stats.verifications > 0
     assert not getattr(qk._route, "proposals_only", False)

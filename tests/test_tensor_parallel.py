@@ -16,6 +16,9 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.distributed.executor import TensorParallelError
 from models import build_checkpoint, reference_family
 
+# slow: whole models, servers or builds; `make test-fast` leaves it out
+pytestmark = pytest.mark.slow
+
 PROMPT_LENS = [1, 17, 64, 150, 300]
 NEW_TOKENS = 24
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)

@@ -14,6 +14,9 @@ import torch
 from pagedllm import LLM, SamplingParams
 from pagedllm.bench.upcycle import upcycle
 
+# slow: whole models, servers or builds; `make test-fast` leaves it out
+pytestmark = pytest.mark.slow
+
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Write a haiku about the sea.", "1, 2, 3, 4,"]
 
 

@@ -20,6 +20,9 @@ from pagedllm.multimodal.processor import load_hf_processor
 pytest.importorskip("PIL")
 from PIL import Image  # noqa: E402
 
+# slow: whole models, servers or builds; `make test-fast` leaves it out
+pytestmark = pytest.mark.slow
+
 NEW = 8
 REF = {"gemma3": "Gemma3ForConditionalGeneration", "idefics3": "Idefics3ForConditionalGeneration",
        "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}

@@ -16,6 +16,9 @@ from models import build_checkpoint, build_vlm_checkpoint
 from test_server import serving, wait_idle
 from test_vlm import _image
 
+# slow: whole models, servers or builds; `make test-fast` leaves it out
+pytestmark = pytest.mark.slow
+
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 MAX_TOKENS = 12

@@ -20,8 +20,9 @@ from pagedllm.quant.formats import FORMATS, QuantTensor
 from test_quant_kernels import random_blocks
 
 ops = cpu_kernels()
-pytestmark = pytest.mark.skipif(ops is None or not hasattr(ops, "weight_memory_stats"),
-                                reason="native kernels with weight slabs not built")
+# slow: whole models, servers or builds; `make test-fast` leaves it out
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(ops is None or not hasattr(ops, "weight_memory_stats"),
+                                                   reason="native kernels with weight slabs not built")]
 HUGE = 2 << 20
 
 

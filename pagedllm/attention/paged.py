@@ -197,7 +197,7 @@ def native_prefill(ops, compute: torch.dtype, cache: torch.dtype, head_dim: int)
     bfloat16 model, a bfloat16, int8 or f8e4m3 cache, head dims in 32s, and AVX-512 BF16 here;
     SDPA otherwise."""
     return (compute == torch.bfloat16 and cache in PREFILL_CACHES and head_dim % 32 == 0
-            and hasattr(ops, "paged_prefill") and _prefill_available(ops))
+            and _prefill_available(ops))
 
 
 # The caches the native prefill kernel reads: bf16 as it is, int8 and f8e4m3 with their scales.

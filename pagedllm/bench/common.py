@@ -10,7 +10,6 @@ import statistics
 import time
 from pathlib import Path
 
-import torch
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +34,8 @@ def median_of_runs(runs: list[dict]) -> dict:
 
 
 def machine_info() -> dict:
+    import torch
+
     return {"python": platform.python_version(), "torch": torch.__version__,
             "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
             "machine": platform.machine(), "time": time.strftime("%Y-%m-%d %H:%M:%S")}

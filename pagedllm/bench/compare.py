@@ -46,19 +46,18 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 from .common import machine_info, write_json
-from .llamacpp_peer import MISSING_HINT, peak_rss_mb
+from .llamacpp_peer import MISSING_HINT
 
 logger = logging.getLogger(__name__)
 
 MEASURES = ("decode1", "parallel", "prefill")
 ENGINES = ("pagedllm", "llama.cpp")
+ISA_LEVELS = ("base", "avx2", "avx512vnni", "avx512bf16")  # as pagedllm/native/__init__.py
 CPU_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_tile", "amx_bf16",
              "amx_int8")
-_CHILD = "--child"
 # Our KV cache dtype -> llama.cpp's cache type that stores about as many bits.
 PEER_CACHE = {"auto": "f16", "bf16": "f16", "f16": "f16", "int8": "q8_0"}
 
@@ -94,7 +93,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds measuring the CPU's int8 dot-product peak before each many-sequence "
                         "run (0: skip)")
     p.add_argument("--seed", type=int, default=0, help="seed of the prompt tokens")
-    p.add_argument("--dtype", default=None, help="pagedllm's dtype (default: the engine's choice)")
+    p.add_argument("--dtype", default=None,
+                   help="pagedllm's dtype (default: the engine's choice; with --isa below avx512bf16, "
+                        "float32: what the engine's auto picks on a CPU without AVX-512 BF16)")
+    p.add_argument("--isa", choices=ISA_LEVELS, default=None,
+                   help="cap our native kernels at this instruction-set level (PAGEDLLM_NATIVE_ISA in "
+                        "our processes), e.g. avx2 to measure an AVX2-only machine on a newer one; "
+                        "llama.cpp runs whatever its build was compiled for (the report names both)")
     p.add_argument("--dequantize-weights", action="store_true", default=None,
                    help="pagedllm keeps today's dequantized float weights (passed only when given)")
     p.add_argument("--output", default=None,
@@ -126,21 +131,22 @@ def _run(args: argparse.Namespace) -> dict:
     result: dict = {"model": str(model), "machine": {**machine_info(), **cpu_info()},
                     "threads": args.threads, "repeats": args.repeats, "rounds": max(1, args.rounds),
                     "weights": weights,
-                    "engine_kwargs": engine_kwargs, "measures": {}}
+                    "engine_kwargs": engine_kwargs, "isa_cap": args.isa, "measures": {}}
     result["machine"]["threads"] = args.threads
     measure_bw = args.bandwidth_mib > 0 and "decode1" in measures
-    bandwidth = {"mib": args.bandwidth_mib, "threads": args.threads, "repeats": 7}
+    bandwidth = {"mib": args.bandwidth_mib, "threads": args.threads, "repeats": 7, "isa": args.isa}
     bw_runs: list[dict] = []
     # (int8 products are what a quantized file's matrices run on; float ones take the GEMM)
     measure_peak = (args.peak_seconds > 0 and "parallel" in measures and weights["quantized"]
                     and not args.dequantize_weights)
-    peak_spec = {"threads": args.threads, "seconds": args.peak_seconds}
+    peak_spec = {"threads": args.threads, "seconds": args.peak_seconds, "isa": args.isa}
     peak_runs: list[dict] = []
     plan = [(kind, _spec(kind, args, str(model), vocab)) for kind in measures]
     plan += [(f"long-{n}-{cache}", _long_spec(n, cache, args, str(model), vocab))
              for n in long_lengths for cache in long_caches]
     for kind, spec in plan:
         spec["engine_kwargs"] = engine_kwargs | spec.pop("cache_kwargs", {})
+        spec["isa"] = args.isa
         row: dict = {"kv_tokens": spec["kv_tokens"], "sequences": len(spec["prompts"]),
                      "prompt_tokens": len(spec["prompts"][0]), "max_tokens": spec["max_tokens"]}
         if spec["measure"] == "long":
@@ -199,7 +205,10 @@ def _run(args: argparse.Namespace) -> dict:
 def pagedllm_kwargs(args: argparse.Namespace) -> dict:
     """Engine options given on the command line, and only those: an option the engine does not
     know yet (dequantize_weights, before quantized weights land) is never passed by default."""
-    return {k: v for k, v in (("dtype", args.dtype), ("dequantize_weights", args.dequantize_weights))
+    dtype = args.dtype
+    if dtype is None and getattr(args, "isa", None) not in (None, "avx512bf16"):
+        dtype = "float32"  # auto's choice where the CPU has no AVX-512 BF16
+    return {k: v for k, v in (("dtype", dtype), ("dequantize_weights", args.dequantize_weights))
             if v is not None}
 
 
@@ -283,6 +292,8 @@ def _long_spec(n: int, cache: str, args: argparse.Namespace, model: str, vocab: 
 def _spawn(engine: str, spec: dict) -> dict:
     """One fresh process for one measurement of one engine; its JSON result."""
     env = dict(os.environ, OMP_NUM_THREADS=str(spec["threads"]))
+    if spec.get("isa") and engine != "llama.cpp":  # (--isa caps our kernels only)
+        env["PAGEDLLM_NATIVE_ISA"] = spec["isa"]
     root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
     with tempfile.TemporaryDirectory(prefix="pagedllm-compare-") as tmp:
@@ -291,7 +302,7 @@ def _spawn(engine: str, spec: dict) -> dict:
         if engine == "llama.cpp":  # by path: that process must not import torch
             cmd = [sys.executable, str(Path(__file__).with_name("llamacpp_peer.py"))]
         else:
-            cmd = [sys.executable, "-m", "pagedllm.bench.compare", _CHILD, engine]
+            cmd = [sys.executable, "-m", "pagedllm.bench.compare_child", engine]
         proc = subprocess.run([*cmd, str(spec_path), str(out_path)], env=env, capture_output=True, text=True)
         if proc.returncode != 0 or not out_path.exists():
             tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-15:])
@@ -341,8 +352,9 @@ def _summarise(r: dict) -> dict:
         out |= {"decode_tok_s": statistics.median(r["decode_tok_s"]), "decode_tok_s_runs": r["decode_tok_s"]}
     if r.get("outputs"):
         out["first_output"] = r["outputs"][0][:16]
-    if "dtype" in r:
-        out["dtype"] = r["dtype"]
+    for key in ("dtype", "isa"):
+        if key in r:
+            out[key] = r[key]
     return out
 
 
@@ -483,6 +495,7 @@ def format_report(result: dict) -> str:
                      f"multiply-adds of weights per token; share reached at {n} sequences: {shares}"
                      + (f" (our bfloat16 steps of {pk['amx_rows']}+ rows multiply on AMX tiles here, which "
                         "this peak does not bound)" if pk.get("amx_rows") else ""))
+    lines += isa_lines(result)
     dtypes = {r["pagedllm"]["dtype"] for r in result["measures"].values() if "dtype" in r.get("pagedllm", {})}
     opts = ", ".join(f"{k}={v}" for k, v in result.get("engine_kwargs", {}).items())
     lines.append(f"pagedllm compute dtype {'/'.join(sorted(dtypes)) or '?'}{'; ' + opts if opts else ''}; "
@@ -497,6 +510,21 @@ def format_report(result: dict) -> str:
     return "\n".join(lines)
 
 
+def isa_lines(result: dict) -> list[str]:
+    """The instruction sets each engine's kernels ran with: ours, the native level (and its
+    cap); llama.cpp's, the CPU features its build was compiled with (ggml's system info)."""
+    def seen(engine: str) -> list[str]:
+        return sorted({r[engine]["isa"] for r in result["measures"].values() if "isa" in r.get(engine, {})})
+
+    ours, peer = seen("pagedllm"), seen("llama.cpp")
+    if not ours and not peer:
+        return []
+    cap = result.get("isa_cap")
+    return [f"instruction sets: pagedllm {'/'.join(ours) or '?'} kernels"
+            + (f" (capped with --isa {cap})" if cap else " (this CPU's best)")
+            + (f"; llama.cpp built with {'; '.join(peer)}" if peer else "")]
+
+
 def _row(label: str, row: dict, key: str, fmt: str) -> str:
     vals = [row.get(e, {}).get(key) for e in ENGINES]
     cells = [fmt.format(v) if v is not None else "-" for v in vals]
@@ -506,121 +534,3 @@ def _row(label: str, row: dict, key: str, fmt: str) -> str:
     else:
         ratio = f"{vals[0] / vals[1]:.2f}x" if None not in vals and vals[1] else "-"
     return f"{label:<42}{cells[0]:>12}{cells[1]:>12}{ratio:>9}"
-
-
-# -- the children ---------------------------------------------------------------------------------
-
-
-def _pagedllm_child(spec: dict) -> dict:
-    import torch
-
-    torch.set_num_threads(spec["threads"])
-    from .. import LLM
-
-    n_seq = len(spec["prompts"])
-    long = spec["measure"] == "long"
-    # A long prompt is chunked as the engine chooses; the short tests prefill in one chunk.
-    chunk = {} if long else {"max_num_batched_tokens": max(1024, len(spec["prompts"][0]) + 1)}
-    llm = LLM(spec["model"], kv_cache_context_len=spec["kv_tokens"], max_num_seqs=n_seq,
-              max_model_len=spec["kv_tokens"] // n_seq, enable_prefix_caching=False, seed=0,
-              **chunk, **spec["engine_kwargs"])
-    eng = llm.engine
-    # Warm-up: the timed work once, untimed. Our CPU pools commit a KV page when it is first
-    # written (kv/cache.py) and a first touch cost some 35 us a page on the machine measured, so
-    # a first run read 20-50% slower than the next ones; llama.cpp commits its cache when the
-    # context is made. A long prompt warms up on a short stand-in (its run takes minutes).
-    warm = ([p[:8] for p in spec["prompts"]], 3) if long else (spec["prompts"], spec["max_tokens"])
-    _drive(llm.driver, *warm)
-    rates, decode_rates, outputs = [], [], None
-    for _ in range(spec["repeats"]):
-        prefill_s, decode_s, decoded, outputs = _drive(llm.driver, spec["prompts"], spec["max_tokens"])
-        if spec["measure"] in ("prefill", "long"):
-            rates.append(len(spec["prompts"][0]) / prefill_s)
-        if spec["measure"] != "prefill":
-            decode_rates.append(decoded / decode_s)
-    out = {"tok_s": rates if rates else decode_rates, "outputs": outputs, "peak_rss_mb": peak_rss_mb(),
-           "dtype": str(eng.dtype), "weights": eng.weights.summary() if eng.weights is not None else None}
-    if long:
-        out["decode_tok_s"] = decode_rates
-    return out
-
-
-def _drive(driver, prompts: list[list[int]], max_tokens: int) -> tuple[float, float, int, list[list[int]]]:
-    """Greedy, EOS ignored. Seconds until every sequence has its first token (the prefill), seconds
-    of the steps after that, tokens those steps made, and the outputs."""
-    from ..sampling.params import SamplingParams
-
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    t0 = time.perf_counter()
-    ids = driver.add([(None, p, params) for p in prompts])
-    made: dict[str, list[int]] = {}
-    steps = driver.steps(ids)
-    for outs in steps:
-        for out in outs:
-            made[out.request_id] = out.outputs[0].token_ids
-        if len(made) == len(ids) and all(made.values()):
-            break
-    t1 = time.perf_counter()
-    at_t1 = sum(len(t) for t in made.values())
-    for outs in steps:
-        for out in outs:
-            made[out.request_id] = out.outputs[0].token_ids
-    t2 = time.perf_counter()
-    outputs = [list(made[i]) for i in ids]
-    return t1 - t0, t2 - t1, sum(map(len, outputs)) - at_t1, outputs
-
-
-def _bandwidth_child(spec: dict) -> dict:
-    """Read bandwidth: a float32 tensor of `mib` MiB summed with the bench's threads, in plain
-    pages and, where the kernels put packed weights in 2 MiB pages, in those too (reading them
-    is faster on some machines, so the ceiling is the faster of the two)."""
-    import torch
-
-    from ..quant.kernels import weight_buffer
-
-    torch.set_num_threads(spec["threads"])
-    n = spec["mib"] * 2**20 // 4
-    tensors = {"4k": torch.ones(n, dtype=torch.float32)}  # pages touched before timing
-    huge = weight_buffer((n,), torch.float32)  # (None where the slabs are off)
-    if huge is not None:
-        tensors["huge"] = huge.fill_(1.0)
-    runs: dict[str, list[float]] = {k: [] for k in tensors}
-    for x in tensors.values():
-        x.sum()
-    for _ in range(spec["repeats"]):
-        for name, x in tensors.items():  # (alternated: the machine's speed drifts)
-            t0 = time.perf_counter()
-            x.sum()
-            runs[name].append(x.numel() * 4 / (time.perf_counter() - t0) / 1e9)
-    medians = {k: statistics.median(v) for k, v in runs.items()}
-    return {"gb_s": max(medians.values()), "runs": runs["4k"], "mib": spec["mib"],
-            "gb_s_4k": medians["4k"], "gb_s_huge": medians.get("huge"), "runs_huge": runs.get("huge")}
-
-
-def _int8_peak_child(spec: dict) -> dict:
-    """The int8 dot-product peak with the bench's threads (quant/kernels.py), on the integer
-    path our kernels take here; gmac_s None where there is none."""
-    import torch
-
-    from ..quant import kernels
-
-    torch.set_num_threads(spec["threads"])
-    isa = kernels.kernel_path()[0]
-    gmac_s = kernels.int8_peak_gmacs(spec["seconds"], isa) if isa else None
-    return {"gmac_s": gmac_s, "isa": isa, "threads": spec["threads"], "amx_rows": kernels.amx_rows()}
-
-
-def _child_main(argv: list[str]) -> int:
-    engine, spec_path, out_path = argv
-    spec = json.loads(Path(spec_path).read_text())
-    logging.basicConfig(level=logging.WARNING)
-    children = {"bandwidth": _bandwidth_child, "int8peak": _int8_peak_child}
-    result = children.get(engine, _pagedllm_child)(spec)
-    Path(out_path).write_text(json.dumps(result))
-    return 0
-
-
-if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] == _CHILD:
-        sys.exit(_child_main(sys.argv[2:]))
-    sys.exit("use `pagedllm bench compare MODEL.gguf`")

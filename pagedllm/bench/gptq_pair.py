@@ -31,8 +31,6 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 from .common import machine_info, write_json
 
 logger = logging.getLogger(__name__)
@@ -111,6 +109,8 @@ def rtn_sym(w: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor, 
     """Round-to-nearest symmetric scales and zeros per (row, group) of w [out, in], in GPTQ's
     convention (zero at the midpoint, scale = absmax / (maxq // 2), so pack's rounding stays in
     range), and the g_idx of contiguous groups."""
+    import torch
+
     out_f, in_f = w.shape
     maxq = 2 ** bits - 1
     groups = w.float().view(out_f, in_f // group_size, group_size)
@@ -122,6 +122,8 @@ def rtn_sym(w: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor, 
 def gptq_tensors(w: torch.Tensor, bias: torch.Tensor | None, bits: int, group_size: int) -> dict[str, torch.Tensor]:
     """A GPTQ v1 layer's tensors (qweight, qzeros, scales, g_idx[, bias]) for float weight w,
     packed by gptqmodel."""
+    import torch
+
     from types import SimpleNamespace
 
     TorchLinear, to_v1 = _gptqmodel()
@@ -144,6 +146,8 @@ def gptq_tensors(w: torch.Tensor, bias: torch.Tensor | None, bits: int, group_si
 
 def build_gptq(src: Path, dst: Path, bits: int, group_size: int) -> None:
     """transformers' float load of the GGUF, its decoder linear weights packed by gptqmodel."""
+    import torch
+
     import transformers as tf
     from safetensors.torch import save_file
 

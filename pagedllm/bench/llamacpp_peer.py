@@ -169,10 +169,26 @@ def measure(spec: dict) -> dict:
                     rates.append(len(prompts[0]) / prefill_s)
         finally:
             run.close()
-    out = {"tok_s": rates or decode_rates, "outputs": outputs, "peak_rss_mb": peak_rss_mb(), "n_vocab": m.n_vocab}
+    out = {"tok_s": rates or decode_rates, "outputs": outputs, "peak_rss_mb": peak_rss_mb(), "n_vocab": m.n_vocab,
+           "isa": built_isa(m.lib)}
     if kind == "long":
         out["decode_tok_s"] = decode_rates
     return out
+
+
+# ggml's x86 features that set which kernels run (its system info names them `NAME = 1`).
+ISA_FEATURES = ("AVX", "AVX2", "F16C", "FMA", "BMI2", "AVX_VNNI", "AVX512", "AVX512_VBMI", "AVX512_VNNI",
+                "AVX512_BF16", "AMX_INT8")
+
+
+def built_isa(L: Any) -> str:
+    """The instruction sets this llama.cpp build's CPU kernels were compiled with, from
+    llama_print_system_info ("CPU : SSE3 = 1 | AVX2 = 1 | ..."): what it runs, whatever the CPU has."""
+    info = L.llama_print_system_info()
+    text = info.decode(errors="replace") if isinstance(info, bytes) else str(info)
+    on = {part.split("=")[0].split(":")[-1].strip() for part in text.replace("\n", "|").split("|")
+          if part.split("=")[-1].strip() == "1"}
+    return " ".join(f for f in ISA_FEATURES if f in on) or "no SIMD features reported"
 
 
 def peak_rss_mb() -> float:

@@ -13,8 +13,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-
 from .common import machine_info, median_of_runs, write_json
 
 TARGETS = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
@@ -23,6 +21,8 @@ TARGETS = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", 
 
 def write_adapter(folder: Path, cfg, rank: int, seed: int) -> Path:
     """A random PEFT LoRA folder for a dense model of config `cfg` (a pagedllm ModelConfig)."""
+    import torch
+
     from safetensors.torch import save_file
 
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
@@ -44,6 +44,8 @@ def write_adapter(folder: Path, cfg, rank: int, seed: int) -> Path:
 
 
 def _prompts(llm, n: int, seed: int) -> list[list[int]]:
+    import torch
+
     g = torch.Generator().manual_seed(seed)
     vocab = llm.engine.model_config.vocab_size
     return [torch.randint(100, vocab - 1, (32,), generator=g).tolist() for _ in range(n)]
@@ -93,6 +95,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
+    import torch
+
     from .. import LLM, LoRARequest
 
     llm = LLM(args.model, dtype=args.dtype, kv_cache_memory_mb=args.pa_gpu_mem, enable_lora=True,

@@ -29,8 +29,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-
 from .llamacpp_peer import MISSING_HINT, silence
 
 logger = logging.getLogger(__name__)
@@ -125,6 +123,8 @@ def tokenizer_metadata(vocab: int) -> dict:
 def write_random(path: Path, shape: Shape, seed: int, ftype: str = "F16", std: float = 0.02) -> None:
     """A GGUF of `shape.arch` (qwen2, qwen3, olmoe, qwen3moe): F16 (or F32) matrices, F32 norms, biases
     and routers. Each tensor is generated as it is written."""
+    import numpy as np
+
     import gguf
 
     mat_dtype = {"F16": np.float16, "F32": np.float32}[ftype]
@@ -238,6 +238,8 @@ def quantize_with_llama_cpp(src: Path, dst: Path, ftype: str, threads: int) -> N
 
 def check_opens(path: Path, with_llama_cpp: bool) -> dict:
     """Open the file with our loader and (when installed) with llama.cpp; a summary of its tensors."""
+    import numpy as np
+
     from collections import Counter
 
     from ..loading.gguf import read_gguf

@@ -28,8 +28,6 @@ import re
 import time
 from pathlib import Path
 
-import torch
-
 from .common import machine_info, write_json
 
 logger = logging.getLogger(__name__)
@@ -93,6 +91,8 @@ def cut_slices(tokens: list[list[int]], length: int, count: int, skip: int = 0) 
 # -- measurements ---------------------------------------------------------
 def capacity_blocks(model_cfg, kv_mb: float, block_size: int, compute_dtype: torch.dtype,
                     cache_type: str) -> int:
+    import torch
+
     from ..config import CacheConfig
     from ..kv.cache import KVCacheSpec, plan_cache
 
@@ -121,15 +121,17 @@ def run_cache_type(args: argparse.Namespace, cache_type: str, windows: list[list
                    prompts: list[list[int]], dtype: str | None = None, label: str | None = None) -> dict:
     """One engine with this cache type: perplexity, then greedy generation. `dtype` overrides
     the compute dtype (the reference row: same cache type, other rounding)."""
+    import torch
+
     from .. import LLM, SamplingParams
-    from ..quant.kernels import INT_ROWS, kernel_path
+    from ..quant.kernels import int_rows, kernel_path
 
     n_seqs = max(len(windows), len(prompts))
     if not args.dequantize_weights and kernel_path()[0] is not None:
         # Quantized weights take the integer kernels only on steps of at most INT_ROWS rows (wider
         # ones dequantize and GEMM, exactly): so many sequences a step at most, so that the decode
         # path scored is the one serving runs, not the exact one.
-        n_seqs = min(n_seqs, INT_ROWS)
+        n_seqs = min(n_seqs, int_rows())
     ctx = max(len(windows) * (len(windows[0]) + args.block_size),
               len(prompts) * (len(prompts[0]) + args.new_tokens + args.block_size))
     t0 = time.perf_counter()
@@ -223,8 +225,12 @@ def run_weights(args: argparse.Namespace) -> dict:
     whole windows at once, by tile dequantize + GEMM and by the integer kernel, each forced
     (PAGEDLLM_QUANT_WIDE=gemm, =int): which one a model takes by default depends on its width and
     the CPU (quant/kernels.py, wide_int_here)."""
+    import torch
+
     from .. import LLM
-    from ..quant.kernels import INT_ROWS
+    from ..quant.kernels import int_rows
+
+    INT_ROWS = int_rows()
 
     if args.windows > INT_ROWS:
         print(f"--weights: {args.windows} windows would leave the integer kernels (at most {INT_ROWS} "
@@ -293,6 +299,8 @@ def run_weights(args: argparse.Namespace) -> dict:
 
 
 def run(args: argparse.Namespace) -> dict:
+    import torch
+
     if args.weights:
         return run_weights(args)
     from ..config import normalize_kv_cache_dtype
@@ -334,6 +342,8 @@ def run(args: argparse.Namespace) -> dict:
 def _llamacpp_scores(model: str, windows: list[list[int]]) -> dict | None:
     """llama.cpp on the same GGUF file and windows, teacher-forced (when llama-cpp-python is
     installed): the peer's own perplexity and top-1 predictions, against the same reference."""
+    import torch
+
     from ..loading.source import resolve
 
     src = resolve(model)

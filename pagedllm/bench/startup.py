@@ -3,7 +3,9 @@
 Each run is a fresh process (the cost a user pays for every one-shot command): the clock
 starts just before the process is spawned and stops when the first byte of the answer
 arrives on its stdout (the "loading ..." line goes to stderr). Reports the median, and the
-CPU seconds the whole process used, which a busy machine disturbs less than the wall time.
+CPU seconds the whole process used, which a busy machine disturbs less than the wall time;
+and beside it a bare `python -c "import torch"` timed the same way, and the gap between the two:
+what pagedllm adds to the torch every such program pays.
 
 In the same run, llama.cpp (llama-cpp-python, where installed: `make bench-deps`) does the same
 on the same GGUF file: a fresh Python process that loads it, applies the GGUF's chat template
@@ -68,7 +70,12 @@ def _time_first_byte(cmd: list[str]) -> tuple[float, float, float]:
     return t_first, time.perf_counter() - t0, usage.ru_utime + usage.ru_stime
 
 
-def _series(label: str, runs: int, once: Callable[[], tuple[float, float, float]]) -> None:
+def import_torch_time() -> tuple[float, float, float]:
+    """The same for a bare `python -c "import torch"`: the floor every torch program pays."""
+    return _time_first_byte([sys.executable, "-c", "import torch, sys; sys.stdout.write('x')"])
+
+
+def _series(label: str, runs: int, once: Callable[[], tuple[float, float, float]]) -> tuple[float, float]:
     firsts, totals, cpus = [], [], []
     for i in range(runs):
         t_first, t_total, cpu = once()
@@ -80,6 +87,7 @@ def _series(label: str, runs: int, once: Callable[[], tuple[float, float, float]
     print(f"{label} median of {runs}: first token {statistics.median(firsts):.2f} s "
           f"(min {min(firsts):.2f}, max {max(firsts):.2f}), exit {statistics.median(totals):.2f} s, "
           f"{statistics.median(cpus):.2f} CPU s", flush=True)
+    return statistics.median(firsts), statistics.median(cpus)
 
 
 def llama_cpp_skip_reason(model: str) -> tuple[str | None, str]:
@@ -101,7 +109,11 @@ def llama_cpp_skip_reason(model: str) -> tuple[str | None, str]:
 def run(args: argparse.Namespace) -> int:
     extra = args.extra.split() if args.extra else []
     print(f"CPU flags: {cpu_flags()}", flush=True)
-    _series("pagedllm", args.runs, lambda: time_to_first_token(args.model, args.prompt, extra))
+    floor = _series("import torch", args.runs, import_torch_time)
+    first = _series("pagedllm", args.runs, lambda: time_to_first_token(args.model, args.prompt, extra))
+    print(f"pagedllm's first token {first[0]:.2f} s - bare import torch {floor[0]:.2f} s = "
+          f"{first[0] - floor[0]:.2f} s; in CPU seconds {first[1]:.2f} - {floor[1]:.2f} = {first[1] - floor[1]:.2f} "
+          f"(medians of {args.runs}; CPU seconds are what a busy machine disturbs least)", flush=True)
     why, gguf = llama_cpp_skip_reason(args.model)
     if why:
         print(f"llama.cpp: skipped ({why})", flush=True)

@@ -19,8 +19,6 @@ import random
 import time
 from dataclasses import dataclass
 
-import torch
-
 from .common import machine_info, median_of_runs, percentile, write_json
 
 logger = logging.getLogger(__name__)
@@ -85,6 +83,8 @@ class _TimedSampler:
         self.inner, self.seconds = inner, 0.0
 
     def __call__(self, logits, meta, **kw):  # kw: the runner's check_finite=
+        import torch
+
         t0 = time.perf_counter()
         out = self.inner(logits, meta, **kw)
         if logits.device.type == "cuda":
@@ -136,9 +136,17 @@ def load_transformers_peer(model: str, dtype: torch.dtype, device: torch.device)
     return model.to(device).eval()
 
 
-@torch.inference_mode()
 def run_transformers(model, wl: Workload, batch_size: int, pad_id: int) -> dict:
     """Static batches in arrival order, left-padded; each batch runs to its longest output."""
+    import torch
+
+    with torch.inference_mode():
+        return _run_transformers(model, wl, batch_size, pad_id)
+
+
+def _run_transformers(model, wl: Workload, batch_size: int, pad_id: int) -> dict:
+    import torch
+
     t0 = time.perf_counter()
     ttft, n_out, probe = [], 0, 0.0
     for s in range(0, len(wl.prompts), batch_size):
@@ -270,6 +278,8 @@ def _sampling_modes(args: argparse.Namespace) -> list[str]:
 def _run_one_cache_type(args: argparse.Namespace, cache_type: str, modes: list[str], first: bool):
     """A fresh engine with this KV cache type: warm up, then the workload `args.runs` times per
     sampling mode, the modes interleaved run by run so load on the machine hits them alike."""
+    import torch
+
     from .. import LLM
 
     llm = LLM(args.model, dtype=args.dtype, max_num_seqs=args.max_seqs,

@@ -23,7 +23,6 @@ import logging
 import time
 from pathlib import Path
 
-import numpy as np
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +33,8 @@ _MLP = ("ffn_gate", "ffn_up", "ffn_down")
 
 def upcycle(src: Path, dst: Path, experts: int = 4, used: int = 2, seed: int = 0) -> dict:
     """Write dst from the dense GGUF src; returns a summary (architectures, expert counts, bytes)."""
+    import numpy as np
+
     import gguf
 
     if not 1 <= used <= experts:

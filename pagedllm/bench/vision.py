@@ -11,15 +11,14 @@ from __future__ import annotations
 import argparse
 import time
 
-import torch
-
-from ..multimodal.processor import load_hf_processor
 from .common import machine_info, median_of_runs, write_json
 
 QUESTION = "What is in this picture?"
 
 
 def _image(seed: int, size: int):
+    import torch
+
     from PIL import Image
 
     g = torch.Generator().manual_seed(seed)
@@ -50,6 +49,8 @@ class _Timer:
 
 
 def _hf_ttft(ref, proc, msgs: list[dict], image) -> float:
+    import torch
+
     hf_msgs = [{**m, "content": [{"type": p["type"], **({"text": p["text"]} if "text" in p else {})}
                                  for p in m["content"]]} if isinstance(m["content"], list) else m for m in msgs]
     t0 = time.perf_counter()
@@ -71,9 +72,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
+    import torch
     import transformers as tf
 
     from .. import LLM, SamplingParams
+    from ..multimodal.processor import load_hf_processor
 
     llm = LLM(args.model, dtype=args.dtype, kv_cache_memory_mb=args.pa_gpu_mem)
     if llm.processor is None:

@@ -8,7 +8,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from ..api import EngineOptions
+    from ..options import EngineOptions
 
 
 def load_llm(opts: EngineOptions) -> Any:

@@ -22,14 +22,13 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
+from .. import settings
 from . import messages
 from .group import TPInfo, destroy_groups, init_groups
 from .worker import WorkerSpec, rank_device, worker_main
 
 logger = logging.getLogger(__name__)
 
-# How long rank 0 waits for the workers to load their shards.
-LOAD_TIMEOUT_S = float(os.environ.get("PAGEDLLM_TP_LOAD_TIMEOUT_S", "600"))
 _live: list["TPExecutor"] = []  # torch.distributed has one default group per process
 
 
@@ -116,7 +115,7 @@ class TPExecutor:
 
     def wait_loaded(self) -> None:
         """Block until every spawned worker has loaded its shard; a worker's error is raised here."""
-        self._wait_for("loaded", LOAD_TIMEOUT_S)
+        self._wait_for("loaded", settings.get("tp_load_timeout_s"))  # (the workers loading their shards)
 
     def _wait_for(self, what: str, timeout: float) -> None:
         deadline = time.monotonic() + timeout

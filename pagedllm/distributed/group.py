@@ -8,7 +8,6 @@ sockets, so its peers' pending collectives fail at once either way.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -16,11 +15,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-# How long one collective may wait for the other ranks (a layer's all-reduce, a logits
-# gather) before the step fails. A dead worker closes its sockets and fails the collective at
-# once; this only catches a stuck one. 20 s tripped in the tests on a shared 2-core machine
-# whose load left a niced 1-thread rank that far behind, hence 60.
-COMPUTE_TIMEOUT_S = float(os.environ.get("PAGEDLLM_TP_TIMEOUT_S", "60"))
+from .. import settings
+
 # Every rank joins within this (rank 0 waits here for its spawned workers to start).
 RENDEZVOUS_TIMEOUT = timedelta(seconds=120)
 # The control group waits for the next step while the engine is idle.
@@ -83,7 +79,13 @@ def init_groups(tp: TPInfo, device: torch.device, init_method: str | None) -> No
                          f"{dist.get_world_size()} ranks; they must be equal")
     tp.control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
     tp.group = dist.new_group(backend="nccl" if device.type == "cuda" else "gloo",
-                              timeout=timedelta(seconds=COMPUTE_TIMEOUT_S))
+                              # How long one collective may wait for the other ranks (a layer's
+                              # all-reduce, a logits gather) before the step fails (PAGEDLLM_TP_TIMEOUT_S).
+                              # A dead worker closes its sockets and fails the collective at once;
+                              # this only catches a stuck one. 20 s tripped in the tests on a shared
+                              # 2-core machine whose load left a niced 1-thread rank that far behind,
+                              # hence 60.
+                              timeout=timedelta(seconds=settings.get("tp_timeout_s")))
 
 
 def destroy_groups(tp: TPInfo) -> None:

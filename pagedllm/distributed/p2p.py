@@ -10,15 +10,13 @@ process group is no longer trustworthy after a failed wait).
 """
 from __future__ import annotations
 
-import os
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-# How long one send or receive may wait for its peer. Well under the 30 s in which a dead or
-# stuck stage must fail the requests in flight.
-P2P_TIMEOUT_S = float(os.environ.get("PAGEDLLM_PP_TIMEOUT_S", "20"))
+from .. import settings
+
 
 _HEADER = 8  # dtype code, ndim, up to 6 dimensions
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.uint8, torch.int8,
@@ -35,10 +33,12 @@ class StageLink:
     which sends hidden states here) and `next` (the stage after); None at either end."""
 
     def __init__(self, rank: int, prev: int | None, next: int | None, group=None,
-                 timeout_s: float = P2P_TIMEOUT_S) -> None:
+                 timeout_s: float | None = None) -> None:
         self.rank, self.prev, self.next = rank, prev, next
         self.group = group
-        self.timeout = timedelta(seconds=timeout_s)
+        # How long one send or receive may wait for its peer (PAGEDLLM_PP_TIMEOUT_S): well under
+        # the 30 s in which a dead or stuck stage must fail the requests in flight.
+        self.timeout = timedelta(seconds=settings.get("pp_timeout_s") if timeout_s is None else timeout_s)
         self.failed: str | None = None
         self.sent_bytes = 0
         self.received_bytes = 0

@@ -293,7 +293,7 @@ def _weight_kernel(engine) -> str:
     if w is None:
         return ""
     if w.kernel:
-        from ..quant.kernels import (INT_ROWS, X2_ROWS, X2_WIDTH, activation_mode, amx_rows, narrow_steps_x2,
+        from ..quant.kernels import (X2_ROWS, X2_WIDTH, activation_mode, amx_rows, int_rows, narrow_steps_x2,
                                      wide_mode, wide_steps_int, wide_x2_roles)
 
         mode = activation_mode()
@@ -311,7 +311,7 @@ def _weight_kernel(engine) -> str:
             acts += f"; steps of {amx}+ rows on packed weights: AMX bf16 tile products"
         if wide_steps_int(hidden):
             why = "PAGEDLLM_QUANT_WIDE=int" if wide_mode() == "int" else f"the model {hidden} wide, no AMX"
-            prefill = f"and past {INT_ROWS} rows too (prefill), the head aside ({why})"
+            prefill = f"and past {int_rows()} rows too (prefill), the head aside ({why})"
         else:
             prefill = "tile dequantize + GEMM for long prefills"
         return f"quantized {w.kernel} integer kernels at decode ({acts}), {prefill} ({w.reason})"

@@ -246,14 +246,14 @@ class LlamaForCausalLM(nn.Module):
         """A decode-only step with every projection quantized and few rows: all the layers in
         one native call (the same five calls a layer makes below, without the interpreter
         between them); None where that does not apply."""
-        if h.dim() != 2 or h.shape[0] > qk.INT_ROWS:
+        if h.dim() != 2 or h.shape[0] > qk.int_rows():
             return None
         plan = self._stack_plan()
         if plan is None:
             return None
         lora = None
         if self.lora_state is not None and self.lora_state.active:
-            # (a library built before, or adapters on MoE layers: the layers one by one)
+            # (adapters on MoE layers, or a test that asks for it: the layers one by one)
             if not qk.decode_layers_take_lora() or plan["moe_layers"]:
                 return None
             lora = self._stack_lora()

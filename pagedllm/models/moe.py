@@ -79,7 +79,7 @@ class SparseMoE(nn.Module):
                 residual: torch.Tensor | None = None) -> torch.Tensor:
         """residual + sum over the row's top k experts of weight * expert(norm(x)) (+ the shared expert)."""
         self._stack_ids = None
-        if x.shape[0] <= qk.INT_ROWS and residual is x and self._fused_block(type(norm)):
+        if x.shape[0] <= qk.int_rows() and residual is x and self._fused_block(type(norm)):
             out, self._last_ids = qk.moe_block(x, norm.weight, norm.eps, self._router32, self.top_k,
                                                self.renormalize, self.weights_in_compute_dtype, self._native)
             return out
@@ -123,7 +123,7 @@ class SparseMoE(nn.Module):
         """Rows grouped by expert: one matmul chain per active expert, scattered back weighted
         (few rows of quantized experts: all of it in one native call)."""
         self._last_ids = ids
-        if h.shape[0] <= qk.INT_ROWS and self._native_experts() is not None:
+        if h.shape[0] <= qk.int_rows() and self._native_experts() is not None:
             return qk.moe_experts(h, ids, weights, self._native).to(h.dtype)
         k = ids.shape[1]
         flat = ids.reshape(-1)
@@ -179,11 +179,11 @@ class SparseMoE(nn.Module):
             return head + loop.format(f"{mlp.gate_up_proj.weight.dtype} GEMMs")
         fmts = "/".join(sorted({p.fmt for p in parts}))
         if self._native_experts() is None:
-            return head + loop.format(f"quantized {fmts}, integer kernel up to {qk.INT_ROWS} rows an "
+            return head + loop.format(f"quantized {fmts}, integer kernel up to {qk.int_rows()} rows an "
                                       "expert, dequantize + GEMM beyond")
         fused = ("the block from its norm to its residual add (router, softmax, top k too: quant_moe_block)"
                  if self._fused_block(self.norm_type) else "the routed experts (quant_moe_experts)")
-        return (head + f"quantized {fmts}; steps of up to {qk.INT_ROWS} rows run {fused} in one native call: "
+        return (head + f"quantized {fmts}; steps of up to {qk.int_rows()} rows run {fused} in one native call: "
                 "rows grouped by expert id, every active expert's rows through the integer kernels, the "
                 "threads over all of them at once, summed by weight (a decode step runs it inside the all-layer "
                 "native decode, beside the attention halves, where every layer allows); wider steps "

@@ -14,20 +14,26 @@ CPU runs (csrc/isa.h, csrc/dispatch.cpp). `PAGEDLLM_NATIVE=0` turns the kernels 
 from __future__ import annotations
 
 import logging
-import os
 from functools import lru_cache
 from pathlib import Path
+
+from .. import settings
 
 logger = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
-LEVELS = ("base", "avx2", "avx512vnni", "avx512bf16")  # as csrc/dispatch.cpp
+LEVELS = settings.choices("native_isa")  # as csrc/dispatch.cpp
 BUILD_HINT = ("build them with `make kernels` in a checkout, or reinstall with "
               "`pip install --no-build-isolation .`")
+# The op set this code calls, as csrc/dispatch.cpp stamps it (NATIVE_ABI there; both bumped
+# together whenever an op or class is added, removed or changes its schema). A library with
+# another stamp, or none, is refused whole: callers then need only ask whether it loaded.
+NATIVE_ABI = 2
+REBUILD_HINT = "rebuild with `make kernels` or `pip install --no-build-isolation -e .`"
 
 
 def disabled_reason() -> str | None:
-    if os.environ.get("PAGEDLLM_NATIVE", "1").strip().lower() in ("0", "false", "no", "off"):
+    if not settings.get("native"):
         return "PAGEDLLM_NATIVE=0"
     return None
 
@@ -39,9 +45,7 @@ def library_path() -> Path | None:
 
 
 def _check_level_cap() -> None:
-    cap = os.environ.get("PAGEDLLM_NATIVE_ISA")
-    if cap is not None and cap not in LEVELS:
-        raise ValueError(f"PAGEDLLM_NATIVE_ISA={cap!r} is not one of {', '.join(LEVELS)}")
+    settings.get("native_isa")  # (refuses a level not in LEVELS before C++ reads it)
 
 
 @lru_cache(maxsize=1)
@@ -64,6 +68,7 @@ def cpu_kernels():
         torch.ops.load_library(str(lib))
         ops = torch.ops.pagedllm
         built_for = str(ops.native_torch_version())
+        stamp = int(ops.native_abi()) if hasattr(ops, "native_abi") else None
     except (OSError, RuntimeError, AttributeError) as e:
         last = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
         logger.info("native CPU kernels in %s do not load (%s): the PyTorch paths are used; %s",
@@ -74,6 +79,11 @@ def cpu_kernels():
         # Loaded but compiled against another torch's C++ ABI: calling them could crash.
         logger.info("native CPU kernels in %s were built for torch %s, this is torch %s: the PyTorch "
                     "paths are used; %s", lib, built_for, running, BUILD_HINT)
+        return None
+    if stamp != NATIVE_ABI:
+        logger.warning("native CPU kernels in %s are a stale build (op set %s, this code calls op set %d): "
+                       "the PyTorch paths are used; %s", lib, "unstamped" if stamp is None else stamp,
+                       NATIVE_ABI, REBUILD_HINT)
         return None
     logger.debug("native CPU kernels loaded from %s (%s level)", lib, ops.native_isa())
     return ops

@@ -7,11 +7,12 @@ permuting them (undoing llama.cpp's rope permutation) keeps every block whole.
 """
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+
+from .. import settings
 
 # name -> (ggml type id, values per block, bytes per block): the formats the native kernels run.
 FORMATS: dict[str, tuple[int, int, int]] = {
@@ -33,8 +34,6 @@ FORMATS: dict[str, tuple[int, int, int]] = {
 PACKABLE = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 PACK_ROWS = 16
 PACKED_ID = 100  # a packed weight's kernel type id: PACKED_ID + the ggml type id
-# PAGEDLLM_QUANT_PACK=0 keeps the file's layout (the reference for comparisons).
-PACK = os.environ.get("PAGEDLLM_QUANT_PACK", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def packed_group_bytes(fmt: str, cols: int) -> int:
@@ -86,7 +85,8 @@ class QuantTensor:
 
     @property
     def can_pack(self) -> bool:
-        return PACK and not self.packed and self.fmt in PACKABLE and self.shape[0] % PACK_ROWS == 0
+        # (PAGEDLLM_QUANT_PACK=0 keeps the file's layout: the reference for comparisons)
+        return settings.get("quant_pack") and not self.packed and self.fmt in PACKABLE and self.shape[0] % PACK_ROWS == 0
 
     def pack(self) -> "QuantTensor":
         """The same weight in the packed layout (a copy; the file's pages are handed back)."""

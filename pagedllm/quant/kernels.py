@@ -10,26 +10,30 @@ takes them too, chunk by chunk.
 from __future__ import annotations
 
 import logging
-import math
-import os
 import threading
-import time
 from contextlib import contextmanager
-from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
 
+from .. import settings
 from ..native import cpu_kernels, disabled_reason
 from .formats import PACKED_ID, QuantTensor
+# (re-exported: callers reach every quantized-weight call through this module)
+from .fused import MoeExperts, lora_stack, moe_stack, qk_norm, qk_norm_available, rms_norm  # noqa: F401
+from .isa import ISA_IDS, ISA_NAMES, available_isas, int8_peak_gmacs  # noqa: F401
+from .weight_memory import DENSE_SLAB_BYTES, WeightMemory, weight_buffer, weight_memory  # noqa: F401
 
 logger = logging.getLogger(__name__)
 
-ISA_NAMES = {1: "scalar", 2: "avx2", 3: "avx512-vnni"}
-ISA_IDS = {v: k for k, v in ISA_NAMES.items()}
 # Up to this many rows the integer kernel wins; above it the dequantize + GEMM route does
-# (measured on the CPU this was written on; PAGEDLLM_QUANT_INT_ROWS overrides).
-INT_ROWS = int(os.environ.get("PAGEDLLM_QUANT_INT_ROWS", "32"))
+# (measured on the CPU this was written on; PAGEDLLM_QUANT_INT_ROWS, default 32, overrides).
+
+
+def int_rows() -> int:
+    """INT_ROWS, above: the most rows a step may have and always take the integer kernel."""
+    return settings.get("quant_int_rows")
+
 # The GEMM route dequantizes a weight a tile of rows at a time: up to TILE_ROWS rows and about
 # TILE_VALUES values (8 MB in bf16), so the tile is still in cache when the GEMM reads it. One
 # buffer per thread serves every tile: a fresh allocation per tile came back as new pages from
@@ -53,7 +57,7 @@ TILE_PAD = 32  # a transposed tile's rows are this much longer (csrc/quant_packe
 # AVX2 the integer kernel takes three instructions for half of one vpdpbusd's products: there
 # it is likely slower than the GEMM (not measured). PAGEDLLM_QUANT_WIDE=gemm | int forces a route.
 INT_WIDE_WIDTH = 1536
-WIDE_MODES = ("auto", "gemm", "int")
+WIDE_MODES = settings.choices("quant_wide")  # ("auto", "gemm", "int")
 WIDE_CHUNK = 128
 _scratch = threading.local()
 _route = threading.local()  # proposals_only's flag, per thread
@@ -82,41 +86,6 @@ def pad_rows(x: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.pad(x, (0, 0, 0, gemm_rows(m) - m)) if gemm_rows(m) > m else x
 
 
-def available_isas() -> list[str]:
-    ops = cpu_kernels()
-    if ops is None:
-        return []
-    mask = int(ops.quant_isas())
-    return [name for i, name in ISA_NAMES.items() if mask & (1 << (i - 1))]
-
-
-def int8_peak_gmacs(seconds: float = 0.5, isa: str | None = None) -> float | None:
-    """The CPU's int8 dot-product peak, in GMAC/s over torch's threads: the products the integer
-    kernels issue (vpdpbusd with AVX-512 VNNI, vpmaddubsw with AVX2) on independent register
-    chains, nothing read from memory (csrc/quant_kernels.cpp). A decode step of many rows is
-    bound by these, as batch 1 is by the read bandwidth. The best of three timed runs of about
-    `seconds` / 3 each; None where no int8 SIMD path runs (scalar, or the kernels not built)."""
-    ops = cpu_kernels()
-    if ops is None or not hasattr(ops, "int8_peak_run"):
-        return None
-    isa_id = ISA_IDS[isa] if isa else 0
-    per_pass = int(ops.int8_peak_macs_per_pass(isa_id))
-    if per_pass == 0:
-        return None
-    threads = torch.get_num_threads()
-
-    def timed(iters: int) -> float:
-        t0 = time.perf_counter()
-        ops.int8_peak_run(isa_id, iters)
-        return time.perf_counter() - t0
-
-    iters = 1 << 14  # grown until a run is long enough to time, then sized to `seconds` / 3
-    while (took := timed(iters)) < 0.02:
-        iters *= 4
-    iters = max(1, int(iters * seconds / 3 / took))
-    return max(per_pass * iters * threads / timed(iters) for _ in range(3)) / 1e9
-
-
 @lru_cache(maxsize=1)
 def kernel_path() -> tuple[str | None, str]:
     """(the integer path in use or None, why): None means weights are dequantized at load."""
@@ -126,7 +95,7 @@ def kernel_path() -> tuple[str | None, str]:
     isas = available_isas()
     if not isas:
         return None, "the native CPU kernels are not built or do not load here (see the log)"
-    forced = os.environ.get("PAGEDLLM_QUANT_ISA")
+    forced = settings.get("quant_isa")
     if forced:
         if forced not in isas:
             raise ValueError(f"PAGEDLLM_QUANT_ISA={forced} is not available here; this CPU runs {isas}")
@@ -148,7 +117,7 @@ def kernel_path() -> tuple[str | None, str]:
 # q|k|v projection stays two-level (X2_WIDE) and the head's best logits are computed again
 # (HEAD_RECHECK). A row's rounding therefore depends on its step's width, as the dequantize +
 # GEMM route past INT_ROWS already made it. PAGEDLLM_QUANT_ACT chooses.
-ACT_MODES = ("auto", "int8", "int8x2")
+ACT_MODES = settings.choices("quant_act")  # ("auto", "int8", "int8x2")
 ACT_X2 = 256  # or-ed into the kernels' isa argument (csrc/quant_common.h)
 X2_ROWS = 8
 # ... and only in models narrower than X2_WIDTH (hidden size; a projection's narrower side):
@@ -177,59 +146,11 @@ def amx_rows() -> int:
     """Rows from which a bfloat16 step over packed weights takes the AMX tile product
     (quant_packed.cpp; PAGEDLLM_AMX_ROWS, default 16), or 0: no AMX here, or PAGEDLLM_AMX=0."""
     ops = cpu_kernels()
-    return int(ops.quant_amx_rows()) if ops is not None and hasattr(ops, "quant_amx_rows") else 0
-
-
-@dataclass
-class WeightMemory:
-    """Where the packed weights live (native/csrc/weight_memory.cpp): `live` bytes handed out
-    from `slabs` slabs of 2 MiB-aligned memory marked for transparent huge pages, `mapped`
-    bytes mapped for them; `huge_pages` False where PAGEDLLM_HUGE_PAGES=0 or off Linux;
-    `weights` bytes of all such weights alive, slabs or not, and `prefetch` how many bytes ahead
-    the packed kernels prefetch them (2 KiB while they exceed half the last-level cache, else
-    8 KiB; 256 B on AMD's CPUs; PAGEDLLM_PREFETCH_BYTES fixes it): None with a library built before."""
-
-    live: int
-    mapped: int
-    slabs: int
-    huge_pages: bool
-    weights: int | None = None
-    prefetch: int | None = None
-
-
-def weight_memory() -> WeightMemory | None:
-    """The packed weights' slabs now; None with a library built before them."""
-    ops = cpu_kernels()
-    if ops is None or not hasattr(ops, "weight_memory_stats"):
-        return None
-    live, mapped, slabs, on, *rest = ops.weight_memory_stats()
-    return WeightMemory(live, mapped, slabs, bool(on), *rest)
-
-
-# Dense weights from this size up go to the huge-page slabs too (smaller ones, norms and
-# biases, are not streamed enough to matter).
-DENSE_SLAB_BYTES = 1 << 20
-
-
-def weight_buffer(shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
-    """An uninitialised CPU tensor from the weight slabs (2 MiB pages where Linux grants them;
-    native/csrc/weight_memory.cpp), for a dense weight of DENSE_SLAB_BYTES or more; None where
-    it is smaller, the slabs are off (PAGEDLLM_HUGE_PAGES=0) or the library has none. In 2 MiB
-    pages a dequantized Qwen2.5-Coder-0.5B (bf16) decoded 14.8 against 13.5 tok/s at batch 1."""
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    if nbytes < DENSE_SLAB_BYTES:
-        return None
-    ops = cpu_kernels()
-    if ops is None or not hasattr(ops, "weight_buffer") or not ops.weight_memory_stats()[3]:
-        return None
-    return ops.weight_buffer(nbytes).view(dtype).view(shape)
+    return int(ops.quant_amx_rows()) if ops is not None else 0
 
 
 def wide_mode() -> str:
-    mode = os.environ.get("PAGEDLLM_QUANT_WIDE", "auto")
-    if mode not in WIDE_MODES:
-        raise ValueError(f"PAGEDLLM_QUANT_WIDE={mode!r} is not one of {', '.join(WIDE_MODES)}")
-    return mode
+    return settings.get("quant_wide")  # (one of WIDE_MODES: settings refuses any other)
 
 
 def integer_route(rows: int, parts: list[QuantTensor], role: str | None = None) -> bool:
@@ -237,7 +158,7 @@ def integer_route(rows: int, parts: list[QuantTensor], role: str | None = None) 
     kernel: always up to INT_ROWS; past it, packed parts other than the head where
     PAGEDLLM_QUANT_WIDE=int, or where "auto" (the default) finds it measured faster and exact
     enough (wide_int_here)."""
-    if rows <= INT_ROWS:
+    if rows <= int_rows():
         return True
     wide = wide_steps_int(_width(parts))  # (first: a bad PAGEDLLM_QUANT_WIDE is refused on any part)
     return wide and role != "lm_head" and all(p.packed for p in parts)
@@ -273,15 +194,12 @@ def proposals_only():
 
 
 def activation_mode() -> str:
-    mode = os.environ.get("PAGEDLLM_QUANT_ACT", "auto")
-    if mode not in ACT_MODES:
-        raise ValueError(f"PAGEDLLM_QUANT_ACT={mode!r} is not one of {', '.join(ACT_MODES)}")
-    return mode
+    return settings.get("quant_act")  # (one of ACT_MODES: settings refuses any other)
 
 
 def wide_x2_roles() -> tuple[str, ...]:
     """The roles "auto" rounds in two levels on steps wider than X2_ROWS."""
-    return _wide_roles(os.environ.get("PAGEDLLM_QUANT_X2_WIDE"))
+    return _wide_roles(settings.get("quant_x2_wide"))
 
 
 @lru_cache(maxsize=8)
@@ -374,29 +292,9 @@ def matmul(x: torch.Tensor, parts: list[QuantTensor], isa: str | None = None,
     return y[:m].to(out_dtype)
 
 
-@dataclass(frozen=True)
-class MoeExperts:
-    """One MoE layer's quantized experts as `quant_moe_experts` takes them: every expert's
-    gate|up parts in one flat list with a count per expert, and one down part per expert."""
-
-    gate_up: list[torch.Tensor]
-    gate_up_types: list[int]
-    gate_up_parts: list[int]
-    down: list[torch.Tensor]
-    down_types: list[int]
-
-    @classmethod
-    def of(cls, gate_up: list[list[QuantTensor]], down: list[QuantTensor]) -> "MoeExperts":
-        flat = [p for parts in gate_up for p in parts]
-        return cls([p.data for p in flat], [p.type_id for p in flat], [len(parts) for parts in gate_up],
-                   [d.data for d in down], [d.type_id for d in down])
-
-
 def moe_experts_available() -> bool:
-    """Whether the native `quant_moe_experts` / `quant_moe_block` are built here (a library
-    built before has neither)."""
-    ops = cpu_kernels()
-    return ops is not None and hasattr(ops, "quant_moe_experts") and hasattr(ops, "quant_moe_block")
+    """Whether the native `quant_moe_experts` / `quant_moe_block` run here (the kernels load)."""
+    return cpu_kernels() is not None
 
 
 def _moe_x2(rows: int, width: int) -> int:
@@ -432,19 +330,25 @@ def moe_block(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, router: to
 # which token is greedy's then moves only when int8 rounding moves a logit past more than
 # HEAD_RECHECK - 1 others, instead of at every near-tie. It costs one top-k pass over the logits
 # (about 1 ms for 32 rows of a 152k vocabulary on 2 cores), where rounding the head in two
-# levels costs as much again as the head itself. PAGEDLLM_QUANT_HEAD_RECHECK overrides (0: off).
-HEAD_RECHECK = int(os.environ.get("PAGEDLLM_QUANT_HEAD_RECHECK", "4"))
+# levels costs as much again as the head itself. PAGEDLLM_QUANT_HEAD_RECHECK (default 4) sets
+# HEAD_RECHECK (0: off).
+
+
+def head_recheck() -> int:
+    """HEAD_RECHECK, above: how many of a single-level head's best logits are computed again."""
+    return settings.get("quant_head_recheck")
+
 
 
 def head_logits(hidden: torch.Tensor, parts: list[QuantTensor]) -> torch.Tensor:
     """The LM head's [rows, vocab] float32 logits for hidden [rows, K] ("auto" rechecks the best
     of a single-level step; PAGEDLLM_QUANT_ACT=int8 is llama.cpp's rounding, unrechecked)."""
     logits = matmul(hidden, parts, out_dtype=torch.float32, role="lm_head")
-    rows = hidden.shape[0]
-    if (rows > INT_ROWS or activation_mode() != "auto" or _x2(rows, "lm_head", _width(parts)) or len(parts) != 1
-            or HEAD_RECHECK < 1):
+    rows, recheck = hidden.shape[0], head_recheck()
+    if (rows > int_rows() or activation_mode() != "auto" or _x2(rows, "lm_head", _width(parts)) or len(parts) != 1
+            or recheck < 1):
         return logits  # exact already (the GEMM route), two-level, or a rounding chosen by hand
-    k = min(HEAD_RECHECK, logits.shape[1])
+    k = min(recheck, logits.shape[1])
     ops = cpu_kernels()
     _, ids, _ = ops.sample_topk(logits, torch.ones(rows), k, None, False)
     w = embedding(parts[0], ids.view(-1), torch.float32).view(rows, k, -1)
@@ -495,91 +399,25 @@ def linear(x: torch.Tensor, parts: list[QuantTensor], norm, bias: torch.Tensor |
 
 
 def decode_layers_available() -> bool:
-    """Whether the native all-layer decode (`decode_layers`) is built here."""
-    ops = cpu_kernels()
-    return ops is not None and hasattr(ops, "quant_decode_layers")
+    """Whether the native all-layer decode (`decode_layers`) runs here (the kernels load)."""
+    return cpu_kernels() is not None
 
 
 def decode_layers_take_lora() -> bool:
-    """Whether the native all-layer decode adds LoRA deltas (a library built before does not)."""
-    ops = cpu_kernels()
-    return ops is not None and hasattr(ops, "quant_decode_layers") and _takes_lora(ops.quant_decode_layers)
-
-
-@lru_cache(maxsize=4)
-def _takes_lora(op) -> bool:
-    return "LoRAStack" in str(op.default._schema)  # (an older library's LoRA arguments are not read)
+    """Whether the native all-layer decode adds LoRA deltas (it does wherever it runs; a name of
+    its own so that a test can send adapter steps layer by layer)."""
+    return decode_layers_available()
 
 
 def decode_layers_take_qk_norms() -> bool:
-    """Whether the native all-layer decode applies per-head q/k norms (Qwen3); a library built
-    before does not, and those models then decode layer by layer."""
-    ops = cpu_kernels()
-    return ops is not None and hasattr(ops, "quant_decode_layers") and _takes_qk_norms(ops.quant_decode_layers)
-
-
-@lru_cache(maxsize=4)
-def _takes_qk_norms(op) -> bool:
-    return "qk_norms" in str(op.default._schema)
-
-
-def qk_norm_available() -> bool:
-    """Whether the native q/k RMSNorm (`qk_norm`) is built here (a library built before has none)."""
-    ops = cpu_kernels()
-    return ops is not None and hasattr(ops, "qk_norm")
-
-
-def rms_norm(x: torch.Tensor, norm) -> torch.Tensor:
-    """`norm` (an RMSNorm module: weight, eps) of x [M, K] in one native call, as the fused
-    projections' norms compute it (within a few float32 ulps of F.rms_norm); the module itself
-    elsewhere (a library built before, another device, a weight in another dtype)."""
-    ops = cpu_kernels()
-    if (ops is None or not hasattr(ops, "rms_norm") or x.dim() != 2 or x.device.type != "cpu"
-            or norm.weight.dtype != x.dtype):
-        return norm(x)
-    return ops.rms_norm(x, norm.weight, norm.eps)
-
-
-def qk_norm(qkv: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, num_heads: int, num_kv_heads: int, eps: float,
-            clip: float | None = None) -> torch.Tensor:
-    """qkv [T, (hq + 2 hkv) d] with its q and k RMSNorms applied in place (over each head where
-    the weights are head_dim long, else over the whole q and k parts), then clamped to +-clip
-    where given: the quantized decode path's q/k norms, one native call instead of ATen's chain
-    of small ops; the all-layer decode makes the same call."""
-    cpu_kernels().qk_norm(qkv, wq, wk, num_heads, num_kv_heads, eps, float(clip or 0.0))
-    return qkv
+    """Whether the native all-layer decode applies per-head q/k norms (Qwen3): wherever it runs."""
+    return decode_layers_available()
 
 
 def decode_layers_take_moe() -> bool:
     """Whether the native all-layer decode runs sparse MoE blocks and whole-projection q/k norms
-    (OLMoE); a library built before does not, and those models then decode layer by layer."""
-    ops = cpu_kernels()
-    return ops is not None and hasattr(ops, "quant_decode_layers") and _takes_moe(ops.quant_decode_layers)
-
-
-@lru_cache(maxsize=4)
-def _takes_moe(op) -> bool:
-    return "MoeStack" in str(op.default._schema)
-
-
-def moe_stack(entries: list[tuple | None]):
-    """The native MoeStack `decode_layers` takes: per decoder layer None (a dense MLP) or a
-    sparse block's (float32 router [E, H], its `MoeExperts`, top_k, renormalize, round_weights)."""
-    stack = torch.classes.pagedllm.MoeStack()
-    for e in entries:
-        if e is None:
-            stack.add_dense()
-        else:
-            router, ex, top_k, renormalize, round_weights = e
-            stack.add_sparse(router, ex.gate_up, ex.gate_up_types, ex.gate_up_parts, ex.down, ex.down_types,
-                             top_k, renormalize, round_weights)
-    return stack
-
-
-def lora_stack(a: list, panels: list, index: list, slots: int):
-    """The native LoRAStack `decode_layers` takes: entry j * slots + s is projection j's A,
-    B^T's panels and their index for the step's s-th slot (None: that slot leaves it alone)."""
-    return torch.classes.pagedllm.LoRAStack(a, panels, index, slots)
+    (OLMoE): wherever it runs."""
+    return decode_layers_available()
 
 
 def decode_layers(h: torch.Tensor, plan: dict, kv, rope: tuple[torch.Tensor, torch.Tensor], num_heads: int,
@@ -592,13 +430,11 @@ def decode_layers(h: torch.Tensor, plan: dict, kv, rope: tuple[torch.Tensor, tor
     added to their projections."""
     cos, sin = rope
     op = cpu_kernels().quant_decode_layers
-    # (a library built before the LoRA arguments takes the base-only call)
-    extra = (*(lora or (None, [], [])),) if lora is not None or _takes_lora(op) else ()
     return op(
         h, plan["weights"], plan["types"], plan["parts"], plan["kdims"], plan["norms"], plan["eps"],
         plan["biases"], kv.k, kv.v, kv.windows, cos, sin, kv.slot_mapping, kv.block_tables, kv.context_lens,
-        num_heads, num_kv_heads, scale, *extra, _stack_isa_id(h.shape[0], h.shape[1]), kv.k_scales, kv.v_scales,
-        *([plan.get("qk_norms", [])] if _takes_qk_norms(op) else []),
+        num_heads, num_kv_heads, scale, *(lora or (None, [], [])), _stack_isa_id(h.shape[0], h.shape[1]), kv.k_scales, kv.v_scales,
+        plan.get("qk_norms", []),
         *((plan["moe"], _path_id(), _moe_x2(*h.shape), plan["qkv_clip"]) if plan.get("moe") is not None else ()))
 
 

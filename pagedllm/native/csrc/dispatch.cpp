@@ -2,11 +2,13 @@
 // instruction-set level this CPU runs is picked from its flags, and every op is registered
 // from that level's objects (isa.h; setup.py compiles each source once per level).
 // PAGEDLLM_NATIVE_ISA (base, avx2, avx512vnni, avx512bf16) caps the level: a test runs the
-// baseline objects on any machine that way. Nothing here may throw: it runs inside dlopen.
+// baseline objects on any machine that way. A build for one machine compiles only some levels
+// (setup.py writes which into pagedllm_built_levels.h); the best of those the CPU runs is used. Nothing here may throw: it runs inside dlopen.
 #include <torch/library.h>
 #include <torch/version.h>
 
 #include "lora_stack.h"
+#include "pagedllm_built_levels.h"
 #include "moe_stack.h"
 #include "weight_memory.h"
 
@@ -35,15 +37,29 @@
 PAGEDLLM_DECLARE(isa_base)
 namespace isa_base { void register_prefill_attention(torch::Library& m); }
 #if defined(__x86_64__)
+#if PAGEDLLM_BUILT_AVX2
 PAGEDLLM_DECLARE(isa_avx2)
+#endif
+#if PAGEDLLM_BUILT_AVX512VNNI
 PAGEDLLM_DECLARE(isa_avx512vnni)
+#endif
+#if PAGEDLLM_BUILT_AVX512BF16
 namespace isa_avx512bf16 { void register_prefill_attention(torch::Library& m); }
+#endif
+#else
+#undef PAGEDLLM_BUILT_AVX2
+#undef PAGEDLLM_BUILT_AVX512VNNI
+#undef PAGEDLLM_BUILT_AVX512BF16
+#define PAGEDLLM_BUILT_AVX2 0
+#define PAGEDLLM_BUILT_AVX512VNNI 0
+#define PAGEDLLM_BUILT_AVX512BF16 0
 #endif
 
 namespace {
 
 enum Level { BASE = 0, AVX2 = 1, AVX512VNNI = 2, AVX512BF16 = 3 };
 const char* const LEVEL_NAMES[] = {"base", "avx2", "avx512vnni", "avx512bf16"};
+const bool BUILT[] = {true, PAGEDLLM_BUILT_AVX2, PAGEDLLM_BUILT_AVX512VNNI, PAGEDLLM_BUILT_AVX512BF16};
 
 // The highest level whose instructions (isa.h's pragmas) this CPU has.
 int cpu_level() {
@@ -63,19 +79,31 @@ int cpu_level() {
 }
 
 // The CPU's level, capped by PAGEDLLM_NATIVE_ISA (an unknown name caps nothing here; the
-// Python side refuses it before loading).
+// Python side refuses it before loading), then lowered to a level this build compiled.
 int chosen_level() {
   int level = cpu_level();
   const char* cap = std::getenv("PAGEDLLM_NATIVE_ISA");
   if (cap != nullptr)
     for (int i = BASE; i <= AVX512BF16; ++i)
       if (std::strcmp(cap, LEVEL_NAMES[i]) == 0) level = std::min(level, i);
+  while (!BUILT[level]) --level;
   return level;
 }
 
 const int LEVEL = chosen_level();
 
 std::string native_isa() { return LEVEL_NAMES[LEVEL]; }
+// The op set's stamp: bumped whenever an op or class is added, removed or changes its schema.
+// native/__init__.py expects one number (NATIVE_ABI there) and refuses a library with another,
+// so the Python side asks this once instead of probing for each op.
+constexpr int64_t NATIVE_ABI = 2;
+int64_t native_abi() { return NATIVE_ABI; }
+std::string native_built_levels() {
+  std::string out;
+  for (int i = BASE; i <= AVX512BF16; ++i)
+    if (BUILT[i]) out += (out.empty() ? "" : ",") + std::string(LEVEL_NAMES[i]);
+  return out;
+}
 // The torch release these kernels were compiled against: its C++ ABI is what they link to.
 std::string native_torch_version() { return TORCH_VERSION; }
 
@@ -122,25 +150,32 @@ TORCH_LIBRARY(pagedllm, m) {
       .def("add_sparse", &pagedllm::MoeStack::add_sparse)
       .def("size", &pagedllm::MoeStack::size)
       .def("last_ids", &pagedllm::MoeStack::last_ids);
+  m.def("native_abi() -> int", &native_abi);
   m.def("native_isa() -> str", &native_isa);
   m.def("native_torch_version() -> str", &native_torch_version);
+  m.def("native_built_levels() -> str", &native_built_levels);
   m.def("release_omp_threads() -> int", &release_omp_threads);
   m.def("weight_memory_stats() -> int[]", &pagedllm::weight_memory_stats);
   m.def("weight_buffer(int bytes) -> Tensor", &pagedllm::weight_buffer);
 #if defined(__x86_64__)
+#if PAGEDLLM_BUILT_AVX512VNNI
   if (LEVEL >= AVX512VNNI) {
     isa_avx512vnni::register_cpu_kernels(m);
     isa_avx512vnni::register_decode_stack(m);
     isa_avx512vnni::register_quant_kernels(m);
     isa_avx512vnni::register_quant_packed(m);
     isa_avx512vnni::register_sample_kernels(m);
-  } else if (LEVEL == AVX2) {
+  } else
+#endif
+#if PAGEDLLM_BUILT_AVX2
+  if (LEVEL == AVX2) {
     isa_avx2::register_cpu_kernels(m);
     isa_avx2::register_decode_stack(m);
     isa_avx2::register_quant_kernels(m);
     isa_avx2::register_quant_packed(m);
     isa_avx2::register_sample_kernels(m);
   } else
+#endif
 #endif
   {
     isa_base::register_cpu_kernels(m);
@@ -149,7 +184,7 @@ TORCH_LIBRARY(pagedllm, m) {
     isa_base::register_quant_packed(m);
     isa_base::register_sample_kernels(m);
   }
-#if defined(__x86_64__)
+#if PAGEDLLM_BUILT_AVX512BF16
   if (LEVEL == AVX512BF16) {
     isa_avx512bf16::register_prefill_attention(m);
     return;

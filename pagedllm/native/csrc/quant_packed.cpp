@@ -282,70 +282,92 @@ void tile_avx2(const uint8_t* gp, int64_t k, T* out, int64_t ld) {
   }
 }
 
+// One activation row (block index ci) against half a block's decoded weights: fa += the 8 rows'
+// products, the weights' offsets folded into the same accumulator (as the VNNI path does), so a
+// row's sums are the same operations in the same order whatever the tile or pass it is in.
+template <int64_t TYPE>
+__attribute__((always_inline)) inline void row_avx2(const __m256i* W, __m256 s, __m256 s_hi, __m256 mw, const QAct& x,
+                                                    int64_t ci, __m256& fa) {
+  constexpr PLayout L = playout(TYPE);
+  const __m256i ones = _mm256_set1_epi16(1);
+  const uint8_t* a = reinterpret_cast<const uint8_t*>(x.a.data() + ci * 32);
+  auto act = [&](int t) { return _mm256_set1_epi32(static_cast<int>(u32(a + 4 * t))); };
+  __m256i ia;
+  if constexpr (L.nbits == 8) {  // |w| x sign-moved a: maddubs of 8-bit values would saturate
+    ia = _mm256_setzero_si256();
+    for (int t = 0; t < 8; ++t) {
+      const __m256i av = _mm256_sign_epi8(act(t), W[t]);
+      ia = _mm256_add_epi32(ia, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(W[t], W[t]), av), ones));
+    }
+  } else if constexpr (L.nbits == 6) {  // 2 steps of 6-bit products fit in int16
+    auto step = [&](int t) { return _mm256_maddubs_epi16(W[t], act(t)); };
+    const __m256i lo = _mm256_add_epi32(_mm256_madd_epi16(_mm256_add_epi16(step(0), step(1)), ones),
+                                        _mm256_madd_epi16(_mm256_add_epi16(step(2), step(3)), ones));
+    const __m256i hi = _mm256_add_epi32(_mm256_madd_epi16(_mm256_add_epi16(step(4), step(5)), ones),
+                                        _mm256_madd_epi16(_mm256_add_epi16(step(6), step(7)), ones));
+    const __m256 d = _mm256_set1_ps(x.d[ci]);
+    fa = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(lo, _mm256_set1_epi32(L.iofs * x.s16[2 * ci]))),
+                         _mm256_mul_ps(s, d), fa);
+    fa = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(hi, _mm256_set1_epi32(L.iofs * x.s16[2 * ci + 1]))),
+                         _mm256_mul_ps(s_hi, d), fa);
+    return;
+  } else if constexpr (L.nbits == 4) {  // all 8 steps of 4-bit products fit in int16 (8 x 2 x 15 x 127)
+    __m256i p0 = _mm256_maddubs_epi16(W[0], act(0)), p1 = _mm256_maddubs_epi16(W[4], act(4));
+    for (int t = 1; t < 4; ++t) {
+      p0 = _mm256_add_epi16(p0, _mm256_maddubs_epi16(W[t], act(t)));
+      p1 = _mm256_add_epi16(p1, _mm256_maddubs_epi16(W[t + 4], act(t + 4)));
+    }
+    ia = _mm256_madd_epi16(_mm256_add_epi16(p0, p1), ones);
+  } else {  // 4 steps of 5-bit products fit in int16 before widening
+    __m256i p0 = _mm256_maddubs_epi16(W[0], act(0)), p1 = _mm256_maddubs_epi16(W[4], act(4));
+    for (int t = 1; t < 4; ++t) {
+      p0 = _mm256_add_epi16(p0, _mm256_maddubs_epi16(W[t], act(t)));
+      p1 = _mm256_add_epi16(p1, _mm256_maddubs_epi16(W[t + 4], act(t + 4)));
+    }
+    ia = _mm256_add_epi32(_mm256_madd_epi16(p0, ones), _mm256_madd_epi16(p1, ones));
+  }
+  if constexpr (L.iofs != 0 && L.nbits != 8) ia = _mm256_add_epi32(ia, _mm256_set1_epi32(L.iofs * x.s32[ci]));
+  fa = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia), _mm256_mul_ps(s, _mm256_set1_ps(x.d[ci])), fa);
+  if constexpr (L.kq) fa = _mm256_fnmadd_ps(mw, _mm256_set1_ps(x.ds32[ci]), fa);
+  else if constexpr (L.has_min) fa = _mm256_fmadd_ps(mw, _mm256_set1_ps(x.ds32[ci]), fa);
+}
+
+// Up to 2 rows (batch 1, in one or two levels) take each block's two halves in one pass over the
+// group: every 64-byte line of the weights is read once, and the unit's scales once. More rows
+// take the halves one after the other, as their accumulators and one half's weights fill the
+// 16 registers.
 template <int64_t TYPE, int MR>
 void group_avx2(const uint8_t* gp, const QAct& x, int64_t r0, float* y, int64_t ldy) {
   constexpr PLayout L = playout(TYPE);
-  const __m256i ones = _mm256_set1_epi16(1);
   const int ahead = pagedllm::weight_prefetch_bytes(MR);
-  for (int h = 0; h < 2; ++h) {
-    __m256 fa[MR], ma[MR];
-    for (int r = 0; r < MR; ++r) fa[r] = ma[r] = _mm256_setzero_ps();
+  constexpr bool FUSED = MR <= 2;
+  constexpr int NH = FUSED ? 2 : 1;
+  for (int h0 = 0; h0 < 2; h0 += NH) {
+    __m256 fa[NH][MR];
+    for (int h = 0; h < NH; ++h)
+      for (int r = 0; r < MR; ++r) fa[h][r] = _mm256_setzero_ps();
     for (int64_t u = 0; u < x.k / L.vals; ++u) {
       const uint8_t* U = gp + u * L.unit;
-      __m256 dv, mv;
-      if constexpr (L.kq) dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(U + 16 * h)));
-      if constexpr (L.kq && L.has_min) mv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(U + 32 + 16 * h)));
       for (int j = 0; j < L.vals / 32; ++j) {
         const uint8_t* B = U + L.hdr + j * L.blk;
-        if (h == 0) prefetch_ahead(L, B, ahead);  // (the second half reads the group from cache)
-        __m256i W[8];
-        __m256 s, mw, s_hi;
-        decode_avx2<TYPE>(B, h, dv, mv, W, s, s_hi, mw);
-        if constexpr (L.nbits == 8)
-          for (int t = 0; t < 8; ++t) W[t] = _mm256_xor_si256(W[t], _mm256_set1_epi8(-128));  // back to int8
+        if (h0 == 0) prefetch_ahead(L, B, ahead);  // (a second pass reads the group from cache)
         const int64_t c = u * (L.vals / 32) + j;
-        for (int r = 0; r < MR; ++r) {
-          const int64_t ci = x.at(r0 + r, c);
-          const int8_t* a = x.a.data() + ci * 32;
-          __m256i ia;
-          if constexpr (L.nbits == 8) {  // |w| x sign-moved a: maddubs of 8-bit values would saturate
-            ia = _mm256_setzero_si256();
-            for (int t = 0; t < 8; ++t) {
-              __m256i av = _mm256_set1_epi32(static_cast<int>(u32(reinterpret_cast<const uint8_t*>(a + 4 * t))));
-              av = _mm256_sign_epi8(av, W[t]);
-              ia = _mm256_add_epi32(ia, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(W[t], W[t]), av), ones));
-            }
-          } else if constexpr (L.nbits == 6) {  // 2 steps of 6-bit products fit in int16
-            auto step = [&](int t) {
-              return _mm256_maddubs_epi16(W[t], _mm256_set1_epi32(static_cast<int>(u32(reinterpret_cast<const uint8_t*>(a + 4 * t)))));
-            };
-            const __m256i lo = _mm256_add_epi32(_mm256_madd_epi16(_mm256_add_epi16(step(0), step(1)), ones),
-                                                _mm256_madd_epi16(_mm256_add_epi16(step(2), step(3)), ones));
-            const __m256i hi = _mm256_add_epi32(_mm256_madd_epi16(_mm256_add_epi16(step(4), step(5)), ones),
-                                                _mm256_madd_epi16(_mm256_add_epi16(step(6), step(7)), ones));
-            const __m256 d = _mm256_set1_ps(x.d[ci]);
-            fa[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(lo, _mm256_set1_epi32(L.iofs * x.s16[2 * ci]))),
-                                    _mm256_mul_ps(s, d), fa[r]);
-            fa[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(hi, _mm256_set1_epi32(L.iofs * x.s16[2 * ci + 1]))),
-                                    _mm256_mul_ps(s_hi, d), fa[r]);
-            continue;
-          } else {  // 4 steps of <= 5-bit products fit in int16 before widening
-            __m256i p0 = _mm256_setzero_si256(), p1 = _mm256_setzero_si256();
-            for (int t = 0; t < 4; ++t) {
-              p0 = _mm256_add_epi16(p0, _mm256_maddubs_epi16(W[t], _mm256_set1_epi32(static_cast<int>(u32(reinterpret_cast<const uint8_t*>(a + 4 * t))))));
-              p1 = _mm256_add_epi16(p1, _mm256_maddubs_epi16(W[t + 4], _mm256_set1_epi32(static_cast<int>(u32(reinterpret_cast<const uint8_t*>(a + 16 + 4 * t))))));
-            }
-            ia = _mm256_add_epi32(_mm256_madd_epi16(p0, ones), _mm256_madd_epi16(p1, ones));
-          }
-          if constexpr (L.iofs != 0 && L.nbits != 8) ia = _mm256_add_epi32(ia, _mm256_set1_epi32(L.iofs * x.s32[ci]));
-          const __m256 sd = _mm256_mul_ps(s, _mm256_set1_ps(x.d[ci]));
-          fa[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia), sd, fa[r]);
-          if constexpr (L.kq) ma[r] = _mm256_fnmadd_ps(mw, _mm256_set1_ps(x.ds32[ci]), ma[r]);
-          else if constexpr (L.has_min) ma[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(x.ds32[ci]), ma[r]);
+        for (int hh = 0; hh < NH; ++hh) {
+          const int h = h0 + hh;
+          __m256 dv, mv;
+          if constexpr (L.kq) dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(U + 16 * h)));
+          if constexpr (L.kq && L.has_min) mv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(U + 32 + 16 * h)));
+          __m256i W[8];
+          __m256 s, mw, s_hi;
+          decode_avx2<TYPE>(B, h, dv, mv, W, s, s_hi, mw);
+          if constexpr (L.nbits == 8)
+            for (int t = 0; t < 8; ++t) W[t] = _mm256_xor_si256(W[t], _mm256_set1_epi8(-128));  // back to int8
+          for (int r = 0; r < MR; ++r) row_avx2<TYPE>(W, s, s_hi, mw, x, x.at(r0 + r, c), fa[hh][r]);
         }
       }
     }
-    for (int r = 0; r < MR; ++r) _mm256_storeu_ps(y + (r0 + r) * ldy + 8 * h, _mm256_add_ps(fa[r], ma[r]));
+    for (int hh = 0; hh < NH; ++hh)
+      for (int r = 0; r < MR; ++r) _mm256_storeu_ps(y + (r0 + r) * ldy + 8 * (h0 + hh), fa[hh][r]);
   }
 }
 #endif  // PQ_X86

@@ -1,0 +1,193 @@
+"""What each `pagedllm` command does once its command line is parsed (cli/parser.py reads it):
+engine options from the flags, then serve, chat and bench (generate and trace: cli/generate.py)."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .generate import load_llm
+from .parser import BENCHES, _bench_module, build_parser
+
+if TYPE_CHECKING:
+    from ..options import EngineOptions
+
+logger = logging.getLogger("pagedllm.cli")
+
+
+# -- engine options from the command line --------------------------------------------------
+
+
+def engine_options(args: argparse.Namespace, model: str | None = None) -> EngineOptions:
+    from ..options import EngineOptions
+
+    # (the flags keep mistral.rs's spellings: aliases, at this face only, of LLM's names)
+    return EngineOptions(
+        model=model or "default", dtype=args.dtype or "auto", device=args.device or "auto",
+        kv_cache_memory_mb=args.pa_gpu_mem, kv_cache_memory_fraction=args.pa_gpu_mem_usage,
+        kv_cache_context_len=args.pa_ctxt_len, block_size=args.pa_blk_size, kv_cache_dtype=args.pa_cache_type,
+        paged_attention=not args.no_paged_attn, prefix_cache_n=args.prefix_cache_n,
+        enable_prefix_caching=not args.no_prefix_cache, max_num_seqs=args.max_seqs,
+        max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
+        seed=args.seed, isq=args.isq, dequantize_weights=bool(args.dequantize_weights),
+        keep_float_head=bool(args.keep_float_head),
+        chat_template=args.chat_template, tensor_parallel_size=args.tensor_parallel_size,
+        speculative_ngram=args.speculative_ngram, speculative_draft=args.speculative_draft,
+        speculative_tokens=args.speculative_tokens,
+        speculative_draft_weights=args.speculative_draft_weights, task=args.task,
+        enable_lora=bool(args.enable_lora), max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
+        allowed_local_media_path=args.allowed_local_media_path, limit_mm_per_prompt=args.limit_mm_per_prompt,
+        media_fetch_timeout=args.media_fetch_timeout, mmproj=args.mmproj)
+
+
+def _model_of(args: argparse.Namespace) -> str:
+    return args.model or getattr(args, "model_pos", None) or "default"
+
+
+# -- commands ---------------------------------------------------------------------------------
+
+
+def cmd_serve(args: argparse.Namespace, opts: EngineOptions) -> int:
+    from ..server.app import ServerConfig, run_server
+    from ..server.lora import parse_modules
+    from ..server.routes import parse_origins
+
+    try:
+        modules = parse_modules(args.lora_modules or ())
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if (modules or args.allow_runtime_lora) and not opts.enable_lora:
+        print("error: --lora-modules and --allow-runtime-lora need --enable-lora", file=sys.stderr)
+        return 2
+    llm = load_llm(opts)
+    if modules:  # checked against the base model now: a bad adapter is a clear error, not a traceback
+        from ..lora.peft import load_adapter
+
+        for name, path in modules:
+            try:
+                load_adapter(path, llm.engine.lora.model, llm.engine.lora.max_rank)
+            except ValueError as e:
+                print(f"error: --lora-modules {name}: {e}", file=sys.stderr)
+                return 2
+    eng = llm.engine
+    from .. import settings
+
+    api_key = args.api_key or settings.get("api_key") or None
+    names = args.served_model_name or [llm.model_name]
+    try:
+        origins = parse_origins(args.allowed_origins)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.shutdown_timeout < 0:
+        print("error: --shutdown-timeout must be 0 or more seconds", file=sys.stderr)
+        return 2
+    cfg = ServerConfig(model_name=names[0], aliases=tuple(names[1:]), api_key=api_key,
+                       max_body_bytes=args.max_body_bytes, allowed_origins=origins,
+                       shutdown_timeout=args.shutdown_timeout,
+                       responses_store_size=max(0, args.responses_store_size),
+                       header_timeout=args.header_timeout, keep_alive_timeout=args.keep_alive_timeout,
+                       max_connections=args.max_connections, lora_modules=tuple(modules),
+                       allow_runtime_lora=bool(args.allow_runtime_lora), tokenizer_path=_tokenizer_path(opts))
+    print(f"serving {' = '.join(names)} on http://{args.host}:{args.port}/v1 "
+          f"({eng.block_manager.num_usable_blocks} KV blocks of {eng.cache_config.block_size} tokens"
+          f"{', API key required' if api_key else ''})", file=sys.stderr, flush=True)
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not api_key:
+        logger.warning("serving on %s without --api-key: anyone who can reach it may use it", args.host)
+    result = run_server(llm, args.host, args.port, cfg, log_level=args.log_level,
+                        access_log=args.access_log, sock=getattr(args, "listen_socket", None))
+    llm.shutdown()  # tensor-parallel workers first: _exit_now skips every exit handler
+    if result.stopped_by:
+        print(f"stopped by {result.stopped_by}: {result.requests_ended} request(s) in flight ended "
+              f"with an error; {eng.block_manager.num_used_blocks} KV blocks in use", file=sys.stderr)
+        # Everything is stopped and said; tearing down torch's modules would add 1-2 s more.
+        _exit_now(0)
+    return 0
+
+
+def _tokenizer_path(opts: EngineOptions) -> str | None:
+    """A tokenizer a router could load itself: the folder given, or the model's when it holds one."""
+    for cand in (opts.tokenizer, opts.model):
+        if cand and (Path(cand).expanduser() / "tokenizer.json").is_file():
+            return str(Path(cand).expanduser().resolve())
+    return None
+
+
+def _exit_now(code: int) -> None:
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def cmd_chat(args: argparse.Namespace, opts: EngineOptions) -> int:
+    from .chat import ChatSession, ChatSettings
+
+    llm = load_llm(opts)
+    settings = ChatSettings(
+        max_tokens=getattr(args, "max_tokens", 512), temperature=getattr(args, "temperature", 0.7),
+        top_p=getattr(args, "top_p", 1.0), top_k=getattr(args, "top_k", -1),
+        min_p=getattr(args, "min_p", 0.0), presence_penalty=getattr(args, "presence_penalty", 0.0),
+        frequency_penalty=getattr(args, "frequency_penalty", 0.0),
+        repetition_penalty=getattr(args, "repetition_penalty", 1.0))
+    return ChatSession(llm, settings, system=getattr(args, "system", None)).run()
+
+
+def _load_serve_args(server_args: list[str]) -> Any:
+    """The `LLM` that `pagedllm serve SERVER_ARGS` would serve."""
+    argv = ["serve", *server_args]
+    ns = build_parser(argv).parse_args(argv)
+    return engine_options(ns, _model_of(ns)).load()
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    if args.bench == "serve":
+        from ..bench import loadtest
+
+        # --against-throughput builds its offline engine from the server's flags, read by this
+        # module's parser (the bench layer sits below the CLI and does not import it).
+        args.offline_llm = lambda server_args: _load_serve_args(server_args)
+        return loadtest.run(args)
+    if args.bench in BENCHES:
+        return _run_module(_bench_module(args.bench), args)
+    print(f"usage: pagedllm bench {{{','.join([*BENCHES, 'serve'])}}} ...", file=sys.stderr)
+    return 2
+
+
+def _run_module(module: str, args: argparse.Namespace) -> int:
+    try:
+        mod = importlib.import_module(module)
+    except ImportError as e:
+        print(f"error: {module} is not available in this build ({e})", file=sys.stderr)
+        return 2
+    if not hasattr(mod, "run"):
+        print(f"error: {module} has no run(args)", file=sys.stderr)
+        return 2
+    result = mod.run(args)
+    return result if isinstance(result, int) else 0
+
+
+def _mistralrs_options(args: argparse.Namespace) -> EngineOptions:
+    """`plain -m DIR` / `gguf -t TOK -m DIR -f FILE` as engine options (global flags apply)."""
+    if args.command == "plain":
+        opts = engine_options(args, args.model_id)
+        opts.tokenizer = _tokenizer_dir(args.tokenizer_json)
+        opts.arch = args.arch
+        return opts
+    from ..options import gguf_source
+
+    model, gguf_file, tok = gguf_source(args.quantized_model_id, args.quantized_filename, args.tok_model_id)
+    opts = engine_options(args, model)
+    opts.gguf_file, opts.tokenizer = gguf_file, tok
+    return opts
+
+
+def _tokenizer_dir(tok: str | None) -> str | None:
+    from ..options import _local_tokenizer_dir
+
+    return _local_tokenizer_dir(tok)

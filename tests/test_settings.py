@@ -1,0 +1,75 @@
+"""The environment variables: one typed Settings, one table of them, read at the point of use."""
+from __future__ import annotations
+
+import re
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+
+from pagedllm import settings
+from pagedllm.settings import Settings
+
+ROOT = Path(__file__).resolve().parents[1]
+PKG = ROOT / "pagedllm"
+
+
+def _env_names() -> set[str]:
+    return {f.metadata["env"] for f in fields(Settings)}
+
+
+def test_the_docs_table_lists_exactly_the_settings():
+    text = (ROOT / "docs" / "configuration.md").read_text()
+    listed = re.findall(r"^\| `(PAGEDLLM_[A-Z0-9_]+)` \|", text, flags=re.M)
+    assert sorted(listed) == sorted(_env_names()) and len(listed) == len(set(listed))
+    assert settings.table() in text  # rows as generated: type, default, layer and purpose too
+
+
+def test_every_variable_the_code_reads_is_a_setting():
+    # Python reads PAGEDLLM_* only through pagedllm/settings.py; the C++ sources and setup.py
+    # read theirs with getenv / os.environ, and each is a field (with its layer) too.
+    py_reads = re.compile(r"(?:os\.environ\.get|os\.getenv|os\.environ\[)\(?\s*[\"'](PAGEDLLM_[A-Z0-9_]+)")
+    for path in PKG.rglob("*.py"):
+        if path.name != "settings.py":
+            assert not py_reads.findall(path.read_text()), f"{path} reads a PAGEDLLM_ variable itself"
+    cpp = {m for p in (PKG / "native" / "csrc").iterdir() if p.suffix in (".cpp", ".h")
+           for m in re.findall(r"getenv\(\"(PAGEDLLM_[A-Z0-9_]+)\"\)", p.read_text())}
+    setup = set(re.findall(r"environ\.get\(\"(PAGEDLLM_[A-Z0-9_]+)\"", (ROOT / "setup.py").read_text()))
+    assert cpp and setup and cpp | setup <= _env_names()
+    layers = {f.metadata["env"]: f.metadata["layer"] for f in fields(Settings)}
+    assert all("C++" in layers[n] for n in cpp) and all(layers[n] == "setup.py" for n in setup)
+
+
+def test_kernel_modules_read_no_environment_at_import():
+    for folder in ("quant", "native", "attention"):
+        for path in (PKG / folder).glob("*.py"):
+            assert "os.environ" not in path.read_text(), f"{path} reads the environment itself"
+
+
+def test_a_variable_changed_after_import_takes_effect(monkeypatch):
+    from pagedllm.quant import kernels as qk
+
+    monkeypatch.setenv("PAGEDLLM_QUANT_WIDE", "int")
+    monkeypatch.setenv("PAGEDLLM_QUANT_INT_ROWS", "7")
+    assert qk.wide_mode() == "int" and qk.int_rows() == 7
+    assert Settings.from_env().quant_wide == "int" and Settings.from_env().quant_int_rows == 7
+    monkeypatch.delenv("PAGEDLLM_QUANT_WIDE")
+    monkeypatch.delenv("PAGEDLLM_QUANT_INT_ROWS")
+    assert qk.wide_mode() == "auto" and qk.int_rows() == 32
+
+
+def test_bad_values_are_refused_with_the_variable_named(monkeypatch):
+    monkeypatch.setenv("PAGEDLLM_QUANT_HEAD_RECHECK", "many")
+    with pytest.raises(ValueError, match="PAGEDLLM_QUANT_HEAD_RECHECK='many' is not an integer"):
+        settings.get("quant_head_recheck")
+    monkeypatch.setenv("PAGEDLLM_QUANT_ACT", "int4")
+    with pytest.raises(ValueError, match="PAGEDLLM_QUANT_ACT='int4' is not one of auto, int8, int8x2"):
+        Settings.from_env()
+
+
+def test_from_env_reads_a_given_mapping():
+    s = Settings.from_env({"PAGEDLLM_NATIVE": "off", "PAGEDLLM_ALLOW_LONG_MAX_MODEL_LEN": "1",
+                           "PAGEDLLM_TP_TIMEOUT_S": "2.5"})
+    assert (s.native, s.allow_long_max_model_len, s.tp_timeout_s, s.quant_act) == (False, True, 2.5, "auto")
+    with pytest.raises(AttributeError):  # frozen
+        s.native = True  # type: ignore[misc]
