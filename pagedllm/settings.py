@@ -44,6 +44,9 @@ class Settings:
                                       "weights' size against the last-level cache, and the CPU's vendor)")
     build_kernels: bool = _var("PAGEDLLM_BUILD_KERNELS", True, bool, "setup.py",
                                "0 builds the package without the native kernels")
+    isa_levels: str = _var("PAGEDLLM_ISA_LEVELS", "native", str, "setup.py",
+                           "the kernels' instruction-set levels to compile: native (the baseline and "
+                           "this CPU's best), all (every level, for a wheel), or a comma list of levels")
     # quantized weights (quant/)
     quant_int_rows: int = _var("PAGEDLLM_QUANT_INT_ROWS", 32, int, "python",
                                "steps of up to this many rows take the integer kernel; wider ones "

@@ -194,3 +194,22 @@ def test_stream_parser_holds_back_a_partial_tag():
     calls = tool_api.merge_deltas(calls)  # deltas: the call's head, then its arguments in pieces
     assert sent == "Sure. done" and [c.name for c in calls] == ["f"]
     assert json.loads(calls[0].arguments) == {"x": 2}
+
+
+# -- bare and fenced JSON calls under tool_choice=auto (issue 66.5) --------------------------------
+
+
+@pytest.mark.parametrize("text", ['{"name": "add", "arguments": {"a": 2, "b": 3}}',
+                                  '```json\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n```',
+                                  '[{"name": "add", "parameters": {"a": 2, "b": 3}}]'])
+def test_bare_json_call_naming_a_tool_is_a_call(text):
+    from pagedllm.protocols.common.chat import parse_answer
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+    plan = tool_api.plan(tools, "auto", None, None, {})
+    content, calls = parse_answer(text, plan)
+    assert content is None and [(c.name, json.loads(c.arguments)) for c in calls] == [("add", {"a": 2, "b": 3})]
+    # a JSON answer that names no tool of the request stays content
+    for other in ('{"name": "sub", "arguments": {"a": 2}}', '{"result": 5}'):
+        assert parse_answer(other, plan) == (other, [])
+    # and nothing changes where no tool may be called
+    assert parse_answer(text, tool_api.plan(tools, "none", None, None, {})) == (text, [])

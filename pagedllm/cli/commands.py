@@ -93,7 +93,10 @@ def cmd_serve(args: argparse.Namespace, opts: EngineOptions) -> int:
                        responses_store_size=max(0, args.responses_store_size),
                        header_timeout=args.header_timeout, keep_alive_timeout=args.keep_alive_timeout,
                        max_connections=args.max_connections, lora_modules=tuple(modules),
-                       allow_runtime_lora=bool(args.allow_runtime_lora), tokenizer_path=_tokenizer_path(opts))
+                       allow_runtime_lora=bool(args.allow_runtime_lora),
+                       keep_anthropic_attribution=bool(args.keep_anthropic_attribution),
+                       root_path=(args.root_path or "").rstrip("/"),
+                       tokenizer_path=_tokenizer_path(opts))
     print(f"serving {' = '.join(names)} on http://{args.host}:{args.port}/v1 "
           f"({eng.block_manager.num_usable_blocks} KV blocks of {eng.cache_config.block_size} tokens"
           f"{', API key required' if api_key else ''})", file=sys.stderr, flush=True)

@@ -113,7 +113,9 @@ def native_report(cpu_flags: set[str]) -> dict[str, Any]:
     host = cpu_level(cpu_flags)
     built = str(ops.native_built_levels()).split(",") if hasattr(ops, "native_built_levels") else None
     level = str(ops.native_isa())
-    cap = os.environ.get("PAGEDLLM_NATIVE_ISA")
+    from .. import settings
+
+    cap = os.environ.get(settings.env_name("native_isa"))  # raw: a bad value is reported, not raised
     reasons = [f"this CPU runs up to {host}" if host else "this CPU's flags are unknown"]
     if cap:
         reasons.append(f"capped at {cap} by PAGEDLLM_NATIVE_ISA")

@@ -26,7 +26,8 @@ def cmd_generate(args: argparse.Namespace, opts: EngineOptions) -> int:
     prompt = args.prompt
     if prompt is None or prompt == "-":
         prompt = sys.stdin.read()
-    if not prompt.strip():
+    suffix = getattr(args, "suffix", None)
+    if not prompt.strip() and suffix is None:
         print("error: the prompt is empty (give it as an argument or on stdin)", file=sys.stderr)
         return 2
     llm = load_llm(opts)
@@ -39,8 +40,18 @@ def cmd_generate(args: argparse.Namespace, opts: EngineOptions) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     tok = llm.tokenizer
-    if args.raw or not getattr(tok, "chat_template", None):
-        inputs: str | list[int] = prompt
+    if suffix is not None:
+        from ..protocols import fim
+        from ..protocols.common.context import ServingContext
+        from ..protocols.common.errors import ApiError
+
+        try:
+            inputs: str | list[int] = fim.infill_ids(ServingContext.from_llm(llm), prompt, suffix)
+        except ApiError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+    elif args.raw or not getattr(tok, "chat_template", None):
+        inputs = prompt
     else:
         msgs = ([{"role": "system", "content": args.system}] if args.system else [])
         inputs = render_chat(tok, msgs + [{"role": "user", "content": prompt.strip()}])

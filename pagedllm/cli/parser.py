@@ -173,8 +173,8 @@ def _server_flags(p: argparse.ArgumentParser, top: bool) -> None:
                    help="address to bind (default 127.0.0.1: this machine only)")
     g.add_argument("--port", "-p", type=int, default=d(8000))
     g.add_argument("--api-key", default=d(None),
-                   help="require 'Authorization: Bearer KEY' (better: set PAGEDLLM_API_KEY, which "
-                        "ps does not show)")
+                   help="require 'Authorization: Bearer KEY' or 'x-api-key: KEY' (better: set "
+                        "PAGEDLLM_API_KEY, which ps does not show)")
     g.add_argument("--served-model-name", nargs="+", metavar="NAME", default=d(None),
                    help="names requests may use for the model; responses carry the first "
                         "(default: 'default', the GGUF file's stem or the folder's name)")
@@ -189,6 +189,12 @@ def _server_flags(p: argparse.ArgumentParser, top: bool) -> None:
     g.add_argument("--allowed-origins", nargs="+", metavar="ORIGIN", default=d(None),
                    help="CORS: origins browser pages may call the API from ('*': any; vLLM's "
                         "JSON list is accepted too); default: none")
+    g.add_argument("--keep-anthropic-attribution", action="store_true", default=d(False),
+                   help="/v1/messages: keep Claude Code's per-request attribution line "
+                        "(x-anthropic-billing-header) in the system prompt; by default it is dropped "
+                        "so it does not defeat prefix caching")
+    g.add_argument("--root-path", default=d(""), metavar="PREFIX",
+                   help="the path prefix a reverse proxy serves this server under (e.g. /llm)")
     g.add_argument("--responses-store-size", type=int, metavar="N", default=d(1000),
                    help="/v1/responses: how many responses are kept in memory for "
                         "previous_response_id (default 1000; 0 keeps none)")
@@ -245,6 +251,7 @@ BENCHES = {
     "compare": "pagedllm beside llama.cpp on the same GGUF file, one process per figure",
     "gptq-pair": "a GGUF's weights as a GPTQ checkpoint and as a Q4_0 GGUF: decode speed of both, in one run",
     "make-gguf": "write a GGUF with a real model's shape and random weights (llama.cpp quantizes it)",
+    "fim": "fill-in-the-middle on a code model: held-out stdlib lines, prompt ids against transformers",
     "upcycle": "a mixture-of-experts GGUF whose experts are copies of a real dense GGUF's MLP (its text is the dense model's)",
     "startup": "time from starting `pagedllm generate` to its first token (median of 5)",
     "allreduce": "torch.distributed all-reduce latency and bandwidth at a TP step's message sizes",
@@ -266,6 +273,15 @@ def _wants(argv: list[str], *words: str) -> bool:
     return all(w in argv for w in words)
 
 
+SERVE_ROUTES = """HTTP routes (the full schema: GET /openapi.json):
+  OpenAI     POST /v1/chat/completions, /v1/completions, /v1/responses, /v1/embeddings;
+             GET /v1/models, /v1/models/{id}
+  Anthropic  POST /v1/messages (streamed and not), /v1/messages/count_tokens
+             (key as 'x-api-key' or 'Authorization: Bearer')
+  vLLM       POST /tokenize, /detokenize, /v1/load_lora_adapter, /v1/unload_lora_adapter
+  server     GET / (chat page), /health, /metrics, /version"""
+
+
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     argv = sys.argv[1:] if argv is None else argv
     p = Parser(prog="pagedllm", description="LLM inference with a paged KV cache",
@@ -279,8 +295,9 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     _server_flags(p, top=True)
     sub = p.add_subparsers(dest="command", metavar="COMMAND", prog="pagedllm")
 
-    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server",
-                       usage="pagedllm serve [MODEL] [--host H] [--port N] [--api-key KEY] [engine flags]")
+    s = sub.add_parser("serve", help="OpenAI- and Anthropic-compatible HTTP server",
+                       usage="pagedllm serve [MODEL] [--host H] [--port N] [--api-key KEY] [engine flags]",
+                       description=SERVE_ROUTES, formatter_class=argparse.RawDescriptionHelpFormatter)
     _log_flag(s, top=False)
     _model_arg(s)
     _engine_flags(s, top=False)
@@ -297,7 +314,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     _sampling_flags(c, max_tokens=512, temperature=0.7)
 
     g = sub.add_parser("generate", help="one-shot generation (prompt argument or stdin)",
-                       usage="pagedllm generate [PROMPT] [-m MODEL] [--raw] [--stats] "
+                       usage="pagedllm generate [PROMPT] [-m MODEL] [--raw] [--suffix TEXT] [--stats] "
                              "[engine and sampling flags]")
     g.add_argument("prompt", nargs="?", metavar="PROMPT", help="the prompt; '-' or nothing reads stdin")
     _log_flag(g, top=False)
@@ -307,6 +324,9 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     g.add_argument("-n", type=int, default=1, help="completions to generate (default: %(default)s)")
     g.add_argument("--raw", action="store_true", help="no chat template: continue the text as is")
     g.add_argument("--system", default=None, metavar="MSG", help="system message")
+    g.add_argument("--suffix", default=None, metavar="TEXT",
+                   help="fill in the middle: PROMPT is the code before the cursor, TEXT the code after it "
+                        "(a code model with FIM tokens, e.g. Qwen2.5-Coder)")
     g.add_argument("--stats", action="store_true", help="print token counts and speed to stderr")
 
     t = sub.add_parser("trace", help="run a request and show the KV cache as it fills and empties",

@@ -29,7 +29,7 @@ from ..protocols.common.context import ServingContext
 from ..protocols.common.errors import ApiError
 from ..protocols.common.tokens import TokenText
 from ..protocols.openai.models import ModelCard, ModelList
-from . import embeddings, generation, limits, lora, responses, routes, worker
+from . import anthropic, embeddings, generation, infill, limits, lora, ollama, responses, routes, worker
 from .async_engine import AsyncEngine, ShuttingDown
 from .errors import error_response, install_error_handlers
 from .generation import Generation
@@ -56,24 +56,39 @@ class ServerConfig:
     max_connections: int | None = None  # connections and requests at once; past it a 503
     lora_modules: tuple[tuple[str, str], ...] = ()  # (name, adapter folder) served at start (--lora-modules)
     allow_runtime_lora: bool = False  # POST /v1/load_lora_adapter and /v1/unload_lora_adapter
+    # /v1/messages: keep Claude Code's changing attribution line in the system prompt (by
+    # default it is dropped, so it does not defeat prefix caching; protocols/anthropic/messages.py)
+    keep_anthropic_attribution: bool = False
+    root_path: str = ""  # the path prefix a proxy serves this server under (--root-path)
     tokenizer_path: str | None = None  # told to a router's /model_info: a tokenizer folder or hub id it can load
 
 
 class AuthMiddleware:
-    """Plain ASGI (not BaseHTTPMiddleware, which would hide client disconnects from the routes)."""
+    """Plain ASGI (not BaseHTTPMiddleware, which would hide client disconnects from the routes).
+    The key comes as 'Authorization: Bearer KEY' or, as Anthropic's clients send it,
+    'x-api-key: KEY'. A CORS preflight carries no credentials (browsers never send them on
+    one), so it passes to the CORS layer or the router."""
 
     def __init__(self, app: Any, api_key: str) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.bearer = f"Bearer {api_key}".encode()
+        self.key = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope.get("path") != "/health":
-            given = dict(scope.get("headers") or []).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
-                msg = ("missing API key: send 'Authorization: Bearer KEY'" if not given
-                       else "invalid API key")
-                resp = error_response(401, msg, code="invalid_api_key",
-                                      headers={"WWW-Authenticate": "Bearer"})
+            headers = dict(scope.get("headers") or [])
+            preflight = scope.get("method") == "OPTIONS" and b"access-control-request-method" in headers
+            given = headers.get(b"authorization", b"")
+            x_key = headers.get(b"x-api-key", b"")
+            ok = hmac.compare_digest(given, self.bearer) or (bool(x_key) and hmac.compare_digest(x_key, self.key))
+            if not ok and not preflight:
+                msg = ("missing API key: send 'Authorization: Bearer KEY' (or 'x-api-key: KEY')"
+                       if not given and not x_key else "invalid API key")
+                if scope.get("path", "").startswith("/v1/messages"):  # Anthropic's error shape
+                    resp = anthropic.error_response(401, msg)
+                else:
+                    resp = error_response(401, msg, code="invalid_api_key",
+                                          headers={"WWW-Authenticate": "Bearer"})
                 await resp(scope, receive, send)
                 return
         await self.app(scope, receive, send)
@@ -160,7 +175,7 @@ def create_app(llm: Any, config: ServerConfig | None = None) -> FastAPI:
     gen = Generation(llm, engine, trimmer, work, adapters)
 
     app = FastAPI(title="pagedllm", version=__version__, lifespan=_lifespan(engine, ctx, trimmer, work),
-                  docs_url=None, redoc_url=None, openapi_url="/openapi.json")
+                  docs_url=None, redoc_url=None, openapi_url="/openapi.json", root_path=cfg.root_path)
     app.state.engine = engine
     app.state.metrics = metrics
     install_error_handlers(app)
@@ -173,7 +188,10 @@ def create_app(llm: Any, config: ServerConfig | None = None) -> FastAPI:
                            cfg.max_body_bytes)
     routes.install(app, served)
     responses.install(app, served, cfg.responses_store_size)
+    anthropic.install(app, served, gen, cfg.keep_anthropic_attribution)
     embeddings.install(app, served)
+    infill.install(app, served, gen)
+    ollama.install(app, served, gen, models.names)
     lora.install(app, adapters, cfg.allow_runtime_lora)
     worker.install(app, llm, engine, ctx, names, cfg.tokenizer_path)
     return app
@@ -302,7 +320,7 @@ def run_server(llm: Any, host: str = "127.0.0.1", port: int = 8000, config: Serv
     http = type("HTTP", (limits.HeaderTimeoutH11Protocol,), {"header_timeout": cfg.header_timeout})
     uv = uvicorn.Config(gate, host=host, port=port, log_level=log_level, access_log=access_log,
                         timeout_graceful_shutdown=1, http=http, timeout_keep_alive=cfg.keep_alive_timeout,
-                        limit_concurrency=cfg.max_connections)
+                        limit_concurrency=cfg.max_connections, root_path=cfg.root_path)
     server = Server(uv)
     server.run(sockets=[sock] if sock is not None else None)
     return ServeResult(server.stopped_by, engine.num_ended_at_shutdown)

@@ -20,52 +20,11 @@ from .routes import Served, document_bodies
 
 
 def install(app: FastAPI, s: Served) -> None:
-    llm = s.llm
-
     @app.post("/v1/embeddings")
     async def embeddings(request: Request) -> Response:
         req: EmbeddingRequest = await s.read_body(request, EmbeddingRequest)
         s.check_model(req.model)
-        if getattr(llm, "task", "generate") != "embed":
-            raise ApiError(f"the model `{s.ctx.model_name}` is a generative model, not an embedding "
-                           "model; serve an embedding model (e.g. a Qwen3-Embedding folder) with "
-                           "`pagedllm serve MODEL --task embed` for /v1/embeddings", param="model",
-                           code="model_not_supported")
-        inputs = embedding_inputs(req.input)
-        if len(inputs) > MAX_INPUTS:
-            raise ApiError(f"at most {MAX_INPUTS} inputs per request, got {len(inputs)}", param="input")
-        try:
-            for text in inputs:
-                if isinstance(text, str):
-                    limits.check_prompt_chars(len(text), s.ctx.max_model_len, "input")
-            ids = await s.run(llm.embed_ids, inputs, req.prompt_name)
-        except ValueError as e:
-            raise ApiError(str(e), param="prompt_name") from None
-        for i, p in enumerate(ids):
-            if not p:
-                raise ApiError(f"input {i} is empty: it has no tokens", param="input")
-            if len(p) > s.ctx.max_model_len:
-                raise ApiError(f"input {i} has {len(p)} tokens, more than this model's maximum context "
-                               f"length of {s.ctx.max_model_len} tokens; shorten it", param="input",
-                               code="context_length_exceeded")
-        try:
-            vecs = await s.engine.embed(ids, llm.pooling)
-        except ValueError as e:
-            raise ApiError(str(e), param="input") from None
-        except EngineError as e:
-            raise ApiError(str(e), status=503, type="server_error") from None
-        hidden = vecs[0].shape[-1]
-        if req.dimensions is not None:
-            if req.dimensions > hidden:
-                raise ApiError(f"dimensions {req.dimensions} is more than the model's {hidden}",
-                               param="dimensions")
-            # Matryoshka: the leading dimensions, normalised again.
-            vecs = [v[:req.dimensions] for v in vecs]
-            if llm.pooling.normalize:
-                vecs = [F.normalize(v, dim=-1) for v in vecs]
-        if any(not math.isfinite(float(v.sum())) for v in vecs):
-            raise ApiError("the model produced non-finite embeddings (NaN or inf); check the model file",
-                           status=500, type="server_error")
+        vecs, ids = await embed(s, req)
         n_tokens = sum(len(p) for p in ids)
         data = [{"object": "embedding", "index": i, "embedding": encode_vector(v, req.encoding_format)}
                 for i, v in enumerate(vecs)]
@@ -73,3 +32,49 @@ def install(app: FastAPI, s: Served) -> None:
                              "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens}})
 
     document_bodies(app, {"/v1/embeddings": EmbeddingRequest})
+
+
+async def embed(s: Served, req: EmbeddingRequest) -> tuple[list, list[list[int]]]:
+    """The vectors of `req`'s inputs and their token ids (OpenAI's checks; any route's face)."""
+    llm = s.llm
+    if getattr(llm, "task", "generate") != "embed":
+        raise ApiError(f"the model `{s.ctx.model_name}` is a generative model, not an embedding "
+                       "model; serve an embedding model (e.g. a Qwen3-Embedding folder) with "
+                       "`pagedllm serve MODEL --task embed` for embeddings", param="model",
+                       code="model_not_supported")
+    inputs = embedding_inputs(req.input)
+    if len(inputs) > MAX_INPUTS:
+        raise ApiError(f"at most {MAX_INPUTS} inputs per request, got {len(inputs)}", param="input")
+    try:
+        for text in inputs:
+            if isinstance(text, str):
+                limits.check_prompt_chars(len(text), s.ctx.max_model_len, "input")
+        ids = await s.run(llm.embed_ids, inputs, req.prompt_name)
+    except ValueError as e:
+        raise ApiError(str(e), param="prompt_name") from None
+    for i, p in enumerate(ids):
+        if not p:
+            raise ApiError(f"input {i} is empty: it has no tokens", param="input")
+        if len(p) > s.ctx.max_model_len:
+            raise ApiError(f"input {i} has {len(p)} tokens, more than this model's maximum context "
+                           f"length of {s.ctx.max_model_len} tokens; shorten it", param="input",
+                           code="context_length_exceeded")
+    try:
+        vecs = await s.engine.embed(ids, llm.pooling)
+    except ValueError as e:
+        raise ApiError(str(e), param="input") from None
+    except EngineError as e:
+        raise ApiError(str(e), status=503, type="server_error") from None
+    hidden = vecs[0].shape[-1]
+    if req.dimensions is not None:
+        if req.dimensions > hidden:
+            raise ApiError(f"dimensions {req.dimensions} is more than the model's {hidden}",
+                           param="dimensions")
+        # Matryoshka: the leading dimensions, normalised again.
+        vecs = [v[:req.dimensions] for v in vecs]
+        if llm.pooling.normalize:
+            vecs = [F.normalize(v, dim=-1) for v in vecs]
+    if any(not math.isfinite(float(v.sum())) for v in vecs):
+        raise ApiError("the model produced non-finite embeddings (NaN or inf); check the model file",
+                       status=500, type="server_error")
+    return vecs, ids

@@ -17,6 +17,7 @@ from ..protocols.common.errors import ApiError
 from ..protocols.common.tokens import TokenText
 from ..protocols.openai.calls import chat_call, completion_call
 from ..protocols.openai.models import ChatCompletionRequest, CompletionRequest
+from ..protocols.openai.stream import with_running_usage
 from ..structured import limits as grammar_limits
 from . import limits
 from .async_engine import AsyncEngine, EngineError, ShuttingDown, Submission
@@ -78,8 +79,8 @@ class Generation:
         """Run a chat or completion call on the engine; its stream, or its whole answer."""
         sub = await self.submit(call.items, request, call.grammar_param)
         if call.stream:
-            events = stream_events(sub, call.streamer.start(), call.streamer.events, call.usage_chunk(),
-                                   call.include_usage)
+            render = with_running_usage(call.streamer.update) if call.continuous_usage else call.streamer.events
+            events = stream_events(sub, call.streamer.start(), render, call.usage_chunk(), call.include_usage)
             return SSEResponse(events, sub.abort_unfinished)
         finals = await collect_or_fail(sub, request)
         if finals is None:

@@ -46,23 +46,39 @@ def sse_error(exc: Exception) -> str:
     return f"data: {body.model_dump_json()}\n\n"
 
 
-async def stream_events(sub: Submission, start: list, events: Callable, usage: Callable | None,
+def stream_events(sub: Submission, start: list, events: Callable, usage: Callable | None,
                   include_usage: bool) -> AsyncIterator[str]:
-    """The stream's server-sent events: `events(output, include_usage)` renders one output's;
-    the outputs queued together go out as one write."""
+    """OpenAI's event stream: `events(output, include_usage)` renders one output's; a usage
+    chunk when asked for, and [DONE] after everything, an error too."""
+    def tail() -> list[str]:
+        return [sse_line(usage(sub.final_outputs()), True)] if usage is not None else []
+
+    return stream_lines(sub, [sse_line(c, include_usage) for c in start],
+                        lambda out: events(out, include_usage), tail,
+                        lambda e: [sse_error(e)], "data: [DONE]\n\n")
+
+
+async def stream_lines(sub: Submission, head: list[str], events: Callable, tail: Callable[[], list[str]],
+                       on_error: Callable[[Exception], list[str]], end: str = "") -> AsyncIterator[str]:
+    """Any dialect's event stream: `head`, then `events(output)` for each engine output (the
+    outputs queued together go out as one write), then `tail()`; `on_error` renders an engine
+    failure; `end` closes the stream either way."""
     try:
-        for c in start:
-            yield sse_line(c, include_usage)
+        for line in head:
+            yield line
         async for outs in sub.batches():
-            text = "".join(line for out in outs for line in events(out, include_usage))
+            text = "".join(line for out in outs for line in events(out))
             if text:
                 yield text
-        if usage is not None:
-            yield sse_line(usage(sub.final_outputs()), True)
-        yield "data: [DONE]\n\n"
+        for line in tail():
+            yield line
+        if end:
+            yield end
     except EngineError as e:
-        yield sse_error(e)
-        yield "data: [DONE]\n\n"
+        for line in on_error(e):
+            yield line
+        if end:
+            yield end
     finally:
         # Runs on normal end, on error and on cancellation (client gone): abort what is left.
         sub.abort_unfinished()

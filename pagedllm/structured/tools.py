@@ -220,6 +220,41 @@ def parse(text: str, fmt: str) -> tuple[str | None, list[ToolCall]]:
     return (content + more).strip() or None, calls
 
 
+_FENCE = re.compile(r"^```[A-Za-z0-9_-]*\s*\n(.*?)\n?```$", re.S)
+
+
+def bare_json_calls(text: str, names: list[str]) -> list[ToolCall]:
+    """Calls written as a bare or fenced JSON object (or list of them), `{"name": ...,
+    "arguments": {...}}`, without the template's tags, as small models often answer (llama.cpp's
+    parser accepts them). Only a whole answer that is such JSON, and only when every name is one
+    of `names` (the request's tools): any other JSON answer stays content."""
+    body = text.strip()
+    fenced = _FENCE.match(body)
+    if fenced:
+        body = fenced.group(1).strip()
+    if not body.startswith(("{", "[")):
+        return []
+    try:
+        value = json.loads(body)
+    except json.JSONDecodeError:
+        return []
+    items = value if isinstance(value, list) else [value]
+    calls = []
+    for it in items:
+        if not isinstance(it, dict) or it.get("name") not in names:
+            return []
+        args = it.get("arguments", it.get("parameters", {}))
+        if isinstance(args, str):
+            try:
+                args = json.loads(args)
+            except json.JSONDecodeError:
+                return []
+        if not isinstance(args, dict) or set(it) - {"name", "arguments", "parameters", "type", "id"}:
+            return []
+        calls.append(ToolCall(it["name"], json.dumps(args, ensure_ascii=False)))
+    return calls
+
+
 def merge_deltas(deltas: list[dict]) -> list[ToolCall]:
     calls: dict[int, ToolCall] = {}
     for d in deltas:

@@ -60,8 +60,12 @@ class Tokenizer:
         unk_token: str | None = None,
         add_eos_token: bool = False,
         keep_post_processor: bool = False,
+        fim_token_ids: dict[str, int | None] | None = None,
     ) -> None:
         self._tk = tk
+        # GGUF's tokenizer.ggml.fim_{pre,suf,mid,rep,sep}_token_id, where the file states them
+        # (protocols/fim.py falls back to the vocabulary's spellings).
+        self.fim_token_ids = dict(fim_token_ids or {})
         self.bos_token = bos_token
         self.eos_token = eos_token
         self.pad_token = pad_token

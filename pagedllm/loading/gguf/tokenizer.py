@@ -9,6 +9,7 @@ from typing import Any
 
 from pagedllm.tokenizer import Tokenizer
 from pagedllm.tokenizer import template_guard
+from pagedllm.tokenizer.byte_level import bytes_to_unicode as _bytes_to_unicode
 
 from .arch import _GEMMA_ARCHS
 from .config import _eos_token_ids
@@ -84,23 +85,13 @@ def _build_tokenizer(path: Path, meta: dict) -> Tokenizer:
         eos_token_ids=_eos_token_ids(meta),
         pad_token=pad,
         unk_token=unk,
+        fim_token_ids={k: int(meta[f"tokenizer.ggml.fim_{k}_token_id"]) for k in ("pre", "suf", "mid", "rep", "sep")
+                       if f"tokenizer.ggml.fim_{k}_token_id" in meta},
     )
     # A template is code, and this one came with a (maybe downloaded) file: check it runs.
     tokenizer.chat_template_source = f"GGUF metadata (tokenizer.chat_template of {path.name})"
     template_guard.check_gguf_template(tokenizer)
     return tokenizer
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte alphabet: printable Latin-1 bytes stand for themselves, the rest map to 256+."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    mapping = {b: chr(b) for b in printable}
-    extra = 0
-    for b in range(256):
-        if b not in mapping:
-            mapping[b] = chr(256 + extra)
-            extra += 1
-    return mapping
 
 
 def _merge_pairs(merges: list[str]) -> list[tuple[str, str]]:

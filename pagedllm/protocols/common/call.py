@@ -27,6 +27,8 @@ class Call:
     grammar_param: str  # the request field blamed when the request's grammar does not compile
     streamer: Any
     respond: Any  # final outputs (in `items` order) -> the whole response
+    # vLLM's stream_options.continuous_usage_stats: each chunk carries the usage so far
+    continuous_usage: bool = False
 
     @property
     def request_ids(self) -> list[str]:

@@ -14,6 +14,7 @@ parsed back with the plan (`structured.tools.parse` / `StreamParser`, fmt `plan.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jinja2
@@ -22,8 +23,11 @@ from ...native import release_omp_threads
 from ...sampling.params import SamplingParams
 from ...structured import openai as structured_api, tools as tool_api
 from ...tokenizer.chat import render_chat
+from .. import reasoning
 from .context import ServingContext
 from .errors import ApiError
+
+_RESERVED_TEMPLATE_KWARGS = {"messages", "tools", "add_generation_prompt", "tokenize", "processor", "media_policy"}
 
 
 def tool_plan(ctx: ServingContext, tools: list[dict] | None, tool_choice: Any,
@@ -61,6 +65,39 @@ def chat_prompt(ctx: ServingContext, messages: list[dict], plan: tool_api.ToolPl
     except (ValueError, jinja2.TemplateError) as e:
         raise ApiError(f"cannot format the messages with the model's chat template: {e}",
                        param="messages") from None
+
+
+def template_kwargs(kwargs: dict | None, param: str) -> dict:
+    """A request's extra chat-template variables (e.g. {"enable_thinking": False}), checked."""
+    kwargs = dict(kwargs or {})
+    bad = sorted(_RESERVED_TEMPLATE_KWARGS & kwargs.keys())
+    if bad:
+        raise ApiError(f"{param} may not set {', '.join(bad)}: the server sets them", param=param)
+    return kwargs
+
+
+@dataclasses.dataclass(frozen=True)
+class Reasoning:
+    """How a call's answers split into reasoning and content (protocols/reasoning.py)."""
+
+    markers: reasoning.ReasoningMarkers
+    inside: bool  # the prompt left the answer inside the reasoning
+
+    def split(self, text: str) -> tuple[str | None, str]:
+        return reasoning.split(text, self.markers, self.inside)
+
+    def splitter(self) -> reasoning.ReasoningSplitter:
+        return reasoning.ReasoningSplitter(self.markers, self.inside)
+
+
+def reasoning_of(ctx: ServingContext, prompt: list[int] | Any) -> Reasoning | None:
+    """The reasoning split for answers to `prompt`; None when the model's template has none."""
+    markers = reasoning.markers_of(ctx.tokenizer)
+    if markers is None:
+        return None
+    ids = prompt if isinstance(prompt, list) else prompt.prompt_token_ids
+    tail = ctx.tokenizer.decode(list(ids[-32:]), skip_special_tokens=False)
+    return Reasoning(markers, reasoning.starts_inside(markers, tail))
 
 
 def prompt_len(prompt: list[int] | Any) -> int:
@@ -102,6 +139,11 @@ def parse_answer(text: str, plan: tool_api.ToolPlan | None) -> tuple[str | None,
     content, calls = tool_api.parse(text, plan.fmt)
     if calls and plan.forced:
         return None, calls
+    if not calls and plan.mode == "auto":  # a call as bare or fenced JSON naming a request's tool
+        names = [t["function"]["name"] for t in plan.tools if "function" in t]
+        calls = tool_api.bare_json_calls(text, names)
+        if calls:
+            return None, calls
     return content, calls
 
 

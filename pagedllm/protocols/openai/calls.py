@@ -28,12 +28,15 @@ def _tool_call_dicts(calls: list[tool_api.ToolCall]) -> list[dict]:
 
 
 def chat_response(rid: str, model: str, final: RequestOutput, tt: TokenText | None,
-                  tools: tool_api.ToolPlan | None = None) -> ChatCompletionResponse:
+                  tools: tool_api.ToolPlan | None = None,
+                  reasoning: neutral.Reasoning | None = None) -> ChatCompletionResponse:
     choices = []
     for c in final.outputs:
         lp = chat_logprobs(c.logprobs or [], tt) if tt is not None else None
-        content, calls = neutral.parse_answer(c.text, tools)
-        msg = ResponseMessage(content=content, tool_calls=_tool_call_dicts(calls) or None)
+        thought, text = reasoning.split(c.text) if reasoning is not None else (None, c.text)
+        content, calls = neutral.parse_answer(text, tools)
+        msg = ResponseMessage(content=content, reasoning_content=thought,
+                              tool_calls=_tool_call_dicts(calls) or None)
         choices.append(ChatChoice(index=c.index, message=msg, logprobs=lp,
                                   finish_reason=finish_reason(c.finish_reason, tools, bool(calls)),
                                   stop_reason=c.stop_reason))
@@ -61,15 +64,21 @@ def _include_usage(req: ChatCompletionRequest | CompletionRequest) -> bool:
     return bool(req.stream and req.stream_options and req.stream_options.include_usage)
 
 
+def _continuous_usage(req: ChatCompletionRequest | CompletionRequest) -> bool:
+    return bool(_include_usage(req) and req.stream_options.continuous_usage_stats)
+
+
 def chat_call(req: ChatCompletionRequest, ctx: ServingContext, token_text: TokenText) -> Call:
     """Validate and prepare a chat request (raises ApiError); its tool plan parses the answer."""
     ids, params, tools = prepare_chat_plan(req, ctx)
     rid = new_id("chatcmpl")
     tt = token_text if req.logprobs else None
-    streamer = ChatStreamer(rid, ctx.model_name, req.n, tt, tools)
+    reasoning = neutral.reasoning_of(ctx, ids)
+    streamer = ChatStreamer(rid, ctx.model_name, req.n, tt, tools, reasoning)
     grammar_param = neutral.grammar_param(tools, "response_format")
     return Call(rid, [(rid, ids, params)], bool(req.stream), _include_usage(req), grammar_param, streamer,
-                lambda finals: chat_response(rid, ctx.model_name, finals[0], tt, tools))
+                lambda finals: chat_response(rid, ctx.model_name, finals[0], tt, tools, reasoning),
+                _continuous_usage(req))
 
 
 def completion_call(req: CompletionRequest, ctx: ServingContext, token_text: TokenText) -> Call:
@@ -82,4 +91,5 @@ def completion_call(req: CompletionRequest, ctx: ServingContext, token_text: Tok
     echo = echo_texts(prompts, ctx.tokenizer) if req.echo else None
     streamer = CompletionStreamer(rid, ctx.model_name, req.n, {r: i for i, r in enumerate(rids)}, tt, echo)
     return Call(rid, list(zip(rids, ids, params)), bool(req.stream), _include_usage(req), "response_format",
-                streamer, lambda finals: completion_response(rid, ctx.model_name, finals, req.n, tt, echo))
+                streamer, lambda finals: completion_response(rid, ctx.model_name, finals, req.n, tt, echo),
+                _continuous_usage(req))

@@ -48,6 +48,7 @@ class _Model(BaseModel):
 
 class StreamOptions(_Model):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: every chunk carries the usage so far
 
 
 class _SamplingFields(_Model):
@@ -117,6 +118,8 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool | None = None
+    # vLLM's: extra variables for the chat template (e.g. {"enable_thinking": false})
+    chat_template_kwargs: dict | None = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -169,6 +172,8 @@ class ChatLogprobs(BaseModel):
 class ResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    # vLLM's: the reasoning a reasoning model wrote before its answer; absent for other models
+    reasoning_content: str | None = Field(default=None, exclude_if=lambda v: v is None)
     # [{"id", "type": "function", "function": {"name", "arguments"}}]; absent without calls
     tool_calls: list[dict] | None = None
 
@@ -199,6 +204,7 @@ class ChatCompletionResponse(BaseModel):
 class Delta(BaseModel):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     # [{"index", "id", "type", "function": {"name", "arguments"}}], as OpenAI streams them
     tool_calls: list[dict] | None = None
 

@@ -38,6 +38,20 @@ def sse_line(chunk: Any, include_usage: bool) -> str:
     return f"data: {data}\n\n"
 
 
+def with_running_usage(update: Any) -> Any:
+    """A streamer's `events` whose chunks each carry the usage so far (vLLM's
+    stream_options.continuous_usage_stats), from its `update`."""
+    def events(out: RequestOutput, include_usage: bool) -> list[str]:
+        done = sum(len(c.token_ids) for c in out.outputs)
+        usage = Usage(prompt_tokens=len(out.prompt_token_ids), completion_tokens=done,
+                      total_tokens=len(out.prompt_token_ids) + done)
+        chunks = update(out)
+        for chunk in chunks:
+            chunk.usage = usage
+        return [sse_line(chunk, True) for chunk in chunks]
+    return events
+
+
 _SLOT = "PAGEDLLM_TEXT_SLOT"
 
 
@@ -76,14 +90,17 @@ class ChatStreamer:
     n: int
     tt: TokenText | None = None  # set when logprobs were asked for
     tools: tool_api.ToolPlan | None = None  # set when the answer may hold tool calls
+    reasoning: neutral.Reasoning | None = None  # set when the model writes reasoning first
     states: list[_ChoiceState] = field(default_factory=list)
     parsers: list[tool_api.StreamParser] = field(default_factory=list)
+    splitters: list[Any] = field(default_factory=list)
     templates: dict[tuple[int, bool], TextChunkTemplate] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.states = [_ChoiceState() for _ in range(self.n)]
         parsers = [neutral.answer_stream_parser(self.tools) for _ in range(self.n)]
         self.parsers = [p for p in parsers if p is not None]  # (all or none)
+        self.splitters = [self.reasoning.splitter() for _ in range(self.n)] if self.reasoning else []
 
     def _chunk(self, choices: list[ChunkChoice], usage: Usage | None = None) -> ChatCompletionChunk:
         return ChatCompletionChunk(id=self.rid, model=self.model, choices=choices, usage=usage,
@@ -103,19 +120,26 @@ class ChatStreamer:
             if self.tt is not None and c.logprobs and len(c.logprobs) > st.sent_logprobs:
                 lp = chat_logprobs(c.logprobs[st.sent_logprobs:], self.tt)
                 st.sent_logprobs = len(c.logprobs)
-            text, calls, reason = c.delta_text, [], c.finish_reason
+            text, calls, reason, thought = c.delta_text, [], c.finish_reason, ""
+            if self.splitters:  # the reasoning first; the rest is the answer
+                thought, text = self.splitters[c.index].feed(text)
+                if c.finish_reason is not None:
+                    more_thought, more_text = self.splitters[c.index].finish()
+                    thought, text = thought + more_thought, text + more_text
             if self.parsers:
                 parser = self.parsers[c.index]
-                text, calls = parser.feed(c.delta_text)
+                text, calls = parser.feed(text)
                 if c.finish_reason is not None:
                     more_text, more_calls = parser.finish()
                     text, calls = text + more_text, calls + more_calls
                 if self.tools.forced and parser.calls:
                     text = ""
                 reason = finish_reason(c.finish_reason, self.tools, parser.calls > 0)
-            if not text and not calls and lp is None and reason is None:
+            if not text and not thought and not calls and lp is None and reason is None:
                 continue
             st.done = reason is not None
+            if thought:  # its own delta, as vLLM streams reasoning_content
+                chunks.append(self._chunk([ChunkChoice(index=c.index, delta=Delta(reasoning_content=thought))]))
             # The calls' deltas first, one chunk each, as OpenAI sends them; then the text.
             chunks += [self._chunk([ChunkChoice(index=c.index, delta=Delta(tool_calls=[d]))]) for d in calls]
             if text or lp is not None:
@@ -132,7 +156,7 @@ class ChatStreamer:
     def events(self, out: RequestOutput, include_usage: bool) -> list[str]:
         """`update(out)` as server-sent events; a plain text delta takes its template."""
         c = out.outputs[0] if len(out.outputs) == 1 else None
-        if (c is None or self.tt is not None or self.parsers or c.finish_reason is not None
+        if (c is None or self.tt is not None or self.parsers or self.splitters or c.finish_reason is not None
                 or not c.delta_text or self.states[c.index].done):
             return [sse_line(chunk, include_usage) for chunk in self.update(out)]
         key = (c.index, include_usage)

@@ -12,6 +12,7 @@ from ...structured import tools as tool_api
 from ..common import chat as neutral
 from ..common.context import ServingContext
 from ..common.errors import ApiError
+from .. import fim
 from .models import ChatCompletionRequest, ChatMessage, CompletionRequest
 
 MAX_STOP_STRINGS = 16
@@ -148,7 +149,8 @@ def prepare_chat_plan(req: ChatCompletionRequest, ctx: ServingContext
     if req.top_logprobs is not None and not req.logprobs:
         raise ApiError("top_logprobs needs logprobs to be true", param="top_logprobs")
     plan = neutral.tool_plan(ctx, req.tools, req.tool_choice, req.parallel_tool_calls)
-    ids = neutral.chat_prompt(ctx, chat_messages(req.messages, ctx), plan)
+    ids = neutral.chat_prompt(ctx, chat_messages(req.messages, ctx), plan,
+                              **neutral.template_kwargs(req.chat_template_kwargs, "chat_template_kwargs"))
     n_ids = neutral.prompt_len(ids)
     max_tokens = req.max_completion_tokens or req.max_tokens
     check_context(ctx, n_ids, max_tokens, "messages")
@@ -175,15 +177,19 @@ def prepare_completion(req: CompletionRequest, ctx: ServingContext
     so the engine thread never does) and each one's sampling parameters."""
     prompts = completion_prompts(req)
     _common_checks(req, ctx, len(prompts))
-    if req.suffix:
-        raise ApiError("suffix is not supported", param="suffix")
+    if req.suffix is not None and (len(prompts) != 1 or not isinstance(prompts[0], str)):
+        raise ApiError("suffix (fill-in-the-middle) takes one text prompt, the code before the cursor",
+                       param="suffix")
     if req.best_of is not None and req.best_of != req.n:
         raise ApiError("best_of is not supported (other than best_of == n)", param="best_of")
     if req.max_tokens == 0 and not req.echo:
         raise ApiError("max_tokens 0 only makes sense with echo (to score the prompt)", param="max_tokens")
-    if any(isinstance(p, str) and not p for p in prompts):
+    if req.suffix is None and any(isinstance(p, str) and not p for p in prompts):
         raise ApiError("prompt is empty: give at least one character or token id", param="prompt")
-    ids = [list(p) if isinstance(p, list) else ctx.tokenizer.encode(p) for p in prompts]
+    if req.suffix is not None:  # fill-in-the-middle: the prompt is the code before the cursor
+        ids = [fim.infill_ids(ctx, prompts[0], req.suffix)]
+    else:
+        ids = [list(p) if isinstance(p, list) else ctx.tokenizer.encode(p) for p in prompts]
     if req.max_tokens is not None:
         for p in ids:
             check_context(ctx, len(p), req.max_tokens, "prompt")

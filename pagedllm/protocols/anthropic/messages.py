@@ -1,0 +1,440 @@
+"""Anthropic Messages over the neutral chat seam: the request model, its translation to neutral
+messages, tools and SamplingParams, and the answer as content blocks (whole, or as Anthropic's
+stream events).
+
+Claude Code's system prompt opens with an attribution line
+(`x-anthropic-billing-header: cc_version=...; cch=...;`) that changes from request to request.
+Left in the prompt it would change the first tokens, so no cached prefix would ever match; it
+is dropped before templating (it means nothing to a local model); `keep_attribution=True`
+(`pagedllm serve --keep-anthropic-attribution`) keeps it."""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ...outputs import RequestOutput
+from ...sampling.params import SamplingParams, SamplingParamsError
+from ...structured import tools as tool_api
+from ..common import chat as neutral
+from ..common.call import Call
+from ..common.context import ServingContext, new_id
+from ..common.errors import ApiError
+
+ATTRIBUTION_PREFIX = "x-anthropic-billing-header:"
+MAX_STOP_SEQUENCES = 16
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="allow")  # metadata, service_tier, ... accepted and unused
+
+
+class MessageParam(_Model):
+    role: str
+    content: str | list[dict]
+
+
+class MessagesRequest(_Model):
+    model: str | None = None
+    messages: list[MessageParam]
+    max_tokens: int = Field(ge=1, le=2**31)  # required, as Anthropic requires it
+    system: str | list[dict] | None = None
+    stop_sequences: list[str] | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    stream: bool = False
+    tools: list[dict] | None = None
+    tool_choice: dict | None = None
+    thinking: dict | None = None  # {"type": "enabled", "budget_tokens": N} | {"type": "disabled"}
+    metadata: dict | None = None
+
+
+class CountTokensRequest(_Model):
+    model: str | None = None
+    messages: list[MessageParam]
+    system: str | list[dict] | None = None
+    tools: list[dict] | None = None
+    tool_choice: dict | None = None
+    thinking: dict | None = None
+
+
+# -- the request, translated ---------------------------------------------------------------------
+
+
+def _text_of(blocks: str | list[dict], where: str) -> str:
+    if isinstance(blocks, str):
+        return blocks
+    parts = []
+    for j, b in enumerate(blocks):
+        if b.get("type") != "text" or not isinstance(b.get("text"), str):
+            raise ApiError(f"{where}.{j}: only text blocks are allowed here, got {b.get('type')!r}",
+                           param=f"{where}.{j}")
+        parts.append(b["text"])
+    return "\n".join(parts)
+
+
+def system_text(system: str | list[dict] | None, keep_attribution: bool) -> str | None:
+    """The system prompt as one text; Claude Code's attribution line left out (see the module's
+    docstring) unless `keep_attribution`."""
+    if system is None:
+        return None
+    if isinstance(system, str):
+        blocks = [{"type": "text", "text": system}]
+    else:
+        blocks = system
+    text = _text_of(blocks, "system")
+    if not keep_attribution:
+        text = "\n".join(line for line in text.split("\n") if not line.startswith(ATTRIBUTION_PREFIX))
+        text = text.lstrip("\n")
+    return text or None
+
+
+def _image_part(b: dict, ctx: ServingContext, where: str) -> dict:
+    if ctx.processor is None:
+        raise ApiError(f"model {ctx.model_name!r} is text-only: it takes no image blocks; send text, "
+                       "or serve a vision-language model", param=where)
+    src = b.get("source") or {}
+    if src.get("type") == "base64":
+        url = f"data:{src.get('media_type', 'image/png')};base64,{src.get('data', '')}"
+    elif src.get("type") == "url":
+        url = src.get("url", "")
+    else:
+        raise ApiError(f"{where}: an image's source must be base64 or url", param=where)
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def _user_message(i: int, content: list[dict], ctx: ServingContext) -> list[dict]:
+    """A user turn: its tool results as tool messages (first, as Anthropic orders them), then
+    its text and images as one user message."""
+    out, parts = [], []
+    for j, b in enumerate(content):
+        where = f"messages.{i}.content.{j}"
+        kind = b.get("type")
+        if kind == "text":
+            parts.append({"type": "text", "text": b.get("text", "")})
+        elif kind == "image":
+            parts.append(_image_part(b, ctx, where))
+        elif kind == "tool_result":
+            if not b.get("tool_use_id"):
+                raise ApiError(f"{where}: a tool_result needs tool_use_id", param=where)
+            result = b.get("content", "")
+            text = result if isinstance(result, str) else _text_of(result, f"{where}.content")
+            if b.get("is_error"):
+                text = f"Error: {text}"
+            out.append({"role": "tool", "tool_call_id": b["tool_use_id"], "content": text})
+        elif kind == "document":
+            raise ApiError(f"{where}: document blocks are not supported; send the text", param=where)
+        else:
+            raise ApiError(f"{where}: unknown content block type {kind!r} in a user message", param=where)
+    if parts:
+        images = any(p["type"] == "image_url" for p in parts)
+        out.append({"role": "user", "content": parts if images else "".join(p["text"] for p in parts)})
+    return out
+
+
+def _assistant_message(i: int, content: list[dict]) -> dict:
+    text, calls, thoughts = [], [], []
+    for j, b in enumerate(content):
+        kind = b.get("type")
+        if kind == "text":
+            text.append(b.get("text", ""))
+        elif kind == "tool_use":
+            calls.append({"id": b.get("id") or new_id("toolu"), "type": "function",
+                          "function": {"name": b.get("name", ""),
+                                       "arguments": json.dumps(b.get("input") or {}, ensure_ascii=False)}})
+        elif kind == "thinking":
+            thoughts.append(b.get("thinking", ""))
+        elif kind != "redacted_thinking":
+            raise ApiError(f"messages.{i}.content.{j}: unknown content block type {kind!r} in an "
+                           "assistant message", param=f"messages.{i}.content.{j}")
+    msg: dict[str, Any] = {"role": "assistant", "content": "".join(text)}
+    if calls:
+        msg["tool_calls"] = calls
+    if thoughts:  # templates with reasoning write it back (Qwen3's reasoning_content)
+        msg["reasoning_content"] = "\n".join(thoughts)
+    return msg
+
+
+def neutral_messages(req: MessagesRequest | CountTokensRequest, ctx: ServingContext,
+                     keep_attribution: bool) -> list[dict]:
+    if not req.messages:
+        raise ApiError("messages must hold at least one message", param="messages")
+    out = []
+    system = system_text(req.system, keep_attribution)
+    if system is not None:
+        out.append({"role": "system", "content": system})
+    for i, m in enumerate(req.messages):
+        blocks = [{"type": "text", "text": m.content}] if isinstance(m.content, str) else m.content
+        if m.role in ("system", "developer"):  # Claude Code's and others' extra roles
+            out.append({"role": "system", "content": _text_of(blocks, f"messages.{i}.content")})
+        elif m.role == "user":
+            out += _user_message(i, blocks, ctx)
+        elif m.role == "assistant":
+            out.append(_assistant_message(i, blocks))
+        else:
+            raise ApiError(f"unknown role {m.role!r}; use user or assistant", param=f"messages.{i}.role")
+    return out
+
+
+def openai_tools(tools: list[dict] | None, choice: dict | None) -> tuple[list[dict] | None, Any, bool | None]:
+    """Anthropic's tools and tool_choice as the seam's function tools, choice and parallelism."""
+    if choice is not None and choice.get("type") not in ("auto", "any", "tool", "none"):
+        raise ApiError(f"tool_choice type {choice.get('type')!r} is unknown; use auto, any, tool or none",
+                       param="tool_choice")
+    if not tools:
+        if choice is not None and choice.get("type") in ("any", "tool"):
+            raise ApiError("tool_choice any or tool needs tools", param="tool_choice")
+        return None, None, None
+    fns = []
+    for j, t in enumerate(tools):
+        if t.get("type") not in (None, "custom"):
+            raise ApiError(f"tools.{j}: server tool {t.get('type')!r} is not available here; declare "
+                           "client tools with name, description and input_schema", param=f"tools.{j}")
+        if not t.get("name"):
+            raise ApiError(f"tools.{j}: a tool needs a name", param=f"tools.{j}")
+        fns.append({"type": "function", "function": {
+            "name": t["name"], "description": t.get("description", ""),
+            "parameters": t.get("input_schema") or {"type": "object", "properties": {}}}})
+    kind = (choice or {}).get("type", "auto")
+    oa_choice: Any = {"auto": "auto", "any": "required", "none": "none"}.get(kind)
+    if kind == "tool":
+        oa_choice = {"type": "function", "function": {"name": choice.get("name")}}
+    parallel = None if choice is None or not choice.get("disable_parallel_tool_use") else False
+    return fns, oa_choice, parallel
+
+
+def _thinking_kwargs(thinking: dict | None) -> dict:
+    """Anthropic's `thinking` as the template's switch (Qwen3's enable_thinking); a template
+    without one ignores it."""
+    if thinking is None:
+        return {}
+    kind = thinking.get("type")
+    if kind not in ("enabled", "disabled", "adaptive"):
+        raise ApiError(f"thinking.type {kind!r} is unknown; use enabled or disabled", param="thinking.type")
+    return {"enable_thinking": kind != "disabled"}
+
+
+def prompt_of(req: MessagesRequest | CountTokensRequest, ctx: ServingContext, keep_attribution: bool
+              ) -> tuple[list[int] | Any, tool_api.ToolPlan | None]:
+    tools, choice, parallel = openai_tools(req.tools, req.tool_choice)
+    plan = neutral.tool_plan(ctx, tools, choice, parallel)
+    ids = neutral.chat_prompt(ctx, neutral_messages(req, ctx, keep_attribution), plan,
+                              **_thinking_kwargs(req.thinking))
+    return ids, plan
+
+
+def count_tokens(req: CountTokensRequest, ctx: ServingContext, keep_attribution: bool) -> dict:
+    ids, _ = prompt_of(req, ctx, keep_attribution)
+    return {"input_tokens": neutral.prompt_len(ids)}
+
+
+def sampling_params(req: MessagesRequest, ctx: ServingContext, n_prompt: int) -> SamplingParams:
+    if n_prompt + req.max_tokens > ctx.max_model_len:
+        raise ApiError(f"prompt is too long: {n_prompt} tokens + max_tokens {req.max_tokens} > "
+                       f"{ctx.max_model_len}, this model's context; shorten the messages or lower "
+                       "max_tokens", param="max_tokens")
+    stops = req.stop_sequences or []
+    if len(stops) > MAX_STOP_SEQUENCES or any(not s for s in stops):
+        raise ApiError(f"stop_sequences: at most {MAX_STOP_SEQUENCES} non-empty strings", param="stop_sequences")
+    try:
+        return SamplingParams(
+            max_tokens=req.max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=-1 if not req.top_k else req.top_k, stop=stops or None,
+            structured=neutral.structured_spec(None, dict(req.model_extra or {})))
+    except SamplingParamsError as e:
+        raise ApiError(e.message, param=e.param) from None
+
+
+# -- the answer ----------------------------------------------------------------------------------
+
+
+def signature(thinking: str) -> str:
+    """A thinking block's signature: a digest of its text (this server checks none: a client
+    sends the block back as it got it)."""
+    return hashlib.sha256(thinking.encode()).hexdigest()
+
+
+def stop_reason(out: Any, called: bool) -> tuple[str, str | None]:
+    if called:
+        return "tool_use", None
+    if out.finish_reason == "length":
+        return "max_tokens", None
+    if isinstance(out.stop_reason, str):
+        return "stop_sequence", out.stop_reason
+    return "end_turn", None
+
+
+def _usage(final: RequestOutput) -> dict:
+    n_prompt = final.metrics.num_prompt_tokens
+    cached = final.num_cached_tokens
+    return {"input_tokens": n_prompt - cached, "output_tokens": len(final.outputs[0].token_ids),
+            "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}
+
+
+def _tool_use(call: tool_api.ToolCall) -> dict:
+    try:
+        args = json.loads(call.arguments) if call.arguments else {}
+    except json.JSONDecodeError:
+        args = {"_raw": call.arguments}
+    return {"type": "tool_use", "id": _tool_id(call.id), "name": call.name, "input": args}
+
+
+def _tool_id(openai_id: str) -> str:
+    return "toolu_" + openai_id.removeprefix("call_").removeprefix("chatcmpl-tool-")
+
+
+def message(rid: str, model: str, final: RequestOutput, plan: tool_api.ToolPlan | None,
+            reasoning: neutral.Reasoning | None) -> dict:
+    out = final.outputs[0]
+    thought, text = reasoning.split(out.text) if reasoning is not None else (None, out.text)
+    content, calls = neutral.parse_answer(text, plan)
+    blocks: list[dict] = []
+    if thought is not None:
+        blocks.append({"type": "thinking", "thinking": thought, "signature": signature(thought)})
+    if content:
+        blocks.append({"type": "text", "text": content})
+    blocks += [_tool_use(c) for c in calls]
+    reason, seq = stop_reason(out, bool(calls))
+    return {"id": rid, "type": "message", "role": "assistant", "model": model, "content": blocks,
+            "stop_reason": reason, "stop_sequence": seq, "usage": _usage(final)}
+
+
+def event(name: str, data: dict) -> str:
+    return f"event: {name}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+def error_event(message_text: str, kind: str = "api_error") -> str:
+    return event("error", {"type": "error", "error": {"type": kind, "message": message_text}})
+
+
+@dataclass
+class MessageStreamer:
+    """Anthropic's stream events for one message: message_start and a ping (sent while the
+    prompt prefills), then content blocks (thinking, text, tool_use) with increasing indexes,
+    then message_delta (stop_reason, usage) and message_stop."""
+
+    rid: str
+    model: str
+    n_prompt: int
+    plan: tool_api.ToolPlan | None
+    reasoning: neutral.Reasoning | None
+    index: int = -1  # the open block's index
+    kind: str | None = None  # the open block's type
+    thought: str = ""  # the open thinking block's text (for its signature)
+    parser: Any = None
+    splitter: Any = None
+    done: bool = False
+    _ended: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.parser = neutral.answer_stream_parser(self.plan)
+        self.splitter = self.reasoning.splitter() if self.reasoning is not None else None
+
+    def start(self) -> list[str]:
+        msg = {"id": self.rid, "type": "message", "role": "assistant", "model": self.model, "content": [],
+               "stop_reason": None, "stop_sequence": None,
+               "usage": {"input_tokens": self.n_prompt, "output_tokens": 0}}
+        return [event("message_start", {"type": "message_start", "message": msg}), event("ping", {"type": "ping"})]
+
+    def _close(self) -> list[str]:
+        if self.kind is None:
+            return []
+        lines = []
+        if self.kind == "thinking":
+            lines.append(self._delta({"type": "signature_delta", "signature": signature(self.thought)}))
+        lines.append(event("content_block_stop", {"type": "content_block_stop", "index": self.index}))
+        self.kind = None
+        return lines
+
+    def _open(self, block: dict) -> list[str]:
+        lines = self._close()
+        self.index += 1
+        self.kind, self.thought = block["type"], ""
+        return lines + [event("content_block_start", {"type": "content_block_start", "index": self.index,
+                                                      "content_block": block})]
+
+    def _delta(self, delta: dict) -> str:
+        return event("content_block_delta", {"type": "content_block_delta", "index": self.index, "delta": delta})
+
+    def _thinking(self, text: str) -> list[str]:
+        lines = [] if self.kind == "thinking" else self._open({"type": "thinking", "thinking": "", "signature": ""})
+        self.thought += text
+        return lines + [self._delta({"type": "thinking_delta", "thinking": text})]
+
+    def _text(self, text: str) -> list[str]:
+        if self.plan is not None and self.plan.forced and self.parser is not None and self.parser.calls:
+            return []  # a forced answer holds nothing but its calls
+        lines = [] if self.kind == "text" else self._open({"type": "text", "text": ""})
+        return lines + [self._delta({"type": "text_delta", "text": text})]
+
+    def _call(self, d: dict) -> list[str]:
+        fn = d.get("function") or {}
+        lines = []
+        if d.get("id") or fn.get("name"):
+            lines += self._open({"type": "tool_use", "id": _tool_id(d.get("id") or new_id("call")),
+                                 "name": fn.get("name", ""), "input": {}})
+        if fn.get("arguments"):
+            lines.append(self._delta({"type": "input_json_delta", "partial_json": fn["arguments"]}))
+        return lines
+
+    def events(self, final: RequestOutput, include_usage: bool = False) -> list[str]:
+        if self.done:
+            return []
+        out = final.outputs[0]
+        thought, text, calls = "", out.delta_text, []
+        if self.splitter is not None:
+            thought, text = self.splitter.feed(text)
+            if out.finish_reason is not None:
+                more_thought, more_text = self.splitter.finish()
+                thought, text = thought + more_thought, text + more_text
+        lines = self._thinking(thought) if thought else []
+        if self.parser is not None:
+            text, calls = self.parser.feed(text)
+            if out.finish_reason is not None:
+                more_text, more_calls = self.parser.finish()
+                text, calls = text + more_text, calls + more_calls
+            # a call's deltas come after the text before it
+        if text:
+            lines += self._text(text)
+        for d in calls:
+            lines += self._call(d)
+        if out.finish_reason is not None:
+            self.done = True
+            lines += self._close()
+            reason, seq = stop_reason(out, self.parser is not None and self.parser.calls > 0)
+            usage = _usage(final)
+            lines.append(event("message_delta", {"type": "message_delta",
+                                                 "delta": {"stop_reason": reason, "stop_sequence": seq},
+                                                 "usage": {"output_tokens": usage["output_tokens"]}}))
+            lines.append(event("message_stop", {"type": "message_stop"}))
+        return lines
+
+
+def messages_call(req: MessagesRequest, ctx: ServingContext, keep_attribution: bool = False) -> Call:
+    """Validate and prepare a Messages request (raises ApiError)."""
+    ids, plan = prompt_of(req, ctx, keep_attribution)
+    n_prompt = neutral.prompt_len(ids)
+    params = sampling_params(req, ctx, n_prompt)
+    neutral.constrain_to_tools(params, plan)
+    rid = "msg_" + new_id("x").removeprefix("x-")
+    reasoning = neutral.reasoning_of(ctx, ids)
+    streamer = MessageStreamer(rid, ctx.model_name, n_prompt, plan, reasoning)
+    return Call(rid, [(rid, ids, params)], req.stream, False, neutral.grammar_param(plan, "messages"), streamer,
+                lambda finals: message(rid, ctx.model_name, finals[0], plan, reasoning))
+
+
+# Anthropic's error types by HTTP status
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+               404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+               503: "overloaded_error", 529: "overloaded_error"}
+
+
+def error_body(status: int, message_text: str) -> dict:
+    kind = ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
+    return {"type": "error", "error": {"type": kind, "message": message_text}}
+

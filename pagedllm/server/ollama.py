@@ -1,0 +1,126 @@
+"""Ollama's API routes (/api/...): thin installers over protocols/ollama.py, run on the engine
+like the OpenAI routes; streams are NDJSON lines."""
+from __future__ import annotations
+
+import functools
+import json
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from .._version import __version__
+from ..protocols import ollama
+from ..protocols.common.errors import ApiError
+from ..protocols.openai.embeddings import EmbeddingRequest
+from .embeddings import embed
+from .generation import Generation, collect_or_fail
+from .routes import Served, document_bodies
+from .sse import SSEResponse
+
+
+class NDJSONResponse(SSEResponse):
+    media_type = "application/x-ndjson"
+
+
+def ollama_errors(handler: Any) -> Any:
+    """Ollama's error body, {"error": "..."}, for a refused request (its client reads that)."""
+    @functools.wraps(handler)
+    async def wrapped(*args: Any, **kwargs: Any) -> Response:
+        try:
+            return await handler(*args, **kwargs)
+        except ApiError as e:
+            return JSONResponse({"error": e.message}, status_code=e.status)
+    return wrapped
+
+
+def _family(llm: Any) -> str:
+    cfg = getattr(getattr(llm, "engine", None), "model_config", None)
+    return str(getattr(cfg, "model_type", None) or getattr(cfg, "architecture", None) or "unknown")
+
+
+def install(app: FastAPI, s: Served, gen: Generation, names: list[str]) -> None:
+    path = Path(str(getattr(s.llm, "model_path", "") or ""))
+    size = path.stat().st_size if path.is_file() else 0
+    modified = datetime.fromtimestamp(path.stat().st_mtime if path.exists() else 0, timezone.utc).isoformat()
+    family, task = _family(s.llm), getattr(s.llm, "task", "generate")
+
+    async def answer(call: Any, request: Request) -> Response:
+        sub = await gen.submit(call.items, request, call.grammar_param)
+        if call.stream:
+            async def lines():
+                try:
+                    async for outs in sub.batches():
+                        text = "".join(line for out in outs for line in call.streamer.events(out))
+                        if text:
+                            yield text
+                except Exception as e:  # an engine failure ends the stream with Ollama's error line
+                    yield json.dumps({"error": str(e)}) + "\n"
+                finally:
+                    sub.abort_unfinished()
+            return NDJSONResponse(lines(), sub.abort_unfinished)
+        finals = await collect_or_fail(sub, request)
+        if finals is None:
+            return Response(status_code=499)
+        return JSONResponse(call.response(finals))
+
+    @app.get("/api/version")
+    async def version() -> Response:
+        return JSONResponse({"version": __version__})
+
+    @app.get("/api/tags")
+    async def tags() -> Response:
+        return JSONResponse({"models": [ollama.model_entry(n, s.ctx, family, size, modified) for n in names]})
+
+    @app.get("/api/ps")
+    async def ps() -> Response:
+        return JSONResponse({"models": [{**ollama.model_entry(n, s.ctx, family, size, modified),
+                                         "expires_at": "0001-01-01T00:00:00Z", "size_vram": 0,
+                                         "context_length": s.ctx.max_model_len} for n in names]})
+
+    @app.post("/api/show")
+    @ollama_errors
+    async def show(request: Request) -> Response:
+        req: ollama.ShowRequest = await s.read_body(request, ollama.ShowRequest)
+        s.check_model(req.model or req.name)
+        return JSONResponse(ollama.show(s.ctx, family, task, modified))
+
+    @app.post("/api/chat")
+    @ollama_errors
+    async def chat(request: Request) -> Response:
+        req: ollama.ChatRequest = await s.read_body(request, ollama.ChatRequest)
+        s.check_model(req.model)
+        return await answer(await s.run(ollama.chat_call, req, s.ctx), request)
+
+    @app.post("/api/generate")
+    @ollama_errors
+    async def generate(request: Request) -> Response:
+        req: ollama.GenerateRequest = await s.read_body(request, ollama.GenerateRequest)
+        s.check_model(req.model)
+        if not req.prompt and req.suffix is None:  # Ollama's way to load a model: nothing to do here
+            return JSONResponse({"model": s.ctx.model_name, "created_at": ollama.now_iso(), "response": "",
+                                 "done": True, "done_reason": "load"})
+        return await answer(await s.run(ollama.generate_call, req, s.ctx), request)
+
+    @app.post("/api/embed")
+    @ollama_errors
+    async def embed_route(request: Request) -> Response:
+        req: ollama.EmbedRequest = await s.read_body(request, ollama.EmbedRequest)
+        s.check_model(req.model)
+        vecs, ids = await embed(s, EmbeddingRequest(input=req.input, dimensions=req.dimensions))
+        return JSONResponse({"model": s.ctx.model_name, "embeddings": [v.tolist() for v in vecs],
+                             "prompt_eval_count": sum(len(p) for p in ids)})
+
+    for route, what in (("/api/pull", "pull"), ("/api/create", "create"), ("/api/delete", "delete"),
+                        ("/api/copy", "copy"), ("/api/push", "push")):
+        def refuse(what: str = what) -> Any:
+            @ollama_errors
+            async def handler() -> Response:
+                raise ApiError(ollama.MODEL_MANAGEMENT.format(what=what), status=400)
+            return handler
+        app.add_api_route(route, refuse(), methods=["DELETE"] if what == "delete" else ["POST"])
+
+    document_bodies(app, {"/api/chat": ollama.ChatRequest, "/api/generate": ollama.GenerateRequest,
+                          "/api/embed": ollama.EmbedRequest, "/api/show": ollama.ShowRequest})

@@ -1,0 +1,83 @@
+"""Fill-in-the-middle prompts (pagedllm/protocols/fim.py) against transformers' tokenizer on the
+real Qwen2.5-Coder GGUF (skipped without the file), laid out as the model card writes them."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pagedllm.protocols import fim
+from pagedllm.protocols.common.context import ServingContext
+from pagedllm.protocols.common.errors import ApiError
+
+QWEN = Path.home() / ".cache/pagedllm/models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
+PREFIX = "def mean(xs):\n    total = 0\n    for x in xs:\n"
+SUFFIX = "    return total / len(xs)\n"
+FILES = [fim.InfillFile(filename="util/stats.py", text="import math\n\nPI = math.pi\n"),
+         fim.InfillFile(filename="README.md", text="# stats\n")]
+
+
+def _ctx(tokenizer) -> ServingContext:
+    return ServingContext(tokenizer=tokenizer, model_name="m", max_model_len=4096, block_size=16,
+                          usable_blocks=64, max_n=1)
+
+
+@pytest.fixture(scope="module")
+def qwen():
+    if not QWEN.is_file():
+        pytest.skip(f"{QWEN} is not here")
+    transformers = pytest.importorskip("transformers")
+    from pagedllm.loading.gguf import read_gguf
+
+    ours = read_gguf(QWEN).tokenizer
+    hf = transformers.AutoTokenizer.from_pretrained(str(QWEN.parent), gguf_file=QWEN.name)
+    return ours, hf
+
+
+def test_plain_fim_ids_equal_transformers(qwen):
+    ours, hf = qwen
+    ids = fim.infill_ids(_ctx(ours), PREFIX, SUFFIX)
+    ref = hf(f"<|fim_prefix|>{PREFIX}<|fim_suffix|>{SUFFIX}<|fim_middle|>", add_special_tokens=False)
+    assert ids == ref["input_ids"]
+
+
+def test_repo_level_ids_equal_the_model_cards_layout(qwen):
+    ours, hf = qwen
+    ids = fim.infill_ids(_ctx(ours), PREFIX, SUFFIX, FILES, repo_name="stats", filename="stats/mean.py")
+    text = ("<|repo_name|>stats\n<|file_sep|>util/stats.py\nimport math\n\nPI = math.pi\n"
+            "<|file_sep|>README.md\n# stats\n<|file_sep|>stats/mean.py\n"
+            f"<|fim_prefix|>{PREFIX}<|fim_suffix|>{SUFFIX}<|fim_middle|>")
+    assert ids == hf(text, add_special_tokens=False)["input_ids"]
+
+
+def test_typing_keeps_the_prompt_head(qwen):
+    """One more keystroke changes only the prompt's tail: the files and the prefix before the
+    cursor stay the same leading tokens, which the prefix cache keeps."""
+    ours, _ = qwen
+    a = fim.infill_ids(_ctx(ours), PREFIX, SUFFIX, FILES)
+    b = fim.infill_ids(_ctx(ours), PREFIX + "        total +", SUFFIX, FILES)
+    head = fim.infill_ids(_ctx(ours), PREFIX, "", FILES)[:-3]  # up to the prefix's end
+    assert a[:len(head)] == b[:len(head)] == head
+
+
+class _Vocab:
+    """A tokenizer with no FIM spelling; GGUF metadata may still name the tokens."""
+
+    add_bos_token, bos_token_id = False, None
+
+    def __init__(self, fim_token_ids=None):
+        self.fim_token_ids = fim_token_ids or {}
+
+    def token_to_id(self, token):
+        return None
+
+    def encode(self, text, add_special_tokens=False):
+        return [ord(c) for c in text]
+
+
+def test_gguf_metadata_ids_win_and_no_tokens_is_a_clear_400():
+    tk = _Vocab({"pre": 1, "suf": 2, "mid": 3})
+    assert fim.infill_ids(_ctx(tk), "a", "b") == [1, ord("a"), 2, ord("b"), 3]
+    with pytest.raises(ApiError) as e:
+        fim.infill_ids(_ctx(_Vocab()), "a", "b")
+    assert e.value.status == 400 and "fill-in-the-middle tokens" in e.value.message
