@@ -56,7 +56,7 @@ $(STAMP): pyproject.toml setup.py Makefile
 # selenium: installed here only, only as root, without recommends, and only where that
 # upgrades no installed package (apt-get's simulation is read first); otherwise that test skips.
 $(TEST_STAMP): $(STAMP)
-	$(PIP) install -q --no-build-isolation -e ".[dev]"
+	$(PIP) install -q --no-build-isolation -e ".[dev,router]"
 	# The quantizers whose checkpoints tests/test_gptq*.py load, without their pins on torch and
 	# transformers (gptqmodel wants torch >= 2.14, llmcompressor transformers <= 5.17, autoawq triton).
 	$(PIP) install -q --no-deps gptqmodel==7.7.0 llmcompressor==0.14.0.1 autoawq==0.2.9 pypcre logbar \

@@ -7,6 +7,7 @@ import importlib
 import logging
 import os
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .generate import load_llm
@@ -94,7 +95,8 @@ def cmd_serve(args: argparse.Namespace, opts: EngineOptions) -> int:
                        max_connections=args.max_connections, lora_modules=tuple(modules),
                        allow_runtime_lora=bool(args.allow_runtime_lora),
                        keep_anthropic_attribution=bool(args.keep_anthropic_attribution),
-                       root_path=(args.root_path or "").rstrip("/"))
+                       root_path=(args.root_path or "").rstrip("/"),
+                       tokenizer_path=_tokenizer_path(opts))
     print(f"serving {' = '.join(names)} on http://{args.host}:{args.port}/v1 "
           f"({eng.block_manager.num_usable_blocks} KV blocks of {eng.cache_config.block_size} tokens"
           f"{', API key required' if api_key else ''})", file=sys.stderr, flush=True)
@@ -109,6 +111,14 @@ def cmd_serve(args: argparse.Namespace, opts: EngineOptions) -> int:
         # Everything is stopped and said; tearing down torch's modules would add 1-2 s more.
         _exit_now(0)
     return 0
+
+
+def _tokenizer_path(opts: EngineOptions) -> str | None:
+    """A tokenizer a router could load itself: the folder given, or the model's when it holds one."""
+    for cand in (opts.tokenizer, opts.model):
+        if cand and (Path(cand).expanduser() / "tokenizer.json").is_file():
+            return str(Path(cand).expanduser().resolve())
+    return None
 
 
 def _exit_now(code: int) -> None:

@@ -9,6 +9,7 @@ from typing import Callable
 from .commands import _mistralrs_options, _model_of, _run_module, cmd_bench, cmd_chat, cmd_serve, engine_options
 from .generate import cmd_generate, cmd_trace
 from .parser import build_parser
+from . import scaleout
 
 __all__ = ["build_parser", "engine_options", "main"]
 
@@ -25,6 +26,10 @@ def main(argv: list[str] | None = None) -> int:
     handlers: dict[str, Callable[..., int]] = {"serve": cmd_serve, "chat": cmd_chat,
                                                "generate": cmd_generate, "trace": cmd_trace}
     try:
+        if args.command == "router":
+            return scaleout.cmd_router(args)
+        if args.command == "serve" and args.data_parallel_size != 1:
+            return scaleout.cmd_serve_replicas(argv, args)
         if args.command == "serve" or (args.command in ("plain", "gguf") and not args.interactive_mode):
             from ..server.listen import listen_socket
 

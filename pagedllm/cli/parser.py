@@ -23,6 +23,8 @@ import importlib
 import sys
 from typing import Any
 
+from . import scaleout
+
 _UNSET = argparse.SUPPRESS
 
 
@@ -256,6 +258,7 @@ BENCHES = {
     "p2p": "pipeline stage-to-stage point-to-point latency and bandwidth (loopback, or two nodes under torchrun)",
     "speculative": "n-gram (and --draft MODEL) speculative decoding against plain decoding: code editing, chat, 32 concurrent",
     "soak": "a served model under streaming load, then idle: resident memory at start, peak and at idle",
+    "router": "2 replicas behind SGLang's gateway: cache-aware against round-robin routing on multi-turn chats",
     "lora": "LoRA adapters against the base model: 32 concurrent over 4 adapters, and batch 1 decode",
     "vision": "a vision-language model's time to first token for a one-image question, and its encoder share, "
               "against transformers; then a second turn on the same image",
@@ -299,6 +302,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     _model_arg(s)
     _engine_flags(s, top=False)
     _server_flags(s, top=False)
+    scaleout.add_serve_flags(s)
+    scaleout.add_router_parser(sub)
 
     c = sub.add_parser("chat", help="interactive chat in the terminal",
                        usage="pagedllm chat [MODEL] [--system MSG] [engine and sampling flags]")

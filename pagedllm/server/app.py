@@ -29,7 +29,7 @@ from ..protocols.common.context import ServingContext
 from ..protocols.common.errors import ApiError
 from ..protocols.common.tokens import TokenText
 from ..protocols.openai.models import ModelCard, ModelList
-from . import anthropic, embeddings, generation, infill, limits, lora, ollama, responses, routes
+from . import anthropic, embeddings, generation, infill, limits, lora, ollama, responses, routes, worker
 from .async_engine import AsyncEngine, ShuttingDown
 from .errors import error_response, install_error_handlers
 from .generation import Generation
@@ -60,6 +60,7 @@ class ServerConfig:
     # default it is dropped, so it does not defeat prefix caching; protocols/anthropic/messages.py)
     keep_anthropic_attribution: bool = False
     root_path: str = ""  # the path prefix a proxy serves this server under (--root-path)
+    tokenizer_path: str | None = None  # told to a router's /model_info: a tokenizer folder or hub id it can load
 
 
 class AuthMiddleware:
@@ -192,6 +193,7 @@ def create_app(llm: Any, config: ServerConfig | None = None) -> FastAPI:
     infill.install(app, served, gen)
     ollama.install(app, served, gen, models.names)
     lora.install(app, adapters, cfg.allow_runtime_lora)
+    worker.install(app, llm, engine, ctx, names, cfg.tokenizer_path)
     return app
 
 

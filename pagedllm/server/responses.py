@@ -80,7 +80,7 @@ def install(app: FastAPI, s: Served, store_size: int = DEFAULT_STORE_SIZE) -> No
         resp = skeleton(rid, s.ctx.model_name, req)
 
         def keep(done: dict) -> None:
-            if req.store:
+            if req.store is not False:
                 store.put(rid, history + new + as_messages(done["output"]), done)
 
         if req.stream:

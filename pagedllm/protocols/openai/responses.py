@@ -44,8 +44,9 @@ class ResponsesRequest(_Model):
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool | None = None
     text: dict | None = None  # {"format": {"type": "text" | "json_object" | "json_schema", ...}}
-    stream: bool = False
-    store: bool = True
+    # null is the default (SGLang's gateway forwards unset fields as null)
+    stream: bool | None = False
+    store: bool | None = True
     metadata: dict[str, str] | None = None
     user: str | None = None
 
@@ -166,7 +167,7 @@ def chat_request(req: ResponsesRequest, history: list[dict], new: list[dict]) ->
     messages = ([{"role": "system", "content": req.instructions}] if req.instructions else []) + history + new
     body: dict[str, Any] = {"messages": messages, "tools": _chat_tools(req.tools),
                             "tool_choice": _chat_tool_choice(req.tool_choice),
-                            "response_format": _response_format(req.text), "stream": req.stream,
+                            "response_format": _response_format(req.text), "stream": bool(req.stream),
                             "max_completion_tokens": req.max_output_tokens}
     extra = req.model_extra or {}
     for key in _PASSED_ON:
@@ -234,7 +235,7 @@ def skeleton(rid: str, model: str, req: ResponsesRequest) -> dict:
             "temperature": 1.0 if req.temperature is None else req.temperature,
             "top_p": 1.0 if req.top_p is None else req.top_p,
             "tool_choice": req.tool_choice or "auto", "tools": req.tools or [],
-            "text": {"format": fmt}, "truncation": "disabled", "store": req.store, "usage": None,
+            "text": {"format": fmt}, "truncation": "disabled", "store": req.store is not False, "usage": None,
             "user": req.user}
 
 
