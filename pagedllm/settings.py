@@ -81,6 +81,9 @@ class Settings:
                                "seconds one pipeline stage-to-stage send or receive may wait for its peer")
     api_key: str | None = _var("PAGEDLLM_API_KEY", None, str, "python",
                                "the server's API key when --api-key is not given")
+    fleet_log_dir: str | None = _var("PAGEDLLM_FLEET_LOG_DIR", None, str, "python",
+                                     "where serve --data-parallel-size writes each replica's and the "
+                                     "gateway's log (default: a new temporary folder)")
 
     @classmethod
     def from_env(cls, environ: Any = None) -> "Settings":

@@ -3,11 +3,11 @@ SGLang's model gateway (server/replicas.py starts and supervises them)."""
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import tempfile
 from pathlib import Path
 
+from .. import settings
 from ..server import replicas as rp
 
 # Flags of `serve` that belong to the whole (the gateway) rather than to each replica.
@@ -96,11 +96,11 @@ def cmd_serve_replicas(argv: list[str], args: argparse.Namespace) -> int:
     except RuntimeError as e:
         print(f"error: --data-parallel-size {n}: {e}", file=sys.stderr)
         return 2
-    log_dir = _log_dir(os.environ.get("PAGEDLLM_FLEET_LOG_DIR"))
+    log_dir = _log_dir(settings.get("fleet_log_dir"))
     shares = rp.split_cores(n)
     per = replica_args(argv)
     reps = [rp.Replica(i, per, rp.free_port(), shares[i], log_dir) for i in range(n)]
-    api_key = args.api_key or os.environ.get("PAGEDLLM_API_KEY") or None
+    api_key = args.api_key or settings.get("api_key") or None
     fleet = rp.Fleet(reps, [], args.host, args.port, args.routing, _faults(args), log_dir, api_key)
     print(f"starting {n} replicas and the gateway (logs in {log_dir})", file=sys.stderr, flush=True)
     return rp.run_until_signal(fleet)
@@ -113,7 +113,7 @@ def cmd_router(args: argparse.Namespace) -> int:
     except (RuntimeError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    api_key = args.api_key or os.environ.get("PAGEDLLM_API_KEY") or None
+    api_key = args.api_key or settings.get("api_key") or None
     fleet = rp.Fleet([], backends, args.host, args.port, args.routing, _faults(args), _log_dir(args.log_dir),
                      api_key)
     return rp.run_until_signal(fleet)
