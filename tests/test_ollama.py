@@ -37,9 +37,10 @@ def oai(server):
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=300)
 
 
-def test_list_show_ps_version(client, server):
+def test_list_show_ps_version(client, server, smollm2_gguf_path):
     names = [m.model for m in client.list().models]
     assert names and names[0]
+    assert client.list().models[0].size == smollm2_gguf_path.stat().st_size  # the served file's
     shown = client.show(names[0])
     assert "completion" in shown.capabilities
     assert "insert" not in shown.capabilities  # SmolLM2's vocabulary has no FIM tokens
