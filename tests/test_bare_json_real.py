@@ -6,16 +6,12 @@ Run: pytest -q -s tests/test_bare_json_real.py -n 0"""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
 openai = pytest.importorskip("openai")
 
-from test_server import serving  # noqa: E402
-
-GGUF = Path.home() / ".cache/pagedllm/models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
-pytestmark = pytest.mark.skipif(not GGUF.is_file(), reason=f"{GGUF} is not here")
+from test_server import serving_qwen  # noqa: E402
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Current weather for a city",
           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
 WEATHER = {"role": "user", "content": "What is the weather in Paris?"}
@@ -29,12 +25,13 @@ DEBATE = {"role": "user", "content": "Give a debater named Ann and two arguments
 
 
 @pytest.fixture(scope="module")
-def client(tmp_path_factory):
-    started = serving(tmp_path_factory, "bare_json_real", [str(GGUF), "--served-model-name", "qwen",
-                                                            "--max-model-len", "2048", "--max-seqs", "4"])
-    server = next(started).get()
-    yield openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=600)
-    next(started, None)
+def started(tmp_path_factory):
+    yield from serving_qwen(tmp_path_factory, "bare_json_real")
+
+
+@pytest.fixture(scope="module")
+def client(started):
+    return openai.OpenAI(base_url=f"{started.get().url}/v1", api_key="none", max_retries=0, timeout=600)
 
 
 def _both(client, messages: list[dict], choice: str = "auto") -> tuple:

@@ -86,11 +86,8 @@ def test_gguf_metadata_ids_win_and_no_tokens_is_a_clear_400():
 
 @pytest.fixture(scope="module")
 def fim_server(tmp_path_factory):
-    if not QWEN.is_file():
-        pytest.skip(f"{QWEN} is not here")
-    from test_server import serving
-    yield from serving(tmp_path_factory, "fim", [str(QWEN), "--served-model-name", "qwen",
-                                                 "--max-model-len", "2048", "--max-seqs", "4"])
+    from test_server import serving_qwen
+    yield from serving_qwen(tmp_path_factory, "fim")
 
 
 def test_infill_streamed_and_not_agree_with_completions_suffix(fim_server):

@@ -175,6 +175,14 @@ def test_continuous_usage_stats(started):
     plain = list(client.chat.completions.create(model="default", messages=ASK, temperature=0, max_tokens=12,
                                                 stream=True, stream_options={"include_usage": True}))
     assert all(c.usage is None for c in plain[:-1]) and plain[-1].usage.completion_tokens == 7
+    # text completions too
+    text = list(client.completions.create(
+        model="default", prompt="Let", temperature=0, max_tokens=5, stream=True,  # "Let" leads the chain
+        stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    assert len(text) > 2 and all(c.usage is not None for c in text)
+    done = [c.usage.completion_tokens for c in text]
+    assert done == sorted(done) and done[0] >= 1 and done[-2] == done[-1] == text[-1].usage.completion_tokens
+    assert not text[-1].choices  # the closing usage chunk
 
 
 def test_ollama_thinking(started, thinker):

@@ -10,7 +10,7 @@ httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 anthropic = pytest.importorskip("anthropic")
 
-from test_server import ServerProcess, free_port  # noqa: E402
+from test_server import serving  # noqa: E402
 
 KEY = "sk-root"
 PREFIX = "/llm"
@@ -18,17 +18,10 @@ PREFIX = "/llm"
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, smollm2_gguf_path):
-    port = free_port()
-    srv = ServerProcess(["serve", "--port", str(port), "--api-key", KEY, "--root-path", PREFIX + "/",
-                         "--served-model-name", "smol", "--pa-gpu-mem", "64", "--max-model-len", "512",
-                         "--log-level", "info"],
-                        port, tmp_path_factory.mktemp("root_path") / "server.log", KEY)
-    try:
-        srv.wait_ready()
-        yield srv
-    finally:
-        srv.stop()
-        assert "Traceback" not in srv.log(), srv.log()[-5000:]
+    # /health, which the start waits on, is open behind the prefix too (or the start times out)
+    yield from serving(tmp_path_factory, "root_path", ["--api-key", KEY, "--root-path", PREFIX + "/",
+                                                       "--served-model-name", "smol", "--pa-gpu-mem", "64",
+                                                       "--max-model-len", "512", "--log-level", "info"])
 
 
 def test_routes_answer_as_the_proxy_forwards_them(server):
