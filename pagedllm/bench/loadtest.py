@@ -308,8 +308,8 @@ def plot(reports: list[Report], path: str, title: str = "") -> None:
         for ax, xs, scale in ((ax_ttft, r.ttft_samples_s, 1.0), (ax_itl, r.itl_samples_s, 1e3)):
             xs = sorted(x * scale for x in xs)
             if xs:
-                ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post",
-                        label=f"{r.concurrency} clients")
+                ax.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], drawstyle="steps-post", marker=".",
+                        label=f"{r.concurrency} client{'s' if r.concurrency > 1 else ''}")
     ax_ttft.set_xlabel("time to first token (s)")
     ax_itl.set_xlabel("inter-token latency, mean per request (ms)")
     for ax, name in ((ax_ttft, "TTFT"), (ax_itl, "inter-token latency")):
