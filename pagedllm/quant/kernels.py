@@ -45,17 +45,14 @@ TILE_PAD = 32  # a transposed tile's rows are this much longer (csrc/quant_packe
 # The integer kernel past INT_ROWS too (prefill, wide decode batches): packed weights other than
 # the LM head (and weights in the file's layout) in chunks of WIDE_CHUNK rows, so that a chunk's
 # int8 activations stay in cache while every weight group passes over them; one int8 level, q|k|v
-# two, as X2_WIDE says. Measured on Qwen2.5-Coder-1.5B Q4_K_M (2 threads, AMD EPYC, AVX-512
-# VNNI + BF16), prefill tok/s against the dequantize + GEMM route in bf16: 2.2x at 64 rows, 1.19x
-# at 512 (1.22x in another session: 157.6 against 128.8, `bench compare --rounds 3`), 1.16x at
-# 1024; at 2048 rows 0.73x in one call (the activations no longer fit), 1.06x in chunks of 512,
-# 1.15x in chunks of 64-256. It rounds activations where the GEMM route is exact, so it is taken
+# two, as X2_WIDE says. Chunks, because all 2048 rows in one call no longer keep the
+# activations in cache. It rounds activations where the GEMM route is exact, so it is taken
 # where that was measured to hold the quality bar (98% top-1, perplexity within 0.5% of the
-# dequantized model; README, "Integer prefill"): models INT_WIDE_WIDTH or more wide (the 1.5B:
-# 98.71%, -0.01%; SmolLM2, 576 wide: 97.41%), on CPUs whose integer kernel is AVX-512 VNNI and
-# which have no AMX (there the GEMM's bf16 products run on AMX: 2.7x llama.cpp's prefill). On
-# AVX2 the integer kernel takes three instructions for half of one vpdpbusd's products: there
-# it is likely slower than the GEMM (not measured). PAGEDLLM_QUANT_WIDE=gemm | int forces a route.
+# dequantized model): models INT_WIDE_WIDTH or more wide (narrower ones fall under it), on CPUs
+# whose integer kernel is AVX-512 VNNI and which have no AMX (there the GEMM's bf16 products run
+# on AMX, faster). On AVX2 the integer kernel takes three instructions for half of one
+# vpdpbusd's products: there it is likely slower than the GEMM (not measured). The decision and
+# its measurements: docs/design/integer-prefill.md. PAGEDLLM_QUANT_WIDE=gemm | int forces a route.
 INT_WIDE_WIDTH = 1536
 WIDE_MODES = settings.choices("quant_wide")  # ("auto", "gemm", "int")
 WIDE_CHUNK = 128
@@ -122,11 +119,10 @@ ACT_X2 = 256  # or-ed into the kernels' isa argument (csrc/quant_common.h)
 X2_ROWS = 8
 # ... and only in models narrower than X2_WIDTH (hidden size; a projection's narrower side):
 # wider models round narrow steps as wide ones (one level but X2_WIDE, the head rechecked).
-# There the second level does not pay: on the real Qwen2.5-Coder-1.5B Q4_K_M (hidden 1536) that
-# rounding keeps top-1 98.69% and perplexity +0.04% against the dequantized float32 model
-# (`bench quality --weights`, 32 windows x 256 tokens), past the 98% / 0.5% bar, while a second
-# level made a batch-1 step about 10% slower on an AVX-512/AMX Xeon (README, "Activation
-# rounding"). SmolLM2-135M (hidden 576) falls to 96.53% with it, so narrow models keep it.
+# There the second level does not pay: such a model keeps the 98% top-1 / 0.5% perplexity bar
+# with one level, and the second costs its batch-1 step measurably; SmolLM2-135M (hidden 576)
+# falls under the bar with one level, so narrow models keep two (docs/design/
+# activation-rounding.md, "Wide models: one level on narrow steps too").
 X2_WIDTH = 1536
 # A projection's role: the attribute its Linear has in a decoder layer or the model (set at
 # load, models/llama.py). Bit ACT_X2_PROJ << DECODE_ROLES[role] of quant_decode_layers' isa
@@ -135,10 +131,9 @@ ROLES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")
 DECODE_ROLES = {r: j for j, r in enumerate(ROLES[:4])}
 ACT_X2_PROJ = 512
 # The projections that "auto" keeps two-level on wider steps too, up to INT_ROWS. Chosen by
-# measurement (README, "Activation rounding"): on a real Qwen2.5-0.5B GPTQ model, 32 windows
-# decoded together, top-1 against the float32 model went 97.7% (all int8) -> 98.1% (the head
-# rechecked) -> 98.5% (and q|k|v two-level; +3 ms on an 85 ms step), while o, gate|up and down
-# added 0.0-0.4 points each for 3-26 ms. PAGEDLLM_QUANT_X2_WIDE (roles, comma-separated) overrides.
+# measurement (docs/design/activation-rounding.md, "Wide steps: one level, q|k|v two"): q|k|v
+# bought the most top-1 agreement for the least time; o, gate|up and down each bought less for
+# more. PAGEDLLM_QUANT_X2_WIDE (roles, comma-separated) overrides.
 X2_WIDE = ("qkv_proj",)
 
 
