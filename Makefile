@@ -105,11 +105,15 @@ kernels: $(STAMP)
 	$(PY) -m pagedllm.native
 
 # The documentation site, from docs/ into site/ (MkDocs with the Material theme; mkdocs.yml).
-# Strict: a broken link or anchor, or a page left out of the navigation, fails the build.
+# Strict: a broken link or anchor, or a page left out of the navigation, fails the build. It
+# needs only the `docs` extra's packages (mkdocstrings reads the docstrings from the source and
+# imports nothing), so it neither installs torch nor compiles the kernels: the packages are read
+# from pyproject.toml's `docs = [...]` line and installed into .venv on their own.
 DOCS_STAMP := $(VENV)/.installed-docs
-$(DOCS_STAMP): $(STAMP)
-	@$(STEP) "installing the docs tools (pagedllm[docs]: mkdocs, mkdocs-material, mkdocstrings)" \
-	  $(PIP) install -q --no-build-isolation -e ".[docs]"
+DOCS_REQS = $(shell sed -n 's/^docs = \[\(.*\)\]$$/\1/p' pyproject.toml | tr -d '",')
+$(DOCS_STAMP): pyproject.toml
+	@test -x $(PY) || $(STEP) "creating the virtual environment $(VENV)" $(PYTHON) -m venv $(VENV)
+	@$(STEP) "installing the docs tools ($(DOCS_REQS))" $(PIP) install -q $(DOCS_REQS)
 	@touch $(DOCS_STAMP)
 
 docs: $(DOCS_STAMP)
