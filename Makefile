@@ -110,10 +110,10 @@ kernels: $(STAMP)
 # imports nothing), so it neither installs torch nor compiles the kernels: the packages are read
 # from pyproject.toml's `docs = [...]` line and installed into .venv on their own.
 DOCS_STAMP := $(VENV)/.installed-docs
-DOCS_REQS = $(shell sed -n 's/^docs = \[\(.*\)\]$$/\1/p' pyproject.toml | tr -d '",')
+DOCS_REQS = $(shell sed -n 's/^docs = \[\(.*\)\]$$/\1/p' pyproject.toml | tr -d ',')
 $(DOCS_STAMP): pyproject.toml
 	@test -x $(PY) || $(STEP) "creating the virtual environment $(VENV)" $(PYTHON) -m venv $(VENV)
-	@$(STEP) "installing the docs tools ($(DOCS_REQS))" $(PIP) install -q $(DOCS_REQS)
+	@$(STEP) "installing the docs tools (pyproject.toml's docs extra)" $(PIP) install -q $(DOCS_REQS)
 	@touch $(DOCS_STAMP)
 
 docs: $(DOCS_STAMP)
