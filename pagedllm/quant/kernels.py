@@ -63,11 +63,11 @@ _route = threading.local()  # proposals_only's flag, per thread
 def gemm_rows(m: int) -> int:
     """The rows a reduced-precision GEMM of m rows runs with: m up to 16, else m rounded up to
     a multiple of 16 (to 256) or of 64. oneDNN, which runs torch's bfloat16 and float16
-    products on CPU, builds a kernel for every new row count: some 3 ms a shape, where the cached
-    [37, 896] x [896, 2048] product takes 0.4 ms (AMX machine, 2 threads). A server meets a new
-    count with every prefill length, and an MoE layer with every expert's group of rows: the
-    first batch of 20 prompts on an upcycled Qwen2.5-0.5B MoE took 3.6 s, the same batch again
-    0.8 s. Whole buckets reuse a few kernels; the zero rows add at most a quarter (257 -> 320 rows)."""
+    products on CPU, builds a kernel for every new row count, which costs several times the
+    product itself. A server meets a new count with every prefill length, and an MoE layer with
+    every expert's group of rows, so a first batch ran several times slower than the same batch
+    again. Whole buckets reuse a few kernels; the zero rows add at most a quarter (257 -> 320
+    rows). Figures: docs/benchmarks/from-code.md, "oneDNN kernels per row count"."""
     if m <= 16:
         return m
     step = 16 if m <= 256 else 64
@@ -104,16 +104,16 @@ def kernel_path() -> tuple[str | None, str]:
 
 
 # How the integer path rounds activations. "int8": one int8 value per element and a scale per
-# 32, as llama.cpp does (95.8% top-1 agreement with float weights on SmolLM2 Q4_1, token by
-# token). "int8x2": the rounding error quantized again as a second row sharing the decoded
-# weights (about 14 bits: 99.98%), which doubles the integer dot products. "auto" (the
-# default): int8x2 for steps of up to X2_ROWS rows, which stream the weights and pay little
-# for it (about 5% at one row: batch-1 chat, speculative verification of up to 7 proposals).
-# Wider steps are compute bound (int8x2 cost 1.9-2.9x a projection at 32 rows), so they
+# 32, as llama.cpp does. "int8x2": the rounding error quantized again as a second row sharing
+# the decoded weights (about 14 bits: almost the float model's tokens), which doubles the
+# integer dot products. "auto" (the default): int8x2 for steps of up to X2_ROWS rows, which
+# stream the weights and pay little for it (batch-1 chat, speculative verification of up to 7
+# proposals). Wider steps are compute bound (there int8x2 costs a multiple of a projection), so they
 # round in one level except where that moves greedy tokens most for the least work: the
 # q|k|v projection stays two-level (X2_WIDE) and the head's best logits are computed again
 # (HEAD_RECHECK). A row's rounding therefore depends on its step's width, as the dequantize +
-# GEMM route past INT_ROWS already made it. PAGEDLLM_QUANT_ACT chooses.
+# GEMM route past INT_ROWS already made it. PAGEDLLM_QUANT_ACT chooses. The decision and its
+# measurements: docs/design/activation-rounding.md.
 ACT_MODES = settings.choices("quant_act")  # ("auto", "int8", "int8x2")
 ACT_X2 = 256  # or-ed into the kernels' isa argument (csrc/quant_common.h)
 X2_ROWS = 8
@@ -178,8 +178,9 @@ def proposals_only():
     """Steps run inside this only propose tokens that another model verifies (a speculative
     draft model's forwards): "auto" takes the integer kernel past INT_ROWS at any width where
     it is faster (AVX-512 VNNI without AMX), as the quality bar that keeps narrow models on the
-    GEMM route applies to output, not to proposals. A 0.5B draft's catch-up of 40 tokens ran
-    96 ms so against 214 ms through the GEMM (its 33 rows and up dequantize every weight)."""
+    GEMM route applies to output, not to proposals; through the GEMM a draft's catch-up of 33
+    rows and up dequantizes every weight (docs/benchmarks/from-code.md, "The draft's forwards
+    past 32 rows")."""
     before = getattr(_route, "proposals_only", False)
     _route.proposals_only = True
     try:
@@ -296,8 +297,9 @@ def _moe_x2(rows: int, width: int) -> int:
     """quant_moe_experts' x2 bits for a step of `rows` rows: its experts' gate|up (bit 0) and
     down (bit 1) inputs in two levels where a dense layer's gate_up_proj / down_proj would round
     that step's in two levels. By the step's width, not each expert's few rows: a 32-row step
-    whose experts each see about 4 rows ran 1.21x slower in two levels (OLMoE-1B-7B shape, 2
-    threads, AVX-512), the cost a dense layer's wide steps are spared."""
+    whose experts each see a few rows is compute bound as a whole, and two levels there cost
+    what a dense layer's wide steps are spared (docs/benchmarks/from-code.md, "Experts' rounding
+    by the step's width")."""
     return int(_x2(rows, "gate_up_proj", width)) | int(_x2(rows, "down_proj", width)) << 1
 
 
@@ -324,7 +326,7 @@ def moe_block(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, router: to
 # logits are computed again from the dequantized head rows and the unrounded hidden state:
 # which token is greedy's then moves only when int8 rounding moves a logit past more than
 # HEAD_RECHECK - 1 others, instead of at every near-tie. It costs one top-k pass over the logits
-# (about 1 ms for 32 rows of a 152k vocabulary on 2 cores), where rounding the head in two
+# (docs/benchmarks/from-code.md, "The head's best logits rechecked"), where rounding the head in two
 # levels costs as much again as the head itself. PAGEDLLM_QUANT_HEAD_RECHECK (default 4) sets
 # HEAD_RECHECK (0: off).
 
