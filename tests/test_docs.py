@@ -59,6 +59,11 @@ def test_the_site_builds_in_strict_mode(site):
                  "reference/index.html", "design/activation-rounding/index.html",
                  "benchmarks/compare-llamacpp/index.html"):
         assert (site / page).is_file(), page
+    # Every plot under docs/figures is shown on a page, and was copied into the site.
+    pages = " ".join(p.read_text() for p in (ROOT / "docs").rglob("*.md"))
+    for png in (ROOT / "docs" / "figures").glob("*.png"):
+        assert f"figures/{png.name}" in pages, f"{png.name} is on no page"
+        assert (site / "figures" / png.name).is_file(), png.name
     # The API reference is generated from the docstrings: LLM.generate's signature is there.
     ref = (site / "reference" / "index.html").read_text()
     assert "pagedllm.llm.LLM" in ref and "generate" in ref and "SamplingParams" in ref
