@@ -62,3 +62,17 @@ def test_bench_prefix_plot(tmp_path):
               **{m: {"by_turn": [[100.0 * t, 0.05 * t * (1 + j)] for t in (1, 2, 3)]} for j, m in enumerate(modes)}}
     plot(result, modes, str(tmp_path / "prefix.png"))
     _png(tmp_path / "prefix.png")
+
+
+def test_bench_serve_against_throughput_plot(tmp_path):
+    from pagedllm.bench.serve_offline import plot
+
+    def side(tps):
+        return {"output_tokens_per_s": tps, "ttft_p50_s": 0.5, "ttft_p99_s": 1.5, "itl_p50_ms": 20.0,
+                "itl_p99_ms": 80.0}
+
+    result = {"by_rate": {name: {"offline": side(100.0), "server": side(90.0), "ratio_output_tokens_per_s": 0.9}
+                          for name in ("all-at-once", "poisson-4/s")}}
+    plot(result, str(tmp_path / "against.png"))
+    h, w = _png(tmp_path / "against.png")
+    assert w > 2 * h
