@@ -61,6 +61,7 @@ def _text(msg) -> str:
     return "".join(b.text for b in msg.content if b.type == "text")
 
 
+@pytest.mark.slow
 def test_message_equals_openai_chat_greedy(client, oai):
     msg = client.messages.create(model="default", max_tokens=24, **GREEDY, messages=ASK,
                                  system="You are terse.")
@@ -121,6 +122,7 @@ def test_stop_sequence(client):
     assert _text(msg) == whole[:whole.index(stop)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("choice", [{"type": "any"}, {"type": "tool", "name": "add"}])
 def test_forced_tool_use_round_trip(client, choice):
     ask = [{"role": "user", "content": "Add 2 and 3 with the tool."}]

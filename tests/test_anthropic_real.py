@@ -14,7 +14,7 @@ openai = pytest.importorskip("openai")
 from test_server import API_KEY, serving  # noqa: E402
 
 GGUF = Path.home() / ".cache/pagedllm/models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
-pytestmark = pytest.mark.skipif(not GGUF.is_file(), reason=f"{GGUF} is not here")
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not GGUF.is_file(), reason=f"{GGUF} is not here")]
 GREEDY = {"extra_body": {"temperature": 0}}
 TOOLS = [{"name": "get_weather", "description": "Current weather for a city",
           "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}]

@@ -56,6 +56,7 @@ def runner(smollm2_gguf_path):
                   pa_gpu_mem=128, pa_blk_size=32, pa_cache_type=PagedCacheType.Auto)
 
 
+@pytest.mark.slow
 def test_docs_example_runs(smollm2_gguf_path, hf_smollm2_tokenizer):
     from pagedllm import LLM, SamplingParams
 

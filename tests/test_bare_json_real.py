@@ -12,6 +12,8 @@ import pytest
 openai = pytest.importorskip("openai")
 
 from test_server import serving_qwen  # noqa: E402
+
+pytestmark = pytest.mark.slow  # a real model file
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Current weather for a city",
           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
 WEATHER = {"role": "user", "content": "What is the weather in Paris?"}

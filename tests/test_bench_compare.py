@@ -33,6 +33,7 @@ def tiny_gguf(tmp_path_factory, smollm2_gguf_path):  # the tokenizer comes from 
     return path
 
 
+@pytest.mark.slow
 def test_make_gguf_writes_the_shape(tiny_gguf):
     shape = make_gguf.SHAPES["tiny"]
     reader = gguf.GGUFReader(str(tiny_gguf))
@@ -113,6 +114,7 @@ def _compare(path, tmp_path, *extra):
     return json.loads(out.read_text())
 
 
+@pytest.mark.slow
 def test_compare_without_llama_cpp(tiny_gguf, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(compare, "_has_llama_cpp", lambda: False)
     result = _compare(tiny_gguf, tmp_path)
@@ -126,6 +128,7 @@ def test_compare_without_llama_cpp(tiny_gguf, tmp_path, monkeypatch, capsys):
     assert "llama.cpp not run: llama-cpp-python is not installed" in out
 
 
+@pytest.mark.slow
 def test_compare_caps_our_isa(tiny_gguf, tmp_path, monkeypatch, capsys):
     """--isa caps our kernels in the child processes, names the level they ran at, and takes
     float32 (auto's choice without AVX-512 BF16) unless --dtype says otherwise."""
@@ -191,6 +194,7 @@ def test_report_ratios_and_streaming():
     assert "pagedllm 30%, llama.cpp 20%" in text
 
 
+@pytest.mark.slow
 def test_multiply_adds_per_token_are_the_matrices_a_token_goes_through(tiny_gguf):
     """The tiny Qwen2 shape, counted from its config rather than from the file: q, k, v, o, gate,
     up and down in every layer, and the tied embedding once as the head (no norms, no biases)."""
@@ -202,10 +206,12 @@ def test_multiply_adds_per_token_are_the_matrices_a_token_goes_through(tiny_gguf
     assert not got["quantized"]  # F16: no int8 peak measured for it
 
 
+@pytest.mark.slow
 def test_a_quantized_file_is_told_from_a_float_one(smollm2_gguf_path):
     assert compare.weight_bytes(smollm2_gguf_path)["quantized"]  # Q4_1
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(kernels.kernel_path()[0] is None, reason="no native integer path here")
 def test_many_sequences_are_set_against_the_int8_peak(tmp_path, capsys):
     """On the default model (Q4_1): the peak measured in a child of its own before the run, and
@@ -318,6 +324,7 @@ def _long(path, tmp_path, caches, *extra):
     return json.loads(out.read_text())
 
 
+@pytest.mark.slow
 def test_long_context_prefills_then_decodes_at_depth(tiny_gguf, tmp_path, capsys):
     """Each (length, cache) pair is one row with both rates, our cache named beside llama.cpp's
     nearest."""

@@ -65,6 +65,7 @@ def _cpuinfo() -> tuple[str, set[str]]:
     return (name.group(1).strip() if name else ""), set(flags.group(1).split() if flags else ())
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/cpuinfo").exists(), reason="reads /proc/cpuinfo")
 def test_env_reports_what_torch_and_cpuinfo_say():
     import torch
@@ -101,6 +102,7 @@ def test_env_reports_what_torch_and_cpuinfo_say():
         assert "make kernels" in native["rebuild"]
 
 
+@pytest.mark.slow
 def test_env_says_why_the_kernels_did_not_load():
     r = subprocess.run([sys.executable, "-m", "pagedllm.cli.main", "env"], capture_output=True, text=True,
                        timeout=300, env={**ENV, "PAGEDLLM_NATIVE": "0"})

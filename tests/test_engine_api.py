@@ -21,6 +21,7 @@ def _no_leaks(llm: LLM) -> None:
     assert eng.block_manager.num_free_blocks == eng.block_manager.num_usable_blocks
 
 
+@pytest.mark.slow
 def test_seeded_request_same_alone_and_in_batch(smollm2_gguf_path):
     # float32 dequantized weights: bf16 CPU GEMMs round differently with the batch's shape, and
     # a prompt prefilled alone may take the integer kernel where the batch's takes the GEMM, so
@@ -73,6 +74,7 @@ def test_eos_ends_chat_answer(llm):
     assert "<|im_end|>" not in out.text
 
 
+@pytest.mark.slow
 def test_stream_concatenates_to_final_text(llm):
     sp = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
     prompt = "Les élèves ont écrit 日本語の文章 and emoji 🎉🚀 in their notes:"

@@ -35,6 +35,7 @@ def qwen():
     return ours, hf
 
 
+@pytest.mark.slow  # a real model file
 def test_plain_fim_ids_equal_transformers(qwen):
     ours, hf = qwen
     ids = fim.infill_ids(_ctx(ours), PREFIX, SUFFIX)
@@ -42,6 +43,7 @@ def test_plain_fim_ids_equal_transformers(qwen):
     assert ids == ref["input_ids"]
 
 
+@pytest.mark.slow  # a real model file
 def test_repo_level_ids_equal_the_model_cards_layout(qwen):
     ours, hf = qwen
     ids = fim.infill_ids(_ctx(ours), PREFIX, SUFFIX, FILES, repo_name="stats", filename="stats/mean.py")
@@ -51,6 +53,7 @@ def test_repo_level_ids_equal_the_model_cards_layout(qwen):
     assert ids == hf(text, add_special_tokens=False)["input_ids"]
 
 
+@pytest.mark.slow  # a real model file
 def test_typing_keeps_the_prompt_head(qwen):
     """One more keystroke changes only the prompt's tail: the files and the prefix before the
     cursor stay the same leading tokens, which the prefix cache keeps."""
@@ -90,6 +93,7 @@ def fim_server(tmp_path_factory):
     yield from serving_qwen(tmp_path_factory, "fim")
 
 
+@pytest.mark.slow  # a real model file
 def test_infill_streamed_and_not_agree_with_completions_suffix(fim_server):
     """/infill (whole, and streamed as llama.cpp streams it), /v1/completions with `suffix`
     through the openai client and /api/generate with `suffix` through the ollama client give

@@ -132,6 +132,7 @@ def lark_chain(n: int) -> str:
     return "start: r0\n" + "".join(f'r{i}: "x" r{i + 1}\n' for i in range(n)) + f'r{n}: "y"\n'
 
 
+@pytest.mark.slow
 def test_grammar_chains_get_400_while_a_stream_runs(server, pid):
     stream = Stream(server, tokens=64)
     stream.start()
@@ -205,6 +206,7 @@ def template_file_server(tmp_path_factory, smollm2_gguf_path):
     yield from serving(tmp_path_factory, "hostile_template", ["--chat-template", str(path), *SERVER_FLAGS])
 
 
+@pytest.mark.slow
 def test_hostile_chat_template_file_gets_400_naming_it(template_file_server):
     for trigger in HOSTILE:
         err = error_of(post(template_file_server, ask(trigger)))
@@ -214,6 +216,7 @@ def test_hostile_chat_template_file_gets_400_naming_it(template_file_server):
     assert ok.status_code == 200 and "Paris" in ok.json()["choices"][0]["message"]["content"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("trigger", sorted(HOSTILE))
 def test_gguf_whose_template_breaks_limits_loads_with_default(tmp_path, smollm2_gguf_path, caplog, trigger):
     from pagedllm.loading.gguf import read_gguf
@@ -248,6 +251,7 @@ def test_malformed_json_gets_400_naming_the_field(server):
 # -- 5. connections --------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_half_open_connections_closed_within_header_timeout(server):
     host, port = server.url.removeprefix("http://").split(":")
     socks = []

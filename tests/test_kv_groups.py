@@ -55,6 +55,7 @@ def _blocks_held_at_8192(path, monkeypatch=None, hybrid=True):
     return trace, eng
 
 
+@pytest.mark.slow
 def test_sliding_groups_hold_one_window_at_8192_tokens(tmp_path, hf_smollm2_tokenizer, monkeypatch):
     path = _gemma3_shaped(tmp_path, hf_smollm2_tokenizer)
     t, eng = _blocks_held_at_8192(path)

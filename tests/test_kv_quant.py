@@ -304,6 +304,7 @@ def test_trace_reports_the_quantization(llama_ckpt):
     assert "f8e4m3" in text and "per-layer-head" in text and "token slots" in text
 
 
+@pytest.mark.slow
 def test_calibrated_fp8_scales_leave_room_for_unseen_text(smollm2_gguf_path):
     """The f8e4m3 scales come from one paragraph; English they never saw must fit well inside
     them. On the default model the last layer's V reaches 2.7x the paragraph's maximum on the

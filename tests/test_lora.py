@@ -52,6 +52,7 @@ def _greedy(llm, prompts, loras):
     return [o.token_ids for o in llm.generate(prompts, sp, use_tqdm=False, lora_request=loras)]
 
 
+@pytest.mark.slow
 def test_adapters_change_the_output(family):
     """The test's own premise: every adapter gives tokens the base and the others do not."""
     _, _, _, prompts, expected, _ = family

@@ -93,6 +93,7 @@ def _our_deltas(llm, path: Path) -> dict[str, torch.Tensor]:
     return out
 
 
+@pytest.mark.slow
 def test_gguf_lora_file_and_deltas_match_peft(family):
     """The converter's file, read back through the gguf package, holds every target; the deltas
     pagedllm reads from it equal the PEFT file's (alpha / r) * B @ A."""
@@ -129,6 +130,7 @@ def test_gguf_lora_greedy_matches_peft(family):
     assert bm.num_free_blocks == bm.num_usable_blocks
 
 
+@pytest.mark.slow
 def test_gguf_lora_on_a_quantized_gguf_base(family, llama_cpp, tmp_path):
     """The GGUF user's case: a Q8_0 base written by llama.cpp, its GGUF LoRA (f32, and q8_0 as the
     converter quantizes it: Q8_0 A, F16 B) against the PEFT folder on that same base."""

@@ -35,6 +35,7 @@ def _clean(llm: LLM) -> None:
     assert not eng.requests and not eng.scheduler.has_unfinished()
 
 
+@pytest.mark.slow
 def test_prefill_logits_match(moe_ckpt):
     family, path, ref, prompts, _ = moe_ckpt
     llm = LLM(str(path), dtype="float32", kv_cache_memory_mb=16)
@@ -46,6 +47,7 @@ def test_prefill_logits_match(moe_ckpt):
         assert err < 1e-4, f"{family}: prefill logits differ by {err}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", ["block16", "block32", "contiguous", "preempt"])
 def test_greedy_tokens_across_cache_layouts(moe_ckpt, variant):
     family, path, _, prompts, expected = moe_ckpt

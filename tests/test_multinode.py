@@ -34,6 +34,7 @@ def _torchrun(node: netns.Node, rank: int, master: netns.Node, port: int, args: 
                             start_new_session=True)
 
 
+@pytest.mark.slow
 def test_bench_p2p_between_two_namespaces(tmp_path):
     """`pagedllm bench p2p` under torchrun, one rank per namespace: the figures come back from
     rank 0, and the bytes crossed the veth pair (each node's interface counters)."""
@@ -74,6 +75,7 @@ def _procs_with(text: str) -> list:
     return out
 
 
+@pytest.mark.slow
 def test_pipeline_across_two_namespaces_and_a_killed_node(tmp_path, hf_smollm2_tokenizer):
     """A two-stage pipeline, one stage per namespace (tests/pipeline_node.py under torchrun):
     rank 0's greedy tokens equal transformers'; then `kill -9` of the second node's processes

@@ -294,6 +294,7 @@ print(json.dumps([llm.engine.backend.decode_kernel, [o.outputs[0].token_ids for 
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kv", ["auto", "bf16", "int8", "f8e4m3"])
 def test_engine_tokens_same_with_kernel_on_and_off(native, tmp_path, hf_smollm2_tokenizer, kv):
     """A batch of six through chunked prefill and paged decode: the native kernel and the
@@ -614,6 +615,7 @@ print(held, freed, again, loaded, remade, after_generate, tasks(loaded))
 """
 
 
+@pytest.mark.slow
 def test_threads_that_stop_driving_the_engine_let_their_openmp_workers_go(native, smollm2_gguf_path):
     # libgomp makes idle workers sleep instead of spin once it manages more threads than CPUs:
     # a model loaded on one thread and run on another ran its decode stack 2.4x slower. So the
@@ -637,6 +639,7 @@ def _cpu_has_bf16() -> bool:
         return False
 
 
+@pytest.mark.slow
 def test_bf16_scores_follow_the_cpu_and_the_level_cap(native, tmp_path):
     """The scores of a bf16 query against a bf16 cache run on vdpbf16ps where the CPU has AVX-512
     BF16 and PAGEDLLM_NATIVE_ISA does not cap the kernels below it; a process capped at
@@ -689,6 +692,7 @@ print("LOADED", first is not None or again is not None, decode_layers_available(
 """
 
 
+@pytest.mark.slow
 def test_a_library_of_another_op_set_is_refused_with_how_to_rebuild(native):
     # The library stamps its op set (csrc/dispatch.cpp); a build whose stamp is not the one the
     # Python side calls is a stale build: not used at all, with one warning that says how to

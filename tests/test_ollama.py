@@ -128,6 +128,7 @@ def _openai(messages: list[dict]) -> list[dict]:
     return out
 
 
+@pytest.mark.slow  # a real model file
 def test_chat_tool_call_streamed_and_not(qwen):
     client = ollama.Client(host=qwen.url, timeout=300)
     oai = openai.OpenAI(base_url=f"{qwen.url}/v1", api_key="none", max_retries=0, timeout=300)

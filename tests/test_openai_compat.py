@@ -86,6 +86,7 @@ def _same_answer(a, b, where: str = "") -> None:
         assert a == b, (where, a, b)
 
 
+@pytest.mark.slow
 def test_runner_and_server_give_the_same_answers(server, runner):
     """The same requests through the Runner and the HTTP server: the same forced tool calls (parsed,
     not `<tool_call>` text), logprobs, finish reasons, usage and stream chunks. One top logprob: with
@@ -150,6 +151,7 @@ def _answer(client, stream: bool, **kw) -> tuple[str | None, list[dict], str | N
 # -- 1. forced tool calls -----------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_forced_calls_20_samples_at_temperature_0_9(client):
     """required and named, streamed and not, parallel on and off: every answer is calls only,
     ends with finish_reason "tool_calls", and its arguments validate against the tool's schema
@@ -236,6 +238,7 @@ def runner(smollm2_gguf_path):
                   pa_gpu_mem=128, max_model_len=1024)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["hermes", "llama3", "mistral"])
 def test_forced_calls_in_every_format_through_the_runner(runner, fmt):
     tok = runner.llm.tokenizer
@@ -279,6 +282,7 @@ QWEN = Path(os.environ.get("PAGEDLLM_QWEN_GGUF", Path.home() / ".cache/pagedllm/
                            / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"))
 
 
+@pytest.mark.slow  # a real model file
 @pytest.mark.skipif(not QWEN.is_file(), reason="opt-in: the Qwen2.5-Coder-0.5B GGUF "
                     "(bash ../shared/models/fetch-qwen-coder.sh, or PAGEDLLM_QWEN_GGUF)")
 def test_forced_calls_on_real_qwen_coder(tmp_path_factory):
@@ -441,6 +445,7 @@ def test_stop_reason_in_chat_and_completions(server, client, smollm2_checkpoint,
 LONG = "Tell me a long story about a dragon, a knight and a wizard who live in a castle. " * 12
 
 
+@pytest.mark.slow
 def test_gone_clients_cost_the_next_request_nothing(server):
     """200 streaming clients that leave after their first token, then one new request: its time to
     first token is within 2x of the same request's on an idle server, and nothing is left running."""
@@ -500,6 +505,7 @@ def _quiet_metrics(server, settle_s: float = 0.5) -> dict:
     raise AssertionError(f"the server did not go quiet within 120 s: {m}")
 
 
+@pytest.mark.slow
 def test_client_gone_before_acceptance_costs_no_step(server):
     """Clients that leave while their requests wait to be accepted (the engine busy with a long
     prefill) never get a token computed: their abort goes in with their add."""

@@ -76,6 +76,7 @@ def _stop(p) -> None:
         p.join()
 
 
+@pytest.mark.slow
 def test_tensors_cross_with_dtype_shape_and_values():
     from pagedllm.distributed.p2p import StageLink
 
@@ -93,6 +94,7 @@ def test_tensors_cross_with_dtype_shape_and_values():
     assert p.exitcode == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["die", "hang"])
 def test_dead_or_stuck_peer_fails_within_the_bound(mode):
     from pagedllm.distributed.p2p import StageLink, StageLinkError

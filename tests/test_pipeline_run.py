@@ -62,6 +62,7 @@ def _plans(cfg, prompt: list[int]):
     return plan, groups.num_groups * width
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["llama", "qwen2", "gemma3", "mixtral"])
 def test_two_stage_greedy_matches_transformers(family, tmp_path, hf_smollm2_tokenizer):
     from pagedllm.distributed.pipeline import PipelineExecutor

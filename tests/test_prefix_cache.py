@@ -167,6 +167,7 @@ def _multi_turn(llm, n_convs=3, turns=6, sampled=False):
     return answers
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sampled", [False, True])
 def test_multi_turn_same_with_and_without_cache(ckpt, sampled):
     on, off = _llm(ckpt), _llm(ckpt, enable_prefix_caching=False)
@@ -180,6 +181,7 @@ def test_multi_turn_same_with_and_without_cache(ckpt, sampled):
     _assert_clean(off)
 
 
+@pytest.mark.slow
 def test_shared_system_prompt_32_requests(ckpt):
     system = "You are a careful assistant. " * 30
     msgs = [[{"role": "system", "content": system}, {"role": "user", "content": f"Question {i}?"}]
@@ -258,6 +260,7 @@ def test_waste_counts_only_computed_tokens(ckpt):
     _assert_clean(llm)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["mistral", "gemma3"])
 def test_multi_turn_sliding_window_models(tmp_path, hf_smollm2_tokenizer, family):
     """Sliding windows (48 tokens, shorter than every later turn): Mistral releases blocks

@@ -115,6 +115,7 @@ def test_splitter_holds_back_partial_markers():
 ASK = [{"role": "user", "content": "Hi"}]
 
 
+@pytest.mark.slow
 def test_openai_reasoning_content(started, thinker):
     _, thought, answer = thinker
     server = started.get()

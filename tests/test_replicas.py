@@ -95,6 +95,7 @@ def _answers(base_url: str) -> list:
     return out
 
 
+@pytest.mark.slow
 def test_gateway_answers_equal_a_replicas(fleet):
     _, gateway, _ = fleet
     replica = _replicas(gateway)[0]
@@ -106,6 +107,7 @@ def test_gateway_answers_equal_a_replicas(fleet):
         assert _answers(gateway) == direct
 
 
+@pytest.mark.slow
 def test_kill9_one_replica_under_streams(fleet):
     proc, gateway, _ = fleet
     urls = _replicas(gateway)

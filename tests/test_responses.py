@@ -49,6 +49,7 @@ def strict(resp) -> None:
     openai.types.responses.Response.model_validate(resp.model_dump(mode="json", exclude_unset=True, by_alias=True))
 
 
+@pytest.mark.slow
 def test_plain_text_and_instructions_as_the_chat_route(client):
     r = client.responses.create(model="default", input=QUESTION, instructions=INSTRUCTIONS, **GREEDY)
     strict(r)
@@ -107,6 +108,7 @@ def test_streamed_text(client):
     assert item_ids == {final.output[0].id}
 
 
+@pytest.mark.slow
 def test_function_tool_then_its_output(client):
     r = client.responses.create(model="default", input="What's the weather in Paris, in celsius?",
                                 tools=[TOOL], tool_choice={"type": "function", "name": "get_weather"},

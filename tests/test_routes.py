@@ -46,6 +46,7 @@ def post(server, path: str, body: dict, **kw) -> httpx.Response:
     return httpx.post(f"{server.url}{path}", json=body, headers=AUTH, timeout=60, **kw)
 
 
+@pytest.mark.slow
 def test_models_retrieve(client):
     for name in ("smol", "default"):  # the served name and its alias
         m = client.models.retrieve(name)

@@ -115,6 +115,7 @@ def _ask(client, name: str, stream: bool, seed: int) -> tuple[str, str]:
     return text, reason
 
 
+@pytest.mark.slow
 def test_50_json_schema_requests_validate(client):
     jobs = [(name, i % 2 == 1, i) for i, name in enumerate(list(SCHEMAS) * 10)]
     with cf.ThreadPoolExecutor(len(jobs)) as pool:
@@ -125,6 +126,7 @@ def test_50_json_schema_requests_validate(client):
     assert len({t for t, _ in results}) > 25  # sampled, not one fixed answer
 
 
+@pytest.mark.slow
 def test_regex_choice_and_json_object(client):
     msg = [{"role": "user", "content": "Write something."}]
     regex = r"[A-Z][a-z]{2,8} [0-9]{2,4}(\.[0-9])?"

@@ -67,6 +67,7 @@ def _streamed_calls(stream) -> tuple[str, list[dict], str | None]:
     return text, [calls[i] for i in sorted(calls)], reason
 
 
+@pytest.mark.slow
 def test_forced_calls_validate_every_time(client):
     """20 seeded samples, all but the first sent at once: the server decodes them in one batch,
     each row under its own grammar."""
@@ -109,6 +110,7 @@ def _history() -> list[dict]:
     return msgs + [{"role": "user", "content": "What is the weather in Rome?"}]
 
 
+@pytest.mark.slow
 def test_auto_round_trip_call_tool_message_answer(client):
     msgs = _history()
     kw = dict(model="default", messages=msgs, tools=TOOLS, tool_choice="auto", temperature=0.9, max_tokens=80)
