@@ -65,6 +65,10 @@ SERVER_FLAGS = ["--served-model-name", "default", "--dtype", "float32", "--dequa
                 "--header-timeout", str(HEADER_TIMEOUT_S), "--log-level", "info"]
 
 
+# A server under attack per module: slow; `make test-fast` leaves it out
+pytestmark = pytest.mark.slow
+
+
 @pytest.fixture(scope="module")
 def hostile_gguf(tmp_path_factory, smollm2_gguf_path) -> Path:
     dst = tmp_path_factory.mktemp("hostile_gguf") / "hostile.gguf"
@@ -132,7 +136,6 @@ def lark_chain(n: int) -> str:
     return "start: r0\n" + "".join(f'r{i}: "x" r{i + 1}\n' for i in range(n)) + f'r{n}: "y"\n'
 
 
-@pytest.mark.slow
 def test_grammar_chains_get_400_while_a_stream_runs(server, pid):
     stream = Stream(server, tokens=64)
     stream.start()
@@ -206,7 +209,6 @@ def template_file_server(tmp_path_factory, smollm2_gguf_path):
     yield from serving(tmp_path_factory, "hostile_template", ["--chat-template", str(path), *SERVER_FLAGS])
 
 
-@pytest.mark.slow
 def test_hostile_chat_template_file_gets_400_naming_it(template_file_server):
     for trigger in HOSTILE:
         err = error_of(post(template_file_server, ask(trigger)))
@@ -216,7 +218,6 @@ def test_hostile_chat_template_file_gets_400_naming_it(template_file_server):
     assert ok.status_code == 200 and "Paris" in ok.json()["choices"][0]["message"]["content"]
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("trigger", sorted(HOSTILE))
 def test_gguf_whose_template_breaks_limits_loads_with_default(tmp_path, smollm2_gguf_path, caplog, trigger):
     from pagedllm.loading.gguf import read_gguf
@@ -251,7 +252,6 @@ def test_malformed_json_gets_400_naming_the_field(server):
 # -- 5. connections --------------------------------------------------------------------------------
 
 
-@pytest.mark.slow
 def test_half_open_connections_closed_within_header_timeout(server):
     host, port = server.url.removeprefix("http://").split(":")
     socks = []

@@ -114,6 +114,7 @@ def test_gguf_lora_file_and_deltas_match_peft(family):
             assert err < 1e-6, f"{name} {f.name} {k}: delta differs from peft's by {err}"
 
 
+@pytest.mark.slow
 def test_gguf_lora_greedy_matches_peft(family):
     """Each GGUF adapter alone gives peft's tokens; then one batch mixing GGUF adapters, a PEFT
     folder and the base gives each request its own."""
@@ -157,6 +158,7 @@ def test_gguf_lora_on_a_quantized_gguf_base(family, llama_cpp, tmp_path):
     assert _greedy(llm, prompts, [LoRARequest("q0", 3, str(lora_q8))] * len(prompts)) == via_peft
 
 
+@pytest.mark.slow
 def test_gguf_lora_through_the_server(family, tmp_path_factory):
     """`--lora-modules name=FILE.gguf` and the runtime load route take GGUF LoRA files: the openai
     client gets peft's tokens for each."""
