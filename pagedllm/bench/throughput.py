@@ -199,6 +199,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-paged-attn", action="store_true")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
                    help="split the model over N ranks (worker processes on this machine)")
+    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, metavar="P",
+                   help="cut the model into P stages of whole layers (stage processes on this machine)")
     p.add_argument("--peer", choices=["transformers", "none"], default="transformers")
     p.add_argument("--peer-batch-size", type=int, default=32)
     p.add_argument("--profile", action="store_true",
@@ -229,7 +231,7 @@ def run(args: argparse.Namespace) -> dict:
             print(profile_decode_step(llm))
         dtype, device = llm.engine.dtype, llm.engine.device
         pad = llm.engine.tokenizer.eos_token_id or 0
-        llm.shutdown()  # tensor-parallel workers stop with it
+        llm.shutdown()  # tensor-parallel workers and pipeline stages stop with it
         del llm  # one engine (and its KV cache) at a time
         gc.collect()
     if args.profile:
@@ -285,7 +287,8 @@ def _run_one_cache_type(args: argparse.Namespace, cache_type: str, modes: list[s
     llm = LLM(args.model, dtype=args.dtype, max_num_seqs=args.max_seqs,
               kv_cache_memory_mb=args.pa_gpu_mem, block_size=args.pa_blk_size,
               kv_cache_dtype=cache_type, paged_attention=not args.no_paged_attn,
-              tensor_parallel_size=args.tensor_parallel_size)
+              tensor_parallel_size=args.tensor_parallel_size,
+              pipeline_parallel_size=args.pipeline_parallel_size)
     eng = llm.engine
     avoid = set(eng.eos_token_ids)
     wl = make_workload(args.num_requests, eng.model_config.vocab_size, args.seed,
