@@ -168,7 +168,7 @@ def test_bench_throughput_takes_pp():
 
 def test_serve_pp2_answers_the_openai_client_as_pp1_and_sigterm_leaves_no_process(tmp_path, hf_smollm2_tokenizer):
     """`pagedllm serve -pp 2`: the openai client's chat, streamed and not, greedy, gets pp=1's
-    answer; SIGTERM ends the server and its stage process."""
+    answer; /metrics gives each stage's KV bytes; SIGTERM ends the server and its stage process."""
     openai = pytest.importorskip("openai")
     from models import build_checkpoint
     from test_server import ServerProcess, free_port
@@ -187,6 +187,7 @@ def test_serve_pp2_answers_the_openai_client_as_pp1_and_sigterm_leaves_no_proces
         whole = client.chat.completions.create(**kw).choices[0].message.content
         streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(**kw, stream=True)
                            if c.choices)
+        metrics = srv.metrics()
         srv.proc.send_signal(signal.SIGTERM)
         assert srv.proc.wait(timeout=60) == 0, srv.log()[-3000:]
     finally:
@@ -198,3 +199,7 @@ def test_serve_pp2_answers_the_openai_client_as_pp1_and_sigterm_leaves_no_proces
     one = LLM(str(path), dtype="float32", kv_cache_context_len=2048)
     want = one.chat(msgs, SamplingParams(max_tokens=16, temperature=0.0), use_tqdm=False).outputs[0].text
     assert whole == streamed == want and want
+    # /metrics: each stage's KV bytes, together the whole model's cache of the same blocks.
+    stage_kv = [metrics[f'pagedllm_rank_kv_cache_bytes{{rank="{r}"}}'] for r in range(2)]
+    assert all(kv > 0 for kv in stage_kv) and sum(stage_kv) == one.engine.kv_cache.nbytes
+    assert metrics['pagedllm_rank_weight_bytes{rank="1"}'] > 0
