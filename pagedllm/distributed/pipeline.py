@@ -62,7 +62,7 @@ def stage_kv(cfg, stage, kv_heads: int, cache_cfg, num_blocks: int, device: torc
     slot_of, slots = stage_slots(groups, stage)
     spec = KVCacheSpec(slots, kv_heads, cfg.head_dim, cache_cfg.block_size, dtype, cache_cfg.kv_cache_dtype)
     cache = PagedKVCache(spec, num_blocks, device, None, [slot_of[i] for i in stage.layers])
-    backend = PagedAttentionBackend(cache, [group_of[i] for i in stage.layers])
+    backend = PagedAttentionBackend(cache, [group_of[i] for i in stage.layers], groups.num_groups)
     return cache, backend, cache.copy_block_prefix
 
 
