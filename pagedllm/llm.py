@@ -51,20 +51,25 @@ def _start_tp(size: int, source, dt: torch.dtype, dev: torch.device, max_model_l
     return TPExecutor.start(size, spec)
 
 
-def _start_pp(size: int, source, dt: torch.dtype, dev: torch.device, max_model_len: int | None,
+def _start_pp(size: int, tp: int, source, dt: torch.dtype, dev: torch.device, max_model_len: int | None,
               dequantize_weights: bool, isq: str | None, cache_cfg: CacheConfig):
-    """Check the size and the options against the model, then start the pipeline (rank 0's
-    executor). Under torchrun, a rank other than 0 serves its stage here and exits the process."""
+    """Check the sizes and the options against the model, then start the pipeline of `size`
+    stages of `tp` ranks each (rank 0's executor). Under torchrun, a rank other than 0 serves
+    its stage (its shard of it) here and exits the process."""
     from .distributed.executor import check_size, usable_cores
     from .distributed.pipeline import PipelineExecutor, check_cache, pipeline_worker_main
     from .distributed.worker import WorkerSpec
     from .loading.loader import read_config
     from .models import model_class
+    from .models.parallel import check_tp
     from .models.stages import check_pp
 
-    check_size(size, dev, "pipeline")  # (one device a rank, as under tensor parallelism)
+    check_size(size, dev, "pipeline")
+    check_size(tp, dev)
+    check_size(size * tp, dev, "pipeline")  # (one device a rank, as under tensor parallelism)
     cfg = read_config(source)
     check_pp(cfg.num_layers, size)
+    check_tp(cfg, tp)
     check_cache(cache_cfg)
     if source.mmproj is not None or not model_class(cfg.architecture).pipeline_stages:
         raise ValueError(f"pipeline parallelism runs causal language models; {cfg.architecture}"
@@ -72,14 +77,14 @@ def _start_pp(size: int, source, dt: torch.dtype, dev: torch.device, max_model_l
                          "stages yet (use pipeline_parallel_size=1)")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     # Under torchrun each node splits its own cores among its own ranks.
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", size)) if world > 1 else size
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", size * tp)) if world > 1 else size * tp
     spec = WorkerSpec(source, dt, dev.type, max_model_len, dequantize_weights, isq, cache_cfg,
                       threads=max(1, usable_cores() // local),
                       log_level=logging.getLogger("pagedllm").getEffectiveLevel())
     rank = int(os.environ.get("RANK", "0")) if world > 1 else 0
-    if rank > 0:  # torchrun: this process is a stage for the rest of its life
-        pipeline_worker_main(rank, size, None, spec)
-    return PipelineExecutor.start(size, spec)
+    if rank > 0:  # torchrun: this process is a stage (or a shard of one) for the rest of its life
+        pipeline_worker_main(rank, size, None, spec, tp=tp)
+    return PipelineExecutor.start(size, spec, tp=tp)
 
 
 def _draft_source(name: str, target_source):
@@ -177,7 +182,8 @@ class LLM:
         weight bytes (distributed/pipeline.py): this process schedules, runs the first stage and
         samples; the other stages run as P - 1 processes on this machine, or as torchrun's other
         ranks (on other nodes). Each stage's KV cache holds its own layers; the KV budget is per
-        rank. Not with tensor parallelism, LoRA, a draft model or embeddings yet.
+        rank. With `tensor_parallel_size=T` too, each stage is split over T ranks (P x T in all).
+        Not with LoRA, a draft model or embeddings yet.
         `task`: "generate", "embed" (an embedding model: `embed()`, no LM head) or "auto"
         (embed for a folder with sentence-transformers files or a head-less architecture).
         `keep_float_head`: a GPTQ / AWQ / compressed-tensors checkpoint's float LM head (or tied
@@ -208,9 +214,6 @@ class LLM:
             if pipeline_parallel_size != 1:
                 raise ValueError("LoRA adapters do not run under pipeline parallelism yet; use "
                                  "pipeline_parallel_size=1 with enable_lora")
-        if tensor_parallel_size != 1 and pipeline_parallel_size != 1:
-            raise ValueError("tensor parallelism inside pipeline stages is not supported yet; use "
-                             "tensor_parallel_size or pipeline_parallel_size, not both")
         self._lora = (max_loras, max_lora_rank) if enable_lora else None
         cache_cfg = CacheConfig(block_size, kv_cache_memory_mb, kv_cache_memory_fraction,
                                 kv_cache_context_len, kv_cache_dtype, paged_attention,
@@ -247,11 +250,11 @@ class LLM:
         self._finalizer = None
         self._keep_float_head = keep_float_head
         executor = None
-        if tensor_parallel_size != 1:
+        if pipeline_parallel_size != 1:  # TP, if any, inside each stage
+            executor = _start_pp(pipeline_parallel_size, tensor_parallel_size, source, dt, dev, max_model_len,
+                                 dequantize_weights, isq, cache_cfg)
+        elif tensor_parallel_size != 1:
             executor = _start_tp(tensor_parallel_size, source, dt, dev, max_model_len, dequantize_weights,
-                                 isq, cache_cfg)
-        elif pipeline_parallel_size != 1:
-            executor = _start_pp(pipeline_parallel_size, source, dt, dev, max_model_len, dequantize_weights,
                                  isq, cache_cfg)
         try:
             self._build(source, dt, dev, max_model_len, dequantize_weights, isq, max_num_seqs,

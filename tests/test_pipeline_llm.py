@@ -109,6 +109,31 @@ def test_pp2_matches_transformers_and_pp1(name, tmp_path, hf_smollm2_tokenizer):
     assert t2.p2p_bytes_per_step > 0
 
 
+def test_pp2_tp2_matches_transformers_and_pp1(tmp_path, hf_smollm2_tokenizer):
+    """Four ranks, 1 thread each: two stages, each split over two tensor-parallel ranks (their
+    all-reduces and logits gather in the stage's own group); the same workload as above."""
+    path, _, prompts, want = reference_family("llama", tmp_path / "llama", hf_smollm2_tokenizer, PROMPT_LENS,
+                                              NEW_TOKENS, seed=99)
+    before = _children()
+    with LLM(str(path), pipeline_parallel_size=2, tensor_parallel_size=2, **KW) as llm:
+        pids = llm.engine.executor.pids
+        assert len(_alive(pids)) == 3
+        got, turns, forks = _workload(llm, prompts)
+        assert got == want
+        assert llm.engine.scheduler.num_preemptions > 0
+        assert forks == [want[1]] * 4
+        t4 = llm.kv_cache_trace()
+    assert not _alive(pids) and _children() <= before
+    one = LLM(str(path), **KW)
+    assert _workload(one, prompts) == (got, turns, forks)
+    t1 = one.kv_cache_trace()
+    assert (t4.pipeline_parallel_size, t4.tensor_parallel_size) == (2, 2) and len(t4.rank_kv_mb) == 4
+    # Each rank: its stage's layers (1 or 2 of 3) and half their KV heads.
+    assert sum(t4.rank_kv_mb) == pytest.approx(t1.rank_kv_mb[0], rel=1e-6)
+    assert sorted(t4.rank_kv_mb) == pytest.approx([t1.rank_kv_mb[0] / 6] * 2 + [t1.rank_kv_mb[0] / 3] * 2, rel=1e-6)
+    assert all(w < t1.rank_weight_mb[0] / 2 for w in t4.rank_weight_mb)
+
+
 def test_killed_stage_fails_the_request_and_leaves_no_process(tmp_path, hf_smollm2_tokenizer):
     from models import build_checkpoint
 
@@ -148,7 +173,7 @@ def test_unsupported_options_are_refused_before_any_stage_starts(tmp_path, hf_sm
         (dict(speculative={"method": "draft", "model": path}), "draft model does not run under pipeline parallelism"),
         (dict(kv_cache_dtype="f8e4m3"), "calibrates its scales .* pipeline_parallel_size=1"),
         (dict(paged_attention=False), "paged KV cache"),
-        (dict(tensor_parallel_size=2), "tensor parallelism inside pipeline stages is not supported yet"),
+        (dict(tensor_parallel_size=3), "tensor_parallel_size=3 does not divide the model's 4 attention heads"),
         (dict(pipeline_parallel_size=4), r"more stages than the model's 3 layers.*use at most 3"),
         (dict(pipeline_parallel_size=0), "pipeline_parallel_size must be >= 1"),
     ]

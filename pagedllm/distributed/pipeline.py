@@ -15,11 +15,17 @@ fullest group, so the saving is smaller where a stage holds a whole group's wort
 The KV budget (kv_cache_memory_mb, ...) is per rank, as under tensor parallelism: the pool gets
 the blocks the largest stage's pages fit in it, and every stage holds that many blocks.
 
-`PipelineExecutor.start` spawns the other stages on this machine (torch.multiprocessing, as
+Tensor parallelism inside a stage: world = TP x PP ranks, global rank = stage * TP + TP rank.
+A stage's TP ranks share a compute group (their all-reduces and the logits gather) and each
+runs the stage's shard of every step's plan; each sends its copy of the stage's output (the
+all-reduced hidden states) to the same TP rank of the next stage, and the last stage's TP rank
+0 sends the gathered logits rows to rank 0. The control group (the plans) spans all ranks.
+
+`PipelineExecutor.start` spawns the other ranks on this machine (torch.multiprocessing, as
 tensor parallelism's executor does) or, under torchrun (WORLD_SIZE set), joins the group the
 other nodes' ranks join.
 
-Not yet here (issue 65): tensor parallelism inside a stage, several micro-batches in flight.
+Not yet here (issue 65): several micro-batches in flight (the stages take turns).
 """
 from __future__ import annotations
 
@@ -33,7 +39,7 @@ import torch.distributed as dist
 
 from .. import settings
 from . import messages
-from .group import TPInfo
+from .group import CONTROL_TIMEOUT, RENDEZVOUS_TIMEOUT, TPInfo
 from .p2p import StageLink, StageLinkError
 
 logger = logging.getLogger(__name__)
@@ -84,13 +90,14 @@ class StageRunner:
     last stage: the plan's logits rows to rank 0). `runner`: an engine ModelRunner built on
     the stage's model and backend, used for the plan's tensors only."""
 
-    def __init__(self, model, runner, link: StageLink, stage) -> None:
+    def __init__(self, model, runner, link: StageLink, stage, tp_size: int = 1) -> None:
         self.model, self.runner, self.link, self.stage = model, runner, link, stage
+        self.logits_src = (stage.size - 1) * tp_size  # the last stage's TP rank 0
 
     @torch.inference_mode()
     def run(self, plan) -> torch.Tensor | None:
-        """This stage's part of `plan`; on the first stage (rank 0) the logits rows as the
-        last stage computed them (None where the plan asks for none)."""
+        """This stage's part of `plan`; on rank 0 the logits rows as the last stage computed
+        them (None where the plan asks for none)."""
         input_ids, positions, meta = self.runner.tensors(plan)
         h = None if self.stage.first else self.link.recv(device=input_ids.device)
         out = self.model(input_ids, positions, meta, inputs_embeds=h)
@@ -100,18 +107,20 @@ class StageRunner:
         elif wants:
             if plan.logits_rows is not None:
                 out = out.index_select(0, self.runner.upload.ints([plan.logits_rows])[0])
-            logits = self.model.compute_logits(out)
-            if self.stage.first:  # a pipeline of one stage
+            logits = self.model.compute_logits(out)  # None on a TP rank other than the stage's first
+            if self.link.rank == 0:  # a pipeline of one stage
                 return logits
-            self.link.send(logits, dst=0)
-        if self.stage.first and wants:
-            return self.link.recv(src=self.stage.size - 1, device=input_ids.device)
+            if logits is not None:
+                self.link.send(logits, dst=0)
+        if self.link.rank == 0 and wants:
+            return self.link.recv(src=self.logits_src, device=input_ids.device)
         return None
 
 
 def serve_stage(info: TPInfo, stage, model, runner, link: StageLink, copy_fn, backend) -> None:
-    """A rank > 0's loop: apply rank 0's cache operations, run its stage of each step, until STOP."""
-    stage_runner = StageRunner(model, runner, link, stage)
+    """A rank > 0's loop: apply rank 0's cache operations, run its stage of each step, until STOP.
+    `info`: its place in its stage's TP group."""
+    stage_runner = StageRunner(model, runner, link, stage, info.size)
     apply = {messages.OP_COPY_PREFIX: copy_fn, messages.OP_FREE_SEQ: lambda a, b, c: backend.free_seq(a),
              messages.OP_FORK_SEQ: lambda a, b, c: backend.fork_seq(a, b)}
     while True:
@@ -133,33 +142,62 @@ def plan_for(source, size: int) -> list:
     return plan_stages(layers, size, embed, head)
 
 
-def _link(rank: int, size: int, timeout_s: float | None) -> StageLink:
-    return StageLink(rank, rank - 1 if rank else None, rank + 1 if rank + 1 < size else None, timeout_s=timeout_s)
+def _link(rank: int, pp: int, tp: int, timeout_s: float | None) -> StageLink:
+    """Global rank `rank`'s link: the same TP rank of the stages before and after."""
+    stage = rank // tp
+    return StageLink(rank, rank - tp if stage else None, rank + tp if stage + 1 < pp else None,
+                     timeout_s=timeout_s)
 
 
-def pipeline_worker_main(rank: int, size: int, init_method: str | None, spec, conn=None) -> None:
-    """A stage other than the first: join the group, load its stage, wait for rank 0's cache
-    size and the link's wait bound, build its cache, serve steps until STOP. `conn`: a pipe to
-    rank 0 for "started", "loaded" or an error text (spawned ranks; None under torchrun).
-    Exits non-zero on any failure (rank 0's waits then fail)."""
+def init_pipeline_groups(rank: int, pp: int, tp: int, device: torch.device, init_method: str | None) -> TPInfo:
+    """Join (or create) the world of pp x tp ranks, then make the control group (all ranks:
+    the plans) and each stage's compute group (its TP ranks' all-reduces and logits gather;
+    every rank makes every stage's, as torch.distributed wants). Returns this rank's place in
+    its stage's TP group."""
+    world = pp * tp
+    if not dist.is_initialized():
+        kw = {} if init_method is None else {"init_method": init_method}
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=RENDEZVOUS_TIMEOUT, **kw)
+    elif dist.get_world_size() != world:
+        raise ValueError(f"pipeline_parallel_size={pp} x tensor_parallel_size={tp} is {world} ranks but "
+                         f"torch.distributed already runs {dist.get_world_size()}; they must be equal")
+    info = TPInfo(rank % tp, tp)
+    info.control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+    from datetime import timedelta
+
+    for s in range(pp):
+        g = dist.new_group(ranks=list(range(s * tp, (s + 1) * tp)),
+                           backend="nccl" if device.type == "cuda" else "gloo",
+                           timeout=timedelta(seconds=settings.get("tp_timeout_s")))
+        if s == rank // tp:
+            info.group = g
+    return info
+
+
+def pipeline_worker_main(rank: int, pp: int, init_method: str | None, spec, conn=None, tp: int = 1) -> None:
+    """A rank other than 0 (global rank `rank` of pp x tp): join the groups, load its stage's
+    shard, wait for rank 0's cache size and the link's wait bound, build its cache, serve steps
+    until STOP. `conn`: a pipe to rank 0 for "started", "loaded" or an error text (spawned
+    ranks; None under torchrun). Exits non-zero on any failure (rank 0's waits then fail)."""
     from ..engine.model_runner import ModelRunner
     from ..loading.loader import load_model
-    from .group import destroy_groups, init_groups
+    from .group import destroy_groups
     from .worker import _die_with_parent, rank_device
 
     _die_with_parent()
     logging.basicConfig(level=spec.log_level, format=f"[pp rank {rank}] %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(spec.threads)
-    info = TPInfo(rank, size)
+    info = TPInfo(rank % tp, tp)
     code = 0
     try:
         if conn is not None:
             conn.send(("started", os.getpid()))
         device = rank_device(spec.device, rank)
-        init_groups(info, device, init_method)
-        stage = plan_for(spec.source, size)[rank]
+        info = init_pipeline_groups(rank, pp, tp, device, init_method)
+        stage = plan_for(spec.source, pp)[rank // tp]
         loaded = load_model(spec.source, spec.dtype, device, max_positions=spec.max_positions,
-                            dequantize_weights=spec.dequantize_weights, isq=spec.isq, stage=stage)
+                            dequantize_weights=spec.dequantize_weights, isq=spec.isq, stage=stage,
+                            tp=info if tp > 1 else None)
         if conn is not None:
             conn.send(("loaded", loaded.weight_bytes))
         command, lists = messages.recv(info.control)
@@ -170,7 +208,7 @@ def pipeline_worker_main(rank: int, size: int, init_method: str | None, spec, co
             sizes = torch.tensor([loaded.weight_bytes, cache.nbytes], dtype=torch.int64)
             dist.gather(sizes, None, dst=0, group=info.control)
             runner = ModelRunner(loaded.model, backend, spec.cache_cfg.block_size, device, sampler=None)
-            serve_stage(info, stage, loaded.model, runner, _link(rank, size, timeout_ms / 1000), copy_fn, backend)
+            serve_stage(info, stage, loaded.model, runner, _link(rank, pp, tp, timeout_ms / 1000), copy_fn, backend)
         elif command != messages.STOP:
             raise RuntimeError(f"expected the setup message from rank 0, got command {command}")
     except BaseException as e:
@@ -191,12 +229,15 @@ class PipelineExecutor:
     other stages started (or joined under torchrun), rank 0's stage loaded and its cache built,
     each step's plan sent and the first stage run (`forward`), everything stopped by `shutdown`
     (STOP, join, kill what does not exit). A stage that dies or hangs fails the step with
-    `StageLinkError` within the link's bound (PAGEDLLM_PP_TIMEOUT_S), and every later step at once."""
+    `StageLinkError` within the link's bound (PAGEDLLM_PP_TIMEOUT_S), and every later step at once.
+    `info`: this rank's place in its stage's TP group (rank 0 of stage 0's); `rank`: its global rank."""
 
-    def __init__(self, info: TPInfo, stages: list, procs: list, conns: list, timeout_s: float | None,
+    def __init__(self, rank: int, info: TPInfo, stages: list, procs: list, conns: list, timeout_s: float | None,
                  threads_before: int | None = None) -> None:
-        self.info, self.stages = info, stages
-        self.stage = stages[info.rank]
+        self.rank, self.info, self.stages = rank, info, stages
+        self.pp, self.tp = len(stages), info.size
+        self.world = self.pp * self.tp
+        self.stage = stages[rank // self.tp]
         self.procs, self.conns = procs, conns
         self.timeout_s = settings.get("pp_timeout_s") if timeout_s is None else timeout_s
         self.threads_before = threads_before
@@ -210,51 +251,53 @@ class PipelineExecutor:
 
     # -- start -----------------------------------------------------------------------------
     @classmethod
-    def start(cls, size: int, spec, timeout_s: float | None = None) -> "PipelineExecutor":
-        """Rank 0 of a new pipeline of `size` stages. `timeout_s`: how long a stage-to-stage
-        send or receive may wait (None: PAGEDLLM_PP_TIMEOUT_S), the same on every rank."""
+    def start(cls, size: int, spec, timeout_s: float | None = None, tp: int = 1) -> "PipelineExecutor":
+        """Rank 0 of a new pipeline of `size` stages, each split over `tp` ranks. `timeout_s`:
+        how long a stage-to-stage send or receive may wait (None: PAGEDLLM_PP_TIMEOUT_S), the
+        same on every rank."""
         from .executor import _free_port
-        from .group import init_groups
         from .worker import rank_device
 
         stages = plan_for(spec.source, size)
+        want = size * tp
         world = int(os.environ.get("WORLD_SIZE", "1"))
-        if world > 1:  # torchrun: the other stages run the same command on their nodes
-            if world != size:
-                raise ValueError(f"pipeline_parallel_size={size} but torchrun started {world} ranks; "
-                                 "they must be equal (tensor parallelism inside a stage is not here yet)")
-            info = TPInfo(int(os.environ["RANK"]), size)
-            init_groups(info, rank_device(spec.device, info.rank), None)
-            return cls(info, stages, [], [], timeout_s)
+        if world > 1:  # torchrun: the other ranks run the same command on their nodes
+            if world != want:
+                raise ValueError(f"pipeline_parallel_size={size} x tensor_parallel_size={tp} is {want} ranks "
+                                 f"but torchrun started {world}; they must be equal")
+            rank = int(os.environ["RANK"])
+            info = init_pipeline_groups(rank, size, tp, rank_device(spec.device, rank), None)
+            return cls(rank, info, stages, [], [], timeout_s)
         import torch.multiprocessing as mp
 
         ctx = mp.get_context("spawn")
         threads_before = torch.get_num_threads()
         torch.set_num_threads(spec.threads)
-        logger.info("pipeline parallel: %d stages on this machine (layers %s), %d thread(s) each", size,
-                    ", ".join(f"{s.start}-{s.end - 1}" for s in stages), spec.threads)
+        logger.info("pipeline parallel: %d stages on this machine (layers %s)%s, %d thread(s) a rank", size,
+                    ", ".join(f"{s.start}-{s.end - 1}" for s in stages),
+                    f", each over {tp} tensor-parallel ranks" if tp > 1 else "", spec.threads)
         init = f"tcp://127.0.0.1:{_free_port()}"
         procs, conns = [], []
-        ex = cls(TPInfo(0, size), stages, procs, conns, timeout_s, threads_before)
+        ex = cls(0, TPInfo(0, tp), stages, procs, conns, timeout_s, threads_before)
         try:
-            for r in range(1, size):
+            for r in range(1, want):
                 parent, child = ctx.Pipe(duplex=False)
-                p = ctx.Process(target=pipeline_worker_main, args=(r, size, init, spec, child),
+                p = ctx.Process(target=pipeline_worker_main, args=(r, size, init, spec, child, tp),
                                 name=f"pagedllm-pp{r}", daemon=True)
                 p.start()
                 child.close()
                 procs.append(p)
                 conns.append(parent)
             ex._wait_for("started", 120)
-            init_groups(ex.info, rank_device(spec.device, 0), init)
+            ex.info = init_pipeline_groups(0, size, tp, rank_device(spec.device, 0), init)
         except BaseException:
             ex.shutdown()
             raise
         return ex
 
     def load_args(self) -> dict:
-        """What load_model takes to load this rank's part: its stage."""
-        return {"stage": self.stage}
+        """What load_model takes to load this rank's part: its stage, and its shard of it."""
+        return {"stage": self.stage, "tp": self.info if self.tp > 1 else None}
 
     def wait_loaded(self) -> None:
         """Block until every spawned stage has loaded its layers; a stage's error is raised here."""
@@ -303,7 +346,7 @@ class PipelineExecutor:
     def build_kv(self, loaded, kv_spec, cache_cfg, num_blocks: int, device: torch.device, dtype: torch.dtype,
                  groups=None):
         """Rank 0's cache (its stage's layers only), backend and copy function; and its link."""
-        self.link = _link(self.info.rank, self.info.size, self.timeout_s)
+        self.link = _link(self.rank, self.pp, self.tp, self.timeout_s)
         return stage_kv(loaded.config, self.stage, loaded.model.shard.kv_heads, cache_cfg, num_blocks, device, dtype)
 
     def recorded(self, backend, copy_fn):
@@ -321,7 +364,7 @@ class PipelineExecutor:
     def gather_sizes(self, weight_bytes: int, kv_bytes: int) -> None:
         """Collect every stage's weight and KV bytes (for the trace), given rank 0's own."""
         mine = torch.tensor([weight_bytes, kv_bytes], dtype=torch.int64)
-        parts = [torch.empty_like(mine) for _ in range(self.info.size)]
+        parts = [torch.empty_like(mine) for _ in range(self.world)]
         dist.gather(mine, parts, dst=0, group=self.info.control)
         self.rank_bytes = [tuple(int(x) for x in p.tolist()) for p in parts]
 
@@ -344,10 +387,17 @@ class PipelineExecutor:
             self.ops.clear()
             self.steps += 1
             input_ids, positions, meta = runner.tensors(plan)
-            link.send(runner.model(input_ids, positions, meta))
+            try:
+                h = runner.model(input_ids, positions, meta)
+            except (RuntimeError, dist.DistBackendError) as e:
+                if self.tp == 1:
+                    raise
+                # A TP peer of stage 0 died or is stuck: its all-reduce failed.
+                raise link._fail("run stage 0's collectives with", "any", e) from e
+            link.send(h)
             if plan.logits_rows is not None and not plan.logits_rows:
                 return None, None
-            return link.recv(src=self.info.size - 1, device=input_ids.device), None
+            return link.recv(src=(self.pp - 1) * self.tp, device=input_ids.device), None
         except StageLinkError as e:
             self._down(str(e))
             raise
@@ -365,7 +415,7 @@ class PipelineExecutor:
 
     def trace_fields(self) -> dict:
         """The KV trace's per-rank figures (kv/trace.py)."""
-        return dict(pipeline_parallel_size=self.info.size,
+        return dict(pipeline_parallel_size=self.pp, tensor_parallel_size=self.tp,
                     stage_layers=[f"{s.start}-{s.end - 1}" for s in self.stages],
                     rank_weight_mb=[w / 2**20 for w, _ in self.rank_bytes],
                     rank_kv_mb=[kv / 2**20 for _, kv in self.rank_bytes],
@@ -408,9 +458,9 @@ class PipelineExecutor:
         from ..loading.loader import load_model
         from .worker import rank_device
 
-        device = rank_device(spec.device, self.info.rank)
+        device = rank_device(spec.device, self.rank)
         loaded = load_model(spec.source, spec.dtype, device, max_positions=spec.max_positions,
-                            dequantize_weights=spec.dequantize_weights, isq=spec.isq, stage=self.stage)
+                            dequantize_weights=spec.dequantize_weights, isq=spec.isq, **self.load_args())
         self.wait_loaded()
         self.setup(num_blocks)
         cache, backend, _ = self.build_kv(loaded, None, spec.cache_cfg, num_blocks, device, spec.dtype)
