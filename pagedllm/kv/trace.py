@@ -58,9 +58,9 @@ class KVCacheTrace:
     rank_weight_mb: list = field(default_factory=list)
     rank_kv_mb: list = field(default_factory=list)
     allreduce_bytes_per_step: float = 0.0
-    # Pipeline parallelism: stages, each stage's layers (its rank's weight and KV MB are in
-    # rank_weight_mb / rank_kv_mb, one entry per stage; their sum is the pipeline's), and the
-    # bytes rank 0 sent and received stage to stage per step, on average.
+    # Pipeline parallelism: stages, each stage's layers (each rank's weight and KV MB are in
+    # rank_weight_mb / rank_kv_mb, stage by stage, a stage's TP ranks together; their sum is the
+    # pipeline's), and the bytes rank 0 sent and received stage to stage per step, on average.
     pipeline_parallel_size: int = 1
     stage_layers: list = field(default_factory=list)
     p2p_bytes_per_step: float = 0.0
