@@ -91,6 +91,10 @@ def test_pp2_matches_transformers_and_pp1(name, tmp_path, hf_smollm2_tokenizer):
         assert bm.num_free_blocks == bm.num_usable_blocks
         t2 = llm.kv_cache_trace()
     assert not _alive(pids)  # the context manager stopped the stage
+    # Each rank reported where its time went (bench throughput's bubble profile): every step.
+    stats = llm.engine.executor.stage_stats
+    assert [s["steps"] for s in stats] == [llm.engine.executor.steps] * 2
+    assert all(0 < s["busy_s"] < s["window_s"] and s["wait_s"] > 0 for s in stats), stats
     assert _children() <= before
 
     one = LLM(str(path), **kw)

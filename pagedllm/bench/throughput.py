@@ -232,6 +232,10 @@ def run(args: argparse.Namespace) -> dict:
         dtype, device = llm.engine.dtype, llm.engine.device
         pad = llm.engine.tokenizer.eos_token_id or 0
         llm.shutdown()  # tensor-parallel workers and pipeline stages stop with it
+        stages = getattr(llm.engine.executor, "stage_stats", None)
+        if stages:  # pipeline parallelism: where each rank's time went (the bubble)
+            ours["pipeline_stages"] = stages
+            print(pipeline_profile(stages))
         del llm  # one engine (and its KV cache) at a time
         gc.collect()
     if args.profile:
@@ -255,6 +259,20 @@ def run(args: argparse.Namespace) -> dict:
     path = write_json(args.output, result)
     print(f"results written to {path}")
     return result
+
+
+def pipeline_profile(stages: list[dict]) -> str:
+    """Each pipeline rank's time over the run (warm-up included): computing its layers, waiting
+    for the stage before it (rank 0: for the logits), and the rest (waiting for the next plan:
+    rank 0's scheduling, sampling and output, and the sends)."""
+    lines = ["pipeline ranks (whole run): busy = its layers; wait = the previous stage's hidden states "
+             "(rank 0: the logits); rest = the next plan (rank 0: scheduling, sampling, output)"]
+    for s in stages:
+        w = s["window_s"] or 1.0
+        lines.append(f"  rank {s['rank']} (stage {s['stage']}): {s['steps']} steps over {s['window_s']:.1f} s; "
+                     f"busy {s['busy_s'] / w:.0%}, wait {s['wait_s'] / w:.0%}, "
+                     f"rest {1 - (s['busy_s'] + s['wait_s']) / w:.0%}; idle {s['idle_share']:.0%}")
+    return "\n".join(lines)
 
 
 def _cache_types(args: argparse.Namespace) -> list[str]:

@@ -34,6 +34,8 @@ import os
 import sys
 import time
 
+from datetime import timedelta
+
 import torch
 import torch.distributed as dist
 
@@ -84,6 +86,29 @@ def check_cache(cache_cfg) -> None:
                          "pipeline parallelism does not run it yet (use auto or int8, or pipeline_parallel_size=1)")
 
 
+class StageStats:
+    """Where a rank's time went, for the bubble's profile: computing its layers (`busy_s`),
+    waiting for the previous stage's hidden states or the last stage's logits (`wait_s`), over
+    the window from its first step's start to its last step's end (the rest: waiting for the
+    next plan, i.e. rank 0's scheduling and sampling, and sending)."""
+
+    FIELDS = ("busy_s", "wait_s", "window_s", "steps")
+
+    def __init__(self) -> None:
+        self.busy_s = self.wait_s = 0.0
+        self.first = self.last = None
+        self.steps = 0
+
+    def step(self, t0: float, t1: float) -> None:
+        self.first = t0 if self.first is None else self.first
+        self.last = t1
+        self.steps += 1
+
+    def values(self) -> list[float]:
+        window = (self.last - self.first) if self.first is not None else 0.0
+        return [self.busy_s, self.wait_s, window, float(self.steps)]
+
+
 class StageRunner:
     """One stage's forward for a plan: the previous stage's hidden states in (the first stage
     embeds), this stage's layers over its cache, the hidden states out to the next stage (the
@@ -93,28 +118,45 @@ class StageRunner:
     def __init__(self, model, runner, link: StageLink, stage, tp_size: int = 1) -> None:
         self.model, self.runner, self.link, self.stage = model, runner, link, stage
         self.logits_src = (stage.size - 1) * tp_size  # the last stage's TP rank 0
+        self.stats = StageStats()
 
     @torch.inference_mode()
     def run(self, plan) -> torch.Tensor | None:
         """This stage's part of `plan`; on rank 0 the logits rows as the last stage computed
         them (None where the plan asks for none)."""
+        st, clock = self.stats, time.perf_counter
+        t0 = clock()
         input_ids, positions, meta = self.runner.tensors(plan)
         h = None if self.stage.first else self.link.recv(device=input_ids.device)
+        t1 = clock()
         out = self.model(input_ids, positions, meta, inputs_embeds=h)
         wants = plan.logits_rows is None or bool(plan.logits_rows)
         if not self.stage.last:
+            st.busy_s += clock() - t1
+            st.wait_s += t1 - t0
             self.link.send(out)
         elif wants:
             if plan.logits_rows is not None:
                 out = out.index_select(0, self.runner.upload.ints([plan.logits_rows])[0])
             logits = self.model.compute_logits(out)  # None on a TP rank other than the stage's first
+            st.busy_s += clock() - t1
+            st.wait_s += t1 - t0
             if self.link.rank == 0:  # a pipeline of one stage
                 return logits
             if logits is not None:
                 self.link.send(logits, dst=0)
+        else:
+            st.busy_s += clock() - t1
+            st.wait_s += t1 - t0
+        st.step(t0, clock())
         if self.link.rank == 0 and wants:
             return self.link.recv(src=self.logits_src, device=input_ids.device)
         return None
+
+
+def _report_stats(control, stats: StageStats) -> None:
+    """A rank > 0's part of rank 0's stats gather after STOP."""
+    dist.gather(torch.tensor(stats.values(), dtype=torch.float64), None, dst=0, group=control)
 
 
 def serve_stage(info: TPInfo, stage, model, runner, link: StageLink, copy_fn, backend) -> None:
@@ -126,6 +168,7 @@ def serve_stage(info: TPInfo, stage, model, runner, link: StageLink, copy_fn, ba
     while True:
         command, lists = messages.recv(info.control)
         if command == messages.STOP:
+            _report_stats(info.control, stage_runner.stats)
             return
         plan, ops = messages.step_from_lists(lists)
         for i in range(0, len(ops), 4):
@@ -163,8 +206,6 @@ def init_pipeline_groups(rank: int, pp: int, tp: int, device: torch.device, init
                          f"torch.distributed already runs {dist.get_world_size()}; they must be equal")
     info = TPInfo(rank % tp, tp)
     info.control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
-    from datetime import timedelta
-
     for s in range(pp):
         g = dist.new_group(ranks=list(range(s * tp, (s + 1) * tp)),
                            backend="nccl" if device.type == "cuda" else "gloo",
@@ -248,6 +289,9 @@ class PipelineExecutor:
         self.message_bytes = 0
         self.dead: str | None = None
         self.closed = False
+        self.set_up = False
+        self.stats = StageStats()  # rank 0's; every rank's after shutdown, in `stage_stats`
+        self.stage_stats: list[dict] = []
 
     # -- start -----------------------------------------------------------------------------
     @classmethod
@@ -342,6 +386,7 @@ class PipelineExecutor:
     def setup(self, num_blocks: int) -> None:
         """Tell every stage the pool's size and the link's wait bound (then each builds its cache)."""
         messages.send(self.info.control, messages.SETUP, [[num_blocks, int(self.timeout_s * 1000)]])
+        self.set_up = True
 
     def build_kv(self, loaded, kv_spec, cache_cfg, num_blocks: int, device: torch.device, dtype: torch.dtype,
                  groups=None):
@@ -377,7 +422,8 @@ class PipelineExecutor:
         no hidden rows come back."""
         if self.dead:
             raise StageLinkError(self.dead)
-        link = self.link
+        link, st, clock = self.link, self.stats, time.perf_counter
+        t0 = clock()
         try:
             try:
                 self.message_bytes += messages.send(self.info.control, messages.STEP,
@@ -387,17 +433,23 @@ class PipelineExecutor:
             self.ops.clear()
             self.steps += 1
             input_ids, positions, meta = runner.tensors(plan)
+            t1 = clock()
             try:
                 h = runner.model(input_ids, positions, meta)
+                st.busy_s += clock() - t1
             except (RuntimeError, dist.DistBackendError) as e:
                 if self.tp == 1:
                     raise
                 # A TP peer of stage 0 died or is stuck: its all-reduce failed.
                 raise link._fail("run stage 0's collectives with", "any", e) from e
             link.send(h)
-            if plan.logits_rows is not None and not plan.logits_rows:
-                return None, None
-            return link.recv(src=(self.pp - 1) * self.tp, device=input_ids.device), None
+            logits = None
+            if plan.logits_rows is None or plan.logits_rows:
+                t2 = clock()
+                logits = link.recv(src=(self.pp - 1) * self.tp, device=input_ids.device)
+                st.wait_s += clock() - t2
+            st.step(t0, clock())
+            return logits, None
         except StageLinkError as e:
             self._down(str(e))
             raise
@@ -412,6 +464,21 @@ class PipelineExecutor:
         for p in self.procs:
             if p.is_alive():
                 p.kill()
+
+    def _gather_stats(self) -> None:
+        """Every rank's StageStats (sent after STOP), as `stage_stats`: per rank its busy, wait
+        and idle shares of its window."""
+        mine = torch.tensor(self.stats.values(), dtype=torch.float64)
+        parts = [torch.empty_like(mine) for _ in range(self.world)]
+        work = dist.gather(mine, parts, dst=0, group=self.info.control, async_op=True)
+        if work.wait(timedelta(seconds=10)) is False:
+            raise TimeoutError("the stages did not report their time within 10 s")
+        self.stage_stats = []
+        for r, p in enumerate(parts):
+            busy, wait, window, steps = p.tolist()
+            self.stage_stats.append(dict(rank=r, stage=r // self.tp, steps=int(steps), window_s=window, busy_s=busy,
+                                         wait_s=wait, busy_share=busy / window if window else 0.0,
+                                         idle_share=1 - busy / window if window else 0.0))
 
     def trace_fields(self) -> dict:
         """The KV trace's per-rank figures (kv/trace.py)."""
@@ -432,8 +499,10 @@ class PipelineExecutor:
         if not self.dead and self.info.control is not None:
             try:
                 messages.send(self.info.control, messages.STOP)
-            except Exception:
-                pass
+                if self.set_up:
+                    self._gather_stats()
+            except Exception as e:
+                logger.warning("pipeline stop: %s", e)
         for p in self.procs:
             p.join(timeout=10)
             if p.is_alive():
