@@ -66,7 +66,9 @@ def _start_pp(size: int, tp: int, source, dt: torch.dtype, dev: torch.device, ma
 
     check_size(size, dev, "pipeline")
     check_size(tp, dev)
-    check_size(size * tp, dev, "pipeline")  # (one device a rank, as under tensor parallelism)
+    if dev.type == "cuda" and size * tp > torch.cuda.device_count():  # one device a rank
+        raise ValueError(f"pipeline_parallel_size={size} x tensor_parallel_size={tp} needs {size * tp} GPUs but this "
+                         f"machine has {torch.cuda.device_count()}; lower them or run several nodes under torchrun")
     cfg = read_config(source)
     check_pp(cfg.num_layers, size)
     check_tp(cfg, tp)

@@ -149,6 +149,9 @@ def test_killed_stage_fails_the_request_and_leaves_no_process(tmp_path, hf_smoll
     finally:
         del os.environ["PAGEDLLM_PP_TIMEOUT_S"]
     pids = llm.engine.executor.pids
+    for kw in ({"pipeline_parallel_size": 2}, {"tensor_parallel_size": 2}):  # one group per process
+        with pytest.raises(ValueError, match="another tensor- or pipeline-parallel LLM is running"):
+            LLM(str(path), dtype="float32", **kw)
     long = SamplingParams(max_tokens=3000, temperature=0.0, ignore_eos=True)
     killed = []
     killer = threading.Timer(1.0, lambda: (killed.append(time.monotonic()), os.kill(pids[0], signal.SIGKILL)))

@@ -73,8 +73,8 @@ class TPExecutor:
     def start(cls, size: int, spec: WorkerSpec) -> "TPExecutor":
         """Rank 0 of a new group: torchrun's, when the environment names one, else spawned
         workers on this machine."""
-        if _live:
-            raise ValueError("another tensor-parallel LLM is running in this process; call its "
+        if _live or (dist.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) == 1):
+            raise ValueError("another tensor- or pipeline-parallel LLM is running in this process; call its "
                              "shutdown() first (torch.distributed keeps one group per process)")
         world = int(os.environ.get("WORLD_SIZE", "1"))
         if world > 1:  # torchrun: the other ranks are already running the same script

@@ -312,6 +312,9 @@ class PipelineExecutor:
             rank = int(os.environ["RANK"])
             info = init_pipeline_groups(rank, size, tp, rank_device(spec.device, rank), None)
             return cls(rank, info, stages, [], [], timeout_s)
+        if dist.is_initialized():
+            raise ValueError("another tensor- or pipeline-parallel LLM is running in this process; call its "
+                             "shutdown() first (torch.distributed keeps one group per process)")
         import torch.multiprocessing as mp
 
         ctx = mp.get_context("spawn")
