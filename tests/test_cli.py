@@ -315,9 +315,9 @@ def test_max_model_len_past_the_models_positions_is_refused(smollm2_gguf_path, t
     assert ("max_model_len=100000 exceeds the model's 8192 positions (max_position_embeddings). To go past "
             "them, give the model rope scaling in its config.json") in r.stderr, r.stderr
     assert "PAGEDLLM_ALLOW_LONG_MAX_MODEL_LEN=1" in r.stderr, r.stderr
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    quoted = re.search(r"\(`(max_model_len=100000 exceeds[^`]*?) \.\.\.`\)", readme, flags=re.S)
-    assert quoted and " ".join(quoted.group(1).split()) in r.stderr, "the README quotes another message"
+    page = (Path(__file__).resolve().parent.parent / "docs" / "cli.md").read_text()
+    quoted = re.search(r"\(`(max_model_len=100000 exceeds[^`]*?) \.\.\.`\)", page, flags=re.S)
+    assert quoted and " ".join(quoted.group(1).split()) in r.stderr, "docs/cli.md quotes another message"
 
     ok = cli("generate", "Hi", "--max-tokens", "1", "--max-model-len", "9000", timeout=300,
              env={**ENV, "PAGEDLLM_ALLOW_LONG_MAX_MODEL_LEN": "1"})
@@ -325,13 +325,13 @@ def test_max_model_len_past_the_models_positions_is_refused(smollm2_gguf_path, t
     assert "exceeds the model's 8192 positions (allowed by PAGEDLLM_ALLOW_LONG_MAX_MODEL_LEN=1)" in ok.stderr
 
 
-def test_readme_quotes_the_tensor_parallel_refusal():
-    """The README's example of a refused TP size is the message the default model gets."""
+def test_docs_quote_the_tensor_parallel_refusal():
+    """The docs' example of a refused TP size is the message the default model gets."""
     from pagedllm.loading.loader import read_config
     from pagedllm.loading.source import resolve
     from pagedllm.models.parallel import check_tp
 
     with pytest.raises(ValueError) as e:
         check_tp(read_config(resolve("default", None, None)), 2)
-    readme = " ".join((Path(__file__).resolve().parent.parent / "README.md").read_text().split())
-    assert f"`-tp 2` stops with `{e.value}`" in readme, str(e.value)
+    page = " ".join((Path(__file__).resolve().parent.parent / "docs" / "parallelism.md").read_text().split())
+    assert f"`-tp 2` stops with `{e.value}`" in page, str(e.value)

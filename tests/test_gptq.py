@@ -261,7 +261,7 @@ def test_wide_decode_steps_against_our_float32(gptq_model, gptq_llm, monkeypatch
     teacher-forced over the same windows: perplexity within 0.5%, and q|k|v's second level cuts
     the logprobs' error by at least a fifth against every projection in one level. (Top-1 is not
     held here: these random layers' near-flat top-1s flip at 4-6% with any int8 rounding of
-    the wide layers; `bench quality --weights` holds a real GPTQ model to 98%, README.)"""
+    the wide layers; `bench quality --weights` holds a real GPTQ model to 98%: docs/design/activation-rounding.md.)"""
     from pagedllm.quant import kernels as qk
 
     monkeypatch.delenv("PAGEDLLM_QUANT_ACT", raising=False)

@@ -140,8 +140,8 @@ def test_busy_port_fails_at_once_with_one_line(tmp_path, smollm2_gguf_path):
     assert elapsed < 10, f"{elapsed:.1f} s"  # about 0.3 s on a quiet machine; never a model load
     from pathlib import Path
 
-    readme = " ".join((Path(__file__).resolve().parent.parent / "README.md").read_text().split())
-    assert f"`{lines[0].replace(str(port), '8000')}`" in readme, "the README quotes another message"
+    page = " ".join((Path(__file__).resolve().parent.parent / "docs" / "server.md").read_text().split())
+    assert f"`{lines[0].replace(str(port), '8000')}`" in page, "docs/server.md quotes another message"
 
 
 def test_serve_killed_during_start_leaves_nothing_behind(tmp_path, smollm2_gguf_path):

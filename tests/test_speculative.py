@@ -184,11 +184,22 @@ def test_default_model_seeded_sampling_stop_strings_streaming_n(default_models, 
     spec = default_models[method]
     prompt = spec.tokenizer.apply_chat_template([{"role": "user", "content": code_edit_prompt(0)}],
                                                 add_generation_prompt=True, tokenize=True)
-    sp = SamplingParams(max_tokens=48, temperature=0.7, top_p=0.9, seed=11, n=2, stop=["for rec"])
+    sp = SamplingParams(max_tokens=48, temperature=0.7, top_p=0.9, seed=11, n=2, stop=["for rec", "counts ="])
     want = _plain_once(default_models, "seeded", lambda m: m.generate([prompt], sp, use_tqdm=False)[0])
     got = spec.generate([prompt], sp, use_tqdm=False)[0]
     assert [c.text for c in got.outputs] == [c.text for c in want.outputs]
     assert [c.finish_reason for c in got.outputs] == [c.finish_reason for c in want.outputs]
+    # Tokens a speculative step accepted past the stop string are not handed out.
+    assert [(list(c.token_ids), c.stop_reason) for c in got.outputs] == \
+        [(list(c.token_ids), c.stop_reason) for c in want.outputs]
+    assert {c.stop_reason for c in got.outputs} == {"counts ="}  # the stop strings do cut here
+    greedy = SamplingParams(max_tokens=64, temperature=0.0, stop=["def "], logprobs=1)
+    g_want = _plain_once(default_models, "greedy stop", lambda m: m.generate([prompt], greedy, use_tqdm=False)[0])
+    g_got = spec.generate([prompt], greedy, use_tqdm=False)[0]
+    assert [(c.text, list(c.token_ids), c.finish_reason, c.stop_reason) for c in g_got.outputs] == \
+        [(c.text, list(c.token_ids), c.finish_reason, c.stop_reason) for c in g_want.outputs]
+    assert g_want.outputs[0].stop_reason == "def "
+    assert len(g_got.outputs[0].logprobs) == len(g_got.outputs[0].token_ids)  # none past the stop
     one = SamplingParams(max_tokens=40, temperature=0.7, top_p=0.9, seed=11)
     streamed = "".join(spec.stream(prompt, one))
     assert streamed == _plain_once(default_models, "streamed",

@@ -63,3 +63,30 @@ def wait_ready(url: str, proc, timeout: float = 300) -> None:
             pass
         time.sleep(0.5)
     raise RuntimeError("the server did not become ready")
+
+
+def pyplot():
+    """matplotlib's pyplot on its file-only backend (Agg), imported only when a benchmark is asked
+    to draw (`--plot PATH`), so the benchmarks run without the `plot` extra. None, after a line
+    saying how to install it, where matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("--plot needs matplotlib: pip install 'pagedllm[plot]'", flush=True)
+        return None
+    return plt
+
+
+def save_figure(fig, path: str | os.PathLike) -> Path:
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(p, dpi=110)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    print(f"plot written to {p}", flush=True)
+    return p

@@ -29,8 +29,8 @@ same prompt tokens, greedy decoding with EOS ignored, and the same KV room:
 With `--rounds N`, every figure is measured N times, each a fresh process of each engine, the
 engines' order alternating; each batch-1 run gets a bandwidth measurement of its own just before
 it. The ratios and shares reported are the medians of the rounds': on a machine whose read
-bandwidth drifts by half within minutes (seen on a 2-core EPYC VM: 34 to 64 GB/s), one engine's
-run after the other's compares the machine's moods, not the engines.
+bandwidth drifts by half within minutes (docs/benchmarks/from-code.md), one engine's run after
+the other's compares the machine's moods, not the engines.
 
 llama.cpp runs through llama-cpp-python (optional: `make bench-deps`); without it our side still
 runs and the report says what to install.

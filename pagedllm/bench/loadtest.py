@@ -5,6 +5,9 @@ time, timing the first content token and the whole answer. The report gives
 requests/s, TTFT and latency percentiles, token throughput, errors, and the
 server's resident memory (from its /metrics) at start and end. With `--spawn`
 the server is started here, in its own process, and stopped at the end.
+`--concurrency 1,4,16` runs one load per level in turn, and `--plot PATH` draws
+output throughput against concurrency and the TTFT and inter-token latency
+distributions of each level (matplotlib, the `plot` extra).
 """
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .common import percentile, wait_ready
+from .common import percentile, pyplot, save_figure, wait_ready
 
 PROMPTS = [
     "What is the capital of France?",
@@ -38,7 +41,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=None)
     p.add_argument("--model", default=None, help="model name to request (default: the server's first)")
     p.add_argument("--duration", type=float, default=60.0, help="seconds of load")
-    p.add_argument("--concurrency", type=int, default=16, help="streaming clients at once")
+    p.add_argument("--concurrency", type=_levels, default=[16], metavar="N[,N...]",
+                   help="streaming clients at once; a comma list runs one load per level, in turn")
     p.add_argument("--min-tokens", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--temperature", type=float, default=0.7)
@@ -49,6 +53,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--server-args", nargs=argparse.REMAINDER, default=[],
                    help="with --spawn: arguments for `pagedllm serve` (must come last)")
     p.add_argument("--output", default=None, help="also write the report as JSON here")
+    p.add_argument("--plot", default=None, metavar="PATH",
+                   help="draw output tok/s against concurrency and the TTFT and inter-token latency "
+                        "distributions as a PNG (matplotlib: pip install 'pagedllm[plot]')")
     p.add_argument("--response-format", default=None, type=_json_arg,
                    help="an OpenAI response_format for every request (JSON text, or @FILE): "
                         "measures structured output against the same load without it")
@@ -71,6 +78,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="torch threads of each side (OMP_NUM_THREADS for the server); default: torch's "
                         "(one per core). On a machine busy with other work, 1 keeps a step from waiting on its "
                         "own descheduled threads")
+
+
+def _levels(text: str) -> list[int]:
+    try:
+        levels = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a number of clients, or a comma list such as 1,4,16") from None
+    if any(n < 1 for n in levels):
+        raise argparse.ArgumentTypeError(f"{text!r}: every level needs at least one client")
+    return levels
 
 
 def _json_arg(text: str) -> dict:
@@ -111,6 +128,10 @@ class Report:
     server_rss_end_mb: float | None
     kv_blocks_used_after: float | None
     error_samples: list[str] = field(default_factory=list)
+    # per request, for --plot and the JSON: seconds to the first token, and the mean seconds
+    # between the following tokens (a request of one token has none)
+    ttft_samples_s: list[float] = field(default_factory=list)
+    itl_samples_s: list[float] = field(default_factory=list)
 
 
 def parse_metrics(text: str) -> dict[str, float]:
@@ -176,11 +197,11 @@ async def _client(client: Any, args: argparse.Namespace, deadline: float, rng: r
         results.append(await _one(client, args.url, body, args.timeout))
 
 
-async def _run(args: argparse.Namespace) -> Report:
+async def _run(args: argparse.Namespace, concurrency: int) -> Report:
     import httpx
 
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    limits = httpx.Limits(max_connections=args.concurrency + 4)
+    limits = httpx.Limits(max_connections=concurrency + 4)
     async with httpx.AsyncClient(headers=headers, limits=limits) as client:
         if args.model is None:
             r = await client.get(f"{args.url}/v1/models", timeout=30)
@@ -190,7 +211,7 @@ async def _run(args: argparse.Namespace) -> Report:
         t0 = time.perf_counter()
         deadline = t0 + args.duration
         await asyncio.gather(*[_client(client, args, deadline, random.Random(args.seed + i), results)
-                               for i in range(args.concurrency)])
+                               for i in range(concurrency)])
         elapsed = time.perf_counter() - t0
         await asyncio.sleep(0.5)  # let the engine thread publish its idle state
         after = await _metrics(client, args.url)
@@ -198,7 +219,7 @@ async def _run(args: argparse.Namespace) -> Report:
     ttfts = [r.ttft for r in ok if r.ttft is not None]
     rss = "process_resident_memory_bytes"
     return Report(
-        duration_s=elapsed, concurrency=args.concurrency, requests=len(ok),
+        duration_s=elapsed, concurrency=concurrency, requests=len(ok),
         errors=len(results) - len(ok), requests_per_s=len(ok) / elapsed,
         ttft_p50_s=percentile(ttfts, 50, None), ttft_p99_s=percentile(ttfts, 99, None),
         latency_p50_s=percentile([r.latency for r in ok], 50, None),
@@ -207,7 +228,9 @@ async def _run(args: argparse.Namespace) -> Report:
         server_rss_start_mb=before[rss] / 2**20 if rss in before else None,
         server_rss_end_mb=after[rss] / 2**20 if rss in after else None,
         kv_blocks_used_after=after.get("pagedllm_kv_blocks_used"),
-        error_samples=sorted({r.error for r in results if r.error})[:5])
+        error_samples=sorted({r.error for r in results if r.error})[:5],
+        ttft_samples_s=ttfts,
+        itl_samples_s=[(r.latency - r.ttft) / (r.tokens - 1) for r in ok if r.ttft is not None and r.tokens > 1])
 
 
 def format_report(r: Report) -> str:
@@ -237,6 +260,8 @@ def run(args: argparse.Namespace) -> int:
     except ImportError:
         print("error: the load test needs httpx (pip install httpx)", file=sys.stderr)
         return 2
+    if args.plot and pyplot() is None:
+        return 2
     proc = None
     if args.spawn:
         cmd = [sys.executable, "-m", "pagedllm.cli.main", "serve", *args.server_args]
@@ -245,7 +270,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         if proc is not None:
             wait_ready(args.url, proc)
-        report = asyncio.run(_run(args))
+        reports = []
+        for level in args.concurrency:
+            reports.append(asyncio.run(_run(args, level)))
+            print(format_report(reports[-1]), flush=True)
     finally:
         if proc is not None:
             proc.terminate()
@@ -253,8 +281,41 @@ def run(args: argparse.Namespace) -> int:
                 proc.wait(30)
             except subprocess.TimeoutExpired:
                 proc.kill()
-    print(format_report(report))
     if args.output:
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.output).write_text(json.dumps(asdict(report), indent=2))
-    return 0 if report.errors == 0 else 1
+        data = [asdict(r) for r in reports]
+        Path(args.output).write_text(json.dumps(data[0] if len(data) == 1 else data, indent=2))
+    if args.plot:
+        plot(reports, args.plot, title=f"pagedllm bench serve, {args.model}")
+    return 0 if all(r.errors == 0 for r in reports) else 1
+
+
+def plot(reports: list[Report], path: str, title: str = "") -> None:
+    """Output tok/s against concurrency (left), and each level's TTFT and inter-token latency
+    as cumulative distributions (middle, right)."""
+    plt = pyplot()
+    if plt is None:
+        return
+    fig, (ax_tp, ax_ttft, ax_itl) = plt.subplots(1, 3, figsize=(13, 3.8))
+    levels = [r.concurrency for r in reports]
+    ax_tp.plot(levels, [r.output_tokens_per_s for r in reports], marker="o", label="output tok/s")
+    ax_tp.set_xscale("log", base=2)
+    ax_tp.set_xticks(levels, [str(n) for n in levels])
+    ax_tp.set_xlabel("streaming clients at once")
+    ax_tp.set_ylabel("output tokens / s")
+    ax_tp.set_title("throughput")
+    for r in reports:
+        for ax, xs, scale in ((ax_ttft, r.ttft_samples_s, 1.0), (ax_itl, r.itl_samples_s, 1e3)):
+            xs = sorted(x * scale for x in xs)
+            if xs:
+                ax.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], drawstyle="steps-post", marker=".",
+                        label=f"{r.concurrency} client{'s' if r.concurrency > 1 else ''}")
+    ax_ttft.set_xlabel("time to first token (s)")
+    ax_itl.set_xlabel("inter-token latency, mean per request (ms)")
+    for ax, name in ((ax_ttft, "TTFT"), (ax_itl, "inter-token latency")):
+        ax.set_ylabel("share of requests")
+        ax.set_title(name)
+        ax.legend(fontsize=8)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    save_figure(fig, path)

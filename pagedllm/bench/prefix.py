@@ -1,12 +1,14 @@
 """`pagedllm bench prefix`: a seeded multi-turn chat + shared-system-prompt workload with
-prefix caching on (token-exact), on (block-granular only) and off, in one run."""
+prefix caching on (token-exact), on (block-granular only) and off, in one run. `--plot PATH`
+draws each mode's TTFT against the conversation's length, turn by turn (matplotlib, the `plot`
+extra)."""
 from __future__ import annotations
 
 import argparse
 import random
 import time
 
-from .common import machine_info, median_of_runs, percentile, write_json
+from .common import machine_info, median_of_runs, percentile, pyplot, save_figure, write_json
 
 WORDS = ("river mountain engine paper garden window history science music planet market "
          "language winter signal forest harbor bridge ocean theory memory circuit village "
@@ -78,6 +80,10 @@ def measure(llm, args) -> dict:
         "last_turn_cached_share": sum(o.num_cached_tokens for o in last) / sum(len(o.prompt_token_ids) for o in last),
         "last_turn_ttft_s": percentile([o.metrics.time_to_first_token for o in last], 50),
         "shared_system_ttft_p50_s": percentile([o.metrics.time_to_first_token for o in shared], 50),
+        # per turn of the conversations: mean prompt tokens (the history so far) and TTFT p50;
+        # a list, so median_of_runs keeps the first run's
+        "by_turn": [[sum(len(o.prompt_token_ids) for o in t) / len(t),
+                     percentile([o.metrics.time_to_first_token for o in t], 50)] for t in turns],
     }
 
 
@@ -107,6 +113,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--pa-gpu-mem", type=float, default=512, help="KV cache MB")
     p.add_argument("--output", default="bench-results/prefix.json")
+    p.add_argument("--plot", default=None, metavar="PATH",
+                   help="draw TTFT against the conversation's length per mode as a PNG "
+                        "(matplotlib: pip install 'pagedllm[plot]')")
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -115,6 +124,8 @@ def run(args: argparse.Namespace) -> dict:
     modes = {"cache on (token-exact)": dict(enable_prefix_caching=True),
              "cache on (block-granular)": dict(enable_prefix_caching=True),
              "cache off": dict(enable_prefix_caching=False)}
+    if args.plot and pyplot() is None:
+        raise SystemExit(2)
     result = {"machine": machine_info(), "args": vars(args)}
     for name, kw in modes.items():
         runs, alone = [], []
@@ -144,7 +155,27 @@ def run(args: argparse.Namespace) -> dict:
     result["turn_ttft_speedup"] = speedup
     path = write_json(args.output, result)
     print(f"results written to {path}")
+    if args.plot:
+        plot(result, list(modes), args.plot)
     return result
+
+
+def plot(result: dict, modes: list[str], path: str) -> None:
+    """TTFT p50 of each turn of the concurrent conversations against that turn's prompt length."""
+    plt = pyplot()
+    if plt is None:
+        return
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for name in modes:
+        turns = result[name]["by_turn"]
+        ax.plot([t[0] for t in turns], [t[1] * 1e3 for t in turns], marker="o", label=name)
+    ax.set_xlabel("prompt tokens of the turn (the conversation so far)")
+    ax.set_ylabel("TTFT p50 (ms)")
+    a = result["args"]
+    ax.set_title(f"pagedllm bench prefix, {a['model']}: {a['conversations']} conversations x {a['turns']} turns",
+                 fontsize=10)
+    ax.legend(fontsize=8)
+    save_figure(fig, path)
 
 
 if __name__ == "__main__":

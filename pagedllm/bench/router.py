@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ..server import replicas as rp
-from .common import median_of_runs, percentile, write_json
+from .common import median_of_runs, percentile, pyplot, save_figure, write_json
 
 WORDS = ("page block cache token prefix router replica engine memory kernel tensor batch decode prefill "
          "stream latency queue worker policy gateway request answer history turn model layer head value "
@@ -186,13 +186,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _plot(results: dict, path: str) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("--plot needs matplotlib: pip install 'pagedllm[plot]'", flush=True)
+    plt = pyplot()
+    if plt is None:
         return
     fig, ax = plt.subplots(figsize=(6, 4))
     for name, r in results.items():
@@ -201,6 +196,4 @@ def _plot(results: dict, path: str) -> None:
     ax.set_xlabel("turn")
     ax.set_ylabel("TTFT p50 (ms)")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path)
-    print(f"plot written to {path}", flush=True)
+    save_figure(fig, path)

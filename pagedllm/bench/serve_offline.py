@@ -16,6 +16,7 @@ server side, the streaming clients', which run on this machine and share its CPU
 server (on 2 CPUs that is part of the gap between the sides). Run i uses
 seed + i on both sides (a fresh workload, so the prefix cache does not answer run 2 from
 run 1); the sides alternate which goes first, and the load average is reported per run.
+`--plot PATH` draws both sides' output tok/s, TTFT and inter-token latency per request rate.
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlparse
 
-from .common import machine_info, median_of_runs, percentile, wait_ready, write_json
+from .common import machine_info, median_of_runs, percentile, pyplot, save_figure, wait_ready, write_json
 
 logger = logging.getLogger(__name__)
 
@@ -233,6 +234,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
 
     rates = parse_rates(args.request_rates)
+    if getattr(args, "plot", None) and pyplot() is None:
+        return 2
     if args.runs < 1:
         raise ValueError("--runs must be at least 1")
     if args.threads is not None:
@@ -309,4 +312,34 @@ def run(args: argparse.Namespace) -> int:
           + ", ".join(f"{a:.2f} -> {b:.2f}" for a, b in loads))
     if args.output:
         print(f"results written to {write_json(args.output, result)}")
+    if getattr(args, "plot", None):
+        plot(result, args.plot)
     return 0 if errors == 0 and all(r["same_tokens"] for r in result["by_rate"].values()) else 1
+
+
+def plot(result: dict, path: str) -> None:
+    """Per request rate, the offline engine's bar beside the server's: output tok/s, TTFT p50
+    and p99, inter-token latency p50 and p99 (the medians of the runs)."""
+    plt = pyplot()
+    if plt is None:
+        return
+    names = list(result["by_rate"])
+    panels = (("output tokens / s", [("output_tokens_per_s", 1.0, "")]),
+              ("time to first token (s)", [("ttft_p50_s", 1.0, "p50"), ("ttft_p99_s", 1.0, "p99")]),
+              ("inter-token latency (ms)", [("itl_p50_ms", 1.0, "p50"), ("itl_p99_ms", 1.0, "p99")]))
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    for ax, (title, keys) in zip(axes, panels):
+        bars = [(side, key, scale, tag) for key, scale, tag in keys for side in SIDES]
+        width = 0.8 / len(bars)
+        for i, (side, key, scale, tag) in enumerate(bars):
+            xs = [j + (i - (len(bars) - 1) / 2) * width for j in range(len(names))]
+            values = [result["by_rate"][n][side][key] * scale for n in names]
+            b = ax.bar(xs, values, width, label=f"{side} {tag}".strip(), hatch="//" if tag == "p99" else None,
+                       color="tab:blue" if side == "offline" else "tab:orange", alpha=1.0 if tag != "p99" else 0.6)
+            ax.bar_label(b, fmt="%.3g", fontsize=7)
+        ax.set_xticks(range(len(names)), names)
+        ax.set_title(title)
+        ax.legend(fontsize=7)
+    ratios = ", ".join(f"{n} {result['by_rate'][n]['ratio_output_tokens_per_s']:.2f}x" for n in names)
+    fig.suptitle(f"pagedllm bench serve --against-throughput: server / offline output tok/s {ratios}", fontsize=10)
+    save_figure(fig, path)

@@ -2,14 +2,15 @@
 plain decoding in one run, on a code-editing workload (rewrite a given 60-line function with
 one small change: the answer mostly copies the prompt), on free-form chat (little to copy) at
 batch 1, and with 32 concurrent chat requests; decode tokens/s, ratios and acceptance rates
-for each."""
+for each. `--plot PATH` draws each mode's speedup, acceptance rate and mean accepted length
+per workload (matplotlib, the `plot` extra)."""
 from __future__ import annotations
 
 import argparse
 import statistics
 import time
 
-from .common import machine_info, write_json
+from .common import machine_info, pyplot, save_figure, write_json
 
 CHAT_QUESTIONS = [
     "What makes a good cup of tea?", "Tell me a short story about a lighthouse keeper.",
@@ -118,6 +119,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "before adaptive lengths, for comparison")
     p.add_argument("--pa-gpu-mem", type=float, default=512, help="KV cache MB")
     p.add_argument("--output", default="bench-results/speculative.json")
+    p.add_argument("--plot", default=None, metavar="PATH",
+                   help="draw speedup, acceptance rate and mean accepted length per workload and mode as a "
+                        "PNG (matplotlib: pip install 'pagedllm[plot]')")
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -137,6 +141,8 @@ def run(args: argparse.Namespace) -> dict:
         specs = {m: {**spec, "adaptive": False} for m, spec in specs.items()}
     if not specs:
         raise SystemExit("nothing to compare: --no-ngram needs --draft MODEL")
+    if args.plot and pyplot() is None:
+        raise SystemExit(2)
     # Prefix caching off: the repeated runs must not get their prompts for free in one mode only.
     common = dict(dtype=args.dtype, kv_cache_memory_mb=args.pa_gpu_mem, enable_prefix_caching=False)
     llms = {"plain": LLM(args.model, **common)}
@@ -197,7 +203,43 @@ def run(args: argparse.Namespace) -> dict:
         print(line)
     path = write_json(args.output, result)
     print(f"results written to {path}")
+    if args.plot:
+        plot(result, list(specs), args.workloads.split(","), args.plot)
     return result
+
+
+def _mode_figures(r: dict, mode: str) -> tuple[float, float, float]:
+    """(speedup, acceptance rate, mean accepted length) of one mode in one workload's result
+    (n-gram's keys are flat, the others' prefixed by the mode)."""
+    pre = "" if mode == "ngram" else f"{mode}_"
+    return r[f"{pre}speedup"], r[f"{pre}acceptance_rate"], r[f"{pre}mean_accepted_length"]
+
+
+def plot(result: dict, modes: list[str], workloads: list[str], path: str) -> None:
+    """Three panels, a group of bars per workload and a bar per mode: decode tok/s against plain
+    decoding, the share of proposals accepted, and the proposals accepted per verification."""
+    plt = pyplot()
+    if plt is None:
+        return
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    width = 0.8 / len(modes)
+    titles = ("speedup against plain decoding", "proposals accepted", "accepted per verification")
+    for i, mode in enumerate(modes):
+        figs = [_mode_figures(result[w], mode) for w in workloads]
+        for ax, values in zip(axes, zip(*figs)):
+            xs = [j + (i - (len(modes) - 1) / 2) * width for j in range(len(workloads))]
+            bars = ax.bar(xs, values, width, label=mode)
+            ax.bar_label(bars, fmt="%.2f", fontsize=7)
+    for ax, title in zip(axes, titles):
+        ax.set_xticks(range(len(workloads)), workloads)
+        ax.set_title(title)
+    axes[0].axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
+    axes[0].set_ylabel("x plain (decode tok/s)")
+    axes[1].set_ylim(0, 1.05)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"pagedllm bench speculative, {result['args']['model']}, k = {result['args']['num_tokens']}",
+                 fontsize=10)
+    save_figure(fig, path)
 
 
 if __name__ == "__main__":

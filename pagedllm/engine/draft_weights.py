@@ -4,15 +4,13 @@ A draft only proposes: the target verifies every proposal, so how a draft's weig
 rounded changes which proposals are accepted, never the output. A batch-1 draft forward
 streams its weights, and a quantized decoder layer's projections run at about the same
 values a second in any packed 4- to 8-bit format, so a format with fewer bits a weight
-reads fewer bytes in less time. Qwen2.5-0.5B's Q4_K_M file stores most of its layers as
-Q5_0, Q6_K and Q8_0 (896 values a row do not tile Q4_K's 256): 218 of its decoder's 248 MB,
-172 MB as Q4_0 (its Q4_K parts, as many bits a weight, stay). With every projection Q4_0
-(201 MB) a draft forward beside the 1.5B target took 13.2 ms for 15.6, acceptance on code
-edits 99.0% against 98.8% (README, "Speculative decoding").
+reads fewer bytes in less time. Small models' files hold many layers above 4.5 bits a weight:
+Qwen2.5-0.5B's Q4_K_M stores most of its layers as Q5_0, Q6_K and Q8_0 (896 values a row do
+not tile Q4_K's 256); its Q4_K parts, as many bits a weight, stay. The decision and its
+measurements: docs/design/draft-weights.md.
 
 speculative `draft_weights`: "auto" (the default) requantizes the decoder projections and
-the head's scored rows stored in more bits a weight than LIGHT to LIGHT, at load (some 4 s
-for the 0.5B); a type name requantizes every quantized one to it; "file" keeps the file's.
+the head's scored rows stored in more bits a weight than LIGHT to LIGHT, at load; a type name requantizes every quantized one to it; "file" keeps the file's.
 Float (unquantized) weights stay as they are: ISQ (`isq`) quantizes a safetensors draft.
 """
 from __future__ import annotations

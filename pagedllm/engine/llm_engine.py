@@ -296,8 +296,9 @@ class LLMEngine:
     # -- the step ---------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One schedule, one execute, the scheduler's update, then the record (scores, pooled
-        rows, tokens appended, proposals accepted), the next step's proposals made from this
-        step's tokens, and the outputs of every request the step touched."""
+        rows, tokens appended, proposals accepted), the sequences that the output processor finds
+        at a stop string ended, the next step's proposals made from this step's tokens, and the
+        outputs of every request the step touched."""
         sched = self.scheduler.schedule()
         self._drop_preempted(sched)
         if not sched:
@@ -316,7 +317,8 @@ class LLMEngine:
         self._finish_scored(sched, touched)
         self._track_waste()
         if out is not None and out.sampled is not None:
-            self._record_samples(out, verifying, touched)
+            accepted = self._record_samples(out, verifying, touched)
+            self._end_at_stop_strings(touched, accepted)
         if self.spec is not None:
             # The next step's proposals, from the tokens this one added: n-gram lookup, or the
             # draft model's catch-up and proposal forwards, after sampling as vLLM's drafter runs.
@@ -361,9 +363,12 @@ class LLMEngine:
                     touched[req.request_id] = req
 
     def _record_samples(self, out: RunnerOutput, verifying: dict[int, list[int]],
-                        touched: dict[str, Request]) -> None:
-        """Each sampled row's token appended; a verified sequence's rows accepted together."""
+                        touched: dict[str, Request]) -> list[Sequence]:
+        """Each sampled row's token appended; a verified sequence's rows accepted together.
+        Returns the sequences that accepted proposals, still running: their K/V is rolled back
+        to their tokens once stop strings have had their say."""
         seqs, sampled = out.seqs, out.sampled
+        accepted = []
         row = 0
         while row < len(seqs):
             seq = seqs[row]
@@ -375,12 +380,26 @@ class LLMEngine:
                 self._fail(seq)
             elif drafts is None:
                 self._append(seq, toks[0], lps[0])
-            else:
-                self._accept(seq, drafts, toks, lps)
+            elif self._accept(seq, drafts, toks, lps):
+                accepted.append(seq)
             row += m
             req = self.requests.get(seq.request_id)
             if req is not None:
                 touched[req.request_id] = req
+        return accepted
+
+    def _end_at_stop_strings(self, touched: dict[str, Request], accepted: list[Sequence]) -> None:
+        """The output processor's stop-string hits end their sequences (vLLM v1's abort from
+        the output processor), tokens past the stop dropped; then the verified sequences still
+        running keep the K/V of their accepted tokens."""
+        for seq, keep, stop in self.output.find_stops(touched.values()):
+            self.stats["generated_tokens"] -= seq.truncate_output(keep)
+            seq.finish_reason, seq.stop_reason = "stop", stop
+            if not seq.is_finished:
+                self._finish(seq)
+        for seq in accepted:
+            if not seq.is_finished:
+                self.scheduler.verified(seq)
 
     def _outputs(self, reqs: list[Request]) -> list[RequestOutput]:
         """The step's outputs, built by the output processor; finished requests leave the engine."""
@@ -390,15 +409,16 @@ class LLMEngine:
                 self.requests.pop(o.request_id, None)
         return outs
 
-    def _accept(self, seq: Sequence, drafts: list[int], toks: list[int], lps: list) -> None:
-        """Append the accepted proposals and the step's own token; roll the KV back to them."""
+    def _accept(self, seq: Sequence, drafts: list[int], toks: list[int], lps: list) -> bool:
+        """Append the accepted proposals and the step's own token; whether the sequence still
+        runs (then its K/V is rolled back to them after the stop strings are looked at)."""
         a = spec_decoder.accepted_length(drafts, toks)
         self.spec.record(seq, len(drafts), a)
         for i, tok in enumerate(drafts[:a] + [toks[a]]):
             self._append(seq, tok, lps[i])
             if seq.is_finished:
-                return  # its blocks are already returned
-        self.scheduler.verified(seq)
+                return False  # its blocks are already returned
+        return True
 
     def _track_waste(self) -> None:
         """Allocated slots not holding a token, over the running sequences' tables: entries
@@ -447,8 +467,6 @@ class LLMEngine:
             seq.finish_reason, seq.stop_reason = "stop", None
         elif tok in p.stop_token_ids:
             seq.finish_reason, seq.stop_reason = "stop", tok
-        elif p.stop and self.output.stop_string_hit(req, seq):
-            pass
         elif grammar_done:  # the grammar is complete: nothing but EOS could follow
             seq.finish_reason, seq.stop_reason = "stop", None
         elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.sched_config.max_model_len:

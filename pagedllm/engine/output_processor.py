@@ -3,10 +3,12 @@ incremental detokenization, stop strings, logprob entries, request metrics, and 
 `RequestOutput`s callers get.
 
 The core (llm_engine.py) appends sampled tokens and applies the stops that need no text: EOS,
-stop token ids, a finished grammar, the length limits. Text is made here when a request's output
-is built, after the step. The one exception is a request with stop strings: a stop string ends
-its sequence (and frees its blocks) in the step that produced it, and a speculative step must not
-append the accepted tokens after it, so the core asks `stop_string_hit` as it appends each token.
+stop token ids, a finished grammar, the length limits. Stop strings need text, so they are found
+here: after the core has appended a step's tokens, `find_stops` turns the new tokens of requests
+with stop strings into text one token at a time and hands back, as vLLM v1's output processor
+hands back requests to abort, each sequence that completed a stop string with the number of its
+output tokens to keep. The core ends those sequences in the same step (their blocks free at
+once) and drops what a speculative step accepted past the stop.
 """
 from __future__ import annotations
 
@@ -87,12 +89,34 @@ class OutputProcessor:
                 st.logprobs = []
             st.logprobs.append({"token_id": tok, "logprob": lp[0], "top": lp[1]})
 
-    def stop_string_hit(self, req: Request, seq: Sequence) -> bool:
-        """Whether the text so far ends the sequence on one of its stop strings; if so the text
-        is cut before it and the sequence's finish and stop reasons are set."""
-        st = req.states[seq.index]
-        self._detokenize(seq, st)
-        text = st.text
+    def find_stops(self, reqs) -> list[tuple[Sequence, int, str]]:
+        """The sequences of `reqs` whose tokens appended this step complete one of their stop
+        strings: (sequence, output tokens to keep, the stop string). Each one's text is cut
+        before the stop string and its logprob entries past the kept tokens go; the core ends
+        the sequence. Tokens are turned into text one at a time, so the first token that
+        completes a stop string is the last one kept, however many a step appended."""
+        hits = []
+        for req in reqs:
+            if not req.params.stop:
+                continue
+            for seq, st in zip(req.seqs, req.states):
+                ids = seq.output_token_ids
+                while st.detokenized < len(ids):
+                    tok = ids[st.detokenized]
+                    st.detokenized += 1
+                    if seq.params.ignore_eos or tok not in self.eos_token_ids:
+                        st.text.add(st.detok.add([tok]))
+                    stop = self._cut_at_stop(seq, st.text)
+                    if stop is not None:
+                        if st.logprobs is not None:
+                            del st.logprobs[st.detokenized:]
+                        hits.append((seq, st.detokenized, stop))
+                        break
+        return hits
+
+    @staticmethod
+    def _cut_at_stop(seq: Sequence, text: _Text) -> str | None:
+        """The stop string the text now holds (the earliest), with the text cut before it."""
         # Only the tail can hold a new match: the last token's text plus the longest stop string.
         longest = max(len(s) for s in seq.params.stop)
         tail_start = max(0, text.length - longest - 16)
@@ -103,10 +127,9 @@ class OutputProcessor:
             if pos != -1 and (best is None or pos < best[0]):
                 best = (pos, s)
         if best is None:
-            return False
+            return None
         text.cut(tail_start + best[0])
-        seq.finish_reason, seq.stop_reason = "stop", best[1]
-        return True
+        return best[1]
 
     def _detokenize(self, seq: Sequence, st: SeqOutputState) -> None:
         """Bring the text up to the sequence's tokens, one token at a time (as they came); the

@@ -125,3 +125,12 @@ class Sequence:
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
         self.output_token_ids.append(token_id)
+
+    def truncate_output(self, keep: int) -> int:
+        """Keep the first `keep` output tokens (a stop string ended the stream there); returns
+        how many went."""
+        drop = self.num_output_tokens - keep
+        if drop > 0:
+            del self.output_token_ids[keep:]
+            del self.token_ids[len(self.token_ids) - drop:]
+        return max(drop, 0)

@@ -15,10 +15,10 @@ KV cache) while each layer records amax(|K|) and amax(|V|) per kv head; then
 
 HEADROOM = 16 plus the rounding up to a power of two leaves 16x-32x above the
 calibration maximum before values saturate (they clamp to +-448, never
-inf/NaN). One paragraph is a small sample: on the default model, 40 windows of
-512 tokens of Shakespeare reach 2.7x its V maximum in the last layer, and at the
-former headroom of 2 that head saturated, costing perplexity +1.02% where 16
-gives +0.80%. The headroom costs nothing measurable in precision: e4m3 keeps 3
+inf/NaN). One paragraph is a small sample: longer text goes well past its V
+maximum, and a smaller headroom let a head saturate and cost perplexity
+(docs/benchmarks/from-code.md, "f8e4m3 calibration headroom"). The headroom costs
+nothing measurable in precision: e4m3 keeps 3
 mantissa bits over its whole normal range, which at this scale still reaches
 down to amax / 900, and below it the subnormals' absolute error (amax * 7e-5 at
 most) is a thousandth of the top values'. A power-of-two scale also makes the

@@ -24,7 +24,7 @@ class LoRAState:
         if slots is None or len(slots) == 0:
             self.active, self.groups = False, []
             return
-        if len(slots) == 1:  # batch 1: no np.unique (its 20 us are 0.3% of a small model's step)
+        if len(slots) == 1:  # batch 1: no np.unique (a measurable share of a small model's step)
             s = int(slots[0])
             self.active, self.groups = (True, [(s, None)]) if s >= 0 else (False, [])
             return

@@ -97,7 +97,8 @@ def release_omp_threads() -> None:
     parallel region, and once they outnumber the CPUs its idle workers sleep instead of
     spinning, so each parallel region pays a wake-up. The decode stack opens about 150 a step,
     so a model loaded on one thread and run on another (the server's engine thread, a user's
-    worker thread) decoded SmolLM2 at 71 tok/s against 186 on the loading thread (2 CPUs).
+    worker thread) decoded far slower than on the loading thread (docs/benchmarks/from-code.md,
+    "OpenMP workers on a second thread").
     The thread that loads a model calls this when it is done, and a thread whose engine has
     gone idle. Only GNU libgomp is asked (LLVM's libomp would pause the whole runtime, other
     threads' parallel regions too); elsewhere this does nothing."""

@@ -45,17 +45,14 @@ TILE_PAD = 32  # a transposed tile's rows are this much longer (csrc/quant_packe
 # The integer kernel past INT_ROWS too (prefill, wide decode batches): packed weights other than
 # the LM head (and weights in the file's layout) in chunks of WIDE_CHUNK rows, so that a chunk's
 # int8 activations stay in cache while every weight group passes over them; one int8 level, q|k|v
-# two, as X2_WIDE says. Measured on Qwen2.5-Coder-1.5B Q4_K_M (2 threads, AMD EPYC, AVX-512
-# VNNI + BF16), prefill tok/s against the dequantize + GEMM route in bf16: 2.2x at 64 rows, 1.19x
-# at 512 (1.22x in another session: 157.6 against 128.8, `bench compare --rounds 3`), 1.16x at
-# 1024; at 2048 rows 0.73x in one call (the activations no longer fit), 1.06x in chunks of 512,
-# 1.15x in chunks of 64-256. It rounds activations where the GEMM route is exact, so it is taken
+# two, as X2_WIDE says. Chunks, because all 2048 rows in one call no longer keep the
+# activations in cache. It rounds activations where the GEMM route is exact, so it is taken
 # where that was measured to hold the quality bar (98% top-1, perplexity within 0.5% of the
-# dequantized model; README, "Integer prefill"): models INT_WIDE_WIDTH or more wide (the 1.5B:
-# 98.71%, -0.01%; SmolLM2, 576 wide: 97.41%), on CPUs whose integer kernel is AVX-512 VNNI and
-# which have no AMX (there the GEMM's bf16 products run on AMX: 2.7x llama.cpp's prefill). On
-# AVX2 the integer kernel takes three instructions for half of one vpdpbusd's products: there
-# it is likely slower than the GEMM (not measured). PAGEDLLM_QUANT_WIDE=gemm | int forces a route.
+# dequantized model): models INT_WIDE_WIDTH or more wide (narrower ones fall under it), on CPUs
+# whose integer kernel is AVX-512 VNNI and which have no AMX (there the GEMM's bf16 products run
+# on AMX, faster). On AVX2 the integer kernel takes three instructions for half of one
+# vpdpbusd's products: there it is likely slower than the GEMM (not measured). The decision and
+# its measurements: docs/design/integer-prefill.md. PAGEDLLM_QUANT_WIDE=gemm | int forces a route.
 INT_WIDE_WIDTH = 1536
 WIDE_MODES = settings.choices("quant_wide")  # ("auto", "gemm", "int")
 WIDE_CHUNK = 128
@@ -66,11 +63,11 @@ _route = threading.local()  # proposals_only's flag, per thread
 def gemm_rows(m: int) -> int:
     """The rows a reduced-precision GEMM of m rows runs with: m up to 16, else m rounded up to
     a multiple of 16 (to 256) or of 64. oneDNN, which runs torch's bfloat16 and float16
-    products on CPU, builds a kernel for every new row count: some 3 ms a shape, where the cached
-    [37, 896] x [896, 2048] product takes 0.4 ms (AMX machine, 2 threads). A server meets a new
-    count with every prefill length, and an MoE layer with every expert's group of rows: the
-    first batch of 20 prompts on an upcycled Qwen2.5-0.5B MoE took 3.6 s, the same batch again
-    0.8 s. Whole buckets reuse a few kernels; the zero rows add at most a quarter (257 -> 320 rows)."""
+    products on CPU, builds a kernel for every new row count, which costs several times the
+    product itself. A server meets a new count with every prefill length, and an MoE layer with
+    every expert's group of rows, so a first batch ran several times slower than the same batch
+    again. Whole buckets reuse a few kernels; the zero rows add at most a quarter (257 -> 320
+    rows). Figures: docs/benchmarks/from-code.md, "oneDNN kernels per row count"."""
     if m <= 16:
         return m
     step = 16 if m <= 256 else 64
@@ -107,26 +104,25 @@ def kernel_path() -> tuple[str | None, str]:
 
 
 # How the integer path rounds activations. "int8": one int8 value per element and a scale per
-# 32, as llama.cpp does (95.8% top-1 agreement with float weights on SmolLM2 Q4_1, token by
-# token). "int8x2": the rounding error quantized again as a second row sharing the decoded
-# weights (about 14 bits: 99.98%), which doubles the integer dot products. "auto" (the
-# default): int8x2 for steps of up to X2_ROWS rows, which stream the weights and pay little
-# for it (about 5% at one row: batch-1 chat, speculative verification of up to 7 proposals).
-# Wider steps are compute bound (int8x2 cost 1.9-2.9x a projection at 32 rows), so they
+# 32, as llama.cpp does. "int8x2": the rounding error quantized again as a second row sharing
+# the decoded weights (about 14 bits: almost the float model's tokens), which doubles the
+# integer dot products. "auto" (the default): int8x2 for steps of up to X2_ROWS rows, which
+# stream the weights and pay little for it (batch-1 chat, speculative verification of up to 7
+# proposals). Wider steps are compute bound (there int8x2 costs a multiple of a projection), so they
 # round in one level except where that moves greedy tokens most for the least work: the
 # q|k|v projection stays two-level (X2_WIDE) and the head's best logits are computed again
 # (HEAD_RECHECK). A row's rounding therefore depends on its step's width, as the dequantize +
-# GEMM route past INT_ROWS already made it. PAGEDLLM_QUANT_ACT chooses.
+# GEMM route past INT_ROWS already made it. PAGEDLLM_QUANT_ACT chooses. The decision and its
+# measurements: docs/design/activation-rounding.md.
 ACT_MODES = settings.choices("quant_act")  # ("auto", "int8", "int8x2")
 ACT_X2 = 256  # or-ed into the kernels' isa argument (csrc/quant_common.h)
 X2_ROWS = 8
 # ... and only in models narrower than X2_WIDTH (hidden size; a projection's narrower side):
 # wider models round narrow steps as wide ones (one level but X2_WIDE, the head rechecked).
-# There the second level does not pay: on the real Qwen2.5-Coder-1.5B Q4_K_M (hidden 1536) that
-# rounding keeps top-1 98.69% and perplexity +0.04% against the dequantized float32 model
-# (`bench quality --weights`, 32 windows x 256 tokens), past the 98% / 0.5% bar, while a second
-# level made a batch-1 step about 10% slower on an AVX-512/AMX Xeon (README, "Activation
-# rounding"). SmolLM2-135M (hidden 576) falls to 96.53% with it, so narrow models keep it.
+# There the second level does not pay: such a model keeps the 98% top-1 / 0.5% perplexity bar
+# with one level, and the second costs its batch-1 step measurably; SmolLM2-135M (hidden 576)
+# falls under the bar with one level, so narrow models keep two (docs/design/
+# activation-rounding.md, "Wide models: one level on narrow steps too").
 X2_WIDTH = 1536
 # A projection's role: the attribute its Linear has in a decoder layer or the model (set at
 # load, models/llama.py). Bit ACT_X2_PROJ << DECODE_ROLES[role] of quant_decode_layers' isa
@@ -135,10 +131,9 @@ ROLES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")
 DECODE_ROLES = {r: j for j, r in enumerate(ROLES[:4])}
 ACT_X2_PROJ = 512
 # The projections that "auto" keeps two-level on wider steps too, up to INT_ROWS. Chosen by
-# measurement (README, "Activation rounding"): on a real Qwen2.5-0.5B GPTQ model, 32 windows
-# decoded together, top-1 against the float32 model went 97.7% (all int8) -> 98.1% (the head
-# rechecked) -> 98.5% (and q|k|v two-level; +3 ms on an 85 ms step), while o, gate|up and down
-# added 0.0-0.4 points each for 3-26 ms. PAGEDLLM_QUANT_X2_WIDE (roles, comma-separated) overrides.
+# measurement (docs/design/activation-rounding.md, "Wide steps: one level, q|k|v two"): q|k|v
+# bought the most top-1 agreement for the least time; o, gate|up and down each bought less for
+# more. PAGEDLLM_QUANT_X2_WIDE (roles, comma-separated) overrides.
 X2_WIDE = ("qkv_proj",)
 
 
@@ -183,8 +178,9 @@ def proposals_only():
     """Steps run inside this only propose tokens that another model verifies (a speculative
     draft model's forwards): "auto" takes the integer kernel past INT_ROWS at any width where
     it is faster (AVX-512 VNNI without AMX), as the quality bar that keeps narrow models on the
-    GEMM route applies to output, not to proposals. A 0.5B draft's catch-up of 40 tokens ran
-    96 ms so against 214 ms through the GEMM (its 33 rows and up dequantize every weight)."""
+    GEMM route applies to output, not to proposals; through the GEMM a draft's catch-up of 33
+    rows and up dequantizes every weight (docs/benchmarks/from-code.md, "The draft's forwards
+    past 32 rows")."""
     before = getattr(_route, "proposals_only", False)
     _route.proposals_only = True
     try:
@@ -301,8 +297,9 @@ def _moe_x2(rows: int, width: int) -> int:
     """quant_moe_experts' x2 bits for a step of `rows` rows: its experts' gate|up (bit 0) and
     down (bit 1) inputs in two levels where a dense layer's gate_up_proj / down_proj would round
     that step's in two levels. By the step's width, not each expert's few rows: a 32-row step
-    whose experts each see about 4 rows ran 1.21x slower in two levels (OLMoE-1B-7B shape, 2
-    threads, AVX-512), the cost a dense layer's wide steps are spared."""
+    whose experts each see a few rows is compute bound as a whole, and two levels there cost
+    what a dense layer's wide steps are spared (docs/benchmarks/from-code.md, "Experts' rounding
+    by the step's width")."""
     return int(_x2(rows, "gate_up_proj", width)) | int(_x2(rows, "down_proj", width)) << 1
 
 
@@ -329,7 +326,7 @@ def moe_block(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, router: to
 # logits are computed again from the dequantized head rows and the unrounded hidden state:
 # which token is greedy's then moves only when int8 rounding moves a logit past more than
 # HEAD_RECHECK - 1 others, instead of at every near-tie. It costs one top-k pass over the logits
-# (about 1 ms for 32 rows of a 152k vocabulary on 2 cores), where rounding the head in two
+# (docs/benchmarks/from-code.md, "The head's best logits rechecked"), where rounding the head in two
 # levels costs as much again as the head itself. PAGEDLLM_QUANT_HEAD_RECHECK (default 4) sets
 # HEAD_RECHECK (0: off).
 

@@ -44,8 +44,9 @@ DENSE_SLAB_BYTES = 1 << 20
 def weight_buffer(shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
     """An uninitialised CPU tensor from the weight slabs (2 MiB pages where Linux grants them;
     native/csrc/weight_memory.cpp), for a dense weight of DENSE_SLAB_BYTES or more; None where
-    it is smaller, the slabs are off (PAGEDLLM_HUGE_PAGES=0) or the native kernels are. In 2 MiB
-    pages a dequantized Qwen2.5-Coder-0.5B (bf16) decoded 14.8 against 13.5 tok/s at batch 1."""
+    it is smaller, the slabs are off (PAGEDLLM_HUGE_PAGES=0) or the native kernels are. Dense
+    weights gain from 2 MiB pages as packed ones do (docs/benchmarks/from-code.md, "Dense weights
+    in 2 MiB pages")."""
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     if nbytes < DENSE_SLAB_BYTES:
         return None

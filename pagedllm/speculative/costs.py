@@ -5,9 +5,9 @@ A target step's time is a curve in its decode rows: the median of the recent ste
 row count seen often enough, joined by straight pieces, and past the last of them a line
 fitted to all of them; the prices of its extra rows are then made non-decreasing (`rising`).
 A line alone does not fit: a step that streams the weights once takes its second row almost
-free (a 1.5B on 2 cores: 0.0 of a step) and later rows at a growing share (0.26 a row at 6),
-and one slope through both counted a single proposal at 0.2 and declined free chat that
-proposing one token at a time ran 1.14x faster. A draft forward's time is the median of the
+free and later rows at a growing share, and one slope through both overpriced a single
+proposal and declined free chat that one proposal a step speeds up (docs/benchmarks/from-code.md,
+"The speculative planner's step curve"). A draft forward's time is the median of the
 recent ones. Medians, not means: one step slowed by the machine (twice its usual time is
 common on a shared 2-core host) moved a running mean enough to decline a code edit whose
 drafts were 99% accepted. Both are taken relative to a plain decode step of the same

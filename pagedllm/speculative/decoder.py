@@ -38,26 +38,24 @@ logger = logging.getLogger(__name__)
 # each time it pauses again, and then proposes once whatever the planner says (a probe that
 # refreshes its acceptance).
 PAUSE_STEPS, MAX_PAUSE_STEPS = 4, 128
-# Weight of the earlier verifications in an acceptance estimate. At 0.8 two rejections in a
-# row took a free chat's estimate from 0.6 to 0.25 and declined it, though its proposals are
-# accepted 60-66% overall: one proposal a step paid 1.14x there. At 0.9, in one process
-# alternating per request (4 chats x 2, Qwen2.5-Coder 1.5B with its 0.5B draft): 1.13x (516
-# proposed) against 1.08x (261) at 0.8, in a machine's noise of about +-15% a request.
+# Weight of the earlier verifications in an acceptance estimate. Lower, two rejections in a row
+# declined a free chat whose proposals are mostly accepted and pay overall; 0.9 keeps proposing
+# there (docs/benchmarks/from-code.md, "The speculative planner's constants").
 DECAY = 0.9
 # A new sequence's acceptance: this many accepted of this many trials, soon outweighed.
 PRIOR_ACCEPTED, PRIOR_TRIALS = 1.2, 2.0
 # Proposals must be expected to raise tokens per unit of step time by this factor. The cost
 # model leaves out the sampling and bookkeeping of verification rows and the noise of a few
-# verifications' acceptance; at a bare 1.0 a chat with a Qwen2.5-Coder 0.5B draft for its
-# 1.5B (62% accepted, a draft forward 0.4 of a target step: an expected 1.03) ran 0.86-0.97x.
+# verifications' acceptance; at a bare 1.0 a chat whose expected gain was just above 1 ran
+# slower than plain decoding (docs/benchmarks/from-code.md, "The speculative planner's constants").
 MIN_GAIN = 1.05
 # A draft model's probe after a pause first catches up on the tokens added during the pause.
 # Where they are few enough to run as decode rows (the first pauses), that is the forward that
-# makes its first proposal anyway, and it probes; past them the catch-up is a prefill chunk
-# (about 2.5 ms a token for a 0.5B draft on 2 cores), and it waits until the sequence's last
-# PROBE_NGRAM tokens occur earlier in it: in free chat such probes cost more than their
-# proposals saved (0.96x). (Gated always, free chat declined after its first rejections and
-# ran plain, 1.00x, where one proposal a step ran 1.14x.)
+# makes its first proposal anyway, and it probes; past them the catch-up is a prefill chunk,
+# and it waits until the sequence's last PROBE_NGRAM tokens occur earlier in it: in free chat
+# such probes cost more than their proposals saved. (Gated always, free chat declined after
+# its first rejections and ran plain, where one proposal a step paid. Figures:
+# docs/benchmarks/from-code.md, "The speculative planner's constants".)
 PROBE_NGRAM = 8
 
 

@@ -2,8 +2,9 @@
 
 Chosen over xgrammar by measurement (pagedllm/bench/grammar_engines.py): it refuses the JSON
 Schema keywords it cannot enforce (a 400) where xgrammar silently emitted invalid output for
-allOf, if/then/else, not and uniqueItems; it compiles a new schema in about 1 ms (xgrammar
-80 ms at 49k tokens, 560 ms at 262k), which matters when every request brings its own schema;
+allOf, if/then/else, not and uniqueItems; it compiles a new schema far faster than xgrammar,
+and the more so the larger the vocabulary (docs/benchmarks/from-code.md), which matters when
+every request brings its own schema;
 and it does not depend on torch, so installing it can never replace the user's torch.
 
 One `GrammarEngine` per LLM engine: it owns the token trie (built once, lazily, off the

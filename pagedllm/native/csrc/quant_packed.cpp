@@ -112,6 +112,9 @@ inline void packed_scale(const PLayout& L, const uint8_t* u, int j, int r, int h
 // ---------------------------------------------------------------------------------------------
 // Packing (once, at load).
 
+// NB: the layout's bits per value, a template argument so that the per-value scatter below is
+// compiled without its branches on the width (packing runs once per weight at load).
+template <int NB>
 void pack_group(const PLayout& L, const Fmt& f, const uint8_t* src, int64_t rb, int64_t k, uint8_t* dst) {
   alignas(64) uint8_t q[GR][256];
   for (int64_t u = 0; u < k / L.vals; ++u) {
@@ -131,14 +134,16 @@ void pack_group(const PLayout& L, const Fmt& f, const uint8_t* src, int64_t rb, 
       uint8_t* B = U + L.hdr + j * L.blk;
       for (int r = 0; r < GR; ++r) {
         for (int i = 0; i < 32; ++i) {
-          const int v = L.nbits == 8 ? (q[r][32 * j + i] ^ 0x80) : q[r][32 * j + i];
+          const int v = NB == 8 ? (q[r][32 * j + i] ^ 0x80) : q[r][32 * j + i];
           const int t = i / 4, pos = 4 * r + i % 4;
-          if (L.nbits == 8) {
+          if constexpr (NB == 8) {
             B[64 * t + pos] = static_cast<uint8_t>(v);
           } else {
             B[64 * (t % 4) + pos] |= static_cast<uint8_t>((v & 0xF) << (t >= 4 ? 4 : 0));
-            if (L.nbits == 5 && (v & 0x10)) B[256 + 8 * t + pos / 8] |= static_cast<uint8_t>(1u << (pos % 8));
-            if (L.nbits == 6) B[256 + 64 * (t / 4) + pos] |= static_cast<uint8_t>((v >> 4) << (2 * (t % 4)));
+            if constexpr (NB == 5) {
+              if (v & 0x10) B[256 + 8 * t + pos / 8] |= static_cast<uint8_t>(1u << (pos % 8));
+            }
+            if constexpr (NB == 6) B[256 + 64 * (t / 4) + pos] |= static_cast<uint8_t>((v >> 4) << (2 * (t % 4)));
           }
         }
         const uint8_t* b = src + r * rb + u * f.bytes;
@@ -800,8 +805,10 @@ at::Tensor quant_pack(const at::Tensor& w, int64_t type, int64_t k) {
   auto out = pagedllm::weight_buffer(groups * gb).view({groups, gb});  // huge pages (weight_memory.cpp)
   const uint8_t* src = w.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
+  auto pack = L.nbits == 8 ? pack_group<8> : L.nbits == 6 ? pack_group<6> : L.nbits == 5 ? pack_group<5> : pack_group<4>;
+  TORCH_CHECK(L.nbits == 4 || L.nbits == 5 || L.nbits == 6 || L.nbits == 8, "no packing for ", L.nbits, "-bit values");
   at::parallel_for(0, groups, 16, [&](int64_t b, int64_t e) {
-    for (int64_t g = b; g < e; ++g) pack_group(L, f, src + g * GR * rb, rb, k, dst + g * gb);
+    for (int64_t g = b; g < e; ++g) pack(L, f, src + g * GR * rb, rb, k, dst + g * gb);
   });
   return out;
 }

@@ -1,8 +1,8 @@
 // Packed weights in huge pages. A batch-1 decode step streams every weight once, and on a VM
-// the weights' 4 KiB pages cost twice in the TLB (the guest's page and the host's). Measured
-// on Qwen2.5-Coder-1.5B Q4_K_M (Intel Xeon with AMX, 2 threads, one process switching the
-// same weights between copies): the copies at load, whose 243k pages lay in 27,599 physically
-// contiguous runs, decoded 17.5 tok/s; the same bytes in 2 MiB pages 20.8 tok/s.
+// the weights' 4 KiB pages cost twice in the TLB (the guest's page and the host's); the weights
+// of a loaded model lie scattered over many physically separate runs of pages. The same bytes
+// in 2 MiB pages decoded faster (docs/benchmarks/quantized-kernels.md, "Packed weights in huge
+// pages"; docs/benchmarks/from-code.md).
 //
 // Weights are carved, in the order they are packed, from slabs of SLAB bytes mapped 2 MiB
 // aligned with madvise(MADV_HUGEPAGE) (Linux grants them where transparent huge pages are
