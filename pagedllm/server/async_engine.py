@@ -211,19 +211,7 @@ class AsyncEngine:
                     self.metrics.on_engine_state(self.engine, len(self._routes))
         finally:
             self._fail_all(ShuttingDown())
-            self._refuse_queued()
             logger.info("engine thread stopped")
-
-    def _refuse_queued(self) -> None:
-        """Settle the requests queued after the thread's last look: nobody will add them."""
-        err = EngineError("the engine is not running" + (f": {self.stopped_because}" if self.stopped_because else ""))
-        while True:
-            try:
-                cmd = self._cmds.get_nowait()
-            except queue.Empty:
-                return
-            if isinstance(cmd, _Add):
-                _call_soon(cmd.loop, _settle, cmd.accepted, ShuttingDown() if self._closing else err)
 
     def _apply_commands(self, block: bool) -> bool:
         """Apply queued commands (waiting for one if `block`); False once asked to stop."""
