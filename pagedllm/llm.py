@@ -299,6 +299,7 @@ class LLM:
         self.driver = EngineDriver(self.engine)  # every face drives the engine through it
         self.tokenizer = loaded.tokenizer
         self.model_name = source.short_name
+        self.model_path = source.path  # the .gguf file or the model folder (its size for Ollama's /api/tags)
         if hasattr(loaded.model, "encode_images"):
             from .multimodal.processor import ImageProcessor, gguf_processor
 

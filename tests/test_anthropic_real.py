@@ -61,6 +61,17 @@ def test_real_file(started):
                                                     "content": "Sunny, 24 C"}]}])
         print("answer:", answer.content[0].text if answer.content else answer.content, answer.stop_reason)
         assert answer.content and answer.content[0].type == "text"
+    # The 0.5B, given only the result, writes the call again (transformers' greedy tokens on the
+    # same file and the same template text do too); a user turn that asks for the answer beside
+    # the result gets one that uses it.
+    answer = client.messages.create(
+        model="qwen", max_tokens=60, tools=TOOLS, **GREEDY,
+        messages=[*ask, {"role": "assistant", "content": use.content},
+                  {"role": "user", "content": [
+                      {"type": "tool_result", "tool_use_id": call.id, "content": "Sunny, 24 C"},
+                      {"type": "text", "text": "Using that result, answer my question in one sentence."}]}])
+    print("answer using the result:", answer.content[0].text, answer.stop_reason)
+    assert answer.stop_reason == "end_turn" and "24" in answer.content[0].text
     bearer = anthropic.Anthropic(base_url=server.url, auth_token=API_KEY, max_retries=0, timeout=600)
     assert bearer.messages.create(model="qwen", max_tokens=2, messages=ASK).content
     with pytest.raises(anthropic.AuthenticationError) as e:

@@ -2,6 +2,7 @@
 real Qwen2.5-Coder GGUF (skipped without the file), laid out as the model card writes them."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -81,3 +82,42 @@ def test_gguf_metadata_ids_win_and_no_tokens_is_a_clear_400():
     with pytest.raises(ApiError) as e:
         fim.infill_ids(_ctx(_Vocab()), "a", "b")
     assert e.value.status == 400 and "fill-in-the-middle tokens" in e.value.message
+
+
+@pytest.fixture(scope="module")
+def fim_server(tmp_path_factory):
+    from test_server import serving_qwen
+    yield from serving_qwen(tmp_path_factory, "fim")
+
+
+def test_infill_streamed_and_not_agree_with_completions_suffix(fim_server):
+    """/infill (whole, and streamed as llama.cpp streams it), /v1/completions with `suffix`
+    through the openai client and /api/generate with `suffix` through the ollama client give
+    the same greedy middle on the real model."""
+    httpx = pytest.importorskip("httpx")
+    openai = pytest.importorskip("openai")
+    ollama = pytest.importorskip("ollama")
+    server = fim_server.get()
+    body = {"input_prefix": PREFIX, "input_suffix": SUFFIX, "temperature": 0, "n_predict": 24}
+    whole = httpx.post(f"{server.url}/infill", json=body, timeout=300).json()
+    assert whole["stop"] and whole["content"] and whole["tokens_predicted"] >= 1
+    events = []
+    with httpx.stream("POST", f"{server.url}/infill", json={**body, "stream": True}, timeout=300) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        for line in r.iter_lines():
+            if line:
+                assert line.startswith("data: ")
+                events.append(json.loads(line[len("data: "):]))
+    assert [e["stop"] for e in events] == [False] * (len(events) - 1) + [True] and len(events) > 2
+    assert "".join(e["content"] for e in events) == whole["content"]
+    last = events[-1]
+    assert (last["stop_type"], last["tokens_predicted"], last["tokens_evaluated"]) == \
+        (whole["stop_type"], whole["tokens_predicted"], whole["tokens_evaluated"])
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=300)
+    comp = client.completions.create(model="qwen", prompt=PREFIX, temperature=0, max_tokens=24,
+                                     extra_body={"suffix": SUFFIX})
+    assert comp.choices[0].text == whole["content"] and comp.usage.prompt_tokens == whole["tokens_evaluated"]
+    gen = ollama.Client(host=server.url, timeout=300).generate(
+        model="qwen", prompt=PREFIX, suffix=SUFFIX, options={"temperature": 0, "num_predict": 24})
+    assert gen.response == whole["content"]
+    print("\nmiddle:", repr(whole["content"]), whole["stop_type"], len(events), "events")

@@ -3,7 +3,6 @@ model; greedy answers must equal the OpenAI routes' for the same request."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
@@ -11,7 +10,7 @@ httpx = pytest.importorskip("httpx")
 ollama = pytest.importorskip("ollama")
 openai = pytest.importorskip("openai")
 
-from test_server import serving  # noqa: E402
+from test_server import serving, serving_qwen  # noqa: E402
 
 GREEDY = {"temperature": 0, "num_predict": 12, "seed": 0}
 ASK = [{"role": "user", "content": "Name three colors."}]
@@ -37,9 +36,10 @@ def oai(server):
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=300)
 
 
-def test_list_show_ps_version(client, server):
+def test_list_show_ps_version(client, server, smollm2_gguf_path):
     names = [m.model for m in client.list().models]
     assert names and names[0]
+    assert client.list().models[0].size == smollm2_gguf_path.stat().st_size  # the served file's
     shown = client.show(names[0])
     assert "completion" in shown.capabilities
     assert "insert" not in shown.capabilities  # SmolLM2's vocabulary has no FIM tokens
@@ -97,7 +97,6 @@ def test_fim_refused_without_tokens(client, server):
 
 # -- a tool call needs a model that makes one: the real Qwen2.5-Coder-0.5B (skipped without it) --
 
-QWEN = Path.home() / ".cache/pagedllm/models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
 # One earlier turn shows the call in the template's own <tool_call> tags (the small model
 # otherwise writes bare JSON, which only the bare-JSON reading of issue 66's peer fixes takes).
 CALL_ASK = [{"role": "user", "content": "What is 1 + 1? Use the add tool."},
@@ -110,10 +109,7 @@ CALL_ASK = [{"role": "user", "content": "What is 1 + 1? Use the add tool."},
 
 @pytest.fixture(scope="module")
 def qwen(tmp_path_factory):
-    if not QWEN.is_file():
-        pytest.skip(f"{QWEN} is not here")
-    yield from serving(tmp_path_factory, "ollama-qwen", [str(QWEN), "--served-model-name", "qwen",
-                                                         "--max-model-len", "2048", "--max-seqs", "4"])
+    yield from serving_qwen(tmp_path_factory, "ollama-qwen")
 
 
 def _openai(messages: list[dict]) -> list[dict]:

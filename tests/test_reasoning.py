@@ -175,3 +175,57 @@ def test_continuous_usage_stats(started):
     plain = list(client.chat.completions.create(model="default", messages=ASK, temperature=0, max_tokens=12,
                                                 stream=True, stream_options={"include_usage": True}))
     assert all(c.usage is None for c in plain[:-1]) and plain[-1].usage.completion_tokens == 7
+    # text completions too
+    text = list(client.completions.create(
+        model="default", prompt="Let", temperature=0, max_tokens=5, stream=True,  # "Let" leads the chain
+        stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    assert len(text) > 2 and all(c.usage is not None for c in text)
+    done = [c.usage.completion_tokens for c in text]
+    assert done == sorted(done) and done[0] >= 1 and done[-2] == done[-1] == text[-1].usage.completion_tokens
+    assert not text[-1].choices  # the closing usage chunk
+
+
+def test_ollama_thinking(started, thinker):
+    """Ollama's messages carry `thinking` (streamed too), /api/generate's answer as well, and
+    `think: false` reaches the template as enable_thinking (issue 66.4)."""
+    ollama = pytest.importorskip("ollama")
+    _, thought, answer = thinker
+    server = started.get()
+    client = ollama.Client(host=server.url, timeout=300)
+    oai = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=300)
+    opts = {"temperature": 0, "num_predict": 12}
+    r = client.chat(model="default", messages=ASK, options=opts, stream=False)
+    assert r.message.thinking == thought and r.message.content == answer
+    assert r.done and r.done_reason == "stop" and r.eval_count == 7
+    parts = list(client.chat(model="default", messages=ASK, options=opts, stream=True))
+    assert "".join(p.message.thinking or "" for p in parts) == thought
+    assert "".join(p.message.content for p in parts) == answer
+    assert parts[-1].done and not any(p.done for p in parts[:-1])
+    assert any(p.message.thinking for p in parts[:-1])  # thinking streams as it comes, not at the end
+    g = client.generate(model="default", prompt="Hi", options=opts, stream=False)
+    assert g.thinking == thought and g.response == answer
+    streamed = list(client.generate(model="default", prompt="Hi", options=opts, stream=True))
+    assert "".join(p.thinking or "" for p in streamed) == thought
+    assert "".join(p.response for p in streamed) == answer
+    # think=false reaches the template: the prompt holds the closed empty block, as OpenAI's
+    # chat_template_kwargs put it there
+    off = client.chat(model="default", messages=ASK, options={**opts, "num_predict": 1}, think=False)
+    ref = oai.chat.completions.create(model="default", messages=ASK, temperature=0, max_tokens=1,
+                                      extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert off.prompt_eval_count == ref.usage.prompt_tokens > r.prompt_eval_count
+    on = client.chat(model="default", messages=ASK, options=opts, think=True)
+    assert on.prompt_eval_count == r.prompt_eval_count and on.message.thinking == thought
+    # a past turn's thinking goes back through the template, as the template itself puts back
+    # reasoning it cuts off an OpenAI message's content
+    past = [*ASK, {"role": "assistant", "content": answer, "thinking": thought}, {"role": "user", "content": "And?"}]
+    follow = client.chat(model="default", messages=past, options={**opts, "num_predict": 1})
+    oai_past = [*ASK, {"role": "assistant", "content": f"<think>\n{thought}\n</think>\n\n{answer}"},
+                {"role": "user", "content": "And?"}]
+    ref = oai.chat.completions.create(model="default", messages=oai_past, temperature=0, max_tokens=1)
+    bare = client.chat(model="default", messages=[*ASK, {"role": "assistant", "content": answer},
+                                                  {"role": "user", "content": "And?"}],
+                       options={**opts, "num_predict": 1})
+    assert follow.prompt_eval_count == ref.usage.prompt_tokens > bare.prompt_eval_count
+    with pytest.raises(ollama.ResponseError) as e:
+        client.chat(model="default", messages=ASK, think="very")
+    assert e.value.status_code == 400 and "think" in e.value.error

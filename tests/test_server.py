@@ -140,6 +140,18 @@ def serving(tmp_path_factory, name: str, args: list[str]):
         assert "Traceback" not in srv.log(), srv.log()[-5000:]
 
 
+# The real Qwen2.5-Coder-0.5B file, for the checks a tiny model cannot show (tool calls, FIM).
+QWEN_05B = Path.home() / ".cache/pagedllm/models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
+
+
+def serving_qwen(tmp_path_factory, name: str):
+    """`serving` on the real Qwen2.5-Coder-0.5B file, served as "qwen"; skips where it is absent."""
+    if not QWEN_05B.is_file():
+        pytest.skip(f"{QWEN_05B} is not here")
+    yield from serving(tmp_path_factory, name, [str(QWEN_05B), "--served-model-name", "qwen",
+                                                "--max-model-len", "2048", "--max-seqs", "4"])
+
+
 @pytest.fixture(scope="module")
 def started_server(tmp_path_factory, smollm2_gguf_path):
     port = free_port()

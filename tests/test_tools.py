@@ -213,3 +213,32 @@ def test_bare_json_call_naming_a_tool_is_a_call(text):
         assert parse_answer(other, plan) == (other, [])
     # and nothing changes where no tool may be called
     assert parse_answer(text, tool_api.plan(tools, "none", None, None, {})) == (text, [])
+
+
+@pytest.mark.parametrize("text", ['{"name": "add", "arguments": {"a": 2, "b": 3}}',
+                                  '```json\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n```',
+                                  '[{"name": "add", "parameters": {"a": 2, "b": 3}}]',
+                                  '{"name": "sub", "arguments": {"a": 2}}', '{"result": 5}',
+                                  '```python\nprint(1)\n```', 'Sure: {"name": "add", "arguments": {}}',
+                                  'Plain words.',
+                                  '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'])
+@pytest.mark.parametrize("size", [1, 4, 1000])
+def test_streamed_answer_splits_as_the_whole_one(text, size):
+    """Under tool_choice=auto a streamed answer gives the same content and calls as the whole
+    answer, bare and fenced JSON calls included; an answer that cannot be such JSON is not held."""
+    from pagedllm.protocols.common.chat import answer_stream_parser, parse_answer
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+    plan = tool_api.plan(tools, "auto", None, None, {})
+    content, calls = parse_answer(text, plan)
+    p = answer_stream_parser(plan)
+    sent, deltas = "", []
+    for i in range(0, len(text), size):
+        s, d = p.feed(text[i:i + size])
+        if i == 0 and size < len(text) and not text.startswith(("{", "[", "`")):
+            assert s or text.startswith("<"), "an answer that cannot be bare JSON streams at once"
+        sent, deltas = sent + s, deltas + d
+    s, d = p.finish()
+    sent, deltas = sent + s, deltas + d
+    streamed = tool_api.merge_deltas(deltas)
+    assert (sent or None) == content and p.calls == len(calls)
+    assert [(c.name, json.loads(c.arguments)) for c in streamed] == [(c.name, json.loads(c.arguments)) for c in calls]

@@ -15,11 +15,13 @@ one request to the next: the prefix cache keeps them, and only the tail is prefi
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from ..outputs import RequestOutput
 from .common.context import ServingContext
 from .common.errors import ApiError
 from .openai.models import CompletionRequest, CompletionResponse
@@ -135,11 +137,44 @@ def completion_request(req: InfillRequest, ctx: ServingContext) -> CompletionReq
         raise ApiError(f"invalid infill request: {e}") from None
 
 
+def _ended(text: str, model: str, finish_reason: str | None, n_prompt: int, n_predicted: int) -> dict:
+    """llama.cpp's last /infill object: the whole answer's, or a stream's closing event."""
+    return {"content": text, "model": model, "stop": True,
+            "stop_type": "eos" if finish_reason == "stop" else "limit",
+            "tokens_predicted": n_predicted, "tokens_evaluated": n_prompt,
+            "timings": {"prompt_n": n_prompt, "predicted_n": n_predicted}}
+
+
 def infill_response(resp: CompletionResponse) -> dict:
     """llama.cpp's /infill answer from the completion's."""
     choice = resp.choices[0]
-    return {"content": choice.text, "model": resp.model, "stop": True,
-            "stop_type": "eos" if choice.finish_reason == "stop" else "limit",
-            "tokens_predicted": resp.usage.completion_tokens,
-            "tokens_evaluated": resp.usage.prompt_tokens,
-            "timings": {"prompt_n": resp.usage.prompt_tokens, "predicted_n": resp.usage.completion_tokens}}
+    return _ended(choice.text, resp.model, choice.finish_reason, resp.usage.prompt_tokens,
+                  resp.usage.completion_tokens)
+
+
+def _event(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+class InfillStreamer:
+    """llama.cpp's /infill stream (`stream: true`): an event per piece of the answer,
+    {"content", "stop": false}, then the closing one with "stop": true and the counts, as
+    llama.cpp's server sends them (no [DONE] on its own routes)."""
+
+    def __init__(self, model: str) -> None:
+        self.model = model
+
+    def events(self, out: RequestOutput) -> list[str]:
+        c = out.outputs[0]
+        n_prompt, n = len(out.prompt_token_ids), len(c.token_ids)
+        lines = []
+        if c.delta_text:
+            lines.append(_event({"content": c.delta_text, "stop": False, "tokens_predicted": n,
+                                 "tokens_evaluated": n_prompt}))
+        if c.finish_reason is not None:
+            lines.append(_event(_ended("", self.model, c.finish_reason, n_prompt, n)))
+        return lines
+
+    @staticmethod
+    def error(exc: Exception) -> list[str]:
+        return [_event({"error": {"code": 500, "message": str(exc), "type": "server_error"}})]

@@ -3,8 +3,10 @@ neutral chat seam (common/chat.py) and the FIM layout (fim.py), its answers as O
 objects, streamed as NDJSON lines.
 
 `options` map to SamplingParams by Ollama's names; `format` ("json" or a JSON schema) is
-structured output; tool calls come back with `arguments` as objects. Models are chosen when
-the server starts, so /api/pull, /api/create and /api/delete are refused.
+structured output; tool calls come back with `arguments` as objects. A reasoning model's
+thinking (split by protocols/reasoning.py, through common/chat.py's `reasoning_of`) comes back
+as `thinking`, and `think` switches it on or off where the template allows. Models are chosen
+when the server starts, so /api/pull, /api/create and /api/delete are refused.
 """
 from __future__ import annotations
 
@@ -25,9 +27,7 @@ from .common.errors import ApiError
 
 MODEL_MANAGEMENT = ("models are chosen when pagedllm starts (`pagedllm serve MODEL`); this server "
                     "cannot {what} models: restart it with the model you want")
-# THINKING SEAM: Ollama's `think` request field and the `thinking` field of its messages come
-# from protocols/reasoning.py (written beside this module); the lead wires it at merge. Until
-# then `think` is accepted and the model's whole output is `content`.
+THINK_LEVELS = ("low", "medium", "high")  # `think` as a string (gpt-oss's reasoning effort)
 
 
 class _Body(BaseModel):
@@ -127,6 +127,8 @@ def _neutral_messages(req: ChatRequest) -> list[dict]:
         if m.images:
             raise ApiError("images are not supported on /api/chat yet", param=f"messages.{i}.images")
         msg: dict[str, Any] = {"role": m.role, "content": m.content}
+        if m.thinking and m.role == "assistant":  # templates with reasoning write it back
+            msg["reasoning_content"] = m.thinking
         if m.tool_calls:
             msg["tool_calls"] = [
                 {"id": f"call_{i}_{j}", "type": "function",
@@ -139,6 +141,20 @@ def _neutral_messages(req: ChatRequest) -> list[dict]:
                 msg["name"] = m.tool_name
         out.append(msg)
     return out
+
+
+def think_kwargs(think: bool | str | None) -> dict:
+    """Ollama's `think` as the chat template's switch (Qwen3's enable_thinking; a level also as
+    gpt-oss's reasoning_effort); a template without one ignores it, and no `think` leaves the
+    template's default."""
+    if think is None:
+        return {}
+    if isinstance(think, bool):
+        return {"enable_thinking": think}
+    if think in THINK_LEVELS:
+        return {"enable_thinking": True, "reasoning_effort": think}
+    raise ApiError(f"think {think!r} is not supported: use true, false, or one of {', '.join(THINK_LEVELS)}",
+                   param="think")
 
 
 def _answered_call(messages: list[dict], name: str | None) -> str:
@@ -182,10 +198,13 @@ def done_reason(reason: str | None) -> str:
 
 class NDJSONStreamer:
     """Ollama's stream: one JSON line per delta, then the final line with `done` and timings.
-    Tool calls go out whole on the final line (Ollama's own server sends them in one chunk)."""
+    Thinking streams as it comes; tool calls go out whole on the final line (Ollama's own
+    server sends them in one chunk), so the content of an answer that may hold them is held
+    back until then."""
 
-    def __init__(self, model: str, chat: bool, plan: Any) -> None:
+    def __init__(self, model: str, chat: bool, plan: Any, reasoning: neutral.Reasoning | None = None) -> None:
         self.model, self.chat, self.plan = model, chat, plan
+        self.splitter = reasoning.splitter() if reasoning is not None else None
         self.text = ""
 
     def start(self) -> list:
@@ -194,22 +213,31 @@ class NDJSONStreamer:
     def _line(self, obj: dict) -> str:
         return json.dumps(obj, ensure_ascii=False) + "\n"
 
-    def _piece(self, text: str, calls: list | None = None) -> dict:
+    def _piece(self, text: str, calls: list | None = None, thought: str | None = None) -> dict:
         if not self.chat:
-            return {"response": text}
+            return {"response": text, **({"thinking": thought} if thought else {})}
         msg: dict[str, Any] = {"role": "assistant", "content": text}
+        if thought:
+            msg["thinking"] = thought
         if calls:
             msg["tool_calls"] = _tool_dicts(calls)
         return {"message": msg}
 
     def events(self, out: RequestOutput, include_usage: bool = False) -> list[str]:
         c = out.outputs[0]
-        lines = []
+        thought, text = "", c.delta_text
+        if self.splitter is not None:
+            thought, text = self.splitter.feed(text)
+            if c.finish_reason is not None:
+                more_thought, more_text = self.splitter.finish()
+                thought, text = thought + more_thought, text + more_text
         if self.plan is not None and self.plan.parses:
-            self.text += c.delta_text  # held back: the whole answer is parsed for calls at the end
-        elif c.delta_text:
+            self.text += text  # held back: the whole answer is parsed for calls at the end
+            text = ""
+        lines = []
+        if text or thought:
             lines.append(self._line({"model": self.model, "created_at": now_iso(),
-                                     **self._piece(c.delta_text), "done": False}))
+                                     **self._piece(text, thought=thought), "done": False}))
         if c.finish_reason is not None:
             text, calls = "", []
             if self.plan is not None and self.plan.parses:
@@ -220,29 +248,35 @@ class NDJSONStreamer:
         return lines
 
 
-def _answer(model: str, final: RequestOutput, chat: bool, plan: Any) -> dict:
+def _answer(model: str, final: RequestOutput, chat: bool, plan: Any,
+            reasoning: neutral.Reasoning | None = None) -> dict:
     c = final.outputs[0]
     streamer = NDJSONStreamer(model, chat, plan)
-    content, calls = neutral.parse_answer(c.text, plan)
-    return {"model": model, "created_at": now_iso(), **streamer._piece(content or "", calls), "done": True,
-            "done_reason": done_reason(c.finish_reason), **timings(final)}
+    thought, text = reasoning.split(c.text) if reasoning is not None else (None, c.text)
+    content, calls = neutral.parse_answer(text, plan)
+    return {"model": model, "created_at": now_iso(), **streamer._piece(content or "", calls, thought),
+            "done": True, "done_reason": done_reason(c.finish_reason), **timings(final)}
 
 
-def _call(ctx: ServingContext, body: _Body, prompt: Any, structured: Any, plan: Any, chat: bool) -> Call:
+def _call(ctx: ServingContext, body: _Body, prompt: Any, structured: Any, plan: Any, chat: bool,
+          templated: bool) -> Call:
+    """`templated`: the prompt came through the chat template, so the answer may begin with the
+    template's reasoning (the answer to a raw or fill-in-the-middle prompt is never split)."""
     params = sampling_params(body, ctx, neutral.prompt_len(prompt), structured)
     neutral.constrain_to_tools(params, plan)
     rid = new_id("ollama")
+    reasoning = neutral.reasoning_of(ctx, prompt) if templated else None
     return Call(rid, [(rid, prompt, params)], body.stream, False, neutral.grammar_param(plan, "format"),
-                NDJSONStreamer(ctx.model_name, chat, plan),
-                lambda finals: _answer(ctx.model_name, finals[0], chat, plan))
+                NDJSONStreamer(ctx.model_name, chat, plan, reasoning),
+                lambda finals: _answer(ctx.model_name, finals[0], chat, plan, reasoning))
 
 
 def chat_call(req: ChatRequest, ctx: ServingContext) -> Call:
     """/api/chat: the messages through the model's chat template, tools through the tool plan."""
     tools = [t if "type" in t else {"type": "function", "function": t} for t in req.tools or []]
     plan = neutral.tool_plan(ctx, tools or None, "auto" if tools else None, None)
-    prompt = neutral.chat_prompt(ctx, _neutral_messages(req), plan)
-    return _call(ctx, req, prompt, structured_format(req.format), plan, chat=True)
+    prompt = neutral.chat_prompt(ctx, _neutral_messages(req), plan, **think_kwargs(req.think))
+    return _call(ctx, req, prompt, structured_format(req.format), plan, chat=True, templated=True)
 
 
 def generate_call(req: GenerateRequest, ctx: ServingContext) -> Call:
@@ -250,6 +284,7 @@ def generate_call(req: GenerateRequest, ctx: ServingContext) -> Call:
     otherwise the prompt (and `system`) as one user turn of the chat template."""
     if req.images:
         raise ApiError("images are not supported on /api/generate yet", param="images")
+    templated = False
     if req.suffix is not None:
         prompt = fim.infill_ids(ctx, req.prompt, req.suffix)
     elif req.raw or getattr(ctx.tokenizer, "chat_template", None) is None:
@@ -258,8 +293,10 @@ def generate_call(req: GenerateRequest, ctx: ServingContext) -> Call:
         prompt = ctx.tokenizer.encode(req.prompt)
     else:
         messages = ([{"role": "system", "content": req.system}] if req.system else [])
-        prompt = neutral.chat_prompt(ctx, [*messages, {"role": "user", "content": req.prompt}], None)
-    return _call(ctx, req, prompt, structured_format(req.format), None, chat=False)
+        prompt = neutral.chat_prompt(ctx, [*messages, {"role": "user", "content": req.prompt}], None,
+                                     **think_kwargs(req.think))
+        templated = True
+    return _call(ctx, req, prompt, structured_format(req.format), None, chat=False, templated=templated)
 
 
 # -- the model's description ----------------------------------------------------------------------

@@ -63,6 +63,13 @@ class ServerConfig:
     tokenizer_path: str | None = None  # told to a router's /model_info: a tokenizer folder or hub id it can load
 
 
+def route_path(scope: Scope) -> str:
+    """The path the routes match: behind --root-path, ASGI's `path` begins with the proxy's
+    prefix (uvicorn puts it there, as the spec asks), which the router leaves out."""
+    path, root = scope.get("path", ""), scope.get("root_path", "")
+    return path[len(root):] if root and path.startswith(root + "/") else path
+
+
 class AuthMiddleware:
     """Plain ASGI (not BaseHTTPMiddleware, which would hide client disconnects from the routes).
     The key comes as 'Authorization: Bearer KEY' or, as Anthropic's clients send it,
@@ -75,7 +82,8 @@ class AuthMiddleware:
         self.key = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope.get("path") != "/health":
+        path = route_path(scope)
+        if scope["type"] == "http" and path != "/health":
             headers = dict(scope.get("headers") or [])
             preflight = scope.get("method") == "OPTIONS" and b"access-control-request-method" in headers
             given = headers.get(b"authorization", b"")
@@ -84,7 +92,7 @@ class AuthMiddleware:
             if not ok and not preflight:
                 msg = ("missing API key: send 'Authorization: Bearer KEY' (or 'x-api-key: KEY')"
                        if not given and not x_key else "invalid API key")
-                if scope.get("path", "").startswith("/v1/messages"):  # Anthropic's error shape
+                if path.startswith("/v1/messages"):  # Anthropic's error shape
                     resp = anthropic.error_response(401, msg)
                 else:
                     resp = error_response(401, msg, code="invalid_api_key",

@@ -477,6 +477,59 @@ class StreamParser:
             self.sent_args = upto
 
 
+class AutoStreamParser:
+    """`StreamParser` for tool_choice=auto that also reads a whole answer of bare or fenced JSON
+    naming one of `names` as its calls, as `bare_json_calls` reads a whole answer: while the
+    answer may still be such JSON (it starts with `{`, `[` or a fence), what it says is held
+    back; at its end it is those calls, or the content it was."""
+
+    def __init__(self, fmt: str, names: list[str]) -> None:
+        self.inner, self.names = StreamParser(fmt), names
+        self.text = ""
+        self.holding = True
+        self.held_text: list[str] = []
+        self.held_deltas: list[dict] = []
+        self.bare = 0  # calls read from bare JSON
+
+    @property
+    def calls(self) -> int:
+        return self.inner.calls + self.bare
+
+    def _may_be_json(self) -> bool:
+        head = self.text.lstrip(_WS)[:3]
+        return not head or head[0] in "{[" or "```".startswith(head)
+
+    def _release(self, text: str, deltas: list[dict]) -> tuple[str, list[dict]]:
+        text, deltas = "".join(self.held_text) + text, self.held_deltas + deltas
+        self.held_text, self.held_deltas = [], []
+        return text, deltas
+
+    def feed(self, delta: str) -> tuple[str, list[dict]]:
+        text, deltas = self.inner.feed(delta)
+        if not self.holding:
+            return text, deltas
+        self.text += delta
+        if self._may_be_json():
+            self.held_text.append(text)
+            self.held_deltas += deltas
+            return "", []
+        self.holding = False
+        return self._release(text, deltas)
+
+    def finish(self) -> tuple[str, list[dict]]:
+        text, deltas = self.inner.finish()
+        if not self.holding:
+            return text, deltas
+        self.holding = False
+        text, deltas = self._release(text, deltas)
+        calls = [] if deltas else bare_json_calls(self.text, self.names)
+        if not calls:
+            return text, deltas
+        self.bare = len(calls)
+        return "", [{"index": i, "id": c.id, "type": "function",
+                     "function": {"name": c.name, "arguments": c.arguments}} for i, c in enumerate(calls)]
+
+
 def _partial_suffix(text: str, tag: str) -> int:
     """Length of the longest end of `text` that begins `tag`."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):

@@ -140,14 +140,22 @@ def parse_answer(text: str, plan: tool_api.ToolPlan | None) -> tuple[str | None,
     if calls and plan.forced:
         return None, calls
     if not calls and plan.mode == "auto":  # a call as bare or fenced JSON naming a request's tool
-        names = [t["function"]["name"] for t in plan.tools if "function" in t]
-        calls = tool_api.bare_json_calls(text, names)
+        calls = tool_api.bare_json_calls(text, _tool_names(plan))
         if calls:
             return None, calls
     return content, calls
 
 
-def answer_stream_parser(plan: tool_api.ToolPlan | None) -> tool_api.StreamParser | None:
-    """A parser that splits a streamed answer into text and tool-call deltas; None when the
+def answer_stream_parser(plan: tool_api.ToolPlan | None) -> tool_api.StreamParser | tool_api.AutoStreamParser | None:
+    """A parser that splits a streamed answer into text and tool-call deltas, as `parse_answer`
+    splits it whole (under tool_choice=auto, bare or fenced JSON calls too); None when the
     answer holds no calls to parse."""
-    return tool_api.StreamParser(plan.fmt) if plan is not None and plan.parses else None
+    if plan is None or not plan.parses:
+        return None
+    if plan.mode == "auto":
+        return tool_api.AutoStreamParser(plan.fmt, _tool_names(plan))
+    return tool_api.StreamParser(plan.fmt)
+
+
+def _tool_names(plan: tool_api.ToolPlan) -> list[str]:
+    return [t["function"]["name"] for t in plan.tools if "function" in t]
