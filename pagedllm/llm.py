@@ -51,6 +51,44 @@ def _start_tp(size: int, source, dt: torch.dtype, dev: torch.device, max_model_l
     return TPExecutor.start(size, spec)
 
 
+def _start_pp(size: int, tp: int, source, dt: torch.dtype, dev: torch.device, max_model_len: int | None,
+              dequantize_weights: bool, isq: str | None, cache_cfg: CacheConfig):
+    """Check the sizes and the options against the model, then start the pipeline of `size`
+    stages of `tp` ranks each (rank 0's executor). Under torchrun, a rank other than 0 serves
+    its stage (its shard of it) here and exits the process."""
+    from .distributed.executor import check_size, usable_cores
+    from .distributed.pipeline import PipelineExecutor, check_cache, pipeline_worker_main
+    from .distributed.worker import WorkerSpec
+    from .loading.loader import read_config
+    from .models import model_class
+    from .models.parallel import check_tp
+    from .models.stages import check_pp
+
+    check_size(size, dev, "pipeline")
+    check_size(tp, dev)
+    if dev.type == "cuda" and size * tp > torch.cuda.device_count():  # one device a rank
+        raise ValueError(f"pipeline_parallel_size={size} x tensor_parallel_size={tp} needs {size * tp} GPUs but this "
+                         f"machine has {torch.cuda.device_count()}; lower them or run several nodes under torchrun")
+    cfg = read_config(source)
+    check_pp(cfg.num_layers, size)
+    check_tp(cfg, tp)
+    check_cache(cache_cfg)
+    if source.mmproj is not None or not model_class(cfg.architecture).pipeline_stages:
+        raise ValueError(f"pipeline parallelism runs causal language models; {cfg.architecture}"
+                         f"{' with a vision tower' if source.mmproj is not None else ''} is not split into "
+                         "stages yet (use pipeline_parallel_size=1)")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    # Under torchrun each node splits its own cores among its own ranks.
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", size * tp)) if world > 1 else size * tp
+    spec = WorkerSpec(source, dt, dev.type, max_model_len, dequantize_weights, isq, cache_cfg,
+                      threads=max(1, usable_cores() // local),
+                      log_level=logging.getLogger("pagedllm").getEffectiveLevel())
+    rank = int(os.environ.get("RANK", "0")) if world > 1 else 0
+    if rank > 0:  # torchrun: this process is a stage (or a shard of one) for the rest of its life
+        pipeline_worker_main(rank, size, None, spec, tp=tp)
+    return PipelineExecutor.start(size, spec, tp=tp)
+
+
 def _draft_source(name: str, target_source):
     """Where the draft model of speculative method 'draft' comes from, checked before anything
     is loaded: it must exist and have the target's vocabulary size."""
@@ -136,11 +174,18 @@ class LLM:
                  enable_lora: bool = False, max_loras: int = 1, max_lora_rank: int = 16,
                  limit_mm_per_prompt: int = 8, allowed_local_media_path: str | None = None,
                  max_num_encoder_tokens: int | None = None, media_fetch_timeout: float = 10.0,
-                 mmproj: str | None = None, runner_cls: type | None = None) -> None:
+                 mmproj: str | None = None, runner_cls: type | None = None,
+                 pipeline_parallel_size: int = 1) -> None:
         """`tensor_parallel_size=N` splits the model over N ranks (pagedllm/distributed): on one
         machine the engine starts N - 1 worker processes and splits the cores among the ranks;
         under torchrun the N ranks are torchrun's. Call `shutdown()` (or use `with LLM(...)`)
         to stop them; they also stop when this process exits.
+        `pipeline_parallel_size=P` cuts the model into P stages of whole layers, balanced by
+        weight bytes (distributed/pipeline.py): this process schedules, runs the first stage and
+        samples; the other stages run as P - 1 processes on this machine, or as torchrun's other
+        ranks (on other nodes). Each stage's KV cache holds its own layers; the KV budget is per
+        rank. With `tensor_parallel_size=T` too, each stage is split over T ranks (P x T in all).
+        Not with LoRA, a draft model or embeddings yet.
         `task`: "generate", "embed" (an embedding model: `embed()`, no LM head) or "auto"
         (embed for a folder with sentence-transformers files or a head-less architecture).
         `keep_float_head`: a GPTQ / AWQ / compressed-tensors checkpoint's float LM head (or tied
@@ -168,6 +213,9 @@ class LLM:
             if tensor_parallel_size != 1:
                 raise ValueError("LoRA adapters do not run under tensor parallelism yet; use "
                                  "tensor_parallel_size=1 with enable_lora")
+            if pipeline_parallel_size != 1:
+                raise ValueError("LoRA adapters do not run under pipeline parallelism yet; use "
+                                 "pipeline_parallel_size=1 with enable_lora")
         self._lora = (max_loras, max_lora_rank) if enable_lora else None
         cache_cfg = CacheConfig(block_size, kv_cache_memory_mb, kv_cache_memory_fraction,
                                 kv_cache_context_len, kv_cache_dtype, paged_attention,
@@ -178,6 +226,9 @@ class LLM:
             from .engine.draft import NO_TP
 
             raise ValueError(NO_TP)
+        if spec_cfg is not None and spec_cfg.method == "draft" and pipeline_parallel_size != 1:
+            raise ValueError("a speculative draft model does not run under pipeline parallelism yet; use "
+                             "n-gram speculation or pipeline_parallel_size=1")
         if isq is not None:
             from .quant.isq import check_isq_type
 
@@ -192,15 +243,19 @@ class LLM:
             if max_model_len > limit:
                 check_max_model_len(max_model_len, limit)
         self.task, self.pooling = _resolve_task(task, source)
-        if self.task == "embed" and (spec_cfg is not None or tensor_parallel_size != 1):
-            raise ValueError("an embedding model runs without speculative decoding or tensor parallelism")
+        if self.task == "embed" and (spec_cfg is not None or tensor_parallel_size != 1 or pipeline_parallel_size != 1):
+            raise ValueError("an embedding model runs without speculative decoding, tensor or pipeline "
+                             "parallelism (use pipeline_parallel_size=1 and tensor_parallel_size=1)")
         draft_source = (_draft_source(spec_cfg.model, source)
                         if spec_cfg is not None and spec_cfg.method == "draft" else None)
         torch.manual_seed(seed)
         self._finalizer = None
         self._keep_float_head = keep_float_head
         executor = None
-        if tensor_parallel_size != 1:
+        if pipeline_parallel_size != 1:  # TP, if any, inside each stage
+            executor = _start_pp(pipeline_parallel_size, tensor_parallel_size, source, dt, dev, max_model_len,
+                                 dequantize_weights, isq, cache_cfg)
+        elif tensor_parallel_size != 1:
             executor = _start_tp(tensor_parallel_size, source, dt, dev, max_model_len, dequantize_weights,
                                  isq, cache_cfg)
         try:
@@ -221,8 +276,8 @@ class LLM:
                runner_cls=None) -> None:
         loaded = load_model(source, dt, dev, max_positions=max_model_len,
                             dequantize_weights=dequantize_weights, isq=isq,
-                            tp=executor.tp if executor is not None else None,
-                            headless=self.task == "embed", keep_float_head=self._keep_float_head)
+                            headless=self.task == "embed", keep_float_head=self._keep_float_head,
+                            **(executor.load_args() if executor is not None else {}))
         if executor is not None:
             executor.wait_loaded()
         limit = loaded.config.max_position_embeddings
@@ -324,8 +379,8 @@ class LLM:
         return scoring.score_prompts(self.driver, prompts, chunk_size, top1)
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel worker processes; the LLM cannot generate afterwards.
-        Nothing to do without tensor parallelism (safe to call twice)."""
+        """Stop the tensor-parallel workers or pipeline stages; the LLM cannot generate afterwards.
+        Nothing to do on one rank (safe to call twice)."""
         if self._finalizer is not None:
             self._finalizer()
 

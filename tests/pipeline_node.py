@@ -25,10 +25,10 @@ def main() -> int:
     if rank > 0:
         pipeline_worker_main(rank, int(os.environ["WORLD_SIZE"]), None, spec)
     plan, num_blocks = _plans(read_config(spec.source), prompt)
-    ex = PipelineExecutor.start(2, spec)
+    ex = PipelineExecutor.start(2, spec, timeout_s=15)
     result: dict = {}
     try:
-        driver, stage, loaded = ex.build(spec, num_blocks, timeout_s=15)
+        driver, stage, loaded = ex.build(spec, num_blocks)
         tokens, ids, start = [], prompt, 0
         for step in range(NEW):
             logits = driver.forward(plan(ids, start, decode=step > 0))

@@ -114,3 +114,58 @@ def test_pipeline_across_two_namespaces_and_a_killed_node(tmp_path, hf_smollm2_t
     assert "StageLinkError" in result["error"] and "The requests in flight failed" in result["error"], result
     assert result["failed_at"] - killed_at < 30, result["failed_at"] - killed_at
     assert not _procs_with(str(out)), "a node's process outlived the run"
+
+
+def test_serve_pp2_across_two_namespaces(tmp_path, hf_smollm2_tokenizer):
+    """`torchrun ... -m pagedllm serve MODEL -pp 2` on each node, exactly as on two machines:
+    the openai client (inside node 0's namespace, where the server listens) gets pp=1's greedy
+    chat, streamed and not, and a forced tool call; `kill -9` of the second node ends the
+    request in flight with an error within 30 s and later requests get a 503 at once; SIGTERM
+    ends node 0, and no process of the run is left."""
+    import signal
+
+    from models import build_checkpoint
+    from pagedllm import LLM, SamplingParams
+
+    tok = hf_smollm2_tokenizer
+    path = build_checkpoint("llama", tmp_path / "m", tok, len(tok))
+    out, inflight = tmp_path / "client.json", tmp_path / "inflight"
+    args = ["serve", str(path), "-pp", "2", "--dtype", "float32", "--pa-ctxt-len", "8192", "--port", "8000",
+            "--served-model-name", "tiny"]
+    client_env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    with netns.two_nodes() as (a, b):
+        port = 29400 + (os.getpid() + 13) % 500
+        procs = [_torchrun(n, r, a, port, args, tmp_path / f"node{r}.log") for r, n in enumerate((a, b))]
+        client = subprocess.Popen(a.command([sys.executable, str(Path(__file__).with_name("pipeline_client.py")),
+                                             "http://127.0.0.1:8000", str(out), str(inflight)]),
+                                  env=client_env, stdout=(tmp_path / "client.log").open("w"),
+                                  stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            deadline = time.monotonic() + 400
+            while not inflight.exists() and time.monotonic() < deadline and client.poll() is None:
+                time.sleep(0.5)
+            logs = "\n".join(f"--- {f.name}\n{f.read_text()[-3000:]}" for f in sorted(tmp_path.glob("*.log")))
+            assert inflight.exists(), logs
+            killed_at = time.time()
+            os.killpg(procs[1].pid, signal.SIGKILL)  # the second node: its torchrun and its rank
+            client.wait(timeout=120)
+            lingered = netns.stop(procs)
+        finally:
+            netns.stop([*procs, client])
+    logs = "\n".join(f"--- {f.name}\n{f.read_text()[-3000:]}" for f in sorted(tmp_path.glob("*.log")))
+    result = json.loads(out.read_text())
+    one = LLM(str(path), dtype="float32", kv_cache_context_len=2048)
+    want = one.chat([{"role": "user", "content": "Name three colours."}],
+                    SamplingParams(max_tokens=16, temperature=0.0), use_tqdm=False).outputs[0].text
+    assert result["whole"] == result["streamed"] == want and want, (result, want)
+    assert result["finish_reason"] == "tool_calls" and [c["name"] for c in result["tool_calls"]] == ["set_unit"]
+    assert json.loads(result["tool_calls"][0]["arguments"])["unit"] in ("C", "F")
+    assert "none" not in result["inflight_error"], result
+    print(f"in-flight request failed {result['inflight_failed_at'] - killed_at:.1f} s after kill -9: "
+          f"{result['inflight_error']}; then {result['after']['status']} in {result['after']['seconds']:.2f} s")
+    assert result["inflight_failed_at"] - killed_at < 30, (result["inflight_failed_at"] - killed_at, logs)
+    assert result["after"]["status"] == 503 and result["after"]["seconds"] < 5, result["after"]
+    assert result["health"] == 503
+    assert "StageLinkError" in logs  # the server's log says which stage and how
+    assert lingered == [], f"SIGTERM did not end node 0's torchrun\n{logs}"
+    assert not _procs_with(str(path)), "a node's process outlived the run"

@@ -2,8 +2,9 @@
 paged KV cache of its own layers: rank 0 broadcasts each step's plan, runs stage 0 and sends
 its hidden states, rank 1 runs stage 1 and sends back the logits. Greedy decoding through them
 gives transformers' float32 tokens for Llama, Qwen2 (tied head), Gemma 3 (sliding and global
-KV groups) and a Mixtral-shaped MoE. The plans are written here for one sequence (the engine's
-scheduler does not drive a pipeline yet); a killed stage fails rank 0's step within 30 s."""
+KV groups) and a Mixtral-shaped MoE. The plans are written here for one sequence, so the
+stages are checked apart from the engine's scheduler (tests/test_pipeline_llm.py drives them
+through LLM); a killed stage fails rank 0's step within 30 s."""
 from __future__ import annotations
 
 import math
@@ -72,11 +73,11 @@ def test_two_stage_greedy_matches_transformers(family, tmp_path, hf_smollm2_toke
     path, _, prompts, want = reference_family(family, tmp_path / family, hf_smollm2_tokenizer, [PROMPT], NEW, seed=3)
     prompt = prompts[0]
     plan, num_blocks = _plans(read_config(resolve(str(path))), prompt)
-    ex = PipelineExecutor.start(2, _spec(path))
+    ex = PipelineExecutor.start(2, _spec(path), timeout_s=15)
     try:
         pids = ex.pids
         assert len(_alive(pids)) == 1
-        driver, stage, loaded = ex.build(_spec(path), num_blocks, timeout_s=15)
+        driver, stage, loaded = ex.build(_spec(path), num_blocks)
         assert stage.first and not stage.last and loaded.model.lm_head is None
         assert len(loaded.model.attention_modules()) == stage.end < loaded.config.num_layers
         got, ids, start = [], prompt, 0
@@ -104,9 +105,9 @@ def test_killed_stage_fails_rank0_within_30s(tmp_path, hf_smollm2_tokenizer):
     path = build_checkpoint("llama", tmp_path / "m", tok, len(tok))
     prompt = list(range(5, 5 + PROMPT))
     plan, num_blocks = _plans(read_config(resolve(str(path))), prompt)
-    ex = PipelineExecutor.start(2, _spec(path))
+    ex = PipelineExecutor.start(2, _spec(path), timeout_s=15)
     try:
-        driver, stage, loaded = ex.build(_spec(path), num_blocks, timeout_s=15)
+        driver, stage, loaded = ex.build(_spec(path), num_blocks)
         driver.forward(plan(prompt, 0, decode=False))  # a healthy step first
         os.kill(ex.pids[0], 9)
         t0 = time.monotonic()

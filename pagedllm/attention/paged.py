@@ -31,11 +31,14 @@ class PagedAttentionBackend:
     name = "torch-paged"
     uses_block_tables = True
 
-    def __init__(self, cache: PagedKVCache, layer_groups: list[int] | None = None) -> None:
+    def __init__(self, cache: PagedKVCache, layer_groups: list[int] | None = None,
+                 num_groups: int | None = None) -> None:
+        """`num_groups`: the block tables a sequence has (None: one past the highest group of
+        `layer_groups`); a pipeline stage's layers may fall in fewer groups than the model's."""
         self.cache = cache
         # Per model layer: the KV group whose block tables it reads (kv/groups.py).
         self.layer_groups = layer_groups
-        self.num_groups = 1 + max(layer_groups or [0])
+        self.num_groups = num_groups or 1 + max(layer_groups or [0])
         # The native kernels read plain float caches: in the compute dtype, or bf16 / f16 under
         # float32 compute (`native_reads`). The decode kernels (and the all-layer decode) also
         # read and write an int8 or f8e4m3 cache with its scales; the bf16 prefill kernel reads one.

@@ -199,6 +199,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-paged-attn", action="store_true")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
                    help="split the model over N ranks (worker processes on this machine)")
+    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, metavar="P",
+                   help="cut the model into P stages of whole layers (stage processes on this machine)")
     p.add_argument("--peer", choices=["transformers", "none"], default="transformers")
     p.add_argument("--peer-batch-size", type=int, default=32)
     p.add_argument("--profile", action="store_true",
@@ -229,7 +231,11 @@ def run(args: argparse.Namespace) -> dict:
             print(profile_decode_step(llm))
         dtype, device = llm.engine.dtype, llm.engine.device
         pad = llm.engine.tokenizer.eos_token_id or 0
-        llm.shutdown()  # tensor-parallel workers stop with it
+        llm.shutdown()  # tensor-parallel workers and pipeline stages stop with it
+        stages = getattr(llm.engine.executor, "stage_stats", None)
+        if stages:  # pipeline parallelism: where each rank's time went (the bubble)
+            ours["pipeline_stages"] = stages
+            print(pipeline_profile(stages))
         del llm  # one engine (and its KV cache) at a time
         gc.collect()
     if args.profile:
@@ -253,6 +259,20 @@ def run(args: argparse.Namespace) -> dict:
     path = write_json(args.output, result)
     print(f"results written to {path}")
     return result
+
+
+def pipeline_profile(stages: list[dict]) -> str:
+    """Each pipeline rank's time over the run (warm-up included): computing its layers, waiting
+    for the stage before it (rank 0: for the logits), and the rest (waiting for the next plan:
+    rank 0's scheduling, sampling and output, and the sends)."""
+    lines = ["pipeline ranks (whole run): busy = its layers; wait = the previous stage's hidden states "
+             "(rank 0: the logits); rest = the next plan (rank 0: scheduling, sampling, output)"]
+    for s in stages:
+        w = s["window_s"] or 1.0
+        lines.append(f"  rank {s['rank']} (stage {s['stage']}): {s['steps']} steps over {s['window_s']:.1f} s; "
+                     f"busy {s['busy_s'] / w:.0%}, wait {s['wait_s'] / w:.0%}, "
+                     f"rest {1 - (s['busy_s'] + s['wait_s']) / w:.0%}; idle {s['idle_share']:.0%}")
+    return "\n".join(lines)
 
 
 def _cache_types(args: argparse.Namespace) -> list[str]:
@@ -285,7 +305,8 @@ def _run_one_cache_type(args: argparse.Namespace, cache_type: str, modes: list[s
     llm = LLM(args.model, dtype=args.dtype, max_num_seqs=args.max_seqs,
               kv_cache_memory_mb=args.pa_gpu_mem, block_size=args.pa_blk_size,
               kv_cache_dtype=cache_type, paged_attention=not args.no_paged_attn,
-              tensor_parallel_size=args.tensor_parallel_size)
+              tensor_parallel_size=args.tensor_parallel_size,
+              pipeline_parallel_size=args.pipeline_parallel_size)
     eng = llm.engine
     avoid = set(eng.eos_token_ids)
     wl = make_workload(args.num_requests, eng.model_config.vocab_size, args.seed,

@@ -36,6 +36,7 @@ def engine_options(args: argparse.Namespace, model: str | None = None) -> Engine
         seed=args.seed, isq=args.isq, dequantize_weights=bool(args.dequantize_weights),
         keep_float_head=bool(args.keep_float_head),
         chat_template=args.chat_template, tensor_parallel_size=args.tensor_parallel_size,
+        pipeline_parallel_size=args.pipeline_parallel_size,
         speculative_ngram=args.speculative_ngram, speculative_draft=args.speculative_draft,
         speculative_tokens=args.speculative_tokens,
         speculative_draft_weights=args.speculative_draft_weights, task=args.task,
@@ -104,7 +105,7 @@ def cmd_serve(args: argparse.Namespace, opts: EngineOptions) -> int:
         logger.warning("serving on %s without --api-key: anyone who can reach it may use it", args.host)
     result = run_server(llm, args.host, args.port, cfg, log_level=args.log_level,
                         access_log=args.access_log, sock=getattr(args, "listen_socket", None))
-    llm.shutdown()  # tensor-parallel workers first: _exit_now skips every exit handler
+    llm.shutdown()  # tensor-parallel workers or pipeline stages first: _exit_now skips every exit handler
     if result.stopped_by:
         print(f"stopped by {result.stopped_by}: {result.requests_ended} request(s) in flight ended "
               f"with an error; {eng.block_manager.num_used_blocks} KV blocks in use", file=sys.stderr)

@@ -121,6 +121,10 @@ def _engine_flags(p: argparse.ArgumentParser, top: bool) -> None:
     g.add_argument("--tensor-parallel-size", "-tp", type=int, metavar="N", default=d(None),
                    help="split the model over N ranks (worker processes on this machine, or the "
                         "ranks of torchrun); default 1")
+    g.add_argument("--pipeline-parallel-size", "-pp", type=int, metavar="P", default=d(None),
+                   help="cut the model into P stages of whole layers, balanced by weight bytes (stage "
+                        "processes on this machine, or the ranks of torchrun on several nodes: rank 0 "
+                        "serves, the others run their stage); default 1")
     g.add_argument("--speculative-ngram", type=int, metavar="K", default=d(None),
                    help="speculative decoding by prompt lookup: up to K tokens proposed from the "
                         "sequence's own earlier text, verified in one forward (5 measured best "

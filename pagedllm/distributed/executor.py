@@ -43,14 +43,16 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-def check_size(size: int, device: torch.device) -> None:
+def check_size(size: int, device: torch.device, what: str = "tensor") -> None:
+    """`what`: "tensor" or "pipeline" (the option the message names)."""
+    name = f"{what}_parallel_size"
     if size < 1:
-        raise ValueError(f"tensor_parallel_size must be >= 1, got {size}")
+        raise ValueError(f"{name} must be >= 1, got {size}")
     if device.type == "cuda" and size > torch.cuda.device_count():
-        raise ValueError(f"tensor_parallel_size={size} needs {size} GPUs but this machine has "
+        raise ValueError(f"{name}={size} needs {size} GPUs but this machine has "
                          f"{torch.cuda.device_count()}; lower it or run several nodes under torchrun")
     if device.type == "mps":
-        raise ValueError("tensor parallelism runs on the CPU (gloo) or CUDA (NCCL); MPS has no "
+        raise ValueError(f"{what} parallelism runs on the CPU (gloo) or CUDA (NCCL); MPS has no "
                          "collective backend in torch.distributed")
 
 
@@ -71,8 +73,8 @@ class TPExecutor:
     def start(cls, size: int, spec: WorkerSpec) -> "TPExecutor":
         """Rank 0 of a new group: torchrun's, when the environment names one, else spawned
         workers on this machine."""
-        if _live:
-            raise ValueError("another tensor-parallel LLM is running in this process; call its "
+        if _live or (dist.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) == 1):
+            raise ValueError("another tensor- or pipeline-parallel LLM is running in this process; call its "
                              "shutdown() first (torch.distributed keeps one group per process)")
         world = int(os.environ.get("WORLD_SIZE", "1"))
         if world > 1:  # torchrun: the other ranks are already running the same script
@@ -113,6 +115,10 @@ class TPExecutor:
             raise
         return ex
 
+    def load_args(self) -> dict:
+        """What load_model takes to load this rank's part: its shard."""
+        return {"tp": self.tp}
+
     def wait_loaded(self) -> None:
         """Block until every spawned worker has loaded its shard; a worker's error is raised here."""
         self._wait_for("loaded", settings.get("tp_load_timeout_s"))  # (the workers loading their shards)
@@ -141,6 +147,19 @@ class TPExecutor:
             if kind == "error":
                 raise ValueError(f"tensor-parallel worker rank {rank} failed: {value}")
 
+    def kv_spec(self, loaded, cache_cfg, dtype: torch.dtype, groups):
+        """What one block of this rank's KV heads costs: the unit of the per-rank KV budget."""
+        from ..kv.spec import kv_spec_of
+
+        return kv_spec_of(loaded, cache_cfg, dtype, groups)
+
+    def build_kv(self, loaded, kv_spec, cache_cfg, num_blocks: int, device: torch.device, dtype: torch.dtype,
+                 groups=None):
+        """Rank 0's cache of its KV heads, its backend and copy function (every rank builds the same)."""
+        from ..attention.build import build_kv
+
+        return build_kv(loaded, kv_spec, cache_cfg, num_blocks, device, dtype, groups)
+
     def setup(self, num_blocks: int) -> None:
         """Tell every rank the cache size rank 0 planned (then each builds its cache)."""
         with self.guard():
@@ -167,6 +186,20 @@ class TPExecutor:
         if backend.uses_block_tables:  # paged: forks share blocks, frees are the block manager's
             return backend, copy
         return _RecordingBackend(backend, ops), copy
+
+    def forward(self, plan, runner):
+        """Send the plan, then run it on `runner` (the engine's ModelRunner over rank 0's shard):
+        (logits, kept hidden rows), as ModelRunner._forward gives them."""
+        with self.guard():  # a failed rank fails the step with a clear error
+            self.send_step(plan)
+            return runner._forward(plan)
+
+    def trace_fields(self) -> dict:
+        """The KV trace's per-rank figures (kv/trace.py)."""
+        return dict(tensor_parallel_size=self.tp.size,
+                    rank_weight_mb=[w / 2**20 for w, _ in self.rank_bytes],
+                    rank_kv_mb=[kv / 2**20 for _, kv in self.rank_bytes],
+                    allreduce_bytes_per_step=self.tp.reduced_bytes / max(1, self.steps))
 
     def send_step(self, plan) -> None:
         if self.dead:

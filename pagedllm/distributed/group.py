@@ -59,11 +59,13 @@ class TPInfo:
             t = torch.nn.functional.pad(t, (0, width - t.shape[1]))
         t = t.contiguous()
         self.reduced_bytes += t.numel() * t.element_size()
+        # group_dst: the group's first rank (under pipeline parallelism a stage's group is not
+        # the world, so its first rank is not global rank 0).
         if self.rank != 0:
-            dist.gather(t, None, dst=0, group=self.group)
+            dist.gather(t, None, group_dst=0, group=self.group)
             return None
         parts = [torch.empty_like(t) for _ in range(self.size)]
-        dist.gather(t, parts, dst=0, group=self.group)
+        dist.gather(t, parts, group_dst=0, group=self.group)
         return torch.cat(parts, dim=1)[:, :total]
 
 

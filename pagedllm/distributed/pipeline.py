@@ -1,37 +1,60 @@
 """Pipeline parallelism: each rank runs one stage's layers over its own paged KV cache.
 
-Rank 0 schedules, runs the first stage and samples. Each step it broadcasts the plan on the
-control group (messages.py, as tensor parallelism does), so every stage builds the same
-positions, slots and block tables; then the hidden states go stage to stage by
+Rank 0 is the engine: it schedules, runs the first stage and samples. Each step it broadcasts
+the plan on the control group (messages.py, as tensor parallelism does), so every stage builds
+the same positions, slots and block tables; then the hidden states go stage to stage by
 point-to-point (p2p.py), and the last stage sends the logits rows of the plan back to rank 0.
+`PipelineExecutor` is rank 0's side, passed to the engine's constructor (engine/factory.py)
+like tensor parallelism's executor; `pipeline_worker_main` is a rank > 0's whole life.
 
 A stage's cache holds only its own layers: rank 0's block tables index blocks of a pool
 whose pages have one slot per layer of a KV group (kv/groups.py), and a stage keeps, per
 block, slots for its own layers of each group only. With one group (all layers attend alike)
 that is 1/P of the layers; with Gemma's sliding groups a stage keeps as many slots as its
 fullest group, so the saving is smaller where a stage holds a whole group's worth of layers.
+The KV budget (kv_cache_memory_mb, ...) is per rank, as under tensor parallelism: the pool gets
+the blocks the largest stage's pages fit in it, and every stage holds that many blocks.
 
-`PipelineExecutor.start` spawns the other stages on this machine (torch.multiprocessing, as
+Tensor parallelism inside a stage: world = TP x PP ranks, global rank = stage * TP + TP rank.
+A stage's TP ranks share a compute group (their all-reduces and the logits gather) and each
+runs the stage's shard of every step's plan; each sends its copy of the stage's output (the
+all-reduced hidden states) to the same TP rank of the next stage, and the last stage's TP rank
+0 sends the gathered logits rows to rank 0. The control group (the plans) spans all ranks.
+
+`PipelineExecutor.start` spawns the other ranks on this machine (torch.multiprocessing, as
 tensor parallelism's executor does) or, under torchrun (WORLD_SIZE set), joins the group the
-other nodes' ranks join; `pipeline_worker_main` is a rank > 0's whole life.
+other nodes' ranks join.
 
-Not yet here (issue 65): rank 0's side inside the engine (`LLM(pipeline_parallel_size=...)`),
-tensor parallelism inside a stage, several micro-batches in flight.
+Not yet here (issue 65): several micro-batches in flight (the stages take turns).
 """
 from __future__ import annotations
 
 import logging
 import os
 import sys
+import time
+
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from .. import settings
 from . import messages
-from .group import TPInfo
+from .group import CONTROL_TIMEOUT, RENDEZVOUS_TIMEOUT, TPInfo
 from .p2p import StageLink, StageLinkError
 
 logger = logging.getLogger(__name__)
+
+
+def stage_slots(groups, stage) -> tuple[dict[int, int], int]:
+    """(each of the stage's layers' slot in a page, slots per page) for `stage` of a model with
+    these KV groups: the stage's layers of each group, in slot order."""
+    slot_of = {}
+    for layers in groups.layers:
+        for j, layer in enumerate(x for x in layers if stage.holds(x)):
+            slot_of[layer] = j
+    return slot_of, max(slot_of.values()) + 1
 
 
 def stage_kv(cfg, stage, kv_heads: int, cache_cfg, num_blocks: int, device: torch.device, dtype: torch.dtype):
@@ -41,21 +64,49 @@ def stage_kv(cfg, stage, kv_heads: int, cache_cfg, num_blocks: int, device: torc
     from ..kv.cache import KVCacheSpec, PagedKVCache
     from ..kv.groups import plan_groups
 
-    if not cache_cfg.paged_attention:
-        raise ValueError("pipeline parallelism runs on the paged KV cache (paged_attention=True)")
+    check_cache(cache_cfg)
     groups = plan_groups(cfg.layer_windows, cfg.num_layers, hybrid=True)
-    group_of, slot_of = groups.layer_group, {}
-    for layers in groups.layers:  # this stage's layers of each group, in slot order
-        for j, layer in enumerate(x for x in layers if stage.holds(x)):
-            slot_of[layer] = j
-    slots = max(slot_of.values()) + 1
+    group_of = groups.layer_group
+    slot_of, slots = stage_slots(groups, stage)
     spec = KVCacheSpec(slots, kv_heads, cfg.head_dim, cache_cfg.block_size, dtype, cache_cfg.kv_cache_dtype)
-    if spec.mode.head_scales:
-        raise ValueError(f"kv_cache_dtype={cache_cfg.kv_cache_dtype!r} calibrates its scales over the whole model; "
-                         "pipeline parallelism does not run it yet (use auto or int8)")
     cache = PagedKVCache(spec, num_blocks, device, None, [slot_of[i] for i in stage.layers])
-    backend = PagedAttentionBackend(cache, [group_of[i] for i in stage.layers])
+    backend = PagedAttentionBackend(cache, [group_of[i] for i in stage.layers], groups.num_groups)
     return cache, backend, cache.copy_block_prefix
+
+
+def check_cache(cache_cfg) -> None:
+    """Refuse, before anything starts, the cache settings a pipeline does not run."""
+    from ..kv.quant import get_mode
+
+    if not cache_cfg.paged_attention:
+        raise ValueError("pipeline parallelism runs on the paged KV cache; drop paged_attention=False "
+                         "(--no-paged-attn) or use pipeline_parallel_size=1")
+    if get_mode(cache_cfg.kv_cache_dtype).head_scales:
+        raise ValueError(f"kv_cache_dtype={cache_cfg.kv_cache_dtype!r} calibrates its scales over the whole model; "
+                         "pipeline parallelism does not run it yet (use auto or int8, or pipeline_parallel_size=1)")
+
+
+class StageStats:
+    """Where a rank's time went, for the bubble's profile: computing its layers (`busy_s`),
+    waiting for the previous stage's hidden states or the last stage's logits (`wait_s`), over
+    the window from its first step's start to its last step's end (the rest: waiting for the
+    next plan, i.e. rank 0's scheduling and sampling, and sending)."""
+
+    FIELDS = ("busy_s", "wait_s", "window_s", "steps")
+
+    def __init__(self) -> None:
+        self.busy_s = self.wait_s = 0.0
+        self.first = self.last = None
+        self.steps = 0
+
+    def step(self, t0: float, t1: float) -> None:
+        self.first = t0 if self.first is None else self.first
+        self.last = t1
+        self.steps += 1
+
+    def values(self) -> list[float]:
+        window = (self.last - self.first) if self.first is not None else 0.0
+        return [self.busy_s, self.wait_s, window, float(self.steps)]
 
 
 class StageRunner:
@@ -64,68 +115,60 @@ class StageRunner:
     last stage: the plan's logits rows to rank 0). `runner`: an engine ModelRunner built on
     the stage's model and backend, used for the plan's tensors only."""
 
-    def __init__(self, model, runner, link: StageLink, stage) -> None:
+    def __init__(self, model, runner, link: StageLink, stage, tp_size: int = 1) -> None:
         self.model, self.runner, self.link, self.stage = model, runner, link, stage
+        self.logits_src = (stage.size - 1) * tp_size  # the last stage's TP rank 0
+        self.stats = StageStats()
 
     @torch.inference_mode()
     def run(self, plan) -> torch.Tensor | None:
-        """This stage's part of `plan`; on the first stage (rank 0) the logits rows as the
-        last stage computed them (None where the plan asks for none)."""
+        """This stage's part of `plan`; on rank 0 the logits rows as the last stage computed
+        them (None where the plan asks for none)."""
+        st, clock = self.stats, time.perf_counter
+        t0 = clock()
         input_ids, positions, meta = self.runner.tensors(plan)
         h = None if self.stage.first else self.link.recv(device=input_ids.device)
+        t1 = clock()
         out = self.model(input_ids, positions, meta, inputs_embeds=h)
         wants = plan.logits_rows is None or bool(plan.logits_rows)
         if not self.stage.last:
+            st.busy_s += clock() - t1
+            st.wait_s += t1 - t0
             self.link.send(out)
         elif wants:
             if plan.logits_rows is not None:
                 out = out.index_select(0, self.runner.upload.ints([plan.logits_rows])[0])
-            logits = self.model.compute_logits(out)
-            if self.stage.first:  # a pipeline of one stage
+            logits = self.model.compute_logits(out)  # None on a TP rank other than the stage's first
+            st.busy_s += clock() - t1
+            st.wait_s += t1 - t0
+            if self.link.rank == 0:  # a pipeline of one stage
                 return logits
-            self.link.send(logits, dst=0)
-        if self.stage.first and wants:
-            return self.link.recv(src=self.stage.size - 1, device=input_ids.device)
+            if logits is not None:
+                self.link.send(logits, dst=0)
+        else:
+            st.busy_s += clock() - t1
+            st.wait_s += t1 - t0
+        st.step(t0, clock())
+        if self.link.rank == 0 and wants:
+            return self.link.recv(src=self.logits_src, device=input_ids.device)
         return None
 
 
-class PipelineDriver:
-    """Rank 0's side: send each step's plan to every stage, run the first stage, get the logits."""
-
-    def __init__(self, info: TPInfo, stage_runner: StageRunner) -> None:
-        self.info, self.stage = info, stage_runner
-        self.ops: list[int] = []
-        self.steps = 0
-
-    def forward(self, plan) -> torch.Tensor | None:
-        """The plan's logits rows; a stage that died or hangs raises StageLinkError (within the
-        link's bound), and every later step raises it at once."""
-        link = self.stage.link
-        if link.failed:
-            raise StageLinkError(link.failed)
-        try:
-            messages.send(self.info.control, messages.STEP, messages.step_lists(plan, self.ops))
-        except (RuntimeError, dist.DistBackendError) as e:  # a peer's control socket closed
-            raise link._fail("send the step plan to", "any", e) from e
-        self.ops.clear()
-        self.steps += 1
-        return self.stage.run(plan)
-
-    def setup(self, num_blocks: int) -> None:
-        messages.send(self.info.control, messages.SETUP, [[num_blocks]])
-
-    def stop(self) -> None:
-        messages.send(self.info.control, messages.STOP)
+def _report_stats(control, stats: StageStats) -> None:
+    """A rank > 0's part of rank 0's stats gather after STOP."""
+    dist.gather(torch.tensor(stats.values(), dtype=torch.float64), None, dst=0, group=control)
 
 
 def serve_stage(info: TPInfo, stage, model, runner, link: StageLink, copy_fn, backend) -> None:
-    """A rank > 0's loop: apply rank 0's cache operations, run its stage of each step, until STOP."""
-    stage_runner = StageRunner(model, runner, link, stage)
+    """A rank > 0's loop: apply rank 0's cache operations, run its stage of each step, until STOP.
+    `info`: its place in its stage's TP group."""
+    stage_runner = StageRunner(model, runner, link, stage, info.size)
     apply = {messages.OP_COPY_PREFIX: copy_fn, messages.OP_FREE_SEQ: lambda a, b, c: backend.free_seq(a),
              messages.OP_FORK_SEQ: lambda a, b, c: backend.fork_seq(a, b)}
     while True:
         command, lists = messages.recv(info.control)
         if command == messages.STOP:
+            _report_stats(info.control, stage_runner.stats)
             return
         plan, ops = messages.step_from_lists(lists)
         for i in range(0, len(ops), 4):
@@ -142,121 +185,365 @@ def plan_for(source, size: int) -> list:
     return plan_stages(layers, size, embed, head)
 
 
-def build_stage(info: TPInfo, spec, num_blocks: int, timeout_s: float | None = None):
-    """This rank's stage: (stage, loaded model, cache, backend, copy function, runner, link)."""
+def _link(rank: int, pp: int, tp: int, timeout_s: float | None) -> StageLink:
+    """Global rank `rank`'s link: the same TP rank of the stages before and after."""
+    stage = rank // tp
+    return StageLink(rank, rank - tp if stage else None, rank + tp if stage + 1 < pp else None,
+                     timeout_s=timeout_s)
+
+
+def init_pipeline_groups(rank: int, pp: int, tp: int, device: torch.device, init_method: str | None) -> TPInfo:
+    """Join (or create) the world of pp x tp ranks, then make the control group (all ranks:
+    the plans) and each stage's compute group (its TP ranks' all-reduces and logits gather;
+    every rank makes every stage's, as torch.distributed wants). Returns this rank's place in
+    its stage's TP group."""
+    world = pp * tp
+    if not dist.is_initialized():
+        kw = {} if init_method is None else {"init_method": init_method}
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=RENDEZVOUS_TIMEOUT, **kw)
+    elif dist.get_world_size() != world:
+        raise ValueError(f"pipeline_parallel_size={pp} x tensor_parallel_size={tp} is {world} ranks but "
+                         f"torch.distributed already runs {dist.get_world_size()}; they must be equal")
+    info = TPInfo(rank % tp, tp)
+    info.control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+    for s in range(pp):
+        g = dist.new_group(ranks=list(range(s * tp, (s + 1) * tp)),
+                           backend="nccl" if device.type == "cuda" else "gloo",
+                           timeout=timedelta(seconds=settings.get("tp_timeout_s")))
+        if s == rank // tp:
+            info.group = g
+    return info
+
+
+def pipeline_worker_main(rank: int, pp: int, init_method: str | None, spec, conn=None, tp: int = 1) -> None:
+    """A rank other than 0 (global rank `rank` of pp x tp): join the groups, load its stage's
+    shard, wait for rank 0's cache size and the link's wait bound, build its cache, serve steps
+    until STOP. `conn`: a pipe to rank 0 for "started", "loaded" or an error text (spawned
+    ranks; None under torchrun). Exits non-zero on any failure (rank 0's waits then fail)."""
     from ..engine.model_runner import ModelRunner
     from ..loading.loader import load_model
-    from .worker import rank_device
-
-    device = rank_device(spec.device, info.rank)
-    stage = plan_for(spec.source, info.size)[info.rank]
-    loaded = load_model(spec.source, spec.dtype, device, max_positions=spec.max_positions,
-                        dequantize_weights=spec.dequantize_weights, isq=spec.isq, stage=stage)
-    cache, backend, copy_fn = stage_kv(loaded.config, stage, loaded.model.shard.kv_heads, spec.cache_cfg,
-                                       num_blocks, device, spec.dtype)
-    runner = ModelRunner(loaded.model, backend, spec.cache_cfg.block_size, device, sampler=None)
-    kw = {} if timeout_s is None else {"timeout_s": timeout_s}
-    link = StageLink(info.rank, info.rank - 1 if info.rank else None,
-                     info.rank + 1 if info.rank + 1 < info.size else None, **kw)
-    return stage, loaded, cache, backend, copy_fn, runner, link
-
-
-def pipeline_worker_main(rank: int, size: int, init_method: str | None, spec, conn=None) -> None:
-    """A stage other than the first: join the group, wait for rank 0's cache size, build the
-    stage, serve steps until STOP. Exits non-zero on any failure (rank 0's waits then fail)."""
-    from .group import destroy_groups, init_groups
+    from .group import destroy_groups
     from .worker import _die_with_parent, rank_device
 
     _die_with_parent()
     logging.basicConfig(level=spec.log_level, format=f"[pp rank {rank}] %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(spec.threads)
-    info = TPInfo(rank, size)
+    info = TPInfo(rank % tp, tp)
     code = 0
     try:
-        init_groups(info, rank_device(spec.device, rank), init_method)
         if conn is not None:
             conn.send(("started", os.getpid()))
+        device = rank_device(spec.device, rank)
+        info = init_pipeline_groups(rank, pp, tp, device, init_method)
+        stage = plan_for(spec.source, pp)[rank // tp]
+        loaded = load_model(spec.source, spec.dtype, device, max_positions=spec.max_positions,
+                            dequantize_weights=spec.dequantize_weights, isq=spec.isq, stage=stage,
+                            tp=info if tp > 1 else None)
+        if conn is not None:
+            conn.send(("loaded", loaded.weight_bytes))
         command, lists = messages.recv(info.control)
         if command == messages.SETUP:
-            stage, loaded, _, backend, copy_fn, runner, link = build_stage(info, spec, lists[0][0])
-            if conn is not None:
-                conn.send(("loaded", loaded.weight_bytes))
-            serve_stage(info, stage, loaded.model, runner, link, copy_fn, backend)
+            num_blocks, timeout_ms = lists[0]
+            cache, backend, copy_fn = stage_kv(loaded.config, stage, loaded.model.shard.kv_heads, spec.cache_cfg,
+                                               num_blocks, device, spec.dtype)
+            sizes = torch.tensor([loaded.weight_bytes, cache.nbytes], dtype=torch.int64)
+            dist.gather(sizes, None, dst=0, group=info.control)
+            runner = ModelRunner(loaded.model, backend, spec.cache_cfg.block_size, device, sampler=None)
+            serve_stage(info, stage, loaded.model, runner, _link(rank, pp, tp, timeout_ms / 1000), copy_fn, backend)
+        elif command != messages.STOP:
+            raise RuntimeError(f"expected the setup message from rank 0, got command {command}")
     except BaseException as e:
         code = 1
         logger.error("pipeline stage %d failed: %s: %s", rank, type(e).__name__, e)
+        if conn is not None:
+            try:
+                conn.send(("error", f"{type(e).__name__}: {e}"))
+            except Exception:
+                pass
     finally:
         destroy_groups(info)
     sys.exit(code)
 
 
 class PipelineExecutor:
-    """Rank 0's processes and group: the other stages started (or joined under torchrun),
-    stopped by `shutdown` (STOP, join, kill what does not exit)."""
+    """Rank 0's side of pipeline parallelism, as the engine uses it (engine/factory.py): the
+    other stages started (or joined under torchrun), rank 0's stage loaded and its cache built,
+    each step's plan sent and the first stage run (`forward`), everything stopped by `shutdown`
+    (STOP, join, kill what does not exit). A stage that dies or hangs fails the step with
+    `StageLinkError` within the link's bound (PAGEDLLM_PP_TIMEOUT_S), and every later step at once.
+    `info`: this rank's place in its stage's TP group (rank 0 of stage 0's); `rank`: its global rank."""
 
-    def __init__(self, info: TPInfo, procs: list) -> None:
-        self.info, self.procs = info, procs
-        self.driver: PipelineDriver | None = None
+    def __init__(self, rank: int, info: TPInfo, stages: list, procs: list, conns: list, timeout_s: float | None,
+                 threads_before: int | None = None) -> None:
+        self.rank, self.info, self.stages = rank, info, stages
+        self.pp, self.tp = len(stages), info.size
+        self.world = self.pp * self.tp
+        self.stage = stages[rank // self.tp]
+        self.procs, self.conns = procs, conns
+        self.timeout_s = settings.get("pp_timeout_s") if timeout_s is None else timeout_s
+        self.threads_before = threads_before
+        self.link: StageLink | None = None
+        self.ops: list[int] = []  # cache operations since the last step, sent with it
+        self.rank_bytes: list[tuple[int, int]] = []  # (weight bytes, KV bytes) per stage
+        self.steps = 0
+        self.message_bytes = 0
+        self.dead: str | None = None
         self.closed = False
+        self.set_up = False
+        self.stats = StageStats()  # rank 0's; every rank's after shutdown, in `stage_stats`
+        self.stage_stats: list[dict] = []
 
+    # -- start -----------------------------------------------------------------------------
     @classmethod
-    def start(cls, size: int, spec) -> "PipelineExecutor":
+    def start(cls, size: int, spec, timeout_s: float | None = None, tp: int = 1) -> "PipelineExecutor":
+        """Rank 0 of a new pipeline of `size` stages, each split over `tp` ranks. `timeout_s`:
+        how long a stage-to-stage send or receive may wait (None: PAGEDLLM_PP_TIMEOUT_S), the
+        same on every rank."""
         from .executor import _free_port
-        from .group import init_groups
         from .worker import rank_device
 
+        stages = plan_for(spec.source, size)
+        want = size * tp
         world = int(os.environ.get("WORLD_SIZE", "1"))
-        if world > 1:  # torchrun: the other stages run the same command on their nodes
-            if world != size:
-                raise ValueError(f"pipeline_parallel_size={size} but torchrun started {world} ranks")
-            info = TPInfo(int(os.environ["RANK"]), size)
-            init_groups(info, rank_device(spec.device, info.rank), None)
-            return cls(info, [])
+        if world > 1:  # torchrun: the other ranks run the same command on their nodes
+            if world != want:
+                raise ValueError(f"pipeline_parallel_size={size} x tensor_parallel_size={tp} is {want} ranks "
+                                 f"but torchrun started {world}; they must be equal")
+            rank = int(os.environ["RANK"])
+            info = init_pipeline_groups(rank, size, tp, rank_device(spec.device, rank), None)
+            return cls(rank, info, stages, [], [], timeout_s)
+        if dist.is_initialized():
+            raise ValueError("another tensor- or pipeline-parallel LLM is running in this process; call its "
+                             "shutdown() first (torch.distributed keeps one group per process)")
         import torch.multiprocessing as mp
 
         ctx = mp.get_context("spawn")
+        threads_before = torch.get_num_threads()
+        torch.set_num_threads(spec.threads)
+        logger.info("pipeline parallel: %d stages on this machine (layers %s)%s, %d thread(s) a rank", size,
+                    ", ".join(f"{s.start}-{s.end - 1}" for s in stages),
+                    f", each over {tp} tensor-parallel ranks" if tp > 1 else "", spec.threads)
         init = f"tcp://127.0.0.1:{_free_port()}"
-        procs = [ctx.Process(target=pipeline_worker_main, args=(r, size, init, spec), name=f"pagedllm-pp{r}",
-                             daemon=True) for r in range(1, size)]
-        ex = cls(TPInfo(0, size), procs)
+        procs, conns = [], []
+        ex = cls(0, TPInfo(0, tp), stages, procs, conns, timeout_s, threads_before)
         try:
-            for p in procs:
+            for r in range(1, want):
+                parent, child = ctx.Pipe(duplex=False)
+                p = ctx.Process(target=pipeline_worker_main, args=(r, size, init, spec, child, tp),
+                                name=f"pagedllm-pp{r}", daemon=True)
                 p.start()
-            init_groups(ex.info, rank_device(spec.device, 0), init)
+                child.close()
+                procs.append(p)
+                conns.append(parent)
+            ex._wait_for("started", 120)
+            ex.info = init_pipeline_groups(0, size, tp, rank_device(spec.device, 0), init)
         except BaseException:
             ex.shutdown()
             raise
         return ex
 
-    def build(self, spec, num_blocks: int, timeout_s: float | None = None):
-        """Send the cache size, build rank 0's stage; (driver, stage, loaded model)."""
-        driver = PipelineDriver(self.info, None)
-        driver.setup(num_blocks)
-        stage, loaded, _, _, _, runner, link = build_stage(self.info, spec, num_blocks, timeout_s)
-        driver.stage = StageRunner(loaded.model, runner, link, stage)
-        self.driver = driver
-        return driver, stage, loaded
+    def load_args(self) -> dict:
+        """What load_model takes to load this rank's part: its stage, and its shard of it."""
+        return {"stage": self.stage, "tp": self.info if self.tp > 1 else None}
 
+    def wait_loaded(self) -> None:
+        """Block until every spawned stage has loaded its layers; a stage's error is raised here."""
+        self._wait_for("loaded", settings.get("tp_load_timeout_s"))
+
+    def _wait_for(self, what: str, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        for rank, (p, conn) in enumerate(zip(self.procs, self.conns), start=1):
+            msg = None
+            while msg is None:
+                try:
+                    if conn.poll(0.2):
+                        msg = conn.recv()
+                        continue
+                except (EOFError, OSError):  # the stage is gone: wait for its exit status
+                    p.join(timeout=5)
+                if not p.is_alive():
+                    hint = ("; a script that starts an LLM with pipeline_parallel_size > 1 must do so under "
+                            "`if __name__ == \"__main__\":` (the stages are started with spawn, which "
+                            "imports the main script again)") if what == "started" else ""
+                    raise StageLinkError(f"pipeline stage rank {rank} exited before it {what} (exit code "
+                                         f"{p.exitcode}); see its log above{hint}")
+                if time.monotonic() > deadline:
+                    raise StageLinkError(f"pipeline stage rank {rank} has not {what} after {timeout:g} s "
+                                         "(PAGEDLLM_TP_LOAD_TIMEOUT_S)")
+            kind, value = msg
+            if kind == "error":
+                raise ValueError(f"pipeline stage rank {rank} failed: {value}")
+
+    # -- the cache ----------------------------------------------------------------------------
+    def kv_spec(self, loaded, cache_cfg, dtype: torch.dtype, groups):
+        """What one block costs on the rank whose pages are largest: the unit of the per-rank
+        KV budget, so that every stage's cache of the pool's blocks fits in it."""
+        from ..kv.cache import KVCacheSpec
+
+        check_cache(cache_cfg)
+        slots = max(stage_slots(groups, s)[1] for s in self.stages)
+        cfg = loaded.config
+        return KVCacheSpec(slots, loaded.model.shard.kv_heads, cfg.head_dim, cache_cfg.block_size, dtype,
+                           cache_cfg.kv_cache_dtype)
+
+    def setup(self, num_blocks: int) -> None:
+        """Tell every stage the pool's size and the link's wait bound (then each builds its cache)."""
+        messages.send(self.info.control, messages.SETUP, [[num_blocks, int(self.timeout_s * 1000)]])
+        self.set_up = True
+
+    def build_kv(self, loaded, kv_spec, cache_cfg, num_blocks: int, device: torch.device, dtype: torch.dtype,
+                 groups=None):
+        """Rank 0's cache (its stage's layers only), backend and copy function; and its link."""
+        self.link = _link(self.rank, self.pp, self.tp, self.timeout_s)
+        return stage_kv(loaded.config, self.stage, loaded.model.shard.kv_heads, cache_cfg, num_blocks, device, dtype)
+
+    def recorded(self, backend, copy_fn):
+        """The copy function the block manager calls: each prefix copy runs here and is queued
+        for the other stages, which apply it before the next step's forward. (Forks and frees
+        are the block manager's alone under paged attention.)"""
+        ops = self.ops
+
+        def copy(src: int, dst: int, n: int) -> None:
+            ops.extend((messages.OP_COPY_PREFIX, src, dst, n))
+            copy_fn(src, dst, n)
+
+        return backend, copy
+
+    def gather_sizes(self, weight_bytes: int, kv_bytes: int) -> None:
+        """Collect every stage's weight and KV bytes (for the trace), given rank 0's own."""
+        mine = torch.tensor([weight_bytes, kv_bytes], dtype=torch.int64)
+        parts = [torch.empty_like(mine) for _ in range(self.world)]
+        dist.gather(mine, parts, dst=0, group=self.info.control)
+        self.rank_bytes = [tuple(int(x) for x in p.tolist()) for p in parts]
+
+    # -- steps ---------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(self, plan, runner) -> tuple[torch.Tensor | None, None]:
+        """Send the plan, run the first stage on `runner` (the engine's ModelRunner over rank
+        0's stage), send its hidden states on; the plan's logits rows as the last stage
+        computed them (None where it asks for none). Pooling is refused under a pipeline, so
+        no hidden rows come back."""
+        if self.dead:
+            raise StageLinkError(self.dead)
+        link, st, clock = self.link, self.stats, time.perf_counter
+        t0 = clock()
+        try:
+            try:
+                self.message_bytes += messages.send(self.info.control, messages.STEP,
+                                                    messages.step_lists(plan, self.ops))
+            except (RuntimeError, dist.DistBackendError) as e:  # a peer's control socket closed
+                raise link._fail("send the step plan to", "any", e) from e
+            self.ops.clear()
+            self.steps += 1
+            input_ids, positions, meta = runner.tensors(plan)
+            t1 = clock()
+            try:
+                h = runner.model(input_ids, positions, meta)
+                st.busy_s += clock() - t1
+            except (RuntimeError, dist.DistBackendError) as e:
+                if self.tp == 1:
+                    raise
+                # A TP peer of stage 0 died or is stuck: its all-reduce failed.
+                raise link._fail("run stage 0's collectives with", "any", e) from e
+            link.send(h)
+            logits = None
+            if plan.logits_rows is None or plan.logits_rows:
+                t2 = clock()
+                logits = link.recv(src=(self.pp - 1) * self.tp, device=input_ids.device)
+                st.wait_s += clock() - t2
+            st.step(t0, clock())
+            return logits, None
+        except StageLinkError as e:
+            self._down(str(e))
+            raise
+
+    def _down(self, why: str) -> None:
+        """The pipeline cannot go on: say which stages ended how, and stop the spawned ones
+        (a stuck stage would otherwise hold its memory until rank 0 exits)."""
+        ended = [f"rank {r} (pid {p.pid}) exited with code {p.exitcode}"
+                 for r, p in enumerate(self.procs, start=1) if not p.is_alive()]
+        self.dead = why + (f" [{'; '.join(ended)}]" if ended else "")
+        logger.error("%s", self.dead)
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+
+    def _gather_stats(self) -> None:
+        """Every rank's StageStats (sent after STOP), as `stage_stats`: per rank its busy, wait
+        and idle shares of its window."""
+        mine = torch.tensor(self.stats.values(), dtype=torch.float64)
+        parts = [torch.empty_like(mine) for _ in range(self.world)]
+        work = dist.gather(mine, parts, dst=0, group=self.info.control, async_op=True)
+        if work.wait(timedelta(seconds=10)) is False:
+            raise TimeoutError("the stages did not report their time within 10 s")
+        self.stage_stats = []
+        for r, p in enumerate(parts):
+            busy, wait, window, steps = p.tolist()
+            self.stage_stats.append(dict(rank=r, stage=r // self.tp, steps=int(steps), window_s=window, busy_s=busy,
+                                         wait_s=wait, busy_share=busy / window if window else 0.0,
+                                         idle_share=1 - busy / window if window else 0.0))
+
+    def trace_fields(self) -> dict:
+        """The KV trace's per-rank figures (kv/trace.py)."""
+        return dict(pipeline_parallel_size=self.pp, tensor_parallel_size=self.tp,
+                    stage_layers=[f"{s.start}-{s.end - 1}" for s in self.stages],
+                    rank_weight_mb=[w / 2**20 for w, _ in self.rank_bytes],
+                    rank_kv_mb=[kv / 2**20 for _, kv in self.rank_bytes],
+                    p2p_bytes_per_step=(self.link.sent_bytes + self.link.received_bytes) / max(1, self.steps)
+                    if self.link is not None else 0.0)
+
+    # -- stop ----------------------------------------------------------------------------------
     def shutdown(self) -> None:
         from .group import destroy_groups
 
         if self.closed:
             return
         self.closed = True
-        link = self.driver.stage.link if self.driver is not None and self.driver.stage is not None else None
-        if self.info.control is not None and not (link is not None and link.failed):
+        if not self.dead and self.info.control is not None:
             try:
-                self.driver.stop() if self.driver else messages.send(self.info.control, messages.STOP)
-            except Exception:
-                pass
+                messages.send(self.info.control, messages.STOP)
+                if self.set_up:
+                    self._gather_stats()
+            except Exception as e:
+                logger.warning("pipeline stop: %s", e)
         for p in self.procs:
             p.join(timeout=10)
             if p.is_alive():
                 logger.warning("pipeline stage %s did not stop; killing it", p.name)
                 p.kill()
                 p.join(timeout=5)
+        for c in self.conns:
+            c.close()
         destroy_groups(self.info)
+        if self.threads_before is not None:
+            torch.set_num_threads(self.threads_before)
 
     @property
     def pids(self) -> list[int]:
         return [p.pid for p in self.procs]
+
+    # -- a pipeline driven without the engine (tests/test_pipeline_run.py) ------------------------
+    def build(self, spec, num_blocks: int):
+        """Load rank 0's stage and build its cache of `num_blocks` blocks outside an engine;
+        (a driver whose `forward(plan)` gives the logits rows, the stage, the loaded model)."""
+        from ..engine.model_runner import ModelRunner
+        from ..loading.loader import load_model
+        from .worker import rank_device
+
+        device = rank_device(spec.device, self.rank)
+        loaded = load_model(spec.source, spec.dtype, device, max_positions=spec.max_positions,
+                            dequantize_weights=spec.dequantize_weights, isq=spec.isq, **self.load_args())
+        self.wait_loaded()
+        self.setup(num_blocks)
+        cache, backend, _ = self.build_kv(loaded, None, spec.cache_cfg, num_blocks, device, spec.dtype)
+        self.gather_sizes(loaded.weight_bytes, cache.nbytes)
+        runner = ModelRunner(loaded.model, backend, spec.cache_cfg.block_size, device, sampler=None)
+        return _Driver(self, runner), self.stage, loaded
+
+
+class _Driver:
+    def __init__(self, ex: PipelineExecutor, runner) -> None:
+        self.ex, self.runner = ex, runner
+
+    def forward(self, plan) -> torch.Tensor | None:
+        return self.ex.forward(plan, self.runner)[0]

@@ -30,7 +30,11 @@ logger = logging.getLogger(__name__)
 def build_engine(loaded: LoadedModel, cache_cfg: CacheConfig, sched_cfg: SchedulerConfig, device: torch.device,
                  dtype: torch.dtype, seed: int = 0, executor=None, speculative: SpeculativeConfig | None = None,
                  draft: LoadedModel | None = None, max_lora_rank: int = 16, runner_cls=ModelRunner) -> LLMEngine:
-    """`executor`: rank 0's side of tensor parallelism, or None. `draft`: the loaded draft model of speculative method "draft"
+    """`executor`: rank 0's side of tensor or pipeline parallelism (pagedllm/distributed), or
+    None. It prices a block for the per-rank KV budget (`kv_spec`), tells the other ranks the
+    pool's size (`setup`), builds rank 0's cache (`build_kv`), sees every cache operation
+    (`recorded`), collects the ranks' bytes (`gather_sizes`), and runs each step's plan
+    (`forward`, called by the ModelRunner). `draft`: the loaded draft model of speculative method "draft"
     (its KV groups draw from this engine's block pool: one budget, each block a page of both
     caches). LoRA adapters are enabled by `sched_cfg.max_loras` > 0 (that many slots, of rank up
     to `max_lora_rank`). `runner_cls`: the ModelRunner, or a subclass that runs the step another
@@ -39,12 +43,13 @@ def build_engine(loaded: LoadedModel, cache_cfg: CacheConfig, sched_cfg: Schedul
     sched_cfg.validate()
     check_draft_setup(speculative, draft, executor)
     if executor is not None and sched_cfg.max_loras:
-        raise ValueError("LoRA adapters do not run under tensor parallelism yet; use tensor_parallel_size=1 "
-                         "with enable_lora")
+        raise ValueError("LoRA adapters do not run under tensor or pipeline parallelism yet; use "
+                         "tensor_parallel_size=1 and pipeline_parallel_size=1 with enable_lora")
     cfg, model = loaded.config, loaded.model
     # Layers that attend alike share a block table; sliding and global layers do not.
     groups = plan_groups(cfg.layer_windows, cfg.num_layers, hybrid=cache_cfg.paged_attention)
-    kv_spec = kv_spec_of(loaded, cache_cfg, dtype, groups)
+    kv_spec = (executor.kv_spec(loaded, cache_cfg, dtype, groups) if executor is not None
+               else kv_spec_of(loaded, cache_cfg, dtype, groups))
     # The pool's tables per sequence: the target's groups, and a draft model's beside them.
     windows, draft_spec = list(groups.windows), None
     if draft is not None:
@@ -56,7 +61,8 @@ def build_engine(loaded: LoadedModel, cache_cfg: CacheConfig, sched_cfg: Schedul
         plan.source += shared_pool_note(plan.num_blocks, kv_spec, draft_spec)
     if executor is not None:
         executor.setup(plan.num_blocks)
-    kv_cache, backend, copy_fn = build_kv(loaded, kv_spec, cache_cfg, plan.num_blocks, device, dtype, groups)
+    make_kv = executor.build_kv if executor is not None else build_kv
+    kv_cache, backend, copy_fn = make_kv(loaded, kv_spec, cache_cfg, plan.num_blocks, device, dtype, groups)
     if executor is not None:  # the other ranks repeat every cache operation
         backend, copy_fn = executor.recorded(backend, copy_fn)
         executor.gather_sizes(loaded.weights.resident_bytes if loaded.weights else 0,

@@ -64,7 +64,7 @@ class LLMEngine:
                  scheduler: Scheduler, runner: ModelRunner, output: OutputProcessor,
                  structured: GrammarEngine, lora: LoRAManager | None, encoder_cache: EncoderCache | None,
                  spec: spec_decoder.SpeculativeDecoder | None, executor=None) -> None:
-        """`executor`: rank 0's side of tensor parallelism, or None."""
+        """`executor`: rank 0's side of tensor or pipeline parallelism, or None."""
         self.model, self.model_config = loaded.model, loaded.config
         self.tokenizer = loaded.tokenizer
         self.weights = loaded.weights  # formats, resident bytes, kernel path (for the trace)
@@ -114,7 +114,8 @@ class LLMEngine:
                 raise ValueError(f"request names LoRA adapter {lora_request.lora_name!r} but LoRA is not "
                                  "enabled: start the engine with enable_lora=True (--enable-lora)")
             self.lora.check(lora_request)
-        if getattr(self.model, "lm_head", True) is None:
+        # (A pipeline's first stage has no head: the last stage's computes the logits.)
+        if getattr(self.model, "lm_head", True) is None and self.executor is None:
             raise ValueError(f"{self.model_name} is an embedding model (no LM head): it cannot generate "
                              "text; ask it for embeddings (/v1/embeddings, LLM.embed)")
         text = prompt if isinstance(prompt, str) else None
@@ -270,7 +271,8 @@ class LLMEngine:
         names are pooled into one vector (the request output's `embedding`) as the chunks run.
         Nothing is generated, and its blocks are dropped, not kept as a prefix, once it is done."""
         if self.executor is not None:
-            raise ValueError("embeddings under tensor parallelism are not supported; use tensor_parallel_size=1")
+            raise ValueError("embeddings under tensor or pipeline parallelism are not supported; use "
+                             "tensor_parallel_size=1 and pipeline_parallel_size=1")
         ids = check_pooling_input(token_ids, self.sched_config.max_model_len, self.model_config.vocab_size)
         blocks = self.block_manager.max_blocks(len(ids), self.sched_config.max_num_batched_tokens)
         if blocks > self.block_manager.num_usable_blocks:
@@ -438,7 +440,7 @@ class LLMEngine:
             self.waste_steps += 1
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel workers (nothing to do on one rank)."""
+        """Stop the tensor-parallel workers or pipeline stages (nothing to do on one rank)."""
         if self.executor is not None:
             self.executor.shutdown()
 

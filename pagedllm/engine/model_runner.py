@@ -81,7 +81,8 @@ class ModelRunner:
                  device: torch.device, sampler: Sampler | None, structured=None, driver=None,
                  lora=None, encoder_cache=None) -> None:
         """`structured`: the GrammarEngine of constrained requests (None: none run here).
-        `driver`: under tensor parallelism, rank 0's TPExecutor, which sends each plan.
+        `driver`: under tensor or pipeline parallelism, rank 0's executor (distributed/), which
+        sends each plan and runs rank 0's part of it (`forward(plan, runner)`).
         `lora`: a LoRAManager (pagedllm/lora) when adapters are enabled.
         `encoder_cache`: a vision-language model's EncoderCache (pagedllm/multimodal)."""
         self.model = model
@@ -306,12 +307,11 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, plan: StepPlan) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """`logits`, and the float32 final hidden states of the plan's `hidden_rows` (None when
-        it asks for none; pooling is refused under tensor parallelism, so rank 0 alone keeps them)."""
+        it asks for none; pooling is refused under tensor and pipeline parallelism, so rank 0
+        alone keeps them). Under either, the executor sends the plan and runs rank 0's part."""
         if self.driver is None:
             return self._forward(plan)
-        with self.driver.guard():  # a failed rank fails the step with a clear error
-            self.driver.send_step(plan)
-            return self._forward(plan)
+        return self.driver.forward(plan, self)
 
     def _forward(self, plan: StepPlan) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         input_ids, positions, meta = self.tensors(plan)

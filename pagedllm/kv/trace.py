@@ -58,6 +58,12 @@ class KVCacheTrace:
     rank_weight_mb: list = field(default_factory=list)
     rank_kv_mb: list = field(default_factory=list)
     allreduce_bytes_per_step: float = 0.0
+    # Pipeline parallelism: stages, each stage's layers (each rank's weight and KV MB are in
+    # rank_weight_mb / rank_kv_mb, stage by stage, a stage's TP ranks together; their sum is the
+    # pipeline's), and the bytes rank 0 sent and received stage to stage per step, on average.
+    pipeline_parallel_size: int = 1
+    stage_layers: list = field(default_factory=list)
+    p2p_bytes_per_step: float = 0.0
     # Speculative decoding: the method ("off" without), its draft tokens verified and accepted.
     speculative: str = "off"
     spec_proposed_tokens: int = 0
@@ -210,10 +216,7 @@ def _tp_fields(engine) -> dict:
         w = engine.weights.resident_bytes if getattr(engine, "weights", None) else 0
         kv = engine.kv_cache.nbytes if engine.kv_cache is not None else 0
         return dict(rank_weight_mb=[w / 2**20], rank_kv_mb=[kv / 2**20])
-    return dict(tensor_parallel_size=ex.tp.size,
-                rank_weight_mb=[w / 2**20 for w, _ in ex.rank_bytes],
-                rank_kv_mb=[kv / 2**20 for _, kv in ex.rank_bytes],
-                allreduce_bytes_per_step=ex.tp.reduced_bytes / max(1, ex.steps))
+    return ex.trace_fields()
 
 
 def _speculative(engine) -> dict:

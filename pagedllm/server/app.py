@@ -255,7 +255,8 @@ def _install_basics(app: FastAPI, engine: AsyncEngine, metrics: ServerMetrics, c
     @app.get("/health")
     async def health() -> Response:
         if not engine.alive:
-            return error_response(503, "the engine is not running", "server_error")
+            why = getattr(engine, "stopped_because", None)
+            return error_response(503, "the engine is not running" + (f": {why}" if why else ""), "server_error")
         return JSONResponse({"status": "ok"})
 
     @app.get("/v1/models")

@@ -120,6 +120,9 @@ class AsyncEngine:
         self._steps = 0
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        # Why the engine thread stopped on its own: a rank of a distributed engine failed
+        # (executor.dead), so no later step can run (requests then get a 503 at once).
+        self.stopped_because: str | None = None
         self._closing = False
         self.num_ended_at_shutdown = 0  # requests in flight that drain() ended
 
@@ -165,7 +168,7 @@ class AsyncEngine:
         if self._closing:
             raise ShuttingDown()
         if not self.alive:
-            raise EngineError("the engine is not running")
+            raise EngineError("the engine is not running" + (f": {self.stopped_because}" if self.stopped_because else ""))
         loop = asyncio.get_running_loop()
         sub = Submission([it[0] for it in items], asyncio.Queue(), self)
         accepted = loop.create_future()
@@ -202,7 +205,8 @@ class AsyncEngine:
                 if not self._apply_commands(block=idle):
                     break
                 if self.driver.has_unfinished():
-                    self._step()
+                    if not self._step():
+                        break
                 elif self.metrics is not None:
                     self.metrics.on_engine_state(self.engine, len(self._routes))
         finally:
@@ -264,15 +268,23 @@ class AsyncEngine:
             self.metrics.forget(cmd.request_id)
             self.metrics.on_engine_state(self.engine, len(self._routes))
 
-    def _step(self) -> None:
+    def _step(self) -> bool:
+        """One engine step and its outputs delivered; False when the engine cannot go on."""
         try:
             outs = self.driver.advance()
         except Exception as e:
             logger.exception("engine step failed; failing the requests in flight")
             if self.metrics is not None:
                 self.metrics.engine_errors.inc()
+            if getattr(getattr(self.engine, "executor", None), "dead", None):
+                # A pipeline stage or tensor-parallel rank died or hung: every later step would
+                # fail too, so the thread stops and new requests get a 503 instead.
+                self.stopped_because = ("a rank of the distributed engine failed (the server log says which "
+                                        "and how); restart the server")
+                self._fail_all(EngineError(f"the engine stopped: {self.stopped_because}"))
+                return False
             self._fail_all(EngineError(f"internal engine error ({type(e).__name__})"))
-            return
+            return True
         self._steps += 1
         batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = defaultdict(list)
         for out in outs:
@@ -287,6 +299,7 @@ class AsyncEngine:
         if self.metrics is not None:
             self.metrics.on_step_outputs(outs)
             self.metrics.on_engine_state(self.engine, len(self._routes))
+        return True
 
     def _fail_all(self, err: BaseException) -> None:
         routes, self._routes = self._routes, {}

@@ -47,6 +47,14 @@ class ServerMetrics:
         self.blocks_cached = Gauge(p + "kv_blocks_cached",
                                    "Blocks held by the prefix cache (0 without prefix caching)", registry=r)
         self.kv_usage = Gauge(p + "kv_cache_usage_ratio", "Share of KV cache blocks in use", registry=r)
+        # Tensor or pipeline parallelism: what each rank holds (one rank without either; a
+        # pipeline stage's KV cache holds its own layers of every block, so the ranks' sum is
+        # the whole cache's bytes).
+        self.rank_kv_bytes = Gauge(p + "rank_kv_cache_bytes", "KV cache bytes a rank holds (its pools' "
+                                   "ceiling)", ["rank"], registry=r)
+        self.rank_weight_bytes = Gauge(p + "rank_weight_bytes", "Resident weight bytes a rank holds",
+                                       ["rank"], registry=r)
+        self._ranks_set = False
         self.prefix_hit_rate = Gauge(p + "prefix_cache_hit_rate",
                                      "Prompt tokens served from the prefix cache / prompt tokens "
                                      "looked up", registry=r)
@@ -124,6 +132,17 @@ class ServerMetrics:
 
     def on_engine_state(self, engine: Any, in_flight: int) -> None:
         sched, bm = engine.scheduler, engine.block_manager
+        if not self._ranks_set:  # fixed once the engine is built
+            self._ranks_set = True
+            ex = getattr(engine, "executor", None)
+            ranks = getattr(ex, "rank_bytes", None)
+            if not ranks:
+                w = getattr(getattr(engine, "weights", None), "resident_bytes", 0) or 0
+                kv = getattr(getattr(engine, "kv_cache", None), "nbytes", 0) or 0
+                ranks = [(w, kv)]
+            for i, (w, kv) in enumerate(ranks):
+                self.rank_weight_bytes.labels(str(i)).set(w)
+                self.rank_kv_bytes.labels(str(i)).set(kv)
         self.running.set(sched.num_running)
         self.waiting.set(sched.num_waiting)
         self.in_flight.set(in_flight)
