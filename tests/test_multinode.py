@@ -116,6 +116,7 @@ def test_pipeline_across_two_namespaces_and_a_killed_node(tmp_path, hf_smollm2_t
     assert not _procs_with(str(out)), "a node's process outlived the run"
 
 
+@pytest.mark.slow
 def test_serve_pp2_across_two_namespaces(tmp_path, hf_smollm2_tokenizer):
     """`torchrun ... -m pagedllm serve MODEL -pp 2` on each node, exactly as on two machines:
     the openai client (inside node 0's namespace, where the server listens) gets pp=1's greedy

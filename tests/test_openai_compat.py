@@ -18,7 +18,7 @@ openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("llguidance")
 
-from pagedllm.structured import tools as tool_api  # noqa: E402
+from pagedllm.structured import tool_parser, tools as tool_api  # noqa: E402
 from test_server import serving  # noqa: E402
 
 # A Pydantic-style schema: nested models under $defs, referenced with $ref; enums, arrays.
@@ -210,9 +210,9 @@ def test_response_format_with_forced_tool_choice_is_accepted(client):
 def test_parse_unterminated_hermes_calls():
     """A 0.5B model's answer: two <tool_call> blocks, neither closed."""
     text = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n<tool_call>\n{"name": "add", "arguments": {"a": 3, "b": 4}}'
-    content, calls = tool_api.parse(text, "hermes")
+    content, calls = tool_parser.parse(text, "hermes")
     assert content is None and [json.loads(c.arguments) for c in calls] == [{"a": 1, "b": 2}, {"a": 3, "b": 4}]
-    content, calls = tool_api.parse('Sure.\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}', "hermes")
+    content, calls = tool_parser.parse('Sure.\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}', "hermes")
     assert content == "Sure." and [c.name for c in calls] == ["add"]
 
 

@@ -16,7 +16,7 @@ openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("llguidance")
 
-from pagedllm.structured import tools as tool_api  # noqa: E402
+from pagedllm.structured import tool_parser, tools as tool_api  # noqa: E402
 from test_server import serving  # noqa: E402
 
 TEMPLATE = Path(__file__).parent / "data" / "hermes_tools.jinja"
@@ -172,19 +172,19 @@ def test_bad_tool_requests_get_400(server, client, name):
 
 def test_parse_formats():
     text = 'Let me check.\n<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>'
-    content, calls = tool_api.parse(text, "hermes")
+    content, calls = tool_parser.parse(text, "hermes")
     assert content == "Let me check." and [(c.name, json.loads(c.arguments)) for c in calls] == [("f", {"x": 1})]
-    assert tool_api.parse("no call here", "hermes") == ("no call here", [])
-    _, calls = tool_api.parse('{"name": "g", "parameters": {"y": "z"}}', "llama3")
+    assert tool_parser.parse("no call here", "hermes") == ("no call here", [])
+    _, calls = tool_parser.parse('{"name": "g", "parameters": {"y": "z"}}', "llama3")
     assert calls[0].name == "g" and json.loads(calls[0].arguments) == {"y": "z"}
-    _, calls = tool_api.parse('[TOOL_CALLS] [{"name": "a", "arguments": {}}, {"name": "b", "arguments": {}}]',
+    _, calls = tool_parser.parse('[TOOL_CALLS] [{"name": "a", "arguments": {}}, {"name": "b", "arguments": {}}]',
                               "mistral")
     assert [c.name for c in calls] == ["a", "b"]
-    assert tool_api.parse("{not json", "llama3") == ("{not json", [])
+    assert tool_parser.parse("{not json", "llama3") == ("{not json", [])
 
 
 def test_stream_parser_holds_back_a_partial_tag():
-    p = tool_api.StreamParser("hermes")
+    p = tool_parser.StreamParser("hermes")
     text = 'Sure. <tool_call>\n{"name": "f", "arguments": {"x": 2}}\n</tool_call> done'
     sent, calls = "", []
     for i in range(0, len(text), 3):  # three characters at a time: tags split across deltas
@@ -193,7 +193,7 @@ def test_stream_parser_holds_back_a_partial_tag():
         sent, calls = sent + s, calls + c
     s, c = p.finish()
     sent, calls = sent + s, calls + c
-    calls = tool_api.merge_deltas(calls)  # deltas: the call's head, then its arguments in pieces
+    calls = tool_parser.merge_deltas(calls)  # deltas: the call's head, then its arguments in pieces
     assert sent == "Sure. done" and [c.name for c in calls] == ["f"]
     assert json.loads(calls[0].arguments) == {"x": 2}
 
@@ -241,6 +241,6 @@ def test_streamed_answer_splits_as_the_whole_one(text, size):
         sent, deltas = sent + s, deltas + d
     s, d = p.finish()
     sent, deltas = sent + s, deltas + d
-    streamed = tool_api.merge_deltas(deltas)
+    streamed = tool_parser.merge_deltas(deltas)
     assert (sent or None) == content and p.calls == len(calls)
     assert [(c.name, json.loads(c.arguments)) for c in streamed] == [(c.name, json.loads(c.arguments)) for c in calls]

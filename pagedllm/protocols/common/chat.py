@@ -21,7 +21,7 @@ import jinja2
 
 from ...native import release_omp_threads
 from ...sampling.params import SamplingParams
-from ...structured import openai as structured_api, tools as tool_api
+from ...structured import openai as structured_api, tool_parser, tools as tool_api
 from ...tokenizer.chat import render_chat
 from .. import reasoning
 from .context import ServingContext
@@ -128,7 +128,7 @@ def grammar_param(plan: tool_api.ToolPlan | None, text_format_param: str) -> str
     return "tools" if plan is not None and plan.grammar() else text_format_param
 
 
-# -- answers: the tool parser (structured/tools.py), called from here only -------------------
+# -- answers: the tool parser (structured/tool_parser.py), called from here only -------------------
 
 
 def parse_answer(text: str, plan: tool_api.ToolPlan | None) -> tuple[str | None, list[tool_api.ToolCall]]:
@@ -136,25 +136,25 @@ def parse_answer(text: str, plan: tool_api.ToolPlan | None) -> tuple[str | None,
     calls (its text is None then)."""
     if plan is None or not plan.parses:
         return text, []
-    content, calls = tool_api.parse(text, plan.fmt)
+    content, calls = tool_parser.parse(text, plan.fmt)
     if calls and plan.forced:
         return None, calls
     if not calls and plan.mode == "auto":  # a call as bare or fenced JSON naming a request's tool
-        calls = tool_api.bare_json_calls(text, _tool_names(plan))
+        calls = tool_parser.bare_json_calls(text, _tool_names(plan))
         if calls:
             return None, calls
     return content, calls
 
 
-def answer_stream_parser(plan: tool_api.ToolPlan | None) -> tool_api.StreamParser | tool_api.AutoStreamParser | None:
+def answer_stream_parser(plan: tool_api.ToolPlan | None) -> tool_parser.StreamParser | tool_parser.AutoStreamParser | None:
     """A parser that splits a streamed answer into text and tool-call deltas, as `parse_answer`
     splits it whole (under tool_choice=auto, bare or fenced JSON calls too); None when the
     answer holds no calls to parse."""
     if plan is None or not plan.parses:
         return None
     if plan.mode == "auto":
-        return tool_api.AutoStreamParser(plan.fmt, _tool_names(plan))
-    return tool_api.StreamParser(plan.fmt)
+        return tool_parser.AutoStreamParser(plan.fmt, _tool_names(plan))
+    return tool_parser.StreamParser(plan.fmt)
 
 
 def _tool_names(plan: tool_api.ToolPlan) -> list[str]:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...outputs import RequestOutput
-from ...structured import tools as tool_api
+from ...structured import tool_parser, tools as tool_api
 from ..common import chat as neutral
 from ..common.tokens import TokenText
 from .logprobs import chat_logprobs, completion_logprobs, join_logprobs, prompt_logprobs, usage_from
@@ -92,7 +92,7 @@ class ChatStreamer:
     tools: tool_api.ToolPlan | None = None  # set when the answer may hold tool calls
     reasoning: neutral.Reasoning | None = None  # set when the model writes reasoning first
     states: list[_ChoiceState] = field(default_factory=list)
-    parsers: list[tool_api.StreamParser] = field(default_factory=list)
+    parsers: list[tool_parser.StreamParser] = field(default_factory=list)
     splitters: list[Any] = field(default_factory=list)
     templates: dict[tuple[int, bool], TextChunkTemplate] = field(default_factory=dict)
 
