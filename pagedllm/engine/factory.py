@@ -46,27 +46,8 @@ def build_engine(loaded: LoadedModel, cache_cfg: CacheConfig, sched_cfg: Schedul
         raise ValueError("LoRA adapters do not run under tensor or pipeline parallelism yet; use "
                          "tensor_parallel_size=1 and pipeline_parallel_size=1 with enable_lora")
     cfg, model = loaded.config, loaded.model
-    # Layers that attend alike share a block table; sliding and global layers do not.
-    groups = plan_groups(cfg.layer_windows, cfg.num_layers, hybrid=cache_cfg.paged_attention)
-    kv_spec = (executor.kv_spec(loaded, cache_cfg, dtype, groups) if executor is not None
-               else kv_spec_of(loaded, cache_cfg, dtype, groups))
-    # The pool's tables per sequence: the target's groups, and a draft model's beside them.
-    windows, draft_spec = list(groups.windows), None
-    if draft is not None:
-        draft_groups = draft_kv_groups(draft)
-        draft_spec = kv_spec_of(draft, draft_cache_config(cache_cfg), dtype, draft_groups)
-        windows += draft_groups.windows
-    plan = plan_pool(kv_spec, cache_cfg, sched_cfg, device, windows, draft_spec)
-    if draft is not None:
-        plan.source += shared_pool_note(plan.num_blocks, kv_spec, draft_spec)
-    if executor is not None:
-        executor.setup(plan.num_blocks)
-    make_kv = executor.build_kv if executor is not None else build_kv
-    kv_cache, backend, copy_fn = make_kv(loaded, kv_spec, cache_cfg, plan.num_blocks, device, dtype, groups)
-    if executor is not None:  # the other ranks repeat every cache operation
-        backend, copy_fn = executor.recorded(backend, copy_fn)
-        executor.gather_sizes(loaded.weights.resident_bytes if loaded.weights else 0,
-                              kv_cache.nbytes if kv_cache is not None else 0)
+    groups, kv_spec, draft_spec, plan, kv_cache, backend, copy_fn = _build_kv(
+        loaded, cache_cfg, sched_cfg, device, dtype, executor, draft)
     prefix_caching, note = prefix_caching_mode(cache_cfg, cfg)
     if cache_cfg.prefix_caching and not prefix_caching:
         logger.info("prefix caching is off: %s", note)
@@ -93,3 +74,34 @@ def build_engine(loaded: LoadedModel, cache_cfg: CacheConfig, sched_cfg: Schedul
     return LLMEngine(loaded, cache_cfg, sched_cfg, device, dtype, kv=kv, block_manager=block_manager,
                      scheduler=scheduler, runner=runner, output=output, structured=structured, lora=lora,
                      encoder_cache=encoder_cache, spec=spec, executor=executor)
+
+
+def _build_kv(loaded: LoadedModel, cache_cfg: CacheConfig, sched_cfg: SchedulerConfig, device: torch.device,
+              dtype: torch.dtype, executor, draft: LoadedModel | None):
+    """The KV groups, block price, pool plan and rank 0's paged cache (with its backend and
+    prefix-copy function), a draft model's groups drawing from the same pool; under tensor or
+    pipeline parallelism the other ranks build theirs as rank 0 does and repeat its cache
+    operations."""
+    cfg = loaded.config
+    # Layers that attend alike share a block table; sliding and global layers do not.
+    groups = plan_groups(cfg.layer_windows, cfg.num_layers, hybrid=cache_cfg.paged_attention)
+    kv_spec = (executor.kv_spec(loaded, cache_cfg, dtype, groups) if executor is not None
+               else kv_spec_of(loaded, cache_cfg, dtype, groups))
+    # The pool's tables per sequence: the target's groups, and a draft model's beside them.
+    windows, draft_spec = list(groups.windows), None
+    if draft is not None:
+        draft_groups = draft_kv_groups(draft)
+        draft_spec = kv_spec_of(draft, draft_cache_config(cache_cfg), dtype, draft_groups)
+        windows += draft_groups.windows
+    plan = plan_pool(kv_spec, cache_cfg, sched_cfg, device, windows, draft_spec)
+    if draft is not None:
+        plan.source += shared_pool_note(plan.num_blocks, kv_spec, draft_spec)
+    if executor is not None:
+        executor.setup(plan.num_blocks)
+    make_kv = executor.build_kv if executor is not None else build_kv
+    kv_cache, backend, copy_fn = make_kv(loaded, kv_spec, cache_cfg, plan.num_blocks, device, dtype, groups)
+    if executor is not None:  # the other ranks repeat every cache operation
+        backend, copy_fn = executor.recorded(backend, copy_fn)
+        executor.gather_sizes(loaded.weights.resident_bytes if loaded.weights else 0,
+                              kv_cache.nbytes if kv_cache is not None else 0)
+    return groups, kv_spec, draft_spec, plan, kv_cache, backend, copy_fn
