@@ -20,6 +20,7 @@ import pytest
 
 from pagedllm import LLM, SamplingParams
 from models import reference_family
+from procs import alive
 
 # slow: whole models in several processes; `make test-fast` leaves it out
 pytestmark = pytest.mark.slow
@@ -31,17 +32,6 @@ GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
 # four KV groups get four times the blocks, its sliding ones holding a window each: 200 there.)
 KW = dict(dtype="float32", block_size=16, kv_cache_context_len=400, max_num_batched_tokens=64)
 CTX = {"gemma3": 200}
-
-
-def _alive(pids: list[int]) -> list[int]:
-    out = []
-    for pid in pids:
-        try:
-            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                out.append(pid)
-        except psutil.NoSuchProcess:
-            pass
-    return out
 
 
 def _children() -> set[int]:
@@ -81,7 +71,7 @@ def test_pp2_matches_transformers_and_pp1(name, tmp_path, hf_smollm2_tokenizer):
     before = _children()
     with LLM(str(path), pipeline_parallel_size=2, **kw) as llm:
         pids = llm.engine.executor.pids
-        assert len(_alive(pids)) == 1
+        assert len(alive(pids)) == 1
         got, turns, forks = _workload(llm, prompts)
         assert got == want, name
         assert llm.engine.scheduler.num_preemptions > 0
@@ -90,7 +80,7 @@ def test_pp2_matches_transformers_and_pp1(name, tmp_path, hf_smollm2_tokenizer):
         bm = llm.engine.block_manager
         assert bm.num_free_blocks == bm.num_usable_blocks
         t2 = llm.kv_cache_trace()
-    assert not _alive(pids)  # the context manager stopped the stage
+    assert not alive(pids)  # the context manager stopped the stage
     # Each rank reported where its time went (bench throughput's bubble profile): every step.
     stats = llm.engine.executor.stage_stats
     assert [s["steps"] for s in stats] == [llm.engine.executor.steps] * 2
@@ -121,13 +111,13 @@ def test_pp2_tp2_matches_transformers_and_pp1(tmp_path, hf_smollm2_tokenizer):
     before = _children()
     with LLM(str(path), pipeline_parallel_size=2, tensor_parallel_size=2, **KW) as llm:
         pids = llm.engine.executor.pids
-        assert len(_alive(pids)) == 3
+        assert len(alive(pids)) == 3
         got, turns, forks = _workload(llm, prompts)
         assert got == want
         assert llm.engine.scheduler.num_preemptions > 0
         assert forks == [want[1]] * 4
         t4 = llm.kv_cache_trace()
-    assert not _alive(pids) and _children() <= before
+    assert not alive(pids) and _children() <= before
     one = LLM(str(path), **KW)
     assert _workload(one, prompts) == (got, turns, forks)
     t1 = one.kv_cache_trace()
@@ -166,7 +156,7 @@ def test_killed_stage_fails_the_request_and_leaves_no_process(tmp_path, hf_smoll
     finally:
         killer.cancel()
         llm.shutdown()
-    assert not _alive(pids)
+    assert not alive(pids)
 
 
 def test_unsupported_options_are_refused_before_any_stage_starts(tmp_path, hf_smollm2_tokenizer):
@@ -233,9 +223,9 @@ def test_serve_pp2_answers_the_openai_client_as_pp1_and_sigterm_leaves_no_proces
     finally:
         srv.stop()
     deadline = time.monotonic() + 10
-    while _alive([p.pid for p in stages]) and time.monotonic() < deadline:
+    while alive([p.pid for p in stages]) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not _alive([p.pid for p in stages]), [p.pid for p in stages]
+    assert not alive([p.pid for p in stages]), [p.pid for p in stages]
     one = LLM(str(path), dtype="float32", kv_cache_context_len=2048)
     want = one.chat(msgs, SamplingParams(max_tokens=16, temperature=0.0), use_tqdm=False).outputs[0].text
     assert whole == streamed == want and want

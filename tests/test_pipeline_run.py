@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from models import reference_family
+from procs import alive
 
 BLOCK = 16
 PROMPT, NEW = 37, 12
@@ -27,19 +28,6 @@ def _spec(path):
     from pagedllm.loading.source import resolve
 
     return WorkerSpec(resolve(str(path)), torch.float32, "cpu", None, False, None, CacheConfig(block_size=BLOCK), 1)
-
-
-def _alive(pids: list[int]) -> list[int]:
-    import psutil
-
-    out = []
-    for pid in pids:
-        try:
-            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                out.append(pid)
-        except psutil.NoSuchProcess:
-            pass
-    return out
 
 
 def _plans(cfg, prompt: list[int]):
@@ -76,7 +64,7 @@ def test_two_stage_greedy_matches_transformers(family, tmp_path, hf_smollm2_toke
     ex = PipelineExecutor.start(2, _spec(path), timeout_s=15)
     try:
         pids = ex.pids
-        assert len(_alive(pids)) == 1
+        assert len(alive(pids)) == 1
         driver, stage, loaded = ex.build(_spec(path), num_blocks)
         assert stage.first and not stage.last and loaded.model.lm_head is None
         assert len(loaded.model.attention_modules()) == stage.end < loaded.config.num_layers
@@ -91,7 +79,7 @@ def test_two_stage_greedy_matches_transformers(family, tmp_path, hf_smollm2_toke
     finally:
         ex.shutdown()
     assert ex.procs[0].exitcode == 0  # it left on STOP
-    assert not _alive(pids)
+    assert not alive(pids)
 
 
 def test_killed_stage_fails_rank0_within_30s(tmp_path, hf_smollm2_tokenizer):
@@ -120,4 +108,4 @@ def test_killed_stage_fails_rank0_within_30s(tmp_path, hf_smollm2_tokenizer):
             driver.forward(plan([7], PROMPT, decode=True))
     finally:
         ex.shutdown()
-    assert not _alive(ex.pids)
+    assert not alive(ex.pids)

@@ -15,6 +15,7 @@ import torch
 from pagedllm import LLM, SamplingParams
 from pagedllm.distributed.executor import TensorParallelError
 from models import build_checkpoint, reference_family
+from procs import alive
 
 # slow: whole models, servers or builds; `make test-fast` leaves it out
 pytestmark = pytest.mark.slow
@@ -30,17 +31,6 @@ def family(request, tmp_path_factory, hf_smollm2_tokenizer):
     path, ref, prompts, want = reference_family(request.param, tmp_path_factory.mktemp(request.param),
                                                 hf_smollm2_tokenizer, PROMPT_LENS, NEW_TOKENS, seed=99)
     return request.param, path, ref, prompts, want
-
-
-def _alive(pids: list[int]) -> list[int]:
-    out = []
-    for pid in pids:
-        try:
-            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                out.append(pid)
-        except psutil.NoSuchProcess:
-            pass
-    return out
 
 
 def _assert_logits_match_reference_and_tp1(path, ref, prompts, got, logits2, kw) -> None:
@@ -62,14 +52,14 @@ def test_tp2_matches_transformers_and_tp1(family):
     kw = dict(dtype="float32", block_size=16, kv_cache_context_len=ctx, max_num_batched_tokens=64)
     with LLM(str(path), tensor_parallel_size=2, **kw) as llm:
         pids = llm.engine.executor.pids
-        assert len(_alive(pids)) == 1
+        assert len(alive(pids)) == 1
         got = [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
         assert got == want, name
         assert llm.engine.scheduler.num_preemptions > 0
         bm = llm.engine.block_manager
         assert bm.num_free_blocks == bm.num_usable_blocks
         logits2 = llm.prompt_logits(prompts[-1])
-    assert not _alive(pids)  # the context manager stopped the worker
+    assert not alive(pids)  # the context manager stopped the worker
     _assert_logits_match_reference_and_tp1(path, ref, prompts, got, logits2, kw)
 
 
@@ -135,7 +125,7 @@ def test_killed_worker_fails_the_generation_and_leaves_no_process(family):
     finally:
         killer.cancel()
     assert time.monotonic() - t0 < 30
-    assert not _alive(pids)
+    assert not alive(pids)
     assert not llm.engine.has_unfinished()  # the requests in flight were failed and dropped
     with pytest.raises(TensorParallelError):  # the engine stays stopped, and says so
         llm.generate([prompts[0]], GREEDY, use_tqdm=False)
@@ -145,7 +135,7 @@ def test_killed_worker_fails_the_generation_and_leaves_no_process(family):
     pids = again.engine.executor.pids
     assert again.generate([prompts[0]], GREEDY, use_tqdm=False)[0].token_ids
     again.shutdown()
-    assert not _alive(pids)
+    assert not alive(pids)
 
 
 def test_tp2_quantized_weights_shard_on_block_boundaries(tmp_path, hf_smollm2_tokenizer):

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from .. import settings
 from . import messages
+from .children import wait_for_ranks
 from .group import TPInfo, destroy_groups, init_groups
 from .worker import WorkerSpec, rank_device, worker_main
 
@@ -124,28 +125,7 @@ class TPExecutor:
         self._wait_for("loaded", settings.get("tp_load_timeout_s"))  # (the workers loading their shards)
 
     def _wait_for(self, what: str, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        for rank, (p, conn) in enumerate(zip(self.procs, self.conns), start=1):
-            msg = None
-            while msg is None:
-                try:
-                    if conn.poll(0.2):
-                        msg = conn.recv()
-                        continue
-                except (EOFError, OSError):  # the worker is gone: wait for its exit status
-                    p.join(timeout=5)
-                if not p.is_alive():
-                    hint = ("; a script that starts an LLM with tensor_parallel_size > 1 must do so under "
-                            "`if __name__ == \"__main__\":` (the workers are started with spawn, which "
-                            "imports the main script again)") if what == "started" else ""
-                    raise TensorParallelError(f"tensor-parallel worker rank {rank} exited before it "
-                                              f"{what} (exit code {p.exitcode}); see its log above{hint}")
-                if time.monotonic() > deadline:
-                    raise TensorParallelError(f"tensor-parallel worker rank {rank} has not {what} after "
-                                              f"{timeout:g} s (PAGEDLLM_TP_LOAD_TIMEOUT_S)")
-            kind, value = msg
-            if kind == "error":
-                raise ValueError(f"tensor-parallel worker rank {rank} failed: {value}")
+        wait_for_ranks(self.procs, self.conns, what, timeout, "tensor-parallel worker", "tensor_parallel_size", TensorParallelError)
 
     def kv_spec(self, loaded, cache_cfg, dtype: torch.dtype, groups):
         """What one block of this rank's KV heads costs: the unit of the per-rank KV budget."""

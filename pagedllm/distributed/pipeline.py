@@ -41,6 +41,7 @@ import torch.distributed as dist
 
 from .. import settings
 from . import messages
+from .children import wait_for_ranks
 from .group import CONTROL_TIMEOUT, RENDEZVOUS_TIMEOUT, TPInfo
 from .p2p import StageLink, StageLinkError
 
@@ -351,28 +352,7 @@ class PipelineExecutor:
         self._wait_for("loaded", settings.get("tp_load_timeout_s"))
 
     def _wait_for(self, what: str, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        for rank, (p, conn) in enumerate(zip(self.procs, self.conns), start=1):
-            msg = None
-            while msg is None:
-                try:
-                    if conn.poll(0.2):
-                        msg = conn.recv()
-                        continue
-                except (EOFError, OSError):  # the stage is gone: wait for its exit status
-                    p.join(timeout=5)
-                if not p.is_alive():
-                    hint = ("; a script that starts an LLM with pipeline_parallel_size > 1 must do so under "
-                            "`if __name__ == \"__main__\":` (the stages are started with spawn, which "
-                            "imports the main script again)") if what == "started" else ""
-                    raise StageLinkError(f"pipeline stage rank {rank} exited before it {what} (exit code "
-                                         f"{p.exitcode}); see its log above{hint}")
-                if time.monotonic() > deadline:
-                    raise StageLinkError(f"pipeline stage rank {rank} has not {what} after {timeout:g} s "
-                                         "(PAGEDLLM_TP_LOAD_TIMEOUT_S)")
-            kind, value = msg
-            if kind == "error":
-                raise ValueError(f"pipeline stage rank {rank} failed: {value}")
+        wait_for_ranks(self.procs, self.conns, what, timeout, "pipeline stage", "pipeline_parallel_size", StageLinkError)
 
     # -- the cache ----------------------------------------------------------------------------
     def kv_spec(self, loaded, cache_cfg, dtype: torch.dtype, groups):
