@@ -2,21 +2,19 @@
 two-turn conversation, then a stream stopped mid-way, after which every KV block is back."""
 from __future__ import annotations
 
-import shutil
 import time
 
 import pytest
 
 httpx = pytest.importorskip("httpx")
-webdriver = pytest.importorskip("selenium.webdriver")
+pytest.importorskip("selenium.webdriver")
 
 from test_server import serving  # noqa: E402
 
 # slow: whole models, servers or builds; `make test-fast` leaves it out
 pytestmark = pytest.mark.slow
 
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-DRIVER = shutil.which("chromedriver")
+from browser import CHROMIUM, DRIVER, headless  # noqa: E402
 if not (CHROMIUM and DRIVER):
     pytest.skip("Debian's chromium and chromium-driver are not installed (make setup installs them)",
                 allow_module_level=True)
@@ -35,17 +33,8 @@ def server(started_server):
 
 @pytest.fixture(scope="module")
 def browser():
-    from selenium.webdriver.chrome.service import Service
-
-    opts = webdriver.ChromeOptions()
-    opts.binary_location = CHROMIUM
-    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"):
-        opts.add_argument(arg)
-    drv = webdriver.Chrome(service=Service(DRIVER), options=opts)
-    try:
+    with headless() as drv:
         yield drv
-    finally:
-        drv.quit()
 
 
 def _wait(what, timeout: float = 240, every: float = 0.2):

@@ -117,28 +117,17 @@ def test_a_broken_internal_link_fails_the_build(tmp_path, broken):
     assert "quickstart.md" in out and ("python-apix.md" in out if broken == "page" else "no-such-heading" in out), out
 
 
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-DRIVER = shutil.which("chromedriver")
+from browser import CHROMIUM, DRIVER, headless  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def browser():
-    webdriver = pytest.importorskip("selenium.webdriver")
+    pytest.importorskip("selenium.webdriver")
     if not (CHROMIUM and DRIVER):
         pytest.skip("Debian's chromium and chromium-driver are not installed (make test installs them as root); "
                     "playwright's browsers come from its own download server, not the package registry")
-    from selenium.webdriver.chrome.service import Service
-
-    opts = webdriver.ChromeOptions()
-    opts.binary_location = CHROMIUM
-    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-                "--allow-file-access-from-files"):
-        opts.add_argument(arg)
-    drv = webdriver.Chrome(service=Service(DRIVER), options=opts)
-    try:
+    with headless("--allow-file-access-from-files") as drv:
         yield drv
-    finally:
-        drv.quit()
 
 
 @needs_mkdocs
