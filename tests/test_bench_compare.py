@@ -147,6 +147,25 @@ def test_compare_caps_our_isa(tiny_gguf, tmp_path, monkeypatch, capsys):
     assert uncapped["isa"] == str(cpu_kernels().native_isa())
 
 
+def test_compare_refuses_an_isa_not_built(tiny_gguf, tmp_path, capsys):
+    """--isa naming a level the kernels were not compiled at is refused before anything runs:
+    the capped library would run a lower level and the figures would be that level's."""
+    from pagedllm.native import cpu_kernels
+
+    if cpu_kernels() is None:
+        pytest.skip("native kernels not built here")
+    built = str(cpu_kernels().native_built_levels()).split(",")
+    missing = [lv for lv in compare.ISA_LEVELS if lv not in built]
+    if not missing:
+        pytest.skip("this build holds every level")
+    out = tmp_path / "compare.json"
+    rc = main(["bench", "compare", str(tiny_gguf), "--measures", "decode1", "--isa", missing[0],
+               "--output", str(out)])
+    assert rc == 1 and not out.exists()
+    err = capsys.readouterr().err
+    assert f"--isa {missing[0]}" in err and "PAGEDLLM_ISA_LEVELS=all" in err
+
+
 def test_compare_with_llama_cpp(tiny_gguf, tmp_path):
     pytest.importorskip("llama_cpp", reason="llama-cpp-python not installed (make bench-deps)")
     result = _compare(tiny_gguf, tmp_path)

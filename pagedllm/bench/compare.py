@@ -119,6 +119,7 @@ def run(args: argparse.Namespace) -> dict | int:
 
 def _run(args: argparse.Namespace) -> dict:
     model = _model_path(args.model)
+    _check_isa_built(args.isa)
     long_lengths, long_caches = _long_plan(args)
     measures = _measures(args.measures) if args.measures or not long_lengths else []
     out = args.output or f"bench-results/compare-{model.stem}.json"
@@ -245,6 +246,22 @@ def _long_plan(args: argparse.Namespace) -> tuple[list[int], list[str]]:
     if args.long_tokens < 2:
         raise ValueError(f"--long-tokens must be at least 2 (the first token ends the prefill), got {args.long_tokens}")
     return lengths, caches
+
+
+def _check_isa_built(isa: str | None) -> None:
+    """Refuses `--isa` naming a level our kernels were not compiled at: a capped library runs the
+    best level it holds below the cap, and a build for one machine holds only the baseline and
+    the host's best (setup.py), so `--isa avx2` there measured the baseline, not AVX2."""
+    if isa is None:
+        return
+    from ..native import cpu_kernels
+
+    ops = cpu_kernels()
+    built = str(ops.native_built_levels()).split(",") if ops is not None else []
+    if isa not in built:
+        raise RuntimeError(f"--isa {isa}: our native kernels hold the levels {', '.join(built) or 'none'}, "
+                           f"not {isa}; rebuild them with every level (PAGEDLLM_ISA_LEVELS=all python "
+                           f"setup.py build_ext --inplace, or make wheel) to measure it")
 
 
 def _has_llama_cpp() -> bool:

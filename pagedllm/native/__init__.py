@@ -86,7 +86,20 @@ def cpu_kernels():
                        NATIVE_ABI, REBUILD_HINT)
         return None
     logger.debug("native CPU kernels loaded from %s (%s level)", lib, ops.native_isa())
+    _warn_unbuilt_cap(ops)
     return ops
+
+
+def _warn_unbuilt_cap(ops) -> None:
+    """A PAGEDLLM_NATIVE_ISA cap naming a level this library was not compiled at runs a lower one
+    (a build for one machine holds only the baseline and the host's best level): say so, since
+    whoever set the cap meant to run that level."""
+    cap = settings.get("native_isa")
+    built = str(ops.native_built_levels()).split(",")
+    if cap is not None and cap not in built and cap != ops.native_isa():
+        logger.warning("PAGEDLLM_NATIVE_ISA=%s: these kernels were compiled at %s only, so they run at %s; "
+                       "rebuild with PAGEDLLM_ISA_LEVELS=all to run %s", cap, ", ".join(built),
+                       ops.native_isa(), cap)
 
 
 def release_omp_threads() -> None:
