@@ -365,8 +365,8 @@ def test_wide_steps_of_packed_weights_take_the_integer_kernel_in_chunks(monkeypa
 
 def test_wide_steps_of_wide_models_take_the_integer_kernel_by_default_without_amx(monkeypatch):
     """"auto" (the default) sends steps past INT_ROWS through the integer kernel in models
-    INT_WIDE_WIDTH or more wide, where the kernel is AVX-512 VNNI and there is no AMX; narrower
-    models, the head, AVX2 and AMX machines keep the GEMM route."""
+    INT_WIDE_WIDTH or more wide, where the kernel is AVX-512 VNNI or AVX2 and there is no AMX;
+    narrower models, the head, the scalar path and AMX machines keep the GEMM route."""
     monkeypatch.delenv("PAGEDLLM_QUANT_WIDE", raising=False)
     monkeypatch.delenv("PAGEDLLM_QUANT_ISA", raising=False)
     monkeypatch.setenv("PAGEDLLM_AMX", "0")
@@ -375,25 +375,27 @@ def test_wide_steps_of_wide_models_take_the_integer_kernel_by_default_without_am
     m = qk.int_rows() + 1
     parts = [packed(random_blocks("Q4_K", 16, wide, rng), "Q4_K", 16, wide) for _ in range(wide // 16)]
     few = [packed(random_blocks("Q4_K", 16, wide, rng), "Q4_K", 16, wide) for _ in range(narrow // 16)]
-    vnni = "avx512-vnni" in qk.available_isas()
-    assert qk.integer_route(m, parts, "o_proj") is vnni
+    simd = qk.kernel_path()[0] in ("avx512-vnni", "avx2")
+    assert qk.integer_route(m, parts, "o_proj") is simd
     assert not qk.integer_route(m, parts, "lm_head") and not qk.integer_route(m, few, "o_proj")
-    if vnni:  # (the path is read once a process: cleared around the forced one)
-        monkeypatch.setenv("PAGEDLLM_QUANT_ISA", "avx2")
+    for forced, wide_int in (("avx2", True), ("scalar", False)):  # (the path is read once a process)
+        if forced not in qk.available_isas():
+            continue
+        monkeypatch.setenv("PAGEDLLM_QUANT_ISA", forced)
         qk.kernel_path.cache_clear()
         try:
-            assert not qk.integer_route(m, parts, "o_proj")
+            assert qk.integer_route(m, parts, "o_proj") is wide_int
         finally:
             monkeypatch.delenv("PAGEDLLM_QUANT_ISA")
             qk.kernel_path.cache_clear()
     if qk.cpu_kernels() is not None and hasattr(qk.cpu_kernels(), "quant_amx_rows"):
         monkeypatch.delenv("PAGEDLLM_AMX")
-        assert qk.integer_route(m, parts, "o_proj") is (vnni and qk.amx_rows() == 0)
+        assert qk.integer_route(m, parts, "o_proj") is (simd and qk.amx_rows() == 0)
 
 
 def test_proposals_take_the_integer_kernel_past_int_rows_at_any_width(monkeypatch):
     """Inside proposals_only (a draft model's forwards) "auto" takes the integer kernel past
-    INT_ROWS in narrow models too, where it does for wide ones (AVX-512 VNNI, no AMX), and
+    INT_ROWS in narrow models too, where it does for wide ones (AVX-512 VNNI or AVX2, no AMX), and
     rounds activations in one level; the head keeps the GEMM, forced routes and modes stay
     forced, and the flag ends with the block."""
     for env in ("PAGEDLLM_QUANT_WIDE", "PAGEDLLM_QUANT_ISA", "PAGEDLLM_QUANT_ACT", "PAGEDLLM_QUANT_X2_WIDE"):
@@ -403,10 +405,10 @@ def test_proposals_take_the_integer_kernel_past_int_rows_at_any_width(monkeypatc
     narrow = qk.INT_WIDE_WIDTH // 2
     m = qk.int_rows() + 8
     few = [packed(random_blocks("Q4_K", 16, narrow * 2, rng), "Q4_K", 16, narrow * 2) for _ in range(narrow // 16)]
-    vnni = "avx512-vnni" in qk.available_isas()
+    simd = qk.kernel_path()[0] in ("avx512-vnni", "avx2")
     assert not qk.integer_route(m, few, "o_proj")
     with qk.proposals_only():
-        assert qk.integer_route(m, few, "o_proj") is vnni
+        assert qk.integer_route(m, few, "o_proj") is simd
         assert not qk.integer_route(m, few, "lm_head")
         # and one level of activation rounding at every width (a draft's proposals are verified)
         assert not any(qk._isa_id(None, r, "qkv_proj", narrow) & qk.ACT_X2 for r in (1, m))

@@ -4,8 +4,8 @@ Few rows (decode) take the integer path: the activation is quantized to int8 per
 and multiplied with the weight's blocks by integer dot products (AVX-512 VNNI, AVX2, or the
 scalar reference). Many rows (prefill, wide batches) are compute bound: the weight is
 dequantized a tile of rows at a time into the compute dtype and the GEMM does the rest, or,
-in models 1536+ wide on AVX-512 VNNI CPUs without AMX (PAGEDLLM_QUANT_WIDE), the integer kernel
-takes them too, chunk by chunk.
+in models 1536+ wide on CPUs without AMX (PAGEDLLM_QUANT_WIDE), the integer kernel takes them
+too, chunk by chunk.
 """
 from __future__ import annotations
 
@@ -49,10 +49,10 @@ TILE_PAD = 32  # a transposed tile's rows are this much longer (csrc/quant_packe
 # activations in cache. It rounds activations where the GEMM route is exact, so it is taken
 # where that was measured to hold the quality bar (98% top-1, perplexity within 0.5% of the
 # dequantized model): models INT_WIDE_WIDTH or more wide (narrower ones fall under it), on CPUs
-# whose integer kernel is AVX-512 VNNI and which have no AMX (there the GEMM's bf16 products run
-# on AMX, faster). On AVX2 the integer kernel takes three instructions for half of one
-# vpdpbusd's products: there it is likely slower than the GEMM (not measured). The decision and
-# its measurements: docs/design/integer-prefill.md. PAGEDLLM_QUANT_WIDE=gemm | int forces a route.
+# whose integer kernel is AVX-512 VNNI or AVX2 and which have no AMX (there the GEMM's bf16
+# products run on AMX, faster). On AVX2 the GEMM runs float32 FMAs, 8 products an instruction,
+# against maddubs' 32. The decision and its measurements: docs/design/integer-prefill.md.
+# PAGEDLLM_QUANT_WIDE=gemm | int forces a route.
 INT_WIDE_WIDTH = 1536
 WIDE_MODES = settings.choices("quant_wide")  # ("auto", "gemm", "int")
 WIDE_CHUNK = 128
@@ -170,14 +170,14 @@ def wide_int_here(width: int) -> bool:
     """Whether "auto" sends steps past INT_ROWS through the integer kernel in a model `width`
     wide on this machine (INT_WIDE_WIDTH, above; any width inside `proposals_only`)."""
     wide_enough = width >= INT_WIDE_WIDTH or getattr(_route, "proposals_only", False)
-    return wide_enough and _path_id() == ISA_IDS["avx512-vnni"] and amx_rows() == 0
+    return wide_enough and _path_id() in (ISA_IDS["avx512-vnni"], ISA_IDS["avx2"]) and amx_rows() == 0
 
 
 @contextmanager
 def proposals_only():
     """Steps run inside this only propose tokens that another model verifies (a speculative
     draft model's forwards): "auto" takes the integer kernel past INT_ROWS at any width where
-    it is faster (AVX-512 VNNI without AMX), as the quality bar that keeps narrow models on the
+    it is faster (AVX-512 VNNI or AVX2, without AMX), as the quality bar that keeps narrow models on the
     GEMM route applies to output, not to proposals; through the GEMM a draft's catch-up of 33
     rows and up dequantizes every weight (docs/benchmarks/from-code.md, "The draft's forwards
     past 32 rows")."""
