@@ -9,6 +9,7 @@ blocks are freed and it goes back to the front of the queue to be recomputed.
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
@@ -176,6 +177,8 @@ class Scheduler:
                 seq.num_computed_tokens = 0
                 break
             self.waiting.popleft()
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = time.perf_counter()
             if not scoring:
                 self.bm.record_admission(seq)
             self._grow(seq, n)
