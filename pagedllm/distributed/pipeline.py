@@ -222,7 +222,7 @@ def pipeline_worker_main(rank: int, pp: int, init_method: str | None, spec, conn
     until STOP. `conn`: a pipe to rank 0 for "started", "loaded" or an error text (spawned
     ranks; None under torchrun). Exits non-zero on any failure (rank 0's waits then fail)."""
     from ..engine.model_runner import ModelRunner
-    from ..loading.loader import load_model
+    from ..loading.loader import check_rank_memory, load_model
     from .group import destroy_groups
     from .worker import _die_with_parent, rank_device
 
@@ -240,6 +240,7 @@ def pipeline_worker_main(rank: int, pp: int, init_method: str | None, spec, conn
         loaded = load_model(spec.source, spec.dtype, device, max_positions=spec.max_positions,
                             dequantize_weights=spec.dequantize_weights, isq=spec.isq, stage=stage,
                             tp=info if tp > 1 else None)
+        check_rank_memory(loaded.weight_bytes, spec.max_rank_memory_mb, rank, pp, tp)
         if conn is not None:
             conn.send(("loaded", loaded.weight_bytes))
         command, lists = messages.recv(info.control)
