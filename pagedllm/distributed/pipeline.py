@@ -25,7 +25,15 @@ all-reduced hidden states) to the same TP rank of the next stage, and the last s
 tensor parallelism's executor does) or, under torchrun (WORLD_SIZE set), joins the group the
 other nodes' ranks join.
 
-Not yet here (issue 65): several micro-batches in flight (the stages take turns).
+Several micro-batches in flight, one a stage (vLLM's batch queue): the engine
+(`LLMEngine._step_pipelined`) launches a step of some sequences (`launch`: the plan broadcast
+without waiting, stage 0 run, the hidden states sent by isend) and schedules the next step,
+of other sequences, while the first is in the later stages; it waits for the oldest step's
+logits (`collect`) only once P steps are in flight or nothing more can be scheduled. Every
+rank takes the steps in launch order, so the caches stay identical; a sequence in flight is
+not scheduled, preempted or freed until its step is collected (Scheduler.schedule_disjoint).
+Each stage's sends go without waiting: a stage goes on to its next plan while its output
+travels, and waits only before its next send.
 """
 from __future__ import annotations
 
@@ -33,7 +41,7 @@ import logging
 import os
 import sys
 import time
-
+from collections import deque
 from datetime import timedelta
 
 import torch
@@ -120,6 +128,20 @@ class StageRunner:
         self.model, self.runner, self.link, self.stage = model, runner, link, stage
         self.logits_src = (stage.size - 1) * tp_size  # the last stage's TP rank 0
         self.stats = StageStats()
+        # The send under way (its works hold the tensor): a stage goes on to the next plan while
+        # its output travels, and waits for it only before its next send.
+        self.sending: list = []
+
+    def _send(self, t: torch.Tensor, dst: int | None = None) -> None:
+        if self.sending:
+            self.link.wait(self.sending, dst)
+        self.sending = self.link.isend(t, dst)
+
+    def flush(self) -> None:
+        """Wait for the send under way (before the rank stops)."""
+        if self.sending:
+            self.link.wait(self.sending)
+            self.sending = []
 
     @torch.inference_mode()
     def run(self, plan) -> torch.Tensor | None:
@@ -135,7 +157,7 @@ class StageRunner:
         if not self.stage.last:
             st.busy_s += clock() - t1
             st.wait_s += t1 - t0
-            self.link.send(out)
+            self._send(out)
         elif wants:
             if plan.logits_rows is not None:
                 out = out.index_select(0, self.runner.upload.ints([plan.logits_rows])[0])
@@ -145,7 +167,7 @@ class StageRunner:
             if self.link.rank == 0:  # a pipeline of one stage
                 return logits
             if logits is not None:
-                self.link.send(logits, dst=0)
+                self._send(logits, dst=0)
         else:
             st.busy_s += clock() - t1
             st.wait_s += t1 - t0
@@ -169,6 +191,7 @@ def serve_stage(info: TPInfo, stage, model, runner, link: StageLink, copy_fn, ba
     while True:
         command, lists = messages.recv(info.control)
         if command == messages.STOP:
+            stage_runner.flush()
             _report_stats(info.control, stage_runner.stats)
             return
         plan, ops = messages.step_from_lists(lists)
@@ -293,6 +316,13 @@ class PipelineExecutor:
         self.closed = False
         self.set_up = False
         self.stats = StageStats()  # rank 0's; every rank's after shutdown, in `stage_stats`
+        # Steps launched whose logits have not been collected: (start time, whether logits come
+        # back, device); and the hidden states' send under way (its works, holding the tensor).
+        self.launched: deque = deque()
+        self.sending: list = []
+        self.plan_works: list = []  # the last plan's broadcast under way
+        # Micro-batches the engine keeps in flight: one a stage, so that each is busy.
+        self.micro_batches = self.pp
         self.stage_stats: list[dict] = []
 
     # -- start -----------------------------------------------------------------------------
@@ -400,18 +430,29 @@ class PipelineExecutor:
     # -- steps ---------------------------------------------------------------------------------
     @torch.inference_mode()
     def forward(self, plan, runner) -> tuple[torch.Tensor | None, None]:
+        """One step whole: `launch`, then `collect`. Pooling is refused under a pipeline, so no
+        hidden rows come back."""
+        self.launch(plan, runner)
+        return self.collect(), None
+
+    @torch.inference_mode()
+    def launch(self, plan, runner) -> None:
         """Send the plan, run the first stage on `runner` (the engine's ModelRunner over rank
-        0's stage), send its hidden states on; the plan's logits rows as the last stage
-        computed them (None where it asks for none). Pooling is refused under a pipeline, so
-        no hidden rows come back."""
+        0's stage) and start sending its hidden states on, without waiting for them to arrive:
+        the engine may launch the next micro-batch (other sequences) while this one is in the
+        later stages. Its logits come back, in launch order, by `collect`."""
         if self.dead:
             raise StageLinkError(self.dead)
         link, st, clock = self.link, self.stats, time.perf_counter
         t0 = clock()
         try:
             try:
-                self.message_bytes += messages.send(self.info.control, messages.STEP,
-                                                    messages.step_lists(plan, self.ops))
+                # The plan goes out while the later stages finish earlier steps; the one before
+                # it has arrived by now (every stage took it before this step's turn).
+                self._wait_plan()
+                sent, self.plan_works = messages.send_async(self.info.control, messages.STEP,
+                                                            messages.step_lists(plan, self.ops))
+                self.message_bytes += sent
             except (RuntimeError, dist.DistBackendError) as e:  # a peer's control socket closed
                 raise link._fail("send the step plan to", "any", e) from e
             self.ops.clear()
@@ -426,17 +467,44 @@ class PipelineExecutor:
                     raise
                 # A TP peer of stage 0 died or is stuck: its all-reduce failed.
                 raise link._fail("run stage 0's collectives with", "any", e) from e
-            link.send(h)
-            logits = None
-            if plan.logits_rows is None or plan.logits_rows:
-                t2 = clock()
-                logits = link.recv(src=(self.pp - 1) * self.tp, device=input_ids.device)
-                st.wait_s += clock() - t2
-            st.step(t0, clock())
-            return logits, None
+            self._send(h)
+            self.launched.append((t0, plan.logits_rows is None or bool(plan.logits_rows), input_ids.device))
         except StageLinkError as e:
             self._down(str(e))
             raise
+
+    def _wait_plan(self) -> None:
+        for work, *_ in self.plan_works:
+            if work.wait(self.link.timeout) is False:
+                raise TimeoutError(f"no answer in {self.link.timeout.total_seconds():g} s")
+        self.plan_works = []
+
+    def _send(self, h: torch.Tensor) -> None:
+        """Start sending `h` to the next stage, once the send before it has gone (so at most
+        one is under way, holding its tensor)."""
+        if self.sending:
+            self.link.wait(self.sending)
+        self.sending = self.link.isend(h)
+
+    @torch.inference_mode()
+    def collect(self) -> torch.Tensor | None:
+        """The oldest launched step's logits rows as the last stage computed them (None where
+        it asked for none)."""
+        if self.dead:
+            raise StageLinkError(self.dead)
+        t0, wants, device = self.launched.popleft()
+        st, clock = self.stats, time.perf_counter
+        logits = None
+        try:
+            if wants:
+                t2 = clock()
+                logits = self.link.recv(src=(self.pp - 1) * self.tp, device=device)
+                st.wait_s += clock() - t2
+        except StageLinkError as e:
+            self._down(str(e))
+            raise
+        st.step(t0, clock())
+        return logits
 
     def _down(self, why: str) -> None:
         """The pipeline cannot go on: say which stages ended how, and stop the spawned ones
@@ -482,6 +550,11 @@ class PipelineExecutor:
         self.closed = True
         if not self.dead and self.info.control is not None:
             try:
+                while self.launched:  # steps left in flight (an error or abort in between): drained
+                    self.collect()
+                if self.sending:
+                    self.link.wait(self.sending)
+                self._wait_plan()
                 messages.send(self.info.control, messages.STOP)
                 if self.set_up:
                     self._gather_stats()
