@@ -36,12 +36,11 @@ def _start_tp(size: int, source, dt: torch.dtype, dev: torch.device, max_model_l
     from .distributed.executor import TPExecutor, check_size, usable_cores
     from .distributed.worker import WorkerSpec, worker_main
     from .loading.loader import read_config
-    from .models.parallel import check_tp, check_tp_groups
+    from .models.parallel import check_tp
 
     check_size(size, dev)
     cfg = read_config(source)
     check_tp(cfg, size)
-    check_tp_groups(cfg, size, cache_cfg.paged_attention)
     spec = WorkerSpec(source, dt, dev.type, max_model_len, dequantize_weights, isq, cache_cfg,
                       threads=max(1, usable_cores() // size),
                       log_level=logging.getLogger("pagedllm").getEffectiveLevel(),

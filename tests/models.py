@@ -105,8 +105,8 @@ def build_model(family: str, vocab_size: int, bos_token_id: int | None, eos_toke
 def reference_family(family: str, out: Path, tokenizer, prompt_lens: list[int], new_tokens: int,
                      seed: int, **overrides):
     """(checkpoint path, transformers model, random prompts, transformers' greedy tokens) for a
-    random-weight `family` model (`overrides`: its config's fields, as build_checkpoint takes
-    them): the float32 reference the engine's outputs are held to."""
+    random-weight `family` model: the float32 reference the engine's outputs are held to.
+    `overrides`: config values, as build_checkpoint takes them."""
     import transformers as tf
 
     path = build_checkpoint(family, out, tokenizer, len(tokenizer), **overrides)

@@ -57,7 +57,8 @@ def recv(group) -> tuple[int, list[list[int]]]:
 
 def step_lists(plan: StepPlan, ops: list[int]) -> list[list[int]]:
     """The plan as lists; the KV groups after the first (sliding layers beside global ones:
-    a pipeline stage of Gemma 2/3) follow as their widths, then each group's slots and table."""
+    Gemma 2/3, under tensor or pipeline parallelism) follow as their widths, then each group's
+    slots and table."""
     rows = plan.logits_rows
     scalars = [plan.num_decodes, plan.width, 1 if rows is None else 0]
     groups = [list(plan.group_widths)]
