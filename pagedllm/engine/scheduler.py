@@ -116,12 +116,12 @@ class Scheduler:
 
     # -- the decision -----------------------------------------------------
     def schedule(self, cap: int | None = None, held: int = 0) -> SchedulerOutput:
-        """The step's work. `cap`: the most sequences it schedules (None: max_num_seqs);
-        `held`: running sequences set aside from `running` meanwhile (`schedule_disjoint`), which
-        count against max_num_seqs."""
+        """The step's work. `cap`: the most sequences it schedules (None: no cap; forked n > 1
+        siblings may run past max_num_seqs); `held`: running sequences set aside from `running`
+        meanwhile (`schedule_disjoint`), which count against max_num_seqs."""
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        cap = self.config.max_num_seqs if cap is None else cap
+        cap = _NO_CAP if cap is None else cap
         self._encoding: set[str] = set()  # images this step encodes (charged once)
         self._enc_left = self.encoder_budget
         vision = self.encoder_cache is not None  # a text-only model never looks at seq.mm
@@ -322,6 +322,9 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.bm.free(seq, "retain" if keep_prefix else "drop")
+
+
+_NO_CAP = 1 << 62  # schedule() without a cap on its sequences
 
 
 def _scores(seq: Sequence) -> bool:
