@@ -3,8 +3,8 @@ second process running stage 1 over its own paged KV cache, gloo on loopback, 1 
 
 Greedy tokens equal transformers' float32 tokens and pp=1's for Llama, Qwen2 (tied head),
 Gemma 3 (sliding and global KV groups, which stage 0's layers do not all fall in) and a
-Mixtral-shaped mixture of experts at pp=2 (and Llama, Qwen2 at pp=2 x tp=2: tensor parallelism does
-not split the other two yet),
+Mixtral-shaped mixture of experts at pp=2, and Llama, Qwen2 at pp=2 x tp=2 (Gemma 3 and Mixtral
+at pp=2 x tp=2: tests/test_tp_models.py),
 with preemption (a KV budget far below the batch's need), prefix caching (a multi-turn chat
 reusing its earlier turns) and n=4 in the same run; each stage holds about half the weights
 and half the KV bytes (the trace); a killed stage ends the request in flight with an error
@@ -115,7 +115,7 @@ def test_pp2_matches_transformers_and_pp1(name, tmp_path, hf_smollm2_tokenizer):
     assert t2.p2p_bytes_per_step > 0
 
 
-# Tensor parallelism splits Llama, Mistral, Qwen2 and Qwen3 (models/llama.py), not Gemma 3 or Mixtral yet.
+# (Gemma 3 and Mixtral at pp=2 x tp=2: tests/test_tp_models.py.)
 @pytest.mark.parametrize("name", ["llama", "qwen2"])
 def test_pp2_tp2_matches_transformers_and_pp1(name, tmp_path, hf_smollm2_tokenizer):
     """Four ranks, 1 thread each: two stages, each split over two tensor-parallel ranks (their
