@@ -57,7 +57,8 @@ def _start_pp(size: int, tp: int, source, dt: torch.dtype, dev: torch.device, ma
     stages of `tp` ranks each (rank 0's executor). Under torchrun, a rank other than 0 serves
     its stage (its shard of it) here and exits the process."""
     from .distributed.executor import check_size, usable_cores
-    from .distributed.pipeline import PipelineExecutor, check_cache, pipeline_worker_main
+    from .distributed.pipeline import PipelineExecutor, pipeline_worker_main
+    from .distributed.stage_kv import check_cache
     from .distributed.worker import WorkerSpec
     from .loading.loader import read_config
     from .models import model_class
