@@ -103,12 +103,13 @@ def build_model(family: str, vocab_size: int, bos_token_id: int | None, eos_toke
 
 
 def reference_family(family: str, out: Path, tokenizer, prompt_lens: list[int], new_tokens: int,
-                     seed: int):
+                     seed: int, **overrides):
     """(checkpoint path, transformers model, random prompts, transformers' greedy tokens) for a
-    random-weight `family` model: the float32 reference the engine's outputs are held to."""
+    random-weight `family` model: the float32 reference the engine's outputs are held to.
+    `overrides`: config values, as build_checkpoint takes them."""
     import transformers as tf
 
-    path = build_checkpoint(family, out, tokenizer, len(tokenizer))
+    path = build_checkpoint(family, out, tokenizer, len(tokenizer), **overrides)
     ref = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     g = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(0, len(tokenizer), (n,), generator=g).tolist() for n in prompt_lens]

@@ -7,6 +7,11 @@
 - Embeddings are scaled by sqrt(hidden_size), rounded to the compute dtype as transformers does.
 - The MLP is GeGLU with tanh GELU; attention scales by query_pre_attn_scalar ** -0.5.
 - Attention scores and final logits are soft-capped: cap * tanh(x / cap).
+
+Under tensor parallelism it splits as Llama does (models/parallel.py): the extra norms act on
+o_proj's and down_proj's all-reduced outputs, the score cap and Gemma 3's q/k norms on each of
+a rank's own heads, the embedding scale on the all-reduced lookup and the logit cap on the
+gathered row.
 """
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ from torch import nn
 from ..attention.backend import AttentionContext
 from ..config import ModelConfig
 from .llama import MLP, Attention, LlamaForCausalLM, RMSNorm
+from .parallel import ShardLayout
 
 
 class GemmaMLP(MLP):
@@ -29,13 +35,15 @@ class GemmaMLP(MLP):
 class Gemma2DecoderLayer(nn.Module):
     qk_norm: type[nn.Module] | None = None
 
-    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer_idx: int, shard: ShardLayout | None = None, tp=None) -> None:
         super().__init__()
         if cfg.hidden_activation not in ("gelu_pytorch_tanh", "gelu_tanh"):
             raise ValueError(f"Gemma with hidden_activation={cfg.hidden_activation!r} is not supported "
                              "(supported: gelu_pytorch_tanh)")
-        self.self_attn = Attention(cfg, layer_idx, self.qk_norm)
-        self.mlp = GemmaMLP(cfg)
+        # Row-parallel o_proj / down_proj all-reduce before returning, so the post-norms below
+        # see the whole sum.
+        self.self_attn = Attention(cfg, layer_idx, self.qk_norm, shard, tp)
+        self.mlp = GemmaMLP(cfg, shard, tp)
         eps = cfg.rms_norm_eps
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps)
@@ -59,10 +67,10 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
         h = self.embed_tokens(input_ids)
         return h * torch.tensor(self.embed_scale, dtype=h.dtype)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = super().compute_logits(hidden)
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        logits = super().compute_logits(hidden)  # None on a tensor-parallel rank other than 0
         cap = self.config.final_logit_softcapping
-        return logits if cap is None else torch.tanh(logits / cap) * cap
+        return logits if cap is None or logits is None else torch.tanh(logits / cap) * cap
 
     def load_weights(self, weights, dtype: torch.dtype = torch.float32) -> None:
         # HF names, HF values (the GGUF reader turns the file's 1 + weight back into weight).

@@ -184,9 +184,6 @@ class LlamaForCausalLM(nn.Module):
             self.embed_tokens = Embedding(sh.vocab, cfg.hidden_size,
                                           _weight=torch.empty(sh.vocab, cfg.hidden_size))
             self.embed_tokens.tp, self.embed_tokens.vocab_start = self.tp, sh.vocab_start
-        if self.tp is not None and not issubclass(self.layer_cls, DecoderLayer):
-            raise ValueError(f"tensor parallelism does not split {type(self).__name__} yet; it runs "
-                             "Llama, Mistral, Qwen2 and Qwen3 (use tensor_parallel_size=1)")
         self.layers = nn.ModuleList(
             MissingLayer() if not st.holds(i) else
             self.layer_cls(cfg, i, sh, self.tp) if self.tp else self.layer_cls(cfg, i)

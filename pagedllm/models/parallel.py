@@ -62,21 +62,6 @@ def _moe_sizes(cfg: ModelConfig) -> list[tuple[str, int]]:
     return sizes
 
 
-def check_tp_groups(cfg: ModelConfig, size: int, paged: bool) -> None:
-    """Refuse tensor parallelism for a model whose layers need more than one KV group (sliding
-    layers beside global ones, under paged attention): the step it sends the other ranks carries
-    one block table per sequence, so the sliding layers' tables would be dropped."""
-    windows = set(cfg.layer_windows or [None])
-    if size == 1 or not paged or len(windows) == 1:
-        return
-    sliding = [i for i, w in enumerate(cfg.layer_windows) if w is not None]
-    raise ValueError(f"tensor parallelism runs models whose layers all attend alike; this one mixes "
-                     f"sliding-window layers ({len(sliding)} of {cfg.num_layers}, from layer {sliding[0]}, "
-                     f"window {max(w for w in windows if w is not None)}) with global ones, which keep a "
-                     "block table per KV group that the tensor-parallel step does not carry yet; use "
-                     "tensor_parallel_size=1")
-
-
 def _fits(cfg: ModelConfig, n: int) -> bool:
     kv = cfg.num_kv_heads
     return (cfg.num_heads % n == 0 and (kv % n == 0 or n % kv == 0) and cfg.intermediate_size % n == 0
