@@ -18,7 +18,7 @@ from .engine import scoring
 from .engine.driver import EngineDriver
 from .engine.factory import build_engine
 from .engine.model_runner import ModelRunner
-from .loading.loader import load_model
+from .loading.loader import check_rank_memory, load_model
 from .loading.source import resolve
 from .native import release_omp_threads
 from .outputs import RequestOutput
@@ -30,7 +30,7 @@ logger = logging.getLogger(__name__)
 
 
 def _start_tp(size: int, source, dt: torch.dtype, dev: torch.device, max_model_len: int | None,
-              dequantize_weights: bool, isq: str | None, cache_cfg: CacheConfig):
+              dequantize_weights: bool, isq: str | None, cache_cfg: CacheConfig, max_rank_memory_mb: float | None):
     """Check the size against the model and the devices, then start the group (rank 0's
     executor). Under torchrun, a rank other than 0 serves its shard here and exits the process."""
     from .distributed.executor import TPExecutor, check_size, usable_cores
@@ -43,7 +43,8 @@ def _start_tp(size: int, source, dt: torch.dtype, dev: torch.device, max_model_l
     check_tp(cfg, size)
     spec = WorkerSpec(source, dt, dev.type, max_model_len, dequantize_weights, isq, cache_cfg,
                       threads=max(1, usable_cores() // size),
-                      log_level=logging.getLogger("pagedllm").getEffectiveLevel())
+                      log_level=logging.getLogger("pagedllm").getEffectiveLevel(),
+                      max_rank_memory_mb=max_rank_memory_mb)
     rank = int(os.environ.get("RANK", "0")) if int(os.environ.get("WORLD_SIZE", "1")) > 1 else 0
     if rank > 0:  # torchrun: this process is a worker for the rest of its life
         worker_main(rank, size, None, spec)
@@ -51,12 +52,13 @@ def _start_tp(size: int, source, dt: torch.dtype, dev: torch.device, max_model_l
 
 
 def _start_pp(size: int, tp: int, source, dt: torch.dtype, dev: torch.device, max_model_len: int | None,
-              dequantize_weights: bool, isq: str | None, cache_cfg: CacheConfig):
+              dequantize_weights: bool, isq: str | None, cache_cfg: CacheConfig, max_rank_memory_mb: float | None):
     """Check the sizes and the options against the model, then start the pipeline of `size`
     stages of `tp` ranks each (rank 0's executor). Under torchrun, a rank other than 0 serves
     its stage (its shard of it) here and exits the process."""
     from .distributed.executor import check_size, usable_cores
-    from .distributed.pipeline import PipelineExecutor, check_cache, pipeline_worker_main
+    from .distributed.pipeline import PipelineExecutor, pipeline_worker_main
+    from .distributed.stage_kv import check_cache
     from .distributed.worker import WorkerSpec
     from .loading.loader import read_config
     from .models import model_class
@@ -81,7 +83,8 @@ def _start_pp(size: int, tp: int, source, dt: torch.dtype, dev: torch.device, ma
     local = int(os.environ.get("LOCAL_WORLD_SIZE", size * tp)) if world > 1 else size * tp
     spec = WorkerSpec(source, dt, dev.type, max_model_len, dequantize_weights, isq, cache_cfg,
                       threads=max(1, usable_cores() // local),
-                      log_level=logging.getLogger("pagedllm").getEffectiveLevel())
+                      log_level=logging.getLogger("pagedllm").getEffectiveLevel(),
+                      max_rank_memory_mb=max_rank_memory_mb)
     rank = int(os.environ.get("RANK", "0")) if world > 1 else 0
     if rank > 0:  # torchrun: this process is a stage (or a shard of one) for the rest of its life
         pipeline_worker_main(rank, size, None, spec, tp=tp)
@@ -174,7 +177,7 @@ class LLM:
                  limit_mm_per_prompt: int = 8, allowed_local_media_path: str | None = None,
                  max_num_encoder_tokens: int | None = None, media_fetch_timeout: float = 10.0,
                  mmproj: str | None = None, runner_cls: type | None = None,
-                 pipeline_parallel_size: int = 1) -> None:
+                 pipeline_parallel_size: int = 1, max_rank_memory_mb: float | None = None) -> None:
         """`tensor_parallel_size=N` splits the model over N ranks (pagedllm/distributed): on one
         machine the engine starts N - 1 worker processes and splits the cores among the ranks;
         under torchrun the N ranks are torchrun's. Call `shutdown()` (or use `with LLM(...)`)
@@ -185,6 +188,9 @@ class LLM:
         ranks (on other nodes). Each stage's KV cache holds its own layers; the KV budget is per
         rank. With `tensor_parallel_size=T` too, each stage is split over T ranks (P x T in all).
         Not with LoRA, a draft model or embeddings yet.
+        `max_rank_memory_mb`: the most weight bytes one rank may hold (each stage's, each shard's;
+        the whole model's on one rank): a model over it is refused once loaded, before the KV
+        cache is sized, with the pipeline_parallel_size that would fit it. None: no limit.
         `task`: "generate", "embed" (an embedding model: `embed()`, no LM head) or "auto"
         (embed for a folder with sentence-transformers files or a head-less architecture).
         `keep_float_head`: a GPTQ / AWQ / compressed-tensors checkpoint's float LM head (or tied
@@ -216,6 +222,11 @@ class LLM:
                 raise ValueError("LoRA adapters do not run under pipeline parallelism yet; use "
                                  "pipeline_parallel_size=1 with enable_lora")
         self._lora = (max_loras, max_lora_rank) if enable_lora else None
+        if max_rank_memory_mb is not None and not (isinstance(max_rank_memory_mb, (int, float))
+                                                   and not isinstance(max_rank_memory_mb, bool) and max_rank_memory_mb > 0):
+            raise ValueError(f"max_rank_memory_mb must be a number of MB > 0, got {max_rank_memory_mb!r}")
+        self._max_rank_memory_mb = max_rank_memory_mb
+        self._ranks = (pipeline_parallel_size, tensor_parallel_size)
         cache_cfg = CacheConfig(block_size, kv_cache_memory_mb, kv_cache_memory_fraction,
                                 kv_cache_context_len, kv_cache_dtype, paged_attention,
                                 enable_prefix_caching, prefix_cache_n)
@@ -253,10 +264,10 @@ class LLM:
         executor = None
         if pipeline_parallel_size != 1:  # TP, if any, inside each stage
             executor = _start_pp(pipeline_parallel_size, tensor_parallel_size, source, dt, dev, max_model_len,
-                                 dequantize_weights, isq, cache_cfg)
+                                 dequantize_weights, isq, cache_cfg, max_rank_memory_mb)
         elif tensor_parallel_size != 1:
             executor = _start_tp(tensor_parallel_size, source, dt, dev, max_model_len, dequantize_weights,
-                                 isq, cache_cfg)
+                                 isq, cache_cfg, max_rank_memory_mb)
         try:
             self._build(source, dt, dev, max_model_len, dequantize_weights, isq, max_num_seqs,
                         max_num_batched_tokens, cache_cfg, seed, executor, spec_cfg, draft_source, runner_cls)
@@ -277,6 +288,8 @@ class LLM:
                             dequantize_weights=dequantize_weights, isq=isq,
                             headless=self.task == "embed", keep_float_head=self._keep_float_head,
                             **(executor.load_args() if executor is not None else {}))
+        # Rank 0's weights against the per-rank limit (the other ranks check their own as they load).
+        check_rank_memory(loaded.weight_bytes, self._max_rank_memory_mb, 0, *self._ranks)
         if executor is not None:
             executor.wait_loaded()
         limit = loaded.config.max_position_embeddings

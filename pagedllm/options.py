@@ -71,6 +71,7 @@ class EngineOptions:
     chat_template: str | None = None
     tensor_parallel_size: int | None = None
     pipeline_parallel_size: int | None = None
+    max_rank_memory_mb: float | None = None  # a rank's weights above it are refused (LLM's max_rank_memory_mb)
     speculative_ngram: int | None = None  # n-gram speculation with up to K proposals a step
     speculative_draft: str | None = None  # draft-model speculation with this model
     speculative_tokens: int | None = None  # the draft model's proposals a step (K)
@@ -101,7 +102,8 @@ class EngineOptions:
                     "max_model_len": self.max_model_len,
                     "max_num_batched_tokens": self.max_num_batched_tokens, "seed": self.seed,
                     "tensor_parallel_size": self.tensor_parallel_size,
-                    "pipeline_parallel_size": self.pipeline_parallel_size, "task": self.task,
+                    "pipeline_parallel_size": self.pipeline_parallel_size,
+                    "max_rank_memory_mb": self.max_rank_memory_mb, "task": self.task,
                     "allowed_local_media_path": self.allowed_local_media_path,
                     "limit_mm_per_prompt": self.limit_mm_per_prompt,
                     "media_fetch_timeout": self.media_fetch_timeout, "mmproj": self.mmproj}

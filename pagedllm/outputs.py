@@ -53,6 +53,7 @@ class CompletionOutput:
 @dataclass
 class RequestMetrics:
     arrival_time: float
+    first_scheduled_time: float | None = None  # its prompt's first chunk was scheduled
     first_token_time: float | None = None
     finished_time: float | None = None
     num_prompt_tokens: int = 0
@@ -63,6 +64,13 @@ class RequestMetrics:
         if self.first_token_time is None:
             return None
         return self.first_token_time - self.arrival_time
+
+    @property
+    def queue_time(self) -> float | None:
+        """Arrival to the first scheduled step: the time it waited behind other requests."""
+        if self.first_scheduled_time is None:
+            return None
+        return self.first_scheduled_time - self.arrival_time
 
     @property
     def decode_tokens_per_s(self) -> float | None:

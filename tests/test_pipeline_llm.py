@@ -1,8 +1,10 @@
 """`LLM(pipeline_parallel_size=2)`: the engine on rank 0 (schedules, runs stage 0, samples), a
 second process running stage 1 over its own paged KV cache, gloo on loopback, 1 thread each.
 
-Greedy tokens equal transformers' float32 tokens and pp=1's for Llama, Qwen2 (tied head) and
-Gemma 3 (sliding and global KV groups, which stage 0's layers do not all fall in),
+Greedy tokens equal transformers' float32 tokens and pp=1's for Llama, Qwen2 (tied head),
+Gemma 3 (sliding and global KV groups, which stage 0's layers do not all fall in) and a
+Mixtral-shaped mixture of experts at pp=2, and Llama, Qwen2 at pp=2 x tp=2 (Gemma 3 and Mixtral
+at pp=2 x tp=2: tests/test_tp_models.py),
 with preemption (a KV budget far below the batch's need), prefix caching (a multi-turn chat
 reusing its earlier turns) and n=4 in the same run; each stage holds about half the weights
 and half the KV bytes (the trace); a killed stage ends the request in flight with an error
@@ -31,7 +33,17 @@ GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
 # Blocks of 16, 400 tokens of KV for five prompts of up to 324 tokens: it must preempt. (Gemma 3's
 # four KV groups get four times the blocks, its sliding ones holding a window each: 200 there.)
 KW = dict(dtype="float32", block_size=16, kv_cache_context_len=400, max_num_batched_tokens=64)
-CTX = {"gemma3": 200}
+# (Mixtral's layers all slide over 48 tokens, giving back the blocks behind: 208 there, what n=4 needs.)
+CTX = {"gemma3": 200, "mixtral": 208}
+
+
+def _same_as_pp1(one, prompts, got, turns, forks) -> None:
+    """pp=1's workload gives pp=2's tokens, and the chat's later turns find as many cached
+    tokens. (The first turn's cache hits depend on which blocks of the first batch survived its
+    preemptions, and pp=2's micro-batches schedule that batch in other steps than pp=1.)"""
+    got1, turns1, forks1 = _workload(one, prompts)
+    assert (got1, [t for t, _ in turns1], forks1) == (got, [t for t, _ in turns], forks)
+    assert [c for _, c in turns1[1:]] == [c for _, c in turns[1:]]
 
 
 def _children() -> set[int]:
@@ -63,7 +75,7 @@ def _workload(llm, prompts):
     return got, turns, [c.token_ids for c in forks.outputs]
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2", "gemma3"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "gemma3", "mixtral"])
 def test_pp2_matches_transformers_and_pp1(name, tmp_path, hf_smollm2_tokenizer):
     path, _, prompts, want = reference_family(name, tmp_path / name, hf_smollm2_tokenizer, PROMPT_LENS,
                                               NEW_TOKENS, seed=99)
@@ -88,7 +100,7 @@ def test_pp2_matches_transformers_and_pp1(name, tmp_path, hf_smollm2_tokenizer):
     assert _children() <= before
 
     one = LLM(str(path), **kw)
-    assert _workload(one, prompts) == (got, turns, forks)
+    _same_as_pp1(one, prompts, got, turns, forks)
     t1 = one.kv_cache_trace()
     assert t2.pipeline_parallel_size == 2 and len(t2.rank_weight_mb) == len(t2.rank_kv_mb) == 2
     assert t2.capacity_blocks == t1.capacity_blocks
@@ -103,28 +115,34 @@ def test_pp2_matches_transformers_and_pp1(name, tmp_path, hf_smollm2_tokenizer):
     assert t2.p2p_bytes_per_step > 0
 
 
-def test_pp2_tp2_matches_transformers_and_pp1(tmp_path, hf_smollm2_tokenizer):
+# (Gemma 3 and Mixtral at pp=2 x tp=2: tests/test_tp_models.py.)
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+def test_pp2_tp2_matches_transformers_and_pp1(name, tmp_path, hf_smollm2_tokenizer):
     """Four ranks, 1 thread each: two stages, each split over two tensor-parallel ranks (their
-    all-reduces and logits gather in the stage's own group); the same workload as above."""
-    path, _, prompts, want = reference_family("llama", tmp_path / "llama", hf_smollm2_tokenizer, PROMPT_LENS,
+    all-reduces and logits gather in the stage's own group); the same workload as above. Gemma 3's
+    """
+    path, _, prompts, want = reference_family(name, tmp_path / name, hf_smollm2_tokenizer, PROMPT_LENS,
                                               NEW_TOKENS, seed=99)
+    kw = {**KW, "kv_cache_context_len": CTX.get(name, KW["kv_cache_context_len"])}
     before = _children()
-    with LLM(str(path), pipeline_parallel_size=2, tensor_parallel_size=2, **KW) as llm:
+    with LLM(str(path), pipeline_parallel_size=2, tensor_parallel_size=2, **kw) as llm:
         pids = llm.engine.executor.pids
         assert len(alive(pids)) == 3
         got, turns, forks = _workload(llm, prompts)
-        assert got == want
+        assert got == want, name
         assert llm.engine.scheduler.num_preemptions > 0
+        assert all(cached > 0 for _, cached in turns[1:])
         assert forks == [want[1]] * 4
         t4 = llm.kv_cache_trace()
     assert not alive(pids) and _children() <= before
-    one = LLM(str(path), **KW)
-    assert _workload(one, prompts) == (got, turns, forks)
+    one = LLM(str(path), **kw)
+    _same_as_pp1(one, prompts, got, turns, forks)
     t1 = one.kv_cache_trace()
     assert (t4.pipeline_parallel_size, t4.tensor_parallel_size) == (2, 2) and len(t4.rank_kv_mb) == 4
+    whole_kv = t1.rank_kv_mb[0]
     # Each rank: its stage's layers (1 or 2 of 3) and half their KV heads.
-    assert sum(t4.rank_kv_mb) == pytest.approx(t1.rank_kv_mb[0], rel=1e-6)
-    assert sorted(t4.rank_kv_mb) == pytest.approx([t1.rank_kv_mb[0] / 6] * 2 + [t1.rank_kv_mb[0] / 3] * 2, rel=1e-6)
+    assert sum(t4.rank_kv_mb) == pytest.approx(whole_kv, rel=1e-6)
+    assert sorted(t4.rank_kv_mb) == pytest.approx([whole_kv / 6] * 2 + [whole_kv / 3] * 2, rel=1e-6)
     assert all(w < t1.rank_weight_mb[0] / 2 for w in t4.rank_weight_mb)
 
 

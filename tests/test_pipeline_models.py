@@ -103,7 +103,7 @@ def test_each_stage_holds_about_half_the_weights_and_kv(family, tmp_path, hf_smo
     for the same blocks half of pp=1's where the layers attend alike. Gemma 3's KV groups keep,
     per block, as many slots as the stage's fullest group holds layers."""
     from pagedllm.config import CacheConfig
-    from pagedllm.distributed.pipeline import stage_kv
+    from pagedllm.distributed.stage_kv import stage_kv
     from pagedllm.models.stages import whole as whole_stage
 
     tok = hf_smollm2_tokenizer

@@ -590,6 +590,10 @@ def test_metrics_names(server, tmp_path, hf_smollm2_tokenizer):
         assert got["pagedllm_kv_blocks_free"] == bm.num_free_blocks
         assert got["pagedllm_kv_blocks_touched"] == bm.num_touched
         assert got["pagedllm_kv_blocks_peak_used"] == bm.peak_used
+        # Every request's queue time (arrival to its first scheduled step) is part of its TTFT; with
+        # 64 tokens a step, most of the 12 wait behind the others.
+        assert got["pagedllm_request_queue_time_seconds_count"] == 12
+        assert 0 < got["pagedllm_request_queue_time_seconds_sum"] < got["pagedllm_time_to_first_token_seconds_sum"]
     finally:
         inproc.should_exit = True
         thread.join(60)

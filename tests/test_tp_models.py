@@ -14,7 +14,7 @@ import pytest
 from pagedllm import LLM
 from models import reference_family
 from procs import alive
-from test_pipeline_llm import _children, _workload
+from test_pipeline_llm import _children, _same_as_pp1, _workload
 from test_tensor_parallel import GREEDY, NEW_TOKENS, PROMPT_LENS, _assert_logits_match_reference_and_tp1
 
 # slow: whole models in several processes; `make test-fast` leaves it out
@@ -86,7 +86,7 @@ def test_pp2_tp2_matches_transformers_and_pp1(name, tmp_path_factory, hf_smollm2
         t4 = llm.kv_cache_trace()
     assert not alive(pids) and _children() <= before
     one = LLM(str(path), **kw)
-    assert _workload(one, prompts) == (got, turns, forks)
+    _same_as_pp1(one, prompts, got, turns, forks)
     t1 = one.kv_cache_trace()
     assert (t4.pipeline_parallel_size, t4.tensor_parallel_size) == (2, 2) and len(t4.rank_kv_mb) == 4
     whole_kv = t1.rank_kv_mb[0]

@@ -1,11 +1,16 @@
 """`pagedllm bench router`: what cache-aware routing gains over round robin, in one run.
 
 Two replicas of the model (one core each, `pagedllm serve` processes) behind SGLang's gateway;
---conversations chats of --turns turns each, run at once, each turn's prompt the whole history so
-far (about --last-turn-tokens tokens at the last turn). For each policy (fresh replicas each time,
-so no cache carries over) and for one replica alone on the same conversations (the hit rate
-routing can at best keep): each replica's prefix-cache hit rate (cached / prompt tokens, from its
-own /metrics), last-turn TTFT p50/p99, output tok/s. Medians of --repeats."""
+--conversations chats of --turns turns each, each turn's prompt the whole history so far (about
+--last-turn-tokens tokens at the last turn). With --think-time S each conversation pauses a random
+time (exponential, mean S, the same draws for every policy) before its first turn and between an
+answer and its next turn, as a user reads and types; with 0 every conversation sends its next turn
+as soon as the last answer ends (closed loop: the replicas are saturated, and TTFT then measures
+the queue more than the prefill). For each policy (fresh replicas each time, so no cache carries
+over) and for one replica alone on the same conversations (the hit rate routing can at best keep):
+each replica's prefix-cache hit rate (cached / prompt tokens, from its own /metrics), last-turn
+TTFT p50/p99, output tok/s. Medians of --repeats; the runs alternate policies. --json keeps every
+request (turn, send time, requests in flight then, TTFT, prompt and cached tokens)."""
 from __future__ import annotations
 
 import argparse
@@ -20,6 +25,9 @@ from typing import Any
 from ..server import replicas as rp
 from .common import median_of_runs, percentile, pyplot, save_figure, write_json
 
+# Mean pause before a turn: long enough that round robin, which recomputes most of each history,
+# does not saturate two one-core replicas, so TTFT measures prefill and cache rather than a queue.
+THINK_TIME_S = 20.0
 WORDS = ("page block cache token prefix router replica engine memory kernel tensor batch decode prefill "
          "stream latency queue worker policy gateway request answer history turn model layer head value "
          "key query rotary norm weight vector scale shard thread core socket buffer graph step").split()
@@ -31,12 +39,35 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--turns", type=int, default=6)
     p.add_argument("--last-turn-tokens", type=int, default=1500, help="history at the last turn (about)")
     p.add_argument("--max-tokens", type=int, default=16, help="answer length per turn")
+    p.add_argument("--think-time", type=_seconds, default=THINK_TIME_S, metavar="S",
+                   help="mean pause (s, exponential) before each turn of a conversation; 0: closed loop, "
+                        "every turn sent as soon as the last answer ends")
+    p.add_argument("--seed", type=int, default=0, help="seeds the conversations' words and pauses")
     p.add_argument("--repeats", type=int, default=3, help="runs per policy; medians are reported")
     p.add_argument("--policies", nargs="+", default=["cache_aware", "round_robin"], choices=rp.POLICIES)
     p.add_argument("--serve-args", nargs=argparse.REMAINDER, default=[],
                    help="more `pagedllm serve` flags for each replica (last on the line)")
     p.add_argument("--json", default=None, metavar="PATH", help="write the results here")
     p.add_argument("--plot", default=None, metavar="PATH", help="draw TTFT against turn per policy (matplotlib)")
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a pause in seconds, 0 or more (0: closed loop)")
+    return value
+
+
+def pauses(n: int, turns: int, think_time: float, seed: int = 0) -> list[list[float]]:
+    """Each conversation's pause before each of its turns: exponential with mean think_time (all
+    zero for 0), drawn once so every policy gets the same arrivals."""
+    if think_time < 0:
+        raise ValueError(f"--think-time {think_time}: give a pause of 0 s or more")
+    rng = random.Random(seed + 1)
+    return [[rng.expovariate(1 / think_time) if think_time else 0.0 for _ in range(turns)] for _ in range(n)]
 
 
 def conversations(n: int, turns: int, last_tokens: int, seed: int = 0) -> list[list[str]]:
@@ -64,32 +95,65 @@ async def _turn(client: Any, url: str, model: str, messages: list[dict], max_tok
                     ttft = ttft if ttft is not None else time.perf_counter() - start
                     text.append(piece)
             usage = ev.get("usage") or usage
-    return {"ttft": ttft, "text": "".join(text), "tokens": usage.get("completion_tokens", 0)}
+    return {"ttft": ttft, "text": "".join(text), "tokens": usage.get("completion_tokens", 0),
+            "prompt_tokens": usage.get("prompt_tokens", 0),
+            "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)}
 
 
-async def _conversation(client: Any, url: str, model: str, users: list[str], max_tokens: int,
-                        ttfts: list[list[float]], tokens: list[int]) -> None:
+class _Run:
+    """What one run's conversations share: the clock, the requests in flight, every request's record."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+        self.in_flight = 0
+        self.records: list[dict] = []
+
+
+async def _conversation(client: Any, url: str, model: str, c: int, users: list[str], waits: list[float],
+                        max_tokens: int, run: _Run) -> None:
     messages: list[dict] = []
-    for t, user in enumerate(users):
+    for t, (user, wait) in enumerate(zip(users, waits)):
+        if wait:
+            await asyncio.sleep(wait)
         messages.append({"role": "user", "content": user})
-        out = await _turn(client, url, model, messages, max_tokens)
+        sent, in_flight = time.perf_counter() - run.start, run.in_flight
+        run.in_flight += 1
+        try:
+            out = await _turn(client, url, model, messages, max_tokens)
+        finally:
+            run.in_flight -= 1
         messages.append({"role": "assistant", "content": out["text"]})
-        ttfts[t].append(out["ttft"] if out["ttft"] is not None else float("nan"))
-        tokens.append(out["tokens"])
+        run.records.append({"conversation": c, "turn": t, "sent_s": sent, "in_flight": in_flight,
+                            "ttft": out["ttft"] if out["ttft"] is not None else float("nan"),
+                            "tokens": out["tokens"], "prompt_tokens": out["prompt_tokens"],
+                            "cached_tokens": out["cached_tokens"]})
 
 
-async def _drive(url: str, model: str, convs: list[list[str]], max_tokens: int) -> dict:
+async def _drive(url: str, model: str, convs: list[list[str]], waits: list[list[float]], max_tokens: int) -> dict:
     import httpx
 
-    ttfts: list[list[float]] = [[] for _ in convs[0]]
-    tokens: list[int] = []
+    run = _Run()
     async with httpx.AsyncClient(timeout=600) as client:
-        start = time.perf_counter()
-        await asyncio.gather(*(_conversation(client, url, model, users, max_tokens, ttfts, tokens)
-                               for users in convs))
-        wall = time.perf_counter() - start
-    return {"ttft_by_turn": [percentile(ts, 50) for ts in ttfts], "last_ttft_p50": percentile(ttfts[-1], 50),
-            "last_ttft_p99": percentile(ttfts[-1], 99), "output_tok_s": sum(tokens) / wall, "wall_s": wall}
+        run.start = time.perf_counter()
+        await asyncio.gather(*(_conversation(client, url, model, c, users, waits[c], max_tokens, run)
+                               for c, users in enumerate(convs)))
+        wall = time.perf_counter() - run.start
+    return summarize(run.records, len(convs[0]), wall)
+
+
+def summarize(records: list[dict], turns: int, wall: float) -> dict:
+    """A run's figures from its requests' records: TTFT p50 by turn, the last turn's TTFT p50/p99,
+    how many requests were in flight when a last turn was sent and what share of its prompt was
+    cached (median), output tok/s over the run's wall time."""
+    by_turn = [[r for r in records if r["turn"] == t] for t in range(turns)]
+    last = by_turn[-1]
+    return {"ttft_by_turn": [percentile([r["ttft"] for r in rs], 50) for rs in by_turn],
+            "last_ttft_p50": percentile([r["ttft"] for r in last], 50),
+            "last_ttft_p99": percentile([r["ttft"] for r in last], 99),
+            "last_in_flight_p50": percentile([r["in_flight"] for r in last], 50),
+            "last_cached_share_p50": percentile([r["cached_tokens"] / r["prompt_tokens"] if r["prompt_tokens"]
+                                                 else 0.0 for r in last], 50),
+            "output_tok_s": sum(r["tokens"] for r in records) / wall, "wall_s": wall, "requests": records}
 
 
 def _hit_rate(url: str) -> dict:
@@ -105,8 +169,10 @@ def _hit_rate(url: str) -> dict:
     return {"prompt_tokens": prompt, "cached_tokens": cached, "hit_rate": cached / prompt if prompt else 0.0}
 
 
-def _one(args: argparse.Namespace, policy: str | None, convs: list[list[str]], log_dir: Path) -> dict:
+def _one(args: argparse.Namespace, policy: str | None, convs: list[list[str]], waits: list[list[float]],
+         log_dir: Path) -> dict:
     """One run: fresh replicas (two behind the gateway with `policy`, or one alone for None)."""
+    log_dir.mkdir(parents=True, exist_ok=True)
     n = 1 if policy is None else 2
     serve = [args.model, *args.serve_args]
     shares = rp.split_cores(n)
@@ -116,7 +182,7 @@ def _one(args: argparse.Namespace, policy: str | None, convs: list[list[str]], l
         reps[0].start()
         try:
             rp.wait_healthy(reps[0].url, reps[0].proc, 600)
-            res = asyncio.run(_drive(reps[0].url, _model_name(reps[0].url), convs, args.max_tokens))
+            res = asyncio.run(_drive(reps[0].url, _model_name(reps[0].url), convs, waits, args.max_tokens))
             res["replicas"] = [_hit_rate(reps[0].url)]
         finally:
             reps[0].proc.terminate()
@@ -125,7 +191,7 @@ def _one(args: argparse.Namespace, policy: str | None, convs: list[list[str]], l
         fleet = rp.Fleet(reps, [], "127.0.0.1", rp.free_port(), policy, rp.FaultOptions(), log_dir)
         try:
             fleet.start()
-            res = asyncio.run(_drive(fleet.url, _model_name(reps[0].url), convs, args.max_tokens))
+            res = asyncio.run(_drive(fleet.url, _model_name(reps[0].url), convs, waits, args.max_tokens))
             res["replicas"] = [_hit_rate(r.url) for r in reps]
         finally:
             fleet.stop()
@@ -156,18 +222,27 @@ def run(args: argparse.Namespace) -> int:
     except RuntimeError as e:
         print(f"error: {e}", flush=True)
         return 2
-    convs = conversations(args.conversations, args.turns, args.last_turn_tokens)
+    convs = conversations(args.conversations, args.turns, args.last_turn_tokens, args.seed)
+    waits = pauses(args.conversations, args.turns, args.think_time, args.seed)
     log_dir = Path(tempfile.mkdtemp(prefix="pagedllm-bench-router-"))
+    names = ["single", *args.policies]
+    runs: dict[str, list[dict]] = {name: [] for name in names}
+    for rep in range(args.repeats):  # policies alternate, so a drift of the machine hits each alike
+        for name in names:
+            r = _one(args, None if name == "single" else name, convs, waits, log_dir / f"{name}-{rep}")
+            runs[name].append(r)
+            print(f"  run {rep + 1}/{args.repeats} {name:12s} hit rate {r['hit_rate']:.1%}, last-turn TTFT p50 "
+                  f"{r['last_ttft_p50'] * 1e3:.0f} ms p99 {r['last_ttft_p99'] * 1e3:.0f} ms, "
+                  f"{r['output_tok_s']:.1f} output tok/s, last turns sent with "
+                  f"{r['last_in_flight_p50']:.0f} requests in flight (median)", flush=True)
     results: dict[str, Any] = {}
-    for policy in [None, *args.policies]:
-        name = policy or "single"
-        runs = [_one(args, policy, convs, log_dir) for _ in range(args.repeats)]
-        results[name] = _median(runs)
-        r = results[name]
+    for name in names:
+        results[name] = r = _median(runs[name])
+        r["runs"] = runs[name]
         print(f"{name:12s} hit rate {r['hit_rate']:.1%} (per replica "
               f"{', '.join(f'{h:.1%}' for h in r['replica_hit_rates'])}), last-turn TTFT p50 "
               f"{r['last_ttft_p50'] * 1e3:.0f} ms p99 {r['last_ttft_p99'] * 1e3:.0f} ms, "
-              f"{r['output_tok_s']:.1f} output tok/s (median of {len(runs)})", flush=True)
+              f"{r['output_tok_s']:.1f} output tok/s (median of {len(runs[name])})", flush=True)
     if "cache_aware" in results and "round_robin" in results:
         ca, rr, one = results["cache_aware"], results["round_robin"], results["single"]
         results["verdict"] = {"hit_rate_vs_single": ca["hit_rate"] / one["hit_rate"] if one["hit_rate"] else None,
@@ -177,6 +252,7 @@ def run(args: argparse.Namespace) -> int:
               f"TTFT p50 {v['last_ttft_p50_vs_round_robin']:.2f}x round robin's (bar <= 0.5x)", flush=True)
     results["setup"] = {"model": args.model, "conversations": args.conversations, "turns": args.turns,
                         "last_turn_tokens": args.last_turn_tokens, "max_tokens": args.max_tokens,
+                        "think_time_s": args.think_time, "seed": args.seed,
                         "repeats": args.repeats, "replica_cores": 1, "logs": str(log_dir)}
     if args.json:
         write_json(args.json, results)

@@ -36,7 +36,7 @@ def engine_options(args: argparse.Namespace, model: str | None = None) -> Engine
         seed=args.seed, isq=args.isq, dequantize_weights=bool(args.dequantize_weights),
         keep_float_head=bool(args.keep_float_head),
         chat_template=args.chat_template, tensor_parallel_size=args.tensor_parallel_size,
-        pipeline_parallel_size=args.pipeline_parallel_size,
+        pipeline_parallel_size=args.pipeline_parallel_size, max_rank_memory_mb=args.max_rank_memory_mb,
         speculative_ngram=args.speculative_ngram, speculative_draft=args.speculative_draft,
         speculative_tokens=args.speculative_tokens,
         speculative_draft_weights=args.speculative_draft_weights, task=args.task,

@@ -125,6 +125,10 @@ def _engine_flags(p: argparse.ArgumentParser, top: bool) -> None:
                    help="cut the model into P stages of whole layers, balanced by weight bytes (stage "
                         "processes on this machine, or the ranks of torchrun on several nodes: rank 0 "
                         "serves, the others run their stage); default 1")
+    g.add_argument("--max-rank-memory-mb", type=float, metavar="MB", default=d(None),
+                   help="the most weight memory one rank may hold (the whole model on one rank, a stage "
+                        "under --pipeline-parallel-size, a shard under -tp): a model over it is refused "
+                        "with the -pp that fits it; the KV cache is sized apart; default: no limit")
     g.add_argument("--speculative-ngram", type=int, metavar="K", default=d(None),
                    help="speculative decoding by prompt lookup: up to K tokens proposed from the "
                         "sequence's own earlier text, verified in one forward (5 measured best "

@@ -20,14 +20,24 @@ OP_COPY_PREFIX, OP_FREE_SEQ, OP_FORK_SEQ = 1, 2, 3
 
 def send(group, command: int, lists: list[list[int]] = ()) -> int:
     """Broadcast from rank 0; returns the bytes sent."""
+    return send_async(group, command, lists, wait=True)[0]
+
+
+def send_async(group, command: int, lists: list[list[int]] = (), wait: bool = False) -> tuple[int, list]:
+    """Start the broadcast from rank 0 (the other ranks may still be busy with an earlier
+    step); (the bytes sent, the works to `wait()` on, which hold the tensors until then)."""
     payload: list[int] = [len(lists), *(len(x) for x in lists)]
     for x in lists:
         payload.extend(x)
     header = torch.tensor([command, len(payload)], dtype=torch.int64)
-    dist.broadcast(header, src=0, group=group)
     body = torch.tensor(payload, dtype=torch.int64)
-    dist.broadcast(body, src=0, group=group)
-    return 8 * (2 + len(payload))
+    if wait:
+        dist.broadcast(header, src=0, group=group)
+        dist.broadcast(body, src=0, group=group)
+        return 8 * (2 + len(payload)), []
+    works = [dist.broadcast(header, src=0, group=group, async_op=True),
+             dist.broadcast(body, src=0, group=group, async_op=True)]
+    return 8 * (2 + len(payload)), [(w, header, body) for w in works]
 
 
 def recv(group) -> tuple[int, list[list[int]]]:

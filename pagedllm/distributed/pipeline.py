@@ -25,7 +25,15 @@ all-reduced hidden states) to the same TP rank of the next stage, and the last s
 tensor parallelism's executor does) or, under torchrun (WORLD_SIZE set), joins the group the
 other nodes' ranks join.
 
-Not yet here (issue 65): several micro-batches in flight (the stages take turns).
+Several micro-batches in flight, one a stage (vLLM's batch queue): the engine
+(`LLMEngine._step_pipelined`) launches a step of some sequences (`launch`: the plan broadcast
+without waiting, stage 0 run, the hidden states sent by isend) and schedules the next step,
+of other sequences, while the first is in the later stages; it waits for the oldest step's
+logits (`collect`) only once P steps are in flight or nothing more can be scheduled. Every
+rank takes the steps in launch order, so the caches stay identical; a sequence in flight is
+not scheduled, preempted or freed until its step is collected (Scheduler.schedule_disjoint).
+Each stage's sends go without waiting: a stage goes on to its next plan while its output
+travels, and waits only before its next send.
 """
 from __future__ import annotations
 
@@ -33,7 +41,7 @@ import logging
 import os
 import sys
 import time
-
+from collections import deque
 from datetime import timedelta
 
 import torch
@@ -44,47 +52,9 @@ from . import messages
 from .children import wait_for_ranks
 from .group import CONTROL_TIMEOUT, RENDEZVOUS_TIMEOUT, TPInfo
 from .p2p import StageLink, StageLinkError
+from .stage_kv import check_cache, stage_kv, stage_slots
 
 logger = logging.getLogger(__name__)
-
-
-def stage_slots(groups, stage) -> tuple[dict[int, int], int]:
-    """(each of the stage's layers' slot in a page, slots per page) for `stage` of a model with
-    these KV groups: the stage's layers of each group, in slot order."""
-    slot_of = {}
-    for layers in groups.layers:
-        for j, layer in enumerate(x for x in layers if stage.holds(x)):
-            slot_of[layer] = j
-    return slot_of, max(slot_of.values()) + 1
-
-
-def stage_kv(cfg, stage, kv_heads: int, cache_cfg, num_blocks: int, device: torch.device, dtype: torch.dtype):
-    """(paged cache, attention backend, prefix-copy function) for `stage`'s layers, read with
-    rank 0's block tables (the whole model's KV groups). `cfg`: the ModelConfig."""
-    from ..attention.paged import PagedAttentionBackend
-    from ..kv.cache import KVCacheSpec, PagedKVCache
-    from ..kv.groups import plan_groups
-
-    check_cache(cache_cfg)
-    groups = plan_groups(cfg.layer_windows, cfg.num_layers, hybrid=True)
-    group_of = groups.layer_group
-    slot_of, slots = stage_slots(groups, stage)
-    spec = KVCacheSpec(slots, kv_heads, cfg.head_dim, cache_cfg.block_size, dtype, cache_cfg.kv_cache_dtype)
-    cache = PagedKVCache(spec, num_blocks, device, None, [slot_of[i] for i in stage.layers])
-    backend = PagedAttentionBackend(cache, [group_of[i] for i in stage.layers], groups.num_groups)
-    return cache, backend, cache.copy_block_prefix
-
-
-def check_cache(cache_cfg) -> None:
-    """Refuse, before anything starts, the cache settings a pipeline does not run."""
-    from ..kv.quant import get_mode
-
-    if not cache_cfg.paged_attention:
-        raise ValueError("pipeline parallelism runs on the paged KV cache; drop paged_attention=False "
-                         "(--no-paged-attn) or use pipeline_parallel_size=1")
-    if get_mode(cache_cfg.kv_cache_dtype).head_scales:
-        raise ValueError(f"kv_cache_dtype={cache_cfg.kv_cache_dtype!r} calibrates its scales over the whole model; "
-                         "pipeline parallelism does not run it yet (use auto or int8, or pipeline_parallel_size=1)")
 
 
 class StageStats:
@@ -120,6 +90,20 @@ class StageRunner:
         self.model, self.runner, self.link, self.stage = model, runner, link, stage
         self.logits_src = (stage.size - 1) * tp_size  # the last stage's TP rank 0
         self.stats = StageStats()
+        # The send under way (its works hold the tensor): a stage goes on to the next plan while
+        # its output travels, and waits for it only before its next send.
+        self.sending: list = []
+
+    def _send(self, t: torch.Tensor, dst: int | None = None) -> None:
+        if self.sending:
+            self.link.wait(self.sending, dst)
+        self.sending = self.link.isend(t, dst)
+
+    def flush(self) -> None:
+        """Wait for the send under way (before the rank stops)."""
+        if self.sending:
+            self.link.wait(self.sending)
+            self.sending = []
 
     @torch.inference_mode()
     def run(self, plan) -> torch.Tensor | None:
@@ -135,7 +119,7 @@ class StageRunner:
         if not self.stage.last:
             st.busy_s += clock() - t1
             st.wait_s += t1 - t0
-            self.link.send(out)
+            self._send(out)
         elif wants:
             if plan.logits_rows is not None:
                 out = out.index_select(0, self.runner.upload.ints([plan.logits_rows])[0])
@@ -145,7 +129,7 @@ class StageRunner:
             if self.link.rank == 0:  # a pipeline of one stage
                 return logits
             if logits is not None:
-                self.link.send(logits, dst=0)
+                self._send(logits, dst=0)
         else:
             st.busy_s += clock() - t1
             st.wait_s += t1 - t0
@@ -169,6 +153,7 @@ def serve_stage(info: TPInfo, stage, model, runner, link: StageLink, copy_fn, ba
     while True:
         command, lists = messages.recv(info.control)
         if command == messages.STOP:
+            stage_runner.flush()
             _report_stats(info.control, stage_runner.stats)
             return
         plan, ops = messages.step_from_lists(lists)
@@ -222,7 +207,7 @@ def pipeline_worker_main(rank: int, pp: int, init_method: str | None, spec, conn
     until STOP. `conn`: a pipe to rank 0 for "started", "loaded" or an error text (spawned
     ranks; None under torchrun). Exits non-zero on any failure (rank 0's waits then fail)."""
     from ..engine.model_runner import ModelRunner
-    from ..loading.loader import load_model
+    from ..loading.loader import check_rank_memory, load_model
     from .group import destroy_groups
     from .worker import _die_with_parent, rank_device
 
@@ -240,6 +225,7 @@ def pipeline_worker_main(rank: int, pp: int, init_method: str | None, spec, conn
         loaded = load_model(spec.source, spec.dtype, device, max_positions=spec.max_positions,
                             dequantize_weights=spec.dequantize_weights, isq=spec.isq, stage=stage,
                             tp=info if tp > 1 else None)
+        check_rank_memory(loaded.weight_bytes, spec.max_rank_memory_mb, rank, pp, tp)
         if conn is not None:
             conn.send(("loaded", loaded.weight_bytes))
         command, lists = messages.recv(info.control)
@@ -292,6 +278,13 @@ class PipelineExecutor:
         self.closed = False
         self.set_up = False
         self.stats = StageStats()  # rank 0's; every rank's after shutdown, in `stage_stats`
+        # Steps launched whose logits have not been collected: (start time, whether logits come
+        # back, device); and the hidden states' send under way (its works, holding the tensor).
+        self.launched: deque = deque()
+        self.sending: list = []
+        self.plan_works: list = []  # the last plan's broadcast under way
+        # Micro-batches the engine keeps in flight: one a stage, so that each is busy.
+        self.micro_batches = self.pp
         self.stage_stats: list[dict] = []
 
     # -- start -----------------------------------------------------------------------------
@@ -399,18 +392,29 @@ class PipelineExecutor:
     # -- steps ---------------------------------------------------------------------------------
     @torch.inference_mode()
     def forward(self, plan, runner) -> tuple[torch.Tensor | None, None]:
+        """One step whole: `launch`, then `collect`. Pooling is refused under a pipeline, so no
+        hidden rows come back."""
+        self.launch(plan, runner)
+        return self.collect(), None
+
+    @torch.inference_mode()
+    def launch(self, plan, runner) -> None:
         """Send the plan, run the first stage on `runner` (the engine's ModelRunner over rank
-        0's stage), send its hidden states on; the plan's logits rows as the last stage
-        computed them (None where it asks for none). Pooling is refused under a pipeline, so
-        no hidden rows come back."""
+        0's stage) and start sending its hidden states on, without waiting for them to arrive:
+        the engine may launch the next micro-batch (other sequences) while this one is in the
+        later stages. Its logits come back, in launch order, by `collect`."""
         if self.dead:
             raise StageLinkError(self.dead)
         link, st, clock = self.link, self.stats, time.perf_counter
         t0 = clock()
         try:
             try:
-                self.message_bytes += messages.send(self.info.control, messages.STEP,
-                                                    messages.step_lists(plan, self.ops))
+                # The plan goes out while the later stages finish earlier steps; the one before
+                # it has arrived by now (every stage took it before this step's turn).
+                self._wait_plan()
+                sent, self.plan_works = messages.send_async(self.info.control, messages.STEP,
+                                                            messages.step_lists(plan, self.ops))
+                self.message_bytes += sent
             except (RuntimeError, dist.DistBackendError) as e:  # a peer's control socket closed
                 raise link._fail("send the step plan to", "any", e) from e
             self.ops.clear()
@@ -425,17 +429,44 @@ class PipelineExecutor:
                     raise
                 # A TP peer of stage 0 died or is stuck: its all-reduce failed.
                 raise link._fail("run stage 0's collectives with", "any", e) from e
-            link.send(h)
-            logits = None
-            if plan.logits_rows is None or plan.logits_rows:
-                t2 = clock()
-                logits = link.recv(src=(self.pp - 1) * self.tp, device=input_ids.device)
-                st.wait_s += clock() - t2
-            st.step(t0, clock())
-            return logits, None
+            self._send(h)
+            self.launched.append((t0, plan.logits_rows is None or bool(plan.logits_rows), input_ids.device))
         except StageLinkError as e:
             self._down(str(e))
             raise
+
+    def _wait_plan(self) -> None:
+        for work, *_ in self.plan_works:
+            if work.wait(self.link.timeout) is False:
+                raise TimeoutError(f"no answer in {self.link.timeout.total_seconds():g} s")
+        self.plan_works = []
+
+    def _send(self, h: torch.Tensor) -> None:
+        """Start sending `h` to the next stage, once the send before it has gone (so at most
+        one is under way, holding its tensor)."""
+        if self.sending:
+            self.link.wait(self.sending)
+        self.sending = self.link.isend(h)
+
+    @torch.inference_mode()
+    def collect(self) -> torch.Tensor | None:
+        """The oldest launched step's logits rows as the last stage computed them (None where
+        it asked for none)."""
+        if self.dead:
+            raise StageLinkError(self.dead)
+        t0, wants, device = self.launched.popleft()
+        st, clock = self.stats, time.perf_counter
+        logits = None
+        try:
+            if wants:
+                t2 = clock()
+                logits = self.link.recv(src=(self.pp - 1) * self.tp, device=device)
+                st.wait_s += clock() - t2
+        except StageLinkError as e:
+            self._down(str(e))
+            raise
+        st.step(t0, clock())
+        return logits
 
     def _down(self, why: str) -> None:
         """The pipeline cannot go on: say which stages ended how, and stop the spawned ones
@@ -481,6 +512,11 @@ class PipelineExecutor:
         self.closed = True
         if not self.dead and self.info.control is not None:
             try:
+                while self.launched:  # steps left in flight (an error or abort in between): drained
+                    self.collect()
+                if self.sending:
+                    self.link.wait(self.sending)
+                self._wait_plan()
                 messages.send(self.info.control, messages.STOP)
                 if self.set_up:
                     self._gather_stats()

@@ -34,6 +34,7 @@ class WorkerSpec:
     cache_cfg: object  # a config.CacheConfig
     threads: int
     log_level: int = logging.WARNING
+    max_rank_memory_mb: float | None = None  # a rank's weights above it are refused (loader.check_rank_memory)
 
 
 def rank_device(device: str, rank: int) -> torch.device:
@@ -69,7 +70,7 @@ def serve(tp: TPInfo, init_method: str | None, spec: WorkerSpec, conn=None) -> N
     from ..attention.build import build_kv
     from ..kv.spec import kv_spec_of
     from ..engine.model_runner import ModelRunner
-    from ..loading.loader import load_model
+    from ..loading.loader import check_rank_memory, load_model
 
     device = rank_device(spec.device, tp.rank)
     if device.type == "cuda":
@@ -77,6 +78,7 @@ def serve(tp: TPInfo, init_method: str | None, spec: WorkerSpec, conn=None) -> N
     init_groups(tp, device, init_method)
     loaded = load_model(spec.source, spec.dtype, device, max_positions=spec.max_positions,
                         dequantize_weights=spec.dequantize_weights, isq=spec.isq, tp=tp)
+    check_rank_memory(loaded.weight_bytes, spec.max_rank_memory_mb, tp.rank, 1, tp.size)
     if conn is not None:
         conn.send(("loaded", loaded.weight_bytes))
     command, lists = messages.recv(tp.control)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -85,6 +86,13 @@ class LLMEngine:
         self.encoder_cache = encoder_cache  # image embeddings by content hash (pagedllm/multimodal)
         self.spec = spec  # speculative decoding (None: off)
         self.executor = executor
+        # Pipeline parallelism keeps a step a stage in flight (micro-batches of disjoint
+        # sequences, `_step_pipelined`); one rank, or tensor parallelism, runs a step at a time.
+        self.micro_batches = getattr(executor, "micro_batches", 1) if executor is not None else 1
+        self.in_flight: deque[tuple[SchedulerOutput, Any]] = deque()  # (step, runner's PendingStep)
+        self.busy: set[int] = set()  # seq ids of the steps in flight
+        self.aborted_in_flight: list[Sequence] = []  # aborted while in flight: ended as their step returns
+        self.max_in_flight = 0  # the most steps in flight at once so far
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.stats = {"prompt_tokens": 0, "generated_tokens": 0, "steps": 0}
@@ -227,6 +235,8 @@ class LLMEngine:
         return list(ids)
 
     def abort(self, request_id: str) -> bool:
+        """End the request now; a sequence in a step still in flight (pipeline parallelism) keeps
+        its blocks and rows until that step returns, and is ended then."""
         req = self.requests.pop(request_id, None)
         if req is None:
             return False
@@ -234,7 +244,10 @@ class LLMEngine:
             if not s.is_finished:
                 s.finish_reason = "abort"
                 s.fork_children = []
-                self._finish(s)
+                if self.busy and s.seq_id in self.busy:
+                    self.aborted_in_flight.append(s)
+                else:
+                    self._finish(s)
         return True
 
     def has_unfinished(self) -> bool:
@@ -299,13 +312,87 @@ class LLMEngine:
         rows, tokens appended, proposals accepted), the sequences that the output processor finds
         at a stop string ended, the next step's proposals made from this step's tokens, and the
         outputs of every request the step touched."""
+        if self.micro_batches > 1:
+            return self._step_pipelined()
         sched = self.scheduler.schedule()
         self._drop_preempted(sched)
         if not sched:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("scheduler made no progress although requests are waiting")
             return []
-        out = self._execute(sched)
+        return self._record(sched, self._execute(sched))
+
+    def _step_pipelined(self) -> list[RequestOutput]:
+        """`step` under pipeline parallelism, as vLLM's batch queue (EngineCore's
+        step_with_batch_queue): while fewer steps than stages are in flight, schedule one of
+        sequences not in flight (the running set split among the stages) and launch it: its
+        plan sent, the first stage run, its hidden states sent on. Once the queue is full, or
+        nothing more can be scheduled, wait for the oldest step's logits and record it as
+        `step` does. A step in flight holds its sequences: not scheduled again, not preempted,
+        their blocks kept, until it returns."""
+        q = self.in_flight
+        if len(q) < self.micro_batches:
+            sched = self._schedule_micro_batch()
+            if sched:
+                self._launch(sched)
+                if len(q) < self.micro_batches:
+                    return []  # the next step's turn to be scheduled, before waiting for this one
+            elif not q:
+                if self.scheduler.has_unfinished():
+                    raise RuntimeError("scheduler made no progress although requests are waiting")
+                return []
+        sched, pending = q.popleft()
+        out = self.runner.collect(pending)
+        for it in sched.scheduled:
+            self.busy.discard(it.seq.seq_id)
+        ended = [s for s in self.aborted_in_flight if s.seq_id not in self.busy]
+        if ended:
+            sched, out = self._without_aborted(sched, out, ended)
+        outs = self._record(sched, out)
+        for s in ended:
+            self.aborted_in_flight.remove(s)
+            if not s.is_finished:
+                self._finish(s)
+        return outs
+
+    def _schedule_micro_batch(self) -> SchedulerOutput:
+        """A step of sequences not in flight, at most its share of the running and waiting ones
+        (so that each stage gets a step's worth), its preempted sequences dropped."""
+        sch = self.scheduler
+        cap = max(1, -(-(sch.num_running + sch.num_waiting) // self.micro_batches))
+        sched = sch.schedule_disjoint(self.busy, cap)
+        self._drop_preempted(sched)
+        return sched
+
+    def _launch(self, sched: SchedulerOutput) -> None:
+        pending = self.runner.launch(sched.scheduled)
+        self.stats["steps"] += 1
+        self.busy.update(it.seq.seq_id for it in sched.scheduled)
+        self.in_flight.append((sched, pending))
+        self.max_in_flight = max(self.max_in_flight, len(self.in_flight))
+
+    @staticmethod
+    def _without_aborted(sched: SchedulerOutput, out: RunnerOutput | None,
+                         ended: list[Sequence]) -> tuple[SchedulerOutput, RunnerOutput | None]:
+        """The returned step less the sequences aborted while it was in flight: nothing of
+        theirs is recorded (their requests are gone)."""
+        gone = {s.seq_id for s in ended}
+        kept = SchedulerOutput([it for it in sched.scheduled if it.seq.seq_id not in gone], sched.preempted,
+                               sched.has_images)
+        if out is None:
+            return kept, None
+        keep = [i for i, s in enumerate(out.seqs) if s.seq_id not in gone]
+        sampled = out.sampled
+        if sampled is not None and len(keep) != len(out.seqs):
+            sampled = type(sampled)([sampled.token_ids[i] for i in keep],
+                                    [sampled.logprobs[i] for i in keep] if sampled.logprobs else sampled.logprobs)
+        return kept, RunnerOutput([out.seqs[i] for i in keep], sampled,
+                                  [x for x in out.prompt_logits if x[0].seq_id not in gone],
+                                  [x for x in out.next_token_scores if x[0].seq_id not in gone],
+                                  [x for x in out.pooled if x[0].seq_id not in gone])
+
+    def _record(self, sched: SchedulerOutput, out: RunnerOutput | None) -> list[RequestOutput]:
+        """The step's results, after its forward: see `step`."""
         if out is not None:
             self._record_scores(out)
         verifying = {it.seq.seq_id: it.spec_tokens for it in sched.scheduled if it.spec_tokens}
@@ -322,7 +409,9 @@ class LLMEngine:
         if self.spec is not None:
             # The next step's proposals, from the tokens this one added: n-gram lookup, or the
             # draft model's catch-up and proposal forwards, after sampling as vLLM's drafter runs.
-            self.spec.propose(self.scheduler.running)
+            # (Sequences in flight get theirs when their step returns.)
+            running = self.scheduler.running
+            self.spec.propose([s for s in running if s.seq_id not in self.busy] if self.busy else running)
         return self._outputs(list(touched.values()))
 
     def _drop_preempted(self, sched: SchedulerOutput) -> None:

@@ -76,6 +76,20 @@ class RunnerOutput:
     pooled: list[tuple[Sequence, int, torch.Tensor]] = field(default_factory=list)
 
 
+@dataclass
+class PendingStep:
+    """A step between its plan and its sampling: the plan, each sampling row's sequence, logits
+    row and offset, the scoring and pooling rows, and the grammar masks being computed."""
+
+    plan: StepPlan
+    sampling_seqs: list[Sequence]
+    rows: list[int]
+    offsets: list[int]
+    scoring: list
+    pooling: list
+    masks: object
+
+
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, backend, block_size: int,
                  device: torch.device, sampler: Sampler | None, structured=None, driver=None,
@@ -366,6 +380,26 @@ class ModelRunner:
         """Run one step; returns the sequences whose chunk reached their end and their tokens,
         and the logits of the prompt positions that scoring chunks keep (None: no logits).
         `images`: some chunk holds image tokens (the scheduler's `has_images`)."""
+        step = self._prepare(batch, images)
+        logits, hidden = self.forward(step.plan)
+        return self._sample(step, logits, hidden)
+
+    @torch.inference_mode()
+    def launch(self, batch: list[ScheduledSeq]) -> "PendingStep":
+        """Pipeline parallelism's micro-batches: `execute`'s first half. The plan goes out and
+        the first stage runs (the driver's `launch`); the step's logits come back by `collect`,
+        while later steps of other sequences are launched."""
+        step = self._prepare(batch, False)
+        self.driver.launch(step.plan, self)
+        return step
+
+    @torch.inference_mode()
+    def collect(self, step: "PendingStep") -> RunnerOutput | None:
+        """The oldest launched step's logits, sampled: `execute`'s result for it."""
+        return self._sample(step, self.driver.collect(), None)
+
+    def _prepare(self, batch: list[ScheduledSeq], images: bool) -> "PendingStep":
+        """The step's plan, its sampling and scoring rows, and the grammar masks started."""
         # Decodes go first so the attention backend can batch them.
         batch = sorted(batch, key=lambda it: not it.is_decode)
         plan = self.plan(batch, images)
@@ -399,7 +433,14 @@ class ModelRunner:
                 k += 1
         # Grammar masks are computed on another thread while the forward runs.
         masks = self.structured.start_masks(sampling_seqs, offsets, drafts) if self.structured else None
-        logits, hidden = self.forward(plan)
+        return PendingStep(plan, sampling_seqs, rows, offsets, scoring, pooling, masks)
+
+    def _sample(self, step: "PendingStep", logits: torch.Tensor | None,
+                hidden: torch.Tensor | None) -> RunnerOutput | None:
+        """The step's record from its logits (and kept hidden rows): sampled tokens, prompt
+        scores, pooled rows."""
+        sampling_seqs, rows, offsets, scoring, pooling, masks = (
+            step.sampling_seqs, step.rows, step.offsets, step.scoring, step.pooling, step.masks)
         pooled = [(seq, lo, hidden[h0:h0 + c]) for seq, lo, h0, c in pooling]
         if logits is None:
             return RunnerOutput([], None, pooled=pooled) if pooled else None

@@ -12,6 +12,7 @@ once) and drops what a speculative step accepted past the stop.
 """
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -23,6 +24,8 @@ from ..tokenizer import IncrementalDetokenizer
 if TYPE_CHECKING:
     from .request import Request
     from .sequence import Sequence
+
+logger = logging.getLogger(__name__)
 
 
 class _Text:
@@ -175,10 +178,24 @@ class OutputProcessor:
         finished = req.finished
         # Times are taken as the step hands its tokens out, which is when a caller can have
         # them: after the whole step, a draft model's catch-up of a new prompt included.
+        if m.first_scheduled_time is None:
+            m.first_scheduled_time = req.seqs[0].first_scheduled_time
         if m.first_token_time is None and m.num_output_tokens:
             m.first_token_time = time.perf_counter()
         if finished and m.finished_time is None:
             m.finished_time = time.perf_counter()
+            if logger.isEnabledFor(logging.DEBUG):
+                _log_finished(req)
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, finished, m,
                              num_cached_tokens=min(s.num_cached_tokens for s in req.seqs),
                              error=req.error, prompt_logprobs=req.prompt_logprobs, embedding=req.embedding)
+
+
+def _log_finished(req: Request) -> None:
+    """One line per finished request (--log-level debug): where its time to first token went."""
+    m, seq = req.metrics, req.seqs[0]
+    ttft, queued = m.time_to_first_token, m.queue_time
+    logger.debug("request %s finished: prompt %d tokens, cached %d, preemptions %d, queued %s s, ttft %s s, "
+                 "output %d tokens", req.request_id, m.num_prompt_tokens, seq.num_cached_tokens,
+                 sum(s.num_preemptions for s in req.seqs), "-" if queued is None else f"{queued:.3f}",
+                 "-" if ttft is None else f"{ttft:.3f}", m.num_output_tokens)

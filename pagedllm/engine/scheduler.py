@@ -9,6 +9,7 @@ blocks are freed and it goes back to the front of the queue to be recomputed.
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
@@ -115,22 +116,43 @@ class Scheduler:
         return len(self.running)
 
     # -- the decision -----------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, cap: int | None = None, held: int = 0) -> SchedulerOutput:
+        """The step's work. `cap`: the most sequences it schedules (None: no cap; forked n > 1
+        siblings may run past max_num_seqs); `held`: running sequences set aside from `running`
+        meanwhile (`schedule_disjoint`), which count against max_num_seqs."""
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        cap = _NO_CAP if cap is None else cap
         self._encoding: set[str] = set()  # images this step encodes (charged once)
         self._enc_left = self.encoder_budget
         vision = self.encoder_cache is not None  # a text-only model never looks at seq.mm
-        budget = self._schedule_running(out, budget, vision)
+        budget = self._schedule_running(out, budget, vision, cap)
         if not out.preempted:
-            self._admit_waiting(out, budget, vision)
+            self._admit_waiting(out, budget, vision, cap, held)
         return out
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int, vision: bool) -> int:
+    def schedule_disjoint(self, busy: set[int], cap: int) -> SchedulerOutput:
+        """A step beside steps still in flight (pipeline parallelism's micro-batches): the
+        sequences of `busy` (seq ids) are neither scheduled nor preempted, their blocks untouched,
+        until their step returns; at most `cap` sequences run in this one, so the running set
+        splits among the steps in flight. The running order (admission order, which picks whom
+        to preempt) is kept."""
+        every = self.running
+        self.running = [s for s in every if s.seq_id not in busy]
+        if len(self.running) == len(every):
+            return self.schedule(cap)
+        order = {s.seq_id: i for i, s in enumerate(every)}
+        try:
+            return self.schedule(cap, held=len(every) - len(self.running))
+        finally:  # the busy sequences back in their places; those admitted now after all
+            self.running = sorted([s for s in every if s.seq_id in busy] + self.running,
+                                  key=lambda s: order.get(s.seq_id, len(every)))
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int, vision: bool, cap: int) -> int:
         """The running sequences' next tokens (proposals to verify, a decode, a prefill chunk),
         in order, preempting from the back when blocks run short; the budget left."""
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and budget > 0 and len(out.scheduled) < cap:
             seq = self.running[i]
             spec = self._spec_fits(seq, budget)
             n = 1 + len(spec) if spec else _chunk(seq, budget)
@@ -150,13 +172,13 @@ class Scheduler:
             i += 1
         return budget
 
-    def _admit_waiting(self, out: SchedulerOutput, budget: int, vision: bool) -> None:
+    def _admit_waiting(self, out: SchedulerOutput, budget: int, vision: bool, cap: int, held: int) -> None:
         """Waiting sequences admitted in arrival order while the budget, the sequence limit, the
         blocks and the LoRA slots allow (after their cached prefix)."""
         # LoRA: the running sequences use at most max_loras adapters (the slots they run from).
         loras = {s.lora_id for s in self.running if s.lora_id} if self.config.max_loras else None
         while (self.waiting and budget > 0
-               and len(self.running) < self.config.max_num_seqs):
+               and len(self.running) + held < self.config.max_num_seqs and len(out.scheduled) < cap):
             seq = self.waiting[0]
             if loras is not None and seq.lora_id and seq.lora_id not in loras:
                 if len(loras) >= self.config.max_loras:
@@ -176,6 +198,8 @@ class Scheduler:
                 seq.num_computed_tokens = 0
                 break
             self.waiting.popleft()
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = time.perf_counter()
             if not scoring:
                 self.bm.record_admission(seq)
             self._grow(seq, n)
@@ -301,6 +325,9 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.bm.free(seq, "retain" if keep_prefix else "drop")
+
+
+_NO_CAP = 1 << 62  # schedule() without a cap on its sequences
 
 
 def _scores(seq: Sequence) -> bool:

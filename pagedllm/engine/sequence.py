@@ -36,6 +36,7 @@ class Sequence:
     stop_reason: str | int | None = None
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    first_scheduled_time: float | None = None  # perf_counter() when first admitted (queue time's end)
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of its full blocks
     # KV groups after the first (kv/groups.py): their block tables and hashes, kept by the
     # block manager; empty for single-group models.

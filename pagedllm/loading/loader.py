@@ -192,6 +192,24 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
     return LoadedModel(model, cfg, tokenizer, source, info.resident_bytes, kv_scales, info, mmproj)
 
 
+def check_rank_memory(weight_bytes: int, limit_mb: float | None, rank: int = 0, pp: int = 1, tp: int = 1) -> None:
+    """Refuse a rank whose weights (the loaded stage's or shard's resident bytes: the figure the
+    KV trace gives per rank) exceed `limit_mb` (max_rank_memory_mb), before its KV cache is sized;
+    the message says how many pipeline stages would fit it."""
+    if limit_mb is None or weight_bytes <= limit_mb * 2**20:
+        return
+    import math
+
+    mb = weight_bytes / 2**20
+    need = max(pp + 1, math.ceil(mb * pp / limit_mb))  # the stages split the weights about evenly
+    where = "the model's weights" if pp * tp == 1 else f"rank {rank}'s weights" + (
+        f" (stage {rank // tp} of {pp})" if pp > 1 else "")
+    raise ValueError(f"{where} take {mb:.1f} MB, over max_rank_memory_mb={limit_mb:g} (--max-rank-memory-mb): "
+                     f"split the model into stages on several ranks or machines with "
+                     f"--pipeline-parallel-size (-pp) {need} or more (LLM(pipeline_parallel_size={need})), "
+                     "or raise the limit")
+
+
 def _with_mmproj(source: ModelSource, ckpt, text_config: dict, tokenizer: Tokenizer, weights, dtype: torch.dtype):
     """A GGUF language model and llama.cpp's mmproj file as one vision-language model: the
     mmproj (checked against the text model), the whole model's config, and the text weights

@@ -13,6 +13,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 import uuid
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -48,6 +49,9 @@ class _Add:
     outputs: asyncio.Queue
     accepted: asyncio.Future
     pooling: Any = None  # embedding requests: how to pool (engine/pooling.py's PoolingConfig)
+    # When the handler queued them: the engine thread takes commands between steps, so the
+    # requests' arrival is this, not the end of the step they came in during.
+    submitted: float = field(default_factory=time.perf_counter)
 
 
 @dataclass
@@ -251,9 +255,10 @@ class AsyncEngine:
             return
         for rid in added:
             self._routes[rid] = (cmd.loop, cmd.outputs)
-            if self.metrics is not None:
-                req = self.engine.requests.get(rid)
-                if req is not None:
+            req = self.engine.requests.get(rid)
+            if req is not None:
+                req.metrics.arrival_time = cmd.submitted
+                if self.metrics is not None:
                     self.metrics.on_prompt(len(req.prompt_token_ids))
         _call_soon(cmd.loop, _settle, cmd.accepted, None)
 

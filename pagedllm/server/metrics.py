@@ -83,6 +83,8 @@ class ServerMetrics:
         self.engine_errors = Counter(p + "engine_errors", "Engine steps that raised", registry=r)
         self.ttft = Histogram(p + "time_to_first_token_seconds", "Time to first token",
                               buckets=TTFT_BUCKETS, registry=r)
+        self.queue_time = Histogram(p + "request_queue_time_seconds", "Arrival to the first scheduled step "
+                                    "(time spent waiting behind other requests)", buckets=TTFT_BUCKETS, registry=r)
         self.itl = Histogram(p + "inter_token_latency_seconds", "Time between tokens of a sequence",
                              buckets=ITL_BUCKETS, registry=r)
         self.e2e = Histogram(p + "request_latency_seconds", "Arrival to last token",
@@ -104,6 +106,9 @@ class ServerMetrics:
                 ttft = out.metrics.time_to_first_token
                 if ttft is not None:
                     self.ttft.observe(ttft)
+                queued = out.metrics.queue_time
+                if queued is not None:
+                    self.queue_time.observe(queued)
                 self._prompt_total += out.metrics.num_prompt_tokens
                 self._cached_total += out.num_cached_tokens
                 self.cached_prompt_tokens.inc(out.num_cached_tokens)
