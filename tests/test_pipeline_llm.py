@@ -22,7 +22,7 @@ import pytest
 
 from pagedllm import LLM, SamplingParams
 from models import reference_family
-from procs import alive
+from procs import alive, descendants
 
 # slow: whole models in several processes; `make test-fast` leaves it out
 pytestmark = pytest.mark.slow
@@ -46,18 +46,6 @@ def _same_as_pp1(one, prompts, got, turns, forks) -> None:
     assert [c for _, c in turns1[1:]] == [c for _, c in turns[1:]]
 
 
-def _children() -> set[int]:
-    """This process's descendants, less multiprocessing's resource tracker (Python starts one
-    with the first spawned process and keeps it, whoever spawned, until the interpreter exits)."""
-    out = set()
-    for c in psutil.Process().children(recursive=True):
-        try:
-            if "resource_tracker" not in " ".join(c.cmdline()) and c.status() != psutil.STATUS_ZOMBIE:
-                out.add(c.pid)
-        except psutil.NoSuchProcess:
-            pass
-    return out
-
 
 def _workload(llm, prompts):
     """(greedy tokens of every prompt, a three-turn chat's (tokens, cached tokens) per turn,
@@ -80,7 +68,7 @@ def test_pp2_matches_transformers_and_pp1(name, tmp_path, hf_smollm2_tokenizer):
     path, _, prompts, want = reference_family(name, tmp_path / name, hf_smollm2_tokenizer, PROMPT_LENS,
                                               NEW_TOKENS, seed=99)
     kw = {**KW, "kv_cache_context_len": CTX.get(name, KW["kv_cache_context_len"])}
-    before = _children()
+    before = descendants()
     with LLM(str(path), pipeline_parallel_size=2, **kw) as llm:
         pids = llm.engine.executor.pids
         assert len(alive(pids)) == 1
@@ -97,7 +85,7 @@ def test_pp2_matches_transformers_and_pp1(name, tmp_path, hf_smollm2_tokenizer):
     stats = llm.engine.executor.stage_stats
     assert [s["steps"] for s in stats] == [llm.engine.executor.steps] * 2
     assert all(0 < s["busy_s"] < s["window_s"] and s["wait_s"] > 0 for s in stats), stats
-    assert _children() <= before
+    assert descendants() <= before
 
     one = LLM(str(path), **kw)
     _same_as_pp1(one, prompts, got, turns, forks)
@@ -115,30 +103,38 @@ def test_pp2_matches_transformers_and_pp1(name, tmp_path, hf_smollm2_tokenizer):
     assert t2.p2p_bytes_per_step > 0
 
 
-# (Gemma 3 and Mixtral at pp=2 x tp=2: tests/test_tp_models.py.)
-@pytest.mark.parametrize("name", ["llama", "qwen2"])
-def test_pp2_tp2_matches_transformers_and_pp1(name, tmp_path, hf_smollm2_tokenizer):
-    """Four ranks, 1 thread each: two stages, each split over two tensor-parallel ranks (their
-    all-reduces and logits gather in the stage's own group); the same workload as above. Gemma 3's
-    """
-    path, _, prompts, want = reference_family(name, tmp_path / name, hf_smollm2_tokenizer, PROMPT_LENS,
-                                              NEW_TOKENS, seed=99)
-    kw = {**KW, "kv_cache_context_len": CTX.get(name, KW["kv_cache_context_len"])}
-    before = _children()
+def run_pp2_tp2(name, path, prompts, want, kw, groups: int | None = None):
+    """The workload above at pp=2 x tp=2 (three processes beside this one, gone afterwards),
+    against transformers' tokens and then pp=1's run: (its KV trace, pp=1's)."""
+    before = descendants()
     with LLM(str(path), pipeline_parallel_size=2, tensor_parallel_size=2, **kw) as llm:
         pids = llm.engine.executor.pids
         assert len(alive(pids)) == 3
+        if groups is not None:
+            assert llm.engine.block_manager.num_groups == groups
         got, turns, forks = _workload(llm, prompts)
         assert got == want, name
         assert llm.engine.scheduler.num_preemptions > 0
-        assert all(cached > 0 for _, cached in turns[1:])
+        assert all(cached > 0 for _, cached in turns[1:])  # later turns reuse the earlier ones
         assert forks == [want[1]] * 4
         t4 = llm.kv_cache_trace()
-    assert not alive(pids) and _children() <= before
+    assert not alive(pids) and descendants() <= before
     one = LLM(str(path), **kw)
     _same_as_pp1(one, prompts, got, turns, forks)
     t1 = one.kv_cache_trace()
     assert (t4.pipeline_parallel_size, t4.tensor_parallel_size) == (2, 2) and len(t4.rank_kv_mb) == 4
+    return t4, t1
+
+
+# (Gemma 3 and Mixtral at pp=2 x tp=2: tests/test_tp_models.py.)
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+def test_pp2_tp2_matches_transformers_and_pp1(name, tmp_path, hf_smollm2_tokenizer):
+    """Four ranks, 1 thread each: two stages, each split over two tensor-parallel ranks (their
+    all-reduces and logits gather in the stage's own group); the same workload as above."""
+    path, _, prompts, want = reference_family(name, tmp_path / name, hf_smollm2_tokenizer, PROMPT_LENS,
+                                              NEW_TOKENS, seed=99)
+    kw = {**KW, "kv_cache_context_len": CTX.get(name, KW["kv_cache_context_len"])}
+    t4, t1 = run_pp2_tp2(name, path, prompts, want, kw)
     whole_kv = t1.rank_kv_mb[0]
     # Each rank: its stage's layers (1 or 2 of 3) and half their KV heads.
     assert sum(t4.rank_kv_mb) == pytest.approx(whole_kv, rel=1e-6)
@@ -182,7 +178,7 @@ def test_unsupported_options_are_refused_before_any_stage_starts(tmp_path, hf_sm
 
     tok = hf_smollm2_tokenizer
     path = str(build_checkpoint("llama", tmp_path / "m", tok, len(tok)))
-    before = _children()
+    before = descendants()
     cases = [
         (dict(enable_lora=True), "LoRA adapters do not run under pipeline parallelism yet; use pipeline_parallel_size=1"),
         (dict(speculative={"method": "draft", "model": path}), "draft model does not run under pipeline parallelism"),
@@ -195,7 +191,7 @@ def test_unsupported_options_are_refused_before_any_stage_starts(tmp_path, hf_sm
     for kw, msg in cases:
         with pytest.raises(ValueError, match=msg):
             LLM(path, dtype="float32", **{"pipeline_parallel_size": 2, **kw})
-    assert _children() <= before
+    assert descendants() <= before
 
 
 @pytest.mark.parametrize("argv", [["generate", "m", "-pp", "2"], ["chat", "m", "--pipeline-parallel-size", "2"],

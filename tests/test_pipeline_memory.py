@@ -4,27 +4,17 @@ two stages, each under it, giving pp=1's and transformers' float32 greedy tokens
 weight and KV bytes in the KV trace are within 10% of half of pp=1's."""
 from __future__ import annotations
 
-import psutil
 import pytest
 import torch
 
 from models import build_checkpoint
+from procs import descendants
 from pagedllm import LLM, SamplingParams
 from pagedllm.loading.loader import check_rank_memory
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 KW = dict(dtype="float32", block_size=16, kv_cache_context_len=512)
 
-
-def _children() -> set[int]:
-    out = set()
-    for c in psutil.Process().children(recursive=True):
-        try:
-            if "resource_tracker" not in " ".join(c.cmdline()) and c.status() != psutil.STATUS_ZOMBIE:
-                out.add(c.pid)
-        except psutil.NoSuchProcess:
-            pass
-    return out
 
 
 def test_the_limit_names_the_stages_that_fit():
@@ -68,20 +58,20 @@ def test_refused_at_pp1_runs_at_pp2(tmp_path, hf_smollm2_tokenizer):
     limit = 0.6 * whole_mb  # over half the weights, under all of them
     del one
 
-    before = _children()
+    before = descendants()
     with pytest.raises(ValueError, match=r"the model's weights take .* MB, over max_rank_memory_mb=.* "
                                          r"--pipeline-parallel-size \(-pp\) 2 or more"):
         LLM(str(path), max_rank_memory_mb=limit, **KW)
     # A limit no two stages fit either: refused, and the stage process it started is gone.
     with pytest.raises(ValueError, match=r"rank 0's weights \(stage 0 of 2\) .*-pp\) [3-9] or more"):
         LLM(str(path), pipeline_parallel_size=2, max_rank_memory_mb=0.3 * whole_mb, **KW)
-    assert _children() <= before
+    assert descendants() <= before
 
     with LLM(str(path), pipeline_parallel_size=2, max_rank_memory_mb=limit, **KW) as llm:
         got = [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
         t2 = llm.kv_cache_trace()
     assert got == want
-    assert _children() <= before
+    assert descendants() <= before
     # Acceptance 2 of issue 65: each rank's weight and KV bytes within 10% of 1/P of pp=1's.
     assert t2.capacity_blocks == t1.capacity_blocks
     assert all(w <= limit for w in t2.rank_weight_mb)

@@ -33,6 +33,25 @@ def family(request, tmp_path_factory, hf_smollm2_tokenizer):
     return request.param, path, ref, prompts, want
 
 
+
+def run_tp2(name, path, ref, prompts, want, kw, check=None) -> None:
+    """Greedy tokens at tp=2 (one worker beside this process, gone afterwards) under preemption
+    equal transformers', every block free afterwards, and the prompt logits those of transformers
+    and tp=1. `check(llm)`: more to assert on the running engine."""
+    with LLM(str(path), tensor_parallel_size=2, **kw) as llm:
+        pids = llm.engine.executor.pids
+        assert len(alive(pids)) == 1
+        if check is not None:
+            check(llm)
+        got = [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+        assert got == want, name
+        assert llm.engine.scheduler.num_preemptions > 0
+        bm = llm.engine.block_manager
+        assert bm.num_free_blocks == bm.num_usable_blocks
+        logits2 = llm.prompt_logits(prompts[-1])
+    assert not alive(pids)  # the context manager stopped the worker
+    _assert_logits_match_reference_and_tp1(path, ref, prompts, got, logits2, kw)
+
 def _assert_logits_match_reference_and_tp1(path, ref, prompts, got, logits2, kw) -> None:
     """tp=2's prompt logits of the last prompt within 1e-4 of transformers' and of tp=1's, and
     tp=1's greedy tokens equal tp=2's (`got`)."""
@@ -50,17 +69,7 @@ def test_tp2_matches_transformers_and_tp1(family):
     name, path, ref, prompts, want = family
     ctx = 160 if name == "mistral" else 400
     kw = dict(dtype="float32", block_size=16, kv_cache_context_len=ctx, max_num_batched_tokens=64)
-    with LLM(str(path), tensor_parallel_size=2, **kw) as llm:
-        pids = llm.engine.executor.pids
-        assert len(alive(pids)) == 1
-        got = [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
-        assert got == want, name
-        assert llm.engine.scheduler.num_preemptions > 0
-        bm = llm.engine.block_manager
-        assert bm.num_free_blocks == bm.num_usable_blocks
-        logits2 = llm.prompt_logits(prompts[-1])
-    assert not alive(pids)  # the context manager stopped the worker
-    _assert_logits_match_reference_and_tp1(path, ref, prompts, got, logits2, kw)
+    run_tp2(name, path, ref, prompts, want, kw)
 
 
 def test_tp2_prefix_cache_multi_turn_n4_and_trace(family):

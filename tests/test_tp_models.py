@@ -11,11 +11,9 @@ from __future__ import annotations
 
 import pytest
 
-from pagedllm import LLM
 from models import reference_family
-from procs import alive
-from test_pipeline_llm import _children, _same_as_pp1, _workload
-from test_tensor_parallel import GREEDY, NEW_TOKENS, PROMPT_LENS, _assert_logits_match_reference_and_tp1
+from test_pipeline_llm import run_pp2_tp2
+from test_tensor_parallel import NEW_TOKENS, PROMPT_LENS, run_tp2
 
 # slow: whole models in several processes; `make test-fast` leaves it out
 pytestmark = pytest.mark.slow
@@ -52,18 +50,13 @@ def family(request, tmp_path_factory, hf_smollm2_tokenizer):
 def test_tp2_matches_transformers_and_tp1(family):
     name, path, ref, prompts, want = family
     kw = dict(KW, kv_cache_context_len=CTX[name])
-    with LLM(str(path), tensor_parallel_size=2, **kw) as llm:
-        assert len(alive(llm.engine.executor.pids)) == 1
+
+    def check(llm):
         assert llm.engine.block_manager.num_groups == GROUPS[name]
         attn = llm.engine.model.layers[0].self_attn
         assert (attn.num_heads, attn.num_kv_heads) == (ref.config.num_attention_heads // 2, 1)
-        got = [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
-        assert got == want, name
-        assert llm.engine.scheduler.num_preemptions > 0
-        bm = llm.engine.block_manager
-        assert bm.num_free_blocks == bm.num_usable_blocks
-        logits2 = llm.prompt_logits(prompts[-1])
-    _assert_logits_match_reference_and_tp1(path, ref, prompts, got, logits2, kw)
+
+    run_tp2(name, path, ref, prompts, want, kw, check)
 
 
 @pytest.mark.parametrize("name", ["gemma3", "mixtral"])
@@ -73,22 +66,7 @@ def test_pp2_tp2_matches_transformers_and_pp1(name, tmp_path_factory, hf_smollm2
     and n=4 greedy forks, equal to pp=1's and transformers'."""
     path, _, prompts, want = _reference(name, tmp_path_factory, hf_smollm2_tokenizer)
     kw = dict(KW, kv_cache_context_len=CTX[name])
-    before = _children()
-    with LLM(str(path), pipeline_parallel_size=2, tensor_parallel_size=2, **kw) as llm:
-        pids = llm.engine.executor.pids
-        assert len(alive(pids)) == 3
-        assert llm.engine.block_manager.num_groups == GROUPS[name]
-        got, turns, forks = _workload(llm, prompts)
-        assert got == want, name
-        assert llm.engine.scheduler.num_preemptions > 0
-        assert all(cached > 0 for _, cached in turns[1:])  # later turns reuse the earlier ones
-        assert forks == [want[1]] * 4
-        t4 = llm.kv_cache_trace()
-    assert not alive(pids) and _children() <= before
-    one = LLM(str(path), **kw)
-    _same_as_pp1(one, prompts, got, turns, forks)
-    t1 = one.kv_cache_trace()
-    assert (t4.pipeline_parallel_size, t4.tensor_parallel_size) == (2, 2) and len(t4.rank_kv_mb) == 4
+    t4, t1 = run_pp2_tp2(name, path, prompts, want, kw, GROUPS[name])
     whole_kv = t1.rank_kv_mb[0]
     if name == "gemma3":
         # Groups of one layer: a page is one layer's slot on every stage (docs/scale-out.md), and
