@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import threading
 from dataclasses import dataclass, field
@@ -198,8 +199,6 @@ def check_rank_memory(weight_bytes: int, limit_mb: float | None, rank: int = 0, 
     the message says how many pipeline stages would fit it."""
     if limit_mb is None or weight_bytes <= limit_mb * 2**20:
         return
-    import math
-
     mb = weight_bytes / 2**20
     need = max(pp + 1, math.ceil(mb * pp / limit_mb))  # the stages split the weights about evenly
     where = "the model's weights" if pp * tp == 1 else f"rank {rank}'s weights" + (
