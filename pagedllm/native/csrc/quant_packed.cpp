@@ -222,6 +222,9 @@ inline __m256i hi2_avx2(__m256i hb, int s) {
   return _mm256_and_si256(v, _mm256_set1_epi8(0x30));
 }
 
+template <int64_t TYPE>
+inline void scales_avx2(const uint8_t* B, int h, __m256 dv, __m256 mv, __m256& s, __m256& s_hi, __m256& mw);
+
 // Half h (rows 8h..8h+7) of a block: its 8 steps' values as bytes (unsigned; Q8_0 as value + 128)
 // and its scales: s (values 0-15, or all), s_hi (Q6_K's 16-31) and the offsets mw.
 template <int64_t TYPE>
@@ -242,6 +245,13 @@ inline void decode_avx2(const uint8_t* B, int h, __m256 dv, __m256 mv, __m256i* 
     if constexpr (L.nbits == 6)
       for (int t = 0; t < 8; ++t) W[t] = _mm256_or_si256(W[t], hi2_avx2(ld(B + 256 + 64 * (t / 4) + 32 * h), t % 4));
   }
+  scales_avx2<TYPE>(B, h, dv, mv, s, s_hi, mw);
+}
+
+// The scales of half h of block B (decode_avx2's s, s_hi and mw).
+template <int64_t TYPE>
+inline void scales_avx2(const uint8_t* B, int h, __m256 dv, __m256 mv, __m256& s, __m256& s_hi, __m256& mw) {
+  constexpr PLayout L = playout(TYPE);
   const uint8_t* S = B + L.vbytes + L.hbytes;
   if constexpr (L.split) {
     s = _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(S + 8 * h)))));
@@ -287,6 +297,20 @@ void tile_avx2(const uint8_t* gp, int64_t k, T* out, int64_t ld) {
   }
 }
 
+// A 4-bit half block's int16 sums p (all 8 steps: 8 x 2 x 15 x 127 fits) for the row of block
+// index ci, into fa: the one sequence of float operations every tile and pass applies, so a
+// row's result does not depend on which kernel below took it (integer sums are exact in any order).
+template <int64_t TYPE>
+__attribute__((always_inline)) inline void finish4_avx2(__m256i p, __m256 s, __m256 mw, const QAct& x, int64_t ci,
+                                                        __m256& fa) {
+  constexpr PLayout L = playout(TYPE);
+  __m256i ia = _mm256_madd_epi16(p, _mm256_set1_epi16(1));
+  if constexpr (L.iofs != 0) ia = _mm256_add_epi32(ia, _mm256_set1_epi32(L.iofs * x.s32[ci]));
+  fa = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia), _mm256_mul_ps(s, _mm256_set1_ps(x.d[ci])), fa);
+  if constexpr (L.kq) fa = _mm256_fnmadd_ps(mw, _mm256_set1_ps(x.ds32[ci]), fa);
+  else if constexpr (L.has_min) fa = _mm256_fmadd_ps(mw, _mm256_set1_ps(x.ds32[ci]), fa);
+}
+
 // One activation row (block index ci) against half a block's decoded weights: fa += the 8 rows'
 // products, the weights' offsets folded into the same accumulator (as the VNNI path does), so a
 // row's sums are the same operations in the same order whatever the tile or pass it is in.
@@ -322,7 +346,7 @@ __attribute__((always_inline)) inline void row_avx2(const __m256i* W, __m256 s, 
       p0 = _mm256_add_epi16(p0, _mm256_maddubs_epi16(W[t], act(t)));
       p1 = _mm256_add_epi16(p1, _mm256_maddubs_epi16(W[t + 4], act(t + 4)));
     }
-    ia = _mm256_madd_epi16(_mm256_add_epi16(p0, p1), ones);
+    return finish4_avx2<TYPE>(_mm256_add_epi16(p0, p1), s, mw, x, ci, fa);
   } else {  // 4 steps of 5-bit products fit in int16 before widening
     __m256i p0 = _mm256_maddubs_epi16(W[0], act(0)), p1 = _mm256_maddubs_epi16(W[4], act(4));
     for (int t = 1; t < 4; ++t) {
@@ -337,6 +361,60 @@ __attribute__((always_inline)) inline void row_avx2(const __m256i* W, __m256 s, 
   else if constexpr (L.has_min) fa = _mm256_fmadd_ps(mw, _mm256_set1_ps(x.ds32[ci]), fa);
 }
 
+// 4-bit formats, tiles of 3-4 rows (prefill, many sequences): each activation broadcast feeds both
+// halves of the group (16 weight rows, not 8), and the weights are decoded a step at a time, so
+// the registers hold the rows' int16 sums instead of a half block's 8 decoded steps. A
+// broadcast costs a vector slot like a product does (AMD Zen 4), so sharing it is most of the
+// gain. The empty asm statements keep each step's sums in order: without them GCC reassociated
+// the int16 adds into trees, kept every product alive at once and spilled them to the stack.
+template <int64_t TYPE, int MR>
+void group_avx2_wide(const uint8_t* gp, const QAct& x, int64_t r0, float* y, int64_t ldy) {
+  constexpr PLayout L = playout(TYPE);
+  static_assert(L.nbits == 4, "the wide AVX2 kernel sums 4-bit products in int16");
+  const int ahead = pagedllm::weight_prefetch_bytes(MR);
+  const __m256i m4 = _mm256_set1_epi8(0x0F);
+  __m256 fa[2][MR];
+  for (int h = 0; h < 2; ++h)
+    for (int r = 0; r < MR; ++r) fa[h][r] = _mm256_setzero_ps();
+  for (int64_t u = 0; u < x.k / L.vals; ++u) {
+    const uint8_t* U = gp + u * L.unit;
+    for (int j = 0; j < L.vals / 32; ++j) {
+      const uint8_t* B = U + L.hdr + j * L.blk;
+      prefetch_ahead(L, B, ahead);
+      const int64_t ci = x.at(r0, u * (L.vals / 32) + j);  // the tile's rows follow it (block-major)
+      const uint8_t* a = reinterpret_cast<const uint8_t*>(x.a.data() + ci * 32);
+      __m256i p[2][MR];
+      for (int c = 0; c < 4; ++c) {
+        const __m256i v0 = ld(B + 64 * c), v1 = ld(B + 64 * c + 32);
+        const __m256i l0 = _mm256_and_si256(v0, m4), l1 = _mm256_and_si256(v1, m4);
+        for (int r = 0; r < MR; ++r) {
+          const __m256i av = _mm256_set1_epi32(static_cast<int>(u32(a + 32 * r + 4 * c)));
+          const __m256i q0 = _mm256_maddubs_epi16(l0, av), q1 = _mm256_maddubs_epi16(l1, av);
+          p[0][r] = c == 0 ? q0 : _mm256_add_epi16(p[0][r], q0);
+          p[1][r] = c == 0 ? q1 : _mm256_add_epi16(p[1][r], q1);
+        }
+        for (int r = 0; r < MR; ++r) asm volatile("" : "+x"(p[0][r]), "+x"(p[1][r]));
+        const __m256i h0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), m4), h1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), m4);
+        for (int r = 0; r < MR; ++r) {
+          const __m256i av = _mm256_set1_epi32(static_cast<int>(u32(a + 32 * r + 16 + 4 * c)));
+          p[0][r] = _mm256_add_epi16(p[0][r], _mm256_maddubs_epi16(h0, av));
+          p[1][r] = _mm256_add_epi16(p[1][r], _mm256_maddubs_epi16(h1, av));
+        }
+        for (int r = 0; r < MR; ++r) asm volatile("" : "+x"(p[0][r]), "+x"(p[1][r]));
+      }
+      for (int h = 0; h < 2; ++h) {
+        __m256 dv = _mm256_setzero_ps(), mv = _mm256_setzero_ps(), s, s_hi, mw;
+        if constexpr (L.kq) dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(U + 16 * h)));
+        if constexpr (L.kq && L.has_min) mv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(U + 32 + 16 * h)));
+        scales_avx2<TYPE>(B, h, dv, mv, s, s_hi, mw);
+        for (int r = 0; r < MR; ++r) finish4_avx2<TYPE>(p[h][r], s, mw, x, ci + r, fa[h][r]);
+      }
+    }
+  }
+  for (int h = 0; h < 2; ++h)
+    for (int r = 0; r < MR; ++r) _mm256_storeu_ps(y + (r0 + r) * ldy + 8 * h, fa[h][r]);
+}
+
 // Up to 2 rows (batch 1, in one or two levels) take each block's two halves in one pass over the
 // group: every 64-byte line of the weights is read once, and the unit's scales once. More rows
 // take the halves one after the other, as their accumulators and one half's weights fill the
@@ -344,6 +422,7 @@ __attribute__((always_inline)) inline void row_avx2(const __m256i* W, __m256 s, 
 template <int64_t TYPE, int MR>
 void group_avx2(const uint8_t* gp, const QAct& x, int64_t r0, float* y, int64_t ldy) {
   constexpr PLayout L = playout(TYPE);
+  if constexpr (L.nbits == 4 && MR >= 3 && MR <= 4) return group_avx2_wide<TYPE, MR>(gp, x, r0, y, ldy);
   const int ahead = pagedllm::weight_prefetch_bytes(MR);
   constexpr bool FUSED = MR <= 2;
   constexpr int NH = FUSED ? 2 : 1;
