@@ -415,6 +415,76 @@ void group_avx2_wide(const uint8_t* gp, const QAct& x, int64_t r0, float* y, int
     for (int r = 0; r < MR; ++r) _mm256_storeu_ps(y + (r0 + r) * ldy + 8 * h, fa[h][r]);
 }
 
+// Q6_K, tiles of 3-4 rows: as group_avx2_wide, each activation broadcast feeding both halves.
+// Its values take 6 bits, so int16 holds two steps' products: a pair of steps is summed in int16
+// and widened into int32 sums, which the block's two scales (values 0-15, 16-31) then take.
+template <int64_t TYPE, int MR>
+void group_avx2_wide6(const uint8_t* gp, const QAct& x, int64_t r0, float* y, int64_t ldy) {
+  constexpr PLayout L = playout(TYPE);
+  static_assert(L.nbits == 6 && L.split, "the wide 6-bit AVX2 kernel is Q6_K's");
+  const int ahead = pagedllm::weight_prefetch_bytes(MR);
+  const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  __m256 fa[2][MR];
+  for (int h = 0; h < 2; ++h)
+    for (int r = 0; r < MR; ++r) fa[h][r] = _mm256_setzero_ps();
+  // Step t's values of half h: low nibbles (t < 4) or high nibbles of chunk t % 4, with bits 4-5
+  // from the 2-bit plane.
+  auto step = [&](const uint8_t* B, int t, int h) {
+    const __m256i v = ld(B + 64 * (t % 4) + 32 * h);
+    const __m256i nib = t < 4 ? _mm256_and_si256(v, m4) : _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+    return _mm256_or_si256(nib, hi2_avx2(ld(B + 256 + 64 * (t / 4) + 32 * h), t % 4));
+  };
+  for (int64_t u = 0; u < x.k / L.vals; ++u) {
+    const uint8_t* U = gp + u * L.unit;
+    for (int j = 0; j < L.vals / 32; ++j) {
+      const uint8_t* B = U + L.hdr + j * L.blk;
+      prefetch_ahead(L, B, ahead);
+      const int64_t ci = x.at(r0, u * (L.vals / 32) + j);  // the tile's rows follow it (block-major)
+      const uint8_t* a = reinterpret_cast<const uint8_t*>(x.a.data() + ci * 32);
+      __m256 s[2], s_hi[2];
+      for (int h = 0; h < 2; ++h) {
+        __m256 mw;
+        scales_avx2<TYPE>(B, h, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(U + 16 * h))),
+                          _mm256_setzero_ps(), s[h], s_hi[h], mw);
+      }
+#pragma GCC unroll 2  // (whole: each step's shifts are constants)
+      for (int half = 0; half < 2; ++half) {  // values 0-15 (steps 0-3), then 16-31 (steps 4-7)
+        __m256i ia[2][MR];
+#pragma GCC unroll 2
+        for (int pr = 0; pr < 2; ++pr) {
+          const int t0 = 4 * half + 2 * pr;
+          __m256i p[2][MR];
+          const __m256i w00 = step(B, t0, 0), w01 = step(B, t0, 1);
+          for (int r = 0; r < MR; ++r) {
+            const __m256i av = _mm256_set1_epi32(static_cast<int>(u32(a + 32 * r + 4 * t0)));
+            p[0][r] = _mm256_maddubs_epi16(w00, av);
+            p[1][r] = _mm256_maddubs_epi16(w01, av);
+          }
+          for (int r = 0; r < MR; ++r) asm volatile("" : "+x"(p[0][r]), "+x"(p[1][r]));
+          const __m256i w10 = step(B, t0 + 1, 0), w11 = step(B, t0 + 1, 1);
+          for (int r = 0; r < MR; ++r) {
+            const __m256i av = _mm256_set1_epi32(static_cast<int>(u32(a + 32 * r + 4 * (t0 + 1))));
+            for (int h = 0; h < 2; ++h) {
+              const __m256i q = _mm256_madd_epi16(_mm256_add_epi16(p[h][r], _mm256_maddubs_epi16(h ? w11 : w10, av)), ones);
+              ia[h][r] = pr == 0 ? q : _mm256_add_epi32(ia[h][r], q);
+            }
+          }
+          for (int r = 0; r < MR; ++r) asm volatile("" : "+x"(ia[0][r]), "+x"(ia[1][r]));
+        }
+        for (int r = 0; r < MR; ++r) {
+          const __m256 d = _mm256_set1_ps(x.d[ci + r]);
+          const __m256i off = _mm256_set1_epi32(L.iofs * x.s16[2 * (ci + r) + half]);
+          for (int h = 0; h < 2; ++h)
+            fa[h][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(ia[h][r], off)),
+                                       _mm256_mul_ps(half ? s_hi[h] : s[h], d), fa[h][r]);
+        }
+      }
+    }
+  }
+  for (int h = 0; h < 2; ++h)
+    for (int r = 0; r < MR; ++r) _mm256_storeu_ps(y + (r0 + r) * ldy + 8 * h, fa[h][r]);
+}
+
 // Up to 2 rows (batch 1, in one or two levels) take each block's two halves in one pass over the
 // group: every 64-byte line of the weights is read once, and the unit's scales once. More rows
 // take the halves one after the other, as their accumulators and one half's weights fill the
@@ -423,6 +493,7 @@ template <int64_t TYPE, int MR>
 void group_avx2(const uint8_t* gp, const QAct& x, int64_t r0, float* y, int64_t ldy) {
   constexpr PLayout L = playout(TYPE);
   if constexpr (L.nbits == 4 && MR >= 3 && MR <= 4) return group_avx2_wide<TYPE, MR>(gp, x, r0, y, ldy);
+  if constexpr (L.split && MR >= 3 && MR <= 4) return group_avx2_wide6<TYPE, MR>(gp, x, r0, y, ldy);
   const int ahead = pagedllm::weight_prefetch_bytes(MR);
   constexpr bool FUSED = MR <= 2;
   constexpr int NH = FUSED ? 2 : 1;
