@@ -163,12 +163,14 @@ def serve_stage(info: TPInfo, stage, model, runner, link: StageLink, copy_fn, ba
 
 
 def plan_for(source, size: int) -> list:
-    """The stage plan every rank computes alike, from the model's config."""
-    from ..loading.loader import read_config
-    from ..models.stages import estimated_bytes, plan_stages
+    """The stage plan every rank computes alike, from the bytes the checkpoint stores (each
+    node reads its own copy of the same file)."""
+    from ..loading.loader import checkpoint_part_bytes, read_config
+    from ..models.stages import plan_stages
 
-    layers, embed, head = estimated_bytes(read_config(source))
+    layers, embed, head = checkpoint_part_bytes(source, read_config(source))
     return plan_stages(layers, size, embed, head)
+
 
 
 def _link(rank: int, pp: int, tp: int, timeout_s: float | None) -> StageLink:
