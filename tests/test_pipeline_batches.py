@@ -48,6 +48,23 @@ def test_a_busy_sequence_is_neither_scheduled_nor_preempted():
     assert sch2.running == seqs
 
 
+def test_micro_batches_share_a_long_prefill_evenly():
+    """Eight 40-token prompts (320 tokens) at 128 tokens a step, two steps in flight: the work
+    is cut into three equal steps (107 tokens, then 100 of the 200 not in flight), not 128, 128
+    and a short 64 behind which the other stage would wait."""
+    sch = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=128, max_model_len=64),
+                    BlockManager(128, 4))
+    for _ in range(8):
+        sch.add(_seq(40))
+    assert sch.tokens_to_compute(set()) == 320
+    one = sch.schedule_micro_batch(set(), places=2, micro_batches=2)
+    busy = {it.seq.seq_id for it in one.scheduled}
+    two = sch.schedule_micro_batch(busy, places=1, micro_batches=2)
+    busy |= {it.seq.seq_id for it in two.scheduled}
+    assert [sum(it.num_new_tokens for it in s.scheduled) for s in (one, two)] == [107, 100]
+    assert sch.tokens_to_compute(busy) == 80  # the two prompts not begun; 13 + 20 are left of those in flight
+
+
 PROMPT_LENS = [1, 17, 64, 150, 300, 9, 33, 80]
 NEW = 24
 KW = dict(dtype="float32", block_size=16, kv_cache_context_len=400, max_num_batched_tokens=64)
