@@ -66,6 +66,10 @@ class StageStats:
     FIELDS = ("busy_s", "wait_s", "window_s", "steps")
 
     def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        """Start afresh: the window opens at the next step."""
         self.busy_s = self.wait_s = 0.0
         self.first = self.last = None
         self.steps = 0
@@ -149,7 +153,8 @@ def serve_stage(info: TPInfo, stage, model, runner, link: StageLink, copy_fn, ba
     `info`: its place in its stage's TP group."""
     stage_runner = StageRunner(model, runner, link, stage, info.size)
     apply = {messages.OP_COPY_PREFIX: copy_fn, messages.OP_FREE_SEQ: lambda a, b, c: backend.free_seq(a),
-             messages.OP_FORK_SEQ: lambda a, b, c: backend.fork_seq(a, b)}
+             messages.OP_FORK_SEQ: lambda a, b, c: backend.fork_seq(a, b),
+             messages.OP_RESET_STATS: lambda a, b, c: stage_runner.stats.reset()}
     while True:
         command, lists = messages.recv(info.control)
         if command == messages.STOP:
@@ -170,7 +175,6 @@ def plan_for(source, size: int) -> list:
 
     layers, embed, head = checkpoint_part_bytes(source, read_config(source))
     return plan_stages(layers, size, embed, head)
-
 
 
 def _link(rank: int, pp: int, tp: int, timeout_s: float | None) -> StageLink:
@@ -480,6 +484,12 @@ class PipelineExecutor:
         for p in self.procs:
             if p.is_alive():
                 p.kill()
+
+    def reset_stats(self) -> None:
+        """Every rank's time records start afresh at the next step (a benchmark's measured runs
+        without its warm-up); the other ranks hear it with the next plan."""
+        self.stats.reset()
+        self.ops.extend((messages.OP_RESET_STATS, 0, 0, 0))
 
     def _gather_stats(self) -> None:
         """Every rank's StageStats (sent after STOP), as `stage_stats`: per rank its busy, wait
