@@ -234,7 +234,9 @@ def test_bench_throughput_compares_pipeline_sizes_and_profiles_the_measured_runs
     stages = by["pp=2"]["pipeline_stages"]
     assert [s["steps"] for s in stages] == [by["pp=2"]["steps"]] * 2
     assert all(0 < s["busy_s"] < s["window_s"] for s in stages)
+    assert all(0 < s["prompt_steps"] < s["steps"] and 0 < s["prompt_busy_s"] < s["busy_s"] for s in stages)
     printed = capsys.readouterr().out
+    assert printed.count("a step, with prompt tokens") == 2
     assert "output tok/s by pipeline size: pp=1" in printed and "rank 1 (stage 1)" in printed
 
 

@@ -289,7 +289,8 @@ def pipeline_profile(stages: list[dict]) -> str:
     """Each pipeline rank's time over the measured runs (from the first one's first step to the
     last one's last step; the warm-up left out): computing its layers, waiting
     for the stage before it (rank 0: for the logits), and the rest (waiting for the next plan:
-    rank 0's scheduling, sampling and output, and the sends)."""
+    rank 0's scheduling, sampling and output, and the sends); and each kind of step's busy and
+    wait time a step, which shows the stage that kind leaves waiting."""
     lines = ["pipeline ranks (measured runs): busy = its layers; wait = the previous stage's hidden states "
              "(rank 0: the logits); rest = the next plan (rank 0: scheduling, sampling, output)"]
     for s in stages:
@@ -297,6 +298,11 @@ def pipeline_profile(stages: list[dict]) -> str:
         lines.append(f"  rank {s['rank']} (stage {s['stage']}): {s['steps']} steps over {s['window_s']:.1f} s; "
                      f"busy {s['busy_s'] / w:.0%}, wait {s['wait_s'] / w:.0%}, "
                      f"rest {1 - (s['busy_s'] + s['wait_s']) / w:.0%}; idle {s['idle_share']:.0%}")
+        kinds = (("with prompt tokens", s["prompt_steps"], s["prompt_busy_s"], s["prompt_wait_s"]),
+                 ("decode only", s["steps"] - s["prompt_steps"], s["busy_s"] - s["prompt_busy_s"],
+                  s["wait_s"] - s["prompt_wait_s"]))
+        lines.append("    a step, " + "; ".join(f"{name} ({n}): busy {1000 * b / n:.1f} ms, wait {1000 * q / n:.1f} ms"
+                                               for name, n, b, q in kinds if n))
     return "\n".join(lines)
 
 
