@@ -262,8 +262,13 @@ def test_serve_pp2_answers_the_openai_client_as_pp1_and_sigterm_leaves_no_proces
         streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(**kw, stream=True)
                            if c.choices)
         metrics = srv.metrics()
-        srv.proc.send_signal(signal.SIGTERM)
+        # SIGTERM to the server and its stage at once, as `kill -- -PGID`, a terminal's Ctrl-C or a
+        # service manager stopping the group sends it: the stage leaves its stop to rank 0.
+        for p in [psutil.Process(srv.proc.pid), *stages]:
+            p.send_signal(signal.SIGTERM)
         assert srv.proc.wait(timeout=60) == 0, srv.log()[-3000:]
+        log = srv.log()
+        assert "stopped by SIGTERM" in log and "failed" not in log and "Connection closed" not in log, log[-3000:]
     finally:
         srv.stop()
     deadline = time.monotonic() + 10

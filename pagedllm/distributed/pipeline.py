@@ -224,9 +224,11 @@ def pipeline_worker_main(rank: int, pp: int, init_method: str | None, spec, conn
     from ..engine.model_runner import ModelRunner
     from ..loading.loader import check_rank_memory, load_model
     from .group import destroy_groups
-    from .worker import _die_with_parent, rank_device
+    from .worker import _die_with_parent, _leave_stops_to_rank0, rank_device
 
     _die_with_parent()
+    if conn is not None:
+        _leave_stops_to_rank0()
     logging.basicConfig(level=spec.log_level, format=f"[pp rank {rank}] %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(spec.threads)
     info = TPInfo(rank % tp, tp)
