@@ -357,9 +357,12 @@ class LLMEngine:
 
     def _schedule_micro_batch(self) -> SchedulerOutput:
         """A step of sequences not in flight, its share of the work (scheduler's
-        `schedule_micro_batch`), its preempted sequences dropped."""
+        `schedule_micro_batch`, paired with the newest step in flight), its preempted sequences
+        dropped."""
+        newest = self.in_flight[-1][0].scheduled if self.in_flight else ()
         sched = self.scheduler.schedule_micro_batch(self.busy, self.micro_batches - len(self.in_flight),
-                                                    self.micro_batches)
+                                                    self.micro_batches,
+                                                    sum(it.num_new_tokens for it in newest if not it.is_decode))
         self._drop_preempted(sched)
         return sched
 

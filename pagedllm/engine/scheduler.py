@@ -151,24 +151,37 @@ class Scheduler:
             self.running = sorted([s for s in every if s.seq_id in busy] + self.running,
                                   key=lambda s: order.get(s.seq_id, len(every)))
 
-    def schedule_micro_batch(self, busy: set[int], places: int, micro_batches: int) -> SchedulerOutput:
+    def schedule_micro_batch(self, busy: set[int], places: int, micro_batches: int,
+                             pair_with: int = 0) -> SchedulerOutput:
         """One of `micro_batches` steps kept in flight (pipeline parallelism), beside those of
         `busy`, with `places` places in flight still free, this one's included: at most its
-        share of the running and waiting sequences, and of their tokens. The tokens left are
-        cut into equal steps, as many as the free places or the token budget ask: a long
-        prefill cut at the budget would end in a short step, and the stages would wait behind
-        the long one beside it."""
+        share of the running and waiting sequences, and of the prompt tokens left, besides its
+        sequences' decodes. Each stage works on one step while the next stage works on the step
+        before, so steps side by side should weigh alike: a prompt cut at the token budget
+        would end in a short chunk beside a full one, and a stage would wait behind it. So a
+        step takes as many prompt tokens as the newest step in flight (`pair_with`), or, where
+        that one had none, an equal share of the prompts left, cut into a multiple of
+        `micro_batches` parts when no step is in flight."""
         cap = max(1, -(-(self.num_running + self.num_waiting) // micro_batches))
-        work = self.tokens_to_compute(busy)
-        parts = max(places, -(-work // self.config.max_num_batched_tokens))
-        return self.schedule_disjoint(busy, cap, max(1, -(-work // parts)))
+        prompt, decode = self.tokens_to_compute(busy)
+        share = pair_with
+        if not share:
+            steps = -(-prompt // self.config.max_num_batched_tokens)
+            parts = -(-steps // micro_batches) * micro_batches if places == micro_batches else max(places, steps)
+            share = -(-prompt // max(1, parts))
+        return self.schedule_disjoint(busy, cap, max(1, decode + share))
 
-    def tokens_to_compute(self, busy: set[int]) -> int:
-        """The tokens the sequences not in `busy` would compute if each ran whole: what is left
-        of a prompt, or a decode's token and its proposals."""
-        n = sum(s.num_uncomputed_tokens + (len(s.spec_tokens) if s.num_uncomputed_tokens == 1 else 0)
-                for s in self.running if s.seq_id not in busy)
-        return n + sum(s.num_uncomputed_tokens for s in self.waiting)
+    def tokens_to_compute(self, busy: set[int]) -> tuple[int, int]:
+        """(prompt tokens, decode tokens) the sequences not in `busy` would compute if each ran
+        whole: what is left of their prompts; a decode's token and its proposals."""
+        prompt = decode = 0
+        for s in self.running:
+            if s.seq_id not in busy:
+                if s.num_uncomputed_tokens == 1:
+                    decode += 1 + len(s.spec_tokens)
+                else:
+                    prompt += s.num_uncomputed_tokens
+        return prompt + sum(s.num_uncomputed_tokens for s in self.waiting), decode
 
     def _schedule_running(self, out: SchedulerOutput, budget: int, vision: bool, cap: int) -> int:
         """The running sequences' next tokens (proposals to verify, a decode, a prefill chunk),
