@@ -48,6 +48,34 @@ def test_a_busy_sequence_is_neither_scheduled_nor_preempted():
     assert sch2.running == seqs
 
 
+def test_micro_batches_share_a_long_prefill_evenly():
+    """Eight 40-token prompts (320 tokens) at 128 tokens a step, two steps in flight: the
+    prompts are cut into four steps of 80 tokens, in pairs, not 128, 128 and a short 64 beside
+    which the other stage would wait; then decodes join the next pair's prompt chunks."""
+    sch = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=128, max_model_len=64),
+                    BlockManager(128, 4))
+    seqs = [_seq(40) for _ in range(8)]
+    for s in seqs:
+        sch.add(s)
+    assert sch.tokens_to_compute(set()) == (320, 0)
+
+    def prompt_tokens(out):
+        return sum(it.num_new_tokens for it in out.scheduled if not it.is_decode)
+
+    one = sch.schedule_micro_batch(set(), places=2, micro_batches=2)
+    busy = {it.seq.seq_id for it in one.scheduled}
+    two = sch.schedule_micro_batch(busy, places=1, micro_batches=2, pair_with=prompt_tokens(one))
+    assert [prompt_tokens(s) for s in (one, two)] == [80, 80]
+    # The first step returns: its two sequences decode beside the next 80 prompt tokens.
+    sch.update(one)
+    for it in one.scheduled:
+        it.seq.append_token(9)
+    busy = {it.seq.seq_id for it in two.scheduled}
+    assert sch.tokens_to_compute(busy) == (160, 2)
+    three = sch.schedule_micro_batch(busy, places=1, micro_batches=2, pair_with=prompt_tokens(two))
+    assert prompt_tokens(three) == 80 and sum(it.is_decode for it in three.scheduled) == 2
+
+
 PROMPT_LENS = [1, 17, 64, 150, 300, 9, 33, 80]
 NEW = 24
 KW = dict(dtype="float32", block_size=16, kv_cache_context_len=400, max_num_batched_tokens=64)

@@ -12,6 +12,7 @@ within 30 s, and no process is left after the LLM is closed. One LLM per family 
 assert (each start costs seconds on 2 cores)."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -206,8 +207,37 @@ def test_pp_flag_reaches_llm(argv):
 def test_bench_throughput_takes_pp():
     from pagedllm.cli.main import build_parser
 
-    argv = ["bench", "throughput", "-pp", "2"]
-    assert build_parser(argv).parse_args(argv).pipeline_parallel_size == 2
+    for given, sizes in (("2", [2]), ("1,2", [1, 2])):
+        argv = ["bench", "throughput", "-pp", given]
+        assert build_parser(argv).parse_args(argv).pipeline_parallel_size == sizes
+    with pytest.raises(SystemExit):
+        build_parser(argv).parse_args(["bench", "throughput", "-pp", "0"])
+
+
+@pytest.mark.slow
+def test_bench_throughput_compares_pipeline_sizes_and_profiles_the_measured_runs(tmp_path, hf_smollm2_tokenizer,
+                                                                                 capsys):
+    """`bench throughput -pp 1,2`: the workload at each size, one engine after the other, with
+    their ratio; pp=2's bubble profile covers the measured run's steps, not the warm-up's."""
+    from models import build_checkpoint
+    from pagedllm.cli.main import main
+
+    tok = hf_smollm2_tokenizer
+    path = build_checkpoint("llama", tmp_path / "m", tok, len(tok))
+    out = tmp_path / "t.json"
+    main(["bench", "throughput", "--model", str(path), "-pp", "1,2", "--num-requests", "8", "--max-prompt", "64",
+          "--max-output", "16", "--runs", "1", "--peer", "none", "--sampling", "greedy", "--dtype", "float32",
+          "--output", str(out)])
+    by = json.loads(out.read_text())["pagedllm_by_pipeline_size"]
+    assert list(by) == ["pp=1", "pp=2"]
+    assert by["pp=1"]["output_tokens"] == by["pp=2"]["output_tokens"]
+    stages = by["pp=2"]["pipeline_stages"]
+    assert [s["steps"] for s in stages] == [by["pp=2"]["steps"]] * 2
+    assert all(0 < s["busy_s"] < s["window_s"] for s in stages)
+    assert all(0 < s["prompt_steps"] < s["steps"] and 0 < s["prompt_busy_s"] < s["busy_s"] for s in stages)
+    printed = capsys.readouterr().out
+    assert printed.count("a step, with prompt tokens") == 2
+    assert "output tok/s by pipeline size: pp=1" in printed and "rank 1 (stage 1)" in printed
 
 
 def test_serve_pp2_answers_the_openai_client_as_pp1_and_sigterm_leaves_no_process(tmp_path, hf_smollm2_tokenizer):
@@ -232,8 +262,13 @@ def test_serve_pp2_answers_the_openai_client_as_pp1_and_sigterm_leaves_no_proces
         streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(**kw, stream=True)
                            if c.choices)
         metrics = srv.metrics()
-        srv.proc.send_signal(signal.SIGTERM)
+        # SIGTERM to the server and its stage at once, as `kill -- -PGID`, a terminal's Ctrl-C or a
+        # service manager stopping the group sends it: the stage leaves its stop to rank 0.
+        for p in [psutil.Process(srv.proc.pid), *stages]:
+            p.send_signal(signal.SIGTERM)
         assert srv.proc.wait(timeout=60) == 0, srv.log()[-3000:]
+        log = srv.log()
+        assert "stopped by SIGTERM" in log and "failed" not in log and "Connection closed" not in log, log[-3000:]
     finally:
         srv.stop()
     deadline = time.monotonic() + 10

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import random
+from pathlib import Path
 
 import pytest
 
@@ -102,3 +103,73 @@ def test_checkpoint_bytes_by_part():
     assert bytes_by_part(names, 2, tie_word_embeddings=False) == ([120, 48], 1000, 1008)
     tied = [x for x in names if x[0] != "lm_head.weight"]
     assert bytes_by_part(tied, 2, tie_word_embeddings=True) == ([120, 48], 1000, 1008)
+
+
+def _gguf_reference_parts(path, num_layers: int):
+    """(per-layer, embedding, final norm + head) bytes as the gguf package reads the file."""
+    import gguf
+
+    layers, embed, head = [0] * num_layers, 0, 0
+    names = set()
+    for t in gguf.GGUFReader(str(path)).tensors:
+        names.add(t.name)
+        if t.name.startswith("blk."):
+            layers[int(t.name.split(".")[1])] += int(t.n_bytes)
+        elif t.name == "token_embd.weight":
+            embed += int(t.n_bytes)
+        elif t.name in ("output.weight", "output_norm.weight"):
+            head += int(t.n_bytes)
+    if "output.weight" not in names:  # tied: the last stage holds its own copy of the table
+        head += embed
+    return layers, embed, head
+
+
+def test_plan_weighs_the_gguf_files_own_bytes(smollm2_gguf_path):
+    """The plan balances the bytes the file stores, as the gguf package reads them (SmolLM2:
+    tied embeddings, so the last stage counts its copy of the table)."""
+    from pagedllm.loading.loader import checkpoint_part_bytes, read_config
+    from pagedllm.loading.source import resolve
+
+    src = resolve(str(smollm2_gguf_path))
+    cfg = read_config(src)
+    got = checkpoint_part_bytes(src, cfg)
+    assert got == _gguf_reference_parts(smollm2_gguf_path, cfg.num_layers)
+
+
+QWEN_05B = Path.home() / ".cache/pagedllm/models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
+
+
+@pytest.mark.skipif(not QWEN_05B.exists(), reason="the real Qwen2.5-Coder-0.5B GGUF is not here "
+                    "(../shared/models/fetch-qwen-coder.sh fetches it)")
+def test_real_q4_k_m_file_is_cut_by_its_own_bytes():
+    """llama.cpp's Q4_K_M mix keeps Qwen2.5-Coder-0.5B's head at Q8_0 (145 MB) and its embedding
+    at Q5_0 (94 MB): a plan from the config (equal tables) cuts 12/12 and leaves the stages 12%
+    apart; one from the file's bytes gives the first stage more layers, each stage within 2%
+    of half."""
+    from pagedllm.distributed.pipeline import plan_for
+    from pagedllm.loading.source import resolve
+
+    src = resolve(str(QWEN_05B))
+    layers, embed, head = _gguf_reference_parts(QWEN_05B, 24)
+    stages = plan_for(src, 2)
+    _check_shape(stages, 24, 2)
+    half = (sum(layers) + embed + head) / 2
+    assert all(abs(b / half - 1) < 0.02 for b in _stage_bytes(stages, layers, embed, head))
+    assert stages[0].end > 12
+
+
+def test_plan_weighs_the_safetensors_files_own_bytes(tmp_path, hf_smollm2_tokenizer):
+    """A folder's bytes from its safetensors headers, as the safetensors package reads the tensors."""
+    from safetensors import safe_open
+
+    from models import build_checkpoint
+    from pagedllm.loading.loader import checkpoint_part_bytes, read_config
+    from pagedllm.loading.source import resolve
+
+    path = build_checkpoint("qwen2", tmp_path / "m", hf_smollm2_tokenizer, vocab_size=hf_smollm2_tokenizer.vocab_size)
+    src = resolve(str(path))
+    cfg = read_config(src)
+    with safe_open(str(path / "model.safetensors"), framework="pt") as st:
+        named = [(k, st.get_tensor(k).nbytes) for k in st.keys()]
+    assert checkpoint_part_bytes(src, cfg) == bytes_by_part(named, cfg.num_layers, cfg.tie_word_embeddings)
+    assert sum(checkpoint_part_bytes(src, cfg)[0]) > 0

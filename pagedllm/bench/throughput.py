@@ -102,6 +102,7 @@ def run_pagedllm(llm, wl: Workload, sampling: str = "greedy", seed: int = 0) -> 
     eng.waste_sum, eng.waste_steps = 0.0, 0  # the trace's waste average covers this run only
     inner = eng.runner.sampler
     timed = eng.runner.sampler = _TimedSampler(inner)
+    steps = eng.stats["steps"]
     t0 = time.perf_counter()
     try:
         outs = llm.generate(wl.prompts, params, use_tqdm=False)
@@ -118,7 +119,7 @@ def run_pagedllm(llm, wl: Workload, sampling: str = "greedy", seed: int = 0) -> 
             "tpot_p50_ms": 1000 * percentile(tpot, 50), "tpot_p99_ms": 1000 * percentile(tpot, 99),
             "output_tokens": n_out, "preemptions": llm.engine.scheduler.num_preemptions,
             "kv_waste_avg": eng.waste_sum / max(1, eng.waste_steps),
-            "sampling": sampling, "sampling_share": timed.seconds / dt}
+            "sampling": sampling, "sampling_share": timed.seconds / dt, "steps": eng.stats["steps"] - steps}
 
 
 def load_transformers_peer(model: str, dtype: torch.dtype, device: torch.device):
@@ -199,8 +200,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-paged-attn", action="store_true")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
                    help="split the model over N ranks (worker processes on this machine)")
-    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, metavar="P",
-                   help="cut the model into P stages of whole layers (stage processes on this machine)")
+    p.add_argument("--pipeline-parallel-size", "-pp", type=_sizes, default=[1], metavar="P[,P...]",
+                   help="cut the model into P stages of whole layers (stage processes on this machine); "
+                        "several sizes (1,2) run the workload at each, one engine after the other, with "
+                        "their ratio")
     p.add_argument("--peer", choices=["transformers", "none"], default="transformers")
     p.add_argument("--peer-batch-size", type=int, default=32)
     p.add_argument("--profile", action="store_true",
@@ -209,15 +212,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output", default="bench-results/throughput.json")
 
 
+def _sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size or a comma-separated list of sizes (1,2)")
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: every size must be 1 or more")
+    return list(dict.fromkeys(sizes))
+
+
 def run(args: argparse.Namespace) -> dict:
     types = _cache_types(args)
+    sizes = args.pipeline_parallel_size
+    if len(sizes) > 1 and len(types) > 1:
+        raise ValueError("give several KV cache types (--cache-types) or several pipeline sizes (-pp), not both")
     result: dict = {"machine": machine_info(), "args": vars(args)}
     by_type: dict[str, dict] = {}
     modes = _sampling_modes(args)
-    for ct in types:
-        llm, wl, by_mode = _run_one_cache_type(args, ct, modes, first=not by_type)
+    runs = [(ct, sizes[0]) for ct in types] if len(types) > 1 else [(types[0], pp) for pp in sizes]
+    for ct, pp in runs:
+        key = ct if len(types) > 1 else f"pp={pp}"
+        llm, wl, by_mode = _run_one_cache_type(args, ct, pp, modes, first=not by_type)
         for mode, r in by_mode.items():
-            label = "pagedllm" if len(types) == 1 else f"pagedllm [{ct}]"
+            label = f"pagedllm [{key}]" if len(runs) > 1 else "pagedllm"
             _print(f"{label} ({mode} sampling)", r)
         if len(modes) > 1:
             base = by_mode[modes[-1]]["output_tokens_per_s"]
@@ -226,7 +244,7 @@ def run(args: argparse.Namespace) -> dict:
         ours = dict(by_mode[modes[0]])
         if len(modes) > 1:
             ours["by_sampling"] = by_mode
-        by_type[ct] = ours
+        by_type[key] = ours
         if args.profile:
             print(profile_decode_step(llm))
         dtype, device = llm.engine.dtype, llm.engine.device
@@ -240,8 +258,14 @@ def run(args: argparse.Namespace) -> dict:
         gc.collect()
     if args.profile:
         result["planning"] = planning_report(args)
-    ours = by_type[types[0]]
+    ours = next(iter(by_type.values()))
     result["pagedllm"] = ours
+    if len(sizes) > 1:
+        result["pagedllm_by_pipeline_size"] = by_type
+        base = ours["output_tokens_per_s"]
+        print("output tok/s by pipeline size: " + ", ".join(
+            f"{key} {r['output_tokens_per_s']:.1f} ({r['output_tokens_per_s'] / base:.2f}x)"
+            for key, r in by_type.items()))
     if len(types) > 1:
         result["pagedllm_by_cache_type"] = by_type
         base = ours["output_tokens_per_s"]
@@ -262,16 +286,23 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def pipeline_profile(stages: list[dict]) -> str:
-    """Each pipeline rank's time over the run (warm-up included): computing its layers, waiting
+    """Each pipeline rank's time over the measured runs (from the first one's first step to the
+    last one's last step; the warm-up left out): computing its layers, waiting
     for the stage before it (rank 0: for the logits), and the rest (waiting for the next plan:
-    rank 0's scheduling, sampling and output, and the sends)."""
-    lines = ["pipeline ranks (whole run): busy = its layers; wait = the previous stage's hidden states "
+    rank 0's scheduling, sampling and output, and the sends); and each kind of step's busy and
+    wait time a step, which shows the stage that kind leaves waiting."""
+    lines = ["pipeline ranks (measured runs): busy = its layers; wait = the previous stage's hidden states "
              "(rank 0: the logits); rest = the next plan (rank 0: scheduling, sampling, output)"]
     for s in stages:
         w = s["window_s"] or 1.0
         lines.append(f"  rank {s['rank']} (stage {s['stage']}): {s['steps']} steps over {s['window_s']:.1f} s; "
                      f"busy {s['busy_s'] / w:.0%}, wait {s['wait_s'] / w:.0%}, "
                      f"rest {1 - (s['busy_s'] + s['wait_s']) / w:.0%}; idle {s['idle_share']:.0%}")
+        kinds = (("with prompt tokens", s["prompt_steps"], s["prompt_busy_s"], s["prompt_wait_s"]),
+                 ("decode only", s["steps"] - s["prompt_steps"], s["busy_s"] - s["prompt_busy_s"],
+                  s["wait_s"] - s["prompt_wait_s"]))
+        lines.append("    a step, " + "; ".join(f"{name} ({n}): busy {1000 * b / n:.1f} ms, wait {1000 * q / n:.1f} ms"
+                                               for name, n, b, q in kinds if n))
     return "\n".join(lines)
 
 
@@ -295,8 +326,8 @@ def _sampling_modes(args: argparse.Namespace) -> list[str]:
     return list(dict.fromkeys(modes))
 
 
-def _run_one_cache_type(args: argparse.Namespace, cache_type: str, modes: list[str], first: bool):
-    """A fresh engine with this KV cache type: warm up, then the workload `args.runs` times per
+def _run_one_cache_type(args: argparse.Namespace, cache_type: str, pp: int, modes: list[str], first: bool):
+    """A fresh engine with this KV cache type and pipeline size: warm up, then the workload `args.runs` times per
     sampling mode, the modes interleaved run by run so load on the machine hits them alike."""
     import torch
 
@@ -306,7 +337,7 @@ def _run_one_cache_type(args: argparse.Namespace, cache_type: str, modes: list[s
               kv_cache_memory_mb=args.pa_gpu_mem, block_size=args.pa_blk_size,
               kv_cache_dtype=cache_type, paged_attention=not args.no_paged_attn,
               tensor_parallel_size=args.tensor_parallel_size,
-              pipeline_parallel_size=args.pipeline_parallel_size)
+              pipeline_parallel_size=pp)
     eng = llm.engine
     avoid = set(eng.eos_token_ids)
     wl = make_workload(args.num_requests, eng.model_config.vocab_size, args.seed,
@@ -315,9 +346,13 @@ def _run_one_cache_type(args: argparse.Namespace, cache_type: str, modes: list[s
         print(f"workload: {args.num_requests} requests, prompts {args.min_prompt}-{args.max_prompt}, "
               f"outputs {args.min_output}-{args.max_output} ({wl.num_output_tokens} output tokens), "
               f"seed {args.seed}; dtype {eng.dtype}, {torch.get_num_threads()} threads")
+    elif pp > 1 or len(args.pipeline_parallel_size) > 1:  # each pipeline size runs its ranks at their own threads
+        print(f"pp={pp}: {torch.get_num_threads()} threads a rank")
     warm = make_workload(4, eng.model_config.vocab_size, 99, (16, 64), (4, 8), avoid)
     for mode in modes:
         run_pagedllm(llm, warm, mode, args.seed)
+    if hasattr(eng.executor, "reset_stats"):  # a pipeline's time profile: the measured runs only
+        eng.executor.reset_stats()
     runs: dict[str, list[dict]] = {m: [] for m in modes}
     for _ in range(args.runs):
         for mode in modes:

@@ -14,8 +14,9 @@ import torch.distributed as dist
 from ..engine.model_runner import StepPlan
 
 STEP, STOP, SETUP = 1, 2, 3
-# Cache operations, as (op, a, b, c) quadruples in a step's message.
-OP_COPY_PREFIX, OP_FREE_SEQ, OP_FORK_SEQ = 1, 2, 3
+# Cache operations, as (op, a, b, c) quadruples in a step's message; and a pipeline stage's
+# time records started afresh (after a benchmark's warm-up).
+OP_COPY_PREFIX, OP_FREE_SEQ, OP_FORK_SEQ, OP_RESET_STATS = 1, 2, 3, 4
 
 
 def send(group, command: int, lists: list[list[int]] = ()) -> int:

@@ -61,23 +61,38 @@ class StageStats:
     """Where a rank's time went, for the bubble's profile: computing its layers (`busy_s`),
     waiting for the previous stage's hidden states or the last stage's logits (`wait_s`), over
     the window from its first step's start to its last step's end (the rest: waiting for the
-    next plan, i.e. rank 0's scheduling and sampling, and sending)."""
+    next plan, i.e. rank 0's scheduling and sampling, and sending). The steps that carry prompt
+    tokens are also counted apart (`prompt_*`): a prefill weighs the stages by their layers, a
+    decode step by their layers and the head, so each kind leaves a different stage waiting."""
 
-    FIELDS = ("busy_s", "wait_s", "window_s", "steps")
+    FIELDS = ("busy_s", "wait_s", "window_s", "steps", "prompt_busy_s", "prompt_wait_s", "prompt_steps")
 
     def __init__(self) -> None:
-        self.busy_s = self.wait_s = 0.0
-        self.first = self.last = None
-        self.steps = 0
+        self.reset()
 
-    def step(self, t0: float, t1: float) -> None:
+    def reset(self) -> None:
+        """Start afresh: the window opens at the next step."""
+        self.busy_s = self.wait_s = self.prompt_busy_s = self.prompt_wait_s = 0.0
+        self.first = self.last = None
+        self.steps = self.prompt_steps = 0
+
+    def add(self, busy: float, wait: float, prompt: bool) -> None:
+        self.busy_s += busy
+        self.wait_s += wait
+        if prompt:
+            self.prompt_busy_s += busy
+            self.prompt_wait_s += wait
+
+    def step(self, t0: float, t1: float, prompt: bool) -> None:
         self.first = t0 if self.first is None else self.first
         self.last = t1
         self.steps += 1
+        self.prompt_steps += prompt
 
     def values(self) -> list[float]:
         window = (self.last - self.first) if self.first is not None else 0.0
-        return [self.busy_s, self.wait_s, window, float(self.steps)]
+        return [self.busy_s, self.wait_s, window, float(self.steps), self.prompt_busy_s, self.prompt_wait_s,
+                float(self.prompt_steps)]
 
 
 class StageRunner:
@@ -111,29 +126,27 @@ class StageRunner:
         them (None where the plan asks for none)."""
         st, clock = self.stats, time.perf_counter
         t0 = clock()
+        prompt = plan.num_decodes < len(plan.seq_ids)
         input_ids, positions, meta = self.runner.tensors(plan)
         h = None if self.stage.first else self.link.recv(device=input_ids.device)
         t1 = clock()
         out = self.model(input_ids, positions, meta, inputs_embeds=h)
         wants = plan.logits_rows is None or bool(plan.logits_rows)
         if not self.stage.last:
-            st.busy_s += clock() - t1
-            st.wait_s += t1 - t0
+            st.add(clock() - t1, t1 - t0, prompt)
             self._send(out)
         elif wants:
             if plan.logits_rows is not None:
                 out = out.index_select(0, self.runner.upload.ints([plan.logits_rows])[0])
             logits = self.model.compute_logits(out)  # None on a TP rank other than the stage's first
-            st.busy_s += clock() - t1
-            st.wait_s += t1 - t0
+            st.add(clock() - t1, t1 - t0, prompt)
             if self.link.rank == 0:  # a pipeline of one stage
                 return logits
             if logits is not None:
                 self._send(logits, dst=0)
         else:
-            st.busy_s += clock() - t1
-            st.wait_s += t1 - t0
-        st.step(t0, clock())
+            st.add(clock() - t1, t1 - t0, prompt)
+        st.step(t0, clock(), prompt)
         if self.link.rank == 0 and wants:
             return self.link.recv(src=self.logits_src, device=input_ids.device)
         return None
@@ -149,7 +162,8 @@ def serve_stage(info: TPInfo, stage, model, runner, link: StageLink, copy_fn, ba
     `info`: its place in its stage's TP group."""
     stage_runner = StageRunner(model, runner, link, stage, info.size)
     apply = {messages.OP_COPY_PREFIX: copy_fn, messages.OP_FREE_SEQ: lambda a, b, c: backend.free_seq(a),
-             messages.OP_FORK_SEQ: lambda a, b, c: backend.fork_seq(a, b)}
+             messages.OP_FORK_SEQ: lambda a, b, c: backend.fork_seq(a, b),
+             messages.OP_RESET_STATS: lambda a, b, c: stage_runner.stats.reset()}
     while True:
         command, lists = messages.recv(info.control)
         if command == messages.STOP:
@@ -163,11 +177,12 @@ def serve_stage(info: TPInfo, stage, model, runner, link: StageLink, copy_fn, ba
 
 
 def plan_for(source, size: int) -> list:
-    """The stage plan every rank computes alike, from the model's config."""
-    from ..loading.loader import read_config
-    from ..models.stages import estimated_bytes, plan_stages
+    """The stage plan every rank computes alike, from the bytes the checkpoint stores (each
+    node reads its own copy of the same file)."""
+    from ..loading.loader import checkpoint_part_bytes, read_config
+    from ..models.stages import plan_stages
 
-    layers, embed, head = estimated_bytes(read_config(source))
+    layers, embed, head = checkpoint_part_bytes(source, read_config(source))
     return plan_stages(layers, size, embed, head)
 
 
@@ -209,9 +224,11 @@ def pipeline_worker_main(rank: int, pp: int, init_method: str | None, spec, conn
     from ..engine.model_runner import ModelRunner
     from ..loading.loader import check_rank_memory, load_model
     from .group import destroy_groups
-    from .worker import _die_with_parent, rank_device
+    from .worker import _die_with_parent, _leave_stops_to_rank0, rank_device
 
     _die_with_parent()
+    if conn is not None:
+        _leave_stops_to_rank0()
     logging.basicConfig(level=spec.log_level, format=f"[pp rank {rank}] %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(spec.threads)
     info = TPInfo(rank % tp, tp)
@@ -420,17 +437,18 @@ class PipelineExecutor:
             self.ops.clear()
             self.steps += 1
             input_ids, positions, meta = runner.tensors(plan)
+            prompt = plan.num_decodes < len(plan.seq_ids)
             t1 = clock()
             try:
                 h = runner.model(input_ids, positions, meta)
-                st.busy_s += clock() - t1
+                st.add(clock() - t1, 0.0, prompt)
             except (RuntimeError, dist.DistBackendError) as e:
                 if self.tp == 1:
                     raise
                 # A TP peer of stage 0 died or is stuck: its all-reduce failed.
                 raise link._fail("run stage 0's collectives with", "any", e) from e
             self._send(h)
-            self.launched.append((t0, plan.logits_rows is None or bool(plan.logits_rows), input_ids.device))
+            self.launched.append((t0, plan.logits_rows is None or bool(plan.logits_rows), input_ids.device, prompt))
         except StageLinkError as e:
             self._down(str(e))
             raise
@@ -454,18 +472,18 @@ class PipelineExecutor:
         it asked for none)."""
         if self.dead:
             raise StageLinkError(self.dead)
-        t0, wants, device = self.launched.popleft()
+        t0, wants, device, prompt = self.launched.popleft()
         st, clock = self.stats, time.perf_counter
         logits = None
         try:
             if wants:
                 t2 = clock()
                 logits = self.link.recv(src=(self.pp - 1) * self.tp, device=device)
-                st.wait_s += clock() - t2
+                st.add(0.0, clock() - t2, prompt)
         except StageLinkError as e:
             self._down(str(e))
             raise
-        st.step(t0, clock())
+        st.step(t0, clock(), prompt)
         return logits
 
     def _down(self, why: str) -> None:
@@ -479,6 +497,12 @@ class PipelineExecutor:
             if p.is_alive():
                 p.kill()
 
+    def reset_stats(self) -> None:
+        """Every rank's time records start afresh at the next step (a benchmark's measured runs
+        without its warm-up); the other ranks hear it with the next plan."""
+        self.stats.reset()
+        self.ops.extend((messages.OP_RESET_STATS, 0, 0, 0))
+
     def _gather_stats(self) -> None:
         """Every rank's StageStats (sent after STOP), as `stage_stats`: per rank its busy, wait
         and idle shares of its window."""
@@ -489,10 +513,11 @@ class PipelineExecutor:
             raise TimeoutError("the stages did not report their time within 10 s")
         self.stage_stats = []
         for r, p in enumerate(parts):
-            busy, wait, window, steps = p.tolist()
+            busy, wait, window, steps, p_busy, p_wait, p_steps = p.tolist()
             self.stage_stats.append(dict(rank=r, stage=r // self.tp, steps=int(steps), window_s=window, busy_s=busy,
                                          wait_s=wait, busy_share=busy / window if window else 0.0,
-                                         idle_share=1 - busy / window if window else 0.0))
+                                         idle_share=1 - busy / window if window else 0.0,
+                                         prompt_steps=int(p_steps), prompt_busy_s=p_busy, prompt_wait_s=p_wait))
 
     def trace_fields(self) -> dict:
         """The KV trace's per-rank figures (kv/trace.py)."""

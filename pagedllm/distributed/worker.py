@@ -46,6 +46,7 @@ def worker_main(rank: int, size: int, init_method: str | None, spec: WorkerSpec,
     `conn`: a pipe to rank 0 for "loaded" / an error text (never tensors)."""
     _die_with_parent()
     if conn is not None:
+        _leave_stops_to_rank0()
         conn.send(("started", os.getpid()))
     logging.basicConfig(level=spec.log_level, format=f"[tp rank {rank}] %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(spec.threads)
@@ -103,6 +104,16 @@ def serve(tp: TPInfo, init_method: str | None, spec: WorkerSpec, conn=None) -> N
         for i in range(0, len(ops), 4):
             apply[ops[i]](*ops[i + 1:i + 4])
         runner.logits(plan)
+
+
+def _leave_stops_to_rank0() -> None:
+    """A rank that rank 0 spawned ignores SIGINT and SIGTERM sent to the whole process group (a
+    terminal's Ctrl-C, `kill -- -PGID`, a service manager stopping the group): rank 0 stops it
+    in its own shutdown, after the requests in flight, and the kernel kills it if rank 0 dies
+    (`_die_with_parent`). Otherwise it would die mid-step, and rank 0's orderly stop would
+    meet closed sockets and report a failed rank."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def _die_with_parent() -> None:

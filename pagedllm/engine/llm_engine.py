@@ -356,11 +356,13 @@ class LLMEngine:
         return outs
 
     def _schedule_micro_batch(self) -> SchedulerOutput:
-        """A step of sequences not in flight, at most its share of the running and waiting ones
-        (so that each stage gets a step's worth), its preempted sequences dropped."""
-        sch = self.scheduler
-        cap = max(1, -(-(sch.num_running + sch.num_waiting) // self.micro_batches))
-        sched = sch.schedule_disjoint(self.busy, cap)
+        """A step of sequences not in flight, its share of the work (scheduler's
+        `schedule_micro_batch`, paired with the newest step in flight), its preempted sequences
+        dropped."""
+        newest = self.in_flight[-1][0].scheduled if self.in_flight else ()
+        sched = self.scheduler.schedule_micro_batch(self.busy, self.micro_batches - len(self.in_flight),
+                                                    self.micro_batches,
+                                                    sum(it.num_new_tokens for it in newest if not it.is_decode))
         self._drop_preempted(sched)
         return sched
 

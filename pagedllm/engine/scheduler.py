@@ -116,12 +116,15 @@ class Scheduler:
         return len(self.running)
 
     # -- the decision -----------------------------------------------------
-    def schedule(self, cap: int | None = None, held: int = 0) -> SchedulerOutput:
+    def schedule(self, cap: int | None = None, held: int = 0, tokens: int | None = None) -> SchedulerOutput:
         """The step's work. `cap`: the most sequences it schedules (None: no cap; forked n > 1
         siblings may run past max_num_seqs); `held`: running sequences set aside from `running`
-        meanwhile (`schedule_disjoint`), which count against max_num_seqs."""
+        meanwhile (`schedule_disjoint`), which count against max_num_seqs; `tokens`: a token
+        budget below max_num_batched_tokens."""
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        if tokens is not None:
+            budget = max(1, min(budget, tokens))
         cap = _NO_CAP if cap is None else cap
         self._encoding: set[str] = set()  # images this step encodes (charged once)
         self._enc_left = self.encoder_budget
@@ -131,22 +134,54 @@ class Scheduler:
             self._admit_waiting(out, budget, vision, cap, held)
         return out
 
-    def schedule_disjoint(self, busy: set[int], cap: int) -> SchedulerOutput:
+    def schedule_disjoint(self, busy: set[int], cap: int, tokens: int | None = None) -> SchedulerOutput:
         """A step beside steps still in flight (pipeline parallelism's micro-batches): the
         sequences of `busy` (seq ids) are neither scheduled nor preempted, their blocks untouched,
-        until their step returns; at most `cap` sequences run in this one, so the running set
-        splits among the steps in flight. The running order (admission order, which picks whom
-        to preempt) is kept."""
+        until their step returns; at most `cap` sequences and `tokens` tokens run in this one,
+        so the work splits among the steps in flight. The running order (admission order, which
+        picks whom to preempt) is kept."""
         every = self.running
         self.running = [s for s in every if s.seq_id not in busy]
         if len(self.running) == len(every):
-            return self.schedule(cap)
+            return self.schedule(cap, tokens=tokens)
         order = {s.seq_id: i for i, s in enumerate(every)}
         try:
-            return self.schedule(cap, held=len(every) - len(self.running))
+            return self.schedule(cap, held=len(every) - len(self.running), tokens=tokens)
         finally:  # the busy sequences back in their places; those admitted now after all
             self.running = sorted([s for s in every if s.seq_id in busy] + self.running,
                                   key=lambda s: order.get(s.seq_id, len(every)))
+
+    def schedule_micro_batch(self, busy: set[int], places: int, micro_batches: int,
+                             pair_with: int = 0) -> SchedulerOutput:
+        """One of `micro_batches` steps kept in flight (pipeline parallelism), beside those of
+        `busy`, with `places` places in flight still free, this one's included: at most its
+        share of the running and waiting sequences, and of the prompt tokens left, besides its
+        sequences' decodes. Each stage works on one step while the next stage works on the step
+        before, so steps side by side should weigh alike: a prompt cut at the token budget
+        would end in a short chunk beside a full one, and a stage would wait behind it. So a
+        step takes as many prompt tokens as the newest step in flight (`pair_with`), or, where
+        that one had none, an equal share of the prompts left, cut into a multiple of
+        `micro_batches` parts when no step is in flight."""
+        cap = max(1, -(-(self.num_running + self.num_waiting) // micro_batches))
+        prompt, decode = self.tokens_to_compute(busy)
+        share = pair_with
+        if not share:
+            steps = -(-prompt // self.config.max_num_batched_tokens)
+            parts = -(-steps // micro_batches) * micro_batches if places == micro_batches else max(places, steps)
+            share = -(-prompt // max(1, parts))
+        return self.schedule_disjoint(busy, cap, max(1, decode + share))
+
+    def tokens_to_compute(self, busy: set[int]) -> tuple[int, int]:
+        """(prompt tokens, decode tokens) the sequences not in `busy` would compute if each ran
+        whole: what is left of their prompts; a decode's token and its proposals."""
+        prompt = decode = 0
+        for s in self.running:
+            if s.seq_id not in busy:
+                if s.num_uncomputed_tokens == 1:
+                    decode += 1 + len(s.spec_tokens)
+                else:
+                    prompt += s.num_uncomputed_tokens
+        return prompt + sum(s.num_uncomputed_tokens for s in self.waiting), decode
 
     def _schedule_running(self, out: SchedulerOutput, budget: int, vision: bool, cap: int) -> int:
         """The running sequences' next tokens (proposals to verify, a decode, a prefill chunk),

@@ -96,6 +96,33 @@ def read_config(source: ModelSource) -> ModelConfig:
     return ModelConfig.from_hf_dict(_read_json(source.path / "config.json"))
 
 
+def checkpoint_part_bytes(source: ModelSource, cfg: ModelConfig) -> tuple[list[int], int, int]:
+    """(per-layer bytes, embedding bytes, final norm + head bytes) as the checkpoint stores them,
+    quantized or not, without reading a weight: what a pipeline's stage plan balances. The
+    file's own sizes, because a quantized file often keeps its head wider than its embedding
+    (Q8_0 against Q5_0 in llama.cpp's Q4_K_M mixes), which a plan from the config cannot see."""
+    from ..models.stages import bytes_by_part
+
+    if source.kind == "gguf":
+        named = _open_gguf(source.path, take=False).tensor_bytes()
+    else:
+        named = [nb for f in sorted(source.path.glob("*.safetensors")) for nb in _safetensors_bytes(f)]
+    return bytes_by_part(named, cfg.num_layers, cfg.tie_word_embeddings)
+
+
+def _safetensors_bytes(path: Path) -> Iterator[tuple[str, int]]:
+    """(tensor name, stored bytes) from a safetensors file's header (an 8-byte little-endian
+    length, then JSON giving each tensor's data offsets), which the safetensors package reads
+    but does not expose."""
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+    for name, entry in header.items():
+        if name != "__metadata__":
+            start, end = entry["data_offsets"]
+            yield name, end - start
+
+
 def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
                max_positions: int | None = None, dequantize_weights: bool = False,
                isq: str | None = None, tp=None, headless: bool = False,

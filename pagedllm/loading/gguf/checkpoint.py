@@ -48,6 +48,15 @@ class GGUFCheckpoint:
         """HF tensor name -> GGML storage type name (e.g. "Q4_1"), for reporting."""
         return {hf: t.tensor_type.name for t in self._reader.tensors for hf, _ in _hf_tensor_names(t, self.arch)}
 
+    def tensor_bytes(self) -> list[tuple[str, int]]:
+        """(HF name, bytes the file stores) for every tensor with an HF counterpart; a tensor of
+        experts shares its bytes among its experts' names."""
+        out = []
+        for t in self._reader.tensors:
+            names = _hf_tensor_names(t, self.arch)
+            out.extend((hf, int(t.n_bytes) // len(names)) for hf, _ in names)
+        return out
+
     def quantized_names(self) -> set[str]:
         """HF names of the tensors `tensors(keep_quantized=True)` yields as QuantTensor."""
         return {hf for t in self._reader.tensors if _keeps_blocks(t) for hf, _ in _hf_tensor_names(t, self.arch)}
