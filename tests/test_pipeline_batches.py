@@ -57,7 +57,7 @@ def test_micro_batches_share_a_long_prefill_evenly():
     seqs = [_seq(40) for _ in range(8)]
     for s in seqs:
         sch.add(s)
-    assert sch.tokens_to_compute(set()) == (320, 0)
+    assert sch.tokens_to_compute(set()) == (320, 0, 8)
 
     def prompt_tokens(out):
         return sum(it.num_new_tokens for it in out.scheduled if not it.is_decode)
@@ -71,9 +71,29 @@ def test_micro_batches_share_a_long_prefill_evenly():
     for it in one.scheduled:
         it.seq.append_token(9)
     busy = {it.seq.seq_id for it in two.scheduled}
-    assert sch.tokens_to_compute(busy) == (160, 2)
+    assert sch.tokens_to_compute(busy) == (160, 2, 4)
     three = sch.schedule_micro_batch(busy, places=1, micro_batches=2, pair_with=prompt_tokens(two))
     assert prompt_tokens(three) == 80 and sum(it.is_decode for it in three.scheduled) == 2
+
+
+@pytest.mark.parametrize("lens, want", [
+    ([100] * 8, [200, 200]),  # within one step's budget, still cut in chunks of about 256 tokens, in pairs
+    ([1000], [1000]),  # one sequence's prompt: not cut (its chunks could only follow one another)
+    ([1000, 1000], [1000, 1000]),  # one prompt a step, side by side
+])
+def test_micro_batch_prompt_chunks(lens, want):
+    sch = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=2048, max_model_len=1100),
+                    BlockManager(600, 16))
+    for n in lens:
+        sch.add(_seq(n))
+    got, busy, newest = [], set(), 0
+    for places in (2, 1):
+        out = sch.schedule_micro_batch(busy, places=places, micro_batches=2, pair_with=newest)
+        newest = sum(it.num_new_tokens for it in out.scheduled)
+        busy |= {it.seq.seq_id for it in out.scheduled}
+        if out.scheduled:
+            got.append(newest)
+    assert got == want
 
 
 PROMPT_LENS = [1, 17, 64, 150, 300, 9, 33, 80]

@@ -21,6 +21,13 @@ from .sequence import Sequence, SequenceStatus
 logger = logging.getLogger(__name__)
 
 
+# A pipeline's prompt chunk of several sequences' prompts (`schedule_micro_batch`): small
+# enough that the pipeline's fill and drain (a stage waiting for the first chunk, another for
+# the last) stay short beside a long prefill, large enough that a chunk's products still run
+# at the kernels' wide rate.
+PIPELINE_CHUNK = 256
+
+
 @dataclass
 class ScheduledSeq:
     seq: Sequence
@@ -161,27 +168,36 @@ class Scheduler:
         would end in a short chunk beside a full one, and a stage would wait behind it. So a
         step takes as many prompt tokens as the newest step in flight (`pair_with`), or, where
         that one had none, an equal share of the prompts left, cut into a multiple of
-        `micro_batches` parts when no step is in flight."""
+        `micro_batches` parts when no step is in flight. Prompts of several sequences are cut
+        into chunks of about PIPELINE_CHUNK tokens even within the budget: the later stages
+        wait for the first chunk and the first for the last, so the smaller they are, the
+        shorter the pipeline's fill and drain (one sequence's prompt is not cut further: its
+        chunks could only follow one another)."""
         cap = max(1, -(-(self.num_running + self.num_waiting) // micro_batches))
-        prompt, decode = self.tokens_to_compute(busy)
+        prompt, decode, prompts = self.tokens_to_compute(busy)
         share = pair_with
         if not share:
-            steps = -(-prompt // self.config.max_num_batched_tokens)
-            parts = -(-steps // micro_batches) * micro_batches if places == micro_batches else max(places, steps)
+            steps = max(-(-prompt // self.config.max_num_batched_tokens), min(prompts, -(-prompt // PIPELINE_CHUNK)))
+            if places == micro_batches:  # in pairs, where there are prompts enough to pair
+                parts = min(-(-steps // micro_batches) * micro_batches, max(steps, prompts))
+            else:
+                parts = max(places, steps)
             share = -(-prompt // max(1, parts))
         return self.schedule_disjoint(busy, cap, max(1, decode + share))
 
-    def tokens_to_compute(self, busy: set[int]) -> tuple[int, int]:
-        """(prompt tokens, decode tokens) the sequences not in `busy` would compute if each ran
-        whole: what is left of their prompts; a decode's token and its proposals."""
-        prompt = decode = 0
+    def tokens_to_compute(self, busy: set[int]) -> tuple[int, int, int]:
+        """(prompt tokens, decode tokens, sequences with prompt tokens) of the sequences not in
+        `busy`, if each ran whole: what is left of their prompts; a decode's token and its
+        proposals."""
+        prompt = decode = prompts = 0
         for s in self.running:
             if s.seq_id not in busy:
                 if s.num_uncomputed_tokens == 1:
                     decode += 1 + len(s.spec_tokens)
                 else:
                     prompt += s.num_uncomputed_tokens
-        return prompt + sum(s.num_uncomputed_tokens for s in self.waiting), decode
+                    prompts += 1
+        return prompt + sum(s.num_uncomputed_tokens for s in self.waiting), decode, prompts + len(self.waiting)
 
     def _schedule_running(self, out: SchedulerOutput, budget: int, vision: bool, cap: int) -> int:
         """The running sequences' next tokens (proposals to verify, a decode, a prefill chunk),
