@@ -1,10 +1,16 @@
 """Which layers a pipeline-parallel stage runs: the model cut into P contiguous runs of layers.
 
-The embedding belongs to the first stage and the final norm and LM head to the last, so a cut
-is balanced by weight bytes with those counted where they live: with a large vocabulary the
-first and last stages take fewer layers. The cut minimises the largest stage's bytes (the
-slowest stage sets a pipeline's pace, and the largest stage's memory is what has to fit on one
-node); among equal cuts the earliest-layer-heavy one is taken, so the plan is deterministic.
+The embedding belongs to the first stage and the final norm and LM head to the last. A stage
+holds two things that grow with its cut: its weights (the embedding and head counted where they
+live) and the KV pages of its layers, which follow the number of layers whatever their bytes.
+Their ratio depends on the KV budget, unknown when the model is cut, so a stage's load is the
+mean of its share of the weight bytes and its share of the layers, and the cut minimises the
+largest stage's load (the largest stage is what has to fit on one node). The same two shares
+stand for a step's time: a decode step costs about the weights a stage reads (the head's
+matmul included), a prefill chunk about its layers. Where the embedding and head weigh alike
+the cut is the bytes' cut; a quantized file whose head is wider than its embedding (llama.cpp's
+Q4_K_M: Q8_0 against Q5_0) gives the first stage a layer or two more. Among equal cuts the
+earliest-layer-heavy one is taken, so the plan is deterministic.
 
 Hybrid-KV models (Gemma 2/3: sliding layers beside global ones) and mixtures of experts are
 cut the same way: a stage holds whole layers, whatever their attention window or experts, and
@@ -77,7 +83,8 @@ def check_pp(num_layers: int, size: int) -> None:
 def plan_stages(layer_bytes: list[int], size: int, embed_bytes: int = 0, head_bytes: int = 0) -> list[Stage]:
     """Cut layers with these weight bytes into `size` contiguous stages, the first also holding
     `embed_bytes` and the last `head_bytes` (the final norm and LM head; with tied embeddings the
-    head's copy of the table), minimising the largest stage's bytes."""
+    head's copy of the table), minimising the largest stage's load: the mean of its share of
+    the weight bytes and its share of the layers (`stage_load`)."""
     n = len(layer_bytes)
     check_pp(n, size)
     if any(b < 0 for b in layer_bytes) or embed_bytes < 0 or head_bytes < 0:
@@ -85,9 +92,11 @@ def plan_stages(layer_bytes: list[int], size: int, embed_bytes: int = 0, head_by
     prefix = [0]
     for b in layer_bytes:
         prefix.append(prefix[-1] + b)
+    total = max(1, prefix[-1] + embed_bytes + head_bytes)
 
-    def cost(s: int, i: int, j: int) -> int:  # stage s holding layers [i, j)
-        return prefix[j] - prefix[i] + (embed_bytes if s == 0 else 0) + (head_bytes if s == size - 1 else 0)
+    def cost(s: int, i: int, j: int) -> int:  # stage s holding layers [i, j): its load x 2 n total, exact
+        held = prefix[j] - prefix[i] + (embed_bytes if s == 0 else 0) + (head_bytes if s == size - 1 else 0)
+        return held * n + (j - i) * total
 
     # best[s][j]: the smallest largest-stage bytes cutting layers [0, j) into stages 0..s.
     inf = float("inf")
@@ -109,6 +118,15 @@ def plan_stages(layer_bytes: list[int], size: int, embed_bytes: int = 0, head_by
     bounds.append(0)
     bounds.reverse()
     return [Stage(s, size, bounds[s], bounds[s + 1], n) for s in range(size)]
+
+
+def stage_load(stage: Stage, layer_bytes: list[int], embed_bytes: int = 0, head_bytes: int = 0) -> float:
+    """A stage's load as `plan_stages` weighs it: the mean of its share of the weight bytes and
+    its share of the layers."""
+    total = sum(layer_bytes) + embed_bytes + head_bytes
+    held = (sum(layer_bytes[stage.start:stage.end]) + (embed_bytes if stage.first else 0)
+            + (head_bytes if stage.last else 0))
+    return (held / max(1, total) + len(stage.layers) / stage.num_layers) / 2
 
 
 def whole(cfg: ModelConfig) -> Stage:
