@@ -152,7 +152,7 @@ def test_plan_weighs_the_gguf_files_own_bytes(smollm2_gguf_path):
 QWEN_05B = Path.home() / ".cache/pagedllm/models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
 
 
-@pytest.mark.slow  # the gguf package reads the file's 151k-token vocabulary: about 11 s
+@pytest.mark.slow  # the gguf package reads the whole file's 151k-token vocabulary in Python
 @pytest.mark.skipif(not QWEN_05B.exists(), reason="the real Qwen2.5-Coder-0.5B GGUF is not here "
                     "(../shared/models/fetch-qwen-coder.sh fetches it)")
 def test_real_q4_k_m_file_is_cut_by_its_own_bytes():
