@@ -126,7 +126,7 @@ class StageRunner:
         them (None where the plan asks for none)."""
         st, clock = self.stats, time.perf_counter
         t0 = clock()
-        prompt = plan.num_decodes < len(plan.seq_ids)
+        prompt = plan.has_prompt
         input_ids, positions, meta = self.runner.tensors(plan)
         h = None if self.stage.first else self.link.recv(device=input_ids.device)
         t1 = clock()
@@ -437,7 +437,7 @@ class PipelineExecutor:
             self.ops.clear()
             self.steps += 1
             input_ids, positions, meta = runner.tensors(plan)
-            prompt = plan.num_decodes < len(plan.seq_ids)
+            prompt = plan.has_prompt
             t1 = clock()
             try:
                 h = runner.model(input_ids, positions, meta)

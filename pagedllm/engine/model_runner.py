@@ -58,6 +58,11 @@ class StepPlan:
     # token's three streams differ (image tokens), else [T]; None: rotate by `pos`.
     rope_pos: np.ndarray | None = None
 
+    @property
+    def has_prompt(self) -> bool:
+        """A prompt chunk among the step's items (a decode row has a seq id of its own, a chunk one)."""
+        return self.num_decodes < len(self.seq_ids)
+
 
 @dataclass
 class RunnerOutput:
