@@ -407,10 +407,11 @@ struct QAct {
   std::vector<float> msv;
   std::vector<int32_t> s32;  // sums per 32 values, and d * s32 (the packed kernels' offsets)
   std::vector<float> ds32;
-  // Per 16 values (x86 levels only), what Q6_K's offset of 32 takes from a maddubs' int16 sums
-  // over those 16 values: 32 x the sum of the values 4i and 4i + 1 (low int16) and of 4i + 2 and
-  // 4i + 3 (high int16), each within +-32512, so the AVX2 kernel's int16 sums of 6-bit weights
-  // minus these stay in int16 (quant_packed.cpp, group_avx2_q6).
+  // Per 16 values, where quantize_rows is asked for them (packed Q6_K weights at the AVX2 path),
+  // what Q6_K's offset of 32 takes from a maddubs' int16 sums over those 16 values: 32 x the sum
+  // of the values 4i and 4i + 1 (low int16) and of 4i + 2 and 4i + 3 (high int16), each within
+  // +-32512, so the AVX2 kernel's int16 sums of 6-bit weights minus these stay in int16
+  // (quant_packed.cpp, group_avx2_q6).
   std::vector<int32_t> off6;
   int64_t m = 0, k = 0;
   // Block-major: the index of row `row`'s 32-value block `c`. A kernel tile of rows reads one
@@ -481,8 +482,9 @@ inline void offsets6(const int8_t* q, int32_t* o) {
 // x [m, k] quantized per 32 values. levels = 2 adds the rounding error of each row, quantized
 // the same way, as the row after it (x ~ d1 q1 + d2 q2, about 14 bits instead of 7): the
 // kernels then see 2m rows that share each decoded weight tile, and the caller sums the pairs.
+// off6: also QAct::off6 (on x86 levels; the other formats and paths do without its cost).
 template <typename T>
-void quantize_rows(const T* x, int64_t m, int64_t k, QAct& out, int levels = 1) {
+void quantize_rows(const T* x, int64_t m, int64_t k, QAct& out, int levels = 1, bool off6 = false) {
   const int64_t kc = k / 32, rows = m * levels;
   out.m = rows;
   out.k = k;
@@ -494,7 +496,7 @@ void quantize_rows(const T* x, int64_t m, int64_t k, QAct& out, int levels = 1) 
   out.ds16.resize(rows * (k / 16));
   out.msv.assign(rows * kc * 8, 0.f);
 #ifdef PQ_X86
-  out.off6.resize(rows * (k / 16));
+  if (off6) out.off6.resize(rows * (k / 16));
 #endif
   auto record = [&](int64_t c, float d, int32_t s0, int32_t s1) {
     out.d[c] = d;
@@ -519,7 +521,7 @@ void quantize_rows(const T* x, int64_t m, int64_t k, QAct& out, int levels = 1) 
       int32_t t0, t1;
       quantize_block8(v8, out.a.data() + c1 * 32, d8, t0, t1);
       record(c1, d8, t0, t1);
-      offsets6(out.a.data() + c1 * 32, out.off6.data() + 2 * c1);
+      if (off6) offsets6(out.a.data() + c1 * 32, out.off6.data() + 2 * c1);
       if (levels == 2) {  // the rounding error, v - d q (a product, then a difference: no fma)
         const int8_t* q = out.a.data() + c1 * 32;
         const __m256 dv = _mm256_set1_ps(d8);
@@ -529,7 +531,7 @@ void quantize_rows(const T* x, int64_t m, int64_t k, QAct& out, int levels = 1) 
         }
         quantize_block8(v8, out.a.data() + (c1 + 1) * 32, d8, t0, t1);
         record(c1 + 1, d8, t0, t1);
-        offsets6(out.a.data() + (c1 + 1) * 32, out.off6.data() + 2 * (c1 + 1));
+        if (off6) offsets6(out.a.data() + (c1 + 1) * 32, out.off6.data() + 2 * (c1 + 1));
       }
 #else
       float v[32];
@@ -638,6 +640,10 @@ void parallel_by_cost(const std::vector<int64_t>& ends, const std::vector<double
 
 // The packed layout (quant_packed.cpp): type ids PACKED + ggml type, 16 rows a group.
 constexpr int64_t PACKED = 100;
+// Whether a product at path isa with weight parts of these type ids needs QAct::off6.
+inline bool needs_off6(int64_t isa, at::IntArrayRef types) {
+  return isa == AVX2 && std::find(types.begin(), types.end(), PACKED + Q6_K) != types.end();
+}
 int64_t packed_group_bytes(int64_t type, int64_t k);
 void check_packed(const at::Tensor& w, int64_t type, int64_t k);
 void packed_matmul(int64_t type, int64_t isa, const uint8_t* w, int64_t gb, int64_t g0, int64_t g1, const QAct& x,

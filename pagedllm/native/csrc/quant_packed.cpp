@@ -882,6 +882,9 @@ void packed_tile_t(const PLayout& L, const uint8_t* w, int64_t gb, int64_t g0, i
 template <int64_t TYPE>
 void pmatmul(int64_t isa, const uint8_t* w, int64_t gb, int64_t g0, int64_t g1, const QAct& x, float* y, int64_t ldy) {
 #ifdef PQ_X86
+  if constexpr (playout(TYPE).split)
+    TORCH_CHECK(isa != AVX2 || static_cast<int64_t>(x.off6.size()) == x.m * (x.k / 16),
+                "the AVX2 Q6_K kernel needs the activations quantized with their offsets (needs_off6)");
   if (isa == AVX512VNNI) return pgemm_simd<AVX512VNNI, TYPE>(w, gb, g0, g1, x, y, ldy);
   if (isa == AVX2) return pgemm_simd<AVX2, TYPE>(w, gb, g0, g1, x, y, ldy);
 #endif
