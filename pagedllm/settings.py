@@ -79,6 +79,9 @@ class Settings:
                                "seconds a tensor-parallel collective may wait")
     pp_timeout_s: float = _var("PAGEDLLM_PP_TIMEOUT_S", 20.0, float, "python",
                                "seconds one pipeline stage-to-stage send or receive may wait for its peer")
+    pp_share_head: bool = _var("PAGEDLLM_PP_SHARE_HEAD", True, bool, "python",
+                               "whether a pipeline's first stage computes part of the LM head's rows "
+                               "(0: the last stage computes the whole head)")
     api_key: str | None = _var("PAGEDLLM_API_KEY", None, str, "python",
                                "the server's API key when --api-key is not given")
     fleet_log_dir: str | None = _var("PAGEDLLM_FLEET_LOG_DIR", None, str, "python",

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from pagedllm.config import ModelConfig
-from pagedllm.models.stages import bytes_by_part, estimated_bytes, plan_stages, stage_load
+from pagedllm.models.stages import (HEAD_SHARE_ROWS, Stage, bytes_by_part, estimated_bytes, plan_stages, share_head,
+                                   stage_load)
 
 
 def _best_by_search(layer_bytes, size, embed, head) -> float:
@@ -188,3 +189,62 @@ def test_plan_weighs_the_safetensors_files_own_bytes(tmp_path, hf_smollm2_tokeni
         named = [(k, st.get_tensor(k).nbytes) for k in st.keys()]
     assert checkpoint_part_bytes(src, cfg) == bytes_by_part(named, cfg.num_layers, cfg.tie_word_embeddings)
     assert sum(checkpoint_part_bytes(src, cfg)[0]) > 0
+
+
+def _decode_reads(stages, layer_bytes, head, vocab) -> list[float]:
+    """Bytes a stage reads in a decode step: its layers and its rows of the head."""
+    out = []
+    for s in stages:
+        rows = s.head_rows(vocab)
+        out.append(sum(layer_bytes[s.start:s.end]) + (head * (rows[1] - rows[0]) / vocab if rows else 0))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_shared_head_evens_decode_reads_within_the_plans_largest_stage(seed):
+    """The first stage takes the head's first rows, the last the rest, in whole runs of
+    HEAD_SHARE_ROWS: the stages' decode reads come closer (never further apart, never past
+    each other by more than a run of rows), and an untied head's copied rows never lift the
+    first stage's weights above the plan's largest stage."""
+    rng = random.Random(seed)
+    n = rng.randint(2, 12)
+    size = rng.randint(2, min(4, n))
+    layer_bytes = [rng.randint(50, 100) for _ in range(n)]
+    vocab = rng.choice([1000, 4096, 32000, 151936])
+    embed, tied = rng.randint(100, 600), rng.random() < 0.5
+    head = embed + 8 if tied else rng.randint(100, 900)
+    plan = plan_stages(layer_bytes, size, embed, head)
+    shared = share_head(plan, layer_bytes, embed, head, vocab, tied)
+    _check_shape(shared, n, size)
+    assert [(s.start, s.end) for s in shared] == [(s.start, s.end) for s in plan]
+    assert all(s.head is None for s in shared[1:-1])
+    before = _decode_reads(plan, layer_bytes, head, vocab)
+    after = _decode_reads(shared, layer_bytes, head, vocab)
+    run = head * HEAD_SHARE_ROWS / vocab
+    if not shared[0].shares_head:
+        assert shared == plan
+    else:
+        lo, hi = shared[0].head
+        assert lo == 0 and hi % HEAD_SHARE_ROWS == 0 and shared[-1].head == (hi, vocab)
+        assert abs(after[0] - after[-1]) <= abs(before[0] - before[-1])
+        assert after[0] <= after[-1] + 2 * run  # the first stage took no more than evens them
+        if not tied:
+            weights = _stage_bytes(plan, layer_bytes, embed, head)
+            assert weights[0] + head * hi / vocab <= max(weights) + 1e-9
+    if before[0] + 2 * run < before[-1] and tied:
+        assert shared[0].shares_head  # something to even, and a tied head's rows cost nothing
+
+
+def test_shared_head_where_the_first_stage_reads_more_already():
+    layers = [10] * 8
+    plan = [Stage(0, 2, 0, 7, 8), Stage(1, 2, 7, 8, 8)]  # 70 against 10 + a 40-byte head
+    assert share_head(plan, layers, 40, 40, 4096, tied=True) == plan
+
+
+def test_first_stage_loads_its_rows_of_the_head():
+    first = Stage(0, 2, 0, 2, 4, head=(0, 512))
+    last = Stage(1, 2, 2, 4, 4, head=(512, 1000))
+    assert first.keeps_tensor("lm_head.weight", False) and last.keeps_tensor("lm_head.weight", False)
+    assert not first.keeps_tensor("model.norm.weight", False) and last.keeps_tensor("model.norm.weight", False)
+    assert first.head_rows(1000) == (0, 512) and last.head_rows(1000) == (512, 1000)
+    assert Stage(1, 2, 2, 4, 4).head_rows(1000) == (0, 1000) and Stage(0, 2, 0, 2, 4).head_rows(1000) is None

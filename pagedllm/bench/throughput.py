@@ -287,12 +287,15 @@ def run(args: argparse.Namespace) -> dict:
 
 def pipeline_profile(stages: list[dict]) -> str:
     """Each pipeline rank's time over the measured runs (from the first one's first step to the
-    last one's last step; the warm-up left out): computing its layers, waiting
-    for the stage before it (rank 0: for the logits), and the rest (waiting for the next plan:
-    rank 0's scheduling, sampling and output, and the sends); and each kind of step's busy and
-    wait time a step, which shows the stage that kind leaves waiting."""
-    lines = ["pipeline ranks (measured runs): busy = its layers; wait = the previous stage's hidden states "
-             "(rank 0: the logits); rest = the next plan (rank 0: scheduling, sampling, output)"]
+    last one's last step; the warm-up left out): its own work (a step's tensors, its layers,
+    its rows of the head), waiting for another rank (the stage before it; rank 0: the logits,
+    and a send or plan still under way), and the rest (rank 0: its engine's scheduling, sampling
+    and output; the others: waiting for the next plan); idle is waiting (pipeline.py `_idle`);
+    and each kind of step's busy and wait time a step, which shows the stage that kind leaves
+    waiting."""
+    lines = ["pipeline ranks (measured runs): busy = its tensors and layers (and rows of the head); wait = for "
+             "another rank's output; rest = rank 0: the engine's scheduling, sampling, output; the others: "
+             "waiting for the next plan; idle = wait (rank 0), wait + rest (the others)"]
     for s in stages:
         w = s["window_s"] or 1.0
         lines.append(f"  rank {s['rank']} (stage {s['stage']}): {s['steps']} steps over {s['window_s']:.1f} s; "

@@ -61,7 +61,7 @@ def step_lists(plan: StepPlan, ops: list[int]) -> list[list[int]]:
     Gemma 2/3, under tensor or pipeline parallelism) follow as their widths, then each group's
     slots and table."""
     rows = plan.logits_rows
-    scalars = [plan.num_decodes, plan.width, 1 if rows is None else 0]
+    scalars = [plan.num_decodes, plan.width, 1 if rows is None else 0, int(plan.argmax_only)]
     groups = [list(plan.group_widths)]
     for slots, table in zip(plan.group_slots, plan.group_tables):
         groups += [_ints(slots), _ints(table)]
@@ -75,7 +75,8 @@ def _ints(x) -> list[int]:
 
 
 def step_from_lists(lists: list[list[int]]) -> tuple[StepPlan, list[int]]:
-    (nd, width, all_rows), ids, pos, qsl, ctx, seq_ids, slots, tables, rows, ops, widths, *groups = lists
+    (nd, width, all_rows, argmax_only), ids, pos, qsl, ctx, seq_ids, slots, tables, rows, ops, widths, *groups = lists
     plan = StepPlan(ids, pos, qsl, ctx, nd, seq_ids, slots, tables, width, None if all_rows else rows,
-                    group_slots=groups[0::2], group_tables=groups[1::2], group_widths=widths)
+                    group_slots=groups[0::2], group_tables=groups[1::2], group_widths=widths,
+                    argmax_only=bool(argmax_only))
     return plan, ops

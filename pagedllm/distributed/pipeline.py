@@ -4,6 +4,9 @@ Rank 0 is the engine: it schedules, runs the first stage and samples. Each step 
 the plan on the control group (messages.py, as tensor parallelism does), so every stage builds
 the same positions, slots and block tables; then the hidden states go stage to stage by
 point-to-point (p2p.py), and the last stage sends the logits rows of the plan back to rank 0.
+Where the first stage shares the LM head (models/stages.py `share_head`), the last stage sends
+the rows' final hidden states first, then its columns of the logits; rank 0 computes the first
+columns from the hidden states meanwhile, and puts the two side by side.
 `PipelineExecutor` is rank 0's side, passed to the engine's constructor (engine/factory.py)
 like tensor parallelism's executor; `pipeline_worker_main` is a rank > 0's whole life.
 
@@ -58,10 +61,12 @@ logger = logging.getLogger(__name__)
 
 
 class StageStats:
-    """Where a rank's time went, for the bubble's profile: computing its layers (`busy_s`),
-    waiting for the previous stage's hidden states or the last stage's logits (`wait_s`), over
-    the window from its first step's start to its last step's end (the rest: waiting for the
-    next plan, i.e. rank 0's scheduling and sampling, and sending). The steps that carry prompt
+    """Where a rank's time went, for the bubble's profile: building a step's tensors and
+    computing its layers (and its rows of the head) (`busy_s`), waiting for another rank: the
+    previous stage's hidden states, the last stage's logits, a send or plan still under way
+    (`wait_s`), over the window from its first step's start to its last step's end. The rest is
+    rank 0's engine (scheduling, sampling, output) and, on the other ranks, waiting for the
+    next plan, i.e. for rank 0's engine. The steps that carry prompt
     tokens are also counted apart (`prompt_*`): a prefill weighs the stages by their layers, a
     decode step by their layers and the head, so each kind leaves a different stage waiting."""
 
@@ -104,21 +109,26 @@ class StageRunner:
     def __init__(self, model, runner, link: StageLink, stage, tp_size: int = 1) -> None:
         self.model, self.runner, self.link, self.stage = model, runner, link, stage
         self.logits_src = (stage.size - 1) * tp_size  # the last stage's TP rank 0
+        # The last stage of a pipeline whose first stage computes some of the head's rows.
+        self.shares_head = stage.last and stage.shares_head
         self.stats = StageStats()
-        # The send under way (its works hold the tensor): a stage goes on to the next plan while
-        # its output travels, and waits for it only before its next send.
+        # The step's sends under way, (peer, works) (the works hold the tensors): a stage goes
+        # on to the next plan while its output travels, and waits for it only before its next
+        # step's first send.
         self.sending: list = []
 
-    def _send(self, t: torch.Tensor, dst: int | None = None) -> None:
-        if self.sending:
-            self.link.wait(self.sending, dst)
-        self.sending = self.link.isend(t, dst)
+    def _send(self, t: torch.Tensor, dst: int | None = None, more: bool = False) -> None:
+        """Start sending `t`; `more`: a second message of the same step, sent without waiting
+        for the first (the receiver takes them in order)."""
+        if not more:
+            self.flush()
+        self.sending.append((dst, self.link.isend(t, dst)))
 
     def flush(self) -> None:
-        """Wait for the send under way (before the rank stops)."""
-        if self.sending:
-            self.link.wait(self.sending)
-            self.sending = []
+        """Wait for the sends under way (before the next step's, and before the rank stops)."""
+        for peer, works in self.sending:
+            self.link.wait(works, peer)
+        self.sending = []
 
     @torch.inference_mode()
     def run(self, plan) -> torch.Tensor | None:
@@ -128,28 +138,73 @@ class StageRunner:
         t0 = clock()
         prompt = plan.has_prompt
         input_ids, positions, meta = self.runner.tensors(plan)
+        ta = clock()
         h = None if self.stage.first else self.link.recv(device=input_ids.device)
         t1 = clock()
+        # Busy: the step's tensors and its layers; waiting: for the previous stage's output.
+        prep, waited = ta - t0, t1 - ta
         out = self.model(input_ids, positions, meta, inputs_embeds=h)
         wants = plan.logits_rows is None or bool(plan.logits_rows)
         if not self.stage.last:
-            st.add(clock() - t1, t1 - t0, prompt)
+            st.add(prep + clock() - t1, waited, prompt)
             self._send(out)
         elif wants:
             if plan.logits_rows is not None:
                 out = out.index_select(0, self.runner.upload.ints([plan.logits_rows])[0])
+            if self.shares_head:  # first, so that rank 0 computes its rows while this stage computes the rest
+                self._send(out, dst=0)
             logits = self.model.compute_logits(out)  # None on a TP rank other than the stage's first
-            st.add(clock() - t1, t1 - t0, prompt)
             if self.link.rank == 0:  # a pipeline of one stage
+                st.add(prep + clock() - t1, waited, prompt)
                 return logits
+            if logits is not None and plan.argmax_only:
+                logits = argmax_summary(logits)
+            st.add(prep + clock() - t1, waited, prompt)
             if logits is not None:
-                self._send(logits, dst=0)
+                self._send(logits, dst=0, more=self.shares_head)
         else:
-            st.add(clock() - t1, t1 - t0, prompt)
+            st.add(prep + clock() - t1, waited, prompt)
         st.step(t0, clock(), prompt)
         if self.link.rank == 0 and wants:
             return self.link.recv(src=self.logits_src, device=input_ids.device)
         return None
+
+
+def argmax_summary(logits: torch.Tensor) -> torch.Tensor:
+    """What a greedy step's sampler reads of the last stage's logits rows (`StepPlan.argmax_only`),
+    [rows, 3] float64: each row's largest logit, its column (the first of equal ones, as the
+    sampler takes it) and whether the row is all finite (the sampler's check). A few bytes a
+    row cross the link instead of the vocabulary's."""
+    idx = logits.argmax(dim=1, keepdim=True)
+    finite = logits.sum(-1, dtype=torch.float32).isfinite()
+    return torch.stack((logits.gather(1, idx).squeeze(1).double(), idx.squeeze(1).double(), finite.double()), dim=1)
+
+
+def logits_from_argmax(summary: torch.Tensor, mine: torch.Tensor | None, vocab: int) -> torch.Tensor:
+    """[rows, vocab] logits whose argmax and finiteness are those of `mine` (rank 0's first
+    columns of a shared head, None where it has none) beside the last stage's columns that
+    `summary` describes: those hold each row's largest value where it was and the next float
+    below it elsewhere, a NaN where the row was not all finite. The greedy sampler reads no
+    more than that."""
+    rows, lo = summary.shape[0], 0 if mine is None else mine.shape[1]
+    out = torch.empty(rows, vocab, dtype=torch.float32, device=summary.device)
+    if mine is not None:
+        out[:, :lo] = mine
+    top = summary[:, 0].float()
+    out[:, lo:] = torch.nextafter(top, torch.full_like(top, float("-inf"))).unsqueeze(1)
+    at = summary[:, 1].long().unsqueeze(1) + lo
+    out.scatter_(1, at, top.unsqueeze(1))
+    out[:, lo] = torch.where(summary[:, 2] > 0, out[:, lo], float("nan"))
+    return out
+
+
+def _idle(rank: int, busy: float, wait: float, window: float) -> float:
+    """The share of a rank's window it had nothing to do: waiting for another rank. Rank 0's
+    time outside its layers and waits is its engine's work (scheduling, sampling, output), which
+    the other ranks' steps overlap; theirs is waiting for the next plan."""
+    if not window:
+        return 0.0
+    return wait / window if rank == 0 else 1 - busy / window
 
 
 def _report_stats(control, stats: StageStats) -> None:
@@ -176,14 +231,20 @@ def serve_stage(info: TPInfo, stage, model, runner, link: StageLink, copy_fn, ba
         stage_runner.run(plan)
 
 
-def plan_for(source, size: int) -> list:
+def plan_for(source, size: int, tp: int = 1) -> list:
     """The stage plan every rank computes alike, from the bytes the checkpoint stores (each
-    node reads its own copy of the same file)."""
+    node reads its own copy of the same file): the layers cut, and the head's rows shared by
+    the first and last stage (models/stages.py `share_head`; not under tensor parallelism, whose
+    last stage splits its head by vocabulary among its own ranks already)."""
     from ..loading.loader import checkpoint_part_bytes, read_config
-    from ..models.stages import plan_stages
+    from ..models.stages import plan_stages, share_head
 
-    layers, embed, head = checkpoint_part_bytes(source, read_config(source))
-    return plan_stages(layers, size, embed, head)
+    cfg = read_config(source)
+    layers, embed, head = checkpoint_part_bytes(source, cfg)
+    stages = plan_stages(layers, size, embed, head)
+    if tp > 1 or not settings.get("pp_share_head"):
+        return stages
+    return share_head(stages, layers, embed, head, cfg.vocab_size, cfg.tie_word_embeddings)
 
 
 def _link(rank: int, pp: int, tp: int, timeout_s: float | None) -> StageLink:
@@ -238,7 +299,7 @@ def pipeline_worker_main(rank: int, pp: int, init_method: str | None, spec, conn
             conn.send(("started", os.getpid()))
         device = rank_device(spec.device, rank)
         info = init_pipeline_groups(rank, pp, tp, device, init_method)
-        stage = plan_for(spec.source, pp)[rank // tp]
+        stage = plan_for(spec.source, pp, tp)[rank // tp]
         loaded = load_model(spec.source, spec.dtype, device, max_positions=spec.max_positions,
                             dequantize_weights=spec.dequantize_weights, isq=spec.isq, stage=stage,
                             tp=info if tp > 1 else None)
@@ -313,7 +374,7 @@ class PipelineExecutor:
         from .executor import _free_port
         from .worker import rank_device
 
-        stages = plan_for(spec.source, size)
+        stages = plan_for(spec.source, size, tp)
         want = size * tp
         world = int(os.environ.get("WORLD_SIZE", "1"))
         if world > 1:  # torchrun: the other ranks run the same command on their nodes
@@ -429,6 +490,7 @@ class PipelineExecutor:
                 # The plan goes out while the later stages finish earlier steps; the one before
                 # it has arrived by now (every stage took it before this step's turn).
                 self._wait_plan()
+                st.add(0.0, clock() - t0, plan.has_prompt)
                 sent, self.plan_works = messages.send_async(self.info.control, messages.STEP,
                                                             messages.step_lists(plan, self.ops))
                 self.message_bytes += sent
@@ -436,9 +498,9 @@ class PipelineExecutor:
                 raise link._fail("send the step plan to", "any", e) from e
             self.ops.clear()
             self.steps += 1
-            input_ids, positions, meta = runner.tensors(plan)
             prompt = plan.has_prompt
             t1 = clock()
+            input_ids, positions, meta = runner.tensors(plan)
             try:
                 h = runner.model(input_ids, positions, meta)
                 st.add(clock() - t1, 0.0, prompt)
@@ -447,8 +509,11 @@ class PipelineExecutor:
                     raise
                 # A TP peer of stage 0 died or is stuck: its all-reduce failed.
                 raise link._fail("run stage 0's collectives with", "any", e) from e
+            t2 = clock()
             self._send(h)
-            self.launched.append((t0, plan.logits_rows is None or bool(plan.logits_rows), input_ids.device, prompt))
+            st.add(0.0, clock() - t2, prompt)  # (waiting for the send before it to arrive)
+            self.launched.append((t0, plan.logits_rows is None or bool(plan.logits_rows), input_ids.device, prompt,
+                                  runner.model, plan.argmax_only))
         except StageLinkError as e:
             self._down(str(e))
             raise
@@ -472,14 +537,28 @@ class PipelineExecutor:
         it asked for none)."""
         if self.dead:
             raise StageLinkError(self.dead)
-        t0, wants, device, prompt = self.launched.popleft()
+        t0, wants, device, prompt, model, argmax_only = self.launched.popleft()
         st, clock = self.stats, time.perf_counter
-        logits = None
+        logits, last = None, (self.pp - 1) * self.tp
         try:
             if wants:
+                mine = None
                 t2 = clock()
-                logits = self.link.recv(src=(self.pp - 1) * self.tp, device=device)
-                st.add(0.0, clock() - t2, prompt)
+                if self.stage.shares_head:
+                    # The last stage sends the final hidden states, then its rows of the head;
+                    # this stage computes the first rows meanwhile (models/stages.py share_head).
+                    hidden = self.link.recv(src=last, device=device)
+                    t3 = clock()
+                    mine = model.compute_logits(hidden)
+                    st.add(clock() - t3, t3 - t2, prompt)
+                    t2 = clock()
+                theirs = self.link.recv(src=last, device=device)
+                t3 = clock()
+                if argmax_only:
+                    logits = logits_from_argmax(theirs, mine, model.config.vocab_size)
+                else:
+                    logits = theirs if mine is None else torch.cat((mine, theirs), dim=1)
+                st.add(clock() - t3, t3 - t2, prompt)
         except StageLinkError as e:
             self._down(str(e))
             raise
@@ -516,7 +595,7 @@ class PipelineExecutor:
             busy, wait, window, steps, p_busy, p_wait, p_steps = p.tolist()
             self.stage_stats.append(dict(rank=r, stage=r // self.tp, steps=int(steps), window_s=window, busy_s=busy,
                                          wait_s=wait, busy_share=busy / window if window else 0.0,
-                                         idle_share=1 - busy / window if window else 0.0,
+                                         idle_share=_idle(r, busy, wait, window),
                                          prompt_steps=int(p_steps), prompt_busy_s=p_busy, prompt_wait_s=p_wait))
 
     def trace_fields(self) -> dict:

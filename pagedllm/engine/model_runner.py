@@ -41,6 +41,9 @@ class StepPlan:
     logits_rows: list[int] | None = field(default_factory=list)
     # Rows whose final hidden states pooling requests keep (an embedding's positions).
     hidden_rows: list[int] = field(default_factory=list)
+    # Every logits row is sampled greedily and only its argmax is read: a pipeline's last
+    # stage then sends each row's largest logit and where it is instead of the row.
+    argmax_only: bool = False
     # KV groups after the first (kv/groups.py: sliding layers beside global ones): their slot
     # mappings and flat tables. (Tensor parallelism runs single-group models and sends none.)
     group_slots: list[Ints] = field(default_factory=list)
@@ -438,6 +441,8 @@ class ModelRunner:
                 k += 1
         # Grammar masks are computed on another thread while the forward runs.
         masks = self.structured.start_masks(sampling_seqs, offsets, drafts) if self.structured else None
+        plan.argmax_only = (self.driver is not None and bool(sampling_seqs) and not scoring and masks is None
+                            and all(s.params.argmax_only for s in sampling_seqs))
         return PendingStep(plan, sampling_seqs, rows, offsets, scoring, pooling, masks)
 
     def _sample(self, step: "PendingStep", logits: torch.Tensor | None,

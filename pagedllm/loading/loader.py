@@ -338,25 +338,29 @@ def _weights_info(model: torch.nn.Module, kernel: str | None, reason: str) -> We
     from ..models.linear import Embedding, Linear
 
     formats: Counter[str] = Counter()
-    nbytes, seen = 0, set()
+    spans: list[tuple[int, int]] = []  # each weight's bytes in memory
     for m in model.modules():
         if isinstance(m, Linear) and m.qparts:
             formats.update(p.fmt for p in m.qparts)
+            spans += [_span(p.data) for p in m.qparts]
         elif isinstance(m, Embedding) and m.qweight is not None:
             formats[m.qweight.fmt] += 1
-            if id(m.qweight.data) not in seen:
-                seen.add(id(m.qweight.data))
-                nbytes += m.qweight.nbytes
-        if isinstance(m, Linear) and m.qparts:
-            for p in m.qparts:
-                if id(p.data) not in seen:
-                    seen.add(id(p.data))
-                    nbytes += p.nbytes
+            spans.append(_span(m.qweight.data))
     for p in model.parameters():
-        nbytes += p.numel() * p.element_size()
+        spans.append(_span(p))
         if p.dim() == 2:
             formats[str(p.dtype).removeprefix("torch.")] += 1
+    # Bytes held, each once: a tied head is its table's bytes (or a view of some of its rows).
+    nbytes, end = 0, 0
+    for lo, hi in sorted(spans):
+        if hi > end:
+            nbytes += hi - max(lo, end)
+            end = hi
     return WeightsInfo(dict(formats), nbytes, kernel, reason)
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    return t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
 
 
 def _set_aside_kv_scales(weights: Iterator[tuple[str, torch.Tensor]],

@@ -191,7 +191,11 @@ class LlamaForCausalLM(nn.Module):
         # The layers this rank runs, kept once: slicing the ModuleList each step builds a new one.
         self._run = tuple(self.layers[st.start:st.end])
         self.norm = self.norm_cls(cfg.hidden_size, cfg.rms_norm_eps) if st.last else None
-        self.lm_head = Linear(cfg.hidden_size, sh.vocab, bias=False) if st.last else None
+        # The head's vocabulary rows this rank computes: all of them on the last stage, unless the
+        # first stage shares them (models/stages.py `share_head`).
+        self.head_rows = st.head_rows(sh.vocab)
+        self.lm_head = (Linear(cfg.hidden_size, self.head_rows[1] - self.head_rows[0], bias=False)
+                        if self.head_rows is not None else None)
 
     def stage_layers(self) -> list[nn.Module]:
         """The layers this rank runs, in order (all of them without pipeline parallelism)."""
@@ -205,10 +209,15 @@ class LlamaForCausalLM(nn.Module):
     def tie_weights(self) -> None:
         if not self.config.tie_word_embeddings or self.lm_head is None:
             return
-        if self.embed_tokens.qweight is not None:  # the head reads the same quantized blocks
-            self.lm_head.set_quantized([self.embed_tokens.qweight])
-        else:
-            self.lm_head.weight = self.embed_tokens.weight
+        table = self.embed_tokens
+        lo, hi = self.head_rows
+        whole_table = (lo, hi) == (0, table.num_embeddings)
+        if table.qweight is not None:  # the head reads the same quantized blocks
+            self.lm_head.set_quantized([table.qweight if whole_table else table.qweight.rows(lo, hi)])
+        elif whole_table:
+            self.lm_head.weight = table.weight
+        else:  # a stage sharing the head: its rows of the table, a view
+            self.lm_head.weight = nn.Parameter(table.weight[lo:hi], requires_grad=False)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
@@ -382,6 +391,9 @@ class LlamaForCausalLM(nn.Module):
         """(dim, start, length) of our parameter `name` (fused part `shard`) that this rank holds
         of the checkpoint's tensor; None: all of it (replicated, or no tensor parallelism)."""
         if self.tp is None:
+            if self.stage.shares_head and name.startswith("lm_head."):
+                lo, hi = self.head_rows
+                return 0, lo, hi - lo
             return None
         sh, d = self.shard, self.config.head_dim
         part, leaf = name.split(".")[-2:]
@@ -420,7 +432,9 @@ class LlamaForCausalLM(nn.Module):
             return st.holds(int(name.split(".", 2)[1]))
         if name.startswith("embed_tokens."):
             return self.embed_tokens is not None
-        if name.startswith(("norm.", "lm_head.")):
+        if name.startswith("lm_head."):
+            return self.lm_head is not None
+        if name.startswith("norm."):
             return st.last
         return True
 

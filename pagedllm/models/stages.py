@@ -12,6 +12,10 @@ the cut is the bytes' cut; a quantized file whose head is wider than its embeddi
 Q4_K_M: Q8_0 against Q5_0) gives the first stage a layer or two more. Among equal cuts the
 earliest-layer-heavy one is taken, so the plan is deterministic.
 
+No cut of whole layers evens both kinds of step, since only a decode step pays for the head
+over every row: so, once the layers are cut, the first stage takes some of the head's rows
+(`share_head`), as far as its weights allow.
+
 Hybrid-KV models (Gemma 2/3: sliding layers beside global ones) and mixtures of experts are
 cut the same way: a stage holds whole layers, whatever their attention window or experts, and
 its KV cache holds the groups its own layers fall in.
@@ -19,7 +23,7 @@ its KV cache holds the groups its own layers fall in.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterable
 
 from ..config import ModelConfig
@@ -27,13 +31,16 @@ from ..config import ModelConfig
 
 @dataclass(frozen=True)
 class Stage:
-    """Stage `index` of `size`: layers [start, end) of `num_layers`."""
+    """Stage `index` of `size`: layers [start, end) of `num_layers`; `head`: the rows [lo, hi)
+    of the LM head's vocabulary it computes where the first and last stage share the head
+    (`share_head`), None for the whole head on the last stage and none elsewhere."""
 
     index: int
     size: int
     start: int
     end: int
     num_layers: int
+    head: tuple[int, int] | None = None
 
     @property
     def first(self) -> bool:
@@ -52,6 +59,17 @@ class Stage:
     def holds(self, layer: int) -> bool:
         return self.start <= layer < self.end
 
+    def head_rows(self, vocab: int) -> tuple[int, int] | None:
+        """The vocabulary rows [lo, hi) of the LM head this stage computes, None for none."""
+        if self.head is not None:
+            return self.head
+        return (0, vocab) if self.last else None
+
+    @property
+    def shares_head(self) -> bool:
+        """The first stage computes part of the head's rows, the last stage the rest."""
+        return self.head is not None
+
     @property
     def whole(self) -> bool:
         """The only stage: no pipeline parallelism."""
@@ -67,7 +85,9 @@ class Stage:
             return self.holds(int(m.group(1)))
         if "embed_tokens" in name:
             return self.first or (self.last and tie_word_embeddings)
-        if "lm_head" in name or name.removeprefix("model.") == "norm.weight":
+        if "lm_head" in name:
+            return self.last or self.head is not None
+        if name.removeprefix("model.") == "norm.weight":
             return self.last
         return True
 
@@ -127,6 +147,42 @@ def stage_load(stage: Stage, layer_bytes: list[int], embed_bytes: int = 0, head_
     held = (sum(layer_bytes[stage.start:stage.end]) + (embed_bytes if stage.first else 0)
             + (head_bytes if stage.last else 0))
     return (held / max(1, total) + len(stage.layers) / stage.num_layers) / 2
+
+
+# The head's rows go from stage to stage in whole runs of this many: a multiple of the packed
+# layout's 16-row groups (quant/formats.py), so a quantized head splits without a copy.
+HEAD_SHARE_ROWS = 128
+
+
+def share_head(stages: list[Stage], layer_bytes: list[int], embed_bytes: int, head_bytes: int, vocab: int,
+               tied: bool) -> list[Stage]:
+    """The stages with the LM head's vocabulary rows shared between the first and the last.
+
+    A prefill chunk costs each stage about its layers, but a decode step costs the last stage
+    its layers and the head's matmul over every row too: with the layers cut evenly for the
+    prefill (and for the KV pages, which follow the layers), decode steps leave the first stage
+    waiting for the last. The head's rows are independent (each logit is one row's dot product),
+    so the first stage can compute some of them: the last stage sends it the steps' final hidden
+    states, a few kB a row, before it computes its own rows, and the first stage computes its
+    rows while the last computes the rest (distributed/pipeline.py). The share evens the two
+    stages' bytes read in a decode step (their layers and head rows), but never lifts the first
+    stage's weights above the largest stage's of the plan, so that the model fits wherever the
+    plan fit: an untied head's rows are a copy on the first stage, while a tied head's are the
+    embedding table's, which the first stage holds anyway, and cost nothing."""
+    if len(stages) < 2 or head_bytes <= 0 or vocab < 2 * HEAD_SHARE_ROWS:
+        return stages
+    first, last = stages[0], stages[-1]
+    mine = sum(layer_bytes[first.start:first.end])
+    theirs = sum(layer_bytes[last.start:last.end])
+    share = (theirs + head_bytes - mine) / (2 * head_bytes)
+    if not tied:
+        loads = [sum(layer_bytes[s.start:s.end]) + (embed_bytes if s.first else 0) + (head_bytes if s.last else 0)
+                 for s in stages]
+        share = min(share, (max(loads) - loads[0]) / head_bytes)
+    rows = int(max(0.0, min(share, 1.0)) * vocab) // HEAD_SHARE_ROWS * HEAD_SHARE_ROWS
+    if rows <= 0 or rows >= vocab:
+        return stages
+    return [replace(first, head=(0, rows)), *stages[1:-1], replace(last, head=(rows, vocab))]
 
 
 def whole(cfg: ModelConfig) -> Stage:

@@ -101,6 +101,17 @@ class QuantTensor:
     def nbytes(self) -> int:
         return self.data.numel()
 
+    def rows(self, lo: int, hi: int) -> "QuantTensor":
+        """Rows [lo, hi) as a view of the same bytes (packed: on 16-row group boundaries)."""
+        if self.col_perm is not None:
+            raise ValueError("rows of a weight with permuted columns are not taken apart")
+        if self.packed:
+            if lo % PACK_ROWS or hi % PACK_ROWS:
+                raise ValueError(f"a packed weight splits on {PACK_ROWS}-row groups, not at rows {lo}..{hi}")
+            return QuantTensor(self.fmt, self.data[lo // PACK_ROWS:hi // PACK_ROWS], (hi - lo, self.shape[1]),
+                               packed=True)
+        return QuantTensor(self.fmt, self.data[lo:hi], (hi - lo, self.shape[1]))
+
     def permute_rows(self, index: torch.Tensor) -> "QuantTensor":
         assert not self.packed
         return QuantTensor(self.fmt, self.data.index_select(0, index), self.shape, col_perm=self.col_perm)

@@ -105,6 +105,12 @@ class SamplingParams:
         return self.temperature < 1e-5
 
     @property
+    def argmax_only(self) -> bool:
+        """Its token is its logits row's argmax and nothing else is read from the row (the
+        sampler's fast path, where the step's mask, if any, leaves it alone too)."""
+        return self.greedy and self.logprobs is None and not self.needs_penalties and not self.has_logit_bias
+
+    @property
     def needs_penalties(self) -> bool:
         return (
             self.presence_penalty != 0.0
