@@ -407,6 +407,12 @@ struct QAct {
   std::vector<float> msv;
   std::vector<int32_t> s32;  // sums per 32 values, and d * s32 (the packed kernels' offsets)
   std::vector<float> ds32;
+  // Per 16 values, where quantize_rows is asked for them (packed Q6_K weights at the AVX2 path),
+  // what Q6_K's offset of 32 takes from a maddubs' int16 sums over those 16 values: 32 x the sum
+  // of the values 4i and 4i + 1 (low int16) and of 4i + 2 and 4i + 3 (high int16), each within
+  // +-32512, so the AVX2 kernel's int16 sums of 6-bit weights minus these stay in int16
+  // (quant_packed.cpp, group_avx2_q6).
+  std::vector<int32_t> off6;
   int64_t m = 0, k = 0;
   // Block-major: the index of row `row`'s 32-value block `c`. A kernel tile of rows reads one
   // contiguous run per block; row-major, each of its rows was a stream of its own, and tiles of
@@ -460,13 +466,25 @@ inline void quantize_block8(const __m256 (&v)[4], int8_t* dst, float& d, int32_t
   const __m256i b = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(w01, w23), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), b);
 }
+
+// QAct::off6 of a quantized block's two 16-value halves, from its 32 int8 values.
+inline void offsets6(const int8_t* q, int32_t* o) {
+  // pairs p[i] = q[2i] + q[2i + 1]; a 32-bit lane holds a low and a high pair: the 4 lanes of
+  // each 128-bit half (16 values) summed as int16 pairs
+  const __m256i p = _mm256_maddubs_epi16(_mm256_set1_epi8(1), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)));
+  __m256i s = _mm256_add_epi16(p, _mm256_shuffle_epi32(p, 0x4E));
+  s = _mm256_slli_epi16(_mm256_add_epi16(s, _mm256_shuffle_epi32(s, 0xB1)), 5);
+  o[0] = _mm256_extract_epi32(s, 0);
+  o[1] = _mm256_extract_epi32(s, 4);
+}
 #endif
 
 // x [m, k] quantized per 32 values. levels = 2 adds the rounding error of each row, quantized
 // the same way, as the row after it (x ~ d1 q1 + d2 q2, about 14 bits instead of 7): the
 // kernels then see 2m rows that share each decoded weight tile, and the caller sums the pairs.
+// off6: also QAct::off6 (on x86 levels; the other formats and paths do without its cost).
 template <typename T>
-void quantize_rows(const T* x, int64_t m, int64_t k, QAct& out, int levels = 1) {
+void quantize_rows(const T* x, int64_t m, int64_t k, QAct& out, int levels = 1, bool off6 = false) {
   const int64_t kc = k / 32, rows = m * levels;
   out.m = rows;
   out.k = k;
@@ -477,6 +495,9 @@ void quantize_rows(const T* x, int64_t m, int64_t k, QAct& out, int levels = 1) 
   out.ds32.resize(rows * kc);
   out.ds16.resize(rows * (k / 16));
   out.msv.assign(rows * kc * 8, 0.f);
+#ifdef PQ_X86
+  if (off6) out.off6.resize(rows * (k / 16));
+#endif
   auto record = [&](int64_t c, float d, int32_t s0, int32_t s1) {
     out.d[c] = d;
     out.s16[2 * c] = s0;
@@ -500,6 +521,7 @@ void quantize_rows(const T* x, int64_t m, int64_t k, QAct& out, int levels = 1) 
       int32_t t0, t1;
       quantize_block8(v8, out.a.data() + c1 * 32, d8, t0, t1);
       record(c1, d8, t0, t1);
+      if (off6) offsets6(out.a.data() + c1 * 32, out.off6.data() + 2 * c1);
       if (levels == 2) {  // the rounding error, v - d q (a product, then a difference: no fma)
         const int8_t* q = out.a.data() + c1 * 32;
         const __m256 dv = _mm256_set1_ps(d8);
@@ -509,6 +531,7 @@ void quantize_rows(const T* x, int64_t m, int64_t k, QAct& out, int levels = 1) 
         }
         quantize_block8(v8, out.a.data() + (c1 + 1) * 32, d8, t0, t1);
         record(c1 + 1, d8, t0, t1);
+        if (off6) offsets6(out.a.data() + (c1 + 1) * 32, out.off6.data() + 2 * (c1 + 1));
       }
 #else
       float v[32];
@@ -617,6 +640,10 @@ void parallel_by_cost(const std::vector<int64_t>& ends, const std::vector<double
 
 // The packed layout (quant_packed.cpp): type ids PACKED + ggml type, 16 rows a group.
 constexpr int64_t PACKED = 100;
+// Whether a product at path isa with weight parts of these type ids needs QAct::off6.
+inline bool needs_off6(int64_t isa, at::IntArrayRef types) {
+  return isa == AVX2 && std::find(types.begin(), types.end(), PACKED + Q6_K) != types.end();
+}
 int64_t packed_group_bytes(int64_t type, int64_t k);
 void check_packed(const at::Tensor& w, int64_t type, int64_t k);
 void packed_matmul(int64_t type, int64_t isa, const uint8_t* w, int64_t gb, int64_t g0, int64_t g1, const QAct& x,

@@ -309,10 +309,11 @@ at::Tensor matmul_tailed(const at::Tensor& x, at::TensorList ws, at::IntArrayRef
     return y;
   }
   QAct qa;
+  const bool off6 = needs_off6(isa, types);
   switch (xc.scalar_type()) {
-    case at::kFloat: quantize_rows(xc.data_ptr<float>(), m, k, qa, levels); break;
-    case at::kBFloat16: quantize_rows(xc.data_ptr<c10::BFloat16>(), m, k, qa, levels); break;
-    case at::kHalf: quantize_rows(xc.data_ptr<c10::Half>(), m, k, qa, levels); break;
+    case at::kFloat: quantize_rows(xc.data_ptr<float>(), m, k, qa, levels, off6); break;
+    case at::kBFloat16: quantize_rows(xc.data_ptr<c10::BFloat16>(), m, k, qa, levels, off6); break;
+    case at::kHalf: quantize_rows(xc.data_ptr<c10::Half>(), m, k, qa, levels, off6); break;
     default: TORCH_CHECK(false, "quant_matmul: x must be float32, bfloat16 or float16");
   }
   // Threads split the output in units of 16 rows (a packed group) where every part allows it.
@@ -443,6 +444,7 @@ at::Tensor moe_experts(const float* xp, int64_t n_tok, int64_t hidden, const int
   TORCH_CHECK(isa_supported(isa), "instruction set path ", isa, " is not available on this CPU");
   const int64_t na = static_cast<int64_t>(active.size());
   const int lg = (x2 & 1) ? 2 : 1, ld = (x2 & 2) ? 2 : 1;  // levels of the gate|up and down inputs
+  const bool off6 = needs_off6(isa, gu_types) || needs_off6(isa, down_types);
   // Each active expert's rows of x, quantized.
   std::vector<QAct> qx(na), qh(na);
   at::parallel_for(0, na, 1, [&](int64_t b, int64_t e) {
@@ -451,7 +453,7 @@ at::Tensor moe_experts(const float* xp, int64_t n_tok, int64_t hidden, const int
       const auto& r = rows[active[a]];
       gathered.resize(r.size() * hidden);
       for (size_t i = 0; i < r.size(); ++i) std::copy_n(xp + r[i].first * hidden, hidden, gathered.data() + i * hidden);
-      quantize_rows(gathered.data(), static_cast<int64_t>(r.size()), hidden, qx[a], lg);
+      quantize_rows(gathered.data(), static_cast<int64_t>(r.size()), hidden, qx[a], lg, off6);
     }
   });
   // gate|up of every active expert: [rows x levels, 2I] each.
@@ -497,7 +499,7 @@ at::Tensor moe_experts(const float* xp, int64_t n_tok, int64_t hidden, const int
           act[i * inter + j] = static_cast<T>(gate / (1.f + std::exp(-gate)) * up);
         }
       }
-      quantize_rows(act.data(), n, inter, qh[a], ld);
+      quantize_rows(act.data(), n, inter, qh[a], ld, off6);
     }
   });
   for (int64_t a = 0; a < na; ++a) {

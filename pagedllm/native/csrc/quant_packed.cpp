@@ -315,9 +315,10 @@ __attribute__((always_inline)) inline void finish4_avx2(__m256i p, __m256 s, __m
 // products, the weights' offsets folded into the same accumulator (as the VNNI path does), so a
 // row's sums are the same operations in the same order whatever the tile or pass it is in.
 template <int64_t TYPE>
-__attribute__((always_inline)) inline void row_avx2(const __m256i* W, __m256 s, __m256 s_hi, __m256 mw, const QAct& x,
-                                                    int64_t ci, __m256& fa) {
+__attribute__((always_inline)) inline void row_avx2(const __m256i* W, __m256 s, __m256 mw, const QAct& x, int64_t ci,
+                                                    __m256& fa) {
   constexpr PLayout L = playout(TYPE);
+  static_assert(!L.split, "Q6_K takes group_avx2_q6");
   const __m256i ones = _mm256_set1_epi16(1);
   const uint8_t* a = reinterpret_cast<const uint8_t*>(x.a.data() + ci * 32);
   auto act = [&](int t) { return _mm256_set1_epi32(static_cast<int>(u32(a + 4 * t))); };
@@ -328,18 +329,6 @@ __attribute__((always_inline)) inline void row_avx2(const __m256i* W, __m256 s, 
       const __m256i av = _mm256_sign_epi8(act(t), W[t]);
       ia = _mm256_add_epi32(ia, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(W[t], W[t]), av), ones));
     }
-  } else if constexpr (L.nbits == 6) {  // 2 steps of 6-bit products fit in int16
-    auto step = [&](int t) { return _mm256_maddubs_epi16(W[t], act(t)); };
-    const __m256i lo = _mm256_add_epi32(_mm256_madd_epi16(_mm256_add_epi16(step(0), step(1)), ones),
-                                        _mm256_madd_epi16(_mm256_add_epi16(step(2), step(3)), ones));
-    const __m256i hi = _mm256_add_epi32(_mm256_madd_epi16(_mm256_add_epi16(step(4), step(5)), ones),
-                                        _mm256_madd_epi16(_mm256_add_epi16(step(6), step(7)), ones));
-    const __m256 d = _mm256_set1_ps(x.d[ci]);
-    fa = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(lo, _mm256_set1_epi32(L.iofs * x.s16[2 * ci]))),
-                         _mm256_mul_ps(s, d), fa);
-    fa = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(hi, _mm256_set1_epi32(L.iofs * x.s16[2 * ci + 1]))),
-                         _mm256_mul_ps(s_hi, d), fa);
-    return;
   } else if constexpr (L.nbits == 4) {  // all 8 steps of 4-bit products fit in int16 (8 x 2 x 15 x 127)
     __m256i p0 = _mm256_maddubs_epi16(W[0], act(0)), p1 = _mm256_maddubs_epi16(W[4], act(4));
     for (int t = 1; t < 4; ++t) {
@@ -361,6 +350,23 @@ __attribute__((always_inline)) inline void row_avx2(const __m256i* W, __m256 s, 
   else if constexpr (L.has_min) fa = _mm256_fmadd_ps(mw, _mm256_set1_ps(x.ds32[ci]), fa);
 }
 
+// The blocks of group gp in order, for the tile of activation rows from r0: f(U, B, ci, a), U the
+// block's unit, B its bytes, ci the block index of the tile's first row (the tile's rows follow
+// it: block-major) and a that row's int8 activations; the weights `ahead` bytes on prefetched.
+template <int64_t TYPE, typename F>
+__attribute__((always_inline)) inline void tile_blocks(const uint8_t* gp, const QAct& x, int64_t r0, int ahead, F&& f) {
+  constexpr PLayout L = playout(TYPE);
+  for (int64_t u = 0; u < x.k / L.vals; ++u) {
+    const uint8_t* U = gp + u * L.unit;
+    for (int j = 0; j < L.vals / 32; ++j) {
+      const uint8_t* B = U + L.hdr + j * L.blk;
+      prefetch_ahead(L, B, ahead);
+      const int64_t ci = x.at(r0, u * (L.vals / 32) + j);
+      f(U, B, ci, reinterpret_cast<const uint8_t*>(x.a.data() + ci * 32));
+    }
+  }
+}
+
 // 4-bit formats, tiles of 3-4 rows (prefill, many sequences): each activation broadcast feeds both
 // halves of the group (16 weight rows, not 8), and the weights are decoded a step at a time, so
 // the registers hold the rows' int16 sums instead of a half block's 8 decoded steps. A
@@ -371,18 +377,12 @@ template <int64_t TYPE, int MR>
 void group_avx2_wide(const uint8_t* gp, const QAct& x, int64_t r0, float* y, int64_t ldy) {
   constexpr PLayout L = playout(TYPE);
   static_assert(L.nbits == 4, "the wide AVX2 kernel sums 4-bit products in int16");
-  const int ahead = pagedllm::weight_prefetch_bytes(MR);
   const __m256i m4 = _mm256_set1_epi8(0x0F);
   __m256 fa[2][MR];
   for (int h = 0; h < 2; ++h)
     for (int r = 0; r < MR; ++r) fa[h][r] = _mm256_setzero_ps();
-  for (int64_t u = 0; u < x.k / L.vals; ++u) {
-    const uint8_t* U = gp + u * L.unit;
-    for (int j = 0; j < L.vals / 32; ++j) {
-      const uint8_t* B = U + L.hdr + j * L.blk;
-      prefetch_ahead(L, B, ahead);
-      const int64_t ci = x.at(r0, u * (L.vals / 32) + j);  // the tile's rows follow it (block-major)
-      const uint8_t* a = reinterpret_cast<const uint8_t*>(x.a.data() + ci * 32);
+  tile_blocks<TYPE>(gp, x, r0, pagedllm::weight_prefetch_bytes(MR), [&](const uint8_t* U, const uint8_t* B, int64_t ci,
+                                                                     const uint8_t* a) {
       __m256i p[2][MR];
       for (int c = 0; c < 4; ++c) {
         const __m256i v0 = ld(B + 64 * c), v1 = ld(B + 64 * c + 32);
@@ -409,21 +409,22 @@ void group_avx2_wide(const uint8_t* gp, const QAct& x, int64_t r0, float* y, int
         scales_avx2<TYPE>(B, h, dv, mv, s, s_hi, mw);
         for (int r = 0; r < MR; ++r) finish4_avx2<TYPE>(p[h][r], s, mw, x, ci + r, fa[h][r]);
       }
-    }
-  }
+  });
   for (int h = 0; h < 2; ++h)
     for (int r = 0; r < MR; ++r) _mm256_storeu_ps(y + (r0 + r) * ldy + 8 * h, fa[h][r]);
 }
 
-// Q6_K, tiles of 3-4 rows: as group_avx2_wide, each activation broadcast feeding both halves.
-// Its values take 6 bits, so int16 holds two steps' products: a pair of steps is summed in int16
-// and widened into int32 sums, which the block's two scales (values 0-15, 16-31) then take.
+// Q6_K, tiles of 1-4 rows: as group_avx2_wide, each activation broadcast feeds both halves of the
+// group. Products of 6-bit values (0-63) fill int16 in two steps, so a 16-value sum (4 steps)
+// keeps in int16 only centred: the activations' off6 (QAct) taken from it once leaves the sums
+// of (q - 32) a, within +-32512. The madd that widens them multiplies by the rows' int16 scales,
+// so a block's two 16-value groups sum exactly in int32 and take one float product (d x the
+// activations' scale) a row, where summing pairs of steps took four madds and two.
 template <int64_t TYPE, int MR>
-void group_avx2_wide6(const uint8_t* gp, const QAct& x, int64_t r0, float* y, int64_t ldy) {
+void group_avx2_q6(const uint8_t* gp, const QAct& x, int64_t r0, float* y, int64_t ldy) {
   constexpr PLayout L = playout(TYPE);
-  static_assert(L.nbits == 6 && L.split, "the wide 6-bit AVX2 kernel is Q6_K's");
-  const int ahead = pagedllm::weight_prefetch_bytes(MR);
-  const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  static_assert(L.nbits == 6 && L.split, "the 6-bit AVX2 kernel is Q6_K's");
+  const __m256i m4 = _mm256_set1_epi8(0x0F);
   __m256 fa[2][MR];
   for (int h = 0; h < 2; ++h)
     for (int r = 0; r < MR; ++r) fa[h][r] = _mm256_setzero_ps();
@@ -434,95 +435,91 @@ void group_avx2_wide6(const uint8_t* gp, const QAct& x, int64_t r0, float* y, in
     const __m256i nib = t < 4 ? _mm256_and_si256(v, m4) : _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
     return _mm256_or_si256(nib, hi2_avx2(ld(B + 256 + 64 * (t / 4) + 32 * h), t % 4));
   };
-  for (int64_t u = 0; u < x.k / L.vals; ++u) {
-    const uint8_t* U = gp + u * L.unit;
-    for (int j = 0; j < L.vals / 32; ++j) {
-      const uint8_t* B = U + L.hdr + j * L.blk;
-      prefetch_ahead(L, B, ahead);
-      const int64_t ci = x.at(r0, u * (L.vals / 32) + j);  // the tile's rows follow it (block-major)
-      const uint8_t* a = reinterpret_cast<const uint8_t*>(x.a.data() + ci * 32);
-      __m256 s[2], s_hi[2];
-      for (int h = 0; h < 2; ++h) {
-        __m256 mw;
-        scales_avx2<TYPE>(B, h, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(U + 16 * h))),
-                          _mm256_setzero_ps(), s[h], s_hi[h], mw);
-      }
-#pragma GCC unroll 2  // (whole: each step's shifts are constants)
-      for (int half = 0; half < 2; ++half) {  // values 0-15 (steps 0-3), then 16-31 (steps 4-7)
-        __m256i ia[2][MR];
+  tile_blocks<TYPE>(gp, x, r0, pagedllm::weight_prefetch_bytes(MR), [&](const uint8_t* U, const uint8_t* B, int64_t ci,
+                                                                     const uint8_t* a) {
+    const uint8_t* S = B + L.vbytes + L.hbytes;
+    const int32_t* off = x.off6.data() + 2 * ci;
+    __m256i ia[2][MR];
 #pragma GCC unroll 2
-        for (int pr = 0; pr < 2; ++pr) {
-          const int t0 = 4 * half + 2 * pr;
-          __m256i p[2][MR];
-          const __m256i w00 = step(B, t0, 0), w01 = step(B, t0, 1);
-          for (int r = 0; r < MR; ++r) {
-            const __m256i av = _mm256_set1_epi32(static_cast<int>(u32(a + 32 * r + 4 * t0)));
-            p[0][r] = _mm256_maddubs_epi16(w00, av);
-            p[1][r] = _mm256_maddubs_epi16(w01, av);
-          }
-          for (int r = 0; r < MR; ++r) asm volatile("" : "+x"(p[0][r]), "+x"(p[1][r]));
-          const __m256i w10 = step(B, t0 + 1, 0), w11 = step(B, t0 + 1, 1);
-          for (int r = 0; r < MR; ++r) {
-            const __m256i av = _mm256_set1_epi32(static_cast<int>(u32(a + 32 * r + 4 * (t0 + 1))));
-            for (int h = 0; h < 2; ++h) {
-              const __m256i q = _mm256_madd_epi16(_mm256_add_epi16(p[h][r], _mm256_maddubs_epi16(h ? w11 : w10, av)), ones);
-              ia[h][r] = pr == 0 ? q : _mm256_add_epi32(ia[h][r], q);
-            }
-          }
-          for (int r = 0; r < MR; ++r) asm volatile("" : "+x"(ia[0][r]), "+x"(ia[1][r]));
-        }
+    for (int g = 0; g < 2; ++g) {  // values 0-15 (steps 0-3), then 16-31 (steps 4-7)
+      __m256i p[2][MR];
+#pragma GCC unroll 4  // (whole: each step's shifts are constants)
+      for (int st = 0; st < 4; ++st) {
+        const int t = 4 * g + st;
+        const __m256i w0 = step(B, t, 0), w1 = step(B, t, 1);
         for (int r = 0; r < MR; ++r) {
-          const __m256 d = _mm256_set1_ps(x.d[ci + r]);
-          const __m256i off = _mm256_set1_epi32(L.iofs * x.s16[2 * (ci + r) + half]);
-          for (int h = 0; h < 2; ++h)
-            fa[h][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(ia[h][r], off)),
-                                       _mm256_mul_ps(half ? s_hi[h] : s[h], d), fa[h][r]);
+          const __m256i av = _mm256_set1_epi32(static_cast<int>(u32(a + 32 * r + 4 * t)));
+          const __m256i q0 = _mm256_maddubs_epi16(w0, av), q1 = _mm256_maddubs_epi16(w1, av);
+          p[0][r] = st == 0 ? q0 : _mm256_add_epi16(p[0][r], q0);
+          p[1][r] = st == 0 ? q1 : _mm256_add_epi16(p[1][r], q1);
+        }
+        for (int r = 0; r < MR; ++r) asm volatile("" : "+x"(p[0][r]), "+x"(p[1][r]));
+      }
+      // The group's 16 scales as int16, each twice (both int16 of its row's lane): rows 0-7, 8-15.
+      const __m256i sc = _mm256_permute4x64_epi64(
+          _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(S + 16 * g))), 0xD8);
+      const __m256i sch[2] = {_mm256_unpacklo_epi16(sc, sc), _mm256_unpackhi_epi16(sc, sc)};
+      for (int r = 0; r < MR; ++r) {
+        const __m256i c = _mm256_set1_epi32(off[2 * r + g]);
+        for (int h = 0; h < 2; ++h) {
+          const __m256i q = _mm256_madd_epi16(_mm256_sub_epi16(p[h][r], c), sch[h]);
+          ia[h][r] = g == 0 ? q : _mm256_add_epi32(ia[h][r], q);
         }
       }
     }
-  }
+    for (int h = 0; h < 2; ++h) {
+      const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(U + 16 * h)));
+      for (int r = 0; r < MR; ++r)
+        fa[h][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[h][r]), _mm256_mul_ps(dv, _mm256_set1_ps(x.d[ci + r])), fa[h][r]);
+    }
+  });
   for (int h = 0; h < 2; ++h)
     for (int r = 0; r < MR; ++r) _mm256_storeu_ps(y + (r0 + r) * ldy + 8 * h, fa[h][r]);
 }
 
-// Up to 2 rows (batch 1, in one or two levels) take each block's two halves in one pass over the
+// Q6_K takes group_avx2_q6 at every tile size, the 4-bit formats group_avx2_wide at 3-4 rows. Here
+// up to 2 rows (batch 1, in one or two levels) take each block's two halves in one pass over the
 // group: every 64-byte line of the weights is read once, and the unit's scales once. More rows
 // take the halves one after the other, as their accumulators and one half's weights fill the
 // 16 registers.
 template <int64_t TYPE, int MR>
 void group_avx2(const uint8_t* gp, const QAct& x, int64_t r0, float* y, int64_t ldy) {
   constexpr PLayout L = playout(TYPE);
-  if constexpr (L.nbits == 4 && MR >= 3 && MR <= 4) return group_avx2_wide<TYPE, MR>(gp, x, r0, y, ldy);
-  if constexpr (L.split && MR >= 3 && MR <= 4) return group_avx2_wide6<TYPE, MR>(gp, x, r0, y, ldy);
-  const int ahead = pagedllm::weight_prefetch_bytes(MR);
-  constexpr bool FUSED = MR <= 2;
-  constexpr int NH = FUSED ? 2 : 1;
-  for (int h0 = 0; h0 < 2; h0 += NH) {
-    __m256 fa[NH][MR];
-    for (int h = 0; h < NH; ++h)
-      for (int r = 0; r < MR; ++r) fa[h][r] = _mm256_setzero_ps();
-    for (int64_t u = 0; u < x.k / L.vals; ++u) {
-      const uint8_t* U = gp + u * L.unit;
-      for (int j = 0; j < L.vals / 32; ++j) {
-        const uint8_t* B = U + L.hdr + j * L.blk;
-        if (h0 == 0) prefetch_ahead(L, B, ahead);  // (a second pass reads the group from cache)
-        const int64_t c = u * (L.vals / 32) + j;
-        for (int hh = 0; hh < NH; ++hh) {
-          const int h = h0 + hh;
-          __m256 dv, mv;
-          if constexpr (L.kq) dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(U + 16 * h)));
-          if constexpr (L.kq && L.has_min) mv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(U + 32 + 16 * h)));
-          __m256i W[8];
-          __m256 s, mw, s_hi;
-          decode_avx2<TYPE>(B, h, dv, mv, W, s, s_hi, mw);
-          if constexpr (L.nbits == 8)
-            for (int t = 0; t < 8; ++t) W[t] = _mm256_xor_si256(W[t], _mm256_set1_epi8(-128));  // back to int8
-          for (int r = 0; r < MR; ++r) row_avx2<TYPE>(W, s, s_hi, mw, x, x.at(r0 + r, c), fa[hh][r]);
+  if constexpr (L.split) {
+    group_avx2_q6<TYPE, MR>(gp, x, r0, y, ldy);
+  } else if constexpr (L.nbits == 4 && MR >= 3 && MR <= 4) {
+    group_avx2_wide<TYPE, MR>(gp, x, r0, y, ldy);
+  } else {
+    const int ahead = pagedllm::weight_prefetch_bytes(MR);
+    constexpr bool FUSED = MR <= 2;
+    constexpr int NH = FUSED ? 2 : 1;
+    for (int h0 = 0; h0 < 2; h0 += NH) {
+      __m256 fa[NH][MR];
+      for (int h = 0; h < NH; ++h)
+        for (int r = 0; r < MR; ++r) fa[h][r] = _mm256_setzero_ps();
+      for (int64_t u = 0; u < x.k / L.vals; ++u) {
+        const uint8_t* U = gp + u * L.unit;
+        for (int j = 0; j < L.vals / 32; ++j) {
+          const uint8_t* B = U + L.hdr + j * L.blk;
+          if (h0 == 0) prefetch_ahead(L, B, ahead);  // (a second pass reads the group from cache)
+          const int64_t c = u * (L.vals / 32) + j;
+          for (int hh = 0; hh < NH; ++hh) {
+            const int h = h0 + hh;
+            __m256 dv, mv;
+            if constexpr (L.kq) dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(U + 16 * h)));
+            if constexpr (L.kq && L.has_min) mv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(U + 32 + 16 * h)));
+            __m256i W[8];
+            __m256 s, mw, s_hi;
+            decode_avx2<TYPE>(B, h, dv, mv, W, s, s_hi, mw);
+            if constexpr (L.nbits == 8)
+              for (int t = 0; t < 8; ++t) W[t] = _mm256_xor_si256(W[t], _mm256_set1_epi8(-128));  // back to int8
+            for (int r = 0; r < MR; ++r) row_avx2<TYPE>(W, s, mw, x, x.at(r0 + r, c), fa[hh][r]);
+          }
         }
       }
+      for (int hh = 0; hh < NH; ++hh)
+        for (int r = 0; r < MR; ++r) _mm256_storeu_ps(y + (r0 + r) * ldy + 8 * (h0 + hh), fa[hh][r]);
     }
-    for (int hh = 0; hh < NH; ++hh)
-      for (int r = 0; r < MR; ++r) _mm256_storeu_ps(y + (r0 + r) * ldy + 8 * (h0 + hh), fa[hh][r]);
   }
 }
 #endif  // PQ_X86
@@ -885,6 +882,9 @@ void packed_tile_t(const PLayout& L, const uint8_t* w, int64_t gb, int64_t g0, i
 template <int64_t TYPE>
 void pmatmul(int64_t isa, const uint8_t* w, int64_t gb, int64_t g0, int64_t g1, const QAct& x, float* y, int64_t ldy) {
 #ifdef PQ_X86
+  if constexpr (playout(TYPE).split)
+    TORCH_CHECK(isa != AVX2 || static_cast<int64_t>(x.off6.size()) == x.m * (x.k / 16),
+                "the AVX2 Q6_K kernel needs the activations quantized with their offsets (needs_off6)");
   if (isa == AVX512VNNI) return pgemm_simd<AVX512VNNI, TYPE>(w, gb, g0, g1, x, y, ldy);
   if (isa == AVX2) return pgemm_simd<AVX2, TYPE>(w, gb, g0, g1, x, y, ldy);
 #endif
