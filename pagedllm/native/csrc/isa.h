@@ -82,15 +82,24 @@ enum NativeLevel : int { LEVEL_BASE = 0, LEVEL_AVX2 = 1, LEVEL_AVXVNNI = 2, LEVE
 #define PQ_AVXVNNI 1
 #define PQ_DPBUSD256(acc, u, s) _mm256_dpbusd_avx_epi32(acc, u, s)
 #elif PAGEDLLM_LEVEL == 2
-// The same source and level as an EVEX twin: the 256-bit vpdpbusd of AVX-512 VL + VNNI (Ice
-// Lake, Zen 4), which lack AVX-VNNI, so that such a CPU capped at avxvnni runs (and tests) this
-// level's code. 256-bit vectors only, as the VEX build (tests/test_native_build.py checks that
-// no zmm register appears); dispatch.cpp names it "avxvnni (EVEX twin)".
-#pragma GCC target("avx2,fma,f16c,avx512f,avx512vl,avx512vnni,prefer-vector-width=256")
+// The same source and level as an EVEX twin: the same 256-bit vpdpbusd as AVX-512 VL + VNNI
+// encode it, for CPUs that have those but no AVX-VNNI (Ice Lake, Zen 4), so that such a CPU
+// capped at avxvnni runs (and tests) this level's code; dispatch.cpp names it "avxvnni (EVEX
+// twin)". The object is compiled for AVX2 alone and that one instruction is written out: with
+// AVX-512 in the target, GCC 12 moves and clears 64-byte blocks (struct copies, memset) through
+// zmm registers (prefer-vector-width=256 does not stop it; -mmove-max is a command-line option
+// only), and the twin must stay the VEX build's 256-bit code (tests/test_native_build.py checks
+// that its only EVEX instruction is vpdpbusd and that no zmm register appears).
+#pragma GCC target("avx2,fma,f16c")
 #define PAGEDLLM_ISA isa_avxvnni_evex
 #define PQ_X86 1
 #define PQ_AVXVNNI 1
-#define PQ_DPBUSD256(acc, u, s) _mm256_dpbusd_epi32(acc, u, s)
+// acc += u (u8) x s (s8), 4 products a lane: _mm256_dpbusd_epi32, EVEX-encoded (AVX512VL + VNNI).
+static inline __attribute__((always_inline)) __m256i pq_dpbusd_evex(__m256i acc, __m256i u, __m256i s) {
+  asm("%{evex%} vpdpbusd %2, %1, %0" : "+x"(acc) : "x"(u), "xm"(s));
+  return acc;
+}
+#define PQ_DPBUSD256(acc, u, s) pq_dpbusd_evex(acc, u, s)
 #elif PAGEDLLM_LEVEL == 3
 // Ice Lake / Cascade Lake and later, Zen 4 and later: AVX-512 with VNNI's int8 dot products.
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512cd,avx512bw,avx512dq,avx512vl,avx512vnni")
