@@ -191,6 +191,18 @@ def built_isa(L: Any) -> str:
     return " ".join(f for f in ISA_FEATURES if f in on) or "no SIMD features reported"
 
 
+def rss_mb() -> float | None:
+    """This process's resident set now, in MB (VmRSS); None where /proc is not there."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024 / 1e6
+    except OSError:
+        pass
+    return None
+
+
 def peak_rss_mb() -> float:
     """This process's peak resident set, in MB. On Linux VmHWM, the high-water mark of this
     process's own memory map: ru_maxrss carries the spawning parent's peak across fork and
