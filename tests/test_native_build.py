@@ -172,7 +172,7 @@ from pagedllm.quant.formats import QuantTensor
 from pagedllm.quant.kernels import available_isas
 ops = cpu_kernels()
 w = np.random.default_rng(0).standard_normal((32, 256)).astype(np.float32)
-qt = QuantTensor("Q4_K", torch.from_numpy(quantize(w, Q.Q4_K)), (32, 256)).pack()
+qt = QuantTensor("Q4_0", torch.from_numpy(quantize(w, Q.Q4_0)), (32, 256)).pack()
 y = ops.quant_matmul(torch.randn(3, 256), [qt.data], [qt.type_id], 256, 0)  # the level's best path
 assert torch.isfinite(y).all()
 print(ops.native_isa() + "|" + ",".join(available_isas()))
