@@ -375,7 +375,7 @@ def test_wide_steps_of_wide_models_take_the_integer_kernel_by_default_without_am
     m = qk.int_rows() + 1
     parts = [packed(random_blocks("Q4_K", 16, wide, rng), "Q4_K", 16, wide) for _ in range(wide // 16)]
     few = [packed(random_blocks("Q4_K", 16, wide, rng), "Q4_K", 16, wide) for _ in range(narrow // 16)]
-    simd = qk.kernel_path()[0] in ("avx512-vnni", "avx2")
+    simd = qk.kernel_path()[0] in ("avx512-vnni", "avxvnni", "avx2")
     assert qk.integer_route(m, parts, "o_proj") is simd
     assert not qk.integer_route(m, parts, "lm_head") and not qk.integer_route(m, few, "o_proj")
     for forced, wide_int in (("avx2", True), ("scalar", False)):  # (the path is read once a process)
@@ -405,7 +405,7 @@ def test_proposals_take_the_integer_kernel_past_int_rows_at_any_width(monkeypatc
     narrow = qk.INT_WIDE_WIDTH // 2
     m = qk.int_rows() + 8
     few = [packed(random_blocks("Q4_K", 16, narrow * 2, rng), "Q4_K", 16, narrow * 2) for _ in range(narrow // 16)]
-    simd = qk.kernel_path()[0] in ("avx512-vnni", "avx2")
+    simd = qk.kernel_path()[0] in ("avx512-vnni", "avxvnni", "avx2")
     assert not qk.integer_route(m, few, "o_proj")
     with qk.proposals_only():
         assert qk.integer_route(m, few, "o_proj") is simd
