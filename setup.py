@@ -14,9 +14,11 @@ PAGEDLLM_BUILD_KERNELS=0 builds the package without them (the PyTorch paths are 
 
 Each source is compiled once per instruction-set level (csrc/isa.h) and csrc/dispatch.cpp
 registers the best compiled level the CPU runs when the library loads. A build for this machine
-(the default) compiles the baseline level and the best level this CPU's flags allow, nothing
-else; PAGEDLLM_ISA_LEVELS=all (`make wheel`) compiles every level, so one wheel serves every
-x86-64 CPU. The compile says what it does, a line per object, on stderr.
+(the default) compiles the baseline level, the best level this CPU's flags allow and the
+avxvnni level's build this CPU runs (the VEX one, or on a CPU with AVX-512 VNNI but no AVX-VNNI
+its EVEX twin, so that the level's code is tested there by capping), nothing else;
+PAGEDLLM_ISA_LEVELS=all (`make wheel`) compiles every level, both builds of avxvnni, so one
+wheel serves every x86-64 CPU. The compile says what it does, a line per object, on stderr.
 """
 from __future__ import annotations
 
@@ -32,57 +34,78 @@ from setuptools import setup
 
 ROOT = Path(__file__).resolve().parent
 CSRC = Path("pagedllm/native/csrc")
-LEVELS = {0: "base", 1: "avx2", 2: "avx512vnni", 3: "avx512bf16"}  # as csrc/isa.h and dispatch.cpp
+LEVELS = {0: "base", 1: "avx2", 2: "avxvnni", 3: "avx512vnni", 4: "avx512bf16"}  # as csrc/isa.h and dispatch.cpp
+AVXVNNI = 2
+# The avxvnni level's two builds of one source (csrc/isa.h): VEX (AVX-VNNI) and the EVEX twin
+# (AVX-512 VL + VNNI), each an object set of its own. A build is named by its level, the twin so.
+TWIN = "avxvnni_evex"
+BUILDS = [*LEVELS.values()][:AVXVNNI + 1] + [TWIN] + [*LEVELS.values()][AVXVNNI + 1:]
+BUILD_LEVEL = {**{v: k for k, v in LEVELS.items()}, TWIN: AVXVNNI}
 # The levels each source is compiled at (dispatch.cpp registers from exactly these): prefill
-# attention has a kernel only with AVX-512 BF16; the rest is compiled up to AVX-512 VNNI.
+# attention has a kernel only with AVX-512 BF16; the int8 products (quant_*, and decode_stack,
+# which calls them in its own level) also at avxvnni; the rest is compiled up to AVX-512 VNNI.
+# At a level a source lacks, its highest level below is registered.
 SOURCE_LEVELS = {
-    "cpu_kernels": (0, 1, 2),
-    "decode_stack": (0, 1, 2),
-    "quant_kernels": (0, 1, 2),
-    "quant_packed": (0, 1, 2),
-    "sample_kernels": (0, 1, 2),
-    "prefill_attention": (0, 3),
+    "cpu_kernels": (0, 1, 3),
+    "decode_stack": (0, 1, 2, 3),
+    "quant_kernels": (0, 1, 2, 3),
+    "quant_packed": (0, 1, 2, 3),
+    "sample_kernels": (0, 1, 3),
+    "prefill_attention": (0, 4),
 }
+# The CPU flags (/proc/cpuinfo) each build's instructions need, as dispatch.cpp's cpu_runs().
+_AVX2_FLAGS = {"avx2", "fma", "f16c"}
+_AVX512_FLAGS = _AVX2_FLAGS | {"avx512f", "avx512cd", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni"}
+BUILD_FLAGS = {"base": set(), "avx2": _AVX2_FLAGS, "avxvnni": _AVX2_FLAGS | {"avx_vnni"},
+               TWIN: _AVX2_FLAGS | {"avx512f", "avx512vl", "avx512_vnni"},
+               "avx512vnni": _AVX512_FLAGS, "avx512bf16": _AVX512_FLAGS | {"avx512_bf16"}}
 # -g0 after Python's own -g: the debug info was stripped at link anyway, and generating it for
 # torch's headers was about half of each object's compile time (46.9 s -> 25.1 s CPU for one).
 FLAGS = ["-O3", "-g0", "-fopenmp", "-fno-math-errno"]
 
 
-def host_level() -> int | None:
-    """The highest level (LEVELS) whose instructions this CPU has, from /proc/cpuinfo's flags as
-    dispatch.cpp's cpu_level() reads them; None where the flags cannot be read."""
+def host_builds() -> set[str] | None:
+    """The builds (BUILDS) whose instructions this CPU has, from /proc/cpuinfo's flags as
+    dispatch.cpp's cpu_runs() reads them; None where the flags cannot be read."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
         return None
     flags = next((set(line.split(":", 1)[1].split()) for line in text.splitlines()
                   if line.startswith("flags")), set())
-    if not {"avx2", "fma", "f16c"} <= flags:
-        return 0
-    if not {"avx512f", "avx512cd", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni"} <= flags:
-        return 1
-    return 3 if "avx512_bf16" in flags else 2
+    return {b for b in BUILDS if BUILD_FLAGS[b] <= flags}
 
 
-def wanted_levels() -> set[int]:
-    """The levels to compile: PAGEDLLM_ISA_LEVELS=all every one; =native (the default) the
-    baseline and the best this CPU runs, per source; or a comma list of names (base,avx2)."""
+def wanted_levels() -> set[str]:
+    """The builds (BUILDS) to compile: PAGEDLLM_ISA_LEVELS=all every one; =native (the default)
+    the baseline, the best this CPU runs and the avxvnni build it runs (VEX, else the twin); or
+    a comma list of names (base,avx2,avxvnni_evex)."""
     spec = os.environ.get("PAGEDLLM_ISA_LEVELS", "native").strip().lower() or "native"
     if platform.machine().lower() not in ("x86_64", "amd64"):
-        return {0}
+        return {"base"}
     if spec == "all":
-        return set(LEVELS)
+        return set(BUILDS)
     if spec == "native":
-        host = host_level()
-        if host is None:  # (no /proc/cpuinfo: not Linux) every level, as a wheel
-            return set(LEVELS)
-        return {0} | {max(lv for lv in levels if lv <= host) for levels in SOURCE_LEVELS.values()}
-    names = {v: k for k, v in LEVELS.items()}
-    bad = [n for n in spec.split(",") if n.strip() not in names]
+        runs = host_builds()
+        if runs is None:  # (no /proc/cpuinfo: not Linux) every level, as a wheel
+            return set(BUILDS)
+        best = max((b for b in runs if b != TWIN), key=BUILD_LEVEL.__getitem__)
+        vnni = ["avxvnni"] if "avxvnni" in runs else [TWIN] if TWIN in runs else []
+        return {"base", best, *vnni}
+    bad = [n for n in spec.split(",") if n.strip() not in BUILDS]
     if bad:
         sys.exit(f"pagedllm: PAGEDLLM_ISA_LEVELS={spec!r}: {bad} not among all, native, "
-                 f"{', '.join(LEVELS.values())}")
-    return {0} | {names[n.strip()] for n in spec.split(",")}
+                 f"{', '.join(BUILDS)}")
+    return {"base"} | {n.strip() for n in spec.split(",")}
+
+
+def source_build(name: str, build: str) -> str:
+    """The build of source `name` that dispatch.cpp registers at `build`'s level: that build, or
+    where the source is not compiled at that level, its highest level below."""
+    level = BUILD_LEVEL[build]
+    if level in SOURCE_LEVELS[name]:
+        return build
+    return LEVELS[max(lv for lv in SOURCE_LEVELS[name] if lv < level)]
 
 
 def _wanted() -> bool:
@@ -102,21 +125,20 @@ def level_sources() -> list[str]:
     out = Path("build/pagedllm_levels")
     (ROOT / out).mkdir(parents=True, exist_ok=True)
     sources = []
-    built: dict[str, set[int]] = {}
-    for name, levels in SOURCE_LEVELS.items():
-        built[name] = {lv for lv in levels if lv in wanted}
-        for level in sorted(built[name]):
-            wrapper = out / f"{name}_{LEVELS[level]}.cpp"
-            _write_if_changed(ROOT / wrapper, f'#define PAGEDLLM_LEVEL {level}\n'
+    # Each wanted build's objects: per source, the one dispatch.cpp registers at that level.
+    built = {name: {source_build(name, b) for b in wanted} for name in SOURCE_LEVELS}
+    for name in SOURCE_LEVELS:
+        for build in sorted(built[name], key=BUILDS.index):
+            wrapper = out / f"{name}_{build}.cpp"
+            twin = "#define PAGEDLLM_EVEX_TWIN 1\n" if build == TWIN else ""
+            _write_if_changed(ROOT / wrapper, f'#define PAGEDLLM_LEVEL {BUILD_LEVEL[build]}\n{twin}'
                                               f'#include "{(ROOT / CSRC / name).as_posix()}.cpp"\n')
             sources.append(wrapper.as_posix())
-    # What dispatch.cpp may register: a level is there when its objects are (prefill attention's
-    # AVX-512 BF16 kernel runs beside the AVX-512 VNNI objects of the rest).
-    rest = set.intersection(*(v for k, v in built.items() if k != "prefill_attention"))
-    have = {1: 1 in rest, 2: 2 in rest, 3: 2 in rest and 3 in built["prefill_attention"]}
+    # What dispatch.cpp may register: a level's build is there when every source's object for it is.
+    have = {b: all(source_build(n, b) in built[n] for n in SOURCE_LEVELS) for b in BUILDS[1:]}
     _write_if_changed(ROOT / out / "pagedllm_built_levels.h",
                       "// Written by setup.py: the instruction-set levels this build compiled.\n"
-                      + "".join(f"#define PAGEDLLM_BUILT_{LEVELS[lv].upper()} {int(have[lv])}\n" for lv in (1, 2, 3)))
+                      + "".join(f"#define PAGEDLLM_BUILT_{b.upper()} {int(have[b])}\n" for b in BUILDS[1:]))
     sources.append((CSRC / "dispatch.cpp").as_posix())
     sources.append((CSRC / "weight_memory.cpp").as_posix())  # (no SIMD: one copy)
     return sources
@@ -141,7 +163,7 @@ class _Progress:
     @staticmethod
     def _name(source: str) -> str:
         stem = Path(source).stem  # cpu_kernels_avx2 -> "cpu_kernels.cpp avx2"
-        for level in sorted(LEVELS.values(), key=len, reverse=True):
+        for level in sorted(BUILDS, key=len, reverse=True):
             if stem.endswith("_" + level):
                 return f"{stem[: -len(level) - 1]}.cpp {level}"
         return Path(source).name
@@ -151,7 +173,7 @@ class _Progress:
         jobs = os.environ.get("MAX_JOBS") or str(os.cpu_count() or 1)
         if self.todo:
             self._say(f"pagedllm: compiling {len(self.todo)} native kernel objects, {jobs} at a time "
-                      f"(levels {', '.join(LEVELS[lv] for lv in sorted(wanted_levels()))}; "
+                      f"(levels {', '.join(sorted(wanted_levels(), key=BUILDS.index))}; "
                       f"ninja's log: build/kernels-build.log)")
         else:
             self._say("pagedllm: native kernels up to date, nothing to compile")

@@ -32,7 +32,7 @@ class Settings:
                         "0 turns the native CPU kernels off: the PyTorch paths run")
     native_isa: str | None = _var("PAGEDLLM_NATIVE_ISA", None, str, "python, C++ (dispatch.cpp)",
                                   "caps the kernels' instruction-set level (default: the CPU's best)",
-                                  ("base", "avx2", "avx512vnni", "avx512bf16"))
+                                  ("base", "avx2", "avxvnni", "avx512vnni", "avx512bf16"))
     amx: bool = _var("PAGEDLLM_AMX", True, bool, "C++ (quant_packed.cpp)",
                      "0 keeps bfloat16 steps over packed weights off the AMX tile product")
     amx_rows: int = _var("PAGEDLLM_AMX_ROWS", 16, int, "C++ (quant_packed.cpp)",
@@ -46,14 +46,15 @@ class Settings:
                                "0 builds the package without the native kernels")
     isa_levels: str = _var("PAGEDLLM_ISA_LEVELS", "native", str, "setup.py",
                            "the kernels' instruction-set levels to compile: native (the baseline and "
-                           "this CPU's best), all (every level, for a wheel), or a comma list of levels")
+                           "this CPU's best, and the avxvnni build it runs), all (every level, for a wheel), or a comma "
+                           "list of levels (avxvnni_evex: the avxvnni level's EVEX twin)")
     # quantized weights (quant/)
     quant_int_rows: int = _var("PAGEDLLM_QUANT_INT_ROWS", 32, int, "python",
                                "steps of up to this many rows take the integer kernel; wider ones "
                                "dequantize a tile at a time for the GEMM")
     quant_isa: str | None = _var("PAGEDLLM_QUANT_ISA", None, str, "python",
                                  "forces the integer kernels' instruction set (default: the best here)",
-                                 ("scalar", "avx2", "avx512-vnni"))
+                                 ("scalar", "avx2", "avxvnni", "avx512-vnni"))
     quant_wide: str = _var("PAGEDLLM_QUANT_WIDE", "auto", str, "python",
                            "the route of steps past PAGEDLLM_QUANT_INT_ROWS rows: the integer kernel "
                            "(int), the dequantize + GEMM route (gemm), or where measured faster (auto)",

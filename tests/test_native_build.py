@@ -34,7 +34,9 @@ _SKIPPABLE = {"67", "26", "2e", "36", "3e", "64", "65"}
 
 
 def _encodings(lib: Path) -> dict[str, set[str]]:
-    """Per function of the library, the encodings its instructions use: "vex", "evex"."""
+    """Per function of the library, the encodings its instructions use: "vex", "evex"; and
+    "vpdpbusd:vex" / "vpdpbusd:evex" where it holds that instruction, "evex:other" where it holds
+    another EVEX one, "zmm" where it names a 512-bit register."""
     out = subprocess.run(["objdump", "-d", "-C", "--no-addresses", "--insn-width=16", str(lib)],
                          capture_output=True, text=True, check=True).stdout
     found: dict[str, set[str]] = {}
@@ -51,20 +53,28 @@ def _encodings(lib: Path) -> dict[str, set[str]]:
         code = [b for b in parts[1].split() if re.fullmatch(r"[0-9a-f]{2}", b)]
         while code and code[0] in _SKIPPABLE:
             code = code[1:]
-        if code and code[0] in ("c4", "c5"):
-            found[name].add("vex")
-        elif code and code[0] == "62":
-            found[name].add("evex")
+        enc = "vex" if code and code[0] in ("c4", "c5") else "evex" if code and code[0] == "62" else None
+        if enc:
+            found[name].add(enc)
+            if "vpdpbusd" in parts[2]:
+                found[name].add(f"vpdpbusd:{enc}")
+            elif enc == "evex":
+                found[name].add("evex:other")
+        if "%zmm" in parts[2]:
+            found[name].add("zmm")
     return found
 
 
 @pytest.mark.skipif(shutil.which("objdump") is None, reason="objdump (binutils) not installed")
 @pytest.mark.skipif(sysconfig.get_platform() != "linux-x86_64", reason="x86-64 instruction sets")
 def test_every_instruction_is_of_its_functions_level():
-    """No AVX outside the AVX2 and AVX-512 levels' code, no AVX-512 outside the AVX-512 levels':
-    in particular none in the library code (std::, at::) the linker keeps one copy of. Each level
-    the build compiled is there (a build for this machine: the baseline and this CPU's best;
-    `PAGEDLLM_ISA_LEVELS=all`: every one, checked on the wheel below)."""
+    """No AVX outside the AVX2, avxvnni and AVX-512 levels' code, no AVX-512 (EVEX) outside the
+    AVX-512 levels' and the avxvnni level's EVEX twin: in particular none in the library code
+    (std::, at::) the linker keeps one copy of. The avxvnni level's VEX build holds VEX only,
+    vpdpbusd among it (no CPU here may run it: its instructions are all that is checked of it),
+    and its EVEX twin the same code with EVEX vpdpbusd, no other EVEX instruction, no zmm register. Each level the build
+    compiled is there (a build for this machine: the baseline, this CPU's best and the avxvnni
+    build it runs; `PAGEDLLM_ISA_LEVELS=all`: every one, checked on the wheel below)."""
     _check_levels(_library(), _built_levels())
 
 
@@ -78,15 +88,26 @@ def _built_levels() -> list[str]:
 
 def _check_levels(lib: Path, built: list[str]) -> None:
     enc = _encodings(lib)
-    spaces = {"avx2": "isa_avx2::", "avx512vnni": "isa_avx512vnni::", "avx512bf16": "isa_avx512bf16::"}
+    spaces = {"avx2": "isa_avx2::", "avxvnni": "isa_avxvnni::", "avxvnni (EVEX twin)": "isa_avxvnni_evex::",
+              "avx512vnni": "isa_avx512vnni::", "avx512bf16": "isa_avx512bf16::"}
     assert built[0] == "base" and any("isa_base::" in n for n in enc), built
     for level, space in spaces.items():
+        if level == "avx2" and any(b.startswith("avxvnni") for b in built):
+            continue  # (the avxvnni level registers AVX2 objects of the sources it does not compile)
         assert any(space in n for n in enc) == (level in built), f"{level}: compiled {built}"
     if "avx512bf16" in built:
         assert any("evex" in e for n, e in enc.items() if "isa_avx512bf16::" in n)
+    vex_build = {n: e for n, e in enc.items() if "isa_avxvnni::" in n}
+    twin = {n: e for n, e in enc.items() if "isa_avxvnni_evex::" in n}
+    if "avxvnni" in built:
+        assert any("vpdpbusd:vex" in e for e in vex_build.values()), "no VEX vpdpbusd in the avxvnni objects"
+    if "avxvnni (EVEX twin)" in built:
+        assert any("vpdpbusd:evex" in e for e in twin.values()), "no EVEX vpdpbusd in the avxvnni twin"
+    wide = sorted(n for n, e in twin.items() if "zmm" in e or "evex:other" in e)
+    assert not wide, f"{len(wide)} functions of the avxvnni twin hold zmm or EVEX beyond vpdpbusd: {wide[:10]}"
     wrong = sorted(n for n, e in enc.items()
-                   if ("evex" in e and "isa_avx512" not in n)
-                   or ("vex" in e and "isa_avx2" not in n and "isa_avx512" not in n))
+                   if ("evex" in e and "isa_avx512" not in n and "isa_avxvnni_evex::" not in n)
+                   or ("vex" in e and not any(s in n for s in ("isa_avx2::", "isa_avxvnni", "isa_avx512"))))
     assert not wrong, f"{len(wrong)} functions hold instructions above their level: {wrong[:10]}"
 
 
@@ -140,11 +161,89 @@ def test_baseline_level_runs_here():
     assert [float(v) for v in base[2].split()] == pytest.approx([float(v) for v in best[2].split()], abs=1e-4)
 
 
+_LEVELS = ["base", "avx2", "avxvnni", "avx512vnni", "avx512bf16"]  # as csrc/dispatch.cpp
+_AVX2 = {"avx2", "fma", "f16c"}
+_AVX512 = _AVX2 | {"avx512f", "avx512cd", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni"}
+_CAP_CHECK = r"""
+import numpy as np, torch
+from gguf import GGMLQuantizationType as Q, quantize
+from pagedllm.native import cpu_kernels
+from pagedllm.quant.formats import QuantTensor
+from pagedllm.quant.kernels import available_isas
+ops = cpu_kernels()
+w = np.random.default_rng(0).standard_normal((32, 256)).astype(np.float32)
+qt = QuantTensor("Q4_0", torch.from_numpy(quantize(w, Q.Q4_0)), (32, 256)).pack()
+y = ops.quant_matmul(torch.randn(3, 256), [qt.data], [qt.type_id], 256, 0)  # the level's best path
+assert torch.isfinite(y).all()
+print(ops.native_isa() + "|" + ",".join(available_isas()))
+"""
+
+
+def _cpu_flags() -> set[str]:
+    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    return set(next((ln.split(":", 1)[1].split() for ln in text.splitlines() if ln.startswith("flags")), []))
+
+
+def _expected_level(cap: str, built: list[str], flags: set[str]) -> str:
+    """dispatch.cpp's rule: the highest level at or below the cap that the build holds and the
+    CPU runs; at avxvnni the VEX build where the CPU has AVX-VNNI, else the EVEX twin on AVX-512 VNNI."""
+    vex = "avxvnni" in built and _AVX2 | {"avx_vnni"} <= flags
+    twin = "avxvnni (EVEX twin)" in built and _AVX2 | {"avx512f", "avx512vl", "avx512_vnni"} <= flags
+    runs = {"base": True, "avx2": "avx2" in built and _AVX2 <= flags, "avxvnni": vex or twin,
+            "avx512vnni": "avx512vnni" in built and _AVX512 <= flags,
+            "avx512bf16": "avx512bf16" in built and _AVX512 | {"avx512_bf16"} <= flags}
+    level = next(lv for lv in reversed(_LEVELS[: _LEVELS.index(cap) + 1]) if runs[lv])
+    return "avxvnni (EVEX twin)" if level == "avxvnni" and not vex else level
+
+
+@pytest.mark.skipif(sysconfig.get_platform() != "linux-x86_64", reason="x86-64 instruction sets")
+def test_each_cap_registers_the_best_level_this_cpu_runs_at_or_below_it():
+    """PAGEDLLM_NATIVE_ISA=<level>: the highest level at or below it that the build holds and this
+    CPU runs (the levels are ordered but not nested: a Zen 4 has AVX-512 VNNI and no AVX-VNNI, so
+    capped at avxvnni it runs the EVEX twin, never the VEX objects), whose quantized paths it
+    offers, and whose best path computes (a wrong level's instructions would kill it: SIGILL)."""
+    built, flags = _built_levels(), _cpu_flags()
+    paths = {"base": "scalar", "avx2": "scalar,avx2", "avxvnni": "scalar,avx2,avxvnni",
+             "avx512vnni": "scalar,avx2,avx512-vnni", "avx512bf16": "scalar,avx2,avx512-vnni"}
+    seen = {}
+    for cap in _LEVELS:
+        r = subprocess.run([sys.executable, "-c", _CAP_CHECK], capture_output=True, text=True, timeout=300,
+                           env={**ENV, "PAGEDLLM_NATIVE_ISA": cap, "PYTHONPATH": str(ROOT)})
+        assert r.returncode == 0, f"capped at {cap}: rc {r.returncode}: {r.stderr[-2000:]}"
+        level, isas = r.stdout.strip().splitlines()[-1].split("|")
+        want = _expected_level(cap, built, flags)
+        assert level == want, f"capped at {cap} ({', '.join(built)} built): {level}, not {want}"
+        assert isas == paths[level.split(" ")[0]], f"capped at {cap}: {level} offers {isas}"
+        seen[cap] = level
+    if "avx_vnni" not in flags and _AVX512 <= flags and "avxvnni (EVEX twin)" in built:
+        assert seen["avxvnni"] == "avxvnni (EVEX twin)", seen  # (this CPU cannot run the VEX build)
+
+
+@pytest.mark.skipif(sysconfig.get_platform() != "linux-x86_64", reason="x86-64 instruction sets")
+def test_avxvnni_level_gives_the_default_levels_tokens(smollm2_gguf_path):
+    """SmolLM2 (Q4_1, packed) greedy at the avxvnni level (the VEX build, or on a CPU without
+    AVX-VNNI its EVEX twin) gives the tokens of this CPU's own level, as at avx2."""
+    built, flags = _built_levels(), _cpu_flags()
+    if _expected_level("avxvnni", built, flags).split(" ")[0] != "avxvnni":
+        pytest.skip(f"no build of the avxvnni level this CPU runs (built: {', '.join(built)})")
+
+    def generate(**env: str) -> str:
+        r = subprocess.run([sys.executable, "-m", "pagedllm", "generate", "Name three colors.", "-m",
+                            str(smollm2_gguf_path), "--max-tokens", "24"], capture_output=True, text=True,
+                           timeout=600, env={**ENV, **env, "PYTHONPATH": str(ROOT)})
+        assert r.returncode == 0, r.stderr[-3000:]
+        return r.stdout
+
+    default = generate()
+    assert default.strip() and generate(PAGEDLLM_NATIVE_ISA="avxvnni") == default
+
+
 def test_unknown_level_cap_is_refused():
     r = subprocess.run([sys.executable, "-c", "from pagedllm.native import cpu_kernels; cpu_kernels()"],
                        capture_output=True, text=True, timeout=300,
                        env={**ENV, "PAGEDLLM_NATIVE_ISA": "avx3", "PYTHONPATH": str(ROOT)})
-    assert r.returncode != 0 and "PAGEDLLM_NATIVE_ISA='avx3' is not one of base, avx2" in r.stderr, r.stderr
+    assert r.returncode != 0, r.stderr
+    assert "PAGEDLLM_NATIVE_ISA='avx3' is not one of base, avx2, avxvnni, avx512vnni, avx512bf16" in r.stderr, r.stderr
 
 
 def _venv(path: Path) -> Path:
@@ -199,7 +298,7 @@ def test_wheel_carries_the_kernels_to_a_machine_without_compiler(tmp_path, smoll
     assert str(tmp_path / "run-venv") in where.stdout, where.stdout + where.stderr
     trace = run("trace", "--prompt", "Hi", "--max-tokens", "4", "--log-level", "info")
     assert trace.returncode == 0, trace.stderr[-3000:]
-    assert re.search(r"quantized (avx2|avx512-vnni) integer kernels", trace.stdout), trace.stdout
+    assert re.search(r"quantized (avx2|avxvnni|avx512-vnni) integer kernels", trace.stdout), trace.stdout
     assert "native CPU decode kernel" in trace.stdout, trace.stdout
     assert "not built" not in trace.stderr and "do not load" not in trace.stderr, trace.stderr
 
@@ -214,7 +313,7 @@ def test_wheel_carries_the_kernels_to_a_machine_without_compiler(tmp_path, smoll
         return
     (lib,) = (tmp_path / "run-venv").glob("lib/python*/site-packages/pagedllm/native/_kernels*.so")
     if shutil.which("objdump") is not None:
-        _check_levels(lib, ["base", "avx2", "avx512vnni", "avx512bf16"])
+        _check_levels(lib, ["base", "avx2", "avxvnni", "avxvnni (EVEX twin)", "avx512vnni", "avx512bf16"])
     level = "import pagedllm.native as n; print(n.cpu_kernels().native_isa())"
     capped = subprocess.run([str(runner), "-c", level], capture_output=True, text=True, cwd=tmp_path,
                             env={**env, "PAGEDLLM_NATIVE_ISA": "avx2"})

@@ -375,7 +375,7 @@ def test_wide_steps_of_wide_models_take_the_integer_kernel_by_default_without_am
     m = qk.int_rows() + 1
     parts = [packed(random_blocks("Q4_K", 16, wide, rng), "Q4_K", 16, wide) for _ in range(wide // 16)]
     few = [packed(random_blocks("Q4_K", 16, wide, rng), "Q4_K", 16, wide) for _ in range(narrow // 16)]
-    simd = qk.kernel_path()[0] in ("avx512-vnni", "avx2")
+    simd = qk.kernel_path()[0] in ("avx512-vnni", "avxvnni", "avx2")
     assert qk.integer_route(m, parts, "o_proj") is simd
     assert not qk.integer_route(m, parts, "lm_head") and not qk.integer_route(m, few, "o_proj")
     for forced, wide_int in (("avx2", True), ("scalar", False)):  # (the path is read once a process)
@@ -405,7 +405,7 @@ def test_proposals_take_the_integer_kernel_past_int_rows_at_any_width(monkeypatc
     narrow = qk.INT_WIDE_WIDTH // 2
     m = qk.int_rows() + 8
     few = [packed(random_blocks("Q4_K", 16, narrow * 2, rng), "Q4_K", 16, narrow * 2) for _ in range(narrow // 16)]
-    simd = qk.kernel_path()[0] in ("avx512-vnni", "avx2")
+    simd = qk.kernel_path()[0] in ("avx512-vnni", "avxvnni", "avx2")
     assert not qk.integer_route(m, few, "o_proj")
     with qk.proposals_only():
         assert qk.integer_route(m, few, "o_proj") is simd
@@ -474,6 +474,64 @@ def test_packed_rows_give_the_same_bits_whatever_the_batch(fmt):
     full = ops.quant_matmul(x, [qt.data], [qt.type_id], cols, qk.ACT_X2)  # two-level activations
     for m in (1, 3, 4, 5, 9):
         assert torch.equal(ops.quant_matmul(x[:m], [qt.data], [qt.type_id], cols, qk.ACT_X2), full[:m]), m
+
+
+_AVXVNNI_VS_AVX2 = r"""
+import numpy as np, torch
+from pagedllm.native import cpu_kernels
+from pagedllm.quant import kernels as qk
+from pagedllm.quant.formats import FORMATS, PACKABLE, QuantTensor
+SCALE_OFFSETS = {offsets}
+{random_blocks}
+ops = cpu_kernels()
+assert "avxvnni" in qk.available_isas(), (ops.native_isa(), qk.available_isas())
+rng = np.random.default_rng(68)
+checked = 0
+for fmt, (tid, vals, _) in FORMATS.items():
+    cols = vals * 2 if vals == 256 else 32 * 7
+    raw = random_blocks(fmt, 32, cols, rng)
+    layouts = [QuantTensor(fmt, torch.from_numpy(raw), (32, cols))]
+    if fmt in PACKABLE:
+        layouts.append(layouts[0].pack())
+    x = torch.randn(40, cols)
+    x[0, :32] = 0.0
+    for qt in layouts:
+        for flags in (0, qk.ACT_X2):
+            for m in range(1, 41):
+                a, b = (ops.quant_matmul(x[:m], [qt.data], [qt.type_id], cols, qk.ISA_IDS[p] | flags)
+                        for p in ("avxvnni", "avx2"))
+                assert torch.equal(a, b), (fmt, qt.packed, flags, m, (a - b).abs().max().item())
+                checked += 1
+print(ops.native_isa(), checked)
+"""
+
+
+def test_avxvnni_path_gives_the_avx2_paths_bits():
+    """The avxvnni level (capped there; on a CPU without AVX-VNNI its EVEX twin, csrc/isa.h)
+    sums each 4-byte step by one vpdpbusd into int32 where AVX2 sums maddubs' int16 pairs: the
+    same integer sums, so the same float operations after them give the same bits, for every
+    format, packed and in the file's layout, at 1-40 rows, with one- and two-level activations."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    built = str(ops.native_built_levels()).split(",")
+    flags = set(next((ln.split(":", 1)[1].split() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                      if ln.startswith("flags")), [])) if Path("/proc/cpuinfo").exists() else set()
+    vex = "avxvnni" in built and "avx_vnni" in flags
+    twin = "avxvnni (EVEX twin)" in built and {"avx512f", "avx512vl", "avx512_vnni"} <= flags
+    if not (vex or twin):
+        pytest.skip(f"no build of the avxvnni level this CPU runs (built: {', '.join(built)})")
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PAGEDLLM_NATIVE_ISA": "avxvnni", "PYTHONPATH": str(root)}
+    import inspect
+    script = _AVXVNNI_VS_AVX2.replace("{offsets}", repr(SCALE_OFFSETS)).replace(
+        "{random_blocks}", inspect.getsource(random_blocks))
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, env=env, cwd=root)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.split()[-1] == str(2 * 40 * (len(FORMATS) + len(PACKABLE))), r.stdout
+    assert r.stdout.startswith("avxvnni" if vex else "avxvnni (EVEX twin)"), r.stdout
 
 
 @pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"])

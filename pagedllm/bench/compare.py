@@ -55,7 +55,7 @@ logger = logging.getLogger(__name__)
 
 MEASURES = ("decode1", "parallel", "prefill")
 ENGINES = ("pagedllm", "llama.cpp")
-ISA_LEVELS = ("base", "avx2", "avx512vnni", "avx512bf16")  # as pagedllm/native/__init__.py
+ISA_LEVELS = ("base", "avx2", "avxvnni", "avx512vnni", "avx512bf16")  # as pagedllm/native/__init__.py
 CPU_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_tile", "amx_bf16",
              "amx_int8")
 # Our KV cache dtype -> llama.cpp's cache type that stores about as many bits.
@@ -254,10 +254,10 @@ def _check_isa_built(isa: str | None) -> None:
     the host's best (setup.py), so `--isa avx2` there measured the baseline, not AVX2."""
     if isa is None:
         return
-    from ..native import cpu_kernels
+    from ..native import built_levels, cpu_kernels
 
     ops = cpu_kernels()
-    built = str(ops.native_built_levels()).split(",") if ops is not None else []
+    built = built_levels(ops) if ops is not None else []
     if isa not in built:
         raise RuntimeError(f"--isa {isa}: our native kernels hold the levels {', '.join(built) or 'none'}, "
                            f"not {isa}; rebuild them with every level (PAGEDLLM_ISA_LEVELS=all python "

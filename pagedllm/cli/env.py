@@ -14,11 +14,16 @@ import sys
 from pathlib import Path
 from typing import Any
 
-# The CPU flags the native kernels' levels are decided by (dispatch.cpp's cpu_level()).
+# The CPU flags each native level needs, in the levels' order (dispatch.cpp's cpu_runs()). Not
+# nested: a Zen 4 has AVX-512 VNNI but no AVX-VNNI (it runs the avxvnni level's EVEX twin when
+# capped there, which dispatch.cpp names "avxvnni (EVEX twin)").
+_AVX2 = ("avx2", "fma", "f16c")
+_AVX512 = (*_AVX2, "avx512f", "avx512cd", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni")
 LEVEL_FLAGS = {
-    "avx2": ("avx2", "fma", "f16c"),
-    "avx512vnni": ("avx512f", "avx512cd", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni"),
-    "avx512bf16": ("avx512_bf16",),
+    "avx2": _AVX2,
+    "avxvnni": (*_AVX2, "avx_vnni"),
+    "avx512vnni": _AVX512,
+    "avx512bf16": (*_AVX512, "avx512_bf16"),
 }
 NOTABLE_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512cd", "avx512bw",
                  "avx512dq", "avx512vl", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile",
@@ -51,9 +56,8 @@ def cpu_level(flags: set[str]) -> str | None:
         return None
     level = "base"
     for name, needed in LEVEL_FLAGS.items():
-        if not set(needed) <= flags:
-            break
-        level = name
+        if set(needed) <= flags:
+            level = name
     return level
 
 
@@ -83,7 +87,7 @@ def memory() -> dict[str, float | None]:
 
 def native_report(cpu_flags: set[str]) -> dict[str, Any]:
     """Whether the native kernels loaded, from where, the level they dispatched to and why."""
-    from ..native import BUILD_HINT, cpu_kernels, library_path
+    from ..native import BUILD_HINT, cpu_kernels, level_of, library_path
 
     said: list[str] = []
 
@@ -119,7 +123,7 @@ def native_report(cpu_flags: set[str]) -> dict[str, Any]:
     reasons = [f"this CPU runs up to {host}" if host else "this CPU's flags are unknown"]
     if cap:
         reasons.append(f"capped at {cap} by PAGEDLLM_NATIVE_ISA")
-    if built is not None and host and _rank(level) < min(_rank(host), _rank(cap) if cap else 99):
+    if built is not None and host and _rank(level_of(level)) < min(_rank(host), _rank(cap) if cap else 99):
         reasons.append(f"this build compiled only {', '.join(built)} (PAGEDLLM_ISA_LEVELS=all compiles every level)")
     out.update(level=level, why="; ".join(reasons), built_levels=built)
     from ..quant.kernels import kernel_path

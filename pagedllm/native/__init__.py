@@ -9,7 +9,7 @@ missing or does not load (not built, built against another torch), one INFO line
 how to build it (`make kernels`), and the PyTorch paths run. One build serves every x86-64 CPU:
 the library holds each kernel at several instruction-set levels and registers the best this
 CPU runs (csrc/isa.h, csrc/dispatch.cpp). `PAGEDLLM_NATIVE=0` turns the kernels off;
-`PAGEDLLM_NATIVE_ISA` caps the level (base, avx2, avx512vnni, avx512bf16).
+`PAGEDLLM_NATIVE_ISA` caps the level (base, avx2, avxvnni, avx512vnni, avx512bf16).
 """
 from __future__ import annotations
 
@@ -96,10 +96,21 @@ def _warn_unbuilt_cap(ops) -> None:
     whoever set the cap meant to run that level."""
     cap = settings.get("native_isa")
     built = str(ops.native_built_levels()).split(",")
-    if cap is not None and cap not in built and cap != ops.native_isa():
+    if cap is not None and cap not in built_levels(ops) and cap != level_of(str(ops.native_isa())):
         logger.warning("PAGEDLLM_NATIVE_ISA=%s: these kernels were compiled at %s only, so they run at %s; "
                        "rebuild with PAGEDLLM_ISA_LEVELS=all to run %s", cap, ", ".join(built),
                        ops.native_isa(), cap)
+
+
+def level_of(name: str) -> str:
+    """The level (LEVELS) of a build's name as native_isa() and native_built_levels() give it:
+    "avxvnni (EVEX twin)", the avxvnni level's EVEX build, is avxvnni."""
+    return name.split(" ", 1)[0]
+
+
+def built_levels(ops) -> list[str]:
+    """The levels (LEVELS) these kernels were compiled at, in order, whichever build of each."""
+    return list(dict.fromkeys(level_of(b) for b in str(ops.native_built_levels()).split(",")))
 
 
 def release_omp_threads() -> None:

@@ -7,7 +7,9 @@ import torch
 
 from ..native import cpu_kernels
 
-ISA_NAMES = {1: "scalar", 2: "avx2", 3: "avx512-vnni"}
+# (4: the AVX2 kernels with AVX-VNNI's 256-bit vpdpbusd, held only by the avxvnni level's objects:
+# VEX, or on a CPU with AVX-512 VNNI but no AVX-VNNI the EVEX twin, which the native level names)
+ISA_NAMES = {1: "scalar", 2: "avx2", 3: "avx512-vnni", 4: "avxvnni"}
 ISA_IDS = {v: k for k, v in ISA_NAMES.items()}
 
 
@@ -21,7 +23,7 @@ def available_isas() -> list[str]:
 
 def int8_peak_gmacs(seconds: float = 0.5, isa: str | None = None) -> float | None:
     """The CPU's int8 dot-product peak, in GMAC/s over torch's threads: the products the integer
-    kernels issue (vpdpbusd with AVX-512 VNNI, vpmaddubsw with AVX2) on independent register
+    kernels issue (vpdpbusd with AVX-512 VNNI or AVX-VNNI, vpmaddubsw with AVX2) on independent register
     chains, nothing read from memory (csrc/quant_kernels.cpp). A decode step of many rows is
     bound by these, as batch 1 is by the read bandwidth. The best of three timed runs of about
     `seconds` / 3 each; None where no int8 SIMD path runs (scalar, or the kernels not built)."""

@@ -100,7 +100,8 @@ def kernel_path() -> tuple[str | None, str]:
     if "avx2" not in isas:
         return None, "this CPU has no AVX2; the scalar reference path is too slow to serve"
     best = isas[-1]
-    return best, f"best of {', '.join(isas)} on this CPU"
+    level = str(cpu_kernels().native_isa())
+    return best, f"best of {', '.join(isas)} on this CPU at the native level {level}"
 
 
 # How the integer path rounds activations. "int8": one int8 value per element and a scale per
@@ -170,7 +171,7 @@ def wide_int_here(width: int) -> bool:
     """Whether "auto" sends steps past INT_ROWS through the integer kernel in a model `width`
     wide on this machine (INT_WIDE_WIDTH, above; any width inside `proposals_only`)."""
     wide_enough = width >= INT_WIDE_WIDTH or getattr(_route, "proposals_only", False)
-    return wide_enough and _path_id() in (ISA_IDS["avx512-vnni"], ISA_IDS["avx2"]) and amx_rows() == 0
+    return wide_enough and _path_id() in (ISA_IDS["avx512-vnni"], ISA_IDS["avxvnni"], ISA_IDS["avx2"]) and amx_rows() == 0
 
 
 @contextmanager

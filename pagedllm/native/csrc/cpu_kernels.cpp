@@ -93,7 +93,7 @@ inline __m512 hsum16(const __m512* a) {
 // multiplies the sum, not the query. It halves the scores' multiply-adds and drops the keys'
 // widening into a buffer. Used where the library runs at the avx512bf16 level (the CPU has the
 // instructions and PAGEDLLM_NATIVE_ISA does not cap the kernels below it).
-bool bf16_dots() { return pagedllm::native_level() >= 3; }
+bool bf16_dots() { return pagedllm::native_level() >= pagedllm::LEVEL_AVX512BF16; }
 
 // The scores of 16 keys (rows k[j], D values each) for one query vector q, times scale, in the
 // order of hsum16.

@@ -15,13 +15,19 @@
 #include "isa.h"  // first: the library headers, and the level this object is compiled for
 #include "quant_common.h"
 
-namespace PAGEDLLM_ISA {
-
+// cpu_kernels.cpp's attention, from the object dispatch.cpp registers beside this one: this
+// level's, or at avxvnni (where cpu_kernels is not compiled) the AVX2 one (isa.h).
+namespace PAGEDLLM_ISA_CPU_KERNELS {
 at::Tensor paged_decode_qkv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
                             at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slot_mapping,
                             const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t hq,
                             int64_t hkv, double scale, int64_t window,
                             const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale);
+}  // namespace PAGEDLLM_ISA_CPU_KERNELS
+
+namespace PAGEDLLM_ISA {
+
+using PAGEDLLM_ISA_CPU_KERNELS::paged_decode_qkv;
 
 std::tuple<at::Tensor, at::Tensor> quant_moe_block(const at::Tensor& x, const at::Tensor& norm_weight, double eps,
                                                    const at::Tensor& router, int64_t top_k, bool renormalize,

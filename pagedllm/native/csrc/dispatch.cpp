@@ -1,9 +1,14 @@
 // The one registration of the `pagedllm` torch ops: when the library loads, the best
 // instruction-set level this CPU runs is picked from its flags, and every op is registered
 // from that level's objects (isa.h; setup.py compiles each source once per level).
-// PAGEDLLM_NATIVE_ISA (base, avx2, avx512vnni, avx512bf16) caps the level: a test runs the
-// baseline objects on any machine that way. A build for one machine compiles only some levels
-// (setup.py writes which into pagedllm_built_levels.h); the best of those the CPU runs is used. Nothing here may throw: it runs inside dlopen.
+// PAGEDLLM_NATIVE_ISA (base, avx2, avxvnni, avx512vnni, avx512bf16) caps the level: a test runs
+// the baseline objects on any machine that way. The levels are one order but not nested (a Zen 4
+// has AVX-512 VNNI but no AVX-VNNI), so the level used is the highest at or below the cap that
+// this build compiled (setup.py writes which into pagedllm_built_levels.h) and this CPU runs.
+// The avxvnni level has two builds of one source (isa.h): the VEX one, for CPUs with AVX-VNNI,
+// and its EVEX twin, for CPUs with AVX-512 VL + VNNI but no AVX-VNNI; the twin is registered
+// only where the VEX build cannot run, and native_isa() names it. Nothing here may throw: it
+// runs inside dlopen.
 #include <torch/library.h>
 #include <torch/version.h>
 
@@ -37,71 +42,113 @@
 PAGEDLLM_DECLARE(isa_base)
 namespace isa_base { void register_prefill_attention(torch::Library& m); }
 #if defined(__x86_64__)
-#if PAGEDLLM_BUILT_AVX2
 PAGEDLLM_DECLARE(isa_avx2)
-#endif
-#if PAGEDLLM_BUILT_AVX512VNNI
+PAGEDLLM_DECLARE(isa_avxvnni)  // (only decode_stack and quant_* are compiled at avxvnni)
+PAGEDLLM_DECLARE(isa_avxvnni_evex)
 PAGEDLLM_DECLARE(isa_avx512vnni)
-#endif
-#if PAGEDLLM_BUILT_AVX512BF16
 namespace isa_avx512bf16 { void register_prefill_attention(torch::Library& m); }
-#endif
 #else
 #undef PAGEDLLM_BUILT_AVX2
+#undef PAGEDLLM_BUILT_AVXVNNI
+#undef PAGEDLLM_BUILT_AVXVNNI_EVEX
 #undef PAGEDLLM_BUILT_AVX512VNNI
 #undef PAGEDLLM_BUILT_AVX512BF16
 #define PAGEDLLM_BUILT_AVX2 0
+#define PAGEDLLM_BUILT_AVXVNNI 0
+#define PAGEDLLM_BUILT_AVXVNNI_EVEX 0
 #define PAGEDLLM_BUILT_AVX512VNNI 0
 #define PAGEDLLM_BUILT_AVX512BF16 0
 #endif
 
 namespace {
 
-enum Level { BASE = 0, AVX2 = 1, AVX512VNNI = 2, AVX512BF16 = 3 };
-const char* const LEVEL_NAMES[] = {"base", "avx2", "avx512vnni", "avx512bf16"};
-const bool BUILT[] = {true, PAGEDLLM_BUILT_AVX2, PAGEDLLM_BUILT_AVX512VNNI, PAGEDLLM_BUILT_AVX512BF16};
+enum Level { BASE = 0, AVX2 = 1, AVXVNNI = 2, AVX512VNNI = 3, AVX512BF16 = 4 };  // as isa.h's NativeLevel
+const char* const LEVEL_NAMES[] = {"base", "avx2", "avxvnni", "avx512vnni", "avx512bf16"};
+const char* const TWIN_NAME = "avxvnni (EVEX twin)";  // the avxvnni level's EVEX build, as reported
+// A level is built where either of its builds is (the avxvnni level: VEX or EVEX twin).
+const bool BUILT[] = {true, PAGEDLLM_BUILT_AVX2, PAGEDLLM_BUILT_AVXVNNI || PAGEDLLM_BUILT_AVXVNNI_EVEX,
+                      PAGEDLLM_BUILT_AVX512VNNI, PAGEDLLM_BUILT_AVX512BF16};
 
-// The highest level whose instructions (isa.h's pragmas) this CPU has.
-int cpu_level() {
+// Which builds of the avxvnni level this CPU runs (isa.h's pragmas): the VEX one needs AVX-VNNI,
+// the twin AVX-512 F + VL + VNNI.
+bool cpu_avx2() {
 #if defined(__x86_64__)
   __builtin_cpu_init();
-  if (!(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")))
-    return BASE;
-  if (!(__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512cd") &&
-        __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") &&
-        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni")))
-    return AVX2;
-  if (!__builtin_cpu_supports("avx512bf16")) return AVX512VNNI;
-  return AVX512BF16;
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
 #else
-  return BASE;
+  return false;
+#endif
+}
+bool cpu_avxvnni_vex() {
+#if defined(__x86_64__)
+  return cpu_avx2() && __builtin_cpu_supports("avxvnni");
+#else
+  return false;
+#endif
+}
+bool cpu_avxvnni_evex() {
+#if defined(__x86_64__)
+  return cpu_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+         __builtin_cpu_supports("avx512vnni");
+#else
+  return false;
 #endif
 }
 
-// The CPU's level, capped by PAGEDLLM_NATIVE_ISA (an unknown name caps nothing here; the
-// Python side refuses it before loading), then lowered to a level this build compiled.
+// Whether this CPU has the instructions of `level`'s objects (of the build that is there, for avxvnni).
+bool cpu_runs(int level) {
+#if defined(__x86_64__)
+  switch (level) {
+    case BASE: return true;
+    case AVX2: return cpu_avx2();
+    case AVXVNNI:
+      return (PAGEDLLM_BUILT_AVXVNNI && cpu_avxvnni_vex()) || (PAGEDLLM_BUILT_AVXVNNI_EVEX && cpu_avxvnni_evex());
+    case AVX512VNNI:
+    case AVX512BF16:
+      return cpu_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512cd") &&
+             __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") &&
+             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni") &&
+             (level == AVX512VNNI || __builtin_cpu_supports("avx512bf16"));
+  }
+#endif
+  return level == BASE;
+}
+
+// The highest level at or below PAGEDLLM_NATIVE_ISA's cap (an unknown name caps nothing here;
+// the Python side refuses it before loading) that this build compiled and this CPU runs.
 int chosen_level() {
-  int level = cpu_level();
-  const char* cap = std::getenv("PAGEDLLM_NATIVE_ISA");
-  if (cap != nullptr)
+  int cap = AVX512BF16;
+  const char* env = std::getenv("PAGEDLLM_NATIVE_ISA");
+  if (env != nullptr)
     for (int i = BASE; i <= AVX512BF16; ++i)
-      if (std::strcmp(cap, LEVEL_NAMES[i]) == 0) level = std::min(level, i);
-  while (!BUILT[level]) --level;
+      if (std::strcmp(env, LEVEL_NAMES[i]) == 0) cap = i;
+  int level = cap;
+  while (level > BASE && !(BUILT[level] && cpu_runs(level))) --level;
   return level;
 }
 
 const int LEVEL = chosen_level();
+// At the avxvnni level: the EVEX twin, where the VEX build is missing or this CPU lacks AVX-VNNI.
+const bool TWIN = LEVEL == AVXVNNI && !(PAGEDLLM_BUILT_AVXVNNI && cpu_avxvnni_vex());
 
-std::string native_isa() { return LEVEL_NAMES[LEVEL]; }
+std::string native_isa() { return TWIN ? TWIN_NAME : LEVEL_NAMES[LEVEL]; }
 // The op set's stamp: bumped whenever an op or class is added, removed or changes its schema.
 // native/__init__.py expects one number (NATIVE_ABI there) and refuses a library with another,
 // so the Python side asks this once instead of probing for each op.
 constexpr int64_t NATIVE_ABI = 2;
 int64_t native_abi() { return NATIVE_ABI; }
+// The levels compiled, comma-separated; the avxvnni level's twin by its name in native_isa().
 std::string native_built_levels() {
   std::string out;
-  for (int i = BASE; i <= AVX512BF16; ++i)
-    if (BUILT[i]) out += (out.empty() ? "" : ",") + std::string(LEVEL_NAMES[i]);
+  auto add = [&](const char* name) { out += (out.empty() ? "" : ",") + std::string(name); };
+  for (int i = BASE; i <= AVX512BF16; ++i) {
+    if (i == AVXVNNI) {
+      if (PAGEDLLM_BUILT_AVXVNNI) add(LEVEL_NAMES[i]);
+      if (PAGEDLLM_BUILT_AVXVNNI_EVEX) add(TWIN_NAME);
+    } else if (BUILT[i]) {
+      add(LEVEL_NAMES[i]);
+    }
+  }
   return out;
 }
 // The torch release these kernels were compiled against: its C++ ABI is what they link to.
@@ -165,6 +212,24 @@ TORCH_LIBRARY(pagedllm, m) {
     isa_avx512vnni::register_quant_kernels(m);
     isa_avx512vnni::register_quant_packed(m);
     isa_avx512vnni::register_sample_kernels(m);
+  } else
+#endif
+#if PAGEDLLM_BUILT_AVXVNNI
+  if (LEVEL == AVXVNNI && !TWIN) {  // (the rest at this level: their AVX2 objects)
+    isa_avx2::register_cpu_kernels(m);
+    isa_avxvnni::register_decode_stack(m);
+    isa_avxvnni::register_quant_kernels(m);
+    isa_avxvnni::register_quant_packed(m);
+    isa_avx2::register_sample_kernels(m);
+  } else
+#endif
+#if PAGEDLLM_BUILT_AVXVNNI_EVEX
+  if (LEVEL == AVXVNNI && TWIN) {
+    isa_avx2::register_cpu_kernels(m);
+    isa_avxvnni_evex::register_decode_stack(m);
+    isa_avxvnni_evex::register_quant_kernels(m);
+    isa_avxvnni_evex::register_quant_packed(m);
+    isa_avx2::register_sample_kernels(m);
   } else
 #endif
 #if PAGEDLLM_BUILT_AVX2

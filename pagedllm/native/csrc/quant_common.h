@@ -12,7 +12,8 @@
 // per 32 values (da) and its sums per 16 values kept, so
 //     sum_i w_i x_i = sum_groups da * (s * sum(q * a) + m * sum(a)).
 // The integer dot products sum(q * a) are where the ISA paths differ: AVX2 maddubs/madd,
-// AVX-512 VNNI vpdpbusd (256-bit, AVX512VL), and a plain C++ reference that every machine
+// AVX-VNNI's 256-bit vpdpbusd (the avxvnni level, isa.h: VEX, or its EVEX twin), AVX-512 VNNI
+// vpdpbusd (256-bit, AVX512VL), and a plain C++ reference that every machine
 // can run and that the tests compare all paths against. The path is picked at run time
 // from the CPU's flags (isa = 0), or forced by the caller (tests, benchmarks), among those this
 // object's level (isa.h) was compiled for.
@@ -53,7 +54,10 @@ inline Fmt fmt_of(int64_t t) {
   TORCH_CHECK(false, "quantized kernels: unsupported ggml type id ", t);
 }
 
-enum Isa : int64_t { AUTO = 0, SCALAR = 1, AVX2 = 2, AVX512VNNI = 3 };
+// The integer paths (quant/isa.py names them). AVXVNNI is the AVX2 kernels with one vpdpbusd
+// (u8 x s8, 4 products a lane into int32) where AVX2 takes maddubs + madd: only the avxvnni
+// level's objects hold it, as only the AVX-512 levels' hold AVX512VNNI.
+enum Isa : int64_t { AUTO = 0, SCALAR = 1, AVX2 = 2, AVX512VNNI = 3, AVXVNNI = 4 };
 // Flag or-ed into the isa argument of quant_matmul / quant_linear: two-level activations.
 constexpr int64_t ACT_X2 = 256;
 // quant_decode_layers only: bit ACT_X2_PROJ << j makes projection j of every layer (0 q|k|v,
@@ -325,6 +329,19 @@ PQ_AVX2 __m256i dot_avx2(__m256i w, __m256i a) {
   return _mm256_madd_epi16(_mm256_maddubs_epi16(w, a), _mm256_set1_epi16(1));
 }
 
+#ifdef PQ_AVXVNNI
+// dot_avx2's sums by one vpdpbusd: the same int32 lanes (maddubs' pairs never saturate here:
+// |w| <= 128 and |a| <= 127), so the same results bit for bit.
+template <bool SIGNED>
+inline __m256i dot_avxvnni(__m256i w, __m256i a) {
+  if (SIGNED) {
+    a = _mm256_sign_epi8(a, w);
+    w = _mm256_sign_epi8(w, w);
+  }
+  return PQ_DPBUSD256(_mm256_setzero_si256(), w, a);
+}
+#endif
+
 template <bool SIGNED>
 inline __m256i dot_vnni(__m256i w, __m256i a) {
 #ifdef PQ_HAS_VNNI
@@ -336,6 +353,16 @@ inline __m256i dot_vnni(__m256i w, __m256i a) {
 #else
   return dot_avx2<SIGNED>(w, a);  // never dispatched: isa_supported() says no
 #endif
+}
+
+// The 32-byte dot of path ISA (AVX2, AVXVNNI or AVX512VNNI) in this object.
+template <int64_t ISA, bool SIGNED>
+inline __m256i dot_isa(__m256i w, __m256i a) {
+#ifdef PQ_AVXVNNI
+  if constexpr (ISA == AVXVNNI) return dot_avxvnni<SIGNED>(w, a);
+#endif
+  if constexpr (ISA == AVX512VNNI) return dot_vnni<SIGNED>(w, a);
+  return dot_avx2<SIGNED>(w, a);
 }
 
 PQ_AVX2 float hsum(__m256 v) {
@@ -563,12 +590,24 @@ inline bool isa_supported(int64_t isa) {
       return isa_supported(AVX2) && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
              __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni");
 #endif
+#ifdef PQ_AVXVNNI
+    case AVXVNNI:
+#ifdef PAGEDLLM_EVEX_TWIN
+      return isa_supported(AVX2) && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+             __builtin_cpu_supports("avx512vnni");
+#else
+      return isa_supported(AVX2) && __builtin_cpu_supports("avxvnni");
+#endif
+#endif
     default: return false;
   }
 }
 
 inline int64_t best_isa() {
-  static const int64_t best = isa_supported(AVX512VNNI) ? AVX512VNNI : isa_supported(AVX2) ? AVX2 : SCALAR;
+  static const int64_t best = isa_supported(AVX512VNNI) ? AVX512VNNI
+                             : isa_supported(AVXVNNI)  ? AVXVNNI
+                             : isa_supported(AVX2)     ? AVX2
+                                                       : SCALAR;
   return best;
 }
 

@@ -90,7 +90,7 @@ inline void tile(uint8_t* const* q, float* const* sv, float* const* mv, const QA
       const __m256 d = _mm256_broadcast_ss(x.d.data() + ci);
       const __m256 ms = SIGNED ? d : _mm256_loadu_ps(x.msv.data() + ci * 8);
       for (int i = 0; i < NR; ++i) {
-        const __m256i p = ISA == AVX512VNNI ? dot_vnni<SIGNED>(w[i], av) : dot_avx2<SIGNED>(w[i], av);
+        const __m256i p = dot_isa<ISA, SIGNED>(w[i], av);
         acc[i][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(s[i], d), acc[i][r]);
         if (!SIGNED) macc[i][r] = _mm256_fmadd_ps(mw[i], ms, macc[i][r]);
       }
@@ -200,7 +200,7 @@ void gemv_direct(const uint8_t* w, int64_t rb, int64_t n0, int64_t n1, const QAc
         for (int r = 0; r < MR; ++r) {
           const int64_t c = x.at(r, c0);
           const __m256i av = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.a.data() + c * 32));
-          const __m256i p = ISA == AVX512VNNI ? dot_vnni<SIGNED>(wv, av) : dot_avx2<SIGNED>(wv, av);
+          const __m256i p = dot_isa<ISA, SIGNED>(wv, av);
           acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(sv, _mm256_set1_ps(x.d[c])), acc[r]);
           if (!SIGNED) macc[r] = _mm256_fmadd_ps(mw, _mm256_loadu_ps(x.msv.data() + c * 8), macc[r]);
         }
@@ -252,7 +252,12 @@ void part_rows(const Fmt& f, bool packed, const at::Tensor& w, int64_t isa, int6
   if (packed) { packed_matmul(f.type, isa, wp, w.size(1), r0 / 16, r1 / 16, qa, y, ldy); return; }
   const int64_t rb = w.stride(0);
 #ifdef PQ_X86
+#ifdef PQ_HAS_VNNI
   if (isa == AVX512VNNI) { gemv_fast_any<AVX512VNNI>(f.type, wp, rb, r0, r1, qa, y, ldy); return; }
+#endif
+#ifdef PQ_AVXVNNI
+  if (isa == AVXVNNI) { gemv_fast_any<AVXVNNI>(f.type, wp, rb, r0, r1, qa, y, ldy); return; }
+#endif
   if (isa == AVX2) { gemv_fast_any<AVX2>(f.type, wp, rb, r0, r1, qa, y, ldy); return; }
 #endif
   f.is_signed ? gemv_rows<true>(f, wp, rb, r0, r1, qa, y, ldy) : gemv_rows<false>(f, wp, rb, r0, r1, qa, y, ldy);
@@ -987,6 +992,21 @@ int64_t peak_chains_vnni(int64_t iters) {
   return _mm512_reduce_add_epi32(r);
 }
 #endif
+#ifdef PQ_AVXVNNI
+int64_t peak_chains_avxvnni(int64_t iters) {  // (peak_chains_vnni's loop on 256-bit registers)
+  __m256i acc[10];
+  for (auto& a : acc) a = _mm256_setzero_si256();
+  __m256i w = _mm256_set1_epi8(3), x = _mm256_set1_epi8(5);
+  for (int64_t i = 0; i < iters; ++i) {
+#pragma GCC unroll 10
+    for (auto& a : acc) a = PQ_DPBUSD256(a, w, x);
+    asm volatile("" : "+x"(w), "+x"(x));
+  }
+  __m256i r = acc[0];
+  for (int c = 1; c < 10; ++c) r = _mm256_add_epi32(r, acc[c]);
+  return _mm256_extract_epi32(r, 0);
+}
+#endif
 #ifdef PQ_X86
 int64_t peak_chains_avx2(int64_t iters) {
   // Each chain its own weights: with one operand pair the compiler computes the product once
@@ -1012,7 +1032,7 @@ int64_t peak_chains_avx2(int64_t iters) {
 // Multiply-accumulates a pass of peak_chains runs per thread (0: no int8 SIMD on this path).
 int64_t int8_peak_macs_per_pass(int64_t isa) {
   if (isa == AUTO) isa = best_isa();
-  return isa == AVX512VNNI ? 10 * 64 : isa == AVX2 ? 10 * 32 : 0;
+  return isa == AVX512VNNI ? 10 * 64 : (isa == AVX2 || isa == AVXVNNI) ? 10 * 32 : 0;
 }
 
 // Runs `iters` passes on every thread of torch's pool; returns a checksum (the caller times it).
@@ -1027,6 +1047,9 @@ int64_t int8_peak_run(int64_t isa, int64_t iters) {
 #ifdef PQ_HAS_VNNI
       if (isa == AVX512VNNI) { sums[t] = peak_chains_vnni(iters); continue; }
 #endif
+#ifdef PQ_AVXVNNI
+      if (isa == AVXVNNI) { sums[t] = peak_chains_avxvnni(iters); continue; }
+#endif
 #ifdef PQ_X86
       if (isa == AVX2) { sums[t] = peak_chains_avx2(iters); continue; }
 #endif
@@ -1036,10 +1059,11 @@ int64_t int8_peak_run(int64_t isa, int64_t iters) {
   return std::accumulate(sums.begin(), sums.end(), int64_t{0});
 }
 
-// Bit 0: scalar (always), 1: AVX2, 2: AVX-512 VNNI; which paths this CPU can run.
+// Bit 0: scalar (always), 1: AVX2, 2: AVX-512 VNNI, 3: AVX-VNNI; which paths this object holds
+// and this CPU can run.
 int64_t quant_isas() {
   int64_t mask = 0;
-  for (int64_t i = SCALAR; i <= AVX512VNNI; ++i)
+  for (int64_t i = SCALAR; i <= AVXVNNI; ++i)
     if (isa_supported(i)) mask |= int64_t{1} << (i - 1);
   return mask;
 }

@@ -300,15 +300,20 @@ void tile_avx2(const uint8_t* gp, int64_t k, T* out, int64_t ld) {
 // A 4-bit half block's int16 sums p (all 8 steps: 8 x 2 x 15 x 127 fits) for the row of block
 // index ci, into fa: the one sequence of float operations every tile and pass applies, so a
 // row's result does not depend on which kernel below took it (integer sums are exact in any order).
-template <int64_t TYPE>
-__attribute__((always_inline)) inline void finish4_avx2(__m256i p, __m256 s, __m256 mw, const QAct& x, int64_t ci,
-                                                        __m256& fa) {
+// finish_avx2 takes the half block's int32 sums ia (OFS: with the zero point iofs still to fold in).
+template <int64_t TYPE, bool OFS>
+__attribute__((always_inline)) inline void finish_avx2(__m256i ia, __m256 s, __m256 mw, const QAct& x, int64_t ci,
+                                                       __m256& fa) {
   constexpr PLayout L = playout(TYPE);
-  __m256i ia = _mm256_madd_epi16(p, _mm256_set1_epi16(1));
-  if constexpr (L.iofs != 0) ia = _mm256_add_epi32(ia, _mm256_set1_epi32(L.iofs * x.s32[ci]));
+  if constexpr (OFS && L.iofs != 0) ia = _mm256_add_epi32(ia, _mm256_set1_epi32(L.iofs * x.s32[ci]));
   fa = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia), _mm256_mul_ps(s, _mm256_set1_ps(x.d[ci])), fa);
   if constexpr (L.kq) fa = _mm256_fnmadd_ps(mw, _mm256_set1_ps(x.ds32[ci]), fa);
   else if constexpr (L.has_min) fa = _mm256_fmadd_ps(mw, _mm256_set1_ps(x.ds32[ci]), fa);
+}
+template <int64_t TYPE>
+__attribute__((always_inline)) inline void finish4_avx2(__m256i p, __m256 s, __m256 mw, const QAct& x, int64_t ci,
+                                                        __m256& fa) {
+  finish_avx2<TYPE, true>(_mm256_madd_epi16(p, _mm256_set1_epi16(1)), s, mw, x, ci, fa);
 }
 
 // One activation row (block index ci) against half a block's decoded weights: fa += the 8 rows'
@@ -344,11 +349,28 @@ __attribute__((always_inline)) inline void row_avx2(const __m256i* W, __m256 s, 
     }
     ia = _mm256_add_epi32(_mm256_madd_epi16(p0, ones), _mm256_madd_epi16(p1, ones));
   }
-  if constexpr (L.iofs != 0 && L.nbits != 8) ia = _mm256_add_epi32(ia, _mm256_set1_epi32(L.iofs * x.s32[ci]));
-  fa = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia), _mm256_mul_ps(s, _mm256_set1_ps(x.d[ci])), fa);
-  if constexpr (L.kq) fa = _mm256_fnmadd_ps(mw, _mm256_set1_ps(x.ds32[ci]), fa);
-  else if constexpr (L.has_min) fa = _mm256_fmadd_ps(mw, _mm256_set1_ps(x.ds32[ci]), fa);
+  finish_avx2<TYPE, L.nbits != 8>(ia, s, mw, x, ci, fa);  // (8-bit: the sign move took the offset out)
 }
+
+#ifdef PQ_AVXVNNI
+// row_avx2 at the avxvnni level: each step one vpdpbusd into int32 (no int16 sums to keep in
+// range, so every width takes the same two chains, and Q8_0 its unsigned value + 128 with the
+// offset folded in after, as the AVX-512 VNNI path does). The int32 sums equal row_avx2's, and
+// the float operations after them are finish_avx2's: the same results bit for bit.
+template <int64_t TYPE>
+__attribute__((always_inline)) inline void row_avxvnni(const __m256i* W, __m256 s, __m256 mw, const QAct& x, int64_t ci,
+                                                       __m256& fa) {
+  const uint8_t* a = reinterpret_cast<const uint8_t*>(x.a.data() + ci * 32);
+  auto act = [&](int t) { return _mm256_set1_epi32(static_cast<int>(u32(a + 4 * t))); };
+  __m256i p0 = PQ_DPBUSD256(_mm256_setzero_si256(), W[0], act(0));
+  __m256i p1 = PQ_DPBUSD256(_mm256_setzero_si256(), W[4], act(4));
+  for (int t = 1; t < 4; ++t) {
+    p0 = PQ_DPBUSD256(p0, W[t], act(t));
+    p1 = PQ_DPBUSD256(p1, W[t + 4], act(t + 4));
+  }
+  finish_avx2<TYPE, true>(_mm256_add_epi32(p0, p1), s, mw, x, ci, fa);
+}
+#endif
 
 // The blocks of group gp in order, for the tile of activation rows from r0: f(U, B, ci, a), U the
 // block's unit, B its bytes, ci the block index of the tile's first row (the tile's rows follow
@@ -373,10 +395,20 @@ __attribute__((always_inline)) inline void tile_blocks(const uint8_t* gp, const 
 // broadcast costs a vector slot like a product does (AMD Zen 4), so sharing it is most of the
 // gain. The empty asm statements keep each step's sums in order: without them GCC reassociated
 // the int16 adds into trees, kept every product alive at once and spilled them to the stack.
-template <int64_t TYPE, int MR>
+// VNNI (the avxvnni level): the same with vpdpbusd into int32 sums (the same sums).
+template <int64_t TYPE, int MR, bool VNNI = false>
 void group_avx2_wide(const uint8_t* gp, const QAct& x, int64_t r0, float* y, int64_t ldy) {
   constexpr PLayout L = playout(TYPE);
   static_assert(L.nbits == 4, "the wide AVX2 kernel sums 4-bit products in int16");
+  // p += w x a for 4 steps of u8 x s8: int16 pairs (maddubs) or, VNNI, int32 (vpdpbusd). ([&]:
+  // GCC emits a captureless lambda's conversion to a function pointer without the level's target.)
+  auto dot = [&](__m256i p, __m256i w, __m256i a, bool first) {
+#ifdef PQ_AVXVNNI
+    if constexpr (VNNI) return PQ_DPBUSD256(first ? _mm256_setzero_si256() : p, w, a);
+#endif
+    const __m256i q = _mm256_maddubs_epi16(w, a);
+    return first ? q : _mm256_add_epi16(p, q);
+  };
   const __m256i m4 = _mm256_set1_epi8(0x0F);
   __m256 fa[2][MR];
   for (int h = 0; h < 2; ++h)
@@ -389,16 +421,15 @@ void group_avx2_wide(const uint8_t* gp, const QAct& x, int64_t r0, float* y, int
         const __m256i l0 = _mm256_and_si256(v0, m4), l1 = _mm256_and_si256(v1, m4);
         for (int r = 0; r < MR; ++r) {
           const __m256i av = _mm256_set1_epi32(static_cast<int>(u32(a + 32 * r + 4 * c)));
-          const __m256i q0 = _mm256_maddubs_epi16(l0, av), q1 = _mm256_maddubs_epi16(l1, av);
-          p[0][r] = c == 0 ? q0 : _mm256_add_epi16(p[0][r], q0);
-          p[1][r] = c == 0 ? q1 : _mm256_add_epi16(p[1][r], q1);
+          p[0][r] = dot(p[0][r], l0, av, c == 0);
+          p[1][r] = dot(p[1][r], l1, av, c == 0);
         }
         for (int r = 0; r < MR; ++r) asm volatile("" : "+x"(p[0][r]), "+x"(p[1][r]));
         const __m256i h0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), m4), h1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), m4);
         for (int r = 0; r < MR; ++r) {
           const __m256i av = _mm256_set1_epi32(static_cast<int>(u32(a + 32 * r + 16 + 4 * c)));
-          p[0][r] = _mm256_add_epi16(p[0][r], _mm256_maddubs_epi16(h0, av));
-          p[1][r] = _mm256_add_epi16(p[1][r], _mm256_maddubs_epi16(h1, av));
+          p[0][r] = dot(p[0][r], h0, av, false);
+          p[1][r] = dot(p[1][r], h1, av, false);
         }
         for (int r = 0; r < MR; ++r) asm volatile("" : "+x"(p[0][r]), "+x"(p[1][r]));
       }
@@ -407,7 +438,10 @@ void group_avx2_wide(const uint8_t* gp, const QAct& x, int64_t r0, float* y, int
         if constexpr (L.kq) dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(U + 16 * h)));
         if constexpr (L.kq && L.has_min) mv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(U + 32 + 16 * h)));
         scales_avx2<TYPE>(B, h, dv, mv, s, s_hi, mw);
-        for (int r = 0; r < MR; ++r) finish4_avx2<TYPE>(p[h][r], s, mw, x, ci + r, fa[h][r]);
+        for (int r = 0; r < MR; ++r) {
+          if constexpr (VNNI) finish_avx2<TYPE, true>(p[h][r], s, mw, x, ci + r, fa[h][r]);
+          else finish4_avx2<TYPE>(p[h][r], s, mw, x, ci + r, fa[h][r]);
+        }
       }
   });
   for (int h = 0; h < 2; ++h)
@@ -420,7 +454,10 @@ void group_avx2_wide(const uint8_t* gp, const QAct& x, int64_t r0, float* y, int
 // of (q - 32) a, within +-32512. The madd that widens them multiplies by the rows' int16 scales,
 // so a block's two 16-value groups sum exactly in int32 and take one float product (d x the
 // activations' scale) a row, where summing pairs of steps took four madds and two.
-template <int64_t TYPE, int MR>
+// VNNI (the avxvnni level): vpdpbusd sums a 16-value group in int32, so the offset of 32 comes
+// off as 32 x the activations' 16-value sum (no off6 needed), and the rows' int32 scales multiply
+// it (vpmulld): the same int32 sums as the madd's, so the same results bit for bit.
+template <int64_t TYPE, int MR, bool VNNI = false>
 void group_avx2_q6(const uint8_t* gp, const QAct& x, int64_t r0, float* y, int64_t ldy) {
   constexpr PLayout L = playout(TYPE);
   static_assert(L.nbits == 6 && L.split, "the 6-bit AVX2 kernel is Q6_K's");
@@ -438,7 +475,7 @@ void group_avx2_q6(const uint8_t* gp, const QAct& x, int64_t r0, float* y, int64
   tile_blocks<TYPE>(gp, x, r0, pagedllm::weight_prefetch_bytes(MR), [&](const uint8_t* U, const uint8_t* B, int64_t ci,
                                                                      const uint8_t* a) {
     const uint8_t* S = B + L.vbytes + L.hbytes;
-    const int32_t* off = x.off6.data() + 2 * ci;
+    const int32_t* off = VNNI ? x.s16.data() + 2 * ci : x.off6.data() + 2 * ci;
     __m256i ia[2][MR];
 #pragma GCC unroll 2
     for (int g = 0; g < 2; ++g) {  // values 0-15 (steps 0-3), then 16-31 (steps 4-7)
@@ -449,11 +486,31 @@ void group_avx2_q6(const uint8_t* gp, const QAct& x, int64_t r0, float* y, int64
         const __m256i w0 = step(B, t, 0), w1 = step(B, t, 1);
         for (int r = 0; r < MR; ++r) {
           const __m256i av = _mm256_set1_epi32(static_cast<int>(u32(a + 32 * r + 4 * t)));
+#ifdef PQ_AVXVNNI
+          if constexpr (VNNI) {
+            p[0][r] = PQ_DPBUSD256(st == 0 ? _mm256_setzero_si256() : p[0][r], w0, av);
+            p[1][r] = PQ_DPBUSD256(st == 0 ? _mm256_setzero_si256() : p[1][r], w1, av);
+            continue;
+          }
+#endif
           const __m256i q0 = _mm256_maddubs_epi16(w0, av), q1 = _mm256_maddubs_epi16(w1, av);
           p[0][r] = st == 0 ? q0 : _mm256_add_epi16(p[0][r], q0);
           p[1][r] = st == 0 ? q1 : _mm256_add_epi16(p[1][r], q1);
         }
         for (int r = 0; r < MR; ++r) asm volatile("" : "+x"(p[0][r]), "+x"(p[1][r]));
+      }
+      if constexpr (VNNI) {  // (q a - 32 a) x the row's scale, in int32
+        const __m256i sc32[2] = {
+            _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(S + 16 * g))),
+            _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(S + 16 * g + 8)))};
+        for (int r = 0; r < MR; ++r) {
+          const __m256i c = _mm256_set1_epi32(32 * off[2 * r + g]);
+          for (int h = 0; h < 2; ++h) {
+            const __m256i q = _mm256_mullo_epi32(_mm256_sub_epi32(p[h][r], c), sc32[h]);
+            ia[h][r] = g == 0 ? q : _mm256_add_epi32(ia[h][r], q);
+          }
+        }
+        continue;
       }
       // The group's 16 scales as int16, each twice (both int16 of its row's lane): rows 0-7, 8-15.
       const __m256i sc = _mm256_permute4x64_epi64(
@@ -482,13 +539,14 @@ void group_avx2_q6(const uint8_t* gp, const QAct& x, int64_t r0, float* y, int64
 // group: every 64-byte line of the weights is read once, and the unit's scales once. More rows
 // take the halves one after the other, as their accumulators and one half's weights fill the
 // 16 registers.
-template <int64_t TYPE, int MR>
+// VNNI: the avxvnni level's kernels (row_avxvnni and the VNNI forms of the two above).
+template <int64_t TYPE, int MR, bool VNNI = false>
 void group_avx2(const uint8_t* gp, const QAct& x, int64_t r0, float* y, int64_t ldy) {
   constexpr PLayout L = playout(TYPE);
   if constexpr (L.split) {
-    group_avx2_q6<TYPE, MR>(gp, x, r0, y, ldy);
+    group_avx2_q6<TYPE, MR, VNNI>(gp, x, r0, y, ldy);
   } else if constexpr (L.nbits == 4 && MR >= 3 && MR <= 4) {
-    group_avx2_wide<TYPE, MR>(gp, x, r0, y, ldy);
+    group_avx2_wide<TYPE, MR, VNNI>(gp, x, r0, y, ldy);
   } else {
     const int ahead = pagedllm::weight_prefetch_bytes(MR);
     constexpr bool FUSED = MR <= 2;
@@ -511,6 +569,12 @@ void group_avx2(const uint8_t* gp, const QAct& x, int64_t r0, float* y, int64_t 
             __m256i W[8];
             __m256 s, mw, s_hi;
             decode_avx2<TYPE>(B, h, dv, mv, W, s, s_hi, mw);
+#ifdef PQ_AVXVNNI
+            if constexpr (VNNI) {
+              for (int r = 0; r < MR; ++r) row_avxvnni<TYPE>(W, s, mw, x, x.at(r0 + r, c), fa[hh][r]);
+              continue;
+            }
+#endif
             if constexpr (L.nbits == 8)
               for (int t = 0; t < 8; ++t) W[t] = _mm256_xor_si256(W[t], _mm256_set1_epi8(-128));  // back to int8
             for (int r = 0; r < MR; ++r) row_avx2<TYPE>(W, s, mw, x, x.at(r0 + r, c), fa[hh][r]);
@@ -800,7 +864,7 @@ void pgemm_simd(const uint8_t* w, int64_t gb, int64_t g0, int64_t g1, const QAct
   case R:                                                            \
     if constexpr (R <= MAXR) {                                       \
       if constexpr (ISA == AVX512VNNI) group_vnni_or<TYPE, R>(gp, x, r0, yg, ldy); \
-      else group_avx2<TYPE, R>(gp, x, r0, yg, ldy);                  \
+      else group_avx2<TYPE, R, ISA == AVXVNNI>(gp, x, r0, yg, ldy);  \
     }                                                                \
     break;
     switch (mr) {
@@ -885,7 +949,12 @@ void pmatmul(int64_t isa, const uint8_t* w, int64_t gb, int64_t g0, int64_t g1, 
   if constexpr (playout(TYPE).split)
     TORCH_CHECK(isa != AVX2 || static_cast<int64_t>(x.off6.size()) == x.m * (x.k / 16),
                 "the AVX2 Q6_K kernel needs the activations quantized with their offsets (needs_off6)");
+#ifdef PQ_HAS_VNNI
   if (isa == AVX512VNNI) return pgemm_simd<AVX512VNNI, TYPE>(w, gb, g0, g1, x, y, ldy);
+#endif
+#ifdef PQ_AVXVNNI
+  if (isa == AVXVNNI) return pgemm_simd<AVXVNNI, TYPE>(w, gb, g0, g1, x, y, ldy);
+#endif
   if (isa == AVX2) return pgemm_simd<AVX2, TYPE>(w, gb, g0, g1, x, y, ldy);
 #endif
   pgemm_scalar(playout(TYPE), w, gb, g0, g1, x, y, ldy);
