@@ -31,7 +31,7 @@ class Settings:
     native: bool = _var("PAGEDLLM_NATIVE", True, bool, "python",
                         "0 turns the native CPU kernels off: the PyTorch paths run")
     native_isa: str | None = _var("PAGEDLLM_NATIVE_ISA", None, str, "python, C++ (dispatch.cpp)",
-                                  "caps the kernels' instruction-set level (default: the CPU's best)",
+                                  "caps the kernels' instruction-set level (default: the CPU's best; avxvnni only when named)",
                                   ("base", "avx2", "avxvnni", "avx512vnni", "avx512bf16"))
     amx: bool = _var("PAGEDLLM_AMX", True, bool, "C++ (quant_packed.cpp)",
                      "0 keeps bfloat16 steps over packed weights off the AMX tile product")

@@ -102,6 +102,19 @@ def test_env_reports_what_torch_and_cpuinfo_say():
         assert "make kernels" in native["rebuild"]
 
 
+def test_env_names_the_level_the_dispatch_takes_uncapped():
+    """Levels are not nested (a Zen 4 has AVX-512 VNNI, no AVX-VNNI), and dispatch.cpp takes
+    avxvnni only where PAGEDLLM_NATIVE_ISA names it: an Alder Lake runs avx2 uncapped."""
+    from pagedllm.cli.env import cpu_level
+
+    alder_lake = {"avx2", "fma", "f16c", "avx_vnni"}
+    zen4 = {"avx2", "fma", "f16c", "avx512f", "avx512cd", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni",
+            "avx512_bf16"}
+    assert cpu_level(alder_lake) == "avx2" and cpu_level(alder_lake, "avxvnni") == "avxvnni"
+    assert cpu_level(zen4) == "avx512bf16" and cpu_level(zen4 - {"avx512_bf16"}) == "avx512vnni"
+    assert cpu_level({"sse4_2", "avx"}) == "base" and cpu_level(set()) is None
+
+
 @pytest.mark.slow
 def test_env_says_why_the_kernels_did_not_load():
     r = subprocess.run([sys.executable, "-m", "pagedllm.cli.main", "env"], capture_output=True, text=True,

@@ -50,13 +50,14 @@ def cpu_info() -> dict[str, Any]:
     return {"model": name, "flags": sorted(flags)}
 
 
-def cpu_level(flags: set[str]) -> str | None:
-    """The highest native level these flags run (as dispatch.cpp decides); None if unknown."""
+def cpu_level(flags: set[str], cap: str | None = None) -> str | None:
+    """The highest native level these flags run, as dispatch.cpp decides uncapped (avxvnni only
+    when the cap names it: dispatch.cpp says why); None if unknown."""
     if not flags:
         return None
     level = "base"
     for name, needed in LEVEL_FLAGS.items():
-        if set(needed) <= flags:
+        if set(needed) <= flags and (name != "avxvnni" or cap == "avxvnni"):
             level = name
     return level
 
@@ -114,12 +115,12 @@ def native_report(cpu_flags: set[str]) -> dict[str, Any]:
         out["why_not"] = said[-1] if said else "unknown"
         out["rebuild"] = BUILD_HINT
         return out
-    host = cpu_level(cpu_flags)
-    built = str(ops.native_built_levels()).split(",") if hasattr(ops, "native_built_levels") else None
-    level = str(ops.native_isa())
     from .. import settings
 
     cap = os.environ.get(settings.env_name("native_isa"))  # raw: a bad value is reported, not raised
+    host = cpu_level(cpu_flags, cap)
+    built = str(ops.native_built_levels()).split(",") if hasattr(ops, "native_built_levels") else None
+    level = str(ops.native_isa())
     reasons = [f"this CPU runs up to {host}" if host else "this CPU's flags are unknown"]
     if cap:
         reasons.append(f"capped at {cap} by PAGEDLLM_NATIVE_ISA")
