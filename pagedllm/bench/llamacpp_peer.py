@@ -191,29 +191,30 @@ def built_isa(L: Any) -> str:
     return " ".join(f for f in ISA_FEATURES if f in on) or "no SIMD features reported"
 
 
-def rss_mb() -> float | None:
-    """This process's resident set now, in MB (VmRSS); None where /proc is not there."""
+def _status_mb(field: str) -> float | None:
+    """A field of this process's /proc/self/status (VmRSS, VmHWM), in MB; None where not there."""
     try:
         with open("/proc/self/status") as f:
             for line in f:
-                if line.startswith("VmRSS:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024 / 1e6
     except OSError:
         pass
     return None
 
 
+def rss_mb() -> float | None:
+    """This process's resident set now, in MB (VmRSS); None where /proc is not there."""
+    return _status_mb("VmRSS")
+
+
 def peak_rss_mb() -> float:
     """This process's peak resident set, in MB. On Linux VmHWM, the high-water mark of this
     process's own memory map: ru_maxrss carries the spawning parent's peak across fork and
     exec, so a child that stays smaller than the bench's parent reports the parent's figure."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024 / 1e6
-    except OSError:
-        pass
+    peak = _status_mb("VmHWM")
+    if peak is not None:
+        return peak
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
     return rss / 1e6 if sys.platform == "darwin" else rss * 1024 / 1e6
 
