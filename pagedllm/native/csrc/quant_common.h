@@ -510,8 +510,10 @@ inline void offsets6(const int8_t* q, int32_t* o) {
 // the same way, as the row after it (x ~ d1 q1 + d2 q2, about 14 bits instead of 7): the
 // kernels then see 2m rows that share each decoded weight tile, and the caller sums the pairs.
 // off6: also QAct::off6 (on x86 levels; the other formats and paths do without its cost).
+// msv: also QAct::msv, which only the file-layout kernels read; a product of packed weights
+// alone skips it (zeroing it costs a wide step a pass over eight floats a block).
 template <typename T>
-void quantize_rows(const T* x, int64_t m, int64_t k, QAct& out, int levels = 1, bool off6 = false) {
+void quantize_rows(const T* x, int64_t m, int64_t k, QAct& out, int levels = 1, bool off6 = false, bool msv = true) {
   const int64_t kc = k / 32, rows = m * levels;
   out.m = rows;
   out.k = k;
@@ -521,7 +523,7 @@ void quantize_rows(const T* x, int64_t m, int64_t k, QAct& out, int levels = 1, 
   out.s32.resize(rows * kc);
   out.ds32.resize(rows * kc);
   out.ds16.resize(rows * (k / 16));
-  out.msv.assign(rows * kc * 8, 0.f);
+  if (msv) out.msv.assign(rows * kc * 8, 0.f);
 #ifdef PQ_X86
   if (off6) out.off6.resize(rows * (k / 16));
 #endif
@@ -531,8 +533,10 @@ void quantize_rows(const T* x, int64_t m, int64_t k, QAct& out, int levels = 1, 
     out.s16[2 * c + 1] = s1;
     out.ds16[2 * c] = d * static_cast<float>(s0);
     out.ds16[2 * c + 1] = d * static_cast<float>(s1);
-    out.msv[c * 8] = out.ds16[2 * c];
-    out.msv[c * 8 + 4] = out.ds16[2 * c + 1];
+    if (msv) {
+      out.msv[c * 8] = out.ds16[2 * c];
+      out.msv[c * 8 + 4] = out.ds16[2 * c + 1];
+    }
     out.s32[c] = s0 + s1;
     out.ds32[c] = d * static_cast<float>(s0 + s1);
   };

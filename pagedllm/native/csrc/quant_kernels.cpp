@@ -316,9 +316,9 @@ at::Tensor matmul_tailed(const at::Tensor& x, at::TensorList ws, at::IntArrayRef
   QAct qa;
   const bool off6 = needs_off6(isa, types);
   switch (xc.scalar_type()) {
-    case at::kFloat: quantize_rows(xc.data_ptr<float>(), m, k, qa, levels, off6); break;
-    case at::kBFloat16: quantize_rows(xc.data_ptr<c10::BFloat16>(), m, k, qa, levels, off6); break;
-    case at::kHalf: quantize_rows(xc.data_ptr<c10::Half>(), m, k, qa, levels, off6); break;
+    case at::kFloat: quantize_rows(xc.data_ptr<float>(), m, k, qa, levels, off6, !all_packed); break;
+    case at::kBFloat16: quantize_rows(xc.data_ptr<c10::BFloat16>(), m, k, qa, levels, off6, !all_packed); break;
+    case at::kHalf: quantize_rows(xc.data_ptr<c10::Half>(), m, k, qa, levels, off6, !all_packed); break;
     default: TORCH_CHECK(false, "quant_matmul: x must be float32, bfloat16 or float16");
   }
   // Threads split the output in units of 16 rows (a packed group) where every part allows it.

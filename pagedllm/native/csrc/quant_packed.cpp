@@ -416,6 +416,7 @@ void group_avx2_wide(const uint8_t* gp, const QAct& x, int64_t r0, float* y, int
   tile_blocks<TYPE>(gp, x, r0, pagedllm::weight_prefetch_bytes(MR), [&](const uint8_t* U, const uint8_t* B, int64_t ci,
                                                                      const uint8_t* a) {
       __m256i p[2][MR];
+#pragma GCC unroll 4
       for (int c = 0; c < 4; ++c) {
         const __m256i v0 = ld(B + 64 * c), v1 = ld(B + 64 * c + 32);
         const __m256i l0 = _mm256_and_si256(v0, m4), l1 = _mm256_and_si256(v1, m4);
