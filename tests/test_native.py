@@ -238,6 +238,88 @@ def test_long_contexts_split_into_chunks_and_merge(native, window):
         assert torch.equal(got[i:i + 1], alone), i
 
 
+_AT_LEVEL = r"""
+import sys, torch
+from pagedllm.native import cpu_kernels
+ops = cpu_kernels()
+cases = torch.load(sys.argv[1])
+outs = []
+for q, kc, vc, tables, lens, window, ks, vs in cases:
+    scales = () if ks is None else (ks, vs)
+    together = ops.paged_decode(q, kc, vc, tables, lens, q.shape[-1] ** -0.5, window, *scales)
+    alone = [ops.paged_decode(q[i:i + 1], kc, vc, tables[i:i + 1], lens[i:i + 1], q.shape[-1] ** -0.5, window,
+                              *scales) for i in range(len(lens))]
+    outs.append((together, alone))
+torch.save(outs, sys.argv[2])
+print(ops.native_isa())
+"""
+
+
+def _reference64(q, k, v, tables, lens, window):
+    """Softmax attention in float64 over the dequantized cache, one sequence at a time."""
+    hq, d, hkv = q.shape[1], q.shape[2], k.shape[2]
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for i, n in enumerate(lens.tolist()):
+        lo = max(0, n - window) if window > 0 else 0
+        ki = k[tables[i]].flatten(0, 1)[lo:n].double().repeat_interleave(hq // hkv, 1)  # [t, hq, d]
+        vi = v[tables[i]].flatten(0, 1)[lo:n].double().repeat_interleave(hq // hkv, 1)
+        p = torch.softmax(torch.einsum("hd,thd->ht", q[i].double(), ki) * d ** -0.5, dim=-1)
+        out[i] = torch.einsum("ht,thd->hd", p, vi)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("level", ["base", "avx2", "avx512vnni", "avx512bf16"])
+def test_each_level_matches_float64_attention_for_every_cache(native, tmp_path, level):
+    """paged_decode capped at each x86 level (PAGEDLLM_NATIVE_ISA) against softmax attention in
+    float64: float32, bf16, f16, int8 and f8e4m3 caches, head dims 64 and 128 (the blocked paths)
+    and 80 (the run-time one), with and without a window, speculative row groups (rows 4-6:
+    one sequence's positions) and a context past one chunk; every row bit for bit as alone."""
+    from pagedllm.kv.quant import quantize_fp8, quantize_int8
+
+    g = torch.Generator().manual_seed(68)
+    nblocks, bs, hkv, group = 48, 16, 2, 3
+    lens = torch.tensor([1, 7, 16, 17, 40, 41, 42, 90, 131, 300])
+    tables = torch.stack([torch.randperm(nblocks - 1, generator=g)[:19] + 1 for _ in lens])
+    tables[5:7] = tables[4]
+    cases, refs = [], []
+    for cache in ("float32", "bfloat16", "float16", "int8", "f8e4m3"):
+        for d in (64, 128, 80):
+            k = torch.randn(nblocks, bs, hkv, d, generator=g) * 2
+            v = torch.randn(nblocks, bs, hkv, d, generator=g)
+            ks = vs = None
+            if cache == "int8":
+                (kc, ks), (vc, vs) = quantize_int8(k), quantize_int8(v)
+                k, v = kc.double() * ks[..., None].double(), vc.double() * vs[..., None].double()
+            elif cache == "f8e4m3":
+                ks, vs = torch.tensor([0.02, 0.01]), torch.tensor([0.005, 0.01])
+                kc, vc = quantize_fp8(k, ks), quantize_fp8(v, vs)
+                k, v = kc.double() * ks[:, None].double(), vc.double() * vs[:, None].double()
+            else:
+                kc, vc = k.to(getattr(torch, cache)), v.to(getattr(torch, cache))
+                k, v = kc, vc
+            qdtypes = [torch.float32] + ([torch.bfloat16] if cache in ("bfloat16", "int8") else [])
+            for qdtype in qdtypes:
+                for window in (0, 40):
+                    q = torch.randn(len(lens), hkv * group, d, generator=g).to(qdtype)
+                    cases.append((q, kc, vc, tables, lens, window, ks, vs))
+                    refs.append(_reference64(q, k, v, tables, lens, window))
+    torch.save(cases, tmp_path / "cases.pt")
+    env = {**os.environ, "PAGEDLLM_NATIVE_ISA": level}
+    r = subprocess.run([sys.executable, "-c", _AT_LEVEL, str(tmp_path / "cases.pt"), str(tmp_path / "outs.pt")],
+                       env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    ran = r.stdout.strip().splitlines()[-1]
+    if ran != level:
+        pytest.skip(f"capped at {level}, this build and CPU run {ran}")
+    for (q, kc, _, _, _, window, _, _), want, (together, alone) in zip(cases, refs, torch.load(tmp_path / "outs.pt")):
+        where = f"{kc.dtype}, q {q.dtype}, head dim {q.shape[-1]}, window {window}"
+        tol = 1e-5 if q.dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(together.double(), want, atol=tol, rtol=tol, msg=lambda m: f"{where}: {m}")
+        for i, row in enumerate(alone):
+            assert torch.equal(together[i:i + 1], row), f"{where}: row {i} differs from itself alone"
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("per_head,clip", [(True, None), (False, None), (False, 0.8)])
 def test_qk_norm_gives_the_rms_norm_ops_values(native, dtype, per_head, clip):

@@ -113,6 +113,85 @@ __attribute__((target("avx512bf16"))) __m512 key_dots_bf16(const c10::BFloat16* 
 }
 #endif
 
+// The blocked scores and values of decode() below, at each x86 level: LANES float32 lanes a
+// vector, key_sums the scores of LANES keys at once for one query vector (one accumulator a
+// key, one transposing reduction for all the sums), add_values a run of keys' weighted value
+// rows into one query vector's D accumulators, held in registers across the run. Key rows are
+// given by pointer: read in place from a float32 pool, or widened into a buffer.
+#ifdef PQ_HAS_VNNI
+constexpr int LANES = 16;
+
+// sums[j] = q . k[j] for the 16 keys, in the order of hsum16.
+template <int D>
+inline void key_sums(const float* q, const float* const* k, float* sums) {
+  __m512 qr[D / 16], acc[16];
+  for (int c = 0; c < D / 16; ++c) qr[c] = _mm512_loadu_ps(q + 16 * c);
+  for (int j = 0; j < 16; ++j) {
+    acc[j] = _mm512_mul_ps(qr[0], _mm512_loadu_ps(k[j]));
+    for (int c = 1; c < D / 16; ++c) acc[j] = _mm512_fmadd_ps(qr[c], _mm512_loadu_ps(k[j] + 16 * c), acc[j]);
+  }
+  _mm512_store_ps(sums, hsum16(acc));
+}
+
+// a[i] += p[t] * v[t][i] for t < n, key by key: the same FMAs in the same order as one key at a time.
+template <int D>
+inline void add_values(float* a, const float* p, const float* const* v, int64_t n) {
+  __m512 acc[D / 16];
+  for (int j = 0; j < D / 16; ++j) acc[j] = _mm512_loadu_ps(a + 16 * j);
+  for (int64_t t = 0; t < n; ++t) {
+    const __m512 w = _mm512_set1_ps(p[t]);
+    for (int j = 0; j < D / 16; ++j) acc[j] = _mm512_fmadd_ps(w, _mm512_loadu_ps(v[t] + 16 * j), acc[j]);
+  }
+  for (int j = 0; j < D / 16; ++j) _mm512_storeu_ps(a + 16 * j, acc[j]);
+}
+#elif defined(PQ_X86)
+constexpr int LANES = 8;
+
+// out[j] = the sum of a[j]'s 8 lanes, for 8 vectors at once: pairs, then quads of lanes within
+// each 128-bit lane, then the two 128-bit lanes. Every a[j] is summed in the same order:
+// ((l0 + l2) + (l1 + l3)) in each 128-bit lane, then L0 + L1 (hsum16's first steps).
+inline __m256 hsum8(const __m256* a) {
+  __m256 b[4], c[2];
+  for (int k = 0; k < 4; ++k)
+    b[k] = _mm256_add_ps(_mm256_unpacklo_ps(a[2 * k], a[2 * k + 1]), _mm256_unpackhi_ps(a[2 * k], a[2 * k + 1]));
+  for (int k = 0; k < 2; ++k)
+    c[k] = _mm256_add_ps(_mm256_shuffle_ps(b[2 * k], b[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm256_shuffle_ps(b[2 * k], b[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  return _mm256_add_ps(_mm256_permute2f128_ps(c[0], c[1], 0x20), _mm256_permute2f128_ps(c[0], c[1], 0x31));
+}
+
+// sums[j] = q . k[j] for the 8 keys, in the order of hsum8. AVX2 has 16 vector registers: the
+// query of D = 128 (16 vectors) and 8 accumulators do not fit, so the query is read a vector
+// at a time across the 8 keys (each key's products still added in order of i).
+template <int D>
+inline void key_sums(const float* q, const float* const* k, float* sums) {
+  __m256 acc[8];
+  const __m256 q0 = _mm256_loadu_ps(q);
+  for (int j = 0; j < 8; ++j) acc[j] = _mm256_mul_ps(q0, _mm256_loadu_ps(k[j]));
+  for (int c = 1; c < D / 8; ++c) {
+    const __m256 qc = _mm256_loadu_ps(q + 8 * c);
+    for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k[j] + 8 * c), acc[j]);
+  }
+  _mm256_store_ps(sums, hsum8(acc));
+}
+
+// a[i] += p[t] * v[t][i] for t < n, key by key, in slices of up to 64 values: 8 accumulators,
+// which with the weight and a row's vector fit the 16 registers (D = 128 at once would spill).
+template <int D>
+inline void add_values(float* a, const float* p, const float* const* v, int64_t n) {
+  constexpr int H = D % 64 == 0 ? 64 : D % 32 == 0 ? 32 : 8;
+  for (int h0 = 0; h0 < D; h0 += H) {
+    __m256 acc[H / 8];
+    for (int j = 0; j < H / 8; ++j) acc[j] = _mm256_loadu_ps(a + h0 + 8 * j);
+    for (int64_t t = 0; t < n; ++t) {
+      const __m256 w = _mm256_set1_ps(p[t]);
+      for (int j = 0; j < H / 8; ++j) acc[j] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v[t] + h0 + 8 * j), acc[j]);
+    }
+    for (int j = 0; j < H / 8; ++j) _mm256_storeu_ps(a + h0 + 8 * j, acc[j]);
+  }
+}
+#endif
+
 // Rows that are consecutive positions of one sequence (speculative verification: the last
 // token and its proposals) share the block table and have lengths L, L + 1, ...: they form a
 // group whose keys and values are read once for all its rows (row i sees the first L + i).
@@ -209,6 +288,8 @@ void decode(const T* q, int64_t q_sn, int64_t q_sh, const C* kc, const C* vc, co
 #else
   const bool bf16_scores = false;
 #endif
+  // A float32 cache holds the rows as the FMAs read them: the blocked paths take them in place.
+  constexpr bool in_place = std::is_same_v<C, float>;
   std::vector<float> part(item_off.back());
   at::parallel_for(0, n_items, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf, row(d), scores, vbuf, kbuf;
@@ -262,53 +343,53 @@ void decode(const T* q, int64_t q_sn, int64_t q_sh, const C* kc, const C* vc, co
       };
       scores.resize(nq * CHUNK);
       // Scores: each key row is converted once and used by every query vector that sees it.
-#ifdef PQ_HAS_VNNI
-      constexpr bool blocked = D % 16 == 0 && D > 0 && D <= 128;
+#ifdef PQ_X86
+      // Position t's row of head h in a float32 pool, read in place (no scale, no widening).
+      auto row_at = [&](const C* cache, int64_t t) {
+        return cache + static_cast<int64_t>(table[t / block_size]) * blk_stride + (t % block_size) * tok_stride + h * D;
+      };
+      constexpr bool blocked = D % LANES == 0 && D > 0 && D <= 128;
       if constexpr (blocked) {
-        // Sixteen keys at a time: one accumulator a key, the query vector in registers, and
-        // one transposing reduction for the 16 sums, where a dot product at a time reduced
-        // each key's vector alone. Every key's sum takes the same order whatever its place in
-        // the block, so a score does not depend on the batch or the chunk.
-        // bf16 scores: the keys read in place (a zero row outside the item's); else widened
-        // into kbuf (zeros outside), whose rows the float32 FMAs read.
-        alignas(64) static const c10::BFloat16 zeros[D > 0 ? D : 1] = {};
-        const C* krow[16];
-        if (!bf16_scores) kbuf.resize(16 * D);
-        for (int64_t t0 = lo - lo % 16; t0 < hi; t0 += 16) {
-          for (int64_t j = 0; j < 16; ++j) {
+        // LANES keys at a time: one accumulator a key and one transposing reduction for their
+        // sums (key_sums), where a dot product at a time reduced each key's vector alone.
+        // Every key's sum takes the same order whatever its place in the block, so a score
+        // does not depend on the batch or the chunk. A float32 cache's keys are read in place
+        // (a zero row outside the item's); other caches' are widened into kbuf first. bf16
+        // scores read a bf16 cache's keys in place as well.
+        alignas(64) static const float zeros[D > 0 ? D : 1] = {};
+        const C* krow[LANES];     // bf16 scores
+        const float* kf[LANES];   // the float32 rows key_sums reads
+        if (!bf16_scores && !in_place) kbuf.resize(LANES * D);
+        for (int64_t t0 = lo - lo % LANES; t0 < hi; t0 += LANES) {
+          for (int64_t j = 0; j < LANES; ++j) {
             const int64_t t = t0 + j;
             const bool outside = t < lo || t >= hi;  // never read from the pool
             if (bf16_scores) {
-              krow[j] = outside ? reinterpret_cast<const C*>(zeros)
-                                : kc + static_cast<int64_t>(table[t / block_size]) * blk_stride +
-                                      (t % block_size) * tok_stride + h * D;
+              krow[j] = outside ? reinterpret_cast<const C*>(zeros) : row_at(kc, t);
             } else if (outside) {
-              std::fill(kbuf.data() + j * D, kbuf.data() + (j + 1) * D, 0.f);
+              kf[j] = zeros;
+            } else if constexpr (in_place) {
+              kf[j] = row_at(kc, t);
             } else {
               load_at(kc, ks, t, kbuf.data() + j * D);
+              kf[j] = kbuf.data() + j * D;
             }
           }
           for (int64_t r = 0; r < rows; ++r) {
-            const int64_t a = std::max(t0, lo_r[r]), b = std::min(t0 + 16, hi_r[r]);
+            const int64_t a = std::max(t0, lo_r[r]), b = std::min(t0 + LANES, hi_r[r]);
             if (a >= b) continue;
             for (int64_t g = 0; g < g_per_kv; ++g) {
               const int64_t qv = r * g_per_kv + g;
-              alignas(64) float sums[16];
+              alignas(64) float sums[LANES];
               if (bf16_scores) {
+#ifdef PQ_HAS_VNNI
                 if constexpr (bf16_pair)  // (compiled for a bf16 query and cache alone)
                   _mm512_store_ps(sums, key_dots_bf16<D>(reinterpret_cast<const c10::BFloat16*>(
                                                              q + (n0 + r) * q_sn + (h * g_per_kv + g) * q_sh),
                                                          reinterpret_cast<const c10::BFloat16* const*>(krow), scale));
+#endif
               } else {
-                const float* qg = qf.data() + qv * D;
-                __m512 qr[D / 16], acc[16];
-                for (int c = 0; c < D / 16; ++c) qr[c] = _mm512_loadu_ps(qg + 16 * c);
-                for (int j = 0; j < 16; ++j) {
-                  const float* kr = kbuf.data() + j * D;
-                  acc[j] = _mm512_mul_ps(qr[0], _mm512_loadu_ps(kr));
-                  for (int c = 1; c < D / 16; ++c) acc[j] = _mm512_fmadd_ps(qr[c], _mm512_loadu_ps(kr + 16 * c), acc[j]);
-                }
-                _mm512_store_ps(sums, hsum16(acc));
+                key_sums<D>(qf.data() + qv * D, kf, sums);
               }
               float* sc = scores.data() + qv * CHUNK;
               for (int64_t t = a; t < b; ++t) sc[t - lo_r[r]] = sums[t - t0];
@@ -344,32 +425,32 @@ void decode(const T* q, int64_t q_sn, int64_t q_sh, const C* kc, const C* vc, co
         pm[v] = m;
         ps[v] = sum;
       }
-#ifdef PQ_HAS_VNNI
-      if constexpr (D % 16 == 0 && D > 0 && D <= 256) {
-        // Values a block of VB keys at a time: the rows are widened once into vbuf, then each
-        // query vector's D accumulators stay in registers across the block. Key by key, they
-        // were loaded and stored for every key and query vector (8 loads, 8 FMAs and 8 stores
-        // a key at D = 128). The same FMAs in the same key order: the same bits.
+#ifdef PQ_X86
+      if constexpr (D % LANES == 0 && D > 0 && D <= 256) {
+        // Values a block of VB keys at a time: each query vector's D accumulators stay in
+        // registers across the block (add_values), where key by key they were loaded and
+        // stored for every key and query vector (8 loads, 8 FMAs and 8 stores a key at D = 128
+        // on AVX-512). A float32 cache's rows are read in place; others are widened once into
+        // vbuf. The same FMAs in the same key order: the same bits.
         constexpr int64_t VB = 32;
-        vbuf.resize(VB * D);
+        const float* vrow[VB];
+        if (!in_place) vbuf.resize(VB * D);
         for (int64_t t0 = lo; t0 < hi; t0 += VB) {
           const int64_t t1 = std::min(hi, t0 + VB);
-          for (int64_t t = t0; t < t1; ++t) load_at(vc, vs, t, vbuf.data() + (t - t0) * D);
+          for (int64_t t = t0; t < t1; ++t) {
+            if constexpr (in_place) {
+              vrow[t - t0] = row_at(vc, t);
+            } else {
+              load_at(vc, vs, t, vbuf.data() + (t - t0) * D);
+              vrow[t - t0] = vbuf.data() + (t - t0) * D;
+            }
+          }
           for (int64_t r = 0; r < rows; ++r) {
             const int64_t a = std::max(t0, lo_r[r]), b = std::min(t1, hi_r[r]);
             if (a >= b) continue;
             for (int64_t g = 0; g < g_per_kv; ++g) {
               const int64_t qv = r * g_per_kv + g;
-              const float* sc = scores.data() + qv * CHUNK;
-              float* ag = pa + qv * D;
-              __m512 acc[D / 16];
-              for (int j = 0; j < D / 16; ++j) acc[j] = _mm512_loadu_ps(ag + 16 * j);
-              for (int64_t t = a; t < b; ++t) {
-                const __m512 p = _mm512_set1_ps(sc[t - lo_r[r]]);
-                const float* vr = vbuf.data() + (t - t0) * D;
-                for (int j = 0; j < D / 16; ++j) acc[j] = _mm512_fmadd_ps(p, _mm512_loadu_ps(vr + 16 * j), acc[j]);
-              }
-              for (int j = 0; j < D / 16; ++j) _mm512_storeu_ps(ag + 16 * j, acc[j]);
+              add_values<D>(pa + qv * D, scores.data() + qv * CHUNK + (a - lo_r[r]), vrow + (a - t0), b - a);
             }
           }
         }
