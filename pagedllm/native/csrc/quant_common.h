@@ -428,9 +428,9 @@ struct QAct {
   std::vector<int8_t> a;
   std::vector<float> d;
   std::vector<int32_t> s16;
-  std::vector<float> ds16;  // d * s16: what the weights' offsets multiply
-  // Per 32 values, 8 floats: ds16 of the first 16 in lane 0 and of the second in lane 4, zeros
-  // elsewhere, so the offsets' term is one vector fma per chunk with no serial scalar chain.
+  // Per 32 values, 8 floats: d * s16 (what the weights' offsets multiply) of the first 16 in
+  // lane 0 and of the second in lane 4, zeros elsewhere, so the offsets' term is one vector fma
+  // per chunk with no serial scalar chain (the file-layout kernels; quantize_rows' msv).
   std::vector<float> msv;
   std::vector<int32_t> s32;  // sums per 32 values, and d * s32 (the packed kernels' offsets)
   std::vector<float> ds32;
@@ -522,7 +522,6 @@ void quantize_rows(const T* x, int64_t m, int64_t k, QAct& out, int levels = 1, 
   out.s16.resize(rows * (k / 16));
   out.s32.resize(rows * kc);
   out.ds32.resize(rows * kc);
-  out.ds16.resize(rows * (k / 16));
   if (msv) out.msv.assign(rows * kc * 8, 0.f);
 #ifdef PQ_X86
   if (off6) out.off6.resize(rows * (k / 16));
@@ -531,11 +530,9 @@ void quantize_rows(const T* x, int64_t m, int64_t k, QAct& out, int levels = 1, 
     out.d[c] = d;
     out.s16[2 * c] = s0;
     out.s16[2 * c + 1] = s1;
-    out.ds16[2 * c] = d * static_cast<float>(s0);
-    out.ds16[2 * c + 1] = d * static_cast<float>(s1);
     if (msv) {
-      out.msv[c * 8] = out.ds16[2 * c];
-      out.msv[c * 8 + 4] = out.ds16[2 * c + 1];
+      out.msv[c * 8] = d * static_cast<float>(s0);
+      out.msv[c * 8 + 4] = d * static_cast<float>(s1);
     }
     out.s32[c] = s0 + s1;
     out.ds32[c] = d * static_cast<float>(s0 + s1);
