@@ -202,3 +202,85 @@ def test_openapi_and_help_describe_the_routes(server):
     assert "/v1/messages" in paths and "/v1/messages/count_tokens" in paths
     assert paths["/v1/messages"]["post"]["requestBody"]["content"]["application/json"]["schema"]["$ref"] \
         .endswith("MessagesRequest")
+
+
+# -- what Claude Code sends (issue 78) ------------------------------------------------------------
+
+
+def test_max_tokens_past_the_context_is_served_to_its_end(client):
+    """Claude Code asks for max_tokens 32,000-64,000 whatever the model: served up to the room the
+    context leaves (this server's is 1,024 tokens), not refused; a prompt with no room left is."""
+    long = [{"role": "user", "content": "one two three four five six seven eight nine ten " * 90}]
+    msg = client.messages.create(model="default", max_tokens=64000, messages=long, **GREEDY)
+    assert msg.stop_reason in ("end_turn", "max_tokens")
+    assert 900 < msg.usage.input_tokens + msg.usage.cache_read_input_tokens
+    assert msg.usage.input_tokens + msg.usage.cache_read_input_tokens + msg.usage.output_tokens <= 1024
+    with pytest.raises(anthropic.BadRequestError) as e:
+        client.messages.create(model="default", max_tokens=8, messages=[{"role": "user", "content": long[0]["content"] * 2}])
+    assert "prompt is too long" in e.value.body["error"]["message"]
+
+
+@pytest.mark.parametrize("field, value", [("temperature", 1.5), ("temperature", -0.1), ("top_p", 2)])
+def test_sampling_out_of_anthropic_ranges(client, field, value):
+    with pytest.raises(anthropic.BadRequestError) as e:
+        client.messages.create(model="default", max_tokens=4, messages=ASK, extra_body={field: value})
+    assert e.value.body["error"]["type"] == "invalid_request_error" and field in e.value.body["error"]["message"]
+
+
+def test_claude_code_request_fields(client):
+    """The fields and blocks of Claude Code's requests: system messages among the messages,
+    metadata, context_management, output_config, thinking (adaptive, display omitted), a
+    deferred tool and a hosted one left out of the prompt, cache_control, a thinking block sent
+    back with its signature, a tool_result holding text and an image, the anthropic-beta header."""
+    plain = client.messages.count_tokens(model="default", messages=ASK, tools=TOOLS[:1]).input_tokens
+    deferred = {"name": "later", "description": "A tool found by search", "defer_loading": True,
+                "input_schema": WEATHER}
+    hosted = {"type": "web_search_20250305", "name": "web_search", "max_uses": 2}
+    assert client.messages.count_tokens(model="default", messages=ASK,
+                                        tools=[*TOOLS[:1], deferred, hosted]).input_tokens == plain
+    thought = "The user wants a sum."
+    signed = client.messages.create(
+        model="default", max_tokens=8, tools=[*TOOLS[:1], deferred, hosted],
+        system=[{"type": "text", "text": "Be brief.", "cache_control": {"type": "ephemeral"}}],
+        messages=[*ASK,
+                  {"role": "assistant", "content": [
+                      {"type": "thinking", "thinking": "", "signature": _signature(thought)},
+                      {"type": "tool_use", "id": "toolu_1", "name": "add", "input": {"a": 2, "b": 3}}]},
+                  {"role": "user", "content": [
+                      {"type": "tool_result", "tool_use_id": "toolu_1", "content": [
+                          {"type": "text", "text": "5"},
+                          {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA=="}},
+                          {"type": "tool_reference", "tool_name": "later"}]},
+                      {"type": "text", "text": "Thanks.", "cache_control": {"type": "ephemeral"}}]},
+                  {"role": "system", "content": "Answer in English."}],
+        extra_body={"metadata": {"user_id": "u"}, "context_management": {"edits": [{"type": "clear_thinking_20251015"}]},
+                    "output_config": {"effort": "high"}, "thinking": {"type": "adaptive", "display": "omitted"}},
+        extra_headers={"anthropic-beta": "claude-code-20250219,interleaved-thinking-2025-05-14"})
+    assert signed.content is not None and signed.stop_reason in ("end_turn", "max_tokens", "tool_use")
+
+
+def _signature(thought: str) -> str:
+    from pagedllm.protocols.anthropic.messages import signature
+
+    return signature(thought)
+
+
+def test_thinking_signature_carries_its_text():
+    from pagedllm.protocols.anthropic.messages import MessagesRequest, neutral_messages, signature, thought_of
+
+    assert thought_of(signature("Let me think: é∑")) == "Let me think: é∑"
+    assert thought_of("EqQBCkgIARABGAIiQL...") == ""  # another server's signature carries nothing here
+    req = MessagesRequest(max_tokens=4, messages=[
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": [{"type": "thinking", "thinking": "", "signature": signature("hmm")},
+                                          {"type": "text", "text": "Hello"}]}])
+    assert neutral_messages(req, None, False)[1]["reasoning_content"] == "hmm"
+
+
+def test_structured_output_by_output_config(client):
+    schema = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"],
+              "additionalProperties": False}
+    msg = client.messages.create(model="default", max_tokens=32, messages=ASK,
+                                 extra_body={"temperature": 0, "output_config": {
+                                     "format": {"type": "json_schema", "schema": schema}}})
+    jsonschema.validate(json.loads(_text(msg)), schema)

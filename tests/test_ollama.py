@@ -169,3 +169,24 @@ def test_tool_call_answer_has_object_arguments():
     assert whole["total_duration"] == 1_000_000_000 and whole["eval_count"] == 3
     [line] = dialect.NDJSONStreamer("m", True, plan).events(out)
     assert json.loads(line)["message"]["tool_calls"] == whole["message"]["tool_calls"]
+
+
+def test_codex_oss_probes(client, server):
+    """Codex's --oss mode: /api/version compared against the Ollama release it needs, /api/tags,
+    then /api/pull of its model, which for the model served is a success with nothing to fetch."""
+    version = httpx.get(f"{server.url}/api/version").json()["version"]
+    assert tuple(map(int, version.split("."))) >= (0, 13, 4)
+    name = client.list().models[0].model
+    assert [p.status for p in client.pull(name, stream=True)] == ["pulling manifest", "success"]
+    assert client.pull(name).status == "success"
+    with pytest.raises(ollama.ResponseError) as e:
+        client.pull("llama3:70b")
+    assert e.value.status_code == 404 and "pagedllm serve" in e.value.error
+
+
+def test_num_predict_past_the_context_is_served_to_its_end(client):
+    """num_predict is a ceiling (as Ollama reads it): past the context's room, the answer runs
+    to the context's end, never a refusal."""
+    long = "one two three four five six seven eight nine ten " * 90
+    r = client.generate(model="default", prompt=long, options={"num_predict": 100_000, "temperature": 0}, stream=False)
+    assert r.done and r.prompt_eval_count > 900 and r.prompt_eval_count + r.eval_count <= 1024

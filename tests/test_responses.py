@@ -5,6 +5,7 @@ client's own types; texts are compared with the chat route's answer to the same 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -178,7 +179,7 @@ def test_store_is_bounded(client):
 
 
 @pytest.mark.parametrize("kw, param", [
-    ({"input": QUESTION, "tools": [{"type": "web_search"}]}, "tools.0.type"),
+    ({"input": QUESTION, "tools": [{"type": "function", "name": "bad name!"}]}, "tools.0.name"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]},
      "input.0.content.0"),
     ({"input": []}, "input"),
@@ -192,3 +193,58 @@ def test_bad_requests(client, kw, param):
     with pytest.raises((openai.BadRequestError, openai.NotFoundError)) as e:
         client.responses.create(model="default", **kw)
     assert e.value.body["param"] == param, e.value.body
+
+
+# -- Codex CLI's tools (issue 78): namespace, custom and hosted tools, tool outputs as parts ------
+
+NAMESPACE = {"type": "namespace", "name": "weather_v1", "description": "Weather tools.",
+             "tools": [{**TOOL, "strict": False}]}
+CUSTOM = {"type": "custom", "name": "set_code", "description": "Set a code of three letters and two digits",
+          "format": {"type": "grammar", "syntax": "regex", "definition": "[a-z]{3}-[0-9]{2}"}}
+
+
+def test_namespace_call_comes_back_with_its_namespace(client):
+    """A namespaced function is offered under its own name; its call names the namespace, and
+    sent back as history (with its output as content parts, Codex's other shape) it is
+    understood; hosted tools (web_search) are left out, not refused."""
+    r = client.responses.create(model="default", input="What's the weather in Paris, in celsius?",
+                                tools=[NAMESPACE, {"type": "web_search", "external_web_access": False}],
+                                tool_choice={"type": "function", "name": "get_weather"}, temperature=0.0,
+                                parallel_tool_calls=False, include=["reasoning.encrypted_content"],
+                                reasoning={"summary": "auto"}, store=False, prompt_cache_key="k")
+    strict(r)
+    call = r.output[0].model_dump()
+    assert call["type"] == "function_call" and call["name"] == "get_weather"
+    assert call["namespace"] == "weather_v1"
+    jsonschema.validate(json.loads(call["arguments"]), WEATHER)
+    r2 = client.responses.create(model="default", tools=[NAMESPACE], max_output_tokens=8, input=[
+        {"role": "user", "content": "What's the weather in Paris, in celsius?"},
+        {"type": "reasoning", "summary": [], "encrypted_content": "opaque"},
+        {k: call[k] for k in ("type", "name", "namespace", "arguments", "call_id")},
+        {"type": "function_call_output", "call_id": call["call_id"],
+         "output": [{"type": "input_text", "text": "21 C"}, {"type": "input_image", "image_url": "data:,"}]}])
+    strict(r2)
+    assert r2.output[0].type == "message"
+
+
+def test_custom_tool_input_follows_its_regex(client):
+    """A custom tool takes free text: its call is a custom_tool_call whose input matches the
+    tool's regex grammar (llguidance enforces it under a forced choice), whole or streamed."""
+    r = client.responses.create(model="default", input="Set the code to abc-12.", tools=[CUSTOM],
+                                tool_choice={"type": "custom", "name": "set_code"}, temperature=0.9)
+    strict(r)
+    item = r.output[0]
+    assert item.type == "custom_tool_call" and item.name == "set_code"
+    assert re.fullmatch(r"[a-z]{3}-[0-9]{2}", item.input), item.input
+    events = _events(client.responses.create(model="default", input="Set the code.", tools=[CUSTOM],
+                                             tool_choice={"type": "custom", "name": "set_code"},
+                                             temperature=0.9, stream=True))
+    done = [e for e in events if e.type == "response.output_item.done"]
+    assert done[0].item.type == "custom_tool_call" and re.fullmatch(r"[a-z]{3}-[0-9]{2}", done[0].item.input)
+    assert events[-1].response.output[0].input == done[0].item.input
+    # The call and its output, sent back as Codex sends them, are the next turn's history.
+    r2 = client.responses.create(model="default", tools=[CUSTOM], max_output_tokens=8, input=[
+        {"role": "user", "content": "Set the code to abc-12."},
+        {"type": "custom_tool_call", "call_id": item.call_id, "name": "set_code", "input": item.input},
+        {"type": "custom_tool_call_output", "call_id": item.call_id, "output": "done"}])
+    strict(r2)

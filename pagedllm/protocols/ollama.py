@@ -27,6 +27,9 @@ from .common.errors import ApiError
 
 MODEL_MANAGEMENT = ("models are chosen when pagedllm starts (`pagedllm serve MODEL`); this server "
                     "cannot {what} models: restart it with the model you want")
+# What /api/version reports: the Ollama release whose API this server follows (clients such as
+# Codex's --oss mode compare it against the release they need), not pagedllm's own version.
+OLLAMA_API_VERSION = "0.13.4"
 THINK_LEVELS = ("low", "medium", "high")  # `think` as a string (gpt-oss's reasoning effort)
 
 
@@ -73,6 +76,20 @@ class EmbedRequest(BaseModel):
     keep_alive: str | int | float | None = None
 
 
+class PullRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    model: str | None = None
+    name: str | None = None  # older clients' spelling
+    stream: bool = True
+    insecure: bool = False
+
+
+def pull_lines(req: PullRequest) -> list[dict]:
+    """/api/pull of a model this server already serves: nothing to download, so the progress
+    Ollama streams is its first and last line."""
+    return [{"status": "pulling manifest"}, {"status": "success"}] if req.stream else [{"status": "success"}]
+
+
 class ShowRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
     model: str | None = None
@@ -88,13 +105,14 @@ def now_iso() -> str:
 
 def sampling_params(body: _Body, ctx: ServingContext, n_prompt: int, structured: Any) -> SamplingParams:
     """Ollama's `options` (its names) as sampling parameters; unknown options (num_ctx, num_gpu,
-    mirostat ...) are accepted and have no effect here."""
+    mirostat ...) are accepted and have no effect here. `num_predict` past the context's room
+    is served up to that room (done_reason "length"), as Ollama does."""
     o = body.options or {}
     num_predict = o.get("num_predict")
     max_tokens = num_predict if isinstance(num_predict, int) and num_predict > 0 else None
     try:
         return SamplingParams(
-            max_tokens=max_tokens or ctx.default_max_tokens(n_prompt, 1),
+            max_tokens=ctx.capped_max_tokens(n_prompt, max_tokens),
             temperature=float(o.get("temperature", 0.8)), top_k=int(o.get("top_k", 40)) or -1,
             top_p=float(o.get("top_p", 0.9)), min_p=float(o.get("min_p", 0.0)),
             repetition_penalty=float(o.get("repeat_penalty", 1.0)),

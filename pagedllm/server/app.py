@@ -20,11 +20,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
 from .._version import __version__
+from ..protocols.anthropic import messages as anthropic_dialect
 from ..protocols.common.context import ServingContext
 from ..protocols.common.errors import ApiError
 from ..protocols.common.tokens import TokenText
@@ -211,9 +212,12 @@ class ModelNames:
     def __init__(self, names: list[str], adapters: lora.Adapters) -> None:
         self.names, self.adapters = names, adapters
 
+    def all_names(self) -> list[str]:
+        return [*self.names, *self.adapters.by_name]
+
     def check(self, name: str | None) -> None:
         if name is not None and name not in self.names and self.adapters.get(name) is None:
-            served = ", ".join(f"`{n}`" for n in [*self.names, *self.adapters.by_name])
+            served = ", ".join(f"`{n}`" for n in self.all_names())
             raise ApiError(f"the model `{name}` does not exist; this server serves {served}",
                            status=404, param="model", code="model_not_found")
 
@@ -260,7 +264,9 @@ def _install_basics(app: FastAPI, engine: AsyncEngine, metrics: ServerMetrics, c
         return JSONResponse({"status": "ok"})
 
     @app.get("/v1/models")
-    async def list_models() -> Response:
+    async def list_models(request: Request) -> Response:
+        if anthropic_dialect.wants_anthropic(request.headers):
+            return JSONResponse(anthropic_dialect.model_list(models.all_names(), ctx.started))
         cards = [ModelCard(id=n, max_model_len=ctx.max_model_len) for n in models.names]
         cards += [ModelCard(id=a.lora_name, root=a.lora_path, parent=ctx.model_name, max_model_len=ctx.max_model_len)
                   for a in list(models.adapters.by_name.values())]

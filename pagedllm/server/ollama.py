@@ -11,7 +11,6 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from .._version import __version__
 from ..protocols import ollama
 from ..protocols.common.errors import ApiError
 from ..protocols.openai.embeddings import EmbeddingRequest
@@ -68,7 +67,22 @@ def install(app: FastAPI, s: Served, gen: Generation, names: list[str]) -> None:
 
     @app.get("/api/version")
     async def version() -> Response:
-        return JSONResponse({"version": __version__})
+        return JSONResponse({"version": ollama.OLLAMA_API_VERSION})
+
+    @app.post("/api/pull")
+    @ollama_errors
+    async def pull(request: Request) -> Response:
+        req: ollama.PullRequest = await s.read_body(request, ollama.PullRequest)
+        name = req.model or req.name
+        try:
+            s.check_model(name)
+        except ApiError:
+            raise ApiError(ollama.MODEL_MANAGEMENT.format(what="pull") + f" (asked for {name!r}; "
+                           f"this server serves {', '.join(names)})", status=404) from None
+        lines = ollama.pull_lines(req)
+        if not req.stream:
+            return JSONResponse(lines[-1])
+        return Response("".join(json.dumps(line) + "\n" for line in lines), media_type="application/x-ndjson")
 
     @app.get("/api/tags")
     async def tags() -> Response:
@@ -113,7 +127,7 @@ def install(app: FastAPI, s: Served, gen: Generation, names: list[str]) -> None:
         return JSONResponse({"model": s.ctx.model_name, "embeddings": [v.tolist() for v in vecs],
                              "prompt_eval_count": sum(len(p) for p in ids)})
 
-    for route, what in (("/api/pull", "pull"), ("/api/create", "create"), ("/api/delete", "delete"),
+    for route, what in (("/api/create", "create"), ("/api/delete", "delete"),
                         ("/api/copy", "copy"), ("/api/push", "push")):
         def refuse(what: str = what) -> Any:
             @ollama_errors
@@ -123,4 +137,5 @@ def install(app: FastAPI, s: Served, gen: Generation, names: list[str]) -> None:
         app.add_api_route(route, refuse(), methods=["DELETE"] if what == "delete" else ["POST"])
 
     document_bodies(app, {"/api/chat": ollama.ChatRequest, "/api/generate": ollama.GenerateRequest,
-                          "/api/embed": ollama.EmbedRequest, "/api/show": ollama.ShowRequest})
+                          "/api/embed": ollama.EmbedRequest, "/api/show": ollama.ShowRequest,
+                          "/api/pull": ollama.PullRequest})

@@ -17,6 +17,7 @@ from ..protocols.openai.responses import (
     ResponseEvents,
     ResponsesRequest,
     ResponseStore,
+    ResponseTools,
     new_item_id,
     renamed_error,
     as_messages,
@@ -68,8 +69,9 @@ def install(app: FastAPI, s: Served, store_size: int = DEFAULT_STORE_SIZE) -> No
                                f"server keeps the latest {store.size} responses in memory)",
                                status=404, param="previous_response_id")
             history = prev[0]
-        new = input_messages(req.input)
-        chat = chat_request(req, history, new)
+        tools = ResponseTools.of(req.tools)
+        new = input_messages(req.input, tools)
+        chat = chat_request(req, history, new, tools)
         try:
             limits.check_prompt_chars(limits.chat_chars(chat), s.ctx.max_model_len, "input")
             call = await s.run(chat_call, chat, s.ctx, s.token_text)  # the chat route's builder
@@ -81,16 +83,16 @@ def install(app: FastAPI, s: Served, store_size: int = DEFAULT_STORE_SIZE) -> No
 
         def keep(done: dict) -> None:
             if req.store is not False:
-                store.put(rid, history + new + as_messages(done["output"]), done)
+                store.put(rid, history + new + as_messages(done["output"], tools), done)
 
         if req.stream:
-            ev = ResponseEvents(resp, call.streamer)
+            ev = ResponseEvents(resp, call.streamer, tools)
             return SSEResponse(_events(sub, ev, keep), sub.abort_unfinished)
         finals = await collect_or_fail(sub, request)
         if finals is None:
             return Response(status_code=499)
         chat_resp = call.response(finals)
-        output, reason = output_of(chat_resp)
+        output, reason = output_of(chat_resp, tools)
         finish(resp, output, reason, usage_of(chat_resp.usage))
         keep(resp)
         return JSONResponse(resp)

@@ -17,6 +17,7 @@ from pydantic import BaseModel
 from starlette.middleware.cors import CORSMiddleware
 
 from .._version import __version__
+from ..protocols.anthropic import messages as anthropic_dialect
 from ..protocols.common.context import ServingContext
 from ..protocols.openai.models import ModelCard
 from ..protocols.openai.tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
@@ -47,8 +48,10 @@ class Served:
 
 def install(app: FastAPI, s: Served) -> None:
     @app.get("/v1/models/{model_id:path}")
-    async def model_card(model_id: str) -> Response:
+    async def model_card(model_id: str, request: Request) -> Response:
         s.check_model(model_id)
+        if anthropic_dialect.wants_anthropic(request.headers):
+            return JSONResponse(anthropic_dialect.model_info(model_id, s.ctx.started))
         return JSONResponse(ModelCard(id=model_id, max_model_len=s.ctx.max_model_len).model_dump())
 
     @app.post("/tokenize")

@@ -9,9 +9,12 @@ is dropped before templating (it means nothing to a local model); `keep_attribut
 (`pagedllm serve --keep-anthropic-attribution`) keeps it."""
 from __future__ import annotations
 
-import hashlib
+import base64
+import binascii
 import json
+import logging
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -24,8 +27,14 @@ from ..common.call import Call
 from ..common.context import ServingContext, new_id
 from ..common.errors import ApiError
 
+logger = logging.getLogger(__name__)
+
 ATTRIBUTION_PREFIX = "x-anthropic-billing-header:"
 MAX_STOP_SEQUENCES = 16
+# A thinking block's signature carries its text, so a block sent back with its text left out
+# (`thinking.display: "omitted"`, or a client that strips it) still reaches the template whole.
+SIGNATURE_PREFIX = "pagedllm1."
+_warned_tools: set[str] = set()  # tool types left out of prompts, each logged once
 
 
 class _Model(BaseModel):
@@ -63,6 +72,25 @@ class CountTokensRequest(_Model):
 
 
 # -- the request, translated ---------------------------------------------------------------------
+
+
+def _tool_result_text(result: str | list[dict], where: str) -> str:
+    """A tool_result's content as text. Blocks a text model cannot read (an image a Read tool
+    returned, a document) become a one-line note, so the agent's loop goes on."""
+    if isinstance(result, str):
+        return result
+    parts = []
+    for j, b in enumerate(result):
+        kind = b.get("type") if isinstance(b, dict) else None
+        if kind == "text" and isinstance(b.get("text"), str):
+            parts.append(b["text"])
+        elif kind == "tool_reference":  # a tool search's answer: that tool is offered from now on
+            parts.append(f"Tool {b.get('tool_name', '')} is now available.")
+        elif kind in ("image", "document", "search_result"):
+            parts.append(f"[{kind} omitted: this server passes tool results to the model as text]")
+        else:
+            raise ApiError(f"{where}.{j}: unknown block type {kind!r} in a tool_result", param=f"{where}.{j}")
+    return "\n".join(parts)
 
 
 def _text_of(blocks: str | list[dict], where: str) -> str:
@@ -121,8 +149,7 @@ def _user_message(i: int, content: list[dict], ctx: ServingContext) -> list[dict
         elif kind == "tool_result":
             if not b.get("tool_use_id"):
                 raise ApiError(f"{where}: a tool_result needs tool_use_id", param=where)
-            result = b.get("content", "")
-            text = result if isinstance(result, str) else _text_of(result, f"{where}.content")
+            text = _tool_result_text(b.get("content", ""), f"{where}.content")
             if b.get("is_error"):
                 text = f"Error: {text}"
             out.append({"role": "tool", "tool_call_id": b["tool_use_id"], "content": text})
@@ -147,7 +174,7 @@ def _assistant_message(i: int, content: list[dict]) -> dict:
                           "function": {"name": b.get("name", ""),
                                        "arguments": json.dumps(b.get("input") or {}, ensure_ascii=False)}})
         elif kind == "thinking":
-            thoughts.append(b.get("thinking", ""))
+            thoughts.append(b.get("thinking") or thought_of(b.get("signature")))
         elif kind != "redacted_thinking":
             raise ApiError(f"messages.{i}.content.{j}: unknown content block type {kind!r} in an "
                            "assistant message", param=f"messages.{i}.content.{j}")
@@ -180,8 +207,44 @@ def neutral_messages(req: MessagesRequest | CountTokensRequest, ctx: ServingCont
     return out
 
 
+def _referenced_tools(messages: list[MessageParam]) -> set[str]:
+    """The tools a tool search loaded in this conversation (`tool_reference` blocks in tool
+    results): a deferred tool is offered to the model from then on."""
+    names = set()
+    for m in messages:
+        for b in m.content if isinstance(m.content, list) else []:
+            if isinstance(b, dict) and b.get("type") == "tool_result" and isinstance(b.get("content"), list):
+                names |= {r.get("tool_name") for r in b["content"]
+                          if isinstance(r, dict) and r.get("type") == "tool_reference"}
+    return names
+
+
+def client_tools(tools: list[dict] | None, loaded: set[str]) -> list[dict] | None:
+    """The tools the model is offered: client tools, except deferred ones (`defer_loading`) no
+    tool search has loaded yet. Anthropic's server tools (web search, code execution, ...) and
+    its schema-less client tools (bash_20250124, text_editor_...) cannot run here: they are
+    left out of the prompt, with a warning logged once per type, rather than refused."""
+    if tools is None:
+        return None
+    kept = []
+    for j, t in enumerate(tools):
+        if not isinstance(t, dict):
+            raise ApiError(f"tools.{j}: a tool must be an object", param=f"tools.{j}")
+        kind = t.get("type")
+        if kind not in (None, "custom"):
+            if kind not in _warned_tools:
+                _warned_tools.add(kind)
+                logger.warning("tool type %r is not run by this server: left out of the prompt "
+                               "(client tools with an input_schema are offered to the model)", kind)
+            continue
+        if t.get("defer_loading") and t.get("name") not in loaded:
+            continue
+        kept.append(t)
+    return kept
+
+
 def openai_tools(tools: list[dict] | None, choice: dict | None) -> tuple[list[dict] | None, Any, bool | None]:
-    """Anthropic's tools and tool_choice as the seam's function tools, choice and parallelism."""
+    """Anthropic's client tools and tool_choice as the seam's function tools, choice and parallelism."""
     if choice is not None and choice.get("type") not in ("auto", "any", "tool", "none"):
         raise ApiError(f"tool_choice type {choice.get('type')!r} is unknown; use auto, any, tool or none",
                        param="tool_choice")
@@ -191,9 +254,6 @@ def openai_tools(tools: list[dict] | None, choice: dict | None) -> tuple[list[di
         return None, None, None
     fns = []
     for j, t in enumerate(tools):
-        if t.get("type") not in (None, "custom"):
-            raise ApiError(f"tools.{j}: server tool {t.get('type')!r} is not available here; declare "
-                           "client tools with name, description and input_schema", param=f"tools.{j}")
         if not t.get("name"):
             raise ApiError(f"tools.{j}: a tool needs a name", param=f"tools.{j}")
         fns.append({"type": "function", "function": {
@@ -220,7 +280,8 @@ def _thinking_kwargs(thinking: dict | None) -> dict:
 
 def prompt_of(req: MessagesRequest | CountTokensRequest, ctx: ServingContext, keep_attribution: bool
               ) -> tuple[list[int] | Any, tool_api.ToolPlan | None]:
-    tools, choice, parallel = openai_tools(req.tools, req.tool_choice)
+    offered = client_tools(req.tools, _referenced_tools(req.messages))
+    tools, choice, parallel = openai_tools(offered, req.tool_choice)
     plan = neutral.tool_plan(ctx, tools, choice, parallel)
     ids = neutral.chat_prompt(ctx, neutral_messages(req, ctx, keep_attribution), plan,
                               **_thinking_kwargs(req.thinking))
@@ -232,31 +293,68 @@ def count_tokens(req: CountTokensRequest, ctx: ServingContext, keep_attribution:
     return {"input_tokens": neutral.prompt_len(ids)}
 
 
+def max_tokens_within(ctx: ServingContext, n_prompt: int, asked: int) -> int:
+    """`max_tokens` as a ceiling, not a demand: a request asking for more than the context has
+    room for after its prompt is served up to that room and ends with stop_reason "max_tokens"
+    (Claude Code asks for 32,000-64,000 whatever the model). Only a prompt that leaves no room
+    for one token is refused."""
+    if n_prompt >= ctx.max_model_len:
+        raise ApiError(f"prompt is too long: {n_prompt} tokens > {ctx.max_model_len - 1}, the most this "
+                       "model's context leaves room for; shorten the messages", param="messages")
+    return ctx.capped_max_tokens(n_prompt, asked)
+
+
 def sampling_params(req: MessagesRequest, ctx: ServingContext, n_prompt: int) -> SamplingParams:
-    if n_prompt + req.max_tokens > ctx.max_model_len:
-        raise ApiError(f"prompt is too long: {n_prompt} tokens + max_tokens {req.max_tokens} > "
-                       f"{ctx.max_model_len}, this model's context; shorten the messages or lower "
-                       "max_tokens", param="max_tokens")
+    if req.temperature is not None and not 0.0 <= req.temperature <= 1.0:
+        raise ApiError(f"temperature: {req.temperature} is out of range; it must be between 0 and 1",
+                       param="temperature")
+    if req.top_p is not None and not 0.0 <= req.top_p <= 1.0:
+        raise ApiError(f"top_p: {req.top_p} is out of range; it must be between 0 and 1", param="top_p")
     stops = req.stop_sequences or []
     if len(stops) > MAX_STOP_SEQUENCES or any(not s for s in stops):
         raise ApiError(f"stop_sequences: at most {MAX_STOP_SEQUENCES} non-empty strings", param="stop_sequences")
     try:
         return SamplingParams(
-            max_tokens=req.max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
+            max_tokens=max_tokens_within(ctx, n_prompt, req.max_tokens), temperature=1.0 if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p,
             top_k=-1 if not req.top_k else req.top_k, stop=stops or None,
-            structured=neutral.structured_spec(None, dict(req.model_extra or {})))
+            structured=neutral.structured_spec(_output_format(req), dict(req.model_extra or {})))
     except SamplingParamsError as e:
         raise ApiError(e.message, param=e.param) from None
+
+
+def _output_format(req: MessagesRequest) -> dict | None:
+    """Anthropic's structured output (`output_config.format`, or the older beta's
+    `output_format`: {"type": "json_schema", "schema": ...}) as OpenAI's response_format."""
+    extra = req.model_extra or {}
+    fmt = (extra.get("output_config") or {}).get("format") if isinstance(extra.get("output_config"), dict) \
+        else None
+    fmt = fmt or extra.get("output_format")
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
+        raise ApiError("output_config.format must be {\"type\": \"json_schema\", \"schema\": {...}}",
+                       param="output_config.format")
+    return {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}
 
 
 # -- the answer ----------------------------------------------------------------------------------
 
 
 def signature(thinking: str) -> str:
-    """A thinking block's signature: a digest of its text (this server checks none: a client
-    sends the block back as it got it)."""
-    return hashlib.sha256(thinking.encode()).hexdigest()
+    """A thinking block's signature: its text, encoded (see SIGNATURE_PREFIX). Nothing is
+    secret in it: the model's reasoning is the client's to read."""
+    return SIGNATURE_PREFIX + base64.urlsafe_b64encode(thinking.encode()).decode()
+
+
+def thought_of(sig: Any) -> str:
+    """The text a signature of ours carries; "" for anything else (another server's)."""
+    if not isinstance(sig, str) or not sig.startswith(SIGNATURE_PREFIX):
+        return ""
+    try:
+        return base64.urlsafe_b64decode(sig[len(SIGNATURE_PREFIX):]).decode()
+    except (binascii.Error, ValueError):
+        return ""
 
 
 def stop_reason(out: Any, called: bool) -> tuple[str, str | None]:
@@ -269,7 +367,7 @@ def stop_reason(out: Any, called: bool) -> tuple[str, str | None]:
     return "end_turn", None
 
 
-def _usage(final: RequestOutput) -> dict:
+def usage(final: RequestOutput) -> dict:
     n_prompt = final.metrics.num_prompt_tokens
     cached = final.num_cached_tokens
     return {"input_tokens": n_prompt - cached, "output_tokens": len(final.outputs[0].token_ids),
@@ -289,19 +387,20 @@ def _tool_id(openai_id: str) -> str:
 
 
 def message(rid: str, model: str, final: RequestOutput, plan: tool_api.ToolPlan | None,
-            reasoning: neutral.Reasoning | None) -> dict:
+            reasoning: neutral.Reasoning | None, show_thinking: bool = True) -> dict:
     out = final.outputs[0]
     thought, text = reasoning.split(out.text) if reasoning is not None else (None, out.text)
     content, calls = neutral.parse_answer(text, plan)
     blocks: list[dict] = []
     if thought is not None:
-        blocks.append({"type": "thinking", "thinking": thought, "signature": signature(thought)})
+        blocks.append({"type": "thinking", "thinking": thought if show_thinking else "",
+                       "signature": signature(thought)})
     if content:
         blocks.append({"type": "text", "text": content})
     blocks += [_tool_use(c) for c in calls]
     reason, seq = stop_reason(out, bool(calls))
     return {"id": rid, "type": "message", "role": "assistant", "model": model, "content": blocks,
-            "stop_reason": reason, "stop_sequence": seq, "usage": _usage(final)}
+            "stop_reason": reason, "stop_sequence": seq, "usage": usage(final)}
 
 
 def event(name: str, data: dict) -> str:
@@ -323,6 +422,7 @@ class MessageStreamer:
     n_prompt: int
     plan: tool_api.ToolPlan | None
     reasoning: neutral.Reasoning | None
+    show_thinking: bool = True  # False: `thinking.display: "omitted"`, the text rides in the signature
     index: int = -1  # the open block's index
     kind: str | None = None  # the open block's type
     thought: str = ""  # the open thinking block's text (for its signature)
@@ -338,7 +438,8 @@ class MessageStreamer:
     def start(self) -> list[str]:
         msg = {"id": self.rid, "type": "message", "role": "assistant", "model": self.model, "content": [],
                "stop_reason": None, "stop_sequence": None,
-               "usage": {"input_tokens": self.n_prompt, "output_tokens": 0}}
+               "usage": {"input_tokens": self.n_prompt, "output_tokens": 0,
+                         "cache_read_input_tokens": 0, "cache_creation_input_tokens": 0}}
         return [event("message_start", {"type": "message_start", "message": msg}), event("ping", {"type": "ping"})]
 
     def _close(self) -> list[str]:
@@ -364,7 +465,7 @@ class MessageStreamer:
     def _thinking(self, text: str) -> list[str]:
         lines = [] if self.kind == "thinking" else self._open({"type": "thinking", "thinking": "", "signature": ""})
         self.thought += text
-        return lines + [self._delta({"type": "thinking_delta", "thinking": text})]
+        return lines + ([self._delta({"type": "thinking_delta", "thinking": text})] if self.show_thinking else [])
 
     def _text(self, text: str) -> list[str]:
         if self.plan is not None and self.plan.forced and self.parser is not None and self.parser.calls:
@@ -407,10 +508,12 @@ class MessageStreamer:
             self.done = True
             lines += self._close()
             reason, seq = stop_reason(out, self.parser is not None and self.parser.calls > 0)
-            usage = _usage(final)
+            # The whole usage, as Anthropic's stream gives it at the end: message_start went out
+            # before the prompt was scheduled, when the tokens read from the prefix cache were
+            # not known yet, and clients (Claude Code, the SDK's accumulation) take these.
             lines.append(event("message_delta", {"type": "message_delta",
                                                  "delta": {"stop_reason": reason, "stop_sequence": seq},
-                                                 "usage": {"output_tokens": usage["output_tokens"]}}))
+                                                 "usage": usage(final)}))
             lines.append(event("message_stop", {"type": "message_stop"}))
         return lines
 
@@ -423,9 +526,30 @@ def messages_call(req: MessagesRequest, ctx: ServingContext, keep_attribution: b
     neutral.constrain_to_tools(params, plan)
     rid = "msg_" + new_id("x").removeprefix("x-")
     reasoning = neutral.reasoning_of(ctx, ids)
-    streamer = MessageStreamer(rid, ctx.model_name, n_prompt, plan, reasoning)
+    show = (req.thinking or {}).get("display") != "omitted"
+    streamer = MessageStreamer(rid, ctx.model_name, n_prompt, plan, reasoning, show)
     return Call(rid, [(rid, ids, params)], req.stream, False, neutral.grammar_param(plan, "messages"), streamer,
-                lambda finals: message(rid, ctx.model_name, finals[0], plan, reasoning))
+                lambda finals: message(rid, ctx.model_name, finals[0], plan, reasoning, show))
+
+
+# -- the model list ----------------------------------------------------------------------------
+
+
+def wants_anthropic(headers: Any) -> bool:
+    """GET /v1/models is both APIs' route: Anthropic's clients say who they are with the
+    `anthropic-version` header (every request of theirs carries it), OpenAI's never send it."""
+    return "anthropic-version" in headers
+
+
+def model_info(name: str, created: float) -> dict:
+    return {"type": "model", "id": name, "display_name": name,
+            "created_at": datetime.fromtimestamp(created, timezone.utc).isoformat().replace("+00:00", "Z")}
+
+
+def model_list(names: list[str], created: float) -> dict:
+    """Anthropic's page of models: every model in one page."""
+    return {"data": [model_info(n, created) for n in names], "has_more": False,
+            "first_id": names[0] if names else None, "last_id": names[-1] if names else None}
 
 
 # Anthropic's error types by HTTP status

@@ -1,8 +1,9 @@
 """What request translation needs to know about the loaded model and its cache."""
 from __future__ import annotations
 
+import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 
@@ -21,6 +22,7 @@ class ServingContext:
     # from; None: a text-only model.
     processor: Any = None
     media_policy: Any = None
+    started: float = field(default_factory=time.time)  # when serving began: the models' creation time
 
     @classmethod
     def from_llm(cls, llm: Any, model_name: str | None = None, max_n: int | None = None) -> "ServingContext":
@@ -38,6 +40,13 @@ class ServingContext:
         n copies of it (a larger default would be refused as never fitting)."""
         room = min(self.max_model_len, self.usable_blocks * self.block_size // max(n, 1))
         return max(1, room - prompt_len)
+
+    def capped_max_tokens(self, prompt_len: int, asked: int | None) -> int:
+        """An output limit read as a ceiling (Anthropic's max_tokens, Ollama's num_predict): at
+        most the room the context and the cache leave after the prompt; the answer that reaches
+        it ends as cut at its limit, as llama.cpp and Ollama serve it."""
+        room = self.default_max_tokens(prompt_len, 1)
+        return room if asked is None else min(asked, room)
 
 
 def new_id(prefix: str) -> str:

@@ -9,8 +9,8 @@ Responses are kept in a bounded in-memory store so a later request can continue 
 from __future__ import annotations
 
 import json
+import logging
 import time
-import uuid
 from collections import OrderedDict
 from typing import Any
 
@@ -19,7 +19,10 @@ from pydantic import ValidationError
 from ..common.errors import ApiError
 from .logprobs import usage_from
 from .models import ChatCompletionRequest, ChatCompletionResponse, Int, Num, _Model
+from .response_tools import ResponseTools, custom_input, new_item_id  # noqa: F401 (re-exported)
 from .stream import ChatStreamer
+
+logger = logging.getLogger(__name__)
 
 
 DEFAULT_STORE_SIZE = 1000
@@ -27,6 +30,13 @@ DEFAULT_STORE_SIZE = 1000
 _PASSED_ON = ("temperature", "top_p", "parallel_tool_calls", "user", "seed", "top_k", "min_p",
               "presence_penalty", "frequency_penalty", "repetition_penalty", "stop", "stop_token_ids",
               "ignore_eos")
+# Input items of hosted tools and of state this server does not keep: they carry nothing the
+# model can read here, so they are passed over (Codex sends reasoning items back each turn).
+_PASSED_OVER = {"reasoning", "web_search_call", "image_generation_call", "file_search_call",
+                "code_interpreter_call", "computer_call", "computer_call_output", "mcp_list_tools",
+                "mcp_call", "mcp_approval_request", "mcp_approval_response", "compaction",
+                "tool_search_call", "tool_search_output", "local_shell_call", "local_shell_call_output",
+                "item_reference"}
 # Chat parameter names -> the Responses names a client sent.
 _PARAM_NAMES = (("response_format", "text.format"), ("max_completion_tokens", "max_output_tokens"),
                 ("max_tokens", "max_output_tokens"), ("messages", "input"))
@@ -92,8 +102,36 @@ def _text_of(content: Any, where: str) -> str:
     return "".join(parts)
 
 
-def input_messages(inp: str | list[dict]) -> list[dict]:
-    """The `input` as chat messages: messages, earlier function calls and their outputs."""
+def _output_text(output: Any, where: str) -> str:
+    """A tool call's output: a string, or content parts (Codex sends both). Parts a text model
+    cannot read (an image, a file) become a one-line note, so the agent's loop goes on."""
+    if isinstance(output, str) or output is None:
+        return output or ""
+    if not isinstance(output, list):
+        raise ApiError("a tool call's output must be a string or a list of content parts", param=where)
+    parts = []
+    for j, part in enumerate(output):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in ("input_text", "output_text", "text") and isinstance(part.get("text"), str):
+            parts.append(part["text"])
+        elif kind in ("input_image", "input_file", "input_audio"):
+            parts.append(f"[{kind} omitted: this server passes tool outputs to the model as text]")
+        else:
+            raise ApiError(f"content part type {kind!r} is not supported in a tool output", param=f"{where}.{j}")
+    return "\n".join(parts)
+
+
+def _assistant_call(out: list[dict], call: dict) -> None:
+    last = out[-1] if out else None
+    if last is not None and last["role"] == "assistant" and last.get("tool_calls") is not None:
+        last["tool_calls"].append(call)  # parallel calls: one assistant turn
+    else:
+        out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+
+
+def input_messages(inp: str | list[dict], tools: ResponseTools | None = None) -> list[dict]:
+    """The `input` as chat messages: messages, earlier tool calls and their outputs."""
+    tools = tools or ResponseTools()
     if isinstance(inp, str):
         return [{"role": "user", "content": inp}]
     if not inp:
@@ -107,48 +145,25 @@ def input_messages(inp: str | list[dict]) -> list[dict]:
                 raise ApiError(f"unknown role {role!r}; use user, assistant, system or developer",
                                param=f"input.{i}.role")
             out.append({"role": role, "content": _text_of(item.get("content"), f"input.{i}.content")})
-        elif kind == "function_call":
-            call = {"id": item.get("call_id"), "type": "function",
-                    "function": {"name": item.get("name"), "arguments": item.get("arguments", "{}")}}
-            if not all(isinstance(v, str) for v in (call["id"], item.get("name"))):
-                raise ApiError("a function_call item needs call_id, name and arguments", param=f"input.{i}")
-            last = out[-1] if out else None
-            if last is not None and last["role"] == "assistant" and last.get("tool_calls") is not None:
-                last["tool_calls"].append(call)  # parallel calls: one assistant turn
-            else:
-                out.append({"role": "assistant", "content": None, "tool_calls": [call]})
-        elif kind == "function_call_output":
+        elif kind in ("function_call", "custom_tool_call"):
+            if not all(isinstance(item.get(k), str) for k in ("call_id", "name")):
+                raise ApiError(f"a {kind} item needs call_id and name", param=f"input.{i}")
+            args = item.get("arguments", "{}") if kind == "function_call" else \
+                json.dumps({"input": item.get("input", "")}, ensure_ascii=False)
+            _assistant_call(out, {"id": item["call_id"], "type": "function",
+                                  "function": {"name": tools.offered(item["name"], item.get("namespace")),
+                                               "arguments": args}})
+        elif kind in ("function_call_output", "custom_tool_call_output"):
             if not isinstance(item.get("call_id"), str):
-                raise ApiError("a function_call_output item needs the call_id it answers",
-                               param=f"input.{i}.call_id")
+                raise ApiError(f"a {kind} item needs the call_id it answers", param=f"input.{i}.call_id")
             out.append({"role": "tool", "tool_call_id": item["call_id"],
-                        "content": _text_of(item.get("output"), f"input.{i}.output")})
-        elif kind == "reasoning":
-            continue  # another model's reasoning: nothing this one can use
+                        "content": _output_text(item.get("output"), f"input.{i}.output")})
+        elif kind in _PASSED_OVER:
+            continue  # nothing the model can read here (another model's reasoning, a hosted tool)
         else:
-            raise ApiError(f"input item type {kind!r} is not supported; use message, function_call "
-                           "or function_call_output", param=f"input.{i}.type")
+            raise ApiError(f"input item type {kind!r} is not supported; use message, function_call, "
+                           "custom_tool_call or their outputs", param=f"input.{i}.type")
     return out
-
-
-def _chat_tools(tools: list[dict] | None) -> list[dict] | None:
-    if not tools:
-        return None
-    out = []
-    for i, t in enumerate(tools):
-        if not isinstance(t, dict) or t.get("type") != "function":
-            kind = t.get("type") if isinstance(t, dict) else None
-            raise ApiError(f"tool type {kind!r} is not supported: this server runs function tools only",
-                           param=f"tools.{i}.type")
-        fn = {k: t[k] for k in ("name", "description", "parameters", "strict") if k in t}
-        out.append({"type": "function", "function": fn})
-    return out
-
-
-def _chat_tool_choice(choice: str | dict | None) -> str | dict | None:
-    if isinstance(choice, dict) and choice.get("type") == "function":
-        return {"type": "function", "function": {"name": choice.get("name")}}
-    return choice
 
 
 def _response_format(text: dict | None) -> dict | None:
@@ -163,10 +178,11 @@ def _response_format(text: dict | None) -> dict | None:
     return {"type": fmt.get("type")}
 
 
-def chat_request(req: ResponsesRequest, history: list[dict], new: list[dict]) -> ChatCompletionRequest:
+def chat_request(req: ResponsesRequest, history: list[dict], new: list[dict],
+                 tools: ResponseTools) -> ChatCompletionRequest:
     messages = ([{"role": "system", "content": req.instructions}] if req.instructions else []) + history + new
-    body: dict[str, Any] = {"messages": messages, "tools": _chat_tools(req.tools),
-                            "tool_choice": _chat_tool_choice(req.tool_choice),
+    body: dict[str, Any] = {"messages": messages, "tools": tools.chat or None,
+                            "tool_choice": tools.tool_choice(req.tool_choice) if tools.chat else None,
                             "response_format": _response_format(req.text), "stream": bool(req.stream),
                             "max_completion_tokens": req.max_output_tokens}
     extra = req.model_extra or {}
@@ -201,19 +217,9 @@ def renamed_error(e: ApiError) -> ApiError:
 # -- response objects ------------------------------------------------------------------------
 
 
-def new_item_id(prefix: str) -> str:
-    return f"{prefix}_{uuid.uuid4().hex}"
-
-
 def message_item(text: str, status: str = "completed", item_id: str | None = None) -> dict:
     return {"type": "message", "id": item_id or new_item_id("msg"), "status": status, "role": "assistant",
             "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
-
-
-def call_item(call: dict, status: str = "completed", item_id: str | None = None) -> dict:
-    return {"type": "function_call", "id": item_id or new_item_id("fc"), "call_id": call["id"],
-            "name": call["function"]["name"], "arguments": call["function"]["arguments"],
-            "status": status}
 
 
 def usage_of(u: Any) -> dict:
@@ -248,22 +254,24 @@ def finish(resp: dict, output: list[dict], finish_reason: str | None, usage: dic
     return resp
 
 
-def output_of(chat: ChatCompletionResponse) -> tuple[list[dict], str | None]:
+def output_of(chat: ChatCompletionResponse, tools: ResponseTools) -> tuple[list[dict], str | None]:
     choice = chat.choices[0]
     msg = choice.message
     items = []
     if msg.content or not msg.tool_calls:
         items.append(message_item(msg.content or ""))
-    items += [call_item(c) for c in msg.tool_calls or []]
+    items += [tools.call_item(c) for c in msg.tool_calls or []]
     return items, choice.finish_reason
 
 
-def as_messages(output: list[dict]) -> list[dict]:
+def as_messages(output: list[dict], tools: ResponseTools) -> list[dict]:
     """A response's output items as the chat messages of its turn (for the next turn)."""
     text = "".join(p["text"] for it in output if it["type"] == "message" for p in it["content"])
     calls = [{"id": it["call_id"], "type": "function",
-              "function": {"name": it["name"], "arguments": it["arguments"]}}
-             for it in output if it["type"] == "function_call"]
+              "function": {"name": tools.offered(it["name"], it.get("namespace")),
+                           "arguments": it["arguments"] if it["type"] == "function_call" else
+                           json.dumps({"input": it["input"]}, ensure_ascii=False)}}
+             for it in output if it["type"] in ("function_call", "custom_tool_call")]
     msg: dict[str, Any] = {"role": "assistant", "content": text or (None if calls else "")}
     if calls:
         msg["tool_calls"] = calls
@@ -276,13 +284,15 @@ def as_messages(output: list[dict]) -> list[dict]:
 class ResponseEvents:
     """OpenAI's typed stream events, built from the chunks of the chat route's own streamer."""
 
-    def __init__(self, resp: dict, chat: ChatStreamer) -> None:
+    def __init__(self, resp: dict, chat: ChatStreamer, tools: ResponseTools) -> None:
         self.resp = resp
         self.chat = chat
+        self.tools = tools
         self.seq = 0
         self.output: list[dict] = []
         self.text: dict | None = None  # the open message item
-        self.calls: dict[int, dict] = {}  # open function_call items by chat tool-call index
+        self.calls: dict[int, dict] = {}  # open tool-call items by chat tool-call index
+        self.arguments: dict[int, str] = {}  # their arguments so far (a custom call's JSON)
         self.finish_reason: str | None = None
 
     def event(self, kind: str, **fields: Any) -> str:
@@ -341,29 +351,35 @@ class ResponseEvents:
         events = self._close_text()  # (a call ends the text before it)
         fn = tc.get("function") or {}
         item = self.calls.get(tc["index"])
-        if item is None:
-            item = call_item({"id": tc.get("id"), "function": {"name": fn.get("name") or "", "arguments": ""}},
-                             "in_progress")
+        if item is None:  # the chat stream names the function in its first delta of a call
+            item = self.tools.call_item({"id": tc.get("id"), "function": {"name": fn.get("name") or "",
+                                                                          "arguments": ""}}, "in_progress")
             self.calls[tc["index"]] = item
+            self.arguments[tc["index"]] = ""
             self.output.append(item)
             events.append(self.event("response.output_item.added", output_index=len(self.output) - 1,
                                      item=dict(item)))
-        elif fn.get("name"):
-            item["name"] += fn["name"]
         if fn.get("arguments"):
-            item["arguments"] += fn["arguments"]
-            events.append(self.event("response.function_call_arguments.delta", item_id=item["id"],
-                                     output_index=self.output.index(item), delta=fn["arguments"]))
+            self.arguments[tc["index"]] += fn["arguments"]
+            if item["type"] == "function_call":  # a custom call's text is whole once its JSON is
+                item["arguments"] += fn["arguments"]
+                events.append(self.event("response.function_call_arguments.delta", item_id=item["id"],
+                                         output_index=self.output.index(item), delta=fn["arguments"]))
         return events
 
     def end(self, finals: list) -> list[str]:
         events = self._close_text()
-        for item in self.calls.values():
+        for index, item in self.calls.items():
             idx = self.output.index(item)
             item["status"] = "completed"
-            events += [self.event("response.function_call_arguments.done", item_id=item["id"], output_index=idx,
-                                  name=item["name"], arguments=item["arguments"]),
-                       self.event("response.output_item.done", output_index=idx, item=item)]
+            if item["type"] == "custom_tool_call":
+                item["input"] = custom_input(self.arguments[index])
+                events.append(self.event("response.custom_tool_call_input.done", item_id=item["id"],
+                                         output_index=idx, input=item["input"]))
+            else:
+                events.append(self.event("response.function_call_arguments.done", item_id=item["id"],
+                                         output_index=idx, name=item["name"], arguments=item["arguments"]))
+            events.append(self.event("response.output_item.done", output_index=idx, item=item))
         self.calls = {}
         if not self.output:  # an empty answer is still one (empty) message, as without streaming
             events += self._text("")[:-1] + self._close_text()
@@ -372,4 +388,8 @@ class ResponseEvents:
         return events + [self.event(kind, response=resp)]
 
     def error(self, exc: Exception) -> str:
-        return self.event("error", code="server_error", message=str(exc), param=None)
+        """An engine failure mid-stream: the response fails, as OpenAI's stream reports it
+        (`response.failed`, which Codex reads, rather than a bare `error` event)."""
+        self.resp.update(status="failed", output=self.output,
+                         error={"code": "server_error", "message": str(exc)})
+        return self.event("response.failed", response=self.resp)
