@@ -19,7 +19,7 @@ TORCH_SPEC ?=
 STAMP := $(VENV)/.installed
 TEST_STAMP := $(VENV)/.installed-test
 
-.PHONY: run test test-fast setup kernels wheel env bench bench-deps docs clean
+.PHONY: run test test-fast agents setup kernels wheel env bench bench-deps docs clean
 
 # What running needs, and nothing outside the project: no system package is installed here.
 # Every step says what it does before it does it, and tools/step.sh adds a line every 8 s to the
@@ -101,6 +101,15 @@ test: $(TEST_STAMP)
 # against transformers, servers under load, builds; pyproject.toml's markers) or install.
 test-fast: $(TEST_STAMP)
 	$(PY) -m pytest -q tests -m "not slow and not install" $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile)
+
+# The coding agents themselves (Claude Code, Codex CLI and its Ollama mode, opencode, qwen-code,
+# aider), each installed into ~/.cache/pagedllm/agents and run once against `pagedllm serve` on the
+# real Qwen2.5-Coder-1.5B (../shared/models/fetch-qwen-coder.sh): minutes a turn on two cores, so
+# not in `make test`, which replays their recorded requests instead (tests/test_agent_replay.py).
+# AGENTS=claude-code picks one; PAGEDLLM_AGENT_RUNS=DIR keeps logs and recorded requests there.
+AGENTS ?=
+agents: $(TEST_STAMP)
+	$(PY) -m pytest -v -s tests/agents $(if $(AGENTS),-k "$(AGENTS)")
 
 # Rebuild the native kernels in place after editing pagedllm/native/csrc (only what changed).
 kernels: $(STAMP)

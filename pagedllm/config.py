@@ -271,6 +271,9 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int = 4096
+    # While a sequence decodes, a step's prompt tokens are limited so the step takes at most about
+    # this many times a step of decodes alone (engine/pacing.py); 0: prompts take the whole budget.
+    decode_latency_factor: float = 0.0
     # LoRA: at most this many distinct adapters among the running sequences (their slots); 0: off.
     max_loras: int = 0
     # Vision-language models: image tokens the step may encode (None: max_num_batched_tokens, as
@@ -289,6 +292,8 @@ class SchedulerConfig:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.decode_latency_factor and self.decode_latency_factor <= 1:
+            raise ValueError(f"decode_latency_factor must be 0 (off) or more than 1, got {self.decode_latency_factor}")
 
 
 def cdiv(a: int, b: int) -> int:

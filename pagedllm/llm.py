@@ -15,7 +15,7 @@ from . import settings
 from .config import CacheConfig, SchedulerConfig
 from .device import resolve_device, resolve_dtype
 from .engine import scoring
-from .engine.driver import EngineDriver
+from .engine.driver import EngineDriver, Item
 from .engine.factory import build_engine
 from .engine.model_runner import ModelRunner
 from .loading.loader import check_rank_memory, load_model
@@ -177,7 +177,8 @@ class LLM:
                  limit_mm_per_prompt: int = 8, allowed_local_media_path: str | None = None,
                  max_num_encoder_tokens: int | None = None, media_fetch_timeout: float = 10.0,
                  mmproj: str | None = None, runner_cls: type | None = None,
-                 pipeline_parallel_size: int = 1, max_rank_memory_mb: float | None = None) -> None:
+                 pipeline_parallel_size: int = 1, max_rank_memory_mb: float | None = None,
+                 decode_latency_factor: float = 0.0) -> None:
         """`tensor_parallel_size=N` splits the model over N ranks (pagedllm/distributed): on one
         machine the engine starts N - 1 worker processes and splits the cores among the ranks;
         under torchrun the N ranks are torchrun's. Call `shutdown()` (or use `with LLM(...)`)
@@ -205,7 +206,11 @@ class LLM:
         multimodal projector file for a GGUF `model` (its vision tower and projector; Gemma 3), as
         llama-server's --mmproj. `runner_cls`: a ModelRunner subclass that runs each step another
         way (the planning benchmark's runner plans every step and skips the forward); None: the
-        ModelRunner."""
+        ModelRunner.
+        `decode_latency_factor`: while a sequence decodes, a step's prompt tokens are limited so the
+        step takes at most about this many times a step of decodes alone (engine/pacing.py), so a
+        stream keeps flowing beside a long prefill; 0 (the default, for offline batches): prompts
+        take the whole token budget. `pagedllm serve` sets 2.5."""
         from .multimodal.media import MediaPolicy
 
         self.media_policy = MediaPolicy(allowed_local_dir=allowed_local_media_path, timeout_s=media_fetch_timeout)
@@ -261,6 +266,7 @@ class LLM:
         torch.manual_seed(seed)
         self._finalizer = None
         self._keep_float_head = keep_float_head
+        self._decode_latency_factor = decode_latency_factor
         executor = None
         if pipeline_parallel_size != 1:  # TP, if any, inside each stage
             executor = _start_pp(pipeline_parallel_size, tensor_parallel_size, source, dt, dev, max_model_len,
@@ -299,7 +305,8 @@ class LLM:
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens or max(1024, max_num_seqs),
             max_model_len=max_model_len, max_loras=self._lora[0] if self._lora else 0,
-            limit_images=self._mm_limits[0], max_num_encoder_tokens=self._mm_limits[1])
+            limit_images=self._mm_limits[0], max_num_encoder_tokens=self._mm_limits[1],
+            decode_latency_factor=self._decode_latency_factor)
         if loaded.model.rope.cos.shape[0] < max_model_len:
             raise ValueError("internal: rope table shorter than max_model_len")
         draft = None
@@ -429,7 +436,7 @@ class LLM:
             if len(loras) != len(prompts):
                 raise ValueError(f"{len(prompts)} prompts but {len(loras)} LoRA requests")
         prompts = [self._prompt(p) for p in prompts]
-        ids = self.driver.add([(None, p, sp, lr) for p, sp, lr in zip(prompts, params_list, loras)])
+        ids = self.driver.add([Item(None, p, sp, lr) for p, sp, lr in zip(prompts, params_list, loras)])
         # disable=None: a bar only when stderr is a terminal, never in logs or pipes.
         bar = tqdm(total=len(ids), desc="generating", unit="req", disable=None if use_tqdm else True)
         try:
@@ -454,7 +461,7 @@ class LLM:
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[str]:
         """Yields text deltas of one completion as they are produced (whole UTF-8 characters)."""
-        [rid] = self.driver.add([(None, prompt, sampling_params)])
+        [rid] = self.driver.add([Item(None, prompt, sampling_params)])
         with closing(self.driver.stream([rid])) as outs:  # leaving early aborts the request
             for out in outs:
                 if out.outputs[0].delta_text:

@@ -64,6 +64,7 @@ class EngineOptions:
     max_num_seqs: int | None = None  # max_seqs
     max_model_len: int | None = None
     max_num_batched_tokens: int | None = None
+    decode_latency_factor: float | None = None  # prompt tokens beside decodes (engine/pacing.py)
     seed: int | None = None
     isq: str | None = None
     dequantize_weights: bool = False
@@ -101,6 +102,7 @@ class EngineOptions:
                     "kv_cache_dtype": self.kv_cache_dtype, "max_num_seqs": self.max_num_seqs,
                     "max_model_len": self.max_model_len,
                     "max_num_batched_tokens": self.max_num_batched_tokens, "seed": self.seed,
+                    "decode_latency_factor": self.decode_latency_factor,
                     "tensor_parallel_size": self.tensor_parallel_size,
                     "pipeline_parallel_size": self.pipeline_parallel_size,
                     "max_rank_memory_mb": self.max_rank_memory_mb, "task": self.task,

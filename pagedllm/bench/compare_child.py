@@ -74,7 +74,9 @@ def drive(driver, prompts: list[list[int]], max_tokens: int) -> tuple[float, flo
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     t0 = time.perf_counter()
-    ids = driver.add([(None, p, params) for p in prompts])
+    from ..engine.driver import Item
+
+    ids = driver.add([Item(None, p, params) for p in prompts])
     made: dict[str, list[int]] = {}
     steps = driver.steps(ids)
     for outs in steps:

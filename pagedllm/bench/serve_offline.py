@@ -108,12 +108,13 @@ def summarize(traces: list[Trace]) -> dict:
 def run_offline(llm: Any, reqs: list[Req], tag: str) -> list[Trace]:
     """The requests through `llm`'s driver, each added at its arrival time (between steps, as
     the server's engine thread adds them); a step's outputs are timed when the step returns."""
+    from ..engine.driver import Item
     from ..sampling.params import SamplingParams
 
     order = sorted(range(len(reqs)), key=lambda i: reqs[i].arrival)
     traces = [Trace(r.arrival) for r in reqs]
     index = {f"{tag}-{i}": i for i in order}
-    arrivals = [(reqs[i].arrival, (f"{tag}-{i}", reqs[i].prompt, SamplingParams(
+    arrivals = [(reqs[i].arrival, Item(f"{tag}-{i}", reqs[i].prompt, SamplingParams(
         max_tokens=reqs[i].max_tokens, temperature=0.0, ignore_eos=True))) for i in order]
     for now, outs in llm.driver.paced(arrivals):
         for out in outs:

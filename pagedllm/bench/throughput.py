@@ -390,7 +390,9 @@ def profile_decode_step(llm, batch: int = 32, context: int = 256) -> str:
     eng = llm.engine
     wl = make_workload(batch, eng.model_config.vocab_size, 7, (context, context), (8, 8),
                        set(eng.eos_token_ids))
-    ids = llm.driver.add([(None, p, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    from ..engine.driver import Item
+
+    ids = llm.driver.add([Item(None, p, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
                           for p in wl.prompts])
     steps = llm.driver.steps(ids)  # next(steps) runs one step
     while any(s.num_computed_tokens < s.num_prompt_tokens for s in eng.scheduler.running) \
@@ -472,7 +474,9 @@ def profile_planning(llm, num_seqs: int, context: int = 512, steps: int = 16) ->
                          f"{eng.sched_config.max_num_seqs}); pass --max-seqs")
     wl = make_workload(num_seqs, eng.model_config.vocab_size, 11, (context, context), (1, 1),
                        set(eng.eos_token_ids))
-    rids = llm.driver.add((None, p, SamplingParams(max_tokens=steps + 4, temperature=0.0, ignore_eos=True))
+    from ..engine.driver import Item
+
+    rids = llm.driver.add(Item(None, p, SamplingParams(max_tokens=steps + 4, temperature=0.0, ignore_eos=True))
                           for p in wl.prompts)
     per_step, parts = [], {"plan": [], "tensors": [], "rest": []}
     try:

@@ -235,7 +235,9 @@ class ChatSession:
         try:
             # A model's processor, where it has one, writes image turns.
             ids = render_chat(self.llm.tokenizer, self.conversation(), processor=getattr(self.llm, "processor", None))
-            [rid] = driver.add([(None, ids, self.settings.sampling_params())])
+            from ..engine.driver import Item
+
+            [rid] = driver.add([Item(None, ids, self.settings.sampling_params())])
         except ValueError as e:
             self.messages.pop()
             self.say(f"error: {e}\n(/clear starts a new conversation)")

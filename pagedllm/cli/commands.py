@@ -33,6 +33,7 @@ def engine_options(args: argparse.Namespace, model: str | None = None) -> Engine
         paged_attention=not args.no_paged_attn, prefix_cache_n=args.prefix_cache_n,
         enable_prefix_caching=not args.no_prefix_cache, max_num_seqs=args.max_seqs,
         max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
+        decode_latency_factor=args.decode_latency_factor,
         seed=args.seed, isq=args.isq, dequantize_weights=bool(args.dequantize_weights),
         keep_float_head=bool(args.keep_float_head),
         chat_template=args.chat_template, tensor_parallel_size=args.tensor_parallel_size,
@@ -52,6 +53,11 @@ def _model_of(args: argparse.Namespace) -> str:
 # -- commands ---------------------------------------------------------------------------------
 
 
+# A server's requests are streams: a token every few steps beside a long prefill matters more
+# there than the prefill's last percent (engine/pacing.py).
+SERVE_DECODE_LATENCY_FACTOR = 2.5
+
+
 def cmd_serve(args: argparse.Namespace, opts: EngineOptions) -> int:
     from ..server.app import ServerConfig, run_server
     from ..server.lora import parse_modules
@@ -65,6 +71,8 @@ def cmd_serve(args: argparse.Namespace, opts: EngineOptions) -> int:
     if (modules or args.allow_runtime_lora) and not opts.enable_lora:
         print("error: --lora-modules and --allow-runtime-lora need --enable-lora", file=sys.stderr)
         return 2
+    if opts.decode_latency_factor is None:
+        opts.decode_latency_factor = SERVE_DECODE_LATENCY_FACTOR
     llm = load_llm(opts)
     if modules:  # checked against the base model now: a bad adapter is a clear error, not a traceback
         from ..lora.peft import load_adapter
@@ -96,7 +104,7 @@ def cmd_serve(args: argparse.Namespace, opts: EngineOptions) -> int:
                        max_connections=args.max_connections, lora_modules=tuple(modules),
                        allow_runtime_lora=bool(args.allow_runtime_lora),
                        keep_anthropic_attribution=bool(args.keep_anthropic_attribution),
-                       root_path=(args.root_path or "").rstrip("/"),
+                       root_path=(args.root_path or "").rstrip("/"), record_requests=args.record_requests,
                        tokenizer_path=_tokenizer_path(opts))
     print(f"serving {' = '.join(names)} on http://{args.host}:{args.port}/v1 "
           f"({eng.block_manager.num_usable_blocks} KV blocks of {eng.cache_config.block_size} tokens"

@@ -65,7 +65,9 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     # Track the cache while the requests run together.
     prompts = [render_chat(llm.tokenizer, c) for c in convs]
-    ids = llm.driver.add([(None, p, sp) for p in prompts])
+    from ..engine.driver import Item
+
+    ids = llm.driver.add([Item(None, p, sp) for p in prompts])
     done, peak_blocks, peak_tokens = {}, 0, 0
     question = dict(zip(ids, QUESTIONS))
     print(f"{len(ids)} requests sent together; each answer is printed as it finishes", flush=True)

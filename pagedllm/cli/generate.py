@@ -56,7 +56,9 @@ def cmd_generate(args: argparse.Namespace, opts: EngineOptions) -> int:
         msgs = ([{"role": "system", "content": args.system}] if args.system else [])
         inputs = render_chat(tok, msgs + [{"role": "user", "content": prompt.strip()}])
     eng, driver = llm.engine, llm.driver
-    [rid] = driver.add([(None, inputs, params)])
+    from ..engine.driver import Item
+
+    [rid] = driver.add([Item(None, inputs, params)])
     final = None
     try:
         for out in driver.outputs([rid]):
@@ -99,7 +101,9 @@ def cmd_trace(args: argparse.Namespace, opts: EngineOptions) -> int:
         prompt = render_chat(tok, [{"role": "user", "content": args.prompt}])
     params = SamplingParams(n=args.n, max_tokens=args.max_tokens, temperature=0.0)
     rows = [_snapshot(eng, 0)]
-    llm.driver.add([(None, prompt, params)])
+    from ..engine.driver import Item
+
+    llm.driver.add([Item(None, prompt, params)])
     for step, _ in enumerate(llm.driver.steps(), 1):  # until the engine is idle
         rows.append(_snapshot(eng, step))
     trace_fn = getattr(llm, "kv_cache_trace", None)

@@ -104,6 +104,10 @@ def _engine_flags(p: argparse.ArgumentParser, top: bool) -> None:
                    help="longest prompt + output in tokens (default: the model's)")
     g.add_argument("--max-num-batched-tokens", type=int, metavar="N", default=d(None),
                    help="token budget of one engine step")
+    g.add_argument("--decode-latency-factor", type=float, metavar="F", default=d(None),
+                   help="while a sequence decodes, limit a step's prompt tokens so the step takes at most "
+                        "about F times a step of decodes alone: streams keep flowing beside a long "
+                        "prefill (serve: 2.5; elsewhere 0, off)")
     g.add_argument("--dtype", default=d(None), help="auto, float32, bfloat16 or float16")
     g.add_argument("--device", default=d(None), help="auto, cpu, cuda, cuda:N or mps")
     g.add_argument("--seed", type=int, default=d(None), help="sampling seed of the engine")
@@ -201,6 +205,9 @@ def _server_flags(p: argparse.ArgumentParser, top: bool) -> None:
                    help="/v1/messages: keep Claude Code's per-request attribution line "
                         "(x-anthropic-billing-header) in the system prompt; by default it is dropped "
                         "so it does not defeat prefix caching")
+    g.add_argument("--record-requests", default=d(None), metavar="DIR",
+                   help="write each request (path, body, dialect headers; never credentials) to "
+                        "DIR/NNNNN.json, e.g. an agent's session for `pagedllm bench agent`")
     g.add_argument("--root-path", default=d(""), metavar="PREFIX",
                    help="the path prefix a reverse proxy serves this server under (e.g. /llm)")
     g.add_argument("--responses-store-size", type=int, metavar="N", default=d(1000),
@@ -268,6 +275,8 @@ BENCHES = {
     "soak": "a served model under streaming load, then idle: resident memory at start, peak and at idle",
     "router": "2 replicas behind SGLang's gateway: cache-aware against round-robin routing on multi-turn chats",
     "lora": "LoRA adapters against the base model: 32 concurrent over 4 adapters, and batch 1 decode",
+    "interleave": "a short stream beside a long prefill: its inter-token latency and the prefill's throughput, "
+                  "each against alone, with the scheduler's pacing on and off",
     "vision": "a vision-language model's time to first token for a one-image question, and its encoder share, "
               "against transformers; then a second turn on the same image",
 }

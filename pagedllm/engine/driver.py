@@ -8,15 +8,27 @@ thread calls `add`, `abort` and `advance` (one step) between its commands. Nothi
 from __future__ import annotations
 
 import time
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator, NamedTuple
 
 from ..native import release_omp_threads
 from ..outputs import RequestOutput, raise_failed
 from ..sampling.params import SamplingParams
 
 Prompt = str | list[int]
-# (request id or None for a fresh one, prompt, params), and optionally a LoRARequest after them
-Item = tuple
+
+
+class Item(NamedTuple):
+    """One request for the engine."""
+
+    request_id: str | None  # None: a fresh one
+    prompt: Any  # text, token ids or a MultiModalInput
+    params: SamplingParams | None = None  # None: a pooling (embedding) request's
+    lora: Any = None  # the LoRARequest it runs with; None: the base model
+
+
+def _items(items: Iterable[Item | tuple]) -> Iterator[Item]:
+    """Items, from Items or from plain tuples in Item's order."""
+    return (it if isinstance(it, Item) else Item(*it) for it in items)
 
 
 class EngineDriver:
@@ -24,18 +36,18 @@ class EngineDriver:
         self.engine = engine
 
     # -- the async face's primitives (and the sync face's) --------------------------------
-    def add(self, items: Iterable[Item]) -> list[str]:
+    def add(self, items: Iterable[Item | tuple]) -> list[str]:
         """Add the requests, all or none: if one is refused (bad input raises ValueError), those
         already added are aborted before the error goes on. Their request ids, in order."""
-        return self._all_or_none(self.engine.add_request(prompt, params, request_id=rid,
-                                                         **({"lora_request": lora[0]} if lora and lora[0] else {}))
-                                 for rid, prompt, params, *lora in items)
+        return self._all_or_none(self.engine.add_request(it.prompt, it.params, request_id=it.request_id,
+                                                         **({"lora_request": it.lora} if it.lora else {}))
+                                 for it in _items(items))
 
-    def add_pooling(self, items: Iterable[tuple[str | None, list[int]]], pooling: Any) -> list[str]:
-        """Add embedding requests (request id or None, token ids), all or none, pooled as
+    def add_pooling(self, items: Iterable[Item | tuple], pooling: Any) -> list[str]:
+        """Add embedding requests (their prompts are token ids), all or none, pooled as
         `pooling` (engine/pooling.py's PoolingConfig) says; their final outputs carry `embedding`."""
-        return self._all_or_none(self.engine.add_pooling_request(ids, pooling, request_id=rid)
-                                 for rid, ids in items)
+        return self._all_or_none(self.engine.add_pooling_request(it.prompt, pooling, request_id=it.request_id)
+                                 for it in _items(items))
 
     def _all_or_none(self, adds: Iterator[str]) -> list[str]:
         added: list[str] = []

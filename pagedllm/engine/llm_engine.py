@@ -427,8 +427,10 @@ class LLMEngine:
         """The forward; a step of decode rows only also tells speculation what a step costs."""
         t0 = time.perf_counter()
         out = self.runner.execute(sched.scheduled, sched.has_images)
+        seconds = time.perf_counter() - t0
+        self.scheduler.observe(sched, seconds)
         if self.spec is not None and all(it.is_decode for it in sched.scheduled):
-            self.spec.observe_step(sum(it.num_new_tokens for it in sched.scheduled), time.perf_counter() - t0)
+            self.spec.observe_step(sum(it.num_new_tokens for it in sched.scheduled), seconds)
         self.stats["steps"] += 1
         return out
 

@@ -128,5 +128,7 @@ def embed_prompts(driver: Any, prompts: list[list[int]], pooling: PoolingConfig)
     engine = driver.engine
     for i, p in enumerate(prompts):  # each named by its place before any is added
         check_pooling_input(p, engine.sched_config.max_model_len, engine.model_config.vocab_size, f"input {i}")
-    rids = driver.add_pooling([(None, p) for p in prompts], pooling)
+    from .driver import Item
+
+    rids = driver.add_pooling([Item(None, p) for p in prompts], pooling)
     return [out.embedding for out in driver.finals(rids)]

@@ -12,10 +12,12 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from itertools import islice
 from typing import Callable
 
 from ..config import SchedulerConfig
 from .block_manager import BlockManager
+from .pacing import PrefillPacer
 from .sequence import Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
@@ -105,6 +107,8 @@ class Scheduler:
         self.encoder_cache = encoder_cache
         # The image tokens the step may encode at most (0 for text-only models).
         self.encoder_budget = config.encoder_budget if encoder_cache is not None else 0
+        # Prompt tokens beside decoding sequences (pacing.py); None: prompts take the whole budget.
+        self.pacer = PrefillPacer(config.decode_latency_factor) if config.decode_latency_factor else None
 
     # -- queue ------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -136,10 +140,53 @@ class Scheduler:
         self._encoding: set[str] = set()  # images this step encodes (charged once)
         self._enc_left = self.encoder_budget
         vision = self.encoder_cache is not None  # a text-only model never looks at seq.mm
-        budget = self._schedule_running(out, budget, vision, cap)
+        # Prompts are shared (shortest first, paced beside decodes) where the pacer is on: a
+        # server's streams. Pipeline micro-batches (`tokens`) split prompts their own way.
+        paced = self.pacer is not None and tokens is None
+        shares, admit = self._prompt_shares(budget, cap, held) if paced else (None, budget)
+        left = self._schedule_running(out, budget, vision, cap, shares)
         if not out.preempted:
-            self._admit_waiting(out, budget, vision, cap, held)
+            self._admit_waiting(out, left if shares is None else min(left, admit), vision, cap, held)
+        if not out and shares is not None:
+            # The shares went to waiting prompts that could not be admitted (no LoRA slot, no
+            # blocks): the running prompts take the budget as they did before the sharing.
+            self._schedule_running(out, budget, vision, cap, None)
         return out
+
+    def _prompt_shares(self, budget: int, cap: int, held: int) -> tuple[dict[int, int], int]:
+        """The step's prompt tokens shared among the prompts being computed and those waiting to
+        be admitted: decodes first (their tokens are reserved), then the shortest prompts, so a
+        short request beside a long prefill is not queued behind all of it; while anyone
+        decodes, the prompts take at most what the pacer allows. Returns each running prompt's
+        tokens by seq_id, and the tokens left for admissions. (A waiting prompt counts whole:
+        what the prefix cache holds of it is only known once it is matched, at admission.)"""
+        decoding, prompts = 0, []
+        for s in self.running:
+            if s.num_uncomputed_tokens == 1:
+                decoding += 1 + len(s.spec_tokens)
+            else:
+                prompts.append((s.num_uncomputed_tokens, 0, s.seq_id))
+        slots = min(self.config.max_num_seqs - len(self.running) - held, cap - len(self.running))
+        prompts += [(s.num_uncomputed_tokens, 1, s.seq_id) for s in islice(self.waiting, max(0, slots))]
+        left = max(0, budget - decoding)
+        if decoding:
+            left = min(left, self.pacer.prompt_budget())
+        shares, admit = {}, 0
+        for need, waiting, seq_id in sorted(prompts):
+            n = min(need, left)
+            left -= n
+            if waiting:
+                admit += n
+            else:
+                shares[seq_id] = n
+        return shares, admit
+
+    def observe(self, out: SchedulerOutput, seconds: float) -> None:
+        """The step `out` ran in `seconds`: what the pacer steers by."""
+        if self.pacer is not None:
+            decodes = sum(1 for it in out.scheduled if it.is_decode)
+            prompt = sum(it.num_new_tokens for it in out.scheduled if not it.is_decode)
+            self.pacer.observe(decodes, prompt, seconds)
 
     def schedule_disjoint(self, busy: set[int], cap: int, tokens: int | None = None) -> SchedulerOutput:
         """A step beside steps still in flight (pipeline parallelism's micro-batches): the
@@ -199,14 +246,24 @@ class Scheduler:
                     prompts += 1
         return prompt + sum(s.num_uncomputed_tokens for s in self.waiting), decode, prompts + len(self.waiting)
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int, vision: bool, cap: int) -> int:
+    def _schedule_running(self, out: SchedulerOutput, budget: int, vision: bool, cap: int,
+                          shares: dict[int, int] | None) -> int:
         """The running sequences' next tokens (proposals to verify, a decode, a prefill chunk),
-        in order, preempting from the back when blocks run short; the budget left."""
+        in order, preempting from the back when blocks run short; the budget left. `shares`: the
+        prompt tokens each prompt may take (_prompt_shares), None: what the budget leaves."""
         i = 0
         while i < len(self.running) and budget > 0 and len(out.scheduled) < cap:
             seq = self.running[i]
             spec = self._spec_fits(seq, budget)
-            n = 1 + len(spec) if spec else _chunk(seq, budget)
+            if spec:
+                n = 1 + len(spec)
+            elif shares is not None and seq.num_uncomputed_tokens > 1:
+                n = _chunk(seq, min(budget, shares.get(seq.seq_id, 0)))
+                if n == 0:  # no share this step: a shorter prompt or the decodes took it
+                    i += 1
+                    continue
+            else:
+                n = _chunk(seq, budget)
             images = None
             if vision and seq.mm is not None and not spec:
                 n, images = self._image_chunk(seq, n)

@@ -161,8 +161,16 @@ class InfillStreamer:
     {"content", "stop": false}, then the closing one with "stop": true and the counts, as
     llama.cpp's server sends them (no [DONE] on its own routes)."""
 
+    media_type = "text/event-stream"
+
     def __init__(self, model: str) -> None:
         self.model = model
+
+    def start(self) -> list[str]:
+        return []
+
+    def end(self, finals: list[RequestOutput]) -> list[str]:
+        return []
 
     def events(self, out: RequestOutput) -> list[str]:
         c = out.outputs[0]

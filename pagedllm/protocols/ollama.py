@@ -17,6 +17,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from ..engine.driver import Item
 from ..outputs import RequestOutput
 from ..sampling.params import SamplingParams, SamplingParamsError
 from . import fim
@@ -225,8 +226,16 @@ class NDJSONStreamer:
         self.splitter = reasoning.splitter() if reasoning is not None else None
         self.text = ""
 
-    def start(self) -> list:
+    media_type = "application/x-ndjson"
+
+    def start(self) -> list[str]:
         return []
+
+    def end(self, finals: list[RequestOutput]) -> list[str]:
+        return []  # the done line went with the last output
+
+    def error(self, exc: Exception) -> list[str]:
+        return [self._line({"error": str(exc)})]
 
     def _line(self, obj: dict) -> str:
         return json.dumps(obj, ensure_ascii=False) + "\n"
@@ -241,7 +250,7 @@ class NDJSONStreamer:
             msg["tool_calls"] = _tool_dicts(calls)
         return {"message": msg}
 
-    def events(self, out: RequestOutput, include_usage: bool = False) -> list[str]:
+    def events(self, out: RequestOutput) -> list[str]:
         c = out.outputs[0]
         thought, text = "", c.delta_text
         if self.splitter is not None:
@@ -284,7 +293,7 @@ def _call(ctx: ServingContext, body: _Body, prompt: Any, structured: Any, plan: 
     neutral.constrain_to_tools(params, plan)
     rid = new_id("ollama")
     reasoning = neutral.reasoning_of(ctx, prompt) if templated else None
-    return Call(rid, [(rid, prompt, params)], body.stream, False, neutral.grammar_param(plan, "format"),
+    return Call(rid, [Item(rid, prompt, params)], body.stream, neutral.grammar_param(plan, "format"),
                 NDJSONStreamer(ctx.model_name, chat, plan, reasoning),
                 lambda finals: _answer(ctx.model_name, finals[0], chat, plan, reasoning))
 

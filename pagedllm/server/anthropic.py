@@ -13,10 +13,8 @@ from fastapi.responses import JSONResponse, Response
 from ..protocols.anthropic import messages as dialect
 from ..protocols.common.errors import ApiError
 from . import limits
-from .async_engine import EngineError
-from .generation import Generation, collect_or_fail
+from .generation import Generation
 from .routes import Served, document_bodies
-from .sse import SSEResponse, stream_lines
 
 logger = logging.getLogger(__name__)
 
@@ -55,15 +53,7 @@ def install(app: FastAPI, s: Served, gen: Generation, keep_attribution: bool) ->
     @anthropic_errors
     async def create_message(request: Request) -> Response:
         req: dialect.MessagesRequest = await read(request, dialect.MessagesRequest)
-        call = await s.run(dialect.messages_call, req, s.ctx, keep_attribution)
-        sub = await gen.submit(call.items, request, call.grammar_param)
-        if call.stream:
-            return SSEResponse(stream_lines(sub, call.streamer.start(), call.streamer.events, list,
-                                            _stream_error), sub.abort_unfinished)
-        finals = await collect_or_fail(sub, request)
-        if finals is None:
-            return Response(status_code=499)
-        return JSONResponse(call.response(finals))
+        return await gen.answer(await s.run(dialect.messages_call, req, s.ctx, keep_attribution), request)
 
     @app.post("/v1/messages/count_tokens")
     @anthropic_errors
@@ -73,7 +63,3 @@ def install(app: FastAPI, s: Served, gen: Generation, keep_attribution: bool) ->
 
     document_bodies(app, {"/v1/messages": dialect.MessagesRequest,
                           "/v1/messages/count_tokens": dialect.CountTokensRequest})
-
-
-def _stream_error(e: EngineError) -> list[str]:
-    return [dialect.error_event(str(e), "overloaded_error" if "shutting down" in str(e) else "api_error")]

@@ -35,6 +35,7 @@ from .async_engine import AsyncEngine, ShuttingDown
 from .errors import error_response, install_error_handlers
 from .generation import Generation
 from .metrics import CONTENT_TYPE, ServerMetrics
+from .record import RequestRecorder
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +63,7 @@ class ServerConfig:
     keep_anthropic_attribution: bool = False
     root_path: str = ""  # the path prefix a proxy serves this server under (--root-path)
     tokenizer_path: str | None = None  # told to a router's /model_info: a tokenizer folder or hub id it can load
+    record_requests: str | None = None  # a folder each request is written to (server/record.py)
 
 
 def route_path(scope: Scope) -> str:
@@ -191,12 +193,14 @@ def create_app(llm: Any, config: ServerConfig | None = None) -> FastAPI:
     if cfg.api_key:
         app.add_middleware(AuthMiddleware, api_key=cfg.api_key)
     routes.add_cors(app, cfg.allowed_origins)  # outside the key check: preflights carry no key
+    if cfg.record_requests:  # outermost: what the client sent, refused or not
+        app.add_middleware(RequestRecorder, folder=cfg.record_requests)
     _install_basics(app, engine, metrics, ctx, models)
     generation.install(app, gen, ctx, token_text, models.check, cfg.max_body_bytes)
     served = routes.Served(llm, ctx, engine, token_text, models.check_base, gen.submit, work.run,
                            cfg.max_body_bytes)
     routes.install(app, served)
-    responses.install(app, served, cfg.responses_store_size)
+    responses.install(app, served, gen, cfg.responses_store_size)
     anthropic.install(app, served, gen, cfg.keep_anthropic_attribution)
     embeddings.install(app, served)
     infill.install(app, served, gen)

@@ -19,7 +19,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
-from ..engine.driver import EngineDriver
+from ..engine.driver import EngineDriver, Item
 from ..outputs import RequestOutput
 from ..sampling.params import SamplingParams
 from .metrics import ServerMetrics
@@ -174,7 +174,7 @@ class AsyncEngine:
         if not self.alive:
             raise EngineError("the engine is not running" + (f": {self.stopped_because}" if self.stopped_because else ""))
         loop = asyncio.get_running_loop()
-        sub = Submission([it[0] for it in items], asyncio.Queue(), self)
+        sub = Submission([it.request_id for it in items], asyncio.Queue(), self)
         accepted = loop.create_future()
         self._cmds.put(_Add(items, loop, sub.outputs, accepted, pooling))
         try:
@@ -192,7 +192,7 @@ class AsyncEngine:
         work (prefill chunks beside the decodes); raises ValueError for bad input. A handler
         that stops waiting (its client gone) aborts them."""
         tag = uuid.uuid4().hex[:16]
-        sub = await self.submit([(f"embd-{tag}-{i}", p, None) for i, p in enumerate(prompts)], pooling)
+        sub = await self.submit([Item(f"embd-{tag}-{i}", p, None) for i, p in enumerate(prompts)], pooling)
         try:
             async for _ in sub:
                 pass
@@ -246,7 +246,7 @@ class AsyncEngine:
             if cmd.pooling is None:
                 added = self.driver.add(cmd.items)  # all or none
             else:
-                added = self.driver.add_pooling([(rid, ids) for rid, ids, _ in cmd.items], cmd.pooling)
+                added = self.driver.add_pooling(cmd.items, cmd.pooling)
         except Exception as e:  # bad input: report to the caller
             err = e if isinstance(e, ValueError) else EngineError(f"{type(e).__name__}: {e}")
             if not isinstance(e, ValueError):

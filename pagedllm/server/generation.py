@@ -11,18 +11,19 @@ from typing import Any, Callable
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from pydantic import BaseModel
+
 from ..protocols.common.call import Call
 from ..protocols.common.context import ServingContext
 from ..protocols.common.errors import ApiError
 from ..protocols.common.tokens import TokenText
 from ..protocols.openai.calls import chat_call, completion_call
 from ..protocols.openai.models import ChatCompletionRequest, CompletionRequest
-from ..protocols.openai.stream import with_running_usage
 from ..structured import limits as grammar_limits
 from . import limits
 from .async_engine import AsyncEngine, EngineError, ShuttingDown, Submission
 from .bodies import read_body
-from .sse import SSEResponse, stream_events
+from .sse import StreamResponse, framed
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +50,8 @@ class Generation:
     async def _submit(self, items: list, grammar_param: str) -> Submission:
         # A grammar is checked (and llguidance's token trie built, once) off the engine thread.
         self.trimmer.note_work()
-        specs = {id(it[2].structured): it[2].structured for it in items if it[2].structured is not None}
+        specs = {id(it.params.structured): it.params.structured for it in items
+                 if it.params.structured is not None}
         for spec in specs.values():
             try:
                 await self.work.run(self.llm.engine.structured.prepare, spec,
@@ -72,20 +74,20 @@ class Generation:
         """The call's requests run with the adapter its `model` names (none for the base)."""
         req = self.adapters.get(model)
         if req is not None:
-            call.items = [(*it[:3], req) for it in call.items]
+            call.items = [it._replace(lora=req) for it in call.items]
         return call
 
     async def answer(self, call: Call, request: Request) -> Response:
-        """Run a chat or completion call on the engine; its stream, or its whole answer."""
+        """Run a call of any dialect on the engine: its stream, as the call's framing writes it,
+        or its whole answer (499 when the client left first)."""
         sub = await self.submit(call.items, request, call.grammar_param)
         if call.stream:
-            render = with_running_usage(call.streamer.update) if call.continuous_usage else call.streamer.events
-            events = stream_events(sub, call.streamer.start(), render, call.usage_chunk(), call.include_usage)
-            return SSEResponse(events, sub.abort_unfinished)
+            return StreamResponse(framed(sub, call.framing), sub.abort_unfinished, call.framing.media_type)
         finals = await collect_or_fail(sub, request)
         if finals is None:
             return Response(status_code=499)
-        return JSONResponse(call.response(finals).model_dump(exclude_none=False))
+        answer = call.response(finals)
+        return JSONResponse(answer.model_dump(exclude_none=False) if isinstance(answer, BaseModel) else answer)
 
 
 def install(app: FastAPI, gen: Generation, ctx: ServingContext, token_text: TokenText,

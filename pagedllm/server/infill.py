@@ -3,14 +3,15 @@ text-completion call (so it samples exactly as /v1/completions with `suffix`), a
 or streamed as llama.cpp streams it."""
 from __future__ import annotations
 
+import dataclasses
+
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from ..protocols import fim
 from ..protocols.openai.calls import completion_call
-from .generation import Generation, collect_or_fail
+from .generation import Generation
 from .routes import Served, document_bodies
-from .sse import SSEResponse, stream_lines
 
 
 def install(app: FastAPI, s: Served, gen: Generation) -> None:
@@ -20,13 +21,9 @@ def install(app: FastAPI, s: Served, gen: Generation) -> None:
         s.check_model(req.model)
         creq = await s.run(fim.completion_request, req, s.ctx)
         call = await s.run(completion_call, creq, s.ctx, s.token_text)
-        sub = await gen.submit(call.items, request, call.grammar_param)
-        if req.stream:
-            streamer = fim.InfillStreamer(s.ctx.model_name)
-            return SSEResponse(stream_lines(sub, [], streamer.events, list, streamer.error), sub.abort_unfinished)
-        finals = await collect_or_fail(sub, request)
-        if finals is None:
-            return Response(status_code=499)
-        return JSONResponse(fim.infill_response(call.response(finals)))
+        completion = call.respond
+        call = dataclasses.replace(call, stream=req.stream, framing=fim.InfillStreamer(s.ctx.model_name),
+                                   respond=lambda finals: fim.infill_response(completion(finals)))
+        return await gen.answer(call, request)
 
     document_bodies(app, {"/infill": fim.InfillRequest})

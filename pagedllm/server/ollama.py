@@ -15,13 +15,8 @@ from ..protocols import ollama
 from ..protocols.common.errors import ApiError
 from ..protocols.openai.embeddings import EmbeddingRequest
 from .embeddings import embed
-from .generation import Generation, collect_or_fail
+from .generation import Generation
 from .routes import Served, document_bodies
-from .sse import SSEResponse
-
-
-class NDJSONResponse(SSEResponse):
-    media_type = "application/x-ndjson"
 
 
 def ollama_errors(handler: Any) -> Any:
@@ -45,25 +40,6 @@ def install(app: FastAPI, s: Served, gen: Generation, names: list[str]) -> None:
     size = path.stat().st_size if path.is_file() else 0
     modified = datetime.fromtimestamp(path.stat().st_mtime if path.exists() else 0, timezone.utc).isoformat()
     family, task = _family(s.llm), getattr(s.llm, "task", "generate")
-
-    async def answer(call: Any, request: Request) -> Response:
-        sub = await gen.submit(call.items, request, call.grammar_param)
-        if call.stream:
-            async def lines():
-                try:
-                    async for outs in sub.batches():
-                        text = "".join(line for out in outs for line in call.streamer.events(out))
-                        if text:
-                            yield text
-                except Exception as e:  # an engine failure ends the stream with Ollama's error line
-                    yield json.dumps({"error": str(e)}) + "\n"
-                finally:
-                    sub.abort_unfinished()
-            return NDJSONResponse(lines(), sub.abort_unfinished)
-        finals = await collect_or_fail(sub, request)
-        if finals is None:
-            return Response(status_code=499)
-        return JSONResponse(call.response(finals))
 
     @app.get("/api/version")
     async def version() -> Response:
@@ -106,7 +82,7 @@ def install(app: FastAPI, s: Served, gen: Generation, names: list[str]) -> None:
     async def chat(request: Request) -> Response:
         req: ollama.ChatRequest = await s.read_body(request, ollama.ChatRequest)
         s.check_model(req.model)
-        return await answer(await s.run(ollama.chat_call, req, s.ctx), request)
+        return await gen.answer(await s.run(ollama.chat_call, req, s.ctx), request)
 
     @app.post("/api/generate")
     @ollama_errors
@@ -116,7 +92,7 @@ def install(app: FastAPI, s: Served, gen: Generation, names: list[str]) -> None:
         if not req.prompt and req.suffix is None:  # Ollama's way to load a model: nothing to do here
             return JSONResponse({"model": s.ctx.model_name, "created_at": ollama.now_iso(), "response": "",
                                  "done": True, "done_reason": "load"})
-        return await answer(await s.run(ollama.generate_call, req, s.ctx), request)
+        return await gen.answer(await s.run(ollama.generate_call, req, s.ctx), request)
 
     @app.post("/api/embed")
     @ollama_errors

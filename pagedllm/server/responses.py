@@ -5,7 +5,7 @@ typed events, the `previous_response_id` store) is pagedllm/protocols/openai/res
 """
 from __future__ import annotations
 
-from typing import Any, AsyncIterator
+import dataclasses
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -29,32 +29,14 @@ from ..protocols.openai.responses import (
     usage_of,
 )
 from . import limits
-from .async_engine import EngineError
-from .generation import collect_or_fail
+from .generation import Generation
 from .routes import Served, document_bodies
-from .sse import SSEResponse
-
-
-async def _events(sub: Any, ev: ResponseEvents, on_done: Any) -> AsyncIterator[str]:
-    try:
-        for e in ev.start():
-            yield e
-        async for out in sub:
-            for e in ev.update(out):
-                yield e
-        for e in ev.end(sub.final_outputs()):
-            yield e
-        on_done(ev.resp)
-    except EngineError as exc:
-        yield ev.error(exc)
-    finally:
-        sub.abort_unfinished()
 
 
 # -- the route -------------------------------------------------------------------------------
 
 
-def install(app: FastAPI, s: Served, store_size: int = DEFAULT_STORE_SIZE) -> None:
+def install(app: FastAPI, s: Served, gen: Generation, store_size: int = DEFAULT_STORE_SIZE) -> None:
     store = ResponseStore(store_size)
 
     @app.post("/v1/responses")
@@ -78,24 +60,22 @@ def install(app: FastAPI, s: Served, store_size: int = DEFAULT_STORE_SIZE) -> No
         except ApiError as e:
             raise renamed_error(e) from None
         rid = new_item_id("resp")
-        sub = await s.submit(call.items, request, call.grammar_param.replace("response_format", "text.format"))
         resp = skeleton(rid, s.ctx.model_name, req)
 
         def keep(done: dict) -> None:
             if req.store is not False:
                 store.put(rid, history + new + as_messages(done["output"], tools), done)
 
-        if req.stream:
-            ev = ResponseEvents(resp, call.streamer, tools)
-            return SSEResponse(_events(sub, ev, keep), sub.abort_unfinished)
-        finals = await collect_or_fail(sub, request)
-        if finals is None:
-            return Response(status_code=499)
-        chat_resp = call.response(finals)
-        output, reason = output_of(chat_resp, tools)
-        finish(resp, output, reason, usage_of(chat_resp.usage))
-        keep(resp)
-        return JSONResponse(resp)
+        def respond(finals: list) -> dict:
+            chat_resp = call.response(finals)
+            output, reason = output_of(chat_resp, tools)
+            finish(resp, output, reason, usage_of(chat_resp.usage))
+            keep(resp)
+            return resp
+
+        answer = dataclasses.replace(call, framing=ResponseEvents(resp, call.streamer, tools, keep), respond=respond,
+                                     grammar_param=call.grammar_param.replace("response_format", "text.format"))
+        return await gen.answer(answer, request)
 
     @app.get("/v1/responses/{response_id}")
     async def retrieve_response(response_id: str) -> Response:

@@ -1,5 +1,5 @@
-"""Server-sent events: the streaming response that stops when its client goes away, and the
-OpenAI-style event stream of one submission (chunks, usage, an error event, [DONE])."""
+"""Streamed answers: the streaming response that stops when its client goes away, and the
+stream of one submission in any dialect, written through the dialect's framing."""
 from __future__ import annotations
 
 from typing import AsyncIterator, Callable
@@ -8,19 +8,19 @@ import anyio
 from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from ..protocols.openai.models import ErrorInfo, ErrorResponse
-from ..protocols.openai.stream import sse_line
+from ..protocols.common.call import Framing
 from .async_engine import EngineError, Submission
 
 
-class SSEResponse(StreamingResponse):
-    """Server-sent events that stop (cancelling the generator) as soon as the client goes away,
-    even while no token is being sent, so queued requests are aborted too."""
+class StreamResponse(StreamingResponse):
+    """A stream (server-sent events, or NDJSON lines) that stops, cancelling the generator, as
+    soon as the client goes away, even while no token is being sent, so queued requests are
+    aborted too."""
 
-    media_type = "text/event-stream"
-
-    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
-        super().__init__(content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None],
+                 media_type: str = "text/event-stream") -> None:
+        super().__init__(content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+                         media_type=media_type)
         self.on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -41,44 +41,22 @@ class SSEResponse(StreamingResponse):
             self.on_close()
 
 
-def sse_error(exc: Exception) -> str:
-    body = ErrorResponse(error=ErrorInfo(message=str(exc), type="server_error"))
-    return f"data: {body.model_dump_json()}\n\n"
-
-
-def stream_events(sub: Submission, start: list, events: Callable, usage: Callable | None,
-                  include_usage: bool) -> AsyncIterator[str]:
-    """OpenAI's event stream: `events(output, include_usage)` renders one output's; a usage
-    chunk when asked for, and [DONE] after everything, an error too."""
-    def tail() -> list[str]:
-        return [sse_line(usage(sub.final_outputs()), True)] if usage is not None else []
-
-    return stream_lines(sub, [sse_line(c, include_usage) for c in start],
-                        lambda out: events(out, include_usage), tail,
-                        lambda e: [sse_error(e)], "data: [DONE]\n\n")
-
-
-async def stream_lines(sub: Submission, head: list[str], events: Callable, tail: Callable[[], list[str]],
-                       on_error: Callable[[Exception], list[str]], end: str = "") -> AsyncIterator[str]:
-    """Any dialect's event stream: `head`, then `events(output)` for each engine output (the
-    outputs queued together go out as one write), then `tail()`; `on_error` renders an engine
-    failure; `end` closes the stream either way."""
+async def framed(sub: Submission, framing: Framing) -> AsyncIterator[str]:
+    """Any dialect's stream of one submission: the framing's head, its lines for each engine
+    output (the outputs queued together go out as one write), its tail; an engine failure ends
+    it with the framing's error lines."""
     try:
-        for line in head:
+        for line in framing.start():
             yield line
         async for outs in sub.batches():
-            text = "".join(line for out in outs for line in events(out))
+            text = "".join(line for out in outs for line in framing.events(out))
             if text:
                 yield text
-        for line in tail():
+        for line in framing.end(sub.final_outputs()):
             yield line
-        if end:
-            yield end
     except EngineError as e:
-        for line in on_error(e):
+        for line in framing.error(e):
             yield line
-        if end:
-            yield end
     finally:
         # Runs on normal end, on error and on cancellation (client gone): abort what is left.
         sub.abort_unfinished()

@@ -26,6 +26,7 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
 from .._version import __version__
+from ..engine.driver import Item
 from ..protocols.common.context import ServingContext
 from ..sampling.params import SamplingParams
 from .async_engine import AsyncEngine
@@ -81,7 +82,7 @@ def install(app: FastAPI, llm: Any, engine: AsyncEngine, ctx: ServingContext, na
     async def health_generate() -> Response:
         if not engine.alive:
             return error_response(503, "the engine is not running", "server_error")
-        sub = await engine.submit([(f"health-{uuid.uuid4().hex}", ctx.tokenizer.encode("ping"),
+        sub = await engine.submit([Item(f"health-{uuid.uuid4().hex}", ctx.tokenizer.encode("ping"),
                                     SamplingParams(max_tokens=1, temperature=0.0))])
         try:
             async for _ in sub:

@@ -19,6 +19,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from ...engine.driver import Item
 from ...outputs import RequestOutput
 from ...sampling.params import SamplingParams, SamplingParamsError
 from ...structured import tools as tool_api
@@ -423,6 +424,7 @@ class MessageStreamer:
     plan: tool_api.ToolPlan | None
     reasoning: neutral.Reasoning | None
     show_thinking: bool = True  # False: `thinking.display: "omitted"`, the text rides in the signature
+    media_type: str = "text/event-stream"
     index: int = -1  # the open block's index
     kind: str | None = None  # the open block's type
     thought: str = ""  # the open thinking block's text (for its signature)
@@ -483,7 +485,13 @@ class MessageStreamer:
             lines.append(self._delta({"type": "input_json_delta", "partial_json": fn["arguments"]}))
         return lines
 
-    def events(self, final: RequestOutput, include_usage: bool = False) -> list[str]:
+    def end(self, finals: list[RequestOutput]) -> list[str]:
+        return []  # message_stop went with the last output
+
+    def error(self, exc: Exception) -> list[str]:
+        return [error_event(str(exc), "overloaded_error" if "shutting down" in str(exc) else "api_error")]
+
+    def events(self, final: RequestOutput) -> list[str]:
         if self.done:
             return []
         out = final.outputs[0]
@@ -528,7 +536,7 @@ def messages_call(req: MessagesRequest, ctx: ServingContext, keep_attribution: b
     reasoning = neutral.reasoning_of(ctx, ids)
     show = (req.thinking or {}).get("display") != "omitted"
     streamer = MessageStreamer(rid, ctx.model_name, n_prompt, plan, reasoning, show)
-    return Call(rid, [(rid, ids, params)], req.stream, False, neutral.grammar_param(plan, "messages"), streamer,
+    return Call(rid, [Item(rid, ids, params)], req.stream, neutral.grammar_param(plan, "messages"), streamer,
                 lambda finals: message(rid, ctx.model_name, finals[0], plan, reasoning, show))
 
 

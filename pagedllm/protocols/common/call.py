@@ -1,12 +1,30 @@
 """One request made ready for the engine, in any dialect: what the HTTP face (or the
-`Runner`) submits, and what turns the engine's outputs back into the dialect's answer."""
+`Runner`) submits, what frames its stream, and what turns the engine's outputs back into the
+dialect's answer."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, Protocol
 
+from ...engine.driver import Item
 from ...outputs import RequestOutput
-from ...sampling.params import SamplingParams
+
+
+class Framing(Protocol):
+    """How a dialect writes a streamed answer: its media type, the lines before the first engine
+    output (`start`), those of each output (`events`), those after the last (`end`), and those
+    that end a stream the engine failed (`error`). The server writes every dialect's stream
+    through this (server/sse.py's `framed`)."""
+
+    media_type: str
+
+    def start(self) -> list[str]: ...
+
+    def events(self, out: RequestOutput) -> list[str]: ...
+
+    def end(self, finals: list[RequestOutput]) -> list[str]: ...
+
+    def error(self, exc: Exception) -> list[str]: ...
 
 
 @dataclass
@@ -15,24 +33,23 @@ class Call:
     The HTTP server and the `Runner` both answer through one, so tool calls, logprobs and usage
     come out the same from both; only the engine driving differs.
 
-    `streamer` builds the stream: `start()` (opening chunks), `update(output)` (chunks for one
-    engine output), `events(output, include_usage)` (the same as framed lines) and
-    `usage_chunk(finals)`. `items` hold token ids (or a MultiModalInput), never text: prompts
-    are tokenized while the request is prepared, off the engine thread."""
+    `items` hold token ids (or a MultiModalInput), never text: prompts are tokenized while the
+    request is prepared, off the engine thread. `framing` writes the HTTP stream; `streamer`,
+    where a dialect has one, builds its chunks as objects (OpenAI's, for the `Runner`:
+    `start()`, `update(output)`, `usage_chunk(finals)`)."""
 
     rid: str
-    items: list[tuple[str, list[int] | Any, SamplingParams]]  # (engine request id, prompt, params)
+    items: list[Item]
     stream: bool
-    include_usage: bool  # a last chunk with the usage (OpenAI's stream_options.include_usage)
     grammar_param: str  # the request field blamed when the request's grammar does not compile
-    streamer: Any
-    respond: Any  # final outputs (in `items` order) -> the whole response
-    # vLLM's stream_options.continuous_usage_stats: each chunk carries the usage so far
-    continuous_usage: bool = False
+    framing: Framing
+    respond: Callable[[list[RequestOutput]], Any]  # final outputs (in `items` order) -> the answer
+    streamer: Any = None
+    include_usage: bool = False  # a last chunk with the usage (OpenAI's stream_options.include_usage)
 
     @property
     def request_ids(self) -> list[str]:
-        return [it[0] for it in self.items]  # (an item may carry a LoRARequest after its params)
+        return [it.request_id for it in self.items]
 
     def response(self, finals: list[RequestOutput]) -> Any:
         return self.respond(finals)

@@ -2,6 +2,7 @@
 translate.py), and the whole answer built from the engine's final outputs."""
 from __future__ import annotations
 
+from ...engine.driver import Item
 from ...outputs import RequestOutput
 from ...structured import tools as tool_api
 from ..common import chat as neutral
@@ -18,7 +19,7 @@ from .models import (
     CompletionResponse,
     ResponseMessage,
 )
-from .stream import SYSTEM_FINGERPRINT, ChatStreamer, CompletionStreamer, finish_reason
+from .stream import SYSTEM_FINGERPRINT, ChatStreamer, CompletionStreamer, OpenAIFraming, finish_reason
 from .translate import prepare_chat_plan, prepare_completion
 
 
@@ -76,9 +77,10 @@ def chat_call(req: ChatCompletionRequest, ctx: ServingContext, token_text: Token
     reasoning = neutral.reasoning_of(ctx, ids)
     streamer = ChatStreamer(rid, ctx.model_name, req.n, tt, tools, reasoning)
     grammar_param = neutral.grammar_param(tools, "response_format")
-    return Call(rid, [(rid, ids, params)], bool(req.stream), _include_usage(req), grammar_param, streamer,
+    return Call(rid, [Item(rid, ids, params)], bool(req.stream), grammar_param,
+                OpenAIFraming(streamer, _include_usage(req), _continuous_usage(req)),
                 lambda finals: chat_response(rid, ctx.model_name, finals[0], tt, tools, reasoning),
-                _continuous_usage(req))
+                streamer, _include_usage(req))
 
 
 def completion_call(req: CompletionRequest, ctx: ServingContext, token_text: TokenText) -> Call:
@@ -90,6 +92,7 @@ def completion_call(req: CompletionRequest, ctx: ServingContext, token_text: Tok
     tt = token_text if req.logprobs is not None else None
     echo = echo_texts(prompts, ctx.tokenizer) if req.echo else None
     streamer = CompletionStreamer(rid, ctx.model_name, req.n, {r: i for i, r in enumerate(rids)}, tt, echo)
-    return Call(rid, list(zip(rids, ids, params)), bool(req.stream), _include_usage(req), "response_format",
-                streamer, lambda finals: completion_response(rid, ctx.model_name, finals, req.n, tt, echo),
-                _continuous_usage(req))
+    return Call(rid, [Item(*it) for it in zip(rids, ids, params)], bool(req.stream), "response_format",
+                OpenAIFraming(streamer, _include_usage(req), _continuous_usage(req)),
+                lambda finals: completion_response(rid, ctx.model_name, finals, req.n, tt, echo),
+                streamer, _include_usage(req))

@@ -12,7 +12,7 @@ import json
 import logging
 import time
 from collections import OrderedDict
-from typing import Any
+from typing import Any, Callable
 
 from pydantic import ValidationError
 
@@ -282,12 +282,17 @@ def as_messages(output: list[dict], tools: ResponseTools) -> list[dict]:
 
 
 class ResponseEvents:
-    """OpenAI's typed stream events, built from the chunks of the chat route's own streamer."""
+    """OpenAI's typed stream events, built from the chunks of the chat route's own streamer.
+    `on_done(response)` runs once the response is complete (the route keeps it)."""
 
-    def __init__(self, resp: dict, chat: ChatStreamer, tools: ResponseTools) -> None:
+    media_type = "text/event-stream"
+
+    def __init__(self, resp: dict, chat: ChatStreamer, tools: ResponseTools,
+                 on_done: Callable[[dict], None] = lambda resp: None) -> None:
         self.resp = resp
         self.chat = chat
         self.tools = tools
+        self.on_done = on_done
         self.seq = 0
         self.output: list[dict] = []
         self.text: dict | None = None  # the open message item
@@ -304,7 +309,7 @@ class ResponseEvents:
         return [self.event("response.created", response=self.resp),
                 self.event("response.in_progress", response=self.resp)]
 
-    def update(self, out: Any) -> list[str]:
+    def events(self, out: Any) -> list[str]:
         events: list[str] = []
         for chunk in self.chat.update(out):
             for choice in chunk.choices:
@@ -385,11 +390,12 @@ class ResponseEvents:
             events += self._text("")[:-1] + self._close_text()
         resp = finish(self.resp, self.output, self.finish_reason, usage_of(usage_from(finals)))
         kind = "response.incomplete" if resp["status"] == "incomplete" else "response.completed"
+        self.on_done(resp)
         return events + [self.event(kind, response=resp)]
 
-    def error(self, exc: Exception) -> str:
+    def error(self, exc: Exception) -> list[str]:
         """An engine failure mid-stream: the response fails, as OpenAI's stream reports it
         (`response.failed`, which Codex reads, rather than a bare `error` event)."""
         self.resp.update(status="failed", output=self.output,
                          error={"code": "server_error", "message": str(exc)})
-        return self.event("response.failed", response=self.resp)
+        return [self.event("response.failed", response=self.resp)]

@@ -18,6 +18,8 @@ from .models import (
     CompletionLogprobs,
     CompletionResponse,
     Delta,
+    ErrorInfo,
+    ErrorResponse,
     Usage,
 )
 
@@ -50,6 +52,42 @@ def with_running_usage(update: Any) -> Any:
             chunk.usage = usage
         return [sse_line(chunk, True) for chunk in chunks]
     return events
+
+
+DONE = "data: [DONE]\n\n"
+
+
+def sse_error(exc: Exception) -> str:
+    body = ErrorResponse(error=ErrorInfo(message=str(exc), type="server_error"))
+    return f"data: {body.model_dump_json()}\n\n"
+
+
+@dataclass
+class OpenAIFraming:
+    """OpenAI's event stream (chat and text completions): the streamer's chunks as server-sent
+    events, a usage chunk when the client asked for one, and [DONE] after everything, an error
+    too."""
+
+    streamer: Any  # ChatStreamer | CompletionStreamer
+    include_usage: bool = False
+    continuous_usage: bool = False  # vLLM's stream_options.continuous_usage_stats
+    media_type: str = "text/event-stream"
+
+    def __post_init__(self) -> None:
+        self._events = with_running_usage(self.streamer.update) if self.continuous_usage else self.streamer.events
+
+    def start(self) -> list[str]:
+        return [sse_line(c, self.include_usage) for c in self.streamer.start()]
+
+    def events(self, out: RequestOutput) -> list[str]:
+        return self._events(out, self.include_usage)
+
+    def end(self, finals: list[RequestOutput]) -> list[str]:
+        usage = [sse_line(self.streamer.usage_chunk(finals), True)] if self.include_usage else []
+        return [*usage, DONE]
+
+    def error(self, exc: Exception) -> list[str]:
+        return [sse_error(exc), DONE]
 
 
 _SLOT = "PAGEDLLM_TEXT_SLOT"
