@@ -126,3 +126,18 @@ def test_codex_first_request(server):
                 assert item["name"] in offered
         cached.append(final["usage"]["input_tokens_details"]["cached_tokens"])
     assert cached[1] > cached[0] and cached[1] >= final["usage"]["input_tokens"] - 2 * 32
+
+
+def test_openai_output_budget_past_the_room_is_served(server):
+    """qwen-code sends max_tokens = the model's whole context, opencode (offline) 32,000: a limit
+    the context could hold by itself is served up to the room the prompt leaves ("length");
+    one larger than the whole context keeps OpenAI's context_length_exceeded."""
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=300)
+    messages = [{"role": "user", "content": "one two three four five six seven eight nine ten " * 300}]
+    r = client.chat.completions.create(model="qwen", messages=messages, max_tokens=4096, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    assert r.choices[0].finish_reason == "length" and r.usage.prompt_tokens > 3000
+    assert r.usage.prompt_tokens + r.usage.completion_tokens == 4096
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="qwen", messages=messages, max_tokens=4097)
+    assert e.value.body["code"] == "context_length_exceeded"

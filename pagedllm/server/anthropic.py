@@ -44,8 +44,7 @@ def _chars(req: Any) -> int:
 
 def install(app: FastAPI, s: Served, gen: Generation, keep_attribution: bool) -> None:
     async def read(request: Request, model: type) -> Any:
-        req = await s.read_body(request, model)
-        s.check_model(req.model)
+        req = await s.read_request(request, model)
         limits.check_prompt_chars(_chars(req), s.ctx.max_model_len, "messages")
         return req
 

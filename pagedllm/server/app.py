@@ -197,8 +197,7 @@ def create_app(llm: Any, config: ServerConfig | None = None) -> FastAPI:
         app.add_middleware(RequestRecorder, folder=cfg.record_requests)
     _install_basics(app, engine, metrics, ctx, models)
     generation.install(app, gen, ctx, token_text, models.check, cfg.max_body_bytes)
-    served = routes.Served(llm, ctx, engine, token_text, models.check_base, gen.submit, work.run,
-                           cfg.max_body_bytes)
+    served = routes.Served(llm, ctx, engine, token_text, models.check_base, work.run, cfg.max_body_bytes)
     routes.install(app, served)
     responses.install(app, served, gen, cfg.responses_store_size)
     anthropic.install(app, served, gen, cfg.keep_anthropic_attribution)

@@ -22,8 +22,7 @@ from .routes import Served, document_bodies
 def install(app: FastAPI, s: Served) -> None:
     @app.post("/v1/embeddings")
     async def embeddings(request: Request) -> Response:
-        req: EmbeddingRequest = await s.read_body(request, EmbeddingRequest)
-        s.check_model(req.model)
+        req: EmbeddingRequest = await s.read_request(request, EmbeddingRequest)
         vecs, ids = await embed(s, req)
         n_tokens = sum(len(p) for p in ids)
         data = [{"object": "embedding", "index": i, "embedding": encode_vector(v, req.encoding_format)}

@@ -17,8 +17,7 @@ from .routes import Served, document_bodies
 def install(app: FastAPI, s: Served, gen: Generation) -> None:
     @app.post("/infill")
     async def infill(request: Request) -> Response:
-        req: fim.InfillRequest = await s.read_body(request, fim.InfillRequest)
-        s.check_model(req.model)
+        req: fim.InfillRequest = await s.read_request(request, fim.InfillRequest)
         creq = await s.run(fim.completion_request, req, s.ctx)
         call = await s.run(completion_call, creq, s.ctx, s.token_text)
         completion = call.respond

@@ -80,15 +80,13 @@ def install(app: FastAPI, s: Served, gen: Generation, names: list[str]) -> None:
     @app.post("/api/chat")
     @ollama_errors
     async def chat(request: Request) -> Response:
-        req: ollama.ChatRequest = await s.read_body(request, ollama.ChatRequest)
-        s.check_model(req.model)
+        req: ollama.ChatRequest = await s.read_request(request, ollama.ChatRequest)
         return await gen.answer(await s.run(ollama.chat_call, req, s.ctx), request)
 
     @app.post("/api/generate")
     @ollama_errors
     async def generate(request: Request) -> Response:
-        req: ollama.GenerateRequest = await s.read_body(request, ollama.GenerateRequest)
-        s.check_model(req.model)
+        req: ollama.GenerateRequest = await s.read_request(request, ollama.GenerateRequest)
         if not req.prompt and req.suffix is None:  # Ollama's way to load a model: nothing to do here
             return JSONResponse({"model": s.ctx.model_name, "created_at": ollama.now_iso(), "response": "",
                                  "done": True, "done_reason": "load"})
@@ -97,8 +95,7 @@ def install(app: FastAPI, s: Served, gen: Generation, names: list[str]) -> None:
     @app.post("/api/embed")
     @ollama_errors
     async def embed_route(request: Request) -> Response:
-        req: ollama.EmbedRequest = await s.read_body(request, ollama.EmbedRequest)
-        s.check_model(req.model)
+        req: ollama.EmbedRequest = await s.read_request(request, ollama.EmbedRequest)
         vecs, ids = await embed(s, EmbeddingRequest(input=req.input, dimensions=req.dimensions))
         return JSONResponse({"model": s.ctx.model_name, "embeddings": [v.tolist() for v in vecs],
                              "prompt_eval_count": sum(len(p) for p in ids)})

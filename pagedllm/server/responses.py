@@ -41,8 +41,7 @@ def install(app: FastAPI, s: Served, gen: Generation, store_size: int = DEFAULT_
 
     @app.post("/v1/responses")
     async def create_response(request: Request) -> Response:
-        req: ResponsesRequest = await s.read_body(request, ResponsesRequest)
-        s.check_model(req.model)
+        req: ResponsesRequest = await s.read_request(request, ResponsesRequest)
         history: list[dict] = []
         if req.previous_response_id is not None:
             prev = store.get(req.previous_response_id)

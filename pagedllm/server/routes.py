@@ -34,13 +34,18 @@ class Served:
     engine: Any  # async_engine.AsyncEngine
     token_text: Any  # protocols.common.tokens.TokenText
     check_model: Callable[[str | None], None]  # refuses a name this server does not serve
-    submit: Callable  # generation.Generation.submit: async (items, request, grammar_param) -> Submission
     run: Callable  # async (fn, *args): tokenizing and templates off the event loop (limits.WorkPool.run)
     max_body_bytes: int
 
     async def read_body(self, request: Request, model: type[BaseModel]) -> Any:
         """The request's body within the size limit, as `model` (OpenAI's error for a bad field)."""
         return await read_body(request, model, self.max_body_bytes)
+
+    async def read_request(self, request: Request, model: type[BaseModel]) -> Any:
+        """`read_body`, for a body that names the model it asks for (refused if not served)."""
+        req = await self.read_body(request, model)
+        self.check_model(req.model)
+        return req
 
 
 # -- installing ----------------------------------------------------------------------------------
@@ -56,16 +61,14 @@ def install(app: FastAPI, s: Served) -> None:
 
     @app.post("/tokenize")
     async def tokenize_route(request: Request) -> Response:
-        req: TokenizeRequest = await s.read_body(request, TokenizeRequest)
-        s.check_model(req.model)
+        req: TokenizeRequest = await s.read_request(request, TokenizeRequest)
         if req.prompt is not None:
             limits.check_prompt_chars(len(req.prompt), s.ctx.max_model_len, "prompt")
         return JSONResponse((await s.run(tokenize, req, s.ctx)).model_dump())
 
     @app.post("/detokenize")
     async def detokenize_route(request: Request) -> Response:
-        req: DetokenizeRequest = await s.read_body(request, DetokenizeRequest)
-        s.check_model(req.model)
+        req: DetokenizeRequest = await s.read_request(request, DetokenizeRequest)
         return JSONResponse((await s.run(detokenize, req, s.ctx)).model_dump())
 
     @app.get("/version")

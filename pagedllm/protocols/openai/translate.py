@@ -47,13 +47,21 @@ def structured_outputs(req: ChatCompletionRequest | CompletionRequest):
     return neutral.structured_spec(rf, extra)
 
 
-def check_context(ctx: ServingContext, prompt_len: int, max_tokens: int | None, where: str) -> None:
-    """OpenAI's refusal (and message) for a prompt plus max_tokens past the context."""
-    if max_tokens is not None and prompt_len + max_tokens > ctx.max_model_len:
-        raise ApiError(f"This model's maximum context length is {ctx.max_model_len} tokens. However, "
-                       f"you requested {prompt_len + max_tokens} tokens ({prompt_len} in the {where}, "
-                       f"{max_tokens} in the completion). Please reduce the length of the {where} "
-                       "or completion.", param="max_tokens", code="context_length_exceeded")
+def check_context(ctx: ServingContext, prompt_len: int, max_tokens: int | None, where: str) -> int | None:
+    """The max_tokens a request runs with. One the context could hold by itself, but not after
+    this prompt, is the client's output budget, not a demand: coding agents send the model's
+    whole context or their own default (qwen-code 32,768, opencode 32,000 when it cannot look the
+    model up) whatever the prompt, so it is served up to the room the prompt leaves and ends
+    with finish_reason "length". One larger than the whole context can never be met: OpenAI's
+    refusal (and message), as for a prompt that leaves no room."""
+    if max_tokens is None or prompt_len + max_tokens <= ctx.max_model_len:
+        return max_tokens
+    if max_tokens <= ctx.max_model_len and prompt_len < ctx.max_model_len:
+        return ctx.max_model_len - prompt_len
+    raise ApiError(f"This model's maximum context length is {ctx.max_model_len} tokens. However, "
+                   f"you requested {prompt_len + max_tokens} tokens ({prompt_len} in the {where}, "
+                   f"{max_tokens} in the completion). Please reduce the length of the {where} "
+                   "or completion.", param="max_tokens", code="context_length_exceeded")
 
 
 def sampling_params(req: ChatCompletionRequest | CompletionRequest, ctx: ServingContext,
@@ -152,8 +160,7 @@ def prepare_chat_plan(req: ChatCompletionRequest, ctx: ServingContext
     ids = neutral.chat_prompt(ctx, chat_messages(req.messages, ctx), plan,
                               **neutral.template_kwargs(req.chat_template_kwargs, "chat_template_kwargs"))
     n_ids = neutral.prompt_len(ids)
-    max_tokens = req.max_completion_tokens or req.max_tokens
-    check_context(ctx, n_ids, max_tokens, "messages")
+    max_tokens = check_context(ctx, n_ids, req.max_completion_tokens or req.max_tokens, "messages")
     lp = (req.top_logprobs or 0) if req.logprobs else None
     params = sampling_params(req, ctx, n_ids, max_tokens, None, lp)
     neutral.constrain_to_tools(params, plan)
@@ -190,12 +197,10 @@ def prepare_completion(req: CompletionRequest, ctx: ServingContext
         ids = [fim.infill_ids(ctx, prompts[0], req.suffix)]
     else:
         ids = [list(p) if isinstance(p, list) else ctx.tokenizer.encode(p) for p in prompts]
-    if req.max_tokens is not None:
-        for p in ids:
-            check_context(ctx, len(p), req.max_tokens, "prompt")
+    limits = [check_context(ctx, len(p), req.max_tokens, "prompt") for p in ids]
     # OpenAI's default of 16 tokens for text completions, so the prompt length is not needed.
     # Echo with logprobs scores the prompt too (how evaluation harnesses get loglikelihoods).
     scored = req.echo and (req.logprobs is not None or req.max_tokens == 0)
-    params = [sampling_params(req, ctx, 0, req.max_tokens, 16, req.logprobs,
-                              prompt_logprobs=(req.logprobs or 0) if scored else None) for _ in prompts]
+    params = [sampling_params(req, ctx, 0, limit, 16, req.logprobs,
+                              prompt_logprobs=(req.logprobs or 0) if scored else None) for limit in limits]
     return prompts, ids, params
