@@ -22,6 +22,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..outputs import RequestOutput
+from .common.call import SSE_KEEPALIVE
 from .common.context import ServingContext
 from .common.errors import ApiError
 from .openai.models import CompletionRequest, CompletionResponse
@@ -182,6 +183,10 @@ class InfillStreamer:
         if c.finish_reason is not None:
             lines.append(_event(_ended("", self.model, c.finish_reason, n_prompt, n)))
         return lines
+
+    @staticmethod
+    def keepalive() -> list[str]:
+        return [SSE_KEEPALIVE]
 
     @staticmethod
     def error(exc: Exception) -> list[str]:

@@ -237,6 +237,9 @@ class NDJSONStreamer:
     def error(self, exc: Exception) -> list[str]:
         return [self._line({"error": str(exc)})]
 
+    def keepalive(self) -> list[str]:
+        return []  # every NDJSON line is a chunk to Ollama's clients: none is sent
+
     def _line(self, obj: dict) -> str:
         return json.dumps(obj, ensure_ascii=False) + "\n"
 

@@ -2,6 +2,7 @@
 stream of one submission in any dialect, written through the dialect's framing."""
 from __future__ import annotations
 
+import asyncio
 from typing import AsyncIterator, Callable
 
 import anyio
@@ -41,14 +42,29 @@ class StreamResponse(StreamingResponse):
             self.on_close()
 
 
-async def framed(sub: Submission, framing: Framing) -> AsyncIterator[str]:
-    """Any dialect's stream of one submission: the framing's head, its lines for each engine
-    output (the outputs queued together go out as one write), its tail; an engine failure ends
-    it with the framing's error lines."""
+# While a request waits for its first token (a long prefill), the stream says it is alive this
+# often: clients end a stream that is idle too long (qwen-code after 240 s).
+KEEPALIVE_S = 10.0
+
+
+async def framed(sub: Submission, framing: Framing, keepalive_s: float = KEEPALIVE_S) -> AsyncIterator[str]:
+    """Any dialect's stream of one submission: the framing's start, its events for each engine
+    output (the outputs queued together go out as one write), its end; its keep-alive while no
+    output comes for `keepalive_s`; an engine failure ends it with the framing's error lines."""
+    batches = sub.batches().__aiter__()
+    pending: asyncio.Future | None = None
     try:
         for line in framing.start():
             yield line
-        async for outs in sub.batches():
+        while True:
+            pending = asyncio.ensure_future(batches.__anext__())
+            while not (await asyncio.wait({pending}, timeout=keepalive_s))[0]:
+                for line in framing.keepalive():
+                    yield line
+            try:
+                outs = pending.result()
+            except StopAsyncIteration:
+                break
             text = "".join(line for out in outs for line in framing.events(out))
             if text:
                 yield text
@@ -59,4 +75,6 @@ async def framed(sub: Submission, framing: Framing) -> AsyncIterator[str]:
             yield line
     finally:
         # Runs on normal end, on error and on cancellation (client gone): abort what is left.
+        if pending is not None and not pending.done():
+            pending.cancel()
         sub.abort_unfinished()

@@ -161,7 +161,8 @@ def opencode(server: Served, repo: Path, home: Path) -> tuple[list[str], dict]:
         "provider": {"pagedllm": {"npm": "@ai-sdk/openai-compatible", "name": "pagedllm",
                                   "options": {"baseURL": f"{server.url}/v1"},
                                   "models": {"qwen": {"name": "qwen"}}}}}))
-    cmd = [str(npm_bin("opencode")), "run", "-m", "pagedllm/qwen", "--format", "json", "--auto", INSTRUCTION]
+    cmd = [str(npm_bin("opencode")), "run", "-m", "pagedllm/qwen", "--format", "json", "--auto", "--print-logs",
+           INSTRUCTION]
     return cmd, {"HOME": str(home)}
 
 
@@ -214,7 +215,9 @@ def test_agent_loop(agent, tmp_path_factory):
             subprocess.run(["git", "checkout", "-q", "--", "."], cwd=repo, check=True)
             cmd, env = setup(server, repo, folder / "home")
             t0 = time.time()
-            proc = subprocess.run(cmd, cwd=repo, env={**os.environ, **env}, stdin=subprocess.DEVNULL,
+            # (PWD as a shell would set it: opencode takes its project folder, where its
+            # opencode.json is, from it rather than from the process's working directory)
+            proc = subprocess.run(cmd, cwd=repo, env={**os.environ, "PWD": str(repo), **env}, stdin=subprocess.DEVNULL,
                                   capture_output=True, text=True, timeout=TURN_TIMEOUT_S * 4)
             out = proc.stdout + proc.stderr
             (folder / f"agent-run{attempt}.log").write_text(out)

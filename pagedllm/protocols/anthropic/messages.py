@@ -491,6 +491,9 @@ class MessageStreamer:
     def error(self, exc: Exception) -> list[str]:
         return [error_event(str(exc), "overloaded_error" if "shutting down" in str(exc) else "api_error")]
 
+    def keepalive(self) -> list[str]:
+        return [event("ping", {"type": "ping"})]  # Anthropic's own keep-alive
+
     def events(self, final: RequestOutput) -> list[str]:
         if self.done:
             return []

@@ -13,8 +13,9 @@ from ...outputs import RequestOutput
 class Framing(Protocol):
     """How a dialect writes a streamed answer: its media type, the lines before the first engine
     output (`start`), those of each output (`events`), those after the last (`end`), and those
-    that end a stream the engine failed (`error`). The server writes every dialect's stream
-    through this (server/sse.py's `framed`)."""
+    that end a stream the engine failed (`error`), and what it sends while no output comes (a
+    long prefill) so that a client's idle timeout does not fire (`keepalive`). The server
+    writes every dialect's stream through this (server/sse.py's `framed`)."""
 
     media_type: str
 
@@ -25,6 +26,11 @@ class Framing(Protocol):
     def end(self, finals: list[RequestOutput]) -> list[str]: ...
 
     def error(self, exc: Exception) -> list[str]: ...
+
+    def keepalive(self) -> list[str]: ...
+
+
+SSE_KEEPALIVE = ": keep-alive\n\n"  # a server-sent-events comment: read by no client as data
 
 
 @dataclass

@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 from pydantic import ValidationError
 
+from ..common.call import SSE_KEEPALIVE
 from ..common.errors import ApiError
 from .logprobs import usage_from
 from .models import ChatCompletionRequest, ChatCompletionResponse, Int, Num, _Model
@@ -392,6 +393,9 @@ class ResponseEvents:
         kind = "response.incomplete" if resp["status"] == "incomplete" else "response.completed"
         self.on_done(resp)
         return events + [self.event(kind, response=resp)]
+
+    def keepalive(self) -> list[str]:
+        return [SSE_KEEPALIVE]
 
     def error(self, exc: Exception) -> list[str]:
         """An engine failure mid-stream: the response fails, as OpenAI's stream reports it

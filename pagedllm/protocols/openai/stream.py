@@ -9,6 +9,7 @@ from typing import Any
 from ...outputs import RequestOutput
 from ...structured import tool_parser, tools as tool_api
 from ..common import chat as neutral
+from ..common.call import SSE_KEEPALIVE
 from ..common.tokens import TokenText
 from .logprobs import chat_logprobs, completion_logprobs, join_logprobs, prompt_logprobs, usage_from
 from .models import (
@@ -88,6 +89,14 @@ class OpenAIFraming:
 
     def error(self, exc: Exception) -> list[str]:
         return [sse_error(exc), DONE]
+
+    def keepalive(self) -> list[str]:
+        """A chat stream's empty delta (clients that time out on idle chunks, qwen-code's 240 s
+        for one, count it; every client reads it as nothing); a comment for text completions,
+        whose clients read each chunk's choices[0]."""
+        if isinstance(self.streamer, ChatStreamer):
+            return [sse_line(self.streamer._chunk([ChunkChoice(index=0, delta=Delta())]), self.include_usage)]
+        return [SSE_KEEPALIVE]
 
 
 _SLOT = "PAGEDLLM_TEXT_SLOT"
