@@ -167,7 +167,9 @@ def opencode(server: Served, repo: Path, home: Path) -> tuple[list[str], dict]:
 
 
 def opencode_ran_a_tool(out: str) -> bool:
-    return bool(re.search(r'"type":"tool_use".*"status":"completed"', out))
+    # A tool that ran reports its result: its output ("completed"), or the error it met (a file
+    # the model named that is not there), with the time it ran.
+    return bool(re.search(r'"type":"tool_use".*"state":\{"status":"(completed|error)".*"time":\{"start"', out))
 
 
 def qwen_code(server: Served, repo: Path, home: Path) -> tuple[list[str], dict]:
