@@ -88,7 +88,14 @@ class ResponseStore:
 # -- request: Responses -> chat ------------------------------------------------------------------
 
 
-def _text_of(content: Any, where: str) -> str:
+_TEXT_PARTS = ("input_text", "output_text", "text")
+_MEDIA_PARTS = ("input_image", "input_file", "input_audio")
+
+
+def _text_of(content: Any, where: str, tool_output: bool = False) -> str:
+    """A message's content, or a tool call's output (`tool_output`): a string or content parts.
+    A message's image is refused (this server reads text); in a tool's output (Codex sends images
+    there too) it becomes a one-line note, so the agent's loop goes on."""
     if content is None or isinstance(content, str):
         return content or ""
     if not isinstance(content, list):
@@ -96,30 +103,14 @@ def _text_of(content: Any, where: str) -> str:
     parts = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in ("input_text", "output_text", "text") or not isinstance(part.get("text"), str):
-            raise ApiError(f"content part type {kind!r} is not supported: this server handles text "
-                           "only (input_text, output_text)", param=f"{where}.{j}")
-        parts.append(part["text"])
-    return "".join(parts)
-
-
-def _output_text(output: Any, where: str) -> str:
-    """A tool call's output: a string, or content parts (Codex sends both). Parts a text model
-    cannot read (an image, a file) become a one-line note, so the agent's loop goes on."""
-    if isinstance(output, str) or output is None:
-        return output or ""
-    if not isinstance(output, list):
-        raise ApiError("a tool call's output must be a string or a list of content parts", param=where)
-    parts = []
-    for j, part in enumerate(output):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind in ("input_text", "output_text", "text") and isinstance(part.get("text"), str):
+        if kind in _TEXT_PARTS and isinstance(part.get("text"), str):
             parts.append(part["text"])
-        elif kind in ("input_image", "input_file", "input_audio"):
+        elif tool_output and kind in _MEDIA_PARTS:
             parts.append(f"[{kind} omitted: this server passes tool outputs to the model as text]")
         else:
-            raise ApiError(f"content part type {kind!r} is not supported in a tool output", param=f"{where}.{j}")
-    return "\n".join(parts)
+            raise ApiError(f"content part type {kind!r} is not supported: this server handles text "
+                           "only (input_text, output_text)", param=f"{where}.{j}")
+    return ("\n" if tool_output else "").join(parts)
 
 
 def _assistant_call(out: list[dict], call: dict) -> None:
@@ -158,7 +149,7 @@ def input_messages(inp: str | list[dict], tools: ResponseTools | None = None) ->
             if not isinstance(item.get("call_id"), str):
                 raise ApiError(f"a {kind} item needs the call_id it answers", param=f"input.{i}.call_id")
             out.append({"role": "tool", "tool_call_id": item["call_id"],
-                        "content": _output_text(item.get("output"), f"input.{i}.output")})
+                        "content": _text_of(item.get("output"), f"input.{i}.output", tool_output=True)})
         elif kind in _PASSED_OVER:
             continue  # nothing the model can read here (another model's reasoning, a hosted tool)
         else:
