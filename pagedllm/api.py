@@ -11,8 +11,8 @@
 It is a thin layer over the same engine: requests are validated and answered by
 the protocol package the HTTP server uses (pagedllm/protocols/openai: `chat_call` /
 `completion_call`), and driven by the same engine driver. Runner's mistral.rs-style arguments
-(pa_blk_size, max_seqs, ...) are this face's aliases of `EngineOptions` (options.py), which uses
-`LLM`'s names.
+(pa_blk_size, max_seqs, ...) are this face's aliases of the engine's options (EngineConfig,
+pagedllm/config), which `LLM` takes by name.
 """
 from __future__ import annotations
 
@@ -31,18 +31,13 @@ if TYPE_CHECKING:
         CompletionResponse,
     )
 
-from .options import (  # noqa: F401  (re-exported: `from pagedllm.api import EngineOptions` still works)
-    EngineOptions,
-    UnsupportedOption,
-    _local_tokenizer_dir,
-    gguf_source,
-    read_chat_template,
-)
+from .config import EngineConfig
+from .options import UnsupportedOption, _local_tokenizer_dir, gguf_source
 
 logger = logging.getLogger(__name__)
 
 # The request models are pydantic's, and the response builders the protocol package's: both are loaded
-# on first use, so `pagedllm generate` (which needs only EngineOptions) starts ~0.4 s sooner.
+# on first use, so `pagedllm generate` (which needs only the engine's config) starts ~0.4 s sooner.
 _LAZY = {"ChatCompletionRequest": "protocols.openai.models", "CompletionRequest": "protocols.openai.models"}
 
 
@@ -99,15 +94,16 @@ class Which:
         dtype: str = "auto"
 
 
-def _options_from_which(which: Which.Plain | Which.GGUF, **kw: Any) -> EngineOptions:
+def _config_from_which(which: Which.Plain | Which.GGUF, **kw: Any) -> EngineConfig:
+    kw = {k: v for k, v in kw.items() if v is not None}
     if isinstance(which, Which.Plain):
         arch = which.arch.value if isinstance(which.arch, Architecture) else which.arch
-        return EngineOptions(model=which.model_id, tokenizer=_local_tokenizer_dir(which.tokenizer_json),
-                             arch=arch, dtype=which.dtype, **kw)
+        return EngineConfig.from_kwargs(model=which.model_id, tokenizer=_local_tokenizer_dir(which.tokenizer_json),
+                                        arch=arch, dtype=which.dtype, **kw)
     if isinstance(which, Which.GGUF):
         model, gguf_file, tok = gguf_source(which.quantized_model_id, which.quantized_filename,
                                             which.tok_model_id)
-        return EngineOptions(model=model, gguf_file=gguf_file, tokenizer=tok, dtype=which.dtype, **kw)
+        return EngineConfig.from_kwargs(model=model, gguf_file=gguf_file, tokenizer=tok, dtype=which.dtype, **kw)
     raise TypeError(f"which must be Which.Plain or Which.GGUF, got {type(which).__name__}")
 
 
@@ -126,8 +122,8 @@ class Runner:
         del token_source  # mistral.rs's hub credential source; the hub client reads its own
         cache_type = pa_cache_type.value if isinstance(pa_cache_type, PagedCacheType) else pa_cache_type
         # mistral.rs's spellings (pa_*, max_seqs, in_situ_quant) are this face's aliases of
-        # EngineOptions' (LLM's) names.
-        opts = _options_from_which(
+        # the engine's option names.
+        config = _config_from_which(
             which, device=device, kv_cache_memory_mb=pa_gpu_mem, kv_cache_memory_fraction=pa_gpu_mem_usage,
             kv_cache_context_len=pa_ctxt_len, block_size=pa_blk_size, kv_cache_dtype=cache_type,
             paged_attention=not (no_paged_attn and not paged_attn), prefix_cache_n=prefix_cache_n,
@@ -136,7 +132,9 @@ class Runner:
         from .protocols.common.context import ServingContext
         from .protocols.common.tokens import TokenText
 
-        self.llm = opts.load()
+        from .llm import LLM
+
+        self.llm = LLM(config=config)
         self._ctx = ServingContext.from_llm(self.llm)
         self._tt = TokenText(self.llm.tokenizer)
 
@@ -202,4 +200,4 @@ class Runner:
 
 
 __all__ = ["Runner", "Which", "ChatCompletionRequest", "CompletionRequest", "Architecture",
-           "PagedCacheType", "EngineOptions", "UnsupportedOption"]
+           "PagedCacheType", "EngineConfig", "UnsupportedOption"]

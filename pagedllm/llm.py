@@ -1,9 +1,11 @@
 """The vLLM-style Python API: `LLM(...).generate / chat / stream`."""
 from __future__ import annotations
 
+import inspect
 import logging
 import operator
 import os
+import re
 import weakref
 from contextlib import closing
 from typing import Iterator, Sequence as Seq
@@ -11,8 +13,7 @@ from typing import Iterator, Sequence as Seq
 import torch
 from tqdm.auto import tqdm
 
-from . import settings
-from .config import CacheConfig, SchedulerConfig
+from .config import EngineConfig, engine_options
 from .device import resolve_device, resolve_dtype
 from .engine import scoring
 from .engine.driver import EngineDriver, Item
@@ -24,71 +25,60 @@ from .native import release_omp_threads
 from .outputs import RequestOutput
 from .sampling.params import SamplingParams
 from .speculative.config import SpeculativeConfig
-from .tokenizer.chat import render_chat
+from .tokenizer.chat import read_chat_template, render_chat
 
 logger = logging.getLogger(__name__)
 
 
-def _start_tp(size: int, source, dt: torch.dtype, dev: torch.device, max_model_len: int | None,
-              dequantize_weights: bool, isq: str | None, cache_cfg: CacheConfig, max_rank_memory_mb: float | None):
-    """Check the size against the model and the devices, then start the group (rank 0's
-    executor). Under torchrun, a rank other than 0 serves its shard here and exits the process."""
-    from .distributed.executor import TPExecutor, check_size, usable_cores
-    from .distributed.worker import WorkerSpec, worker_main
-    from .loading.loader import read_config
-    from .models.parallel import check_tp
-
-    check_size(size, dev)
-    cfg = read_config(source)
-    check_tp(cfg, size)
-    spec = WorkerSpec(source, dt, dev.type, max_model_len, dequantize_weights, isq, cache_cfg,
-                      threads=max(1, usable_cores() // size),
-                      log_level=logging.getLogger("pagedllm").getEffectiveLevel(),
-                      max_rank_memory_mb=max_rank_memory_mb)
-    rank = int(os.environ.get("RANK", "0")) if int(os.environ.get("WORLD_SIZE", "1")) > 1 else 0
-    if rank > 0:  # torchrun: this process is a worker for the rest of its life
-        worker_main(rank, size, None, spec)
-    return TPExecutor.start(size, spec)
-
-
-def _start_pp(size: int, tp: int, source, dt: torch.dtype, dev: torch.device, max_model_len: int | None,
-              dequantize_weights: bool, isq: str | None, cache_cfg: CacheConfig, max_rank_memory_mb: float | None):
-    """Check the sizes and the options against the model, then start the pipeline of `size`
-    stages of `tp` ranks each (rank 0's executor). Under torchrun, a rank other than 0 serves
-    its stage (its shard of it) here and exits the process."""
+def _start_executor(config: EngineConfig, source, dt: torch.dtype, dev: torch.device):
+    """rank 0's side of tensor or pipeline parallelism (None on one rank), its sizes checked
+    against the model and the devices first. Under torchrun, a rank other than 0 serves its
+    shard or stage here and exits the process."""
+    par = config.parallel
+    if not par.split:
+        return None
     from .distributed.executor import check_size, usable_cores
-    from .distributed.pipeline import PipelineExecutor, pipeline_worker_main
-    from .distributed.stage_kv import check_cache
     from .distributed.worker import WorkerSpec
     from .loading.loader import read_config
-    from .models import model_class
     from .models.parallel import check_tp
-    from .models.stages import check_pp
 
-    check_size(size, dev, "pipeline")
+    pp, tp = par.pipeline_parallel_size, par.tensor_parallel_size
+    if pp != 1:
+        check_size(pp, dev, "pipeline")
     check_size(tp, dev)
-    if dev.type == "cuda" and size * tp > torch.cuda.device_count():  # one device a rank
-        raise ValueError(f"pipeline_parallel_size={size} x tensor_parallel_size={tp} needs {size * tp} GPUs but this "
+    if dev.type == "cuda" and pp * tp > torch.cuda.device_count():  # one device a rank
+        raise ValueError(f"pipeline_parallel_size={pp} x tensor_parallel_size={tp} needs {pp * tp} GPUs but this "
                          f"machine has {torch.cuda.device_count()}; lower them or run several nodes under torchrun")
     cfg = read_config(source)
-    check_pp(cfg.num_layers, size)
     check_tp(cfg, tp)
-    check_cache(cache_cfg)
-    if source.mmproj is not None or not model_class(cfg.architecture).pipeline_stages:
-        raise ValueError(f"pipeline parallelism runs causal language models; {cfg.architecture}"
-                         f"{' with a vision tower' if source.mmproj is not None else ''} is not split into "
-                         "stages yet (use pipeline_parallel_size=1)")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     # Under torchrun each node splits its own cores among its own ranks.
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", size * tp)) if world > 1 else size * tp
-    spec = WorkerSpec(source, dt, dev.type, max_model_len, dequantize_weights, isq, cache_cfg,
-                      threads=max(1, usable_cores() // local),
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", pp * tp)) if world > 1 else pp * tp
+    spec = WorkerSpec(source, dt, dev.type, config.load.max_model_len, config.load.dequantize_weights,
+                      config.load.isq, config.cache, threads=max(1, usable_cores() // local),
                       log_level=logging.getLogger("pagedllm").getEffectiveLevel(),
-                      max_rank_memory_mb=max_rank_memory_mb)
+                      max_rank_memory_mb=par.max_rank_memory_mb)
     rank = int(os.environ.get("RANK", "0")) if world > 1 else 0
+    if pp == 1:
+        from .distributed.executor import TPExecutor
+        from .distributed.worker import worker_main
+
+        if rank > 0:  # torchrun: this process is a worker for the rest of its life
+            worker_main(rank, tp, None, spec)
+        return TPExecutor.start(tp, spec)
+    from .distributed.pipeline import PipelineExecutor, pipeline_worker_main
+    from .distributed.stage_kv import check_cache
+    from .models import model_class
+    from .models.stages import check_pp
+
+    check_pp(cfg.num_layers, pp)
+    check_cache(config.cache)
+    if not model_class(cfg.architecture).pipeline_stages:
+        raise ValueError(f"pipeline parallelism runs causal language models; {cfg.architecture} is not split "
+                         "into stages yet (use pipeline_parallel_size=1)")
     if rank > 0:  # torchrun: this process is a stage (or a shard of one) for the rest of its life
-        pipeline_worker_main(rank, size, None, spec, tp=tp)
-    return PipelineExecutor.start(size, spec, tp=tp)
+        pipeline_worker_main(rank, pp, None, spec, tp=tp)
+    return PipelineExecutor.start(pp, spec, tp=tp)
 
 
 def _draft_source(name: str, target_source):
@@ -123,8 +113,6 @@ def _resolve_task(task: str, source) -> tuple[str, "PoolingConfig | None"]:
     from .engine.pooling import PoolingConfig
     from .loading.loader import read_config
 
-    if task not in ("auto", "generate", "embed"):
-        raise ValueError(f"task must be 'auto', 'generate' or 'embed', got {task!r}")
     pooling = PoolingConfig.from_folder(source.path) if source.kind != "gguf" else None
     arch = read_config(source).architecture
     headless = arch.endswith("Model")
@@ -144,177 +132,112 @@ def _resolve_task(task: str, source) -> tuple[str, "PoolingConfig | None"]:
 Prompt = str | list[int]
 
 
-ALLOW_LONG_ENV = settings.env_name("allow_long_max_model_len")
+def _family(name: str) -> str:
+    """A model family as one spelling: "Qwen2MoeForCausalLM", "qwen2_moe" and mistral.rs's
+    "qwen2moe" all give "qwen2moe"."""
+    for suffix in ("ForCausalLM", "ForConditionalGeneration"):
+        name = name.removesuffix(suffix)
+    return re.sub(r"[^a-z0-9]", "", name.lower())
 
 
-def check_max_model_len(max_model_len: int, limit: int) -> None:
-    """Refuse a max_model_len past the model's trained positions (as vLLM does), unless
-    PAGEDLLM_ALLOW_LONG_MAX_MODEL_LEN=1: past them a model without rope scaling for that length
-    gives garbage, with no error anywhere."""
-    if settings.get("allow_long_max_model_len"):
-        logger.warning("max_model_len=%d exceeds the model's %d positions (allowed by %s=1): outputs past "
-                       "%d positions may be wrong", max_model_len, limit, ALLOW_LONG_ENV, limit)
-        return
-    raise ValueError(
-        f"max_model_len={max_model_len} exceeds the model's {limit} positions (max_position_embeddings). "
-        f"To go past them, give the model rope scaling in its config.json (e.g. \"rope_scaling\": "
-        f"{{\"rope_type\": \"linear\", \"factor\": 4.0}} and max_position_embeddings {4 * limit}), "
-        f"or set {ALLOW_LONG_ENV}=1 to run past them anyway")
+
+def check_arch(expected: str, actual: str) -> None:
+    """mistral.rs's architecture hint against the checkpoint's: a mismatch is logged (the
+    checkpoint's is used)."""
+    if _family(actual) != _family(str(expected)):
+        logger.warning("arch %s was given but the checkpoint is %s; using the checkpoint's", expected, actual)
 
 
 class LLM:
-    def __init__(self, model: str = "default", dtype: str | torch.dtype = "auto", block_size: int = 32,
-                 kv_cache_memory_mb: float | None = None, kv_cache_memory_fraction: float | None = None,
-                 kv_cache_context_len: int | None = None, paged_attention: bool = True,
-                 max_num_seqs: int = 64, max_model_len: int | None = None, seed: int = 0,
-                 device: str | None = "auto", max_num_batched_tokens: int | None = None,
-                 tokenizer: str | None = None, gguf_file: str | None = None,
-                 kv_cache_dtype: str = "auto", enable_prefix_caching: bool = True,
-                 prefix_cache_n: int = 16, dequantize_weights: bool = False,
-                 isq: str | None = None, tensor_parallel_size: int = 1,
-                 speculative: dict | None = None, task: str = "auto", keep_float_head: bool = False,
-                 enable_lora: bool = False, max_loras: int = 1, max_lora_rank: int = 16,
-                 limit_mm_per_prompt: int = 8, allowed_local_media_path: str | None = None,
-                 max_num_encoder_tokens: int | None = None, media_fetch_timeout: float = 10.0,
-                 mmproj: str | None = None, runner_cls: type | None = None,
-                 pipeline_parallel_size: int = 1, max_rank_memory_mb: float | None = None,
-                 decode_latency_factor: float = 0.0) -> None:
-        """`tensor_parallel_size=N` splits the model over N ranks (pagedllm/distributed): on one
-        machine the engine starts N - 1 worker processes and splits the cores among the ranks;
-        under torchrun the N ranks are torchrun's. Call `shutdown()` (or use `with LLM(...)`)
-        to stop them; they also stop when this process exits.
-        `pipeline_parallel_size=P` cuts the model into P stages of whole layers, balanced by
-        weight bytes (distributed/pipeline.py): this process schedules, runs the first stage and
-        samples; the other stages run as P - 1 processes on this machine, or as torchrun's other
-        ranks (on other nodes). Each stage's KV cache holds its own layers; the KV budget is per
-        rank. With `tensor_parallel_size=T` too, each stage is split over T ranks (P x T in all).
-        Not with LoRA, a draft model or embeddings yet.
-        `max_rank_memory_mb`: the most weight bytes one rank may hold (each stage's, each shard's;
-        the whole model's on one rank): a model over it is refused once loaded, before the KV
-        cache is sized, with the pipeline_parallel_size that would fit it. None: no limit.
-        `task`: "generate", "embed" (an embedding model: `embed()`, no LM head) or "auto"
-        (embed for a folder with sentence-transformers files or a head-less architecture).
-        `keep_float_head`: a GPTQ / AWQ / compressed-tensors checkpoint's float LM head (or tied
-        embedding) stays float; by default it is quantized to Q8_0 at load (loading/loader.py).
-        `enable_lora`: requests may name a LoRA adapter (`generate(..., lora_request=...)`); up to
-        `max_loras` adapters of rank <= `max_lora_rank` are held in memory, others read from disk
-        when needed (pagedllm/lora).
-        Vision-language models (pagedllm/multimodal): `limit_mm_per_prompt` images a prompt at
-        most, local image paths read only under `allowed_local_media_path`, and
-        `max_num_encoder_tokens` image tokens encoded a step at most (None: max_num_batched_tokens);
-        an image URL's fetch takes at most `media_fetch_timeout` seconds. `mmproj`: llama.cpp's
-        multimodal projector file for a GGUF `model` (its vision tower and projector; Gemma 3), as
-        llama-server's --mmproj. `runner_cls`: a ModelRunner subclass that runs each step another
-        way (the planning benchmark's runner plans every step and skips the forward); None: the
-        ModelRunner.
-        `decode_latency_factor`: while a sequence decodes, a step's prompt tokens are limited so the
-        step takes at most about this many times a step of decodes alone (engine/pacing.py), so a
-        stream keeps flowing beside a long prefill; 0 (the default, for offline batches): prompts
-        take the whole token budget. `pagedllm serve` sets 2.5."""
+    """An engine in this process: `LLM("model", **options)` with any engine option by name
+    (EngineConfig's fields: `pagedllm.config.engine_options()`, the docs' configuration page),
+    or `LLM(config=EngineConfig(...))`. Parallel ranks (tensor_parallel_size,
+    pipeline_parallel_size) run as processes that stop with `shutdown()`, `with LLM(...)`, or at
+    exit. `runner_cls`: a ModelRunner subclass that runs each step another way (the planning
+    benchmark's runner plans every step and skips the forward); None: the ModelRunner."""
+
+    def __init__(self, model: str = "default", *, config: EngineConfig | None = None,
+                 runner_cls: type | None = None, **options) -> None:
+        if config is None:
+            config = EngineConfig.from_kwargs(model=model, **options)
+        elif options or model != "default":
+            raise TypeError("LLM takes config= or the model and options by name, not both")
+        else:
+            config.verify()
+        self.config = config
+        load, mm = config.load, config.multimodal
         from .multimodal.media import MediaPolicy
 
-        self.media_policy = MediaPolicy(allowed_local_dir=allowed_local_media_path, timeout_s=media_fetch_timeout)
-        self._mm_limits = (limit_mm_per_prompt, max_num_encoder_tokens)
+        self.media_policy = MediaPolicy(allowed_local_dir=mm.allowed_local_media_path, timeout_s=mm.media_fetch_timeout)
         self.processor = None
-        if enable_lora:
-            for name, v in (("max_loras", max_loras), ("max_lora_rank", max_lora_rank)):
-                if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                    raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
-            if tensor_parallel_size != 1:
-                raise ValueError("LoRA adapters do not run under tensor parallelism yet; use "
-                                 "tensor_parallel_size=1 with enable_lora")
-            if pipeline_parallel_size != 1:
-                raise ValueError("LoRA adapters do not run under pipeline parallelism yet; use "
-                                 "pipeline_parallel_size=1 with enable_lora")
-        self._lora = (max_loras, max_lora_rank) if enable_lora else None
-        if max_rank_memory_mb is not None and not (isinstance(max_rank_memory_mb, (int, float))
-                                                   and not isinstance(max_rank_memory_mb, bool) and max_rank_memory_mb > 0):
-            raise ValueError(f"max_rank_memory_mb must be a number of MB > 0, got {max_rank_memory_mb!r}")
-        self._max_rank_memory_mb = max_rank_memory_mb
-        self._ranks = (pipeline_parallel_size, tensor_parallel_size)
-        cache_cfg = CacheConfig(block_size, kv_cache_memory_mb, kv_cache_memory_fraction,
-                                kv_cache_context_len, kv_cache_dtype, paged_attention,
-                                enable_prefix_caching, prefix_cache_n)
-        cache_cfg.validate()
-        spec_cfg = SpeculativeConfig.coerce(speculative)
-        if spec_cfg is not None and spec_cfg.method == "draft" and tensor_parallel_size != 1:
-            from .engine.draft import NO_TP
-
-            raise ValueError(NO_TP)
-        if spec_cfg is not None and spec_cfg.method == "draft" and pipeline_parallel_size != 1:
-            raise ValueError("a speculative draft model does not run under pipeline parallelism yet; use "
-                             "n-gram speculation or pipeline_parallel_size=1")
-        if isq is not None:
+        spec_cfg = SpeculativeConfig.coerce(config.speculative.to_dict())
+        if load.isq is not None:
             from .quant.isq import check_isq_type
 
-            isq = check_isq_type(isq)
-        dev = resolve_device(device)
-        dt = resolve_dtype(dtype, dev)
-        source = resolve(model, tokenizer, gguf_file, mmproj)
-        if max_model_len is not None:  # before the load: the config alone is cheap to read
-            from .loading.loader import read_config
+            load.isq = check_isq_type(load.isq)
+        dev = resolve_device(config.device.device)
+        dt = resolve_dtype(config.device.dtype, dev)
+        source = resolve(load.model, load.tokenizer, load.gguf_file, load.mmproj)
+        self.task, self.pooling = _resolve_task(load.task, source)
+        load.task = self.task
+        from .loading.loader import read_config
 
-            limit = read_config(source).max_position_embeddings
-            if max_model_len > limit:
-                check_max_model_len(max_model_len, limit)
-        self.task, self.pooling = _resolve_task(task, source)
-        if self.task == "embed" and (spec_cfg is not None or tensor_parallel_size != 1 or pipeline_parallel_size != 1):
-            raise ValueError("an embedding model runs without speculative decoding, tensor or pipeline "
-                             "parallelism (use pipeline_parallel_size=1 and tensor_parallel_size=1)")
+        # Again, with "auto" resolved and against the model (its config alone, cheap to read):
+        # before the slow load.
+        config.verify(read_config(source))
         draft_source = (_draft_source(spec_cfg.model, source)
                         if spec_cfg is not None and spec_cfg.method == "draft" else None)
-        torch.manual_seed(seed)
+        torch.manual_seed(load.seed)
         self._finalizer = None
-        self._keep_float_head = keep_float_head
-        self._decode_latency_factor = decode_latency_factor
-        executor = None
-        if pipeline_parallel_size != 1:  # TP, if any, inside each stage
-            executor = _start_pp(pipeline_parallel_size, tensor_parallel_size, source, dt, dev, max_model_len,
-                                 dequantize_weights, isq, cache_cfg, max_rank_memory_mb)
-        elif tensor_parallel_size != 1:
-            executor = _start_tp(tensor_parallel_size, source, dt, dev, max_model_len, dequantize_weights,
-                                 isq, cache_cfg, max_rank_memory_mb)
+        executor = _start_executor(config, source, dt, dev)
         try:
-            self._build(source, dt, dev, max_model_len, dequantize_weights, isq, max_num_seqs,
-                        max_num_batched_tokens, cache_cfg, seed, executor, spec_cfg, draft_source, runner_cls)
+            self._build(source, dt, dev, executor, spec_cfg, draft_source, runner_cls)
         except BaseException:
             if executor is not None:
                 executor.shutdown()
             raise
         if executor is not None:  # workers stop with this object, at the latest at exit
             self._finalizer = weakref.finalize(self, executor.shutdown)
+        if load.chat_template:
+            self.tokenizer.chat_template = read_chat_template(load.chat_template)
+            self.tokenizer.chat_template_source = f"--chat-template {load.chat_template}"
+        if load.arch:
+            check_arch(load.arch, self.engine.model_config.architecture)
         # The engine may run on another thread (the server's, a user's): this one's OpenMP
         # workers would make its parallel regions sleep between steps (native/__init__.py).
         release_omp_threads()
 
-    def _build(self, source, dt, dev, max_model_len, dequantize_weights, isq, max_num_seqs,
-               max_num_batched_tokens, cache_cfg, seed, executor, spec_cfg, draft_source=None,
-               runner_cls=None) -> None:
-        loaded = load_model(source, dt, dev, max_positions=max_model_len,
-                            dequantize_weights=dequantize_weights, isq=isq,
-                            headless=self.task == "embed", keep_float_head=self._keep_float_head,
+    # help(LLM) and editors list every option as a keyword (they are EngineConfig's fields).
+    __init__.__signature__ = inspect.Signature(
+        [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+         inspect.Parameter("model", inspect.Parameter.POSITIONAL_OR_KEYWORD, default="default"),
+         *(inspect.Parameter(o.name, inspect.Parameter.KEYWORD_ONLY, default=o.default, annotation=o.type)
+           for o in engine_options() if o.name != "model"),
+         inspect.Parameter("config", inspect.Parameter.KEYWORD_ONLY, default=None),
+         inspect.Parameter("runner_cls", inspect.Parameter.KEYWORD_ONLY, default=None)])
+
+    def _build(self, source, dt, dev, executor, spec_cfg, draft_source=None, runner_cls=None) -> None:
+        config = self.config
+        load = config.load
+        loaded = load_model(source, dt, dev, max_positions=load.max_model_len,
+                            dequantize_weights=load.dequantize_weights, isq=load.isq,
+                            headless=self.task == "embed", keep_float_head=load.keep_float_head,
                             **(executor.load_args() if executor is not None else {}))
         # Rank 0's weights against the per-rank limit (the other ranks check their own as they load).
-        check_rank_memory(loaded.weight_bytes, self._max_rank_memory_mb, 0, *self._ranks)
+        par = config.parallel
+        check_rank_memory(loaded.weight_bytes, par.max_rank_memory_mb, 0, par.pipeline_parallel_size,
+                          par.tensor_parallel_size)
         if executor is not None:
             executor.wait_loaded()
-        limit = loaded.config.max_position_embeddings
-        if max_model_len is None:
-            max_model_len = limit
-        sched_cfg = SchedulerConfig(
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens or max(1024, max_num_seqs),
-            max_model_len=max_model_len, max_loras=self._lora[0] if self._lora else 0,
-            limit_images=self._mm_limits[0], max_num_encoder_tokens=self._mm_limits[1],
-            decode_latency_factor=self._decode_latency_factor)
+        max_model_len = load.max_model_len or loaded.config.max_position_embeddings
+        sched_cfg = config.scheduler_for(max_model_len)
         if loaded.model.rope.cos.shape[0] < max_model_len:
             raise ValueError("internal: rope table shorter than max_model_len")
         draft = None
         if draft_source is not None:
-            draft = _load_draft(draft_source, loaded, dt, dev, max_model_len, dequantize_weights, isq)
-        self.engine = build_engine(loaded, cache_cfg, sched_cfg, dev, dt, seed, executor, spec_cfg, draft,
-                                   max_lora_rank=self._lora[1] if self._lora else 16,
-                                   runner_cls=runner_cls or ModelRunner)
+            draft = _load_draft(draft_source, loaded, dt, dev, max_model_len, load.dequantize_weights, load.isq)
+        self.engine = build_engine(loaded, config.cache, sched_cfg, dev, dt, load.seed, executor, spec_cfg, draft,
+                                   max_lora_rank=config.lora.max_lora_rank, runner_cls=runner_cls or ModelRunner)
         self.driver = EngineDriver(self.engine)  # every face drives the engine through it
         self.tokenizer = loaded.tokenizer
         self.model_name = source.short_name

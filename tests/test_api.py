@@ -184,18 +184,14 @@ def test_an_arch_hint_naming_the_checkpoints_family_is_no_mismatch(caplog):
     # warning is for a hint that names another family, not for every family outside Llama,
     # Mistral and Qwen2.
     import logging
-    from types import SimpleNamespace
 
-    from pagedllm.options import EngineOptions
+    from pagedllm.llm import check_arch
 
-    def llm_of(architecture):
-        return SimpleNamespace(engine=SimpleNamespace(model_config=SimpleNamespace(architecture=architecture)))
-
-    with caplog.at_level(logging.WARNING, logger="pagedllm.options"):
+    with caplog.at_level(logging.WARNING, logger="pagedllm.llm"):
         for arch, actual in [("qwen3", "Qwen3ForCausalLM"), ("gemma2", "Gemma2ForCausalLM"),
                              ("phi3", "Phi3ForCausalLM"), ("mixtral", "MixtralForCausalLM"),
                              ("qwen2_moe", "Qwen2MoeForCausalLM"), ("Llama", "LlamaForCausalLM")]:
-            EngineOptions(arch=arch)._check_arch(llm_of(actual))
+            check_arch(arch, actual)
         assert not caplog.records
-        EngineOptions(arch="mistral")._check_arch(llm_of("LlamaForCausalLM"))
+        check_arch("mistral", "LlamaForCausalLM")
     assert "arch mistral was given but the checkpoint is LlamaForCausalLM" in caplog.text

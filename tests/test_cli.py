@@ -221,12 +221,12 @@ def test_flags_after_plain_and_gguf():
     argv = ["plain", "-m", "default", "--port", "8766", "--pa-gpu-mem", "64", "--dtype", "float32",
             "--served-model-name", "smol", "-i"]
     args = build_parser(argv).parse_args(argv)
-    assert (args.command, args.port, args.pa_gpu_mem, args.dtype) == ("plain", 8766, 64.0, "float32")
+    assert (args.command, args.port, args.kv_cache_memory_mb, args.dtype) == ("plain", 8766, 64.0, "float32")
     assert args.served_model_name == ["smol"] and args.interactive_mode
     argv = ["--pa-blk-size", "16", "gguf", "-m", "d", "-f", "x.gguf", "--host", "0.0.0.0",
             "--pa-cache-type", "int8", "--api-key", "k"]
     args = build_parser(argv).parse_args(argv)
-    assert (args.pa_blk_size, args.host, args.pa_cache_type, args.api_key) == (16, "0.0.0.0", "int8", "k")
+    assert (args.block_size, args.host, args.kv_cache_dtype, args.api_key) == (16, "0.0.0.0", "int8", "k")
     assert not args.interactive_mode
 
 
@@ -274,24 +274,23 @@ def test_isq_bad_type_is_a_clear_error():
 
 
 def test_engine_flags_map_to_llm_kwargs():
-    from pagedllm.cli.main import build_parser, engine_options
+    from pagedllm.cli.main import build_parser, command_config
 
     argv = ["--pa-blk-size", "16", "serve", "mymodel", "--pa-gpu-mem", "512", "--pa-cache-type", "int8",
             "--max-seqs", "8", "--max-model-len", "2048", "--no-paged-attn", "--dtype", "float32",
             "--device", "cpu", "--seed", "3"]
-    args = build_parser(argv).parse_args(argv)
-    kw = engine_options(args, args.model_pos).llm_kwargs()
+    kw = dict(command_config(build_parser(argv).parse_args(argv)).items())
     assert kw["model"] == "mymodel" and kw["block_size"] == 16 and kw["kv_cache_memory_mb"] == 512
     assert kw["kv_cache_dtype"] == "int8" and kw["max_num_seqs"] == 8 and kw["max_model_len"] == 2048
     assert kw["paged_attention"] is False and kw["dtype"] == "float32" and kw["device"] == "cpu"
     assert kw["seed"] == 3
     argv = ["-i", "--pa-gpu-mem-usage", ".5", "--pa-ctxt-len", "100", "gguf", "-m", "d", "-f", "x.gguf"]
     args = build_parser(argv).parse_args(argv)
-    assert args.interactive_mode and args.pa_gpu_mem_usage == 0.5 and args.quantized_filename == "x.gguf"
+    assert args.interactive_mode and args.kv_cache_memory_fraction == 0.5 and args.quantized_filename == "x.gguf"
     with pytest.raises(ValueError, match="only one of"):
-        engine_options(args).llm_kwargs()
+        command_config(args)
     args = build_parser().parse_args(["serve", "--prefix-cache-n", "0"])
-    assert engine_options(args).llm_kwargs()["enable_prefix_caching"] is False
+    assert command_config(args).cache.prefix_caching is False
 
 
 def test_conflicting_cache_sizes_are_refused():

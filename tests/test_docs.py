@@ -38,6 +38,8 @@ def _copy_project(dst: Path) -> Path:
     reference's docstrings)."""
     shutil.copy(ROOT / "mkdocs.yml", dst / "mkdocs.yml")
     shutil.copytree(ROOT / "docs", dst / "docs")
+    (dst / "tools").mkdir()
+    shutil.copy(ROOT / "tools" / "mkdocs_hooks.py", dst / "tools" / "mkdocs_hooks.py")
     shutil.copytree(ROOT / "pagedllm", dst / "pagedllm",
                     ignore=shutil.ignore_patterns("__pycache__", "*.so", "csrc"))
     return dst
@@ -150,3 +152,16 @@ def test_built_pages_render_navigation_a_table_and_a_plot(site, browser, page, p
     loaded = browser.execute_script("return arguments[0].complete && arguments[0].naturalWidth", img)
     assert loaded and loaded > 300, f"{plot} did not load"
     assert img.size["width"] > 100 and img.size["height"] > 50, img.size
+
+
+def test_the_configuration_page_lists_every_engine_option_as_declared(site):
+    # The table is made at build from the declarations (tools/mkdocs_hooks.py): an option added
+    # to pagedllm/config/engine.py appears here with its flags, and the marker never shows.
+    from pagedllm.config import engine_options
+
+    page = (site / "configuration" / "index.html").read_text()
+    assert "<!-- engine-options -->" not in page
+    for o in engine_options():
+        assert f"<code>{o.name}</code>" in page, o.name
+        if o.cli and not (o.type is bool and o.default):
+            assert f"<code>{o.flag}</code>" in page, o.flag

@@ -233,18 +233,16 @@ def test_serve_mmproj_answers_an_image(pair, tmp_path_factory):
 
 def test_cli_mmproj_flag_in_the_mistralrs_gguf_form(pair):
     """`gguf -m DIR -f FILE --mmproj FILE`: the flag reaches the engine in mistral.rs's form too."""
-    from pagedllm.api import gguf_source
-    from pagedllm.cli.main import build_parser, engine_options
+    from pagedllm.cli.main import build_parser, command_config
+    from pagedllm.llm import LLM
 
     _, files, *_ = pair
     text, proj = files["f32"]
     argv = ["gguf", "-m", str(text.parent), "-f", text.name, "--mmproj", str(proj), "--dtype", "float32"]
     args = build_parser(argv).parse_args(argv)
-    model, gguf_file, tok = gguf_source(args.quantized_model_id, args.quantized_filename, args.tok_model_id)
-    opts = engine_options(args, model)
-    opts.gguf_file, opts.tokenizer = gguf_file, tok
-    assert opts.llm_kwargs()["mmproj"] == str(proj)
-    assert opts.load().processor is not None
+    config = command_config(args)
+    assert config.load.mmproj == str(proj)
+    assert LLM(config=config).processor is not None
 
 
 def _rewrite(src: Path, dst: Path, **changes) -> Path:

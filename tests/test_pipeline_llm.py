@@ -198,10 +198,10 @@ def test_unsupported_options_are_refused_before_any_stage_starts(tmp_path, hf_sm
 @pytest.mark.parametrize("argv", [["generate", "m", "-pp", "2"], ["chat", "m", "--pipeline-parallel-size", "2"],
                                   ["serve", "m", "-pp", "2"]])
 def test_pp_flag_reaches_llm(argv):
-    from pagedllm.cli.main import build_parser, engine_options
+    from pagedllm.cli.main import build_parser, command_config
 
     args = build_parser(argv).parse_args(argv)
-    assert engine_options(args).llm_kwargs()["pipeline_parallel_size"] == 2
+    assert command_config(args).parallel.pipeline_parallel_size == 2
 
 
 def test_bench_throughput_takes_pp():

@@ -31,10 +31,10 @@ def test_the_limit_names_the_stages_that_fit():
 
 
 def test_the_cli_flag_reaches_llm():
-    from pagedllm.cli.main import build_parser, engine_options
+    from pagedllm.cli.main import build_parser, command_config
 
     argv = ["serve", "m", "-pp", "2", "--max-rank-memory-mb", "40"]
-    assert engine_options(build_parser(argv).parse_args(argv)).llm_kwargs()["max_rank_memory_mb"] == 40.0
+    assert command_config(build_parser(argv).parse_args(argv)).parallel.max_rank_memory_mb == 40.0
 
 
 @pytest.mark.slow

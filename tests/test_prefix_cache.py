@@ -335,9 +335,9 @@ def test_a_hash_collision_between_chains_is_not_served(monkeypatch):
 def test_prefix_cache_n_0_turns_caching_off_in_python_as_on_the_cli(ckpt):
     """`--prefix-cache-n 0` turns prefix caching off on the CLI; `LLM(prefix_cache_n=0)` must mean
     the same, not "cache, but keep no finished prefixes"."""
-    from pagedllm.api import EngineOptions
+    from pagedllm.config import EngineConfig
 
-    assert EngineOptions(model=str(ckpt), prefix_cache_n=0).llm_kwargs()["enable_prefix_caching"] is False
+    assert EngineConfig.from_kwargs(model=str(ckpt), prefix_cache_n=0).cache.prefix_caching is False
     prompt = list(range(100, 180))  # two full blocks and more of a shared prefix
     sp = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     on, off = _llm(ckpt), _llm(ckpt, prefix_cache_n=0)

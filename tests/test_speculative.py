@@ -375,11 +375,11 @@ def test_bad_speculative_settings_are_refused(bad, msg):
 
 
 def test_cli_flag_reaches_the_engine():
-    from pagedllm.cli.main import build_parser, engine_options
+    from pagedllm.cli.main import build_parser, command_config
 
     argv = ["serve", "--speculative-ngram", "3"]
     args = build_parser(argv).parse_args(argv)
-    assert engine_options(args).llm_kwargs()["speculative"] == {"method": "ngram", "num_tokens": 3}
+    assert command_config(args).speculative.to_dict() == {"method": "ngram", "num_tokens": 3}
 
 
 # -- a draft model ---------------------------------------------------------------------------
@@ -734,19 +734,19 @@ def test_bad_draft_models_are_refused(family_ckpt, tmp_path, hf_smollm2_tokenize
 
 
 def test_cli_draft_flags_reach_the_engine():
-    from pagedllm.cli.main import build_parser, engine_options
+    from pagedllm.cli.main import build_parser, command_config
 
     argv = ["serve", "--speculative-draft", "path/to/draft", "--speculative-tokens", "3"]
     args = build_parser(argv).parse_args(argv)
-    assert engine_options(args).llm_kwargs()["speculative"] == {"method": "draft", "model": "path/to/draft",
+    assert command_config(args).speculative.to_dict() == {"method": "draft", "model": "path/to/draft",
                                                                  "num_tokens": 3}
     # Both: n-gram lookup where the sequence's suffix matches, the draft elsewhere.
     argv = ["serve", "--speculative-ngram", "4", "--speculative-draft", "x"]
-    assert engine_options(build_parser(argv).parse_args(argv)).llm_kwargs()["speculative"] == {
+    assert command_config(build_parser(argv).parse_args(argv)).speculative.to_dict() == {
         "method": "draft", "model": "x", "num_tokens": 4, "ngram": True}
     # The draft's weight format (engine/draft_weights.py; default "auto", so left out when not given).
     argv = ["serve", "--speculative-draft", "x", "--speculative-draft-weights", "file"]
-    assert engine_options(build_parser(argv).parse_args(argv)).llm_kwargs()["speculative"] == {
+    assert command_config(build_parser(argv).parse_args(argv)).speculative.to_dict() == {
         "method": "draft", "model": "x", "draft_weights": "file"}
     for argv, msg in ((["serve", "--speculative-tokens", "3"], "needs --speculative-draft"),
                       (["serve", "--speculative-ngram", "3", "--speculative-tokens", "2"], "goes with"),
@@ -755,8 +755,8 @@ def test_cli_draft_flags_reach_the_engine():
                       (["serve", "--speculative-draft", "x", "--speculative-draft-weights", "Q9_9"],
                        "draft_weights must be 'auto', 'file' or a quantized type")):
         args = build_parser(argv).parse_args(argv)
-        with pytest.raises(ValueError, match=msg):
-            engine_options(args).llm_kwargs()
+        with pytest.raises(ValueError, match=msg):  # before anything loads ("x" is no model)
+            LLM(config=command_config(args))
 
 
 # -- adaptive lengths and n-gram + draft -------------------------------------------------------

@@ -10,55 +10,47 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .flags import engine_config
 from .generate import load_llm
 from .parser import BENCHES, _bench_module, build_parser
 
 if TYPE_CHECKING:
-    from ..options import EngineOptions
+    from ..config import EngineConfig
 
 logger = logging.getLogger("pagedllm.cli")
-
-
-# -- engine options from the command line --------------------------------------------------
-
-
-def engine_options(args: argparse.Namespace, model: str | None = None) -> EngineOptions:
-    from ..options import EngineOptions
-
-    # (the flags keep mistral.rs's spellings: aliases, at this face only, of LLM's names)
-    return EngineOptions(
-        model=model or "default", dtype=args.dtype or "auto", device=args.device or "auto",
-        kv_cache_memory_mb=args.pa_gpu_mem, kv_cache_memory_fraction=args.pa_gpu_mem_usage,
-        kv_cache_context_len=args.pa_ctxt_len, block_size=args.pa_blk_size, kv_cache_dtype=args.pa_cache_type,
-        paged_attention=not args.no_paged_attn, prefix_cache_n=args.prefix_cache_n,
-        enable_prefix_caching=not args.no_prefix_cache, max_num_seqs=args.max_seqs,
-        max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
-        decode_latency_factor=args.decode_latency_factor,
-        seed=args.seed, isq=args.isq, dequantize_weights=bool(args.dequantize_weights),
-        keep_float_head=bool(args.keep_float_head),
-        chat_template=args.chat_template, tensor_parallel_size=args.tensor_parallel_size,
-        pipeline_parallel_size=args.pipeline_parallel_size, max_rank_memory_mb=args.max_rank_memory_mb,
-        speculative_ngram=args.speculative_ngram, speculative_draft=args.speculative_draft,
-        speculative_tokens=args.speculative_tokens,
-        speculative_draft_weights=args.speculative_draft_weights, task=args.task,
-        enable_lora=bool(args.enable_lora), max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
-        allowed_local_media_path=args.allowed_local_media_path, limit_mm_per_prompt=args.limit_mm_per_prompt,
-        media_fetch_timeout=args.media_fetch_timeout, mmproj=args.mmproj)
-
-
-def _model_of(args: argparse.Namespace) -> str:
-    return args.model or getattr(args, "model_pos", None) or "default"
-
-
-# -- commands ---------------------------------------------------------------------------------
-
 
 # A server's requests are streams: a token every few steps beside a long prefill matters more
 # there than the prefill's last percent (engine/pacing.py).
 SERVE_DECODE_LATENCY_FACTOR = 2.5
 
 
-def cmd_serve(args: argparse.Namespace, opts: EngineOptions) -> int:
+def command_config(args: argparse.Namespace) -> EngineConfig:
+    """The engine's config for the command given: its flags, where the model comes from (MODEL,
+    -m, or mistral.rs's `plain` / `gguf` forms), and serve's own default pacing."""
+    given: dict[str, Any] = {}
+    if args.command == "plain":
+        given = dict(model=args.model_id, tokenizer=_tokenizer_dir(args.tokenizer_json), arch=args.arch)
+    elif args.command == "gguf":
+        from ..options import gguf_source
+
+        model, gguf_file, tok = gguf_source(args.quantized_model_id, args.quantized_filename, args.tok_model_id)
+        given = dict(model=model, gguf_file=gguf_file, tokenizer=tok)
+    else:
+        given = dict(model=_model_of(args))
+    serving = args.command == "serve" or (args.command in ("plain", "gguf") and not args.interactive_mode)
+    if serving and vars(args).get("decode_latency_factor") is None:
+        given["decode_latency_factor"] = SERVE_DECODE_LATENCY_FACTOR
+    return engine_config(args, **given)
+
+
+def _model_of(args: argparse.Namespace) -> str:
+    return vars(args).get("model") or vars(args).get("model_pos") or "default"
+
+
+# -- commands ---------------------------------------------------------------------------------
+
+
+def cmd_serve(args: argparse.Namespace, config: EngineConfig) -> int:
     from ..server.app import ServerConfig, run_server
     from ..server.lora import parse_modules
     from ..server.routes import parse_origins
@@ -68,12 +60,10 @@ def cmd_serve(args: argparse.Namespace, opts: EngineOptions) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if (modules or args.allow_runtime_lora) and not opts.enable_lora:
+    if (modules or args.allow_runtime_lora) and not config.lora.enable_lora:
         print("error: --lora-modules and --allow-runtime-lora need --enable-lora", file=sys.stderr)
         return 2
-    if opts.decode_latency_factor is None:
-        opts.decode_latency_factor = SERVE_DECODE_LATENCY_FACTOR
-    llm = load_llm(opts)
+    llm = load_llm(config)
     if modules:  # checked against the base model now: a bad adapter is a clear error, not a traceback
         from ..lora.peft import load_adapter
 
@@ -105,7 +95,7 @@ def cmd_serve(args: argparse.Namespace, opts: EngineOptions) -> int:
                        allow_runtime_lora=bool(args.allow_runtime_lora),
                        keep_anthropic_attribution=bool(args.keep_anthropic_attribution),
                        root_path=(args.root_path or "").rstrip("/"), record_requests=args.record_requests,
-                       tokenizer_path=_tokenizer_path(opts))
+                       tokenizer_path=_tokenizer_path(config))
     print(f"serving {' = '.join(names)} on http://{args.host}:{args.port}/v1 "
           f"({eng.block_manager.num_usable_blocks} KV blocks of {eng.cache_config.block_size} tokens"
           f"{', API key required' if api_key else ''})", file=sys.stderr, flush=True)
@@ -122,9 +112,9 @@ def cmd_serve(args: argparse.Namespace, opts: EngineOptions) -> int:
     return 0
 
 
-def _tokenizer_path(opts: EngineOptions) -> str | None:
+def _tokenizer_path(config: EngineConfig) -> str | None:
     """A tokenizer a router could load itself: the folder given, or the model's when it holds one."""
-    for cand in (opts.tokenizer, opts.model):
+    for cand in (config.load.tokenizer, config.load.model):
         if cand and (Path(cand).expanduser() / "tokenizer.json").is_file():
             return str(Path(cand).expanduser().resolve())
     return None
@@ -137,10 +127,10 @@ def _exit_now(code: int) -> None:
     os._exit(code)
 
 
-def cmd_chat(args: argparse.Namespace, opts: EngineOptions) -> int:
+def cmd_chat(args: argparse.Namespace, config: EngineConfig) -> int:
     from .chat import ChatSession, ChatSettings
 
-    llm = load_llm(opts)
+    llm = load_llm(config)
     settings = ChatSettings(
         max_tokens=getattr(args, "max_tokens", 512), temperature=getattr(args, "temperature", 0.7),
         top_p=getattr(args, "top_p", 1.0), top_k=getattr(args, "top_k", -1),
@@ -154,7 +144,7 @@ def _load_serve_args(server_args: list[str]) -> Any:
     """The `LLM` that `pagedllm serve SERVER_ARGS` would serve."""
     argv = ["serve", *server_args]
     ns = build_parser(argv).parse_args(argv)
-    return engine_options(ns, _model_of(ns)).load()
+    return load_llm(command_config(ns))
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -182,21 +172,6 @@ def _run_module(module: str, args: argparse.Namespace) -> int:
         return 2
     result = mod.run(args)
     return result if isinstance(result, int) else 0
-
-
-def _mistralrs_options(args: argparse.Namespace) -> EngineOptions:
-    """`plain -m DIR` / `gguf -t TOK -m DIR -f FILE` as engine options (global flags apply)."""
-    if args.command == "plain":
-        opts = engine_options(args, args.model_id)
-        opts.tokenizer = _tokenizer_dir(args.tokenizer_json)
-        opts.arch = args.arch
-        return opts
-    from ..options import gguf_source
-
-    model, gguf_file, tok = gguf_source(args.quantized_model_id, args.quantized_filename, args.tok_model_id)
-    opts = engine_options(args, model)
-    opts.gguf_file, opts.tokenizer = gguf_file, tok
-    return opts
 
 
 def _tokenizer_dir(tok: str | None) -> str | None:

@@ -8,17 +8,17 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from ..options import EngineOptions
+    from ..config import EngineConfig
 
 
-def load_llm(opts: EngineOptions) -> Any:
-    opts.llm_kwargs()  # refuse unsupported options before the slow load
-    print(f"loading {opts.model if not opts.gguf_file else opts.gguf_file} ...", file=sys.stderr,
-          flush=True)
-    return opts.load()
+def load_llm(config: EngineConfig) -> Any:
+    from ..llm import LLM
+
+    print(f"loading {config.load.gguf_file or config.load.model} ...", file=sys.stderr, flush=True)
+    return LLM(config=config)
 
 
-def cmd_generate(args: argparse.Namespace, opts: EngineOptions) -> int:
+def cmd_generate(args: argparse.Namespace, config: EngineConfig) -> int:
     from ..sampling.params import SamplingParams
     from ..tokenizer.chat import render_chat
     from .chat import cut_off_note
@@ -30,7 +30,7 @@ def cmd_generate(args: argparse.Namespace, opts: EngineOptions) -> int:
     if not prompt.strip() and suffix is None:
         print("error: the prompt is empty (give it as an argument or on stdin)", file=sys.stderr)
         return 2
-    llm = load_llm(opts)
+    llm = load_llm(config)
     try:
         params = SamplingParams(
             n=args.n, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
@@ -88,12 +88,12 @@ def cmd_generate(args: argparse.Namespace, opts: EngineOptions) -> int:
     return 0
 
 
-def cmd_trace(args: argparse.Namespace, opts: EngineOptions) -> int:
+def cmd_trace(args: argparse.Namespace, config: EngineConfig) -> int:
     from .chat import kv_report
     from ..sampling.params import SamplingParams
     from ..tokenizer.chat import render_chat
 
-    llm = load_llm(opts)
+    llm = load_llm(config)
     eng = llm.engine
     tok = llm.tokenizer
     prompt: str | list[int] = args.prompt

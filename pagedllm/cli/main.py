@@ -6,12 +6,12 @@ import logging
 import sys
 from typing import Callable
 
-from .commands import _mistralrs_options, _model_of, _run_module, cmd_bench, cmd_chat, cmd_serve, engine_options
+from .commands import _run_module, cmd_bench, cmd_chat, cmd_serve, command_config
 from .generate import cmd_generate, cmd_trace
 from .parser import build_parser
 from . import scaleout
 
-__all__ = ["build_parser", "engine_options", "main"]
+__all__ = ["build_parser", "command_config", "main"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -41,12 +41,12 @@ def main(argv: list[str] | None = None) -> int:
             return _run_module("pagedllm.cli.demo", args)
         if args.command in ("env", "collect-env"):
             return _run_module("pagedllm.cli.env", args)
+        config = command_config(args)
         if args.command in ("plain", "gguf"):
-            opts = _mistralrs_options(args)
-            return cmd_chat(args, opts) if args.interactive_mode else cmd_serve(args, opts)
+            return cmd_chat(args, config) if args.interactive_mode else cmd_serve(args, config)
         if args.command is None:  # `pagedllm -i`: chat with the default model
-            return cmd_chat(args, engine_options(args))
-        return handlers[args.command](args, engine_options(args, _model_of(args)))
+            return cmd_chat(args, config)
+        return handlers[args.command](args, config)
     except (ValueError, FileNotFoundError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         options = sys.modules.get("pagedllm.options")  # not imported: e cannot be an UnsupportedOption

@@ -24,6 +24,7 @@ import sys
 from typing import Any
 
 from . import scaleout
+from .flags import add_engine_flags
 
 _UNSET = argparse.SUPPRESS
 
@@ -73,104 +74,6 @@ class Parser(argparse.ArgumentParser):
             if close:
                 message += f" (did you mean {close[0]}?)"
         return super().error(message)
-
-
-def _engine_flags(p: argparse.ArgumentParser, top: bool) -> None:
-    """Engine flags, under mistral.rs's names. On subcommands they default to 'not given' so a
-    value set before the subcommand is not overwritten by the subcommand's default."""
-    d = (lambda v: v) if top else (lambda v: _UNSET)
-    g = p.add_argument_group("engine")
-    g.add_argument("--pa-gpu-mem", "--pa-memory-mb", type=float, metavar="MB", default=d(None),
-                   help="KV cache size in MB")
-    g.add_argument("--pa-gpu-mem-usage", "--pa-memory-fraction", type=float, metavar="F", default=d(None),
-                   help="KV cache size as a share of free device memory (0-1]")
-    g.add_argument("--pa-ctxt-len", "--pa-context-len", type=int, metavar="N", default=d(None),
-                   help="KV cache sized to hold N tokens")
-    g.add_argument("--pa-blk-size", "--pa-block-size", type=int, metavar="N", default=d(None),
-                   help="tokens per KV cache block (8, 16, 32, 64, 128; default 32)")
-    g.add_argument("--pa-cache-type", choices=["auto", "bf16", "f16", "f8e4m3", "int8"], default=d(None),
-                   help="KV cache element type (auto: the compute dtype; bf16/f16 halve a float32 "
-                        "model's cache)")
-    g.add_argument("--no-paged-attn", action="store_true", default=d(False),
-                   help="contiguous per-sequence KV cache instead of paged attention")
-    g.add_argument("--prefix-cache-n", type=int, metavar="N", default=d(None),
-                   help="finished sequences kept as reusable prefixes (default 16; 0 disables "
-                        "prefix caching, as in mistral.rs)")
-    g.add_argument("--no-prefix-cache", action="store_true", default=d(False),
-                   help="turn prefix caching off")
-    g.add_argument("--max-seqs", type=int, metavar="N", default=d(None),
-                   help="most sequences running at once (default 64)")
-    g.add_argument("--max-model-len", "--max-seq-len", type=int, metavar="N", default=d(None),
-                   help="longest prompt + output in tokens (default: the model's)")
-    g.add_argument("--max-num-batched-tokens", type=int, metavar="N", default=d(None),
-                   help="token budget of one engine step")
-    g.add_argument("--decode-latency-factor", type=float, metavar="F", default=d(None),
-                   help="while a sequence decodes, limit a step's prompt tokens so the step takes at most "
-                        "about F times a step of decodes alone: streams keep flowing beside a long "
-                        "prefill (serve: 2.5; elsewhere 0, off)")
-    g.add_argument("--dtype", default=d(None), help="auto, float32, bfloat16 or float16")
-    g.add_argument("--device", default=d(None), help="auto, cpu, cuda, cuda:N or mps")
-    g.add_argument("--seed", type=int, default=d(None), help="sampling seed of the engine")
-    g.add_argument("--isq", metavar="TYPE", default=d(None),
-                   help="quantize a safetensors model's linear weights at load: Q8_0, Q4_0, Q4_1, Q5_0, "
-                        "Q5_1, Q4_K, Q5_K or Q6_K; or mistral.rs's bit count, resolved as it does on a CPU: "
-                        "4 = Q4_K, 5 = Q5_K, 6 = Q6_K, 8 = Q8_0 (2, 3 = Q2_K, Q3_K: not available yet). "
-                        "A weight the type's blocks do not tile falls back to the next type that does (logged)")
-    g.add_argument("--dequantize-weights", action="store_true", default=d(False),
-                   help="dequantize GGUF weights to the compute dtype at load instead of running "
-                        "them quantized (the exact reference; more memory, slower decode)")
-    g.add_argument("--keep-float-head", action="store_true", default=d(False),
-                   help="a GPTQ / AWQ / compressed-tensors model's float LM head stays float "
-                        "(by default it is quantized to Q8_0 at load, as llama.cpp keeps a 4-bit file's head)")
-    g.add_argument("--tensor-parallel-size", "-tp", type=int, metavar="N", default=d(None),
-                   help="split the model over N ranks (worker processes on this machine, or the "
-                        "ranks of torchrun); default 1")
-    g.add_argument("--pipeline-parallel-size", "-pp", type=int, metavar="P", default=d(None),
-                   help="cut the model into P stages of whole layers, balanced by weight bytes (stage "
-                        "processes on this machine, or the ranks of torchrun on several nodes: rank 0 "
-                        "serves, the others run their stage); default 1")
-    g.add_argument("--max-rank-memory-mb", type=float, metavar="MB", default=d(None),
-                   help="the most weight memory one rank may hold (the whole model on one rank, a stage "
-                        "under --pipeline-parallel-size, a shard under -tp): a model over it is refused "
-                        "with the -pp that fits it; the KV cache is sized apart; default: no limit")
-    g.add_argument("--speculative-ngram", type=int, metavar="K", default=d(None),
-                   help="speculative decoding by prompt lookup: up to K tokens proposed from the "
-                        "sequence's own earlier text, verified in one forward (5 measured best "
-                        "on the default model); with --speculative-draft, the lookup where it "
-                        "matches and the draft elsewhere")
-    g.add_argument("--speculative-draft", metavar="MODEL", default=d(None),
-                   help="speculative decoding with a small draft model sharing the model's tokenizer "
-                        "(a folder, GGUF file or hub id; its own KV cache comes out of the same budget)")
-    g.add_argument("--speculative-tokens", type=int, metavar="K", default=d(None),
-                   help="with --speculative-draft: up to K draft tokens proposed a step (default 5)")
-    g.add_argument("--speculative-draft-weights", metavar="FORMAT", default=d(None),
-                   help="with --speculative-draft: the format a quantized draft's weights run in: "
-                        "auto (default: parts stored in more than 4.5 bits a weight requantized to "
-                        "Q4_0 at load, a cheaper draft), file (the file's own), or a type such as Q8_0")
-    g.add_argument("--task", choices=["auto", "generate", "embed"], default=d(None),
-                   help="embed: an embedding model for /v1/embeddings (auto: a folder with "
-                        "sentence-transformers files or a head-less architecture is one)")
-    g.add_argument("--enable-lora", action="store_true", default=d(False),
-                   help="requests may name LoRA adapters (PEFT folders or llama.cpp GGUF LoRA files; "
-                   "see --lora-modules)")
-    g.add_argument("--max-loras", type=int, metavar="N", default=d(None),
-                   help="with --enable-lora: adapters held in memory at once; others are read from "
-                        "disk when a request needs them (default 1)")
-    g.add_argument("--max-lora-rank", type=int, metavar="R", default=d(None),
-                   help="with --enable-lora: the highest adapter rank accepted (default 16)")
-    g.add_argument("--mmproj", metavar="FILE", default=d(None),
-                   help="a GGUF model's vision tower and projector: llama.cpp's multimodal projector file "
-                        "(convert_hf_to_gguf.py --mmproj; Gemma 3), as llama-server's --mmproj")
-    g.add_argument("--allowed-local-media-path", metavar="DIR", default=d(None),
-                   help="vision-language models: images may be read from local files under DIR "
-                        "(image_url parts with a path or file:// URL); default: none")
-    g.add_argument("--limit-mm-per-prompt", type=int, metavar="N", default=d(None),
-                   help="vision-language models: images one prompt may hold (default 8)")
-    g.add_argument("--media-fetch-timeout", type=float, metavar="S", default=d(None),
-                   help="vision-language models: seconds an image URL's fetch may take (default 10)")
-    g.add_argument("--chat-template", metavar="FILE", default=d(None),
-                   help="chat template (.jinja, or JSON with a chat_template key) to use instead "
-                        "of the model's")
 
 
 def _log_flag(p: argparse.ArgumentParser, top: bool) -> None:
@@ -308,7 +211,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
                    help="with plain/gguf: chat in the terminal instead of serving")
     _log_flag(p, top=True)
     p.add_argument("--version", action="version", version=_version())
-    _engine_flags(p, top=True)
+    add_engine_flags(p, top=True)
     _server_flags(p, top=True)
     sub = p.add_subparsers(dest="command", metavar="COMMAND", prog="pagedllm")
 
@@ -317,7 +220,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
                        description=SERVE_ROUTES, formatter_class=argparse.RawDescriptionHelpFormatter)
     _log_flag(s, top=False)
     _model_arg(s)
-    _engine_flags(s, top=False)
+    add_engine_flags(s, top=False)
     _server_flags(s, top=False)
     scaleout.add_serve_flags(s)
     scaleout.add_router_parser(sub)
@@ -326,7 +229,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
                        usage="pagedllm chat [MODEL] [--system MSG] [engine and sampling flags]")
     _log_flag(c, top=False)
     _model_arg(c)
-    _engine_flags(c, top=False)
+    add_engine_flags(c, top=False)
     c.add_argument("--system", default=None, help="system message to start with")
     _sampling_flags(c, max_tokens=512, temperature=0.7)
 
@@ -336,7 +239,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     g.add_argument("prompt", nargs="?", metavar="PROMPT", help="the prompt; '-' or nothing reads stdin")
     _log_flag(g, top=False)
     _model_arg(g, positional=False)
-    _engine_flags(g, top=False)
+    add_engine_flags(g, top=False)
     _sampling_flags(g, max_tokens=256, temperature=0.0)
     g.add_argument("-n", type=int, default=1, help="completions to generate (default: %(default)s)")
     g.add_argument("--raw", action="store_true", help="no chat template: continue the text as is")
@@ -351,7 +254,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
                              "[engine flags]")
     _log_flag(t, top=False)
     _model_arg(t)
-    _engine_flags(t, top=False)
+    add_engine_flags(t, top=False)
     t.add_argument("--prompt", default="Write a short poem about memory pages.",
                    help="the request's prompt (default: %(default)r)")
     t.add_argument("-n", type=int, default=1, help="completions of the prompt (default: %(default)s)")
@@ -404,7 +307,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
         form.add_argument("-i", "--interactive-mode", action="store_true", default=_UNSET,
                           help="chat in the terminal instead of serving")
         _log_flag(form, top=False)
-        _engine_flags(form, top=False)
+        add_engine_flags(form, top=False)
         _server_flags(form, top=False)
     return p
 

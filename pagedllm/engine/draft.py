@@ -53,17 +53,13 @@ logger = logging.getLogger(__name__)
 CATCH_UP_ROWS = 8
 
 
-NO_TP = ("a speculative draft model does not run under tensor parallelism yet; use "
-         "tensor_parallel_size=1 or n-gram speculation")
 _FIX = ("a draft model must share the target's tokenizer: use a smaller model of the same family "
         "and release (for example SmolLM2-135M for SmolLM2-1.7B), or n-gram speculation")
 
 
-def check_draft_setup(speculative, draft, executor) -> None:
-    """Refuse a draft model without its method, the method without the model, or either under
-    tensor parallelism."""
-    if draft is not None and executor is not None:
-        raise ValueError(NO_TP)
+def check_draft_setup(speculative, draft) -> None:
+    """Refuse a draft model without its method, or the method without the model (which options
+    combine with a draft is EngineConfig.verify's)."""
     if draft is not None and (speculative is None or speculative.method != "draft"):
         raise ValueError("a draft model was given without speculative method 'draft'")
     if draft is None and speculative is not None and speculative.method == "draft":

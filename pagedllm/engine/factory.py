@@ -41,10 +41,7 @@ def build_engine(loaded: LoadedModel, cache_cfg: CacheConfig, sched_cfg: Schedul
     way (the planning benchmark's runner plans every step without the forward)."""
     cache_cfg.validate()
     sched_cfg.validate()
-    check_draft_setup(speculative, draft, executor)
-    if executor is not None and sched_cfg.max_loras:
-        raise ValueError("LoRA adapters do not run under tensor or pipeline parallelism yet; use "
-                         "tensor_parallel_size=1 and pipeline_parallel_size=1 with enable_lora")
+    check_draft_setup(speculative, draft)
     cfg, model = loaded.config, loaded.model
     groups, kv_spec, draft_spec, plan, kv_cache, backend, copy_fn = _build_kv(
         loaded, cache_cfg, sched_cfg, device, dtype, executor, draft)

@@ -34,9 +34,6 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
     image_layout = "runs"  # one run of placeholders per image (multimodal/processor.py)
 
     def __init__(self, cfg: ModelConfig, max_positions: int, tp=None) -> None:
-        if tp is not None and tp.size > 1:
-            raise ValueError("vision-language models do not run under tensor parallelism yet; use "
-                             "tensor_parallel_size=1")
         super().__init__(cfg, max_positions, tp)
         self.image_token_id = int(cfg.vision["image_token_index"])
         self.__dict__["_vision"] = None  # (tower, projector) once loaded; not child modules

@@ -29,9 +29,6 @@ class Idefics3ForConditionalGeneration(LlamaForCausalLM):
     image_layout = "tiles"
 
     def __init__(self, cfg: ModelConfig, max_positions: int, tp=None) -> None:
-        if tp is not None and tp.size > 1:
-            raise ValueError("vision-language models do not run under tensor parallelism yet; use "
-                             "tensor_parallel_size=1")
         super().__init__(cfg, max_positions, tp)
         self.image_token_id = int(cfg.vision["image_token_id"])
         self.__dict__["_vision"] = None  # (vision transformer, connector) once loaded

@@ -43,9 +43,6 @@ class Qwen2_5_VLForConditionalGeneration(Qwen2ForCausalLM):
     mrope = True  # the runner gives image prompts' tokens their M-RoPE positions
 
     def __init__(self, cfg: ModelConfig, max_positions: int, tp=None) -> None:
-        if tp is not None and tp.size > 1:
-            raise ValueError("vision-language models do not run under tensor parallelism yet; use "
-                             "tensor_parallel_size=1")
         if not cfg.mrope_section:
             raise ValueError("a Qwen2.5-VL config needs rope_parameters.mrope_section (M-RoPE); this one has none")
         super().__init__(cfg, max_positions, tp)

@@ -7,6 +7,8 @@ messages hold images, else with the tokenizer's template. It sits beside the tok
 because `LLM` (below the protocols) needs it too."""
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 
@@ -19,3 +21,14 @@ def render_chat(tokenizer: Any, messages: list[dict], *, processor: Any = None, 
         return processor.chat(messages, add_generation_prompt, media_policy, **template_kwargs)
     return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
                                          tokenize=tokenize, **template_kwargs)
+
+
+def read_chat_template(path: str) -> str:
+    """A chat template from a .jinja file or a JSON file with a "chat_template" key."""
+    text = Path(path).expanduser().read_text()
+    if path.endswith(".json"):
+        data = json.loads(text)
+        if not isinstance(data, dict) or not isinstance(data.get("chat_template"), str):
+            raise ValueError(f"{path} has no \"chat_template\" string")
+        return data["chat_template"]
+    return text

@@ -1,17 +1,9 @@
-"""Plain configuration dataclasses shared by the loader, the engine and the CLI."""
+"""What a loaded model is: `ModelConfig`, read from a transformers-style config.json (a Hugging
+Face folder's, or one made from GGUF metadata)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
-
-SUPPORTED_BLOCK_SIZES = (8, 16, 32, 64, 128)
-# KV cache element types; pagedllm/kv/quant.py says what each one stores.
-KV_CACHE_DTYPES = ("auto", "bf16", "f16", "f8e4m3", "int8")
-
-
-def normalize_kv_cache_dtype(value: Any) -> str:
-    """'int8', 'INT8' or an enum whose value is 'int8' -> 'int8' (unknown names pass through)."""
-    return str(getattr(value, "value", value)).strip().lower()
 
 
 @dataclass
@@ -217,88 +209,3 @@ def _layer_windows(d: dict, n_layers: int, window: int | None) -> list[int | Non
         first = int(d.get("max_window_layers", 0))
         return [int(window) if i >= first else None for i in range(n_layers)]
     return [int(window)] * n_layers
-
-
-@dataclass
-class CacheConfig:
-    block_size: int = 32
-    kv_cache_memory_mb: float | None = None
-    kv_cache_memory_fraction: float | None = None
-    kv_cache_context_len: int | None = None
-    kv_cache_dtype: str = "auto"
-    paged_attention: bool = True
-    enable_prefix_caching: bool = True
-    prefix_cache_n: int = 16  # finished sequences kept as reusable prefixes; 0 turns caching off
-
-    @property
-    def prefix_caching(self) -> bool:
-        """Whether prefix caching is asked for: `prefix_cache_n=0` turns it off, as the CLI's
-        `--prefix-cache-n 0` does (mistral.rs's meaning), so the knob means one thing everywhere."""
-        return self.enable_prefix_caching and self.prefix_cache_n > 0
-
-    def validate(self) -> None:
-        if self.block_size not in SUPPORTED_BLOCK_SIZES:
-            raise ValueError(
-                f"block_size={self.block_size} is not supported; use one of {SUPPORTED_BLOCK_SIZES}"
-            )
-        given = [
-            n
-            for n, v in (
-                ("kv_cache_memory_mb", self.kv_cache_memory_mb),
-                ("kv_cache_memory_fraction", self.kv_cache_memory_fraction),
-                ("kv_cache_context_len", self.kv_cache_context_len),
-            )
-            if v is not None
-        ]
-        if len(given) > 1:
-            raise ValueError(f"set at most one of {', '.join(given)} to size the KV cache")
-        if normalize_kv_cache_dtype(self.kv_cache_dtype) not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported; use one of "
-                             f"{'|'.join(KV_CACHE_DTYPES)}")
-        if self.kv_cache_memory_mb is not None and self.kv_cache_memory_mb <= 0:
-            raise ValueError(f"kv_cache_memory_mb must be > 0, got {self.kv_cache_memory_mb}")
-        f = self.kv_cache_memory_fraction
-        if f is not None and not (0 < f <= 1):
-            raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {f}")
-        if self.prefix_cache_n < 0:
-            raise ValueError(f"prefix_cache_n must be >= 0, got {self.prefix_cache_n}")
-        if self.kv_cache_context_len is not None and self.kv_cache_context_len < 1:
-            raise ValueError(f"kv_cache_context_len must be >= 1, got {self.kv_cache_context_len}")
-
-
-@dataclass
-class SchedulerConfig:
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    max_model_len: int = 4096
-    # While a sequence decodes, a step's prompt tokens are limited so the step takes at most about
-    # this many times a step of decodes alone (engine/pacing.py); 0: prompts take the whole budget.
-    decode_latency_factor: float = 0.0
-    # LoRA: at most this many distinct adapters among the running sequences (their slots); 0: off.
-    max_loras: int = 0
-    # Vision-language models: image tokens the step may encode (None: max_num_batched_tokens, as
-    # vLLM's max_num_encoder_input_tokens), image embedding rows the encoder cache holds, and
-    # images one prompt may have (vLLM's limit_mm_per_prompt).
-    max_num_encoder_tokens: int | None = None
-    encoder_cache_tokens: int = 16384
-    limit_images: int = 8
-
-    @property
-    def encoder_budget(self) -> int:
-        return self.max_num_encoder_tokens or self.max_num_batched_tokens
-
-    def validate(self) -> None:
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
-        if self.decode_latency_factor and self.decode_latency_factor <= 1:
-            raise ValueError(f"decode_latency_factor must be 0 (off) or more than 1, got {self.decode_latency_factor}")
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-__all__ = ["ModelConfig", "CacheConfig", "SchedulerConfig", "cdiv", "SUPPORTED_BLOCK_SIZES",
-           "KV_CACHE_DTYPES", "normalize_kv_cache_dtype"]
