@@ -20,6 +20,7 @@ its EVEX twin, so that the level's code is tested there by capping), nothing els
 PAGEDLLM_ISA_LEVELS=all (`make wheel`) compiles every level, both builds of avxvnni, so one
 wheel serves every x86-64 CPU. The compile says what it does, a line per object, on stderr.
 """
+
 from __future__ import annotations
 
 import os
@@ -39,7 +40,7 @@ AVXVNNI = 2
 # The avxvnni level's two builds of one source (csrc/isa.h): VEX (AVX-VNNI) and the EVEX twin
 # (AVX-512 VL + VNNI), each an object set of its own. A build is named by its level, the twin so.
 TWIN = "avxvnni_evex"
-BUILDS = [*LEVELS.values()][:AVXVNNI + 1] + [TWIN] + [*LEVELS.values()][AVXVNNI + 1:]
+BUILDS = [*LEVELS.values()][: AVXVNNI + 1] + [TWIN] + [*LEVELS.values()][AVXVNNI + 1 :]
 BUILD_LEVEL = {**{v: k for k, v in LEVELS.items()}, TWIN: AVXVNNI}
 # The levels each source is compiled at (dispatch.cpp registers from exactly these): prefill
 # attention has a kernel only with AVX-512 BF16; the int8 products (quant_*, and decode_stack,
@@ -56,9 +57,14 @@ SOURCE_LEVELS = {
 # The CPU flags (/proc/cpuinfo) each build's instructions need, as dispatch.cpp's cpu_runs().
 _AVX2_FLAGS = {"avx2", "fma", "f16c"}
 _AVX512_FLAGS = _AVX2_FLAGS | {"avx512f", "avx512cd", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni"}
-BUILD_FLAGS = {"base": set(), "avx2": _AVX2_FLAGS, "avxvnni": _AVX2_FLAGS | {"avx_vnni"},
-               TWIN: _AVX2_FLAGS | {"avx512f", "avx512vl", "avx512_vnni"},
-               "avx512vnni": _AVX512_FLAGS, "avx512bf16": _AVX512_FLAGS | {"avx512_bf16"}}
+BUILD_FLAGS = {
+    "base": set(),
+    "avx2": _AVX2_FLAGS,
+    "avxvnni": _AVX2_FLAGS | {"avx_vnni"},
+    TWIN: _AVX2_FLAGS | {"avx512f", "avx512vl", "avx512_vnni"},
+    "avx512vnni": _AVX512_FLAGS,
+    "avx512bf16": _AVX512_FLAGS | {"avx512_bf16"},
+}
 # -g0 after Python's own -g: the debug info was stripped at link anyway, and generating it for
 # torch's headers was about half of each object's compile time (46.9 s -> 25.1 s CPU for one).
 FLAGS = ["-O3", "-g0", "-fopenmp", "-fno-math-errno"]
@@ -71,8 +77,7 @@ def host_builds() -> set[str] | None:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
         return None
-    flags = next((set(line.split(":", 1)[1].split()) for line in text.splitlines()
-                  if line.startswith("flags")), set())
+    flags = next((set(line.split(":", 1)[1].split()) for line in text.splitlines() if line.startswith("flags")), set())
     return {b for b in BUILDS if BUILD_FLAGS[b] <= flags}
 
 
@@ -94,8 +99,7 @@ def wanted_levels() -> set[str]:
         return {"base", best, *vnni}
     bad = [n for n in spec.split(",") if n.strip() not in BUILDS]
     if bad:
-        sys.exit(f"pagedllm: PAGEDLLM_ISA_LEVELS={spec!r}: {bad} not among all, native, "
-                 f"{', '.join(BUILDS)}")
+        sys.exit(f"pagedllm: PAGEDLLM_ISA_LEVELS={spec!r}: {bad} not among all, native, {', '.join(BUILDS)}")
     return {"base"} | {n.strip() for n in spec.split(",")}
 
 
@@ -131,14 +135,19 @@ def level_sources() -> list[str]:
         for build in sorted(built[name], key=BUILDS.index):
             wrapper = out / f"{name}_{build}.cpp"
             twin = "#define PAGEDLLM_EVEX_TWIN 1\n" if build == TWIN else ""
-            _write_if_changed(ROOT / wrapper, f'#define PAGEDLLM_LEVEL {BUILD_LEVEL[build]}\n{twin}'
-                                              f'#include "{(ROOT / CSRC / name).as_posix()}.cpp"\n')
+            _write_if_changed(
+                ROOT / wrapper,
+                f"#define PAGEDLLM_LEVEL {BUILD_LEVEL[build]}\n{twin}"
+                f'#include "{(ROOT / CSRC / name).as_posix()}.cpp"\n',
+            )
             sources.append(wrapper.as_posix())
     # What dispatch.cpp may register: a level's build is there when every source's object for it is.
     have = {b: all(source_build(n, b) in built[n] for n in SOURCE_LEVELS) for b in BUILDS[1:]}
-    _write_if_changed(ROOT / out / "pagedllm_built_levels.h",
-                      "// Written by setup.py: the instruction-set levels this build compiled.\n"
-                      + "".join(f"#define PAGEDLLM_BUILT_{b.upper()} {int(have[b])}\n" for b in BUILDS[1:]))
+    _write_if_changed(
+        ROOT / out / "pagedllm_built_levels.h",
+        "// Written by setup.py: the instruction-set levels this build compiled.\n"
+        + "".join(f"#define PAGEDLLM_BUILT_{b.upper()} {int(have[b])}\n" for b in BUILDS[1:]),
+    )
     sources.append((CSRC / "dispatch.cpp").as_posix())
     sources.append((CSRC / "weight_memory.cpp").as_posix())  # (no SIMD: one copy)
     return sources
@@ -150,8 +159,9 @@ class _Progress:
 
     def __init__(self, sources: list[str], objects: list[str], depends: list[str]) -> None:
         newest = max((ROOT / p).stat().st_mtime for p in [*sources, *depends] if (ROOT / p).exists())
-        self.todo = [(s, o) for s, o in zip(sources, objects)
-                     if not Path(o).exists() or Path(o).stat().st_mtime < newest]
+        self.todo = [
+            (s, o) for s, o in zip(sources, objects) if not Path(o).exists() or Path(o).stat().st_mtime < newest
+        ]
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._watch, daemon=True)
 
@@ -172,9 +182,11 @@ class _Progress:
         self.start, self.wall_start = time.monotonic(), time.time() - 1
         jobs = os.environ.get("MAX_JOBS") or str(os.cpu_count() or 1)
         if self.todo:
-            self._say(f"pagedllm: compiling {len(self.todo)} native kernel objects, {jobs} at a time "
-                      f"(levels {', '.join(sorted(wanted_levels(), key=BUILDS.index))}; "
-                      f"ninja's log: build/kernels-build.log)")
+            self._say(
+                f"pagedllm: compiling {len(self.todo)} native kernel objects, {jobs} at a time "
+                f"(levels {', '.join(sorted(wanted_levels(), key=BUILDS.index))}; "
+                f"ninja's log: build/kernels-build.log)"
+            )
         else:
             self._say("pagedllm: native kernels up to date, nothing to compile")
         self.thread.start()
@@ -193,8 +205,10 @@ class _Progress:
                     last = now
             if now - last >= 8:
                 left = len(self.todo) - len(done)
-                self._say(f"  ... {'compiling, ' + str(left) + ' objects to go' if left else 'linking'}, "
-                          f"{now - self.start:.0f} s")
+                self._say(
+                    f"  ... {'compiling, ' + str(left) + ' objects to go' if left else 'linking'}, "
+                    f"{now - self.start:.0f} s"
+                )
                 last = now
 
     def __exit__(self, *exc: object) -> None:
@@ -215,7 +229,9 @@ def ext_modules_and_cmdclass() -> tuple[list, dict]:
             "importable here. Install torch first, then build without pip's isolated environment "
             "(which would fetch another torch): `pip install --no-build-isolation .` "
             "(or `pip wheel --no-build-isolation .`; `make setup` does both). "
-            "PAGEDLLM_BUILD_KERNELS=0 builds the package without kernels (slower PyTorch paths).")
+            "PAGEDLLM_BUILD_KERNELS=0 builds the package without kernels (slower PyTorch paths)."
+        )
+
     class BuildKernels(BuildExtension):
         """torch's build (ninja, in parallel, only what changed), with its objects kept under
         build/ whichever command runs it: an editable install would compile them all in a

@@ -1,7 +1,10 @@
 """pagedllm: an LLM inference engine built around a paged KV cache."""
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
+
+from ._version import __version__ as __version__
 
 # Everything is imported on first use: `import pagedllm` alone loads neither torch nor pydantic,
 # so the CLI can refuse bad input (a busy port, a bad flag) before the second or more they take.
@@ -12,18 +15,19 @@ _NAMES = {
     "RequestOutput": "outputs",
     "CompletionOutput": "outputs",
     # The mistral.rs-style API pulls in pydantic (its requests are the server's models).
-    **{name: "api" for name in ("Architecture", "ChatCompletionRequest", "CompletionRequest", "PagedCacheType",
-                                "Runner", "Which")},
+    **{
+        name: "api"
+        for name in ("Architecture", "ChatCompletionRequest", "CompletionRequest", "PagedCacheType", "Runner", "Which")
+    },
 }
 
 __all__ = list(_NAMES)
-from ._version import __version__
 
 if TYPE_CHECKING:
-    from .llm import LLM
-    from .lora.request import LoRARequest
-    from .outputs import CompletionOutput, RequestOutput
-    from .sampling.params import SamplingParams
+    from .llm import LLM as LLM
+    from .lora.request import LoRARequest as LoRARequest
+    from .outputs import CompletionOutput as CompletionOutput, RequestOutput as RequestOutput
+    from .sampling.params import SamplingParams as SamplingParams
 
 
 def __getattr__(name: str):

@@ -14,6 +14,7 @@ the protocol package the HTTP server uses (pagedllm/protocols/openai: `chat_call
 (pa_blk_size, max_seqs, ...) are this face's aliases of the engine's options (EngineConfig,
 pagedllm/config), which `LLM` takes by name.
 """
+
 from __future__ import annotations
 
 import enum
@@ -98,11 +99,15 @@ def _config_from_which(which: Which.Plain | Which.GGUF, **kw: Any) -> EngineConf
     kw = {k: v for k, v in kw.items() if v is not None}
     if isinstance(which, Which.Plain):
         arch = which.arch.value if isinstance(which.arch, Architecture) else which.arch
-        return EngineConfig.from_kwargs(model=which.model_id, tokenizer=_local_tokenizer_dir(which.tokenizer_json),
-                                        arch=arch, dtype=which.dtype, **kw)
+        return EngineConfig.from_kwargs(
+            model=which.model_id,
+            tokenizer=_local_tokenizer_dir(which.tokenizer_json),
+            arch=arch,
+            dtype=which.dtype,
+            **kw,
+        )
     if isinstance(which, Which.GGUF):
-        model, gguf_file, tok = gguf_source(which.quantized_model_id, which.quantized_filename,
-                                            which.tok_model_id)
+        model, gguf_file, tok = gguf_source(which.quantized_model_id, which.quantized_filename, which.tok_model_id)
         return EngineConfig.from_kwargs(model=model, gguf_file=gguf_file, tokenizer=tok, dtype=which.dtype, **kw)
     raise TypeError(f"which must be Which.Plain or Which.GGUF, got {type(which).__name__}")
 
@@ -111,24 +116,45 @@ class Runner:
     """Loads a model and answers requests in-process, mistral.rs style. Not thread-safe: use one
     Runner per thread, or the HTTP server for concurrent clients."""
 
-    def __init__(self, which: Which.Plain | Which.GGUF, max_seqs: int = 16,
-                 prefix_cache_n: int | None = None, chat_template: str | None = None,
-                 in_situ_quant: str | None = None, pa_gpu_mem: float | None = None,
-                 pa_gpu_mem_usage: float | None = None, pa_ctxt_len: int | None = None,
-                 pa_blk_size: int | None = None, pa_cache_type: PagedCacheType | str | None = None,
-                 no_paged_attn: bool = False, paged_attn: bool | None = None, seed: int | None = None,
-                 device: str = "auto", max_model_len: int | None = None,
-                 token_source: str | None = None) -> None:
+    def __init__(
+        self,
+        which: Which.Plain | Which.GGUF,
+        max_seqs: int = 16,
+        prefix_cache_n: int | None = None,
+        chat_template: str | None = None,
+        in_situ_quant: str | None = None,
+        pa_gpu_mem: float | None = None,
+        pa_gpu_mem_usage: float | None = None,
+        pa_ctxt_len: int | None = None,
+        pa_blk_size: int | None = None,
+        pa_cache_type: PagedCacheType | str | None = None,
+        no_paged_attn: bool = False,
+        paged_attn: bool | None = None,
+        seed: int | None = None,
+        device: str = "auto",
+        max_model_len: int | None = None,
+        token_source: str | None = None,
+    ) -> None:
         del token_source  # mistral.rs's hub credential source; the hub client reads its own
         cache_type = pa_cache_type.value if isinstance(pa_cache_type, PagedCacheType) else pa_cache_type
         # mistral.rs's spellings (pa_*, max_seqs, in_situ_quant) are this face's aliases of
         # the engine's option names.
         config = _config_from_which(
-            which, device=device, kv_cache_memory_mb=pa_gpu_mem, kv_cache_memory_fraction=pa_gpu_mem_usage,
-            kv_cache_context_len=pa_ctxt_len, block_size=pa_blk_size, kv_cache_dtype=cache_type,
-            paged_attention=not (no_paged_attn and not paged_attn), prefix_cache_n=prefix_cache_n,
-            max_num_seqs=max_seqs, max_model_len=max_model_len, seed=seed, isq=in_situ_quant,
-            chat_template=chat_template)
+            which,
+            device=device,
+            kv_cache_memory_mb=pa_gpu_mem,
+            kv_cache_memory_fraction=pa_gpu_mem_usage,
+            kv_cache_context_len=pa_ctxt_len,
+            block_size=pa_blk_size,
+            kv_cache_dtype=cache_type,
+            paged_attention=not (no_paged_attn and not paged_attn),
+            prefix_cache_n=prefix_cache_n,
+            max_num_seqs=max_seqs,
+            max_model_len=max_model_len,
+            seed=seed,
+            isq=in_situ_quant,
+            chat_template=chat_template,
+        )
         from .protocols.common.context import ServingContext
         from .protocols.common.tokens import TokenText
 
@@ -143,8 +169,9 @@ class Runner:
         return self.llm.engine
 
     # -- chat -----------------------------------------------------------------------------
-    def send_chat_completion_request(self, request: ChatCompletionRequest | dict
-                                     ) -> ChatCompletionResponse | Iterator[ChatCompletionChunk]:
+    def send_chat_completion_request(
+        self, request: ChatCompletionRequest | dict
+    ) -> ChatCompletionResponse | Iterator[ChatCompletionChunk]:
         """The answer, or with `stream=True` an iterator of chunks (closing it early aborts)."""
         from .protocols.openai.calls import chat_call
         from .protocols.openai.models import ChatCompletionRequest
@@ -153,8 +180,9 @@ class Runner:
         return self._answer(self._call(chat_call, req))
 
     # -- text completion ----------------------------------------------------------------------
-    def send_completion_request(self, request: CompletionRequest | dict
-                                ) -> CompletionResponse | Iterator[CompletionResponse]:
+    def send_completion_request(
+        self, request: CompletionRequest | dict
+    ) -> CompletionResponse | Iterator[CompletionResponse]:
         from .protocols.openai.calls import completion_call
         from .protocols.openai.models import CompletionRequest
 
@@ -199,5 +227,13 @@ class Runner:
             self.llm.driver.abort(r for r in rids if r not in finals)
 
 
-__all__ = ["Runner", "Which", "ChatCompletionRequest", "CompletionRequest", "Architecture",
-           "PagedCacheType", "EngineConfig", "UnsupportedOption"]
+__all__ = [
+    "Runner",
+    "Which",
+    "ChatCompletionRequest",
+    "CompletionRequest",
+    "Architecture",
+    "PagedCacheType",
+    "EngineConfig",
+    "UnsupportedOption",
+]

@@ -1,4 +1,5 @@
 """Choosing the device and the compute dtype."""
+
 from __future__ import annotations
 
 import logging
@@ -11,9 +12,15 @@ from . import settings
 logger = logging.getLogger(__name__)
 
 DTYPES = {
-    "float32": torch.float32, "fp32": torch.float32, "f32": torch.float32,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float16": torch.float16, "fp16": torch.float16, "f16": torch.float16, "half": torch.float16,
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "f32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "f16": torch.float16,
+    "half": torch.float16,
 }
 
 

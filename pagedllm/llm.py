@@ -1,4 +1,5 @@
 """The vLLM-style Python API: `LLM(...).generate / chat / stream`."""
+
 from __future__ import annotations
 
 import inspect
@@ -8,7 +9,7 @@ import os
 import re
 import weakref
 from contextlib import closing
-from typing import Iterator, Sequence as Seq
+from typing import TYPE_CHECKING, Iterator, Sequence as Seq
 
 import torch
 from tqdm.auto import tqdm
@@ -26,6 +27,9 @@ from .outputs import RequestOutput
 from .sampling.params import SamplingParams
 from .speculative.config import SpeculativeConfig
 from .tokenizer.chat import read_chat_template, render_chat
+
+if TYPE_CHECKING:
+    from .engine.pooling import PoolingConfig
 
 logger = logging.getLogger(__name__)
 
@@ -47,17 +51,27 @@ def _start_executor(config: EngineConfig, source, dt: torch.dtype, dev: torch.de
         check_size(pp, dev, "pipeline")
     check_size(tp, dev)
     if dev.type == "cuda" and pp * tp > torch.cuda.device_count():  # one device a rank
-        raise ValueError(f"pipeline_parallel_size={pp} x tensor_parallel_size={tp} needs {pp * tp} GPUs but this "
-                         f"machine has {torch.cuda.device_count()}; lower them or run several nodes under torchrun")
+        raise ValueError(
+            f"pipeline_parallel_size={pp} x tensor_parallel_size={tp} needs {pp * tp} GPUs but this "
+            f"machine has {torch.cuda.device_count()}; lower them or run several nodes under torchrun"
+        )
     cfg = read_config(source)
     check_tp(cfg, tp)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     # Under torchrun each node splits its own cores among its own ranks.
     local = int(os.environ.get("LOCAL_WORLD_SIZE", pp * tp)) if world > 1 else pp * tp
-    spec = WorkerSpec(source, dt, dev.type, config.load.max_model_len, config.load.dequantize_weights,
-                      config.load.isq, config.cache, threads=max(1, usable_cores() // local),
-                      log_level=logging.getLogger("pagedllm").getEffectiveLevel(),
-                      max_rank_memory_mb=par.max_rank_memory_mb)
+    spec = WorkerSpec(
+        source,
+        dt,
+        dev.type,
+        config.load.max_model_len,
+        config.load.dequantize_weights,
+        config.load.isq,
+        config.cache,
+        threads=max(1, usable_cores() // local),
+        log_level=logging.getLogger("pagedllm").getEffectiveLevel(),
+        max_rank_memory_mb=par.max_rank_memory_mb,
+    )
     rank = int(os.environ.get("RANK", "0")) if world > 1 else 0
     if pp == 1:
         from .distributed.executor import TPExecutor
@@ -74,8 +88,10 @@ def _start_executor(config: EngineConfig, source, dt: torch.dtype, dev: torch.de
     check_pp(cfg.num_layers, pp)
     check_cache(config.cache)
     if not model_class(cfg.architecture).pipeline_stages:
-        raise ValueError(f"pipeline parallelism runs causal language models; {cfg.architecture} is not split "
-                         "into stages yet (use pipeline_parallel_size=1)")
+        raise ValueError(
+            f"pipeline parallelism runs causal language models; {cfg.architecture} is not split "
+            "into stages yet (use pipeline_parallel_size=1)"
+        )
     if rank > 0:  # torchrun: this process is a stage (or a shard of one) for the rest of its life
         pipeline_worker_main(rank, pp, None, spec, tp=tp)
     return PipelineExecutor.start(pp, spec, tp=tp)
@@ -91,19 +107,30 @@ def _draft_source(name: str, target_source):
         source = resolve(name)
     except (FileNotFoundError, ValueError) as e:
         raise ValueError(f"speculative draft model {name!r} cannot be loaded: {e}") from None
-    check_vocab_size(target_source.short_name, read_config(target_source).vocab_size,
-                     source.short_name, read_config(source).vocab_size)
+    check_vocab_size(
+        target_source.short_name,
+        read_config(target_source).vocab_size,
+        source.short_name,
+        read_config(source).vocab_size,
+    )
     return source
 
 
-def _load_draft(source, target, dt: torch.dtype, dev: torch.device, max_model_len: int,
-                dequantize_weights: bool, isq: str | None):
+def _load_draft(
+    source, target, dt: torch.dtype, dev: torch.device, max_model_len: int, dequantize_weights: bool, isq: str | None
+):
     """The draft model, loaded as the target is (same device and dtype; ISQ applies to a
     safetensors draft), and checked to share its tokenizer."""
     from .engine.draft import check_compatible
 
-    loaded = load_model(source, dt, dev, max_positions=max_model_len, dequantize_weights=dequantize_weights,
-                        isq=isq if source.kind != "gguf" else None)
+    loaded = load_model(
+        source,
+        dt,
+        dev,
+        max_positions=max_model_len,
+        dequantize_weights=dequantize_weights,
+        isq=isq if source.kind != "gguf" else None,
+    )
     check_compatible(target, loaded)
     return loaded
 
@@ -119,13 +146,19 @@ def _resolve_task(task: str, source) -> tuple[str, "PoolingConfig | None"]:
     if task == "auto":
         task = "embed" if pooling is not None or headless else "generate"
     if task == "generate" and headless:
-        raise ValueError(f"{source.short_name} is a base model without an LM head "
-                         f"({arch}): it cannot generate; load it with "
-                         "task='embed' (--task embed) for embeddings")
+        raise ValueError(
+            f"{source.short_name} is a base model without an LM head "
+            f"({arch}): it cannot generate; load it with "
+            "task='embed' (--task embed) for embeddings"
+        )
     if task == "embed":
         pooling = pooling or PoolingConfig()  # Qwen3-Embedding's: last token, normalised
-        logger.info("embedding model: %s pooling%s (%s)", pooling.mode,
-                    ", normalised" if pooling.normalize else "", pooling.source)
+        logger.info(
+            "embedding model: %s pooling%s (%s)",
+            pooling.mode,
+            ", normalised" if pooling.normalize else "",
+            pooling.source,
+        )
     return task, pooling
 
 
@@ -138,7 +171,6 @@ def _family(name: str) -> str:
     for suffix in ("ForCausalLM", "ForConditionalGeneration"):
         name = name.removesuffix(suffix)
     return re.sub(r"[^a-z0-9]", "", name.lower())
-
 
 
 def check_arch(expected: str, actual: str) -> None:
@@ -156,8 +188,9 @@ class LLM:
     exit. `runner_cls`: a ModelRunner subclass that runs each step another way (the planning
     benchmark's runner plans every step and skips the forward); None: the ModelRunner."""
 
-    def __init__(self, model: str = "default", *, config: EngineConfig | None = None,
-                 runner_cls: type | None = None, **options) -> None:
+    def __init__(
+        self, model: str = "default", *, config: EngineConfig | None = None, runner_cls: type | None = None, **options
+    ) -> None:
         if config is None:
             config = EngineConfig.from_kwargs(model=model, **options)
         elif options or model != "default":
@@ -185,8 +218,9 @@ class LLM:
         # Again, with "auto" resolved and against the model (its config alone, cheap to read):
         # before the slow load.
         config.verify(read_config(source))
-        draft_source = (_draft_source(spec_cfg.model, source)
-                        if spec_cfg is not None and spec_cfg.method == "draft" else None)
+        draft_source = (
+            _draft_source(spec_cfg.model, source) if spec_cfg is not None and spec_cfg.method == "draft" else None
+        )
         torch.manual_seed(load.seed)
         self._finalizer = None
         executor = _start_executor(config, source, dt, dev)
@@ -209,24 +243,38 @@ class LLM:
 
     # help(LLM) and editors list every option as a keyword (they are EngineConfig's fields).
     __init__.__signature__ = inspect.Signature(
-        [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
-         inspect.Parameter("model", inspect.Parameter.POSITIONAL_OR_KEYWORD, default="default"),
-         *(inspect.Parameter(o.name, inspect.Parameter.KEYWORD_ONLY, default=o.default, annotation=o.type)
-           for o in engine_options() if o.name != "model"),
-         inspect.Parameter("config", inspect.Parameter.KEYWORD_ONLY, default=None),
-         inspect.Parameter("runner_cls", inspect.Parameter.KEYWORD_ONLY, default=None)])
+        [
+            inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+            inspect.Parameter("model", inspect.Parameter.POSITIONAL_OR_KEYWORD, default="default"),
+            *(
+                inspect.Parameter(o.name, inspect.Parameter.KEYWORD_ONLY, default=o.default, annotation=o.type)
+                for o in engine_options()
+                if o.name != "model"
+            ),
+            inspect.Parameter("config", inspect.Parameter.KEYWORD_ONLY, default=None),
+            inspect.Parameter("runner_cls", inspect.Parameter.KEYWORD_ONLY, default=None),
+        ]
+    )
 
     def _build(self, source, dt, dev, executor, spec_cfg, draft_source=None, runner_cls=None) -> None:
         config = self.config
         load = config.load
-        loaded = load_model(source, dt, dev, max_positions=load.max_model_len,
-                            dequantize_weights=load.dequantize_weights, isq=load.isq,
-                            headless=self.task == "embed", keep_float_head=load.keep_float_head,
-                            **(executor.load_args() if executor is not None else {}))
+        loaded = load_model(
+            source,
+            dt,
+            dev,
+            max_positions=load.max_model_len,
+            dequantize_weights=load.dequantize_weights,
+            isq=load.isq,
+            headless=self.task == "embed",
+            keep_float_head=load.keep_float_head,
+            **(executor.load_args() if executor is not None else {}),
+        )
         # Rank 0's weights against the per-rank limit (the other ranks check their own as they load).
         par = config.parallel
-        check_rank_memory(loaded.weight_bytes, par.max_rank_memory_mb, 0, par.pipeline_parallel_size,
-                          par.tensor_parallel_size)
+        check_rank_memory(
+            loaded.weight_bytes, par.max_rank_memory_mb, 0, par.pipeline_parallel_size, par.tensor_parallel_size
+        )
         if executor is not None:
             executor.wait_loaded()
         max_model_len = load.max_model_len or loaded.config.max_position_embeddings
@@ -236,8 +284,19 @@ class LLM:
         draft = None
         if draft_source is not None:
             draft = _load_draft(draft_source, loaded, dt, dev, max_model_len, load.dequantize_weights, load.isq)
-        self.engine = build_engine(loaded, config.cache, sched_cfg, dev, dt, load.seed, executor, spec_cfg, draft,
-                                   max_lora_rank=config.lora.max_lora_rank, runner_cls=runner_cls or ModelRunner)
+        self.engine = build_engine(
+            loaded,
+            config.cache,
+            sched_cfg,
+            dev,
+            dt,
+            load.seed,
+            executor,
+            spec_cfg,
+            draft,
+            max_lora_rank=config.lora.max_lora_rank,
+            runner_cls=runner_cls or ModelRunner,
+        )
         self.driver = EngineDriver(self.engine)  # every face drives the engine through it
         self.tokenizer = loaded.tokenizer
         self.model_name = source.short_name
@@ -248,9 +307,14 @@ class LLM:
             hf = None
             if loaded.mmproj is not None:  # a GGUF model: its processor is made from the files' metadata
                 hf = gguf_processor(loaded.mmproj.image_settings(), loaded.tokenizer, loaded.config.vision)
-            self.processor = ImageProcessor(source.path, loaded.model.image_token_id,
-                                            loaded.model.bidirectional_images, sched_cfg.limit_images,
-                                            loaded.model.image_layout, hf=hf)
+            self.processor = ImageProcessor(
+                source.path,
+                loaded.model.image_token_id,
+                loaded.model.bidirectional_images,
+                sched_cfg.limit_images,
+                loaded.model.image_layout,
+                hf=hf,
+            )
 
     def _prompt(self, p):
         """A prompt as the engine takes it: text or ids as they are; {"prompt_token_ids": ids}
@@ -271,8 +335,10 @@ class LLM:
                 raise ValueError("'prompt_token_ids' must be a non-empty list of token ids (ints)")
             return ids
         if "prompt" not in p:
-            raise ValueError("a dict prompt needs 'prompt' (the text) and optionally 'multi_modal_data', "
-                             "or 'prompt_token_ids' (token ids)")
+            raise ValueError(
+                "a dict prompt needs 'prompt' (the text) and optionally 'multi_modal_data', "
+                "or 'prompt_token_ids' (token ids)"
+            )
         data = p.get("multi_modal_data") or {}
         unknown = set(data) - {"image"}
         if unknown:
@@ -294,26 +360,26 @@ class LLM:
             inputs = [inputs]
         from .engine.pooling import embed_prompts
 
-        return [v.tolist() for v in embed_prompts(self.driver, self.embed_ids(list(inputs), prompt_name),
-                                                  self.pooling)]
+        return [v.tolist() for v in embed_prompts(self.driver, self.embed_ids(list(inputs), prompt_name), self.pooling)]
 
     def embed_ids(self, inputs: list[Prompt], prompt_name: str | None = None) -> list[list[int]]:
         """The token ids an embedding is computed over (texts tokenized after the prompt)."""
         if self.task != "embed":
-            raise ValueError(f"{self.model_name} is a generative model; embeddings need an embedding "
-                             "model (task='embed')")
+            raise ValueError(
+                f"{self.model_name} is a generative model; embeddings need an embedding model (task='embed')"
+            )
         prefix = self.pooling.prompt(prompt_name)
         return [self.tokenizer.encode(prefix + p) if isinstance(p, str) else list(p) for p in inputs]
 
-    def prompt_logits(self, token_ids: list[int], chunk_size: int | None = None,
-                      lora_request=None) -> torch.Tensor:
+    def prompt_logits(self, token_ids: list[int], chunk_size: int | None = None, lora_request=None) -> torch.Tensor:
         """Logits [T, vocab] (float32, CPU) at every position of a token-id prompt, through the
         same KV cache, attention and scheduler as generation, `chunk_size` tokens a step
         (1 = token by token through the decode path; None = max_num_batched_tokens)."""
         return scoring.prompt_logits(self.driver, token_ids, chunk_size, lora_request)
 
-    def score_prompts(self, prompts: Seq[list[int]], chunk_size: int | None = 1,
-                      top1: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+    def score_prompts(
+        self, prompts: Seq[list[int]], chunk_size: int | None = 1, top1: list[torch.Tensor] | None = None
+    ) -> list[torch.Tensor]:
         """Per token-id prompt, log p(token[t+1] | tokens[:t+1]) for every t ([T-1] float32), all
         prompts advancing together `chunk_size` tokens a step (1 = every token through the decode
         path): perplexity over many windows. A list passed as `top1` receives each prompt's
@@ -338,12 +404,15 @@ class LLM:
         return self.engine.kv_cache_trace()
 
     # -- batch generation --------------------------------------------------
-    def generate(self, prompts: Prompt | Seq[Prompt],
-                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-                 use_tqdm: bool = True, lora_request=None) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: Prompt | Seq[Prompt],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        lora_request=None,
+    ) -> list[RequestOutput]:
         """`lora_request`: a LoRARequest for every prompt, or a list of one (or None) per prompt."""
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
-                                                and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
@@ -367,18 +436,31 @@ class LLM:
         finally:
             bar.close()
 
-    def chat(self, messages: list[dict] | list[list[dict]],
-             sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
-             add_generation_prompt: bool = True, lora_request=None,
-             **template_kwargs) -> RequestOutput | list[RequestOutput]:
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        lora_request=None,
+        **template_kwargs,
+    ) -> RequestOutput | list[RequestOutput]:
         """`lora_request` as in `generate` (one for every conversation, or one per conversation);
         other keywords go to the chat template."""
         single = bool(messages) and isinstance(messages[0], dict)
         convs = [messages] if single else messages
         # With a processor, content parts may hold images: the processor's template.
-        prompts = [render_chat(self.tokenizer, c, processor=self.processor, media_policy=self.media_policy,
-                               add_generation_prompt=add_generation_prompt, **template_kwargs)
-                   for c in convs]
+        prompts = [
+            render_chat(
+                self.tokenizer,
+                c,
+                processor=self.processor,
+                media_policy=self.media_policy,
+                add_generation_prompt=add_generation_prompt,
+                **template_kwargs,
+            )
+            for c in convs
+        ]
         outs = self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
         return outs[0] if single else outs
 

@@ -1,5 +1,6 @@
 """mistral.rs's ways of naming a model (`plain -m DIR -t TOK`, `gguf -m DIR -f FILE -t TOK`) as
 the engine's load options, for the CLI and `Runner` alike."""
+
 from __future__ import annotations
 
 import logging

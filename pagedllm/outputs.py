@@ -1,4 +1,5 @@
 """What callers get back: vLLM-shaped request outputs with timing."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -10,10 +11,17 @@ class CompletionOutput:
     zero-argument callables: a running stream hands out a snapshot that is built only when read,
     so a step costs O(new tokens) whatever the length so far (streaming reads the deltas)."""
 
-    def __init__(self, index: int, text: str | Callable[[], str], token_ids: list[int] | Callable[[], list[int]],
-                 finish_reason: str | None = None, stop_reason: str | int | None = None,
-                 logprobs: list[dict] | Callable[[], list[dict] | None] | None = None,
-                 delta_text: str = "", delta_token_ids: list[int] | None = None) -> None:
+    def __init__(
+        self,
+        index: int,
+        text: str | Callable[[], str],
+        token_ids: list[int] | Callable[[], list[int]],
+        finish_reason: str | None = None,
+        stop_reason: str | int | None = None,
+        logprobs: list[dict] | Callable[[], list[dict] | None] | None = None,
+        delta_text: str = "",
+        delta_token_ids: list[int] | None = None,
+    ) -> None:
         self.index = index
         self._text = text
         self._token_ids = token_ids
@@ -46,8 +54,10 @@ class CompletionOutput:
         return self.finish_reason is not None
 
     def __repr__(self) -> str:
-        return (f"CompletionOutput(index={self.index}, text={self.text!r}, token_ids={self.token_ids}, "
-                f"finish_reason={self.finish_reason!r}, stop_reason={self.stop_reason!r})")
+        return (
+            f"CompletionOutput(index={self.index}, text={self.text!r}, token_ids={self.token_ids}, "
+            f"finish_reason={self.finish_reason!r}, stop_reason={self.stop_reason!r})"
+        )
 
 
 @dataclass

@@ -9,6 +9,7 @@ trying both routes) takes effect; `Settings.from_env()` reads them all at once.
 
 This module imports nothing of the package: every layer may ask it.
 """
+
 from __future__ import annotations
 
 import os
@@ -21,73 +22,169 @@ _ON = ("1", "true", "yes", "on")
 
 
 def _var(env: str, default: Any, kind: type, layer: str, doc: str, choices: tuple[str, ...] | None = None) -> Any:
-    return field(default=default, metadata={"env": env, "kind": kind, "layer": layer, "doc": doc,
-                                            "choices": choices})
+    return field(default=default, metadata={"env": env, "kind": kind, "layer": layer, "doc": doc, "choices": choices})
 
 
 @dataclass(frozen=True)
 class Settings:
     # native kernels (native/)
-    native: bool = _var("PAGEDLLM_NATIVE", True, bool, "python",
-                        "0 turns the native CPU kernels off: the PyTorch paths run")
-    native_isa: str | None = _var("PAGEDLLM_NATIVE_ISA", None, str, "python, C++ (dispatch.cpp)",
-                                  "caps the kernels' instruction-set level (default: the CPU's best; avxvnni only when named)",
-                                  ("base", "avx2", "avxvnni", "avx512vnni", "avx512bf16"))
-    amx: bool = _var("PAGEDLLM_AMX", True, bool, "C++ (quant_packed.cpp)",
-                     "0 keeps bfloat16 steps over packed weights off the AMX tile product")
-    amx_rows: int = _var("PAGEDLLM_AMX_ROWS", 16, int, "C++ (quant_packed.cpp)",
-                         "rows from which a bfloat16 step over packed weights takes the AMX tile product")
-    huge_pages: bool = _var("PAGEDLLM_HUGE_PAGES", True, bool, "C++ (weight_memory.cpp)",
-                            "0 keeps weights out of the 2 MiB-aligned slabs marked for transparent huge pages")
-    prefetch_bytes: int | None = _var("PAGEDLLM_PREFETCH_BYTES", None, int, "C++ (weight_memory.cpp)",
-                                      "how far ahead the packed kernels prefetch weights (default: by the "
-                                      "weights' size against the last-level cache, and the CPU's vendor)")
-    build_kernels: bool = _var("PAGEDLLM_BUILD_KERNELS", True, bool, "setup.py",
-                               "0 builds the package without the native kernels")
-    isa_levels: str = _var("PAGEDLLM_ISA_LEVELS", "native", str, "setup.py",
-                           "the kernels' instruction-set levels to compile: native (the baseline and "
-                           "this CPU's best, and the avxvnni build it runs), all (every level, for a wheel), or a comma "
-                           "list of levels (avxvnni_evex: the avxvnni level's EVEX twin)")
+    native: bool = _var(
+        "PAGEDLLM_NATIVE", True, bool, "python", "0 turns the native CPU kernels off: the PyTorch paths run"
+    )
+    native_isa: str | None = _var(
+        "PAGEDLLM_NATIVE_ISA",
+        None,
+        str,
+        "python, C++ (dispatch.cpp)",
+        "caps the kernels' instruction-set level (default: the CPU's best; avxvnni only when named)",
+        ("base", "avx2", "avxvnni", "avx512vnni", "avx512bf16"),
+    )
+    amx: bool = _var(
+        "PAGEDLLM_AMX",
+        True,
+        bool,
+        "C++ (quant_packed.cpp)",
+        "0 keeps bfloat16 steps over packed weights off the AMX tile product",
+    )
+    amx_rows: int = _var(
+        "PAGEDLLM_AMX_ROWS",
+        16,
+        int,
+        "C++ (quant_packed.cpp)",
+        "rows from which a bfloat16 step over packed weights takes the AMX tile product",
+    )
+    huge_pages: bool = _var(
+        "PAGEDLLM_HUGE_PAGES",
+        True,
+        bool,
+        "C++ (weight_memory.cpp)",
+        "0 keeps weights out of the 2 MiB-aligned slabs marked for transparent huge pages",
+    )
+    prefetch_bytes: int | None = _var(
+        "PAGEDLLM_PREFETCH_BYTES",
+        None,
+        int,
+        "C++ (weight_memory.cpp)",
+        "how far ahead the packed kernels prefetch weights (default: by the "
+        "weights' size against the last-level cache, and the CPU's vendor)",
+    )
+    build_kernels: bool = _var(
+        "PAGEDLLM_BUILD_KERNELS", True, bool, "setup.py", "0 builds the package without the native kernels"
+    )
+    isa_levels: str = _var(
+        "PAGEDLLM_ISA_LEVELS",
+        "native",
+        str,
+        "setup.py",
+        "the kernels' instruction-set levels to compile: native (the baseline and "
+        "this CPU's best, and the avxvnni build it runs), all (every level, for a wheel), or a comma "
+        "list of levels (avxvnni_evex: the avxvnni level's EVEX twin)",
+    )
     # quantized weights (quant/)
-    quant_int_rows: int = _var("PAGEDLLM_QUANT_INT_ROWS", 32, int, "python",
-                               "steps of up to this many rows take the integer kernel; wider ones "
-                               "dequantize a tile at a time for the GEMM")
-    quant_isa: str | None = _var("PAGEDLLM_QUANT_ISA", None, str, "python",
-                                 "forces the integer kernels' instruction set (default: the best here)",
-                                 ("scalar", "avx2", "avxvnni", "avx512-vnni"))
-    quant_wide: str = _var("PAGEDLLM_QUANT_WIDE", "auto", str, "python",
-                           "the route of steps past PAGEDLLM_QUANT_INT_ROWS rows: the integer kernel "
-                           "(int), the dequantize + GEMM route (gemm), or where measured faster (auto)",
-                           ("auto", "gemm", "int"))
-    quant_act: str = _var("PAGEDLLM_QUANT_ACT", "auto", str, "python",
-                          "how the integer kernels round activations: one int8 level, two, or by the "
-                          "step's width (auto)", ("auto", "int8", "int8x2"))
-    quant_x2_wide: str | None = _var("PAGEDLLM_QUANT_X2_WIDE", None, str, "python",
-                                     "projection roles (comma-separated) that auto keeps in two levels on "
-                                     "wide steps (default: qkv_proj)")
-    quant_head_recheck: int = _var("PAGEDLLM_QUANT_HEAD_RECHECK", 4, int, "python",
-                                   "the best logits of a single-level head computed again exactly (0: off)")
-    quant_pack: bool = _var("PAGEDLLM_QUANT_PACK", True, bool, "python",
-                            "0 keeps quantized weights in the file's layout (the reference for comparisons)")
+    quant_int_rows: int = _var(
+        "PAGEDLLM_QUANT_INT_ROWS",
+        32,
+        int,
+        "python",
+        "steps of up to this many rows take the integer kernel; wider ones dequantize a tile at a time for the GEMM",
+    )
+    quant_isa: str | None = _var(
+        "PAGEDLLM_QUANT_ISA",
+        None,
+        str,
+        "python",
+        "forces the integer kernels' instruction set (default: the best here)",
+        ("scalar", "avx2", "avxvnni", "avx512-vnni"),
+    )
+    quant_wide: str = _var(
+        "PAGEDLLM_QUANT_WIDE",
+        "auto",
+        str,
+        "python",
+        "the route of steps past PAGEDLLM_QUANT_INT_ROWS rows: the integer kernel "
+        "(int), the dequantize + GEMM route (gemm), or where measured faster (auto)",
+        ("auto", "gemm", "int"),
+    )
+    quant_act: str = _var(
+        "PAGEDLLM_QUANT_ACT",
+        "auto",
+        str,
+        "python",
+        "how the integer kernels round activations: one int8 level, two, or by the step's width (auto)",
+        ("auto", "int8", "int8x2"),
+    )
+    quant_x2_wide: str | None = _var(
+        "PAGEDLLM_QUANT_X2_WIDE",
+        None,
+        str,
+        "python",
+        "projection roles (comma-separated) that auto keeps in two levels on wide steps (default: qkv_proj)",
+    )
+    quant_head_recheck: int = _var(
+        "PAGEDLLM_QUANT_HEAD_RECHECK",
+        4,
+        int,
+        "python",
+        "the best logits of a single-level head computed again exactly (0: off)",
+    )
+    quant_pack: bool = _var(
+        "PAGEDLLM_QUANT_PACK",
+        True,
+        bool,
+        "python",
+        "0 keeps quantized weights in the file's layout (the reference for comparisons)",
+    )
     # memory, limits, distribution, serving
-    keep_buffers: bool = _var("PAGEDLLM_KEEP_BUFFERS", True, bool, "python",
-                              "0 leaves glibc's mmap and trim thresholds as they are after loading")
-    allow_long_max_model_len: bool = _var("PAGEDLLM_ALLOW_LONG_MAX_MODEL_LEN", False, bool, "python",
-                                          "1 allows a max_model_len past the model's trained positions")
-    tp_load_timeout_s: float = _var("PAGEDLLM_TP_LOAD_TIMEOUT_S", 600.0, float, "python",
-                                    "seconds tensor-parallel workers may take to load the model")
-    tp_timeout_s: float = _var("PAGEDLLM_TP_TIMEOUT_S", 60.0, float, "python",
-                               "seconds a tensor-parallel collective may wait")
-    pp_timeout_s: float = _var("PAGEDLLM_PP_TIMEOUT_S", 20.0, float, "python",
-                               "seconds one pipeline stage-to-stage send or receive may wait for its peer")
-    pp_share_head: bool = _var("PAGEDLLM_PP_SHARE_HEAD", True, bool, "python",
-                               "whether a pipeline's first stage computes part of the LM head's rows "
-                               "(0: the last stage computes the whole head)")
-    api_key: str | None = _var("PAGEDLLM_API_KEY", None, str, "python",
-                               "the server's API key when --api-key is not given")
-    fleet_log_dir: str | None = _var("PAGEDLLM_FLEET_LOG_DIR", None, str, "python",
-                                     "where serve --data-parallel-size writes each replica's and the "
-                                     "gateway's log (default: a new temporary folder)")
+    keep_buffers: bool = _var(
+        "PAGEDLLM_KEEP_BUFFERS",
+        True,
+        bool,
+        "python",
+        "0 leaves glibc's mmap and trim thresholds as they are after loading",
+    )
+    allow_long_max_model_len: bool = _var(
+        "PAGEDLLM_ALLOW_LONG_MAX_MODEL_LEN",
+        False,
+        bool,
+        "python",
+        "1 allows a max_model_len past the model's trained positions",
+    )
+    tp_load_timeout_s: float = _var(
+        "PAGEDLLM_TP_LOAD_TIMEOUT_S",
+        600.0,
+        float,
+        "python",
+        "seconds tensor-parallel workers may take to load the model",
+    )
+    tp_timeout_s: float = _var(
+        "PAGEDLLM_TP_TIMEOUT_S", 60.0, float, "python", "seconds a tensor-parallel collective may wait"
+    )
+    pp_timeout_s: float = _var(
+        "PAGEDLLM_PP_TIMEOUT_S",
+        20.0,
+        float,
+        "python",
+        "seconds one pipeline stage-to-stage send or receive may wait for its peer",
+    )
+    pp_share_head: bool = _var(
+        "PAGEDLLM_PP_SHARE_HEAD",
+        True,
+        bool,
+        "python",
+        "whether a pipeline's first stage computes part of the LM head's rows "
+        "(0: the last stage computes the whole head)",
+    )
+    api_key: str | None = _var(
+        "PAGEDLLM_API_KEY", None, str, "python", "the server's API key when --api-key is not given"
+    )
+    fleet_log_dir: str | None = _var(
+        "PAGEDLLM_FLEET_LOG_DIR",
+        None,
+        str,
+        "python",
+        "where serve --data-parallel-size writes each replica's and the "
+        "gateway's log (default: a new temporary folder)",
+    )
 
     @classmethod
     def from_env(cls, environ: Any = None) -> "Settings":
@@ -144,7 +241,10 @@ def table() -> str:
     for f in fields(Settings):
         m = f.metadata
         kind = " \\| ".join(m["choices"]) if m["choices"] else m["kind"].__name__
-        default = "unset" if f.default is None else ("1" if f.default is True else "0" if f.default is False
-                                                    else str(f.default))
+        default = (
+            "unset"
+            if f.default is None
+            else ("1" if f.default is True else "0" if f.default is False else str(f.default))
+        )
         rows.append(f"| `{m['env']}` | {kind} | {default} | {m['layer']} | {m['doc']} |")
     return "\n".join(rows) + "\n"

@@ -1,5 +1,6 @@
 """Headless Debian chromium through selenium, for the tests that look at a page as a reader
 would (the chat page, the docs site). `make test` installs chromium as root where it can."""
+
 from __future__ import annotations
 
 import shutil

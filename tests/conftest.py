@@ -112,8 +112,9 @@ def hf_smollm2_model(request, smollm2_gguf_path):
 
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
-    saved = _cached_copy(request, smollm2_gguf_path, "hf_smollm2",
-                         f"tf{transformers.__version__}", f"torch{torch.__version__}")
+    saved = _cached_copy(
+        request, smollm2_gguf_path, "hf_smollm2", f"tf{transformers.__version__}", f"torch{torch.__version__}"
+    )
     if saved is not None and (saved / "config.json").is_file():
         return transformers.AutoModelForCausalLM.from_pretrained(str(saved), dtype=torch.float32).eval()
     model = transformers.AutoModelForCausalLM.from_pretrained(

@@ -1,4 +1,5 @@
 """Random PEFT LoRA adapters (peft is the reference) for the LoRA tests."""
+
 from __future__ import annotations
 
 import importlib
@@ -11,8 +12,7 @@ def import_peft():
     (this env has it for the GPTQ tests), though these float models hold no GPTQ layer."""
     import peft
 
-    for mod in ("peft.tuners.lora.gptq", "peft.tuners.lora.awq", "peft.utils.quantization_utils",
-                "peft.utils.other"):
+    for mod in ("peft.tuners.lora.gptq", "peft.tuners.lora.awq", "peft.utils.quantization_utils", "peft.utils.other"):
         m = importlib.import_module(mod)
         if hasattr(m, "is_gptqmodel_available"):
             m.is_gptqmodel_available = lambda: False
@@ -29,8 +29,9 @@ def make_adapter(base_path, out, seed: int, r: int, alpha: int, rslora: bool, ta
     """A random PEFT LoRA adapter folder for the base model at base_path (B not zero:
     init_lora_weights=False draws A and B as nn.Linear does)."""
     peft = import_peft()
-    cfg = peft.LoraConfig(r=r, lora_alpha=alpha, use_rslora=rslora, target_modules=targets,
-                          init_lora_weights=False, lora_dropout=0.0)
+    cfg = peft.LoraConfig(
+        r=r, lora_alpha=alpha, use_rslora=rslora, target_modules=targets, init_lora_weights=False, lora_dropout=0.0
+    )
     torch.manual_seed(seed)
     model = peft.get_peft_model(base_model(base_path), cfg)
     with torch.no_grad():  # scaled down so the deltas shift, not swamp, the base's logits
@@ -46,7 +47,14 @@ def greedy_references(refs: dict, prompts: list[list[int]], new_tokens: int) -> 
     expected = {}
     with torch.no_grad():
         for key, ref in refs.items():
-            expected[key] = [ref.generate(input_ids=torch.tensor([p]), max_new_tokens=new_tokens, do_sample=False,
-                                          eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
-                             for p in prompts]
+            expected[key] = [
+                ref.generate(
+                    input_ids=torch.tensor([p]),
+                    max_new_tokens=new_tokens,
+                    do_sample=False,
+                    eos_token_id=None,
+                    pad_token_id=0,
+                )[0, len(p) :].tolist()
+                for p in prompts
+            ]
     return expected

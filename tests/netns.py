@@ -2,6 +2,7 @@
 its own address (10.231.N.1 and .2, which exist only inside them: no traffic leaves). For the
 multi-node tests; `skip_reason()` says why they cannot run here (not root, no `ip`, a kernel
 or container that refuses namespaces)."""
+
 from __future__ import annotations
 
 import contextlib
@@ -26,8 +27,12 @@ class Node:
 
     def counter(self, which: str) -> int:
         """The veth's rx_bytes / tx_bytes as this node's stack counts them."""
-        out = subprocess.run(self.command(["cat", f"/sys/class/net/{self.dev}/statistics/{which}"]),
-                             capture_output=True, text=True, check=True)
+        out = subprocess.run(
+            self.command(["cat", f"/sys/class/net/{self.dev}/statistics/{which}"]),
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         return int(out.stdout)
 
 

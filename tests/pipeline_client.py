@@ -2,6 +2,7 @@
 not, and a forced tool call, from a `pagedllm serve -pp 2` whose stages sit in two namespaces;
 then a long streamed request, during which the test kills the second node. Writes what it saw
 (answers, the in-flight request's error and when it came, the next request's status) as JSON."""
+
 from __future__ import annotations
 
 import json
@@ -12,10 +13,21 @@ from pathlib import Path
 import httpx
 import openai
 
-TOOLS = [{"type": "function", "function": {
-    "name": "set_unit", "description": "Set the temperature unit.",
-    "parameters": {"type": "object", "properties": {"unit": {"type": "string", "enum": ["C", "F"]}},
-                   "required": ["unit"], "additionalProperties": False}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "set_unit",
+            "description": "Set the temperature unit.",
+            "parameters": {
+                "type": "object",
+                "properties": {"unit": {"type": "string", "enum": ["C", "F"]}},
+                "required": ["unit"],
+                "additionalProperties": False,
+            },
+        },
+    }
+]
 
 
 def main() -> int:
@@ -37,18 +49,26 @@ def main() -> int:
     msgs = [{"role": "user", "content": "Name three colours."}]
     kw = dict(model="tiny", messages=msgs, max_tokens=16, temperature=0.0)
     result["whole"] = client.chat.completions.create(**kw).choices[0].message.content
-    result["streamed"] = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(**kw, stream=True)
-                                 if c.choices)
-    ch = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Use Celsius."}],
-                                        tools=TOOLS, tool_choice={"type": "function", "function": {"name": "set_unit"}},
-                                        temperature=0.0, max_tokens=40).choices[0]
-    result["tool_calls"] = [{"name": c.function.name, "arguments": c.function.arguments}
-                            for c in ch.message.tool_calls or []]
+    result["streamed"] = "".join(
+        c.choices[0].delta.content or "" for c in client.chat.completions.create(**kw, stream=True) if c.choices
+    )
+    ch = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "Use Celsius."}],
+        tools=TOOLS,
+        tool_choice={"type": "function", "function": {"name": "set_unit"}},
+        temperature=0.0,
+        max_tokens=40,
+    ).choices[0]
+    result["tool_calls"] = [
+        {"name": c.function.name, "arguments": c.function.arguments} for c in ch.message.tool_calls or []
+    ]
     result["finish_reason"] = ch.finish_reason
     out.write_text(json.dumps(result))
     # A request far longer than the test waits: it is in flight when the second node dies.
-    stream = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=960, temperature=0.0,
-                                            stream=True, extra_body={"ignore_eos": True})
+    stream = client.chat.completions.create(
+        model="tiny", messages=msgs, max_tokens=960, temperature=0.0, stream=True, extra_body={"ignore_eos": True}
+    )
     try:
         for i, c in enumerate(stream):
             if i == 5:

@@ -1,6 +1,7 @@
 """One node of a two-stage pipeline under torchrun (tests/test_multinode.py): rank 0 decodes
 greedily through the pipeline and writes the tokens; rank 1 serves its stage. With --until-killed,
 rank 0 goes on stepping after `ready` until a step fails, and writes the error and its time."""
+
 from __future__ import annotations
 
 import json

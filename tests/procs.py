@@ -1,5 +1,6 @@
 """Process checks the tests share: which of some pids still run (a zombie does not), and this
 process's descendants."""
+
 from __future__ import annotations
 
 import psutil

@@ -8,6 +8,7 @@ comes from the prefix cache and the usage says so where the client reads it (Cla
 in response.completed), although Claude Code's attribution line changed between the two.
 
 The agents themselves run in `make agents` (tests/agents/), minutes a turn on two cores."""
+
 from __future__ import annotations
 
 import json
@@ -33,9 +34,22 @@ def started(tmp_path_factory, smollm2_gguf_path):
     # Served as "qwen", the name the agents were started with; a context several times the
     # shortened first prompts, so each answer has room left and Claude Code's max_tokens (32,000)
     # is past it.
-    yield from serving(tmp_path_factory, "agent-replay",
-                       ["--served-model-name", "qwen", "--max-model-len", "4096", "--pa-gpu-mem", "384",
-                        "--max-seqs", "4", "--log-level", "info"])
+    yield from serving(
+        tmp_path_factory,
+        "agent-replay",
+        [
+            "--served-model-name",
+            "qwen",
+            "--max-model-len",
+            "4096",
+            "--pa-gpu-mem",
+            "384",
+            "--max-seqs",
+            "4",
+            "--log-level",
+            "info",
+        ],
+    )
 
 
 @pytest.fixture
@@ -56,8 +70,13 @@ def sse(response: httpx.Response) -> list[tuple[str | None, dict]]:
 
 
 def replay(server, recorded: dict, body: dict | None = None) -> list[tuple[str | None, dict]]:
-    with httpx.stream(recorded["method"], server.url + recorded["path"], headers=recorded["headers"],
-                      json=body or recorded["body"], timeout=600) as r:
+    with httpx.stream(
+        recorded["method"],
+        server.url + recorded["path"],
+        headers=recorded["headers"],
+        json=body or recorded["body"],
+        timeout=600,
+    ) as r:
         assert r.status_code == 200, r.read()
         assert r.headers["content-type"].startswith("text/event-stream")
         return sse(r)
@@ -122,7 +141,8 @@ def test_codex_first_request(server):
         for item in final["output"]:  # every call names a tool Codex offered, as Codex names it
             if item["type"] == "function_call":
                 offered = {t["name"] for t in body["tools"] if t["type"] == "function"} | {
-                    f["name"] for t in body["tools"] if t["type"] == "namespace" for f in t["tools"]}
+                    f["name"] for t in body["tools"] if t["type"] == "namespace" for f in t["tools"]
+                }
                 assert item["name"] in offered
         cached.append(final["usage"]["input_tokens_details"]["cached_tokens"])
     assert cached[1] > cached[0] and cached[1] >= final["usage"]["input_tokens"] - 2 * 32
@@ -134,8 +154,9 @@ def test_openai_output_budget_past_the_room_is_served(server):
     one larger than the whole context keeps OpenAI's context_length_exceeded."""
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=300)
     messages = [{"role": "user", "content": "one two three four five six seven eight nine ten " * 300}]
-    r = client.chat.completions.create(model="qwen", messages=messages, max_tokens=4096, temperature=0,
-                                       extra_body={"ignore_eos": True})
+    r = client.chat.completions.create(
+        model="qwen", messages=messages, max_tokens=4096, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert r.choices[0].finish_reason == "length" and r.usage.prompt_tokens > 3000
     assert r.usage.prompt_tokens + r.usage.completion_tokens == 4096
     with pytest.raises(openai.BadRequestError) as e:

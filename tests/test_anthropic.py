@@ -2,6 +2,7 @@
 SDK against `pagedllm serve` on the default small model: answers equal OpenAI chat's for the
 same conversation, the stream's events equal the SDK's own accumulation, forced tool use under
 the grammar, tool results, stop sequences, count_tokens, auth and Anthropic's error shape."""
+
 from __future__ import annotations
 
 import json
@@ -16,13 +17,25 @@ pytest.importorskip("llguidance")
 
 from test_server import API_KEY, serving  # noqa: E402
 
-ADD = {"type": "object", "properties": {"a": {"type": "integer", "minimum": -100, "maximum": 100},
-                                        "b": {"type": "integer", "minimum": -100, "maximum": 100}},
-       "required": ["a", "b"], "additionalProperties": False}
-WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
-           "required": ["city"], "additionalProperties": False}
-TOOLS = [{"name": "add", "description": "Add two integers", "input_schema": ADD},
-         {"name": "get_weather", "description": "Weather for a city", "input_schema": WEATHER}]
+ADD = {
+    "type": "object",
+    "properties": {
+        "a": {"type": "integer", "minimum": -100, "maximum": 100},
+        "b": {"type": "integer", "minimum": -100, "maximum": 100},
+    },
+    "required": ["a", "b"],
+    "additionalProperties": False,
+}
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 20}},
+    "required": ["city"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {"name": "add", "description": "Add two integers", "input_schema": ADD},
+    {"name": "get_weather", "description": "Weather for a city", "input_schema": WEATHER},
+]
 ASK = [{"role": "user", "content": "What is 2 + 3? Answer briefly."}]
 # The SDK (2.x) has no sampling arguments any more (newer Claude models fix them); the wire
 # fields temperature/top_p/top_k are still Anthropic's, sent here as extra body fields.
@@ -31,10 +44,24 @@ GREEDY = {"extra_body": {"temperature": 0}}
 
 @pytest.fixture(scope="module")
 def started(tmp_path_factory, smollm2_gguf_path):
-    yield from serving(tmp_path_factory, "anthropic",
-                       ["--api-key", API_KEY, "--allowed-origins", "https://app.example",
-                        "--pa-gpu-mem", "256", "--max-model-len", "1024", "--max-seqs", "8",
-                        "--log-level", "info"])
+    yield from serving(
+        tmp_path_factory,
+        "anthropic",
+        [
+            "--api-key",
+            API_KEY,
+            "--allowed-origins",
+            "https://app.example",
+            "--pa-gpu-mem",
+            "256",
+            "--max-model-len",
+            "1024",
+            "--max-seqs",
+            "8",
+            "--log-level",
+            "info",
+        ],
+    )
 
 
 @pytest.fixture
@@ -53,8 +80,16 @@ def oai(server):
 
 
 def _blocks(msg) -> list[tuple]:
-    return [(b.type, getattr(b, "text", None), getattr(b, "thinking", None), getattr(b, "name", None),
-             getattr(b, "input", None)) for b in msg.content]
+    return [
+        (
+            b.type,
+            getattr(b, "text", None),
+            getattr(b, "thinking", None),
+            getattr(b, "name", None),
+            getattr(b, "input", None),
+        )
+        for b in msg.content
+    ]
 
 
 def _text(msg) -> str:
@@ -63,18 +98,19 @@ def _text(msg) -> str:
 
 @pytest.mark.slow
 def test_message_equals_openai_chat_greedy(client, oai):
-    msg = client.messages.create(model="default", max_tokens=24, **GREEDY, messages=ASK,
-                                 system="You are terse.")
-    chat = oai.chat.completions.create(model="default", max_tokens=24, temperature=0,
-                                       messages=[{"role": "system", "content": "You are terse."}, *ASK])
+    msg = client.messages.create(model="default", max_tokens=24, **GREEDY, messages=ASK, system="You are terse.")
+    chat = oai.chat.completions.create(
+        model="default", max_tokens=24, temperature=0, messages=[{"role": "system", "content": "You are terse."}, *ASK]
+    )
     assert msg.type == "message" and msg.role == "assistant" and msg.id.startswith("msg_")
     assert _text(msg) == chat.choices[0].message.content
     assert msg.usage.output_tokens == chat.usage.completion_tokens
     assert msg.usage.input_tokens + (msg.usage.cache_read_input_tokens or 0) == chat.usage.prompt_tokens
     assert msg.stop_reason == ("max_tokens" if chat.choices[0].finish_reason == "length" else "end_turn")
     # system as blocks is the same prompt as system as a string
-    blocks = client.messages.create(model="default", max_tokens=24, **GREEDY, messages=ASK,
-                                    system=[{"type": "text", "text": "You are terse."}])
+    blocks = client.messages.create(
+        model="default", max_tokens=24, **GREEDY, messages=ASK, system=[{"type": "text", "text": "You are terse."}]
+    )
     assert _text(blocks) == _text(msg)
 
 
@@ -88,8 +124,19 @@ def test_stream_events_match_final_message(client):
     assert _blocks(final) == _blocks(whole) and final.stop_reason == whole.stop_reason
     assert final.usage.output_tokens == whole.usage.output_tokens
     # the SDK yields its own "text" events beside the raw ones: look at the raw sequence
-    raw = [k for k in kinds if k in ("message_start", "content_block_start", "content_block_delta",
-                                     "content_block_stop", "message_delta", "message_stop")]
+    raw = [
+        k
+        for k in kinds
+        if k
+        in (
+            "message_start",
+            "content_block_start",
+            "content_block_delta",
+            "content_block_stop",
+            "message_delta",
+            "message_stop",
+        )
+    ]
     assert raw[0] == "message_start" and raw[1] == "content_block_start"
     assert raw[-3:] == ["content_block_stop", "message_delta", "message_stop"]
     assert set(raw[2:-3]) == {"content_block_delta"}
@@ -97,8 +144,7 @@ def test_stream_events_match_final_message(client):
 
 def test_raw_stream_has_ping_and_indexes(server):
     body = {"model": "default", "max_tokens": 8, "temperature": 0, "stream": True, "messages": ASK}
-    with httpx.stream("POST", f"{server.url}/v1/messages", json=body, headers={"x-api-key": API_KEY},
-                      timeout=300) as r:
+    with httpx.stream("POST", f"{server.url}/v1/messages", json=body, headers={"x-api-key": API_KEY}, timeout=300) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         text = "".join(r.iter_text())
     events = [e for e in text.split("\n\n") if e.strip()]
@@ -116,18 +162,18 @@ def test_stop_sequence(client):
     if len(words) < 3:
         pytest.skip(f"the greedy answer {whole!r} is too short to cut")
     stop = words[2]
-    msg = client.messages.create(model="default", max_tokens=24, **GREEDY, messages=ASK,
-                                 stop_sequences=[stop])
+    msg = client.messages.create(model="default", max_tokens=24, **GREEDY, messages=ASK, stop_sequences=[stop])
     assert msg.stop_reason == "stop_sequence" and msg.stop_sequence == stop
-    assert _text(msg) == whole[:whole.index(stop)]
+    assert _text(msg) == whole[: whole.index(stop)]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("choice", [{"type": "any"}, {"type": "tool", "name": "add"}])
 def test_forced_tool_use_round_trip(client, choice):
     ask = [{"role": "user", "content": "Add 2 and 3 with the tool."}]
-    msg = client.messages.create(model="default", max_tokens=64, **GREEDY, messages=ask,
-                                 tools=TOOLS, tool_choice=choice)
+    msg = client.messages.create(
+        model="default", max_tokens=64, **GREEDY, messages=ask, tools=TOOLS, tool_choice=choice
+    )
     uses = [b for b in msg.content if b.type == "tool_use"]
     assert msg.stop_reason == "tool_use" and uses and not _text(msg)
     if choice["type"] == "tool":
@@ -135,22 +181,35 @@ def test_forced_tool_use_round_trip(client, choice):
     for u in uses:
         jsonschema.validate(u.input, {t["name"]: t["input_schema"] for t in TOOLS}[u.name])
     # streamed: the same blocks through the SDK's accumulation
-    with client.messages.stream(model="default", max_tokens=64, **GREEDY, messages=ask,
-                                tools=TOOLS, tool_choice=choice) as stream:
+    with client.messages.stream(
+        model="default", max_tokens=64, **GREEDY, messages=ask, tools=TOOLS, tool_choice=choice
+    ) as stream:
         final = stream.get_final_message()
     assert _blocks(final) == _blocks(msg)
     # the results (one an error, with text beside it) go back, and the model answers in text
     results = [{"type": "tool_result", "tool_use_id": u.id, "content": "5"} for u in uses]
     results[0] = {**results[0], "is_error": True, "content": [{"type": "text", "text": "overflow"}]}
     answer = client.messages.create(
-        model="default", max_tokens=16, **GREEDY, tools=TOOLS,
-        messages=[*ask, {"role": "assistant", "content": msg.content},
-                  {"role": "user", "content": [*results, {"type": "text", "text": "So what is it?"}]}])
+        model="default",
+        max_tokens=16,
+        **GREEDY,
+        tools=TOOLS,
+        messages=[
+            *ask,
+            {"role": "assistant", "content": msg.content},
+            {"role": "user", "content": [*results, {"type": "text", "text": "So what is it?"}]},
+        ],
+    )
     assert answer.stop_reason in ("end_turn", "max_tokens", "tool_use") and answer.content
     count = client.messages.count_tokens(
-        model="default", tools=TOOLS,
-        messages=[*ask, {"role": "assistant", "content": msg.content},
-                  {"role": "user", "content": [*results, {"type": "text", "text": "So what is it?"}]}])
+        model="default",
+        tools=TOOLS,
+        messages=[
+            *ask,
+            {"role": "assistant", "content": msg.content},
+            {"role": "user", "content": [*results, {"type": "text", "text": "So what is it?"}]},
+        ],
+    )
     assert count.input_tokens == answer.usage.input_tokens + (answer.usage.cache_read_input_tokens or 0)
 
 
@@ -162,8 +221,10 @@ def test_count_tokens_equals_served_prompt(client):
 
 def test_claude_code_attribution_line_keeps_the_prefix(client):
     def system(n: int) -> list[dict]:
-        return [{"type": "text", "text": f"x-anthropic-billing-header: cc_version=2.0.{n}; cch={n:05d};"},
-                {"type": "text", "text": "You are a coding agent. " * 20}]
+        return [
+            {"type": "text", "text": f"x-anthropic-billing-header: cc_version=2.0.{n}; cch={n:05d};"},
+            {"type": "text", "text": "You are a coding agent. " * 20},
+        ]
 
     plain = client.messages.count_tokens(model="default", messages=ASK, system=system(1)[1:]).input_tokens
     assert client.messages.count_tokens(model="default", messages=ASK, system=system(1)).input_tokens == plain
@@ -180,19 +241,33 @@ def test_auth_and_errors(server):
         wrong.messages.create(model="default", max_tokens=2, messages=ASK)
     assert e.value.status_code == 401 and e.value.body["type"] == "error"
     assert e.value.body["error"]["type"] == "authentication_error"
-    r = httpx.post(f"{server.url}/v1/messages", json={"model": "default", "messages": ASK},
-                   headers={"x-api-key": API_KEY}, timeout=60)
+    r = httpx.post(
+        f"{server.url}/v1/messages",
+        json={"model": "default", "messages": ASK},
+        headers={"x-api-key": API_KEY},
+        timeout=60,
+    )
     assert r.status_code == 400 and r.json()["type"] == "error"
     assert r.json()["error"]["type"] == "invalid_request_error" and "max_tokens" in r.json()["error"]["message"]
-    r = httpx.post(f"{server.url}/v1/messages", json={"model": "nope", "max_tokens": 2, "messages": ASK},
-                   headers={"x-api-key": API_KEY}, timeout=60)
+    r = httpx.post(
+        f"{server.url}/v1/messages",
+        json={"model": "nope", "max_tokens": 2, "messages": ASK},
+        headers={"x-api-key": API_KEY},
+        timeout=60,
+    )
     assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
 
 
 def test_cors_preflight_with_key(server):
-    r = httpx.options(f"{server.url}/v1/messages", timeout=30,
-                      headers={"Origin": "https://app.example", "Access-Control-Request-Method": "POST",
-                               "Access-Control-Request-Headers": "x-api-key,content-type"})
+    r = httpx.options(
+        f"{server.url}/v1/messages",
+        timeout=30,
+        headers={
+            "Origin": "https://app.example",
+            "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "x-api-key,content-type",
+        },
+    )
     assert r.status_code == 200
     assert r.headers["access-control-allow-origin"] == "https://app.example"
 
@@ -200,8 +275,9 @@ def test_cors_preflight_with_key(server):
 def test_openapi_and_help_describe_the_routes(server):
     paths = httpx.get(f"{server.url}/openapi.json", headers={"x-api-key": API_KEY}, timeout=30).json()["paths"]
     assert "/v1/messages" in paths and "/v1/messages/count_tokens" in paths
-    assert paths["/v1/messages"]["post"]["requestBody"]["content"]["application/json"]["schema"]["$ref"] \
-        .endswith("MessagesRequest")
+    assert paths["/v1/messages"]["post"]["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith(
+        "MessagesRequest"
+    )
 
 
 # -- what Claude Code sends (issue 78) ------------------------------------------------------------
@@ -216,7 +292,9 @@ def test_max_tokens_past_the_context_is_served_to_its_end(client):
     assert 900 < msg.usage.input_tokens + msg.usage.cache_read_input_tokens
     assert msg.usage.input_tokens + msg.usage.cache_read_input_tokens + msg.usage.output_tokens <= 1024
     with pytest.raises(anthropic.BadRequestError) as e:
-        client.messages.create(model="default", max_tokens=8, messages=[{"role": "user", "content": long[0]["content"] * 2}])
+        client.messages.create(
+            model="default", max_tokens=8, messages=[{"role": "user", "content": long[0]["content"] * 2}]
+        )
     assert "prompt is too long" in e.value.body["error"]["message"]
 
 
@@ -233,29 +311,57 @@ def test_claude_code_request_fields(client):
     deferred tool and a hosted one left out of the prompt, cache_control, a thinking block sent
     back with its signature, a tool_result holding text and an image, the anthropic-beta header."""
     plain = client.messages.count_tokens(model="default", messages=ASK, tools=TOOLS[:1]).input_tokens
-    deferred = {"name": "later", "description": "A tool found by search", "defer_loading": True,
-                "input_schema": WEATHER}
+    deferred = {
+        "name": "later",
+        "description": "A tool found by search",
+        "defer_loading": True,
+        "input_schema": WEATHER,
+    }
     hosted = {"type": "web_search_20250305", "name": "web_search", "max_uses": 2}
-    assert client.messages.count_tokens(model="default", messages=ASK,
-                                        tools=[*TOOLS[:1], deferred, hosted]).input_tokens == plain
+    assert (
+        client.messages.count_tokens(model="default", messages=ASK, tools=[*TOOLS[:1], deferred, hosted]).input_tokens
+        == plain
+    )
     thought = "The user wants a sum."
     signed = client.messages.create(
-        model="default", max_tokens=8, tools=[*TOOLS[:1], deferred, hosted],
+        model="default",
+        max_tokens=8,
+        tools=[*TOOLS[:1], deferred, hosted],
         system=[{"type": "text", "text": "Be brief.", "cache_control": {"type": "ephemeral"}}],
-        messages=[*ASK,
-                  {"role": "assistant", "content": [
-                      {"type": "thinking", "thinking": "", "signature": _signature(thought)},
-                      {"type": "tool_use", "id": "toolu_1", "name": "add", "input": {"a": 2, "b": 3}}]},
-                  {"role": "user", "content": [
-                      {"type": "tool_result", "tool_use_id": "toolu_1", "content": [
-                          {"type": "text", "text": "5"},
-                          {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA=="}},
-                          {"type": "tool_reference", "tool_name": "later"}]},
-                      {"type": "text", "text": "Thanks.", "cache_control": {"type": "ephemeral"}}]},
-                  {"role": "system", "content": "Answer in English."}],
-        extra_body={"metadata": {"user_id": "u"}, "context_management": {"edits": [{"type": "clear_thinking_20251015"}]},
-                    "output_config": {"effort": "high"}, "thinking": {"type": "adaptive", "display": "omitted"}},
-        extra_headers={"anthropic-beta": "claude-code-20250219,interleaved-thinking-2025-05-14"})
+        messages=[
+            *ASK,
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "thinking", "thinking": "", "signature": _signature(thought)},
+                    {"type": "tool_use", "id": "toolu_1", "name": "add", "input": {"a": 2, "b": 3}},
+                ],
+            },
+            {
+                "role": "user",
+                "content": [
+                    {
+                        "type": "tool_result",
+                        "tool_use_id": "toolu_1",
+                        "content": [
+                            {"type": "text", "text": "5"},
+                            {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA=="}},
+                            {"type": "tool_reference", "tool_name": "later"},
+                        ],
+                    },
+                    {"type": "text", "text": "Thanks.", "cache_control": {"type": "ephemeral"}},
+                ],
+            },
+            {"role": "system", "content": "Answer in English."},
+        ],
+        extra_body={
+            "metadata": {"user_id": "u"},
+            "context_management": {"edits": [{"type": "clear_thinking_20251015"}]},
+            "output_config": {"effort": "high"},
+            "thinking": {"type": "adaptive", "display": "omitted"},
+        },
+        extra_headers={"anthropic-beta": "claude-code-20250219,interleaved-thinking-2025-05-14"},
+    )
     assert signed.content is not None and signed.stop_reason in ("end_turn", "max_tokens", "tool_use")
 
 
@@ -270,17 +376,33 @@ def test_thinking_signature_carries_its_text():
 
     assert thought_of(signature("Let me think: é∑")) == "Let me think: é∑"
     assert thought_of("EqQBCkgIARABGAIiQL...") == ""  # another server's signature carries nothing here
-    req = MessagesRequest(max_tokens=4, messages=[
-        {"role": "user", "content": "Hi"},
-        {"role": "assistant", "content": [{"type": "thinking", "thinking": "", "signature": signature("hmm")},
-                                          {"type": "text", "text": "Hello"}]}])
+    req = MessagesRequest(
+        max_tokens=4,
+        messages=[
+            {"role": "user", "content": "Hi"},
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "thinking", "thinking": "", "signature": signature("hmm")},
+                    {"type": "text", "text": "Hello"},
+                ],
+            },
+        ],
+    )
     assert neutral_messages(req, None, False)[1]["reasoning_content"] == "hmm"
 
 
 def test_structured_output_by_output_config(client):
-    schema = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"],
-              "additionalProperties": False}
-    msg = client.messages.create(model="default", max_tokens=32, messages=ASK,
-                                 extra_body={"temperature": 0, "output_config": {
-                                     "format": {"type": "json_schema", "schema": schema}}})
+    schema = {
+        "type": "object",
+        "properties": {"answer": {"type": "integer"}},
+        "required": ["answer"],
+        "additionalProperties": False,
+    }
+    msg = client.messages.create(
+        model="default",
+        max_tokens=32,
+        messages=ASK,
+        extra_body={"temperature": 0, "output_config": {"format": {"type": "json_schema", "schema": schema}}},
+    )
     jsonschema.validate(json.loads(_text(msg)), schema)

@@ -1,4 +1,5 @@
 """The mistral.rs-style Python API: Runner, Which, ChatCompletionRequest, Architecture, PagedCacheType."""
+
 from __future__ import annotations
 
 import os
@@ -12,7 +13,7 @@ from pagedllm.api import CompletionRequest
 from test_server import check_usage_rates
 
 # mistral.rs's PagedAttention docs example, with only the import and the model id changed.
-DOCS_EXAMPLE = '''
+DOCS_EXAMPLE = """
 from pagedllm import Runner, Which, ChatCompletionRequest, Architecture, PagedCacheType
 
 runner = Runner(
@@ -39,21 +40,29 @@ res = runner.send_chat_completion_request(
 )
 print(res.choices[0].message.content)
 print(res.usage)
-'''
+"""
 
 # (Asked bare, SmolLM2's first token is a near tie between "The" and "L" that the CPU's bf16
 # GEMM decides: AMX's picked "L'Étoile". Asked this way every path answers "The capital of
 # France is Paris.", its first token 1.95 of a logprob clear.)
-QUESTION = [{"role": "system", "content": "You are a concise assistant."},
-            {"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
+QUESTION = [
+    {"role": "system", "content": "You are a concise assistant."},
+    {"role": "user", "content": "What is the capital of France? Answer in one sentence."},
+]
 
 
 @pytest.fixture(scope="module")
 def runner(smollm2_gguf_path):
-    return Runner(which=Which.GGUF(tok_model_id="HuggingFaceTB/SmolLM2-135M-Instruct",
-                                   quantized_model_id=str(smollm2_gguf_path.parent),
-                                   quantized_filename=smollm2_gguf_path.name),
-                  pa_gpu_mem=128, pa_blk_size=32, pa_cache_type=PagedCacheType.Auto)
+    return Runner(
+        which=Which.GGUF(
+            tok_model_id="HuggingFaceTB/SmolLM2-135M-Instruct",
+            quantized_model_id=str(smollm2_gguf_path.parent),
+            quantized_filename=smollm2_gguf_path.name,
+        ),
+        pa_gpu_mem=128,
+        pa_blk_size=32,
+        pa_cache_type=PagedCacheType.Auto,
+    )
 
 
 @pytest.mark.slow
@@ -67,25 +76,33 @@ def test_docs_example_runs(smollm2_gguf_path, hf_smollm2_tokenizer):
         # PAGEDLLM_FULL_EXAMPLE=1 runs it verbatim.
         mem, max_tokens = 256, 16
         code = code.replace("pa_gpu_mem = 4096", "pa_gpu_mem = 256").replace("max_tokens=256", "max_tokens=16")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                       env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, HF_HUB_OFFLINE="1"),
+    )
     assert r.returncode == 0, r.stderr
     printed, usage = r.stdout.removesuffix("\n").rsplit("\n", 1)
     assert "avg_prompt_tok_per_sec=" in usage and "avg_compl_tok_per_sec=" in usage
     # The same request in this process, through LLM.chat: the example printed exactly its answer,
     # and that answer is what transformers' tokenizer makes of the generated tokens.
     llm = LLM("default", kv_cache_memory_mb=mem, block_size=32, kv_cache_dtype="f8e4m3")
-    out = llm.chat([{"role": "user", "content": "Tell me a story about the Rust type system."}],
-                   SamplingParams(max_tokens=max_tokens, presence_penalty=1.0, top_p=0.1, temperature=0.1),
-                   use_tqdm=False)
+    out = llm.chat(
+        [{"role": "user", "content": "Tell me a story about the Rust type system."}],
+        SamplingParams(max_tokens=max_tokens, presence_penalty=1.0, top_p=0.1, temperature=0.1),
+        use_tqdm=False,
+    )
     assert printed == out.text
     assert out.text == hf_smollm2_tokenizer.decode(out.token_ids, skip_special_tokens=True)
     assert f"completion_tokens={len(out.token_ids)}" in usage
 
 
 def test_chat_completion(runner):
-    res = runner.send_chat_completion_request(ChatCompletionRequest(
-        model="default", messages=QUESTION, max_tokens=12, temperature=0.0))
+    res = runner.send_chat_completion_request(
+        ChatCompletionRequest(model="default", messages=QUESTION, max_tokens=12, temperature=0.0)
+    )
     assert "Paris" in res.choices[0].message.content
     assert res.choices[0].finish_reason in ("stop", "length")
     u = res.usage
@@ -96,8 +113,11 @@ def test_chat_completion(runner):
 def test_stream_gives_chunks_equal_to_the_answer(runner):
     kw = dict(model="default", messages=QUESTION, max_tokens=10, temperature=0.8, seed=42, top_p=0.9)
     whole = runner.send_chat_completion_request(ChatCompletionRequest(**kw))
-    chunks = list(runner.send_chat_completion_request(ChatCompletionRequest(
-        stream=True, stream_options={"include_usage": True}, **kw)))
+    chunks = list(
+        runner.send_chat_completion_request(
+            ChatCompletionRequest(stream=True, stream_options={"include_usage": True}, **kw)
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == whole.choices[0].message.content
@@ -105,8 +125,9 @@ def test_stream_gives_chunks_equal_to_the_answer(runner):
 
 
 def test_closing_a_stream_aborts_the_request(runner):
-    stream = runner.send_chat_completion_request(ChatCompletionRequest(
-        model="default", messages=QUESTION, max_tokens=200, ignore_eos=True, stream=True))
+    stream = runner.send_chat_completion_request(
+        ChatCompletionRequest(model="default", messages=QUESTION, max_tokens=200, ignore_eos=True, stream=True)
+    )
     for i, _ in enumerate(stream):
         if i == 3:
             break
@@ -116,16 +137,23 @@ def test_closing_a_stream_aborts_the_request(runner):
 
 
 def test_mistralrs_field_names_and_dict_requests(runner):
-    free = runner.send_chat_completion_request(ChatCompletionRequest(
-        model="default", messages=QUESTION, max_tokens=12, temperature=0.0)).choices[0].message.content
+    free = (
+        runner.send_chat_completion_request(
+            ChatCompletionRequest(model="default", messages=QUESTION, max_tokens=12, temperature=0.0)
+        )
+        .choices[0]
+        .message.content
+    )
     assert "Paris" in free  # without the stop string the answer names it
-    res = runner.send_chat_completion_request(ChatCompletionRequest(
-        model="default", messages=QUESTION, n_choices=2, stop_seqs=["Paris"], max_tokens=12,
-        temperature=0.0))
+    res = runner.send_chat_completion_request(
+        ChatCompletionRequest(
+            model="default", messages=QUESTION, n_choices=2, stop_seqs=["Paris"], max_tokens=12, temperature=0.0
+        )
+    )
     assert len(res.choices) == 2
     for c in res.choices:  # greedy: both choices are the answer cut just before the stop string
         assert c.finish_reason == "stop"
-        assert c.message.content == free[:free.index("Paris")]
+        assert c.message.content == free[: free.index("Paris")]
     res = runner.send_chat_completion_request({"messages": QUESTION, "max_tokens": 2, "temperature": 0.0})
     assert res.usage.completion_tokens == 2 and res.choices[0].finish_reason == "length"
 
@@ -134,8 +162,9 @@ def test_completion_request(runner, hf_smollm2_tokenizer):
     from pagedllm import SamplingParams
 
     prompt = "The capital of France is"
-    res = runner.send_completion_request(CompletionRequest(
-        model="default", prompt=prompt, max_tokens=4, temperature=0.0, echo=True))
+    res = runner.send_completion_request(
+        CompletionRequest(model="default", prompt=prompt, max_tokens=4, temperature=0.0, echo=True)
+    )
     # The same prompt through the LLM API: echo is the prompt, then exactly the generated text,
     # which is what transformers' tokenizer makes of the generated tokens.
     want = runner.llm.generate([prompt], SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)[0]
@@ -152,8 +181,9 @@ def test_bad_requests_raise_value_error(runner):
     with pytest.raises(ValueError, match="at most"):
         runner.send_chat_completion_request(ChatCompletionRequest(model="default", messages=QUESTION, n=500))
     with pytest.raises(ValueError, match="max_model_len"):
-        runner.send_chat_completion_request(ChatCompletionRequest(
-            model="default", messages=[{"role": "user", "content": "hi " * 9000}]))
+        runner.send_chat_completion_request(
+            ChatCompletionRequest(model="default", messages=[{"role": "user", "content": "hi " * 9000}])
+        )
     assert not runner.engine.has_unfinished()
 
 
@@ -188,9 +218,14 @@ def test_an_arch_hint_naming_the_checkpoints_family_is_no_mismatch(caplog):
     from pagedllm.llm import check_arch
 
     with caplog.at_level(logging.WARNING, logger="pagedllm.llm"):
-        for arch, actual in [("qwen3", "Qwen3ForCausalLM"), ("gemma2", "Gemma2ForCausalLM"),
-                             ("phi3", "Phi3ForCausalLM"), ("mixtral", "MixtralForCausalLM"),
-                             ("qwen2_moe", "Qwen2MoeForCausalLM"), ("Llama", "LlamaForCausalLM")]:
+        for arch, actual in [
+            ("qwen3", "Qwen3ForCausalLM"),
+            ("gemma2", "Gemma2ForCausalLM"),
+            ("phi3", "Phi3ForCausalLM"),
+            ("mixtral", "MixtralForCausalLM"),
+            ("qwen2_moe", "Qwen2MoeForCausalLM"),
+            ("Llama", "LlamaForCausalLM"),
+        ]:
             check_arch(arch, actual)
         assert not caplog.records
         check_arch("mistral", "LlamaForCausalLM")

@@ -3,6 +3,7 @@ asked for it, the small model writes a call as bare or fenced JSON instead of it
 <tool_call> tags; under tool_choice=auto that comes back as tool_calls through the `openai`
 client, streamed and not, and a JSON answer that names no tool of the request stays content.
 Run: pytest -q -s tests/test_bare_json_real.py -n 0"""
+
 from __future__ import annotations
 
 import json
@@ -14,15 +15,29 @@ openai = pytest.importorskip("openai")
 from test_server import serving_qwen  # noqa: E402
 
 pytestmark = pytest.mark.slow  # a real model file
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Current weather for a city",
-          "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Current weather for a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        },
+    }
+]
 WEATHER = {"role": "user", "content": "What is the weather in Paris?"}
-BARE = ('To call a function, answer with only a JSON object {"name": <function name>, "arguments": '
-        '<arguments object>}, nothing else: no tags, no code fence.')
-FENCED = ('Always format your answer as a markdown code block that starts with ```json. Inside it, write '
-          'the function call as {"name": ..., "arguments": {...}}.')
-NO_TOOL = ('Answer with only a JSON object {"name": <person name>, "arguments": <list of their best '
-           'arguments>}, no code fence.')
+BARE = (
+    'To call a function, answer with only a JSON object {"name": <function name>, "arguments": '
+    "<arguments object>}, nothing else: no tags, no code fence."
+)
+FENCED = (
+    "Always format your answer as a markdown code block that starts with ```json. Inside it, write "
+    'the function call as {"name": ..., "arguments": {...}}.'
+)
+NO_TOOL = (
+    'Answer with only a JSON object {"name": <person name>, "arguments": <list of their best '
+    "arguments>}, no code fence."
+)
 DEBATE = {"role": "user", "content": "Give a debater named Ann and two arguments she makes for school uniforms."}
 
 
@@ -43,8 +58,11 @@ def _both(client, messages: list[dict], choice: str = "auto") -> tuple:
     raw = client.chat.completions.create(**kw, tool_choice="none").choices[0].message.content
     r = client.chat.completions.create(**kw, tool_choice=choice)
     m = r.choices[0]
-    whole = (m.message.content, [(c.function.name, json.loads(c.function.arguments))
-                                 for c in m.message.tool_calls or []], m.finish_reason)
+    whole = (
+        m.message.content,
+        [(c.function.name, json.loads(c.function.arguments)) for c in m.message.tool_calls or []],
+        m.finish_reason,
+    )
     content, calls, finish = "", {}, None
     for chunk in client.chat.completions.create(**kw, tool_choice=choice, stream=True):
         for ch in chunk.choices:

@@ -1,6 +1,7 @@
 """`pagedllm bench compare` and `bench make-gguf` run end to end on a tiny random GGUF; llama.cpp's
 side runs when llama-cpp-python is installed and is skipped, with what to install, when it is not.
 No timing is asserted: the figures are measurements, the tests check the machinery."""
+
 from __future__ import annotations
 
 import copy
@@ -39,9 +40,13 @@ def test_make_gguf_writes_the_shape(tiny_gguf):
     reader = gguf.GGUFReader(str(tiny_gguf))
     field = lambda k: reader.fields[k].contents()  # noqa: E731
     assert field("general.architecture") == "qwen2"
-    assert (field("qwen2.embedding_length"), field("qwen2.block_count"), field("qwen2.attention.head_count"),
-            field("qwen2.attention.head_count_kv"), field("qwen2.feed_forward_length")) == (
-        shape.hidden, shape.layers, shape.heads, shape.kv_heads, shape.intermediate)
+    assert (
+        field("qwen2.embedding_length"),
+        field("qwen2.block_count"),
+        field("qwen2.attention.head_count"),
+        field("qwen2.attention.head_count_kv"),
+        field("qwen2.feed_forward_length"),
+    ) == (shape.hidden, shape.layers, shape.heads, shape.kv_heads, shape.intermediate)
     tokens = field("tokenizer.ggml.tokens")
     assert len(tokens) == len(set(tokens)) == shape.vocab  # padded with unique tokens
     tensors = {t.name: t for t in reader.tensors}
@@ -86,7 +91,10 @@ def test_make_gguf_moe_shapes(shape_name, arch, tmp_path, smollm2_gguf_path):
     field = lambda k: reader.fields[k].contents()  # noqa: E731
     assert field("general.architecture") == arch
     assert (field(f"{arch}.expert_count"), field(f"{arch}.expert_used_count"), field(f"{arch}.block_count")) == (
-        shape.experts, shape.experts_used, 1)
+        shape.experts,
+        shape.experts_used,
+        1,
+    )
     tensors = {t.name: t for t in reader.tensors}
     for kind in ("gate", "up"):
         t = tensors[f"blk.0.ffn_{kind}_exps.weight"]
@@ -107,9 +115,28 @@ def test_make_gguf_moe_shapes(shape_name, arch, tmp_path, smollm2_gguf_path):
 
 def _compare(path, tmp_path, *extra):
     out = tmp_path / "compare.json"
-    rc = main(["bench", "compare", str(path), "--measures", "decode1", "--max-tokens", "4",
-               "--prompt-tokens", "8", "--context", "64", "--repeats", "1", "--bandwidth-mib", "8",
-               "--output", str(out), *extra])
+    rc = main(
+        [
+            "bench",
+            "compare",
+            str(path),
+            "--measures",
+            "decode1",
+            "--max-tokens",
+            "4",
+            "--prompt-tokens",
+            "8",
+            "--context",
+            "64",
+            "--repeats",
+            "1",
+            "--bandwidth-mib",
+            "8",
+            "--output",
+            str(out),
+            *extra,
+        ]
+    )
     assert rc == 0
     return json.loads(out.read_text())
 
@@ -164,8 +191,7 @@ def test_compare_refuses_an_isa_not_built(tiny_gguf, tmp_path, capsys):
     if not missing:
         pytest.skip("this build holds every level")
     out = tmp_path / "compare.json"
-    rc = main(["bench", "compare", str(tiny_gguf), "--measures", "decode1", "--isa", missing[0],
-               "--output", str(out)])
+    rc = main(["bench", "compare", str(tiny_gguf), "--measures", "decode1", "--isa", missing[0], "--output", str(out)])
     assert rc == 1 and not out.exists()
     err = capsys.readouterr().err
     assert f"--isa {missing[0]}" in err and "PAGEDLLM_ISA_LEVELS=all" in err
@@ -198,16 +224,29 @@ def test_engine_options_are_passed_only_when_given():
 
     assert kwargs("bench", "compare", "x.gguf") == {}
     assert kwargs("bench", "compare", "x.gguf", "--dequantize-weights", "--dtype", "float32") == {
-        "dequantize_weights": True, "dtype": "float32"}
+        "dequantize_weights": True,
+        "dtype": "float32",
+    }
 
 
 def test_report_ratios_and_streaming():
-    row = {"kv_tokens": 1024, "sequences": 1, "prompt_tokens": 16, "max_tokens": 128,
-           "pagedllm": {"tok_s": 30.0, "peak_rss_mb": 600.0}, "llama.cpp": {"tok_s": 20.0, "peak_rss_mb": 400.0}}
-    result = {"model": "m.gguf", "threads": 2, "repeats": 3, "measures": {"decode1": row},
-              "machine": {"cpu": "test cpu", "cpu_flags": ["avx2"]},
-              "weights": {"total_bytes": 500e6, "per_token_bytes": 400e6, "tied_embeddings": True},
-              "read_bandwidth": {"gb_s": 40.0, "runs": [40.0] * 7, "mib": 1024}}
+    row = {
+        "kv_tokens": 1024,
+        "sequences": 1,
+        "prompt_tokens": 16,
+        "max_tokens": 128,
+        "pagedllm": {"tok_s": 30.0, "peak_rss_mb": 600.0},
+        "llama.cpp": {"tok_s": 20.0, "peak_rss_mb": 400.0},
+    }
+    result = {
+        "model": "m.gguf",
+        "threads": 2,
+        "repeats": 3,
+        "measures": {"decode1": row},
+        "machine": {"cpu": "test cpu", "cpu_flags": ["avx2"]},
+        "weights": {"total_bytes": 500e6, "per_token_bytes": 400e6, "tied_embeddings": True},
+        "read_bandwidth": {"gb_s": 40.0, "runs": [40.0] * 7, "mib": 1024},
+    }
     result["streaming"] = compare.streaming(result)
     assert result["streaming"]["pagedllm"]["gb_s"] == pytest.approx(12.0)  # 400 MB x 30 tok/s
     assert result["streaming"]["llama.cpp"]["share_of_bandwidth"] == pytest.approx(0.2)
@@ -246,9 +285,32 @@ def test_many_sequences_are_set_against_the_int8_peak(tmp_path, capsys):
     """On the default model (Q4_1): the peak measured in a child of its own before the run, and
     the share of it reached in the report."""
     out = tmp_path / "compare.json"
-    assert main(["bench", "compare", "default", "--measures", "parallel", "--parallel", "2", "--max-tokens", "4",
-                 "--prompt-tokens", "8", "--repeats", "1", "--peak-seconds", "0.1", "--peer", "none",
-                 "--output", str(out)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "compare",
+                "default",
+                "--measures",
+                "parallel",
+                "--parallel",
+                "2",
+                "--max-tokens",
+                "4",
+                "--prompt-tokens",
+                "8",
+                "--repeats",
+                "1",
+                "--peak-seconds",
+                "0.1",
+                "--peer",
+                "none",
+                "--output",
+                str(out),
+            ]
+        )
+        == 0
+    )
     result = json.loads(out.read_text())
     assert result["int8_peak"]["gmac_s"] > 0 and len(result["int8_peak"]["measurements"]) == 1
     assert result["measures"]["parallel"]["pagedllm"]["int8_peak_gmac_s"] == result["int8_peak"]["gmac_s"]
@@ -256,7 +318,8 @@ def test_many_sequences_are_set_against_the_int8_peak(tmp_path, capsys):
     # asserted below 1: a 0.1 s peak taken on a busy machine can read lower than the run.)
     par = result["measures"]["parallel"]["pagedllm"]
     assert result["compute"]["pagedllm"]["share_of_peak"] == pytest.approx(
-        par["tok_s"] * result["weights"]["per_token_macs"] / 1e9 / par["int8_peak_gmac_s"])
+        par["tok_s"] * result["weights"]["per_token_macs"] / 1e9 / par["int8_peak_gmac_s"]
+    )
     assert result["compute"]["pagedllm"]["share_of_peak"] > 0
     assert "share reached at 2 sequences: pagedllm " in capsys.readouterr().out
 
@@ -264,18 +327,41 @@ def test_many_sequences_are_set_against_the_int8_peak(tmp_path, capsys):
 def test_report_the_share_of_the_int8_peak():
     """Each engine's many-sequence runs against the peak measured just before each: the median
     of those shares (not the rate's median over the peaks' median)."""
-    ours = compare._over_rounds([{"tok_s": t, "tok_s_runs": [t], "peak_rss_mb": 900.0, "int8_peak_gmac_s": p}
-                                 for t, p in [(100.0, 400.0), (60.0, 200.0), (90.0, 300.0)]])
-    peer = compare._over_rounds([{"tok_s": t, "tok_s_runs": [t], "peak_rss_mb": 800.0, "int8_peak_gmac_s": p}
-                                 for t, p in [(50.0, 400.0), (30.0, 300.0), (40.0, 400.0)]])
-    row = {"kv_tokens": 8192, "sequences": 32, "prompt_tokens": 16, "max_tokens": 128, "pagedllm": ours,
-           "llama.cpp": peer}
-    result = {"model": "m.gguf", "threads": 2, "repeats": 1, "rounds": 3, "measures": {"parallel": row},
-              "machine": {"cpu": "test cpu", "cpu_flags": ["avx512_vnni"]},
-              "weights": {"total_bytes": 1.1e9, "per_token_bytes": 1.0e9, "per_token_macs": 2.0e9,
-                          "tied_embeddings": False},
-              "int8_peak": {"gmac_s": 350.0, "isa": "avx512-vnni", "seconds": 0.5,
-                            "measurements": [400.0, 400.0, 200.0, 300.0, 300.0, 400.0]}}
+    ours = compare._over_rounds(
+        [
+            {"tok_s": t, "tok_s_runs": [t], "peak_rss_mb": 900.0, "int8_peak_gmac_s": p}
+            for t, p in [(100.0, 400.0), (60.0, 200.0), (90.0, 300.0)]
+        ]
+    )
+    peer = compare._over_rounds(
+        [
+            {"tok_s": t, "tok_s_runs": [t], "peak_rss_mb": 800.0, "int8_peak_gmac_s": p}
+            for t, p in [(50.0, 400.0), (30.0, 300.0), (40.0, 400.0)]
+        ]
+    )
+    row = {
+        "kv_tokens": 8192,
+        "sequences": 32,
+        "prompt_tokens": 16,
+        "max_tokens": 128,
+        "pagedllm": ours,
+        "llama.cpp": peer,
+    }
+    result = {
+        "model": "m.gguf",
+        "threads": 2,
+        "repeats": 1,
+        "rounds": 3,
+        "measures": {"parallel": row},
+        "machine": {"cpu": "test cpu", "cpu_flags": ["avx512_vnni"]},
+        "weights": {"total_bytes": 1.1e9, "per_token_bytes": 1.0e9, "per_token_macs": 2.0e9, "tied_embeddings": False},
+        "int8_peak": {
+            "gmac_s": 350.0,
+            "isa": "avx512-vnni",
+            "seconds": 0.5,
+            "measurements": [400.0, 400.0, 200.0, 300.0, 300.0, 400.0],
+        },
+    }
     c = compare.compute_share(result)
     # ours: 200/400, 120/200, 180/300 -> 0.5, 0.6, 0.6; the peer's: 100/400, 60/300, 80/400 -> 0.25, 0.2, 0.2
     assert c["pagedllm"]["share_of_peak"] == pytest.approx(0.6)
@@ -295,18 +381,36 @@ def test_rounds_report_the_median_of_their_ratios_and_shares():
     """With --rounds, the ratio is the median of the rounds' ratios (not the ratio of medians) and
     each run's share is against the bandwidth measured just before it."""
     rounds = [(30.0, 20.0, 40.0, 80.0), (10.0, 20.0, 20.0, 20.0), (33.0, 30.0, 60.0, 60.0)]  # ours, peer, bws
-    ours = compare._over_rounds([{"tok_s": a, "tok_s_runs": [a], "peak_rss_mb": 600.0, "read_bandwidth_gb_s": bw}
-                                 for a, _, bw, _ in rounds])
-    peer = compare._over_rounds([{"tok_s": b, "tok_s_runs": [b], "peak_rss_mb": 400.0 + i, "read_bandwidth_gb_s": bw}
-                                 for i, (_, b, _, bw) in enumerate(rounds)])
+    ours = compare._over_rounds(
+        [{"tok_s": a, "tok_s_runs": [a], "peak_rss_mb": 600.0, "read_bandwidth_gb_s": bw} for a, _, bw, _ in rounds]
+    )
+    peer = compare._over_rounds(
+        [
+            {"tok_s": b, "tok_s_runs": [b], "peak_rss_mb": 400.0 + i, "read_bandwidth_gb_s": bw}
+            for i, (_, b, _, bw) in enumerate(rounds)
+        ]
+    )
     assert ours["tok_s"] == 30.0 and peer["tok_s"] == 20.0 and peer["peak_rss_mb"] == 402.0
-    row = {"kv_tokens": 1024, "sequences": 1, "prompt_tokens": 16, "max_tokens": 128, "pagedllm": ours,
-           "llama.cpp": peer, "ratio_rounds": {"tok_s": [a / b for a, b, _, _ in rounds]}}
+    row = {
+        "kv_tokens": 1024,
+        "sequences": 1,
+        "prompt_tokens": 16,
+        "max_tokens": 128,
+        "pagedllm": ours,
+        "llama.cpp": peer,
+        "ratio_rounds": {"tok_s": [a / b for a, b, _, _ in rounds]},
+    }
     bws = [compare_child.bandwidth_child({"threads": 1, "mib": 8, "repeats": 1}) for _ in range(2)]
-    result = {"model": "m.gguf", "threads": 2, "repeats": 1, "rounds": 3, "measures": {"decode1": row},
-              "machine": {"cpu": "test cpu", "cpu_flags": ["avx2"]},
-              "weights": {"total_bytes": 500e6, "per_token_bytes": 400e6, "tied_embeddings": True},
-              "read_bandwidth": compare._bandwidth_over(bws)}
+    result = {
+        "model": "m.gguf",
+        "threads": 2,
+        "repeats": 1,
+        "rounds": 3,
+        "measures": {"decode1": row},
+        "machine": {"cpu": "test cpu", "cpu_flags": ["avx2"]},
+        "weights": {"total_bytes": 500e6, "per_token_bytes": 400e6, "tied_embeddings": True},
+        "read_bandwidth": compare._bandwidth_over(bws),
+    }
     s = compare.streaming(result)
     # ours: 12/40, 4/20, 13.2/60 -> median 0.22; the peer's: 8/80, 8/20, 12/60 -> median 0.2
     assert s["pagedllm"]["share_of_bandwidth"] == pytest.approx(0.22)
@@ -336,10 +440,13 @@ def test_a_childs_peak_rss_is_its_own():
 
     ballast = bytearray(400 * 2**20)
     ballast[::4096] = b"\1" * len(ballast[::4096])  # every page touched: the parent is > 400 MB
-    code = ("import runpy, sys; m = runpy.run_path(sys.argv[1]); "
-            "x = bytearray(50 * 2**20); x[::4096] = b'1' * len(x[::4096]); print(m['peak_rss_mb']())")
-    out = subprocess.run([sys.executable, "-c", code, str(Path(llamacpp_peer.__file__))], capture_output=True,
-                         text=True, check=True).stdout
+    code = (
+        "import runpy, sys; m = runpy.run_path(sys.argv[1]); "
+        "x = bytearray(50 * 2**20); x[::4096] = b'1' * len(x[::4096]); print(m['peak_rss_mb']())"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(Path(llamacpp_peer.__file__))], capture_output=True, text=True, check=True
+    ).stdout
     peak = float(out)
     del ballast
     assert 50 < peak < 200, peak  # its own 50 MB and an interpreter, not the parent's 400+
@@ -347,9 +454,29 @@ def test_a_childs_peak_rss_is_its_own():
 
 def _long(path, tmp_path, caches, *extra):
     out = tmp_path / "long.json"
-    assert main(["bench", "compare", str(path), "--measures", "", "--long-context", "96,160",
-                 "--long-tokens", "4", "--long-caches", caches, "--repeats", "1", "--output", str(out),
-                 *extra]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "compare",
+                str(path),
+                "--measures",
+                "",
+                "--long-context",
+                "96,160",
+                "--long-tokens",
+                "4",
+                "--long-caches",
+                caches,
+                "--repeats",
+                "1",
+                "--output",
+                str(out),
+                *extra,
+            ]
+        )
+        == 0
+    )
     return json.loads(out.read_text())
 
 
@@ -379,11 +506,14 @@ def test_long_context_with_llama_cpp(tiny_gguf, tmp_path):
         assert len(row[engine]["first_output"]) == 4
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--long-context", "4096", "--long-caches", "f8e4m3"], "no llama.cpp counterpart"),
-    (["--long-context", "4k"], "token counts separated by commas"),
-    (["--long-context", "4096", "--long-tokens", "1"], "--long-tokens must be at least 2"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--long-context", "4096", "--long-caches", "f8e4m3"], "no llama.cpp counterpart"),
+        (["--long-context", "4k"], "token counts separated by commas"),
+        (["--long-context", "4096", "--long-tokens", "1"], "--long-tokens must be at least 2"),
+    ],
+)
 def test_long_context_refuses_bad_flags(tiny_gguf, flags, message, capsys):
     assert main(["bench", "compare", str(tiny_gguf), *flags]) == 1
     assert message in capsys.readouterr().err

@@ -2,6 +2,7 @@
 reports for them: --think-time pauses are drawn once (every policy gets the same arrivals), each
 turn waits its pause after the last answer, and the records' prompt and cached tokens (the
 server's own usage) add up to the server's /metrics counters."""
+
 from __future__ import annotations
 
 import argparse
@@ -42,8 +43,11 @@ def test_think_time_option(capsys):
 def test_queue_time_is_arrival_to_first_scheduled_step():
     """One sequence at a time: the second request waits until the first has finished."""
     llm = LLM("default", max_model_len=256, kv_cache_memory_mb=16, max_num_seqs=1)
-    outs = llm.generate(["The capital of France is", "Once upon a time"],
-                        SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    outs = llm.generate(
+        ["The capital of France is", "Once upon a time"],
+        SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
+        use_tqdm=False,
+    )
     first, second = (o.metrics for o in outs)
     for m in (first, second):
         assert m.queue_time is not None and 0 <= m.queue_time <= m.time_to_first_token
@@ -53,8 +57,11 @@ def test_queue_time_is_arrival_to_first_scheduled_step():
 
 def _metrics(url: str) -> dict[str, float]:
     with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
-        return {line.rpartition(" ")[0]: float(line.rpartition(" ")[2])
-                for line in r.read().decode().splitlines() if line and not line.startswith("#")}
+        return {
+            line.rpartition(" ")[0]: float(line.rpartition(" ")[2])
+            for line in r.read().decode().splitlines()
+            if line and not line.startswith("#")
+        }
 
 
 def test_drive_records_every_turn_after_its_pause(tmp_path):
@@ -86,5 +93,7 @@ def test_drive_records_every_turn_after_its_pause(tmp_path):
     assert sum(r["cached_tokens"] for r in recs) == m["pagedllm_cached_prompt_tokens_total"]
     assert m["pagedllm_request_queue_time_seconds_count"] == 6
     last = [r for r in recs if r["turn"] == 2]
-    assert res["last_ttft_p50"] == pytest.approx(sorted(r["ttft"] for r in last)[0] / 2 + sorted(r["ttft"] for r in last)[1] / 2)
+    assert res["last_ttft_p50"] == pytest.approx(
+        sorted(r["ttft"] for r in last)[0] / 2 + sorted(r["ttft"] for r in last)[1] / 2
+    )
     assert res["output_tok_s"] == pytest.approx(24 / res["wall_s"])

@@ -1,5 +1,6 @@
 """`pagedllm bench serve --against-throughput`: one workload through the offline engine and a
 spawned server with streaming OpenAI clients; both sides must do exactly the same work."""
+
 from __future__ import annotations
 
 import json
@@ -25,10 +26,37 @@ def test_against_throughput_runs_the_same_workload_on_both_sides(tmp_path, smoll
     from pagedllm.bench.throughput import make_workload
 
     out = tmp_path / "serve.json"
-    rc = main(["bench", "serve", "--against-throughput", "--url", f"http://127.0.0.1:{_free_port()}",
-               "--num-requests", "3", "--min-prompt", "8", "--max-prompt", "12", "--min-output", "3",
-               "--max-output", "5", "--runs", "1", "--request-rates", "inf,50", "--seed", "5",
-               "--output", str(out), "--server-args", str(smollm2_gguf_path), "--max-seqs", "4"])
+    rc = main(
+        [
+            "bench",
+            "serve",
+            "--against-throughput",
+            "--url",
+            f"http://127.0.0.1:{_free_port()}",
+            "--num-requests",
+            "3",
+            "--min-prompt",
+            "8",
+            "--max-prompt",
+            "12",
+            "--min-output",
+            "3",
+            "--max-output",
+            "5",
+            "--runs",
+            "1",
+            "--request-rates",
+            "inf,50",
+            "--seed",
+            "5",
+            "--output",
+            str(out),
+            "--server-args",
+            str(smollm2_gguf_path),
+            "--max-seqs",
+            "4",
+        ]
+    )
     assert rc == 0
     printed = capsys.readouterr().out
     assert "ratio server/offline output tok/s" in printed
@@ -48,7 +76,8 @@ def test_against_throughput_runs_the_same_workload_on_both_sides(tmp_path, smoll
         assert r["offline"]["output_tokens"] == r["server"]["output_tokens"]
         assert r["same_tokens"] is True
         assert r["ratio_output_tokens_per_s"] == pytest.approx(
-            r["server"]["output_tokens_per_s"] / r["offline"]["output_tokens_per_s"])
+            r["server"]["output_tokens_per_s"] / r["offline"]["output_tokens_per_s"]
+        )
     # The output lengths are the seeded workload's, whatever the tokenizer's EOS ids are.
     lens = make_workload(3, vocab, 5, (8, 12), (3, 5)).output_lens
     assert report["by_rate"]["all-at-once"]["offline"]["output_tokens"] == sum(lens)

@@ -1,5 +1,6 @@
 """`pagedllm bench speculative`: every mode runs the same prompts, and the report carries each
 mode's decode rate and whole-request rate (prefill included) beside plain decoding's."""
+
 from __future__ import annotations
 
 import json
@@ -14,9 +15,30 @@ def test_speculative_bench_reports_decode_and_whole_requests(tmp_path, capsys):
     from pagedllm.cli.main import main
 
     out = tmp_path / "spec.json"
-    rc = main(["bench", "speculative", "--draft", "default", "--draft-vocab", "4096", "--code-requests", "1",
-               "--code-tokens", "24", "--chat-requests", "1", "--chat-tokens", "8", "--workloads", "code,chat",
-               "--runs", "1", "--output", str(out)])
+    rc = main(
+        [
+            "bench",
+            "speculative",
+            "--draft",
+            "default",
+            "--draft-vocab",
+            "4096",
+            "--code-requests",
+            "1",
+            "--code-tokens",
+            "24",
+            "--chat-requests",
+            "1",
+            "--chat-tokens",
+            "8",
+            "--workloads",
+            "code,chat",
+            "--runs",
+            "1",
+            "--output",
+            str(out),
+        ]
+    )
     assert rc in (0, None)
     printed = capsys.readouterr().out
     assert "whole requests, prefill included" in printed

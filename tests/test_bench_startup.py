@@ -1,5 +1,6 @@
 """`pagedllm bench startup` beside llama.cpp: which GGUF the peer gets, and the line that says
 why it is skipped."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -12,7 +13,9 @@ def test_llama_cpp_side_runs_the_same_gguf_or_says_why_not(monkeypatch, smollm2_
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llama_cpp" else real(name, *a))
     assert startup.llama_cpp_skip_reason("default") == (MISSING_HINT, "")
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "llama_cpp" else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: object() if name == "llama_cpp" else real(name, *a)
+    )
     assert startup.llama_cpp_skip_reason("default") == (None, str(smollm2_gguf_path))
     folder = tmp_path / "model"
     folder.mkdir()

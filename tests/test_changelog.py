@@ -1,5 +1,6 @@
 """CHANGELOG.md is in Keep a Changelog's form, and its latest version is the one
 `pagedllm --version` prints (pagedllm/_version.py)."""
+
 from __future__ import annotations
 
 import re
@@ -31,8 +32,7 @@ def test_the_changelog_has_keep_a_changelogs_shape():
 
 def test_pagedllm_version_matches_the_latest_changelog_version():
     latest = _versions()[0][0]
-    r = subprocess.run([sys.executable, "-m", "pagedllm", "--version"], capture_output=True, text=True,
-                       timeout=120)
+    r = subprocess.run([sys.executable, "-m", "pagedllm", "--version"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == f"pagedllm {latest}", (r.stdout, latest)
     from pagedllm import __version__

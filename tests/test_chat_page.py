@@ -1,5 +1,6 @@
 """The chat page at GET / (issue 12), driven in headless Chromium through selenium: a real
 two-turn conversation, then a stream stopped mid-way, after which every KV block is back."""
+
 from __future__ import annotations
 
 import time
@@ -15,15 +16,18 @@ from test_server import serving  # noqa: E402
 pytestmark = pytest.mark.slow
 
 from browser import CHROMIUM, DRIVER, headless  # noqa: E402
+
 if not (CHROMIUM and DRIVER):
-    pytest.skip("Debian's chromium and chromium-driver are not installed (make setup installs them)",
-                allow_module_level=True)
+    pytest.skip(
+        "Debian's chromium and chromium-driver are not installed (make setup installs them)", allow_module_level=True
+    )
 
 
 @pytest.fixture(scope="module")
 def started_server(tmp_path_factory, smollm2_gguf_path):
-    yield from serving(tmp_path_factory, "chat_page", ["--pa-gpu-mem", "256", "--max-model-len", "1024",
-                                                       "--log-level", "info"])
+    yield from serving(
+        tmp_path_factory, "chat_page", ["--pa-gpu-mem", "256", "--max-model-len", "1024", "--log-level", "info"]
+    )
 
 
 @pytest.fixture
@@ -79,8 +83,12 @@ def test_two_turns_then_stop_frees_the_kv_cache(server, browser):
         _wait(lambda: len(answers()) == turn + 1 and answers()[-1].get_attribute("data-done"))
         assert answers()[-1].get_attribute("data-done") == "finished", find("#error").text
         assert answers()[-1].text.strip()
-    assert [m.get_attribute("data-role") for m in browser.find_elements(By.CSS_SELECTOR, ".msg")] == \
-        ["user", "assistant", "user", "assistant"]
+    assert [m.get_attribute("data-role") for m in browser.find_elements(By.CSS_SELECTOR, ".msg")] == [
+        "user",
+        "assistant",
+        "user",
+        "assistant",
+    ]
     assert "Paris" in answers()[0].text
     # the metrics line is filled from /metrics
     _wait(lambda: find("#kv").text not in ("", "-"), timeout=10)
@@ -101,6 +109,7 @@ def test_two_turns_then_stop_frees_the_kv_cache(server, browser):
 def test_markdown_and_code_blocks_render(server, browser):
     browser.get(server.url + "/")
     html = browser.execute_script(
-        "return renderMarkdown('Some **bold** and `x < 1` code:\\n```python\\nif a < b:\\n    pass\\n```\\n- item')")
+        "return renderMarkdown('Some **bold** and `x < 1` code:\\n```python\\nif a < b:\\n    pass\\n```\\n- item')"
+    )
     assert "<strong>bold</strong>" in html and "<code>x &lt; 1</code>" in html
     assert "<pre><code>if a &lt; b:\n    pass\n</code></pre>" in html and "• item" in html

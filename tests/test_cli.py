@@ -1,5 +1,6 @@
 """The `pagedllm` command: mistral.rs's PagedAttention command lines, chat in a terminal
 (pexpect), generate, trace, and the flag checks."""
+
 from __future__ import annotations
 
 import os
@@ -26,10 +27,17 @@ PA_USAGE = ".95" if ROOMY else ".02"
 ENV = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1")
 
 
-def cli(*args: str, input: str | None = None, timeout: float = 180,
-        env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pagedllm.cli.main", *args], input=input, text=True,
-                          capture_output=True, timeout=timeout, env=env or ENV)
+def cli(
+    *args: str, input: str | None = None, timeout: float = 180, env: dict | None = None
+) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "pagedllm.cli.main", *args],
+        input=input,
+        text=True,
+        capture_output=True,
+        timeout=timeout,
+        env=env or ENV,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -45,8 +53,17 @@ def plain_dir(tmp_path_factory, hf_smollm2_tokenizer):
 
 
 def test_mistralrs_plain_interactive_through_stdin(plain_dir):
-    r = cli("-i", "--pa-gpu-mem", PA_MEM, "--pa-blk-size", "32", "plain", "-m", str(plain_dir),
-            input="/max_tokens 8\nHello there\n/trace\n/exit\n")
+    r = cli(
+        "-i",
+        "--pa-gpu-mem",
+        PA_MEM,
+        "--pa-blk-size",
+        "32",
+        "plain",
+        "-m",
+        str(plain_dir),
+        input="/max_tokens 8\nHello there\n/trace\n/exit\n",
+    )
     assert r.returncode == 0, r.stderr
     assert "max_tokens = 8" in r.stdout
     assert "blocks used" in r.stdout and "preemptions" in r.stdout
@@ -57,9 +74,24 @@ def test_mistralrs_plain_serves_without_i(plain_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("PAGEDLLM_API_KEY", "sk-from-env")  # not on the command line, where ps shows it
     port = free_port()
     # Global flags before `plain` (mistral.rs's order) and after it, as after `serve`.
-    srv = ServerProcess(["--pa-gpu-mem", PA_MEM, "--pa-blk-size", "32",
-                         "plain", "-m", str(plain_dir), "--port", str(port), "--max-seqs", "4"],
-                        port, tmp_path / "plain.log", api_key="sk-from-env")
+    srv = ServerProcess(
+        [
+            "--pa-gpu-mem",
+            PA_MEM,
+            "--pa-blk-size",
+            "32",
+            "plain",
+            "-m",
+            str(plain_dir),
+            "--port",
+            str(port),
+            "--max-seqs",
+            "4",
+        ],
+        port,
+        tmp_path / "plain.log",
+        api_key="sk-from-env",
+    )
     try:
         srv.wait_ready()
         body = {"model": plain_dir.name, "prompt": "Hello", "max_tokens": 4, "ignore_eos": True}
@@ -72,8 +104,7 @@ def test_mistralrs_plain_serves_without_i(plain_dir, tmp_path, monkeypatch):
         models = httpx.get(f"{srv.url}/v1/models", headers=srv.headers, timeout=10).json()
         assert [m["id"] for m in models["data"]] == [plain_dir.name]
         # A model this server does not serve: 404, as vLLM and OpenAI answer.
-        r = httpx.post(f"{srv.url}/v1/completions", json={**body, "model": "gpt-4o"},
-                       headers=srv.headers, timeout=60)
+        r = httpx.post(f"{srv.url}/v1/completions", json={**body, "model": "gpt-4o"}, headers=srv.headers, timeout=60)
         assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found", r.text
         assert "`gpt-4o` does not exist" in r.json()["error"]["message"]
     finally:
@@ -84,10 +115,23 @@ def test_mistralrs_gguf_interactive_through_stdin(smollm2_gguf_path):
     # Asked bare, the answer's first token is a near tie ("The" -1.95 / "L" -1.89 with 2 threads
     # on an AMX CPU, the other way with 1); asked for one sentence, "The" leads by 1.5.
     # -t names a hub repo: it is not a local folder, so the GGUF's own tokenizer is used.
-    r = cli("-i", "--pa-gpu-mem-usage", PA_USAGE, "--pa-blk-size", "32", "--log-level", "info",
-            "gguf", "-t", "HuggingFaceTB/SmolLM2-135M-Instruct", "-m", str(smollm2_gguf_path.parent),
-            "-f", smollm2_gguf_path.name,
-            input="/temperature 0\n/max_tokens 12\nWhat is the capital of France? Answer in one sentence.\n/exit\n")
+    r = cli(
+        "-i",
+        "--pa-gpu-mem-usage",
+        PA_USAGE,
+        "--pa-blk-size",
+        "32",
+        "--log-level",
+        "info",
+        "gguf",
+        "-t",
+        "HuggingFaceTB/SmolLM2-135M-Instruct",
+        "-m",
+        str(smollm2_gguf_path.parent),
+        "-f",
+        smollm2_gguf_path.name,
+        input="/temperature 0\n/max_tokens 12\nWhat is the capital of France? Answer in one sentence.\n/exit\n",
+    )
     assert r.returncode == 0, r.stderr
     assert "Paris" in r.stdout
     assert "not a local folder" in r.stderr
@@ -98,9 +142,14 @@ def test_mistralrs_gguf_interactive_through_stdin(smollm2_gguf_path):
 
 def test_chat_in_a_terminal(smollm2_gguf_path):
     pexpect = pytest.importorskip("pexpect")
-    child = pexpect.spawn(sys.executable, ["-m", "pagedllm.cli.main", "chat", "--pa-gpu-mem", "128",
-                                           "--max-tokens", "12", "--temperature", "0"],
-                          encoding="utf-8", timeout=120, env=ENV, dimensions=(40, 200))
+    child = pexpect.spawn(
+        sys.executable,
+        ["-m", "pagedllm.cli.main", "chat", "--pa-gpu-mem", "128", "--max-tokens", "12", "--temperature", "0"],
+        encoding="utf-8",
+        timeout=120,
+        env=ENV,
+        dimensions=(40, 200),
+    )
     try:
         child.expect_exact(">>> ")
         child.sendline("/help")
@@ -151,8 +200,16 @@ def plain_llm(plain_dir):
 def test_generate_prompt_from_stdin(plain_dir, plain_llm):
     from pagedllm import SamplingParams
 
-    r = cli("generate", "-m", str(plain_dir), "--max-tokens", "4", "--pa-gpu-mem", "16",
-            input="What is the capital of France?")
+    r = cli(
+        "generate",
+        "-m",
+        str(plain_dir),
+        "--max-tokens",
+        "4",
+        "--pa-gpu-mem",
+        "16",
+        input="What is the capital of France?",
+    )
     assert r.returncode == 0, r.stderr
     # The same request through the LLM API (chat template, greedy): stdout is exactly its text.
     msgs = [{"role": "user", "content": "What is the capital of France?"}]
@@ -164,8 +221,7 @@ def test_generate_prompt_from_stdin(plain_dir, plain_llm):
 def test_generate_prompt_argument_raw(plain_dir, plain_llm):
     from pagedllm import SamplingParams
 
-    r = cli("generate", "-m", str(plain_dir), "--raw", "--max-tokens", "4", "--pa-gpu-mem", "16",
-            "--stats", "Hello")
+    r = cli("generate", "-m", str(plain_dir), "--raw", "--max-tokens", "4", "--pa-gpu-mem", "16", "--stats", "Hello")
     assert r.returncode == 0, r.stderr
     want = plain_llm.generate(["Hello"], SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)[0]
     assert want.text and r.stdout == want.text + "\n"
@@ -187,8 +243,9 @@ def test_trace_shows_blocks(plain_dir, hf_smollm2_tokenizer):
     assert all(s["used_blocks"] + s["free_blocks"] == total and s["preemptions"] == 0 for s in steps)
     # While it runs the request holds exactly the blocks its tokens need, then gives them back.
     # The prompt's length from transformers' tokenizer and chat template.
-    text = hf_smollm2_tokenizer.apply_chat_template([{"role": "user", "content": question}],
-                                                   add_generation_prompt=True, tokenize=False)
+    text = hf_smollm2_tokenizer.apply_chat_template(
+        [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=False
+    )
     plen = len(hf_smollm2_tokenizer(text, add_special_tokens=False).input_ids)
     bs = trace["block_size"]
     for s in steps[1:4]:
@@ -205,9 +262,18 @@ def test_trace_shows_blocks(plain_dir, hf_smollm2_tokenizer):
 def test_help_and_dispatch(capsys):
     from pagedllm.cli.main import main
 
-    for args in (["--help"], ["demo", "--help"], ["bench", "throughput", "--help"],
-                 ["bench", "serve", "--help"], ["serve", "--help"], ["chat", "--help"],
-                 ["generate", "--help"], ["trace", "--help"], ["plain", "--help"], ["gguf", "--help"]):
+    for args in (
+        ["--help"],
+        ["demo", "--help"],
+        ["bench", "throughput", "--help"],
+        ["bench", "serve", "--help"],
+        ["serve", "--help"],
+        ["chat", "--help"],
+        ["generate", "--help"],
+        ["trace", "--help"],
+        ["plain", "--help"],
+        ["gguf", "--help"],
+    ):
         with pytest.raises(SystemExit) as exc:
             main(args)
         assert exc.value.code == 0, args
@@ -218,28 +284,58 @@ def test_help_and_dispatch(capsys):
 def test_flags_after_plain_and_gguf():
     from pagedllm.cli.main import build_parser
 
-    argv = ["plain", "-m", "default", "--port", "8766", "--pa-gpu-mem", "64", "--dtype", "float32",
-            "--served-model-name", "smol", "-i"]
+    argv = [
+        "plain",
+        "-m",
+        "default",
+        "--port",
+        "8766",
+        "--pa-gpu-mem",
+        "64",
+        "--dtype",
+        "float32",
+        "--served-model-name",
+        "smol",
+        "-i",
+    ]
     args = build_parser(argv).parse_args(argv)
     assert (args.command, args.port, args.kv_cache_memory_mb, args.dtype) == ("plain", 8766, 64.0, "float32")
     assert args.served_model_name == ["smol"] and args.interactive_mode
-    argv = ["--pa-blk-size", "16", "gguf", "-m", "d", "-f", "x.gguf", "--host", "0.0.0.0",
-            "--pa-cache-type", "int8", "--api-key", "k"]
+    argv = [
+        "--pa-blk-size",
+        "16",
+        "gguf",
+        "-m",
+        "d",
+        "-f",
+        "x.gguf",
+        "--host",
+        "0.0.0.0",
+        "--pa-cache-type",
+        "int8",
+        "--api-key",
+        "k",
+    ]
     args = build_parser(argv).parse_args(argv)
     assert (args.block_size, args.host, args.kv_cache_dtype, args.api_key) == (16, "0.0.0.0", "int8", "k")
     assert not args.interactive_mode
 
 
-@pytest.mark.parametrize("argv, usage, hint", [
-    (["serve", "--prot", "8000"], "usage: pagedllm serve [MODEL]", "(did you mean --port?)"),
-    # An abbreviation is refused (it would hide typos of other flags), with the full name.
-    (["generate", "--max-token", "3", "Hi"], "usage: pagedllm generate [PROMPT]",
-     "(did you mean --max-tokens?)"),
-    (["plain", "-m", "default", "--pa-gpu-mem-usag", ".1"], "usage: pagedllm [-i] [flags] plain",
-     "(did you mean --pa-gpu-mem-usage?)"),
-    (["serv"], "usage: pagedllm [-h]", "(did you mean serve?)"),
-    (["bench", "thruput"], "usage: pagedllm bench", "(did you mean throughput?)"),
-])
+@pytest.mark.parametrize(
+    "argv, usage, hint",
+    [
+        (["serve", "--prot", "8000"], "usage: pagedllm serve [MODEL]", "(did you mean --port?)"),
+        # An abbreviation is refused (it would hide typos of other flags), with the full name.
+        (["generate", "--max-token", "3", "Hi"], "usage: pagedllm generate [PROMPT]", "(did you mean --max-tokens?)"),
+        (
+            ["plain", "-m", "default", "--pa-gpu-mem-usag", ".1"],
+            "usage: pagedllm [-i] [flags] plain",
+            "(did you mean --pa-gpu-mem-usage?)",
+        ),
+        (["serv"], "usage: pagedllm [-h]", "(did you mean serve?)"),
+        (["bench", "thruput"], "usage: pagedllm bench", "(did you mean throughput?)"),
+    ],
+)
 def test_typos_get_the_subcommands_usage_and_a_suggestion(capsys, argv, usage, hint):
     from pagedllm.cli.main import main
 
@@ -258,8 +354,16 @@ def test_every_sampling_flag_documents_its_default(capsys):
         with pytest.raises(SystemExit):
             main([cmd, "--help"])
         out = " ".join(capsys.readouterr().out.split())
-        for flag in ("--max-tokens", "--temperature", "--top-p", "--top-k", "--min-p",
-                     "--presence-penalty", "--frequency-penalty", "--repetition-penalty"):
+        for flag in (
+            "--max-tokens",
+            "--temperature",
+            "--top-p",
+            "--top-k",
+            "--min-p",
+            "--presence-penalty",
+            "--frequency-penalty",
+            "--repetition-penalty",
+        ):
             help_text = out.split(flag, 1)[1].split(" --", 1)[0]
             assert "default: " in help_text, (cmd, flag, help_text)
         if cmd == "generate":
@@ -276,9 +380,27 @@ def test_isq_bad_type_is_a_clear_error():
 def test_engine_flags_map_to_llm_kwargs():
     from pagedllm.cli.main import build_parser, command_config
 
-    argv = ["--pa-blk-size", "16", "serve", "mymodel", "--pa-gpu-mem", "512", "--pa-cache-type", "int8",
-            "--max-seqs", "8", "--max-model-len", "2048", "--no-paged-attn", "--dtype", "float32",
-            "--device", "cpu", "--seed", "3"]
+    argv = [
+        "--pa-blk-size",
+        "16",
+        "serve",
+        "mymodel",
+        "--pa-gpu-mem",
+        "512",
+        "--pa-cache-type",
+        "int8",
+        "--max-seqs",
+        "8",
+        "--max-model-len",
+        "2048",
+        "--no-paged-attn",
+        "--dtype",
+        "float32",
+        "--device",
+        "cpu",
+        "--seed",
+        "3",
+    ]
     kw = dict(command_config(build_parser(argv).parse_args(argv)).items())
     assert kw["model"] == "mymodel" and kw["block_size"] == 16 and kw["kv_cache_memory_mb"] == 512
     assert kw["kv_cache_dtype"] == "int8" and kw["max_num_seqs"] == 8 and kw["max_model_len"] == 2048
@@ -299,11 +421,11 @@ def test_conflicting_cache_sizes_are_refused():
 
 
 def test_python_dash_m_pagedllm_runs_the_cli():
-    r = subprocess.run([sys.executable, "-m", "pagedllm", "--version"], capture_output=True, text=True,
-                       timeout=120)
+    r = subprocess.run([sys.executable, "-m", "pagedllm", "--version"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "0.1.0" in r.stdout + r.stderr, r
-    r = subprocess.run([sys.executable, "-m", "pagedllm", "bench", "serve", "--help"], capture_output=True,
-                       text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "pagedllm", "bench", "serve", "--help"], capture_output=True, text=True, timeout=120
+    )
     assert r.returncode == 0 and "--response-format" in r.stdout, r
 
 
@@ -311,15 +433,25 @@ def test_max_model_len_past_the_models_positions_is_refused(smollm2_gguf_path, t
     """As vLLM: refused before the load, naming the limit and the way past it, unless opted in."""
     r = cli("generate", "Hi", "--max-tokens", "1", "--max-model-len", "100000", timeout=300)
     assert r.returncode == 1, r.stderr
-    assert ("max_model_len=100000 exceeds the model's 8192 positions (max_position_embeddings). To go past "
-            "them, give the model rope scaling in its config.json") in r.stderr, r.stderr
+    assert (
+        "max_model_len=100000 exceeds the model's 8192 positions (max_position_embeddings). To go past "
+        "them, give the model rope scaling in its config.json"
+    ) in r.stderr, r.stderr
     assert "PAGEDLLM_ALLOW_LONG_MAX_MODEL_LEN=1" in r.stderr, r.stderr
     page = (Path(__file__).resolve().parent.parent / "docs" / "cli.md").read_text()
     quoted = re.search(r"\(`(max_model_len=100000 exceeds[^`]*?) \.\.\.`\)", page, flags=re.S)
     assert quoted and " ".join(quoted.group(1).split()) in r.stderr, "docs/cli.md quotes another message"
 
-    ok = cli("generate", "Hi", "--max-tokens", "1", "--max-model-len", "9000", timeout=300,
-             env={**ENV, "PAGEDLLM_ALLOW_LONG_MAX_MODEL_LEN": "1"})
+    ok = cli(
+        "generate",
+        "Hi",
+        "--max-tokens",
+        "1",
+        "--max-model-len",
+        "9000",
+        timeout=300,
+        env={**ENV, "PAGEDLLM_ALLOW_LONG_MAX_MODEL_LEN": "1"},
+    )
     assert ok.returncode == 0 and ok.stdout.strip(), ok.stderr
     assert "exceeds the model's 8192 positions (allowed by PAGEDLLM_ALLOW_LONG_MAX_MODEL_LEN=1)" in ok.stderr
 

@@ -1,5 +1,6 @@
 """The engine's flags are made from EngineConfig's options (cli/flags.py): every flag the CLI had
 before that change still parses, to the same option, and every option has its flag."""
+
 import re
 from pathlib import Path
 
@@ -10,8 +11,15 @@ from pagedllm.cli.parser import build_parser
 from pagedllm.config import EngineConfig, engine_options
 
 HELP = Path(__file__).parent / "data" / "cli-help"  # `pagedllm [COMMAND] --help` before the change
-COMMANDS = {"top": [], "serve": ["serve"], "chat": ["chat"], "generate": ["generate"], "trace": ["trace"],
-            "plain": ["plain", "-m", "x"], "gguf": ["gguf", "-m", "x", "-f", "y.gguf"]}
+COMMANDS = {
+    "top": [],
+    "serve": ["serve"],
+    "chat": ["chat"],
+    "generate": ["generate"],
+    "trace": ["trace"],
+    "plain": ["plain", "-m", "x"],
+    "gguf": ["gguf", "-m", "x", "-f", "y.gguf"],
+}
 
 
 def _parser_of(argv):
@@ -35,9 +43,31 @@ def test_every_flag_of_the_old_help_is_still_accepted(command):
 
 
 def test_the_old_spellings_reach_the_same_options():
-    argv = ["serve", "m.gguf", "--pa-gpu-mem", "64", "--pa-blk-size", "16", "--pa-cache-type", "int8",
-            "--max-seqs", "3", "--max-seq-len", "512", "--no-paged-attn", "--no-prefix-cache", "-tp", "1",
-            "--prefix-cache-n", "0", "--speculative-ngram", "4", "--enable-lora", "--max-loras", "2"]
+    argv = [
+        "serve",
+        "m.gguf",
+        "--pa-gpu-mem",
+        "64",
+        "--pa-blk-size",
+        "16",
+        "--pa-cache-type",
+        "int8",
+        "--max-seqs",
+        "3",
+        "--max-seq-len",
+        "512",
+        "--no-paged-attn",
+        "--no-prefix-cache",
+        "-tp",
+        "1",
+        "--prefix-cache-n",
+        "0",
+        "--speculative-ngram",
+        "4",
+        "--enable-lora",
+        "--max-loras",
+        "2",
+    ]
     cfg = engine_config(build_parser(argv).parse_args(argv), model="m.gguf")
     assert (cfg.cache.kv_cache_memory_mb, cfg.cache.block_size, cfg.cache.kv_cache_dtype) == (64.0, 16, "int8")
     assert (cfg.scheduler.max_num_seqs, cfg.load.max_model_len) == (3, 512)

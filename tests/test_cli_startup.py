@@ -1,6 +1,7 @@
 """The CLI answers at once: `pagedllm --help`, `--version` and every command's `--help` import
 neither torch nor transformers (python -X importtime lists every module a process imports), and
 `pagedllm env` reports what torch and /proc/cpuinfo say."""
+
 from __future__ import annotations
 
 import json
@@ -17,21 +18,41 @@ ROOT = Path(__file__).resolve().parent.parent
 ENV = {**{k: v for k, v in os.environ.items() if not k.startswith("PAGEDLLM_")}, "PYTHONPATH": str(ROOT)}
 from pagedllm.cli.parser import BENCHES  # noqa: E402  (the standard library only)
 
-COMMANDS = ["serve", "chat", "generate", "trace", "bench", "demo", "env", "collect-env", "plain", "gguf",
-            *(f"bench {kind}" for kind in [*BENCHES, "serve"])]
+COMMANDS = [
+    "serve",
+    "chat",
+    "generate",
+    "trace",
+    "bench",
+    "demo",
+    "env",
+    "collect-env",
+    "plain",
+    "gguf",
+    *(f"bench {kind}" for kind in [*BENCHES, "serve"]),
+]
 
 
 def _imported(*args: str) -> tuple[set[str], str]:
-    r = subprocess.run([sys.executable, "-X", "importtime", "-m", "pagedllm.cli.main", *args],
-                       capture_output=True, text=True, timeout=120, env=ENV)
+    r = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "pagedllm.cli.main", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=ENV,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
-    names = {line.rsplit("|", 1)[1].strip() for line in r.stderr.splitlines()
-             if line.startswith("import time:") and "|" in line}
+    names = {
+        line.rsplit("|", 1)[1].strip()
+        for line in r.stderr.splitlines()
+        if line.startswith("import time:") and "|" in line
+    }
     return names, r.stdout
 
 
-@pytest.mark.parametrize("args", [["--help"], ["--version"], *[[*c.split(), "--help"] for c in COMMANDS]],
-                         ids=lambda a: " ".join(a))
+@pytest.mark.parametrize(
+    "args", [["--help"], ["--version"], *[[*c.split(), "--help"] for c in COMMANDS]], ids=lambda a: " ".join(a)
+)
 def test_help_and_version_import_no_torch(args):
     names, out = _imported(*args)
     assert "pagedllm.cli.parser" in names  # the listing is real
@@ -44,6 +65,7 @@ def test_help_answers_in_under_0_3_s():
     """Median of 5 fresh `pagedllm serve --help` processes under 0.3 s, counted in the CPU seconds
     the process used (user + system, from wait4): the wall time of a shared, busy machine measures
     its neighbours too."""
+
     def cpu_seconds(cmd: list[str]) -> float:
         times = []
         for _ in range(5):
@@ -70,8 +92,13 @@ def _cpuinfo() -> tuple[str, set[str]]:
 def test_env_reports_what_torch_and_cpuinfo_say():
     import torch
 
-    r = subprocess.run([sys.executable, "-m", "pagedllm.cli.main", "env", "--json"], capture_output=True,
-                       text=True, timeout=300, env={**ENV, "PAGEDLLM_SEED_TEST": "1", "PAGEDLLM_API_KEY": "s3cret"})
+    r = subprocess.run(
+        [sys.executable, "-m", "pagedllm.cli.main", "env", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**ENV, "PAGEDLLM_SEED_TEST": "1", "PAGEDLLM_API_KEY": "s3cret"},
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     rep = json.loads(r.stdout)
     from pagedllm import __version__
@@ -108,8 +135,18 @@ def test_env_names_the_level_the_dispatch_takes_uncapped():
     from pagedllm.cli.env import cpu_level
 
     alder_lake = {"avx2", "fma", "f16c", "avx_vnni"}
-    zen4 = {"avx2", "fma", "f16c", "avx512f", "avx512cd", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni",
-            "avx512_bf16"}
+    zen4 = {
+        "avx2",
+        "fma",
+        "f16c",
+        "avx512f",
+        "avx512cd",
+        "avx512bw",
+        "avx512dq",
+        "avx512vl",
+        "avx512_vnni",
+        "avx512_bf16",
+    }
     assert cpu_level(alder_lake) == "avx2" and cpu_level(alder_lake, "avxvnni") == "avxvnni"
     assert cpu_level(zen4) == "avx512bf16" and cpu_level(zen4 - {"avx512_bf16"}) == "avx512vnni"
     assert cpu_level({"sse4_2", "avx"}) == "base" and cpu_level(set()) is None
@@ -117,7 +154,12 @@ def test_env_names_the_level_the_dispatch_takes_uncapped():
 
 @pytest.mark.slow
 def test_env_says_why_the_kernels_did_not_load():
-    r = subprocess.run([sys.executable, "-m", "pagedllm.cli.main", "env"], capture_output=True, text=True,
-                       timeout=300, env={**ENV, "PAGEDLLM_NATIVE": "0"})
+    r = subprocess.run(
+        [sys.executable, "-m", "pagedllm.cli.main", "env"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**ENV, "PAGEDLLM_NATIVE": "0"},
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     assert "NOT loaded" in r.stdout and "PAGEDLLM_NATIVE=0" in r.stdout and "make kernels" in r.stdout

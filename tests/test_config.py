@@ -1,5 +1,6 @@
 """EngineConfig.verify holds every rule of which engine options go together: each is refused
 before anything loads, with one message that names the options and what to use instead."""
+
 import dataclasses
 
 import pytest
@@ -11,7 +12,10 @@ RULES = [
     (dict(enable_lora=True, pipeline_parallel_size=2), "LoRA adapters do not run under pipeline parallelism"),
     (dict(max_loras=2), r"go with enable_lora \(--enable-lora\)"),
     (dict(enable_lora=True, max_lora_rank=0), "max_lora_rank must be an integer >= 1"),
-    (dict(speculative={"method": "draft", "model": "d"}, tensor_parallel_size=2), "draft model does not run under tensor"),
+    (
+        dict(speculative={"method": "draft", "model": "d"}, tensor_parallel_size=2),
+        "draft model does not run under tensor",
+    ),
     (dict(speculative_draft="d", pipeline_parallel_size=2), "draft model does not run under pipeline"),
     (dict(speculative={"method": "ngram"}, speculative_ngram=3), "not both"),
     (dict(speculative_tokens=3), "needs --speculative-draft"),
@@ -36,8 +40,17 @@ def test_each_rule_is_refused_with_its_message(kwargs, message):
 
 
 def _model(**changes) -> ModelConfig:
-    base = ModelConfig(architecture="LlamaForCausalLM", vocab_size=100, hidden_size=64, intermediate_size=128,
-                       num_layers=2, num_heads=4, num_kv_heads=4, head_dim=16, max_position_embeddings=256)
+    base = ModelConfig(
+        architecture="LlamaForCausalLM",
+        vocab_size=100,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=4,
+        head_dim=16,
+        max_position_embeddings=256,
+    )
     return dataclasses.replace(base, **changes)
 
 

@@ -1,6 +1,7 @@
 """The documentation site (issue 70): `mkdocs build --strict` succeeds on docs/ as it is, fails
 when one internal link is broken, and two built pages render their navigation, a table and a
 plot in headless Chromium."""
+
 from __future__ import annotations
 
 import shutil
@@ -19,18 +20,26 @@ try:
     import material  # noqa: F401  (mkdocs-material)
     import mkdocs  # noqa: F401
     import mkdocstrings  # noqa: F401
+
     HAVE_MKDOCS = True
 except ImportError:
     HAVE_MKDOCS = False
 needs_mkdocs = pytest.mark.skipif(
-    not HAVE_MKDOCS, reason="mkdocs, mkdocs-material and mkdocstrings are not installed: "
-                            "pip install -e '.[docs]' (make docs and make test install them)")
+    not HAVE_MKDOCS,
+    reason="mkdocs, mkdocs-material and mkdocstrings are not installed: "
+    "pip install -e '.[docs]' (make docs and make test install them)",
+)
 
 
 def _build(project: Path, site: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-f", str(project / "mkdocs.yml"),
-                           "-d", str(site)], capture_output=True, text=True, timeout=600, cwd=project,
-                          env={"PATH": "/usr/bin:/bin", "NO_MKDOCS_2_WARNING": "1", "HOME": str(site.parent)})
+    return subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "-f", str(project / "mkdocs.yml"), "-d", str(site)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=project,
+        env={"PATH": "/usr/bin:/bin", "NO_MKDOCS_2_WARNING": "1", "HOME": str(site.parent)},
+    )
 
 
 def _copy_project(dst: Path) -> Path:
@@ -40,8 +49,7 @@ def _copy_project(dst: Path) -> Path:
     shutil.copytree(ROOT / "docs", dst / "docs")
     (dst / "tools").mkdir()
     shutil.copy(ROOT / "tools" / "mkdocs_hooks.py", dst / "tools" / "mkdocs_hooks.py")
-    shutil.copytree(ROOT / "pagedllm", dst / "pagedllm",
-                    ignore=shutil.ignore_patterns("__pycache__", "*.so", "csrc"))
+    shutil.copytree(ROOT / "pagedllm", dst / "pagedllm", ignore=shutil.ignore_patterns("__pycache__", "*.so", "csrc"))
     return dst
 
 
@@ -57,9 +65,15 @@ def site(tmp_path_factory) -> Path:
 
 @needs_mkdocs
 def test_the_site_builds_in_strict_mode(site):
-    for page in ("index.html", "installation/index.html", "server/index.html", "configuration/index.html",
-                 "reference/index.html", "design/activation-rounding/index.html",
-                 "benchmarks/compare-llamacpp/index.html"):
+    for page in (
+        "index.html",
+        "installation/index.html",
+        "server/index.html",
+        "configuration/index.html",
+        "reference/index.html",
+        "design/activation-rounding/index.html",
+        "benchmarks/compare-llamacpp/index.html",
+    ):
         assert (site / page).is_file(), page
     # Every plot under docs/figures is shown on a page, and was copied into the site.
     pages = " ".join(p.read_text() for p in (ROOT / "docs").rglob("*.md"))
@@ -93,8 +107,8 @@ def test_the_readmes_links_into_docs_resolve(site):
             continue
         assert (ROOT / target).exists(), target
         if target.startswith("docs/") and target.endswith(".md"):
-            rel = target[len("docs/"):-len(".md")]
-            html = site / (rel[:-len("index")] if rel.endswith("index") else rel + "/") / "index.html"
+            rel = target[len("docs/") : -len(".md")]
+            html = site / (rel[: -len("index")] if rel.endswith("index") else rel + "/") / "index.html"
             assert html.is_file(), target
             if anchor:
                 assert f'id="{anchor}"' in html.read_text(), f"{target}#{anchor}: no such anchor"
@@ -126,15 +140,19 @@ from browser import CHROMIUM, DRIVER, headless  # noqa: E402
 def browser():
     pytest.importorskip("selenium.webdriver")
     if not (CHROMIUM and DRIVER):
-        pytest.skip("Debian's chromium and chromium-driver are not installed (make test installs them as root); "
-                    "playwright's browsers come from its own download server, not the package registry")
+        pytest.skip(
+            "Debian's chromium and chromium-driver are not installed (make test installs them as root); "
+            "playwright's browsers come from its own download server, not the package registry"
+        )
     with headless("--allow-file-access-from-files") as drv:
         yield drv
 
 
 @needs_mkdocs
-@pytest.mark.parametrize("page,plot", [("benchmarks/index.html", "bench-serve.png"),
-                                       ("benchmarks/speculative/index.html", "bench-speculative.png")])
+@pytest.mark.parametrize(
+    "page,plot",
+    [("benchmarks/index.html", "bench-serve.png"), ("benchmarks/speculative/index.html", "bench-speculative.png")],
+)
 def test_built_pages_render_navigation_a_table_and_a_plot(site, browser, page, plot):
     from selenium.webdriver.common.by import By
 
@@ -147,8 +165,9 @@ def test_built_pages_render_navigation_a_table_and_a_plot(site, browser, page, p
     rows = browser.find_elements(By.CSS_SELECTOR, "article table tbody tr")
     assert rows and rows[0].find_elements(By.TAG_NAME, "td"), "no table rendered"
     # The plot: the image loaded (a broken image has naturalWidth 0) and is laid out on the page.
-    img = next(i for i in browser.find_elements(By.CSS_SELECTOR, "article img")
-               if i.get_attribute("src").endswith(plot))
+    img = next(
+        i for i in browser.find_elements(By.CSS_SELECTOR, "article img") if i.get_attribute("src").endswith(plot)
+    )
     loaded = browser.execute_script("return arguments[0].complete && arguments[0].naturalWidth", img)
     assert loaded and loaded > 300, f"{plot} did not load"
     assert img.size["width"] > 100 and img.size["height"] > 50, img.size

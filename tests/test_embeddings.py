@@ -3,6 +3,7 @@ Qwen3-Embedding's layout (a head-less `Qwen3Model`, a tokenizer that appends <|e
 sentence-transformers' modules.json, 1_Pooling/config.json and instruction prompts), embedded by
 `pagedllm serve` through the `openai` client and by `LLM.embed`, against sentence-transformers
 on the same folder: cosine >= 0.9999 for every text, in batches of 1 to 64 texts of mixed length."""
+
 from __future__ import annotations
 
 import json
@@ -22,9 +23,11 @@ from test_server import serving  # noqa: E402
 pytestmark = pytest.mark.slow
 
 QUERY_PROMPT = "Instruct: Given a web search query, retrieve relevant passages that answer the query\nQuery:"
-WORDS = ("paged attention keeps the cache in blocks so many requests share memory without waste ; "
-         "Paris est la capitale de la France . 東京 は 日本 の 首都 です 🙂 12345 6.02e23 "
-         "def f(x): return x * 2 \n the quick brown fox jumps over the lazy dog").split(" ")
+WORDS = (
+    "paged attention keeps the cache in blocks so many requests share memory without waste ; "
+    "Paris est la capitale de la France . 東京 は 日本 の 首都 です 🙂 12345 6.02e23 "
+    "def f(x): return x * 2 \n the quick brown fox jumps over the lazy dog"
+).split(" ")
 BATCHES = (1, 2, 5, 16, 33, 64)
 MIN_COSINE = 0.9999
 
@@ -32,19 +35,28 @@ MIN_COSINE = 0.9999
 def texts(n: int, seed: int) -> list[str]:
     """n texts of mixed length (1 to ~250 words), deterministic."""
     rng = random.Random(seed)
-    return [" ".join(rng.choice(WORDS) for _ in range(rng.choice([1, 3, 8, 20, 60, 120, 250])))
-            for _ in range(n)]
+    return [" ".join(rng.choice(WORDS) for _ in range(rng.choice([1, 3, 8, 20, 60, 120, 250]))) for _ in range(n)]
 
 
-def build_embedding_folder(out: Path, tok, pooling: str = "lasttoken", normalize: bool = True,
-                           seed: int = 0) -> Path:
+def build_embedding_folder(out: Path, tok, pooling: str = "lasttoken", normalize: bool = True, seed: int = 0) -> Path:
     import tokenizers
     import transformers as tf
 
-    cfg = tf.Qwen3Config(vocab_size=len(tok), hidden_size=64, intermediate_size=160, num_hidden_layers=3,
-                         num_attention_heads=6, num_key_value_heads=2, head_dim=16,
-                         max_position_embeddings=1024, rms_norm_eps=1e-6, initializer_range=0.15,
-                         tie_word_embeddings=True, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    cfg = tf.Qwen3Config(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=3,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=1024,
+        rms_norm_eps=1e-6,
+        initializer_range=0.15,
+        tie_word_embeddings=True,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+    )
     torch.manual_seed(seed)
     model = tf.Qwen3Model(cfg).to(torch.float32)
     with torch.no_grad():  # random norms, so a misread q/k or final norm shows
@@ -60,25 +72,35 @@ def build_embedding_folder(out: Path, tok, pooling: str = "lasttoken", normalize
     tk = tokenizers.Tokenizer.from_file(str(out / "tokenizer.json"))
     eot = tk.token_to_id("<|endoftext|>")
     tk.post_processor = tokenizers.processors.TemplateProcessing(
-        single="$A <|endoftext|>", pair="$A <|endoftext|> $B:1 <|endoftext|>:1",
-        special_tokens=[("<|endoftext|>", eot)])
+        single="$A <|endoftext|>", pair="$A <|endoftext|> $B:1 <|endoftext|>:1", special_tokens=[("<|endoftext|>", eot)]
+    )
     tk.save(str(out / "tokenizer.json"))
-    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+    ]
     if normalize:
-        modules.append({"idx": 2, "name": "2", "path": "2_Normalize",
-                        "type": "sentence_transformers.models.Normalize"})
+        modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
         (out / "2_Normalize").mkdir()
     (out / "modules.json").write_text(json.dumps(modules))
     (out / "1_Pooling").mkdir()
-    modes = {f"pooling_mode_{m}": m == pooling for m in
-             ("cls_token", "mean_tokens", "max_tokens", "mean_sqrt_len_tokens", "weightedmean_tokens", "lasttoken")}
-    (out / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": 64, **modes,
-                                                               "include_prompt": True}))
+    modes = {
+        f"pooling_mode_{m}": m == pooling
+        for m in ("cls_token", "mean_tokens", "max_tokens", "mean_sqrt_len_tokens", "weightedmean_tokens", "lasttoken")
+    }
+    (out / "1_Pooling" / "config.json").write_text(
+        json.dumps({"word_embedding_dimension": 64, **modes, "include_prompt": True})
+    )
     (out / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 1024, "do_lower_case": False}))
-    (out / "config_sentence_transformers.json").write_text(json.dumps(
-        {"prompts": {"query": QUERY_PROMPT, "document": ""}, "default_prompt_name": None,
-         "similarity_fn_name": "cosine"}))
+    (out / "config_sentence_transformers.json").write_text(
+        json.dumps(
+            {
+                "prompts": {"query": QUERY_PROMPT, "document": ""},
+                "default_prompt_name": None,
+                "similarity_fn_name": "cosine",
+            }
+        )
+    )
     return out
 
 
@@ -97,9 +119,23 @@ def reference(qwen3_embedding):
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, qwen3_embedding):
     # A small batch budget: long inputs are prefilled in several chunks.
-    yield from serving(tmp_path_factory, "embed", [str(qwen3_embedding), "--task", "embed", "--dtype", "float32",
-                                                   "--pa-gpu-mem", "64", "--max-num-batched-tokens", "512",
-                                                   "--log-level", "info"])
+    yield from serving(
+        tmp_path_factory,
+        "embed",
+        [
+            str(qwen3_embedding),
+            "--task",
+            "embed",
+            "--dtype",
+            "float32",
+            "--pa-gpu-mem",
+            "64",
+            "--max-num-batched-tokens",
+            "512",
+            "--log-level",
+            "info",
+        ],
+    )
 
 
 @pytest.fixture(scope="module")
@@ -171,22 +207,24 @@ def test_concurrent_requests_batch_together(server, reference):
 
     groups = [texts(6, seed=200 + i) for i in range(6)]
     with cf.ThreadPoolExecutor(6) as pool:
-        rs = list(pool.map(lambda g: httpx.post(f"{server.url}/v1/embeddings", json={"input": g}, timeout=120),
-                           groups))
+        rs = list(pool.map(lambda g: httpx.post(f"{server.url}/v1/embeddings", json={"input": g}, timeout=120), groups))
     for g, r in zip(groups, rs):
         assert r.status_code == 200, r.text
         want = reference.encode(g, batch_size=6)
         assert min(cosines([d["embedding"] for d in r.json()["data"]], want)) >= MIN_COSINE
 
 
-@pytest.mark.parametrize("body, param", [
-    ({"input": []}, "input"),
-    ({"input": "x", "prompt_name": "nope"}, "prompt_name"),
-    ({"input": "x", "dimensions": 65}, "dimensions"),
-    ({"input": [[1, 2], [10**9]]}, "input"),
-    ({"input": "word " * 1100}, "input"),
-    ({"input": "x", "encoding_format": "int8"}, "encoding_format"),
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"input": []}, "input"),
+        ({"input": "x", "prompt_name": "nope"}, "prompt_name"),
+        ({"input": "x", "dimensions": 65}, "dimensions"),
+        ({"input": [[1, 2], [10**9]]}, "input"),
+        ({"input": "word " * 1100}, "input"),
+        ({"input": "x", "encoding_format": "int8"}, "encoding_format"),
+    ],
+)
 def test_bad_requests(server, body, param):
     r = httpx.post(f"{server.url}/v1/embeddings", json=body, timeout=60)
     assert r.status_code == 400, r.text
@@ -195,8 +233,7 @@ def test_bad_requests(server, body, param):
 
 def test_generation_on_an_embedding_model_is_refused(client, model_id):
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model=model_id,
-                                       messages=[{"role": "user", "content": "hi"}])
+        client.chat.completions.create(model=model_id, messages=[{"role": "user", "content": "hi"}])
     assert "embedding model" in e.value.body["message"]
 
 
@@ -208,8 +245,7 @@ def test_llm_embed_pooling_modes(tmp_path, hf_smollm2_tokenizer, pooling, normal
 
     from pagedllm import LLM
 
-    folder = build_embedding_folder(tmp_path / pooling, copy.deepcopy(hf_smollm2_tokenizer), pooling, normalize,
-                                    seed=3)
+    folder = build_embedding_folder(tmp_path / pooling, copy.deepcopy(hf_smollm2_tokenizer), pooling, normalize, seed=3)
     ref = st.SentenceTransformer(str(folder), device="cpu")
     llm = LLM(str(folder), dtype="float32", kv_cache_memory_mb=16, max_num_batched_tokens=128)
     assert llm.task == "embed"
@@ -231,8 +267,9 @@ def test_llm_embed_is_scheduled_work_chunked_queued_and_preempted(tmp_path, hf_s
 
     from pagedllm import LLM
 
-    folder = build_embedding_folder(tmp_path / "mean", copy.deepcopy(hf_smollm2_tokenizer), "mean_tokens",
-                                    normalize=False, seed=5)
+    folder = build_embedding_folder(
+        tmp_path / "mean", copy.deepcopy(hf_smollm2_tokenizer), "mean_tokens", normalize=False, seed=5
+    )
     ref = st.SentenceTransformer(str(folder), device="cpu")
     # 1 MiB of float32 KV is 42 blocks of 32 tokens: about half of the inputs' 2,300 tokens.
     llm = LLM(str(folder), dtype="float32", kv_cache_memory_mb=1, max_num_batched_tokens=96)

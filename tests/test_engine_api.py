@@ -1,8 +1,8 @@
 """The vLLM-style API on the default model: seeds, stops, streaming, bad input, no leaks."""
+
 from __future__ import annotations
 
 import pytest
-import torch
 
 from pagedllm import LLM, SamplingParams
 
@@ -28,8 +28,7 @@ def test_seeded_request_same_alone_and_in_batch(smollm2_gguf_path):
     # a logit can move by an ulp between batch compositions; the seeded random stream never does.
     llm = LLM("default", dtype="float32", kv_cache_memory_mb=64, dequantize_weights=True)
     prompt = "Once upon a time, in a small village by the sea,"
-    sp = SamplingParams(max_tokens=40, temperature=0.9, top_p=0.95, top_k=50, seed=1234,
-                        ignore_eos=True)
+    sp = SamplingParams(max_tokens=40, temperature=0.9, top_p=0.95, top_k=50, seed=1234, ignore_eos=True)
     alone = llm.generate([prompt], sp, use_tqdm=False)[0].token_ids
     others = [SamplingParams(max_tokens=40, temperature=1.0, ignore_eos=True) for _ in range(15)]
     batch_prompts = [f"Story number {i}: the dragon" for i in range(15)]
@@ -44,14 +43,16 @@ def test_seeded_request_same_alone_and_in_batch(smollm2_gguf_path):
 
 def test_stop_string_cuts_text(llm):
     sp = SamplingParams(max_tokens=64, temperature=0.0)
-    full = llm.chat([{"role": "user", "content": "Count from 1 to 10, comma separated."}], sp,
-                    use_tqdm=False).text
+    full = llm.chat([{"role": "user", "content": "Count from 1 to 10, comma separated."}], sp, use_tqdm=False).text
     assert "4" in full
-    stop_at = full[full.index("4"):full.index("4") + 1]
-    out = llm.chat([{"role": "user", "content": "Count from 1 to 10, comma separated."}],
-                   SamplingParams(max_tokens=64, temperature=0.0, stop=[stop_at]), use_tqdm=False)
+    stop_at = full[full.index("4") : full.index("4") + 1]
+    out = llm.chat(
+        [{"role": "user", "content": "Count from 1 to 10, comma separated."}],
+        SamplingParams(max_tokens=64, temperature=0.0, stop=[stop_at]),
+        use_tqdm=False,
+    )
     assert out.finish_reason == "stop" and out.outputs[0].stop_reason == stop_at
-    assert out.text == full[:full.index(stop_at)]
+    assert out.text == full[: full.index(stop_at)]
     _no_leaks(llm)
 
 
@@ -60,15 +61,18 @@ def test_stop_token_ids_and_length(llm):
     out = llm.generate(["The quick brown fox"], sp, use_tqdm=False)[0]
     assert out.finish_reason == "length" and len(out.token_ids) == 8
     stop_tok = out.token_ids[3]
-    out2 = llm.generate(["The quick brown fox"],
-                        SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True,
-                                       stop_token_ids=[stop_tok]), use_tqdm=False)[0]
-    assert out2.finish_reason == "stop" and out2.token_ids == out.token_ids[:out.token_ids.index(stop_tok) + 1]
+    out2 = llm.generate(
+        ["The quick brown fox"],
+        SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, stop_token_ids=[stop_tok]),
+        use_tqdm=False,
+    )[0]
+    assert out2.finish_reason == "stop" and out2.token_ids == out.token_ids[: out.token_ids.index(stop_tok) + 1]
 
 
 def test_eos_ends_chat_answer(llm):
-    out = llm.chat([{"role": "user", "content": "Say hello."}], SamplingParams(max_tokens=200, temperature=0.0),
-                   use_tqdm=False)
+    out = llm.chat(
+        [{"role": "user", "content": "Say hello."}], SamplingParams(max_tokens=200, temperature=0.0), use_tqdm=False
+    )
     assert out.finish_reason == "stop"
     assert out.token_ids[-1] in llm.engine.eos_token_ids
     assert "<|im_end|>" not in out.text
@@ -104,25 +108,28 @@ def test_stream_concatenates_to_final_text(llm):
 
 def test_penalties_and_min_p_change_output(llm):
     prompt = "List of fruits: apple, apple, apple,"
-    base = llm.generate([prompt], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True),
-                        use_tqdm=False)[0]
-    pen = llm.generate([prompt], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True,
-                                                repetition_penalty=1.5, frequency_penalty=1.0),
-                       use_tqdm=False)[0]
+    base = llm.generate([prompt], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True), use_tqdm=False)[0]
+    pen = llm.generate(
+        [prompt],
+        SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, repetition_penalty=1.5, frequency_penalty=1.0),
+        use_tqdm=False,
+    )[0]
     assert base.token_ids != pen.token_ids
     apple = llm.tokenizer.encode(" apple", add_special_tokens=False)[0]
     assert pen.token_ids.count(apple) < base.token_ids.count(apple)
     # min_p=1 keeps only the argmax: sampling becomes greedy.
-    mp = llm.generate([prompt], SamplingParams(max_tokens=24, temperature=1.0, min_p=1.0, ignore_eos=True),
-                      use_tqdm=False)[0]
+    mp = llm.generate(
+        [prompt], SamplingParams(max_tokens=24, temperature=1.0, min_p=1.0, ignore_eos=True), use_tqdm=False
+    )[0]
     assert mp.token_ids == base.token_ids
 
 
 def test_top_k_one_is_greedy(llm):
     prompt = "The three primary colors are"
     g = llm.generate([prompt], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True), use_tqdm=False)[0]
-    k1 = llm.generate([prompt], SamplingParams(max_tokens=16, temperature=1.5, top_k=1, ignore_eos=True),
-                      use_tqdm=False)[0]
+    k1 = llm.generate(
+        [prompt], SamplingParams(max_tokens=16, temperature=1.5, top_k=1, ignore_eos=True), use_tqdm=False
+    )[0]
     assert g.token_ids == k1.token_ids
 
 
@@ -136,10 +143,12 @@ def test_token_id_dicts_are_prompts_as_vllm_takes_them(llm):
     got = llm.generate([{"prompt_token_ids": ids}, {"prompt_token_ids": tuple(ids)}], greedy, use_tqdm=False)
     assert [o.prompt_token_ids for o in got] == [ids, ids]
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
-    for bad, match in (({"prompt_token_ids": []}, "non-empty list of token ids"),
-                       ({"prompt_token_ids": ["a"]}, "non-empty list of token ids"),
-                       ({"prompt_token_ids": ids, "multi_modal_data": {}}, "takes only 'prompt_token_ids'"),
-                       ({"text": "hi"}, "'prompt_token_ids'")):
+    for bad, match in (
+        ({"prompt_token_ids": []}, "non-empty list of token ids"),
+        ({"prompt_token_ids": ["a"]}, "non-empty list of token ids"),
+        ({"prompt_token_ids": ids, "multi_modal_data": {}}, "takes only 'prompt_token_ids'"),
+        ({"text": "hi"}, "'prompt_token_ids'"),
+    ):
         with pytest.raises(ValueError, match=match):
             llm.generate(bad, greedy, use_tqdm=False)
     _no_leaks(llm)
@@ -156,16 +165,19 @@ def test_outputs_carry_timing(llm):
     assert out.prompt_token_ids == llm.tokenizer.encode("Hello there")
 
 
-@pytest.mark.parametrize("make, match", [
-    (lambda llm: llm.generate([""], SamplingParams()), "prompt is empty"),
-    (lambda llm: llm.generate([[]], SamplingParams()), "prompt is empty"),
-    (lambda llm: SamplingParams(max_tokens=0), "max_tokens must be"),
-    (lambda llm: SamplingParams(temperature=-0.5), "temperature must be >= 0"),
-    (lambda llm: SamplingParams(top_p=0.0), "top_p"),
-    (lambda llm: llm.generate([[1] * 9000], SamplingParams()), "max_model_len"),
-    (lambda llm: llm.generate([[10**9]], SamplingParams()), "outside the vocabulary"),
-    (lambda llm: llm.generate(["hi"], SamplingParams(max_tokens=10**7)), "KV cache"),
-])
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda llm: llm.generate([""], SamplingParams()), "prompt is empty"),
+        (lambda llm: llm.generate([[]], SamplingParams()), "prompt is empty"),
+        (lambda llm: SamplingParams(max_tokens=0), "max_tokens must be"),
+        (lambda llm: SamplingParams(temperature=-0.5), "temperature must be >= 0"),
+        (lambda llm: SamplingParams(top_p=0.0), "top_p"),
+        (lambda llm: llm.generate([[1] * 9000], SamplingParams()), "max_model_len"),
+        (lambda llm: llm.generate([[10**9]], SamplingParams()), "outside the vocabulary"),
+        (lambda llm: llm.generate(["hi"], SamplingParams(max_tokens=10**7)), "KV cache"),
+    ],
+)
 def test_bad_input_is_a_clear_error(llm, make, match):
     with pytest.raises(ValueError, match=match):
         make(llm)
@@ -188,8 +200,13 @@ def test_unknown_architecture_is_named(tmp_path, hf_smollm2_tokenizer):
 
     import transformers as tf
 
-    cfg = tf.LlamaConfig(vocab_size=len(hf_smollm2_tokenizer), hidden_size=32, intermediate_size=64,
-                         num_hidden_layers=1, num_attention_heads=2)
+    cfg = tf.LlamaConfig(
+        vocab_size=len(hf_smollm2_tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+    )
     model = tf.AutoModelForCausalLM.from_config(cfg)
     model.save_pretrained(tmp_path)
     hf_smollm2_tokenizer.save_pretrained(tmp_path)

@@ -1,11 +1,12 @@
 """Prefill logits and greedy tokens against transformers on the same weights (float32)."""
+
 from __future__ import annotations
 
 import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
-from models import FAMILIES, SLIDING, build_checkpoint, reference_family
+from models import FAMILIES, build_checkpoint, reference_family
 
 # slow: whole models, servers or builds; `make test-fast` leaves it out
 pytestmark = pytest.mark.slow
@@ -17,8 +18,8 @@ NEW_TOKENS = 32
 @pytest.fixture(scope="module", params=FAMILIES)
 def family_ckpt(request, tmp_path_factory, hf_smollm2_tokenizer):
     path, ref, prompts, expected = reference_family(
-        request.param, tmp_path_factory.mktemp(request.param), hf_smollm2_tokenizer, PROMPT_LENS,
-        NEW_TOKENS, seed=1234)
+        request.param, tmp_path_factory.mktemp(request.param), hf_smollm2_tokenizer, PROMPT_LENS, NEW_TOKENS, seed=1234
+    )
     return request.param, path, ref, prompts, expected
 
 
@@ -49,14 +50,17 @@ def test_greedy_tokens_batched(family_ckpt):
 @pytest.mark.parametrize("variant", ["block8", "block16", "contiguous", "preempt"])
 def test_same_tokens_across_cache_layouts(family_ckpt, variant):
     family, path, _, prompts, expected = family_ckpt
-    kwargs = {"block8": dict(block_size=8, kv_cache_memory_mb=16),
-              "block16": dict(block_size=16, kv_cache_memory_mb=16),
-              "contiguous": dict(paged_attention=False, kv_cache_memory_mb=16),
-              # Far fewer blocks than the batch needs at once, and small prefill chunks so
-              # running sequences keep growing: it must preempt (Mistral's window frees
-              # blocks as it goes, so it gets an even smaller cache).
-              "preempt": dict(block_size=8, max_num_batched_tokens=64,
-                              kv_cache_context_len=160 if family == "mistral" else 700)}[variant]
+    kwargs = {
+        "block8": dict(block_size=8, kv_cache_memory_mb=16),
+        "block16": dict(block_size=16, kv_cache_memory_mb=16),
+        "contiguous": dict(paged_attention=False, kv_cache_memory_mb=16),
+        # Far fewer blocks than the batch needs at once, and small prefill chunks so
+        # running sequences keep growing: it must preempt (Mistral's window frees
+        # blocks as it goes, so it gets an even smaller cache).
+        "preempt": dict(
+            block_size=8, max_num_batched_tokens=64, kv_cache_context_len=160 if family == "mistral" else 700
+        ),
+    }[variant]
     llm = LLM(str(path), dtype="float32", **kwargs)
     assert _greedy(llm, prompts) == expected
     eng = llm.engine
@@ -87,7 +91,8 @@ def test_phi3_longrope_long_factors(tmp_path, hf_smollm2_tokenizer):
     expected = []
     with torch.no_grad():
         for p in prompts:
-            out = ref.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False,
-                               eos_token_id=None, pad_token_id=0)
-            expected.append(out[0, len(p):].tolist())
+            out = ref.generate(
+                torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0
+            )
+            expected.append(out[0, len(p) :].tolist())
     assert _greedy(llm, prompts) == expected

@@ -79,7 +79,9 @@ def test_truncated_file(smollm2_gguf_path, tmp_path):
     data = smollm2_gguf_path.read_bytes()
     cut = tmp_path / "cut.gguf"
     cut.write_bytes(data[: int(len(data) * 0.6)])
-    with pytest.raises(GGUFError, match=r"file is truncated: tensor \S+ needs \d+ bytes at offset \d+ but the file has \d+"):
+    with pytest.raises(
+        GGUFError, match=r"file is truncated: tensor \S+ needs \d+ bytes at offset \d+ but the file has \d+"
+    ):
         read_gguf(cut)
     cut.write_bytes(data[:100_000])  # inside the tokenizer metadata
     with pytest.raises(GGUFError, match="truncated") as err:
@@ -108,16 +110,34 @@ def test_not_gguf(tmp_path):
 HIDDEN, HEADS, KV_HEADS, FF, LAYERS = 64, 4, 2, 128, 2
 HEAD_DIM = HIDDEN // HEADS
 
+
 # A tiny byte-level vocabulary: three control tokens, the 256 byte symbols, a few merges.
 @functools.lru_cache(maxsize=1)
 def _byte_symbols() -> tuple[str, ...]:
-    from pagedllm.loading.gguf import _bytes_to_unicode
+    from pagedllm.loading.gguf.tokenizer import _bytes_to_unicode
 
     mapping = _bytes_to_unicode()
     return tuple(mapping[b] for b in range(256))
 
 
-GPT2_MERGES = ["Ġ t", "h e", "Ġt he", "l l", "ll o", "Ġ w", "o r", "Ġw or", "Ġwor l", "Ġworl d", "he llo", "1 2", "3 4", "12 3", "4 5", "Ġ 1"]
+GPT2_MERGES = [
+    "Ġ t",
+    "h e",
+    "Ġt he",
+    "l l",
+    "ll o",
+    "Ġ w",
+    "o r",
+    "Ġw or",
+    "Ġwor l",
+    "Ġworl d",
+    "he llo",
+    "1 2",
+    "3 4",
+    "12 3",
+    "4 5",
+    "Ġ 1",
+]
 
 
 def _gpt2_vocab() -> tuple[list[str], list[int], list[str]]:
@@ -128,8 +148,32 @@ def _gpt2_vocab() -> tuple[list[str], list[int], list[str]]:
 
 
 def _spm_vocab() -> tuple[list[str], list[int], list[float]]:
-    pieces = ["▁", "h", "e", "l", "o", "w", "r", "d", "t", "▁h", "▁t", "he", "ll", "llo", "▁the", "▁hello",
-              "▁w", "or", "▁wor", "ld", "▁world", "▁he", "el", "lo"]
+    pieces = [
+        "▁",
+        "h",
+        "e",
+        "l",
+        "o",
+        "w",
+        "r",
+        "d",
+        "t",
+        "▁h",
+        "▁t",
+        "he",
+        "ll",
+        "llo",
+        "▁the",
+        "▁hello",
+        "▁w",
+        "or",
+        "▁wor",
+        "ld",
+        "▁world",
+        "▁he",
+        "el",
+        "lo",
+    ]
     tokens = ["<unk>", "<s>", "</s>", *[f"<0x{b:02X}>" for b in range(256)], *pieces]
     types = [2, 3, 3] + [6] * 256 + [1] * len(pieces)
     scores = [0.0, 0.0, 0.0] + [0.0] * 256 + [-float(i) for i in range(len(pieces))]
@@ -263,7 +307,7 @@ def write_tiny_gguf(
 
 
 def _hf_name(gguf_name: str) -> str:
-    from pagedllm.loading.gguf import _hf_tensor_name
+    from pagedllm.loading.gguf.arch import _hf_tensor_name
 
     return _hf_tensor_name(gguf_name)
 
@@ -312,8 +356,16 @@ def test_synthetic_matches_transformers(tmp_path):
         for name, tensor in ours.items():
             assert torch.equal(tensor, ref[name]), f"{arch} {name}"
         assert ckpt.config["tie_word_embeddings"] is False
-        for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                    "num_attention_heads", "num_key_value_heads", "rms_norm_eps", "max_position_embeddings"):
+        for key in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "rms_norm_eps",
+            "max_position_embeddings",
+        ):
             assert ckpt.config[key] == getattr(model.config, key), (arch, key)
 
 
@@ -341,8 +393,16 @@ def test_synthetic_qwen2_and_mistral_configs(tmp_path):
 def test_synthetic_tokenizers_match_transformers(tmp_path, kind, pre):
     transformers = pytest.importorskip("transformers")
     transformers.logging.set_verbosity_error()
-    texts = ["hello the world", " the  hello\n\tworld ", "ünïcode 🦀 ok", "<|im_start|>hello<|im_end|>", "", "llo",
-             "I'll say 12345 or 1234 3.14!\r\n\n  x", "don't WORLD's"]
+    texts = [
+        "hello the world",
+        " the  hello\n\tworld ",
+        "ünïcode 🦀 ok",
+        "<|im_start|>hello<|im_end|>",
+        "",
+        "llo",
+        "I'll say 12345 or 1234 3.14!\r\n\n  x",
+        "don't WORLD's",
+    ]
     write_tiny_gguf(tmp_path / "t.gguf", tokenizer=kind, with_tensors=False, pre=pre or "default")
     ours = read_gguf(tmp_path / "t.gguf").tokenizer
     ref = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="t.gguf")
@@ -382,10 +442,18 @@ def test_rope_scaling_llama3_from_rope_freqs(tmp_path):
     path = tmp_path / "llama3.gguf"
     tokens, types, merges = _gpt2_vocab()
     writer = gguf.GGUFWriter(str(path), arch="llama")
-    for add, value in [("add_block_count", 1), ("add_context_length", 131072), ("add_embedding_length", 256),
-                       ("add_feed_forward_length", 512), ("add_head_count", 2), ("add_head_count_kv", 1),
-                       ("add_layer_norm_rms_eps", 1e-5), ("add_rope_freq_base", theta),
-                       ("add_rope_dimension_count", head_dim), ("add_vocab_size", len(tokens))]:
+    for add, value in [
+        ("add_block_count", 1),
+        ("add_context_length", 131072),
+        ("add_embedding_length", 256),
+        ("add_feed_forward_length", 512),
+        ("add_head_count", 2),
+        ("add_head_count_kv", 1),
+        ("add_layer_norm_rms_eps", 1e-5),
+        ("add_rope_freq_base", theta),
+        ("add_rope_dimension_count", head_dim),
+        ("add_vocab_size", len(tokens)),
+    ]:
         getattr(writer, add)(value)
     writer.add_tokenizer_model("gpt2")
     writer.add_token_list(tokens)
@@ -422,7 +490,9 @@ def test_unsupported_tensor_type(tmp_path):
 
     path = tmp_path / "q81.gguf"
     write_tiny_gguf(path, with_tensors=False, extra=extra)
-    with pytest.raises(GGUFError, match=r"unsupported tensor type Q8_1 for tensor blk\.0\.attn_q\.weight; supported: .*Q4_1"):
+    with pytest.raises(
+        GGUFError, match=r"unsupported tensor type Q8_1 for tensor blk\.0\.attn_q\.weight; supported: .*Q4_1"
+    ):
         read_gguf(path)
 
 
@@ -461,7 +531,7 @@ def test_nan_block_scale_is_refused_at_load(tmp_path, dequantize):
     offset = int(t.data_offset) + 18 * 3  # the fp16 scale of the fourth block
     del reader
     data = bytearray(path.read_bytes())
-    data[offset:offset + 2] = np.array([np.nan], dtype=np.float16).tobytes()
+    data[offset : offset + 2] = np.array([np.nan], dtype=np.float16).tobytes()
     path.write_bytes(bytes(data))
     with pytest.raises(GGUFError, match=r"blk\.1\.ffn_down\.weight \(Q4_0\).*NaN or inf scale"):
         LLM(str(path), dtype="float32", kv_cache_memory_mb=4, dequantize_weights=dequantize)

@@ -1,5 +1,6 @@
 """GGUF files of the newer families (qwen3, gemma3), written here with the gguf package from
 a random-weight transformers model, against transformers loading the same file."""
+
 from __future__ import annotations
 
 import gguf
@@ -16,13 +17,25 @@ pytestmark = pytest.mark.slow
 Q = gguf.GGMLQuantizationType
 WINDOW = 32
 # HF parameter name part -> llama.cpp tensor name part.
-_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-          "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
-          "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-          "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm"}
+_NAMES = {
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm",
+}
 _QWEN = {**_NAMES, "post_attention_layernorm": "ffn_norm"}
-_GEMMA = {**_NAMES, "post_attention_layernorm": "post_attention_norm",
-          "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}
+_GEMMA = {
+    **_NAMES,
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}
 
 
 def _hf_model(arch: str, vocab: int):
@@ -30,18 +43,34 @@ def _hf_model(arch: str, vocab: int):
     takes its defaults (128; 256): the models use those values."""
     import transformers as tf
 
-    common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_attention_heads=2,
-                  num_key_value_heads=1, rms_norm_eps=1e-6, max_position_embeddings=512,
-                  initializer_range=0.15, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    common = dict(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=512,
+        initializer_range=0.15,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
     if arch == "qwen3":
-        cfg = tf.Qwen3Config(**common, num_hidden_layers=2, head_dim=128, rope_theta=1e6,
-                             tie_word_embeddings=True)
+        cfg = tf.Qwen3Config(**common, num_hidden_layers=2, head_dim=128, rope_theta=1e6, tie_word_embeddings=True)
     else:  # layer 5 is global, as llama.cpp and transformers assume for gemma3 files
-        cfg = tf.Gemma3TextConfig(**common, num_hidden_layers=6, head_dim=256, query_pre_attn_scalar=256,
-                                  sliding_window=WINDOW, sliding_window_pattern=6,
-                                  rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
-                                                   "sliding_attention": {"rope_type": "default",
-                                                                         "rope_theta": 1e4}})
+        cfg = tf.Gemma3TextConfig(
+            **common,
+            num_hidden_layers=6,
+            head_dim=256,
+            query_pre_attn_scalar=256,
+            sliding_window=WINDOW,
+            sliding_window_pattern=6,
+            rope_parameters={
+                "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+            },
+        )
     torch.manual_seed(0)
     model = tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
     with torch.no_grad():
@@ -109,16 +138,16 @@ def test_gguf_greedy_tokens_match_transformers(tmp_path, arch, qtype):
     transformers.logging.disable_progress_bar()
     vocab = len(_spm_vocab()[0])
     _write_gguf(tmp_path / "m.gguf", arch, _hf_model(arch, vocab), qtype)
-    ref = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file="m.gguf",
-                                                            dtype=torch.float32).eval()
+    ref = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path), gguf_file="m.gguf", dtype=torch.float32
+    ).eval()
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (5, 40, 97)]  # two past the window
     expected = []
     with torch.no_grad():
         for p in prompts:
-            out = ref.generate(torch.tensor([p]), max_new_tokens=16, do_sample=False, eos_token_id=None,
-                               pad_token_id=0)
-            expected.append(out[0, len(p):].tolist())
+            out = ref.generate(torch.tensor([p]), max_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_id=0)
+            expected.append(out[0, len(p) :].tolist())
     # The float weights transformers holds (dequantized from the file's blocks).
     llm = LLM(str(tmp_path / "m.gguf"), dtype="float32", kv_cache_memory_mb=16, dequantize_weights=True)
     with torch.no_grad():

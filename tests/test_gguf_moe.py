@@ -5,6 +5,7 @@ transformers model, against transformers holding the values the file holds.
 transformers reads none of these files reliably here (olmoe and a llama file with experts not
 at all), so the reference is the same transformers model with every weight replaced by what
 the file stores (quantized and dequantized by gguf's own reference code)."""
+
 from __future__ import annotations
 
 import gguf
@@ -22,15 +23,30 @@ pytestmark = pytest.mark.slow
 Q = gguf.GGMLQuantizationType
 ARCH = {"mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "olmoe": "olmoe"}
 # Expert widths that are whole Q8_0 blocks (and Q4_K superblocks where hidden is 256).
-WIDTHS = {"mixtral": {}, "qwen2_moe": {"expert_size": 64}, "qwen3_moe": {"expert_size": 64},
-          "olmoe": {"expert_size": 64}}
-_LAYER = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-          "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
-          "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
-          "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
-          "mlp.gate": "ffn_gate_inp", "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
-          "mlp.shared_expert.up_proj": "ffn_up_shexp", "mlp.shared_expert.down_proj": "ffn_down_shexp",
-          "mlp.shared_expert_gate": "ffn_gate_inp_shexp"}
+WIDTHS = {
+    "mixtral": {},
+    "qwen2_moe": {"expert_size": 64},
+    "qwen3_moe": {"expert_size": 64},
+    "olmoe": {"expert_size": 64},
+}
+_LAYER = {
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "mlp.gate": "ffn_gate_inp",
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp",
+    "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+}
 
 
 def _stored(a: np.ndarray, qtype) -> tuple[np.ndarray, np.ndarray]:
@@ -92,7 +108,10 @@ def write_moe_gguf(path, family: str, model, qtype, skip=(), reshape=None) -> No
             _, _, layer, rest = name.split(".", 3)
             if rest.endswith("experts.gate_up_proj"):
                 half = a.shape[1] // 2
-                out = [(f"blk.{layer}.ffn_gate_exps.weight", a[:, :half]), (f"blk.{layer}.ffn_up_exps.weight", a[:, half:])]
+                out = [
+                    (f"blk.{layer}.ffn_gate_exps.weight", a[:, :half]),
+                    (f"blk.{layer}.ffn_up_exps.weight", a[:, half:]),
+                ]
             elif rest.endswith("experts.down_proj"):
                 out = [(f"blk.{layer}.ffn_down_exps.weight", a)]
             else:
@@ -140,8 +159,12 @@ def test_gguf_moe_matches_transformers(tmp_path, family, qtype):
     prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (5, 40, 97)]
     with torch.no_grad():
         want = ref(torch.tensor([prompts[-1]])).logits[0]
-        expected = [ref.generate(torch.tensor([p]), max_new_tokens=16, do_sample=False, eos_token_id=None,
-                                 pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+        expected = [
+            ref.generate(torch.tensor([p]), max_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_id=0)[
+                0, len(p) :
+            ].tolist()
+            for p in prompts
+        ]
     err = (llm.prompt_logits(prompts[-1]) - want).abs().max().item()
     assert err < 1e-4, f"{family} {qtype.name}: prefill logits differ by {err}"
     sp = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
@@ -153,18 +176,29 @@ def test_expert_count_without_expert_tensors(tmp_path):
     ref = _model("olmoe", vocab)
     skip = {f"blk.{i}.ffn_{p}_exps.weight" for i in range(3) for p in ("gate", "up", "down")}
     write_moe_gguf(tmp_path / "m.gguf", "olmoe", ref, Q.F32, skip=skip)
-    with pytest.raises(ValueError, match=r"olmoe.expert_count = 8 but the file has no expert tensors "
-                                         r"\(blk.N.ffn_gate_exps"):
+    with pytest.raises(
+        ValueError,
+        match=r"olmoe.expert_count = 8 but the file has no expert tensors "
+        r"\(blk.N.ffn_gate_exps",
+    ):
         LLM(str(tmp_path / "m.gguf"), dtype="float32", kv_cache_memory_mb=16)
 
 
 def test_expert_tensor_of_the_wrong_shape(tmp_path):
     vocab = len(_spm_vocab()[0])
     ref = _model("qwen3_moe", vocab)
-    write_moe_gguf(tmp_path / "m.gguf", "qwen3_moe", ref, Q.F32,
-                   reshape={"blk.2.ffn_up_exps.weight": lambda a: np.ascontiguousarray(a[:7])})
-    with pytest.raises(ValueError, match=r"tensor blk.2.ffn_up_exps.weight has shape \(64, 64, 7\), "
-                                         r"expected \(64, 64, 8\)"):
+    write_moe_gguf(
+        tmp_path / "m.gguf",
+        "qwen3_moe",
+        ref,
+        Q.F32,
+        reshape={"blk.2.ffn_up_exps.weight": lambda a: np.ascontiguousarray(a[:7])},
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"tensor blk.2.ffn_up_exps.weight has shape \(64, 64, 7\), "
+        r"expected \(64, 64, 8\)",
+    ):
         LLM(str(tmp_path / "m.gguf"), dtype="float32", kv_cache_memory_mb=16)
 
 
@@ -173,8 +207,11 @@ def test_expert_used_count_above_expert_count(tmp_path):
     ref = _model("qwen2_moe", vocab)
     ref.config.num_experts_per_tok = 9
     write_moe_gguf(tmp_path / "m.gguf", "qwen2_moe", ref, Q.F32)
-    with pytest.raises(ValueError, match=r"qwen2moe.expert_used_count = 9 must be between 1 and "
-                                         r"qwen2moe.expert_count = 8"):
+    with pytest.raises(
+        ValueError,
+        match=r"qwen2moe.expert_used_count = 9 must be between 1 and "
+        r"qwen2moe.expert_count = 8",
+    ):
         LLM(str(tmp_path / "m.gguf"), dtype="float32", kv_cache_memory_mb=16)
 
 
@@ -225,8 +262,9 @@ def test_few_rows_run_their_experts_in_one_native_call(tmp_path, monkeypatch, ro
     native, per_expert = [], []
     real_native, expert_forward = qk.moe_experts, type(moe.experts[0]).forward
     monkeypatch.setattr(qk, "moe_experts", lambda *a: native.append(1) or real_native(*a))
-    monkeypatch.setattr(type(moe.experts[0]), "forward",
-                        lambda self, *a, **kw: per_expert.append(1) or expert_forward(self, *a, **kw))
+    monkeypatch.setattr(
+        type(moe.experts[0]), "forward", lambda self, *a, **kw: per_expert.append(1) or expert_forward(self, *a, **kw)
+    )
     fast = moe.run_experts(h, weights, ids)
     assert (native, per_expert) == ([1], [])
     assert "in one native call" in moe.path()

@@ -1,6 +1,7 @@
 """GPTQ checkpoints: packed by gptqmodel (the format's own library), repacked at load into the
 GGUF block formats, held to gptqmodel's own dequantization bit for bit, to transformers running
 the dequantized weights, and, quantized, to our own float32 run of the same checkpoint."""
+
 from __future__ import annotations
 
 import copy
@@ -31,7 +32,7 @@ def _gptqmodel():
 def _rtn_params(w: torch.Tensor, g_idx: torch.Tensor, groups: int, bits: int, sym: bool):
     """Round-to-nearest scales and zeros per (row, group), as GPTQ's quantizer picks them
     (sym: zero at the midpoint); the codes are then made by gptqmodel's pack."""
-    maxq = 2 ** bits - 1
+    maxq = 2**bits - 1
     out = w.shape[0]
     scales, zeros = torch.empty(out, groups), torch.empty(out, groups)
     for g in range(groups):
@@ -60,8 +61,9 @@ def gptq_linear(w: torch.Tensor, bits: int, gs: int, sym: bool, desc_act: bool, 
     lin = torch.nn.Linear(in_f, out_f, bias=False)
     with torch.no_grad():
         lin.weight.copy_(w)
-    m = TorchLinear(bits=bits, group_size=gs, sym=sym, desc_act=desc_act, in_features=in_f, out_features=out_f,
-                    bias=False)
+    m = TorchLinear(
+        bits=bits, group_size=gs, sym=sym, desc_act=desc_act, in_features=in_f, out_features=out_f, bias=False
+    )
     m.pack(lin, scales, zeros, g_idx.int())
     m.post_init()
     # gptqmodel's dequantization (of the v2 zeros it keeps in memory): in its fp16, and with the
@@ -75,8 +77,12 @@ def gptq_linear(w: torch.Tensor, bits: int, gs: int, sym: bool, desc_act: bool, 
     from types import SimpleNamespace
 
     to_v1(m, SimpleNamespace(bits=bits, pack_dtype=torch.int32))  # what a v1 checkpoint stores: zeros - 1
-    tensors = {"qweight": m.qweight.clone(), "qzeros": m.qzeros.clone(), "scales": m.scales.clone(),
-               "g_idx": m.g_idx.clone().int()}
+    tensors = {
+        "qweight": m.qweight.clone(),
+        "qzeros": m.qzeros.clone(),
+        "scales": m.scales.clone(),
+        "g_idx": m.g_idx.clone().int(),
+    }
     return tensors, ref
 
 
@@ -93,8 +99,15 @@ def _block_values(qt) -> torch.Tensor:
     return vals
 
 
-CASES = [(4, 128, True, False), (4, 128, True, True), (4, 64, False, True), (4, 32, False, False),
-         (4, -1, True, False), (8, 128, True, True), (8, 32, False, False)]
+CASES = [
+    (4, 128, True, False),
+    (4, 128, True, True),
+    (4, 64, False, True),
+    (4, 32, False, False),
+    (4, -1, True, False),
+    (8, 128, True, True),
+    (8, 32, False, False),
+]
 
 
 @pytest.mark.parametrize("bits,gs,sym,desc_act", CASES)
@@ -118,14 +131,27 @@ def test_dequantization_equals_gptqmodels(bits, gs, sym, desc_act):
 
 # -- whole models ---------------------------------------------------------------------------------
 
+
 def _build(family: str, tok, seed: int = 0):
     import transformers as tf
 
-    common = dict(vocab_size=len(tok), hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                  initializer_range=0.1, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
-    cfg = (tf.LlamaConfig(**common, tie_word_embeddings=False) if family == "llama"
-           else tf.Qwen2Config(**common, tie_word_embeddings=True))
+    common = dict(
+        vocab_size=len(tok),
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        initializer_range=0.1,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+    )
+    cfg = (
+        tf.LlamaConfig(**common, tie_word_embeddings=False)
+        if family == "llama"
+        else tf.Qwen2Config(**common, tie_word_embeddings=True)
+    )
     torch.manual_seed(seed)
     model = tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
     if family == "qwen2":  # random biases, so a dropped bias shows
@@ -156,8 +182,14 @@ def write_gptq(model, tok, out, bits: int, gs: int, sym: bool, desc_act: bool):
     save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
     cfg = model.config.to_dict()
     cfg["architectures"] = [type(model).__name__]
-    cfg["quantization_config"] = {"quant_method": "gptq", "bits": bits, "group_size": gs, "sym": sym,
-                                  "desc_act": desc_act, "checkpoint_format": "gptq"}
+    cfg["quantization_config"] = {
+        "quant_method": "gptq",
+        "bits": bits,
+        "group_size": gs,
+        "sym": sym,
+        "desc_act": desc_act,
+        "checkpoint_format": "gptq",
+    }
     (out / "config.json").write_text(json.dumps(cfg))
     tok.save_pretrained(out)
     return ref
@@ -176,8 +208,9 @@ def _assert_greedy_equals(ref, llm, prompt: list[int]) -> None:
     from pagedllm import SamplingParams
 
     with torch.no_grad():
-        want_tokens = ref.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False, eos_token_id=None,
-                                   pad_token_id=0)[0, len(prompt):].tolist()
+        want_tokens = ref.generate(
+            torch.tensor([prompt]), max_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_id=0
+        )[0, len(prompt) :].tolist()
     out = llm.generate([prompt], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
     assert out[0].outputs[0].token_ids == want_tokens
 
@@ -185,8 +218,7 @@ def _assert_greedy_equals(ref, llm, prompt: list[int]) -> None:
 def _assert_close(quant: LLM, reference: LLM, prompt: list[int]) -> None:
     """`quant`'s prefill and decode against `reference`'s logits: top-1 >= 98%, perplexity within 0.5%."""
     ref = reference.prompt_logits(prompt)
-    for label, got in (("prefill", quant.prompt_logits(prompt)),
-                       ("decode", quant.prompt_logits(prompt, chunk_size=1))):
+    for label, got in (("prefill", quant.prompt_logits(prompt)), ("decode", quant.prompt_logits(prompt, chunk_size=1))):
         top1 = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
         ppl_ratio = np.exp(_nll(got, prompt) - _nll(ref, prompt))
         assert top1 >= 0.98, (label, top1)
@@ -209,9 +241,11 @@ def _assert_close_to_float32(path, prompt: list[int], quant: LLM) -> LLM:
     return exact
 
 
-@pytest.fixture(scope="module", params=[("llama", 4, 128, True, True), ("qwen2", 4, 128, False, True),
-                                        ("llama", 8, 64, True, False)],
-                ids=lambda p: "-".join(map(str, p)))
+@pytest.fixture(
+    scope="module",
+    params=[("llama", 4, 128, True, True), ("qwen2", 4, 128, False, True), ("llama", 8, 64, True, False)],
+    ids=lambda p: "-".join(map(str, p)),
+)
 def gptq_model(request, tmp_path_factory, hf_smollm2_tokenizer):
     family, bits, gs, sym, desc_act = request.param
     _gptqmodel()
@@ -241,7 +275,6 @@ def test_model_matches_transformers_on_gptqmodels_weights(gptq_model, gptq_llm, 
     assert torch.equal(got.argmax(-1), want.argmax(-1))
     # Greedy tokens against transformers' generate on the same weights, every step on the repacked
     # blocks' dequantize + GEMM route (the integer kernels round activations to int8: the next test).
-    from pagedllm.quant import kernels as qk
 
     monkeypatch.setenv("PAGEDLLM_QUANT_INT_ROWS", "0")
 
@@ -310,6 +343,7 @@ def test_float_head_is_quantized_to_q8_0_at_load(gptq_model, gptq_llm):
 
 
 # -- bad input ---------------------------------------------------------------------------------------
+
 
 def test_bad_checkpoints_name_the_tensor_or_key(tmp_path):
     w = torch.randn(64, 128, generator=torch.Generator().manual_seed(0)) * 0.05

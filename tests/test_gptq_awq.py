@@ -1,6 +1,7 @@
 """AWQ checkpoints in the GEMM layout (nibble order 0 2 4 6 1 3 5 7): packed by autoawq's own
 WQLinear_GEMM, held to autoawq's dequantize_gemm bit for bit, and run as a model against
 transformers on autoawq's dequantized weights and against our float32 run."""
+
 from __future__ import annotations
 
 import copy
@@ -83,8 +84,13 @@ def awq_model(request, tmp_path_factory, hf_smollm2_tokenizer):
     save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
     cfg = model.config.to_dict()
     cfg["architectures"] = [type(model).__name__]
-    cfg["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True,
-                                  "version": "gemm"}
+    cfg["quantization_config"] = {
+        "quant_method": "awq",
+        "bits": 4,
+        "group_size": 128,
+        "zero_point": True,
+        "version": "gemm",
+    }
     (out / "config.json").write_text(json.dumps(cfg))
     tok.save_pretrained(out)
     return out, ref
@@ -96,7 +102,6 @@ def awq_llm(awq_model) -> LLM:
 
 
 def test_model_matches_transformers_on_autoawqs_weights(awq_model, awq_llm, monkeypatch):
-    from pagedllm.quant import kernels as qk
 
     path, ref = awq_model
     llm = awq_llm  # exact: float head
@@ -127,8 +132,13 @@ def autoawq_checkpoint(tmp_path_factory, hf_smollm2_tokenizer):
     tok.save_pretrained(src)
     model = awq.AutoAWQForCausalLM.from_pretrained(str(src), device_map="cpu")
     texts = ["The quick brown fox jumps over the lazy dog while the cat sleeps by the fire. " * 2] * 16
-    model.quantize(tok, quant_config={"zero_point": True, "q_group_size": 128, "w_bit": 4, "version": "GEMM"},
-                   calib_data=texts, max_calib_samples=16, max_calib_seq_len=64)
+    model.quantize(
+        tok,
+        quant_config={"zero_point": True, "q_group_size": 128, "w_bit": 4, "version": "GEMM"},
+        calib_data=texts,
+        max_calib_samples=16,
+        max_calib_seq_len=64,
+    )
     out = tmp_path_factory.mktemp("awq-q")
     model.save_quantized(str(out))
     tok.save_pretrained(out)

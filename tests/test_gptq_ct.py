@@ -2,6 +2,7 @@
 from random-weight Llama and Qwen2 models with a short calibration text: our dequantization
 against compressed-tensors' own, bit for bit, our model against transformers running the
 checkpoint through compressed-tensors, and our quantized execution against our float32."""
+
 from __future__ import annotations
 
 import json
@@ -18,8 +19,10 @@ from test_gptq import _assert_close_to_float32, _assert_greedy_equals, _block_va
 # slow: whole models, servers or builds; `make test-fast` leaves it out
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not available_isas(), reason="native CPU kernels not built here")]
 
-CALIBRATION = ["The quick brown fox jumps over the lazy dog while the cat sleeps by the fire. " * 6,
-               "Paged attention keeps the key and value cache in fixed-size blocks of tokens. " * 6]
+CALIBRATION = [
+    "The quick brown fox jumps over the lazy dog while the cat sleeps by the fire. " * 6,
+    "Paged attention keeps the key and value cache in fixed-size blocks of tokens. " * 6,
+]
 
 
 def make_checkpoint(family: str, scheme: str, tok, out):
@@ -40,15 +43,22 @@ def make_checkpoint(family: str, scheme: str, tok, out):
     model = tf.AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16)
     ds = Dataset.from_dict({"input_ids": [tok(t)["input_ids"][:128] for t in CALIBRATION]})
     recipe = GPTQModifier(targets="Linear", scheme=scheme, ignore=["lm_head"], actorder="weight")
-    llmc.oneshot(model=model, processor=tok, dataset=ds, recipe=recipe, max_seq_length=128,
-                 num_calibration_samples=len(CALIBRATION))
+    llmc.oneshot(
+        model=model,
+        processor=tok,
+        dataset=ds,
+        recipe=recipe,
+        max_seq_length=128,
+        num_calibration_samples=len(CALIBRATION),
+    )
     model.save_pretrained(out, save_compressed=True)
     tok.save_pretrained(out)
     return out
 
 
-@pytest.fixture(scope="module", params=[("llama", "W4A16"), ("qwen2", "W8A16"), ("llama", "W4A16_ASYM")],
-                ids=lambda p: "-".join(p))
+@pytest.fixture(
+    scope="module", params=[("llama", "W4A16"), ("qwen2", "W8A16"), ("llama", "W4A16_ASYM")], ids=lambda p: "-".join(p)
+)
 def ct_model(request, tmp_path_factory, hf_smollm2_tokenizer):
     family, scheme = request.param
     out = make_checkpoint(family, scheme, hf_smollm2_tokenizer, tmp_path_factory.mktemp("ct") / "q")
@@ -82,8 +92,9 @@ def _ct_dequantized(path) -> dict[str, torch.Tensor]:
         q = unpack_from_int32(sd[f"{p}.weight_packed"], args.num_bits, shape)
         zp = sd.get(f"{p}.weight_zero_point")
         if zp is not None:
-            zp = unpack_from_int32(zp, args.num_bits, torch.Size([shape[0], sd[f"{p}.weight_scale"].shape[1]]),
-                                   packed_dim=0)
+            zp = unpack_from_int32(
+                zp, args.num_bits, torch.Size([shape[0], sd[f"{p}.weight_scale"].shape[1]]), packed_dim=0
+            )
         out[p] = dequantize(q, sd[f"{p}.weight_scale"].float(), zp, args, dtype=torch.float32)
     return out
 
@@ -110,11 +121,11 @@ def test_dequantization_equals_compressed_tensors(ct_model):
 
 def test_model_matches_transformers_running_the_checkpoint(ct_model, ct_llm, monkeypatch):
     import transformers as tf
-    from pagedllm.quant import kernels as qk
 
     path, (family, scheme) = ct_model
     ref = tf.AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32, quantization_config=tf.CompressedTensorsConfig(run_compressed=False)).eval()
+        path, dtype=torch.float32, quantization_config=tf.CompressedTensorsConfig(run_compressed=False)
+    ).eval()
     # transformers decompresses through compressed-tensors into the scales' bf16: the exact values,
     # rounded once. Its model then runs on the exact float32 values, as ours does.
     with torch.no_grad():

@@ -1,6 +1,7 @@
 """The heap policy the engine sets after loading (device.keep_freed_buffers): large buffers a
 step frees are reused by the next steps instead of coming back as new zeroed pages, and what
 the heap keeps stays bounded."""
+
 from __future__ import annotations
 
 import json
@@ -13,8 +14,9 @@ import pytest
 
 from pagedllm.device import keep_freed_buffers
 
-glibc = pytest.mark.skipif(not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc",
-                           reason="a glibc heap policy")
+glibc = pytest.mark.skipif(
+    not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc", reason="a glibc heap policy"
+)
 
 # slow: whole models, servers or builds; `make test-fast` leaves it out
 pytestmark = pytest.mark.slow

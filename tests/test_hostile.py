@@ -7,6 +7,7 @@ no request and no KV block, and never restarted. The attacks are issue 30's: gra
 that overflowed the compiler's stack (SIGSEGV), a 4 MiB prompt tokenized on the event loop,
 templates without time or memory bounds, JSON that got 500s, connections that never timed out.
 """
+
 from __future__ import annotations
 
 import json
@@ -31,7 +32,7 @@ HOSTILE = {
     "HOSTILE-REPEAT": "{{ 'a' * 10**10 }}",
     "HOSTILE-LOOPS": "{% for i in range(10**5) %}{% for j in range(10**5) %}{% endfor %}{% endfor %}",
     "HOSTILE-DOUBLING": "{% set ns = namespace(s='ab') %}{% for i in range(64) %}"
-                        "{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s }}",
+    "{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s }}",
 }
 LIMIT_WORDS = {"HOSTILE-REPEAT": "repetition", "HOSTILE-LOOPS": "time limit", "HOSTILE-DOUBLING": "~"}
 
@@ -61,8 +62,21 @@ def original_template(path: Path) -> str:
     return gguf.GGUFReader(str(path), "r").get_field(gguf.Keys.Tokenizer.CHAT_TEMPLATE).contents()
 
 
-SERVER_FLAGS = ["--served-model-name", "default", "--dtype", "float32", "--dequantize-weights", "--pa-gpu-mem", "128", "--max-model-len", "1024",
-                "--header-timeout", str(HEADER_TIMEOUT_S), "--log-level", "info"]
+SERVER_FLAGS = [
+    "--served-model-name",
+    "default",
+    "--dtype",
+    "float32",
+    "--dequantize-weights",
+    "--pa-gpu-mem",
+    "128",
+    "--max-model-len",
+    "1024",
+    "--header-timeout",
+    str(HEADER_TIMEOUT_S),
+    "--log-level",
+    "info",
+]
 
 
 # A server under attack per module: slow; `make test-fast` leaves it out
@@ -87,8 +101,7 @@ def pid(server) -> int:
 
 def post(server, body: dict | bytes, path: str = CHAT, timeout: float = 60) -> httpx.Response:
     raw = body if isinstance(body, bytes) else json.dumps(body).encode()
-    return httpx.post(f"{server.url}{path}", content=raw, timeout=timeout,
-                      headers={"Content-Type": "application/json"})
+    return httpx.post(f"{server.url}{path}", content=raw, timeout=timeout, headers={"Content-Type": "application/json"})
 
 
 def ask(text: str, **kw) -> dict:
@@ -113,8 +126,13 @@ class Stream(threading.Thread):
     def run(self) -> None:
         try:
             for c in self.client.chat.completions.create(
-                    model="default", messages=[{"role": "user", "content": "Count to a hundred."}],
-                    max_tokens=self.tokens, stream=True, temperature=0, extra_body={"ignore_eos": True}):
+                model="default",
+                messages=[{"role": "user", "content": "Count to a hundred."}],
+                max_tokens=self.tokens,
+                stream=True,
+                temperature=0,
+                extra_body={"ignore_eos": True},
+            ):
                 if c.choices and c.choices[0].delta.content:
                     self.chunks += 1
                 if c.choices and c.choices[0].finish_reason:
@@ -170,8 +188,10 @@ def test_4mib_prompt_never_stalls_health(server):
     def attack(path: str, body: bytes) -> None:
         results[path] = post(server, body, path)
 
-    bodies = {CHAT: json.dumps(ask(big)).encode(),
-              "/v1/completions": json.dumps({"prompt": big, "max_tokens": 4}).encode()}
+    bodies = {
+        CHAT: json.dumps(ask(big)).encode(),
+        "/v1/completions": json.dumps({"prompt": big, "max_tokens": 4}).encode(),
+    }
     attacks = [threading.Thread(target=attack, args=item) for item in bodies.items()]
     times = []
     with httpx.Client(timeout=10) as c:
@@ -214,7 +234,10 @@ def test_hostile_chat_template_file_gets_400_naming_it(template_file_server):
         err = error_of(post(template_file_server, ask(trigger)))
         assert "--chat-template " in err["message"] and "hostile.jinja" in err["message"], err
         assert LIMIT_WORDS[trigger] in err["message"], err
-    ok = post(template_file_server, ask("What is the capital of France? Answer in one sentence.", temperature=0, max_tokens=12))
+    ok = post(
+        template_file_server,
+        ask("What is the capital of France? Answer in one sentence.", temperature=0, max_tokens=12),
+    )
     assert ok.status_code == 200 and "Paris" in ok.json()["choices"][0]["message"]["content"]
 
 
@@ -229,8 +252,9 @@ def test_gguf_whose_template_breaks_limits_loads_with_default(tmp_path, smollm2_
         tok = read_gguf(path).tokenizer
     assert time.monotonic() - t0 < 30
     assert tok.chat_template == template_guard.DEFAULT_CHAT_TEMPLATE
-    assert any("tokenizer.chat_template of bad.gguf" in r.getMessage() and "default" in r.getMessage()
-               for r in caplog.records), caplog.text
+    assert any(
+        "tokenizer.chat_template of bad.gguf" in r.getMessage() and "default" in r.getMessage() for r in caplog.records
+    ), caplog.text
     prompt = tok.apply_chat_template([{"role": "user", "content": "Hi"}])
     assert prompt == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
 
@@ -284,8 +308,12 @@ def test_half_open_connections_closed_within_header_timeout(server):
 
 def test_after_the_attacks_the_same_process_serves_and_holds_nothing(server, pid):
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=120)
-    r = client.chat.completions.create(model="default", temperature=0, max_tokens=12,
-                                       messages=[{"role": "user", "content": "What is the capital of France? Answer in one sentence."}])
+    r = client.chat.completions.create(
+        model="default",
+        temperature=0,
+        max_tokens=12,
+        messages=[{"role": "user", "content": "What is the capital of France? Answer in one sentence."}],
+    )
     assert "Paris" in r.choices[0].message.content
     m = server.metrics()
     assert m["pagedllm_num_requests_running"] == 0 and m["pagedllm_kv_blocks_used"] == 0, m

@@ -1,5 +1,6 @@
 """In-situ quantization: our quantizers against gguf-py's reference quantizers and dequantization,
 and a safetensors model quantized at load against transformers running the same rounded weights."""
+
 from __future__ import annotations
 
 import gguf
@@ -49,14 +50,14 @@ def test_requantize_is_ggufs_quantizer_on_ggufs_dequantized_values(src):
     # (Row 0 is zero: gguf-py dequantizes it to -0.0, which its quantizer scales by +0.0, and
     # our kernel to +0.0, scaled by -0.0: the same zero weights, a scale's sign bit apart.)
     np.testing.assert_array_equal(got.data.numpy()[1:], ref[1:])
-    np.testing.assert_array_equal(gguf.quants.dequantize(got.data.numpy(), Q.Q4_0),
-                                  gguf.quants.dequantize(ref, Q.Q4_0))
+    np.testing.assert_array_equal(gguf.quants.dequantize(got.data.numpy(), Q.Q4_0), gguf.quants.dequantize(ref, Q.Q4_0))
     np.testing.assert_array_equal(requantize(src_blocks, "Q4_0", rows=32).data.numpy()[1:], ref[1:32])
     packed = QuantTensor(src, src_blocks.data.clone(), (64, 512)).pack()
     again = requantize(packed, "Q4_0", rows=48)
     assert again.packed and again.shape == (48, 512)
     back = gguf.quants.dequantize(ref[:48], Q.Q4_0).reshape(48, 512)
     from pagedllm.quant import kernels as qk
+
     np.testing.assert_array_equal(qk.embedding(again, torch.arange(48), torch.float32).numpy(), back)
 
 
@@ -80,7 +81,7 @@ def test_k_quant_isq_round_trip(fmt):
     step_of, rms_bound = K_STEPS[fmt]
     step = step_of(blocks)
     assert (err <= step + 1e-6).all(), (err / np.maximum(step, 1e-9)).max()
-    rel_rms = np.sqrt((err ** 2).mean()) / w.std().item()
+    rel_rms = np.sqrt((err**2).mean()) / w.std().item()
     assert rel_rms < rms_bound, rel_rms  # the outlier row dominating
     assert not back[0].any()  # the all-zero row stays zero
 
@@ -112,10 +113,19 @@ def isq_ckpt(tmp_path_factory, hf_smollm2_tokenizer):
     import transformers as tf
 
     tok = hf_smollm2_tokenizer
-    cfg = tf.LlamaConfig(vocab_size=len(tok), hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         initializer_range=0.1, tie_word_embeddings=False,
-                         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    cfg = tf.LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        initializer_range=0.1,
+        tie_word_embeddings=False,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+    )
     torch.manual_seed(0)
     model = tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
     out = tmp_path_factory.mktemp("isq")
@@ -161,10 +171,8 @@ def test_batch1_decode_rounds_activations_in_two_levels(isq_ckpt, monkeypatch):
     llm = LLM(str(path), dtype="float32", isq="Q4_K", kv_cache_memory_mb=8)
     prompt = torch.randint(0, 49152, (48,), generator=torch.Generator().manual_seed(9)).tolist()
     exact = llm.prompt_logits(prompt)  # 48 rows at once: dequantize + GEMM, no rounding
-    assert ("activations int8x2 up to 8 rows, int8 above except qkv_proj"
-            in llm.engine.kv_cache_trace().weight_kernel)
-    errors = {"default": ((llm.prompt_logits(prompt, chunk_size=1) - exact).abs().max()
-                          / exact.abs().max()).item()}
+    assert "activations int8x2 up to 8 rows, int8 above except qkv_proj" in llm.engine.kv_cache_trace().weight_kernel
+    errors = {"default": ((llm.prompt_logits(prompt, chunk_size=1) - exact).abs().max() / exact.abs().max()).item()}
     for mode in ("int8x2", "int8"):
         monkeypatch.setenv("PAGEDLLM_QUANT_ACT", mode)
         got = llm.prompt_logits(prompt, chunk_size=1)
@@ -183,8 +191,7 @@ def _stack_against_layers(path, monkeypatch, **kw):
     from pagedllm import SamplingParams
     from pagedllm.models import llama
 
-    prompts = [torch.randint(0, 49152, (n,), generator=torch.Generator().manual_seed(n)).tolist()
-               for n in (5, 17, 40)]
+    prompts = [torch.randint(0, 49152, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 17, 40)]
     sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2)
     calls = []
     real = llama.LlamaForCausalLM._decode_stack
@@ -257,10 +264,19 @@ def test_decode_stack_applies_qwen3_qk_norms(tmp_path, hf_smollm2_tokenizer, dty
 
     if not qk.decode_layers_take_qk_norms():
         pytest.skip("the native library is not built here")
-    path = build_checkpoint("qwen3", tmp_path / "q3", hf_smollm2_tokenizer, len(hf_smollm2_tokenizer),
-                            intermediate_size=512, hidden_size=256, num_attention_heads=4, head_dim=64)
-    _, plain, stacked_steps, sp, prompts, llm = _stack_against_layers(path, monkeypatch, dtype=dtype, isq="Q4_K",
-                                                                      kv_cache_dtype=kv)
+    path = build_checkpoint(
+        "qwen3",
+        tmp_path / "q3",
+        hf_smollm2_tokenizer,
+        len(hf_smollm2_tokenizer),
+        intermediate_size=512,
+        hidden_size=256,
+        num_attention_heads=4,
+        head_dim=64,
+    )
+    _, plain, stacked_steps, sp, prompts, llm = _stack_against_layers(
+        path, monkeypatch, dtype=dtype, isq="Q4_K", kv_cache_dtype=kv
+    )
     assert stacked_steps >= 10, "the decode stack did not take Qwen3's layers"
     # The norms matter: the stack without them (as if the layers had none) goes elsewhere.
     plan = llm.engine.model._stack_plan()
@@ -285,10 +301,16 @@ def test_decode_stack_runs_sparse_moe_layers(tmp_path, hf_smollm2_tokenizer, fam
 
     if not qk.decode_layers_take_moe():
         pytest.skip("the native library is not built here")
-    path = build_checkpoint(family, tmp_path / family, hf_smollm2_tokenizer, len(hf_smollm2_tokenizer),
-                            hidden_size=128, head_dim=32, expert_size=64)
-    _, plain, stacked_steps, sp, prompts, llm = _stack_against_layers(path, monkeypatch, dtype="float32",
-                                                                      isq="Q8_0")
+    path = build_checkpoint(
+        family,
+        tmp_path / family,
+        hf_smollm2_tokenizer,
+        len(hf_smollm2_tokenizer),
+        hidden_size=128,
+        head_dim=32,
+        expert_size=64,
+    )
+    _, plain, stacked_steps, sp, prompts, llm = _stack_against_layers(path, monkeypatch, dtype="float32", isq="Q8_0")
     model = llm.engine.model
     plan = model._stack_plan()
     assert stacked_steps >= 10 and plan["moe_layers"], "the decode stack did not take the sparse layers"
@@ -300,9 +322,14 @@ def test_decode_stack_runs_sparse_moe_layers(tmp_path, hf_smollm2_tokenizer, fam
         assert mlp._stack_ids is not None and sum(mlp.last_counts) == mlp.top_k
     # The routers matter: a stack whose routers prefer other experts goes elsewhere.
     stack = plan["moe"]
-    plan["moe"] = qk.moe_stack([None if i not in dict(plan["moe_layers"]) else
-                                (-m._router32, m._native, m.top_k, m.renormalize, m.weights_in_compute_dtype)
-                                for i, m in ((i, dict(plan["moe_layers"]).get(i)) for i in range(len(model.layers)))])
+    plan["moe"] = qk.moe_stack(
+        [
+            None
+            if i not in dict(plan["moe_layers"])
+            else (-m._router32, m._native, m.top_k, m.renormalize, m.weights_in_compute_dtype)
+            for i, m in ((i, dict(plan["moe_layers"]).get(i)) for i in range(len(model.layers)))
+        ]
+    )
     try:
         rerouted = llm.generate(prompts, sp)
     finally:
@@ -320,8 +347,9 @@ def test_decode_stack_rounds_each_projection_as_the_layers_do(isq_ckpt, monkeypa
 
     monkeypatch.delenv("PAGEDLLM_QUANT_ACT", raising=False)
     path, _ = isq_ckpt
-    prompts = [torch.randint(0, 49152, (4 + n,), generator=torch.Generator().manual_seed(n)).tolist()
-               for n in range(12)]  # 12 rows a step: past X2_ROWS
+    prompts = [
+        torch.randint(0, 49152, (4 + n,), generator=torch.Generator().manual_seed(n)).tolist() for n in range(12)
+    ]  # 12 rows a step: past X2_ROWS
     assert len(prompts) > qk.X2_ROWS
     sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=2)
     llm = LLM(str(path), dtype="float32", isq="Q4_K", kv_cache_memory_mb=8, enable_prefix_caching=False)
@@ -360,8 +388,7 @@ def test_wide_models_round_a_row_alike_at_every_step_width(isq_ckpt, monkeypatch
     monkeypatch.delenv("PAGEDLLM_QUANT_X2_WIDE", raising=False)
     path, _ = isq_ckpt
     # (12 prompts of 2 tokens: their prefill, 24 rows, stays on the integer kernels too)
-    prompts = [torch.randint(0, 49152, (2,), generator=torch.Generator().manual_seed(n)).tolist()
-               for n in range(12)]
+    prompts = [torch.randint(0, 49152, (2,), generator=torch.Generator().manual_seed(n)).tolist() for n in range(12)]
     assert qk.X2_ROWS < len(prompts) and 2 * len(prompts) <= qk.int_rows()
     sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=2)
     llm = LLM(str(path), dtype="float32", isq="Q4_K", kv_cache_memory_mb=8, enable_prefix_caching=False)
@@ -385,8 +412,10 @@ def test_wide_models_round_a_row_alike_at_every_step_width(isq_ckpt, monkeypatch
     monkeypatch.setattr(qk, "X2_WIDTH", hidden)
     alone, among = alone_and_among_others()
     assert gap(alone, among) < 1e-5
-    assert f"activations int8 except qkv_proj at every width, the model {hidden} >= {hidden} wide" in \
-        llm.engine.kv_cache_trace().weight_kernel
+    assert (
+        f"activations int8 except qkv_proj at every width, the model {hidden} >= {hidden} wide"
+        in llm.engine.kv_cache_trace().weight_kernel
+    )
     monkeypatch.setenv("PAGEDLLM_QUANT_ACT", "int8x2")  # the choice by hand still holds
     alone_x2, _ = alone_and_among_others()
     assert gap(alone_x2, alone) > 1e-3

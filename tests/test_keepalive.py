@@ -2,6 +2,7 @@
 is alive every few seconds, in its dialect's way, so a client's idle timeout does not end it:
 qwen-code gives up on a stream without a chunk for 240 s, which a 17,500-token prompt on two
 cores outlasts."""
+
 from __future__ import annotations
 
 import asyncio

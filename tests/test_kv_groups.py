@@ -1,4 +1,5 @@
 """KV groups: sliding layers keep only their window's blocks (kv/groups.py)."""
+
 from __future__ import annotations
 
 import pytest
@@ -23,11 +24,22 @@ def _gemma3_shaped(tmp_path, tok):
     toy width, so an 8,192-token sequence runs in seconds on a CPU."""
     import transformers as tf
 
-    cfg = tf.Gemma3TextConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=26,
-                              num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-                              query_pre_attn_scalar=16, sliding_window=512, max_position_embeddings=8448,
-                              sliding_window_pattern=6, bos_token_id=tok.bos_token_id,
-                              eos_token_id=tok.eos_token_id, pad_token_id=0)
+    cfg = tf.Gemma3TextConfig(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=26,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        query_pre_attn_scalar=16,
+        sliding_window=512,
+        max_position_embeddings=8448,
+        sliding_window_pattern=6,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=0,
+    )
     torch.manual_seed(0)
     tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(tmp_path)
     tok.save_pretrained(tmp_path)
@@ -66,9 +78,11 @@ def test_sliding_groups_hold_one_window_at_8192_tokens(tmp_path, hf_smollm2_toke
     u, _ = _blocks_held_at_8192(path, monkeypatch, hybrid=False)
     uniform_pages = u.blocks_used * u.kv_group_layers
     ideal = 4 * 257 + 22 * 17  # the global layers' blocks plus one window per sliding layer
-    print(f"8192 tokens, blocks of 32: KV groups hold {t.blocks_used} blocks of {t.kv_group_layers} layers "
-          f"= {hybrid_pages} layer-pages ({t.kv_groups}); one uniform table holds {u.blocks_used} blocks of "
-          f"{u.kv_group_layers} layers = {uniform_pages}; global + one window per sliding layer = {ideal}")
+    print(
+        f"8192 tokens, blocks of 32: KV groups hold {t.blocks_used} blocks of {t.kv_group_layers} layers "
+        f"= {hybrid_pages} layer-pages ({t.kv_groups}); one uniform table holds {u.blocks_used} blocks of "
+        f"{u.kv_group_layers} layers = {uniform_pages}; global + one window per sliding layer = {ideal}"
+    )
     assert u.blocks_used == 257 and u.kv_group_layers == 26
     assert ideal <= hybrid_pages <= ideal + 2 * 17  # the last sliding group's two idle slots
     assert hybrid_pages < uniform_pages / 4
@@ -84,10 +98,12 @@ def test_hybrid_n2_forks_every_group(tmp_path, hf_smollm2_tokenizer):
     path = build_checkpoint("gemma3", tmp_path / "g3", tok, len(tok))
     llm = LLM(str(path), dtype="float32", kv_cache_memory_mb=16, block_size=16)
     prompt = torch.randint(0, 1000, (130,), generator=torch.Generator().manual_seed(1)).tolist()
-    one = llm.generate([prompt], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True),
-                       use_tqdm=False)[0].token_ids
-    two = llm.generate([prompt], SamplingParams(n=2, max_tokens=40, temperature=0.0, ignore_eos=True),
-                       use_tqdm=False)[0].outputs
+    one = llm.generate([prompt], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True), use_tqdm=False)[
+        0
+    ].token_ids
+    two = llm.generate([prompt], SamplingParams(n=2, max_tokens=40, temperature=0.0, ignore_eos=True), use_tqdm=False)[
+        0
+    ].outputs
     assert [o.token_ids for o in two] == [one, one]
     assert llm.engine.block_manager.num_groups == 4
     assert llm.engine.block_manager.num_used_blocks == 0

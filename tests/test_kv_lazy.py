@@ -1,6 +1,7 @@
 """Lazily allocated KV pools (issue 14): what an unwritten slot holds never reaches an output,
 the free list reuses the most recently freed block, the trace reports ceiling and committed
 bytes, and a request whose logits are not finite fails on its own."""
+
 from __future__ import annotations
 
 import asyncio
@@ -66,8 +67,17 @@ def _scenarios(llm: LLM) -> list:
     return outs
 
 
-PATHS = [("native", "auto"), ("native", "int8"), ("native", "f8e4m3"), ("torch", "auto"), ("torch", "int8"), ("torch", "f8e4m3"),
-         ("contiguous", "auto"), ("contiguous", "int8"), ("contiguous", "f8e4m3")]
+PATHS = [
+    ("native", "auto"),
+    ("native", "int8"),
+    ("native", "f8e4m3"),
+    ("torch", "auto"),
+    ("torch", "int8"),
+    ("torch", "f8e4m3"),
+    ("contiguous", "auto"),
+    ("contiguous", "int8"),
+    ("contiguous", "f8e4m3"),
+]
 
 
 @pytest.mark.parametrize("path,kv_dtype", PATHS)
@@ -75,16 +85,27 @@ def test_nan_filled_pools_give_the_zero_filled_outputs(llama, monkeypatch, path,
     if path == "torch":  # the PyTorch gather path instead of the native decode kernel
         monkeypatch.setattr("pagedllm.attention.paged.cpu_kernels", lambda: None)
     # The CPU, where pools are lazily allocated (elsewhere they are zero-filled as before).
-    kw = dict(device="cpu", dtype="float32", block_size=8, kv_cache_context_len=160, max_num_batched_tokens=32,
-              kv_cache_dtype=kv_dtype, paged_attention=path != "contiguous", max_model_len=256)
+    kw = dict(
+        device="cpu",
+        dtype="float32",
+        block_size=8,
+        kv_cache_context_len=160,
+        max_num_batched_tokens=32,
+        kv_cache_dtype=kv_dtype,
+        paged_attention=path != "contiguous",
+        max_model_len=256,
+    )
     runs = {}
     for name, fill in (("zeros", _zeros), ("nan", _garbage)):
         monkeypatch.setattr(kv_cache, "empty_pool", fill)
         llm = LLM(str(llama), **kw)
         eng = llm.engine
         decode = eng.kv_cache_trace().decode_attention
-        assert decode.startswith({"native": "torch-paged with the native", "torch": "torch-paged: all",
-                                  "contiguous": "torch-contiguous"}[path]), decode
+        assert decode.startswith(
+            {"native": "torch-paged with the native", "torch": "torch-paged: all", "contiguous": "torch-contiguous"}[
+                path
+            ]
+        ), decode
         runs[name] = _scenarios(llm)
         assert eng.scheduler.num_preemptions > 0
         if path != "contiguous":
@@ -190,8 +211,9 @@ def test_nan_weight_server_answers_an_error_body_and_keeps_serving(poisoned):
     llm = LLM(str(poisoned), dtype="float32", kv_cache_memory_mb=16)
     want = llm.generate([CLEAN[0]], GREEDY, use_tqdm=False)[0].text
     port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(llm, ServerConfig(model_name="m")), host="127.0.0.1", port=port,
-                                           log_level="warning"))
+    server = uvicorn.Server(
+        uvicorn.Config(create_app(llm, ServerConfig(model_name="m")), host="127.0.0.1", port=port, log_level="warning")
+    )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     try:

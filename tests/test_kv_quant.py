@@ -1,5 +1,6 @@
 """KV-cache quantization (int8, f8e4m3) and half-width storage (bf16, f16): round trips,
 capacity, logits and generation vs auto."""
+
 from __future__ import annotations
 
 import pytest
@@ -9,8 +10,16 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.config import CacheConfig
 from pagedllm.kv.cache import KVCacheSpec, PagedKVCache, plan_cache
 from pagedllm.kv.calibration import HEADROOM, checkpoint_fp8_scales, kv_scale_key, scales_from_amax
-from pagedllm.kv.quant import (FP8_MAX, KVCodec, _fp8_as, dequantize_fp8, dequantize_int8, get_mode,
-                               quantize_fp8, quantize_int8)
+from pagedllm.kv.quant import (
+    FP8_MAX,
+    KVCodec,
+    _fp8_as,
+    dequantize_fp8,
+    dequantize_int8,
+    get_mode,
+    quantize_fp8,
+    quantize_int8,
+)
 from models import build_checkpoint
 
 QUANT = ["int8", "f8e4m3"]
@@ -143,8 +152,10 @@ def test_block_copies_carry_values_and_scales(ct):
     # Compared as bits: the unwritten slots hold whatever the allocator left there, NaN patterns
     # included, and NaN != NaN as floats.
     bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-    assert all(torch.equal(t[:, :, 5, 3:].view(bits[t.element_size()]), u.view(bits[u.element_size()]))
-               for t, u in zip(cache._block_tensors(), untouched))
+    assert all(
+        torch.equal(t[:, :, 5, 3:].view(bits[t.element_size()]), u.view(bits[u.element_size()]))
+        for t, u in zip(cache._block_tensors(), untouched)
+    )
 
 
 # -- through the engine, random weights -------------------------------------------
@@ -193,11 +204,13 @@ def test_logits_close_to_auto(llama_ckpt, llama_ref, ct):
     got = llm.prompt_logits(prompt, 1)
     assert torch.isfinite(got).all()
     err = ((got - ref).abs().mean() / ref.std()).item()
-    assert 0 < err < VS_BF16[ct] * bf16_err, f"{ct}: mean logit error {err:.4f} x std " \
-        f"(bfloat16 compute: {bf16_err:.4f})"
+    assert 0 < err < VS_BF16[ct] * bf16_err, (
+        f"{ct}: mean logit error {err:.4f} x std (bfloat16 compute: {bf16_err:.4f})"
+    )
     assert (got - ref).abs().max() / ref.std() < {"int8": 0.4, "f8e4m3": 1.5, "bf16": 0.4, "f16": 0.1}[ct]
-    assert (got.argmax(-1) == ref.argmax(-1)).float().mean() > {"int8": 0.9, "f8e4m3": 0.8, "bf16": 0.9,
-                                                                 "f16": 0.95}[ct]
+    assert (got.argmax(-1) == ref.argmax(-1)).float().mean() > {"int8": 0.9, "f8e4m3": 0.8, "bf16": 0.9, "f16": 0.95}[
+        ct
+    ]
     # Scoring many prompts at once gives the same log-probs as one at a time, and chunked
     # prefill reads the same stored values as token-by-token decode. Not bit for bit: another
     # batch shape rounds K/V differently in float32, which now and then moves a value to the
@@ -258,8 +271,7 @@ def test_prefix_cache_reuses_quantized_blocks(llama_ckpt, ct):
     prompts = [shared + t for t in _prompts(4, 1000, lens=(3, 9), seed=4)]
     llm = LLM(str(llama_ckpt), dtype="float32", kv_cache_memory_mb=8, kv_cache_dtype=ct)
     first = _greedy(llm, prompts)
-    second = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True),
-                          use_tqdm=False)
+    second = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True), use_tqdm=False)
     if getattr(llm.engine, "prefix_caching", False):
         assert any(o.num_cached_tokens > 0 for o in second)
     assert [list(o.outputs[0].token_ids) for o in second] == first
@@ -317,8 +329,9 @@ def test_calibrated_fp8_scales_leave_room_for_unseen_text(smollm2_gguf_path):
     eng = LLM(str(smollm2_gguf_path), kv_cache_memory_mb=8, kv_cache_dtype="f8e4m3").engine
     assert eng.kv_spec.scale_source.startswith("calibrated")
     limit = FP8_MAX * eng.kv_cache.head_scales.cpu()  # [layers, 2, H]: where values saturate
-    args = argparse.Namespace(text_file=None, windows=8, window_len=512, prompts=0, prompt_len=0,
-                              model=str(smollm2_gguf_path))
+    args = argparse.Namespace(
+        text_file=None, windows=8, window_len=512, prompts=0, prompt_len=0, model=str(smollm2_gguf_path)
+    )
     amax = torch.zeros_like(limit)
     for w in _prepare_text(args)[0]:
         amax = torch.maximum(amax, calibrate_kv_amax(eng.model, w, CPU))

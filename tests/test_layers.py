@@ -1,5 +1,6 @@
 """The layering is checked, not hoped for: import-linter's contracts in pyproject.toml (layers
 only look down; models see the attention context interface only) must hold."""
+
 from __future__ import annotations
 
 import os
@@ -19,8 +20,9 @@ def test_import_contracts_hold():
         pytest.fail("lint-imports is not installed: pip install import-linter (the dev extra has it)")
     # This checkout's package, whatever else is on the path.
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    r = subprocess.run([exe, "--config", str(ROOT / "pyproject.toml")], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [exe, "--config", str(ROOT / "pyproject.toml")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     assert "Contracts: 2 kept, 0 broken." in r.stdout, r.stdout
 
@@ -41,8 +43,12 @@ def test_every_top_level_module_is_in_a_layer():
 def test_no_import_circle_inside_a_package():
     """tools/import_cycles.py counts every import statement, lazy (in-function) ones included,
     which import-linter's layers between packages do not forbid inside one."""
-    r = subprocess.run([sys.executable, str(ROOT / "tools" / "import_cycles.py"), str(ROOT / "pagedllm")],
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "import_cycles.py"), str(ROOT / "pagedllm")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0 and "0 circle(s)" in r.stdout, r.stdout + r.stderr
 
 
@@ -54,7 +60,11 @@ def test_import_cycles_finds_a_lazy_circle(tmp_path):
     (pkg / "__init__.py").write_text("")
     (pkg / "a.py").write_text("from .b import g\n\ndef f():\n    return g()\n")
     (pkg / "b.py").write_text("def g():\n    from .a import f\n    return f\n")
-    r = subprocess.run([sys.executable, str(ROOT / "tools" / "import_cycles.py"), str(tmp_path / "pagedllm")],
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "import_cycles.py"), str(tmp_path / "pagedllm")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 1, r.stdout + r.stderr
     assert "circle among: pagedllm.demo.a, pagedllm.demo.b" in r.stdout, r.stdout

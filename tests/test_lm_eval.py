@@ -2,6 +2,7 @@
 scores a multiple-choice task through /v1/completions echo+logprobs, and generates for a
 generation task; the multiple-choice accuracy must equal lm-eval's own `hf` backend on the
 same GGUF model (transformers, float32). The tasks come from a local JSON file."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -57,8 +58,11 @@ filter_list:
 
 @pytest.fixture(scope="module")
 def started_server(tmp_path_factory, smollm2_gguf_path):
-    yield from serving(tmp_path_factory, "lm_eval", ["--dtype", "float32", "--pa-gpu-mem", "256",
-                                                     "--max-model-len", "1024", "--log-level", "info"])
+    yield from serving(
+        tmp_path_factory,
+        "lm_eval",
+        ["--dtype", "float32", "--pa-gpu-mem", "256", "--max-model-len", "1024", "--log-level", "info"],
+    )
 
 
 @pytest.fixture
@@ -70,25 +74,41 @@ def _run(model, model_args: dict, tasks: list[str], include: Path) -> dict:
     """`model`: a registered name built from `model_args`, or an lm-eval LM object."""
     from lm_eval.tasks import TaskManager
 
-    out = lm_eval.simple_evaluate(model=model, model_args=model_args, tasks=tasks,
-                                  task_manager=TaskManager(include_path=str(include)),
-                                  log_samples=False, random_seed=0, numpy_random_seed=0,
-                                  torch_random_seed=0, fewshot_random_seed=0)
+    out = lm_eval.simple_evaluate(
+        model=model,
+        model_args=model_args,
+        tasks=tasks,
+        task_manager=TaskManager(include_path=str(include)),
+        log_samples=False,
+        random_seed=0,
+        numpy_random_seed=0,
+        torch_random_seed=0,
+        fewshot_random_seed=0,
+    )
     return out["results"]
 
 
-def test_lm_eval_local_completions_equals_hf_backend(server, tmp_path, hf_smollm2_model,
-                                                     hf_smollm2_tokenizer, monkeypatch):
+def test_lm_eval_local_completions_equals_hf_backend(
+    server, tmp_path, hf_smollm2_model, hf_smollm2_tokenizer, monkeypatch
+):
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets"))
     (tmp_path / "mc.yaml").write_text(MC_TASK)
     (tmp_path / "gen.yaml").write_text(GEN_TASK)
     hf_smollm2_tokenizer.save_pretrained(tmp_path / "tokenizer")
-    ours = _run("local-completions",
-                {"base_url": f"{server.url}/v1/completions", "model": "default",
-                 "tokenizer_backend": "huggingface", "tokenizer": str(tmp_path / "tokenizer"),
-                 "num_concurrent": 1, "max_retries": 1},
-                ["pagedllm_tiny_mc", "pagedllm_tiny_gen"], tmp_path)
+    ours = _run(
+        "local-completions",
+        {
+            "base_url": f"{server.url}/v1/completions",
+            "model": "default",
+            "tokenizer_backend": "huggingface",
+            "tokenizer": str(tmp_path / "tokenizer"),
+            "num_concurrent": 1,
+            "max_retries": 1,
+        },
+        ["pagedllm_tiny_mc", "pagedllm_tiny_gen"],
+        tmp_path,
+    )
     # lm-eval's hf backend on transformers' float32 model of the same GGUF: the session's copy
     # (conftest), not a second ~10 s load of the GGUF by lm-eval (what it would load is the same).
     from lm_eval.models.huggingface import HFLM

@@ -1,5 +1,6 @@
 """LoRA adapters against peft's PeftModel (unmerged), float32, on random-weight base models with
 random adapters (B not zero: init_lora_weights=False)."""
+
 from __future__ import annotations
 
 import json
@@ -91,8 +92,17 @@ def test_preemption_prefix_cache_and_lru(family):
     """A cache far smaller than the batch (it must preempt), prefix caching on, and two slots
     for four adapters (the others are evicted and read back from disk): the same tokens."""
     name, base, adapters, prompts, expected, _ = family
-    llm = LLM(str(base), dtype="float32", block_size=8, max_num_batched_tokens=64, kv_cache_context_len=400,
-              enable_prefix_caching=True, enable_lora=True, max_loras=2, max_lora_rank=16)
+    llm = LLM(
+        str(base),
+        dtype="float32",
+        block_size=8,
+        max_num_batched_tokens=64,
+        kv_cache_context_len=400,
+        enable_prefix_caching=True,
+        enable_lora=True,
+        max_loras=2,
+        max_lora_rank=16,
+    )
     keys = [None, 0, 1, 2, 3]
     pairs = [(j, k) for k in keys for j in range(len(prompts))] * 2  # repeats hit the prefix cache
     got = _greedy(llm, [prompts[j] for j, _ in pairs], [_req(adapters, k) for _, k in pairs])
@@ -111,8 +121,16 @@ def test_prefix_cache_keys_include_the_adapter(family):
     """One adapter's second request reuses its first one's blocks; another adapter's (or the
     base's) request with the same prompt does not, and still gets its own tokens."""
     name, base, adapters, prompts, expected, _ = family
-    llm = LLM(str(base), dtype="float32", block_size=8, kv_cache_memory_mb=16, enable_prefix_caching=True,
-              enable_lora=True, max_loras=4, max_lora_rank=16)
+    llm = LLM(
+        str(base),
+        dtype="float32",
+        block_size=8,
+        kv_cache_memory_mb=16,
+        enable_prefix_caching=True,
+        enable_lora=True,
+        max_loras=4,
+        max_lora_rank=16,
+    )
     p = prompts[2]
     stats = llm.engine.block_manager.stats
     assert _greedy(llm, [p], [_req(adapters, 0)]) == [expected[0][2]]
@@ -177,8 +195,9 @@ def test_native_decode_stack_adds_the_deltas(family, monkeypatch):
     if not qk.decode_layers_available():
         pytest.skip("native CPU kernels not built here")
     name, base, adapters, prompts, _, _ = family
-    llm = LLM(str(base), dtype="float32", isq="Q8_0", kv_cache_memory_mb=16, enable_lora=True, max_loras=4,
-              max_lora_rank=16)
+    llm = LLM(
+        str(base), dtype="float32", isq="Q8_0", kv_cache_memory_mb=16, enable_lora=True, max_loras=4, max_lora_rank=16
+    )
     keys = [None, 0, 1, 2, 3]
     pairs = [(j, k) for j in range(len(prompts)) for k in keys]
     ps, loras = [prompts[j] for j, _ in pairs], [_req(adapters, k) for _, k in pairs]
@@ -188,8 +207,10 @@ def test_native_decode_stack_adds_the_deltas(family, monkeypatch):
     batches = [(ps, loras, pairs), ([prompts[0]], [_req(adapters, 1)], [(0, 1)])]
 
     def run():
-        return [[(o.token_ids, o.outputs[0].logprobs) for o in llm.generate(p, sp, use_tqdm=False, lora_request=lr)]
-                for p, lr, _ in batches]
+        return [
+            [(o.token_ids, o.outputs[0].logprobs) for o in llm.generate(p, sp, use_tqdm=False, lora_request=lr)]
+            for p, lr, _ in batches
+        ]
 
     real, stacked_steps = qk.decode_layers, []
 
@@ -203,19 +224,24 @@ def test_native_decode_stack_adds_the_deltas(family, monkeypatch):
     monkeypatch.setattr(qk, "decode_layers_take_lora", lambda: False)  # adapter steps: the layers one by one
     per_layer_runs = run()
     tol, compared = 0.15, 0  # the int8-rounding noise between the paths, on base rows too (Q8_0, hidden 64)
-    rows = [(a, b, pair) for sr, pr, (_, _, prs) in zip(stacked_runs, per_layer_runs, batches) for a, b, pair in zip(sr, pr, prs)]
+    rows = [
+        (a, b, pair)
+        for sr, pr, (_, _, prs) in zip(stacked_runs, per_layer_runs, batches)
+        for a, b, pair in zip(sr, pr, prs)
+    ]
     for (t1, lp1), (t2, lp2), (j, k) in rows:
         for step, (a, b) in enumerate(zip(lp1, lp2)):
             if t1[step] != t2[step]:  # a flip: only between two choices tied within the noise
                 top = dict(a["top"])
-                assert t2[step] in top and top[t1[step]] - top[t2[step]] < 2 * tol, \
+                assert t2[step] in top and top[t1[step]] - top[t2[step]] < 2 * tol, (
                     f"{name} prompt {j} adapter {k} step {step}: the paths chose apart without a near-tie"
+                )
                 break
             err = abs(a["logprob"] - b["logprob"])
             assert err < tol, f"{name} prompt {j} adapter {k} step {step}: logprobs differ by {err}"
             compared += 1
     assert compared > len(rows) * NEW_TOKENS // 2
-    assert len({tuple(t) for t, _ in stacked_runs[0][:len(keys)]}) == len(keys)  # every adapter changes the tokens
+    assert len({tuple(t) for t, _ in stacked_runs[0][: len(keys)]}) == len(keys)  # every adapter changes the tokens
 
 
 def test_chat_runs_the_adapter(family):

@@ -1,6 +1,7 @@
 """llama.cpp's GGUF LoRA adapters: random PEFT adapters converted by llama.cpp's own
 convert_lora_to_gguf.py give the tokens peft's PeftModel gives, and the deltas the PEFT files hold,
 on a float base and on a Q8_0 GGUF base written by llama.cpp's convert_hf_to_gguf.py."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -26,8 +27,15 @@ ADAPTERS = [
     (8, 16, False, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
     (16, 32, False, ["k_proj", "o_proj", "up_proj", "gate_proj"]),
 ]
-_GGUF_PART = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
-              "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
+_GGUF_PART = {
+    "q_proj": "attn_q",
+    "k_proj": "attn_k",
+    "v_proj": "attn_v",
+    "o_proj": "attn_output",
+    "gate_proj": "ffn_gate",
+    "up_proj": "ffn_up",
+    "down_proj": "ffn_down",
+}
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
@@ -41,12 +49,15 @@ def family(request, tmp_path_factory, hf_smollm2_tokenizer, llama_cpp):
     files = []
     for i, folder in enumerate(folders):
         files.append(root / f"a{i}.gguf")
-        convert(llama_cpp, "convert_lora_to_gguf.py", "--base", base, "--outtype", "f32", "--outfile", files[-1],
-                folder)
+        convert(
+            llama_cpp, "convert_lora_to_gguf.py", "--base", base, "--outtype", "f32", "--outfile", files[-1], folder
+        )
     g = torch.Generator().manual_seed(7)
     prompts = [torch.randint(0, len(tok), (n,), generator=g).tolist() for n in PROMPT_LENS]
-    refs = {None: _base(base), **{i: peft.PeftModel.from_pretrained(_base(base), f).eval()
-                                  for i, f in enumerate(folders)}}
+    refs = {
+        None: _base(base),
+        **{i: peft.PeftModel.from_pretrained(_base(base), f).eval() for i, f in enumerate(folders)},
+    }
     expected = greedy_references(refs, prompts, NEW_TOKENS)
     return request.param, base, folders, files, prompts, expected
 
@@ -76,9 +87,15 @@ def _our_deltas(llm, path: Path) -> dict[str, torch.Tensor]:
     model = llm.engine.lora.model
     w = load_adapter(path, model, 16)
     out = {}
-    for hf in [f"model.layers.{i}.{blk}.{p}" for i in range(model.config.num_layers)
-               for blk, ps in (("self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")),
-                               ("mlp", ("gate_proj", "up_proj", "down_proj"))) for p in ps]:
+    for hf in [
+        f"model.layers.{i}.{blk}.{p}"
+        for i in range(model.config.num_layers)
+        for blk, ps in (
+            ("self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")),
+            ("mlp", ("gate_proj", "up_proj", "down_proj")),
+        )
+        for p in ps
+    ]:
         ours, shard = model.map_weight_name(hf + ".weight")
         mod = ours.rsplit(".", 1)[0]
         if mod not in w.pairs:
@@ -87,7 +104,7 @@ def _our_deltas(llm, path: Path) -> dict[str, torch.Tensor]:
         delta = b @ a
         if shard is not None:
             sizes = model.shard_sizes(ours)
-            delta = delta[sum(sizes[:shard]): sum(sizes[: shard + 1])]
+            delta = delta[sum(sizes[:shard]) : sum(sizes[: shard + 1])]
         if delta.abs().max() > 0:  # a fused layer's untargeted part stays zero
             out[hf] = delta
     return out
@@ -104,8 +121,9 @@ def test_gguf_lora_file_and_deltas_match_peft(family):
         reader = gguf.GGUFReader(str(f))
         assert reader.fields["general.type"].contents() == "adapter"
         assert reader.fields["adapter.lora.alpha"].contents() == alpha
-        want_names = {f"blk.{i}.{_GGUF_PART[t]}.weight.lora_{x}" for i in range(n_layers) for t in targets
-                      for x in "ab"}
+        want_names = {
+            f"blk.{i}.{_GGUF_PART[t]}.weight.lora_{x}" for i in range(n_layers) for t in targets for x in "ab"
+        }
         assert {t.name for t in reader.tensors} == want_names
         want, got = _peft_deltas(folder, alpha, r), _our_deltas(llm, f)
         assert got.keys() == want.keys()
@@ -141,8 +159,7 @@ def test_gguf_lora_on_a_quantized_gguf_base(family, llama_cpp, tmp_path):
     base_q8 = tmp_path / "base-q8_0.gguf"
     convert(llama_cpp, "convert_hf_to_gguf.py", "--outtype", "q8_0", "--outfile", base_q8, base)
     lora_q8 = tmp_path / "a0-q8_0.gguf"
-    convert(llama_cpp, "convert_lora_to_gguf.py", "--base", base, "--outtype", "q8_0", "--outfile", lora_q8,
-            folders[0])
+    convert(llama_cpp, "convert_lora_to_gguf.py", "--base", base, "--outtype", "q8_0", "--outfile", lora_q8, folders[0])
     assert {t.tensor_type.name for t in gguf.GGUFReader(str(lora_q8)).tensors} == {"Q8_0", "F16"}
     llm = LLM(str(base_q8), kv_cache_memory_mb=16, enable_lora=True, max_loras=3, max_lora_rank=16)
     assert llm.engine.lora.model.layers[0].self_attn.qkv_proj.qparts is not None  # the base runs quantized
@@ -172,24 +189,47 @@ def test_gguf_lora_through_the_server(family, tmp_path_factory):
     llm = LLM(str(base), dtype="float32", kv_cache_memory_mb=16, enable_lora=True, max_loras=2, max_lora_rank=16)
     sp = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     want = {}
-    for model, req in (("g0", LoRARequest("p0", 1, str(folders[0]))), ("g1", LoRARequest("p1", 2, str(folders[1]))),
-                       ("base", None)):
+    for model, req in (
+        ("g0", LoRARequest("p0", 1, str(folders[0]))),
+        ("g1", LoRARequest("p1", 2, str(folders[1]))),
+        ("base", None),
+    ):
         out = llm.generate([prompts[1]], sp, use_tqdm=False, lora_request=req)[0]
         assert out.token_ids == expected[None if req is None else int(model[1])][1]
         want[model] = out.text
-    server = serving(tmp_path_factory, "lora-gguf-serve", [
-        str(base), "--served-model-name", "base", "--dtype", "float32", "--pa-gpu-mem", "32", "--enable-lora",
-        "--max-loras", "2", "--max-lora-rank", "16", "--lora-modules", f"g0={files[0]}", "--allow-runtime-lora"])
+    server = serving(
+        tmp_path_factory,
+        "lora-gguf-serve",
+        [
+            str(base),
+            "--served-model-name",
+            "base",
+            "--dtype",
+            "float32",
+            "--pa-gpu-mem",
+            "32",
+            "--enable-lora",
+            "--max-loras",
+            "2",
+            "--max-lora-rank",
+            "16",
+            "--lora-modules",
+            f"g0={files[0]}",
+            "--allow-runtime-lora",
+        ],
+    )
     srv = next(server).get()
     try:
-        r = httpx.post(f"{srv.url}/v1/load_lora_adapter", json={"lora_name": "g1", "lora_path": str(files[1])},
-                       timeout=60)
+        r = httpx.post(
+            f"{srv.url}/v1/load_lora_adapter", json={"lora_name": "g1", "lora_path": str(files[1])}, timeout=60
+        )
         assert r.status_code == 200, r.text
         client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="x", max_retries=0, timeout=300)
         assert {m.id for m in client.models.list().data} == {"base", "g0", "g1"}
         for model in ("g0", "g1", "base"):
-            out = client.completions.create(model=model, prompt=prompts[1], max_tokens=NEW_TOKENS, temperature=0.0,
-                                            extra_body={"ignore_eos": True})
+            out = client.completions.create(
+                model=model, prompt=prompts[1], max_tokens=NEW_TOKENS, temperature=0.0, extra_body={"ignore_eos": True}
+            )
             assert out.choices[0].text == want[model], model
     finally:
         server.close()

@@ -1,5 +1,6 @@
 """LoRA adapters through `pagedllm serve`, driven by the real `openai` client (httpx for the
 non-OpenAI load/unload routes): each stream matches the offline LLM's answer for its adapter."""
+
 from __future__ import annotations
 
 import asyncio
@@ -31,9 +32,11 @@ def lora_setup(tmp_path_factory, hf_smollm2_tokenizer):
     tok = hf_smollm2_tokenizer
     root = tmp_path_factory.mktemp("lora-serve")
     base = build_checkpoint("llama", root / "base", tok, len(tok))
-    ad = {"a0": make_adapter(base, root / "a0", 1, 8, 16, False, TARGETS),
-          "a1": make_adapter(base, root / "a1", 2, 4, 8, True, ["q_proj", "v_proj", "down_proj"]),
-          "a2": make_adapter(base, root / "a2", 3, 8, 8, False, TARGETS)}
+    ad = {
+        "a0": make_adapter(base, root / "a0", 1, 8, 16, False, TARGETS),
+        "a1": make_adapter(base, root / "a1", 2, 4, 8, True, ["q_proj", "v_proj", "down_proj"]),
+        "a2": make_adapter(base, root / "a2", 3, 8, 8, False, TARGETS),
+    }
     big = make_adapter(base, root / "big", 4, 16, 16, False, ["q_proj"])
     other = build_checkpoint("llama", root / "other", tok, len(tok), hidden_size=96)
     wrong = make_adapter(other, root / "wrong", 5, 4, 8, False, ["q_proj"])
@@ -45,8 +48,11 @@ def lora_setup(tmp_path_factory, hf_smollm2_tokenizer):
         outs = llm.generate(prompts, sp, use_tqdm=False, lora_request=LoRARequest(name, i + 1, str(path)))
         want[name] = [o.outputs[0].text for o in outs]
     long = SamplingParams(max_tokens=LONG, temperature=0.0, ignore_eos=True)
-    want["a2-long"] = llm.generate(prompts[2], long, use_tqdm=False,
-                                   lora_request=LoRARequest("a2", 3, str(ad["a2"])))[0].outputs[0].text
+    want["a2-long"] = (
+        llm.generate(prompts[2], long, use_tqdm=False, lora_request=LoRARequest("a2", 3, str(ad["a2"])))[0]
+        .outputs[0]
+        .text
+    )
     assert len({tuple(want[k]) for k in ("base", "a0", "a1", "a2")}) == 4, "the adapters must change the answers"
     return base, ad, big, wrong, prompts, want
 
@@ -54,10 +60,30 @@ def lora_setup(tmp_path_factory, hf_smollm2_tokenizer):
 @pytest.fixture(scope="module")
 def lora_server(tmp_path_factory, lora_setup):
     base, ad, *_ = lora_setup
-    yield from serving(tmp_path_factory, "lora-serve", [
-        str(base), "--served-model-name", "base", "--dtype", "float32", "--pa-gpu-mem", "32",
-        "--enable-lora", "--max-loras", "2", "--max-lora-rank", "8",
-        "--lora-modules", f"a0={ad['a0']}", f"a1={ad['a1']}", "--allow-runtime-lora", "--log-level", "info"])
+    yield from serving(
+        tmp_path_factory,
+        "lora-serve",
+        [
+            str(base),
+            "--served-model-name",
+            "base",
+            "--dtype",
+            "float32",
+            "--pa-gpu-mem",
+            "32",
+            "--enable-lora",
+            "--max-loras",
+            "2",
+            "--max-lora-rank",
+            "8",
+            "--lora-modules",
+            f"a0={ad['a0']}",
+            f"a1={ad['a1']}",
+            "--allow-runtime-lora",
+            "--log-level",
+            "info",
+        ],
+    )
 
 
 @pytest.fixture
@@ -66,8 +92,9 @@ def client(lora_server):
 
 
 def _complete(client, model: str, prompt: str) -> str:
-    out = client.completions.create(model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0.0,
-                                    extra_body={"ignore_eos": True})
+    out = client.completions.create(
+        model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0.0, extra_body={"ignore_eos": True}
+    )
     return out.choices[0].text
 
 
@@ -84,8 +111,14 @@ def test_concurrent_streams_match_offline(lora_server, lora_setup):
     ac = openai.AsyncOpenAI(base_url=f"{lora_server.url}/v1", api_key="x", max_retries=0, timeout=300)
 
     async def one(model: str, prompt: str) -> str:
-        stream = await ac.completions.create(model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0.0,
-                                             stream=True, extra_body={"ignore_eos": True})
+        stream = await ac.completions.create(
+            model=model,
+            prompt=prompt,
+            max_tokens=MAX_TOKENS,
+            temperature=0.0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
         return "".join([c.choices[0].text async for c in stream if c.choices])
 
     async def main():
@@ -118,8 +151,10 @@ def test_runtime_load_refusals_name_the_mismatch(lora_server, lora_setup):
     r = httpx.post(url, json={"lora_name": "wrong", "lora_path": str(wrong)}, timeout=60)
     assert r.status_code == 400
     assert "takes 64 inputs: the adapter is for another base model" in r.json()["error"]["message"]
-    assert httpx.post(f"{lora_server.url}/v1/unload_lora_adapter", json={"lora_name": "nope"},
-                      timeout=60).status_code == 404
+    assert (
+        httpx.post(f"{lora_server.url}/v1/unload_lora_adapter", json={"lora_name": "nope"}, timeout=60).status_code
+        == 404
+    )
 
 
 def test_runtime_load_use_unload(lora_server, lora_setup, client):
@@ -127,14 +162,16 @@ def test_runtime_load_use_unload(lora_server, lora_setup, client):
     a request runs with it: that request finishes with its adapter's answer, the name then 404s,
     and no block is left held."""
     _, ad, _, _, prompts, want = lora_setup
-    r = httpx.post(f"{lora_server.url}/v1/load_lora_adapter", json={"lora_name": "a2", "lora_path": str(ad["a2"])},
-                   timeout=60)
+    r = httpx.post(
+        f"{lora_server.url}/v1/load_lora_adapter", json={"lora_name": "a2", "lora_path": str(ad["a2"])}, timeout=60
+    )
     assert r.status_code == 200, r.text
     assert "a2" in {m.id for m in client.models.list().data}
     assert _complete(client, "a2", prompts[0]) == want["a2"][0]
     assert _complete(client, "a0", prompts[1]) == want["a0"][1]
-    stream = client.completions.create(model="a2", prompt=prompts[2], max_tokens=LONG, temperature=0.0,
-                                       stream=True, extra_body={"ignore_eos": True})
+    stream = client.completions.create(
+        model="a2", prompt=prompts[2], max_tokens=LONG, temperature=0.0, stream=True, extra_body={"ignore_eos": True}
+    )
     chunks = []
     for c in stream:
         if c.choices:

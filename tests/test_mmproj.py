@@ -6,6 +6,7 @@ The reference is transformers on that folder (and pagedllm on the folder): the s
 and pixels from the processor made from the files' metadata, every position's prefill logits
 and the same greedy tokens, for 1 to 3 images a prompt batched with a text-only prompt, and a
 chat written by the chat template the text GGUF carries."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -28,8 +29,9 @@ IMG = VLM_MARKER["gemma3"]
 NEW = 8
 # What a gemma3 GGUF can say about its language model: llama.cpp stores neither the layer types nor
 # query_pre_attn_scalar, and assumes one global layer in six and a scale of 1/sqrt(head_dim).
-GGUF_TEXT = dict(num_hidden_layers=6, query_pre_attn_scalar=16,
-                 layer_types=["sliding_attention"] * 5 + ["full_attention"])
+GGUF_TEXT = dict(
+    num_hidden_layers=6, query_pre_attn_scalar=16, layer_types=["sliding_attention"] * 5 + ["full_attention"]
+)
 # The pairs tested: an f32 text GGUF and f32 mmproj, which hold the folder's numbers (the
 # converter writes the projector's matrix in f16 whatever the type; the folder's is f16-exact),
 # and a Q8_0 text GGUF beside an f16 mmproj, as the files are handed out.
@@ -51,7 +53,7 @@ def _hub_layout(folder: Path) -> None:
     out = {}
     for k, v in sd.items():
         if k.startswith("vision_tower.") and not k.startswith("vision_tower.vision_model."):
-            k = "vision_tower.vision_model." + k[len("vision_tower."):]
+            k = "vision_tower.vision_model." + k[len("vision_tower.") :]
         out[k] = v.half().float() if k.endswith("mm_input_projection_weight") else v
     save_file(out, f, metadata={"format": "pt"})
 
@@ -93,10 +95,12 @@ def pair(tmp_path_factory, hf_smollm2_tokenizer, llama_cpp):
     ref = tf.Gemma3ForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
     proc = tf.AutoProcessor.from_pretrained(folder)
     images = [_image(i, w, h) for i, (w, h) in enumerate([(90, 70), (50, 130), (128, 128)])]
-    cases = [(f"What is in {IMG} this picture? Say it briefly.", images[:1]),
-             (f"Compare {IMG} with {IMG}, please.", images[1:3]),
-             (f"{IMG} first, {IMG} second and {IMG} third: which is brightest?", [images[2], images[0], images[1]]),
-             ("A question with no picture at all, just words.", [])]
+    cases = [
+        (f"What is in {IMG} this picture? Say it briefly.", images[:1]),
+        (f"Compare {IMG} with {IMG}, please.", images[1:3]),
+        (f"{IMG} first, {IMG} second and {IMG} third: which is brightest?", [images[2], images[0], images[1]]),
+        ("A question with no picture at all, just words.", []),
+    ]
     inputs = [proc(text=[text], images=[ims] if ims else None, return_tensors="pt") for text, ims in cases]
     want = {}
     for kind, model in (("f32", ref), ("q8_0", _as_stored(ref, files["q8_0"][0]))):
@@ -105,7 +109,7 @@ def pair(tmp_path_factory, hf_smollm2_tokenizer, llama_cpp):
             with torch.no_grad():
                 logits.append(model(**inp).logits[0])
                 out = model.generate(**inp, max_new_tokens=NEW, do_sample=False, eos_token_id=None, pad_token_id=0)
-            tokens.append(out[0, inp["input_ids"].shape[1]:].tolist())
+            tokens.append(out[0, inp["input_ids"].shape[1] :].tolist())
         want[kind] = (logits, tokens)
     return folder, files, ref, proc, images, cases, inputs, want
 
@@ -125,8 +129,11 @@ def test_mmproj_tensors_are_the_folders(pair):
 
     _, files, ref, *_ = pair
     mm = read_mmproj(files["f32"][1])
-    want = {k.removeprefix("model."): v for k, v in ref.state_dict().items()
-            if "vision_tower" in k or "multi_modal_projector" in k}
+    want = {
+        k.removeprefix("model."): v
+        for k, v in ref.state_dict().items()
+        if "vision_tower" in k or "multi_modal_projector" in k
+    }
     got = dict(mm.tensors())
     assert len(got) == mm.num_tensors() == len([k for k in want if ".head." not in k])
     for name, t in got.items():
@@ -174,8 +181,10 @@ def test_quantized_text_gguf_runs_on_the_kernels(pair):
     text, proj = files["q8_0"]
     llm = LLM(str(text), mmproj=str(proj), dtype="float32", kv_cache_memory_mb=16)
     assert llm.engine.weights.formats.get("Q8_0", 0) >= 7 * GGUF_TEXT["num_hidden_layers"], llm.engine.weights.summary()
-    worst = max((llm.prompt_logits(llm.processor.process(p, ims)) - w).abs().max().item()
-                for (p, ims), w in zip(cases, want["q8_0"][0]))
+    worst = max(
+        (llm.prompt_logits(llm.processor.process(p, ims)) - w).abs().max().item()
+        for (p, ims), w in zip(cases, want["q8_0"][0])
+    )
     print(f"q8_0 text GGUF on the kernels + f16 mmproj: prefill logits within {worst:.2e} of transformers")
     assert worst < KERNEL_TOL
 
@@ -186,19 +195,36 @@ def test_gguf_pair_chat_uses_the_gguf_template(pair):
     _, files, ref, proc, images, *_ = pair
     llm = LLM(str(files["f32"][0]), mmproj=str(files["f32"][1]), dtype="float32", kv_cache_memory_mb=16)
     assert llm.tokenizer.chat_template == proc.chat_template
-    msgs = [{"role": "user", "content": [{"type": "text", "text": "Look at this:"},
-                                         {"type": "image", "image": images[1]},
-                                         {"type": "text", "text": "What colour dominates?"}]}]
+    msgs = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "Look at this:"},
+                {"type": "image", "image": images[1]},
+                {"type": "text", "text": "What colour dominates?"},
+            ],
+        }
+    ]
     got = llm.chat(msgs, GREEDY, use_tqdm=False)
-    text = proc.apply_chat_template([{"role": "user", "content": [{"type": "text", "text": "Look at this:"},
-                                                                  {"type": "image"},
-                                                                  {"type": "text", "text": "What colour dominates?"}]}],
-                                    add_generation_prompt=True, tokenize=False)
+    text = proc.apply_chat_template(
+        [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "Look at this:"},
+                    {"type": "image"},
+                    {"type": "text", "text": "What colour dominates?"},
+                ],
+            }
+        ],
+        add_generation_prompt=True,
+        tokenize=False,
+    )
     inp = proc(text=[text], images=[[images[1]]], return_tensors="pt", add_special_tokens=False)
     assert got.prompt_token_ids == inp["input_ids"][0].tolist()
     with torch.no_grad():
         out = ref.generate(**inp, max_new_tokens=NEW, do_sample=False, eos_token_id=None, pad_token_id=0)
-    assert got.outputs[0].token_ids == out[0, inp["input_ids"].shape[1]:].tolist()
+    assert got.outputs[0].token_ids == out[0, inp["input_ids"].shape[1] :].tolist()
 
 
 def test_serve_mmproj_answers_an_image(pair, tmp_path_factory):
@@ -215,17 +241,30 @@ def test_serve_mmproj_answers_an_image(pair, tmp_path_factory):
     buf = io.BytesIO()
     images[1].save(buf, format="PNG")
     url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
-    msgs = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
-                                         {"type": "text", "text": "What is in this picture?"}]}]
+    msgs = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "image_url", "image_url": {"url": url}},
+                {"type": "text", "text": "What is in this picture?"},
+            ],
+        }
+    ]
     llm = LLM(str(text), mmproj=str(proj), dtype="float32", kv_cache_memory_mb=16)
     want = llm.chat(msgs, GREEDY, use_tqdm=False).outputs[0].text
-    started = serving(tmp_path_factory, "mmproj-serve", [str(text), "--mmproj", str(proj), "--dtype", "float32",
-                                                         "--pa-gpu-mem", "16"])
+    started = serving(
+        tmp_path_factory, "mmproj-serve", [str(text), "--mmproj", str(proj), "--dtype", "float32", "--pa-gpu-mem", "16"]
+    )
     server = next(started)
     try:
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=300)
-        r = client.chat.completions.create(model=client.models.list().data[0].id, messages=msgs, max_tokens=NEW,
-                                           temperature=0.0, extra_body={"ignore_eos": True})
+        r = client.chat.completions.create(
+            model=client.models.list().data[0].id,
+            messages=msgs,
+            max_tokens=NEW,
+            temperature=0.0,
+            extra_body={"ignore_eos": True},
+        )
         assert r.choices[0].message.content == want
     finally:
         started.close()
@@ -282,18 +321,27 @@ def test_mmproj_refusals(pair, tmp_path, smollm2_gguf_path):
     folder, files, *_ = pair
     text, proj = files["f32"]
     other = _rewrite(proj, tmp_path / "mmproj-idefics3.gguf", **{"clip.projector_type": "idefics3"})
-    with pytest.raises(ValueError, match=r"projector type 'idefics3' \(clip.projector_type\) is not supported; "
-                                         r"supported: gemma3"):
+    with pytest.raises(
+        ValueError,
+        match=r"projector type 'idefics3' \(clip.projector_type\) is not supported; "
+        r"supported: gemma3",
+    ):
         LLM(str(text), mmproj=str(other), dtype="float32")
     wide = _rewrite(proj, tmp_path / "mmproj-wide.gguf", **{"clip.vision.projection_dim": 128})
-    with pytest.raises(ValueError, match="mmproj-wide.gguf projects images to 128 dimensions but the language "
-                                         "model text-f32.gguf has hidden size 96"):
+    with pytest.raises(
+        ValueError,
+        match="mmproj-wide.gguf projects images to 128 dimensions but the language "
+        "model text-f32.gguf has hidden size 96",
+    ):
         LLM(str(text), mmproj=str(wide), dtype="float32")
     bad = _rewrite(proj, tmp_path / "mmproj-bad.gguf", **{"clip.vision.feed_forward_length": 64})
     with pytest.raises(ValueError, match=r"vision tower does not fit its config: .*encoder.layers.1.mlp.fc1.weight"):
         LLM(str(text), mmproj=str(bad), dtype="float32")
-    with pytest.raises(ValueError, match=f"mmproj-f32.gguf is a 'gemma3' projector, for a 'gemma3' language "
-                                         f"model, but {smollm2_gguf_path.name} is a 'llama' model"):
+    with pytest.raises(
+        ValueError,
+        match=f"mmproj-f32.gguf is a 'gemma3' projector, for a 'gemma3' language "
+        f"model, but {smollm2_gguf_path.name} is a 'llama' model",
+    ):
         LLM(str(smollm2_gguf_path), mmproj=str(proj))
     with pytest.raises(ValueError, match="general.architecture is 'gemma3'.*not an mmproj file"):
         LLM(str(text), mmproj=str(text), dtype="float32")

@@ -1,6 +1,7 @@
 """Mixture-of-experts families (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE) against transformers on
 the same random weights, float32: prefill logits, and greedy tokens across cache layouts,
 preemption, prefix caching and n=4."""
+
 from __future__ import annotations
 
 import json
@@ -18,8 +19,8 @@ NEW_TOKENS = 24
 @pytest.fixture(scope="module", params=MOE_FAMILIES)
 def moe_ckpt(request, tmp_path_factory, hf_smollm2_tokenizer):
     path, ref, prompts, expected = reference_family(
-        request.param, tmp_path_factory.mktemp(request.param), hf_smollm2_tokenizer, PROMPT_LENS,
-        NEW_TOKENS, seed=4321)
+        request.param, tmp_path_factory.mktemp(request.param), hf_smollm2_tokenizer, PROMPT_LENS, NEW_TOKENS, seed=4321
+    )
     return request.param, path, ref, prompts, expected
 
 
@@ -51,13 +52,16 @@ def test_prefill_logits_match(moe_ckpt):
 @pytest.mark.parametrize("variant", ["block16", "block32", "contiguous", "preempt"])
 def test_greedy_tokens_across_cache_layouts(moe_ckpt, variant):
     family, path, _, prompts, expected = moe_ckpt
-    kwargs = {"block16": dict(block_size=16, kv_cache_memory_mb=16),
-              "block32": dict(block_size=32, kv_cache_memory_mb=16),
-              "contiguous": dict(paged_attention=False, kv_cache_memory_mb=16),
-              # Far fewer blocks than the batch needs at once and small prefill chunks: it must
-              # preempt (Mixtral's window frees blocks as it goes: a smaller cache still).
-              "preempt": dict(block_size=16, max_num_batched_tokens=64,
-                              kv_cache_context_len=160 if family == "mixtral" else 700)}[variant]
+    kwargs = {
+        "block16": dict(block_size=16, kv_cache_memory_mb=16),
+        "block32": dict(block_size=32, kv_cache_memory_mb=16),
+        "contiguous": dict(paged_attention=False, kv_cache_memory_mb=16),
+        # Far fewer blocks than the batch needs at once and small prefill chunks: it must
+        # preempt (Mixtral's window frees blocks as it goes: a smaller cache still).
+        "preempt": dict(
+            block_size=16, max_num_batched_tokens=64, kv_cache_context_len=160 if family == "mixtral" else 700
+        ),
+    }[variant]
     llm = LLM(str(path), dtype="float32", **kwargs)
     assert _greedy(llm, prompts) == expected
     if variant == "preempt":
@@ -97,16 +101,37 @@ def test_wrong_expert_is_caught(moe_ckpt, monkeypatch):
 def test_config_sparse_layers_and_routing_fields():
     from pagedllm.config import ModelConfig
 
-    d = dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", vocab_size=64, hidden_size=32,
-             intermediate_size=64, num_hidden_layers=6, num_attention_heads=2, num_experts=4,
-             num_experts_per_tok=2, moe_intermediate_size=16, decoder_sparse_step=2, mlp_only_layers=[3],
-             norm_topk_prob=True)
+    d = dict(
+        architectures=["Qwen3MoeForCausalLM"],
+        model_type="qwen3_moe",
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=6,
+        num_attention_heads=2,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        decoder_sparse_step=2,
+        mlp_only_layers=[3],
+        norm_topk_prob=True,
+    )
     c = ModelConfig.from_hf_dict(d)
     assert c.moe_layers == [False, True, False, False, False, True]
     assert (c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size, c.norm_topk_prob) == (4, 2, 16, True)
-    mix = ModelConfig.from_hf_dict({**d, "architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
-                                    "num_experts": None, "num_local_experts": 8, "norm_topk_prob": None,
-                                    "decoder_sparse_step": None, "mlp_only_layers": None, "moe_intermediate_size": None})
+    mix = ModelConfig.from_hf_dict(
+        {
+            **d,
+            "architectures": ["MixtralForCausalLM"],
+            "model_type": "mixtral",
+            "num_experts": None,
+            "num_local_experts": 8,
+            "norm_topk_prob": None,
+            "decoder_sparse_step": None,
+            "mlp_only_layers": None,
+            "moe_intermediate_size": None,
+        }
+    )
     assert (mix.num_experts, mix.norm_topk_prob, mix.moe_intermediate_size) == (8, True, 64)
     assert all(mix.moe_layers)
 

@@ -1,6 +1,7 @@
 """Two nodes for real: two network namespaces joined by a veth pair (tests/netns.py), one
 torchrun per namespace started exactly as on two machines (`--nnodes 2 --node-rank R
 --master-addr ... --master-port ...`). Skips, saying why, where namespaces cannot be made."""
+
 from __future__ import annotations
 
 import json
@@ -19,19 +20,42 @@ pytestmark = pytest.mark.skipif(netns.skip_reason() is not None, reason=str(netn
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 
 
-def _torchrun(node: netns.Node, rank: int, master: netns.Node, port: int, args: list[str],
-              log: Path, script: list[str] | None = None) -> subprocess.Popen:
+def _torchrun(
+    node: netns.Node,
+    rank: int,
+    master: netns.Node,
+    port: int,
+    args: list[str],
+    log: Path,
+    script: list[str] | None = None,
+) -> subprocess.Popen:
     """torchrun of `pagedllm ARGS` (or of `script` and its arguments) as node `rank`."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           # gloo advertises the address the hostname resolves to (here loopback, as on many
-           # machines): name the interface that reaches the other node, as docs/scale-out.md says.
-           "GLOO_SOCKET_IFNAME": node.dev,
-           # The workers' imports find this checkout's pagedllm, as the test does.
-           "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-    argv = [TORCHRUN, "--nnodes", "2", "--node-rank", str(rank), "--master-addr", master.addr,
-            "--master-port", str(port), "--nproc-per-node", "1", *(script or ["-m", "pagedllm", *args])]
-    return subprocess.Popen(node.command(argv), env=env, stdout=log.open("w"), stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        # gloo advertises the address the hostname resolves to (here loopback, as on many
+        # machines): name the interface that reaches the other node, as docs/scale-out.md says.
+        "GLOO_SOCKET_IFNAME": node.dev,
+        # The workers' imports find this checkout's pagedllm, as the test does.
+        "PYTHONPATH": os.pathsep.join(p for p in sys.path if p),
+    }
+    argv = [
+        TORCHRUN,
+        "--nnodes",
+        "2",
+        "--node-rank",
+        str(rank),
+        "--master-addr",
+        master.addr,
+        "--master-port",
+        str(port),
+        "--nproc-per-node",
+        "1",
+        *(script or ["-m", "pagedllm", *args]),
+    ]
+    return subprocess.Popen(
+        node.command(argv), env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True
+    )
 
 
 @pytest.mark.slow
@@ -90,8 +114,10 @@ def test_pipeline_across_two_namespaces_and_a_killed_node(tmp_path, hf_smollm2_t
     with netns.two_nodes() as (a, b):
         port = 29400 + (os.getpid() + 7) % 500
         args = [str(path), str(out), json.dumps(prompts[0]), "--until-killed"]
-        procs = [_torchrun(n, r, a, port, [], tmp_path / f"node{r}.log", script=[script, *args])
-                 for r, n in enumerate((a, b))]
+        procs = [
+            _torchrun(n, r, a, port, [], tmp_path / f"node{r}.log", script=[script, *args])
+            for r, n in enumerate((a, b))
+        ]
         try:
             ready = out.with_suffix(".ready")
             deadline = time.monotonic() + 240
@@ -131,16 +157,39 @@ def test_serve_pp2_across_two_namespaces(tmp_path, hf_smollm2_tokenizer):
     tok = hf_smollm2_tokenizer
     path = build_checkpoint("llama", tmp_path / "m", tok, len(tok))
     out, inflight = tmp_path / "client.json", tmp_path / "inflight"
-    args = ["serve", str(path), "-pp", "2", "--dtype", "float32", "--pa-ctxt-len", "8192", "--port", "8000",
-            "--served-model-name", "tiny"]
+    args = [
+        "serve",
+        str(path),
+        "-pp",
+        "2",
+        "--dtype",
+        "float32",
+        "--pa-ctxt-len",
+        "8192",
+        "--port",
+        "8000",
+        "--served-model-name",
+        "tiny",
+    ]
     client_env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
     with netns.two_nodes() as (a, b):
         port = 29400 + (os.getpid() + 13) % 500
         procs = [_torchrun(n, r, a, port, args, tmp_path / f"node{r}.log") for r, n in enumerate((a, b))]
-        client = subprocess.Popen(a.command([sys.executable, str(Path(__file__).with_name("pipeline_client.py")),
-                                             "http://127.0.0.1:8000", str(out), str(inflight)]),
-                                  env=client_env, stdout=(tmp_path / "client.log").open("w"),
-                                  stderr=subprocess.STDOUT, start_new_session=True)
+        client = subprocess.Popen(
+            a.command(
+                [
+                    sys.executable,
+                    str(Path(__file__).with_name("pipeline_client.py")),
+                    "http://127.0.0.1:8000",
+                    str(out),
+                    str(inflight),
+                ]
+            ),
+            env=client_env,
+            stdout=(tmp_path / "client.log").open("w"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         try:
             deadline = time.monotonic() + 400
             while not inflight.exists() and time.monotonic() < deadline and client.poll() is None:
@@ -156,14 +205,23 @@ def test_serve_pp2_across_two_namespaces(tmp_path, hf_smollm2_tokenizer):
     logs = "\n".join(f"--- {f.name}\n{f.read_text()[-3000:]}" for f in sorted(tmp_path.glob("*.log")))
     result = json.loads(out.read_text())
     one = LLM(str(path), dtype="float32", kv_cache_context_len=2048)
-    want = one.chat([{"role": "user", "content": "Name three colours."}],
-                    SamplingParams(max_tokens=16, temperature=0.0), use_tqdm=False).outputs[0].text
+    want = (
+        one.chat(
+            [{"role": "user", "content": "Name three colours."}],
+            SamplingParams(max_tokens=16, temperature=0.0),
+            use_tqdm=False,
+        )
+        .outputs[0]
+        .text
+    )
     assert result["whole"] == result["streamed"] == want and want, (result, want)
     assert result["finish_reason"] == "tool_calls" and [c["name"] for c in result["tool_calls"]] == ["set_unit"]
     assert json.loads(result["tool_calls"][0]["arguments"])["unit"] in ("C", "F")
     assert "none" not in result["inflight_error"], result
-    print(f"in-flight request failed {result['inflight_failed_at'] - killed_at:.1f} s after kill -9: "
-          f"{result['inflight_error']}; then {result['after']['status']} in {result['after']['seconds']:.2f} s")
+    print(
+        f"in-flight request failed {result['inflight_failed_at'] - killed_at:.1f} s after kill -9: "
+        f"{result['inflight_error']}; then {result['after']['status']} in {result['after']['seconds']:.2f} s"
+    )
     assert result["inflight_failed_at"] - killed_at < 30, (result["inflight_failed_at"] - killed_at, logs)
     assert result["after"]["status"] == 503 and result["after"]["seconds"] < 5, result["after"]
     assert result["health"] == 503

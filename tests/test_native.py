@@ -1,5 +1,6 @@
 """The native CPU decode kernel against the PyTorch path it replaces (gather + SDPA), and
 the engine's tokens with it on and off."""
+
 from __future__ import annotations
 
 import os
@@ -32,14 +33,20 @@ def reference(q, kc, vc, tables, lens, scale, window):
     m = j < lens[:, None]
     if window:
         m &= j >= lens[:, None] - window
-    out = F.scaled_dot_product_attention(q.float().view(nd, hkv, hq // hkv, d), k.transpose(1, 2),
-                                         v.transpose(1, 2), attn_mask=m[:, None, None], scale=scale)
+    out = F.scaled_dot_product_attention(
+        q.float().view(nd, hkv, hq // hkv, d),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        attn_mask=m[:, None, None],
+        scale=scale,
+    )
     return out.reshape(nd, hq, d)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("d,hkv,group,window,index", [(64, 3, 3, 0, torch.int64), (128, 2, 4, 40, torch.int32),
-                                                      (80, 4, 1, 0, torch.int64)])
+@pytest.mark.parametrize(
+    "d,hkv,group,window,index", [(64, 3, 3, 0, torch.int64), (128, 2, 4, 40, torch.int32), (80, 4, 1, 0, torch.int64)]
+)
 def test_kernel_matches_gather_and_sdpa(native, dtype, d, hkv, group, window, index):
     g = torch.Generator().manual_seed(d + hkv)
     nblocks, bs, n = 64, 16, 7
@@ -50,8 +57,8 @@ def test_kernel_matches_gather_and_sdpa(native, dtype, d, hkv, group, window, in
     tables[0, 1:] = 0  # padding rows point at the null block and must never be read
     # A query that is a strided view, as the fused qkv projection hands it over.
     q = torch.randn(n, hkv * group, 2 * d, generator=g).to(dtype)[..., :d]
-    got = native.paged_decode(q, kc, vc, tables.to(index), lens.to(index), d ** -0.5, window)
-    want = reference(q, kc, vc, tables, lens, d ** -0.5, window)
+    got = native.paged_decode(q, kc, vc, tables.to(index), lens.to(index), d**-0.5, window)
+    want = reference(q, kc, vc, tables, lens, d**-0.5, window)
     tol = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}[dtype]
     torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
     assert got.dtype == dtype and got.shape == (n, hkv * group, d)
@@ -71,12 +78,12 @@ def test_kernel_reads_an_int8_cache_with_its_scales(native, dtype, d, hkv, group
     lens = torch.tensor([1, 5, 16, 17, 90, 131, 160])
     tables = torch.randint(1, nblocks, (n, 10), generator=g)
     q = torch.randn(n, hkv * group, d, generator=g).to(dtype)
-    got = native.paged_decode(q, kq, vq, tables, lens, d ** -0.5, window, ks, vs)
-    want = reference(q, kq.float() * ks[..., None], vq.float() * vs[..., None], tables, lens, d ** -0.5, window)
+    got = native.paged_decode(q, kq, vq, tables, lens, d**-0.5, window, ks, vs)
+    want = reference(q, kq.float() * ks[..., None], vq.float() * vs[..., None], tables, lens, d**-0.5, window)
     tol = {torch.float32: 1e-5, torch.bfloat16: 2e-2}[dtype]
     torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
     # The scales are read: other scales give other outputs.
-    other = native.paged_decode(q, kq, vq, tables, lens, d ** -0.5, window, ks, vs * 2)
+    other = native.paged_decode(q, kq, vq, tables, lens, d**-0.5, window, ks, vs * 2)
     assert not torch.allclose(other.float(), want, atol=tol, rtol=tol)
     with pytest.raises(RuntimeError, match="needs k_scale and v_scale"):
         native.paged_decode(q, kq, vq, tables, lens, 1.0, 0)
@@ -98,11 +105,11 @@ def test_kernel_reads_an_f8e4m3_cache_with_its_head_scales(native, dtype):
     lens = torch.tensor([1, 5, 16, 17, 90, 131, 160])
     tables = torch.randint(1, nblocks, (n, 10), generator=g)
     q = torch.randn(n, hkv * 3, d, generator=g).to(dtype)
-    got = native.paged_decode(q, kq, vq, tables, lens, d ** -0.5, 0, ks, vs)
-    want = reference(q, kq.float() * ks[:, None], vq.float() * vs[:, None], tables, lens, d ** -0.5, 0)
+    got = native.paged_decode(q, kq, vq, tables, lens, d**-0.5, 0, ks, vs)
+    want = reference(q, kq.float() * ks[:, None], vq.float() * vs[:, None], tables, lens, d**-0.5, 0)
     tol = {torch.float32: 1e-5, torch.bfloat16: 2e-2}[dtype]
     torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
-    other = native.paged_decode(q, kq, vq, tables, lens, d ** -0.5, 0, ks, vs * 2)
+    other = native.paged_decode(q, kq, vq, tables, lens, d**-0.5, 0, ks, vs * 2)
     assert not torch.allclose(other.float(), want, atol=tol, rtol=tol)
     with pytest.raises(RuntimeError, match=r"float32 \[Hkv\] \(f8e4m3\)"):
         native.paged_decode(q, kq, vq, tables, lens, 1.0, 0, ks[:1], vs)
@@ -121,14 +128,18 @@ def test_fused_decode_writes_the_f8e4m3_cache_as_the_pytorch_path_does(native, d
     qkv = (torch.randn(n, (hq + 2 * hkv) * d, generator=g) * 4).to(dtype)
     qkv[1, (hq + hkv) * d] = 1e4  # saturates at 448 * scale
     cos, sin = torch.randn(n, 1, d // 2, generator=g).to(dtype), torch.randn(n, 1, d // 2, generator=g).to(dtype)
-    slots, tables, lens = torch.tensor([5, 40, 41]), torch.tensor([[0, 2, 0], [0, 2, 3], [0, 2, 3]]), torch.tensor([6, 41, 42])
+    slots, tables, lens = (
+        torch.tensor([5, 40, 41]),
+        torch.tensor([[0, 2, 0], [0, 2, 3], [0, 2, 3]]),
+        torch.tensor([6, 41, 42]),
+    )
     kc = torch.zeros(4, 16, hkv, d, dtype=torch.float8_e4m3fn)
     vc = torch.zeros(4, 16, hkv, d, dtype=torch.float8_e4m3fn)
     ks, vs = torch.tensor([0.05, 0.02]), torch.tensor([0.01, 0.03])
     out = native.paged_decode_qkv(qkv, cos, sin, kc, vc, slots, tables, lens, hq, hkv, 0.125, 0, ks, vs)
-    qk = apply_rope(qkv[:, :(hq + hkv) * d].reshape(n, hq + hkv, d), cos, sin)
+    qk = apply_rope(qkv[:, : (hq + hkv) * d].reshape(n, hq + hkv, d), cos, sin)
     kq = quantize_fp8(qk[:, hq:], ks)
-    vq = quantize_fp8(qkv[:, (hq + hkv) * d:].reshape(n, hkv, d), vs)
+    vq = quantize_fp8(qkv[:, (hq + hkv) * d :].reshape(n, hkv, d), vs)
     bits = lambda t: t.view(torch.uint8).view(-1, hkv, d)  # noqa: E731
     assert torch.equal(bits(kc)[slots], kq.view(torch.uint8)) and torch.equal(bits(vc)[slots], vq.view(torch.uint8))
     assert vc.view(-1, hkv, d)[40, 0, 0].float() == 448
@@ -147,15 +158,19 @@ def test_fused_decode_writes_the_int8_cache_as_the_pytorch_path_does(native, dty
     g = torch.Generator().manual_seed(5)
     hq, hkv, d, n = 6, 2, 64, 3
     qkv = (torch.randn(n, (hq + 2 * hkv) * d, generator=g) * 4).to(dtype)
-    qkv[2, (hq + hkv) * d:(hq + hkv + 1) * d] = 0  # an all-zero V head: scale 0, reads back as zeros
+    qkv[2, (hq + hkv) * d : (hq + hkv + 1) * d] = 0  # an all-zero V head: scale 0, reads back as zeros
     cos, sin = torch.randn(n, 1, d // 2, generator=g).to(dtype), torch.randn(n, 1, d // 2, generator=g).to(dtype)
-    slots, tables, lens = torch.tensor([5, 40, 41]), torch.tensor([[0, 2, 0], [0, 2, 3], [0, 2, 3]]), torch.tensor([6, 41, 42])
+    slots, tables, lens = (
+        torch.tensor([5, 40, 41]),
+        torch.tensor([[0, 2, 0], [0, 2, 3], [0, 2, 3]]),
+        torch.tensor([6, 41, 42]),
+    )
     kc, vc = torch.zeros(4, 16, hkv, d, dtype=torch.int8), torch.zeros(4, 16, hkv, d, dtype=torch.int8)
     ks, vs = torch.zeros(4, 16, hkv), torch.zeros(4, 16, hkv)
     out = native.paged_decode_qkv(qkv, cos, sin, kc, vc, slots, tables, lens, hq, hkv, 0.125, 0, ks, vs)
-    qk = apply_rope(qkv[:, :(hq + hkv) * d].reshape(n, hq + hkv, d), cos, sin)
+    qk = apply_rope(qkv[:, : (hq + hkv) * d].reshape(n, hq + hkv, d), cos, sin)
     kq, kscale = quantize_int8(qk[:, hq:])
-    vq, vscale = quantize_int8(qkv[:, (hq + hkv) * d:].reshape(n, hkv, d))
+    vq, vscale = quantize_int8(qkv[:, (hq + hkv) * d :].reshape(n, hkv, d))
     flat = lambda t: t.view(-1, *t.shape[2:])  # noqa: E731
     assert torch.equal(flat(kc)[slots], kq) and torch.equal(flat(ks)[slots], kscale)
     assert torch.equal(flat(vc)[slots], vq) and torch.equal(flat(vs)[slots], vscale)
@@ -209,13 +224,12 @@ def test_rows_of_one_sequence_read_its_cache_once_with_the_same_bits(native, dty
     tables = torch.stack([shared] * 6 + [other] + [shared] * 2 + [other.flip(0)] * 2)
     lens = torch.tensor([30, 31, 32, 33, 34, 35, 7, 50, 51, 20, 21])
     q = torch.randn(len(lens), hkv * group, d, generator=g).to(dtype)
-    together = native.paged_decode(q, kc, vc, tables, lens, d ** -0.5, 0)
+    together = native.paged_decode(q, kc, vc, tables, lens, d**-0.5, 0)
     for i in range(len(lens)):
-        alone = native.paged_decode(q[i:i + 1], kc, vc, tables[i:i + 1], lens[i:i + 1], d ** -0.5, 0)
-        assert torch.equal(together[i:i + 1], alone), i
+        alone = native.paged_decode(q[i : i + 1], kc, vc, tables[i : i + 1], lens[i : i + 1], d**-0.5, 0)
+        assert torch.equal(together[i : i + 1], alone), i
     tol = 1e-5 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(together.float(), reference(q, kc, vc, tables, lens, d ** -0.5, 0),
-                               atol=tol, rtol=tol)
+    torch.testing.assert_close(together.float(), reference(q, kc, vc, tables, lens, d**-0.5, 0), atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize("window", [0, 300])
@@ -231,11 +245,11 @@ def test_long_contexts_split_into_chunks_and_merge(native, window):
     tables = torch.stack([torch.randperm(nblocks - 1, generator=g)[:125] + 1 for _ in lens])
     tables[4:8] = tables[3]  # rows 3-7: one sequence's positions 254..258, across the boundary
     q = torch.randn(len(lens), hkv * group, d, generator=g)
-    got = native.paged_decode(q, kc, vc, tables, lens, d ** -0.5, window)
-    torch.testing.assert_close(got, reference(q, kc, vc, tables, lens, d ** -0.5, window), atol=1e-5, rtol=1e-5)
+    got = native.paged_decode(q, kc, vc, tables, lens, d**-0.5, window)
+    torch.testing.assert_close(got, reference(q, kc, vc, tables, lens, d**-0.5, window), atol=1e-5, rtol=1e-5)
     for i in range(len(lens)):
-        alone = native.paged_decode(q[i:i + 1], kc, vc, tables[i:i + 1], lens[i:i + 1], d ** -0.5, window)
-        assert torch.equal(got[i:i + 1], alone), i
+        alone = native.paged_decode(q[i : i + 1], kc, vc, tables[i : i + 1], lens[i : i + 1], d**-0.5, window)
+        assert torch.equal(got[i : i + 1], alone), i
 
 
 _AT_LEVEL = r"""
@@ -263,7 +277,7 @@ def _reference64(q, k, v, tables, lens, window):
         lo = max(0, n - window) if window > 0 else 0
         ki = k[tables[i]].flatten(0, 1)[lo:n].double().repeat_interleave(hq // hkv, 1)  # [t, hq, d]
         vi = v[tables[i]].flatten(0, 1)[lo:n].double().repeat_interleave(hq // hkv, 1)
-        p = torch.softmax(torch.einsum("hd,thd->ht", q[i].double(), ki) * d ** -0.5, dim=-1)
+        p = torch.softmax(torch.einsum("hd,thd->ht", q[i].double(), ki) * d**-0.5, dim=-1)
         out[i] = torch.einsum("ht,thd->hd", p, vi)
     return out
 
@@ -306,8 +320,13 @@ def test_each_level_matches_float64_attention_for_every_cache(native, tmp_path, 
                     refs.append(_reference64(q, k, v, tables, lens, window))
     torch.save(cases, tmp_path / "cases.pt")
     env = {**os.environ, "PAGEDLLM_NATIVE_ISA": level}
-    r = subprocess.run([sys.executable, "-c", _AT_LEVEL, str(tmp_path / "cases.pt"), str(tmp_path / "outs.pt")],
-                       env=env, capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [sys.executable, "-c", _AT_LEVEL, str(tmp_path / "cases.pt"), str(tmp_path / "outs.pt")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     ran = r.stdout.strip().splitlines()[-1]
     if ran != level:
@@ -317,7 +336,7 @@ def test_each_level_matches_float64_attention_for_every_cache(native, tmp_path, 
         tol = 1e-5 if q.dtype == torch.float32 else 2e-2
         torch.testing.assert_close(together.double(), want, atol=tol, rtol=tol, msg=lambda m: f"{where}: {m}")
         for i, row in enumerate(alone):
-            assert torch.equal(together[i:i + 1], row), f"{where}: row {i} differs from itself alone"
+            assert torch.equal(together[i : i + 1], row), f"{where}: row {i} differs from itself alone"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -391,8 +410,7 @@ def test_engine_tokens_same_with_kernel_on_and_off(native, tmp_path, hf_smollm2_
     runs = {}
     for flag in ("1", "0"):
         env = {**os.environ, "PAGEDLLM_NATIVE": flag}
-        res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                             timeout=300)
+        res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
         assert res.returncode == 0, res.stderr[-2000:]
         runs[flag] = __import__("json").loads(res.stdout.strip().splitlines()[-1])
     assert runs["1"][0] == "native-cpu" and runs["0"][0] == "torch"
@@ -519,13 +537,22 @@ def _prefill_reference(q, kc, vc, table, ctx, scale, window):
     m = j[None] <= pos
     if window:
         m &= j[None] > pos - window
-    return F.scaled_dot_product_attention(q.double().transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                          attn_mask=m, scale=scale, enable_gqa=hq != hkv).transpose(0, 1)
+    return F.scaled_dot_product_attention(
+        q.double().transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=m, scale=scale, enable_gqa=hq != hkv
+    ).transpose(0, 1)
 
 
-@pytest.mark.parametrize("n,ctx,hq,hkv,d,window", [(512, 512, 9, 3, 64, 0), (37, 300, 14, 2, 64, 0),
-                                                   (100, 100, 8, 8, 128, 0), (70, 260, 16, 2, 128, 48),
-                                                   (1, 1, 4, 2, 64, 0), (129, 200, 6, 1, 96, 0)])
+@pytest.mark.parametrize(
+    "n,ctx,hq,hkv,d,window",
+    [
+        (512, 512, 9, 3, 64, 0),
+        (37, 300, 14, 2, 64, 0),
+        (100, 100, 8, 8, 128, 0),
+        (70, 260, 16, 2, 128, 48),
+        (1, 1, 4, 2, 64, 0),
+        (129, 200, 6, 1, 96, 0),
+    ],
+)
 def test_prefill_kernel_matches_float64_attention(native, n, ctx, hq, hkv, d, window):
     """The bf16 prefill kernel against float64 attention on the same bf16 values: a chunk after
     a cached prefix, sliding windows, GQA groups of 1 to 7, tiles and key blocks cut short.
@@ -539,19 +566,20 @@ def test_prefill_kernel_matches_float64_attention(native, n, ctx, hq, hkv, d, wi
     vc = torch.randn(used + 4, bs, hkv, d, generator=g).bfloat16()
     table = torch.cat([torch.randperm(used + 3, generator=g)[:used] + 1, torch.zeros(3, dtype=torch.long)])
     last = table[(ctx - 1) // bs]
-    kc[last, (ctx - 1) % bs + 1:] = float("nan")
-    vc[last, (ctx - 1) % bs + 1:] = float("nan")
+    kc[last, (ctx - 1) % bs + 1 :] = float("nan")
+    vc[last, (ctx - 1) % bs + 1 :] = float("nan")
     q = torch.randn(n, hq, 2 * d, generator=g).bfloat16()[..., :d]  # strided, as from the fused qkv
-    got = native.paged_prefill(q, kc, vc, table.int(), ctx, d ** -0.5, window)
-    want = _prefill_reference(q, kc, vc, table, ctx, d ** -0.5, window)
+    got = native.paged_prefill(q, kc, vc, table.int(), ctx, d**-0.5, window)
+    want = _prefill_reference(q, kc, vc, table, ctx, d**-0.5, window)
     assert got.dtype == torch.bfloat16 and got.shape == (n, hq, d) and torch.isfinite(got).all()
     # bf16 output rounding (2^-9 relative) plus the probabilities rounded to bf16, as SDPA does.
     torch.testing.assert_close(got.double(), want, atol=1.5e-2, rtol=1.5e-2)
 
 
 @pytest.mark.parametrize("cache", ["int8", "f8e4m3"])
-@pytest.mark.parametrize("n,ctx,hq,hkv,d,window", [(37, 300, 14, 2, 64, 0), (70, 260, 16, 2, 128, 48),
-                                                   (129, 200, 6, 1, 96, 0)])
+@pytest.mark.parametrize(
+    "n,ctx,hq,hkv,d,window", [(37, 300, 14, 2, 64, 0), (70, 260, 16, 2, 128, 48), (129, 200, 6, 1, 96, 0)]
+)
 def test_prefill_kernel_reads_quantized_caches(native, cache, n, ctx, hq, hkv, d, window):
     """An int8 cache (per-token scales) and an f8e4m3 cache (per-head scales) read in place:
     against float64 attention over the same stored values times their scales. Slots past the
@@ -576,23 +604,23 @@ def test_prefill_kernel_reads_quantized_caches(native, cache, n, ctx, hq, hkv, d
     table = torch.cat([torch.randperm(used + 3, generator=g)[:used] + 1, torch.zeros(3, dtype=torch.long)])
     last = table[(ctx - 1) // bs]
     if cache == "int8":
-        ks[last, (ctx - 1) % bs + 1:] = float("nan")
-        vs[last, (ctx - 1) % bs + 1:] = float("nan")
+        ks[last, (ctx - 1) % bs + 1 :] = float("nan")
+        vs[last, (ctx - 1) % bs + 1 :] = float("nan")
     else:
-        kc.view(torch.uint8)[last, (ctx - 1) % bs + 1:] = 0x7F  # e4m3's NaN
-        vc.view(torch.uint8)[last, (ctx - 1) % bs + 1:] = 0x7F
+        kc.view(torch.uint8)[last, (ctx - 1) % bs + 1 :] = 0x7F  # e4m3's NaN
+        vc.view(torch.uint8)[last, (ctx - 1) % bs + 1 :] = 0x7F
     q = torch.randn(n, hq, 2 * d, generator=g).bfloat16()[..., :d]
-    got = native.paged_prefill(q, kc, vc, table, ctx, d ** -0.5, window, ks, vs)
-    want = _prefill_reference(q, kf.float(), vf.float(), table, ctx, d ** -0.5, window)
+    got = native.paged_prefill(q, kc, vc, table, ctx, d**-0.5, window, ks, vs)
+    want = _prefill_reference(q, kf.float(), vf.float(), table, ctx, d**-0.5, window)
     assert got.dtype == torch.bfloat16 and torch.isfinite(got).all()
     # The keys and values are rounded to bf16 as they are packed (2^-9 relative), then as above.
     torch.testing.assert_close(got.double(), want, atol=2e-2, rtol=2e-2)
-    doubled = native.paged_prefill(q, kc, vc, table, ctx, d ** -0.5, window, ks, vs * 2)
+    doubled = native.paged_prefill(q, kc, vc, table, ctx, d**-0.5, window, ks, vs * 2)
     torch.testing.assert_close(doubled.double(), 2 * got.double(), atol=2e-2, rtol=2e-2)
     with pytest.raises(RuntimeError, match="needs k_scale and v_scale"):
-        native.paged_prefill(q, kc, vc, table, ctx, d ** -0.5, window)
+        native.paged_prefill(q, kc, vc, table, ctx, d**-0.5, window)
     with pytest.raises(RuntimeError, match="must be contiguous float32"):
-        native.paged_prefill(q, kc, vc, table, ctx, d ** -0.5, window, ks.double(), vs)
+        native.paged_prefill(q, kc, vc, table, ctx, d**-0.5, window, ks.double(), vs)
 
 
 def test_prefill_kernel_rejects_bad_input(native):
@@ -611,10 +639,10 @@ def test_prefill_kernel_rejects_bad_input(native):
         native.paged_prefill(q.float(), kc, kc, table, 5, 1.0, 0)
 
 
-@pytest.mark.parametrize("family,cache", [("llama", "auto"), ("mistral", "auto"), ("llama", "int8"),
-                                          ("mistral", "f8e4m3")])
-def test_engine_prefill_on_the_kernel_matches_sdpa(native, tmp_path, hf_smollm2_tokenizer, monkeypatch, family,
-                                                   cache):
+@pytest.mark.parametrize(
+    "family,cache", [("llama", "auto"), ("mistral", "auto"), ("llama", "int8"), ("mistral", "f8e4m3")]
+)
+def test_engine_prefill_on_the_kernel_matches_sdpa(native, tmp_path, hf_smollm2_tokenizer, monkeypatch, family, cache):
     """A bf16 model's prompt logits, whole and in chunks after a cached prefix (the kernel reads
     the prefix in place; Mistral's 48-token window cuts it), against the same engine with
     prefill attention on SDPA, for a bf16 cache and the quantized ones (read and scaled in
@@ -626,8 +654,16 @@ def test_engine_prefill_on_the_kernel_matches_sdpa(native, tmp_path, hf_smollm2_
     from pagedllm import LLM
     from pagedllm.attention import paged
 
-    path = build_checkpoint(family, tmp_path / "m", hf_smollm2_tokenizer, len(hf_smollm2_tokenizer),
-                            hidden_size=128, num_attention_heads=2, num_key_value_heads=1, head_dim=64)
+    path = build_checkpoint(
+        family,
+        tmp_path / "m",
+        hf_smollm2_tokenizer,
+        len(hf_smollm2_tokenizer),
+        hidden_size=128,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=64,
+    )
     prompt = list(range(20, 320))
     llm = LLM(str(path), dtype="bfloat16", kv_cache_memory_mb=16, kv_cache_dtype=cache)
     assert "prefill chunks use the native bf16 prefill kernel" in llm.kv_cache_trace().decode_attention
@@ -703,8 +739,13 @@ def test_threads_that_stop_driving_the_engine_let_their_openmp_workers_go(native
     # a model loaded on one thread and run on another ran its decode stack 2.4x slower. So the
     # loading thread, and a thread whose engine has gone idle, hold no OpenMP workers.
     env = dict(os.environ, OMP_NUM_THREADS="2")
-    res = subprocess.run([sys.executable, "-c", _OMP_THREADS, str(smollm2_gguf_path)], env=env,
-                         capture_output=True, text=True, timeout=300)
+    res = subprocess.run(
+        [sys.executable, "-c", _OMP_THREADS, str(smollm2_gguf_path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     held, freed, again, loaded, remade, after_generate, after_thread = map(int, res.stdout.split()[-7:])
     assert freed == held - 1 and again == held  # the call lets this thread's one worker go
@@ -746,7 +787,8 @@ def test_bf16_scores_follow_the_cpu_and_the_level_cap(native, tmp_path):
         f"    q, kc, vc, tables, lens = torch.load(r'{tmp_path}/in' + str(d) + '.pt')\n"
         "    outs[d] = ops.paged_decode(q, kc, vc, tables, lens, d ** -0.5, 0)\n"
         f"torch.save(outs, r'{tmp_path}/capped.pt')\n"
-        "print(ops.paged_decode_bf16_scores())\n")
+        "print(ops.paged_decode_bf16_scores())\n"
+    )
     env = {**os.environ, "PAGEDLLM_NATIVE_ISA": "avx512vnni"}
     r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
@@ -754,12 +796,12 @@ def test_bf16_scores_follow_the_cpu_and_the_level_cap(native, tmp_path):
     capped = torch.load(tmp_path / "capped.pt")
     for d in (64, 128):
         q, kc, vc, tables, lens = torch.load(tmp_path / f"in{d}.pt")
-        got = native.paged_decode(q, kc, vc, tables, lens, d ** -0.5, 0)
-        want = reference(q, kc, vc, tables, lens, d ** -0.5, 0)
+        got = native.paged_decode(q, kc, vc, tables, lens, d**-0.5, 0)
+        want = reference(q, kc, vc, tables, lens, d**-0.5, 0)
         torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
         # One bf16 unit in the last place apart at most, and rarely.
         diff = (got.float() - capped[d].float()).abs()
-        assert (diff <= want.abs() * 2 ** -7 + 1e-6).all(), diff.max()
+        assert (diff <= want.abs() * 2**-7 + 1e-6).all(), diff.max()
         assert (got != capped[d]).float().mean() < 0.01
 
 

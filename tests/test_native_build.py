@@ -1,6 +1,7 @@
 """The native kernels as built at install (setup.py): one library for every x86-64 CPU, whose
 instructions match the level each function was compiled for, that runs its baseline objects on
 any machine, and that a wheel carries to a machine with no compiler."""
+
 from __future__ import annotations
 
 import os
@@ -37,8 +38,12 @@ def _encodings(lib: Path) -> dict[str, set[str]]:
     """Per function of the library, the encodings its instructions use: "vex", "evex"; and
     "vpdpbusd:vex" / "vpdpbusd:evex" where it holds that instruction, "evex:other" where it holds
     another EVEX one, "zmm" where it names a 512-bit register."""
-    out = subprocess.run(["objdump", "-d", "-C", "--no-addresses", "--insn-width=16", str(lib)],
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        ["objdump", "-d", "-C", "--no-addresses", "--insn-width=16", str(lib)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     found: dict[str, set[str]] = {}
     name = ""
     for line in out.splitlines():
@@ -88,8 +93,13 @@ def _built_levels() -> list[str]:
 
 def _check_levels(lib: Path, built: list[str]) -> None:
     enc = _encodings(lib)
-    spaces = {"avx2": "isa_avx2::", "avxvnni": "isa_avxvnni::", "avxvnni (EVEX twin)": "isa_avxvnni_evex::",
-              "avx512vnni": "isa_avx512vnni::", "avx512bf16": "isa_avx512bf16::"}
+    spaces = {
+        "avx2": "isa_avx2::",
+        "avxvnni": "isa_avxvnni::",
+        "avxvnni (EVEX twin)": "isa_avxvnni_evex::",
+        "avx512vnni": "isa_avx512vnni::",
+        "avx512bf16": "isa_avx512bf16::",
+    }
     assert built[0] == "base" and any("isa_base::" in n for n in enc), built
     for level, space in spaces.items():
         if level == "avx2" and any(b.startswith("avxvnni") for b in built):
@@ -105,9 +115,12 @@ def _check_levels(lib: Path, built: list[str]) -> None:
         assert any("vpdpbusd:evex" in e for e in twin.values()), "no EVEX vpdpbusd in the avxvnni twin"
     wide = sorted(n for n, e in twin.items() if "zmm" in e or "evex:other" in e)
     assert not wide, f"{len(wide)} functions of the avxvnni twin hold zmm or EVEX beyond vpdpbusd: {wide[:10]}"
-    wrong = sorted(n for n, e in enc.items()
-                   if ("evex" in e and "isa_avx512" not in n and "isa_avxvnni_evex::" not in n)
-                   or ("vex" in e and not any(s in n for s in ("isa_avx2::", "isa_avxvnni", "isa_avx512"))))
+    wrong = sorted(
+        n
+        for n, e in enc.items()
+        if ("evex" in e and "isa_avx512" not in n and "isa_avxvnni_evex::" not in n)
+        or ("vex" in e and not any(s in n for s in ("isa_avx2::", "isa_avxvnni", "isa_avx512")))
+    )
     assert not wrong, f"{len(wrong)} functions hold instructions above their level: {wrong[:10]}"
 
 
@@ -148,9 +161,15 @@ def test_baseline_level_runs_here():
     """PAGEDLLM_NATIVE_ISA=base registers the baseline objects (what a CPU without AVX2 runs):
     they load, offer the scalar path only, compute what PyTorch does, and the scalar quantized
     path gives what the same path of this CPU's level gives."""
+
     def check(**env: str) -> list[str]:
-        r = subprocess.run([sys.executable, "-c", _OPS_CHECK], capture_output=True, text=True, timeout=300,
-                           env={**ENV, **env, "PYTHONPATH": str(ROOT)})
+        r = subprocess.run(
+            [sys.executable, "-c", _OPS_CHECK],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env={**ENV, **env, "PYTHONPATH": str(ROOT)},
+        )
         assert r.returncode == 0, r.stderr[-3000:]
         return r.stdout.splitlines()
 
@@ -189,9 +208,13 @@ def _expected_level(cap: str, built: list[str], flags: set[str]) -> str:
     CPU runs; at avxvnni the VEX build where the CPU has AVX-VNNI, else the EVEX twin on AVX-512 VNNI."""
     vex = "avxvnni" in built and _AVX2 | {"avx_vnni"} <= flags
     twin = "avxvnni (EVEX twin)" in built and _AVX2 | {"avx512f", "avx512vl", "avx512_vnni"} <= flags
-    runs = {"base": True, "avx2": "avx2" in built and _AVX2 <= flags, "avxvnni": vex or twin,
-            "avx512vnni": "avx512vnni" in built and _AVX512 <= flags,
-            "avx512bf16": "avx512bf16" in built and _AVX512 | {"avx512_bf16"} <= flags}
+    runs = {
+        "base": True,
+        "avx2": "avx2" in built and _AVX2 <= flags,
+        "avxvnni": vex or twin,
+        "avx512vnni": "avx512vnni" in built and _AVX512 <= flags,
+        "avx512bf16": "avx512bf16" in built and _AVX512 | {"avx512_bf16"} <= flags,
+    }
     level = next(lv for lv in reversed(_LEVELS[: _LEVELS.index(cap) + 1]) if runs[lv])
     return "avxvnni (EVEX twin)" if level == "avxvnni" and not vex else level
 
@@ -203,12 +226,22 @@ def test_each_cap_registers_the_best_level_this_cpu_runs_at_or_below_it():
     capped at avxvnni it runs the EVEX twin, never the VEX objects), whose quantized paths it
     offers, and whose best path computes (a wrong level's instructions would kill it: SIGILL)."""
     built, flags = _built_levels(), _cpu_flags()
-    paths = {"base": "scalar", "avx2": "scalar,avx2", "avxvnni": "scalar,avx2,avxvnni",
-             "avx512vnni": "scalar,avx2,avx512-vnni", "avx512bf16": "scalar,avx2,avx512-vnni"}
+    paths = {
+        "base": "scalar",
+        "avx2": "scalar,avx2",
+        "avxvnni": "scalar,avx2,avxvnni",
+        "avx512vnni": "scalar,avx2,avx512-vnni",
+        "avx512bf16": "scalar,avx2,avx512-vnni",
+    }
     seen = {}
     for cap in _LEVELS:
-        r = subprocess.run([sys.executable, "-c", _CAP_CHECK], capture_output=True, text=True, timeout=300,
-                           env={**ENV, "PAGEDLLM_NATIVE_ISA": cap, "PYTHONPATH": str(ROOT)})
+        r = subprocess.run(
+            [sys.executable, "-c", _CAP_CHECK],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env={**ENV, "PAGEDLLM_NATIVE_ISA": cap, "PYTHONPATH": str(ROOT)},
+        )
         assert r.returncode == 0, f"capped at {cap}: rc {r.returncode}: {r.stderr[-2000:]}"
         level, isas = r.stdout.strip().splitlines()[-1].split("|")
         want = _expected_level(cap, built, flags)
@@ -228,9 +261,23 @@ def test_avxvnni_level_gives_the_default_levels_tokens(smollm2_gguf_path):
         pytest.skip(f"no build of the avxvnni level this CPU runs (built: {', '.join(built)})")
 
     def generate(**env: str) -> str:
-        r = subprocess.run([sys.executable, "-m", "pagedllm", "generate", "Name three colors.", "-m",
-                            str(smollm2_gguf_path), "--max-tokens", "24"], capture_output=True, text=True,
-                           timeout=600, env={**ENV, **env, "PYTHONPATH": str(ROOT)})
+        r = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pagedllm",
+                "generate",
+                "Name three colors.",
+                "-m",
+                str(smollm2_gguf_path),
+                "--max-tokens",
+                "24",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            env={**ENV, **env, "PYTHONPATH": str(ROOT)},
+        )
         assert r.returncode == 0, r.stderr[-3000:]
         return r.stdout
 
@@ -239,9 +286,13 @@ def test_avxvnni_level_gives_the_default_levels_tokens(smollm2_gguf_path):
 
 
 def test_unknown_level_cap_is_refused():
-    r = subprocess.run([sys.executable, "-c", "from pagedllm.native import cpu_kernels; cpu_kernels()"],
-                       capture_output=True, text=True, timeout=300,
-                       env={**ENV, "PAGEDLLM_NATIVE_ISA": "avx3", "PYTHONPATH": str(ROOT)})
+    r = subprocess.run(
+        [sys.executable, "-c", "from pagedllm.native import cpu_kernels; cpu_kernels()"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**ENV, "PAGEDLLM_NATIVE_ISA": "avx3", "PYTHONPATH": str(ROOT)},
+    )
     assert r.returncode != 0, r.stderr
     assert "PAGEDLLM_NATIVE_ISA='avx3' is not one of base, avx2, avxvnni, avx512vnni, avx512bf16" in r.stderr, r.stderr
 
@@ -250,8 +301,14 @@ def _venv(path: Path) -> Path:
     """A fresh venv without pip that sees this environment's packages (torch, pip, setuptools)
     after its own, through a .pth file: nothing is downloaded or reinstalled."""
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(path)], check=True)
-    site = Path(subprocess.run([str(path / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                               capture_output=True, text=True, check=True).stdout.strip())
+    site = Path(
+        subprocess.run(
+            [str(path / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    )
     (site / "_outer_env.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     return path / "bin" / "python"
 
@@ -267,10 +324,24 @@ def test_wheel_carries_the_kernels_to_a_machine_without_compiler(tmp_path, smoll
     # Built by this environment's Python: a fresh venv's include folder enters every compile
     # command, so ninja would recompile every object instead of reusing this checkout's.
     # Every level, as `make wheel` builds it: one wheel for every x86-64 CPU.
-    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-build-isolation", "--no-deps",
-                        "-w", str(tmp_path / "dist"), str(ROOT)],
-                       capture_output=True, text=True, timeout=3600,
-                       env={**ENV, "PYTHONPATH": "", "PAGEDLLM_ISA_LEVELS": "all"})
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--no-build-isolation",
+            "--no-deps",
+            "-w",
+            str(tmp_path / "dist"),
+            str(ROOT),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=3600,
+        env={**ENV, "PYTHONPATH": "", "PAGEDLLM_ISA_LEVELS": "all"},
+    )
     assert r.returncode == 0, r.stderr[-5000:]
     (wheel,) = (tmp_path / "dist").glob("pagedllm-*.whl")
     import zipfile
@@ -281,20 +352,40 @@ def test_wheel_carries_the_kernels_to_a_machine_without_compiler(tmp_path, smoll
 
     runner = _venv(tmp_path / "run-venv")
     bindir = runner.parent
-    r = subprocess.run([str(runner), "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(wheel)],
-                       capture_output=True, text=True, timeout=600, env={**ENV, "PYTHONPATH": ""})
+    r = subprocess.run(
+        [str(runner), "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(wheel)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**ENV, "PYTHONPATH": ""},
+    )
     assert r.returncode == 0, r.stderr[-3000:]
-    env = {"PATH": str(bindir), "HOME": os.environ.get("HOME", str(tmp_path)), "HF_HUB_OFFLINE": "1",
-           "PYTHONDONTWRITEBYTECODE": "1"}
+    env = {
+        "PATH": str(bindir),
+        "HOME": os.environ.get("HOME", str(tmp_path)),
+        "HF_HUB_OFFLINE": "1",
+        "PYTHONDONTWRITEBYTECODE": "1",
+    }
     for tool in ("gcc", "g++", "cc", "c++", "ninja"):
         assert shutil.which(tool, path=env["PATH"]) is None, tool
 
     def run(*args: str, **extra: str) -> subprocess.CompletedProcess:
-        return subprocess.run([str(bindir / "pagedllm"), *args], capture_output=True, text=True, timeout=600,
-                              env={**env, **extra}, cwd=tmp_path)
+        return subprocess.run(
+            [str(bindir / "pagedllm"), *args],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            env={**env, **extra},
+            cwd=tmp_path,
+        )
 
-    where = subprocess.run([str(runner), "-c", "import pagedllm.native as n; print(n.library_path())"],
-                           capture_output=True, text=True, env=env, cwd=tmp_path)
+    where = subprocess.run(
+        [str(runner), "-c", "import pagedllm.native as n; print(n.library_path())"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+    )
     assert str(tmp_path / "run-venv") in where.stdout, where.stdout + where.stderr
     trace = run("trace", "--prompt", "Hi", "--max-tokens", "4", "--log-level", "info")
     assert trace.returncode == 0, trace.stderr[-3000:]
@@ -315,8 +406,13 @@ def test_wheel_carries_the_kernels_to_a_machine_without_compiler(tmp_path, smoll
     if shutil.which("objdump") is not None:
         _check_levels(lib, ["base", "avx2", "avxvnni", "avxvnni (EVEX twin)", "avx512vnni", "avx512bf16"])
     level = "import pagedllm.native as n; print(n.cpu_kernels().native_isa())"
-    capped = subprocess.run([str(runner), "-c", level], capture_output=True, text=True, cwd=tmp_path,
-                            env={**env, "PAGEDLLM_NATIVE_ISA": "avx2"})
+    capped = subprocess.run(
+        [str(runner), "-c", level],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={**env, "PAGEDLLM_NATIVE_ISA": "avx2"},
+    )
     assert capped.stdout.strip() == "avx2", capped.stdout + capped.stderr
     on_avx2 = run(*prompt, PAGEDLLM_NATIVE_ISA="avx2")
     assert on_avx2.returncode == 0, on_avx2.stderr[-2000:]

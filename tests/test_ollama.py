@@ -1,5 +1,6 @@
 """Ollama's API through the official `ollama` client, against `pagedllm serve` on the default
 model; greedy answers must equal the OpenAI routes' for the same request."""
+
 from __future__ import annotations
 
 import json
@@ -15,15 +16,27 @@ from test_server import serving, serving_qwen  # noqa: E402
 GREEDY = {"temperature": 0, "num_predict": 12, "seed": 0}
 ASK = [{"role": "user", "content": "Name three colors."}]
 # In the key order the ollama client's Tool model sends, so both routes template the same text.
-ADD = {"type": "function", "function": {"name": "add", "description": "Add two integers",
-       "parameters": {"type": "object", "required": ["a", "b"],
-                      "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}}
+ADD = {
+    "type": "function",
+    "function": {
+        "name": "add",
+        "description": "Add two integers",
+        "parameters": {
+            "type": "object",
+            "required": ["a", "b"],
+            "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+        },
+    },
+}
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, smollm2_gguf_path):
-    yield from serving(tmp_path_factory, "ollama", ["--pa-gpu-mem", "256", "--max-model-len", "1024",
-                                                    "--max-seqs", "8", "--log-level", "info"])
+    yield from serving(
+        tmp_path_factory,
+        "ollama",
+        ["--pa-gpu-mem", "256", "--max-model-len", "1024", "--max-seqs", "8", "--log-level", "info"],
+    )
 
 
 @pytest.fixture(scope="module")
@@ -60,8 +73,12 @@ def test_chat_equals_openai(client, oai):
 
 
 def test_chat_format_schema(client):
-    schema = {"type": "object", "properties": {"color": {"type": "string", "maxLength": 10}},
-              "required": ["color"], "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {"color": {"type": "string", "maxLength": 10}},
+        "required": ["color"],
+        "additionalProperties": False,
+    }
     r = client.chat(model="default", messages=ASK, format=schema, options={**GREEDY, "num_predict": 40})
     assert set(json.loads(r.message.content)) == {"color"}
 
@@ -73,16 +90,24 @@ def test_generate_equals_openai(client, oai):
     raw = client.generate(model="default", prompt="The sky is", raw=True, options=GREEDY)
     ref = oai.completions.create(model="default", prompt="The sky is", temperature=0, max_tokens=12)
     assert raw.response == ref.choices[0].text
-    assert "".join(p.response for p in client.generate(model="default", prompt="The sky is", raw=True,
-                                                       options=GREEDY, stream=True)) == raw.response
+    assert (
+        "".join(
+            p.response
+            for p in client.generate(model="default", prompt="The sky is", raw=True, options=GREEDY, stream=True)
+        )
+        == raw.response
+    )
 
 
 def test_embed_on_generative_model_and_management_refused(client):
     with pytest.raises(ollama.ResponseError) as e:
         client.embed(model="default", input="hello")
     assert "embedding model" in str(e.value)
-    for call in (lambda: client.pull("llama3"), lambda: client.delete("default"),
-                 lambda: client.create(model="x", from_="default")):
+    for call in (
+        lambda: client.pull("llama3"),
+        lambda: client.delete("default"),
+        lambda: client.create(model="x", from_="default"),
+    ):
         with pytest.raises(ollama.ResponseError) as e:
             call()
         assert "chosen when pagedllm starts" in str(e.value)
@@ -99,12 +124,13 @@ def test_fim_refused_without_tokens(client, server):
 
 # One earlier turn shows the call in the template's own <tool_call> tags (the small model
 # otherwise writes bare JSON, which only the bare-JSON reading of issue 66's peer fixes takes).
-CALL_ASK = [{"role": "user", "content": "What is 1 + 1? Use the add tool."},
-            {"role": "assistant", "content": "",
-             "tool_calls": [{"function": {"name": "add", "arguments": {"a": 1, "b": 1}}}]},
-            {"role": "tool", "content": "2", "tool_name": "add"},
-            {"role": "assistant", "content": "1 + 1 = 2."},
-            {"role": "user", "content": "What is 2 + 3? Use the add tool."}]
+CALL_ASK = [
+    {"role": "user", "content": "What is 1 + 1? Use the add tool."},
+    {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "add", "arguments": {"a": 1, "b": 1}}}]},
+    {"role": "tool", "content": "2", "tool_name": "add"},
+    {"role": "assistant", "content": "1 + 1 = 2."},
+    {"role": "user", "content": "What is 2 + 3? Use the add tool."},
+]
 
 
 @pytest.fixture(scope="module")
@@ -118,9 +144,14 @@ def _openai(messages: list[dict]) -> list[dict]:
     for m in messages:
         m = dict(m)
         if m.get("tool_calls"):
-            m["tool_calls"] = [{"id": f"call_{i}", "type": "function", "function": {
-                "name": c["function"]["name"], "arguments": json.dumps(c["function"]["arguments"])}}
-                for i, c in enumerate(m["tool_calls"])]
+            m["tool_calls"] = [
+                {
+                    "id": f"call_{i}",
+                    "type": "function",
+                    "function": {"name": c["function"]["name"], "arguments": json.dumps(c["function"]["arguments"])},
+                }
+                for i, c in enumerate(m["tool_calls"])
+            ]
         if m["role"] == "tool":
             m["tool_call_id"] = "call_0"
             m.pop("tool_name")
@@ -135,17 +166,19 @@ def test_chat_tool_call_streamed_and_not(qwen):
     assert {"completion", "tools", "insert"} <= set(client.show("qwen").capabilities)
     opts = {"temperature": 0, "num_predict": 60}
     r = client.chat(model="qwen", messages=CALL_ASK, tools=[ADD], options=opts)
-    ref = oai.chat.completions.create(model="qwen", messages=_openai(CALL_ASK), tools=[ADD], temperature=0,
-                                      max_tokens=60)
+    ref = oai.chat.completions.create(
+        model="qwen", messages=_openai(CALL_ASK), tools=[ADD], temperature=0, max_tokens=60
+    )
     calls = r.message.tool_calls or []
     assert r.message.content == (ref.choices[0].message.content or "")
     assert all(isinstance(c.function.arguments, dict) for c in calls)
-    assert [(c.function.name, dict(c.function.arguments)) for c in calls] == \
-        [(c.function.name, json.loads(c.function.arguments)) for c in ref.choices[0].message.tool_calls or []]
+    assert [(c.function.name, dict(c.function.arguments)) for c in calls] == [
+        (c.function.name, json.loads(c.function.arguments)) for c in ref.choices[0].message.tool_calls or []
+    ]
     parts = list(client.chat(model="qwen", messages=CALL_ASK, tools=[ADD], options=opts, stream=True))
-    assert parts[-1].done and [(c.function.name, dict(c.function.arguments))
-                               for p in parts for c in p.message.tool_calls or []] == \
-        [(c.function.name, dict(c.function.arguments)) for c in calls]
+    assert parts[-1].done and [
+        (c.function.name, dict(c.function.arguments)) for p in parts for c in p.message.tool_calls or []
+    ] == [(c.function.name, dict(c.function.arguments)) for c in calls]
 
 
 def test_tool_call_answer_has_object_arguments():
@@ -161,8 +194,10 @@ def test_tool_call_answer_has_object_arguments():
     plan = neutral.tool_plan(ctx, [ADD], "auto", None)
     text = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
     metrics = SimpleNamespace(arrival_time=1.0, first_token_time=1.5, finished_time=2.0, num_prompt_tokens=7)
-    out = SimpleNamespace(outputs=[SimpleNamespace(text=text, delta_text=text, token_ids=[1, 2, 3],
-                                                   finish_reason="stop")], metrics=metrics)
+    out = SimpleNamespace(
+        outputs=[SimpleNamespace(text=text, delta_text=text, token_ids=[1, 2, 3], finish_reason="stop")],
+        metrics=metrics,
+    )
     whole = dialect._answer("m", out, True, plan)
     assert whole["message"]["tool_calls"] == [{"function": {"name": "add", "arguments": {"a": 2, "b": 3}}}]
     assert whole["message"]["content"] == "" and whole["done_reason"] == "stop"

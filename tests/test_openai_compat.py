@@ -5,6 +5,7 @@ aborts of gone clients, and the wire details of streamed chunks. The server runs
 with its own chat template (which has no place for tools, so they go in the system prompt, answered
 in the hermes format); tests/test_tools.py covers a Qwen2.5-shaped template.
 """
+
 from __future__ import annotations
 
 import json
@@ -25,23 +26,38 @@ from test_server import serving  # noqa: E402
 WEATHER = {
     "$defs": {
         "Unit": {"enum": ["C", "F"], "type": "string"},
-        "Options": {"type": "object", "properties": {"unit": {"$ref": "#/$defs/Unit"},
-                                                     "days": {"type": "integer", "minimum": 1, "maximum": 7}},
-                    "required": ["unit"], "additionalProperties": False},
+        "Options": {
+            "type": "object",
+            "properties": {"unit": {"$ref": "#/$defs/Unit"}, "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+            "required": ["unit"],
+            "additionalProperties": False,
+        },
     },
     "type": "object",
-    "properties": {"city": {"type": "string", "maxLength": 24},
-                   "options": {"$ref": "#/$defs/Options"},
-                   "fields": {"type": "array", "items": {"enum": ["temp", "wind", "rain"]}, "maxItems": 3}},
-    "required": ["city", "options"], "additionalProperties": False,
+    "properties": {
+        "city": {"type": "string", "maxLength": 24},
+        "options": {"$ref": "#/$defs/Options"},
+        "fields": {"type": "array", "items": {"enum": ["temp", "wind", "rain"]}, "maxItems": 3},
+    },
+    "required": ["city", "options"],
+    "additionalProperties": False,
 }
-ADD = {"type": "object", "properties": {"a": {"type": "integer", "minimum": -100, "maximum": 100},
-                                        "b": {"type": "integer", "minimum": -100, "maximum": 100}},
-       "required": ["a", "b"], "additionalProperties": False}
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather for a city",
-                                           "parameters": WEATHER}},
-         {"type": "function", "function": {"name": "add", "description": "Add two integers",
-                                           "parameters": ADD}}]
+ADD = {
+    "type": "object",
+    "properties": {
+        "a": {"type": "integer", "minimum": -100, "maximum": 100},
+        "b": {"type": "integer", "minimum": -100, "maximum": 100},
+    },
+    "required": ["a", "b"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {
+        "type": "function",
+        "function": {"name": "get_weather", "description": "Weather for a city", "parameters": WEATHER},
+    },
+    {"type": "function", "function": {"name": "add", "description": "Add two integers", "parameters": ADD}},
+]
 PARAMS = {"get_weather": WEATHER, "add": ADD}
 ASK = [{"role": "user", "content": "What is the weather in Paris, and what is 2 + 3?"}]
 
@@ -50,9 +66,22 @@ ASK = [{"role": "user", "content": "What is the weather in Paris, and what is 2 
 def server(tmp_path_factory, smollm2_gguf_path):
     # Without the server's pacing of prompts beside decodes (engine/pacing.py): the client-gone
     # test below needs the engine busy with one whole-budget prefill step while clients leave.
-    yield from serving(tmp_path_factory, "compat", ["--pa-gpu-mem", "256", "--max-model-len", "1024",
-                                                    "--max-seqs", "16", "--log-level", "info",
-                                                    "--decode-latency-factor", "0"])
+    yield from serving(
+        tmp_path_factory,
+        "compat",
+        [
+            "--pa-gpu-mem",
+            "256",
+            "--max-model-len",
+            "1024",
+            "--max-seqs",
+            "16",
+            "--log-level",
+            "info",
+            "--decode-latency-factor",
+            "0",
+        ],
+    )
 
 
 @pytest.fixture(scope="module")
@@ -65,8 +94,18 @@ def client(server):
 # What differs between two answers to the same request: ids, creation times, timing figures, the
 # cached prompt tokens (each engine's prefix cache holds its own history) and the model's name (the
 # server serves "default", the Runner names the file it loaded).
-_PER_CALL = {"id", "created", "model", "avg_tok_per_sec", "avg_prompt_tok_per_sec", "avg_compl_tok_per_sec",
-             "total_time_sec", "total_prompt_time_sec", "total_completion_time_sec", "prompt_tokens_details"}
+_PER_CALL = {
+    "id",
+    "created",
+    "model",
+    "avg_tok_per_sec",
+    "avg_prompt_tok_per_sec",
+    "avg_compl_tok_per_sec",
+    "total_time_sec",
+    "total_prompt_time_sec",
+    "total_completion_time_sec",
+    "prompt_tokens_details",
+}
 
 
 def _same_answer(a, b, where: str = "") -> None:
@@ -98,14 +137,30 @@ def test_runner_and_server_give_the_same_answers(server, runner):
     the completion prompt was seen to differ from a fresh Runner's (history-dependent numerics,
     reported separately)."""
     weather = [{"role": "user", "content": "What is the weather in Lyon in C, for 2 days?"}]
-    chat = {"model": "default", "messages": weather, "tools": TOOLS, "temperature": 0, "max_tokens": 120,
-            "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
-            "logprobs": True, "top_logprobs": 1}
-    text = {"model": "default", "prompt": ["The capital of Spain is", "One, two,"], "max_tokens": 5,
-            "temperature": 0, "echo": True, "logprobs": 1, "n": 2}
+    chat = {
+        "model": "default",
+        "messages": weather,
+        "tools": TOOLS,
+        "temperature": 0,
+        "max_tokens": 120,
+        "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+        "logprobs": True,
+        "top_logprobs": 1,
+    }
+    text = {
+        "model": "default",
+        "prompt": ["The capital of Spain is", "One, two,"],
+        "max_tokens": 5,
+        "temperature": 0,
+        "echo": True,
+        "logprobs": 1,
+        "n": 2,
+    }
     answers = {}
-    for path, body, send in (("chat/completions", chat, runner.send_chat_completion_request),
-                             ("completions", text, runner.send_completion_request)):
+    for path, body, send in (
+        ("chat/completions", chat, runner.send_chat_completion_request),
+        ("completions", text, runner.send_completion_request),
+    ):
         served = httpx.post(f"{server.url}/v1/{path}", json=body, timeout=300)
         assert served.status_code == 200, served.text
         answers[path] = served.json()
@@ -146,8 +201,9 @@ def _answer(client, stream: bool, **kw) -> tuple[str | None, list[dict], str | N
         text, calls, reason, _ = _streamed(client.chat.completions.create(stream=True, **kw))
         return text, calls, reason
     ch = client.chat.completions.create(**kw).choices[0]
-    calls = [{"id": c.id, "name": c.function.name, "arguments": c.function.arguments}
-             for c in ch.message.tool_calls or []]
+    calls = [
+        {"id": c.id, "name": c.function.name, "arguments": c.function.arguments} for c in ch.message.tool_calls or []
+    ]
     return ch.message.content, calls, ch.finish_reason
 
 
@@ -166,8 +222,16 @@ def test_forced_calls_20_samples_at_temperature_0_9(client):
         named = i % 2 == 1
         parallel = i % 3 != 0
         choice = {"type": "function", "function": {"name": "get_weather"}} if named else "required"
-        kw = dict(model="default", messages=ASK, tools=TOOLS, tool_choice=choice, temperature=0.9,
-                  seed=100 + i, max_tokens=400, parallel_tool_calls=parallel)
+        kw = dict(
+            model="default",
+            messages=ASK,
+            tools=TOOLS,
+            tool_choice=choice,
+            temperature=0.9,
+            seed=100 + i,
+            max_tokens=400,
+            parallel_tool_calls=parallel,
+        )
         content, calls, reason = _answer(client, stream=i % 4 >= 2, **kw)
         assert reason == "tool_calls" and not content and calls, (i, content, calls, reason)
         if named or not parallel:
@@ -186,8 +250,14 @@ def test_forced_call_arguments_stream_as_deltas(client):
     """As OpenAI streams a call: one delta with id, type and name (arguments ""), then the
     arguments in pieces, all under the same index."""
     stream = client.chat.completions.create(
-        model="default", messages=ASK, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "add"}},
-        temperature=0, max_tokens=100, stream=True)
+        model="default",
+        messages=ASK,
+        tools=TOOLS,
+        tool_choice={"type": "function", "function": {"name": "add"}},
+        temperature=0,
+        max_tokens=100,
+        stream=True,
+    )
     content, calls, reason, deltas = _streamed(stream)
     assert reason == "tool_calls" and not content and len(calls) == 1
     first, rest = deltas[0], deltas[1:]
@@ -198,10 +268,24 @@ def test_forced_call_arguments_stream_as_deltas(client):
 
 
 def test_response_format_with_forced_tool_choice_is_accepted(client):
-    rf = {"type": "json_schema", "json_schema": {"name": "answer", "schema": {
-        "type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}}}
-    content, calls, reason = _answer(client, stream=False, model="default", messages=ASK, tools=TOOLS,
-                                     tool_choice="required", response_format=rf, temperature=0, max_tokens=200)
+    rf = {
+        "type": "json_schema",
+        "json_schema": {
+            "name": "answer",
+            "schema": {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]},
+        },
+    }
+    content, calls, reason = _answer(
+        client,
+        stream=False,
+        model="default",
+        messages=ASK,
+        tools=TOOLS,
+        tool_choice="required",
+        response_format=rf,
+        temperature=0,
+        max_tokens=200,
+    )
     assert reason == "tool_calls" and content is None and calls
     for c in calls:
         jsonschema.validate(json.loads(c["arguments"]), PARAMS[c["name"]])
@@ -222,13 +306,17 @@ def test_parse_unterminated_hermes_calls():
 # Minimal templates whose text makes the server pick each format (as real Llama 3.1 and Mistral
 # templates do), with the tools in the prompt.
 FORMAT_TEMPLATES = {
-    "llama3": ("{{ bos_token }}{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
-               "{% endfor %}{% if tools %}<|im_start|>system\nCall a function: answer "
-               '{"name": ..., "parameters": ...} (ipython, <|python_tag|>). {{ tools | tojson }}<|im_end|>\n'
-               "{% endif %}<|im_start|>assistant\n"),
-    "mistral": ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
-                "{% if tools %}<|im_start|>system\n[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS] "
-                "Answer [TOOL_CALLS] [...]<|im_end|>\n{% endif %}<|im_start|>assistant\n"),
+    "llama3": (
+        "{{ bos_token }}{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+        "{% endfor %}{% if tools %}<|im_start|>system\nCall a function: answer "
+        '{"name": ..., "parameters": ...} (ipython, <|python_tag|>). {{ tools | tojson }}<|im_end|>\n'
+        "{% endif %}<|im_start|>assistant\n"
+    ),
+    "mistral": (
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+        "{% if tools %}<|im_start|>system\n[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS] "
+        "Answer [TOOL_CALLS] [...]<|im_end|>\n{% endif %}<|im_start|>assistant\n"
+    ),
     "hermes": None,  # the model's own template
 }
 
@@ -237,8 +325,12 @@ FORMAT_TEMPLATES = {
 def runner(smollm2_gguf_path):
     from pagedllm import Runner, Which
 
-    return Runner(Which.GGUF(str(smollm2_gguf_path.parent), smollm2_gguf_path.name), max_seqs=8,
-                  pa_gpu_mem=128, max_model_len=1024)
+    return Runner(
+        Which.GGUF(str(smollm2_gguf_path.parent), smollm2_gguf_path.name),
+        max_seqs=8,
+        pa_gpu_mem=128,
+        max_model_len=1024,
+    )
 
 
 @pytest.mark.slow
@@ -250,11 +342,24 @@ def test_forced_calls_in_every_format_through_the_runner(runner, fmt):
         tok.chat_template = FORMAT_TEMPLATES[fmt]
     try:
         assert tool_api.detect_format(tok.chat_template) == fmt
-        for i, (choice, parallel, stream) in enumerate([("required", True, False), ("required", False, True),
-                                                        ({"type": "function", "function": {"name": "get_weather"}},
-                                                         True, True)]):
-            req = dict(model="default", messages=ASK, tools=TOOLS, tool_choice=choice, parallel_tool_calls=parallel,
-                       temperature=0.9, seed=i, max_tokens=400, stream=stream)
+        for i, (choice, parallel, stream) in enumerate(
+            [
+                ("required", True, False),
+                ("required", False, True),
+                ({"type": "function", "function": {"name": "get_weather"}}, True, True),
+            ]
+        ):
+            req = dict(
+                model="default",
+                messages=ASK,
+                tools=TOOLS,
+                tool_choice=choice,
+                parallel_tool_calls=parallel,
+                temperature=0.9,
+                seed=i,
+                max_tokens=400,
+                stream=stream,
+            )
             if stream:
                 text, calls = "", {}
                 for chunk in runner.send_chat_completion_request(req):
@@ -281,17 +386,25 @@ def test_forced_calls_in_every_format_through_the_runner(runner, fmt):
         tok.chat_template = own
 
 
-QWEN = Path(os.environ.get("PAGEDLLM_QWEN_GGUF", Path.home() / ".cache/pagedllm/models"
-                           / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"))
+QWEN = Path(
+    os.environ.get(
+        "PAGEDLLM_QWEN_GGUF", Path.home() / ".cache/pagedllm/models" / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
+    )
+)
 
 
 @pytest.mark.slow  # a real model file
-@pytest.mark.skipif(not QWEN.is_file(), reason="opt-in: the Qwen2.5-Coder-0.5B GGUF "
-                    "(bash ../shared/models/fetch-qwen-coder.sh, or PAGEDLLM_QWEN_GGUF)")
+@pytest.mark.skipif(
+    not QWEN.is_file(),
+    reason="opt-in: the Qwen2.5-Coder-0.5B GGUF (bash ../shared/models/fetch-qwen-coder.sh, or PAGEDLLM_QWEN_GGUF)",
+)
 def test_forced_calls_on_real_qwen_coder(tmp_path_factory):
     """The real Qwen2.5 template: <tool_call> is one added token there, which the grammar names."""
-    gen = serving(tmp_path_factory, "qwen", ["--model", str(QWEN), "--pa-gpu-mem", "256",
-                                             "--max-model-len", "2048", "--log-level", "info"])
+    gen = serving(
+        tmp_path_factory,
+        "qwen",
+        ["--model", str(QWEN), "--pa-gpu-mem", "256", "--max-model-len", "2048", "--log-level", "info"],
+    )
     srv = next(gen)
     try:
         client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="none", max_retries=0, timeout=600)
@@ -299,9 +412,18 @@ def test_forced_calls_on_real_qwen_coder(tmp_path_factory):
         for i in range(20):
             named = i % 2 == 1
             choice = {"type": "function", "function": {"name": "get_weather"}} if named else "required"
-            content, calls, reason = _answer(client, stream=i % 4 >= 2, model=model, messages=ASK, tools=TOOLS,
-                                             tool_choice=choice, temperature=0.9, seed=i, max_tokens=300,
-                                             parallel_tool_calls=i % 3 != 0)
+            content, calls, reason = _answer(
+                client,
+                stream=i % 4 >= 2,
+                model=model,
+                messages=ASK,
+                tools=TOOLS,
+                tool_choice=choice,
+                temperature=0.9,
+                seed=i,
+                max_tokens=300,
+                parallel_tool_calls=i % 3 != 0,
+            )
             assert reason == "tool_calls" and not content and calls, (i, content, calls, reason)
             for c in calls:
                 jsonschema.validate(json.loads(c["arguments"]), PARAMS[c["name"]])
@@ -366,12 +488,23 @@ def test_logit_bias_moves_the_choice(client, smollm2_checkpoint):
     ids = {t: tok.encode(t, add_special_tokens=False)[0] for t, _ in (best, second)}
     biased = client.completions.create(**{**kw, "logit_bias": {str(ids[best[0]]): -100}}).choices[0]
     assert biased.text == second[0]
-    forced = client.completions.create(model="default", prompt="The capital of France is", max_tokens=4,
-                                       temperature=0.9, seed=1, logit_bias={str(ids[second[0]]): 100})
+    forced = client.completions.create(
+        model="default",
+        prompt="The capital of France is",
+        max_tokens=4,
+        temperature=0.9,
+        seed=1,
+        logit_bias={str(ids[second[0]]): 100},
+    )
     assert forced.choices[0].text == second[0] * 4
-    chat = client.chat.completions.create(model="default", messages=[{"role": "user", "content": "Hi"}],
-                                          max_tokens=3, temperature=0.9, seed=2,
-                                          logit_bias={str(ids[second[0]]): 100})
+    chat = client.chat.completions.create(
+        model="default",
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=3,
+        temperature=0.9,
+        seed=2,
+        logit_bias={str(ids[second[0]]): 100},
+    )
     assert chat.choices[0].message.content == second[0] * 3
 
 
@@ -398,8 +531,10 @@ def _raw_chunks(server, path: str, body: dict) -> list[dict]:
 def test_stream_deltas_carry_only_what_they_hold(server):
     """No `role: null`, `tool_calls: null` or `content: null` in deltas, and the finish chunk's delta is
     empty, as OpenAI streams them; with tools too."""
-    for body in ({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8, "temperature": 0},
-                 {"messages": ASK, "tools": TOOLS, "tool_choice": "required", "max_tokens": 200, "temperature": 0}):
+    for body in (
+        {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8, "temperature": 0},
+        {"messages": ASK, "tools": TOOLS, "tool_choice": "required", "max_tokens": 200, "temperature": 0},
+    ):
         chunks = _raw_chunks(server, "chat/completions", {"model": "default", **body})
         deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
         assert deltas[0] == {"role": "assistant", "content": ""}
@@ -427,8 +562,11 @@ def test_stop_reason_in_chat_and_completions(server, client, smollm2_checkpoint,
     del chat["prompt"]
     for path, body in (("completions", comp), ("chat/completions", chat)):
         if stream:
-            choice = [c["choices"][0] for c in _raw_chunks(server, path, body)
-                      if c["choices"] and c["choices"][0]["finish_reason"]][0]
+            choice = [
+                c["choices"][0]
+                for c in _raw_chunks(server, path, body)
+                if c["choices"] and c["choices"][0]["finish_reason"]
+            ][0]
         else:
             r = httpx.post(f"{server.url}/v1/{path}", json=body, timeout=120)
             choice = r.json()["choices"][0]
@@ -470,8 +608,12 @@ def test_gone_clients_cost_the_next_request_nothing(server):
     async def quitter(ac: httpx.AsyncClient, i: int) -> None:
         # Short, distinct prompts: a quitter's prefill is the test's cost, and its length proves
         # nothing (200 of them, over 12x the server's 16 slots, is what loads the abort path).
-        body = {"model": "default", "messages": [{"role": "user", "content": f"{i}: " + LONG[: 24 + i % 24]}],
-                "max_tokens": 300, "stream": True}
+        body = {
+            "model": "default",
+            "messages": [{"role": "user", "content": f"{i}: " + LONG[: 24 + i % 24]}],
+            "max_tokens": 300,
+            "stream": True,
+        }
         async with ac.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
             async for line in r.aiter_lines():
                 if '"content":"' in line and '"content":""' not in line:
@@ -501,7 +643,11 @@ def _quiet_metrics(server, settle_s: float = 0.5) -> dict:
     while time.monotonic() < deadline:
         m = server.metrics()
         quiet = m["pagedllm_num_requests_running"] == 0 and m["pagedllm_num_requests_waiting"] == 0
-        if quiet and prev is not None and prev["pagedllm_generation_tokens_total"] == m["pagedllm_generation_tokens_total"]:
+        if (
+            quiet
+            and prev is not None
+            and prev["pagedllm_generation_tokens_total"] == m["pagedllm_generation_tokens_total"]
+        ):
             return m
         prev = m if quiet else None
         time.sleep(settle_s)
@@ -524,8 +670,9 @@ def test_client_gone_before_acceptance_costs_no_step(server):
     started = [threading.Event(), threading.Event()]
 
     def run_busy(i: int) -> None:
-        with httpx.stream("POST", f"{server.url}/v1/completions", timeout=300,
-                          json={**busy, "prompt": f"{i} " + LONG * 3}) as r:
+        with httpx.stream(
+            "POST", f"{server.url}/v1/completions", timeout=300, json={**busy, "prompt": f"{i} " + LONG * 3}
+        ) as r:
             started[i].set()
             for _ in r.iter_lines():
                 pass
@@ -538,8 +685,11 @@ def test_client_gone_before_acceptance_costs_no_step(server):
     for i in range(8):
         body = json.dumps({"model": "default", "prompt": f"gone {i}", "max_tokens": 5, "ignore_eos": True}).encode()
         s = socket.create_connection((host, int(port)))
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                  + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        s.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
         socks.append(s)
     time.sleep(0.05)
     for s in socks:
@@ -549,4 +699,3 @@ def test_client_gone_before_acceptance_costs_no_step(server):
     time.sleep(1.0)
     after = server.metrics()
     assert after["pagedllm_generation_tokens_total"] - before["pagedllm_generation_tokens_total"] == 2 * 3
-

@@ -1,6 +1,7 @@
 """A short request beside a long prefill (issue 78, point 4): with pacing on, prompts are shared
 shortest-first, and while a sequence decodes the pacer (engine/pacing.py) keeps the long prompt's chunks small
 enough that the stream's tokens keep coming. Speed itself is `pagedllm bench interleave`'s."""
+
 from __future__ import annotations
 
 import pytest
@@ -32,14 +33,22 @@ def test_a_short_request_is_not_queued_behind_a_long_prefill(factor):
     prompt's first; without it (offline use) the long prompt's chunks take the whole budget."""
     from pagedllm import LLM
 
-    llm = LLM("default", kv_cache_memory_mb=96, enable_prefix_caching=False, max_num_batched_tokens=512,
-              max_model_len=4096, decode_latency_factor=factor)
+    llm = LLM(
+        "default",
+        kv_cache_memory_mb=96,
+        enable_prefix_caching=False,
+        max_num_batched_tokens=512,
+        max_model_len=4096,
+        decode_latency_factor=factor,
+    )
     eng = llm.engine
     long_ids = llm.tokenizer.encode("the river and the mountain " * 600)[:3000]
     long_rid = eng.add_request(long_ids, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
     eng.step()
-    short_rid = eng.add_request(llm.tokenizer.encode("Hello there, how are you?"),
-                                SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
+    short_rid = eng.add_request(
+        llm.tokenizer.encode("Hello there, how are you?"),
+        SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True),
+    )
     order = []
     while eng.has_unfinished():
         order += [out.request_id for out in eng.step() if out.finished]

@@ -2,6 +2,7 @@
 logits row's largest value and its column instead of the row, and rank 0 rebuilds rows the
 sampler takes to the same tokens as the whole rows, failing the same rows, beside rank 0's
 own columns of a shared head or without them."""
+
 from __future__ import annotations
 
 import pytest

@@ -4,6 +4,7 @@ stage works on one while the others work on the rest. A sequence in flight is no
 again, not preempted, and keeps its blocks until its step returns; an abort of it takes effect
 then. Greedy tokens stay pp=1's (and transformers') with preemption, prefix caching, n=4,
 chunked prefill and n-gram speculation in the run."""
+
 from __future__ import annotations
 
 import pytest
@@ -37,8 +38,7 @@ def test_a_busy_sequence_is_neither_scheduled_nor_preempted():
     assert [it.seq for it in out.scheduled] == [a] and out.preempted == [c]
     assert sch.running == [a, b] and b.block_table and sch.waiting[0] is c
     # The running set splits by `cap`: two not in flight, at most one a step.
-    sch2 = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64),
-                     BlockManager(32, 4))
+    sch2 = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64), BlockManager(32, 4))
     seqs = [_seq(3) for _ in range(4)]
     for s in seqs:
         sch2.add(s)
@@ -52,8 +52,7 @@ def test_micro_batches_share_a_long_prefill_evenly():
     """Eight 40-token prompts (320 tokens) at 128 tokens a step, two steps in flight: the
     prompts are cut into four steps of 80 tokens, in pairs, not 128, 128 and a short 64 beside
     which the other stage would wait; then decodes join the next pair's prompt chunks."""
-    sch = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=128, max_model_len=64),
-                    BlockManager(128, 4))
+    sch = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=128, max_model_len=64), BlockManager(128, 4))
     seqs = [_seq(40) for _ in range(8)]
     for s in seqs:
         sch.add(s)
@@ -76,14 +75,18 @@ def test_micro_batches_share_a_long_prefill_evenly():
     assert prompt_tokens(three) == 80 and sum(it.is_decode for it in three.scheduled) == 2
 
 
-@pytest.mark.parametrize("lens, want", [
-    ([100] * 8, [200, 200]),  # within one step's budget, still cut in chunks of about 256 tokens, in pairs
-    ([1000], [1000]),  # one sequence's prompt: not cut (its chunks could only follow one another)
-    ([1000, 1000], [1000, 1000]),  # one prompt a step, side by side
-])
+@pytest.mark.parametrize(
+    "lens, want",
+    [
+        ([100] * 8, [200, 200]),  # within one step's budget, still cut in chunks of about 256 tokens, in pairs
+        ([1000], [1000]),  # one sequence's prompt: not cut (its chunks could only follow one another)
+        ([1000, 1000], [1000, 1000]),  # one prompt a step, side by side
+    ],
+)
 def test_micro_batch_prompt_chunks(lens, want):
-    sch = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=2048, max_model_len=1100),
-                    BlockManager(600, 16))
+    sch = Scheduler(
+        SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=2048, max_model_len=1100), BlockManager(600, 16)
+    )
     for n in lens:
         sch.add(_seq(n))
     got, busy, newest = [], set(), 0
@@ -109,8 +112,9 @@ def _workload(llm, prompts):
     turns = llm.generate([turn, prompts[6]], greedy, use_tqdm=False)
     again = llm.generate([turn + turns[0].token_ids + prompts[5], prompts[7]], greedy, use_tqdm=False)
     chat = [o.token_ids for o in turns + again] + [again[0].num_cached_tokens]
-    forks = llm.generate([prompts[1]], SamplingParams(n=4, max_tokens=NEW, temperature=0.0, ignore_eos=True),
-                         use_tqdm=False)[0]
+    forks = llm.generate(
+        [prompts[1]], SamplingParams(n=4, max_tokens=NEW, temperature=0.0, ignore_eos=True), use_tqdm=False
+    )[0]
     return got, chat, [c.token_ids for c in forks.outputs]
 
 
@@ -118,8 +122,9 @@ def _workload(llm, prompts):
 def test_micro_batches_in_flight_give_pp1s_tokens(tmp_path, hf_smollm2_tokenizer):
     from models import reference_family
 
-    path, _, prompts, want = reference_family("llama", tmp_path / "llama", hf_smollm2_tokenizer, PROMPT_LENS,
-                                              NEW, seed=7)
+    path, _, prompts, want = reference_family(
+        "llama", tmp_path / "llama", hf_smollm2_tokenizer, PROMPT_LENS, NEW, seed=7
+    )
     with LLM(str(path), pipeline_parallel_size=2, **KW) as llm:
         eng = llm.engine
         got = _workload(llm, prompts)

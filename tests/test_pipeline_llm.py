@@ -10,6 +10,7 @@ reusing its earlier turns) and n=4 in the same run; each stage holds about half 
 and half the KV bytes (the trace); a killed stage ends the request in flight with an error
 within 30 s, and no process is left after the LLM is closed. One LLM per family serves every
 assert (each start costs seconds on 2 cores)."""
+
 from __future__ import annotations
 
 import json
@@ -47,7 +48,6 @@ def _same_as_pp1(one, prompts, got, turns, forks) -> None:
     assert [c for _, c in turns1[1:]] == [c for _, c in turns[1:]]
 
 
-
 def _workload(llm, prompts):
     """(greedy tokens of every prompt, a three-turn chat's (tokens, cached tokens) per turn,
     n=4 greedy forks of prompt 1: its 17 tokens end in a shared partial block, which each fork
@@ -59,15 +59,17 @@ def _workload(llm, prompts):
         o = llm.generate([conv], GREEDY, use_tqdm=False)[0]
         turns.append((o.token_ids, o.num_cached_tokens))
         conv = conv + o.token_ids
-    forks = llm.generate([prompts[1]], SamplingParams(n=4, max_tokens=NEW_TOKENS, temperature=0.0,
-                                                      ignore_eos=True), use_tqdm=False)[0]
+    forks = llm.generate(
+        [prompts[1]], SamplingParams(n=4, max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True), use_tqdm=False
+    )[0]
     return got, turns, [c.token_ids for c in forks.outputs]
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen2", "gemma3", "mixtral"])
 def test_pp2_matches_transformers_and_pp1(name, tmp_path, hf_smollm2_tokenizer):
-    path, _, prompts, want = reference_family(name, tmp_path / name, hf_smollm2_tokenizer, PROMPT_LENS,
-                                              NEW_TOKENS, seed=99)
+    path, _, prompts, want = reference_family(
+        name, tmp_path / name, hf_smollm2_tokenizer, PROMPT_LENS, NEW_TOKENS, seed=99
+    )
     kw = {**KW, "kv_cache_context_len": CTX.get(name, KW["kv_cache_context_len"])}
     before = descendants()
     with LLM(str(path), pipeline_parallel_size=2, **kw) as llm:
@@ -132,8 +134,9 @@ def run_pp2_tp2(name, path, prompts, want, kw, groups: int | None = None):
 def test_pp2_tp2_matches_transformers_and_pp1(name, tmp_path, hf_smollm2_tokenizer):
     """Four ranks, 1 thread each: two stages, each split over two tensor-parallel ranks (their
     all-reduces and logits gather in the stage's own group); the same workload as above."""
-    path, _, prompts, want = reference_family(name, tmp_path / name, hf_smollm2_tokenizer, PROMPT_LENS,
-                                              NEW_TOKENS, seed=99)
+    path, _, prompts, want = reference_family(
+        name, tmp_path / name, hf_smollm2_tokenizer, PROMPT_LENS, NEW_TOKENS, seed=99
+    )
     kw = {**KW, "kv_cache_context_len": CTX.get(name, KW["kv_cache_context_len"])}
     t4, t1 = run_pp2_tp2(name, path, prompts, want, kw)
     whole_kv = t1.rank_kv_mb[0]
@@ -181,7 +184,10 @@ def test_unsupported_options_are_refused_before_any_stage_starts(tmp_path, hf_sm
     path = str(build_checkpoint("llama", tmp_path / "m", tok, len(tok)))
     before = descendants()
     cases = [
-        (dict(enable_lora=True), "LoRA adapters do not run under pipeline parallelism yet; use pipeline_parallel_size=1"),
+        (
+            dict(enable_lora=True),
+            "LoRA adapters do not run under pipeline parallelism yet; use pipeline_parallel_size=1",
+        ),
         (dict(speculative={"method": "draft", "model": path}), "draft model does not run under pipeline parallelism"),
         (dict(kv_cache_dtype="f8e4m3"), "calibrates its scales .* pipeline_parallel_size=1"),
         (dict(paged_attention=False), "paged KV cache"),
@@ -195,8 +201,9 @@ def test_unsupported_options_are_refused_before_any_stage_starts(tmp_path, hf_sm
     assert descendants() <= before
 
 
-@pytest.mark.parametrize("argv", [["generate", "m", "-pp", "2"], ["chat", "m", "--pipeline-parallel-size", "2"],
-                                  ["serve", "m", "-pp", "2"]])
+@pytest.mark.parametrize(
+    "argv", [["generate", "m", "-pp", "2"], ["chat", "m", "--pipeline-parallel-size", "2"], ["serve", "m", "-pp", "2"]]
+)
 def test_pp_flag_reaches_llm(argv):
     from pagedllm.cli.main import build_parser, command_config
 
@@ -215,8 +222,9 @@ def test_bench_throughput_takes_pp():
 
 
 @pytest.mark.slow
-def test_bench_throughput_compares_pipeline_sizes_and_profiles_the_measured_runs(tmp_path, hf_smollm2_tokenizer,
-                                                                                 capsys):
+def test_bench_throughput_compares_pipeline_sizes_and_profiles_the_measured_runs(
+    tmp_path, hf_smollm2_tokenizer, capsys
+):
     """`bench throughput -pp 1,2`: the workload at each size, one engine after the other, with
     their ratio; pp=2's bubble profile covers the measured run's steps, not the warm-up's."""
     from models import build_checkpoint
@@ -225,9 +233,32 @@ def test_bench_throughput_compares_pipeline_sizes_and_profiles_the_measured_runs
     tok = hf_smollm2_tokenizer
     path = build_checkpoint("llama", tmp_path / "m", tok, len(tok))
     out = tmp_path / "t.json"
-    main(["bench", "throughput", "--model", str(path), "-pp", "1,2", "--num-requests", "8", "--max-prompt", "64",
-          "--max-output", "16", "--runs", "1", "--peer", "none", "--sampling", "greedy", "--dtype", "float32",
-          "--output", str(out)])
+    main(
+        [
+            "bench",
+            "throughput",
+            "--model",
+            str(path),
+            "-pp",
+            "1,2",
+            "--num-requests",
+            "8",
+            "--max-prompt",
+            "64",
+            "--max-output",
+            "16",
+            "--runs",
+            "1",
+            "--peer",
+            "none",
+            "--sampling",
+            "greedy",
+            "--dtype",
+            "float32",
+            "--output",
+            str(out),
+        ]
+    )
     by = json.loads(out.read_text())["pagedllm_by_pipeline_size"]
     assert list(by) == ["pp=1", "pp=2"]
     assert by["pp=1"]["output_tokens"] == by["pp=2"]["output_tokens"]
@@ -251,16 +282,33 @@ def test_serve_pp2_answers_the_openai_client_as_pp1_and_sigterm_leaves_no_proces
     path = build_checkpoint("llama", tmp_path / "m", tok, len(tok))
     msgs = [{"role": "user", "content": "Name three colours."}]
     port = free_port()
-    srv = ServerProcess(["serve", str(path), "-pp", "2", "--dtype", "float32", "--pa-ctxt-len", "2048",
-                         "--port", str(port), "--served-model-name", "tiny"], port, tmp_path / "serve.log")
+    srv = ServerProcess(
+        [
+            "serve",
+            str(path),
+            "-pp",
+            "2",
+            "--dtype",
+            "float32",
+            "--pa-ctxt-len",
+            "2048",
+            "--port",
+            str(port),
+            "--served-model-name",
+            "tiny",
+        ],
+        port,
+        tmp_path / "serve.log",
+    )
     try:
         srv.wait_ready()
         stages = psutil.Process(srv.proc.pid).children(recursive=True)
         client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="none")
         kw = dict(model="tiny", messages=msgs, max_tokens=16, temperature=0.0)
         whole = client.chat.completions.create(**kw).choices[0].message.content
-        streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(**kw, stream=True)
-                           if c.choices)
+        streamed = "".join(
+            c.choices[0].delta.content or "" for c in client.chat.completions.create(**kw, stream=True) if c.choices
+        )
         metrics = srv.metrics()
         # SIGTERM to the server and its stage at once, as `kill -- -PGID`, a terminal's Ctrl-C or a
         # service manager stopping the group sends it: the stage leaves its stop to rank 0.

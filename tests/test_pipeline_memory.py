@@ -2,6 +2,7 @@
 weights exceed it on one rank is refused with a message naming `-pp`, and runs when split into
 two stages, each under it, giving pp=1's and transformers' float32 greedy tokens; each stage's
 weight and KV bytes in the KV trace are within 10% of half of pp=1's."""
+
 from __future__ import annotations
 
 import pytest
@@ -16,12 +17,14 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 KW = dict(dtype="float32", block_size=16, kv_cache_context_len=512)
 
 
-
 def test_the_limit_names_the_stages_that_fit():
     check_rank_memory(100 * 2**20, 100.0)  # at the limit: fits
     check_rank_memory(10**12, None)  # no limit
-    with pytest.raises(ValueError, match=r"the model's weights take 250\.0 MB, over max_rank_memory_mb=100 "
-                                         r"\(--max-rank-memory-mb\).*--pipeline-parallel-size \(-pp\) 3 or more"):
+    with pytest.raises(
+        ValueError,
+        match=r"the model's weights take 250\.0 MB, over max_rank_memory_mb=100 "
+        r"\(--max-rank-memory-mb\).*--pipeline-parallel-size \(-pp\) 3 or more",
+    ):
         check_rank_memory(250 * 2**20, 100.0)
     with pytest.raises(ValueError, match=r"rank 3's weights \(stage 1 of 2\) take 80\.0 MB.*-pp\) 4 or more"):
         check_rank_memory(80 * 2**20, 50.0, rank=3, pp=2, tp=2)
@@ -48,8 +51,12 @@ def test_refused_at_pp1_runs_at_pp2(tmp_path, hf_smollm2_tokenizer):
     prompts = [torch.randint(0, len(tok), (n,), generator=g).tolist() for n in (5, 40, 90)]
     ref = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     with torch.no_grad():
-        want = [ref.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False, eos_token_id=None,
-                             pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+        want = [
+            ref.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)[
+                0, len(p) :
+            ].tolist()
+            for p in prompts
+        ]
 
     one = LLM(str(path), **KW)
     assert [o.token_ids for o in one.generate(prompts, GREEDY, use_tqdm=False)] == want
@@ -59,8 +66,11 @@ def test_refused_at_pp1_runs_at_pp2(tmp_path, hf_smollm2_tokenizer):
     del one
 
     before = descendants()
-    with pytest.raises(ValueError, match=r"the model's weights take .* MB, over max_rank_memory_mb=.* "
-                                         r"--pipeline-parallel-size \(-pp\) 2 or more"):
+    with pytest.raises(
+        ValueError,
+        match=r"the model's weights take .* MB, over max_rank_memory_mb=.* "
+        r"--pipeline-parallel-size \(-pp\) 2 or more",
+    ):
         LLM(str(path), max_rank_memory_mb=limit, **KW)
     # A limit no two stages fit either: refused, and the stage process it started is gone.
     with pytest.raises(ValueError, match=r"rank 0's weights \(stage 0 of 2\) .*-pp\) [3-9] or more"):

@@ -5,6 +5,7 @@ and global layers) and a Mixtral-shaped mixture of experts.
 
 The attention here is plain causal attention over one prompt (no cache), the same for the
 whole model and the stages, so the comparison is of the split alone; transformers checks it."""
+
 from __future__ import annotations
 
 import pytest
@@ -79,7 +80,8 @@ def test_two_stages_give_the_whole_models_logits(family, tmp_path, hf_smollm2_to
     assert first.lm_head is None and first.norm is None and last.lm_head is not None
     assert (last.embed_tokens is not None) == cfg.tie_word_embeddings
     assert sum(p.weight_bytes for p in parts) == pytest.approx(
-        whole.weight_bytes + (whole.model.embed_tokens.weight.nbytes if cfg.tie_word_embeddings else 0), rel=1e-6)
+        whole.weight_bytes + (whole.model.embed_tokens.weight.nbytes if cfg.tie_word_embeddings else 0), rel=1e-6
+    )
     assert all(p.weight_bytes < whole.weight_bytes for p in parts)
 
     g = torch.Generator().manual_seed(5)
@@ -109,7 +111,9 @@ def test_each_stage_holds_about_half_the_weights_and_kv(family, tmp_path, hf_smo
     tok = hf_smollm2_tokenizer
     over = {"num_hidden_layers": 8, "tie_word_embeddings": False}
     if family == "gemma3":
-        over["layer_types"] = ["sliding_attention"] * 3 + ["full_attention"] + ["sliding_attention"] * 3 + ["full_attention"]
+        over["layer_types"] = (
+            ["sliding_attention"] * 3 + ["full_attention"] + ["sliding_attention"] * 3 + ["full_attention"]
+        )
     path = build_checkpoint(family, tmp_path / family, tok, len(tok), **over)
     whole = load_model(resolve(str(path)), torch.float32, torch.device("cpu"))
     cfg = whole.config

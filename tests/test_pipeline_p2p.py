@@ -1,6 +1,7 @@
 """The pipeline's stage-to-stage transport (distributed/p2p.py) between two gloo ranks on
 loopback: tensors arrive with their dtype, shape and values; a peer that dies or hangs fails
 the waiting rank with StageLinkError within the bound, never a hang."""
+
 from __future__ import annotations
 
 import os
@@ -23,15 +24,21 @@ def _init(rank: int, port: int):
     from datetime import timedelta
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{port}",
-                            timeout=timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{port}", timeout=timedelta(seconds=60)
+    )
 
 
 def _tensors() -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(7)
-    return [torch.randn(5, 64, generator=g), torch.randn(1, 896, generator=g).to(torch.bfloat16),
-            torch.randint(-9, 9, (3, 2, 4), generator=g), torch.empty(0, 64), torch.tensor(3.5),
-            torch.randn(130, 7, generator=g).t()]  # not contiguous
+    return [
+        torch.randn(5, 64, generator=g),
+        torch.randn(1, 896, generator=g).to(torch.bfloat16),
+        torch.randint(-9, 9, (3, 2, 4), generator=g),
+        torch.empty(0, 64),
+        torch.tensor(3.5),
+        torch.randn(130, 7, generator=g).t(),
+    ]  # not contiguous
 
 
 def _echo_peer(port: int, mode: str) -> None:

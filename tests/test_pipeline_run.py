@@ -5,6 +5,7 @@ gives transformers' float32 tokens for Llama, Qwen2 (tied head), Gemma 3 (slidin
 KV groups) and a Mixtral-shaped MoE. The plans are written here for one sequence, so the
 stages are checked apart from the engine's scheduler (tests/test_pipeline_llm.py drives them
 through LLM); a killed stage fails rank 0's step within 30 s."""
+
 from __future__ import annotations
 
 import math
@@ -44,10 +45,22 @@ def _plans(cfg, prompt: list[int]):
     def plan(ids, start, decode):
         pos = np.arange(start, start + len(ids), dtype=np.int64)
         g_slots = [table(g)[pos // BLOCK] * BLOCK + pos % BLOCK for g in range(groups.num_groups)]
-        return StepPlan(list(ids), pos, [0, len(ids)], [start + len(ids)], 1 if decode else 0, [0],
-                        g_slots[0], table(0), width, [len(ids) - 1],
-                        group_slots=g_slots[1:], group_tables=[table(g) for g in range(1, groups.num_groups)],
-                        group_widths=[width] * (groups.num_groups - 1))
+        return StepPlan(
+            list(ids),
+            pos,
+            [0, len(ids)],
+            [start + len(ids)],
+            1 if decode else 0,
+            [0],
+            g_slots[0],
+            table(0),
+            width,
+            [len(ids) - 1],
+            group_slots=g_slots[1:],
+            group_tables=[table(g) for g in range(1, groups.num_groups)],
+            group_widths=[width] * (groups.num_groups - 1),
+        )
+
     return plan, groups.num_groups * width
 
 

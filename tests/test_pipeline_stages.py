@@ -1,5 +1,6 @@
 """The pipeline stage plan (models/stages.py): contiguous cuts balanced by weight bytes, the
 embedding on the first stage and the head on the last, checked against every possible cut."""
+
 from __future__ import annotations
 
 import itertools
@@ -9,8 +10,15 @@ from pathlib import Path
 import pytest
 
 from pagedllm.config import ModelConfig
-from pagedllm.models.stages import (HEAD_SHARE_ROWS, Stage, bytes_by_part, estimated_bytes, plan_stages, share_head,
-                                   stage_load)
+from pagedllm.models.stages import (
+    HEAD_SHARE_ROWS,
+    Stage,
+    bytes_by_part,
+    estimated_bytes,
+    plan_stages,
+    share_head,
+    stage_load,
+)
 
 
 def _best_by_search(layer_bytes, size, embed, head) -> float:
@@ -32,7 +40,7 @@ def _load(layer_bytes, i, j, s, size, embed, head) -> float:
 
 
 def _stage_bytes(stages, layer_bytes, embed, head) -> list[int]:
-    return [sum(layer_bytes[s.start:s.end]) + (embed if s.first else 0) + (head if s.last else 0) for s in stages]
+    return [sum(layer_bytes[s.start : s.end]) + (embed if s.first else 0) + (head if s.last else 0) for s in stages]
 
 
 def _stage_loads(stages, layer_bytes, embed, head) -> list[float]:
@@ -59,7 +67,8 @@ def test_plan_is_an_optimal_contiguous_cut(seed):
     stages = plan_stages(layer_bytes, size, embed, head)
     _check_shape(stages, n, size)
     assert max(_stage_loads(stages, layer_bytes, embed, head)) == pytest.approx(
-        _best_by_search(layer_bytes, size, embed, head), abs=1e-12)
+        _best_by_search(layer_bytes, size, embed, head), abs=1e-12
+    )
 
 
 def test_even_layers_split_evenly_and_a_big_vocabulary_shortens_the_end_stages():
@@ -81,23 +90,38 @@ def test_bad_sizes_are_refused_with_the_limit():
 
 
 def _cfg(**over) -> ModelConfig:
-    d = dict(architectures=["LlamaForCausalLM"], hidden_size=64, intermediate_size=160, num_hidden_layers=4,
-             num_attention_heads=4, num_key_value_heads=2, vocab_size=1000, max_position_embeddings=512)
+    d = dict(
+        architectures=["LlamaForCausalLM"],
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=1000,
+        max_position_embeddings=512,
+    )
     d.update(over)
     return ModelConfig.from_hf_dict(d)
 
 
 def test_hybrid_kv_gemma3_cuts_across_window_kinds():
     """Gemma 3's global layer sits among sliding ones; a stage holds whole layers of either kind."""
-    cfg = _cfg(architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", head_dim=16, sliding_window=48,
-               layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
-               hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=16)
+    cfg = _cfg(
+        architectures=["Gemma3ForCausalLM"],
+        model_type="gemma3_text",
+        head_dim=16,
+        sliding_window=48,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+        hidden_activation="gelu_pytorch_tanh",
+        query_pre_attn_scalar=16,
+    )
     assert cfg.layer_windows.count(None) == 1
     layers, embed, head = estimated_bytes(cfg)
     stages = plan_stages(layers, 2, embed, head)
     _check_shape(stages, 4, 2)
-    assert max(_stage_loads(stages, layers, embed, head)) == pytest.approx(_best_by_search(layers, 2, embed, head),
-                                                                           abs=1e-12)
+    assert max(_stage_loads(stages, layers, embed, head)) == pytest.approx(
+        _best_by_search(layers, 2, embed, head), abs=1e-12
+    )
 
 
 def test_moe_layers_weigh_their_experts():
@@ -111,9 +135,15 @@ def test_moe_layers_weigh_their_experts():
 
 
 def test_checkpoint_bytes_by_part():
-    names = [("model.embed_tokens.weight", 1000), ("lm_head.weight", 1000), ("model.norm.weight", 8),
-             ("model.layers.0.self_attn.q_proj.weight", 50), ("model.layers.0.mlp.experts.3.w1.weight", 70),
-             ("model.layers.1.input_layernorm.weight", 8), ("model.layers.1.self_attn.o_proj.weight", 40)]
+    names = [
+        ("model.embed_tokens.weight", 1000),
+        ("lm_head.weight", 1000),
+        ("model.norm.weight", 8),
+        ("model.layers.0.self_attn.q_proj.weight", 50),
+        ("model.layers.0.mlp.experts.3.w1.weight", 70),
+        ("model.layers.1.input_layernorm.weight", 8),
+        ("model.layers.1.self_attn.o_proj.weight", 40),
+    ]
     assert bytes_by_part(names, 2, tie_word_embeddings=False) == ([120, 48], 1000, 1008)
     tied = [x for x in names if x[0] != "lm_head.weight"]
     assert bytes_by_part(tied, 2, tie_word_embeddings=True) == ([120, 48], 1000, 1008)
@@ -154,8 +184,10 @@ QWEN_05B = Path.home() / ".cache/pagedllm/models/qwen2.5-coder-0.5b-instruct-q4_
 
 
 @pytest.mark.slow  # the gguf package reads the whole file's 151k-token vocabulary in Python
-@pytest.mark.skipif(not QWEN_05B.exists(), reason="the real Qwen2.5-Coder-0.5B GGUF is not here "
-                    "(../shared/models/fetch-qwen-coder.sh fetches it)")
+@pytest.mark.skipif(
+    not QWEN_05B.exists(),
+    reason="the real Qwen2.5-Coder-0.5B GGUF is not here (../shared/models/fetch-qwen-coder.sh fetches it)",
+)
 def test_real_q4_k_m_file_is_cut_by_its_own_bytes():
     """llama.cpp's Q4_K_M mix keeps Qwen2.5-Coder-0.5B's head at Q8_0 (145 MB) and its embedding
     at Q5_0 (94 MB): a plan from the config (equal tables) cuts 12/12 and leaves the stages' weights
@@ -196,7 +228,7 @@ def _decode_reads(stages, layer_bytes, head, vocab) -> list[float]:
     out = []
     for s in stages:
         rows = s.head_rows(vocab)
-        out.append(sum(layer_bytes[s.start:s.end]) + (head * (rows[1] - rows[0]) / vocab if rows else 0))
+        out.append(sum(layer_bytes[s.start : s.end]) + (head * (rows[1] - rows[0]) / vocab if rows else 0))
     return out
 
 

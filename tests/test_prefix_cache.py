@@ -1,4 +1,5 @@
 """Prefix caching: a property test of the block manager, and engine outputs with caching on vs off."""
+
 from __future__ import annotations
 
 import pytest
@@ -26,8 +27,14 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.phys: dict[int, list[int | None]] = {}
-        self.bm = BlockManager(14 * len(self.windows), BS, enable_caching=True, max_cached_seqs=3,
-                               copy_fn=self._copy, group_windows=self.windows)
+        self.bm = BlockManager(
+            14 * len(self.windows),
+            BS,
+            enable_caching=True,
+            max_cached_seqs=3,
+            copy_fn=self._copy,
+            group_windows=self.windows,
+        )
         self.live: list[Sequence] = []
         # The runner's persistent rows, starting small so they grow: kept in step with the tables
         # by what the block manager reports (appends, and table_version for the rest).
@@ -94,7 +101,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
             r = self.rows.row(seq)
             for g, table in enumerate(self.bm.tables(seq)):
                 row = self.rows.tables[g, r]
-                assert row[:len(table)].tolist() == table and not row[len(table):].any(), (g, row, table)
+                assert row[: len(table)].tolist() == table and not row[len(table) :].any(), (g, row, table)
             assert seq.num_released == sum(t.count(0) for t in self.bm.tables(seq))
 
     @invariant()
@@ -157,8 +164,12 @@ def _multi_turn(llm, n_convs=3, turns=6, sampled=False):
     for t in range(turns):
         for c in convs:
             c.append({"role": "user", "content": f"Turn {t}: tell me about topic {t * 7 + len(c)}."})
-        sp = [SamplingParams(max_tokens=20, temperature=0.8 if sampled else 0.0,
-                             seed=(100 + i) if sampled else None, ignore_eos=True) for i in range(n_convs)]
+        sp = [
+            SamplingParams(
+                max_tokens=20, temperature=0.8 if sampled else 0.0, seed=(100 + i) if sampled else None, ignore_eos=True
+            )
+            for i in range(n_convs)
+        ]
         prompts = [llm.tokenizer.apply_chat_template(c, tokenize=True) for c in convs]
         outs = llm.generate(prompts, sp, use_tqdm=False)
         for c, o in zip(convs, outs):
@@ -184,8 +195,7 @@ def test_multi_turn_same_with_and_without_cache(ckpt, sampled):
 @pytest.mark.slow
 def test_shared_system_prompt_32_requests(ckpt):
     system = "You are a careful assistant. " * 30
-    msgs = [[{"role": "system", "content": system}, {"role": "user", "content": f"Question {i}?"}]
-            for i in range(32)]
+    msgs = [[{"role": "system", "content": system}, {"role": "user", "content": f"Question {i}?"}] for i in range(32)]
     on, off = _llm(ckpt), _llm(ckpt, enable_prefix_caching=False)
     sp = [SamplingParams(max_tokens=12, temperature=0.7, seed=i, ignore_eos=True) for i in range(32)]
     prompts = [on.tokenizer.apply_chat_template(m, tokenize=True) for m in msgs]
@@ -215,9 +225,12 @@ def test_n4_shares_prompt_and_equals_separate_requests(ckpt):
     while eng.has_unfinished():
         outs += [o for o in eng.step() if o.finished]
     forked = [c.token_ids for c in outs[0].outputs]
-    separate = [llm.generate([prompt], SamplingParams(max_tokens=16, temperature=1.0, seed=7 + i,
-                                                      ignore_eos=True), use_tqdm=False)[0].token_ids
-                for i in range(4)]
+    separate = [
+        llm.generate(
+            [prompt], SamplingParams(max_tokens=16, temperature=1.0, seed=7 + i, ignore_eos=True), use_tqdm=False
+        )[0].token_ids
+        for i in range(4)
+    ]
     assert forked == separate
     assert len(set(map(tuple, forked))) > 1
     _assert_clean(llm)
@@ -226,12 +239,15 @@ def test_n4_shares_prompt_and_equals_separate_requests(ckpt):
 def test_eviction_and_preemption_keep_outputs(ckpt):
     big = _llm(ckpt, mb=32)
     # 48 blocks of 8: far less than 12 sequences of up to ~170 tokens need together.
-    small = LLM(str(ckpt), dtype="float32", block_size=8, kv_cache_context_len=384,
-                max_num_batched_tokens=64, prefix_cache_n=4)
+    small = LLM(
+        str(ckpt), dtype="float32", block_size=8, kv_cache_context_len=384, max_num_batched_tokens=64, prefix_cache_n=4
+    )
     g = torch.Generator().manual_seed(5)
     shared = torch.randint(0, 40000, (60,), generator=g).tolist()
-    prompts = [shared + torch.randint(0, 40000, (int(n),), generator=g).tolist()
-               for n in torch.randint(1, 90, (12,), generator=g)]
+    prompts = [
+        shared + torch.randint(0, 40000, (int(n),), generator=g).tolist()
+        for n in torch.randint(1, 90, (12,), generator=g)
+    ]
     sp = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     want = [o.token_ids for o in big.generate(prompts, sp, use_tqdm=False)]
     got = [o.token_ids for o in small.generate(prompts, sp, use_tqdm=False)]
@@ -284,8 +300,9 @@ def test_sliding_window_match_needs_only_the_window():
     """Window 8, blocks of 4: a prompt reuses the cached chain up to its furthest full block
     whose two preceding blocks are cached, even after the blocks before them were evicted;
     the entries before the window stay null and are never held."""
-    bm = BlockManager(12, BS, enable_caching=True, max_cached_seqs=4, group_windows=[8],
-                      copy_fn=lambda src, dst, n: None)
+    bm = BlockManager(
+        12, BS, enable_caching=True, max_cached_seqs=4, group_windows=[8], copy_fn=lambda src, dst, n: None
+    )
     first = Sequence("a", list(range(1, 26)), SamplingParams())  # 6 full blocks + 1 token
     bm.match_prefix(first)
     bm.grow(first, first.num_tokens)

@@ -1,5 +1,6 @@
 """The protocol package's own seams: prompts tokenized once and off the engine thread, one owner
 for chat templating, one GPT-2 byte table (checked against transformers')."""
+
 from __future__ import annotations
 
 import ast
@@ -74,8 +75,7 @@ def _greedy(n: int):
 
 # Who may call a template: the one function (tokenizer/chat.py), the tokenizer's own method and
 # its load-time check, the HF processor wrapper, and the benchmark's transformers reference.
-_TEMPLATE_CALLERS = {"tokenizer/chat.py", "tokenizer/template_guard.py", "multimodal/processor.py",
-                     "bench/vision.py"}
+_TEMPLATE_CALLERS = {"tokenizer/chat.py", "tokenizer/template_guard.py", "multimodal/processor.py", "bench/vision.py"}
 
 
 def test_chat_templates_are_applied_in_one_place():
@@ -83,8 +83,11 @@ def test_chat_templates_are_applied_in_one_place():
     for path in ROOT.rglob("*.py"):
         tree = ast.parse(path.read_text(encoding="utf-8"))
         for node in ast.walk(tree):
-            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
-                    and node.func.attr == "apply_chat_template":
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "apply_chat_template"
+            ):
                 callers.add(path.relative_to(ROOT).as_posix())
     assert callers <= _TEMPLATE_CALLERS, sorted(callers - _TEMPLATE_CALLERS)
 

@@ -1,6 +1,7 @@
 """The quantized-weight kernels against gguf-py's reference dequantization followed by a float
 matmul, for every format, on every instruction-set path this CPU runs (the scalar reference
 always among them), with 1 to 64 rows, odd shapes, and extreme, zero and tiny scales."""
+
 from __future__ import annotations
 
 import gguf
@@ -17,8 +18,18 @@ ops = cpu_kernels()
 pytestmark = pytest.mark.skipif(ops is None, reason="native CPU kernels not built here")
 
 # Byte offsets of each format's fp16 scale fields inside a block.
-SCALE_OFFSETS = {"Q4_0": [0], "Q5_0": [0], "Q8_0": [0], "Q4_1": [0, 2], "Q5_1": [0, 2], "Q4_K": [0, 2],
-                 "Q5_K": [0, 2], "Q2_K": [80, 82], "Q3_K": [108], "Q6_K": [208]}
+SCALE_OFFSETS = {
+    "Q4_0": [0],
+    "Q5_0": [0],
+    "Q8_0": [0],
+    "Q4_1": [0, 2],
+    "Q5_1": [0, 2],
+    "Q4_K": [0, 2],
+    "Q5_K": [0, 2],
+    "Q2_K": [80, 82],
+    "Q3_K": [108],
+    "Q6_K": [208],
+}
 ISAS = qk.available_isas() if ops is not None else []
 
 
@@ -36,7 +47,7 @@ def random_blocks(fmt: str, rows: int, cols: int, rng: np.random.Generator, scal
             h = rng.choice([6e-8, -6e-8, 1e-6], size=n)
         else:  # "zero": every other block scaled by zero
             h = np.where(np.arange(n) % 2 == 0, 0.0, rng.standard_normal(n) * 0.02)
-        raw[:, :, off:off + 2] = h.astype(np.float16).view(np.uint8).reshape(rows, -1, 2)
+        raw[:, :, off : off + 2] = h.astype(np.float16).view(np.uint8).reshape(rows, -1, 2)
     return raw.reshape(rows, -1)
 
 
@@ -78,14 +89,21 @@ def assert_close(got: np.ndarray, ref: np.ndarray, rel: float, what: str) -> Non
 def test_integer_kernel_matches_reference(fmt, isa):
     rng = np.random.default_rng(FORMATS[fmt][0])
     vals = FORMATS[fmt][1]
-    for rows, nblk, m, scales in [(1, 1, 1, "normal"), (37, 3, 1, "normal"), (5, 2, 2, "zero"),
-                                  (16, 1, 7, "extreme"), (3, 2, 3, "tiny"), (19, 2, 64, "normal")]:
+    for rows, nblk, m, scales in [
+        (1, 1, 1, "normal"),
+        (37, 3, 1, "normal"),
+        (5, 2, 2, "zero"),
+        (16, 1, 7, "extreme"),
+        (3, 2, 3, "tiny"),
+        (19, 2, 64, "normal"),
+    ]:
         cols = vals * nblk if vals == 256 else 32 * (nblk * 3 + 1)  # odd numbers of legacy blocks
         raw = random_blocks(fmt, rows, cols, rng, scales)
         x = rng.standard_normal((m, cols)).astype(np.float32)
         x[0, :32] = 0.0  # an all-zero activation block
-        y = ops.quant_matmul(torch.from_numpy(x), [torch.from_numpy(raw)], [FORMATS[fmt][0]], cols,
-                             qk.ISA_IDS[isa]).numpy()
+        y = ops.quant_matmul(
+            torch.from_numpy(x), [torch.from_numpy(raw)], [FORMATS[fmt][0]], cols, qk.ISA_IDS[isa]
+        ).numpy()
         assert y.shape == (m, rows)
         assert np.isfinite(y).all()
         assert_close(y, reference(raw, fmt, rows, cols, x, 1), 2e-5, f"{fmt} {isa} {rows}x{cols} m={m} {scales}")
@@ -99,8 +117,13 @@ def test_mixed_format_parts_in_one_call(isa):
     parts = [("Q4_K", 24), ("Q4_K", 8), ("Q6_K", 8), ("Q8_0", 3)]
     raws = [random_blocks(f, r, cols, rng) for f, r in parts]
     x = rng.standard_normal((3, cols)).astype(np.float32)
-    y = ops.quant_matmul(torch.from_numpy(x), [torch.from_numpy(r) for r in raws],
-                         [FORMATS[f][0] for f, _ in parts], cols, qk.ISA_IDS[isa]).numpy()
+    y = ops.quant_matmul(
+        torch.from_numpy(x),
+        [torch.from_numpy(r) for r in raws],
+        [FORMATS[f][0] for f, _ in parts],
+        cols,
+        qk.ISA_IDS[isa],
+    ).numpy()
     ref = np.concatenate([reference(r, f, n, cols, x, 1) for r, (f, n) in zip(raws, parts)], axis=1)
     assert_close(y, ref, 2e-5, f"mixed {isa}")
 
@@ -112,8 +135,9 @@ def test_dequantize_is_exact(fmt):
     raw = random_blocks(fmt, 9, cols, rng)
     ref = gguf.quants.dequantize(raw, Q[fmt]).reshape(9, cols)
     for isa in ISAS:
-        got = ops.quant_dequant(torch.from_numpy(raw), FORMATS[fmt][0], cols, None, 0, -1, torch.float32,
-                                qk.ISA_IDS[isa]).numpy()
+        got = ops.quant_dequant(
+            torch.from_numpy(raw), FORMATS[fmt][0], cols, None, 0, -1, torch.float32, qk.ISA_IDS[isa]
+        ).numpy()
         np.testing.assert_array_equal(got, ref, err_msg=f"{fmt} {isa}")
     # A slice of rows, and an embedding-style lookup with repeats, in bf16.
     qt = QuantTensor(fmt, torch.from_numpy(raw), (9, cols))
@@ -183,8 +207,9 @@ def test_gemm_route_tiles_share_one_scratch_buffer(monkeypatch, packed):
     with pytest.raises(RuntimeError, match="scratch holds 10 values"):
         w = parts[0]
         if packed:
-            ops.quant_dequant_packed(w.data, w.type_id - PACKED_ID, cols, None, 0, 16, torch.float32, True,
-                                     torch.empty(10))
+            ops.quant_dequant_packed(
+                w.data, w.type_id - PACKED_ID, cols, None, 0, 16, torch.float32, True, torch.empty(10)
+            )
         else:
             ops.quant_dequant(w.data, w.type_id, cols, None, 0, 16, torch.float32, 0, torch.empty(10))
 
@@ -273,9 +298,15 @@ def packed(raw: np.ndarray, fmt: str, rows: int, cols: int) -> QuantTensor:
 def test_packed_kernel_matches_reference(fmt, isa):
     rng = np.random.default_rng(20 + FORMATS[fmt][0])
     vals = FORMATS[fmt][1]
-    for rows, nblk, m, scales in [(16, 1, 1, "normal"), (48, 3, 1, "normal"), (32, 2, 2, "zero"),
-                                  (16, 1, 9, "extreme"), (32, 2, 3, "tiny"), (64, 2, 64, "normal"),
-                                  (16, 1, 17, "normal")]:
+    for rows, nblk, m, scales in [
+        (16, 1, 1, "normal"),
+        (48, 3, 1, "normal"),
+        (32, 2, 2, "zero"),
+        (16, 1, 9, "extreme"),
+        (32, 2, 3, "tiny"),
+        (64, 2, 64, "normal"),
+        (16, 1, 17, "normal"),
+    ]:
         cols = vals * nblk if vals == 256 else 32 * (nblk * 3 + 1)
         raw = random_blocks(fmt, rows, cols, rng, scales)
         qt = packed(raw, fmt, rows, cols)
@@ -283,8 +314,7 @@ def test_packed_kernel_matches_reference(fmt, isa):
         x[0, :32] = 0.0
         y = ops.quant_matmul(torch.from_numpy(x), [qt.data], [qt.type_id], cols, qk.ISA_IDS[isa]).numpy()
         assert y.shape == (m, rows) and np.isfinite(y).all()
-        assert_close(y, reference(raw, fmt, rows, cols, x, 1), 2e-5,
-                     f"packed {fmt} {isa} {rows}x{cols} m={m} {scales}")
+        assert_close(y, reference(raw, fmt, rows, cols, x, 1), 2e-5, f"packed {fmt} {isa} {rows}x{cols} m={m} {scales}")
 
 
 @pytest.mark.parametrize("fmt", PACKABLE_FORMATS)
@@ -312,8 +342,10 @@ def test_packed_and_file_layout_parts_mix_and_take_the_gemm_route():
     cols = 512
     specs = [("Q4_K", 32), ("Q5_0", 16), ("Q3_K", 16)]
     raws = [random_blocks(f, r, cols, rng) for f, r in specs]
-    parts = [packed(r, f, n, cols) if f in PACKABLE else QuantTensor(f, torch.from_numpy(r), (n, cols))
-             for r, (f, n) in zip(raws, specs)]
+    parts = [
+        packed(r, f, n, cols) if f in PACKABLE else QuantTensor(f, torch.from_numpy(r), (n, cols))
+        for r, (f, n) in zip(raws, specs)
+    ]
     for m in (3, qk.int_rows() + 1):
         x = rng.standard_normal((m, cols)).astype(np.float32)
         y = qk.matmul(torch.from_numpy(x), parts).numpy()
@@ -353,8 +385,9 @@ def test_wide_steps_of_packed_weights_take_the_integer_kernel_in_chunks(monkeypa
         norm.weight.uniform_(0.5, 1.5)
     res = torch.randn(m, sum(sizes) // 2)
     got = qk.linear(x, parts, norm, None, res, True, role)
-    want = ops.quant_linear(x, [p.data for p in parts], [p.type_id for p in parts], cols, norm.weight, 1e-6,
-                            None, res, 1, isa_id)
+    want = ops.quant_linear(
+        x, [p.data for p in parts], [p.type_id for p in parts], cols, norm.weight, 1e-6, None, res, 1, isa_id
+    )
     assert got.shape == (m, sum(sizes) // 2) and torch.equal(got, want)
     monkeypatch.setenv("PAGEDLLM_QUANT_WIDE", "gemm")
     assert not qk.integer_route(m, parts, role)
@@ -364,7 +397,7 @@ def test_wide_steps_of_packed_weights_take_the_integer_kernel_in_chunks(monkeypa
 
 
 def test_wide_steps_of_wide_models_take_the_integer_kernel_by_default_without_amx(monkeypatch):
-    """"auto" (the default) sends steps past INT_ROWS through the integer kernel in models
+    """ "auto" (the default) sends steps past INT_ROWS through the integer kernel in models
     INT_WIDE_WIDTH or more wide, where the kernel is AVX-512 VNNI or AVX2 and there is no AMX;
     narrower models, the head, the scalar path and AMX machines keep the GEMM route."""
     monkeypatch.delenv("PAGEDLLM_QUANT_WIDE", raising=False)
@@ -517,8 +550,20 @@ def test_avxvnni_path_gives_the_avx2_paths_bits():
     from pathlib import Path
 
     built = str(ops.native_built_levels()).split(",")
-    flags = set(next((ln.split(":", 1)[1].split() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                      if ln.startswith("flags")), [])) if Path("/proc/cpuinfo").exists() else set()
+    flags = (
+        set(
+            next(
+                (
+                    ln.split(":", 1)[1].split()
+                    for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                    if ln.startswith("flags")
+                ),
+                [],
+            )
+        )
+        if Path("/proc/cpuinfo").exists()
+        else set()
+    )
     vex = "avxvnni" in built and "avx_vnni" in flags
     twin = "avxvnni (EVEX twin)" in built and {"avx512f", "avx512vl", "avx512_vnni"} <= flags
     if not (vex or twin):
@@ -526,8 +571,10 @@ def test_avxvnni_path_gives_the_avx2_paths_bits():
     root = Path(__file__).resolve().parent.parent
     env = {**os.environ, "PAGEDLLM_NATIVE_ISA": "avxvnni", "PYTHONPATH": str(root)}
     import inspect
+
     script = _AVXVNNI_VS_AVX2.replace("{offsets}", repr(SCALE_OFFSETS)).replace(
-        "{random_blocks}", inspect.getsource(random_blocks))
+        "{random_blocks}", inspect.getsource(random_blocks)
+    )
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, env=env, cwd=root)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.split()[-1] == str(2 * 40 * (len(FORMATS) + len(PACKABLE))), r.stdout
@@ -554,8 +601,7 @@ def test_two_level_activations(fmt, isa):
     scale = np.abs(exact).max()
     one = np.abs(reference(raw, fmt, rows, cols, x, 1) - exact).max() / scale
     for qt in layouts:
-        y = ops.quant_matmul(torch.from_numpy(x), [qt.data], [qt.type_id], cols,
-                             qk.ISA_IDS[isa] | qk.ACT_X2).numpy()
+        y = ops.quant_matmul(torch.from_numpy(x), [qt.data], [qt.type_id], cols, qk.ISA_IDS[isa] | qk.ACT_X2).numpy()
         what = f"{fmt} {isa} packed={qt.packed}"
         assert_close(y, reference(raw, fmt, rows, cols, x, 2), 2e-5, what)
         two = np.abs(y - exact).max() / scale

@@ -6,6 +6,7 @@ interpreter, and every ```bash block right after a `<!-- test: run -->` line, ea
 folder, a vision model, another machine) is fenced ```py instead: highlighted, not run. Only
 `max_tokens=N` / `--max-tokens N` are made small, and, for the openai client, the port is that
 of a real `pagedllm serve` started here."""
+
 from __future__ import annotations
 
 import os
@@ -45,8 +46,7 @@ def _small(code: str) -> str:
 
 
 def _run(code: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
-                          env=ENV, cwd=ROOT)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=ENV, cwd=ROOT)
 
 
 def test_readme_has_the_examples():
@@ -68,8 +68,7 @@ def test_python_block_runs(page, index, smollm2_gguf_path, tmp_path):
         pytest.importorskip("openai")
         port = free_port()
         code = code.replace("127.0.0.1:8000", f"127.0.0.1:{port}")
-        srv = ServerProcess(["serve", "--port", str(port), "--pa-gpu-mem", "128"], port,
-                            tmp_path / "serve.log")
+        srv = ServerProcess(["serve", "--port", str(port), "--pa-gpu-mem", "128"], port, tmp_path / "serve.log")
     try:
         if srv is not None:
             srv.wait_ready()
@@ -89,7 +88,8 @@ def test_shell_block_runs(page, index, smollm2_gguf_path):
         if not cmd:
             continue
         assert cmd[0] == "pagedllm", f"{page}: only pagedllm commands are run here: {line}"
-        r = subprocess.run([sys.executable, "-m", "pagedllm", *cmd[1:]], capture_output=True, text=True,
-                           timeout=600, env=ENV, cwd=ROOT)
+        r = subprocess.run(
+            [sys.executable, "-m", "pagedllm", *cmd[1:]], capture_output=True, text=True, timeout=600, env=ENV, cwd=ROOT
+        )
         assert r.returncode == 0, f"{page}: {line}\n{r.stderr[-3000:]}"
         assert r.stdout.strip(), line

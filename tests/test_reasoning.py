@@ -7,6 +7,7 @@ The model is random-weight but crafted: attention and MLP outputs are zero, so e
 depends on the current one only, and its embedding and lm_head rows make a chain
 "\\n" -> <think> -> a -> b -> </think> -> c -> d -> <|im_end|>. transformers' greedy generation on
 the same checkpoint is the reference for the tokens."""
+
 from __future__ import annotations
 
 import copy
@@ -42,7 +43,8 @@ QWEN3_TEMPLATE = (
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
     "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
-    "{%- endif %}")
+    "{%- endif %}"
+)
 
 
 @pytest.fixture(scope="module")
@@ -58,10 +60,19 @@ def thinker(tmp_path_factory, hf_smollm2_tokenizer):
     assert all(len(w) == 1 for w in words), words
     a, b, c, d = (w[0] for w in words)
     chain = [nl, think, a, b, end_think, c, d, tok.eos_token_id]
-    cfg = transformers.Qwen3Config(vocab_size=len(tok), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                   max_position_embeddings=512, tie_word_embeddings=False,
-                                   bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    cfg = transformers.Qwen3Config(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+    )
     torch.manual_seed(0)
     model = transformers.Qwen3ForCausalLM(cfg).eval()
     with torch.no_grad():
@@ -78,7 +89,7 @@ def thinker(tmp_path_factory, hf_smollm2_tokenizer):
     tok.save_pretrained(out)
     text = tok.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True, tokenize=False)
     prompt = tok.encode(text, add_special_tokens=False)
-    ids = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt):].tolist()
+    ids = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt) :].tolist()
     assert ids == chain[1:], (ids, chain)  # the reference: transformers' greedy tokens
     reasoning_text = tok.decode([a, b])
     content_text = tok.decode([c, d])
@@ -87,9 +98,21 @@ def thinker(tmp_path_factory, hf_smollm2_tokenizer):
 
 @pytest.fixture(scope="module")
 def started(tmp_path_factory, thinker):
-    yield from serving(tmp_path_factory, "reasoning", [str(thinker[0]), "--pa-gpu-mem", "64",
-                                                       "--max-model-len", "256", "--max-seqs", "4",
-                                                       "--served-model-name", "default"])
+    yield from serving(
+        tmp_path_factory,
+        "reasoning",
+        [
+            str(thinker[0]),
+            "--pa-gpu-mem",
+            "64",
+            "--max-model-len",
+            "256",
+            "--max-seqs",
+            "4",
+            "--served-model-name",
+            "default",
+        ],
+    )
 
 
 def test_markers_come_from_the_template():
@@ -125,8 +148,9 @@ def test_openai_reasoning_content(started, thinker):
     assert msg.content == answer and msg.model_extra["reasoning_content"] == thought
     assert r.choices[0].finish_reason == "stop"
     reasoning_parts, content_parts = [], []
-    for chunk in client.chat.completions.create(model="default", messages=ASK, temperature=0, max_tokens=12,
-                                                stream=True):
+    for chunk in client.chat.completions.create(
+        model="default", messages=ASK, temperature=0, max_tokens=12, stream=True
+    ):
         for ch in chunk.choices:
             extra = ch.delta.model_extra or {}
             assert not (extra.get("reasoning_content") and ch.delta.content)  # their own deltas
@@ -134,8 +158,13 @@ def test_openai_reasoning_content(started, thinker):
             content_parts.append(ch.delta.content or "")
     assert "".join(reasoning_parts) == thought and "".join(content_parts) == answer
     # enable_thinking=false reaches the template: the prompt holds the closed empty block
-    off = client.chat.completions.create(model="default", messages=ASK, temperature=0, max_tokens=1,
-                                         extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    off = client.chat.completions.create(
+        model="default",
+        messages=ASK,
+        temperature=0,
+        max_tokens=1,
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}},
+    )
     assert off.usage.prompt_tokens > r.usage.prompt_tokens
 
 
@@ -150,15 +179,19 @@ def test_anthropic_thinking_block(started, thinker):
     assert msg.content[1].text == answer and msg.stop_reason == "end_turn"
     with client.messages.stream(model="default", max_tokens=12, messages=ASK, **greedy) as stream:
         final = stream.get_final_message()
-    assert [(b.type, getattr(b, "thinking", None), getattr(b, "text", None)) for b in final.content] == \
-        [("thinking", thought, None), ("text", None, answer)]
+    assert [(b.type, getattr(b, "thinking", None), getattr(b, "text", None)) for b in final.content] == [
+        ("thinking", thought, None),
+        ("text", None, answer),
+    ]
     assert final.content[0].signature == msg.content[0].signature
     # the thinking block goes back in the next turn; thinking disabled reaches the template
     on = client.messages.count_tokens(model="default", messages=ASK)
     off = client.messages.count_tokens(model="default", messages=ASK, thinking={"type": "disabled"})
     assert off.input_tokens > on.input_tokens
-    follow = client.messages.count_tokens(model="default", messages=[
-        *ASK, {"role": "assistant", "content": msg.content}, {"role": "user", "content": "And?"}])
+    follow = client.messages.count_tokens(
+        model="default",
+        messages=[*ASK, {"role": "assistant", "content": msg.content}, {"role": "user", "content": "And?"}],
+    )
     assert follow.input_tokens > on.input_tokens
 
 
@@ -166,20 +199,42 @@ def test_continuous_usage_stats(started):
     # (issue 66.5; on this server because its model answers fast and always alike)
     server = started.get()
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=300)
-    chunks = list(client.chat.completions.create(
-        model="default", messages=ASK, temperature=0, max_tokens=12, stream=True,
-        stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model="default",
+            messages=ASK,
+            temperature=0,
+            max_tokens=12,
+            stream=True,
+            stream_options={"include_usage": True, "continuous_usage_stats": True},
+        )
+    )
     assert all(c.usage is not None for c in chunks[1:])
     done = [c.usage.completion_tokens for c in chunks[1:]]
     assert done == sorted(done) and done[-1] == 7  # the chain's seven tokens, <|im_end|> included
     assert {c.usage.prompt_tokens for c in chunks[1:]} == {chunks[-1].usage.prompt_tokens}
-    plain = list(client.chat.completions.create(model="default", messages=ASK, temperature=0, max_tokens=12,
-                                                stream=True, stream_options={"include_usage": True}))
+    plain = list(
+        client.chat.completions.create(
+            model="default",
+            messages=ASK,
+            temperature=0,
+            max_tokens=12,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert all(c.usage is None for c in plain[:-1]) and plain[-1].usage.completion_tokens == 7
     # text completions too
-    text = list(client.completions.create(
-        model="default", prompt="Let", temperature=0, max_tokens=5, stream=True,  # "Let" leads the chain
-        stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    text = list(
+        client.completions.create(
+            model="default",
+            prompt="Let",
+            temperature=0,
+            max_tokens=5,
+            stream=True,  # "Let" leads the chain
+            stream_options={"include_usage": True, "continuous_usage_stats": True},
+        )
+    )
     assert len(text) > 2 and all(c.usage is not None for c in text)
     done = [c.usage.completion_tokens for c in text]
     assert done == sorted(done) and done[0] >= 1 and done[-2] == done[-1] == text[-1].usage.completion_tokens
@@ -211,8 +266,13 @@ def test_ollama_thinking(started, thinker):
     # think=false reaches the template: the prompt holds the closed empty block, as OpenAI's
     # chat_template_kwargs put it there
     off = client.chat(model="default", messages=ASK, options={**opts, "num_predict": 1}, think=False)
-    ref = oai.chat.completions.create(model="default", messages=ASK, temperature=0, max_tokens=1,
-                                      extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    ref = oai.chat.completions.create(
+        model="default",
+        messages=ASK,
+        temperature=0,
+        max_tokens=1,
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}},
+    )
     assert off.prompt_eval_count == ref.usage.prompt_tokens > r.prompt_eval_count
     on = client.chat(model="default", messages=ASK, options=opts, think=True)
     assert on.prompt_eval_count == r.prompt_eval_count and on.message.thinking == thought
@@ -220,12 +280,17 @@ def test_ollama_thinking(started, thinker):
     # reasoning it cuts off an OpenAI message's content
     past = [*ASK, {"role": "assistant", "content": answer, "thinking": thought}, {"role": "user", "content": "And?"}]
     follow = client.chat(model="default", messages=past, options={**opts, "num_predict": 1})
-    oai_past = [*ASK, {"role": "assistant", "content": f"<think>\n{thought}\n</think>\n\n{answer}"},
-                {"role": "user", "content": "And?"}]
+    oai_past = [
+        *ASK,
+        {"role": "assistant", "content": f"<think>\n{thought}\n</think>\n\n{answer}"},
+        {"role": "user", "content": "And?"},
+    ]
     ref = oai.chat.completions.create(model="default", messages=oai_past, temperature=0, max_tokens=1)
-    bare = client.chat(model="default", messages=[*ASK, {"role": "assistant", "content": answer},
-                                                  {"role": "user", "content": "And?"}],
-                       options={**opts, "num_predict": 1})
+    bare = client.chat(
+        model="default",
+        messages=[*ASK, {"role": "assistant", "content": answer}, {"role": "user", "content": "And?"}],
+        options={**opts, "num_predict": 1},
+    )
     assert follow.prompt_eval_count == ref.usage.prompt_tokens > bare.prompt_eval_count
     with pytest.raises(ollama.ResponseError) as e:
         client.chat(model="default", messages=ASK, think="very")

@@ -2,6 +2,7 @@
 driven by the real openai client. Greedy answers through the gateway equal a replica's own; a
 replica killed with SIGKILL mid-stream ends every request within 10 s and is restarted and used
 again; SIGTERM leaves no process behind."""
+
 from __future__ import annotations
 
 import json
@@ -39,8 +40,11 @@ def _served(url: str) -> float:
     """Chat requests a replica has finished (its own /metrics)."""
     with urllib.request.urlopen(url + "/metrics", timeout=5) as r:
         text = r.read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("pagedllm_requests_finished_total"))
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("pagedllm_requests_finished_total")
+    )
 
 
 @pytest.fixture(scope="module")
@@ -51,11 +55,35 @@ def fleet(tmp_path_factory, hf_smollm2_tokenizer):
     adapter = make_adapter(base, root / "a0", 1, 8, 16, False, ["q_proj", "v_proj"])
     port = free_port()
     env = dict(os.environ, PAGEDLLM_FLEET_LOG_DIR=str(root / "logs"))
-    proc = subprocess.Popen([sys.executable, "-m", "pagedllm", "serve", str(base), "--served-model-name", "base",
-                             "--dtype", "float32", "--pa-gpu-mem", "32", "--enable-lora", "--max-lora-rank", "8",
-                             "--lora-modules", f"a0={adapter}", "--data-parallel-size", "2", "--port", str(port),
-                             "--routing", "round_robin"], env=env, stdout=subprocess.DEVNULL,
-                            stderr=open(root / "fleet.err", "wb"))
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "pagedllm",
+            "serve",
+            str(base),
+            "--served-model-name",
+            "base",
+            "--dtype",
+            "float32",
+            "--pa-gpu-mem",
+            "32",
+            "--enable-lora",
+            "--max-lora-rank",
+            "8",
+            "--lora-modules",
+            f"a0={adapter}",
+            "--data-parallel-size",
+            "2",
+            "--port",
+            str(port),
+            "--routing",
+            "round_robin",
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=open(root / "fleet.err", "wb"),
+    )
     gateway = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(gateway, proc, 300, path="/readiness")
@@ -76,20 +104,51 @@ def _replicas(gateway: str) -> list[str]:
 def _answers(base_url: str) -> list:
     c = openai.OpenAI(base_url=base_url + "/v1", api_key="none", max_retries=0)
     msgs = [{"role": "user", "content": "What is the weather in Paris?"}]
-    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {
-        "type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"], "additionalProperties": False}}}
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"enum": ["Paris", "Rome"]}},
+                "required": ["city"],
+                "additionalProperties": False,
+            },
+        },
+    }
     # Bounded answers: a random tiny model would fill an open string up to max_tokens.
-    schema = {"type": "object", "properties": {"answer": {"type": "boolean"}}, "required": ["answer"],
-              "additionalProperties": False}
-    out = [c.chat.completions.create(model="base", messages=msgs, max_tokens=12, temperature=0).choices[0].message.content,
-           c.completions.create(model="base", prompt="Once upon a time", max_tokens=12, temperature=0).choices[0].text,
-           c.chat.completions.create(model="base", messages=msgs, tools=[tool], max_tokens=60, temperature=0,
-                                     tool_choice={"type": "function", "function": {"name": "get_weather"}}
-                                     ).choices[0].message.tool_calls[0].function.arguments,
-           c.chat.completions.create(model="base", messages=msgs, max_tokens=60, temperature=0, response_format={
-               "type": "json_schema", "json_schema": {"name": "a", "schema": schema}}).choices[0].message.content,
-           c.completions.create(model="a0", prompt="Once upon a time", max_tokens=12, temperature=0).choices[0].text,
-           c.responses.create(model="base", input="Once upon a time", max_output_tokens=12, temperature=0).output_text]
+    schema = {
+        "type": "object",
+        "properties": {"answer": {"type": "boolean"}},
+        "required": ["answer"],
+        "additionalProperties": False,
+    }
+    out = [
+        c.chat.completions.create(model="base", messages=msgs, max_tokens=12, temperature=0).choices[0].message.content,
+        c.completions.create(model="base", prompt="Once upon a time", max_tokens=12, temperature=0).choices[0].text,
+        c.chat.completions.create(
+            model="base",
+            messages=msgs,
+            tools=[tool],
+            max_tokens=60,
+            temperature=0,
+            tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        )
+        .choices[0]
+        .message.tool_calls[0]
+        .function.arguments,
+        c.chat.completions.create(
+            model="base",
+            messages=msgs,
+            max_tokens=60,
+            temperature=0,
+            response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}},
+        )
+        .choices[0]
+        .message.content,
+        c.completions.create(model="a0", prompt="Once upon a time", max_tokens=12, temperature=0).choices[0].text,
+        c.responses.create(model="base", input="Once upon a time", max_output_tokens=12, temperature=0).output_text,
+    ]
     assert json.loads(out[2])["city"] in ("Paris", "Rome"), out[2]  # the constrained answers are JSON
     assert isinstance(json.loads(out[3])["answer"], bool), out[3]
     return out
@@ -113,17 +172,25 @@ def test_kill9_one_replica_under_streams(fleet):
     urls = _replicas(gateway)
     victim = urls[0]
     port = int(victim.rsplit(":", 1)[1])
-    pid = next(p.pid for p in psutil.Process(proc.pid).children(recursive=True)
-               if any(c.laddr.port == port and c.status == "LISTEN" for c in p.net_connections()))
+    pid = next(
+        p.pid
+        for p in psutil.Process(proc.pid).children(recursive=True)
+        if any(c.laddr.port == port and c.status == "LISTEN" for c in p.net_connections())
+    )
     c = openai.OpenAI(base_url=gateway + "/v1", api_key="none", max_retries=0, timeout=60)
     ended: list[tuple[str, float]] = []
     killed_at: list[float] = []
 
     def stream(i: int) -> None:
         try:
-            s = c.chat.completions.create(model="base", messages=[{"role": "user", "content": f"Count {i}"}],
-                                          max_tokens=300, temperature=0, stream=True,
-                                          extra_body={"ignore_eos": True})
+            s = c.chat.completions.create(
+                model="base",
+                messages=[{"role": "user", "content": f"Count {i}"}],
+                max_tokens=300,
+                temperature=0,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            )
             for _ in s:
                 pass
             ended.append(("answer", time.monotonic()))
@@ -149,8 +216,10 @@ def test_kill9_one_replica_under_streams(fleet):
     while not seen_down and time.monotonic() < deadline:
         seen_down = _workers(gateway).get(victim) is False
         time.sleep(0.1)
-    restarted = any(p.pid != pid and any(c.laddr.port == port and c.status == "LISTEN" for c in p.net_connections())
-                    for p in psutil.Process(proc.pid).children(recursive=True))
+    restarted = any(
+        p.pid != pid and any(c.laddr.port == port and c.status == "LISTEN" for c in p.net_connections())
+        for p in psutil.Process(proc.pid).children(recursive=True)
+    )
     assert seen_down or restarted, "the gateway still routes to the killed replica"
     for i in range(4):
         c.completions.create(model="base", prompt=f"after {i}", max_tokens=4, temperature=0)

@@ -2,6 +2,7 @@
 strips it before forwarding (uvicorn's and FastAPI's root_path semantics, as vLLM's
 --root-path), the routes answer as forwarded, /openapi.json names the prefix as its server, and
 the paths the key check treats apart (/health open, /v1/messages' error shape) still are."""
+
 from __future__ import annotations
 
 import pytest
@@ -19,9 +20,24 @@ PREFIX = "/llm"
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, smollm2_gguf_path):
     # /health, which the start waits on, is open behind the prefix too (or the start times out)
-    yield from serving(tmp_path_factory, "root_path", ["--api-key", KEY, "--root-path", PREFIX + "/",
-                                                       "--served-model-name", "smol", "--pa-gpu-mem", "64",
-                                                       "--max-model-len", "512", "--log-level", "info"])
+    yield from serving(
+        tmp_path_factory,
+        "root_path",
+        [
+            "--api-key",
+            KEY,
+            "--root-path",
+            PREFIX + "/",
+            "--served-model-name",
+            "smol",
+            "--pa-gpu-mem",
+            "64",
+            "--max-model-len",
+            "512",
+            "--log-level",
+            "info",
+        ],
+    )
 
 
 def test_routes_answer_as_the_proxy_forwards_them(server):

@@ -2,6 +2,7 @@
 `openai` client, vLLM's /tokenize and /detokenize (checked against transformers' tokenizer of
 the same GGUF), /version, /openapi.json (checked with openapi-spec-validator), and CORS under
 an API key (preflights are answered before the key check)."""
+
 from __future__ import annotations
 
 import pytest
@@ -20,10 +21,29 @@ MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "conten
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, smollm2_gguf_path):
     port = free_port()
-    srv = ServerProcess(["serve", "--port", str(port), "--api-key", KEY, "--allowed-origins", ORIGIN,
-                         "--served-model-name", "smol", "default", "--pa-gpu-mem", "64",
-                         "--max-model-len", "1024", "--log-level", "info"],
-                        port, tmp_path_factory.mktemp("routes") / "server.log", KEY)
+    srv = ServerProcess(
+        [
+            "serve",
+            "--port",
+            str(port),
+            "--api-key",
+            KEY,
+            "--allowed-origins",
+            ORIGIN,
+            "--served-model-name",
+            "smol",
+            "default",
+            "--pa-gpu-mem",
+            "64",
+            "--max-model-len",
+            "1024",
+            "--log-level",
+            "info",
+        ],
+        port,
+        tmp_path_factory.mktemp("routes") / "server.log",
+        KEY,
+    )
     try:
         srv.wait_ready()
         yield srv
@@ -91,15 +111,18 @@ def test_detokenize_as_transformers(server, hf_smollm2_tokenizer):
     assert r.json() == {"prompt": hf_smollm2_tokenizer.decode(ids)}
 
 
-@pytest.mark.parametrize("path, body, param", [
-    ("/tokenize", {}, "prompt"),
-    ("/tokenize", {"prompt": "x", "messages": MESSAGES}, "prompt"),
-    ("/tokenize", {"prompt": 5}, "prompt"),
-    ("/tokenize", {"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
-    ("/tokenize", {"prompt": "x", "model": "nope"}, "model"),
-    ("/detokenize", {"tokens": [1, 10**9]}, "tokens"),
-    ("/detokenize", {"tokens": "abc"}, "tokens"),
-])
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        ("/tokenize", {}, "prompt"),
+        ("/tokenize", {"prompt": "x", "messages": MESSAGES}, "prompt"),
+        ("/tokenize", {"prompt": 5}, "prompt"),
+        ("/tokenize", {"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
+        ("/tokenize", {"prompt": "x", "model": "nope"}, "model"),
+        ("/detokenize", {"tokens": [1, 10**9]}, "tokens"),
+        ("/detokenize", {"tokens": "abc"}, "tokens"),
+    ],
+)
 def test_tokenize_bad_input(server, path, body, param):
     r = post(server, path, body)
     assert r.status_code in (400, 404), r.text
@@ -120,8 +143,15 @@ def test_openapi_document_is_valid(server):
     assert r.status_code == 200, r.text
     doc = r.json()
     validator.validate(doc)  # raises on an invalid OpenAPI document
-    for path in ("/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/models/{model_id}",
-                 "/tokenize", "/detokenize", "/version"):
+    for path in (
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/v1/models",
+        "/v1/models/{model_id}",
+        "/tokenize",
+        "/detokenize",
+        "/version",
+    ):
         assert path in doc["paths"], sorted(doc["paths"])
     body = doc["paths"]["/tokenize"]["post"]["requestBody"]["content"]["application/json"]["schema"]
     assert body == {"$ref": "#/components/schemas/TokenizeRequest"}
@@ -129,8 +159,11 @@ def test_openapi_document_is_valid(server):
 
 
 def test_cors_preflight_before_the_key_check(server):
-    pre = {"Origin": ORIGIN, "Access-Control-Request-Method": "POST",
-           "Access-Control-Request-Headers": "authorization, content-type"}
+    pre = {
+        "Origin": ORIGIN,
+        "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization, content-type",
+    }
     r = httpx.options(f"{server.url}/v1/chat/completions", headers=pre)  # no key: a browser sends none
     assert r.status_code == 200, r.text
     assert r.headers["access-control-allow-origin"] == ORIGIN

@@ -1,5 +1,6 @@
 """The sampler against plain references: a full-vocabulary sort for top-k/top-p/min-p, dense
 penalties rebuilt from whole token lists, log_softmax for logprobs, softmax for the draws."""
+
 from __future__ import annotations
 
 import random
@@ -56,10 +57,14 @@ def _params(n: int, seed: int) -> list[SamplingParams]:
     rng = random.Random(seed)
     out = []
     for _ in range(n):
-        out.append(SamplingParams(temperature=rng.choice([0.3, 0.7, 1.0, 1.3]),
-                                  top_k=rng.choice([-1, -1, 1, 5, 50, 700, 3000]),
-                                  top_p=rng.choice([1.0, 0.5, 0.9, 0.95, 0.999]),
-                                  min_p=rng.choice([0.0, 0.0, 0.01, 0.2])))
+        out.append(
+            SamplingParams(
+                temperature=rng.choice([0.3, 0.7, 1.0, 1.3]),
+                top_k=rng.choice([-1, -1, 1, 5, 50, 700, 3000]),
+                top_p=rng.choice([1.0, 0.5, 0.9, 0.95, 0.999]),
+                min_p=rng.choice([0.0, 0.0, 0.01, 0.2]),
+            )
+        )
     return out
 
 
@@ -85,23 +90,37 @@ def test_fallback_rows_are_exercised():
     v = logits.shape[1]
     temps, top_k, top_p, min_p = filter_tensors(ps, v, DEV)
     exps = (logits - logits.amax(-1, keepdim=True)).exp()
-    sizes = [ids.shape[1] for _, _, ids, _ in sampler.filtered(exps, exps.sum(-1), top_k, top_p, min_p,
-                                                                torch.arange(2))]
+    sizes = [
+        ids.shape[1] for _, _, ids, _ in sampler.filtered(exps, exps.sum(-1), top_k, top_p, min_p, torch.arange(2))
+    ]
     assert sizes == [v]
-    torch.testing.assert_close(candidate_filter(sampler, logits, ps), reference_filter(logits, ps),
-                               rtol=1e-5, atol=1e-8)
+    torch.testing.assert_close(
+        candidate_filter(sampler, logits, ps), reference_filter(logits, ps), rtol=1e-5, atol=1e-8
+    )
 
 
 def _meta(ps, seeds=None, token_ids=None, output_pos=None, seq_ids=None, prompt_lens=None):
     n = len(ps)
     token_ids = token_ids or [[1] for _ in range(n)]
-    return SamplingMetadata(params=ps, seq_ids=seq_ids or list(range(n)), token_ids=token_ids,
-                            num_prompt_tokens=prompt_lens or [len(t) for t in token_ids],
-                            seeds=seeds or [None] * n, output_pos=output_pos or [0] * n)
+    return SamplingMetadata(
+        params=ps,
+        seq_ids=seq_ids or list(range(n)),
+        token_ids=token_ids,
+        num_prompt_tokens=prompt_lens or [len(t) for t in token_ids],
+        seeds=seeds or [None] * n,
+        output_pos=output_pos or [0] * n,
+    )
 
 
-@pytest.mark.parametrize("kw", [dict(temperature=1.0), dict(temperature=0.7, top_p=0.8),
-                                dict(temperature=1.2, top_k=5), dict(temperature=1.0, min_p=0.1)])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(temperature=1.0),
+        dict(temperature=0.7, top_p=0.8),
+        dict(temperature=1.2, top_k=5),
+        dict(temperature=1.0, min_p=0.1),
+    ],
+)
 def test_draws_follow_the_filtered_distribution(kw):
     """Many seeded draws of one row: frequencies match the reference probabilities. With 4 first
     candidates out of 24 tokens, unfiltered rows also take the tail branch."""
@@ -123,17 +142,16 @@ def test_seeded_row_same_alone_and_anywhere_in_a_batch():
     logits = _logits(8, v, seed=5)
     ps = [SamplingParams(temperature=1.0, top_p=0.95, seed=11)] + _params(7, seed=2)
     sampler = Sampler(DEV, seed=0)
-    alone = [sampler(logits[:1].clone(), _meta(ps[:1], seeds=[11], output_pos=[t])).token_ids[0]
-             for t in range(20)]
+    alone = [sampler(logits[:1].clone(), _meta(ps[:1], seeds=[11], output_pos=[t])).token_ids[0] for t in range(20)]
     for perm_seed in range(3):
         perm = list(range(8))
         random.Random(perm_seed).shuffle(perm)
         at = perm.index(0)
         seeds = [11 if i == 0 else None for i in perm]
         for t in range(20):
-            got = Sampler(DEV, seed=perm_seed + 1)(logits[perm].clone(),
-                                                   _meta([ps[i] for i in perm], seeds=seeds,
-                                                         output_pos=[t] * 8)).token_ids[at]
+            got = Sampler(DEV, seed=perm_seed + 1)(
+                logits[perm].clone(), _meta([ps[i] for i in perm], seeds=seeds, output_pos=[t] * 8)
+            ).token_ids[at]
             assert got == alone[t]
     assert len(set(alone)) > 3  # the position moves the noise: not one token over and over
 
@@ -144,8 +162,7 @@ def reference_penalties(logits: torch.Tensor, ps, prompts, outputs) -> torch.Ten
     for i, p in enumerate(ps):
         if not p.needs_penalties:
             continue
-        counts = torch.bincount(torch.tensor(outputs[i], dtype=torch.long),
-                                minlength=logits.shape[1]).float()
+        counts = torch.bincount(torch.tensor(outputs[i], dtype=torch.long), minlength=logits.shape[1]).float()
         seen = counts > 0
         seen[torch.tensor(prompts[i])] = True
         row = logits[i]
@@ -158,10 +175,12 @@ def reference_penalties(logits: torch.Tensor, ps, prompts, outputs) -> torch.Ten
 def test_penalties_kept_incrementally_match_rebuilt_ones():
     v = 200
     rng = random.Random(0)
-    ps = [SamplingParams(temperature=0.0, repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.3),
-          SamplingParams(temperature=0.0),
-          SamplingParams(temperature=0.0, presence_penalty=-0.7),
-          SamplingParams(temperature=0.0, repetition_penalty=0.8, frequency_penalty=1.0)]
+    ps = [
+        SamplingParams(temperature=0.0, repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.3),
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.0, presence_penalty=-0.7),
+        SamplingParams(temperature=0.0, repetition_penalty=0.8, frequency_penalty=1.0),
+    ]
     prompts = [[rng.randrange(v) for _ in range(rng.randint(1, 30))] for _ in ps]
     seqs = [list(p) for p in prompts]
     ids = [10, 11, 12, 13]
@@ -176,7 +195,7 @@ def test_penalties_kept_incrementally_match_rebuilt_ones():
                 s += [rng.randrange(v), rng.randrange(v)]
         logits = torch.randn(len(ps), v) * 3
         meta = _meta(ps, token_ids=seqs, seq_ids=ids, prompt_lens=[len(p) for p in prompts])
-        want = reference_penalties(logits, ps, prompts, [s[len(p):] for s, p in zip(seqs, prompts)])
+        want = reference_penalties(logits, ps, prompts, [s[len(p) :] for s, p in zip(seqs, prompts)])
         got = logits.clone()
         sampler.penalties.apply(got, [0, 2, 3], meta) if sampler.penalties else None
         tokens = sampler(logits.clone(), meta).token_ids
@@ -191,8 +210,12 @@ def test_penalties_kept_incrementally_match_rebuilt_ones():
 def test_logprobs_one_transfer_and_correct():
     v = 500
     logits = torch.randn(4, v) * 2
-    ps = [SamplingParams(temperature=0.0, logprobs=3, repetition_penalty=2.0), SamplingParams(temperature=0.8),
-          SamplingParams(temperature=0.9, top_p=0.9, logprobs=0), SamplingParams(temperature=0.0, logprobs=5)]
+    ps = [
+        SamplingParams(temperature=0.0, logprobs=3, repetition_penalty=2.0),
+        SamplingParams(temperature=0.8),
+        SamplingParams(temperature=0.9, top_p=0.9, logprobs=0),
+        SamplingParams(temperature=0.0, logprobs=5),
+    ]
     out = Sampler(DEV)(logits.clone(), _meta(ps, token_ids=[[1, 2]] * 4))
     lsm = torch.log_softmax(logits, -1)  # logprobs report the model's distribution, before penalties
     assert out.logprobs[1] is None
@@ -287,8 +310,11 @@ def test_native_draws_equal_the_torch_path(levels, monkeypatch):
     def draws() -> list[int]:
         sampler = Sampler(DEV)
         sampler.candidate_levels = levels
-        return [t for pos in range(6)
-                for t in sampler(logits.clone(), _meta(ps, seeds=seeds, output_pos=[pos] * len(ps))).token_ids]
+        return [
+            t
+            for pos in range(6)
+            for t in sampler(logits.clone(), _meta(ps, seeds=seeds, output_pos=[pos] * len(ps))).token_ids
+        ]
 
     native = draws()
     monkeypatch.setattr(sampler_mod, "cpu_kernels", lambda: None)

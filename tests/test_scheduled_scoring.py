@@ -1,6 +1,7 @@
 """Prompt scoring (prompt_logprobs, echo) is scheduled work: a long scored prompt is prefilled in
 chunks beside the running streams' decodes, within the step's token budget, instead of one
 whole prefill that stops every other stream while it runs."""
+
 from __future__ import annotations
 
 import time
@@ -26,8 +27,9 @@ def llama(tmp_path_factory, hf_smollm2_tokenizer):
     import transformers as tf
 
     tok = hf_smollm2_tokenizer
-    path = build_checkpoint("llama", tmp_path_factory.mktemp("llama-score"), tok, len(tok),
-                            max_position_embeddings=4096)
+    path = build_checkpoint(
+        "llama", tmp_path_factory.mktemp("llama-score"), tok, len(tok), max_position_embeddings=4096
+    )
     return path, tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
@@ -36,8 +38,14 @@ def _run(path, scored: list[int] | None):
     Per step: the tokens the model computed since the previous step ended (a prefill run
     outside the step counts toward the next one) and the streams that got a token; per stream,
     the wall-clock gaps between its tokens."""
-    llm = LLM(str(path), dtype="float32", max_num_batched_tokens=BUDGET, max_model_len=4096,
-              kv_cache_memory_mb=32, enable_prefix_caching=False)
+    llm = LLM(
+        str(path),
+        dtype="float32",
+        max_num_batched_tokens=BUDGET,
+        max_model_len=4096,
+        kv_cache_memory_mb=32,
+        enable_prefix_caching=False,
+    )
     eng = llm.engine
     computed = []
     forward = eng.model.forward
@@ -50,8 +58,11 @@ def _run(path, scored: list[int] | None):
     g = torch.Generator().manual_seed(3)
     vocab = eng.model_config.vocab_size
     for i in range(STREAMS):
-        eng.add_request(torch.randint(0, vocab, (12,), generator=g).tolist(),
-                        SamplingParams(max_tokens=24, temperature=0, ignore_eos=True), request_id=f"d{i}")
+        eng.add_request(
+            torch.randint(0, vocab, (12,), generator=g).tolist(),
+            SamplingParams(max_tokens=24, temperature=0, ignore_eos=True),
+            request_id=f"d{i}",
+        )
     last = {f"d{i}": None for i in range(STREAMS)}
     gaps = {rid: [] for rid in last}
     steps = []  # (tokens computed, ids of the streams that got a token, the scored request finished)
@@ -59,8 +70,7 @@ def _run(path, scored: list[int] | None):
     while eng.has_unfinished():
         done = len(computed)  # a prefill run inside add_request counts toward the next step
         if scored is not None and len(steps) == 3:
-            eng.add_request(scored, SamplingParams(max_tokens=1, prompt_logprobs=2, temperature=0),
-                            request_id="score")
+            eng.add_request(scored, SamplingParams(max_tokens=1, prompt_logprobs=2, temperature=0), request_id="score")
             scoring_from = len(steps)
         outs = eng.step()
         now = time.perf_counter()
@@ -101,9 +111,11 @@ def test_long_prompt_logprobs_is_chunked_with_the_decodes(llama, capsys):
     # the prompt took as many steps as budget minus the decodes allows
     assert len(scoring) >= -(-PROMPT // (BUDGET - STREAMS))
     with capsys.disabled():
-        print(f"\n8 streams, p99 inter-token latency: {1e3 * base_p99:.1f} ms alone, {1e3 * p99:.1f} ms with a "
-              f"{PROMPT}-token prompt_logprobs request; largest step {max(scoring)} tokens "
-              f"(budget {BUDGET}, alone {max(c for c, _, _ in base_steps)}), {len(scoring)} steps to score it")
+        print(
+            f"\n8 streams, p99 inter-token latency: {1e3 * base_p99:.1f} ms alone, {1e3 * p99:.1f} ms with a "
+            f"{PROMPT}-token prompt_logprobs request; largest step {max(scoring)} tokens "
+            f"(budget {BUDGET}, alone {max(c for c, _, _ in base_steps)}), {len(scoring)} steps to score it"
+        )
 
     # The entries are transformers' log-softmax at every prompt position.
     with torch.no_grad():
@@ -119,6 +131,7 @@ def test_long_prompt_logprobs_is_chunked_with_the_decodes(llama, capsys):
 
 
 # -- offline scoring (LLM.prompt_logits, LLM.score_prompts) is the engine's own scheduled requests --
+
 
 def _record_schedule(eng) -> list[list[tuple[str, int]]]:
     """Each step's scheduled (request id, tokens) pairs, as the scheduler decided them."""
@@ -221,8 +234,14 @@ def test_offline_scoring_queues_what_the_cache_cannot_hold(llama):
     """More prompts than the KV cache holds at once wait for room (no error) and score as each
     does alone; a prompt past max_model_len is refused clearly, and nothing is left added."""
     path, ref_model = llama
-    llm = LLM(str(path), dtype="float32", block_size=16, kv_cache_context_len=256, max_model_len=200,
-              max_num_batched_tokens=BUDGET)
+    llm = LLM(
+        str(path),
+        dtype="float32",
+        block_size=16,
+        kv_cache_context_len=256,
+        max_model_len=200,
+        max_num_batched_tokens=BUDGET,
+    )
     eng = llm.engine
     g = torch.Generator().manual_seed(8)
     prompts = [torch.randint(0, ref_model.config.vocab_size, (150,), generator=g).tolist() for _ in range(4)]
@@ -240,4 +259,3 @@ def test_offline_scoring_queues_what_the_cache_cannot_hold(llama):
     with pytest.raises(ValueError, match="chunk_size must be a positive integer"):
         llm.score_prompts([prompts[0]], chunk_size=0)
     assert eng.block_manager.num_used_blocks == 0 and not eng.requests and not eng.scheduler.has_unfinished()
-

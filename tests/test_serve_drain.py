@@ -1,6 +1,7 @@
 """SIGTERM with --shutdown-timeout (issue 23, failure 8): requests in flight finish (up to the
 timeout), new ones get a 503, then the server exits; what is still running at the timeout ends
 with an error, as without the flag."""
+
 from __future__ import annotations
 
 import json
@@ -19,14 +20,33 @@ httpx = pytest.importorskip("httpx")
 
 
 def _body(max_tokens: int, stream: bool) -> dict:
-    return {"model": "default", "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0.0,
-            "stream": stream, "messages": [{"role": "user", "content": "Count to ten thousand."}]}
+    return {
+        "model": "default",
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "temperature": 0.0,
+        "stream": stream,
+        "messages": [{"role": "user", "content": "Count to ten thousand."}],
+    }
 
 
 def _start(tmp_path, timeout: float) -> ServerProcess:
     port = free_port()
-    srv = ServerProcess(["serve", "--port", str(port), "--pa-ctxt-len", "8192", "--max-model-len", "4096",
-                         "--shutdown-timeout", str(timeout)], port, tmp_path / "serve.log")
+    srv = ServerProcess(
+        [
+            "serve",
+            "--port",
+            str(port),
+            "--pa-ctxt-len",
+            "8192",
+            "--max-model-len",
+            "4096",
+            "--shutdown-timeout",
+            str(timeout),
+        ],
+        port,
+        tmp_path / "serve.log",
+    )
     srv.wait_ready()
     return srv
 
@@ -53,8 +73,7 @@ def test_sigterm_drains_requests_in_flight(tmp_path, smollm2_gguf_path):
         started = threading.Event()
         # Long enough that both are still decoding when the probe below arrives, on a fast
         # machine too (an AVX-512 one decodes 60 tokens in well under the 0.8 s before it).
-        streamer = threading.Thread(target=_stream_until_first_token,
-                                    args=(url, _body(600, True), events, started))
+        streamer = threading.Thread(target=_stream_until_first_token, args=(url, _body(600, True), events, started))
         streamer.start()
         assert started.wait(60)
         done: dict = {}
@@ -92,8 +111,7 @@ def test_sigterm_ends_what_outlives_the_timeout(tmp_path, smollm2_gguf_path):
         url = f"{srv.url}/v1/chat/completions"
         events: list[str] = []
         started = threading.Event()
-        streamer = threading.Thread(target=_stream_until_first_token,
-                                    args=(url, _body(3000, True), events, started))
+        streamer = threading.Thread(target=_stream_until_first_token, args=(url, _body(3000, True), events, started))
         streamer.start()
         assert started.wait(60)
         t0 = time.monotonic()

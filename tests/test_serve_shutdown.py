@@ -1,5 +1,6 @@
 """Ctrl-C on `pagedllm serve` with requests in flight: a real server process, a streaming client
 mid-answer and a non-streamed request still running, then SIGINT."""
+
 from __future__ import annotations
 
 import json
@@ -20,15 +21,22 @@ httpx = pytest.importorskip("httpx")
 
 # Far more tokens than the server can produce before the signal, whatever the machine's speed:
 # both requests are certainly still running when it arrives.
-LONG = {"model": "default", "max_tokens": 3000, "ignore_eos": True, "temperature": 0.0,
-        "messages": [{"role": "user", "content": "Count to ten thousand."}]}
+LONG = {
+    "model": "default",
+    "max_tokens": 3000,
+    "ignore_eos": True,
+    "temperature": 0.0,
+    "messages": [{"role": "user", "content": "Count to ten thousand."}],
+}
 
 
 def _half_sent_request(port: int) -> socket.socket:
     """A client still sending its body: its handler waits for bytes that never come."""
     s = socket.create_connection(("127.0.0.1", port))
-    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-              b"Content-Length: 1000\r\n\r\n{\"model\": ")
+    s.sendall(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b'Content-Length: 1000\r\n\r\n{"model": '
+    )
     s.settimeout(30)
     return s
 
@@ -40,9 +48,22 @@ def _in_flight(srv: ServerProcess) -> float:
 
 def test_sigint_ends_streams_and_pending_requests_and_exits_cleanly(tmp_path, smollm2_gguf_path):
     port = free_port()
-    srv = ServerProcess(["serve", "--port", str(port), "--pa-ctxt-len", "8192",
-                         "--max-model-len", "4096", "--served-model-name", "smol", "default"],
-                        port, tmp_path / "serve.log")
+    srv = ServerProcess(
+        [
+            "serve",
+            "--port",
+            str(port),
+            "--pa-ctxt-len",
+            "8192",
+            "--max-model-len",
+            "4096",
+            "--served-model-name",
+            "smol",
+            "default",
+        ],
+        port,
+        tmp_path / "serve.log",
+    )
     try:
         srv.wait_ready()
         url = f"{srv.url}/v1/chat/completions"
@@ -91,7 +112,7 @@ def test_sigint_ends_streams_and_pending_requests_and_exits_cleanly(tmp_path, sm
     assert elapsed < 2.0, f"exit took {elapsed:.2f} s"
     assert code == 0, log[-3000:]
     assert "Traceback" not in log, log[-5000:]
-    new_lines = log[len(log_before):].strip().splitlines()
+    new_lines = log[len(log_before) :].strip().splitlines()
     assert len(new_lines) == 1 and new_lines[0].startswith("stopped by SIGINT: 2 request(s)"), new_lines
     assert new_lines[0].endswith("0 KV blocks in use")
     assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
@@ -130,13 +151,18 @@ def test_busy_port_fails_at_once_with_one_line(tmp_path, smollm2_gguf_path):
         taken.listen()
         port = taken.getsockname()[1]
         t0 = time.monotonic()
-        r = subprocess.run([sys.executable, "-m", "pagedllm.cli.main", "serve", "--port", str(port)],
-                           capture_output=True, text=True, timeout=300)
+        r = subprocess.run(
+            [sys.executable, "-m", "pagedllm.cli.main", "serve", "--port", str(port)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         elapsed = time.monotonic() - t0
     assert r.returncode == 1, r.stderr
     lines = r.stderr.strip().splitlines()
-    assert lines == [f"error: port {port} on 127.0.0.1 is already in use (another server?): stop it or pick "
-                     f"another with --port N"], r.stderr
+    assert lines == [
+        f"error: port {port} on 127.0.0.1 is already in use (another server?): stop it or pick another with --port N"
+    ], r.stderr
     assert elapsed < 10, f"{elapsed:.1f} s"  # about 0.3 s on a quiet machine; never a model load
     from pathlib import Path
 

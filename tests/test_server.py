@@ -4,6 +4,7 @@ One server process for the module, on a free loopback port, with the default mod
 in float32 with dequantized weights (batched and single-sequence greedy answers then agree
 exactly, and answers do not hang on int8-activation near-ties; tests/test_smollm2.py covers those).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -51,8 +52,9 @@ class ServerProcess:
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1")
         self._log = open(log_path, "w")
-        self.proc = subprocess.Popen([sys.executable, "-m", "pagedllm.cli.main", *args],
-                                     stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "pagedllm.cli.main", *args], stdout=self._log, stderr=subprocess.STDOUT, env=env
+        )
 
     def wait_ready(self, timeout: float = START_TIMEOUT) -> float:
         """Seconds until /health answers 200, the server's own readiness signal (its port is open
@@ -62,16 +64,19 @@ class ServerProcess:
         t0 = time.time()
         while True:
             if self.proc.poll() is not None:
-                raise ServerStartError(f"server exited ({self.proc.returncode}) during its start; "
-                                       f"its log ends:\n{self.log()[-3000:]}")
+                raise ServerStartError(
+                    f"server exited ({self.proc.returncode}) during its start; its log ends:\n{self.log()[-3000:]}"
+                )
             try:
                 if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
                     return time.time() - t0
             except httpx.HTTPError:
                 pass
             if time.time() - t0 > timeout:
-                raise ServerStartError(f"server not ready after {timeout:.0f} s (PAGEDLLM_TEST_START_TIMEOUT); "
-                                       f"its log ends:\n{self.log()[-3000:]}")
+                raise ServerStartError(
+                    f"server not ready after {timeout:.0f} s (PAGEDLLM_TEST_START_TIMEOUT); "
+                    f"its log ends:\n{self.log()[-3000:]}"
+                )
             time.sleep(0.2)
 
     def metrics(self) -> dict[str, float]:
@@ -130,8 +135,7 @@ def serving(tmp_path_factory, name: str, args: list[str]):
     """A `pagedllm serve` process for a test module, as a `Started` (a generator for a module
     fixture; a function fixture hands out `.get()`): no traceback may reach its log."""
     port = free_port()
-    srv = ServerProcess(["serve", "--port", str(port), *args], port,
-                        tmp_path_factory.mktemp(name) / "server.log")
+    srv = ServerProcess(["serve", "--port", str(port), *args], port, tmp_path_factory.mktemp(name) / "server.log")
     started = Started(srv)
     try:
         yield started
@@ -148,17 +152,39 @@ def serving_qwen(tmp_path_factory, name: str):
     """`serving` on the real Qwen2.5-Coder-0.5B file, served as "qwen"; skips where it is absent."""
     if not QWEN_05B.is_file():
         pytest.skip(f"{QWEN_05B} is not here")
-    yield from serving(tmp_path_factory, name, [str(QWEN_05B), "--served-model-name", "qwen",
-                                                "--max-model-len", "2048", "--max-seqs", "4"])
+    yield from serving(
+        tmp_path_factory,
+        name,
+        [str(QWEN_05B), "--served-model-name", "qwen", "--max-model-len", "2048", "--max-seqs", "4"],
+    )
 
 
 @pytest.fixture(scope="module")
 def started_server(tmp_path_factory, smollm2_gguf_path):
     port = free_port()
-    srv = ServerProcess(["serve", "--port", str(port), "--api-key", API_KEY, "--pa-gpu-mem", "256",
-                         "--max-model-len", "1024", "--max-seqs", "40", "--dtype", "float32", "--dequantize-weights",
-                         "--log-level", "info"],
-                        port, tmp_path_factory.mktemp("server") / "server.log", API_KEY)
+    srv = ServerProcess(
+        [
+            "serve",
+            "--port",
+            str(port),
+            "--api-key",
+            API_KEY,
+            "--pa-gpu-mem",
+            "256",
+            "--max-model-len",
+            "1024",
+            "--max-seqs",
+            "40",
+            "--dtype",
+            "float32",
+            "--dequantize-weights",
+            "--log-level",
+            "info",
+        ],
+        port,
+        tmp_path_factory.mktemp("server") / "server.log",
+        API_KEY,
+    )
     started = Started(srv)
     try:
         yield started
@@ -183,8 +209,7 @@ def client(server):
 
 
 def chat(client, content: str = QUESTION, **kw):
-    return client.chat.completions.create(model="default", messages=[{"role": "user", "content": content}],
-                                          **kw)
+    return client.chat.completions.create(model="default", messages=[{"role": "user", "content": content}], **kw)
 
 
 def wait_idle(server: ServerProcess, timeout: float = 10) -> dict[str, float]:
@@ -230,8 +255,9 @@ def check_usage_rates(prompt: int, completion: int, extra: dict) -> None:
 
 
 def test_max_completion_tokens_and_logprobs(client):
-    r = chat(client, max_completion_tokens=4, temperature=0, logprobs=True, top_logprobs=2,
-             extra_body={"ignore_eos": True})
+    r = chat(
+        client, max_completion_tokens=4, temperature=0, logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True}
+    )
     assert r.usage.completion_tokens == 4 and r.choices[0].finish_reason == "length"
     content = r.choices[0].logprobs.content
     assert len(content) == 4
@@ -266,25 +292,34 @@ def test_echo_logprobs_equal_transformers_log_softmax(client, hf_smollm2_model, 
     assert whole.text.startswith(text) and len(whole.logprobs.tokens) == len(ids) + 3
     assert abs(whole.logprobs.token_logprobs[len(ids) - 1] - want[-1].item()) < 2e-3
     parts = list(client.completions.create(stream=True, **kw))
-    streamed = [t for c in parts if c.choices and c.choices[0].logprobs
-                for t in c.choices[0].logprobs.token_logprobs]
+    streamed = [t for c in parts if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.token_logprobs]
     assert "".join(c.choices[0].text for c in parts if c.choices) == whole.text
     assert len(streamed) == len(whole.logprobs.token_logprobs) and streamed[0] is None
 
 
 def test_max_tokens_past_context_gets_openai_message(server):
-    r = httpx.post(f"{server.url}/v1/chat/completions", headers=server.headers, timeout=30,
-                   json={"messages": MSG, "max_tokens": 10**9})
+    r = httpx.post(
+        f"{server.url}/v1/chat/completions",
+        headers=server.headers,
+        timeout=30,
+        json={"messages": MSG, "max_tokens": 10**9},
+    )
     assert r.status_code == 400
     err = r.json()["error"]
     assert err["code"] == "context_length_exceeded" and err["param"] == "max_tokens"
-    assert err["message"].startswith("This model's maximum context length is 1024 tokens. "
-                                     "However, you requested ")
+    assert err["message"].startswith("This model's maximum context length is 1024 tokens. However, you requested ")
 
 
 def test_stream_equals_non_stream_for_same_seed(client):
-    kw = dict(max_tokens=12, temperature=0.9, top_p=0.95, seed=1234, presence_penalty=0.5,
-              frequency_penalty=0.2, extra_body={"top_k": 50, "min_p": 0.01, "repetition_penalty": 1.1})
+    kw = dict(
+        max_tokens=12,
+        temperature=0.9,
+        top_p=0.95,
+        seed=1234,
+        presence_penalty=0.5,
+        frequency_penalty=0.2,
+        extra_body={"top_k": 50, "min_p": 0.01, "repetition_penalty": 1.1},
+    )
     whole = chat(client, **kw)
     chunks = list(chat(client, stream=True, stream_options={"include_usage": True}, **kw))
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -312,20 +347,29 @@ def test_chat_n2_streaming_and_not(client):
 
 
 def test_text_completion_n2_and_stream(client):
-    r = client.completions.create(model="default", prompt="The capital of France is", max_tokens=6,
-                                  temperature=0, n=2)
+    r = client.completions.create(model="default", prompt="The capital of France is", max_tokens=6, temperature=0, n=2)
     assert r.object == "text_completion" and len(r.choices) == 2
     assert r.choices[0].text == r.choices[1].text  # greedy: both choices agree
-    text = "".join(c.choices[0].text for c in client.completions.create(
-        model="default", prompt="The capital of France is", max_tokens=6, temperature=0, stream=True)
-        if c.choices)
+    text = "".join(
+        c.choices[0].text
+        for c in client.completions.create(
+            model="default", prompt="The capital of France is", max_tokens=6, temperature=0, stream=True
+        )
+        if c.choices
+    )
     assert text == r.choices[0].text
     assert 2 <= r.usage.completion_tokens <= 12  # both choices count
 
 
 def test_completion_batch_of_prompts_and_token_ids(client):
-    r = client.completions.create(model="default", prompt=["Hello", "The sky is"], max_tokens=3,
-                                  temperature=0, n=2, extra_body={"ignore_eos": True})
+    r = client.completions.create(
+        model="default",
+        prompt=["Hello", "The sky is"],
+        max_tokens=3,
+        temperature=0,
+        n=2,
+        extra_body={"ignore_eos": True},
+    )
     assert [c.index for c in r.choices] == [0, 1, 2, 3]
     assert r.usage.completion_tokens == 12
     r2 = client.completions.create(model="default", prompt=[504, 3575, 282], max_tokens=2, temperature=0)
@@ -334,16 +378,34 @@ def test_completion_batch_of_prompts_and_token_ids(client):
 
 def test_stop_strings(client):
     prompt = "Write the numbers from one to ten in words: one, two,"
-    full = client.completions.create(model="default", prompt=prompt, max_tokens=12, temperature=0,
-                                     extra_body={"ignore_eos": True}).choices[0].text
-    stop = full[len(full) // 2: len(full) // 2 + 3]
+    full = (
+        client.completions.create(
+            model="default", prompt=prompt, max_tokens=12, temperature=0, extra_body={"ignore_eos": True}
+        )
+        .choices[0]
+        .text
+    )
+    stop = full[len(full) // 2 : len(full) // 2 + 3]
     assert stop.strip(), full
     want = full[: full.index(stop)]
-    r = client.completions.create(model="default", prompt=prompt, max_tokens=12, temperature=0,
-                                  stop=[stop, "never-appears"], extra_body={"ignore_eos": True})
+    r = client.completions.create(
+        model="default",
+        prompt=prompt,
+        max_tokens=12,
+        temperature=0,
+        stop=[stop, "never-appears"],
+        extra_body={"ignore_eos": True},
+    )
     assert r.choices[0].text == want and r.choices[0].finish_reason == "stop"
-    streamed = client.completions.create(model="default", prompt=prompt, max_tokens=12, temperature=0,
-                                         stop=stop, stream=True, extra_body={"ignore_eos": True})
+    streamed = client.completions.create(
+        model="default",
+        prompt=prompt,
+        max_tokens=12,
+        temperature=0,
+        stop=stop,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
     parts = [c.choices[0] for c in streamed if c.choices]
     assert "".join(p.text for p in parts) == want
     assert parts[-1].finish_reason == "stop"
@@ -357,8 +419,12 @@ def test_32_concurrent_streaming_clients(server, client):
     async def one(ac, i: int) -> tuple[str, str, str | None, int]:
         p = prompts[i % len(prompts)]
         stream = await ac.chat.completions.create(
-            model="default", messages=[{"role": "user", "content": p}], stream=True,
-            stream_options={"include_usage": True}, **kw)
+            model="default",
+            messages=[{"role": "user", "content": p}],
+            stream=True,
+            stream_options={"include_usage": True},
+            **kw,
+        )
         text, reason, tokens = "", None, 0
         async for c in stream:
             if c.choices:
@@ -396,8 +462,13 @@ LONG_MAX_TOKENS = 960
 
 def test_streaming_client_disconnect_aborts_and_frees_blocks(server):
     before = server.metrics()
-    body = {"model": "default", "messages": [{"role": "user", "content": "Tell me a long story."}],
-            "max_tokens": LONG_MAX_TOKENS, "ignore_eos": True, "stream": True}
+    body = {
+        "model": "default",
+        "messages": [{"role": "user", "content": "Tell me a long story."}],
+        "max_tokens": LONG_MAX_TOKENS,
+        "ignore_eos": True,
+        "stream": True,
+    }
     with httpx.Client(headers=server.headers, timeout=60) as c:
         with c.stream("POST", f"{server.url}/v1/chat/completions", json=body) as r:
             assert r.status_code == 200
@@ -425,14 +496,27 @@ def test_non_streaming_client_disconnect_aborts(server):
     """The client hangs up once the server reports the request running: no client timeout, so
     the test does not depend on how fast tokens come."""
     before = server.metrics()
-    body = json.dumps({"model": "default", "messages": [{"role": "user", "content": "Tell me a long story."}],
-                       "max_tokens": LONG_MAX_TOKENS, "ignore_eos": True}).encode()
+    body = json.dumps(
+        {
+            "model": "default",
+            "messages": [{"role": "user", "content": "Tell me a long story."}],
+            "max_tokens": LONG_MAX_TOKENS,
+            "ignore_eos": True,
+        }
+    ).encode()
     host, port = server.url.removeprefix("http://").split(":")
     sock = socket.create_connection((host, int(port)), timeout=30)
     try:
-        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: " + host.encode()
-                     + b"\r\nContent-Type: application/json\r\nAuthorization: Bearer " + API_KEY.encode()
-                     + b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        sock.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: "
+            + host.encode()
+            + b"\r\nContent-Type: application/json\r\nAuthorization: Bearer "
+            + API_KEY.encode()
+            + b"\r\nContent-Length: "
+            + str(len(body)).encode()
+            + b"\r\n\r\n"
+            + body
+        )
         t0 = time.time()
         while server.metrics()["pagedllm_num_requests_running"] != 1:
             assert time.time() - t0 < 60, "the request never started"
@@ -458,8 +542,11 @@ BAD_REQUESTS = {
     "messages_empty": (CHAT, {"messages": []}, 400),
     "unknown_role": (CHAT, {"messages": [{"role": "wizard", "content": "hi"}]}, 400),
     "content_wrong_type": (CHAT, {"messages": [{"role": "user", "content": 42}]}, 400),
-    "image_content": (CHAT, {"messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}, 400),
+    "image_content": (
+        CHAT,
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]},
+        400,
+    ),
     "temperature_string": (CHAT, {"messages": MSG, "temperature": "hot"}, 400),
     "temperature_negative": (CHAT, {"messages": MSG, "temperature": -1}, 400),
     "temperature_nan": (CHAT, b'{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}', 400),
@@ -483,8 +570,15 @@ BAD_REQUESTS = {
     "logit_bias_outside_vocab": (CHAT, {"messages": MSG, "logit_bias": {"999999": -100}}, 400),
     "logit_bias_not_an_id": (CHAT, {"messages": MSG, "logit_bias": {"abc": 5}}, 400),
     "logit_bias_above_100": (CHAT, {"messages": MSG, "logit_bias": {"50": 101}}, 400),
-    "tools_unknown_choice": (CHAT, {"messages": MSG, "tools": [{"type": "function", "function": {"name": "f"}}],
-                                    "tool_choice": {"type": "function", "function": {"name": "g"}}}, 400),
+    "tools_unknown_choice": (
+        CHAT,
+        {
+            "messages": MSG,
+            "tools": [{"type": "function", "function": {"name": "f"}}],
+            "tool_choice": {"type": "function", "function": {"name": "g"}},
+        },
+        400,
+    ),
     "stream_options_without_stream": (CHAT, {"messages": MSG, "stream_options": {"include_usage": True}}, 400),
     "bad_input_while_streaming": (CHAT, {"messages": MSG, "stream": True, "temperature": -1}, 400),
     "context_too_long": (CHAT, {"messages": [{"role": "user", "content": "word " * 2000}]}, 400),
@@ -505,8 +599,9 @@ BAD_REQUESTS = {
 def test_bad_request_gets_openai_error(server, name):
     path, body, status = BAD_REQUESTS[name]
     raw = body if isinstance(body, bytes) else json.dumps(body).encode()
-    r = httpx.post(f"{server.url}{path}", content=raw, timeout=30,
-                   headers={**server.headers, "Content-Type": "application/json"})
+    r = httpx.post(
+        f"{server.url}{path}", content=raw, timeout=30, headers={**server.headers, "Content-Type": "application/json"}
+    )
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert err["message"] and err["type"] and "Traceback" not in r.text
@@ -535,11 +630,21 @@ def test_api_key_required_everywhere_but_health(server):
 
 def test_metrics_names(server, tmp_path, hf_smollm2_tokenizer):
     m = server.metrics()
-    for name in ("pagedllm_num_requests_running", "pagedllm_num_requests_waiting", "pagedllm_kv_blocks_used",
-                 "pagedllm_kv_blocks_cached", "pagedllm_prefix_cache_hit_rate", "pagedllm_preemptions_total",
-                 "pagedllm_prompt_tokens_total", "pagedllm_generation_tokens_total",
-                 "pagedllm_time_to_first_token_seconds_count", "pagedllm_inter_token_latency_seconds_count",
-                 "process_resident_memory_bytes", "pagedllm_kv_blocks_touched", "pagedllm_kv_blocks_peak_used"):
+    for name in (
+        "pagedllm_num_requests_running",
+        "pagedllm_num_requests_waiting",
+        "pagedllm_kv_blocks_used",
+        "pagedllm_kv_blocks_cached",
+        "pagedllm_prefix_cache_hit_rate",
+        "pagedllm_preemptions_total",
+        "pagedllm_prompt_tokens_total",
+        "pagedllm_generation_tokens_total",
+        "pagedllm_time_to_first_token_seconds_count",
+        "pagedllm_inter_token_latency_seconds_count",
+        "process_resident_memory_bytes",
+        "pagedllm_kv_blocks_touched",
+        "pagedllm_kv_blocks_peak_used",
+    ):
         assert name in m, name
     assert m["pagedllm_prompt_tokens_total"] > 0 and m["pagedllm_generation_tokens_total"] > 0
     assert 0 < m["pagedllm_kv_blocks_peak_used"] <= m["pagedllm_kv_blocks_touched"] <= m["pagedllm_kv_blocks_total"]
@@ -557,11 +662,13 @@ def test_metrics_names(server, tmp_path, hf_smollm2_tokenizer):
     from pagedllm.server.app import ServerConfig, create_app
 
     path = build_checkpoint("llama", tmp_path, hf_smollm2_tokenizer, len(hf_smollm2_tokenizer))
-    llm = LLM(str(path), dtype="float32", block_size=8, kv_cache_context_len=384, max_num_batched_tokens=64,
-              prefix_cache_n=4)
+    llm = LLM(
+        str(path), dtype="float32", block_size=8, kv_cache_context_len=384, max_num_batched_tokens=64, prefix_cache_n=4
+    )
     port = free_port()
-    inproc = uvicorn.Server(uvicorn.Config(create_app(llm, ServerConfig(model_name="m")), host="127.0.0.1",
-                                           port=port, log_level="warning"))
+    inproc = uvicorn.Server(
+        uvicorn.Config(create_app(llm, ServerConfig(model_name="m")), host="127.0.0.1", port=port, log_level="warning")
+    )
     thread = threading.Thread(target=inproc.run, daemon=True)
     thread.start()
     try:
@@ -569,18 +676,28 @@ def test_metrics_names(server, tmp_path, hf_smollm2_tokenizer):
             assert thread.is_alive()
             time.sleep(0.05)
         shared = list(range(100, 160))
-        bodies = [{"model": "m", "prompt": shared + list(range(300 + 11 * i, 300 + 11 * i + 5 + 7 * i)),
-                   "max_tokens": 24, "temperature": 0.0, "ignore_eos": True} for i in range(12)]
+        bodies = [
+            {
+                "model": "m",
+                "prompt": shared + list(range(300 + 11 * i, 300 + 11 * i + 5 + 7 * i)),
+                "max_tokens": 24,
+                "temperature": 0.0,
+                "ignore_eos": True,
+            }
+            for i in range(12)
+        ]
 
         async def send_all():
             async with httpx.AsyncClient(timeout=300) as c:
-                rs = await asyncio.gather(*[c.post(f"http://127.0.0.1:{port}/v1/completions", json=b)
-                                            for b in bodies])
+                rs = await asyncio.gather(*[c.post(f"http://127.0.0.1:{port}/v1/completions", json=b) for b in bodies])
             assert all(r.status_code == 200 for r in rs), [r.text for r in rs]
 
         asyncio.run(send_all())
-        got = wait_idle(SimpleNamespace(metrics=lambda: ServerProcess.metrics(
-            SimpleNamespace(url=f"http://127.0.0.1:{port}", headers={}))))
+        got = wait_idle(
+            SimpleNamespace(
+                metrics=lambda: ServerProcess.metrics(SimpleNamespace(url=f"http://127.0.0.1:{port}", headers={}))
+            )
+        )
         eng = llm.engine  # idle: the engine thread no longer touches it
         bm = eng.block_manager
         assert eng.scheduler.num_preemptions > 0 and bm.num_cached_blocks > 0 and bm.stats.hit_rate > 0

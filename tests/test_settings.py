@@ -1,4 +1,5 @@
 """The environment variables: one typed Settings, one table of them, read at the point of use."""
+
 from __future__ import annotations
 
 import re
@@ -32,8 +33,12 @@ def test_every_variable_the_code_reads_is_a_setting():
     for path in PKG.rglob("*.py"):
         if path.name != "settings.py":
             assert not py_reads.findall(path.read_text()), f"{path} reads a PAGEDLLM_ variable itself"
-    cpp = {m for p in (PKG / "native" / "csrc").iterdir() if p.suffix in (".cpp", ".h")
-           for m in re.findall(r"getenv\(\"(PAGEDLLM_[A-Z0-9_]+)\"\)", p.read_text())}
+    cpp = {
+        m
+        for p in (PKG / "native" / "csrc").iterdir()
+        if p.suffix in (".cpp", ".h")
+        for m in re.findall(r"getenv\(\"(PAGEDLLM_[A-Z0-9_]+)\"\)", p.read_text())
+    }
     setup = set(re.findall(r"environ\.get\(\"(PAGEDLLM_[A-Z0-9_]+)\"", (ROOT / "setup.py").read_text()))
     assert cpp and setup and cpp | setup <= _env_names()
     layers = {f.metadata["env"]: f.metadata["layer"] for f in fields(Settings)}
@@ -68,8 +73,9 @@ def test_bad_values_are_refused_with_the_variable_named(monkeypatch):
 
 
 def test_from_env_reads_a_given_mapping():
-    s = Settings.from_env({"PAGEDLLM_NATIVE": "off", "PAGEDLLM_ALLOW_LONG_MAX_MODEL_LEN": "1",
-                           "PAGEDLLM_TP_TIMEOUT_S": "2.5"})
+    s = Settings.from_env(
+        {"PAGEDLLM_NATIVE": "off", "PAGEDLLM_ALLOW_LONG_MAX_MODEL_LEN": "1", "PAGEDLLM_TP_TIMEOUT_S": "2.5"}
+    )
     assert (s.native, s.allow_long_max_model_len, s.tp_timeout_s, s.quant_act) == (False, True, 2.5, "auto")
     with pytest.raises(AttributeError):  # frozen
         s.native = True  # type: ignore[misc]

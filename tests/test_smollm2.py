@@ -1,5 +1,6 @@
 """The embedded default model (SmolLM2-135M-Instruct GGUF) against transformers reading the same file:
 exact with `dequantize_weights=True`, and the quantized weights (the default) against that."""
+
 from __future__ import annotations
 
 import pytest
@@ -30,8 +31,10 @@ def qllm():
 
 @pytest.fixture(scope="module")
 def prompts(hf_smollm2_tokenizer):
-    text = ("The history of the printing press begins in the fifteenth century, when movable type "
-            "changed how books were made and read across Europe. ") * 12
+    text = (
+        "The history of the printing press begins in the fifteenth century, when movable type "
+        "changed how books were made and read across Europe. "
+    ) * 12
     ids = hf_smollm2_tokenizer(text)["input_ids"]
     return [ids[:n] for n in PROMPT_LENS]
 
@@ -57,15 +60,19 @@ def test_greedy_tokens_match_transformers_in_one_batch(greedy32, hf_model, promp
     want = []
     with torch.no_grad():
         for p in prompts:
-            out = hf_model.generate(torch.tensor([p]), max_new_tokens=32, min_new_tokens=32,
-                                    do_sample=False, pad_token_id=0)
-            want.append(out[0, len(p):].tolist())
+            out = hf_model.generate(
+                torch.tensor([p]), max_new_tokens=32, min_new_tokens=32, do_sample=False, pad_token_id=0
+            )
+            want.append(out[0, len(p) :].tolist())
     assert greedy32 == want
 
 
 def test_chat_answers_in_english(llm):
-    out = llm.chat([{"role": "user", "content": "What is the capital of France? Answer in one sentence."}],
-                   SamplingParams(max_tokens=24, temperature=0.0), use_tqdm=False)
+    out = llm.chat(
+        [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}],
+        SamplingParams(max_tokens=24, temperature=0.0),
+        use_tqdm=False,
+    )
     assert "Paris" in out.text
     assert out.finish_reason in ("stop", "length")
 

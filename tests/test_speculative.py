@@ -1,6 +1,7 @@
 """Speculative decoding: greedy output token-identical to plain decoding, sampled output with
 the target's distribution (a chi-square test that also rejects a broken acceptance rule), and
 no KV block leaked, across batching, preemption, prefix caching and a quantized KV cache."""
+
 from __future__ import annotations
 
 import random
@@ -19,8 +20,15 @@ NEW_TOKENS = 40
 # Never paused and fixed lengths (not adaptive), so every lookup that matches is verified.
 # max_rows: these random models run float32 weights (no two-level rounding regime to stay
 # in), and wide verification steps are what the identity checks should see.
-NGRAM = {"method": "ngram", "num_tokens": 4, "min_ngram": 1, "max_ngram": 3, "min_acceptance": 0.0,
-         "adaptive": False, "max_rows": 64}
+NGRAM = {
+    "method": "ngram",
+    "num_tokens": 4,
+    "min_ngram": 1,
+    "max_ngram": 3,
+    "min_acceptance": 0.0,
+    "adaptive": False,
+    "max_rows": 64,
+}
 # A small vocabulary makes a random model's output repeat, so proposals are both accepted
 # and rejected.
 RANDOM_VOCAB = 256
@@ -70,14 +78,16 @@ def family_ckpt(request, tmp_path_factory, hf_smollm2_tokenizer):
 @pytest.mark.parametrize("method", ["ngram", "draft"])
 def test_greedy_matches_plain_decoding(family_ckpt, method, variant, request):
     family, path, prompts, expected = family_ckpt
-    kwargs = {"batched": dict(kv_cache_memory_mb=16, enable_prefix_caching=False),
-              # Few blocks (a draft's cache too) and small prefill chunks: running sequences are
-              # preempted, and a draft catches up on long prompts over several steps.
-              "preempt": dict(block_size=8, max_num_batched_tokens=64, kv_cache_context_len=400),
-              "prefix": dict(kv_cache_memory_mb=16, block_size=8),
-              "int8": dict(kv_cache_memory_mb=16, kv_cache_dtype="int8"),
-              # The target without paged attention (a draft's own cache is paged regardless).
-              "contiguous": dict(kv_cache_memory_mb=16, paged_attention=False)}[variant]
+    kwargs = {
+        "batched": dict(kv_cache_memory_mb=16, enable_prefix_caching=False),
+        # Few blocks (a draft's cache too) and small prefill chunks: running sequences are
+        # preempted, and a draft catches up on long prompts over several steps.
+        "preempt": dict(block_size=8, max_num_batched_tokens=64, kv_cache_context_len=400),
+        "prefix": dict(kv_cache_memory_mb=16, block_size=8),
+        "int8": dict(kv_cache_memory_mb=16, kv_cache_dtype="int8"),
+        # The target without paged attention (a draft's own cache is paged regardless).
+        "contiguous": dict(kv_cache_memory_mb=16, paged_attention=False),
+    }[variant]
     # The draft: a noisy copy of the target, so proposals are both accepted and rejected.
     spec = NGRAM if method == "ngram" else _draft(request.getfixturevalue("drafts")["noisy"])
     llm = LLM(str(path), dtype="float32", speculative=spec, **kwargs)
@@ -103,8 +113,11 @@ def test_invariants_hold_every_step(family_ckpt, method, request):
     forks and sampling; with a draft model, in its cache too, where each table covers exactly
     the tokens the draft holds and no draft state outlives its sequence."""
     _, path, prompts, _ = family_ckpt
-    spec = ({**NGRAM, "max_batch": 64} if method == "ngram"
-            else _draft(request.getfixturevalue("drafts")["noisy"], max_batch=64))
+    spec = (
+        {**NGRAM, "max_batch": 64}
+        if method == "ngram"
+        else _draft(request.getfixturevalue("drafts")["noisy"], max_batch=64)
+    )
     llm = LLM(str(path), dtype="float32", block_size=8, kv_cache_memory_mb=4, speculative=spec)
     eng = llm.engine
     draft = eng.spec.draft
@@ -135,12 +148,22 @@ def default_models(smollm2_gguf_path):
     float32 holds 45 blocks, fewer than the seeded n=2 test's two 1,038-token siblings need. A context length is given whole to the
     draft's cache as well. The n-gram model chooses its lengths (adaptive, the default); the
     draft, as costly as the target, would rarely pay, so its lengths are fixed."""
-    return {"plain": LLM("default", kv_cache_context_len=4096),
-            "ngram": LLM("default", kv_cache_context_len=4096, speculative={"method": "ngram", "num_tokens": 3}),
-            "draft": LLM("default", kv_cache_context_len=4096,
-                         speculative={"method": "draft", "model": "default", "num_tokens": 4,
-                                      "adaptive": False, "draft_weights": "file"}),
-            "plain_results": {}}
+    return {
+        "plain": LLM("default", kv_cache_context_len=4096),
+        "ngram": LLM("default", kv_cache_context_len=4096, speculative={"method": "ngram", "num_tokens": 3}),
+        "draft": LLM(
+            "default",
+            kv_cache_context_len=4096,
+            speculative={
+                "method": "draft",
+                "model": "default",
+                "num_tokens": 4,
+                "adaptive": False,
+                "draft_weights": "file",
+            },
+        ),
+        "plain_results": {},
+    }
 
 
 def _plain_once(models: dict, key: str, run):
@@ -165,8 +188,9 @@ def test_default_model_greedy_identical_on_code_edit(default_models, method, min
     spec = default_models[method]
     msgs = [[{"role": "user", "content": code_edit_prompt(i)}] for i in range(2)]
     sp = SamplingParams(max_tokens=64, temperature=0.0)
-    want = _plain_once(default_models, "code", lambda m: [o.outputs[0].token_ids
-                                                          for o in m.chat(msgs, sp, use_tqdm=False)])
+    want = _plain_once(
+        default_models, "code", lambda m: [o.outputs[0].token_ids for o in m.chat(msgs, sp, use_tqdm=False)]
+    )
     got = [o.outputs[0].token_ids for o in spec.chat(msgs, sp, use_tqdm=False)]
     assert got == want
     st = spec.engine.spec.stats
@@ -182,28 +206,32 @@ def test_default_model_seeded_sampling_stop_strings_streaming_n(default_models, 
     from pagedllm.bench.speculative import code_edit_prompt
 
     spec = default_models[method]
-    prompt = spec.tokenizer.apply_chat_template([{"role": "user", "content": code_edit_prompt(0)}],
-                                                add_generation_prompt=True, tokenize=True)
+    prompt = spec.tokenizer.apply_chat_template(
+        [{"role": "user", "content": code_edit_prompt(0)}], add_generation_prompt=True, tokenize=True
+    )
     sp = SamplingParams(max_tokens=48, temperature=0.7, top_p=0.9, seed=11, n=2, stop=["for rec", "counts ="])
     want = _plain_once(default_models, "seeded", lambda m: m.generate([prompt], sp, use_tqdm=False)[0])
     got = spec.generate([prompt], sp, use_tqdm=False)[0]
     assert [c.text for c in got.outputs] == [c.text for c in want.outputs]
     assert [c.finish_reason for c in got.outputs] == [c.finish_reason for c in want.outputs]
     # Tokens a speculative step accepted past the stop string are not handed out.
-    assert [(list(c.token_ids), c.stop_reason) for c in got.outputs] == \
-        [(list(c.token_ids), c.stop_reason) for c in want.outputs]
+    assert [(list(c.token_ids), c.stop_reason) for c in got.outputs] == [
+        (list(c.token_ids), c.stop_reason) for c in want.outputs
+    ]
     assert {c.stop_reason for c in got.outputs} == {"counts ="}  # the stop strings do cut here
     greedy = SamplingParams(max_tokens=64, temperature=0.0, stop=["def "], logprobs=1)
     g_want = _plain_once(default_models, "greedy stop", lambda m: m.generate([prompt], greedy, use_tqdm=False)[0])
     g_got = spec.generate([prompt], greedy, use_tqdm=False)[0]
-    assert [(c.text, list(c.token_ids), c.finish_reason, c.stop_reason) for c in g_got.outputs] == \
-        [(c.text, list(c.token_ids), c.finish_reason, c.stop_reason) for c in g_want.outputs]
+    assert [(c.text, list(c.token_ids), c.finish_reason, c.stop_reason) for c in g_got.outputs] == [
+        (c.text, list(c.token_ids), c.finish_reason, c.stop_reason) for c in g_want.outputs
+    ]
     assert g_want.outputs[0].stop_reason == "def "
     assert len(g_got.outputs[0].logprobs) == len(g_got.outputs[0].token_ids)  # none past the stop
     one = SamplingParams(max_tokens=40, temperature=0.7, top_p=0.9, seed=11)
     streamed = "".join(spec.stream(prompt, one))
-    assert streamed == _plain_once(default_models, "streamed",
-                                   lambda m: m.generate([prompt], one, use_tqdm=False)[0].outputs[0].text)
+    assert streamed == _plain_once(
+        default_models, "streamed", lambda m: m.generate([prompt], one, use_tqdm=False)[0].outputs[0].text
+    )
     assert spec.engine.spec.stats.accepted > 0
     _assert_no_leak(spec)
 
@@ -233,14 +261,22 @@ def tiny_vocab_ckpt(tmp_path_factory, hf_smollm2_tokenizer):
 
 def _position_counts(path, speculative, seed0: int, samples: int = SAMPLES) -> tuple[torch.Tensor, object]:
     # At most 8 requests admitted: with their forks, under max_batch decoding at once.
-    llm = LLM(str(path), dtype="float32", kv_cache_memory_mb=64, max_num_seqs=8,
-              speculative=speculative, enable_prefix_caching=False)
+    llm = LLM(
+        str(path),
+        dtype="float32",
+        kv_cache_memory_mb=64,
+        max_num_seqs=8,
+        speculative=speculative,
+        enable_prefix_caching=False,
+    )
     prompt = [3, 5, 7, 3, 5, 7, 3, 5]
     # n = 100 completions a request: the prompt is computed once per request, and completion
     # j of request i draws with seed seed0 + 100 i + j, each seed once.
     n, reqs = 100, samples // 100
-    params = [SamplingParams(n=n, max_tokens=POSITIONS, temperature=1.0, top_p=0.9, seed=seed0 + n * i,
-                             ignore_eos=True) for i in range(reqs)]
+    params = [
+        SamplingParams(n=n, max_tokens=POSITIONS, temperature=1.0, top_p=0.9, seed=seed0 + n * i, ignore_eos=True)
+        for i in range(reqs)
+    ]
     outs = llm.generate([prompt] * reqs, params, use_tqdm=False)
     toks = torch.tensor([c.token_ids for o in outs for c in o.outputs])
     assert toks.shape == (samples, POSITIONS)
@@ -258,9 +294,20 @@ def plain_counts(tiny_vocab_ckpt) -> torch.Tensor:
 def test_rejection_sampling_keeps_the_target_distribution(tiny_vocab_ckpt, plain_counts, monkeypatch, method):
     """n-gram lookups and a draft model's greedy tokens are both deterministic drafts (here the
     tiny model drafts for itself: a proposal is accepted when the sample is its argmax)."""
-    spec_cfg = ({"method": "ngram", "num_tokens": 3, "min_ngram": 1, "max_ngram": 3, "max_batch": 1024,
-                 "max_rows": 4096, "min_acceptance": 0.0, "adaptive": False} if method == "ngram"
-                else _draft(tiny_vocab_ckpt, 3, max_batch=1024, max_rows=4096))
+    spec_cfg = (
+        {
+            "method": "ngram",
+            "num_tokens": 3,
+            "min_ngram": 1,
+            "max_ngram": 3,
+            "max_batch": 1024,
+            "max_rows": 4096,
+            "min_acceptance": 0.0,
+            "adaptive": False,
+        }
+        if method == "ngram"
+        else _draft(tiny_vocab_ckpt, 3, max_batch=1024, max_rows=4096)
+    )
     # Different seed ranges: independent samples, reproducible test.
     seed0 = {"ngram": 10, "draft": 30}[method] * SAMPLES
     ours, dec = _position_counts(tiny_vocab_ckpt, spec_cfg, seed0)
@@ -293,7 +340,7 @@ def test_penalised_rows_do_not_speculate_and_match_plain(family_ckpt):
     batch = prompts + prompts[:2]
     got = [o.outputs[0].token_ids for o in llm.generate(batch, params, use_tqdm=False)]
     want = [o.outputs[0].token_ids for o in plain.generate(batch, params, use_tqdm=False)]
-    assert got[:len(prompts)] == expected
+    assert got[: len(prompts)] == expected
     assert got == want
     assert llm.engine.spec.stats.accepted > 0
     _assert_no_leak(llm)
@@ -308,8 +355,10 @@ def test_default_model_grammar_rows_speculate_within_their_grammar(default_pair)
 
     plain, spec = default_pair
     msgs = [[{"role": "user", "content": code_edit_prompt(1)}], [{"role": "user", "content": code_edit_prompt(2)}]]
-    params = [SamplingParams(max_tokens=40, temperature=0.0, structured={"regex": "(?s:.){0,400}"}),
-              SamplingParams(max_tokens=16, temperature=0.0, structured={"regex": "[a-z ]{1,60}"})]
+    params = [
+        SamplingParams(max_tokens=40, temperature=0.0, structured={"regex": "(?s:.){0,400}"}),
+        SamplingParams(max_tokens=16, temperature=0.0, structured={"regex": "[a-z ]{1,60}"}),
+    ]
     prompts = [plain.tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=True) for m in msgs]
     want = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
     before = (spec.engine.spec.stats.verifications, spec.engine.spec.stats.accepted)
@@ -349,24 +398,34 @@ def test_off_when_the_batch_is_wide_and_reported(family_ckpt):
 
 def test_low_acceptance_pauses_a_sequence(family_ckpt):
     _, path, prompts, expected = family_ckpt
-    llm = LLM(str(path), dtype="float32", kv_cache_memory_mb=16,
-              speculative={"method": "ngram", "num_tokens": 4, "min_ngram": 1, "min_acceptance": 0.6})
+    llm = LLM(
+        str(path),
+        dtype="float32",
+        kv_cache_memory_mb=16,
+        speculative={"method": "ngram", "num_tokens": 4, "min_ngram": 1, "min_acceptance": 0.6},
+    )
     assert _greedy(llm, prompts) == expected
     assert llm.engine.spec.stats.paused > 0
 
 
-@pytest.mark.parametrize("bad, msg", [
-    ({"method": "medusa"}, "unknown"), ({"num_tokens": 4}, "needs a 'method'"),
-    ({"method": "ngram", "num_tokens": 0}, "num_tokens"), ({"method": "ngram", "k": 3}, "unknown key"),
-    ({"method": "ngram", "min_ngram": 5, "max_ngram": 2}, "exceeds"),
-    ({"method": "draft"}, "needs 'model'"), ({"method": "draft", "model": ""}, "needs 'model'"),
-    ({"method": "ngram", "model": "x"}, "takes no 'model'"),
-    ({"method": "draft", "model": "x", "draft_vocab": -1}, "draft_vocab"),
-    ({"method": "draft", "model": "x", "draft_vocab": "32k"}, "draft_vocab"),
-    ({"method": "ngram", "draft_vocab": 1024}, "method 'ngram' has none"),
-    ({"method": "draft", "model": "x", "draft_weights": "Q3_X"}, "draft_weights must be"),
-    ({"method": "ngram", "draft_weights": "Q4_0"}, "method 'ngram' has none"),
-])
+@pytest.mark.parametrize(
+    "bad, msg",
+    [
+        ({"method": "medusa"}, "unknown"),
+        ({"num_tokens": 4}, "needs a 'method'"),
+        ({"method": "ngram", "num_tokens": 0}, "num_tokens"),
+        ({"method": "ngram", "k": 3}, "unknown key"),
+        ({"method": "ngram", "min_ngram": 5, "max_ngram": 2}, "exceeds"),
+        ({"method": "draft"}, "needs 'model'"),
+        ({"method": "draft", "model": ""}, "needs 'model'"),
+        ({"method": "ngram", "model": "x"}, "takes no 'model'"),
+        ({"method": "draft", "model": "x", "draft_vocab": -1}, "draft_vocab"),
+        ({"method": "draft", "model": "x", "draft_vocab": "32k"}, "draft_vocab"),
+        ({"method": "ngram", "draft_vocab": 1024}, "method 'ngram' has none"),
+        ({"method": "draft", "model": "x", "draft_weights": "Q3_X"}, "draft_weights must be"),
+        ({"method": "ngram", "draft_weights": "Q4_0"}, "method 'ngram' has none"),
+    ],
+)
 def test_bad_speculative_settings_are_refused(bad, msg):
     from pagedllm.speculative.config import SpeculativeConfig
 
@@ -385,8 +444,14 @@ def test_cli_flag_reaches_the_engine():
 # -- a draft model ---------------------------------------------------------------------------
 def _draft(model, k: int = 4, **kw) -> dict:
     """Draft-model speculation, never paused and of fixed length, so every proposal is verified."""
-    return {"method": "draft", "model": str(model), "num_tokens": k, "min_acceptance": 0.0, "adaptive": False,
-            **{"max_rows": 64, **kw}}
+    return {
+        "method": "draft",
+        "model": str(model),
+        "num_tokens": k,
+        "min_acceptance": 0.0,
+        "adaptive": False,
+        **{"max_rows": 64, **kw},
+    }
 
 
 def _noisy_copy(src, out, scale: float, seed: int = 1):
@@ -411,8 +476,14 @@ def drafts(family_ckpt, tmp_path_factory, hf_smollm2_tokenizer):
     same vocabulary, almost nothing accepted)."""
     family, path, _, _ = family_ckpt
     noisy = _noisy_copy(path, tmp_path_factory.mktemp(f"{family}-noisy"), 0.05)
-    small = build_checkpoint(family, tmp_path_factory.mktemp(f"{family}-small"), hf_smollm2_tokenizer,
-                             RANDOM_VOCAB, seed=3, intermediate_size=64)
+    small = build_checkpoint(
+        family,
+        tmp_path_factory.mktemp(f"{family}-small"),
+        hf_smollm2_tokenizer,
+        RANDOM_VOCAB,
+        seed=3,
+        intermediate_size=64,
+    )
     return {"noisy": noisy, "self": path, "small": small}
 
 
@@ -456,8 +527,14 @@ def test_draft_blocks_come_from_the_target_pool_and_all_return(family_ckpt, draf
     used count is both models' holdings at every step), and once every request is done the
     pool's free count is back where it was before them, so the draft returned its blocks."""
     _, path, prompts, expected = family_ckpt
-    llm = LLM(str(path), dtype="float32", block_size=8, kv_cache_context_len=600, max_num_batched_tokens=64,
-              speculative=_draft(drafts["noisy"]))
+    llm = LLM(
+        str(path),
+        dtype="float32",
+        block_size=8,
+        kv_cache_context_len=600,
+        max_num_batched_tokens=64,
+        speculative=_draft(drafts["noisy"]),
+    )
     eng = llm.engine
     pool, draft = eng.block_manager.pool, eng.spec.draft
     assert draft.block_manager.pool is pool
@@ -550,8 +627,13 @@ def test_draft_lag_is_the_catch_up_it_then_computes(family_ckpt, drafts, monkeyp
     import pagedllm.engine.draft as dm
 
     _, path, prompts, expected = family_ckpt
-    llm = LLM(str(path), dtype="float32", kv_cache_memory_mb=16, enable_prefix_caching=False,
-              speculative=_draft(drafts["noisy"]))
+    llm = LLM(
+        str(path),
+        dtype="float32",
+        kv_cache_memory_mb=16,
+        enable_prefix_caching=False,
+        speculative=_draft(drafts["noisy"]),
+    )
     before, caught = [], []
     propose, catch_up = dm.DraftModel.propose, dm._catch_up
 
@@ -604,8 +686,12 @@ def test_draft_forwards_take_the_fastest_route_and_the_target_keeps_its_own(smol
 def _decoder_formats(model) -> set[str]:
     from pagedllm.quant import kernels as qk
 
-    return {w.fmt for m in model.modules() if getattr(m, "act_role", None) in qk.DECODE_ROLES
-            and getattr(m, "qparts", None) for w in m.qparts}
+    return {
+        w.fmt
+        for m in model.modules()
+        if getattr(m, "act_role", None) in qk.DECODE_ROLES and getattr(m, "qparts", None)
+        for w in m.qparts
+    }
 
 
 def test_a_quantized_draft_runs_in_fewer_bits_and_output_is_unchanged(smollm2_gguf_path):
@@ -662,7 +748,7 @@ def test_draft_head_argmax_is_the_best_of_its_ids(source, family_ckpt, smollm2_g
     lm = model.lm_head
     with torch.inference_mode():
         rows = lm.weight[extra] if lm.weight is not None else model.embed_tokens(extra)
-    hidden[:len(extra)] = 8 * rows.float() / rows.float().norm(dim=-1, keepdim=True) * cfg.hidden_size ** 0.5
+    hidden[: len(extra)] = 8 * rows.float() / rows.float().norm(dim=-1, keepdim=True) * cfg.hidden_size**0.5
     with torch.inference_mode():
         full = model.compute_logits(hidden)
     allowed = torch.tensor(list(range(keep)) + always + held)
@@ -738,22 +824,31 @@ def test_cli_draft_flags_reach_the_engine():
 
     argv = ["serve", "--speculative-draft", "path/to/draft", "--speculative-tokens", "3"]
     args = build_parser(argv).parse_args(argv)
-    assert command_config(args).speculative.to_dict() == {"method": "draft", "model": "path/to/draft",
-                                                                 "num_tokens": 3}
+    assert command_config(args).speculative.to_dict() == {"method": "draft", "model": "path/to/draft", "num_tokens": 3}
     # Both: n-gram lookup where the sequence's suffix matches, the draft elsewhere.
     argv = ["serve", "--speculative-ngram", "4", "--speculative-draft", "x"]
     assert command_config(build_parser(argv).parse_args(argv)).speculative.to_dict() == {
-        "method": "draft", "model": "x", "num_tokens": 4, "ngram": True}
+        "method": "draft",
+        "model": "x",
+        "num_tokens": 4,
+        "ngram": True,
+    }
     # The draft's weight format (engine/draft_weights.py; default "auto", so left out when not given).
     argv = ["serve", "--speculative-draft", "x", "--speculative-draft-weights", "file"]
     assert command_config(build_parser(argv).parse_args(argv)).speculative.to_dict() == {
-        "method": "draft", "model": "x", "draft_weights": "file"}
-    for argv, msg in ((["serve", "--speculative-tokens", "3"], "needs --speculative-draft"),
-                      (["serve", "--speculative-ngram", "3", "--speculative-tokens", "2"], "goes with"),
-                      (["serve", "--speculative-ngram", "3", "--speculative-draft-weights", "Q4_0"],
-                       "needs --speculative-draft"),
-                      (["serve", "--speculative-draft", "x", "--speculative-draft-weights", "Q9_9"],
-                       "draft_weights must be 'auto', 'file' or a quantized type")):
+        "method": "draft",
+        "model": "x",
+        "draft_weights": "file",
+    }
+    for argv, msg in (
+        (["serve", "--speculative-tokens", "3"], "needs --speculative-draft"),
+        (["serve", "--speculative-ngram", "3", "--speculative-tokens", "2"], "goes with"),
+        (["serve", "--speculative-ngram", "3", "--speculative-draft-weights", "Q4_0"], "needs --speculative-draft"),
+        (
+            ["serve", "--speculative-draft", "x", "--speculative-draft-weights", "Q9_9"],
+            "draft_weights must be 'auto', 'file' or a quantized type",
+        ),
+    ):
         args = build_parser(argv).parse_args(argv)
         with pytest.raises(ValueError, match=msg):  # before anything loads ("x" is no model)
             LLM(config=command_config(args))
@@ -762,7 +857,7 @@ def test_cli_draft_flags_reach_the_engine():
 # -- adaptive lengths and n-gram + draft -------------------------------------------------------
 def _expected_rate(cands, ks, plain: int, row: float, draft: float) -> float:
     """Expected tokens per unit of step time (a plain step costs 1) of proposal lengths ks."""
-    tokens = plain + sum(sum(c.acceptance ** j for j in range(1, k + 1)) for c, k in zip(cands, ks))
+    tokens = plain + sum(sum(c.acceptance**j for j in range(1, k + 1)) for c, k in zip(cands, ks))
     forwards = max((k for c, k in zip(cands, ks) if c.draft), default=0)
     return tokens / (1 + row * sum(ks) + draft * forwards)
 
@@ -785,8 +880,9 @@ def test_planned_lengths_are_the_best_by_enumeration(row, draft):
         cands = [Candidate(a, 4, i != 1 or draft == 0) for i, a in enumerate(accs)]
         got = plan_lengths(cands, 3, 9, row, draft)
         assert sum(got) <= 9
-        best = max(_expected_rate(cands, ks, 3, row, draft) for ks in itertools.product(range(5), repeat=3)
-                   if sum(ks) <= 9)
+        best = max(
+            _expected_rate(cands, ks, 3, row, draft) for ks in itertools.product(range(5), repeat=3) if sum(ks) <= 9
+        )
         assert _expected_rate(cands, got, 3, row, draft) >= 0.99 * best, (accs, got)
     # A draft as costly as a target step never pays for one proposal, however good it is.
     assert plan_lengths([Candidate(0.99, 6, True)], 1, 8, row, 1.0) == [0]
@@ -856,7 +952,7 @@ def test_planned_lengths_with_rising_row_prices_are_the_best_by_enumeration(pric
     from pagedllm.speculative.costs import Candidate, best_rate, plan_lengths
 
     def rate(a, k, draft):
-        return sum(a ** j for j in range(k + 1)) / (1 + sum(prices[:k]) + draft * k)
+        return sum(a**j for j in range(k + 1)) / (1 + sum(prices[:k]) + draft * k)
 
     for draft in (0.0, 0.2):
         for a in (0.05, 0.3, 0.5, 0.7, 0.9, 0.99):

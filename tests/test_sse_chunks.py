@@ -1,6 +1,7 @@
 """A streamed plain-text delta is rendered from a template cut from the chunk model's own JSON:
 it must be byte for byte what pydantic writes for the same chunk (the reference), whatever the
 text holds, with and without stream_options.include_usage."""
+
 from __future__ import annotations
 
 import json
@@ -10,14 +11,23 @@ import pytest
 from pagedllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pagedllm.protocols.openai.stream import ChatStreamer, CompletionStreamer, sse_line
 
-TEXTS = ["hello", "héllo ✓ 😀", ' "quoted" \\ back\nslash\t', "\x00\x1f\x7f", "\u2028\u2029 end",
-         "</script>", "", "e\u0301"]
+TEXTS = [
+    "hello",
+    "héllo ✓ 😀",
+    ' "quoted" \\ back\nslash\t',
+    "\x00\x1f\x7f",
+    "\u2028\u2029 end",
+    "</script>",
+    "",
+    "e\u0301",
+]
 
 
 def _out(text: str, finish: str | None = None, rid: str = "r") -> RequestOutput:
     c = CompletionOutput(0, "so far", [5], finish, None, None, text, [7])
-    return RequestOutput(rid, None, [1, 2, 3], [c], finish is not None,
-                         RequestMetrics(arrival_time=0.0, num_prompt_tokens=3))
+    return RequestOutput(
+        rid, None, [1, 2, 3], [c], finish is not None, RequestMetrics(arrival_time=0.0, num_prompt_tokens=3)
+    )
 
 
 def _no_created(line: str) -> str:
@@ -30,9 +40,11 @@ def _no_created(line: str) -> str:
 
 
 @pytest.mark.parametrize("include_usage", [True, False])
-@pytest.mark.parametrize("make", [lambda: ChatStreamer("chatcmpl-x", "m", 1),
-                                  lambda: CompletionStreamer("cmpl-x", "m", 1, {"r": 0})],
-                         ids=["chat", "completion"])
+@pytest.mark.parametrize(
+    "make",
+    [lambda: ChatStreamer("chatcmpl-x", "m", 1), lambda: CompletionStreamer("cmpl-x", "m", 1, {"r": 0})],
+    ids=["chat", "completion"],
+)
 def test_text_deltas_match_pydantic_byte_for_byte(make, include_usage):
     fast, ref = make(), make()
     for text in [*TEXTS, "last"]:

@@ -4,6 +4,7 @@ Every request samples at temperature 0.9 from the default model, so only the gra
 make the output valid: 50 json_schema requests (half streamed), regex, choice, Lark, and the
 bad inputs that must get a 400 while the server keeps serving.
 """
+
 from __future__ import annotations
 
 import concurrent.futures as cf
@@ -32,61 +33,89 @@ SCHEMAS = {
             "born": {"type": "string", "format": "date"},
             "address": {
                 "type": "object",
-                "properties": {"city": {"type": "string", "maxLength": 20},
-                               "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
-                "required": ["city", "zip"], "additionalProperties": False},
-            "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]},
-                     "minItems": 1, "maxItems": 3},
+                "properties": {
+                    "city": {"type": "string", "maxLength": 20},
+                    "zip": {"type": "string", "pattern": "^[0-9]{5}$"},
+                },
+                "required": ["city", "zip"],
+                "additionalProperties": False,
+            },
+            "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "minItems": 1, "maxItems": 3},
         },
         "required": ["name", "age", "email", "born", "address", "tags"],
         "additionalProperties": False,
     },
     "inventory": {
-        "type": "array", "minItems": 2, "maxItems": 4,
-        "items": {"type": "object",
-                  "properties": {"sku": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{4}$"},
-                                 "qty": {"type": "integer", "minimum": 1, "maximum": 99},
-                                 "status": {"enum": ["in", "out", "backorder"]}},
-                  "required": ["sku", "qty", "status"], "additionalProperties": False},
+        "type": "array",
+        "minItems": 2,
+        "maxItems": 4,
+        "items": {
+            "type": "object",
+            "properties": {
+                "sku": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{4}$"},
+                "qty": {"type": "integer", "minimum": 1, "maximum": 99},
+                "status": {"enum": ["in", "out", "backorder"]},
+            },
+            "required": ["sku", "qty", "status"],
+            "additionalProperties": False,
+        },
     },
     "server": {
         "type": "object",
-        "properties": {"host": {"type": "string", "format": "ipv4"},
-                       "port": {"type": "integer", "minimum": 1024, "maximum": 65535},
-                       "id": {"type": "string", "format": "uuid"},
-                       "debug": {"type": "boolean"},
-                       "mode": {"enum": ["dev", "prod"]}},
-        "required": ["host", "port", "id", "debug", "mode"], "additionalProperties": False,
+        "properties": {
+            "host": {"type": "string", "format": "ipv4"},
+            "port": {"type": "integer", "minimum": 1024, "maximum": 65535},
+            "id": {"type": "string", "format": "uuid"},
+            "debug": {"type": "boolean"},
+            "mode": {"enum": ["dev", "prod"]},
+        },
+        "required": ["host", "port", "id", "debug", "mode"],
+        "additionalProperties": False,
     },
     "answer": {
         "type": "object",
-        "properties": {"answer": {"type": "string", "maxLength": 60},
-                       # A number's digits are unbounded; sampled at 0.9 one ran 400 digits to
-                       # "length" once. multipleOf bounds them, as a user would (1/4: exact in
-                       # binary, so jsonschema's float check agrees).
-                       "confidence": {"type": "number", "minimum": 0, "maximum": 1, "multipleOf": 0.25},
-                       "sources": {"type": "array", "items": {"type": "string", "maxLength": 20},
-                                   "maxItems": 2}},
-        "required": ["answer", "confidence", "sources"], "additionalProperties": False,
+        "properties": {
+            "answer": {"type": "string", "maxLength": 60},
+            # A number's digits are unbounded; sampled at 0.9 one ran 400 digits to
+            # "length" once. multipleOf bounds them, as a user would (1/4: exact in
+            # binary, so jsonschema's float check agrees).
+            "confidence": {"type": "number", "minimum": 0, "maximum": 1, "multipleOf": 0.25},
+            "sources": {"type": "array", "items": {"type": "string", "maxLength": 20}, "maxItems": 2},
+        },
+        "required": ["answer", "confidence", "sources"],
+        "additionalProperties": False,
     },
     "levels": {
         "type": "object",
-        "properties": {"level": {"type": "integer", "minimum": -5, "maximum": 5},
-                       "nested": {"type": "object",
-                                  "properties": {"deeper": {"type": "object",
-                                                            "properties": {"ok": {"type": "boolean"}},
-                                                            "required": ["ok"],
-                                                            "additionalProperties": False}},
-                                  "required": ["deeper"], "additionalProperties": False}},
-        "required": ["level", "nested"], "additionalProperties": False,
+        "properties": {
+            "level": {"type": "integer", "minimum": -5, "maximum": 5},
+            "nested": {
+                "type": "object",
+                "properties": {
+                    "deeper": {
+                        "type": "object",
+                        "properties": {"ok": {"type": "boolean"}},
+                        "required": ["ok"],
+                        "additionalProperties": False,
+                    }
+                },
+                "required": ["deeper"],
+                "additionalProperties": False,
+            },
+        },
+        "required": ["level", "nested"],
+        "additionalProperties": False,
     },
 }
 
 
 @pytest.fixture(scope="module")
 def started_server(tmp_path_factory, smollm2_gguf_path):
-    yield from serving(tmp_path_factory, "structured", ["--pa-gpu-mem", "512", "--max-model-len", "1024",
-                                                        "--max-seqs", "64", "--log-level", "info"])
+    yield from serving(
+        tmp_path_factory,
+        "structured",
+        ["--pa-gpu-mem", "512", "--max-model-len", "1024", "--max-seqs", "64", "--log-level", "info"],
+    )
 
 
 @pytest.fixture
@@ -100,10 +129,14 @@ def client(server):
 
 
 def _ask(client, name: str, stream: bool, seed: int) -> tuple[str, str]:
-    kw = dict(model="default", temperature=0.9, seed=seed, max_tokens=400,
-              messages=[{"role": "user", "content": f"Give me a {name} record as JSON."}],
-              response_format={"type": "json_schema",
-                               "json_schema": {"name": name, "schema": SCHEMAS[name], "strict": True}})
+    kw = dict(
+        model="default",
+        temperature=0.9,
+        seed=seed,
+        max_tokens=400,
+        messages=[{"role": "user", "content": f"Give me a {name} record as JSON."}],
+        response_format={"type": "json_schema", "json_schema": {"name": name, "schema": SCHEMAS[name], "strict": True}},
+    )
     if not stream:
         c = client.chat.completions.create(**kw).choices[0]
         return c.message.content, c.finish_reason
@@ -133,13 +166,17 @@ def test_regex_choice_and_json_object(client):
     choices = ["alpha", "beta gamma", "δelta"]
     for i in range(6):
         stream = i % 2 == 1
-        extra = [{"structured_outputs": {"regex": regex}}, {"guided_regex": regex},
-                 {"structured_outputs": {"choice": choices}}, {"guided_choice": choices}][i % 4]
-        kw = dict(model="default", messages=msg, temperature=0.9, seed=i, max_tokens=50,
-                  extra_body=extra)
+        extra = [
+            {"structured_outputs": {"regex": regex}},
+            {"guided_regex": regex},
+            {"structured_outputs": {"choice": choices}},
+            {"guided_choice": choices},
+        ][i % 4]
+        kw = dict(model="default", messages=msg, temperature=0.9, seed=i, max_tokens=50, extra_body=extra)
         if stream:
-            text = "".join(c.choices[0].delta.content or "" for c in
-                           client.chat.completions.create(stream=True, **kw) if c.choices)
+            text = "".join(
+                c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **kw) if c.choices
+            )
         else:
             text = client.chat.completions.create(**kw).choices[0].message.content
         if "regex" in str(extra):
@@ -147,29 +184,55 @@ def test_regex_choice_and_json_object(client):
         else:
             assert text in choices, text
     # Any object: its strings are unbounded, so a sample may run out of tokens; those that end must parse.
-    outs = [client.completions.create(model="default", prompt="A JSON object:", temperature=0.7, seed=s,
-                                      max_tokens=300, extra_body={"response_format": {"type": "json_object"}}
-                                      ).choices[0] for s in range(4)]
+    outs = [
+        client.completions.create(
+            model="default",
+            prompt="A JSON object:",
+            temperature=0.7,
+            seed=s,
+            max_tokens=300,
+            extra_body={"response_format": {"type": "json_object"}},
+        ).choices[0]
+        for s in range(4)
+    ]
     ended = [o for o in outs if o.finish_reason == "stop"]
     assert ended and all(isinstance(json.loads(o.text), dict) for o in ended), outs
 
 
 def test_grammar_that_never_finishes_stops_at_max_tokens(client):
-    r = client.completions.create(model="default", prompt="Letters:", temperature=0.9, max_tokens=12,
-                                  extra_body={"structured_outputs": {"grammar": 'start: ("a" | "b") start'}})
+    r = client.completions.create(
+        model="default",
+        prompt="Letters:",
+        temperature=0.9,
+        max_tokens=12,
+        extra_body={"structured_outputs": {"grammar": 'start: ("a" | "b") start'}},
+    )
     assert r.choices[0].finish_reason == "length"
     assert re.fullmatch("[ab]+", r.choices[0].text) and r.usage.completion_tokens == 12
 
 
 BAD = {
     "invalid_regex": {"structured_outputs": {"regex": "(unclosed"}},
-    "impossible_schema": {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
-        "type": "object", "properties": {"n": {"type": "integer", "minimum": 5, "maximum": 2}},
-        "required": ["n"]}}}},
-    "schema_not_an_object": {"response_format": {"type": "json_schema",
-                                                 "json_schema": {"name": "x", "schema": 5}}},
-    "unsupported_keyword": {"response_format": {"type": "json_schema", "json_schema": {
-        "name": "x", "schema": {"type": "array", "uniqueItems": True}}}},
+    "impossible_schema": {
+        "response_format": {
+            "type": "json_schema",
+            "json_schema": {
+                "name": "x",
+                "schema": {
+                    "type": "object",
+                    "properties": {"n": {"type": "integer", "minimum": 5, "maximum": 2}},
+                    "required": ["n"],
+                },
+            },
+        }
+    },
+    "schema_not_an_object": {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": 5}}},
+    "unsupported_keyword": {
+        "response_format": {
+            "type": "json_schema",
+            "json_schema": {"name": "x", "schema": {"type": "array", "uniqueItems": True}},
+        }
+    },
     "bad_lark": {"structured_outputs": {"grammar": "start: missing_rule"}},
     "two_constraints": {"structured_outputs": {"regex": "a", "choice": ["a"]}},
     "empty_choice": {"guided_choice": []},
@@ -184,8 +247,9 @@ def test_bad_constraint_gets_400_and_server_keeps_serving(server, client, name):
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["type"] == "invalid_request_error" and err["message"] and "Traceback" not in r.text
-    assert client.chat.completions.create(model="default", max_tokens=2,
-                                          messages=[{"role": "user", "content": "hi"}]).choices
+    assert client.chat.completions.create(
+        model="default", max_tokens=2, messages=[{"role": "user", "content": "hi"}]
+    ).choices
 
 
 def test_python_api_structured(tiny_llm_structured):
@@ -193,15 +257,20 @@ def test_python_api_structured(tiny_llm_structured):
 
     llm = tiny_llm_structured
     schema = SCHEMAS["levels"]
-    outs = llm.generate(["Some JSON:"] * 2, SamplingParams(n=2, temperature=1.0, max_tokens=120, seed=1,
-                                                            structured=StructuredOutputs(json=schema)),
-                        use_tqdm=False)
+    outs = llm.generate(
+        ["Some JSON:"] * 2,
+        SamplingParams(n=2, temperature=1.0, max_tokens=120, seed=1, structured=StructuredOutputs(json=schema)),
+        use_tqdm=False,
+    )
     for o in outs:
         for c in o.outputs:
             assert c.finish_reason == "stop", c.text
             jsonschema.validate(json.loads(c.text), schema)
-    out = llm.generate("Pick:", SamplingParams(temperature=1.0, max_tokens=10,
-                                               structured={"choice": ["left", "right"]}), use_tqdm=False)
+    out = llm.generate(
+        "Pick:",
+        SamplingParams(temperature=1.0, max_tokens=10, structured={"choice": ["left", "right"]}),
+        use_tqdm=False,
+    )
     assert out[0].outputs[0].text in ("left", "right")
     with pytest.raises(ValueError, match="regex"):
         llm.generate("x", SamplingParams(structured={"regex": "(a"}), use_tqdm=False)

@@ -1,6 +1,7 @@
 """Tensor parallelism at tp=2 over gloo on the CPU (1 thread per rank): greedy tokens and logits
 against transformers and tp=1 in float32, per-rank bytes, bad sizes, and faults (a worker
 killed with SIGKILL, shutdown) leaving no process behind."""
+
 from __future__ import annotations
 
 import os
@@ -28,10 +29,10 @@ GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
 @pytest.fixture(scope="module", params=["llama", "mistral", "qwen2"])
 def family(request, tmp_path_factory, hf_smollm2_tokenizer):
     """(family, checkpoint, transformers model, prompts, transformers' greedy tokens)."""
-    path, ref, prompts, want = reference_family(request.param, tmp_path_factory.mktemp(request.param),
-                                                hf_smollm2_tokenizer, PROMPT_LENS, NEW_TOKENS, seed=99)
+    path, ref, prompts, want = reference_family(
+        request.param, tmp_path_factory.mktemp(request.param), hf_smollm2_tokenizer, PROMPT_LENS, NEW_TOKENS, seed=99
+    )
     return request.param, path, ref, prompts, want
-
 
 
 def run_tp2(name, path, ref, prompts, want, kw, check=None) -> None:
@@ -51,6 +52,7 @@ def run_tp2(name, path, ref, prompts, want, kw, check=None) -> None:
         logits2 = llm.prompt_logits(prompts[-1])
     assert not alive(pids)  # the context manager stopped the worker
     _assert_logits_match_reference_and_tp1(path, ref, prompts, got, logits2, kw)
+
 
 def _assert_logits_match_reference_and_tp1(path, ref, prompts, got, logits2, kw) -> None:
     """tp=2's prompt logits of the last prompt within 1e-4 of transformers' and of tp=1's, and
@@ -95,8 +97,9 @@ def test_tp2_prefix_cache_multi_turn_n4_and_trace(family):
         got = chat(llm)
         assert got == chat(one)
         assert all(cached > 0 for _, cached in got[1:])  # later turns reuse the earlier ones
-        forks = llm.generate([prompts[2]], SamplingParams(n=4, max_tokens=NEW_TOKENS, temperature=0.0,
-                                                          ignore_eos=True), use_tqdm=False)[0]
+        forks = llm.generate(
+            [prompts[2]], SamplingParams(n=4, max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True), use_tqdm=False
+        )[0]
         assert [c.token_ids for c in forks.outputs] == [want[2]] * 4
         t2, t1 = llm.kv_cache_trace(), one.kv_cache_trace()
     assert t2.tensor_parallel_size == 2 and len(t2.rank_weight_mb) == 2
@@ -191,8 +194,9 @@ def test_tp2_quantized_split_off_blocks_falls_back_to_float(family):
 
 @pytest.fixture(scope="module", params=["mixtral", "qwen2_moe", "qwen3_moe"])
 def moe_family(request, tmp_path_factory, hf_smollm2_tokenizer):
-    path, ref, prompts, want = reference_family(request.param, tmp_path_factory.mktemp(request.param),
-                                                hf_smollm2_tokenizer, PROMPT_LENS, NEW_TOKENS, seed=99)
+    path, ref, prompts, want = reference_family(
+        request.param, tmp_path_factory.mktemp(request.param), hf_smollm2_tokenizer, PROMPT_LENS, NEW_TOKENS, seed=99
+    )
     return request.param, path, ref, prompts, want
 
 

@@ -60,9 +60,9 @@ def saved_dir(hf_smollm2_tokenizer, tmp_path_factory):
 def test_encode_matches_transformers(tok, hf_smollm2_tokenizer, name):
     text = MIXED if name == "mixed" else SAMPLES[name]
     assert tok.encode(text) == hf_smollm2_tokenizer(text)["input_ids"]
-    assert tok.encode(text, add_special_tokens=False) == hf_smollm2_tokenizer(text, add_special_tokens=False)[
-        "input_ids"
-    ]
+    assert (
+        tok.encode(text, add_special_tokens=False) == hf_smollm2_tokenizer(text, add_special_tokens=False)["input_ids"]
+    )
 
 
 @pytest.mark.parametrize("name", list(SAMPLES) + ["mixed"])
@@ -118,8 +118,12 @@ def test_chat_template_features_match_transformers(tok, hf_smollm2_tokenizer):
     messages = CHAT + [{"role": "user", "content": "<b>&'quoted'</b> ünïcode"}]
     tools = [{"type": "function", "function": {"name": "add", "description": "a < b & c"}}]
     ours = Tokenizer(
-        _copy_backend(tok), bos_token=tok.bos_token, eos_token=tok.eos_token, add_bos_token=False,
-        chat_template=template, eos_token_ids=[],
+        _copy_backend(tok),
+        bos_token=tok.bos_token,
+        eos_token=tok.eos_token,
+        add_bos_token=False,
+        chat_template=template,
+        eos_token_ids=[],
     ).apply_chat_template(messages, add_generation_prompt=False, tools=tools, flavour="vanilla")
     ref = hf_smollm2_tokenizer.apply_chat_template(
         messages, chat_template=template, tools=tools, tokenize=False, flavour="vanilla"
@@ -129,15 +133,22 @@ def test_chat_template_features_match_transformers(tok, hf_smollm2_tokenizer):
 
 
 def test_chat_template_raise_exception(tok):
-    t = Tokenizer(_copy_backend(tok), bos_token=None, eos_token=None, add_bos_token=False,
-                  chat_template="{{ raise_exception('roles must alternate') }}", eos_token_ids=[])
+    t = Tokenizer(
+        _copy_backend(tok),
+        bos_token=None,
+        eos_token=None,
+        add_bos_token=False,
+        chat_template="{{ raise_exception('roles must alternate') }}",
+        eos_token_ids=[],
+    )
     with pytest.raises(Exception, match="roles must alternate"):
         t.apply_chat_template(CHAT)
 
 
 def test_no_chat_template_is_a_clear_error(tok):
-    t = Tokenizer(_copy_backend(tok), bos_token=None, eos_token=None, add_bos_token=False, chat_template=None,
-                  eos_token_ids=[])
+    t = Tokenizer(
+        _copy_backend(tok), bos_token=None, eos_token=None, add_bos_token=False, chat_template=None, eos_token_ids=[]
+    )
     with pytest.raises(ValueError, match="no chat template.*prompt"):
         t.apply_chat_template(CHAT)
 
@@ -275,15 +286,40 @@ def test_from_pretrained_dir_missing_files(tmp_path, saved_dir):
 # -- SentencePiece GGUFs with and without the space prefix (Gemma 3 has none) -----------------------
 
 SPM_TEXTS = [
-    "The capital of France is", "Hello world", "hello, world!", "Paris is the capital.", "the", "The",
-    "12345 and 678", "year 2024: 3.14", "0", "你好，世界", "人工智能正在改变世界", "東京は日本の首都です",
-    "I love 🦀 and 🐍!", "👍🏽✨", "tab\tand\nnewline", "a\n\nb", "\n\nleading newlines", "trailing newline\n",
-    "x  y", "x   y    z", "  two leading spaces", "    four", "trailing spaces   ", "ünïcode ok",
-    "don't stop", "<start_of_turn>user\nHi<end_of_turn>", "<bos>The", "mix 中文 and English 42",
+    "The capital of France is",
+    "Hello world",
+    "hello, world!",
+    "Paris is the capital.",
+    "the",
+    "The",
+    "12345 and 678",
+    "year 2024: 3.14",
+    "0",
+    "你好，世界",
+    "人工智能正在改变世界",
+    "東京は日本の首都です",
+    "I love 🦀 and 🐍!",
+    "👍🏽✨",
+    "tab\tand\nnewline",
+    "a\n\nb",
+    "\n\nleading newlines",
+    "trailing newline\n",
+    "x  y",
+    "x   y    z",
+    "  two leading spaces",
+    "    four",
+    "trailing spaces   ",
+    "ünïcode ok",
+    "don't stop",
+    "<start_of_turn>user\nHi<end_of_turn>",
+    "<bos>The",
+    "mix 中文 and English 42",
 ]
 SPM_TEXTS += [" " + t for t in SPM_TEXTS[:22]]  # the same with a leading space
-SPM_CHAT = ("{{ bos_token }}{% for m in messages %}<start_of_turn>{{ 'model' if m.role == 'assistant' else m.role }}\n"
-            "{{ m.content }}<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+SPM_CHAT = (
+    "{{ bos_token }}{% for m in messages %}<start_of_turn>{{ 'model' if m.role == 'assistant' else m.role }}\n"
+    "{{ m.content }}<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
 
 
 def _write_spm_gguf(path, arch: str, add_space_prefix: bool | None) -> None:
@@ -291,9 +327,37 @@ def _write_spm_gguf(path, arch: str, add_space_prefix: bool | None) -> None:
     every prefix so BPE reaches them, runs of spaces written as spaces as Gemma files do)."""
     gguf = pytest.importorskip("gguf")
     chars = sorted({c for t in SPM_TEXTS for c in t if c not in " \t\n<>"} | set("▁"))
-    words = ["▁The", "▁the", "The", "▁capital", "▁of", "▁France", "▁is", "▁Hello", "▁hello", "▁world", "world",
-             "▁Paris", "▁and", "▁year", "▁love", "▁mix", "▁English", "▁stop", "▁leading", "▁spaces", "▁newline",
-             "12", "123", "20", "24", "你好", "世界", "人工", "智能"]
+    words = [
+        "▁The",
+        "▁the",
+        "The",
+        "▁capital",
+        "▁of",
+        "▁France",
+        "▁is",
+        "▁Hello",
+        "▁hello",
+        "▁world",
+        "world",
+        "▁Paris",
+        "▁and",
+        "▁year",
+        "▁love",
+        "▁mix",
+        "▁English",
+        "▁stop",
+        "▁leading",
+        "▁spaces",
+        "▁newline",
+        "12",
+        "123",
+        "20",
+        "24",
+        "你好",
+        "世界",
+        "人工",
+        "智能",
+    ]
     pieces = list(dict.fromkeys([*chars, *(w[:k] for w in words for k in range(2, len(w) + 1))]))
     specials = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
     tokens = [*specials, *[f"<0x{b:02X}>" for b in range(256)], "  ", "   ", "\n", "\n\n", *pieces]
@@ -344,8 +408,11 @@ def test_gguf_space_prefix_matches_transformers(tmp_path, arch, prefix):
             assert ids == ref(text, add_special_tokens=special)["input_ids"], (text, special)
         assert ours.decode(ids, False) == ref.decode(ids, skip_special_tokens=False), text
     for i in range(0, 20, 4):
-        chat = [{"role": "user", "content": SPM_TEXTS[i]}, {"role": "assistant", "content": SPM_TEXTS[i + 22]},
-                {"role": "user", "content": SPM_TEXTS[i + 1]}]
+        chat = [
+            {"role": "user", "content": SPM_TEXTS[i]},
+            {"role": "assistant", "content": SPM_TEXTS[i + 22]},
+            {"role": "user", "content": SPM_TEXTS[i + 1]},
+        ]
         want = ref.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
         want = want["input_ids"] if isinstance(want, dict) or hasattr(want, "keys") else want
         assert ours.apply_chat_template(chat, add_generation_prompt=True, tokenize=True) == want, chat

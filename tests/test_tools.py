@@ -4,6 +4,7 @@ The server renders tools through a Hermes-style template in Qwen2.5's shape (tes
 forced calls (`required`, named) are constrained by the functions' schemas and must validate
 every time; `auto` output is parsed into tool_calls, streamed as OpenAI streams them.
 """
+
 from __future__ import annotations
 
 import json
@@ -20,25 +21,53 @@ from pagedllm.structured import tool_parser, tools as tool_api  # noqa: E402
 from test_server import serving  # noqa: E402
 
 TEMPLATE = Path(__file__).parent / "data" / "hermes_tools.jinja"
-WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
-                                            "unit": {"enum": ["C", "F"]},
-                                            "days": {"type": "integer", "minimum": 1, "maximum": 7}},
-           "required": ["city", "unit"], "additionalProperties": False}
-ADD = {"type": "object", "properties": {"a": {"type": "integer", "minimum": -100, "maximum": 100},
-                                        "b": {"type": "integer", "minimum": -100, "maximum": 100}},
-       "required": ["a", "b"], "additionalProperties": False}
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather for a city",
-                                           "parameters": WEATHER}},
-         {"type": "function", "function": {"name": "add", "description": "Add two integers",
-                                           "parameters": ADD}}]
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 30},
+        "unit": {"enum": ["C", "F"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+    },
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+ADD = {
+    "type": "object",
+    "properties": {
+        "a": {"type": "integer", "minimum": -100, "maximum": 100},
+        "b": {"type": "integer", "minimum": -100, "maximum": 100},
+    },
+    "required": ["a", "b"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {
+        "type": "function",
+        "function": {"name": "get_weather", "description": "Weather for a city", "parameters": WEATHER},
+    },
+    {"type": "function", "function": {"name": "add", "description": "Add two integers", "parameters": ADD}},
+]
 PARAMS = {"get_weather": WEATHER, "add": ADD}
 
 
 @pytest.fixture(scope="module")
 def started_server(tmp_path_factory, smollm2_gguf_path):
-    yield from serving(tmp_path_factory, "tools", ["--chat-template", str(TEMPLATE), "--dtype", "float32",
-                                                   "--pa-gpu-mem", "256", "--max-model-len", "1024",
-                                                   "--log-level", "info"])
+    yield from serving(
+        tmp_path_factory,
+        "tools",
+        [
+            "--chat-template",
+            str(TEMPLATE),
+            "--dtype",
+            "float32",
+            "--pa-gpu-mem",
+            "256",
+            "--max-model-len",
+            "1024",
+            "--log-level",
+            "info",
+        ],
+    )
 
 
 @pytest.fixture
@@ -78,12 +107,14 @@ def test_forced_calls_validate_every_time(client):
     def sample(i: int) -> None:
         named = i % 2 == 1
         choice = {"type": "function", "function": {"name": "add"}} if named else "required"
-        kw = dict(model="default", messages=msgs, tools=TOOLS, tool_choice=choice, temperature=0.9,
-                  seed=i, max_tokens=200)
+        kw = dict(
+            model="default", messages=msgs, tools=TOOLS, tool_choice=choice, temperature=0.9, seed=i, max_tokens=200
+        )
         if i % 4 < 2:
             ch = client.chat.completions.create(**kw).choices[0]
-            calls = [{"id": c.id, "name": c.function.name, "arguments": c.function.arguments}
-                     for c in ch.message.tool_calls]
+            calls = [
+                {"id": c.id, "name": c.function.name, "arguments": c.function.arguments} for c in ch.message.tool_calls
+            ]
             reason = ch.finish_reason
         else:
             _, calls, reason = _streamed_calls(client.chat.completions.create(stream=True, **kw))
@@ -101,12 +132,17 @@ def test_forced_calls_validate_every_time(client):
 def _history() -> list[dict]:
     msgs = [{"role": "system", "content": "You answer every weather question by calling get_weather first."}]
     for i, city in enumerate(["Paris", "Berlin"]):
-        call = {"id": f"call_{i}", "type": "function",
-                "function": {"name": "get_weather", "arguments": json.dumps({"city": city, "unit": "C"})}}
-        msgs += [{"role": "user", "content": f"What is the weather in {city}?"},
-                 {"role": "assistant", "content": None, "tool_calls": [call]},
-                 {"role": "tool", "tool_call_id": f"call_{i}", "content": "18 C, sunny"},
-                 {"role": "assistant", "content": f"It is 18 C and sunny in {city}."}]
+        call = {
+            "id": f"call_{i}",
+            "type": "function",
+            "function": {"name": "get_weather", "arguments": json.dumps({"city": city, "unit": "C"})},
+        }
+        msgs += [
+            {"role": "user", "content": f"What is the weather in {city}?"},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": f"call_{i}", "content": "18 C, sunny"},
+            {"role": "assistant", "content": f"It is 18 C and sunny in {city}."},
+        ]
     return msgs + [{"role": "user", "content": "What is the weather in Rome?"}]
 
 
@@ -129,16 +165,20 @@ def test_auto_round_trip_call_tool_message_answer(client):
     assert reason == "tool_calls" and [c["name"] for c in calls] == ["get_weather"]
     assert json.loads(calls[0]["arguments"]) == json.loads(call.function.arguments)
     # the tool's answer goes back; the model then answers in text
-    msgs += [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
-             {"role": "tool", "tool_call_id": call.id, "content": "24 C, clear sky"}]
+    msgs += [
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": "24 C, clear sky"},
+    ]
     for seed in range(12):
-        final = client.chat.completions.create(model="default", messages=msgs, tools=TOOLS, temperature=0.9,
-                                               seed=seed, max_tokens=60).choices[0]
+        final = client.chat.completions.create(
+            model="default", messages=msgs, tools=TOOLS, temperature=0.9, seed=seed, max_tokens=60
+        ).choices[0]
         if not final.message.tool_calls:
             break
     assert final.message.content and final.finish_reason in ("stop", "length")
-    none = client.chat.completions.create(model="default", messages=msgs, tools=TOOLS, tool_choice="none",
-                                          temperature=0, max_tokens=30).choices[0]
+    none = client.chat.completions.create(
+        model="default", messages=msgs, tools=TOOLS, tool_choice="none", temperature=0, max_tokens=30
+    ).choices[0]
     assert none.message.tool_calls is None and none.finish_reason in ("stop", "length")
 
 
@@ -147,12 +187,26 @@ BAD = {
     "required_without_tools": {"tool_choice": "required"},
     "bad_choice_string": {"tools": TOOLS, "tool_choice": "always"},
     "bad_function_name": {"tools": [{"type": "function", "function": {"name": "has space"}}]},
-    "bad_parameters_schema": {"tools": [{"type": "function", "function": {
-        "name": "f", "parameters": {"type": "object", "properties": {"n": {"type": "integer", "minimum": 3,
-                                                                          "maximum": 1}},
-                                    "required": ["n"]}}}], "tool_choice": "required"},
-    "tool_message_without_id": {"tools": TOOLS, "messages": [{"role": "user", "content": "hi"},
-                                                             {"role": "tool", "content": "x"}]},
+    "bad_parameters_schema": {
+        "tools": [
+            {
+                "type": "function",
+                "function": {
+                    "name": "f",
+                    "parameters": {
+                        "type": "object",
+                        "properties": {"n": {"type": "integer", "minimum": 3, "maximum": 1}},
+                        "required": ["n"],
+                    },
+                },
+            }
+        ],
+        "tool_choice": "required",
+    },
+    "tool_message_without_id": {
+        "tools": TOOLS,
+        "messages": [{"role": "user", "content": "hi"}, {"role": "tool", "content": "x"}],
+    },
 }
 
 
@@ -163,8 +217,9 @@ def test_bad_tool_requests_get_400(server, client, name):
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["type"] == "invalid_request_error" and err["message"] and err["param"]
-    assert client.chat.completions.create(model="default", max_tokens=2,
-                                          messages=[{"role": "user", "content": "hi"}]).choices
+    assert client.chat.completions.create(
+        model="default", max_tokens=2, messages=[{"role": "user", "content": "hi"}]
+    ).choices
 
 
 # -- the parsers, on fixed text ---------------------------------------------------------------
@@ -177,8 +232,9 @@ def test_parse_formats():
     assert tool_parser.parse("no call here", "hermes") == ("no call here", [])
     _, calls = tool_parser.parse('{"name": "g", "parameters": {"y": "z"}}', "llama3")
     assert calls[0].name == "g" and json.loads(calls[0].arguments) == {"y": "z"}
-    _, calls = tool_parser.parse('[TOOL_CALLS] [{"name": "a", "arguments": {}}, {"name": "b", "arguments": {}}]',
-                              "mistral")
+    _, calls = tool_parser.parse(
+        '[TOOL_CALLS] [{"name": "a", "arguments": {}}, {"name": "b", "arguments": {}}]', "mistral"
+    )
     assert [c.name for c in calls] == ["a", "b"]
     assert tool_parser.parse("{not json", "llama3") == ("{not json", [])
 
@@ -188,7 +244,7 @@ def test_stream_parser_holds_back_a_partial_tag():
     text = 'Sure. <tool_call>\n{"name": "f", "arguments": {"x": 2}}\n</tool_call> done'
     sent, calls = "", []
     for i in range(0, len(text), 3):  # three characters at a time: tags split across deltas
-        s, c = p.feed(text[i:i + 3])
+        s, c = p.feed(text[i : i + 3])
         assert "<" not in s  # never a piece of the tag
         sent, calls = sent + s, calls + c
     s, c = p.finish()
@@ -201,11 +257,17 @@ def test_stream_parser_holds_back_a_partial_tag():
 # -- bare and fenced JSON calls under tool_choice=auto (issue 66.5) --------------------------------
 
 
-@pytest.mark.parametrize("text", ['{"name": "add", "arguments": {"a": 2, "b": 3}}',
-                                  '```json\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n```',
-                                  '[{"name": "add", "parameters": {"a": 2, "b": 3}}]'])
+@pytest.mark.parametrize(
+    "text",
+    [
+        '{"name": "add", "arguments": {"a": 2, "b": 3}}',
+        '```json\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n```',
+        '[{"name": "add", "parameters": {"a": 2, "b": 3}}]',
+    ],
+)
 def test_bare_json_call_naming_a_tool_is_a_call(text):
     from pagedllm.protocols.common.chat import parse_answer
+
     tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
     plan = tool_api.plan(tools, "auto", None, None, {})
     content, calls = parse_answer(text, plan)
@@ -217,25 +279,33 @@ def test_bare_json_call_naming_a_tool_is_a_call(text):
     assert parse_answer(text, tool_api.plan(tools, "none", None, None, {})) == (text, [])
 
 
-@pytest.mark.parametrize("text", ['{"name": "add", "arguments": {"a": 2, "b": 3}}',
-                                  '```json\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n```',
-                                  '[{"name": "add", "parameters": {"a": 2, "b": 3}}]',
-                                  '{"name": "sub", "arguments": {"a": 2}}', '{"result": 5}',
-                                  '```python\nprint(1)\n```', 'Sure: {"name": "add", "arguments": {}}',
-                                  'Plain words.',
-                                  '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'])
+@pytest.mark.parametrize(
+    "text",
+    [
+        '{"name": "add", "arguments": {"a": 2, "b": 3}}',
+        '```json\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n```',
+        '[{"name": "add", "parameters": {"a": 2, "b": 3}}]',
+        '{"name": "sub", "arguments": {"a": 2}}',
+        '{"result": 5}',
+        "```python\nprint(1)\n```",
+        'Sure: {"name": "add", "arguments": {}}',
+        "Plain words.",
+        '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>',
+    ],
+)
 @pytest.mark.parametrize("size", [1, 4, 1000])
 def test_streamed_answer_splits_as_the_whole_one(text, size):
     """Under tool_choice=auto a streamed answer gives the same content and calls as the whole
     answer, bare and fenced JSON calls included; an answer that cannot be such JSON is not held."""
     from pagedllm.protocols.common.chat import answer_stream_parser, parse_answer
+
     tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
     plan = tool_api.plan(tools, "auto", None, None, {})
     content, calls = parse_answer(text, plan)
     p = answer_stream_parser(plan)
     sent, deltas = "", []
     for i in range(0, len(text), size):
-        s, d = p.feed(text[i:i + size])
+        s, d = p.feed(text[i : i + size])
         if i == 0 and size < len(text) and not text.startswith(("{", "[", "`")):
             assert s or text.startswith("<"), "an answer that cannot be bare JSON streams at once"
         sent, deltas = sent + s, deltas + d

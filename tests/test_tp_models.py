@@ -7,6 +7,7 @@ group's block tables reach the other ranks in the step message (distributed/mess
 tp=2 gives transformers' float32 greedy tokens and tp=1's, under preemption, with a prompt far
 longer than the sliding window (48); pp=2 x tp=2 (4 ranks, 1 thread each) gives those of pp=1
 and transformers with preemption, prefix caching and n=4 in the same run."""
+
 from __future__ import annotations
 
 import pytest
@@ -23,8 +24,12 @@ pytestmark = pytest.mark.slow
 OVERRIDES = {
     "gemma3": dict(num_key_value_heads=2),
     # Layer 0 global, layers 1-2 sliding (transformers reads layer_types).
-    "qwen2_windows": dict(use_sliding_window=True, sliding_window=48, max_window_layers=1,
-                          layer_types=["full_attention", "sliding_attention", "sliding_attention"]),
+    "qwen2_windows": dict(
+        use_sliding_window=True,
+        sliding_window=48,
+        max_window_layers=1,
+        layer_types=["full_attention", "sliding_attention", "sliding_attention"],
+    ),
 }
 # Block tables per sequence: one global group and the sliding groups, each of one layer (as many
 # as the fewer kind has: kv/groups.py); Mixtral slides in every layer, one group.
@@ -37,8 +42,9 @@ CTX = {"gemma2": 240, "gemma3": 200, "mixtral": 240, "qwen2_windows": 300, "phi3
 
 def _reference(name, tmp_path_factory, tok):
     family = "qwen2" if name == "qwen2_windows" else name
-    return reference_family(family, tmp_path_factory.mktemp(name), tok, PROMPT_LENS, NEW_TOKENS, seed=99,
-                            **OVERRIDES.get(name, {}))
+    return reference_family(
+        family, tmp_path_factory.mktemp(name), tok, PROMPT_LENS, NEW_TOKENS, seed=99, **OVERRIDES.get(name, {})
+    )
 
 
 @pytest.fixture(scope="module", params=["gemma2", "gemma3", "mixtral", "qwen2_windows", "phi3"])

@@ -4,6 +4,7 @@ row's routing weights sum to one over copies of one function, so the MoE model m
 what the dense model computes: transformers' float32 reading of the dense file is the
 reference, and the MoE paths (3-D expert tensors, router, top k, expert kernels, weighted sum)
 run on real activations instead of random ones."""
+
 from __future__ import annotations
 
 import gguf
@@ -46,7 +47,7 @@ def _hf_greedy(model, tok, prompt: str, n: int) -> list[int]:
     ids = tok(prompt, return_tensors="pt").input_ids
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=n, do_sample=False, pad_token_id=tok.eos_token_id)
-    return out[0, ids.shape[1]:].tolist()
+    return out[0, ids.shape[1] :].tolist()
 
 
 def test_dequantized_moe_generates_transformers_dense_tokens(moe_file, hf_smollm2_model, hf_smollm2_tokenizer):
@@ -55,7 +56,7 @@ def test_dequantized_moe_generates_transformers_dense_tokens(moe_file, hf_smollm
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
     for prompt, out in zip(PROMPTS, outs):
         want = _hf_greedy(hf_smollm2_model, hf_smollm2_tokenizer, prompt, 24)  # (to its EOS, if any)
-        assert len(want) >= 10 and out.outputs[0].token_ids[:len(want)] == want, prompt
+        assert len(want) >= 10 and out.outputs[0].token_ids[: len(want)] == want, prompt
 
 
 def test_quantized_experts_follow_the_dense_model(moe_file, smollm2_gguf_path):

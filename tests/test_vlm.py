@@ -8,6 +8,7 @@ The reference is transformers' own model and processor on the same folder: prefi
 prefill chunks around the images (Gemma 3's stop before an image, whose tokens attend to each
 other both ways; Idefics3's and Qwen2.5-VL's cut through them), under preemption, and across two chat turns on
 one image whose KV blocks the prefix cache serves again."""
+
 from __future__ import annotations
 
 import pytest
@@ -24,8 +25,11 @@ from PIL import Image  # noqa: E402
 pytestmark = pytest.mark.slow
 
 NEW = 8
-REF = {"gemma3": "Gemma3ForConditionalGeneration", "idefics3": "Idefics3ForConditionalGeneration",
-       "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}
+REF = {
+    "gemma3": "Gemma3ForConditionalGeneration",
+    "idefics3": "Idefics3ForConditionalGeneration",
+    "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+}
 # Qwen2.5-VL: tokens of each test image, its sides rounded to 28 px within 56^2..112^2 pixels,
 # 14 px patches merged 2 x 2 (90x70 -> 84x56: 6; 50x130 -> 56x140: 10; 128x128 -> 112x112: 16;
 # 33x47 -> 56x84: 6).
@@ -56,17 +60,19 @@ def vlm(request, tmp_path_factory, hf_smollm2_tokenizer):
     proc = load_hf_processor(path) if family == "qwen2_5_vl" else tf.AutoProcessor.from_pretrained(path)
     images = [_image(i, w, h) for i, (w, h) in enumerate([(90, 70), (50, 130), (128, 128), (33, 47)])]
     # (prompt, images): 1, 2 and 3 images, and text alone.
-    cases = [(f"What is in {IMG} this picture? Say it briefly.", images[:1]),
-             (f"Compare {IMG} with {IMG}, please.", images[1:3]),
-             (f"{IMG} first, {IMG} second and {IMG} third: which is brightest?", [images[3], images[0], images[2]]),
-             ("A question with no picture at all, just words.", [])]
+    cases = [
+        (f"What is in {IMG} this picture? Say it briefly.", images[:1]),
+        (f"Compare {IMG} with {IMG}, please.", images[1:3]),
+        (f"{IMG} first, {IMG} second and {IMG} third: which is brightest?", [images[3], images[0], images[2]]),
+        ("A question with no picture at all, just words.", []),
+    ]
     want_logits, want_tokens = [], []
     for text, ims in cases:
         inp = proc(text=[text], images=[ims] if ims else None, return_tensors="pt")
         with torch.no_grad():
             want_logits.append(ref(**inp).logits[0])
             out = ref.generate(**inp, max_new_tokens=NEW, do_sample=False, eos_token_id=None, pad_token_id=0)
-        want_tokens.append(out[0, inp["input_ids"].shape[1]:].tolist())
+        want_tokens.append(out[0, inp["input_ids"].shape[1] :].tolist())
     return family, path, ref, proc, images, cases, want_logits, want_tokens
 
 
@@ -120,8 +126,9 @@ def test_chunked_prefill_around_images(vlm):
     images, each taking its slice of the image's embeddings. The same logits and tokens."""
     family, path, _, _, _, cases, want_logits, want_tokens = vlm
     step, size = CHUNKED[family]
-    llm = LLM(str(path), dtype="float32", kv_cache_memory_mb=16, max_num_batched_tokens=step,
-              max_num_encoder_tokens=size)
+    llm = LLM(
+        str(path), dtype="float32", kv_cache_memory_mb=16, max_num_batched_tokens=step, max_num_encoder_tokens=size
+    )
     eng = llm.engine
     chunks = []
     real = eng.runner.execute
@@ -155,9 +162,17 @@ def test_preemption(vlm):
     """A KV cache far smaller than the batch: sequences with images are preempted and recomputed
     (their images from the encoder cache), with the same greedy tokens."""
     family, path, _, _, _, cases, _, want_tokens = vlm
-    llm = LLM(str(path), dtype="float32", block_size=8, enable_prefix_caching=False,
-              **(dict(max_num_batched_tokens=32, kv_cache_context_len=96) if family != "idefics3" else
-                 dict(max_num_batched_tokens=96, kv_cache_context_len=420)))
+    llm = LLM(
+        str(path),
+        dtype="float32",
+        block_size=8,
+        enable_prefix_caching=False,
+        **(
+            dict(max_num_batched_tokens=32, kv_cache_context_len=96)
+            if family != "idefics3"
+            else dict(max_num_batched_tokens=96, kv_cache_context_len=420)
+        ),
+    )
     reqs = _reqs(cases) * 2
     outs = llm.generate(reqs, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True), use_tqdm=False)
     assert llm.engine.scheduler.num_preemptions > 0
@@ -175,25 +190,41 @@ def test_prefix_cache_two_turns_and_two_images(vlm):
     img, other = (images[2], images[0]) if family == "qwen2_5_vl" else (images[0], images[2])
 
     def turn1(img):
-        return [{"role": "user", "content": [{"type": "text", "text": "Look at this:"},
-                                             {"type": "image", "image": img},
-                                             {"type": "text", "text": "What colour dominates?"}]}]
+        return [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "Look at this:"},
+                    {"type": "image", "image": img},
+                    {"type": "text", "text": "What colour dominates?"},
+                ],
+            }
+        ]
 
     def ref_greedy(msgs, ims):
         text = proc.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
         inp = proc(text=[text], images=[ims], return_tensors="pt", add_special_tokens=False)
         with torch.no_grad():
             out = ref.generate(**inp, max_new_tokens=NEW, do_sample=False, eos_token_id=None, pad_token_id=0)
-        return out[0, inp["input_ids"].shape[1]:].tolist()
+        return out[0, inp["input_ids"].shape[1] :].tolist()
 
     def hf_msgs(msgs):  # transformers' processor takes images as {"type": "image"} parts
-        return [{**m, "content": [{"type": p["type"], **({"text": p["text"]} if "text" in p else {})}
-                                  for p in m["content"]]} if isinstance(m["content"], list) else m for m in msgs]
+        return [
+            {
+                **m,
+                "content": [{"type": p["type"], **({"text": p["text"]} if "text" in p else {})} for p in m["content"]],
+            }
+            if isinstance(m["content"], list)
+            else m
+            for m in msgs
+        ]
 
     first = llm.chat(turn1(img), GREEDY, use_tqdm=False)
     assert first.outputs[0].token_ids == ref_greedy(hf_msgs(turn1(img)), [img])
-    conv = turn1(img) + [{"role": "assistant", "content": first.outputs[0].text},
-                         {"role": "user", "content": "And what shape is it?"}]
+    conv = turn1(img) + [
+        {"role": "assistant", "content": first.outputs[0].text},
+        {"role": "user", "content": "And what shape is it?"},
+    ]
     bm = llm.engine.block_manager
     before = (bm.stats.queries, bm.stats.hits)
     second = llm.chat(conv, GREEDY, use_tqdm=False)
@@ -245,8 +276,10 @@ def test_cli_chat_image_command(vlm, tmp_path):
         pytest.skip("one family is enough for the terminal's command")
     images[1].save(tmp_path / "pic.png")
     llm = LLM(str(path), dtype="float32", kv_cache_memory_mb=16)
-    script = (f"/temperature 0\n/max_tokens {NEW}\n/image {tmp_path / 'nope.png'}\n/image {tmp_path / 'pic.png'}\n"
-              "What is this?\nAnd again?\n")
+    script = (
+        f"/temperature 0\n/max_tokens {NEW}\n/image {tmp_path / 'nope.png'}\n/image {tmp_path / 'pic.png'}\n"
+        "What is this?\nAnd again?\n"
+    )
     out = io.StringIO()
     ChatSession(llm, out=out, inp=io.StringIO(script)).run()
     text = out.getvalue()
@@ -281,11 +314,14 @@ def test_qwen2_5_vl_published_layout(vlm, tmp_path):
     text = cfg.pop("text_config")
     rope = text.pop("rope_parameters")
     text.pop("model_type")
-    cfg.update(text, rope_theta=rope["rope_theta"],
-               rope_scaling={"type": "mrope", "mrope_section": rope["mrope_section"]})
+    cfg.update(
+        text, rope_theta=rope["rope_theta"], rope_scaling={"type": "mrope", "mrope_section": rope["mrope_section"]}
+    )
     (old / "config.json").write_text(json.dumps(cfg))
-    renamed = {k.replace("model.language_model.", "model.").replace("model.visual.", "visual."): v
-               for k, v in load_file(path / "model.safetensors").items()}
+    renamed = {
+        k.replace("model.language_model.", "model.").replace("model.visual.", "visual."): v
+        for k, v in load_file(path / "model.safetensors").items()
+    }
     assert any(k.startswith("visual.") for k in renamed) and any(k.startswith("model.layers.") for k in renamed)
     save_file(renamed, old / "model.safetensors", metadata={"format": "pt"})
     llm = LLM(str(old), dtype="float32", kv_cache_memory_mb=16)

@@ -2,6 +2,7 @@
 image, an http URL and an allowed local file give the offline LLM's answer (Gemma 3; Qwen2.5-VL
 for data URLs); bad images and places images may not come from are each a 400 that says what
 was wrong, and leave no KV block or request behind."""
+
 from __future__ import annotations
 
 import base64
@@ -42,6 +43,7 @@ def _messages(*urls: str) -> list[dict]:
 
 class _Files(BaseHTTPRequestHandler):
     """Serves /img.png, and /slow.png only after a long wait (a URL that times out)."""
+
     png = b""
 
     def do_GET(self):  # noqa: N802
@@ -85,9 +87,25 @@ def setup(tmp_path_factory, hf_smollm2_tokenizer):
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, setup):
     path, _, media, *_ = setup
-    yield from serving(tmp_path_factory, "vlm-serve", [
-        str(path), "--dtype", "float32", "--pa-gpu-mem", "16", "--allowed-local-media-path", str(media),
-        "--limit-mm-per-prompt", "2", "--media-fetch-timeout", "1", "--log-level", "info"])
+    yield from serving(
+        tmp_path_factory,
+        "vlm-serve",
+        [
+            str(path),
+            "--dtype",
+            "float32",
+            "--pa-gpu-mem",
+            "16",
+            "--allowed-local-media-path",
+            str(media),
+            "--limit-mm-per-prompt",
+            "2",
+            "--media-fetch-timeout",
+            "1",
+            "--log-level",
+            "info",
+        ],
+    )
 
 
 @pytest.fixture(scope="module")
@@ -96,8 +114,13 @@ def client(server):
 
 
 def _ask(client, messages) -> str:
-    r = client.chat.completions.create(model=client.models.list().data[0].id, messages=messages,
-                                       max_tokens=MAX_TOKENS, temperature=0.0, extra_body={"ignore_eos": True})
+    r = client.chat.completions.create(
+        model=client.models.list().data[0].id,
+        messages=messages,
+        max_tokens=MAX_TOKENS,
+        temperature=0.0,
+        extra_body={"ignore_eos": True},
+    )
     return r.choices[0].message.content
 
 
@@ -123,7 +146,7 @@ def test_bad_images_are_400_and_leave_nothing(client, setup, server, tmp_path):
     _, root, media, images, base, want = setup
     _bad(client, _messages(_data_url(b"this is not an image at all")), "not a readable image")
     png = _png(images[0])
-    _bad(client, _messages(_data_url(png[:len(png) // 2])), "corrupt or truncated")
+    _bad(client, _messages(_data_url(png[: len(png) // 2])), "corrupt or truncated")
     bomb = io.BytesIO()
     Image.new("1", (12000, 12000)).save(bomb, format="PNG")  # 144 M pixels in a few kB
     _bad(client, _messages(_data_url(bomb.getvalue())), "over the limit of")

@@ -1,6 +1,7 @@
 """Packed weights live in slabs marked for 2 MiB pages (native/csrc/weight_memory.cpp): the
 same bytes as plain memory, in a mapping Linux may back with huge pages, handed back when the
 weights go."""
+
 from __future__ import annotations
 
 import gc
@@ -21,8 +22,12 @@ from test_quant_kernels import random_blocks
 
 ops = cpu_kernels()
 # slow: whole models, servers or builds; `make test-fast` leaves it out
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(ops is None or not hasattr(ops, "weight_memory_stats"),
-                                                   reason="native kernels with weight slabs not built")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        ops is None or not hasattr(ops, "weight_memory_stats"), reason="native kernels with weight slabs not built"
+    ),
+]
 HUGE = 2 << 20
 
 
@@ -36,7 +41,7 @@ def thp_mode() -> str | None:
     if not p.is_file():
         return None
     text = p.read_text()
-    return text[text.index("[") + 1:text.index("]")]
+    return text[text.index("[") + 1 : text.index("]")]
 
 
 def mapping_of(addr: int) -> dict[str, str]:
@@ -191,9 +196,16 @@ def test_the_prefetch_distance_follows_the_weights_alive(slabs, monkeypatch):
 
 def test_a_fixed_prefetch_distance_holds():
     """PAGEDLLM_PREFETCH_BYTES fixes the distance, whatever the weights."""
-    code = ("from pagedllm.quant import kernels as qk; from pagedllm.native import cpu_kernels; "
-            "m0 = qk.weight_memory(); w = cpu_kernels().weight_buffer(4 << 30); m1 = qk.weight_memory(); "
-            "print(m0.prefetch, m1.prefetch)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         env={**os.environ, "PAGEDLLM_PREFETCH_BYTES": "1000"})
+    code = (
+        "from pagedllm.quant import kernels as qk; from pagedllm.native import cpu_kernels; "
+        "m0 = qk.weight_memory(); w = cpu_kernels().weight_buffer(4 << 30); m1 = qk.weight_memory(); "
+        "print(m0.prefetch, m1.prefetch)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "PAGEDLLM_PREFETCH_BYTES": "1000"},
+    )
     assert out.stdout.split() == ["1000", "1000"], out

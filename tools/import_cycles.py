@@ -7,6 +7,7 @@ one another. Exit status 1 when there is a circle.
 
     python tools/import_cycles.py [root]   (root: the pagedllm folder; default: this tree's)
 """
+
 from __future__ import annotations
 
 import ast
@@ -32,7 +33,7 @@ def imports_of(name: str, path: Path, is_pkg: bool, known: set[str]) -> set[str]
             targets = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):
             if node.level:
-                up = base[:len(base) - node.level + 1]
+                up = base[: len(base) - node.level + 1]
                 mod = ".".join(up + ([node.module] if node.module else []))
             else:
                 mod = node.module or ""

@@ -1,6 +1,7 @@
 """MkDocs hook: a page's `<!-- engine-options -->` line becomes the table of the engine's
 options, generated from their declarations (pagedllm/config/table.py), so the site lists the
 options the code has and nothing else."""
+
 MARKER = "<!-- engine-options -->"
 
 

@@ -5,6 +5,7 @@ with the step's `AttentionContext`; the layer stores k/v wherever its backend ke
 returns the attention output. Models never see blocks, slots, cache tensors or sequences:
 the context is opaque to them, they only pass it on and ask it the questions below.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -33,8 +34,9 @@ class DecodeStack:
 class AttentionContext(Protocol):
     """What one forward pass tells the attention layers about the flattened batch."""
 
-    def decode_stack(self, layers: Sequence["AttentionLayer"], dtype: torch.dtype,
-                     pools: dict | None = None) -> DecodeStack | None:
+    def decode_stack(
+        self, layers: Sequence["AttentionLayer"], dtype: torch.dtype, pools: dict | None = None
+    ) -> DecodeStack | None:
         """The cache view for running all `layers` of a decode-only step in one native call, or
         None where that path does not apply (prefill rows, another backend, KV groups).
         `pools`: a memo the caller keeps with `layers` (emptied when they change), so that the
@@ -43,13 +45,13 @@ class AttentionContext(Protocol):
 
 
 class AttentionLayer(Protocol):
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 ctx: AttentionContext) -> torch.Tensor:
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         """q: [T, Hq, D], k/v: [T, Hkv, D] for the flat batch; returns [T, Hq, D]."""
         ...
 
-    def decode_qkv(self, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: AttentionContext,
-                   hq: int, hkv: int) -> torch.Tensor | None:
+    def decode_qkv(
+        self, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: AttentionContext, hq: int, hkv: int
+    ) -> torch.Tensor | None:
         """A decode-only step from the fused q|k|v projection in one call (rope, cache write,
         attention): [T, Hq * D]; None where the backend has no such path."""
         ...
@@ -65,8 +67,7 @@ class AttentionBackend(Protocol):
     name: str
     uses_block_tables: bool
 
-    def layer(self, index: int, window: int | None, scale: float,
-              softcap: float | None = None) -> AttentionLayer: ...
+    def layer(self, index: int, window: int | None, scale: float, softcap: float | None = None) -> AttentionLayer: ...
 
     def describe_decode(self) -> str:
         """The path decode attention really takes, and why (for the KV trace)."""

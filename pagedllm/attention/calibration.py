@@ -1,6 +1,7 @@
 """The f8e4m3 KV cache's calibration forward (kv/calibration.py has the scale arithmetic):
 the model runs a fixed paragraph (a normal prefill, no KV cache) with each layer's attention
 replaced by an observer that records amax(|K|) and amax(|V|) per kv head."""
+
 from __future__ import annotations
 
 import logging
@@ -34,8 +35,7 @@ class _AmaxObserver:
 
 
 @torch.inference_mode()
-def calibrate_kv_amax(model: torch.nn.Module, token_ids: list[int],
-                      device: torch.device) -> torch.Tensor:
+def calibrate_kv_amax(model: torch.nn.Module, token_ids: list[int], device: torch.device) -> torch.Tensor:
     """amax(|K|), amax(|V|) per (layer, kv head), [num_layers, 2, H], over one prefill."""
     attns = model.attention_modules()
     heads = attns[0].num_kv_heads
@@ -45,8 +45,7 @@ def calibrate_kv_amax(model: torch.nn.Module, token_ids: list[int],
     try:
         for i, a in enumerate(attns):
             a.attn = _AmaxObserver(amax[i], a.window, a.scale)
-        meta = AttentionMetadata(num_decodes=0, seq_ids=[-1], query_start_loc=[0, n],
-                                 context_lens=[n])
+        meta = AttentionMetadata(num_decodes=0, seq_ids=[-1], query_start_loc=[0, n], context_lens=[n])
         ids = torch.tensor(token_ids, dtype=torch.int64, device=device)
         model(ids, torch.arange(n, device=device), meta)
     finally:
@@ -55,22 +54,27 @@ def calibrate_kv_amax(model: torch.nn.Module, token_ids: list[int],
     return amax.cpu()
 
 
-def resolve_fp8_scales(model: torch.nn.Module, tokenizer, kv_scales: dict, num_layers: int,
-                       num_kv_heads: int, device: torch.device) -> tuple[torch.Tensor, str]:
+def resolve_fp8_scales(
+    model: torch.nn.Module, tokenizer, kv_scales: dict, num_layers: int, num_kv_heads: int, device: torch.device
+) -> tuple[torch.Tensor, str]:
     """(scales [num_layers, 2, H], where they came from) for an f8e4m3 cache; H is the model's
     KV heads on this rank (`num_kv_heads` is the checkpoint's total)."""
     ckpt = checkpoint_fp8_scales(kv_scales, num_layers, num_kv_heads)
     if ckpt is not None:
         sh = getattr(model, "shard", None)  # tensor parallelism: this rank's KV heads
         if sh is not None:
-            ckpt = ckpt[:, :, sh.kv_start:sh.kv_start + sh.kv_heads].contiguous()
+            ckpt = ckpt[:, :, sh.kv_start : sh.kv_start + sh.kv_heads].contiguous()
         return ckpt, "checkpoint"
     ids = calibration_ids(tokenizer, model.config.vocab_size)
     amax = calibrate_kv_amax(model, ids, device)
     scales = scales_from_amax(amax)
-    note = (f"calibrated at load: amax over {len(ids)} tokens x {HEADROOM:g} headroom, "
-            f"rounded up to a power of two")
-    logger.info("f8e4m3 KV scales %s (K %.3g..%.3g, V %.3g..%.3g)", note,
-                scales[:, 0].min().item(), scales[:, 0].max().item(),
-                scales[:, 1].min().item(), scales[:, 1].max().item())
+    note = f"calibrated at load: amax over {len(ids)} tokens x {HEADROOM:g} headroom, rounded up to a power of two"
+    logger.info(
+        "f8e4m3 KV scales %s (K %.3g..%.3g, V %.3g..%.3g)",
+        note,
+        scales[:, 0].min().item(),
+        scales[:, 0].max().item(),
+        scales[:, 1].min().item(),
+        scales[:, 1].max().item(),
+    )
     return scales, note

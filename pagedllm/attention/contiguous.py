@@ -6,6 +6,7 @@ capacity and preemption behave the same as the paged path. A quantized cache
 (int8, f8e4m3) stores quantized buffers (+ int8's per-token scales) here too and
 dequantizes the sequence's context when it attends.
 """
+
 from __future__ import annotations
 
 import torch
@@ -22,11 +23,9 @@ class _SeqKV:
     Allocated unwritten (`torch.empty`): only the first `used` rows were ever written, and
     nothing reads or copies past them."""
 
-    def __init__(self, cap: int, heads: int, dim: int, dtype: torch.dtype, scaled: bool,
-                 device: torch.device) -> None:
+    def __init__(self, cap: int, heads: int, dim: int, dtype: torch.dtype, scaled: bool, device: torch.device) -> None:
         self.data = [kv_cache.empty_pool((cap, heads, dim), dtype, device) for _ in range(2)]
-        self.scales = ([kv_cache.empty_pool((cap, heads), torch.float32, device)
-                        for _ in range(2)] if scaled else None)
+        self.scales = [kv_cache.empty_pool((cap, heads), torch.float32, device) for _ in range(2)] if scaled else None
         self.used = 0
 
     @property
@@ -61,8 +60,13 @@ class ContiguousBackend:
     name = "torch-contiguous"
     uses_block_tables = False
 
-    def __init__(self, dtype: torch.dtype, device: torch.device,
-                 mode: KVQuantMode | str = "auto", head_scales: torch.Tensor | None = None) -> None:
+    def __init__(
+        self,
+        dtype: torch.dtype,
+        device: torch.device,
+        mode: KVQuantMode | str = "auto",
+        head_scales: torch.Tensor | None = None,
+    ) -> None:
         self.dtype = dtype  # the compute dtype
         self.device = device
         self.mode = mode if isinstance(mode, KVQuantMode) else get_mode(mode)
@@ -72,8 +76,7 @@ class ContiguousBackend:
         # seq_id -> layer -> its K/V
         self.store: dict[int, dict[int, _SeqKV]] = {}
 
-    def layer(self, index: int, window: int | None, scale: float,
-              softcap: float | None = None) -> "ContiguousLayer":
+    def layer(self, index: int, window: int | None, scale: float, softcap: float | None = None) -> "ContiguousLayer":
         hs = None if self.head_scales is None else self.head_scales[index]
         return ContiguousLayer(self, index, window, scale, KVCodec(self.mode, hs), softcap)
 
@@ -105,8 +108,7 @@ class ContiguousBackend:
             old = kv.capacity if kv is not None else 0
             cap = max(64, needed, 2 * old)
             if kv is None:
-                kv = _SeqKV(cap, like.shape[1], like.shape[2], self.storage_dtype,
-                            self.mode.token_scales, self.device)
+                kv = _SeqKV(cap, like.shape[1], like.shape[2], self.storage_dtype, self.mode.token_scales, self.device)
             else:
                 kv = kv.grown(cap, kv.used)
             per_layer[layer] = kv
@@ -114,8 +116,15 @@ class ContiguousBackend:
 
 
 class ContiguousLayer:
-    def __init__(self, backend: ContiguousBackend, index: int, window: int | None,
-                 scale: float, codec: KVCodec, softcap: float | None = None) -> None:
+    def __init__(
+        self,
+        backend: ContiguousBackend,
+        index: int,
+        window: int | None,
+        scale: float,
+        codec: KVCodec,
+        softcap: float | None = None,
+    ) -> None:
         self.backend, self.index, self.window, self.scale = backend, index, window, scale
         self.codec, self.softcap = codec, softcap
 
@@ -125,8 +134,7 @@ class ContiguousLayer:
     def stack_kv(self, dtype) -> None:
         return None
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 meta: AttentionMetadata) -> torch.Tensor:
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         out = torch.empty_like(q)
         codec = self.codec
         for i, sid in enumerate(meta.seq_ids):
@@ -146,6 +154,7 @@ class ContiguousLayer:
                 ks, vs = (None, None) if kv.scales is None else (kv.scales[0][:ctx], kv.scales[1][:ctx])
                 keys = codec.decode(kv.data[0][:ctx], ks, 0, q.dtype)
                 vals = codec.decode(kv.data[1][:ctx], vs, 1, q.dtype)
-            out[s:e] = sdpa_one(q[s:e], keys, vals, meta.prefill_mask(i, self.window, q.device), self.scale,
-                                 self.softcap)
+            out[s:e] = sdpa_one(
+                q[s:e], keys, vals, meta.prefill_mask(i, self.window, q.device), self.scale, self.softcap
+            )
         return out

@@ -5,6 +5,7 @@ The batch is a flat run of tokens. The first `num_decodes` sequences contribute
 one token each (decodes); the rest are prefill chunks. Everything is built once
 per step by the model runner and read by every layer.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -58,8 +59,9 @@ class AttentionMetadata:
     def group(self, g: int) -> "AttentionMetadata":
         return self if g == 0 else self.groups[g - 1]
 
-    def decode_stack(self, layers: Sequence[AttentionLayer], dtype: torch.dtype,
-                     pools: dict | None = None) -> DecodeStack | None:
+    def decode_stack(
+        self, layers: Sequence[AttentionLayer], dtype: torch.dtype, pools: dict | None = None
+    ) -> DecodeStack | None:
         """The paged cache of a decode-only step for one call over all `layers` (the
         AttentionContext question); None unless every layer's cache can be read in place.
         `pools`: the caller's memo of the layers' pools per dtype, which it empties when the
@@ -98,7 +100,7 @@ class AttentionMetadata:
 
     @property
     def max_decode_len(self) -> int:
-        return max(self.context_lens[:self.num_decodes])
+        return max(self.context_lens[: self.num_decodes])
 
     def decode_slots(self, block_size: int) -> torch.Tensor:
         """[num_decodes, max_decode_len] slot ids of every decode's context (see `context_slots`)."""
@@ -106,8 +108,7 @@ class AttentionMetadata:
         s = self._mask_cache.get(key)
         if s is None:
             nd = self.num_decodes
-            s = context_slots(self.block_tables[:nd], self.decode_context_lens, self.max_decode_len,
-                              block_size)
+            s = context_slots(self.block_tables[:nd], self.decode_context_lens, self.max_decode_len, block_size)
             self._mask_cache[key] = s
         return s
 
@@ -147,8 +148,7 @@ def context_slots(table: torch.Tensor, lens: torch.Tensor, num_keys: int, block_
     return slots.masked_fill_(j >= lens[:, None], 0)
 
 
-def causal_mask(q_len: int, ctx_len: int, window: int | None, device,
-                force: bool = False) -> torch.Tensor | None:
+def causal_mask(q_len: int, ctx_len: int, window: int | None, device, force: bool = False) -> torch.Tensor | None:
     """[q_len, ctx_len] bool for queries at the last q_len positions; None when plain causal
     works (unless `force`)."""
     if window is None and q_len == ctx_len and not force:
@@ -161,8 +161,7 @@ def causal_mask(q_len: int, ctx_len: int, window: int | None, device,
     return m
 
 
-def image_mask(q_len: int, ctx_len: int, window: int | None, spans: list[tuple[int, int]],
-               device) -> torch.Tensor:
+def image_mask(q_len: int, ctx_len: int, window: int | None, spans: list[tuple[int, int]], device) -> torch.Tensor:
     """`causal_mask` where each image's tokens also see every token of their image, as
     transformers' Gemma 3 mask with token_type_ids does: (causal OR same image), then AND the
     sliding window (key > query - window) on sliding layers."""

@@ -6,6 +6,7 @@ sizes a tensor-parallel step sends: one hidden-state row per token, per all-redu
 Each figure is the median over `--iters` calls after a warm-up, in processes started here
 (one thread each). docs/scale-out.md projects decode step times from these.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,8 +31,13 @@ def _rank(rank: int, args: argparse.Namespace, port: int, out) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group(args.backend, rank=rank, world_size=args.ranks,
-                            init_method=f"tcp://127.0.0.1:{port}", timeout=timedelta(seconds=60))
+    dist.init_process_group(
+        args.backend,
+        rank=rank,
+        world_size=args.ranks,
+        init_method=f"tcp://127.0.0.1:{port}",
+        timeout=timedelta(seconds=60),
+    )
     rows = []
     for size in (int(s) for s in args.sizes.split(",")):
         t = torch.ones(max(1, size // 4), dtype=torch.float32)
@@ -45,8 +51,7 @@ def _rank(rank: int, args: argparse.Namespace, port: int, out) -> None:
             dist.all_reduce(t)
             times.append(time.perf_counter() - t0)
         med = statistics.median(times)
-        rows.append({"bytes": size, "iters": iters, "median_us": med * 1e6,
-                     "algbw_GBps": size / med / 1e9})
+        rows.append({"bytes": size, "iters": iters, "median_us": med * 1e6, "algbw_GBps": size / med / 1e9})
     if rank == 0:
         out.put(rows)
     dist.destroy_process_group()

@@ -1,5 +1,6 @@
 """Shared pieces of the benchmarks: percentiles, medians over runs, JSON output, waiting for a
 server they started."""
+
 from __future__ import annotations
 
 import json
@@ -36,9 +37,14 @@ def median_of_runs(runs: list[dict]) -> dict:
 def machine_info() -> dict:
     import torch
 
-    return {"python": platform.python_version(), "torch": torch.__version__,
-            "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
-            "machine": platform.machine(), "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "cpu_count": os.cpu_count(),
+        "machine": platform.machine(),
+        "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
 
 
 def write_json(path: str | os.PathLike, data: dict) -> Path:

@@ -35,6 +35,7 @@ the other's compares the machine's moods, not the engines.
 llama.cpp runs through llama-cpp-python (optional: `make bench-deps`); without it our side still
 runs and the report says what to install.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -56,54 +57,88 @@ logger = logging.getLogger(__name__)
 MEASURES = ("decode1", "parallel", "prefill")
 ENGINES = ("pagedllm", "llama.cpp")
 ISA_LEVELS = ("base", "avx2", "avxvnni", "avx512vnni", "avx512bf16")  # as pagedllm/native/__init__.py
-CPU_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_tile", "amx_bf16",
-             "amx_int8")
+CPU_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_tile", "amx_bf16", "amx_int8")
 # Our KV cache dtype -> llama.cpp's cache type that stores about as many bits.
 PEER_CACHE = {"auto": "f16", "bf16": "f16", "f16": "f16", "int8": "q8_0"}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", nargs="?", default="default", metavar="MODEL.gguf",
-                   help="a GGUF file; 'default' is the embedded SmolLM2 Q4_1")
+    p.add_argument(
+        "model",
+        nargs="?",
+        default="default",
+        metavar="MODEL.gguf",
+        help="a GGUF file; 'default' is the embedded SmolLM2 Q4_1",
+    )
     p.add_argument("--threads", type=int, default=2, help="threads of both engines (default 2)")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per figure; medians reported")
-    p.add_argument("--rounds", type=int, default=1,
-                   help="fresh processes of both engines per figure, in alternating order, the read "
-                        "bandwidth measured just before each batch-1 run; the ratio and the share of "
-                        "bandwidth are the medians of the rounds' (a machine whose speed drifts between "
-                        "runs: 3)")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="fresh processes of both engines per figure, in alternating order, the read "
+        "bandwidth measured just before each batch-1 run; the ratio and the share of "
+        "bandwidth are the medians of the rounds' (a machine whose speed drifts between "
+        "runs: 3)",
+    )
     p.add_argument("--max-tokens", type=int, default=128, help="tokens generated per sequence")
     p.add_argument("--prompt-tokens", type=int, default=16, help="prompt length of the decode tests")
-    p.add_argument("--context", type=int, default=1024,
-                   help="KV room of the batch-1 and prefill tests, in tokens (default 1024)")
+    p.add_argument(
+        "--context", type=int, default=1024, help="KV room of the batch-1 and prefill tests, in tokens (default 1024)"
+    )
     p.add_argument("--parallel", type=int, default=32, help="sequences decoded together (default 32)")
     p.add_argument("--prefill-tokens", type=int, default=512)
-    p.add_argument("--measures", default=",".join(MEASURES),
-                   help=f"comma-separated subset of {','.join(MEASURES)} ('' with --long-context: that test only)")
-    p.add_argument("--long-context", default="", metavar="N[,N...]",
-                   help="prompt lengths of the long-context test (e.g. 8192,16384,32768; default: not run)")
+    p.add_argument(
+        "--measures",
+        default=",".join(MEASURES),
+        help=f"comma-separated subset of {','.join(MEASURES)} ('' with --long-context: that test only)",
+    )
+    p.add_argument(
+        "--long-context",
+        default="",
+        metavar="N[,N...]",
+        help="prompt lengths of the long-context test (e.g. 8192,16384,32768; default: not run)",
+    )
     p.add_argument("--long-tokens", type=int, default=32, help="tokens decoded at depth in the long-context test")
-    p.add_argument("--long-caches", default="auto,int8", metavar="CACHE[,CACHE...]",
-                   help=f"our KV caches in the long-context test, each against llama.cpp's nearest "
-                        f"({', '.join(f'{k}: {v}' for k, v in PEER_CACHE.items())}); default auto,int8")
+    p.add_argument(
+        "--long-caches",
+        default="auto,int8",
+        metavar="CACHE[,CACHE...]",
+        help=f"our KV caches in the long-context test, each against llama.cpp's nearest "
+        f"({', '.join(f'{k}: {v}' for k, v in PEER_CACHE.items())}); default auto,int8",
+    )
     p.add_argument("--peer", choices=["llama.cpp", "none"], default="llama.cpp")
-    p.add_argument("--bandwidth-mib", type=int, default=1024,
-                   help="size of the tensor summed to measure read bandwidth (0: skip)")
-    p.add_argument("--peak-seconds", type=float, default=0.5,
-                   help="seconds measuring the CPU's int8 dot-product peak before each many-sequence "
-                        "run (0: skip)")
+    p.add_argument(
+        "--bandwidth-mib", type=int, default=1024, help="size of the tensor summed to measure read bandwidth (0: skip)"
+    )
+    p.add_argument(
+        "--peak-seconds",
+        type=float,
+        default=0.5,
+        help="seconds measuring the CPU's int8 dot-product peak before each many-sequence run (0: skip)",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the prompt tokens")
-    p.add_argument("--dtype", default=None,
-                   help="pagedllm's dtype (default: the engine's choice; with --isa below avx512bf16, "
-                        "float32: what the engine's auto picks on a CPU without AVX-512 BF16)")
-    p.add_argument("--isa", choices=ISA_LEVELS, default=None,
-                   help="cap our native kernels at this instruction-set level (PAGEDLLM_NATIVE_ISA in "
-                        "our processes), e.g. avx2 to measure an AVX2-only machine on a newer one; "
-                        "llama.cpp runs whatever its build was compiled for (the report names both)")
-    p.add_argument("--dequantize-weights", action="store_true", default=None,
-                   help="pagedllm keeps today's dequantized float weights (passed only when given)")
-    p.add_argument("--output", default=None,
-                   help="JSON file (default bench-results/compare-<model>.json)")
+    p.add_argument(
+        "--dtype",
+        default=None,
+        help="pagedllm's dtype (default: the engine's choice; with --isa below avx512bf16, "
+        "float32: what the engine's auto picks on a CPU without AVX-512 BF16)",
+    )
+    p.add_argument(
+        "--isa",
+        choices=ISA_LEVELS,
+        default=None,
+        help="cap our native kernels at this instruction-set level (PAGEDLLM_NATIVE_ISA in "
+        "our processes), e.g. avx2 to measure an AVX2-only machine on a newer one; "
+        "llama.cpp runs whatever its build was compiled for (the report names both)",
+    )
+    p.add_argument(
+        "--dequantize-weights",
+        action="store_true",
+        default=None,
+        help="pagedllm keeps today's dequantized float weights (passed only when given)",
+    )
+    p.add_argument("--output", default=None, help="JSON file (default bench-results/compare-<model>.json)")
 
 
 # -- the parent: plan, spawn, report --------------------------------------------------------------
@@ -129,32 +164,47 @@ def _run(args: argparse.Namespace) -> dict:
     engine_kwargs = pagedllm_kwargs(args)
     weights = weight_bytes(model)
     vocab = weights.pop("vocab")
-    result: dict = {"model": str(model), "machine": {**machine_info(), **cpu_info()},
-                    "threads": args.threads, "repeats": args.repeats, "rounds": max(1, args.rounds),
-                    "weights": weights,
-                    "engine_kwargs": engine_kwargs, "isa_cap": args.isa, "measures": {}}
+    result: dict = {
+        "model": str(model),
+        "machine": {**machine_info(), **cpu_info()},
+        "threads": args.threads,
+        "repeats": args.repeats,
+        "rounds": max(1, args.rounds),
+        "weights": weights,
+        "engine_kwargs": engine_kwargs,
+        "isa_cap": args.isa,
+        "measures": {},
+    }
     result["machine"]["threads"] = args.threads
     measure_bw = args.bandwidth_mib > 0 and "decode1" in measures
     bandwidth = {"mib": args.bandwidth_mib, "threads": args.threads, "repeats": 7, "isa": args.isa}
     bw_runs: list[dict] = []
     # (int8 products are what a quantized file's matrices run on; float ones take the GEMM)
-    measure_peak = (args.peak_seconds > 0 and "parallel" in measures and weights["quantized"]
-                    and not args.dequantize_weights)
+    measure_peak = (
+        args.peak_seconds > 0 and "parallel" in measures and weights["quantized"] and not args.dequantize_weights
+    )
     peak_spec = {"threads": args.threads, "seconds": args.peak_seconds, "isa": args.isa}
     peak_runs: list[dict] = []
     plan = [(kind, _spec(kind, args, str(model), vocab)) for kind in measures]
-    plan += [(f"long-{n}-{cache}", _long_spec(n, cache, args, str(model), vocab))
-             for n in long_lengths for cache in long_caches]
+    plan += [
+        (f"long-{n}-{cache}", _long_spec(n, cache, args, str(model), vocab))
+        for n in long_lengths
+        for cache in long_caches
+    ]
     for kind, spec in plan:
         spec["engine_kwargs"] = engine_kwargs | spec.pop("cache_kwargs", {})
         spec["isa"] = args.isa
-        row: dict = {"kv_tokens": spec["kv_tokens"], "sequences": len(spec["prompts"]),
-                     "prompt_tokens": len(spec["prompts"][0]), "max_tokens": spec["max_tokens"]}
+        row: dict = {
+            "kv_tokens": spec["kv_tokens"],
+            "sequences": len(spec["prompts"]),
+            "prompt_tokens": len(spec["prompts"][0]),
+            "max_tokens": spec["max_tokens"],
+        }
         if spec["measure"] == "long":
             row |= {"cache": spec["engine_kwargs"]["kv_cache_dtype"], "peer_cache": spec["peer_cache"]}
         runs: dict[str, list[dict]] = {e: [] for e in ENGINES}
         for rnd in range(max(1, args.rounds)):
-            for engine in (ENGINES if rnd % 2 == 0 else ENGINES[::-1]):  # (the machine's speed drifts)
+            for engine in ENGINES if rnd % 2 == 0 else ENGINES[::-1]:  # (the machine's speed drifts)
                 if engine == "llama.cpp" and not peer_ok:
                     row[engine] = {"skipped": MISSING_HINT if args.peer == "llama.cpp" else "--peer none"}
                     continue
@@ -175,24 +225,29 @@ def _run(args: argparse.Namespace) -> dict:
                 if pk is not None and pk.get("gmac_s"):
                     got["int8_peak_gmac_s"] = pk["gmac_s"]
                 runs[engine].append(got)
-                extra = (f", decode at depth {got['decode_tok_s']:.2f} tok/s" if "decode_tok_s" in got else "")
-                print(f"{got['tok_s']:.1f} tok/s{extra}, peak RSS {got['peak_rss_mb']:.0f} MB",
-                      file=sys.stderr, flush=True)
+                extra = f", decode at depth {got['decode_tok_s']:.2f} tok/s" if "decode_tok_s" in got else ""
+                print(
+                    f"{got['tok_s']:.1f} tok/s{extra}, peak RSS {got['peak_rss_mb']:.0f} MB",
+                    file=sys.stderr,
+                    flush=True,
+                )
         for engine, got in runs.items():
             if got:
                 row[engine] = _over_rounds(got)
         if all(runs.values()):
             keys = [k for k in ("tok_s", "decode_tok_s") if k in runs["pagedllm"][0]]
-            row["ratio_rounds"] = {k: [a[k] / b[k] for a, b in zip(runs["pagedllm"], runs["llama.cpp"])]
-                                   for k in keys}
+            row["ratio_rounds"] = {k: [a[k] / b[k] for a, b in zip(runs["pagedllm"], runs["llama.cpp"])] for k in keys}
         result["measures"][kind] = row
         if bw_runs:
             result["read_bandwidth"] = _bandwidth_over(bw_runs)
         if peak_runs:
-            result["int8_peak"] = {"gmac_s": statistics.median(r["gmac_s"] for r in peak_runs),
-                                   "isa": peak_runs[0]["isa"], "seconds": args.peak_seconds,
-                                   "amx_rows": peak_runs[0].get("amx_rows", 0),
-                                   "measurements": [r["gmac_s"] for r in peak_runs]}
+            result["int8_peak"] = {
+                "gmac_s": statistics.median(r["gmac_s"] for r in peak_runs),
+                "isa": peak_runs[0]["isa"],
+                "seconds": args.peak_seconds,
+                "amx_rows": peak_runs[0].get("amx_rows", 0),
+                "measurements": [r["gmac_s"] for r in peak_runs],
+            }
         write_json(out, result)  # what is done so far survives an interrupted run
     if "decode1" in result["measures"]:
         result["streaming"] = streaming(result)
@@ -209,8 +264,7 @@ def pagedllm_kwargs(args: argparse.Namespace) -> dict:
     dtype = args.dtype
     if dtype is None and getattr(args, "isa", None) not in (None, "avx512bf16"):
         dtype = "float32"  # auto's choice where the CPU has no AVX-512 BF16
-    return {k: v for k, v in (("dtype", dtype), ("dequantize_weights", args.dequantize_weights))
-            if v is not None}
+    return {k: v for k, v in (("dtype", dtype), ("dequantize_weights", args.dequantize_weights)) if v is not None}
 
 
 def _model_path(model: str) -> Path:
@@ -241,8 +295,9 @@ def _long_plan(args: argparse.Namespace) -> tuple[list[int], list[str]]:
     caches = [c.strip() for c in args.long_caches.split(",") if c.strip()]
     bad = [c for c in caches if c not in PEER_CACHE]
     if bad or (lengths and not caches):
-        raise ValueError(f"--long-caches: {bad or 'empty list'} has no llama.cpp counterpart; choose from "
-                         f"{', '.join(PEER_CACHE)}")
+        raise ValueError(
+            f"--long-caches: {bad or 'empty list'} has no llama.cpp counterpart; choose from {', '.join(PEER_CACHE)}"
+        )
     if args.long_tokens < 2:
         raise ValueError(f"--long-tokens must be at least 2 (the first token ends the prefill), got {args.long_tokens}")
     return lengths, caches
@@ -259,9 +314,11 @@ def _check_isa_built(isa: str | None) -> None:
     ops = cpu_kernels()
     built = built_levels(ops) if ops is not None else []
     if isa not in built:
-        raise RuntimeError(f"--isa {isa}: our native kernels hold the levels {', '.join(built) or 'none'}, "
-                           f"not {isa}; rebuild them with every level (PAGEDLLM_ISA_LEVELS=all python "
-                           f"setup.py build_ext --inplace, or make wheel) to measure it")
+        raise RuntimeError(
+            f"--isa {isa}: our native kernels hold the levels {', '.join(built) or 'none'}, "
+            f"not {isa}; rebuild them with every level (PAGEDLLM_ISA_LEVELS=all python "
+            f"setup.py build_ext --inplace, or make wheel) to measure it"
+        )
 
 
 def _has_llama_cpp() -> bool:
@@ -293,17 +350,32 @@ def _spec(kind: str, args: argparse.Namespace, model: str, vocab: int) -> dict:
         prompts, max_tokens = [prompt(args.prompt_tokens) for _ in range(args.parallel)], args.max_tokens
         per_seq = -(-(args.prompt_tokens + args.max_tokens) // 256) * 256
         kv = per_seq * args.parallel
-    return {"measure": kind, "model": model, "threads": args.threads, "repeats": args.repeats,
-            "prompts": prompts, "max_tokens": max_tokens, "kv_tokens": kv}
+    return {
+        "measure": kind,
+        "model": model,
+        "threads": args.threads,
+        "repeats": args.repeats,
+        "prompts": prompts,
+        "max_tokens": max_tokens,
+        "kv_tokens": kv,
+    }
 
 
 def _long_spec(n: int, cache: str, args: argparse.Namespace, model: str, vocab: int) -> dict:
     """One prompt of n tokens, then `--long-tokens` decoded at that depth, with one of our caches
     against llama.cpp's nearest and its flash attention on."""
-    return {"measure": "long", "model": model, "threads": args.threads, "repeats": args.repeats,
-            "prompts": [_random_prompt(random.Random(args.seed + n), n, vocab)], "max_tokens": args.long_tokens,
-            "kv_tokens": n + args.long_tokens, "cache_kwargs": {"kv_cache_dtype": cache},
-            "peer_cache": PEER_CACHE[cache], "flash_attn": True}
+    return {
+        "measure": "long",
+        "model": model,
+        "threads": args.threads,
+        "repeats": args.repeats,
+        "prompts": [_random_prompt(random.Random(args.seed + n), n, vocab)],
+        "max_tokens": args.long_tokens,
+        "kv_tokens": n + args.long_tokens,
+        "cache_kwargs": {"kv_cache_dtype": cache},
+        "peer_cache": PEER_CACHE[cache],
+        "flash_attn": True,
+    }
 
 
 def _spawn(engine: str, spec: dict) -> dict:
@@ -324,8 +396,10 @@ def _spawn(engine: str, spec: dict) -> dict:
         if proc.returncode != 0 or not out_path.exists():
             tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-15:])
             if proc.returncode == -4:  # SIGILL: a -DGGML_NATIVE=ON build made on another CPU
-                tail += ("\n(illegal instruction: the installed llama-cpp-python was built for another "
-                         "CPU; run `make bench-deps` again on this one)")
+                tail += (
+                    "\n(illegal instruction: the installed llama-cpp-python was built for another "
+                    "CPU; run `make bench-deps` again on this one)"
+                )
             raise RuntimeError(f"the {engine} process failed (exit {proc.returncode}):\n{tail}")
         result = json.loads(out_path.read_text())
     if "error" in result:
@@ -366,9 +440,13 @@ def _bandwidth_over(runs: list[dict]) -> dict:
 
 def _summarise(r: dict) -> dict:
     rates = r["tok_s"]
-    out = {"tok_s": statistics.median(rates), "tok_s_runs": rates, "peak_rss_mb": r["peak_rss_mb"],
-           # ours beyond `import torch` (compare_child); llama.cpp has no such runtime: its whole peak
-           "engine_rss_mb": r.get("engine_rss_mb", r["peak_rss_mb"])}
+    out = {
+        "tok_s": statistics.median(rates),
+        "tok_s_runs": rates,
+        "peak_rss_mb": r["peak_rss_mb"],
+        # ours beyond `import torch` (compare_child); llama.cpp has no such runtime: its whole peak
+        "engine_rss_mb": r.get("engine_rss_mb", r["peak_rss_mb"]),
+    }
     if "decode_tok_s" in r:  # the long-context test: tok_s is its prefill rate
         out |= {"decode_tok_s": statistics.median(r["decode_tok_s"]), "decode_tok_s_runs": r["decode_tok_s"]}
     if r.get("outputs"):
@@ -396,8 +474,11 @@ def weight_bytes(model: Path) -> dict:
     arch = reader.fields["general.architecture"].contents()
     experts = reader.fields.get(f"{arch}.expert_count")
     used = reader.fields.get(f"{arch}.expert_used_count")
-    routed = ((int(used.contents()), int(experts.contents()))
-              if experts is not None and used is not None and int(experts.contents()) > 0 else None)
+    routed = (
+        (int(used.contents()), int(experts.contents()))
+        if experts is not None and used is not None and int(experts.contents()) > 0
+        else None
+    )
     tied = "output.weight" not in sizes
 
     def per_token(counts: dict[str, int]) -> int:
@@ -407,9 +488,14 @@ def weight_bytes(model: Path) -> dict:
             n -= exps - exps * routed[0] // routed[1]
         return n
 
-    return {"total_bytes": sum(sizes.values()), "per_token_bytes": per_token(sizes),
-            "per_token_macs": per_token(values), "quantized": quantized, "tied_embeddings": tied,
-            "vocab": len(reader.fields["tokenizer.ggml.tokens"].data)}
+    return {
+        "total_bytes": sum(sizes.values()),
+        "per_token_bytes": per_token(sizes),
+        "per_token_macs": per_token(values),
+        "quantized": quantized,
+        "tied_embeddings": tied,
+        "vocab": len(reader.fields["tokenizer.ggml.tokens"].data),
+    }
 
 
 def streaming(result: dict) -> dict:
@@ -424,10 +510,13 @@ def streaming(result: dict) -> dict:
             # Each run against the bandwidth measured just before it, where it was: the machine's
             # bandwidth can drift by half between runs minutes apart.
             rates = r.get("tok_s_rounds", [r["tok_s"]])
-            own = r.get("read_bandwidth_gb_s_rounds") or ([r["read_bandwidth_gb_s"]] if "read_bandwidth_gb_s" in r else [])
+            own = r.get("read_bandwidth_gb_s_rounds") or (
+                [r["read_bandwidth_gb_s"]] if "read_bandwidth_gb_s" in r else []
+            )
             if own:
                 out[engine]["share_of_bandwidth"] = statistics.median(
-                    t * per_token / 1e9 / b for t, b in zip(rates, own))
+                    t * per_token / 1e9 / b for t, b in zip(rates, own)
+                )
     return out
 
 
@@ -443,8 +532,10 @@ def compute_share(result: dict) -> dict:
             continue
         rates = r.get("tok_s_rounds", [r["tok_s"]])
         peaks = r.get("int8_peak_gmac_s_rounds", [r["int8_peak_gmac_s"]])
-        out[engine] = {"gmac_s": r["tok_s"] * macs / 1e9,
-                       "share_of_peak": statistics.median(t * macs / 1e9 / p for t, p in zip(rates, peaks))}
+        out[engine] = {
+            "gmac_s": r["tok_s"] * macs / 1e9,
+            "share_of_peak": statistics.median(t * macs / 1e9 / p for t, p in zip(rates, peaks)),
+        }
     return out
 
 
@@ -465,35 +556,48 @@ def cpu_info() -> dict:
 
 # -- the report ----------------------------------------------------------------------------------
 
-_LABELS = {"decode1": "decode, batch 1 (tok/s)", "parallel": "{n} sequences decoded together (tok/s)",
-           "prefill": "prefill of {p} tokens (tok/s)"}
+_LABELS = {
+    "decode1": "decode, batch 1 (tok/s)",
+    "parallel": "{n} sequences decoded together (tok/s)",
+    "prefill": "prefill of {p} tokens (tok/s)",
+}
 
 
 def format_report(result: dict) -> str:
     m, w = result["machine"], result["weights"]
-    lines = [f"model: {result['model']} ({w['total_bytes'] / 1e6:.0f} MB of tensors, "
-             f"{w['per_token_bytes'] / 1e6:.0f} MB read per token)",
-             f"cpu: {m.get('cpu') or m.get('machine')}; flags: {' '.join(m['cpu_flags']) or 'none of note'}; "
-             f"{result['threads']} threads; medians of {result['repeats']}"
-             + (f" runs in each of {result['rounds']} rounds (engines alternating; ratios: medians of the "
-                "rounds')" if result.get("rounds", 1) > 1 else ""),
-             ""]
+    lines = [
+        f"model: {result['model']} ({w['total_bytes'] / 1e6:.0f} MB of tensors, "
+        f"{w['per_token_bytes'] / 1e6:.0f} MB read per token)",
+        f"cpu: {m.get('cpu') or m.get('machine')}; flags: {' '.join(m['cpu_flags']) or 'none of note'}; "
+        f"{result['threads']} threads; medians of {result['repeats']}"
+        + (
+            f" runs in each of {result['rounds']} rounds (engines alternating; ratios: medians of the rounds')"
+            if result.get("rounds", 1) > 1
+            else ""
+        ),
+        "",
+    ]
     head = f"{'':<42}{'pagedllm':>12}{'llama.cpp':>12}{'ratio':>9}"
     lines += [head, "-" * len(head)]
     for kind, row in result["measures"].items():
         if "cache" in row:  # the long-context test: two rates a row
             caches = f"cache {row['cache']} / {row['peer_cache']}"
             lines.append(_row(f"prefill of {row['prompt_tokens']} tokens, {caches}", row, "tok_s", "{:.1f}"))
-            lines.append(_row(f"  then decode at that depth", row, "decode_tok_s", "{:.2f}"))
+            lines.append(_row("  then decode at that depth", row, "decode_tok_s", "{:.2f}"))
             continue
         label = _LABELS[kind].format(n=row["sequences"], p=row["prompt_tokens"])
         lines.append(_row(label, row, "tok_s", "{:.1f}"))
     for kind, row in result["measures"].items():
-        lines.append(_row(f"peak RSS, {kind} (MB; KV room {row['kv_tokens']} tokens)", row,
-                          "peak_rss_mb", "{:.0f}"))
+        lines.append(_row(f"peak RSS, {kind} (MB; KV room {row['kv_tokens']} tokens)", row, "peak_rss_mb", "{:.0f}"))
         if "torch_rss_mb" in row.get("pagedllm", {}):  # llama.cpp's cell: its whole peak again
-            lines.append(_row(f"  ours less `import torch` ({row['pagedllm']['torch_rss_mb']:.0f} MB)", row,
-                              "engine_rss_mb", "{:.0f}"))
+            lines.append(
+                _row(
+                    f"  ours less `import torch` ({row['pagedllm']['torch_rss_mb']:.0f} MB)",
+                    row,
+                    "engine_rss_mb",
+                    "{:.0f}",
+                )
+            )
     s = result.get("streaming")
     if s:
         cells = [f"{s[e]['gb_s']:.1f}" if e in s else "-" for e in ENGINES]
@@ -501,35 +605,53 @@ def format_report(result: dict) -> str:
         if s["read_bandwidth_gb_s"]:
             shares = ", ".join(f"{e} {s[e]['share_of_bandwidth']:.0%}" for e in ENGINES if e in s)
             rb = result["read_bandwidth"]
-            pages = (f"; in 4 KiB pages {rb['gb_s_4k']:.1f}, in 2 MiB pages {rb['gb_s_huge']:.1f}"
-                     if rb.get("gb_s_huge") else "")
-            many = (f"; median of {len(rb['measurements'])} measurements, each just before an engine's "
-                    f"batch-1 run, whose share is against it" if rb.get("measurements") else "")
-            lines.append(f"read bandwidth {s['read_bandwidth_gb_s']:.1f} GB/s (sum of a {rb['mib']} MiB tensor, "
-                         f"median of {len(rb['runs'])}{pages}{many}): batch-1 ceiling "
-                         f"{s['ceiling_tok_s']:.0f} tok/s; share reached: {shares}")
+            pages = (
+                f"; in 4 KiB pages {rb['gb_s_4k']:.1f}, in 2 MiB pages {rb['gb_s_huge']:.1f}"
+                if rb.get("gb_s_huge")
+                else ""
+            )
+            many = (
+                f"; median of {len(rb['measurements'])} measurements, each just before an engine's "
+                f"batch-1 run, whose share is against it"
+                if rb.get("measurements")
+                else ""
+            )
+            lines.append(
+                f"read bandwidth {s['read_bandwidth_gb_s']:.1f} GB/s (sum of a {rb['mib']} MiB tensor, "
+                f"median of {len(rb['runs'])}{pages}{many}): batch-1 ceiling "
+                f"{s['ceiling_tok_s']:.0f} tok/s; share reached: {shares}"
+            )
     c = result.get("compute")
     if c and any(e in c for e in ENGINES):
         pk = result["int8_peak"]
         n = result["measures"]["parallel"]["sequences"]
         shares = ", ".join(f"{e} {c[e]['share_of_peak']:.0%}" for e in ENGINES if e in c)
         many = f", median of {len(pk['measurements'])}" if len(pk.get("measurements", [])) > 1 else ""
-        lines.append(f"int8 dot-product peak {pk['gmac_s']:.0f} GMAC/s ({pk['isa']}, {result['threads']} threads, "
-                     f"measured just before each {n}-sequence run{many}); {c['per_token_macs'] / 1e9:.2f} G "
-                     f"multiply-adds of weights per token; share reached at {n} sequences: {shares}"
-                     + (f" (our bfloat16 steps of {pk['amx_rows']}+ rows multiply on AMX tiles here, which "
-                        "this peak does not bound)" if pk.get("amx_rows") else ""))
+        lines.append(
+            f"int8 dot-product peak {pk['gmac_s']:.0f} GMAC/s ({pk['isa']}, {result['threads']} threads, "
+            f"measured just before each {n}-sequence run{many}); {c['per_token_macs'] / 1e9:.2f} G "
+            f"multiply-adds of weights per token; share reached at {n} sequences: {shares}"
+            + (
+                f" (our bfloat16 steps of {pk['amx_rows']}+ rows multiply on AMX tiles here, which "
+                "this peak does not bound)"
+                if pk.get("amx_rows")
+                else ""
+            )
+        )
     lines += isa_lines(result)
     dtypes = {r["pagedllm"]["dtype"] for r in result["measures"].values() if "dtype" in r.get("pagedllm", {})}
     opts = ", ".join(f"{k}={v}" for k, v in result.get("engine_kwargs", {}).items())
-    lines.append(f"pagedllm compute dtype {'/'.join(sorted(dtypes)) or '?'}{'; ' + opts if opts else ''}; "
-                 "ratio = pagedllm / llama.cpp (for RSS, lower is better)")
+    lines.append(
+        f"pagedllm compute dtype {'/'.join(sorted(dtypes)) or '?'}{'; ' + opts if opts else ''}; "
+        "ratio = pagedllm / llama.cpp (for RSS, lower is better)"
+    )
     if any("cache" in r for r in result["measures"].values()):
-        lines.append("long context: llama.cpp with flash attention on; caches named ours / llama.cpp's "
-                     "(auto = the compute dtype)")
+        lines.append(
+            "long context: llama.cpp with flash attention on; caches named ours / llama.cpp's "
+            "(auto = the compute dtype)"
+        )
     for engine in ENGINES:
-        skipped = {r[engine]["skipped"] for r in result["measures"].values()
-                   if "skipped" in r.get(engine, {})}
+        skipped = {r[engine]["skipped"] for r in result["measures"].values() if "skipped" in r.get(engine, {})}
         lines += [f"{engine} not run: {why}" for why in skipped]
     return "\n".join(lines)
 
@@ -537,6 +659,7 @@ def format_report(result: dict) -> str:
 def isa_lines(result: dict) -> list[str]:
     """The instruction sets each engine's kernels ran with: ours, the native level (and its
     cap); llama.cpp's, the CPU features its build was compiled with (ggml's system info)."""
+
     def seen(engine: str) -> list[str]:
         return sorted({r[engine]["isa"] for r in result["measures"].values() if "isa" in r.get(engine, {})})
 
@@ -544,9 +667,11 @@ def isa_lines(result: dict) -> list[str]:
     if not ours and not peer:
         return []
     cap = result.get("isa_cap")
-    return [f"instruction sets: pagedllm {'/'.join(ours) or '?'} kernels"
-            + (f" (capped with --isa {cap})" if cap else " (this CPU's best)")
-            + (f"; llama.cpp built with {'; '.join(peer)}" if peer else "")]
+    return [
+        f"instruction sets: pagedllm {'/'.join(ours) or '?'} kernels"
+        + (f" (capped with --isa {cap})" if cap else " (this CPU's best)")
+        + (f"; llama.cpp built with {'; '.join(peer)}" if peer else "")
+    ]
 
 
 def _row(label: str, row: dict, key: str, fmt: str) -> str:

@@ -5,6 +5,7 @@ bandwidth (the read bandwidth) and int8peak (the CPU's int8 dot-product peak). T
 kernels' level is the CPU's best, capped by PAGEDLLM_NATIVE_ISA where the parent set it
 (`--isa`); each result names the level it ran at.
 """
+
 from __future__ import annotations
 
 import json
@@ -30,9 +31,16 @@ def pagedllm_child(spec: dict) -> dict:
     long = spec["measure"] == "long"
     # A long prompt is chunked as the engine chooses; the short tests prefill in one chunk.
     chunk = {} if long else {"max_num_batched_tokens": max(1024, len(spec["prompts"][0]) + 1)}
-    llm = LLM(spec["model"], kv_cache_context_len=spec["kv_tokens"], max_num_seqs=n_seq,
-              max_model_len=spec["kv_tokens"] // n_seq, enable_prefix_caching=False, seed=0,
-              **chunk, **spec["engine_kwargs"])
+    llm = LLM(
+        spec["model"],
+        kv_cache_context_len=spec["kv_tokens"],
+        max_num_seqs=n_seq,
+        max_model_len=spec["kv_tokens"] // n_seq,
+        enable_prefix_caching=False,
+        seed=0,
+        **chunk,
+        **spec["engine_kwargs"],
+    )
     eng = llm.engine
     # Warm-up: the timed work once, untimed. Our CPU pools commit a KV page when it is first
     # written (kv/cache.py) and a first touch cost some 35 us a page on the machine measured, so
@@ -47,9 +55,14 @@ def pagedllm_child(spec: dict) -> dict:
             rates.append(len(spec["prompts"][0]) / prefill_s)
         if spec["measure"] != "prefill":
             decode_rates.append(decoded / decode_s)
-    out = {"tok_s": rates if rates else decode_rates, "outputs": outputs, "peak_rss_mb": peak_rss_mb(),
-           "dtype": str(eng.dtype), "weights": eng.weights.summary() if eng.weights is not None else None,
-           "isa": native_level()}
+    out = {
+        "tok_s": rates if rates else decode_rates,
+        "outputs": outputs,
+        "peak_rss_mb": peak_rss_mb(),
+        "dtype": str(eng.dtype),
+        "weights": eng.weights.summary() if eng.weights is not None else None,
+        "isa": native_level(),
+    }
     if torch_mb is not None:
         out["torch_rss_mb"] = torch_mb
         out["engine_rss_mb"] = out["peak_rss_mb"] - torch_mb
@@ -117,8 +130,14 @@ def bandwidth_child(spec: dict) -> dict:
             x.sum()
             runs[name].append(x.numel() * 4 / (time.perf_counter() - t0) / 1e9)
     medians = {k: statistics.median(v) for k, v in runs.items()}
-    return {"gb_s": max(medians.values()), "runs": runs["4k"], "mib": spec["mib"],
-            "gb_s_4k": medians["4k"], "gb_s_huge": medians.get("huge"), "runs_huge": runs.get("huge")}
+    return {
+        "gb_s": max(medians.values()),
+        "runs": runs["4k"],
+        "mib": spec["mib"],
+        "gb_s_4k": medians["4k"],
+        "gb_s_huge": medians.get("huge"),
+        "runs_huge": runs.get("huge"),
+    }
 
 
 def int8_peak_child(spec: dict) -> dict:

@@ -12,6 +12,7 @@ function's code before it as the prefix and after it as the suffix. Checked:
 
     pagedllm bench fim --model ~/.cache/pagedllm/models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,9 +22,26 @@ import random
 import sysconfig
 from pathlib import Path
 
-STDLIB_MODULES = ("textwrap.py", "shlex.py", "fnmatch.py", "posixpath.py", "glob.py", "string.py",
-                  "colorsys.py", "bisect.py", "heapq.py", "base64.py", "calendar.py", "difflib.py",
-                  "statistics.py", "fractions.py", "ipaddress.py", "quopri.py", "uu.py", "netrc.py")
+STDLIB_MODULES = (
+    "textwrap.py",
+    "shlex.py",
+    "fnmatch.py",
+    "posixpath.py",
+    "glob.py",
+    "string.py",
+    "colorsys.py",
+    "bisect.py",
+    "heapq.py",
+    "base64.py",
+    "calendar.py",
+    "difflib.py",
+    "statistics.py",
+    "fractions.py",
+    "ipaddress.py",
+    "quopri.py",
+    "uu.py",
+    "netrc.py",
+)
 
 
 def snippets(n: int, seed: int = 0, max_lines: int = 40) -> list[tuple[str, str, str, str]]:
@@ -40,8 +58,11 @@ def snippets(n: int, seed: int = 0, max_lines: int = 40) -> list[tuple[str, str,
         for node in ast.walk(ast.parse(src)):
             if not isinstance(node, ast.FunctionDef) or node.end_lineno - node.lineno > max_lines:
                 continue
-            body = [ln for ln in range(node.body[0].lineno, node.end_lineno + 1)
-                    if lines[ln - 1].strip() and not lines[ln - 1].strip().startswith(("#", '"', "'"))]
+            body = [
+                ln
+                for ln in range(node.body[0].lineno, node.end_lineno + 1)
+                if lines[ln - 1].strip() and not lines[ln - 1].strip().startswith(("#", '"', "'"))
+            ]
             if len(body) < 3:
                 continue
             found.append((path, lines, node, body))
@@ -50,9 +71,9 @@ def snippets(n: int, seed: int = 0, max_lines: int = 40) -> list[tuple[str, str,
     for path, lines, node, body in found[:n]:
         ln = rng.choice(body[1:])  # never the first body line: the prefix shows the signature and some body
         start = node.lineno - 1 - len(node.decorator_list)
-        prefix = "".join(lines[start:ln - 1])
+        prefix = "".join(lines[start : ln - 1])
         removed = lines[ln - 1].rstrip("\n")
-        suffix = "".join(lines[ln:node.end_lineno])
+        suffix = "".join(lines[ln : node.end_lineno])
         out.append((f"{path.name}:{node.name}:{ln}", prefix, removed, suffix))
     return out
 
@@ -88,26 +109,58 @@ def run(args: argparse.Namespace) -> int:
     with TestClient(create_app(llm, ServerConfig(model_name="fim"))) as http:
         for where, prefix, removed, suffix in cases:
             ours = fim.infill_ids(ctx, prefix, suffix)
-            theirs = hf(f"<|fim_prefix|>{prefix}<|fim_suffix|>{suffix}<|fim_middle|>",
-                        add_special_tokens=False)["input_ids"]
+            theirs = hf(f"<|fim_prefix|>{prefix}<|fim_suffix|>{suffix}<|fim_middle|>", add_special_tokens=False)[
+                "input_ids"
+            ]
             same_ids = ours == theirs
-            c = http.post("/v1/completions", json={"prompt": prefix, "suffix": suffix, "temperature": 0,
-                                                   "max_tokens": args.max_tokens, "stop": ["\n"]}).json()
-            i = http.post("/infill", json={"input_prefix": prefix, "input_suffix": suffix, "temperature": 0,
-                                           "n_predict": args.max_tokens, "stop": ["\n"]}).json()
+            c = http.post(
+                "/v1/completions",
+                json={
+                    "prompt": prefix,
+                    "suffix": suffix,
+                    "temperature": 0,
+                    "max_tokens": args.max_tokens,
+                    "stop": ["\n"],
+                },
+            ).json()
+            i = http.post(
+                "/infill",
+                json={
+                    "input_prefix": prefix,
+                    "input_suffix": suffix,
+                    "temperature": 0,
+                    "n_predict": args.max_tokens,
+                    "stop": ["\n"],
+                },
+            ).json()
             text = c["choices"][0]["text"]
             same_text = text == i["content"]
             exact = text.split("\n")[0] == removed
             ids_equal += same_ids
             agree += same_text
             restored += exact
-            rows.append({"where": where, "removed": removed, "completion": text, "ids_equal": same_ids,
-                         "infill_agrees": same_text, "restored": exact})
-            print(f"{'OK ' if exact else '-- '}{where}: {removed.strip()!r} -> {text.split(chr(10))[0].strip()!r}"
-                  f"{'' if same_ids else '  [PROMPT IDS DIFFER]'}{'' if same_text else '  [/infill DIFFERS]'}",
-                  flush=True)
-    summary = {"model": gguf.name, "snippets": len(cases), "prompt_ids_equal": ids_equal,
-               "infill_agrees": agree, "restored_exactly": restored}
+            rows.append(
+                {
+                    "where": where,
+                    "removed": removed,
+                    "completion": text,
+                    "ids_equal": same_ids,
+                    "infill_agrees": same_text,
+                    "restored": exact,
+                }
+            )
+            print(
+                f"{'OK ' if exact else '-- '}{where}: {removed.strip()!r} -> {text.split(chr(10))[0].strip()!r}"
+                f"{'' if same_ids else '  [PROMPT IDS DIFFER]'}{'' if same_text else '  [/infill DIFFERS]'}",
+                flush=True,
+            )
+    summary = {
+        "model": gguf.name,
+        "snippets": len(cases),
+        "prompt_ids_equal": ids_equal,
+        "infill_agrees": agree,
+        "restored_exactly": restored,
+    }
     print(json.dumps(summary))
     if args.json:
         Path(args.json).write_text(json.dumps({"summary": summary, "rows": rows}, indent=1))

@@ -20,7 +20,13 @@ drifts by tens of percent within a minute, and one process per model in turn mea
 drift as a 0.82x gap that alternating in one process showed was not there. gptqmodel needs torch >= 2.14 by its metadata: `pip install --no-deps
 gptqmodel` and its small dependencies (as tests/test_gptq.py says).
 """
+
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 import argparse
 import ctypes
@@ -41,33 +47,39 @@ MODELS = ("gguf", "gptq")
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", metavar="MODEL.gguf", help="the GGUF whose weights both sides are made from")
-    p.add_argument("--dir", default="~/.cache/pagedllm/bench",
-                   help="where the pair is built and kept (default %(default)s)")
+    p.add_argument(
+        "--dir", default="~/.cache/pagedllm/bench", help="where the pair is built and kept (default %(default)s)"
+    )
     p.add_argument("--rebuild", action="store_true", help="build the pair again even if it is there")
-    p.add_argument("--pure", action="store_true",
-                   help="llama.cpp quantizes every matrix to Q4_0 (no Q6_K/Q8_0 output head)")
+    p.add_argument(
+        "--pure", action="store_true", help="llama.cpp quantizes every matrix to Q4_0 (no Q6_K/Q8_0 output head)"
+    )
     p.add_argument("--group-size", type=int, default=128, help="GPTQ group size (default 128)")
     p.add_argument("--build-only", action="store_true", help="build the pair and stop")
     p.add_argument("--threads", type=int, default=2, help="threads (default 2)")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per process; medians reported")
-    p.add_argument("--rounds", type=int, default=3,
-                   help="processes per model and figure, the two models alternating (GGUF, GPTQ, GPTQ, "
-                        "GGUF, ...); the ratio is the median of the rounds' ratios (default 3)")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="processes per model and figure, the two models alternating (GGUF, GPTQ, GPTQ, "
+        "GGUF, ...); the ratio is the median of the rounds' ratios (default 3)",
+    )
     p.add_argument("--max-tokens", type=int, default=128, help="tokens generated per sequence")
     p.add_argument("--prompt-tokens", type=int, default=16, help="prompt length of the decode tests")
     p.add_argument("--context", type=int, default=1024, help="KV room of the batch-1 test, in tokens")
     p.add_argument("--parallel", type=int, default=32, help="sequences decoded together (default 32)")
-    p.add_argument("--measures", default=",".join(MEASURES),
-                   help=f"comma-separated subset of {','.join(MEASURES)}")
+    p.add_argument("--measures", default=",".join(MEASURES), help=f"comma-separated subset of {','.join(MEASURES)}")
     p.add_argument("--seed", type=int, default=0, help="seed of the prompt tokens")
     p.add_argument("--dtype", default=None, help="pagedllm's dtype (default: the engine's choice)")
-    p.add_argument("--output", default=None,
-                   help="JSON file (default bench-results/gptq-pair-<model>.json)")
+    p.add_argument("--output", default=None, help="JSON file (default bench-results/gptq-pair-<model>.json)")
 
 
 def paths(model: Path, out_dir: Path, bits: int, group_size: int, pure: bool) -> dict[str, Path]:
-    return {"gguf": out_dir / f"{model.stem}-q4_0{'-pure' if pure else ''}.gguf",
-            "gptq": out_dir / f"{model.stem}-gptq-{bits}bit-g{group_size}"}
+    return {
+        "gguf": out_dir / f"{model.stem}-q4_0{'-pure' if pure else ''}.gguf",
+        "gptq": out_dir / f"{model.stem}-gptq-{bits}bit-g{group_size}",
+    }
 
 
 # -- building the pair ----------------------------------------------------------------------------
@@ -100,8 +112,10 @@ def _gptqmodel():
         from gptqmodel.nn_modules.qlinear.torch import TorchLinear
         from gptqmodel.utils.model import convert_gptq_v2_to_v1_format_module
     except ImportError as e:
-        raise RuntimeError(f"the GPTQ checkpoint is packed by gptqmodel ({e}): `pip install --no-deps "
-                           "gptqmodel` and its small dependencies") from None
+        raise RuntimeError(
+            f"the GPTQ checkpoint is packed by gptqmodel ({e}): `pip install --no-deps "
+            "gptqmodel` and its small dependencies"
+        ) from None
     return TorchLinear, convert_gptq_v2_to_v1_format_module
 
 
@@ -112,7 +126,7 @@ def rtn_sym(w: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor, 
     import torch
 
     out_f, in_f = w.shape
-    maxq = 2 ** bits - 1
+    maxq = 2**bits - 1
     groups = w.float().view(out_f, in_f // group_size, group_size)
     scales = (groups.abs().amax(-1) / (maxq // 2)).clamp(min=1e-8).half().float()
     zeros = torch.full_like(scales, (maxq + 1) / 2)
@@ -134,8 +148,15 @@ def gptq_tensors(w: torch.Tensor, bias: torch.Tensor | None, bits: int, group_si
         lin.weight.copy_(w)
         if bias is not None:
             lin.bias.copy_(bias)
-    m = TorchLinear(bits=bits, group_size=group_size, sym=True, desc_act=False, in_features=in_f,
-                    out_features=out_f, bias=bias is not None)
+    m = TorchLinear(
+        bits=bits,
+        group_size=group_size,
+        sym=True,
+        desc_act=False,
+        in_features=in_f,
+        out_features=out_f,
+        bias=bias is not None,
+    )
     m.pack(lin, scales, zeros, g_idx)
     to_v1(m, SimpleNamespace(bits=bits, pack_dtype=torch.int32))  # a v1 file stores zeros - 1
     out = {"qweight": m.qweight, "qzeros": m.qzeros, "scales": m.scales.half(), "g_idx": m.g_idx.int()}
@@ -155,8 +176,7 @@ def build_gptq(src: Path, dst: Path, bits: int, group_size: int) -> None:
     tok = tf.AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
     model = tf.AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name, dtype=torch.float32)
     sd: dict[str, torch.Tensor] = {}
-    linears = {name for name, mod in model.named_modules()
-               if isinstance(mod, torch.nn.Linear) and ".layers." in name}
+    linears = {name for name, mod in model.named_modules() if isinstance(mod, torch.nn.Linear) and ".layers." in name}
     for name, t in model.state_dict().items():
         prefix = name.rsplit(".", 1)[0]
         if prefix in linears or (name == "lm_head.weight" and model.config.tie_word_embeddings):
@@ -174,8 +194,14 @@ def build_gptq(src: Path, dst: Path, bits: int, group_size: int) -> None:
     cfg = model.config.to_dict()
     cfg["architectures"] = [type(model).__name__]
     cfg["torch_dtype"] = "float16"
-    cfg["quantization_config"] = {"quant_method": "gptq", "bits": bits, "group_size": group_size, "sym": True,
-                                  "desc_act": False, "checkpoint_format": "gptq"}
+    cfg["quantization_config"] = {
+        "quant_method": "gptq",
+        "bits": bits,
+        "group_size": group_size,
+        "sym": True,
+        "desc_act": False,
+        "checkpoint_format": "gptq",
+    }
     (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
     tok.save_pretrained(str(tmp))
     tmp.rename(dst)
@@ -230,25 +256,36 @@ def _run(args: argparse.Namespace) -> dict | int:
     vocab = compare.weight_bytes(pair["gguf"])["vocab"]
     engine_kwargs = {"dtype": args.dtype} if args.dtype else {}
     out = args.output or f"bench-results/gptq-pair-{model.stem}.json"
-    result: dict = {"source": str(model), "models": {k: str(v) for k, v in pair.items()},
-                    "machine": {**machine_info(), **compare.cpu_info(), "threads": args.threads},
-                    "repeats": args.repeats, "rounds": args.rounds, "engine_kwargs": engine_kwargs, "measures": {}}
+    result: dict = {
+        "source": str(model),
+        "models": {k: str(v) for k, v in pair.items()},
+        "machine": {**machine_info(), **compare.cpu_info(), "threads": args.threads},
+        "repeats": args.repeats,
+        "rounds": args.rounds,
+        "engine_kwargs": engine_kwargs,
+        "measures": {},
+    }
     cargs = argparse.Namespace(**{**vars(args), "prefill_tokens": 1})
     for kind in measures:
         row: dict = {"round_ratios": []}
-        specs = {which: compare._spec(kind, cargs, str(pair[which]), vocab) | {"engine_kwargs": engine_kwargs}
-                 for which in MODELS}  # the same prompts and KV room for both
+        specs = {
+            which: compare._spec(kind, cargs, str(pair[which]), vocab) | {"engine_kwargs": engine_kwargs}
+            for which in MODELS
+        }  # the same prompts and KV room for both
         row["sequences"] = len(specs["gguf"]["prompts"])
         runs: dict = {which: [] for which in MODELS}
         for rnd in range(args.rounds):  # alternating, so a drift of the machine's speed hits both
             got = {}
-            for which in (MODELS if rnd % 2 == 0 else MODELS[::-1]):
+            for which in MODELS if rnd % 2 == 0 else MODELS[::-1]:
                 print(f"{kind}, round {rnd + 1}: {which} ...", file=sys.stderr, end=" ", flush=True)
                 r = compare._spawn("pagedllm", specs[which])
                 got[which] = compare._summarise(r) | {"weights": r.get("weights")}
                 runs[which] += got[which]["tok_s_runs"]
-                print(f"{got[which]['tok_s']:.1f} tok/s (runs {', '.join(f'{x:.1f}' for x in got[which]['tok_s_runs'])})",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"{got[which]['tok_s']:.1f} tok/s (runs {', '.join(f'{x:.1f}' for x in got[which]['tok_s_runs'])})",
+                    file=sys.stderr,
+                    flush=True,
+                )
             row["round_ratios"].append(got["gptq"]["tok_s"] / got["gguf"]["tok_s"])
             for which in MODELS:
                 row[which] = got[which] | {"tok_s": statistics.median(runs[which]), "tok_s_runs": runs[which]}
@@ -262,10 +299,13 @@ def _run(args: argparse.Namespace) -> dict | int:
 
 def format_report(result: dict) -> str:
     m = result["machine"]
-    lines = [f"source: {result['source']}",
-             f"cpu: {m.get('cpu') or m.get('machine')}; flags: {' '.join(m['cpu_flags']) or 'none of note'}; "
-             f"{m['threads']} threads; {result.get('rounds', 1)} alternating rounds of {result['repeats']} runs per "
-             "model; tok/s: median of all runs; ratio: median of the rounds' ratios", ""]
+    lines = [
+        f"source: {result['source']}",
+        f"cpu: {m.get('cpu') or m.get('machine')}; flags: {' '.join(m['cpu_flags']) or 'none of note'}; "
+        f"{m['threads']} threads; {result.get('rounds', 1)} alternating rounds of {result['repeats']} runs per "
+        "model; tok/s: median of all runs; ratio: median of the rounds' ratios",
+        "",
+    ]
     head = f"{'':<34}{'Q4_0 GGUF':>12}{'GPTQ':>12}{'ratio':>9}"
     lines += [head, "-" * len(head)]
     for kind, row in result["measures"].items():

@@ -9,10 +9,10 @@ The timing follows what pagedllm's side times: decode rates count the steps afte
 token (each step: one llama_decode plus a greedy argmax of the logits, as our step samples), and
 the prefill rate times one llama_decode of the whole prompt.
 """
+
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import resource
 import sys
@@ -20,9 +20,11 @@ import time
 from dataclasses import dataclass
 from typing import Any, Iterator
 
-MISSING_HINT = ("llama-cpp-python is not installed. Run `make bench-deps` (it installs the wheel kept "
-                "in ~/.cache/pagedllm/wheels, or builds one from the PyPI sdist: about 8 minutes on "
-                "2 cores), or `pip install 'pagedllm[bench]'`.")
+MISSING_HINT = (
+    "llama-cpp-python is not installed. Run `make bench-deps` (it installs the wheel kept "
+    "in ~/.cache/pagedllm/wheels, or builds one from the PyPI sdist: about 8 minutes on "
+    "2 cores), or `pip install 'pagedllm[bench]'`."
+)
 BATCH = 512  # n_batch = n_ubatch: the 512-token prefill is one ubatch
 CACHE_TYPES = {"f16": 1, "q8_0": 8}  # ggml_type of the K/V cache
 
@@ -36,8 +38,9 @@ class Model:
 
 
 @contextlib.contextmanager
-def open_model(path: str, n_ctx: int, threads: int, n_seq: int = 1, flash_attn: bool | None = None,
-               cache_type: str = "f16") -> Iterator[Model]:
+def open_model(
+    path: str, n_ctx: int, threads: int, n_seq: int = 1, flash_attn: bool | None = None, cache_type: str = "f16"
+) -> Iterator[Model]:
     """A model and one context with `n_ctx` KV cells shared by up to `n_seq` sequences; K and V
     cached as `cache_type` (f16 or q8_0: a quantized V cache needs flash attention); flash
     attention on, off, or (None) as llama.cpp chooses."""
@@ -59,8 +62,12 @@ def open_model(path: str, n_ctx: int, threads: int, n_seq: int = 1, flash_attn: 
     ctx = L.llama_init_from_model(model, cparams)
     if not ctx:
         L.llama_model_free(model)
-        why = (f" with a {cache_type} cache (llama.cpp quantizes the cache in blocks of 32 along the head "
-               "dim, so the model's head dim must be a multiple of 32)" if cache_type != "f16" else "")
+        why = (
+            f" with a {cache_type} cache (llama.cpp quantizes the cache in blocks of 32 along the head "
+            "dim, so the model's head dim must be a multiple of 32)"
+            if cache_type != "f16"
+            else ""
+        )
         raise RuntimeError(f"llama.cpp could not make a context of {n_ctx} tokens for {path}{why}")
     try:
         n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(model))
@@ -115,7 +122,7 @@ class Runner:
         first = []
         for seq, p in enumerate(prompts):
             for s in range(0, len(p), BATCH):
-                chunk = p[s:s + BATCH]
+                chunk = p[s : s + BATCH]
                 self.decode([(t, s + j, seq, s + j == len(p) - 1) for j, t in enumerate(chunk)])
             first += self.argmax(1)
         return first
@@ -147,8 +154,14 @@ class Runner:
 
 def measure(spec: dict) -> dict:
     prompts, kind = spec["prompts"], spec["measure"]
-    with open_model(spec["model"], spec["kv_tokens"], spec["threads"], len(prompts),
-                    flash_attn=spec.get("flash_attn"), cache_type=spec.get("peer_cache", "f16")) as m:
+    with open_model(
+        spec["model"],
+        spec["kv_tokens"],
+        spec["threads"],
+        len(prompts),
+        flash_attn=spec.get("flash_attn"),
+        cache_type=spec.get("peer_cache", "f16"),
+    ) as m:
         run = Runner(m, max(BATCH, len(prompts)))
         try:
             # Warm-up: the timed work once untimed (a long prompt: a short stand-in), as our side does.
@@ -169,16 +182,32 @@ def measure(spec: dict) -> dict:
                     rates.append(len(prompts[0]) / prefill_s)
         finally:
             run.close()
-    out = {"tok_s": rates or decode_rates, "outputs": outputs, "peak_rss_mb": peak_rss_mb(), "n_vocab": m.n_vocab,
-           "isa": built_isa(m.lib)}
+    out = {
+        "tok_s": rates or decode_rates,
+        "outputs": outputs,
+        "peak_rss_mb": peak_rss_mb(),
+        "n_vocab": m.n_vocab,
+        "isa": built_isa(m.lib),
+    }
     if kind == "long":
         out["decode_tok_s"] = decode_rates
     return out
 
 
 # ggml's x86 features that set which kernels run (its system info names them `NAME = 1`).
-ISA_FEATURES = ("AVX", "AVX2", "F16C", "FMA", "BMI2", "AVX_VNNI", "AVX512", "AVX512_VBMI", "AVX512_VNNI",
-                "AVX512_BF16", "AMX_INT8")
+ISA_FEATURES = (
+    "AVX",
+    "AVX2",
+    "F16C",
+    "FMA",
+    "BMI2",
+    "AVX_VNNI",
+    "AVX512",
+    "AVX512_VBMI",
+    "AVX512_VNNI",
+    "AVX512_BF16",
+    "AMX_INT8",
+)
 
 
 def built_isa(L: Any) -> str:
@@ -186,8 +215,11 @@ def built_isa(L: Any) -> str:
     llama_print_system_info ("CPU : SSE3 = 1 | AVX2 = 1 | ..."): what it runs, whatever the CPU has."""
     info = L.llama_print_system_info()
     text = info.decode(errors="replace") if isinstance(info, bytes) else str(info)
-    on = {part.split("=")[0].split(":")[-1].strip() for part in text.replace("\n", "|").split("|")
-          if part.split("=")[-1].strip() == "1"}
+    on = {
+        part.split("=")[0].split(":")[-1].strip()
+        for part in text.replace("\n", "|").split("|")
+        if part.split("=")[-1].strip() == "1"
+    }
     return " ".join(f for f in ISA_FEATURES if f in on) or "no SIMD features reported"
 
 

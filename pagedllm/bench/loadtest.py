@@ -9,6 +9,7 @@ the server is started here, in its own process, and stopped at the end.
 output throughput against concurrency and the TTFT and inter-token latency
 distributions of each level (matplotlib, the `plot` extra).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,50 +42,83 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=None)
     p.add_argument("--model", default=None, help="model name to request (default: the server's first)")
     p.add_argument("--duration", type=float, default=60.0, help="seconds of load")
-    p.add_argument("--concurrency", type=_levels, default=[16], metavar="N[,N...]",
-                   help="streaming clients at once; a comma list runs one load per level, in turn")
+    p.add_argument(
+        "--concurrency",
+        type=_levels,
+        default=[16],
+        metavar="N[,N...]",
+        help="streaming clients at once; a comma list runs one load per level, in turn",
+    )
     p.add_argument("--min-tokens", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--temperature", type=float, default=0.7)
     p.add_argument("--timeout", type=float, default=300.0, help="per-request timeout (s)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--spawn", action="store_true",
-                   help="start `pagedllm serve` here (flags after --server-args) and stop it after")
-    p.add_argument("--server-args", nargs=argparse.REMAINDER, default=[],
-                   help="with --spawn: arguments for `pagedllm serve` (must come last)")
+    p.add_argument(
+        "--spawn", action="store_true", help="start `pagedllm serve` here (flags after --server-args) and stop it after"
+    )
+    p.add_argument(
+        "--server-args",
+        nargs=argparse.REMAINDER,
+        default=[],
+        help="with --spawn: arguments for `pagedllm serve` (must come last)",
+    )
     p.add_argument("--output", default=None, help="also write the report as JSON here")
-    p.add_argument("--plot", default=None, metavar="PATH",
-                   help="draw output tok/s against concurrency and the TTFT and inter-token latency "
-                        "distributions as a PNG (matplotlib: pip install 'pagedllm[plot]')")
-    p.add_argument("--response-format", default=None, type=_json_arg,
-                   help="an OpenAI response_format for every request (JSON text, or @FILE): "
-                        "measures structured output against the same load without it")
-    p.add_argument("--ignore-eos", action="store_true",
-                   help="every answer runs to its max_tokens (equal lengths for comparisons)")
+    p.add_argument(
+        "--plot",
+        default=None,
+        metavar="PATH",
+        help="draw output tok/s against concurrency and the TTFT and inter-token latency "
+        "distributions as a PNG (matplotlib: pip install 'pagedllm[plot]')",
+    )
+    p.add_argument(
+        "--response-format",
+        default=None,
+        type=_json_arg,
+        help="an OpenAI response_format for every request (JSON text, or @FILE): "
+        "measures structured output against the same load without it",
+    )
+    p.add_argument(
+        "--ignore-eos", action="store_true", help="every answer runs to its max_tokens (equal lengths for comparisons)"
+    )
     g = p.add_argument_group("--against-throughput: the server against the offline engine on one workload")
-    g.add_argument("--against-throughput", action="store_true",
-                   help="run a fixed workload through the offline engine (as `bench throughput`) and "
-                        "through a spawned `pagedllm serve` (both built from --server-args), interleaved, "
-                        "and report both and their ratio (pagedllm/bench/serve_offline.py)")
+    g.add_argument(
+        "--against-throughput",
+        action="store_true",
+        help="run a fixed workload through the offline engine (as `bench throughput`) and "
+        "through a spawned `pagedllm serve` (both built from --server-args), interleaved, "
+        "and report both and their ratio (pagedllm/bench/serve_offline.py)",
+    )
     g.add_argument("--num-requests", type=int, default=64)
     g.add_argument("--min-prompt", type=int, default=128, help="prompt tokens, at least")
     g.add_argument("--max-prompt", type=int, default=256)
     g.add_argument("--min-output", type=int, default=64, help="output tokens (EOS ignored), at least")
     g.add_argument("--max-output", type=int, default=128)
-    g.add_argument("--request-rates", default="inf,4", metavar="RATES",
-                   help="comma-separated arrival rates: inf (all at once) or requests a second (Poisson)")
+    g.add_argument(
+        "--request-rates",
+        default="inf,4",
+        metavar="RATES",
+        help="comma-separated arrival rates: inf (all at once) or requests a second (Poisson)",
+    )
     g.add_argument("--runs", type=int, default=3, help="repeat and report medians")
-    g.add_argument("--threads", type=int, default=None, metavar="N",
-                   help="torch threads of each side (OMP_NUM_THREADS for the server); default: torch's "
-                        "(one per core). On a machine busy with other work, 1 keeps a step from waiting on its "
-                        "own descheduled threads")
+    g.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        metavar="N",
+        help="torch threads of each side (OMP_NUM_THREADS for the server); default: torch's "
+        "(one per core). On a machine busy with other work, 1 keeps a step from waiting on its "
+        "own descheduled threads",
+    )
 
 
 def _levels(text: str) -> list[int]:
     try:
         levels = [int(x) for x in text.split(",")]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: give a number of clients, or a comma list such as 1,4,16") from None
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give a number of clients, or a comma list such as 1,4,16"
+        ) from None
     if any(n < 1 for n in levels):
         raise argparse.ArgumentTypeError(f"{text!r}: every level needs at least one client")
     return levels
@@ -185,13 +219,19 @@ async def _one(client: Any, url: str, body: dict, timeout: float) -> Result:
     return Result(True, ttft, time.perf_counter() - t0, tokens)
 
 
-async def _client(client: Any, args: argparse.Namespace, deadline: float, rng: random.Random,
-                  results: list[Result]) -> None:
+async def _client(
+    client: Any, args: argparse.Namespace, deadline: float, rng: random.Random, results: list[Result]
+) -> None:
     while time.perf_counter() < deadline:
-        body = {"model": args.model, "stream": True, "stream_options": {"include_usage": True},
-                "messages": [{"role": "user", "content": rng.choice(PROMPTS)}],
-                "max_tokens": rng.randint(args.min_tokens, args.max_tokens),
-                "temperature": args.temperature, "ignore_eos": args.ignore_eos}
+        body = {
+            "model": args.model,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "messages": [{"role": "user", "content": rng.choice(PROMPTS)}],
+            "max_tokens": rng.randint(args.min_tokens, args.max_tokens),
+            "temperature": args.temperature,
+            "ignore_eos": args.ignore_eos,
+        }
         if args.response_format is not None:
             body["response_format"] = args.response_format
         results.append(await _one(client, args.url, body, args.timeout))
@@ -210,8 +250,9 @@ async def _run(args: argparse.Namespace, concurrency: int) -> Report:
         results: list[Result] = []
         t0 = time.perf_counter()
         deadline = t0 + args.duration
-        await asyncio.gather(*[_client(client, args, deadline, random.Random(args.seed + i), results)
-                               for i in range(concurrency)])
+        await asyncio.gather(
+            *[_client(client, args, deadline, random.Random(args.seed + i), results) for i in range(concurrency)]
+        )
         elapsed = time.perf_counter() - t0
         await asyncio.sleep(0.5)  # let the engine thread publish its idle state
         after = await _metrics(client, args.url)
@@ -219,18 +260,24 @@ async def _run(args: argparse.Namespace, concurrency: int) -> Report:
     ttfts = [r.ttft for r in ok if r.ttft is not None]
     rss = "process_resident_memory_bytes"
     return Report(
-        duration_s=elapsed, concurrency=concurrency, requests=len(ok),
-        errors=len(results) - len(ok), requests_per_s=len(ok) / elapsed,
-        ttft_p50_s=percentile(ttfts, 50, None), ttft_p99_s=percentile(ttfts, 99, None),
+        duration_s=elapsed,
+        concurrency=concurrency,
+        requests=len(ok),
+        errors=len(results) - len(ok),
+        requests_per_s=len(ok) / elapsed,
+        ttft_p50_s=percentile(ttfts, 50, None),
+        ttft_p99_s=percentile(ttfts, 99, None),
         latency_p50_s=percentile([r.latency for r in ok], 50, None),
         latency_p99_s=percentile([r.latency for r in ok], 99, None),
-        output_tokens=sum(r.tokens for r in ok), output_tokens_per_s=sum(r.tokens for r in ok) / elapsed,
+        output_tokens=sum(r.tokens for r in ok),
+        output_tokens_per_s=sum(r.tokens for r in ok) / elapsed,
         server_rss_start_mb=before[rss] / 2**20 if rss in before else None,
         server_rss_end_mb=after[rss] / 2**20 if rss in after else None,
         kv_blocks_used_after=after.get("pagedllm_kv_blocks_used"),
         error_samples=sorted({r.error for r in results if r.error})[:5],
         ttft_samples_s=ttfts,
-        itl_samples_s=[(r.latency - r.ttft) / (r.tokens - 1) for r in ok if r.ttft is not None and r.tokens > 1])
+        itl_samples_s=[(r.latency - r.ttft) / (r.tokens - 1) for r in ok if r.ttft is not None and r.tokens > 1],
+    )
 
 
 def format_report(r: Report) -> str:
@@ -308,8 +355,13 @@ def plot(reports: list[Report], path: str, title: str = "") -> None:
         for ax, xs, scale in ((ax_ttft, r.ttft_samples_s, 1.0), (ax_itl, r.itl_samples_s, 1e3)):
             xs = sorted(x * scale for x in xs)
             if xs:
-                ax.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], drawstyle="steps-post", marker=".",
-                        label=f"{r.concurrency} client{'s' if r.concurrency > 1 else ''}")
+                ax.plot(
+                    xs,
+                    [(i + 1) / len(xs) for i in range(len(xs))],
+                    drawstyle="steps-post",
+                    marker=".",
+                    label=f"{r.concurrency} client{'s' if r.concurrency > 1 else ''}",
+                )
     ax_ttft.set_xlabel("time to first token (s)")
     ax_itl.set_xlabel("inter-token latency, mean per request (ms)")
     for ax, name in ((ax_ttft, "TTFT"), (ax_itl, "inter-token latency")):

@@ -5,6 +5,7 @@ shape; one engine (enable_lora, max_loras = the adapter count) then runs, interl
 32 concurrent requests on the base and 32 spread over the adapters (twice each, in the order
 base, adapters, adapters, base), and one request alone on the base and on one adapter (in
 eight short alternating requests each). Medians of --runs."""
+
 from __future__ import annotations
 
 import argparse
@@ -15,8 +16,15 @@ from pathlib import Path
 
 from .common import machine_info, median_of_runs, write_json
 
-TARGETS = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
-           "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+TARGETS = {
+    "q_proj": "self_attn",
+    "k_proj": "self_attn",
+    "v_proj": "self_attn",
+    "o_proj": "self_attn",
+    "gate_proj": "mlp",
+    "up_proj": "mlp",
+    "down_proj": "mlp",
+}
 
 
 def write_adapter(folder: Path, cfg, rank: int, seed: int) -> Path:
@@ -26,20 +34,29 @@ def write_adapter(folder: Path, cfg, rank: int, seed: int) -> Path:
     from safetensors.torch import save_file
 
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    dims = {"q_proj": (cfg.hidden_size, q), "k_proj": (cfg.hidden_size, kv), "v_proj": (cfg.hidden_size, kv),
-            "o_proj": (q, cfg.hidden_size), "gate_proj": (cfg.hidden_size, cfg.intermediate_size),
-            "up_proj": (cfg.hidden_size, cfg.intermediate_size), "down_proj": (cfg.intermediate_size, cfg.hidden_size)}
+    dims = {
+        "q_proj": (cfg.hidden_size, q),
+        "k_proj": (cfg.hidden_size, kv),
+        "v_proj": (cfg.hidden_size, kv),
+        "o_proj": (q, cfg.hidden_size),
+        "gate_proj": (cfg.hidden_size, cfg.intermediate_size),
+        "up_proj": (cfg.hidden_size, cfg.intermediate_size),
+        "down_proj": (cfg.intermediate_size, cfg.hidden_size),
+    }
     g = torch.Generator().manual_seed(seed)
     tensors = {}
     for layer in range(cfg.num_layers):
         for name, (fin, fout) in dims.items():
             key = f"base_model.model.model.layers.{layer}.{TARGETS[name]}.{name}"
-            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, fin, generator=g) / fin ** 0.5
+            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, fin, generator=g) / fin**0.5
             tensors[f"{key}.lora_B.weight"] = torch.randn(fout, rank, generator=g) * 0.01
     folder.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(folder / "adapter_model.safetensors"))
-    (folder / "adapter_config.json").write_text(json.dumps(
-        {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(dims), "bias": "none"}))
+    (folder / "adapter_config.json").write_text(
+        json.dumps(
+            {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(dims), "bias": "none"}
+        )
+    )
     return folder
 
 
@@ -77,7 +94,7 @@ def _alone_pair(llm, prompt, lora, tokens: int, segments: int = 8) -> tuple[floa
     per = max(2, tokens // segments)
     times = {False: 0.0, True: 0.0}
     for i in range(segments):
-        for with_lora in ((False, True) if i % 2 == 0 else (True, False)):
+        for with_lora in (False, True) if i % 2 == 0 else (True, False):
             times[with_lora] += (per - 1) / _alone(llm, prompt, lora if with_lora else None, per)
     return segments * (per - 1) / times[False], segments * (per - 1) / times[True]
 
@@ -99,12 +116,22 @@ def run(args: argparse.Namespace) -> dict:
 
     from .. import LLM, LoRARequest
 
-    llm = LLM(args.model, dtype=args.dtype, kv_cache_memory_mb=args.pa_gpu_mem, enable_lora=True,
-              max_loras=args.adapters, max_lora_rank=args.rank, enable_prefix_caching=False)
+    llm = LLM(
+        args.model,
+        dtype=args.dtype,
+        kv_cache_memory_mb=args.pa_gpu_mem,
+        enable_lora=True,
+        max_loras=args.adapters,
+        max_lora_rank=args.rank,
+        enable_prefix_caching=False,
+    )
     with tempfile.TemporaryDirectory() as tmp:
-        reqs = [LoRARequest(f"bench{i}", i + 1, str(write_adapter(Path(tmp) / f"a{i}", llm.engine.model_config,
-                                                                  args.rank, i)))
-                for i in range(args.adapters)]
+        reqs = [
+            LoRARequest(
+                f"bench{i}", i + 1, str(write_adapter(Path(tmp) / f"a{i}", llm.engine.model_config, args.rank, i))
+            )
+            for i in range(args.adapters)
+        ]
         prompts = _prompts(llm, args.concurrent, 0)
         spread = [reqs[i % len(reqs)] for i in range(len(prompts))]
         _batch(llm, prompts[:4], spread[:4], 4)  # warm-up: adapters into their slots, kernels touched
@@ -115,18 +142,28 @@ def run(args: argparse.Namespace) -> dict:
                 batch[with_lora] += 0.5 / _batch(llm, prompts, spread if with_lora else None, args.tokens)
             batch = {k: 1.0 / v for k, v in batch.items()}
             base_alone, lora_alone = _alone_pair(llm, prompts[0], reqs[0], args.tokens * 2)
-            runs.append({"base_batch_tok_s": batch[False], "lora_batch_tok_s": batch[True],
-                         "base_alone_decode_tok_s": base_alone, "lora_alone_decode_tok_s": lora_alone})
+            runs.append(
+                {
+                    "base_batch_tok_s": batch[False],
+                    "lora_batch_tok_s": batch[True],
+                    "base_alone_decode_tok_s": base_alone,
+                    "lora_alone_decode_tok_s": lora_alone,
+                }
+            )
     r = median_of_runs(runs)
     r["batch_ratio"] = r["lora_batch_tok_s"] / r["base_batch_tok_s"]
     r["alone_ratio"] = r["lora_alone_decode_tok_s"] / r["base_alone_decode_tok_s"]
     from .startup import cpu_flags
 
-    print(f"CPU flags: {cpu_flags()}; {torch.get_num_threads()} threads; dtype {str(llm.engine.dtype).removeprefix('torch.')}")
-    print(f"{args.concurrent} concurrent over {args.adapters} rank-{args.rank} adapters: "
-          f"{r['lora_batch_tok_s']:.1f} tok/s vs base {r['base_batch_tok_s']:.1f} ({r['batch_ratio']:.2f}x); "
-          f"batch 1 decode with one adapter: {r['lora_alone_decode_tok_s']:.1f} tok/s vs base "
-          f"{r['base_alone_decode_tok_s']:.1f} ({r['alone_ratio']:.2f}x); medians of {args.runs}")
+    print(
+        f"CPU flags: {cpu_flags()}; {torch.get_num_threads()} threads; dtype {str(llm.engine.dtype).removeprefix('torch.')}"
+    )
+    print(
+        f"{args.concurrent} concurrent over {args.adapters} rank-{args.rank} adapters: "
+        f"{r['lora_batch_tok_s']:.1f} tok/s vs base {r['base_batch_tok_s']:.1f} ({r['batch_ratio']:.2f}x); "
+        f"batch 1 decode with one adapter: {r['lora_alone_decode_tok_s']:.1f} tok/s vs base "
+        f"{r['base_alone_decode_tok_s']:.1f} ({r['alone_ratio']:.2f}x); medians of {args.runs}"
+    )
     result = {"machine": machine_info(), "args": vars(args), "runs": runs, **r}
     path = write_json(args.output, result)
     print(f"results written to {path}")

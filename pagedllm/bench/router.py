@@ -11,6 +11,7 @@ over) and for one replica alone on the same conversations (the hit rate routing 
 each replica's prefix-cache hit rate (cached / prompt tokens, from its own /metrics), last-turn
 TTFT p50/p99, output tok/s. Medians of --repeats; the runs alternate policies. --json keeps every
 request (turn, send time, requests in flight then, TTFT, prompt and cached tokens)."""
+
 from __future__ import annotations
 
 import argparse
@@ -28,9 +29,11 @@ from .common import median_of_runs, percentile, pyplot, save_figure, write_json
 # Mean pause before a turn: long enough that round robin, which recomputes most of each history,
 # does not saturate two one-core replicas, so TTFT measures prefill and cache rather than a queue.
 THINK_TIME_S = 20.0
-WORDS = ("page block cache token prefix router replica engine memory kernel tensor batch decode prefill "
-         "stream latency queue worker policy gateway request answer history turn model layer head value "
-         "key query rotary norm weight vector scale shard thread core socket buffer graph step").split()
+WORDS = (
+    "page block cache token prefix router replica engine memory kernel tensor batch decode prefill "
+    "stream latency queue worker policy gateway request answer history turn model layer head value "
+    "key query rotary norm weight vector scale shard thread core socket buffer graph step"
+).split()
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -39,14 +42,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--turns", type=int, default=6)
     p.add_argument("--last-turn-tokens", type=int, default=1500, help="history at the last turn (about)")
     p.add_argument("--max-tokens", type=int, default=16, help="answer length per turn")
-    p.add_argument("--think-time", type=_seconds, default=THINK_TIME_S, metavar="S",
-                   help="mean pause (s, exponential) before each turn of a conversation; 0: closed loop, "
-                        "every turn sent as soon as the last answer ends")
+    p.add_argument(
+        "--think-time",
+        type=_seconds,
+        default=THINK_TIME_S,
+        metavar="S",
+        help="mean pause (s, exponential) before each turn of a conversation; 0: closed loop, "
+        "every turn sent as soon as the last answer ends",
+    )
     p.add_argument("--seed", type=int, default=0, help="seeds the conversations' words and pauses")
     p.add_argument("--repeats", type=int, default=3, help="runs per policy; medians are reported")
     p.add_argument("--policies", nargs="+", default=["cache_aware", "round_robin"], choices=rp.POLICIES)
-    p.add_argument("--serve-args", nargs=argparse.REMAINDER, default=[],
-                   help="more `pagedllm serve` flags for each replica (last on the line)")
+    p.add_argument(
+        "--serve-args",
+        nargs=argparse.REMAINDER,
+        default=[],
+        help="more `pagedllm serve` flags for each replica (last on the line)",
+    )
     p.add_argument("--json", default=None, metavar="PATH", help="write the results here")
     p.add_argument("--plot", default=None, metavar="PATH", help="draw TTFT against turn per policy (matplotlib)")
 
@@ -75,13 +87,22 @@ def conversations(n: int, turns: int, last_tokens: int, seed: int = 0) -> list[l
     history reaches about last_tokens at the last turn."""
     rng = random.Random(seed)
     per_turn = max(8, last_tokens // turns - 20)
-    return [[f"Conversation {c}, turn {t}: " + " ".join(rng.choice(WORDS) for _ in range(per_turn))
-             for t in range(turns)] for c in range(n)]
+    return [
+        [f"Conversation {c}, turn {t}: " + " ".join(rng.choice(WORDS) for _ in range(per_turn)) for t in range(turns)]
+        for c in range(n)
+    ]
 
 
 async def _turn(client: Any, url: str, model: str, messages: list[dict], max_tokens: int) -> dict:
-    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}, "ignore_eos": True}
+    body = {
+        "model": model,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": True,
+    }
     start, ttft, text, usage = time.perf_counter(), None, [], {}
     async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
         r.raise_for_status()
@@ -95,9 +116,13 @@ async def _turn(client: Any, url: str, model: str, messages: list[dict], max_tok
                     ttft = ttft if ttft is not None else time.perf_counter() - start
                     text.append(piece)
             usage = ev.get("usage") or usage
-    return {"ttft": ttft, "text": "".join(text), "tokens": usage.get("completion_tokens", 0),
-            "prompt_tokens": usage.get("prompt_tokens", 0),
-            "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)}
+    return {
+        "ttft": ttft,
+        "text": "".join(text),
+        "tokens": usage.get("completion_tokens", 0),
+        "prompt_tokens": usage.get("prompt_tokens", 0),
+        "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0),
+    }
 
 
 class _Run:
@@ -109,8 +134,9 @@ class _Run:
         self.records: list[dict] = []
 
 
-async def _conversation(client: Any, url: str, model: str, c: int, users: list[str], waits: list[float],
-                        max_tokens: int, run: _Run) -> None:
+async def _conversation(
+    client: Any, url: str, model: str, c: int, users: list[str], waits: list[float], max_tokens: int, run: _Run
+) -> None:
     messages: list[dict] = []
     for t, (user, wait) in enumerate(zip(users, waits)):
         if wait:
@@ -123,10 +149,18 @@ async def _conversation(client: Any, url: str, model: str, c: int, users: list[s
         finally:
             run.in_flight -= 1
         messages.append({"role": "assistant", "content": out["text"]})
-        run.records.append({"conversation": c, "turn": t, "sent_s": sent, "in_flight": in_flight,
-                            "ttft": out["ttft"] if out["ttft"] is not None else float("nan"),
-                            "tokens": out["tokens"], "prompt_tokens": out["prompt_tokens"],
-                            "cached_tokens": out["cached_tokens"]})
+        run.records.append(
+            {
+                "conversation": c,
+                "turn": t,
+                "sent_s": sent,
+                "in_flight": in_flight,
+                "ttft": out["ttft"] if out["ttft"] is not None else float("nan"),
+                "tokens": out["tokens"],
+                "prompt_tokens": out["prompt_tokens"],
+                "cached_tokens": out["cached_tokens"],
+            }
+        )
 
 
 async def _drive(url: str, model: str, convs: list[list[str]], waits: list[list[float]], max_tokens: int) -> dict:
@@ -135,8 +169,9 @@ async def _drive(url: str, model: str, convs: list[list[str]], waits: list[list[
     run = _Run()
     async with httpx.AsyncClient(timeout=600) as client:
         run.start = time.perf_counter()
-        await asyncio.gather(*(_conversation(client, url, model, c, users, waits[c], max_tokens, run)
-                               for c, users in enumerate(convs)))
+        await asyncio.gather(
+            *(_conversation(client, url, model, c, users, waits[c], max_tokens, run) for c, users in enumerate(convs))
+        )
         wall = time.perf_counter() - run.start
     return summarize(run.records, len(convs[0]), wall)
 
@@ -147,13 +182,18 @@ def summarize(records: list[dict], turns: int, wall: float) -> dict:
     cached (median), output tok/s over the run's wall time."""
     by_turn = [[r for r in records if r["turn"] == t] for t in range(turns)]
     last = by_turn[-1]
-    return {"ttft_by_turn": [percentile([r["ttft"] for r in rs], 50) for rs in by_turn],
-            "last_ttft_p50": percentile([r["ttft"] for r in last], 50),
-            "last_ttft_p99": percentile([r["ttft"] for r in last], 99),
-            "last_in_flight_p50": percentile([r["in_flight"] for r in last], 50),
-            "last_cached_share_p50": percentile([r["cached_tokens"] / r["prompt_tokens"] if r["prompt_tokens"]
-                                                 else 0.0 for r in last], 50),
-            "output_tok_s": sum(r["tokens"] for r in records) / wall, "wall_s": wall, "requests": records}
+    return {
+        "ttft_by_turn": [percentile([r["ttft"] for r in rs], 50) for rs in by_turn],
+        "last_ttft_p50": percentile([r["ttft"] for r in last], 50),
+        "last_ttft_p99": percentile([r["ttft"] for r in last], 99),
+        "last_in_flight_p50": percentile([r["in_flight"] for r in last], 50),
+        "last_cached_share_p50": percentile(
+            [r["cached_tokens"] / r["prompt_tokens"] if r["prompt_tokens"] else 0.0 for r in last], 50
+        ),
+        "output_tok_s": sum(r["tokens"] for r in records) / wall,
+        "wall_s": wall,
+        "requests": records,
+    }
 
 
 def _hit_rate(url: str) -> dict:
@@ -169,8 +209,9 @@ def _hit_rate(url: str) -> dict:
     return {"prompt_tokens": prompt, "cached_tokens": cached, "hit_rate": cached / prompt if prompt else 0.0}
 
 
-def _one(args: argparse.Namespace, policy: str | None, convs: list[list[str]], waits: list[list[float]],
-         log_dir: Path) -> dict:
+def _one(
+    args: argparse.Namespace, policy: str | None, convs: list[list[str]], waits: list[list[float]], log_dir: Path
+) -> dict:
     """One run: fresh replicas (two behind the gateway with `policy`, or one alone for None)."""
     log_dir.mkdir(parents=True, exist_ok=True)
     n = 1 if policy is None else 2
@@ -209,10 +250,12 @@ def _model_name(url: str) -> str:
 
 def _median(runs: list[dict]) -> dict:
     flat = median_of_runs([{k: v for k, v in r.items() if isinstance(v, (int, float))} for r in runs])
-    flat["ttft_by_turn"] = [percentile([r["ttft_by_turn"][t] for r in runs], 50)
-                            for t in range(len(runs[0]["ttft_by_turn"]))]
-    flat["replica_hit_rates"] = [percentile([r["replicas"][i]["hit_rate"] for r in runs], 50)
-                                 for i in range(len(runs[0]["replicas"]))]
+    flat["ttft_by_turn"] = [
+        percentile([r["ttft_by_turn"][t] for r in runs], 50) for t in range(len(runs[0]["ttft_by_turn"]))
+    ]
+    flat["replica_hit_rates"] = [
+        percentile([r["replicas"][i]["hit_rate"] for r in runs], 50) for i in range(len(runs[0]["replicas"]))
+    ]
     return flat
 
 
@@ -231,29 +274,48 @@ def run(args: argparse.Namespace) -> int:
         for name in names:
             r = _one(args, None if name == "single" else name, convs, waits, log_dir / f"{name}-{rep}")
             runs[name].append(r)
-            print(f"  run {rep + 1}/{args.repeats} {name:12s} hit rate {r['hit_rate']:.1%}, last-turn TTFT p50 "
-                  f"{r['last_ttft_p50'] * 1e3:.0f} ms p99 {r['last_ttft_p99'] * 1e3:.0f} ms, "
-                  f"{r['output_tok_s']:.1f} output tok/s, last turns sent with "
-                  f"{r['last_in_flight_p50']:.0f} requests in flight (median)", flush=True)
+            print(
+                f"  run {rep + 1}/{args.repeats} {name:12s} hit rate {r['hit_rate']:.1%}, last-turn TTFT p50 "
+                f"{r['last_ttft_p50'] * 1e3:.0f} ms p99 {r['last_ttft_p99'] * 1e3:.0f} ms, "
+                f"{r['output_tok_s']:.1f} output tok/s, last turns sent with "
+                f"{r['last_in_flight_p50']:.0f} requests in flight (median)",
+                flush=True,
+            )
     results: dict[str, Any] = {}
     for name in names:
         results[name] = r = _median(runs[name])
         r["runs"] = runs[name]
-        print(f"{name:12s} hit rate {r['hit_rate']:.1%} (per replica "
-              f"{', '.join(f'{h:.1%}' for h in r['replica_hit_rates'])}), last-turn TTFT p50 "
-              f"{r['last_ttft_p50'] * 1e3:.0f} ms p99 {r['last_ttft_p99'] * 1e3:.0f} ms, "
-              f"{r['output_tok_s']:.1f} output tok/s (median of {len(runs[name])})", flush=True)
+        print(
+            f"{name:12s} hit rate {r['hit_rate']:.1%} (per replica "
+            f"{', '.join(f'{h:.1%}' for h in r['replica_hit_rates'])}), last-turn TTFT p50 "
+            f"{r['last_ttft_p50'] * 1e3:.0f} ms p99 {r['last_ttft_p99'] * 1e3:.0f} ms, "
+            f"{r['output_tok_s']:.1f} output tok/s (median of {len(runs[name])})",
+            flush=True,
+        )
     if "cache_aware" in results and "round_robin" in results:
         ca, rr, one = results["cache_aware"], results["round_robin"], results["single"]
-        results["verdict"] = {"hit_rate_vs_single": ca["hit_rate"] / one["hit_rate"] if one["hit_rate"] else None,
-                              "last_ttft_p50_vs_round_robin": ca["last_ttft_p50"] / rr["last_ttft_p50"]}
+        results["verdict"] = {
+            "hit_rate_vs_single": ca["hit_rate"] / one["hit_rate"] if one["hit_rate"] else None,
+            "last_ttft_p50_vs_round_robin": ca["last_ttft_p50"] / rr["last_ttft_p50"],
+        }
         v = results["verdict"]
-        print(f"cache_aware: {v['hit_rate_vs_single']:.0%} of one replica's hit rate (bar >= 90%); last-turn "
-              f"TTFT p50 {v['last_ttft_p50_vs_round_robin']:.2f}x round robin's (bar <= 0.5x)", flush=True)
-    results["setup"] = {"model": args.model, "conversations": args.conversations, "turns": args.turns,
-                        "last_turn_tokens": args.last_turn_tokens, "max_tokens": args.max_tokens,
-                        "think_time_s": args.think_time, "seed": args.seed,
-                        "repeats": args.repeats, "replica_cores": 1, "logs": str(log_dir)}
+        print(
+            f"cache_aware: {v['hit_rate_vs_single']:.0%} of one replica's hit rate (bar >= 90%); last-turn "
+            f"TTFT p50 {v['last_ttft_p50_vs_round_robin']:.2f}x round robin's (bar <= 0.5x)",
+            flush=True,
+        )
+    results["setup"] = {
+        "model": args.model,
+        "conversations": args.conversations,
+        "turns": args.turns,
+        "last_turn_tokens": args.last_turn_tokens,
+        "max_tokens": args.max_tokens,
+        "think_time_s": args.think_time,
+        "seed": args.seed,
+        "repeats": args.repeats,
+        "replica_cores": 1,
+        "logs": str(log_dir),
+    }
     if args.json:
         write_json(args.json, results)
     if args.plot:

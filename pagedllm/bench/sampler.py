@@ -7,6 +7,7 @@ permutation of the vocabulary, exponent per row in [1.0, 2.2], so top-p nuclei r
 one token to hundreds (the nucleus sizes are printed). Each row carries a 256-token prompt
 and grows by one token per step, as in decoding, so penalties pay their incremental upkeep.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,8 +23,7 @@ CASES: dict[str, dict] = {
     "top_p": dict(temperature=0.7, top_p=0.95),
     "min_p": dict(temperature=0.7, min_p=0.05),
     "penalties": dict(temperature=0.7, top_p=0.95, repetition_penalty=1.1, presence_penalty=0.5),
-    "penalties_greedy": dict(temperature=0.0, repetition_penalty=1.1, presence_penalty=0.5,
-                             frequency_penalty=0.2),
+    "penalties_greedy": dict(temperature=0.0, repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=0.2),
 }
 
 
@@ -41,8 +41,7 @@ def nucleus_sizes(logits: torch.Tensor, temperature: float, top_p: float) -> lis
     return ((p.cumsum(-1) - p) <= top_p).sum(-1).tolist()
 
 
-def time_case(params, logits: list[torch.Tensor], steps: int, prompt_len: int = 256
-              ) -> tuple[list[float], list[float]]:
+def time_case(params, logits: list[torch.Tensor], steps: int, prompt_len: int = 256) -> tuple[list[float], list[float]]:
     """Wall and process CPU seconds per sampling step over `steps` decode steps of one batch
     (CPU time stays meaningful when the machine is shared); each step takes the
     logits of the list in turn (a model's next distribution differs from the last one, so the
@@ -56,9 +55,14 @@ def time_case(params, logits: list[torch.Tensor], steps: int, prompt_len: int = 
     sampler = Sampler(logits[0].device, seed=0)
     times, cpu = [], []
     for step in range(steps + 2):  # two warm-up steps
-        meta = SamplingMetadata(params=[params] * b, seq_ids=list(range(b)), token_ids=tokens,
-                                num_prompt_tokens=[prompt_len] * b, seeds=[None] * b,
-                                output_pos=[step] * b)
+        meta = SamplingMetadata(
+            params=[params] * b,
+            seq_ids=list(range(b)),
+            token_ids=tokens,
+            num_prompt_tokens=[prompt_len] * b,
+            seeds=[None] * b,
+            output_pos=[step] * b,
+        )
         x = logits[step % len(logits)].clone()  # the model hands the sampler fresh logits every step
         t0, c0 = time.perf_counter(), time.process_time()
         out = sampler(x, meta)
@@ -80,16 +84,20 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--cases", default=",".join(CASES))
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    print(f"batch {args.batch}, {args.threads} threads, ms per sampling step over {args.steps} steps: "
-          "median wall (min wall, median process CPU time)")
+    print(
+        f"batch {args.batch}, {args.threads} threads, ms per sampling step over {args.steps} steps: "
+        "median wall (min wall, median process CPU time)"
+    )
     for v in args.vocab:
         logits = [lm_like_logits(args.batch, v, seed) for seed in range(4)]
         n = sorted(nucleus_sizes(logits[0], 0.7, 0.95))
         print(f"vocab {v}: top-p 0.95 nucleus at T=0.7 median {n[len(n) // 2]}, max {n[-1]} tokens")
         for name in args.cases.split(","):
             ts, cpu = time_case(SamplingParams(**CASES[name]), logits, args.steps)
-            print(f"  {name:<17} {1000 * statistics.median(ts):8.2f} ms  (min {1000 * min(ts):.2f}, "
-                  f"cpu {1000 * statistics.median(cpu):.2f})")
+            print(
+                f"  {name:<17} {1000 * statistics.median(ts):8.2f} ms  (min {1000 * min(ts):.2f}, "
+                f"cpu {1000 * statistics.median(cpu):.2f})"
+            )
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ seed + i on both sides (a fresh workload, so the prefix cache does not answer ru
 run 1); the sides alternate which goes first, and the load average is reported per run.
 `--plot PATH` draws both sides' output tok/s, TTFT and inter-token latency per request rate.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -51,6 +52,7 @@ class Req:
 @dataclass
 class Trace:
     """What one request's client saw: when text arrived, and how many tokens it got."""
+
     arrival: float
     times: list[float] = field(default_factory=list)  # seconds after the start, one per text piece
     tokens: int = 0
@@ -79,8 +81,9 @@ def rate_name(rate: float) -> str:
 def make_requests(args: argparse.Namespace, vocab: int, avoid: set[int], seed: int, rate: float) -> list[Req]:
     from .throughput import make_workload
 
-    wl = make_workload(args.num_requests, vocab, seed, (args.min_prompt, args.max_prompt),
-                       (args.min_output, args.max_output), avoid)
+    wl = make_workload(
+        args.num_requests, vocab, seed, (args.min_prompt, args.max_prompt), (args.min_output, args.max_output), avoid
+    )
     rng, t, arrivals = random.Random(seed + 2), 0.0, []
     for _ in wl.prompts:
         arrivals.append(0.0 if math.isinf(rate) else t)
@@ -96,10 +99,17 @@ def summarize(traces: list[Trace]) -> dict:
     ttft = [t.times[0] - t.arrival for t in ok]
     itl = [b - a for t in ok for a, b in zip(t.times, t.times[1:])]
     n_out = sum(t.tokens for t in ok)
-    return {"requests": len(ok), "errors": len(traces) - len(ok), "output_tokens": n_out,
-            "elapsed_s": elapsed, "output_tokens_per_s": n_out / elapsed,
-            "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
-            "itl_p50_ms": 1000 * percentile(itl, 50), "itl_p99_ms": 1000 * percentile(itl, 99)}
+    return {
+        "requests": len(ok),
+        "errors": len(traces) - len(ok),
+        "output_tokens": n_out,
+        "elapsed_s": elapsed,
+        "output_tokens_per_s": n_out / elapsed,
+        "ttft_p50_s": percentile(ttft, 50),
+        "ttft_p99_s": percentile(ttft, 99),
+        "itl_p50_ms": 1000 * percentile(itl, 50),
+        "itl_p99_ms": 1000 * percentile(itl, 99),
+    }
 
 
 # -- the offline side: the engine driven in this process -------------------------------------------
@@ -114,8 +124,17 @@ def run_offline(llm: Any, reqs: list[Req], tag: str) -> list[Trace]:
     order = sorted(range(len(reqs)), key=lambda i: reqs[i].arrival)
     traces = [Trace(r.arrival) for r in reqs]
     index = {f"{tag}-{i}": i for i in order}
-    arrivals = [(reqs[i].arrival, Item(f"{tag}-{i}", reqs[i].prompt, SamplingParams(
-        max_tokens=reqs[i].max_tokens, temperature=0.0, ignore_eos=True))) for i in order]
+    arrivals = [
+        (
+            reqs[i].arrival,
+            Item(
+                f"{tag}-{i}",
+                reqs[i].prompt,
+                SamplingParams(max_tokens=reqs[i].max_tokens, temperature=0.0, ignore_eos=True),
+            ),
+        )
+        for i in order
+    ]
     for now, outs in llm.driver.paced(arrivals):
         for out in outs:
             i = index.get(out.request_id)
@@ -139,8 +158,15 @@ async def _client(client: Any, model: str, req: Req, t0: float, timeout: float) 
     await asyncio.sleep(max(0.0, t0 + req.arrival - time.perf_counter()))
     try:
         stream = await client.completions.create(
-            model=model, prompt=req.prompt, max_tokens=req.max_tokens, temperature=0.0, stream=True,
-            stream_options={"include_usage": True}, extra_body={"ignore_eos": True}, timeout=timeout)
+            model=model,
+            prompt=req.prompt,
+            max_tokens=req.max_tokens,
+            temperature=0.0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+            timeout=timeout,
+        )
         async for chunk in stream:
             if chunk.choices and chunk.choices[0].text:
                 tr.times.append(time.perf_counter() - t0)
@@ -156,8 +182,12 @@ async def _run_server(url: str, model: str, reqs: list[Req], timeout: float) -> 
     import openai
 
     limits = httpx.Limits(max_connections=len(reqs) + 4, max_keepalive_connections=len(reqs) + 4)
-    async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0,
-                                  http_client=httpx.AsyncClient(limits=limits, timeout=timeout)) as client:
+    async with openai.AsyncOpenAI(
+        base_url=f"{url}/v1",
+        api_key="unused",
+        max_retries=0,
+        http_client=httpx.AsyncClient(limits=limits, timeout=timeout),
+    ) as client:
         t0 = time.perf_counter()
         return list(await asyncio.gather(*[_client(client, model, r, t0, timeout) for r in reqs]))
 
@@ -173,8 +203,9 @@ def _spawn(url: str, server_args: list[str], threads: int | None) -> subprocess.
     u = urlparse(url)
     if u.hostname is None or u.port is None:
         raise ValueError(f"--url {url!r} must name a host and a port, e.g. http://127.0.0.1:8011")
-    extra = [a for flag, a in (("--host", u.hostname), ("--port", str(u.port))) if flag not in server_args
-             for a in (flag, a)]
+    extra = [
+        a for flag, a in (("--host", u.hostname), ("--port", str(u.port))) if flag not in server_args for a in (flag, a)
+    ]
     cmd = [sys.executable, "-m", "pagedllm.cli.main", "serve", *server_args, *extra]
     print("starting:", " ".join(cmd), file=sys.stderr, flush=True)
     env = dict(os.environ, OMP_NUM_THREADS=str(threads)) if threads else None
@@ -215,15 +246,20 @@ def torch_threads() -> int:
 
 
 def _print_row(name: str, r: dict, prefix: str = "  ", file: Any = None) -> None:
-    print(f"{prefix}{name:8s} {r['output_tokens_per_s']:8.1f} output tok/s  TTFT p50 {r['ttft_p50_s']:.3f} s "
-          f"p99 {r['ttft_p99_s']:.3f} s  ITL p50 {r['itl_p50_ms']:.1f} ms p99 {r['itl_p99_ms']:.1f} ms  "
-          f"({r['output_tokens']} tokens, {r['requests']} requests, {r['errors']} errors, "
-          f"{r['elapsed_s']:.1f} s{_cpu_text(r)})", file=file, flush=True)
+    print(
+        f"{prefix}{name:8s} {r['output_tokens_per_s']:8.1f} output tok/s  TTFT p50 {r['ttft_p50_s']:.3f} s "
+        f"p99 {r['ttft_p99_s']:.3f} s  ITL p50 {r['itl_p50_ms']:.1f} ms p99 {r['itl_p99_ms']:.1f} ms  "
+        f"({r['output_tokens']} tokens, {r['requests']} requests, {r['errors']} errors, "
+        f"{r['elapsed_s']:.1f} s{_cpu_text(r)})",
+        file=file,
+        flush=True,
+    )
 
 
 def _cpu_text(r: dict) -> str:
-    parts = [f"{name} {r[key]:.1f}" for name, key in (("engine", "engine_cpu_s"), ("clients", "client_cpu_s"))
-             if key in r]
+    parts = [
+        f"{name} {r[key]:.1f}" for name, key in (("engine", "engine_cpu_s"), ("clients", "client_cpu_s")) if key in r
+    ]
     return f"; CPU s: {', '.join(parts)}" if parts else ""
 
 
@@ -251,8 +287,10 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("--against-throughput runs from the CLI: pagedllm bench serve --against-throughput ...")
     llm = args.offline_llm(args.server_args)  # the engine `pagedllm serve` would build (cli/main.py)
     proc = _spawn(args.url, args.server_args, args.threads)
-    result: dict = {"machine": machine_info(), "args": {k: v for k, v in vars(args).items()
-                                                        if isinstance(v, (int, float, str, list, type(None)))}}
+    result: dict = {
+        "machine": machine_info(),
+        "args": {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, list, type(None)))},
+    }
     try:
         wait_ready(args.url, proc)
         import httpx
@@ -260,12 +298,19 @@ def run(args: argparse.Namespace) -> int:
         model = args.model or httpx.get(f"{args.url}/v1/models", timeout=30).json()["data"][0]["id"]
         eng = llm.engine
         vocab, avoid = eng.model_config.vocab_size, set(eng.eos_token_ids)
-        print(f"workload: {args.num_requests} requests, prompts {args.min_prompt}-{args.max_prompt} tokens, "
-              f"outputs {args.min_output}-{args.max_output} (EOS ignored, greedy), seed {args.seed} + run; "
-              f"rates {', '.join(map(rate_name, rates))}; {args.runs} run(s), {os.cpu_count()} CPUs, "
-              f"{torch_threads()} engine threads a side")
-        warm = make_requests(argparse.Namespace(num_requests=4, min_prompt=16, max_prompt=32, min_output=4,
-                                                max_output=8), vocab, avoid, 99, math.inf)
+        print(
+            f"workload: {args.num_requests} requests, prompts {args.min_prompt}-{args.max_prompt} tokens, "
+            f"outputs {args.min_output}-{args.max_output} (EOS ignored, greedy), seed {args.seed} + run; "
+            f"rates {', '.join(map(rate_name, rates))}; {args.runs} run(s), {os.cpu_count()} CPUs, "
+            f"{torch_threads()} engine threads a side"
+        )
+        warm = make_requests(
+            argparse.Namespace(num_requests=4, min_prompt=16, max_prompt=32, min_output=4, max_output=8),
+            vocab,
+            avoid,
+            99,
+            math.inf,
+        )
         run_offline(llm, warm, "warm")
         run_server(args.url, model, warm)
         runs: dict[str, dict[str, list[dict]]] = {rate_name(r): {s: [] for s in SIDES} for r in rates}
@@ -277,14 +322,21 @@ def run(args: argparse.Namespace) -> int:
                 sides = SIDES if k % 2 == 0 else SIDES[::-1]  # alternate who goes first
                 for side in sides:
                     here, server = cpu_seconds(), cpu_seconds(proc.pid)
-                    traces = (run_offline(llm, reqs, f"r{k}-{rate_name(rate)}") if side == "offline"
-                              else run_server(args.url, model, reqs))
+                    traces = (
+                        run_offline(llm, reqs, f"r{k}-{rate_name(rate)}")
+                        if side == "offline"
+                        else run_server(args.url, model, reqs)
+                    )
                     runs[rate_name(rate)][side].append(_with_cpu(summarize(traces), here, server, proc, side))
-                    _print_row(side, runs[rate_name(rate)][side][-1], f"run {k + 1} {rate_name(rate)} ",
-                               sys.stderr)  # as it comes: a loaded machine may not see the end
+                    _print_row(
+                        side, runs[rate_name(rate)][side][-1], f"run {k + 1} {rate_name(rate)} ", sys.stderr
+                    )  # as it comes: a loaded machine may not see the end
             loads.append((load0, os.getloadavg()[0]))
-            print(f"run {k + 1}/{args.runs} done (1-minute load average {loads[-1][0]:.2f} -> "
-                  f"{loads[-1][1]:.2f})", file=sys.stderr, flush=True)
+            print(
+                f"run {k + 1}/{args.runs} done (1-minute load average {loads[-1][0]:.2f} -> {loads[-1][1]:.2f})",
+                file=sys.stderr,
+                flush=True,
+            )
     finally:
         proc.terminate()
         try:
@@ -297,20 +349,21 @@ def run(args: argparse.Namespace) -> int:
     errors = 0
     for name, by_side in runs.items():
         med = {side: median_of_runs(rs) for side, rs in by_side.items()}
-        med["ratio_output_tokens_per_s"] = (med["server"]["output_tokens_per_s"]
-                                            / med["offline"]["output_tokens_per_s"])
-        med["same_tokens"] = all(a["output_tokens"] == b["output_tokens"]
-                                 for a, b in zip(by_side["offline"], by_side["server"]))
+        med["ratio_output_tokens_per_s"] = med["server"]["output_tokens_per_s"] / med["offline"]["output_tokens_per_s"]
+        med["same_tokens"] = all(
+            a["output_tokens"] == b["output_tokens"] for a, b in zip(by_side["offline"], by_side["server"])
+        )
         med["runs"] = by_side
         result["by_rate"][name] = med
         errors += sum(r["errors"] for rs in by_side.values() for r in rs)
         print(f"{name} (medians of {args.runs}):")
         for side in SIDES:
             _print_row(side, med[side])
-        print(f"  ratio server/offline output tok/s: {med['ratio_output_tokens_per_s']:.2f}x"
-              + ("" if med["same_tokens"] else "  (the sides generated different token counts!)"))
-    print("1-minute load average per run (start -> end): "
-          + ", ".join(f"{a:.2f} -> {b:.2f}" for a, b in loads))
+        print(
+            f"  ratio server/offline output tok/s: {med['ratio_output_tokens_per_s']:.2f}x"
+            + ("" if med["same_tokens"] else "  (the sides generated different token counts!)")
+        )
+    print("1-minute load average per run (start -> end): " + ", ".join(f"{a:.2f} -> {b:.2f}" for a, b in loads))
     if args.output:
         print(f"results written to {write_json(args.output, result)}")
     if getattr(args, "plot", None):
@@ -325,9 +378,11 @@ def plot(result: dict, path: str) -> None:
     if plt is None:
         return
     names = list(result["by_rate"])
-    panels = (("output tokens / s", [("output_tokens_per_s", 1.0, "")]),
-              ("time to first token (s)", [("ttft_p50_s", 1.0, "p50"), ("ttft_p99_s", 1.0, "p99")]),
-              ("inter-token latency (ms)", [("itl_p50_ms", 1.0, "p50"), ("itl_p99_ms", 1.0, "p99")]))
+    panels = (
+        ("output tokens / s", [("output_tokens_per_s", 1.0, "")]),
+        ("time to first token (s)", [("ttft_p50_s", 1.0, "p50"), ("ttft_p99_s", 1.0, "p99")]),
+        ("inter-token latency (ms)", [("itl_p50_ms", 1.0, "p50"), ("itl_p99_ms", 1.0, "p99")]),
+    )
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
     for ax, (title, keys) in zip(axes, panels):
         bars = [(side, key, scale, tag) for key, scale, tag in keys for side in SIDES]
@@ -335,8 +390,15 @@ def plot(result: dict, path: str) -> None:
         for i, (side, key, scale, tag) in enumerate(bars):
             xs = [j + (i - (len(bars) - 1) / 2) * width for j in range(len(names))]
             values = [result["by_rate"][n][side][key] * scale for n in names]
-            b = ax.bar(xs, values, width, label=f"{side} {tag}".strip(), hatch="//" if tag == "p99" else None,
-                       color="tab:blue" if side == "offline" else "tab:orange", alpha=1.0 if tag != "p99" else 0.6)
+            b = ax.bar(
+                xs,
+                values,
+                width,
+                label=f"{side} {tag}".strip(),
+                hatch="//" if tag == "p99" else None,
+                color="tab:blue" if side == "offline" else "tab:orange",
+                alpha=1.0 if tag != "p99" else 0.6,
+            )
             ax.bar_label(b, fmt="%.3g", fontsize=7)
         ax.set_xticks(range(len(names)), names)
         ax.set_title(title)

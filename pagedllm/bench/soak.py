@@ -9,6 +9,7 @@ RSS at start, after the first request, at its peak and after the idle time, and 
 
     pagedllm bench soak --duration 600 --concurrency 16 --server-args --pa-blk-size 32
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,10 +24,15 @@ import httpx
 from .common import wait_ready
 from .loadtest import parse_metrics
 
-FIELDS = {"rss_mb": "process_resident_memory_bytes", "blocks_used": "pagedllm_kv_blocks_used",
-          "blocks_peak_used": "pagedllm_kv_blocks_peak_used", "blocks_touched": "pagedllm_kv_blocks_touched",
-          "blocks_total": "pagedllm_kv_blocks_total", "tokens": "pagedllm_generation_tokens_total",
-          "running": "pagedllm_num_requests_running"}
+FIELDS = {
+    "rss_mb": "process_resident_memory_bytes",
+    "blocks_used": "pagedllm_kv_blocks_used",
+    "blocks_peak_used": "pagedllm_kv_blocks_peak_used",
+    "blocks_touched": "pagedllm_kv_blocks_touched",
+    "blocks_total": "pagedllm_kv_blocks_total",
+    "tokens": "pagedllm_generation_tokens_total",
+    "running": "pagedllm_num_requests_running",
+}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -39,8 +45,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--server-log", default="soak-server.log")
     p.add_argument("--load-output", default="soak-load.json")
     p.add_argument("--output", default="soak.json")
-    p.add_argument("--server-args", nargs=argparse.REMAINDER, default=[],
-                   help="arguments for `pagedllm serve` (must come last)")
+    p.add_argument(
+        "--server-args", nargs=argparse.REMAINDER, default=[], help="arguments for `pagedllm serve` (must come last)"
+    )
 
 
 def _cli(*args: str) -> list[str]:
@@ -57,16 +64,20 @@ def _sample(url: str, t0: float, phase: str) -> dict:
 
 
 def _first_request(url: str, max_tokens: int) -> None:
-    r = httpx.post(f"{url}/v1/chat/completions", timeout=300,
-                   json={"messages": [{"role": "user", "content": "Hello!"}], "max_tokens": max_tokens})
+    r = httpx.post(
+        f"{url}/v1/chat/completions",
+        timeout=300,
+        json={"messages": [{"role": "user", "content": "Hello!"}], "max_tokens": max_tokens},
+    )
     r.raise_for_status()
 
 
 def soak(args: argparse.Namespace) -> dict:
     url = f"http://127.0.0.1:{args.port}"
     log = open(args.server_log, "w")
-    server = subprocess.Popen(_cli("serve", "--port", str(args.port), *args.server_args),
-                              stdout=log, stderr=subprocess.STDOUT)
+    server = subprocess.Popen(
+        _cli("serve", "--port", str(args.port), *args.server_args), stdout=log, stderr=subprocess.STDOUT
+    )
     rows: list[dict] = []
 
     def sample(phase: str) -> dict:
@@ -80,10 +91,24 @@ def soak(args: argparse.Namespace) -> dict:
         start = sample("start")
         _first_request(url, args.max_tokens)
         first = sample("first request")
-        load = subprocess.Popen(_cli("bench", "serve", "--url", url, "--duration", str(args.duration),
-                                     "--concurrency", str(args.concurrency), "--max-tokens",
-                                     str(args.max_tokens), "--output", args.load_output),
-                                stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        load = subprocess.Popen(
+            _cli(
+                "bench",
+                "serve",
+                "--url",
+                url,
+                "--duration",
+                str(args.duration),
+                "--concurrency",
+                str(args.concurrency),
+                "--max-tokens",
+                str(args.max_tokens),
+                "--output",
+                args.load_output,
+            ),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.STDOUT,
+        )
         while load.poll() is None:
             time.sleep(args.every)
             sample("load")
@@ -100,13 +125,21 @@ def soak(args: argparse.Namespace) -> dict:
             server.kill()
         log.close()
     loaded = [r["rss_mb"] for r in rows if r["phase"] == "load"] or [first["rss_mb"]]
-    report = {"samples": rows, "rss_mb_start": start["rss_mb"], "rss_mb_first_request": first["rss_mb"],
-              "rss_mb_peak": max(r["rss_mb"] for r in rows), "rss_mb_idle": idle["rss_mb"],
-              "idle_s": args.idle, "idle_over_first_request": round(idle["rss_mb"] / first["rss_mb"], 3),
-              "rss_mb_load_range": [min(loaded), max(loaded)],
-              "running_at_idle": idle["running"], "blocks_used_at_idle": idle["blocks_used"],
-              "blocks_touched": idle["blocks_touched"], "blocks_peak_used": idle["blocks_peak_used"],
-              "blocks_total": idle["blocks_total"]}
+    report = {
+        "samples": rows,
+        "rss_mb_start": start["rss_mb"],
+        "rss_mb_first_request": first["rss_mb"],
+        "rss_mb_peak": max(r["rss_mb"] for r in rows),
+        "rss_mb_idle": idle["rss_mb"],
+        "idle_s": args.idle,
+        "idle_over_first_request": round(idle["rss_mb"] / first["rss_mb"], 3),
+        "rss_mb_load_range": [min(loaded), max(loaded)],
+        "running_at_idle": idle["running"],
+        "blocks_used_at_idle": idle["blocks_used"],
+        "blocks_touched": idle["blocks_touched"],
+        "blocks_peak_used": idle["blocks_peak_used"],
+        "blocks_total": idle["blocks_total"],
+    }
     if Path(args.load_output).is_file():
         load_report = json.loads(Path(args.load_output).read_text())
         report["load"] = load_report

@@ -4,6 +4,7 @@ one small change: the answer mostly copies the prompt), on free-form chat (littl
 batch 1, and with 32 concurrent chat requests; decode tokens/s, ratios and acceptance rates
 for each. `--plot PATH` draws each mode's speedup, acceptance rate and mean accepted length
 per workload (matplotlib, the `plot` extra)."""
+
 from __future__ import annotations
 
 import argparse
@@ -13,40 +14,54 @@ import time
 from .common import machine_info, pyplot, save_figure, write_json
 
 CHAT_QUESTIONS = [
-    "What makes a good cup of tea?", "Tell me a short story about a lighthouse keeper.",
-    "Why is the sky blue?", "Give me three tips for learning a new language.",
-    "What would you pack for a week of hiking?", "Describe a rainy afternoon in a city.",
-    "How do bees make honey?", "What is your favourite season and why?",
+    "What makes a good cup of tea?",
+    "Tell me a short story about a lighthouse keeper.",
+    "Why is the sky blue?",
+    "Give me three tips for learning a new language.",
+    "What would you pack for a week of hiking?",
+    "Describe a rainy afternoon in a city.",
+    "How do bees make honey?",
+    "What is your favourite season and why?",
 ]
 
 
 def code_edit_function(i: int) -> str:
     """A 60-line Python function, slightly different for each i."""
     name = ["summarize_orders", "merge_inventory", "score_students", "plan_routes"][i % 4]
-    lines = [f"def {name}(records, threshold={10 + i}, verbose=False):",
-             '    """Group the records by key, total their amounts and flag the large groups."""',
-             "    totals = {}", "    counts = {}", "    flagged = []"]
+    lines = [
+        f"def {name}(records, threshold={10 + i}, verbose=False):",
+        '    """Group the records by key, total their amounts and flag the large groups."""',
+        "    totals = {}",
+        "    counts = {}",
+        "    flagged = []",
+    ]
     for j in range(12):
-        lines += [f"    # step {j + 1}: fold field_{j} into the running totals",
-                  f"    for rec in records:",
-                  f"        key = rec.get('key_{j}', 'none')",
-                  f"        totals[key] = totals.get(key, 0) + rec.get('amount_{j}', 0) * {j + 2}"]
-    lines += ["    for key, total in totals.items():",
-              "        counts[key] = counts.get(key, 0) + 1",
-              "        if total > threshold:",
-              "            flagged.append((key, total))",
-              "    flagged.sort(key=lambda kv: kv[1], reverse=True)",
-              "    if verbose:",
-              "        for key, total in flagged:",
-              "            print(key, total)",
-              "    return flagged"]
+        lines += [
+            f"    # step {j + 1}: fold field_{j} into the running totals",
+            "    for rec in records:",
+            f"        key = rec.get('key_{j}', 'none')",
+            f"        totals[key] = totals.get(key, 0) + rec.get('amount_{j}', 0) * {j + 2}",
+        ]
+    lines += [
+        "    for key, total in totals.items():",
+        "        counts[key] = counts.get(key, 0) + 1",
+        "        if total > threshold:",
+        "            flagged.append((key, total))",
+        "    flagged.sort(key=lambda kv: kv[1], reverse=True)",
+        "    if verbose:",
+        "        for key, total in flagged:",
+        "            print(key, total)",
+        "    return flagged",
+    ]
     return "\n".join(lines)
 
 
 def code_edit_prompt(i: int) -> str:
-    return ("Here is a Python function:\n\n```python\n" + code_edit_function(i) + "\n```\n\n"
-            "Rewrite the whole function with one change: rename the variable `totals` to `sums`. "
-            "Output only the complete rewritten code.")
+    return (
+        "Here is a Python function:\n\n```python\n" + code_edit_function(i) + "\n```\n\n"
+        "Rewrite the whole function with one change: rename the variable `totals` to `sums`. "
+        "Output only the complete rewritten code."
+    )
 
 
 def _one_request(llm, prompts, sp) -> dict:
@@ -56,13 +71,20 @@ def _one_request(llm, prompts, sp) -> dict:
     (o,) = llm.generate(prompts, sp, use_tqdm=False)
     n = len(o.outputs[0].token_ids)
     m = o.metrics
-    return {"decode_tokens": max(0, n - 1), "decode_s": m.finished_time - m.first_token_time,
-            "tokens": n, "request_s": m.finished_time - m.arrival_time}
+    return {
+        "decode_tokens": max(0, n - 1),
+        "decode_s": m.finished_time - m.first_token_time,
+        "tokens": n,
+        "request_s": m.finished_time - m.arrival_time,
+    }
 
 
 def _one_by_one_rates(sums: dict) -> dict:
-    return {"decode_tok_s": sums["decode_tokens"] / sums["decode_s"], "decode_tokens": sums["decode_tokens"],
-            "request_tok_s": sums["tokens"] / sums["request_s"]}
+    return {
+        "decode_tok_s": sums["decode_tokens"] / sums["decode_s"],
+        "decode_tokens": sums["decode_tokens"],
+        "request_tok_s": sums["tokens"] / sums["request_s"],
+    }
 
 
 def _run_concurrent(llm, prompts, sp) -> dict:
@@ -89,8 +111,12 @@ def _counts(llm) -> tuple[int, int, int]:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="default")
     p.add_argument("--dtype", default="auto")
-    p.add_argument("--num-tokens", type=int, default=5,
-                   help="proposals per step (k): 5 measured best on the default model's code-editing workload")
+    p.add_argument(
+        "--num-tokens",
+        type=int,
+        default=5,
+        help="proposals per step (k): 5 measured best on the default model's code-editing workload",
+    )
     p.add_argument("--max-ngram", type=int, default=4)
     p.add_argument("--min-ngram", type=int, default=2)
     p.add_argument("--code-requests", type=int, default=2)
@@ -101,42 +127,78 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrent-tokens", type=int, default=64)
     p.add_argument("--runs", type=int, default=3, help="alternating runs per mode; medians are reported")
     p.add_argument("--workloads", default="code,chat,concurrent")
-    p.add_argument("--draft", metavar="MODEL", default=None,
-                   help="also run draft-model speculation with this draft ('default' is the default "
-                        "model drafting for itself: with --draft-weights file about every proposal "
-                        "accepted, so it shows the draft's overhead and the ceiling)")
+    p.add_argument(
+        "--draft",
+        metavar="MODEL",
+        default=None,
+        help="also run draft-model speculation with this draft ('default' is the default "
+        "model drafting for itself: with --draft-weights file about every proposal "
+        "accepted, so it shows the draft's overhead and the ceiling)",
+    )
     p.add_argument("--draft-tokens", type=int, default=None, help="the draft's proposals a step (default --num-tokens)")
-    p.add_argument("--draft-vocab", type=int, default=None,
-                   help="token ids the draft's head scores in full (speculative draft_vocab; 0: all; "
-                        "default: the first 32,768 of a vocabulary over 65,536)")
-    p.add_argument("--draft-weights", default=None,
-                   help="the format the draft's quantized weights run in (speculative draft_weights: "
-                        "'auto', the default, requantizes those over 4.5 bits a weight to Q4_0; 'file' keeps "
-                        "the file's; or a type such as Q8_0)")
+    p.add_argument(
+        "--draft-vocab",
+        type=int,
+        default=None,
+        help="token ids the draft's head scores in full (speculative draft_vocab; 0: all; "
+        "default: the first 32,768 of a vocabulary over 65,536)",
+    )
+    p.add_argument(
+        "--draft-weights",
+        default=None,
+        help="the format the draft's quantized weights run in (speculative draft_weights: "
+        "'auto', the default, requantizes those over 4.5 bits a weight to Q4_0; 'file' keeps "
+        "the file's; or a type such as Q8_0)",
+    )
     p.add_argument("--no-ngram", action="store_true", help="leave the n-gram mode out")
-    p.add_argument("--fixed", action="store_true",
-                   help="every mode proposes its full k each step (adaptive lengths off): the figures "
-                        "before adaptive lengths, for comparison")
+    p.add_argument(
+        "--fixed",
+        action="store_true",
+        help="every mode proposes its full k each step (adaptive lengths off): the figures "
+        "before adaptive lengths, for comparison",
+    )
     p.add_argument("--pa-gpu-mem", type=float, default=512, help="KV cache MB")
     p.add_argument("--output", default="bench-results/speculative.json")
-    p.add_argument("--plot", default=None, metavar="PATH",
-                   help="draw speedup, acceptance rate and mean accepted length per workload and mode as a "
-                        "PNG (matplotlib: pip install 'pagedllm[plot]')")
+    p.add_argument(
+        "--plot",
+        default=None,
+        metavar="PATH",
+        help="draw speedup, acceptance rate and mean accepted length per workload and mode as a "
+        "PNG (matplotlib: pip install 'pagedllm[plot]')",
+    )
 
 
 def run(args: argparse.Namespace) -> dict:
     from .. import LLM
     from ..sampling.params import SamplingParams
 
-    specs = {} if args.no_ngram else {"ngram": {"method": "ngram", "num_tokens": args.num_tokens,
-                                                  "max_ngram": args.max_ngram, "min_ngram": args.min_ngram}}
+    specs = (
+        {}
+        if args.no_ngram
+        else {
+            "ngram": {
+                "method": "ngram",
+                "num_tokens": args.num_tokens,
+                "max_ngram": args.max_ngram,
+                "min_ngram": args.min_ngram,
+            }
+        }
+    )
     if args.draft:
-        specs["draft"] = {"method": "draft", "model": args.draft, "num_tokens": args.draft_tokens or args.num_tokens,
-                          **({} if args.draft_vocab is None else {"draft_vocab": args.draft_vocab}),
-                          **({} if args.draft_weights is None else {"draft_weights": args.draft_weights})}
+        specs["draft"] = {
+            "method": "draft",
+            "model": args.draft,
+            "num_tokens": args.draft_tokens or args.num_tokens,
+            **({} if args.draft_vocab is None else {"draft_vocab": args.draft_vocab}),
+            **({} if args.draft_weights is None else {"draft_weights": args.draft_weights}),
+        }
         # Both proposers: the lookup where the sequence's suffix recurs, the draft elsewhere.
-        specs["draft+ngram"] = {**specs["draft"], "ngram": True, "max_ngram": args.max_ngram,
-                                "min_ngram": args.min_ngram}
+        specs["draft+ngram"] = {
+            **specs["draft"],
+            "ngram": True,
+            "max_ngram": args.max_ngram,
+            "min_ngram": args.min_ngram,
+        }
     if args.fixed:
         specs = {m: {**spec, "adaptive": False} for m, spec in specs.items()}
     if not specs:
@@ -150,16 +212,27 @@ def run(args: argparse.Namespace) -> dict:
     tok_llm = llms["plain"]
     workloads = {
         # (the batches each mode runs in turn, what one returns, its sums -> rates, the metric)
-        "code": ([[_chat(tok_llm, code_edit_prompt(i))] for i in range(args.code_requests)],
-                 SamplingParams(max_tokens=args.code_tokens, temperature=0.0), _one_request,
-                 _one_by_one_rates, "decode_tok_s"),
-        "chat": ([[_chat(tok_llm, CHAT_QUESTIONS[i % len(CHAT_QUESTIONS)])] for i in range(args.chat_requests)],
-                 SamplingParams(max_tokens=args.chat_tokens, temperature=0.0), _one_request,
-                 _one_by_one_rates, "decode_tok_s"),
-        "concurrent": ([[_chat(tok_llm, CHAT_QUESTIONS[i % len(CHAT_QUESTIONS)] + f" ({i})")
-                         for i in range(args.concurrent)]],
-                       SamplingParams(max_tokens=args.concurrent_tokens, temperature=0.0), _run_concurrent,
-                       _concurrent_rates, "output_tok_s"),
+        "code": (
+            [[_chat(tok_llm, code_edit_prompt(i))] for i in range(args.code_requests)],
+            SamplingParams(max_tokens=args.code_tokens, temperature=0.0),
+            _one_request,
+            _one_by_one_rates,
+            "decode_tok_s",
+        ),
+        "chat": (
+            [[_chat(tok_llm, CHAT_QUESTIONS[i % len(CHAT_QUESTIONS)])] for i in range(args.chat_requests)],
+            SamplingParams(max_tokens=args.chat_tokens, temperature=0.0),
+            _one_request,
+            _one_by_one_rates,
+            "decode_tok_s",
+        ),
+        "concurrent": (
+            [[_chat(tok_llm, CHAT_QUESTIONS[i % len(CHAT_QUESTIONS)] + f" ({i})") for i in range(args.concurrent)]],
+            SamplingParams(max_tokens=args.concurrent_tokens, temperature=0.0),
+            _run_concurrent,
+            _concurrent_rates,
+            "output_tok_s",
+        ),
     }
     result = {"machine": machine_info(), "args": vars(args), "speculative": specs}
     for name in args.workloads.split(","):
@@ -185,20 +258,32 @@ def run(args: argparse.Namespace) -> dict:
         line = f"{name}: {key} plain {med['plain']:.1f}"
         if whole["plain"]:
             wmed = {m: statistics.median(v) for m, v in whole.items()}
-            r["request_tok_s"] = {m: {"median": wmed[m], "speedup": wmed[m] / wmed["plain"], "runs": whole[m]}
-                                  for m in llms}
-            line += (" (whole requests, prefill included: plain " + f"{wmed['plain']:.1f}"
-                     + "".join(f", {m} {wmed[m] / wmed['plain']:.2f}x" for m in specs) + ")")
+            r["request_tok_s"] = {
+                m: {"median": wmed[m], "speedup": wmed[m] / wmed["plain"], "runs": whole[m]} for m in llms
+            }
+            line += (
+                " (whole requests, prefill included: plain "
+                + f"{wmed['plain']:.1f}"
+                + "".join(f", {m} {wmed[m] / wmed['plain']:.2f}x" for m in specs)
+                + ")"
+            )
         for m in specs:
             prop, acc, ver = (x - y for x, y in zip(_counts(llms[m]), before[m]))
-            row = {m: med[m], "speedup": med[m] / med["plain"], "proposed": prop, "accepted": acc,
-                   "acceptance_rate": acc / prop if prop else 0.0,
-                   "mean_accepted_length": acc / ver if ver else 0.0}
+            row = {
+                m: med[m],
+                "speedup": med[m] / med["plain"],
+                "proposed": prop,
+                "accepted": acc,
+                "acceptance_rate": acc / prop if prop else 0.0,
+                "mean_accepted_length": acc / ver if ver else 0.0,
+            }
             # n-gram's figures keep their flat keys; the draft's go under "draft_*".
             r.update(row if m == "ngram" else {m: med[m], **{f"{m}_{k}": v for k, v in row.items() if k != m}})
-            line += (f"; {m} {med[m]:.1f} -> {row['speedup']:.2f}x, proposed {prop}, accepted {acc} "
-                     f"(acceptance {row['acceptance_rate']:.1%}, mean accepted length "
-                     f"{row['mean_accepted_length']:.2f})")
+            line += (
+                f"; {m} {med[m]:.1f} -> {row['speedup']:.2f}x, proposed {prop}, accepted {acc} "
+                f"(acceptance {row['acceptance_rate']:.1%}, mean accepted length "
+                f"{row['mean_accepted_length']:.2f})"
+            )
         result[name] = r
         print(line)
     path = write_json(args.output, result)
@@ -237,8 +322,9 @@ def plot(result: dict, modes: list[str], workloads: list[str], path: str) -> Non
     axes[0].set_ylabel("x plain (decode tok/s)")
     axes[1].set_ylim(0, 1.05)
     axes[0].legend(fontsize=8)
-    fig.suptitle(f"pagedllm bench speculative, {result['args']['model']}, k = {result['args']['num_tokens']}",
-                 fontsize=10)
+    fig.suptitle(
+        f"pagedllm bench speculative, {result['args']['model']}, k = {result['args']['num_tokens']}", fontsize=10
+    )
     save_figure(fig, path)
 
 

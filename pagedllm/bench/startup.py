@@ -11,6 +11,7 @@ In the same run, llama.cpp (llama-cpp-python, where installed: `make bench-deps`
 on the same GGUF file: a fresh Python process that loads it, applies the GGUF's chat template
 to the prompt (as `generate` does) and streams the answer, timed to its first byte.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,8 +48,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def time_to_first_token(model: str, prompt: str, extra: list[str]) -> tuple[float, float, float]:
     """(seconds to the first stdout byte, seconds to exit, CPU seconds) of one `pagedllm generate`."""
-    return _time_first_byte([sys.executable, "-m", "pagedllm.cli.main", "generate", prompt, "-m", model,
-                             "--max-tokens", "8", *extra])
+    return _time_first_byte(
+        [sys.executable, "-m", "pagedllm.cli.main", "generate", prompt, "-m", model, "--max-tokens", "8", *extra]
+    )
 
 
 def llama_cpp_time_to_first_token(gguf: str, prompt: str) -> tuple[float, float, float]:
@@ -82,11 +84,16 @@ def _series(label: str, runs: int, once: Callable[[], tuple[float, float, float]
         firsts.append(t_first)
         totals.append(t_total)
         cpus.append(cpu)
-        print(f"{label} run {i + 1}: first token after {t_first:.2f} s, exit after {t_total:.2f} s, "
-              f"{cpu:.2f} CPU s", flush=True)
-    print(f"{label} median of {runs}: first token {statistics.median(firsts):.2f} s "
-          f"(min {min(firsts):.2f}, max {max(firsts):.2f}), exit {statistics.median(totals):.2f} s, "
-          f"{statistics.median(cpus):.2f} CPU s", flush=True)
+        print(
+            f"{label} run {i + 1}: first token after {t_first:.2f} s, exit after {t_total:.2f} s, {cpu:.2f} CPU s",
+            flush=True,
+        )
+    print(
+        f"{label} median of {runs}: first token {statistics.median(firsts):.2f} s "
+        f"(min {min(firsts):.2f}, max {max(firsts):.2f}), exit {statistics.median(totals):.2f} s, "
+        f"{statistics.median(cpus):.2f} CPU s",
+        flush=True,
+    )
     return statistics.median(firsts), statistics.median(cpus)
 
 
@@ -111,9 +118,12 @@ def run(args: argparse.Namespace) -> int:
     print(f"CPU flags: {cpu_flags()}", flush=True)
     floor = _series("import torch", args.runs, import_torch_time)
     first = _series("pagedllm", args.runs, lambda: time_to_first_token(args.model, args.prompt, extra))
-    print(f"pagedllm's first token {first[0]:.2f} s - bare import torch {floor[0]:.2f} s = "
-          f"{first[0] - floor[0]:.2f} s; in CPU seconds {first[1]:.2f} - {floor[1]:.2f} = {first[1] - floor[1]:.2f} "
-          f"(medians of {args.runs}; CPU seconds are what a busy machine disturbs least)", flush=True)
+    print(
+        f"pagedllm's first token {first[0]:.2f} s - bare import torch {floor[0]:.2f} s = "
+        f"{first[0] - floor[0]:.2f} s; in CPU seconds {first[1]:.2f} - {floor[1]:.2f} = {first[1] - floor[1]:.2f} "
+        f"(medians of {args.runs}; CPU seconds are what a busy machine disturbs least)",
+        flush=True,
+    )
     why, gguf = llama_cpp_skip_reason(args.model)
     if why:
         print(f"llama.cpp: skipped ({why})", flush=True)

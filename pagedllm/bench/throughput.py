@@ -10,7 +10,13 @@ temperature 0.7 with top-p, a third of those with repetition/presence/frequency 
 engine, interleaved run by run, and reports their ratio. Each line gives the share of the
 engine's step time spent in the sampler. The transformers peer always decodes greedily.
 """
+
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 import argparse
 import gc
@@ -34,8 +40,9 @@ class Workload:
         return sum(self.output_lens)
 
 
-def make_workload(n: int, vocab: int, seed: int, prompt_range=(16, 512), output_range=(16, 256),
-                  avoid: set[int] | None = None) -> Workload:
+def make_workload(
+    n: int, vocab: int, seed: int, prompt_range=(16, 512), output_range=(16, 256), avoid: set[int] | None = None
+) -> Workload:
     rng = random.Random(seed)
     avoid = avoid or set()
     prompts, outs = [], []
@@ -111,15 +118,27 @@ def run_pagedllm(llm, wl: Workload, sampling: str = "greedy", seed: int = 0) -> 
     dt = time.perf_counter() - t0
     n_out = sum(len(o.token_ids) for o in outs)
     ttft = [o.metrics.time_to_first_token for o in outs]
-    tpot = [(o.metrics.finished_time - o.metrics.first_token_time) / (len(o.token_ids) - 1)
-            for o in outs if len(o.token_ids) > 1]
-    return {"elapsed_s": dt, "requests_per_s": len(outs) / dt, "output_tokens_per_s": n_out / dt,
-            "total_tokens_per_s": (n_out + sum(map(len, wl.prompts))) / dt,
-            "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
-            "tpot_p50_ms": 1000 * percentile(tpot, 50), "tpot_p99_ms": 1000 * percentile(tpot, 99),
-            "output_tokens": n_out, "preemptions": llm.engine.scheduler.num_preemptions,
-            "kv_waste_avg": eng.waste_sum / max(1, eng.waste_steps),
-            "sampling": sampling, "sampling_share": timed.seconds / dt, "steps": eng.stats["steps"] - steps}
+    tpot = [
+        (o.metrics.finished_time - o.metrics.first_token_time) / (len(o.token_ids) - 1)
+        for o in outs
+        if len(o.token_ids) > 1
+    ]
+    return {
+        "elapsed_s": dt,
+        "requests_per_s": len(outs) / dt,
+        "output_tokens_per_s": n_out / dt,
+        "total_tokens_per_s": (n_out + sum(map(len, wl.prompts))) / dt,
+        "ttft_p50_s": percentile(ttft, 50),
+        "ttft_p99_s": percentile(ttft, 99),
+        "tpot_p50_ms": 1000 * percentile(tpot, 50),
+        "tpot_p99_ms": 1000 * percentile(tpot, 99),
+        "output_tokens": n_out,
+        "preemptions": llm.engine.scheduler.num_preemptions,
+        "kv_waste_avg": eng.waste_sum / max(1, eng.waste_steps),
+        "sampling": sampling,
+        "sampling_share": timed.seconds / dt,
+        "steps": eng.stats["steps"] - steps,
+    }
 
 
 def load_transformers_peer(model: str, dtype: torch.dtype, device: torch.device):
@@ -130,8 +149,7 @@ def load_transformers_peer(model: str, dtype: torch.dtype, device: torch.device)
 
     src = resolve(model)
     if src.kind == "gguf":
-        model = tf.AutoModelForCausalLM.from_pretrained(src.path.parent, gguf_file=src.path.name,
-                                                        dtype=dtype)
+        model = tf.AutoModelForCausalLM.from_pretrained(src.path.parent, gguf_file=src.path.name, dtype=dtype)
     else:
         model = tf.AutoModelForCausalLM.from_pretrained(src.path, dtype=dtype)
     return model.to(device).eval()
@@ -151,30 +169,42 @@ def _run_transformers(model, wl: Workload, batch_size: int, pad_id: int) -> dict
     t0 = time.perf_counter()
     ttft, n_out, probe = [], 0, 0.0
     for s in range(0, len(wl.prompts), batch_size):
-        prompts = wl.prompts[s:s + batch_size]
-        lens = wl.output_lens[s:s + batch_size]
+        prompts = wl.prompts[s : s + batch_size]
+        lens = wl.output_lens[s : s + batch_size]
         width = max(map(len, prompts))
         ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
         mask = torch.zeros_like(ids)
         for i, p in enumerate(prompts):
-            ids[i, width - len(p):] = torch.tensor(p)
-            mask[i, width - len(p):] = 1
+            ids[i, width - len(p) :] = torch.tensor(p)
+            mask[i, width - len(p) :] = 1
         ids, mask = ids.to(model.device), mask.to(model.device)
         new = max(lens)
         b0 = time.perf_counter()
-        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=1, min_new_tokens=1,
-                       do_sample=False, pad_token_id=pad_id)
+        model.generate(
+            input_ids=ids, attention_mask=mask, max_new_tokens=1, min_new_tokens=1, do_sample=False, pad_token_id=pad_id
+        )
         first = time.perf_counter() - b0  # a batch's first token costs one prefill
-        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
-                       do_sample=False, pad_token_id=pad_id)
+        model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=new,
+            min_new_tokens=new,
+            do_sample=False,
+            pad_token_id=pad_id,
+        )
         ttft += [b0 - t0 - probe + first] * len(prompts)
         probe += first
         n_out += sum(lens)
     # The extra 1-token generate per batch only measured TTFT: take its time back out.
     dt = time.perf_counter() - t0 - probe
-    return {"elapsed_s": dt, "requests_per_s": len(wl.prompts) / dt, "output_tokens_per_s": n_out / dt,
-            "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
-            "output_tokens": n_out}
+    return {
+        "elapsed_s": dt,
+        "requests_per_s": len(wl.prompts) / dt,
+        "output_tokens_per_s": n_out / dt,
+        "ttft_p50_s": percentile(ttft, 50),
+        "ttft_p99_s": percentile(ttft, 99),
+        "output_tokens": n_out,
+    }
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -185,30 +215,53 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-output", type=int, default=16)
     p.add_argument("--max-output", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--sampling", default="realistic", metavar="MODES",
-                   help="how our engine samples: realistic (a chat mix of greedy, temperature + top-p "
-                        "and penalties), greedy, or both comma-separated (interleaved, with their ratio)")
+    p.add_argument(
+        "--sampling",
+        default="realistic",
+        metavar="MODES",
+        help="how our engine samples: realistic (a chat mix of greedy, temperature + top-p "
+        "and penalties), greedy, or both comma-separated (interleaved, with their ratio)",
+    )
     p.add_argument("--runs", type=int, default=1, help="repeat and report medians")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--max-seqs", type=int, default=64)
     p.add_argument("--pa-gpu-mem", type=float, default=None, help="KV cache MB")
     p.add_argument("--pa-blk-size", type=int, default=32)
     p.add_argument("--pa-cache-type", default="auto")
-    p.add_argument("--cache-types", default=None, metavar="LIST",
-                   help="comma-separated KV cache types (auto,f8e4m3,int8): our engine runs the "
-                        "workload once per type, in this run; overrides --pa-cache-type")
+    p.add_argument(
+        "--cache-types",
+        default=None,
+        metavar="LIST",
+        help="comma-separated KV cache types (auto,f8e4m3,int8): our engine runs the "
+        "workload once per type, in this run; overrides --pa-cache-type",
+    )
     p.add_argument("--no-paged-attn", action="store_true")
-    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
-                   help="split the model over N ranks (worker processes on this machine)")
-    p.add_argument("--pipeline-parallel-size", "-pp", type=_sizes, default=[1], metavar="P[,P...]",
-                   help="cut the model into P stages of whole layers (stage processes on this machine); "
-                        "several sizes (1,2) run the workload at each, one engine after the other, with "
-                        "their ratio")
+    p.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=1,
+        metavar="N",
+        help="split the model over N ranks (worker processes on this machine)",
+    )
+    p.add_argument(
+        "--pipeline-parallel-size",
+        "-pp",
+        type=_sizes,
+        default=[1],
+        metavar="P[,P...]",
+        help="cut the model into P stages of whole layers (stage processes on this machine); "
+        "several sizes (1,2) run the workload at each, one engine after the other, with "
+        "their ratio",
+    )
     p.add_argument("--peer", choices=["transformers", "none"], default="transformers")
     p.add_argument("--peer-batch-size", type=int, default=32)
-    p.add_argument("--profile", action="store_true",
-                   help="print a torch profile of one decode step, and the per-step input planning time "
-                        "at 32 and 256 running sequences")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="print a torch profile of one decode step, and the per-step input planning time "
+        "at 32 and 256 running sequences",
+    )
     p.add_argument("--output", default="bench-results/throughput.json")
 
 
@@ -239,8 +292,10 @@ def run(args: argparse.Namespace) -> dict:
             _print(f"{label} ({mode} sampling)", r)
         if len(modes) > 1:
             base = by_mode[modes[-1]]["output_tokens_per_s"]
-            print(f"ratio {modes[0]} / {modes[-1]} sampling output tokens/s: "
-                  f"{by_mode[modes[0]]['output_tokens_per_s'] / base:.2f}x")
+            print(
+                f"ratio {modes[0]} / {modes[-1]} sampling output tokens/s: "
+                f"{by_mode[modes[0]]['output_tokens_per_s'] / base:.2f}x"
+            )
         ours = dict(by_mode[modes[0]])
         if len(modes) > 1:
             ours["by_sampling"] = by_mode
@@ -263,19 +318,26 @@ def run(args: argparse.Namespace) -> dict:
     if len(sizes) > 1:
         result["pagedllm_by_pipeline_size"] = by_type
         base = ours["output_tokens_per_s"]
-        print("output tok/s by pipeline size: " + ", ".join(
-            f"{key} {r['output_tokens_per_s']:.1f} ({r['output_tokens_per_s'] / base:.2f}x)"
-            for key, r in by_type.items()))
+        print(
+            "output tok/s by pipeline size: "
+            + ", ".join(
+                f"{key} {r['output_tokens_per_s']:.1f} ({r['output_tokens_per_s'] / base:.2f}x)"
+                for key, r in by_type.items()
+            )
+        )
     if len(types) > 1:
         result["pagedllm_by_cache_type"] = by_type
         base = ours["output_tokens_per_s"]
-        print("output tok/s by KV cache type: " + ", ".join(
-            f"{ct} {r['output_tokens_per_s']:.1f} ({r['output_tokens_per_s'] / base:.2f}x, "
-            f"{r['kv_blocks']} blocks)" for ct, r in by_type.items()))
+        print(
+            "output tok/s by KV cache type: "
+            + ", ".join(
+                f"{ct} {r['output_tokens_per_s']:.1f} ({r['output_tokens_per_s'] / base:.2f}x, {r['kv_blocks']} blocks)"
+                for ct, r in by_type.items()
+            )
+        )
     if args.peer == "transformers":
         peer = load_transformers_peer(args.model, dtype, device)
-        theirs = median_of_runs([run_transformers(peer, wl, args.peer_batch_size, pad)
-                                 for _ in range(args.runs)])
+        theirs = median_of_runs([run_transformers(peer, wl, args.peer_batch_size, pad) for _ in range(args.runs)])
         _print(f"transformers (static batches of {args.peer_batch_size})", theirs)
         ratio = ours["output_tokens_per_s"] / theirs["output_tokens_per_s"]
         print(f"ratio pagedllm / transformers output tokens/s: {ratio:.2f}x")
@@ -293,19 +355,33 @@ def pipeline_profile(stages: list[dict]) -> str:
     and output; the others: waiting for the next plan); idle is waiting (pipeline.py `_idle`);
     and each kind of step's busy and wait time a step, which shows the stage that kind leaves
     waiting."""
-    lines = ["pipeline ranks (measured runs): busy = its tensors and layers (and rows of the head); wait = for "
-             "another rank's output; rest = rank 0: the engine's scheduling, sampling, output; the others: "
-             "waiting for the next plan; idle = wait (rank 0), wait + rest (the others)"]
+    lines = [
+        "pipeline ranks (measured runs): busy = its tensors and layers (and rows of the head); wait = for "
+        "another rank's output; rest = rank 0: the engine's scheduling, sampling, output; the others: "
+        "waiting for the next plan; idle = wait (rank 0), wait + rest (the others)"
+    ]
     for s in stages:
         w = s["window_s"] or 1.0
-        lines.append(f"  rank {s['rank']} (stage {s['stage']}): {s['steps']} steps over {s['window_s']:.1f} s; "
-                     f"busy {s['busy_s'] / w:.0%}, wait {s['wait_s'] / w:.0%}, "
-                     f"rest {1 - (s['busy_s'] + s['wait_s']) / w:.0%}; idle {s['idle_share']:.0%}")
-        kinds = (("with prompt tokens", s["prompt_steps"], s["prompt_busy_s"], s["prompt_wait_s"]),
-                 ("decode only", s["steps"] - s["prompt_steps"], s["busy_s"] - s["prompt_busy_s"],
-                  s["wait_s"] - s["prompt_wait_s"]))
-        lines.append("    a step, " + "; ".join(f"{name} ({n}): busy {1000 * b / n:.1f} ms, wait {1000 * q / n:.1f} ms"
-                                               for name, n, b, q in kinds if n))
+        lines.append(
+            f"  rank {s['rank']} (stage {s['stage']}): {s['steps']} steps over {s['window_s']:.1f} s; "
+            f"busy {s['busy_s'] / w:.0%}, wait {s['wait_s'] / w:.0%}, "
+            f"rest {1 - (s['busy_s'] + s['wait_s']) / w:.0%}; idle {s['idle_share']:.0%}"
+        )
+        kinds = (
+            ("with prompt tokens", s["prompt_steps"], s["prompt_busy_s"], s["prompt_wait_s"]),
+            (
+                "decode only",
+                s["steps"] - s["prompt_steps"],
+                s["busy_s"] - s["prompt_busy_s"],
+                s["wait_s"] - s["prompt_wait_s"],
+            ),
+        )
+        lines.append(
+            "    a step, "
+            + "; ".join(
+                f"{name} ({n}): busy {1000 * b / n:.1f} ms, wait {1000 * q / n:.1f} ms" for name, n, b, q in kinds if n
+            )
+        )
     return "\n".join(lines)
 
 
@@ -324,8 +400,9 @@ def _sampling_modes(args: argparse.Namespace) -> list[str]:
     modes = [m.strip() for m in args.sampling.split(",") if m.strip()]
     bad = [m for m in modes if m not in SAMPLING_MODES]
     if not modes or bad:
-        raise ValueError(f"--sampling {args.sampling!r}: give one or more of {', '.join(SAMPLING_MODES)}, "
-                         "comma-separated")
+        raise ValueError(
+            f"--sampling {args.sampling!r}: give one or more of {', '.join(SAMPLING_MODES)}, comma-separated"
+        )
     return list(dict.fromkeys(modes))
 
 
@@ -336,19 +413,33 @@ def _run_one_cache_type(args: argparse.Namespace, cache_type: str, pp: int, mode
 
     from .. import LLM
 
-    llm = LLM(args.model, dtype=args.dtype, max_num_seqs=args.max_seqs,
-              kv_cache_memory_mb=args.pa_gpu_mem, block_size=args.pa_blk_size,
-              kv_cache_dtype=cache_type, paged_attention=not args.no_paged_attn,
-              tensor_parallel_size=args.tensor_parallel_size,
-              pipeline_parallel_size=pp)
+    llm = LLM(
+        args.model,
+        dtype=args.dtype,
+        max_num_seqs=args.max_seqs,
+        kv_cache_memory_mb=args.pa_gpu_mem,
+        block_size=args.pa_blk_size,
+        kv_cache_dtype=cache_type,
+        paged_attention=not args.no_paged_attn,
+        tensor_parallel_size=args.tensor_parallel_size,
+        pipeline_parallel_size=pp,
+    )
     eng = llm.engine
     avoid = set(eng.eos_token_ids)
-    wl = make_workload(args.num_requests, eng.model_config.vocab_size, args.seed,
-                       (args.min_prompt, args.max_prompt), (args.min_output, args.max_output), avoid)
+    wl = make_workload(
+        args.num_requests,
+        eng.model_config.vocab_size,
+        args.seed,
+        (args.min_prompt, args.max_prompt),
+        (args.min_output, args.max_output),
+        avoid,
+    )
     if first:
-        print(f"workload: {args.num_requests} requests, prompts {args.min_prompt}-{args.max_prompt}, "
-              f"outputs {args.min_output}-{args.max_output} ({wl.num_output_tokens} output tokens), "
-              f"seed {args.seed}; dtype {eng.dtype}, {torch.get_num_threads()} threads")
+        print(
+            f"workload: {args.num_requests} requests, prompts {args.min_prompt}-{args.max_prompt}, "
+            f"outputs {args.min_output}-{args.max_output} ({wl.num_output_tokens} output tokens), "
+            f"seed {args.seed}; dtype {eng.dtype}, {torch.get_num_threads()} threads"
+        )
     elif pp > 1 or len(args.pipeline_parallel_size) > 1:  # each pipeline size runs its ranks at their own threads
         print(f"pp={pp}: {torch.get_num_threads()} threads a rank")
     warm = make_workload(4, eng.model_config.vocab_size, 99, (16, 64), (4, 8), avoid)
@@ -363,15 +454,20 @@ def _run_one_cache_type(args: argparse.Namespace, cache_type: str, pp: int, mode
     by_mode = {}
     for mode, rs in runs.items():
         ours = median_of_runs(rs)
-        ours.update(kv_cache_dtype=cache_type, kv_blocks=eng.block_manager.num_usable_blocks,
-                    kv_capacity_tokens=eng.block_manager.num_usable_blocks * eng.cache_config.block_size)
+        ours.update(
+            kv_cache_dtype=cache_type,
+            kv_blocks=eng.block_manager.num_usable_blocks,
+            kv_capacity_tokens=eng.block_manager.num_usable_blocks * eng.cache_config.block_size,
+        )
         by_mode[mode] = ours
     return llm, wl, by_mode
 
 
 def _print(name: str, r: dict) -> None:
-    line = (f"{name}: {r['requests_per_s']:.2f} req/s, {r['output_tokens_per_s']:.1f} output tok/s, "
-            f"TTFT p50 {r['ttft_p50_s']:.2f} s p99 {r['ttft_p99_s']:.2f} s")
+    line = (
+        f"{name}: {r['requests_per_s']:.2f} req/s, {r['output_tokens_per_s']:.1f} output tok/s, "
+        f"TTFT p50 {r['ttft_p50_s']:.2f} s p99 {r['ttft_p99_s']:.2f} s"
+    )
     if "tpot_p50_ms" in r:
         line += f", TPOT p50 {r['tpot_p50_ms']:.1f} ms p99 {r['tpot_p99_ms']:.1f} ms"
     if "kv_waste_avg" in r:
@@ -388,15 +484,14 @@ def profile_decode_step(llm, batch: int = 32, context: int = 256) -> str:
     from ..sampling.params import SamplingParams
 
     eng = llm.engine
-    wl = make_workload(batch, eng.model_config.vocab_size, 7, (context, context), (8, 8),
-                       set(eng.eos_token_ids))
+    wl = make_workload(batch, eng.model_config.vocab_size, 7, (context, context), (8, 8), set(eng.eos_token_ids))
     from ..engine.driver import Item
 
-    ids = llm.driver.add([Item(None, p, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
-                          for p in wl.prompts])
+    ids = llm.driver.add(
+        [Item(None, p, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)) for p in wl.prompts]
+    )
     steps = llm.driver.steps(ids)  # next(steps) runs one step
-    while any(s.num_computed_tokens < s.num_prompt_tokens for s in eng.scheduler.running) \
-            or eng.scheduler.waiting:
+    while any(s.num_computed_tokens < s.num_prompt_tokens for s in eng.scheduler.running) or eng.scheduler.waiting:
         next(steps)
     next(steps)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -412,16 +507,25 @@ def planning_report(args: argparse.Namespace, sizes=(32, 256), context: int = 51
     from .. import LLM
 
     # Every prompt admitted in one step, so no sequence decodes (and grows) while others wait.
-    llm = LLM(args.model, dtype=args.dtype, max_num_seqs=max(sizes), block_size=args.pa_blk_size,
-              kv_cache_context_len=max(sizes) * (context + 64), max_model_len=context + 64 + 16,
-              max_num_batched_tokens=max(sizes) * (context + 1), runner_cls=planning_runner())
+    llm = LLM(
+        args.model,
+        dtype=args.dtype,
+        max_num_seqs=max(sizes),
+        block_size=args.pa_blk_size,
+        kv_cache_context_len=max(sizes) * (context + 64),
+        max_model_len=context + 64 + 16,
+        max_num_batched_tokens=max(sizes) * (context + 1),
+        runner_cls=planning_runner(),
+    )
     out = {}
     try:
         for n in sizes:
             r = out[n] = profile_planning(llm, n, context)
-            print(f"planning at {n} running sequences (context {context}): median {r['median_ms']:.3f} ms "
-                  f"per decode step over {r['steps']} steps (plan {r['plan_ms']:.3f}, tensors "
-                  f"{r['tensors_ms']:.3f}, the rest of the step {r['rest_ms']:.3f})")
+            print(
+                f"planning at {n} running sequences (context {context}): median {r['median_ms']:.3f} ms "
+                f"per decode step over {r['steps']} steps (plan {r['plan_ms']:.3f}, tensors "
+                f"{r['tensors_ms']:.3f}, the rest of the step {r['rest_ms']:.3f})"
+            )
     finally:
         llm.shutdown()
     return out
@@ -470,14 +574,16 @@ def profile_planning(llm, num_seqs: int, context: int = 512, steps: int = 16) ->
     if not hasattr(runner, "timed"):
         raise ValueError("profile_planning needs an LLM made with runner_cls=planning_runner()")
     if eng.sched_config.max_num_seqs < num_seqs:
-        raise ValueError(f"profile_planning needs max_num_seqs >= {num_seqs} (the engine has "
-                         f"{eng.sched_config.max_num_seqs}); pass --max-seqs")
-    wl = make_workload(num_seqs, eng.model_config.vocab_size, 11, (context, context), (1, 1),
-                       set(eng.eos_token_ids))
+        raise ValueError(
+            f"profile_planning needs max_num_seqs >= {num_seqs} (the engine has "
+            f"{eng.sched_config.max_num_seqs}); pass --max-seqs"
+        )
+    wl = make_workload(num_seqs, eng.model_config.vocab_size, 11, (context, context), (1, 1), set(eng.eos_token_ids))
     from ..engine.driver import Item
 
-    rids = llm.driver.add(Item(None, p, SamplingParams(max_tokens=steps + 4, temperature=0.0, ignore_eos=True))
-                          for p in wl.prompts)
+    rids = llm.driver.add(
+        Item(None, p, SamplingParams(max_tokens=steps + 4, temperature=0.0, ignore_eos=True)) for p in wl.prompts
+    )
     per_step, parts = [], {"plan": [], "tensors": [], "rest": []}
     try:
         while len(per_step) < steps and eng.has_unfinished():
@@ -492,7 +598,16 @@ def profile_planning(llm, num_seqs: int, context: int = 512, steps: int = 16) ->
                 parts["rest"].append(took - runner.timed["plan"] - runner.timed["tensors"])
     finally:
         llm.driver.abort(rids)
-    med = lambda xs: 1000 * statistics.median(xs) if xs else float("nan")
-    return {"num_seqs": num_seqs, "context": context, "steps": len(per_step), "median_ms": med(per_step),
-            "min_ms": 1000 * min(per_step, default=float("nan")), "max_ms": 1000 * max(per_step, default=float("nan")),
-            **{f"{k}_ms": med(v) for k, v in parts.items()}}
+
+    def med(xs: list[float]) -> float:
+        return 1000 * statistics.median(xs) if xs else float("nan")
+
+    return {
+        "num_seqs": num_seqs,
+        "context": context,
+        "steps": len(per_step),
+        "median_ms": med(per_step),
+        "min_ms": 1000 * min(per_step, default=float("nan")),
+        "max_ms": 1000 * max(per_step, default=float("nan")),
+        **{f"{k}_ms": med(v) for k, v in parts.items()},
+    }

@@ -16,6 +16,7 @@ read the weights the dense model reads. The router (`ffn_gate_inp`, F32) is seed
 - `qwen2` -> `qwen2moe` without a shared expert, `qwen3` -> `qwen3moe`: softmax, top k,
   renormalized (`expert_weights_norm` written, which Qwen2-MoE does not do by default).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,8 +49,9 @@ def upcycle(src: Path, dst: Path, experts: int = 4, used: int = 2, seed: int = 0
         raise ValueError(f"{src}: no general.architecture: not a model GGUF")
     arch = str(arch_field.contents())
     if arch not in MOE_ARCH:
-        raise ValueError(f"{src}: architecture {arch!r} has no MoE counterpart here; "
-                         f"upcycle takes {', '.join(sorted(MOE_ARCH))}")
+        raise ValueError(
+            f"{src}: architecture {arch!r} has no MoE counterpart here; upcycle takes {', '.join(sorted(MOE_ARCH))}"
+        )
     moe = MOE_ARCH[arch]
     if f"{arch}.expert_count" in reader.fields:
         raise ValueError(f"{src}: already a mixture of experts ({arch}.expert_count is set)")
@@ -58,7 +60,7 @@ def upcycle(src: Path, dst: Path, experts: int = 4, used: int = 2, seed: int = 0
     for key, field in reader.fields.items():
         if key.startswith("GGUF.") or key == "general.architecture":
             continue  # (the writer writes its own header and architecture)
-        name = moe + key[len(arch):] if key.startswith(arch + ".") else key
+        name = moe + key[len(arch) :] if key.startswith(arch + ".") else key
         vtype = field.types[0]
         sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
         value = field.contents()
@@ -94,12 +96,20 @@ def upcycle(src: Path, dst: Path, experts: int = 4, used: int = 2, seed: int = 0
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return {"from": arch, "to": moe, "experts": experts, "used": used, "layers": len(layers_done),
-            "bytes": dst.stat().st_size}
+    return {
+        "from": arch,
+        "to": moe,
+        "experts": experts,
+        "used": used,
+        "layers": len(layers_done),
+        "bytes": dst.stat().st_size,
+    }
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("dense", metavar="DENSE.gguf", help="a dense llama, qwen2 or qwen3 GGUF ('default': the embedded SmolLM2)")
+    p.add_argument(
+        "dense", metavar="DENSE.gguf", help="a dense llama, qwen2 or qwen3 GGUF ('default': the embedded SmolLM2)"
+    )
     p.add_argument("output", metavar="OUT.gguf", help="file to write (best outside the repository)")
     p.add_argument("--experts", type=int, default=4, help="experts per layer (default: %(default)s)")
     p.add_argument("--experts-used", type=int, default=2, help="experts per token (default: %(default)s)")
@@ -119,7 +129,9 @@ def run(args: argparse.Namespace) -> int:
         s = upcycle(src, out, args.experts, args.experts_used, args.seed)
     except ValueError as e:
         raise SystemExit(str(e)) from None
-    print(f"wrote {out} in {time.perf_counter() - t0:.0f} s: {s['from']} -> {s['to']}, {s['layers']} layers of "
-          f"{s['experts']} experts ({s['used']} per token), {s['bytes'] / 1e6:.0f} MB. Every expert is the dense "
-          f"MLP, so its text should be {src.name}'s.")
+    print(
+        f"wrote {out} in {time.perf_counter() - t0:.0f} s: {s['from']} -> {s['to']}, {s['layers']} layers of "
+        f"{s['experts']} experts ({s['used']} per token), {s['bytes'] / 1e6:.0f} MB. Every expert is the dense "
+        f"MLP, so its text should be {src.name}'s."
+    )
     return 0

@@ -6,6 +6,7 @@ Each run draws a new image (so neither side has seen it), asks pagedllm and tran
 (interleaved, so the machine's load weighs on both alike), then asks the second turn. Times are
 wall clock around the whole call, the processor's work included: what a user waits for.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -51,8 +52,12 @@ class _Timer:
 def _hf_ttft(ref, proc, msgs: list[dict], image) -> float:
     import torch
 
-    hf_msgs = [{**m, "content": [{"type": p["type"], **({"text": p["text"]} if "text" in p else {})}
-                                 for p in m["content"]]} if isinstance(m["content"], list) else m for m in msgs]
+    hf_msgs = [
+        {**m, "content": [{"type": p["type"], **({"text": p["text"]} if "text" in p else {})} for p in m["content"]]}
+        if isinstance(m["content"], list)
+        else m
+        for m in msgs
+    ]
     t0 = time.perf_counter()
     text = proc.apply_chat_template(hf_msgs, add_generation_prompt=True, tokenize=False)
     inp = proc(text=[text], images=[[image]], return_tensors="pt", add_special_tokens=False)
@@ -62,8 +67,9 @@ def _hf_ttft(ref, proc, msgs: list[dict], image) -> float:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="a vision-language model folder (Gemma 3, SmolVLM / Idefics3, "
-                   "Qwen2.5-VL)")
+    p.add_argument(
+        "--model", required=True, help="a vision-language model folder (Gemma 3, SmolVLM / Idefics3, Qwen2.5-VL)"
+    )
     p.add_argument("--image-size", type=int, default=640, help="the random image's side in pixels")
     p.add_argument("--runs", type=int, default=3, help="repeat and report medians")
     p.add_argument("--dtype", default="float32")
@@ -86,8 +92,11 @@ def run(args: argparse.Namespace) -> dict:
     ref = getattr(tf, arch).from_pretrained(args.model, dtype=dtype).eval()
     proc = load_hf_processor(args.model)  # AutoProcessor's (Qwen2.5-VL's without torchvision: images only)
     inner = ref.model
-    hooked = [getattr(inner, n) for n in ("vision_tower", "multi_modal_projector", "vision_model", "connector",
-                                          "visual") if hasattr(inner, n)]
+    hooked = [
+        getattr(inner, n)
+        for n in ("vision_tower", "multi_modal_projector", "vision_model", "connector", "visual")
+        if hasattr(inner, n)
+    ]
     hf_encoder = _Timer(*hooked)
     one = SamplingParams(max_tokens=1, temperature=0.0)
     stats = llm.engine.runner.encoder_stats
@@ -111,19 +120,31 @@ def run(args: argparse.Namespace) -> dict:
         ttft2 = time.perf_counter() - t0
         h0 = hf_encoder.total
         hf2 = _hf_ttft(ref, proc, _turns(image, answer), image)
-        runs.append({"ttft_s": ttft, "encoder_s": enc, "encoder_share": enc / ttft,
-                     "hf_ttft_s": hf, "hf_encoder_s": hf_enc, "hf_encoder_share": hf_enc / hf,
-                     "turn2_ttft_s": ttft2, "turn2_encoder_s": stats["encoder_s"] - enc0,
-                     "turn2_cached_tokens": second.num_cached_tokens,
-                     "turn2_prompt_tokens": len(second.prompt_token_ids),
-                     "hf_turn2_ttft_s": hf2, "hf_turn2_encoder_s": hf_encoder.total - h0})
+        runs.append(
+            {
+                "ttft_s": ttft,
+                "encoder_s": enc,
+                "encoder_share": enc / ttft,
+                "hf_ttft_s": hf,
+                "hf_encoder_s": hf_enc,
+                "hf_encoder_share": hf_enc / hf,
+                "turn2_ttft_s": ttft2,
+                "turn2_encoder_s": stats["encoder_s"] - enc0,
+                "turn2_cached_tokens": second.num_cached_tokens,
+                "turn2_prompt_tokens": len(second.prompt_token_ids),
+                "hf_turn2_ttft_s": hf2,
+                "hf_turn2_encoder_s": hf_encoder.total - h0,
+            }
+        )
     r = median_of_runs(runs)
-    print(f"{arch}, one {args.image_size}px image: TTFT {r['ttft_s'] * 1e3:.0f} ms (encoder "
-          f"{r['encoder_share']:.0%}) vs transformers {r['hf_ttft_s'] * 1e3:.0f} ms (encoder "
-          f"{r['hf_encoder_share']:.0%}); second turn on the same image: {r['turn2_ttft_s'] * 1e3:.0f} ms, "
-          f"encoder {r['turn2_encoder_s'] * 1e3:.0f} ms, {r['turn2_cached_tokens']:.0f} of "
-          f"{r['turn2_prompt_tokens']:.0f} prompt tokens from the prefix cache, vs transformers "
-          f"{r['hf_turn2_ttft_s'] * 1e3:.0f} ms; medians of {args.runs}")
+    print(
+        f"{arch}, one {args.image_size}px image: TTFT {r['ttft_s'] * 1e3:.0f} ms (encoder "
+        f"{r['encoder_share']:.0%}) vs transformers {r['hf_ttft_s'] * 1e3:.0f} ms (encoder "
+        f"{r['hf_encoder_share']:.0%}); second turn on the same image: {r['turn2_ttft_s'] * 1e3:.0f} ms, "
+        f"encoder {r['turn2_encoder_s'] * 1e3:.0f} ms, {r['turn2_cached_tokens']:.0f} of "
+        f"{r['turn2_prompt_tokens']:.0f} prompt tokens from the prefix cache, vs transformers "
+        f"{r['hf_turn2_ttft_s'] * 1e3:.0f} ms; medians of {args.runs}"
+    )
     result = {"machine": machine_info(), "args": vars(args), "runs": runs, **r}
     path = write_json(args.output, result)
     print(f"results written to {path}")

@@ -4,6 +4,7 @@ Tokens are printed as they come; the conversation is kept and re-sent each turn
 (the chat template formats it). Ctrl-C stops the current answer, Ctrl-D or /exit
 leaves. Works on a terminal and with stdin piped in.
 """
+
 from __future__ import annotations
 
 import json
@@ -35,9 +36,17 @@ class UsageError(ValueError):
     """A /command given the wrong kind of value; the message is its usage line."""
 
 
-EXAMPLES = {"max_tokens": "256", "temperature": "0.7", "top_p": "0.9", "top_k": "40", "min_p": "0.05",
-            "presence_penalty": "0.5", "frequency_penalty": "0.5", "repetition_penalty": "1.1",
-            "seed": "42"}
+EXAMPLES = {
+    "max_tokens": "256",
+    "temperature": "0.7",
+    "top_p": "0.9",
+    "top_k": "40",
+    "min_p": "0.05",
+    "presence_penalty": "0.5",
+    "frequency_penalty": "0.5",
+    "repetition_penalty": "1.1",
+    "seed": "42",
+}
 
 
 @dataclass
@@ -72,8 +81,9 @@ class ChatSettings:
             what = "an integer" if "int" in kind else "a number"
             if name == "seed":
                 what += " or 'none'"
-            raise UsageError(f"usage: /{name} VALUE ({what}, e.g. /{name} {EXAMPLES.get(name, '1')}); "
-                             f"now {getattr(self, name)}") from None
+            raise UsageError(
+                f"usage: /{name} VALUE ({what}, e.g. /{name} {EXAMPLES.get(name, '1')}); now {getattr(self, name)}"
+            ) from None
         old = getattr(self, name)
         setattr(self, name, parsed)
         try:
@@ -87,10 +97,12 @@ def kv_report(llm: Any) -> str:
     """A one-line block summary, then `llm.kv_cache_trace()` in full when the engine has it."""
     eng = llm.engine
     bm, sched = eng.block_manager, eng.scheduler
-    lines = [f"KV cache: {bm.num_used_blocks} blocks used, {bm.num_free_blocks} free, "
-             f"{bm.num_usable_blocks} total ({eng.cache_config.block_size} tokens each); "
-             f"running {sched.num_running}, waiting {sched.num_waiting}, "
-             f"preemptions {sched.num_preemptions}"]
+    lines = [
+        f"KV cache: {bm.num_used_blocks} blocks used, {bm.num_free_blocks} free, "
+        f"{bm.num_usable_blocks} total ({eng.cache_config.block_size} tokens each); "
+        f"running {sched.num_running}, waiting {sched.num_waiting}, "
+        f"preemptions {sched.num_preemptions}"
+    ]
     trace = getattr(llm, "kv_cache_trace", None)
     if callable(trace):
         result = trace()
@@ -104,8 +116,14 @@ def kv_report(llm: Any) -> str:
 
 
 class ChatSession:
-    def __init__(self, llm: Any, settings: ChatSettings | None = None, system: str | None = None,
-                 out: TextIO = sys.stdout, inp: TextIO = sys.stdin) -> None:
+    def __init__(
+        self,
+        llm: Any,
+        settings: ChatSettings | None = None,
+        system: str | None = None,
+        out: TextIO = sys.stdout,
+        inp: TextIO = sys.stdin,
+    ) -> None:
         self.llm = llm
         self.settings = settings or ChatSettings()
         self.system = system
@@ -217,8 +235,9 @@ class ChatSession:
         except ValueError as e:
             self.say(f"error: {e}")
             return
-        self.say(f"image attached ({self.images[-1].size[0]}x{self.images[-1].size[1]}); "
-                 "it goes with your next message")
+        self.say(
+            f"image attached ({self.images[-1].size[0]}x{self.images[-1].size[1]}); it goes with your next message"
+        )
 
     # -- one exchange -------------------------------------------------------------------------
     def conversation(self) -> list[dict]:
@@ -262,15 +281,18 @@ class ChatSession:
         self.messages.append({"role": "assistant", "content": "".join(parts)})
         if final is None:
             return
-        note = cut_off_note(final, eng.sched_config.max_model_len,
-                            ("/max_tokens N allows more", "/clear starts a new conversation"))
+        note = cut_off_note(
+            final, eng.sched_config.max_model_len, ("/max_tokens N allows more", "/clear starts a new conversation")
+        )
         if note:
             self.say(note)
         if self.show_stats:
             m = final.metrics
-            self.say(f"[{m.num_prompt_tokens} prompt tokens, {m.num_output_tokens} generated, "
-                     f"TTFT {m.time_to_first_token or 0:.2f} s, {m.decode_tokens_per_s or 0:.1f} tok/s, "
-                     f"{final.finish_reason}]")
+            self.say(
+                f"[{m.num_prompt_tokens} prompt tokens, {m.num_output_tokens} generated, "
+                f"TTFT {m.time_to_first_token or 0:.2f} s, {m.decode_tokens_per_s or 0:.1f} tok/s, "
+                f"{final.finish_reason}]"
+            )
 
 
 def cut_off_note(final: Any, max_model_len: int, hints: tuple[str, str]) -> str | None:

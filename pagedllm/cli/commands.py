@@ -1,5 +1,6 @@
 """What each `pagedllm` command does once its command line is parsed (cli/parser.py reads it):
 engine options from the flags, then serve, chat and bench (generate and trace: cli/generate.py)."""
+
 from __future__ import annotations
 
 import argparse
@@ -86,27 +87,49 @@ def cmd_serve(args: argparse.Namespace, config: EngineConfig) -> int:
     if args.shutdown_timeout < 0:
         print("error: --shutdown-timeout must be 0 or more seconds", file=sys.stderr)
         return 2
-    cfg = ServerConfig(model_name=names[0], aliases=tuple(names[1:]), api_key=api_key,
-                       max_body_bytes=args.max_body_bytes, allowed_origins=origins,
-                       shutdown_timeout=args.shutdown_timeout,
-                       responses_store_size=max(0, args.responses_store_size),
-                       header_timeout=args.header_timeout, keep_alive_timeout=args.keep_alive_timeout,
-                       max_connections=args.max_connections, lora_modules=tuple(modules),
-                       allow_runtime_lora=bool(args.allow_runtime_lora),
-                       keep_anthropic_attribution=bool(args.keep_anthropic_attribution),
-                       root_path=(args.root_path or "").rstrip("/"), record_requests=args.record_requests,
-                       tokenizer_path=_tokenizer_path(config))
-    print(f"serving {' = '.join(names)} on http://{args.host}:{args.port}/v1 "
-          f"({eng.block_manager.num_usable_blocks} KV blocks of {eng.cache_config.block_size} tokens"
-          f"{', API key required' if api_key else ''})", file=sys.stderr, flush=True)
+    cfg = ServerConfig(
+        model_name=names[0],
+        aliases=tuple(names[1:]),
+        api_key=api_key,
+        max_body_bytes=args.max_body_bytes,
+        allowed_origins=origins,
+        shutdown_timeout=args.shutdown_timeout,
+        responses_store_size=max(0, args.responses_store_size),
+        header_timeout=args.header_timeout,
+        keep_alive_timeout=args.keep_alive_timeout,
+        max_connections=args.max_connections,
+        lora_modules=tuple(modules),
+        allow_runtime_lora=bool(args.allow_runtime_lora),
+        keep_anthropic_attribution=bool(args.keep_anthropic_attribution),
+        root_path=(args.root_path or "").rstrip("/"),
+        record_requests=args.record_requests,
+        tokenizer_path=_tokenizer_path(config),
+    )
+    print(
+        f"serving {' = '.join(names)} on http://{args.host}:{args.port}/v1 "
+        f"({eng.block_manager.num_usable_blocks} KV blocks of {eng.cache_config.block_size} tokens"
+        f"{', API key required' if api_key else ''})",
+        file=sys.stderr,
+        flush=True,
+    )
     if args.host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         logger.warning("serving on %s without --api-key: anyone who can reach it may use it", args.host)
-    result = run_server(llm, args.host, args.port, cfg, log_level=args.log_level,
-                        access_log=args.access_log, sock=getattr(args, "listen_socket", None))
+    result = run_server(
+        llm,
+        args.host,
+        args.port,
+        cfg,
+        log_level=args.log_level,
+        access_log=args.access_log,
+        sock=getattr(args, "listen_socket", None),
+    )
     llm.shutdown()  # tensor-parallel workers or pipeline stages first: _exit_now skips every exit handler
     if result.stopped_by:
-        print(f"stopped by {result.stopped_by}: {result.requests_ended} request(s) in flight ended "
-              f"with an error; {eng.block_manager.num_used_blocks} KV blocks in use", file=sys.stderr)
+        print(
+            f"stopped by {result.stopped_by}: {result.requests_ended} request(s) in flight ended "
+            f"with an error; {eng.block_manager.num_used_blocks} KV blocks in use",
+            file=sys.stderr,
+        )
         # Everything is stopped and said; tearing down torch's modules would add 1-2 s more.
         _exit_now(0)
     return 0
@@ -132,11 +155,15 @@ def cmd_chat(args: argparse.Namespace, config: EngineConfig) -> int:
 
     llm = load_llm(config)
     settings = ChatSettings(
-        max_tokens=getattr(args, "max_tokens", 512), temperature=getattr(args, "temperature", 0.7),
-        top_p=getattr(args, "top_p", 1.0), top_k=getattr(args, "top_k", -1),
-        min_p=getattr(args, "min_p", 0.0), presence_penalty=getattr(args, "presence_penalty", 0.0),
+        max_tokens=getattr(args, "max_tokens", 512),
+        temperature=getattr(args, "temperature", 0.7),
+        top_p=getattr(args, "top_p", 1.0),
+        top_k=getattr(args, "top_k", -1),
+        min_p=getattr(args, "min_p", 0.0),
+        presence_penalty=getattr(args, "presence_penalty", 0.0),
         frequency_penalty=getattr(args, "frequency_penalty", 0.0),
-        repetition_penalty=getattr(args, "repetition_penalty", 1.0))
+        repetition_penalty=getattr(args, "repetition_penalty", 1.0),
+    )
     return ChatSession(llm, settings, system=getattr(args, "system", None)).run()
 
 

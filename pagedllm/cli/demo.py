@@ -1,4 +1,5 @@
 """`pagedllm demo` (what `make run` runs): a handful of chat requests served together."""
+
 from __future__ import annotations
 
 import argparse
@@ -58,8 +59,10 @@ def run(args: argparse.Namespace) -> int:
 
         llm = LLM(args.model, kv_cache_memory_mb=args.pa_gpu_mem)
     eng = llm.engine
-    print(f"model: {eng.model_config.architecture}, {eng.model_config.num_layers} layers, "
-          f"dtype {eng.dtype}, device {eng.device}")
+    print(
+        f"model: {eng.model_config.architecture}, {eng.model_config.num_layers} layers, "
+        f"dtype {eng.dtype}, device {eng.device}"
+    )
     convs = [[{"role": "user", "content": q}] for q in QUESTIONS]
     sp = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     t0 = time.perf_counter()
@@ -76,19 +79,23 @@ def run(args: argparse.Namespace) -> int:
             for out in outs:
                 if out.finished:
                     done[out.request_id] = o = out
-                    print(f"\n>>> {question[o.request_id]}\n{o.text.strip()}\n[{len(o.token_ids)} tokens, "
-                          f"{o.finish_reason}, TTFT {o.metrics.time_to_first_token:.2f} s]", flush=True)
+                    print(
+                        f"\n>>> {question[o.request_id]}\n{o.text.strip()}\n[{len(o.token_ids)} tokens, "
+                        f"{o.finish_reason}, TTFT {o.metrics.time_to_first_token:.2f} s]",
+                        flush=True,
+                    )
                     beat.said()
             peak_blocks = max(peak_blocks, eng.block_manager.num_used_blocks)
             peak_tokens = max(peak_tokens, sum(s.num_computed_tokens for s in eng.scheduler.running))
     dt = time.perf_counter() - t0
     n_out = sum(len(o.token_ids) for o in done.values())
     bm = eng.block_manager
-    print(f"\n{len(ids)} requests served together in {dt:.1f} s: {n_out} tokens, "
-          f"{n_out / dt:.1f} tokens/s aggregate")
-    print(f"KV cache: {bm.num_usable_blocks} blocks of {bm.block_size} tokens; peak {peak_blocks} "
-          f"blocks used holding {peak_tokens} tokens; now {bm.num_used_blocks} used, "
-          f"{bm.num_free_blocks} free; preemptions {eng.scheduler.num_preemptions}")
+    print(f"\n{len(ids)} requests served together in {dt:.1f} s: {n_out} tokens, {n_out / dt:.1f} tokens/s aggregate")
+    print(
+        f"KV cache: {bm.num_usable_blocks} blocks of {bm.block_size} tokens; peak {peak_blocks} "
+        f"blocks used holding {peak_tokens} tokens; now {bm.num_used_blocks} used, "
+        f"{bm.num_free_blocks} free; preemptions {eng.scheduler.num_preemptions}"
+    )
     return 0
 
 

@@ -2,6 +2,7 @@
 torch.utils.collect_env print theirs: versions, the commit, the machine, the level the native
 kernels dispatched to and why, whether they loaded (and how to rebuild them where they did not),
 threads, memory, accelerators and the PAGEDLLM_* variables that are set."""
+
 from __future__ import annotations
 
 import argparse
@@ -25,9 +26,25 @@ LEVEL_FLAGS = {
     "avx512vnni": _AVX512,
     "avx512bf16": (*_AVX512, "avx512_bf16"),
 }
-NOTABLE_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512cd", "avx512bw",
-                 "avx512dq", "avx512vl", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile",
-                 "amx_int8", "amx_bf16")
+NOTABLE_FLAGS = (
+    "sse4_2",
+    "avx",
+    "avx2",
+    "fma",
+    "f16c",
+    "avx_vnni",
+    "avx512f",
+    "avx512cd",
+    "avx512bw",
+    "avx512dq",
+    "avx512vl",
+    "avx512_vnni",
+    "avx512_bf16",
+    "avx512_fp16",
+    "amx_tile",
+    "amx_int8",
+    "amx_bf16",
+)
 SECRET_WORDS = ("KEY", "TOKEN", "SECRET", "PASSWORD")
 
 
@@ -67,8 +84,12 @@ def git_commit() -> str | None:
     if not (root / ".git").exists():
         return None
     try:
-        r = subprocess.run(["git", "-C", str(root), "describe", "--always", "--dirty", "--abbrev=12"],
-                           capture_output=True, text=True, timeout=10)
+        r = subprocess.run(
+            ["git", "-C", str(root), "describe", "--always", "--dirty", "--abbrev=12"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
     except (OSError, subprocess.SubprocessError):
         return None
     return r.stdout.strip() or None
@@ -153,8 +174,11 @@ def collect() -> dict[str, Any]:
 
     cpu = cpu_info()
     flags = set(cpu["flags"])
-    env = {k: ("(set, not shown)" if any(w in k for w in SECRET_WORDS) else v)
-           for k, v in sorted(os.environ.items()) if k.startswith("PAGEDLLM_")}
+    env = {
+        k: ("(set, not shown)" if any(w in k for w in SECRET_WORDS) else v)
+        for k, v in sorted(os.environ.items())
+        if k.startswith("PAGEDLLM_")
+    }
     try:
         affinity = len(os.sched_getaffinity(0))
     except AttributeError:
@@ -165,11 +189,19 @@ def collect() -> dict[str, Any]:
         "torch": torch.__version__,
         "python": f"{platform.python_version()} ({sys.executable})",
         "os": platform.platform(),
-        "cpu": {"model": cpu["model"], "machine": platform.machine(),
-                "flags": [f for f in NOTABLE_FLAGS if f in flags], "level": cpu_level(flags)},
+        "cpu": {
+            "model": cpu["model"],
+            "machine": platform.machine(),
+            "flags": [f for f in NOTABLE_FLAGS if f in flags],
+            "level": cpu_level(flags),
+        },
         "native": native_report(flags),
-        "threads": {"torch": torch.get_num_threads(), "cpus": os.cpu_count(), "usable_cpus": affinity,
-                    "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS")},
+        "threads": {
+            "torch": torch.get_num_threads(),
+            "cpus": os.cpu_count(),
+            "usable_cpus": affinity,
+            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
+        },
         "memory": memory(),
         "accelerators": accelerators(torch),
         "env": env,
@@ -187,21 +219,28 @@ def format_report(r: dict[str, Any]) -> str:
         f"cpu flags:       {' '.join(r['cpu']['flags']) or 'none of note'}",
     ]
     if n["loaded"]:
-        lines += [f"native kernels:  loaded from {n['library']}",
-                  f"native level:    {n['level']}: {n['why']}"
-                  + (f"; compiled: {', '.join(n['built_levels'])}" if n.get("built_levels") else ""),
-                  f"quantized path:  {n['quant_path'] or 'dequantized at load'} ({n['quant_why']})"]
+        lines += [
+            f"native kernels:  loaded from {n['library']}",
+            f"native level:    {n['level']}: {n['why']}"
+            + (f"; compiled: {', '.join(n['built_levels'])}" if n.get("built_levels") else ""),
+            f"quantized path:  {n['quant_path'] or 'dequantized at load'} ({n['quant_why']})",
+        ]
     else:
-        lines += [f"native kernels:  NOT loaded ({n['why_not']}); the PyTorch paths run",
-                  f"                 to rebuild: {n['rebuild']}"]
+        lines += [
+            f"native kernels:  NOT loaded ({n['why_not']}); the PyTorch paths run",
+            f"                 to rebuild: {n['rebuild']}",
+        ]
     lines += [
         f"threads:         torch {t['torch']}, CPUs {t['cpus']} ({t['usable_cpus']} usable), "
         f"OMP_NUM_THREADS={t['OMP_NUM_THREADS'] or 'unset'}",
         f"memory:          {m['total_gb']} GB total, {m['available_gb']} GB available",
-        f"cuda:            " + (f"{', '.join(a['cuda_devices'])} (CUDA {a['cuda_version']})"
-                                if a["cuda_available"] else "not available" + (
-                                    f" (torch built for CUDA {a['cuda_version']})" if a["cuda_version"]
-                                    else " (a CPU build of torch)")),
+        "cuda:            "
+        + (
+            f"{', '.join(a['cuda_devices'])} (CUDA {a['cuda_version']})"
+            if a["cuda_available"]
+            else "not available"
+            + (f" (torch built for CUDA {a['cuda_version']})" if a["cuda_version"] else " (a CPU build of torch)")
+        ),
         f"mps:             {'available' if a['mps_available'] else 'not available'}",
         "PAGEDLLM_* set:  " + (" ".join(f"{k}={v}" for k, v in r["env"].items()) or "none"),
     ]

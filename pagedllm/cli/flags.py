@@ -2,6 +2,7 @@
 name is the option's (`block_size` -> `--block-size`), mistral.rs's spellings are its aliases,
 its help and default are the option's. On a subcommand a flag defaults to 'not given', so a
 value set before the subcommand is not overwritten."""
+
 from __future__ import annotations
 
 import argparse
@@ -18,8 +19,13 @@ def add_engine_flags(p: argparse.ArgumentParser, top: bool) -> None:
             continue
         g = groups[o.section]
         if o.type is bool and o.default:
-            g.add_argument(o.negative, dest=o.name, action="store_false", default=unset,
-                           help=f"{o.help}: on unless this flag is given")
+            g.add_argument(
+                o.negative,
+                dest=o.name,
+                action="store_false",
+                default=unset,
+                help=f"{o.help}: on unless this flag is given",
+            )
             continue
         if o.type is bool:
             g.add_argument(o.flag, *o.flags, dest=o.name, action="store_true", default=unset, help=o.help)

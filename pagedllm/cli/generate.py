@@ -1,5 +1,6 @@
 """`pagedllm generate` (one prompt, streamed to the terminal) and `pagedllm trace` (the KV
 cache's figures, step by step, while a request runs); and loading the model for any command."""
+
 from __future__ import annotations
 
 import argparse
@@ -33,9 +34,16 @@ def cmd_generate(args: argparse.Namespace, config: EngineConfig) -> int:
     llm = load_llm(config)
     try:
         params = SamplingParams(
-            n=args.n, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-            top_k=args.top_k, min_p=args.min_p, presence_penalty=args.presence_penalty,
-            frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty)
+            n=args.n,
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            min_p=args.min_p,
+            presence_penalty=args.presence_penalty,
+            frequency_penalty=args.frequency_penalty,
+            repetition_penalty=args.repetition_penalty,
+        )
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -53,7 +61,7 @@ def cmd_generate(args: argparse.Namespace, config: EngineConfig) -> int:
     elif args.raw or not getattr(tok, "chat_template", None):
         inputs = prompt
     else:
-        msgs = ([{"role": "system", "content": args.system}] if args.system else [])
+        msgs = [{"role": "system", "content": args.system}] if args.system else []
         inputs = render_chat(tok, msgs + [{"role": "user", "content": prompt.strip()}])
     eng, driver = llm.engine, llm.driver
     from ..engine.driver import Item
@@ -73,8 +81,9 @@ def cmd_generate(args: argparse.Namespace, config: EngineConfig) -> int:
         return 130
     if args.n == 1:
         print()
-        note = cut_off_note(final, eng.sched_config.max_model_len,
-                            ("--max-tokens N allows more", "--max-model-len N allows more"))
+        note = cut_off_note(
+            final, eng.sched_config.max_model_len, ("--max-tokens N allows more", "--max-model-len N allows more")
+        )
         if note:
             print(note, file=sys.stderr)
     else:
@@ -82,9 +91,11 @@ def cmd_generate(args: argparse.Namespace, config: EngineConfig) -> int:
             print(f"--- completion {c.index} ({c.finish_reason}) ---\n{c.text}")
     if args.stats:
         m = final.metrics
-        print(f"[{m.num_prompt_tokens} prompt tokens, {m.num_output_tokens} generated, "
-              f"TTFT {m.time_to_first_token or 0:.2f} s, {m.decode_tokens_per_s or 0:.1f} tok/s]",
-              file=sys.stderr)
+        print(
+            f"[{m.num_prompt_tokens} prompt tokens, {m.num_output_tokens} generated, "
+            f"TTFT {m.time_to_first_token or 0:.2f} s, {m.decode_tokens_per_s or 0:.1f} tok/s]",
+            file=sys.stderr,
+        )
     return 0
 
 
@@ -114,21 +125,29 @@ def cmd_trace(args: argparse.Namespace, config: EngineConfig) -> int:
         print(json.dumps(out, indent=2, default=str))
         return 0
     draft = "draft_used_blocks" in rows[0]  # speculative draft model: of the used blocks, its own
-    print(f"{'step':>5} {'running':>8} {'waiting':>8} {'used':>6} {'free':>6} {'preempt':>8}"
-          + (f" {'draft used':>10}" if draft else ""))
+    print(
+        f"{'step':>5} {'running':>8} {'waiting':>8} {'used':>6} {'free':>6} {'preempt':>8}"
+        + (f" {'draft used':>10}" if draft else "")
+    )
     for r in rows:
-        print(f"{r['step']:>5} {r['running']:>8} {r['waiting']:>8} {r['used_blocks']:>6} "
-              f"{r['free_blocks']:>6} {r['preemptions']:>8}"
-              + (f" {r['draft_used_blocks']:>10}" if draft else ""))
+        print(
+            f"{r['step']:>5} {r['running']:>8} {r['waiting']:>8} {r['used_blocks']:>6} "
+            f"{r['free_blocks']:>6} {r['preemptions']:>8}" + (f" {r['draft_used_blocks']:>10}" if draft else "")
+        )
     print(kv_report(llm))
     return 0
 
 
 def _snapshot(eng: Any, step: int) -> dict:
     bm, sched = eng.block_manager, eng.scheduler
-    row = {"step": step, "running": sched.num_running, "waiting": sched.num_waiting,
-           "used_blocks": bm.num_used_blocks, "free_blocks": bm.num_free_blocks,
-           "preemptions": sched.num_preemptions}
+    row = {
+        "step": step,
+        "running": sched.num_running,
+        "waiting": sched.num_waiting,
+        "used_blocks": bm.num_used_blocks,
+        "free_blocks": bm.num_free_blocks,
+        "preemptions": sched.num_preemptions,
+    }
     draft = eng.spec.draft if getattr(eng, "spec", None) is not None else None
     if draft is not None:  # one pool: the draft's share of the used blocks (free ones are shared)
         row.update(draft_used_blocks=draft.block_manager.num_held_blocks)

@@ -1,5 +1,6 @@
 """The `pagedllm` command's entry point: parse (cli/parser.py), then run the command chosen
 (cli/commands.py). The usage is in cli/parser.py's docstring and `pagedllm --help`."""
+
 from __future__ import annotations
 
 import logging
@@ -18,13 +19,18 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser(argv)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=getattr(logging, args.log_level.upper()),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=getattr(logging, args.log_level.upper()), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     if args.command is None and not args.interactive_mode:
         parser.print_help()
         return 2
-    handlers: dict[str, Callable[..., int]] = {"serve": cmd_serve, "chat": cmd_chat,
-                                               "generate": cmd_generate, "trace": cmd_trace}
+    handlers: dict[str, Callable[..., int]] = {
+        "serve": cmd_serve,
+        "chat": cmd_chat,
+        "generate": cmd_generate,
+        "trace": cmd_trace,
+    }
     try:
         if args.command == "router":
             return scaleout.cmd_router(args)

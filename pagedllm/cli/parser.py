@@ -15,6 +15,7 @@ and mistral.rs's form, global flags first, then where the model comes from:
 
 (`-i` chats in the terminal; without it the model is served.)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -68,8 +69,7 @@ class Parser(argparse.ArgumentParser):
         # An unknown subcommand: name the closest one.
         if "invalid choice:" in message and "did you mean" not in message:
             given = message.split("invalid choice:", 1)[1].split("'")[1:2]
-            choices = [c for a in self._actions if isinstance(a, argparse._SubParsersAction)
-                       for c in a.choices]
+            choices = [c for a in self._actions if isinstance(a, argparse._SubParsersAction) for c in a.choices]
             close = difflib.get_close_matches(given[0], choices, n=1) if given else []
             if close:
                 message += f" (did you mean {close[0]}?)"
@@ -77,78 +77,169 @@ class Parser(argparse.ArgumentParser):
 
 
 def _log_flag(p: argparse.ArgumentParser, top: bool) -> None:
-    p.add_argument("--log-level", default="warning" if top else _UNSET,
-                   choices=["debug", "info", "warning", "error"])
+    p.add_argument("--log-level", default="warning" if top else _UNSET, choices=["debug", "info", "warning", "error"])
 
 
 def _server_flags(p: argparse.ArgumentParser, top: bool) -> None:
     d = (lambda v: v) if top else (lambda v: _UNSET)
     g = p.add_argument_group("server")
-    g.add_argument("--host", "--serve-ip", default=d("127.0.0.1"),
-                   help="address to bind (default 127.0.0.1: this machine only)")
+    g.add_argument(
+        "--host", "--serve-ip", default=d("127.0.0.1"), help="address to bind (default 127.0.0.1: this machine only)"
+    )
     g.add_argument("--port", "-p", type=int, default=d(8000))
-    g.add_argument("--api-key", default=d(None),
-                   help="require 'Authorization: Bearer KEY' or 'x-api-key: KEY' (better: set "
-                        "PAGEDLLM_API_KEY, which ps does not show)")
-    g.add_argument("--served-model-name", nargs="+", metavar="NAME", default=d(None),
-                   help="names requests may use for the model; responses carry the first "
-                        "(default: 'default', the GGUF file's stem or the folder's name)")
+    g.add_argument(
+        "--api-key",
+        default=d(None),
+        help="require 'Authorization: Bearer KEY' or 'x-api-key: KEY' (better: set "
+        "PAGEDLLM_API_KEY, which ps does not show)",
+    )
+    g.add_argument(
+        "--served-model-name",
+        nargs="+",
+        metavar="NAME",
+        default=d(None),
+        help="names requests may use for the model; responses carry the first "
+        "(default: 'default', the GGUF file's stem or the folder's name)",
+    )
     g.add_argument("--max-body-bytes", type=int, default=d(4 * 2**20), help="request body size limit")
-    g.add_argument("--header-timeout", type=float, default=d(10.0), metavar="S",
-                   help="close a connection whose request headers take longer than S seconds (default 10)")
-    g.add_argument("--keep-alive-timeout", type=float, default=d(5.0), metavar="S",
-                   help="close an idle kept-alive connection after S seconds (default 5)")
-    g.add_argument("--max-connections", type=int, default=d(None), metavar="N",
-                   help="connections and requests at once; past N new requests get a 503 (default: no limit)")
+    g.add_argument(
+        "--header-timeout",
+        type=float,
+        default=d(10.0),
+        metavar="S",
+        help="close a connection whose request headers take longer than S seconds (default 10)",
+    )
+    g.add_argument(
+        "--keep-alive-timeout",
+        type=float,
+        default=d(5.0),
+        metavar="S",
+        help="close an idle kept-alive connection after S seconds (default 5)",
+    )
+    g.add_argument(
+        "--max-connections",
+        type=int,
+        default=d(None),
+        metavar="N",
+        help="connections and requests at once; past N new requests get a 503 (default: no limit)",
+    )
     g.add_argument("--access-log", action="store_true", default=d(False))
-    g.add_argument("--allowed-origins", nargs="+", metavar="ORIGIN", default=d(None),
-                   help="CORS: origins browser pages may call the API from ('*': any; vLLM's "
-                        "JSON list is accepted too); default: none")
-    g.add_argument("--keep-anthropic-attribution", action="store_true", default=d(False),
-                   help="/v1/messages: keep Claude Code's per-request attribution line "
-                        "(x-anthropic-billing-header) in the system prompt; by default it is dropped "
-                        "so it does not defeat prefix caching")
-    g.add_argument("--record-requests", default=d(None), metavar="DIR",
-                   help="write each request (path, body, dialect headers; never credentials) to "
-                        "DIR/NNNNN.json, e.g. an agent's session for `pagedllm bench agent`")
-    g.add_argument("--root-path", default=d(""), metavar="PREFIX",
-                   help="the path prefix a reverse proxy serves this server under (e.g. /llm)")
-    g.add_argument("--responses-store-size", type=int, metavar="N", default=d(1000),
-                   help="/v1/responses: how many responses are kept in memory for "
-                        "previous_response_id (default 1000; 0 keeps none)")
-    g.add_argument("--lora-modules", nargs="+", metavar="NAME=PATH", default=d(None),
-                   help="with --enable-lora: LoRA adapters served under NAME (a request's model picks one)")
-    g.add_argument("--allow-runtime-lora", action="store_true", default=d(False),
-                   help="allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter")
-    g.add_argument("--shutdown-timeout", type=float, metavar="S", default=d(0.0),
-                   help="on SIGTERM/SIGINT, let requests in flight finish for up to S seconds "
-                        "(new ones get 503), then end the rest (default 0: end them at once)")
+    g.add_argument(
+        "--allowed-origins",
+        nargs="+",
+        metavar="ORIGIN",
+        default=d(None),
+        help="CORS: origins browser pages may call the API from ('*': any; vLLM's "
+        "JSON list is accepted too); default: none",
+    )
+    g.add_argument(
+        "--keep-anthropic-attribution",
+        action="store_true",
+        default=d(False),
+        help="/v1/messages: keep Claude Code's per-request attribution line "
+        "(x-anthropic-billing-header) in the system prompt; by default it is dropped "
+        "so it does not defeat prefix caching",
+    )
+    g.add_argument(
+        "--record-requests",
+        default=d(None),
+        metavar="DIR",
+        help="write each request (path, body, dialect headers; never credentials) to "
+        "DIR/NNNNN.json, e.g. an agent's session for `pagedllm bench agent`",
+    )
+    g.add_argument(
+        "--root-path",
+        default=d(""),
+        metavar="PREFIX",
+        help="the path prefix a reverse proxy serves this server under (e.g. /llm)",
+    )
+    g.add_argument(
+        "--responses-store-size",
+        type=int,
+        metavar="N",
+        default=d(1000),
+        help="/v1/responses: how many responses are kept in memory for "
+        "previous_response_id (default 1000; 0 keeps none)",
+    )
+    g.add_argument(
+        "--lora-modules",
+        nargs="+",
+        metavar="NAME=PATH",
+        default=d(None),
+        help="with --enable-lora: LoRA adapters served under NAME (a request's model picks one)",
+    )
+    g.add_argument(
+        "--allow-runtime-lora",
+        action="store_true",
+        default=d(False),
+        help="allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter",
+    )
+    g.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        metavar="S",
+        default=d(0.0),
+        help="on SIGTERM/SIGINT, let requests in flight finish for up to S seconds "
+        "(new ones get 503), then end the rest (default 0: end them at once)",
+    )
 
 
 def _sampling_flags(p: argparse.ArgumentParser, max_tokens: int, temperature: float) -> None:
     g = p.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=int, default=max_tokens, metavar="N",
-                   help="most tokens to generate (default: %(default)s)")
-    g.add_argument("--temperature", type=float, default=temperature, metavar="T",
-                   help="0 picks the likeliest token, higher is more random (default: %(default)s)")
-    g.add_argument("--top-p", type=float, default=1.0, metavar="P",
-                   help="sample from the likeliest tokens whose probabilities add up to P, in (0, 1] "
-                        "(default: %(default)s, off)")
-    g.add_argument("--top-k", type=int, default=-1, metavar="K",
-                   help="sample from the K likeliest tokens; -1 is off (default: %(default)s)")
-    g.add_argument("--min-p", type=float, default=0.0, metavar="P",
-                   help="drop tokens less likely than P times the likeliest, in [0, 1] "
-                        "(default: %(default)s, off)")
-    g.add_argument("--presence-penalty", type=float, default=0.0, metavar="X",
-                   help="lower the logits of tokens already generated by X, in [-2, 2] "
-                        "(default: %(default)s)")
-    g.add_argument("--frequency-penalty", type=float, default=0.0, metavar="X",
-                   help="lower the logits of generated tokens by X per occurrence, in [-2, 2] "
-                        "(default: %(default)s)")
-    g.add_argument("--repetition-penalty", type=float, default=1.0, metavar="X",
-                   help="make tokens of the prompt or output X times less likely to return "
-                        "(positive logits divided, negative multiplied; > 1 repeats less; "
-                        "default: %(default)s, off)")
+    g.add_argument(
+        "--max-tokens", type=int, default=max_tokens, metavar="N", help="most tokens to generate (default: %(default)s)"
+    )
+    g.add_argument(
+        "--temperature",
+        type=float,
+        default=temperature,
+        metavar="T",
+        help="0 picks the likeliest token, higher is more random (default: %(default)s)",
+    )
+    g.add_argument(
+        "--top-p",
+        type=float,
+        default=1.0,
+        metavar="P",
+        help="sample from the likeliest tokens whose probabilities add up to P, in (0, 1] (default: %(default)s, off)",
+    )
+    g.add_argument(
+        "--top-k",
+        type=int,
+        default=-1,
+        metavar="K",
+        help="sample from the K likeliest tokens; -1 is off (default: %(default)s)",
+    )
+    g.add_argument(
+        "--min-p",
+        type=float,
+        default=0.0,
+        metavar="P",
+        help="drop tokens less likely than P times the likeliest, in [0, 1] (default: %(default)s, off)",
+    )
+    g.add_argument(
+        "--presence-penalty",
+        type=float,
+        default=0.0,
+        metavar="X",
+        help="lower the logits of tokens already generated by X, in [-2, 2] (default: %(default)s)",
+    )
+    g.add_argument(
+        "--frequency-penalty",
+        type=float,
+        default=0.0,
+        metavar="X",
+        help="lower the logits of generated tokens by X per occurrence, in [-2, 2] (default: %(default)s)",
+    )
+    g.add_argument(
+        "--repetition-penalty",
+        type=float,
+        default=1.0,
+        metavar="X",
+        help="make tokens of the prompt or output X times less likely to return "
+        "(positive logits divided, negative multiplied; > 1 repeats less; "
+        "default: %(default)s, off)",
+    )
 
 
 MODEL_HELP = "'default' (the embedded SmolLM2-135M), a .gguf file, a model folder or a hub id"
@@ -179,9 +270,9 @@ BENCHES = {
     "router": "2 replicas behind SGLang's gateway: cache-aware against round-robin routing on multi-turn chats",
     "lora": "LoRA adapters against the base model: 32 concurrent over 4 adapters, and batch 1 decode",
     "interleave": "a short stream beside a long prefill: its inter-token latency and the prefill's throughput, "
-                  "each against alone, with the scheduler's pacing on and off",
+    "each against alone, with the scheduler's pacing on and off",
     "vision": "a vision-language model's time to first token for a one-image question, and its encoder share, "
-              "against transformers; then a second turn on the same image",
+    "against transformers; then a second turn on the same image",
 }
 
 
@@ -204,20 +295,29 @@ SERVE_ROUTES = """HTTP routes (the full schema: GET /openapi.json):
 
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     argv = sys.argv[1:] if argv is None else argv
-    p = Parser(prog="pagedllm", description="LLM inference with a paged KV cache",
-               usage="pagedllm [-h] [--version] [-i] [engine and server flags] COMMAND ...",
-               formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    p.add_argument("-i", "--interactive-mode", action="store_true",
-                   help="with plain/gguf: chat in the terminal instead of serving")
+    p = Parser(
+        prog="pagedllm",
+        description="LLM inference with a paged KV cache",
+        usage="pagedllm [-h] [--version] [-i] [engine and server flags] COMMAND ...",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__,
+    )
+    p.add_argument(
+        "-i", "--interactive-mode", action="store_true", help="with plain/gguf: chat in the terminal instead of serving"
+    )
     _log_flag(p, top=True)
     p.add_argument("--version", action="version", version=_version())
     add_engine_flags(p, top=True)
     _server_flags(p, top=True)
     sub = p.add_subparsers(dest="command", metavar="COMMAND", prog="pagedllm")
 
-    s = sub.add_parser("serve", help="OpenAI- and Anthropic-compatible HTTP server",
-                       usage="pagedllm serve [MODEL] [--host H] [--port N] [--api-key KEY] [engine flags]",
-                       description=SERVE_ROUTES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    s = sub.add_parser(
+        "serve",
+        help="OpenAI- and Anthropic-compatible HTTP server",
+        usage="pagedllm serve [MODEL] [--host H] [--port N] [--api-key KEY] [engine flags]",
+        description=SERVE_ROUTES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     _log_flag(s, top=False)
     _model_arg(s)
     add_engine_flags(s, top=False)
@@ -225,17 +325,22 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     scaleout.add_serve_flags(s)
     scaleout.add_router_parser(sub)
 
-    c = sub.add_parser("chat", help="interactive chat in the terminal",
-                       usage="pagedllm chat [MODEL] [--system MSG] [engine and sampling flags]")
+    c = sub.add_parser(
+        "chat",
+        help="interactive chat in the terminal",
+        usage="pagedllm chat [MODEL] [--system MSG] [engine and sampling flags]",
+    )
     _log_flag(c, top=False)
     _model_arg(c)
     add_engine_flags(c, top=False)
     c.add_argument("--system", default=None, help="system message to start with")
     _sampling_flags(c, max_tokens=512, temperature=0.7)
 
-    g = sub.add_parser("generate", help="one-shot generation (prompt argument or stdin)",
-                       usage="pagedllm generate [PROMPT] [-m MODEL] [--raw] [--suffix TEXT] [--stats] "
-                             "[engine and sampling flags]")
+    g = sub.add_parser(
+        "generate",
+        help="one-shot generation (prompt argument or stdin)",
+        usage="pagedllm generate [PROMPT] [-m MODEL] [--raw] [--suffix TEXT] [--stats] [engine and sampling flags]",
+    )
     g.add_argument("prompt", nargs="?", metavar="PROMPT", help="the prompt; '-' or nothing reads stdin")
     _log_flag(g, top=False)
     _model_arg(g, positional=False)
@@ -244,22 +349,30 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     g.add_argument("-n", type=int, default=1, help="completions to generate (default: %(default)s)")
     g.add_argument("--raw", action="store_true", help="no chat template: continue the text as is")
     g.add_argument("--system", default=None, metavar="MSG", help="system message")
-    g.add_argument("--suffix", default=None, metavar="TEXT",
-                   help="fill in the middle: PROMPT is the code before the cursor, TEXT the code after it "
-                        "(a code model with FIM tokens, e.g. Qwen2.5-Coder)")
+    g.add_argument(
+        "--suffix",
+        default=None,
+        metavar="TEXT",
+        help="fill in the middle: PROMPT is the code before the cursor, TEXT the code after it "
+        "(a code model with FIM tokens, e.g. Qwen2.5-Coder)",
+    )
     g.add_argument("--stats", action="store_true", help="print token counts and speed to stderr")
 
-    t = sub.add_parser("trace", help="run a request and show the KV cache as it fills and empties",
-                       usage="pagedllm trace [MODEL] [--prompt TEXT] [-n N] [--max-tokens N] [--json] "
-                             "[engine flags]")
+    t = sub.add_parser(
+        "trace",
+        help="run a request and show the KV cache as it fills and empties",
+        usage="pagedllm trace [MODEL] [--prompt TEXT] [-n N] [--max-tokens N] [--json] [engine flags]",
+    )
     _log_flag(t, top=False)
     _model_arg(t)
     add_engine_flags(t, top=False)
-    t.add_argument("--prompt", default="Write a short poem about memory pages.",
-                   help="the request's prompt (default: %(default)r)")
+    t.add_argument(
+        "--prompt", default="Write a short poem about memory pages.", help="the request's prompt (default: %(default)r)"
+    )
     t.add_argument("-n", type=int, default=1, help="completions of the prompt (default: %(default)s)")
-    t.add_argument("--max-tokens", type=int, default=32, metavar="N",
-                   help="tokens to generate, greedily (default: %(default)s)")
+    t.add_argument(
+        "--max-tokens", type=int, default=32, metavar="N", help="tokens to generate, greedily (default: %(default)s)"
+    )
     t.add_argument("--json", action="store_true", help="print the trace as JSON")
 
     b = sub.add_parser("bench", help="benchmarks")
@@ -284,28 +397,43 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     else:
         dm.add_argument("rest", nargs=argparse.REMAINDER)
 
-    ev = sub.add_parser("env", aliases=["collect-env"],
-                        help="versions, machine, native kernels' level: what a bug report needs")
+    ev = sub.add_parser(
+        "env", aliases=["collect-env"], help="versions, machine, native kernels' level: what a bug report needs"
+    )
     from .env import add_arguments as env_arguments  # (the standard library only)
 
     env_arguments(ev)
 
-    pl = sub.add_parser("plain", help="mistral.rs form: a safetensors model folder or hub id",
-                        usage="pagedllm [-i] [flags] plain -m MODEL_ID [-a ARCH] [-t TOKENIZER] [flags]")
+    pl = sub.add_parser(
+        "plain",
+        help="mistral.rs form: a safetensors model folder or hub id",
+        usage="pagedllm [-i] [flags] plain -m MODEL_ID [-a ARCH] [-t TOKENIZER] [flags]",
+    )
     pl.add_argument("-m", "--model-id", required=True, help=MODEL_HELP)
     pl.add_argument("-a", "--arch", default=None, help="architecture hint (read from the model anyway)")
     pl.add_argument("-t", "--tokenizer-json", "--tokenizer", default=None)
 
-    gg = sub.add_parser("gguf", help="mistral.rs form: a GGUF file in a folder or hub repo",
-                        usage="pagedllm [-i] [flags] gguf -m MODEL_DIR -f FILE.gguf [-t TOKENIZER_DIR] "
-                              "[flags]")
+    gg = sub.add_parser(
+        "gguf",
+        help="mistral.rs form: a GGUF file in a folder or hub repo",
+        usage="pagedllm [-i] [flags] gguf -m MODEL_DIR -f FILE.gguf [-t TOKENIZER_DIR] [flags]",
+    )
     gg.add_argument("-m", "--quantized-model-id", required=True, help="folder or hub repo of the file")
     gg.add_argument("-f", "--quantized-filename", required=True, help="the .gguf file's name")
-    gg.add_argument("-t", "--tok-model-id", default=None,
-                    help="tokenizer folder (a hub id is ignored: the GGUF's tokenizer is used)")
+    gg.add_argument(
+        "-t",
+        "--tok-model-id",
+        default=None,
+        help="tokenizer folder (a hub id is ignored: the GGUF's tokenizer is used)",
+    )
     for form in (pl, gg):  # the global flags are accepted after the subcommand too
-        form.add_argument("-i", "--interactive-mode", action="store_true", default=_UNSET,
-                          help="chat in the terminal instead of serving")
+        form.add_argument(
+            "-i",
+            "--interactive-mode",
+            action="store_true",
+            default=_UNSET,
+            help="chat in the terminal instead of serving",
+        )
         _log_flag(form, top=False)
         add_engine_flags(form, top=False)
         _server_flags(form, top=False)

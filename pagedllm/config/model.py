@@ -1,5 +1,6 @@
 """What a loaded model is: `ModelConfig`, read from a transformers-style config.json (a Hugging
 Face folder's, or one made from GGUF metadata)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -69,9 +70,7 @@ class ModelConfig:
     def from_hf_dict(cls, d: dict[str, Any]) -> "ModelConfig":
         archs = d.get("architectures") or []
         if not archs:
-            raise ValueError(
-                "config.json has no 'architectures' entry; cannot tell which model family to build"
-            )
+            raise ValueError("config.json has no 'architectures' entry; cannot tell which model family to build")
         if isinstance(d.get("vision_config"), dict) and not isinstance(d.get("text_config"), dict):
             # Qwen2.5-VL's configs as published keep the language model's keys at the top level.
             d = {**d, "text_config": {k: v for k, v in d.items() if k != "vision_config"}}
@@ -79,8 +78,11 @@ class ModelConfig:
             # A vision-language model: its language model's config, under the VLM's architecture.
             # Top-level values the text config lacks (or that override it: tie_word_embeddings)
             # come along.
-            text = {**{k: d[k] for k in ("eos_token_id", "bos_token_id") if k in d}, **d["text_config"],
-                    "architectures": archs}
+            text = {
+                **{k: d[k] for k in ("eos_token_id", "bos_token_id") if k in d},
+                **d["text_config"],
+                "architectures": archs,
+            }
             if "tie_word_embeddings" in d:
                 text["tie_word_embeddings"] = d["tie_word_embeddings"]
             cfg = cls.from_hf_dict(text)
@@ -150,18 +152,23 @@ def _moe(d: dict, arch: str, n_layers: int) -> dict[str, Any]:
         return {}
     k = int(d.get("num_experts_per_tok") or 0)
     if not 1 <= k <= experts:
-        raise ValueError(f"num_experts_per_tok={k} must be between 1 and the model's {experts} experts "
-                         "(num_experts / num_local_experts); the checkpoint's config is inconsistent")
+        raise ValueError(
+            f"num_experts_per_tok={k} must be between 1 and the model's {experts} experts "
+            "(num_experts / num_local_experts); the checkpoint's config is inconsistent"
+        )
     step = int(d.get("decoder_sparse_step") or 1)
     dense = set(d.get("mlp_only_layers") or [])
     # Mixtral's router keeps the top k of a softmax and renormalizes them, unconditionally
     # (the same as a softmax over the top k logits).
     norm = True if arch == "MixtralForCausalLM" else bool(d.get("norm_topk_prob", False))
-    return dict(num_experts=experts, num_experts_per_tok=k,
-                moe_intermediate_size=int(d.get("moe_intermediate_size") or d["intermediate_size"]),
-                norm_topk_prob=norm,
-                moe_layers=[i not in dense and (i + 1) % step == 0 for i in range(n_layers)],
-                shared_expert_intermediate_size=int(d.get("shared_expert_intermediate_size") or 0))
+    return dict(
+        num_experts=experts,
+        num_experts_per_tok=k,
+        moe_intermediate_size=int(d.get("moe_intermediate_size") or d["intermediate_size"]),
+        norm_topk_prob=norm,
+        moe_layers=[i not in dense and (i + 1) % step == 0 for i in range(n_layers)],
+        shared_expert_intermediate_size=int(d.get("shared_expert_intermediate_size") or 0),
+    )
 
 
 def _per_layer_type_rope(d: dict) -> bool:

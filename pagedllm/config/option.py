@@ -2,6 +2,7 @@
 default, once), and the faces read the declarations instead of listing the options again: the
 CLI's flags (cli/flags.py), `LLM`'s keywords (EngineConfig.from_kwargs) and the documentation's
 table (docs/hooks.py)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -12,14 +13,21 @@ from typing import Any
 MISSING = dataclasses.MISSING
 
 
-def option(default: Any, help: str, *, flags: tuple[str, ...] = (), metavar: str | None = None,
-           choices: tuple[str, ...] | None = None, negative: str | None = None, cli: bool = True) -> Any:
+def option(
+    default: Any,
+    help: str,
+    *,
+    flags: tuple[str, ...] = (),
+    metavar: str | None = None,
+    choices: tuple[str, ...] | None = None,
+    negative: str | None = None,
+    cli: bool = True,
+) -> Any:
     """A field that is an engine option. `help` is its documentation (a flag's help, a docs
     row); `flags` are the CLI spellings kept beside `--field-name` (mistral.rs's first, so its
     users find theirs); a boolean whose default is True takes `negative`, the flag that turns
     it off. `cli=False`: a keyword of `LLM` only (a value a command line cannot spell)."""
-    meta = {"help": help, "flags": flags, "metavar": metavar, "choices": choices, "negative": negative,
-            "cli": cli}
+    meta = {"help": help, "flags": flags, "metavar": metavar, "choices": choices, "negative": negative, "cli": cli}
     return dataclasses.field(default=default, metadata={"option": meta})
 
 
@@ -51,8 +59,20 @@ def options_of(section: str, cls: type) -> list[Option]:
         meta = f.metadata.get("option")
         if meta is None:
             continue
-        out.append(Option(section, f.name, _scalar(hints[f.name], f.name), f.default, meta["help"], meta["flags"],
-                          meta["metavar"], meta["choices"], meta["negative"], meta["cli"]))
+        out.append(
+            Option(
+                section,
+                f.name,
+                _scalar(hints[f.name], f.name),
+                f.default,
+                meta["help"],
+                meta["flags"],
+                meta["metavar"],
+                meta["choices"],
+                meta["negative"],
+                meta["cli"],
+            )
+        )
     return out
 
 

@@ -1,5 +1,6 @@
 """The engine's options as Markdown tables, one per sub-config, for the documentation (the
 site's build puts them into docs/configuration.md: tools/mkdocs_hooks.py)."""
+
 from __future__ import annotations
 
 from .engine import SECTIONS
@@ -20,8 +21,14 @@ def _cell(text: str) -> str:
 def markdown() -> str:
     out = []
     for section, cls in SECTIONS.items():
-        out += [f"### {cls.title[0].upper()}{cls.title[1:]}", "", _cell((cls.__doc__ or "").strip()), "",
-                "| `LLM` keyword | Flags | Type | Default | What it is for |", "|---|---|---|---|---|"]
+        out += [
+            f"### {cls.title[0].upper()}{cls.title[1:]}",
+            "",
+            _cell((cls.__doc__ or "").strip()),
+            "",
+            "| `LLM` keyword | Flags | Type | Default | What it is for |",
+            "|---|---|---|---|---|",
+        ]
         for o in options_of(section, cls):
             default = "unset" if o.default is None else f"`{o.default}`"
             kind = " \\| ".join(o.choices) if o.choices else o.type.__name__

@@ -10,6 +10,7 @@ one trips the compute timeout) ends the engine with `TensorParallelError`, namin
 and how it ended; the remaining workers are stopped. `shutdown()` (LLM.shutdown, the context
 manager, interpreter exit) sends STOP, joins the workers, and kills any that do not exit.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -50,11 +51,15 @@ def check_size(size: int, device: torch.device, what: str = "tensor") -> None:
     if size < 1:
         raise ValueError(f"{name} must be >= 1, got {size}")
     if device.type == "cuda" and size > torch.cuda.device_count():
-        raise ValueError(f"{name}={size} needs {size} GPUs but this machine has "
-                         f"{torch.cuda.device_count()}; lower it or run several nodes under torchrun")
+        raise ValueError(
+            f"{name}={size} needs {size} GPUs but this machine has "
+            f"{torch.cuda.device_count()}; lower it or run several nodes under torchrun"
+        )
     if device.type == "mps":
-        raise ValueError(f"{what} parallelism runs on the CPU (gloo) or CUDA (NCCL); MPS has no "
-                         "collective backend in torch.distributed")
+        raise ValueError(
+            f"{what} parallelism runs on the CPU (gloo) or CUDA (NCCL); MPS has no "
+            "collective backend in torch.distributed"
+        )
 
 
 class TPExecutor:
@@ -75,8 +80,10 @@ class TPExecutor:
         """Rank 0 of a new group: torchrun's, when the environment names one, else spawned
         workers on this machine."""
         if _live or (dist.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) == 1):
-            raise ValueError("another tensor- or pipeline-parallel LLM is running in this process; call its "
-                             "shutdown() first (torch.distributed keeps one group per process)")
+            raise ValueError(
+                "another tensor- or pipeline-parallel LLM is running in this process; call its "
+                "shutdown() first (torch.distributed keeps one group per process)"
+            )
         world = int(os.environ.get("WORLD_SIZE", "1"))
         if world > 1:  # torchrun: the other ranks are already running the same script
             if world != size:
@@ -103,8 +110,12 @@ class TPExecutor:
         try:
             for rank in range(1, size):
                 parent, child = ctx.Pipe(duplex=False)
-                p = ctx.Process(target=worker_main, args=(rank, size, init_method, spec, child),
-                                name=f"pagedllm-tp{rank}", daemon=True)
+                p = ctx.Process(
+                    target=worker_main,
+                    args=(rank, size, init_method, spec, child),
+                    name=f"pagedllm-tp{rank}",
+                    daemon=True,
+                )
                 p.start()
                 child.close()
                 procs.append(p)
@@ -125,7 +136,9 @@ class TPExecutor:
         self._wait_for("loaded", settings.get("tp_load_timeout_s"))  # (the workers loading their shards)
 
     def _wait_for(self, what: str, timeout: float) -> None:
-        wait_for_ranks(self.procs, self.conns, what, timeout, "tensor-parallel worker", "tensor_parallel_size", TensorParallelError)
+        wait_for_ranks(
+            self.procs, self.conns, what, timeout, "tensor-parallel worker", "tensor_parallel_size", TensorParallelError
+        )
 
     def kv_spec(self, loaded, cache_cfg, dtype: torch.dtype, groups):
         """What one block of this rank's KV heads costs: the unit of the per-rank KV budget."""
@@ -133,8 +146,9 @@ class TPExecutor:
 
         return kv_spec_of(loaded, cache_cfg, dtype, groups)
 
-    def build_kv(self, loaded, kv_spec, cache_cfg, num_blocks: int, device: torch.device, dtype: torch.dtype,
-                 groups=None):
+    def build_kv(
+        self, loaded, kv_spec, cache_cfg, num_blocks: int, device: torch.device, dtype: torch.dtype, groups=None
+    ):
         """Rank 0's cache of its KV heads, its backend and copy function (every rank builds the same)."""
         from ..attention.build import build_kv
 
@@ -176,16 +190,17 @@ class TPExecutor:
 
     def trace_fields(self) -> dict:
         """The KV trace's per-rank figures (kv/trace.py)."""
-        return dict(tensor_parallel_size=self.tp.size,
-                    rank_weight_mb=[w / 2**20 for w, _ in self.rank_bytes],
-                    rank_kv_mb=[kv / 2**20 for _, kv in self.rank_bytes],
-                    allreduce_bytes_per_step=self.tp.reduced_bytes / max(1, self.steps))
+        return dict(
+            tensor_parallel_size=self.tp.size,
+            rank_weight_mb=[w / 2**20 for w, _ in self.rank_bytes],
+            rank_kv_mb=[kv / 2**20 for _, kv in self.rank_bytes],
+            allreduce_bytes_per_step=self.tp.reduced_bytes / max(1, self.steps),
+        )
 
     def send_step(self, plan) -> None:
         if self.dead:
             raise TensorParallelError(self.dead)
-        self.message_bytes += messages.send(self.tp.control, messages.STEP,
-                                            messages.step_lists(plan, self.ops))
+        self.message_bytes += messages.send(self.tp.control, messages.STEP, messages.step_lists(plan, self.ops))
         self.ops.clear()
         self.steps += 1
 
@@ -207,12 +222,17 @@ class TPExecutor:
 
     def _diagnose(self, err: BaseException) -> str:
         time.sleep(0.2)  # a killed worker's exit status lands just after its sockets close
-        ended = [f"rank {r} (pid {p.pid}) exited with code {p.exitcode}"
-                 for r, p in enumerate(self.procs, start=1) if not p.is_alive()]
+        ended = [
+            f"rank {r} (pid {p.pid}) exited with code {p.exitcode}"
+            for r, p in enumerate(self.procs, start=1)
+            if not p.is_alive()
+        ]
         who = "; ".join(ended) if ended else "no worker process has exited (a stuck or remote rank)"
-        return (f"tensor-parallel engine stopped: a collective failed ({who}): "
-                f"{str(err).splitlines()[0] if str(err) else type(err).__name__}. The requests in "
-                "flight failed; create a new LLM to go on")
+        return (
+            f"tensor-parallel engine stopped: a collective failed ({who}): "
+            f"{str(err).splitlines()[0] if str(err) else type(err).__name__}. The requests in "
+            "flight failed; create a new LLM to go on"
+        )
 
     # -- stop --------------------------------------------------------------------------------
     def shutdown(self) -> None:

@@ -6,6 +6,7 @@ step instead of hanging it; the control group (always gloo, CPU tensors) carries
 step plans and may wait as long as the engine stays idle. A rank that dies closes its
 sockets, so its peers' pending collectives fail at once either way.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -77,17 +78,21 @@ def init_groups(tp: TPInfo, device: torch.device, init_method: str | None) -> No
         kw = {} if init_method is None else {"init_method": init_method}
         dist.init_process_group("gloo", rank=tp.rank, world_size=tp.size, timeout=RENDEZVOUS_TIMEOUT, **kw)
     elif dist.get_world_size() != tp.size:
-        raise ValueError(f"tensor_parallel_size={tp.size} but torch.distributed already runs "
-                         f"{dist.get_world_size()} ranks; they must be equal")
+        raise ValueError(
+            f"tensor_parallel_size={tp.size} but torch.distributed already runs "
+            f"{dist.get_world_size()} ranks; they must be equal"
+        )
     tp.control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
-    tp.group = dist.new_group(backend="nccl" if device.type == "cuda" else "gloo",
-                              # How long one collective may wait for the other ranks (a layer's
-                              # all-reduce, a logits gather) before the step fails (PAGEDLLM_TP_TIMEOUT_S).
-                              # A dead worker closes its sockets and fails the collective at once;
-                              # this only catches a stuck one. 20 s tripped in the tests on a shared
-                              # 2-core machine whose load left a niced 1-thread rank that far behind,
-                              # hence 60.
-                              timeout=timedelta(seconds=settings.get("tp_timeout_s")))
+    tp.group = dist.new_group(
+        backend="nccl" if device.type == "cuda" else "gloo",
+        # How long one collective may wait for the other ranks (a layer's
+        # all-reduce, a logits gather) before the step fails (PAGEDLLM_TP_TIMEOUT_S).
+        # A dead worker closes its sockets and fails the collective at once;
+        # this only catches a stuck one. 20 s tripped in the tests on a shared
+        # 2-core machine whose load left a niced 1-thread rank that far behind,
+        # hence 60.
+        timeout=timedelta(seconds=settings.get("tp_timeout_s")),
+    )
 
 
 def destroy_groups(tp: TPInfo) -> None:

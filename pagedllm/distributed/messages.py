@@ -6,6 +6,7 @@ when empty): [k, len_1 .. len_k, list_1 ..., list_k]. A step's message carries i
 block manager made since the last step (prefix copies, copy-on-write, contiguous frees/forks),
 which every rank applies before the forward so all caches stay identical.
 """
+
 from __future__ import annotations
 
 import torch
@@ -36,8 +37,10 @@ def send_async(group, command: int, lists: list[list[int]] = (), wait: bool = Fa
         dist.broadcast(header, src=0, group=group)
         dist.broadcast(body, src=0, group=group)
         return 8 * (2 + len(payload)), []
-    works = [dist.broadcast(header, src=0, group=group, async_op=True),
-             dist.broadcast(body, src=0, group=group, async_op=True)]
+    works = [
+        dist.broadcast(header, src=0, group=group, async_op=True),
+        dist.broadcast(body, src=0, group=group, async_op=True),
+    ]
     return 8 * (2 + len(payload)), [(w, header, body) for w in works]
 
 
@@ -49,9 +52,9 @@ def recv(group) -> tuple[int, list[list[int]]]:
     dist.broadcast(body, src=0, group=group)
     flat = body.tolist()
     k = flat[0]
-    lens, out, off = flat[1:1 + k], [], 1 + k
+    lens, out, off = flat[1 : 1 + k], [], 1 + k
     for n_i in lens:
-        out.append(flat[off:off + n_i])
+        out.append(flat[off : off + n_i])
         off += n_i
     return command, out
 
@@ -65,8 +68,19 @@ def step_lists(plan: StepPlan, ops: list[int]) -> list[list[int]]:
     groups = [list(plan.group_widths)]
     for slots, table in zip(plan.group_slots, plan.group_tables):
         groups += [_ints(slots), _ints(table)]
-    return [scalars, plan.ids, _ints(plan.pos), plan.query_start_loc, plan.context_lens, plan.seq_ids,
-            _ints(plan.slots), _ints(plan.tables), rows or [], ops, *groups]
+    return [
+        scalars,
+        plan.ids,
+        _ints(plan.pos),
+        plan.query_start_loc,
+        plan.context_lens,
+        plan.seq_ids,
+        _ints(plan.slots),
+        _ints(plan.tables),
+        rows or [],
+        ops,
+        *groups,
+    ]
 
 
 def _ints(x) -> list[int]:
@@ -76,7 +90,20 @@ def _ints(x) -> list[int]:
 
 def step_from_lists(lists: list[list[int]]) -> tuple[StepPlan, list[int]]:
     (nd, width, all_rows, argmax_only), ids, pos, qsl, ctx, seq_ids, slots, tables, rows, ops, widths, *groups = lists
-    plan = StepPlan(ids, pos, qsl, ctx, nd, seq_ids, slots, tables, width, None if all_rows else rows,
-                    group_slots=groups[0::2], group_tables=groups[1::2], group_widths=widths,
-                    argmax_only=bool(argmax_only))
+    plan = StepPlan(
+        ids,
+        pos,
+        qsl,
+        ctx,
+        nd,
+        seq_ids,
+        slots,
+        tables,
+        width,
+        None if all_rows else rows,
+        group_slots=groups[0::2],
+        group_tables=groups[1::2],
+        group_widths=widths,
+        argmax_only=bool(argmax_only),
+    )
     return plan, ops

@@ -8,6 +8,7 @@ wait at once; one that hangs trips `timeout_s`. Either way the caller gets a `St
 naming the peer and how it failed, never a hang, and the link refuses further use (the
 process group is no longer trustworthy after a failed wait).
 """
+
 from __future__ import annotations
 
 from datetime import timedelta
@@ -19,8 +20,16 @@ from .. import settings
 
 
 _HEADER = 8  # dtype code, ndim, up to 6 dimensions
-_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.uint8, torch.int8,
-           torch.float64]
+_DTYPES = [
+    torch.float32,
+    torch.bfloat16,
+    torch.float16,
+    torch.int64,
+    torch.int32,
+    torch.uint8,
+    torch.int8,
+    torch.float64,
+]
 _CODE = {dt: i for i, dt in enumerate(_DTYPES)}
 
 
@@ -32,8 +41,9 @@ class StageLink:
     """Point-to-point with this rank's neighbours in the pipeline: `prev` (the stage before,
     which sends hidden states here) and `next` (the stage after); None at either end."""
 
-    def __init__(self, rank: int, prev: int | None, next: int | None, group=None,
-                 timeout_s: float | None = None) -> None:
+    def __init__(
+        self, rank: int, prev: int | None, next: int | None, group=None, timeout_s: float | None = None
+    ) -> None:
         self.rank, self.prev, self.next = rank, prev, next
         self.group = group
         # How long one send or receive may wait for its peer (PAGEDLLM_PP_TIMEOUT_S): well under
@@ -63,7 +73,7 @@ class StageLink:
             raise ValueError(f"a stage message cannot carry {t.dtype}; one of {_DTYPES}")
         header = torch.zeros(_HEADER, dtype=torch.int64)
         header[0], header[1] = _CODE[t.dtype], t.dim()
-        header[2:2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
+        header[2 : 2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
         t = t.contiguous()
         self.sent_bytes += t.numel() * t.element_size() + 8 * _HEADER
         try:
@@ -117,9 +127,11 @@ class StageLink:
         text = str(err).splitlines()[0] if str(err) else type(err).__name__
         kind = "timed out" if "timeout" in text.lower() or "timed out" in text.lower() else "failed"
         who = "the other ranks" if peer == "any" else f"rank {peer}"
-        self.failed = (f"pipeline stage link {kind}: rank {self.rank} could not {what} {who} ({text}); "
-                       f"the peer died or is stuck (waits are bounded by {self.timeout.total_seconds():g} s, "
-                       "PAGEDLLM_PP_TIMEOUT_S). The requests in flight failed; restart the pipeline to go on")
+        self.failed = (
+            f"pipeline stage link {kind}: rank {self.rank} could not {what} {who} ({text}); "
+            f"the peer died or is stuck (waits are bounded by {self.timeout.total_seconds():g} s, "
+            "PAGEDLLM_PP_TIMEOUT_S). The requests in flight failed; restart the pipeline to go on"
+        )
         return StageLinkError(self.failed)
 
     def _check(self) -> None:

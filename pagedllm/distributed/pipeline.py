@@ -38,6 +38,7 @@ not scheduled, preempted or freed until its step is collected (Scheduler.schedul
 Each stage's sends go without waiting: a stage goes on to its next plan while its output
 travels, and waits only before its next send.
 """
+
 from __future__ import annotations
 
 import logging
@@ -96,8 +97,15 @@ class StageStats:
 
     def values(self) -> list[float]:
         window = (self.last - self.first) if self.first is not None else 0.0
-        return [self.busy_s, self.wait_s, window, float(self.steps), self.prompt_busy_s, self.prompt_wait_s,
-                float(self.prompt_steps)]
+        return [
+            self.busy_s,
+            self.wait_s,
+            window,
+            float(self.steps),
+            self.prompt_busy_s,
+            self.prompt_wait_s,
+            float(self.prompt_steps),
+        ]
 
 
 class StageRunner:
@@ -216,9 +224,12 @@ def serve_stage(info: TPInfo, stage, model, runner, link: StageLink, copy_fn, ba
     """A rank > 0's loop: apply rank 0's cache operations, run its stage of each step, until STOP.
     `info`: its place in its stage's TP group."""
     stage_runner = StageRunner(model, runner, link, stage, info.size)
-    apply = {messages.OP_COPY_PREFIX: copy_fn, messages.OP_FREE_SEQ: lambda a, b, c: backend.free_seq(a),
-             messages.OP_FORK_SEQ: lambda a, b, c: backend.fork_seq(a, b),
-             messages.OP_RESET_STATS: lambda a, b, c: stage_runner.stats.reset()}
+    apply = {
+        messages.OP_COPY_PREFIX: copy_fn,
+        messages.OP_FREE_SEQ: lambda a, b, c: backend.free_seq(a),
+        messages.OP_FORK_SEQ: lambda a, b, c: backend.fork_seq(a, b),
+        messages.OP_RESET_STATS: lambda a, b, c: stage_runner.stats.reset(),
+    }
     while True:
         command, lists = messages.recv(info.control)
         if command == messages.STOP:
@@ -227,7 +238,7 @@ def serve_stage(info: TPInfo, stage, model, runner, link: StageLink, copy_fn, ba
             return
         plan, ops = messages.step_from_lists(lists)
         for i in range(0, len(ops), 4):
-            apply[ops[i]](*ops[i + 1:i + 4])
+            apply[ops[i]](*ops[i + 1 : i + 4])
         stage_runner.run(plan)
 
 
@@ -250,8 +261,7 @@ def plan_for(source, size: int, tp: int = 1) -> list:
 def _link(rank: int, pp: int, tp: int, timeout_s: float | None) -> StageLink:
     """Global rank `rank`'s link: the same TP rank of the stages before and after."""
     stage = rank // tp
-    return StageLink(rank, rank - tp if stage else None, rank + tp if stage + 1 < pp else None,
-                     timeout_s=timeout_s)
+    return StageLink(rank, rank - tp if stage else None, rank + tp if stage + 1 < pp else None, timeout_s=timeout_s)
 
 
 def init_pipeline_groups(rank: int, pp: int, tp: int, device: torch.device, init_method: str | None) -> TPInfo:
@@ -264,14 +274,18 @@ def init_pipeline_groups(rank: int, pp: int, tp: int, device: torch.device, init
         kw = {} if init_method is None else {"init_method": init_method}
         dist.init_process_group("gloo", rank=rank, world_size=world, timeout=RENDEZVOUS_TIMEOUT, **kw)
     elif dist.get_world_size() != world:
-        raise ValueError(f"pipeline_parallel_size={pp} x tensor_parallel_size={tp} is {world} ranks but "
-                         f"torch.distributed already runs {dist.get_world_size()}; they must be equal")
+        raise ValueError(
+            f"pipeline_parallel_size={pp} x tensor_parallel_size={tp} is {world} ranks but "
+            f"torch.distributed already runs {dist.get_world_size()}; they must be equal"
+        )
     info = TPInfo(rank % tp, tp)
     info.control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
     for s in range(pp):
-        g = dist.new_group(ranks=list(range(s * tp, (s + 1) * tp)),
-                           backend="nccl" if device.type == "cuda" else "gloo",
-                           timeout=timedelta(seconds=settings.get("tp_timeout_s")))
+        g = dist.new_group(
+            ranks=list(range(s * tp, (s + 1) * tp)),
+            backend="nccl" if device.type == "cuda" else "gloo",
+            timeout=timedelta(seconds=settings.get("tp_timeout_s")),
+        )
         if s == rank // tp:
             info.group = g
     return info
@@ -300,17 +314,25 @@ def pipeline_worker_main(rank: int, pp: int, init_method: str | None, spec, conn
         device = rank_device(spec.device, rank)
         info = init_pipeline_groups(rank, pp, tp, device, init_method)
         stage = plan_for(spec.source, pp, tp)[rank // tp]
-        loaded = load_model(spec.source, spec.dtype, device, max_positions=spec.max_positions,
-                            dequantize_weights=spec.dequantize_weights, isq=spec.isq, stage=stage,
-                            tp=info if tp > 1 else None)
+        loaded = load_model(
+            spec.source,
+            spec.dtype,
+            device,
+            max_positions=spec.max_positions,
+            dequantize_weights=spec.dequantize_weights,
+            isq=spec.isq,
+            stage=stage,
+            tp=info if tp > 1 else None,
+        )
         check_rank_memory(loaded.weight_bytes, spec.max_rank_memory_mb, rank, pp, tp)
         if conn is not None:
             conn.send(("loaded", loaded.weight_bytes))
         command, lists = messages.recv(info.control)
         if command == messages.SETUP:
             num_blocks, timeout_ms = lists[0]
-            cache, backend, copy_fn = stage_kv(loaded.config, stage, loaded.model.shard.kv_heads, spec.cache_cfg,
-                                               num_blocks, device, spec.dtype)
+            cache, backend, copy_fn = stage_kv(
+                loaded.config, stage, loaded.model.shard.kv_heads, spec.cache_cfg, num_blocks, device, spec.dtype
+            )
             sizes = torch.tensor([loaded.weight_bytes, cache.nbytes], dtype=torch.int64)
             dist.gather(sizes, None, dst=0, group=info.control)
             runner = ModelRunner(loaded.model, backend, spec.cache_cfg.block_size, device, sampler=None)
@@ -338,8 +360,16 @@ class PipelineExecutor:
     `StageLinkError` within the link's bound (PAGEDLLM_PP_TIMEOUT_S), and every later step at once.
     `info`: this rank's place in its stage's TP group (rank 0 of stage 0's); `rank`: its global rank."""
 
-    def __init__(self, rank: int, info: TPInfo, stages: list, procs: list, conns: list, timeout_s: float | None,
-                 threads_before: int | None = None) -> None:
+    def __init__(
+        self,
+        rank: int,
+        info: TPInfo,
+        stages: list,
+        procs: list,
+        conns: list,
+        timeout_s: float | None,
+        threads_before: int | None = None,
+    ) -> None:
         self.rank, self.info, self.stages = rank, info, stages
         self.pp, self.tp = len(stages), info.size
         self.world = self.pp * self.tp
@@ -379,30 +409,42 @@ class PipelineExecutor:
         world = int(os.environ.get("WORLD_SIZE", "1"))
         if world > 1:  # torchrun: the other ranks run the same command on their nodes
             if world != want:
-                raise ValueError(f"pipeline_parallel_size={size} x tensor_parallel_size={tp} is {want} ranks "
-                                 f"but torchrun started {world}; they must be equal")
+                raise ValueError(
+                    f"pipeline_parallel_size={size} x tensor_parallel_size={tp} is {want} ranks "
+                    f"but torchrun started {world}; they must be equal"
+                )
             rank = int(os.environ["RANK"])
             info = init_pipeline_groups(rank, size, tp, rank_device(spec.device, rank), None)
             return cls(rank, info, stages, [], [], timeout_s)
         if dist.is_initialized():
-            raise ValueError("another tensor- or pipeline-parallel LLM is running in this process; call its "
-                             "shutdown() first (torch.distributed keeps one group per process)")
+            raise ValueError(
+                "another tensor- or pipeline-parallel LLM is running in this process; call its "
+                "shutdown() first (torch.distributed keeps one group per process)"
+            )
         import torch.multiprocessing as mp
 
         ctx = mp.get_context("spawn")
         threads_before = torch.get_num_threads()
         torch.set_num_threads(spec.threads)
-        logger.info("pipeline parallel: %d stages on this machine (layers %s)%s, %d thread(s) a rank", size,
-                    ", ".join(f"{s.start}-{s.end - 1}" for s in stages),
-                    f", each over {tp} tensor-parallel ranks" if tp > 1 else "", spec.threads)
+        logger.info(
+            "pipeline parallel: %d stages on this machine (layers %s)%s, %d thread(s) a rank",
+            size,
+            ", ".join(f"{s.start}-{s.end - 1}" for s in stages),
+            f", each over {tp} tensor-parallel ranks" if tp > 1 else "",
+            spec.threads,
+        )
         init = f"tcp://127.0.0.1:{_free_port()}"
         procs, conns = [], []
         ex = cls(0, TPInfo(0, tp), stages, procs, conns, timeout_s, threads_before)
         try:
             for r in range(1, want):
                 parent, child = ctx.Pipe(duplex=False)
-                p = ctx.Process(target=pipeline_worker_main, args=(r, size, init, spec, child, tp),
-                                name=f"pagedllm-pp{r}", daemon=True)
+                p = ctx.Process(
+                    target=pipeline_worker_main,
+                    args=(r, size, init, spec, child, tp),
+                    name=f"pagedllm-pp{r}",
+                    daemon=True,
+                )
                 p.start()
                 child.close()
                 procs.append(p)
@@ -423,7 +465,9 @@ class PipelineExecutor:
         self._wait_for("loaded", settings.get("tp_load_timeout_s"))
 
     def _wait_for(self, what: str, timeout: float) -> None:
-        wait_for_ranks(self.procs, self.conns, what, timeout, "pipeline stage", "pipeline_parallel_size", StageLinkError)
+        wait_for_ranks(
+            self.procs, self.conns, what, timeout, "pipeline stage", "pipeline_parallel_size", StageLinkError
+        )
 
     # -- the cache ----------------------------------------------------------------------------
     def kv_spec(self, loaded, cache_cfg, dtype: torch.dtype, groups):
@@ -434,16 +478,18 @@ class PipelineExecutor:
         check_cache(cache_cfg)
         slots = max(stage_slots(groups, s)[1] for s in self.stages)
         cfg = loaded.config
-        return KVCacheSpec(slots, loaded.model.shard.kv_heads, cfg.head_dim, cache_cfg.block_size, dtype,
-                           cache_cfg.kv_cache_dtype)
+        return KVCacheSpec(
+            slots, loaded.model.shard.kv_heads, cfg.head_dim, cache_cfg.block_size, dtype, cache_cfg.kv_cache_dtype
+        )
 
     def setup(self, num_blocks: int) -> None:
         """Tell every stage the pool's size and the link's wait bound (then each builds its cache)."""
         messages.send(self.info.control, messages.SETUP, [[num_blocks, int(self.timeout_s * 1000)]])
         self.set_up = True
 
-    def build_kv(self, loaded, kv_spec, cache_cfg, num_blocks: int, device: torch.device, dtype: torch.dtype,
-                 groups=None):
+    def build_kv(
+        self, loaded, kv_spec, cache_cfg, num_blocks: int, device: torch.device, dtype: torch.dtype, groups=None
+    ):
         """Rank 0's cache (its stage's layers only), backend and copy function; and its link."""
         self.link = _link(self.rank, self.pp, self.tp, self.timeout_s)
         return stage_kv(loaded.config, self.stage, loaded.model.shard.kv_heads, cache_cfg, num_blocks, device, dtype)
@@ -491,8 +537,9 @@ class PipelineExecutor:
                 # it has arrived by now (every stage took it before this step's turn).
                 self._wait_plan()
                 st.add(0.0, clock() - t0, plan.has_prompt)
-                sent, self.plan_works = messages.send_async(self.info.control, messages.STEP,
-                                                            messages.step_lists(plan, self.ops))
+                sent, self.plan_works = messages.send_async(
+                    self.info.control, messages.STEP, messages.step_lists(plan, self.ops)
+                )
                 self.message_bytes += sent
             except (RuntimeError, dist.DistBackendError) as e:  # a peer's control socket closed
                 raise link._fail("send the step plan to", "any", e) from e
@@ -512,8 +559,16 @@ class PipelineExecutor:
             t2 = clock()
             self._send(h)
             st.add(0.0, clock() - t2, prompt)  # (waiting for the send before it to arrive)
-            self.launched.append((t0, plan.logits_rows is None or bool(plan.logits_rows), input_ids.device, prompt,
-                                  runner.model, plan.argmax_only))
+            self.launched.append(
+                (
+                    t0,
+                    plan.logits_rows is None or bool(plan.logits_rows),
+                    input_ids.device,
+                    prompt,
+                    runner.model,
+                    plan.argmax_only,
+                )
+            )
         except StageLinkError as e:
             self._down(str(e))
             raise
@@ -568,8 +623,11 @@ class PipelineExecutor:
     def _down(self, why: str) -> None:
         """The pipeline cannot go on: say which stages ended how, and stop the spawned ones
         (a stuck stage would otherwise hold its memory until rank 0 exits)."""
-        ended = [f"rank {r} (pid {p.pid}) exited with code {p.exitcode}"
-                 for r, p in enumerate(self.procs, start=1) if not p.is_alive()]
+        ended = [
+            f"rank {r} (pid {p.pid}) exited with code {p.exitcode}"
+            for r, p in enumerate(self.procs, start=1)
+            if not p.is_alive()
+        ]
         self.dead = why + (f" [{'; '.join(ended)}]" if ended else "")
         logger.error("%s", self.dead)
         for p in self.procs:
@@ -593,19 +651,34 @@ class PipelineExecutor:
         self.stage_stats = []
         for r, p in enumerate(parts):
             busy, wait, window, steps, p_busy, p_wait, p_steps = p.tolist()
-            self.stage_stats.append(dict(rank=r, stage=r // self.tp, steps=int(steps), window_s=window, busy_s=busy,
-                                         wait_s=wait, busy_share=busy / window if window else 0.0,
-                                         idle_share=_idle(r, busy, wait, window),
-                                         prompt_steps=int(p_steps), prompt_busy_s=p_busy, prompt_wait_s=p_wait))
+            self.stage_stats.append(
+                dict(
+                    rank=r,
+                    stage=r // self.tp,
+                    steps=int(steps),
+                    window_s=window,
+                    busy_s=busy,
+                    wait_s=wait,
+                    busy_share=busy / window if window else 0.0,
+                    idle_share=_idle(r, busy, wait, window),
+                    prompt_steps=int(p_steps),
+                    prompt_busy_s=p_busy,
+                    prompt_wait_s=p_wait,
+                )
+            )
 
     def trace_fields(self) -> dict:
         """The KV trace's per-rank figures (kv/trace.py)."""
-        return dict(pipeline_parallel_size=self.pp, tensor_parallel_size=self.tp,
-                    stage_layers=[f"{s.start}-{s.end - 1}" for s in self.stages],
-                    rank_weight_mb=[w / 2**20 for w, _ in self.rank_bytes],
-                    rank_kv_mb=[kv / 2**20 for _, kv in self.rank_bytes],
-                    p2p_bytes_per_step=(self.link.sent_bytes + self.link.received_bytes) / max(1, self.steps)
-                    if self.link is not None else 0.0)
+        return dict(
+            pipeline_parallel_size=self.pp,
+            tensor_parallel_size=self.tp,
+            stage_layers=[f"{s.start}-{s.end - 1}" for s in self.stages],
+            rank_weight_mb=[w / 2**20 for w, _ in self.rank_bytes],
+            rank_kv_mb=[kv / 2**20 for _, kv in self.rank_bytes],
+            p2p_bytes_per_step=(self.link.sent_bytes + self.link.received_bytes) / max(1, self.steps)
+            if self.link is not None
+            else 0.0,
+        )
 
     # -- stop ----------------------------------------------------------------------------------
     def shutdown(self) -> None:
@@ -651,8 +724,15 @@ class PipelineExecutor:
         from .worker import rank_device
 
         device = rank_device(spec.device, self.rank)
-        loaded = load_model(spec.source, spec.dtype, device, max_positions=spec.max_positions,
-                            dequantize_weights=spec.dequantize_weights, isq=spec.isq, **self.load_args())
+        loaded = load_model(
+            spec.source,
+            spec.dtype,
+            device,
+            max_positions=spec.max_positions,
+            dequantize_weights=spec.dequantize_weights,
+            isq=spec.isq,
+            **self.load_args(),
+        )
         self.wait_loaded()
         self.setup(num_blocks)
         cache, backend, _ = self.build_kv(loaded, None, spec.cache_cfg, num_blocks, device, spec.dtype)

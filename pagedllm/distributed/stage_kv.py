@@ -1,5 +1,6 @@
 """A pipeline stage's paged KV cache: slots for its own layers only, read with rank 0's block
 tables (the whole model's KV groups), and the cache settings a pipeline refuses."""
+
 from __future__ import annotations
 
 import torch
@@ -37,8 +38,12 @@ def check_cache(cache_cfg) -> None:
     from ..kv.quant import get_mode
 
     if not cache_cfg.paged_attention:
-        raise ValueError("pipeline parallelism runs on the paged KV cache; drop paged_attention=False "
-                         "(--no-paged-attn) or use pipeline_parallel_size=1")
+        raise ValueError(
+            "pipeline parallelism runs on the paged KV cache; drop paged_attention=False "
+            "(--no-paged-attn) or use pipeline_parallel_size=1"
+        )
     if get_mode(cache_cfg.kv_cache_dtype).head_scales:
-        raise ValueError(f"kv_cache_dtype={cache_cfg.kv_cache_dtype!r} calibrates its scales over the whole model; "
-                         "pipeline parallelism does not run it yet (use auto or int8, or pipeline_parallel_size=1)")
+        raise ValueError(
+            f"kv_cache_dtype={cache_cfg.kv_cache_dtype!r} calibrates its scales over the whole model; "
+            "pipeline parallelism does not run it yet (use auto or int8, or pipeline_parallel_size=1)"
+        )

@@ -5,6 +5,7 @@ It owns no scheduler, tokenizer state or sampler: each step's plan arrives whole
 other ranks. It exits when rank 0 says STOP, when a collective fails (a peer died: the
 sockets close), or when its parent process dies (Linux: PR_SET_PDEATHSIG).
 """
+
 from __future__ import annotations
 
 import logging
@@ -77,8 +78,15 @@ def serve(tp: TPInfo, init_method: str | None, spec: WorkerSpec, conn=None) -> N
     if device.type == "cuda":
         torch.cuda.set_device(device)
     init_groups(tp, device, init_method)
-    loaded = load_model(spec.source, spec.dtype, device, max_positions=spec.max_positions,
-                        dequantize_weights=spec.dequantize_weights, isq=spec.isq, tp=tp)
+    loaded = load_model(
+        spec.source,
+        spec.dtype,
+        device,
+        max_positions=spec.max_positions,
+        dequantize_weights=spec.dequantize_weights,
+        isq=spec.isq,
+        tp=tp,
+    )
     check_rank_memory(loaded.weight_bytes, spec.max_rank_memory_mb, tp.rank, 1, tp.size)
     if conn is not None:
         conn.send(("loaded", loaded.weight_bytes))
@@ -94,15 +102,18 @@ def serve(tp: TPInfo, init_method: str | None, spec: WorkerSpec, conn=None) -> N
     sizes = torch.tensor([loaded.weight_bytes, kv_bytes], dtype=torch.int64)
     torch.distributed.gather(sizes, None, dst=0, group=tp.control)
     runner = ModelRunner(loaded.model, backend, spec.cache_cfg.block_size, device, sampler=None)
-    apply = {messages.OP_COPY_PREFIX: copy_fn, messages.OP_FREE_SEQ: lambda a, b, c: backend.free_seq(a),
-             messages.OP_FORK_SEQ: lambda a, b, c: backend.fork_seq(a, b)}
+    apply = {
+        messages.OP_COPY_PREFIX: copy_fn,
+        messages.OP_FREE_SEQ: lambda a, b, c: backend.free_seq(a),
+        messages.OP_FORK_SEQ: lambda a, b, c: backend.fork_seq(a, b),
+    }
     while True:
         command, lists = messages.recv(tp.control)
         if command == messages.STOP:
             return
         plan, ops = messages.step_from_lists(lists)
         for i in range(0, len(ops), 4):
-            apply[ops[i]](*ops[i + 1:i + 4])
+            apply[ops[i]](*ops[i + 1 : i + 4])
         runner.logits(plan)
 
 

@@ -35,6 +35,7 @@ cached in every global group, leaving released entries null. Every block's hash 
 the whole prefix before it, so a reused block holds exactly the K/V that recomputing would
 write.
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -46,8 +47,16 @@ from ..kv.groups import blocks_held
 from .block_pool import NULL_BLOCK, ROOT_HASH, BlockMeta, BlockPool, NoFreeBlocksError
 from .sequence import Sequence
 
-__all__ = ["NULL_BLOCK", "ROOT_HASH", "BlockMeta", "BlockPool", "BlockManager", "NoFreeBlocksError",
-           "PrefixCacheStats", "block_hash"]
+__all__ = [
+    "NULL_BLOCK",
+    "ROOT_HASH",
+    "BlockMeta",
+    "BlockPool",
+    "BlockManager",
+    "NoFreeBlocksError",
+    "PrefixCacheStats",
+    "block_hash",
+]
 
 
 @dataclass
@@ -76,10 +85,16 @@ class BlockManager:
     `pool` is given, in which case it shares that pool's blocks, free list and budget with
     the managers already on it (a draft model's beside the target's)."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False,
-                 max_cached_seqs: int = 16,
-                 copy_fn: Callable[[int, int, int], None] | None = None,
-                 group_windows: list[int | None] | None = None, pool: BlockPool | None = None) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool = False,
+        max_cached_seqs: int = 16,
+        copy_fn: Callable[[int, int, int], None] | None = None,
+        group_windows: list[int | None] | None = None,
+        pool: BlockPool | None = None,
+    ) -> None:
         self.pool = pool if pool is not None else BlockPool(num_blocks)
         if self.pool.num_blocks != num_blocks:
             raise ValueError(f"a block manager of {num_blocks} blocks over a pool of {self.pool.num_blocks}")
@@ -332,9 +347,12 @@ class BlockManager:
             while len(hashes) < n_full:
                 i = len(hashes)
                 parent = hashes[-1] if hashes else root_of(seq)
-                tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
-                h = block_hash(parent, tokens, self._extra(g, extra if seq.mm is None else
-                                                           _with_images(extra, seq.mm.block_key(i, bs))))
+                tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+                h = block_hash(
+                    parent,
+                    tokens,
+                    self._extra(g, extra if seq.mm is None else _with_images(extra, seq.mm.block_key(i, bs))),
+                )
                 hashes.append(h)
                 bid = table[i]
                 if bid == NULL_BLOCK or self.blocks[bid].hash is not None:
@@ -353,7 +371,7 @@ class BlockManager:
         if bid == NULL_BLOCK or b.hash is not None or b.tokens or b.ref_count != 1:
             return  # shared with a fork that may still write into it
         parent = hashes[-1] if hashes else root_of(seq)
-        self.pool.register(bid, None, parent, tuple(seq.token_ids[i * bs:i * bs + n]))
+        self.pool.register(bid, None, parent, tuple(seq.token_ids[i * bs : i * bs + n]))
 
     def match_prefix(self, seq: Sequence, extra: object = None) -> None:
         """Give a new (or preempted) sequence the cached blocks matching its prompt.
@@ -368,8 +386,9 @@ class BlockManager:
         root = root_of(seq)
         chains = [self._lookup_chain(ids, limit, g, extra, w, root, seq.mm) for g, w in enumerate(self.group_windows)]
         n = self._common_match(chains)
-        for (hashes, found), w, table, hash_list in zip(chains, self.group_windows, self.tables(seq),
-                                                         self._hash_lists(seq)):
+        for (hashes, found), w, table, hash_list in zip(
+            chains, self.group_windows, self.tables(seq), self._hash_lists(seq)
+        ):
             first = 0 if w is None else self._window_start(n, w)
             for i in range(n):
                 bid = found[i] if i >= first else NULL_BLOCK
@@ -388,8 +407,9 @@ class BlockManager:
         seq.num_computed_tokens = hit + copied
         self._last_match = (hit + copied, copied)
 
-    def _lookup_chain(self, ids: list[int], limit: int, g: int, extra: object,
-                      window: int | None, root: int = ROOT_HASH, mm=None) -> tuple[list[int], list[int | None]]:
+    def _lookup_chain(
+        self, ids: list[int], limit: int, g: int, extra: object, window: int | None, root: int = ROOT_HASH, mm=None
+    ) -> tuple[list[int], list[int | None]]:
         """The chained hashes of group g's full blocks of the prompt before `limit`, and the
         cached block holding each (None where none does); stops after the first miss unless
         the window slides. `mm`: a prompt's images, whose hashes key the blocks they are in."""
@@ -399,7 +419,7 @@ class BlockManager:
         found: list[int | None] = []
         parent, pos = root, 0
         while pos + bs <= limit:
-            tokens = tuple(ids[pos:pos + bs])
+            tokens = tuple(ids[pos : pos + bs])
             if mm is not None:
                 key = self._extra(g, _with_images(extra, mm.block_key(pos // bs, bs)))
             h = block_hash(parent, tokens, key)
@@ -421,8 +441,10 @@ class BlockManager:
         sliding group the window of blocks before block n."""
         top = min(len(found) for _, found in chains)
         for n in range(top, 0, -1):
-            if all(all(b is not None for b in found[0 if w is None else self._window_start(n, w):n])
-                   for (_, found), w in zip(chains, self.group_windows)):
+            if all(
+                all(b is not None for b in found[0 if w is None else self._window_start(n, w) : n])
+                for (_, found), w in zip(chains, self.group_windows)
+            ):
                 return n
         return 0
 
@@ -440,7 +462,7 @@ class BlockManager:
             seq.num_cached_tokens = cached
 
     def _match_partial(self, seq: Sequence, parent: int, start: int, limit: int) -> int:
-        want = seq.token_ids[start:min(start + self.block_size, limit)]
+        want = seq.token_ids[start : min(start + self.block_size, limit)]
         if not want or not self.token_exact:
             return 0
         if seq.mm is not None and seq.mm.block_key(start // self.block_size, self.block_size) is not None:

@@ -18,6 +18,7 @@ long-running engine cycles through a small working set and the CPU pages of bloc
 never needed are never committed. Blocks never handed out sit below every freed one,
 lowest id on top, so the blocks ever touched are exactly 1..`num_touched`.
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict, deque

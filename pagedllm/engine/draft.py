@@ -26,6 +26,7 @@ Greedy proposals are a function of the context alone, so the target's acceptance
 target's, sampled output has the target's distribution, and seeded rows draw the tokens
 they draw without speculation.
 """
+
 from __future__ import annotations
 
 import logging
@@ -53,8 +54,10 @@ logger = logging.getLogger(__name__)
 CATCH_UP_ROWS = 8
 
 
-_FIX = ("a draft model must share the target's tokenizer: use a smaller model of the same family "
-        "and release (for example SmolLM2-135M for SmolLM2-1.7B), or n-gram speculation")
+_FIX = (
+    "a draft model must share the target's tokenizer: use a smaller model of the same family "
+    "and release (for example SmolLM2-135M for SmolLM2-1.7B), or n-gram speculation"
+)
 
 
 def check_draft_setup(speculative, draft) -> None:
@@ -70,8 +73,9 @@ def check_vocab_size(t_name: str, tv: int, d_name: str, dv: int) -> None:
     """Refuse a draft whose logits cover other token ids than the target's (checked from the
     configs, before either model is loaded)."""
     if tv != dv:
-        raise ValueError(f"draft model {d_name!r} has a vocabulary of {dv} token ids but the target "
-                         f"{t_name!r} has {tv}; {_FIX}")
+        raise ValueError(
+            f"draft model {d_name!r} has a vocabulary of {dv} token ids but the target {t_name!r} has {tv}; {_FIX}"
+        )
 
 
 def check_compatible(target, draft) -> None:
@@ -86,9 +90,11 @@ def check_compatible(target, draft) -> None:
         d_tok = {i: s for s, i in d_vocab.items()}
         diff = sorted(i for i in set(t_tok) | set(d_tok) if t_tok.get(i) != d_tok.get(i))
         i = diff[0]
-        raise ValueError(f"draft model {d_name!r} and the target {t_name!r} tokenize differently: "
-                         f"{len(diff)} token id(s) differ (id {i} is {t_tok.get(i)!r} in the target, "
-                         f"{d_tok.get(i)!r} in the draft); {_FIX}")
+        raise ValueError(
+            f"draft model {d_name!r} and the target {t_name!r} tokenize differently: "
+            f"{len(diff)} token id(s) differ (id {i} is {t_tok.get(i)!r} in the target, "
+            f"{d_tok.get(i)!r} in the draft); {_FIX}"
+        )
 
 
 def draft_cache_config(cache_cfg: CacheConfig) -> CacheConfig:
@@ -105,9 +111,11 @@ def draft_kv_groups(loaded) -> KVGroups:
 
 def shared_pool_note(num_blocks: int, target: KVCacheSpec, draft: KVCacheSpec) -> str:
     """What the cache plan's source says of the pool both models draw from."""
-    return (f"; one pool of {num_blocks - 1} blocks for the target and the draft model, each block id a "
-            f"page in both caches ({target.bytes_per_block / 1024:g} + {draft.bytes_per_block / 1024:g} KiB), "
-            f"the draft's pages {_mb(num_blocks, draft):.1f} MB of it")
+    return (
+        f"; one pool of {num_blocks - 1} blocks for the target and the draft model, each block id a "
+        f"page in both caches ({target.bytes_per_block / 1024:g} + {draft.bytes_per_block / 1024:g} KiB), "
+        f"the draft's pages {_mb(num_blocks, draft):.1f} MB of it"
+    )
 
 
 def _mb(num_blocks: int, spec: KVCacheSpec) -> float:
@@ -133,9 +141,18 @@ class DraftModel:
     """The draft's model, its pages and runner, its KV groups on the target's block pool,
     and a shadow per sequence."""
 
-    def __init__(self, loaded, spec: KVCacheSpec, cache_cfg: CacheConfig, target: BlockManager,
-                 device: torch.device, dtype: torch.dtype, chunk: int, draft_vocab: int | None = None,
-                 draft_weights: str = "file") -> None:
+    def __init__(
+        self,
+        loaded,
+        spec: KVCacheSpec,
+        cache_cfg: CacheConfig,
+        target: BlockManager,
+        device: torch.device,
+        dtype: torch.dtype,
+        chunk: int,
+        draft_vocab: int | None = None,
+        draft_weights: str = "file",
+    ) -> None:
         """`target`: the target's block manager, whose pool the draft's groups join.
         `draft_vocab`: the token ids its head scores in full (draft_head.py; 0: all).
         `draft_weights`: the format its quantized weights run in (draft_weights.py)."""
@@ -147,11 +164,17 @@ class DraftModel:
         self.kv_spec = spec
         self.target = target
         pool = target.pool
-        self.kv_cache, backend, copy_fn = build_kv(loaded, spec, dcfg, pool.num_blocks, device, dtype,
-                                                   self.kv_groups)
+        self.kv_cache, backend, copy_fn = build_kv(loaded, spec, dcfg, pool.num_blocks, device, dtype, self.kv_groups)
         # Not a second pool: the draft's tables, hashes and figures over the target's blocks.
-        self.block_manager = BlockManager(pool.num_blocks, dcfg.block_size, dcfg.prefix_caching,
-                                          dcfg.prefix_cache_n, copy_fn, self.kv_groups.windows, pool=pool)
+        self.block_manager = BlockManager(
+            pool.num_blocks,
+            dcfg.block_size,
+            dcfg.prefix_caching,
+            dcfg.prefix_cache_n,
+            copy_fn,
+            self.kv_groups.windows,
+            pool=pool,
+        )
         self.runner = ModelRunner(loaded.model, backend, cache_cfg.block_size, device, sampler=None)
         self.chunk = chunk  # most tokens the draft computes in one forward
         self.shadows: dict[int, _Shadow] = {}  # target seq_id -> its shadow
@@ -177,21 +200,25 @@ class DraftModel:
     def describe(self) -> str:
         bm = self.block_manager
         prefix = f"{bm.stats.hits} prompt tokens reused" if bm.enable_caching else "off"
-        return (f"draft model {self.name}: {bm.num_groups} KV group(s) in the target's pool of "
-                f"{bm.num_usable_blocks} blocks of {bm.block_size} tokens (one budget; each block id a page "
-                f"in both caches, the draft's {self.kv_spec.bytes_per_block / 1024:g} KiB, "
-                f"{dtype_name(self.kv_spec.dtype)}: ceiling {self.memory_mb:.1f} MB, committed "
-                f"{self.committed_mb:.1f} MB), {bm.num_held_blocks} held for {len(self.shadows)} sequences "
-                f"of the pool's {bm.num_used_blocks} in use; prefix cache {prefix}; {self.forwards} draft "
-                f"forwards; {self.no_room} times short of draft blocks; {self.describe_head()}; "
-                f"{self.weights_note or 'weights as loaded'}")
+        return (
+            f"draft model {self.name}: {bm.num_groups} KV group(s) in the target's pool of "
+            f"{bm.num_usable_blocks} blocks of {bm.block_size} tokens (one budget; each block id a page "
+            f"in both caches, the draft's {self.kv_spec.bytes_per_block / 1024:g} KiB, "
+            f"{dtype_name(self.kv_spec.dtype)}: ceiling {self.memory_mb:.1f} MB, committed "
+            f"{self.committed_mb:.1f} MB), {bm.num_held_blocks} held for {len(self.shadows)} sequences "
+            f"of the pool's {bm.num_used_blocks} in use; prefix cache {prefix}; {self.forwards} draft "
+            f"forwards; {self.no_room} times short of draft blocks; {self.describe_head()}; "
+            f"{self.weights_note or 'weights as loaded'}"
+        )
 
     def describe_head(self) -> str:
         h = self.head
         if h is None:
             return f"head over all {self.loaded.config.vocab_size} token ids"
-        return (f"head over token ids below {h.keep} of {h.vocab_size} ({h.parts[0].fmt if h.parts else 'float'}) "
-                f"and {h.num_extra} others (added tokens, and the rarer ids its sequences hold)")
+        return (
+            f"head over token ids below {h.keep} of {h.vocab_size} ({h.parts[0].fmt if h.parts else 'float'}) "
+            f"and {h.num_extra} others (added tokens, and the rarer ids its sequences hold)"
+        )
 
     # -- per sequence -------------------------------------------------------
     def release(self, seq: Sequence) -> None:
@@ -205,8 +232,7 @@ class DraftModel:
             self.head.drop(seq.seq_id)
         bm = self.block_manager
         bm.commit_full_blocks(sh.seq)
-        mode = ("keep" if not seq.is_finished else
-                "drop" if seq.finish_reason in ("abort", "error") else "retain")
+        mode = "keep" if not seq.is_finished else "drop" if seq.finish_reason in ("abort", "error") else "retain"
         bm.free(sh.seq, mode)
         self.runner.release(sh.seq.seq_id)
 
@@ -226,7 +252,7 @@ class DraftModel:
             return sh
         d, mine = sh.seq, sh.seq.token_ids
         if self.head is not None:
-            self.head.hold(seq.seq_id, toks[sh.synced:])
+            self.head.hold(seq.seq_id, toks[sh.synced :])
         c = sh.kept(toks)
         del mine[c:]
         mine.extend(toks[c:])
@@ -295,8 +321,11 @@ class DraftModel:
         if not first:
             return
         first.sort(key=lambda x: not x[0].is_decode)  # the attention backend batches decodes first
-        live = [(it.seq, seq, k) for it, seq, k in first if it.seq.num_computed_tokens + it.num_new_tokens
-                == it.seq.num_tokens]
+        live = [
+            (it.seq, seq, k)
+            for it, seq, k in first
+            if it.seq.num_computed_tokens + it.num_new_tokens == it.seq.num_tokens
+        ]
         for (_, seq, _), t in zip(live, self._forward([it for it, _, _ in first])):
             seq.spec_tokens = [t]
         for j in range(1, max((k for _, _, k in live), default=0)):
@@ -366,5 +395,5 @@ def _catch_up(d: Sequence, n: int) -> ScheduledSeq:
     rows), so the step stays on the decode path; more run as a prefill chunk."""
     c = d.num_computed_tokens
     if 1 < n <= CATCH_UP_ROWS and c + n == d.num_tokens:
-        return ScheduledSeq(d, n, spec_tokens=d.token_ids[c + 1:c + n])
+        return ScheduledSeq(d, n, spec_tokens=d.token_ids[c + 1 : c + n])
     return ScheduledSeq(d, n)

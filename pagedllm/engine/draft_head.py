@@ -19,6 +19,7 @@ is unchanged, only the proposal at that position is lost. The argmax over this s
 the whole head's whenever the whole head's argmax lies in it (a monotonic logit transform, such
 as Gemma 2's soft-capping, keeps the argmax, so the plain product suffices).
 """
+
 from __future__ import annotations
 
 import torch
@@ -77,8 +78,12 @@ class DraftHead:
     def usable(model) -> bool:
         """The head is one plain weight (not split across ranks, not column-permuted, no bias)."""
         lm = getattr(model, "lm_head", None)
-        if (lm is None or getattr(model, "tp", None) is not None or getattr(lm, "lora", None) is not None
-                or getattr(lm, "bias", None) is not None):
+        if (
+            lm is None
+            or getattr(model, "tp", None) is not None
+            or getattr(lm, "lora", None) is not None
+            or getattr(lm, "bias", None) is not None
+        ):
             return False
         if lm.qparts is not None:
             return len(lm.qparts) == 1 and lm.qparts[0].col_perm is None and lm.in_perm is None
@@ -116,8 +121,7 @@ class DraftHead:
         if self._ids is None:
             ids = torch.tensor(sorted(self.always | self.count.keys()), dtype=torch.long)
             if self.parts is not None:  # quantized weights live on the CPU
-                rows = qk.embedding(self.full, ids, torch.float32) if len(ids) else \
-                    torch.empty(0, self.full.shape[1])
+                rows = qk.embedding(self.full, ids, torch.float32) if len(ids) else torch.empty(0, self.full.shape[1])
             else:
                 ids = ids.to(self.full.device)
                 rows = self.full.index_select(0, ids).float()

@@ -13,6 +13,7 @@ speculative `draft_weights`: "auto" (the default) requantizes the decoder projec
 the head's scored rows stored in more bits a weight than LIGHT to LIGHT, at load; a type name requantizes every quantized one to it; "file" keeps the file's.
 Float (unquantized) weights stay as they are: ISQ (`isq`) quantizes a safetensors draft.
 """
+
 from __future__ import annotations
 
 import logging

@@ -5,6 +5,7 @@ Every face drives the engine through an `EngineDriver`: `LLM` and the mistral.rs
 thread calls `add`, `abort` and `advance` (one step) between its commands. Nothing else calls
 `LLMEngine.step()`. Not thread-safe: one thread drives one engine.
 """
+
 from __future__ import annotations
 
 import time
@@ -39,15 +40,19 @@ class EngineDriver:
     def add(self, items: Iterable[Item | tuple]) -> list[str]:
         """Add the requests, all or none: if one is refused (bad input raises ValueError), those
         already added are aborted before the error goes on. Their request ids, in order."""
-        return self._all_or_none(self.engine.add_request(it.prompt, it.params, request_id=it.request_id,
-                                                         **({"lora_request": it.lora} if it.lora else {}))
-                                 for it in _items(items))
+        return self._all_or_none(
+            self.engine.add_request(
+                it.prompt, it.params, request_id=it.request_id, **({"lora_request": it.lora} if it.lora else {})
+            )
+            for it in _items(items)
+        )
 
     def add_pooling(self, items: Iterable[Item | tuple], pooling: Any) -> list[str]:
         """Add embedding requests (their prompts are token ids), all or none, pooled as
         `pooling` (engine/pooling.py's PoolingConfig) says; their final outputs carry `embedding`."""
-        return self._all_or_none(self.engine.add_pooling_request(it.prompt, pooling, request_id=it.request_id)
-                                 for it in _items(items))
+        return self._all_or_none(
+            self.engine.add_pooling_request(it.prompt, pooling, request_id=it.request_id) for it in _items(items)
+        )
 
     def _all_or_none(self, adds: Iterator[str]) -> list[str]:
         added: list[str] = []
@@ -106,8 +111,9 @@ class EngineDriver:
         try:
             while pending if wanted is not None else self.engine.has_unfinished():
                 if not self.engine.has_unfinished():
-                    raise RuntimeError(f"request(s) {', '.join(sorted(pending))} are no longer in the "
-                                       "engine (aborted elsewhere?)")
+                    raise RuntimeError(
+                        f"request(s) {', '.join(sorted(pending))} are no longer in the engine (aborted elsewhere?)"
+                    )
                 outs = self.advance()
                 if wanted is not None:
                     outs = [o for o in outs if o.request_id in wanted]

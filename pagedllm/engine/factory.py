@@ -1,5 +1,6 @@
 """The engine assembled from the config: every part built whole, its collaborators passed to
 its constructor, in the order they need one another."""
+
 from __future__ import annotations
 
 import logging
@@ -27,9 +28,19 @@ from .scheduler import Scheduler
 logger = logging.getLogger(__name__)
 
 
-def build_engine(loaded: LoadedModel, cache_cfg: CacheConfig, sched_cfg: SchedulerConfig, device: torch.device,
-                 dtype: torch.dtype, seed: int = 0, executor=None, speculative: SpeculativeConfig | None = None,
-                 draft: LoadedModel | None = None, max_lora_rank: int = 16, runner_cls=ModelRunner) -> LLMEngine:
+def build_engine(
+    loaded: LoadedModel,
+    cache_cfg: CacheConfig,
+    sched_cfg: SchedulerConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    seed: int = 0,
+    executor=None,
+    speculative: SpeculativeConfig | None = None,
+    draft: LoadedModel | None = None,
+    max_lora_rank: int = 16,
+    runner_cls=ModelRunner,
+) -> LLMEngine:
     """`executor`: rank 0's side of tensor or pipeline parallelism (pagedllm/distributed), or
     None. It prices a block for the per-rank KV budget (`kv_spec`), tells the other ranks the
     pool's size (`setup`), builds rank 0's cache (`build_kv`), sees every cache operation
@@ -44,37 +55,85 @@ def build_engine(loaded: LoadedModel, cache_cfg: CacheConfig, sched_cfg: Schedul
     check_draft_setup(speculative, draft)
     cfg, model = loaded.config, loaded.model
     groups, kv_spec, draft_spec, plan, kv_cache, backend, copy_fn = _build_kv(
-        loaded, cache_cfg, sched_cfg, device, dtype, executor, draft)
+        loaded, cache_cfg, sched_cfg, device, dtype, executor, draft
+    )
     prefix_caching, note = prefix_caching_mode(cache_cfg, cfg)
     if cache_cfg.prefix_caching and not prefix_caching:
         logger.info("prefix caching is off: %s", note)
-    block_manager = BlockManager(plan.num_blocks, cache_cfg.block_size, prefix_caching, cache_cfg.prefix_cache_n,
-                                 copy_fn, groups.windows)
+    block_manager = BlockManager(
+        plan.num_blocks, cache_cfg.block_size, prefix_caching, cache_cfg.prefix_cache_n, copy_fn, groups.windows
+    )
     lora = LoRAManager(model, sched_cfg.max_loras, max_lora_rank, dtype, device) if sched_cfg.max_loras else None
     # Vision-language models: image embeddings cached by content hash, encoded in the step
     # within an encoder budget (pagedllm/multimodal).
-    encoder_cache = (EncoderCache(max(sched_cfg.encoder_cache_tokens, sched_cfg.encoder_budget))
-                     if hasattr(model, "encode_images") else None)
+    encoder_cache = (
+        EncoderCache(max(sched_cfg.encoder_cache_tokens, sched_cfg.encoder_budget))
+        if hasattr(model, "encode_images")
+        else None
+    )
     output = OutputProcessor(loaded.tokenizer, set(cfg.eos_token_ids) | set(loaded.tokenizer.eos_token_ids))
     structured = GrammarEngine(loaded.tokenizer, cfg.vocab_size, sorted(output.eos_token_ids))
-    runner = runner_cls(model, backend, cache_cfg.block_size, device, Sampler(device, seed), structured=structured,
-                        driver=executor, lora=lora, encoder_cache=encoder_cache)
-    draft_model = (DraftModel(draft, draft_spec, cache_cfg, block_manager, device, dtype,
-                              sched_cfg.max_num_batched_tokens, speculative.draft_vocab, speculative.draft_weights)
-                   if draft is not None else None)
-    spec = (SpeculativeDecoder(speculative, sched_cfg.max_model_len, draft=draft_model)
-            if speculative is not None else None)
+    runner = runner_cls(
+        model,
+        backend,
+        cache_cfg.block_size,
+        device,
+        Sampler(device, seed),
+        structured=structured,
+        driver=executor,
+        lora=lora,
+        encoder_cache=encoder_cache,
+    )
+    draft_model = (
+        DraftModel(
+            draft,
+            draft_spec,
+            cache_cfg,
+            block_manager,
+            device,
+            dtype,
+            sched_cfg.max_num_batched_tokens,
+            speculative.draft_vocab,
+            speculative.draft_weights,
+        )
+        if draft is not None
+        else None
+    )
+    spec = (
+        SpeculativeDecoder(speculative, sched_cfg.max_model_len, draft=draft_model) if speculative is not None else None
+    )
     # A preempted sequence's draft blocks go back to the pool at once, so the scheduler's room
     # check sees them before it preempts another.
     scheduler = Scheduler(sched_cfg, block_manager, encoder_cache, on_preempt=spec.release if spec else None)
     kv = KVParts(groups, kv_spec, plan, kv_cache, backend, prefix_caching, note)
-    return LLMEngine(loaded, cache_cfg, sched_cfg, device, dtype, kv=kv, block_manager=block_manager,
-                     scheduler=scheduler, runner=runner, output=output, structured=structured, lora=lora,
-                     encoder_cache=encoder_cache, spec=spec, executor=executor)
+    return LLMEngine(
+        loaded,
+        cache_cfg,
+        sched_cfg,
+        device,
+        dtype,
+        kv=kv,
+        block_manager=block_manager,
+        scheduler=scheduler,
+        runner=runner,
+        output=output,
+        structured=structured,
+        lora=lora,
+        encoder_cache=encoder_cache,
+        spec=spec,
+        executor=executor,
+    )
 
 
-def _build_kv(loaded: LoadedModel, cache_cfg: CacheConfig, sched_cfg: SchedulerConfig, device: torch.device,
-              dtype: torch.dtype, executor, draft: LoadedModel | None):
+def _build_kv(
+    loaded: LoadedModel,
+    cache_cfg: CacheConfig,
+    sched_cfg: SchedulerConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    executor,
+    draft: LoadedModel | None,
+):
     """The KV groups, block price, pool plan and rank 0's paged cache (with its backend and
     prefix-copy function), a draft model's groups drawing from the same pool; under tensor or
     pipeline parallelism the other ranks build theirs as rank 0 does and repeat its cache
@@ -82,8 +141,11 @@ def _build_kv(loaded: LoadedModel, cache_cfg: CacheConfig, sched_cfg: SchedulerC
     cfg = loaded.config
     # Layers that attend alike share a block table; sliding and global layers do not.
     groups = plan_groups(cfg.layer_windows, cfg.num_layers, hybrid=cache_cfg.paged_attention)
-    kv_spec = (executor.kv_spec(loaded, cache_cfg, dtype, groups) if executor is not None
-               else kv_spec_of(loaded, cache_cfg, dtype, groups))
+    kv_spec = (
+        executor.kv_spec(loaded, cache_cfg, dtype, groups)
+        if executor is not None
+        else kv_spec_of(loaded, cache_cfg, dtype, groups)
+    )
     # The pool's tables per sequence: the target's groups, and a draft model's beside them.
     windows, draft_spec = list(groups.windows), None
     if draft is not None:
@@ -99,6 +161,7 @@ def _build_kv(loaded: LoadedModel, cache_cfg: CacheConfig, sched_cfg: SchedulerC
     kv_cache, backend, copy_fn = make_kv(loaded, kv_spec, cache_cfg, plan.num_blocks, device, dtype, groups)
     if executor is not None:  # the other ranks repeat every cache operation
         backend, copy_fn = executor.recorded(backend, copy_fn)
-        executor.gather_sizes(loaded.weights.resident_bytes if loaded.weights else 0,
-                              kv_cache.nbytes if kv_cache is not None else 0)
+        executor.gather_sizes(
+            loaded.weights.resident_bytes if loaded.weights else 0, kv_cache.nbytes if kv_cache is not None else 0
+        )
     return groups, kv_spec, draft_spec, plan, kv_cache, backend, copy_fn

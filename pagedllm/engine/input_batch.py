@@ -8,6 +8,7 @@ table in place (a copy-on-write, a window release, a trim or a free bumps
 positions are then a few array operations over the rows, not Python loops over tokens and
 table entries.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -35,8 +36,7 @@ class InputBatch:
         r = self.row_of.get(seq.seq_id)
         if r is None:
             r = self._assign(seq.seq_id)
-        elif (self.versions[r] == seq.table_version and self.num_groups == 1
-              and self.lens0[r] == len(seq.block_table)):
+        elif self.versions[r] == seq.table_version and self.num_groups == 1 and self.lens0[r] == len(seq.block_table):
             return r  # most steps: nothing changed
         full = self.versions[r] != seq.table_version
         if self.num_groups == 1:
@@ -70,7 +70,7 @@ class InputBatch:
         r = self.row_of.pop(seq_id, None)
         if r is None:
             return
-        self.tables[:, r, :int(self.lens[:, r].max())] = 0
+        self.tables[:, r, : int(self.lens[:, r].max())] = 0
         self.lens[:, r] = 0
         self.lens0[r] = 0
         self.versions[r] = -1
@@ -99,5 +99,5 @@ class InputBatch:
     def _widen(self, n: int) -> None:
         width = max(n, 2 * self.tables.shape[2])
         tables = np.zeros((self.num_groups, self.num_rows, width), dtype=np.int64)
-        tables[:, :, :self.tables.shape[2]] = self.tables
+        tables[:, :, : self.tables.shape[2]] = self.tables
         self.tables = tables

@@ -7,6 +7,7 @@ outputs. Text, stop strings, logprob entries and request metrics are the output 
 (output_processor.py); callers drive the loop through the driver (driver.py); the parts are
 assembled from the config by factory.py.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -60,11 +61,25 @@ class LLMEngine:
     """The engine's parts, whole when they come (engine/factory.py assembles them from the
     config), and the loop over them."""
 
-    def __init__(self, loaded: LoadedModel, cache_cfg: CacheConfig, sched_cfg: SchedulerConfig,
-                 device: torch.device, dtype: torch.dtype, *, kv: KVParts, block_manager: BlockManager,
-                 scheduler: Scheduler, runner: ModelRunner, output: OutputProcessor,
-                 structured: GrammarEngine, lora: LoRAManager | None, encoder_cache: EncoderCache | None,
-                 spec: spec_decoder.SpeculativeDecoder | None, executor=None) -> None:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        cache_cfg: CacheConfig,
+        sched_cfg: SchedulerConfig,
+        device: torch.device,
+        dtype: torch.dtype,
+        *,
+        kv: KVParts,
+        block_manager: BlockManager,
+        scheduler: Scheduler,
+        runner: ModelRunner,
+        output: OutputProcessor,
+        structured: GrammarEngine,
+        lora: LoRAManager | None,
+        encoder_cache: EncoderCache | None,
+        spec: spec_decoder.SpeculativeDecoder | None,
+        executor=None,
+    ) -> None:
         """`executor`: rank 0's side of tensor or pipeline parallelism, or None."""
         self.model, self.model_config = loaded.model, loaded.config
         self.tokenizer = loaded.tokenizer
@@ -99,16 +114,20 @@ class LLMEngine:
         # Running share of allocated-but-empty token slots, for the trace.
         self.waste_sum, self.waste_steps = 0.0, 0
         committed, how = committed_bytes(self)
-        logger.info("%s; committed now %.1f MB (%s)", self.cache_plan.describe(self.kv_spec),
-                    committed / 2**20, how)
+        logger.info("%s; committed now %.1f MB (%s)", self.cache_plan.describe(self.kv_spec), committed / 2**20, how)
         release_freed_memory()  # what loading freed, before the KV cache starts to fill
         if device.type == "cpu" and keep_freed_buffers():  # steps reuse their large buffers
             logger.debug("the heap keeps freed blocks up to %d MB for reuse", KEEP_BUFFERS_BYTES >> 20)
 
     # -- requests ---------------------------------------------------------
-    def add_request(self, prompt: str | list[int] | MultiModalInput | None, params: SamplingParams | None = None,
-                    request_id: str | None = None, prompt_token_ids: list[int] | None = None,
-                    lora_request=None) -> str:
+    def add_request(
+        self,
+        prompt: str | list[int] | MultiModalInput | None,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        prompt_token_ids: list[int] | None = None,
+        lora_request=None,
+    ) -> str:
         """`lora_request`: a LoRARequest (pagedllm/lora) whose adapter this request runs with.
         `prompt` may be a MultiModalInput (pagedllm/multimodal): token ids with images."""
         params = params or SamplingParams()
@@ -119,13 +138,17 @@ class LLMEngine:
             prompt, prompt_token_ids = mm.prompt, mm.prompt_token_ids
         if lora_request is not None:
             if self.lora is None:
-                raise ValueError(f"request names LoRA adapter {lora_request.lora_name!r} but LoRA is not "
-                                 "enabled: start the engine with enable_lora=True (--enable-lora)")
+                raise ValueError(
+                    f"request names LoRA adapter {lora_request.lora_name!r} but LoRA is not "
+                    "enabled: start the engine with enable_lora=True (--enable-lora)"
+                )
             self.lora.check(lora_request)
         # (A pipeline's first stage has no head: the last stage's computes the logits.)
         if getattr(self.model, "lm_head", True) is None and self.executor is None:
-            raise ValueError(f"{self.model_name} is an embedding model (no LM head): it cannot generate "
-                             "text; ask it for embeddings (/v1/embeddings, LLM.embed)")
+            raise ValueError(
+                f"{self.model_name} is an embedding model (no LM head): it cannot generate "
+                "text; ask it for embeddings (/v1/embeddings, LLM.embed)"
+            )
         text = prompt if isinstance(prompt, str) else None
         if prompt_token_ids is None:
             if isinstance(prompt, str):
@@ -138,17 +161,21 @@ class LLMEngine:
                 prompt_token_ids = list(prompt)
         prompt_token_ids = self._check_prompt(prompt_token_ids, params)
         if mm is None and self.encoder_cache is not None and self.model.image_token_id in prompt_token_ids:
-            raise ValueError(f"the prompt holds the image placeholder token ({self.model.image_token_id}) but no "
-                             "image; send images as image parts (or multi_modal_data), not as their tokens")
+            raise ValueError(
+                f"the prompt holds the image placeholder token ({self.model.image_token_id}) but no "
+                "image; send images as image parts (or multi_modal_data), not as their tokens"
+            )
         if mm is not None and not mm.images:
             mm = None  # a prompt without images runs as text
         rid = self._new_request_id(request_id)
-        matchers = (self.structured.matchers(params.structured, params.n) if params.structured
-                    else [None] * params.n)
+        matchers = self.structured.matchers(params.structured, params.n) if params.structured else [None] * params.n
         seqs = []
         for i in range(params.n):
-            seqs.append(Sequence(rid, prompt_token_ids, params, prompt=text, index=i, grammar=matchers[i],
-                                 lora=lora_request, mm=mm))
+            seqs.append(
+                Sequence(
+                    rid, prompt_token_ids, params, prompt=text, index=i, grammar=matchers[i], lora=lora_request, mm=mm
+                )
+            )
         # n > 1: the prompt is computed once by the first sequence; the others fork from it
         # when it samples, sharing its blocks copy-on-write.
         seqs[0].fork_children = seqs[1:]
@@ -170,19 +197,27 @@ class LLMEngine:
     def _check_images(self, mm: MultiModalInput) -> MultiModalInput:
         """A prompt with images, checked against what this model and the scheduler can take."""
         if self.encoder_cache is None:
-            raise ValueError(f"model {self.model_name!r} is text-only ({self.model_config.architecture}); "
-                             "it takes no images: send text, or serve a vision-language model")
+            raise ValueError(
+                f"model {self.model_name!r} is text-only ({self.model_config.architecture}); "
+                "it takes no images: send text, or serve a vision-language model"
+            )
         cfg = self.sched_config
         if len(mm.images) > cfg.limit_images:
-            raise ValueError(f"{len(mm.images)} images in one prompt but at most {cfg.limit_images} are allowed "
-                             "(limit_mm_per_prompt)")
+            raise ValueError(
+                f"{len(mm.images)} images in one prompt but at most {cfg.limit_images} are allowed "
+                "(limit_mm_per_prompt)"
+            )
         for im in mm.images:
             if im.num_embeds > cfg.encoder_budget:
-                raise ValueError(f"an image of {im.num_embeds} tokens does not fit the step's encoder budget of "
-                                 f"{cfg.encoder_budget} tokens; raise max_num_batched_tokens")
+                raise ValueError(
+                    f"an image of {im.num_embeds} tokens does not fit the step's encoder budget of "
+                    f"{cfg.encoder_budget} tokens; raise max_num_batched_tokens"
+                )
             if mm.bidirectional and im.length > cfg.max_num_batched_tokens:
-                raise ValueError(f"an image of {im.length} tokens must be prefilled in one step, over "
-                                 f"max_num_batched_tokens={cfg.max_num_batched_tokens}; raise it")
+                raise ValueError(
+                    f"an image of {im.length} tokens must be prefilled in one step, over "
+                    f"max_num_batched_tokens={cfg.max_num_batched_tokens}; raise it"
+                )
         if getattr(self.model, "mrope", False) and mm.images:  # M-RoPE: the prompt's own positions
             mm.rope_positions, mm.rope_delta = self.model.rope_index(mm)
         return mm
@@ -198,7 +233,7 @@ class LLMEngine:
         ids = seq.prompt_token_ids
         lsm = torch.log_softmax(logits.float(), dim=-1)
         n = lsm.shape[0]
-        tgt = torch.tensor(ids[first + 1: first + 1 + n], device=lsm.device)
+        tgt = torch.tensor(ids[first + 1 : first + 1 + n], device=lsm.device)
         chosen = lsm.gather(1, tgt[:, None])[:, 0].tolist()
         tv, ti = lsm.topk(k, dim=-1) if k > 0 else (None, None)
         for j in range(n):
@@ -223,7 +258,8 @@ class LLMEngine:
         if len(ids) >= max_len:
             raise ValueError(
                 f"prompt has {len(ids)} tokens but max_model_len is {max_len}: it leaves no room "
-                f"to generate; shorten the prompt or raise max_model_len")
+                f"to generate; shorten the prompt or raise max_model_len"
+            )
         need = min(len(ids) + params.max_tokens, max_len)
         blocks = self.block_manager.max_blocks(need, self.sched_config.max_num_batched_tokens)
         usable = self.block_manager.num_usable_blocks
@@ -231,7 +267,8 @@ class LLMEngine:
             raise ValueError(
                 f"request needs {need} tokens of KV cache ({blocks * params.n} blocks for n={params.n}) "
                 f"but the cache holds {usable} blocks of {self.cache_config.block_size} tokens; "
-                "lower max_tokens or give the KV cache more memory")
+                "lower max_tokens or give the KV cache more memory"
+            )
         return list(ids)
 
     def abort(self, request_id: str) -> bool:
@@ -253,8 +290,9 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
-    def add_scoring_request(self, token_ids: list[int], keep: str, max_chunk: int | None = None,
-                            lora_request=None) -> Sequence:
+    def add_scoring_request(
+        self, token_ids: list[int], keep: str, max_chunk: int | None = None, lora_request=None
+    ) -> Sequence:
         """One of the engine's own scoring requests (engine/scoring.py runs them through the
         driver): its prompt is scored by its prefill, at most `max_chunk` tokens a step (None: the
         step's budget), each position keeping `keep` (Sequence.score_kind: "logits", "logprob",
@@ -263,34 +301,38 @@ class LLMEngine:
         if keep not in ("logits", "logprob", "logprob_top1"):
             raise ValueError(f"internal: unknown scoring kind {keep!r}")
         if max_chunk is not None and (not isinstance(max_chunk, int) or max_chunk < 1):
-            raise ValueError(f"chunk_size must be a positive integer (tokens per step) or None, "
-                             f"got {max_chunk!r}")
+            raise ValueError(f"chunk_size must be a positive integer (tokens per step) or None, got {max_chunk!r}")
         prompt = token_ids if isinstance(token_ids, MultiModalInput) else list(token_ids)
         if isinstance(prompt, MultiModalInput) and prompt.bidirectional and max_chunk is not None:
             longest = max((im.length for im in prompt.images), default=0)
             if max_chunk < longest:
-                raise ValueError(f"chunk_size={max_chunk} is shorter than an image ({longest} tokens), which "
-                                 "this model must prefill in one chunk; use chunk_size >= that, or None")
+                raise ValueError(
+                    f"chunk_size={max_chunk} is shorter than an image ({longest} tokens), which "
+                    "this model must prefill in one chunk; use chunk_size >= that, or None"
+                )
         rid = self.add_request(prompt, SamplingParams(max_tokens=0, prompt_logprobs=0), lora_request=lora_request)
         seq = self.requests[rid].seqs[0]
         seq.score_kind, seq.max_chunk = keep, max_chunk
         seq.prompt_scores = [] if keep == "logits" else [None]
         return seq
 
-    def add_pooling_request(self, token_ids: list[int], pooling: PoolingConfig,
-                            request_id: str | None = None) -> str:
+    def add_pooling_request(self, token_ids: list[int], pooling: PoolingConfig, request_id: str | None = None) -> str:
         """An embedding request (engine/pooling.py): its prompt is prefilled as scheduled work,
         chunked beside whatever else runs, and the final hidden states of the positions `pooling`
         names are pooled into one vector (the request output's `embedding`) as the chunks run.
         Nothing is generated, and its blocks are dropped, not kept as a prefix, once it is done."""
         if self.executor is not None:
-            raise ValueError("embeddings under tensor or pipeline parallelism are not supported; use "
-                             "tensor_parallel_size=1 and pipeline_parallel_size=1")
+            raise ValueError(
+                "embeddings under tensor or pipeline parallelism are not supported; use "
+                "tensor_parallel_size=1 and pipeline_parallel_size=1"
+            )
         ids = check_pooling_input(token_ids, self.sched_config.max_model_len, self.model_config.vocab_size)
         blocks = self.block_manager.max_blocks(len(ids), self.sched_config.max_num_batched_tokens)
         if blocks > self.block_manager.num_usable_blocks:
-            raise ValueError(f"an input of {len(ids)} tokens needs {blocks} KV blocks but the cache holds "
-                             f"{self.block_manager.num_usable_blocks}; shorten it, or give the KV cache more memory")
+            raise ValueError(
+                f"an input of {len(ids)} tokens needs {blocks} KV blocks but the cache holds "
+                f"{self.block_manager.num_usable_blocks}; shorten it, or give the KV cache more memory"
+            )
         rid = self._new_request_id(request_id)
         params = SamplingParams(max_tokens=0, prompt_logprobs=0)  # the scoring-only params: nothing generated
         seq = Sequence(rid, ids, params, pooling=pooling, score_kind="pool")
@@ -360,9 +402,12 @@ class LLMEngine:
         `schedule_micro_batch`, paired with the newest step in flight), its preempted sequences
         dropped."""
         newest = self.in_flight[-1][0].scheduled if self.in_flight else ()
-        sched = self.scheduler.schedule_micro_batch(self.busy, self.micro_batches - len(self.in_flight),
-                                                    self.micro_batches,
-                                                    sum(it.num_new_tokens for it in newest if not it.is_decode))
+        sched = self.scheduler.schedule_micro_batch(
+            self.busy,
+            self.micro_batches - len(self.in_flight),
+            self.micro_batches,
+            sum(it.num_new_tokens for it in newest if not it.is_decode),
+        )
         self._drop_preempted(sched)
         return sched
 
@@ -374,24 +419,31 @@ class LLMEngine:
         self.max_in_flight = max(self.max_in_flight, len(self.in_flight))
 
     @staticmethod
-    def _without_aborted(sched: SchedulerOutput, out: RunnerOutput | None,
-                         ended: list[Sequence]) -> tuple[SchedulerOutput, RunnerOutput | None]:
+    def _without_aborted(
+        sched: SchedulerOutput, out: RunnerOutput | None, ended: list[Sequence]
+    ) -> tuple[SchedulerOutput, RunnerOutput | None]:
         """The returned step less the sequences aborted while it was in flight: nothing of
         theirs is recorded (their requests are gone)."""
         gone = {s.seq_id for s in ended}
-        kept = SchedulerOutput([it for it in sched.scheduled if it.seq.seq_id not in gone], sched.preempted,
-                               sched.has_images)
+        kept = SchedulerOutput(
+            [it for it in sched.scheduled if it.seq.seq_id not in gone], sched.preempted, sched.has_images
+        )
         if out is None:
             return kept, None
         keep = [i for i, s in enumerate(out.seqs) if s.seq_id not in gone]
         sampled = out.sampled
         if sampled is not None and len(keep) != len(out.seqs):
-            sampled = type(sampled)([sampled.token_ids[i] for i in keep],
-                                    [sampled.logprobs[i] for i in keep] if sampled.logprobs else sampled.logprobs)
-        return kept, RunnerOutput([out.seqs[i] for i in keep], sampled,
-                                  [x for x in out.prompt_logits if x[0].seq_id not in gone],
-                                  [x for x in out.next_token_scores if x[0].seq_id not in gone],
-                                  [x for x in out.pooled if x[0].seq_id not in gone])
+            sampled = type(sampled)(
+                [sampled.token_ids[i] for i in keep],
+                [sampled.logprobs[i] for i in keep] if sampled.logprobs else sampled.logprobs,
+            )
+        return kept, RunnerOutput(
+            [out.seqs[i] for i in keep],
+            sampled,
+            [x for x in out.prompt_logits if x[0].seq_id not in gone],
+            [x for x in out.next_token_scores if x[0].seq_id not in gone],
+            [x for x in out.pooled if x[0].seq_id not in gone],
+        )
 
     def _record(self, sched: SchedulerOutput, out: RunnerOutput | None) -> list[RequestOutput]:
         """The step's results, after its forward: see `step`."""
@@ -455,8 +507,9 @@ class LLMEngine:
                 if req is not None:
                     touched[req.request_id] = req
 
-    def _record_samples(self, out: RunnerOutput, verifying: dict[int, list[int]],
-                        touched: dict[str, Request]) -> list[Sequence]:
+    def _record_samples(
+        self, out: RunnerOutput, verifying: dict[int, list[int]], touched: dict[str, Request]
+    ) -> list[Sequence]:
         """Each sampled row's token appended; a verified sequence's rows accepted together.
         Returns the sequences that accepted proposals, still running: their K/V is rolled back
         to their tokens once stop strings have had their say."""
@@ -467,8 +520,8 @@ class LLMEngine:
             seq = seqs[row]
             drafts = verifying.get(seq.seq_id)
             m = 1 if drafts is None else len(drafts) + 1
-            toks = sampled.token_ids[row:row + m]
-            lps = sampled.logprobs[row:row + m] if sampled.logprobs else [None] * m
+            toks = sampled.token_ids[row : row + m]
+            lps = sampled.logprobs[row : row + m] if sampled.logprobs else [None] * m
             if min(toks) < 0:  # the sampler marks rows whose logits were not finite
                 self._fail(seq)
             elif drafts is None:
@@ -572,10 +625,12 @@ class LLMEngine:
         Its blocks are dropped, not kept as a prefix: their K/V may hold the same NaN."""
         req = self.requests[seq.request_id]
         if req.error is None:
-            req.error = (f"model {self.model_name!r} produced non-finite logits (NaN or inf) for "
-                         f"request {req.request_id!r} at engine step {self.stats['steps']} (output "
-                         f"token {seq.num_output_tokens + 1}); the weights or the activations hold "
-                         "NaN/inf, so this request failed; check the model file")
+            req.error = (
+                f"model {self.model_name!r} produced non-finite logits (NaN or inf) for "
+                f"request {req.request_id!r} at engine step {self.stats['steps']} (output "
+                f"token {seq.num_output_tokens + 1}); the weights or the activations hold "
+                "NaN/inf, so this request failed; check the model file"
+            )
             logger.error(req.error)
         seq.finish_reason = "error"
         seq.fork_children = []

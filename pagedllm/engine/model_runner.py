@@ -3,6 +3,7 @@
 Order in the flat batch: decodes first (one token each, attended in one
 batched call), then prefill chunks.
 """
+
 from __future__ import annotations
 
 import time
@@ -99,9 +100,18 @@ class PendingStep:
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, backend, block_size: int,
-                 device: torch.device, sampler: Sampler | None, structured=None, driver=None,
-                 lora=None, encoder_cache=None) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        backend,
+        block_size: int,
+        device: torch.device,
+        sampler: Sampler | None,
+        structured=None,
+        driver=None,
+        lora=None,
+        encoder_cache=None,
+    ) -> None:
         """`structured`: the GrammarEngine of constrained requests (None: none run here).
         `driver`: under tensor or pipeline parallelism, rank 0's executor (distributed/), which
         sends each plan and runs rank 0's part of it (`forward(plan, runner)`).
@@ -162,10 +172,10 @@ class ModelRunner:
             if n == 1:
                 ids.append(seq.token_ids[start])
             elif spec:
-                ids.extend(seq.token_ids[start:start + n - len(spec)])
+                ids.extend(seq.token_ids[start : start + n - len(spec)])
                 ids.extend(spec)
             else:
-                ids.extend(seq.token_ids[start:start + n])
+                ids.extend(seq.token_ids[start : start + n])
             starts.append(start)
             counts.append(n)
             if paged:
@@ -196,12 +206,30 @@ class ModelRunner:
             t += n
             if item.samples and not spec:
                 logits_idx.append(t - 1)
-        plan = StepPlan(ids, None, None, None, num_decodes, seq_ids, logits_rows=logits_idx,
-                        hidden_rows=hidden_idx, images=image_rows, image_spans=image_spans)
+        plan = StepPlan(
+            ids,
+            None,
+            None,
+            None,
+            num_decodes,
+            seq_ids,
+            logits_rows=logits_idx,
+            hidden_rows=hidden_idx,
+            images=image_rows,
+            image_spans=image_spans,
+        )
         return self._plan_arrays(plan, batch, starts, counts, rows if paged else None, decode_items, prefill_ends)
 
-    def _plan_arrays(self, plan: StepPlan, batch: list[ScheduledSeq], starts: list[int], counts: list[int],
-                     rows: list[int] | None, decode_items: int, prefill_ends: list[int]) -> StepPlan:
+    def _plan_arrays(
+        self,
+        plan: StepPlan,
+        batch: list[ScheduledSeq],
+        starts: list[int],
+        counts: list[int],
+        rows: list[int] | None,
+        decode_items: int,
+        prefill_ends: list[int],
+    ) -> StepPlan:
         """Positions, query and context lengths, and (paged) slots and block tables, as array
         operations over the items' starts and token counts."""
         num_decodes, t = plan.num_decodes, sum(counts)
@@ -238,8 +266,9 @@ class ModelRunner:
         logits = [i for i, (s, p) in enumerate(zip(seqs, starts)) if p + 1 == len(s.token_ids)]
         pos = np.array(starts, dtype=np.int64)
         n = len(seqs)
-        plan = StepPlan(ids, pos, list(range(n + 1)), [p + 1 for p in starts], n, [s.seq_id for s in seqs],
-                        logits_rows=logits)
+        plan = StepPlan(
+            ids, pos, list(range(n + 1)), [p + 1 for p in starts], n, [s.seq_id for s in seqs], logits_rows=logits
+        )
         if self.mrope:
             plan.rope_pos = _mrope_positions(batch, pos, range(n))
         if self.lora is not None:
@@ -249,8 +278,14 @@ class ModelRunner:
             row = b.row
             if b.num_groups == 1:  # InputBatch.row's unchanged case, inline: most rows, most steps
                 row_of, versions, lens0 = b.row_of, b.versions, b.lens0
-                rows = [r if (r := row_of.get(s.seq_id)) is not None and versions[r] == s.table_version
-                        and lens0[r] == len(s.block_table) else row(s) for s in seqs]
+                rows = [
+                    r
+                    if (r := row_of.get(s.seq_id)) is not None
+                    and versions[r] == s.table_version
+                    and lens0[r] == len(s.block_table)
+                    else row(s)
+                    for s in seqs
+                ]
             else:
                 rows = [row(s) for s in seqs]
             rows_a = np.array(rows, dtype=np.int64)
@@ -264,8 +299,7 @@ class ModelRunner:
         if not reqs:
             return None
         slot_of = self.lora.activate(reqs)
-        items = np.array([slot_of[it.seq.lora_id] if it.seq.lora is not None else -1 for it in batch],
-                         dtype=np.int64)
+        items = np.array([slot_of[it.seq.lora_id] if it.seq.lora is not None else -1 for it in batch], dtype=np.int64)
         return items if tok_items is None else items[tok_items]
 
     def _paged_inputs(self, plan: StepPlan, tok_rows: np.ndarray, attn_rows: np.ndarray) -> None:
@@ -292,9 +326,13 @@ class ModelRunner:
         self.batch.release(seq_id)
 
     def tensors(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        meta = AttentionMetadata(num_decodes=plan.num_decodes, seq_ids=plan.seq_ids,
-                                 query_start_loc=plan.query_start_loc, context_lens=plan.context_lens,
-                                 image_spans=plan.image_spans or None)
+        meta = AttentionMetadata(
+            num_decodes=plan.num_decodes,
+            seq_ids=plan.seq_ids,
+            query_start_loc=plan.query_start_loc,
+            context_lens=plan.context_lens,
+            image_spans=plan.image_spans or None,
+        )
         rope = plan.pos if plan.rope_pos is None else plan.rope_pos.reshape(-1)
         if not self.backend.uses_block_tables:
             input_ids, positions = self.upload.ints([plan.ids, rope])
@@ -303,8 +341,7 @@ class ModelRunner:
         nd = plan.num_decodes
         # Decode rows are the first tokens and attend up to themselves: their lengths are pos + 1.
         dlens = plan.pos[:nd] + 1 if isinstance(plan.pos, np.ndarray) else plan.context_lens[:nd]
-        up = self.upload.ints([plan.ids, rope, dlens, plan.slots, plan.tables,
-                               *plan.group_slots, *plan.group_tables])
+        up = self.upload.ints([plan.ids, rope, dlens, plan.slots, plan.tables, *plan.group_slots, *plan.group_tables])
         input_ids, positions, meta.decode_context_lens, meta.slot_mapping, flat_tables = up[:5]
         positions = _rope_shape(positions, plan)
         rows = len(plan.seq_ids)
@@ -367,8 +404,10 @@ class ModelRunner:
             embs = self.model.encode_images([im.pixels for im in todo.values()])
             for (h, im), emb in zip(todo.items(), embs):
                 if emb.shape[0] != im.num_embeds:
-                    raise RuntimeError(f"internal: the encoder gave {emb.shape[0]} rows for an image of "
-                                       f"{im.num_embeds} placeholder tokens")
+                    raise RuntimeError(
+                        f"internal: the encoder gave {emb.shape[0]} rows for an image of "
+                        f"{im.num_embeds} placeholder tokens"
+                    )
                 cache.put(h, emb)
                 found[h] = emb
             self.encoder_stats["images_encoded"] += len(todo)
@@ -378,7 +417,7 @@ class ModelRunner:
             where, k0, k1 = im.rows(lo, hi)
             emb = found[im.hash][k0:k1].to(embeds.dtype)
             if where is None:
-                embeds[row:row + hi - lo] = emb
+                embeds[row : row + hi - lo] = emb
             elif where:
                 embeds[torch.tensor(where, device=embeds.device) + row] = emb
         return embeds
@@ -441,21 +480,33 @@ class ModelRunner:
                 k += 1
         # Grammar masks are computed on another thread while the forward runs.
         masks = self.structured.start_masks(sampling_seqs, offsets, drafts) if self.structured else None
-        plan.argmax_only = (self.driver is not None and bool(sampling_seqs) and not scoring and masks is None
-                            and all(s.params.argmax_only for s in sampling_seqs))
+        plan.argmax_only = (
+            self.driver is not None
+            and bool(sampling_seqs)
+            and not scoring
+            and masks is None
+            and all(s.params.argmax_only for s in sampling_seqs)
+        )
         return PendingStep(plan, sampling_seqs, rows, offsets, scoring, pooling, masks)
 
-    def _sample(self, step: "PendingStep", logits: torch.Tensor | None,
-                hidden: torch.Tensor | None) -> RunnerOutput | None:
+    def _sample(
+        self, step: "PendingStep", logits: torch.Tensor | None, hidden: torch.Tensor | None
+    ) -> RunnerOutput | None:
         """The step's record from its logits (and kept hidden rows): sampled tokens, prompt
         scores, pooled rows."""
         sampling_seqs, rows, offsets, scoring, pooling, masks = (
-            step.sampling_seqs, step.rows, step.offsets, step.scoring, step.pooling, step.masks)
-        pooled = [(seq, lo, hidden[h0:h0 + c]) for seq, lo, h0, c in pooling]
+            step.sampling_seqs,
+            step.rows,
+            step.offsets,
+            step.scoring,
+            step.pooling,
+            step.masks,
+        )
+        pooled = [(seq, lo, hidden[h0 : h0 + c]) for seq, lo, h0, c in pooling]
         if logits is None:
             return RunnerOutput([], None, pooled=pooled) if pooled else None
         reduced = [x for x in scoring if x[0].score_kind not in KEEP_ROWS]
-        scored = [(seq, lo, logits[k0:k0 + c]) for seq, lo, k0, c in scoring if seq.score_kind in KEEP_ROWS]
+        scored = [(seq, lo, logits[k0 : k0 + c]) for seq, lo, k0, c in scoring if seq.score_kind in KEEP_ROWS]
         next_token = next_token_scores(logits, reduced) if reduced else []
         if not rows:
             return RunnerOutput([], None, scored, next_token, pooled)
@@ -468,8 +519,9 @@ class ModelRunner:
         # token transfer, no extra device sync); the batch goes on.
         return RunnerOutput(sampling_seqs, self.sampler(logits, smeta, check_finite=True), scored, next_token, pooled)
 
-    def _run_model(self, plan: StepPlan, input_ids: torch.Tensor, positions: torch.Tensor, meta,
-                   embeds: torch.Tensor | None = None) -> torch.Tensor:
+    def _run_model(
+        self, plan: StepPlan, input_ids: torch.Tensor, positions: torch.Tensor, meta, embeds: torch.Tensor | None = None
+    ) -> torch.Tensor:
         kw = {} if embeds is None else {"inputs_embeds": embeds}
         if self.lora is None:
             return self.model(input_ids, positions, meta, **kw)
@@ -492,7 +544,7 @@ def _mrope_positions(batch: list[ScheduledSeq], pos: np.ndarray, first) -> np.nd
         mm = it.seq.mm
         if mm is not None and mm.rope_positions is not None:
             start = it.seq.num_computed_tokens
-            rope[:, f:f + it.num_new_tokens] = mm.rope_rows(start, start + it.num_new_tokens)
+            rope[:, f : f + it.num_new_tokens] = mm.rope_rows(start, start + it.num_new_tokens)
     if (rope[0] == rope[1]).all() and (rope[0] == rope[2]).all():
         return rope[0]
     return rope
@@ -506,8 +558,9 @@ def _rope_shape(positions: torch.Tensor, plan: StepPlan) -> torch.Tensor:
 KEEP_ROWS = ("entries", "logits")  # score kinds whose logits rows go to the engine whole
 
 
-def next_token_scores(logits: torch.Tensor,
-                      items: list[tuple[Sequence, int, int, int]]) -> list[tuple[Sequence, int, list]]:
+def next_token_scores(
+    logits: torch.Tensor, items: list[tuple[Sequence, int, int, int]]
+) -> list[tuple[Sequence, int, list]]:
     """Next-token scoring's rows (items: sequence, first position, first row, rows), each
     reduced to the next prompt token's logprob, with the argmax beside it where the sequence asks
     ("logprob_top1"), so no whole row outlives the step. One reduction over all their rows at
@@ -515,8 +568,9 @@ def next_token_scores(logits: torch.Tensor,
     threads and round otherwise."""
     idx = [k for _, _, k0, c in items for k in range(k0, k0 + c)]
     block = logits if len(idx) == logits.shape[0] else logits[torch.tensor(idx, device=logits.device)]
-    tgt = torch.tensor([t for seq, lo, _, c in items for t in seq.prompt_token_ids[lo + 1:lo + 1 + c]],
-                       device=logits.device)
+    tgt = torch.tensor(
+        [t for seq, lo, _, c in items for t in seq.prompt_token_ids[lo + 1 : lo + 1 + c]], device=logits.device
+    )
     lp = block.gather(1, tgt[:, None])[:, 0] - block.logsumexp(-1)
     top1 = any(seq.score_kind == "logprob_top1" for seq, *_ in items)
     if top1:  # carried beside the logprob, exactly as an integer
@@ -524,7 +578,7 @@ def next_token_scores(logits: torch.Tensor,
     vals = lp.cpu().tolist()
     out, j = [], 0
     for seq, lo, _, c in items:
-        part = vals[j:j + c]
+        part = vals[j : j + c]
         if top1:
             part = [(v, int(a)) for v, a in part] if seq.score_kind == "logprob_top1" else [v for v, _ in part]
         out.append((seq, lo, part))
@@ -546,19 +600,26 @@ class HostUpload:
         """int64 tensors on the device, one per list or array (an int64 array is shared, not
         copied, on the CPU)."""
         if not self.pinned:
-            return [torch.from_numpy(p).to(self.device) if isinstance(p, np.ndarray)
-                    else torch.tensor(p, dtype=torch.int64, device=self.device) for p in parts]
+            return [
+                torch.from_numpy(p).to(self.device)
+                if isinstance(p, np.ndarray)
+                else torch.tensor(p, dtype=torch.int64, device=self.device)
+                for p in parts
+            ]
         sizes = [len(p) for p in parts]
         total = sum(sizes)
         if self._copied is not None:
             self._copied.synchronize()
         if self._buf is None or self._buf.numel() < total:
-            self._buf = torch.empty(max(total, 4096, 2 * (0 if self._buf is None else self._buf.numel())),
-                                    dtype=torch.int64, pin_memory=True)
+            self._buf = torch.empty(
+                max(total, 4096, 2 * (0 if self._buf is None else self._buf.numel())),
+                dtype=torch.int64,
+                pin_memory=True,
+            )
         host = self._buf.numpy()
         off = 0
         for p in parts:
-            host[off:off + len(p)] = p
+            host[off : off + len(p)] = p
             off += len(p)
         out = self._buf[:total].to(self.device, non_blocking=True)
         self._copied = torch.cuda.Event()

@@ -10,6 +10,7 @@ hands back requests to abort, each sequence that completed a stop string with th
 output tokens to keep. The core ends those sequences in the same step (their blocks free at
 once) and drops what a speculative step accepted past the stop.
 """
+
 from __future__ import annotations
 
 import logging
@@ -47,7 +48,7 @@ class _Text:
         while i > 0 and base > start:
             i -= 1
             base -= len(self.parts[i])
-        return "".join(self.parts[i:])[start - base:]
+        return "".join(self.parts[i:])[start - base :]
 
     def full(self) -> str:
         if len(self.parts) > 1:
@@ -63,6 +64,7 @@ class _Text:
 @dataclass
 class SeqOutputState:
     """One sequence's output as callers see it (the scheduler never sees text)."""
+
     detok: IncrementalDetokenizer
     text: _Text = field(default_factory=_Text)
     logprobs: list[dict] | None = None  # {"token_id", "logprob", "top"} per output token, when asked
@@ -80,8 +82,10 @@ class OutputProcessor:
     def start(self, prompt_token_ids: list[int], params: SamplingParams) -> tuple[RequestMetrics, list[SeqOutputState]]:
         """A new request's metrics (arrival now) and one output state per completion."""
         metrics = RequestMetrics(arrival_time=time.perf_counter(), num_prompt_tokens=len(prompt_token_ids))
-        states = [SeqOutputState(IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens))
-                  for _ in range(params.n)]
+        states = [
+            SeqOutputState(IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens))
+            for _ in range(params.n)
+        ]
         return metrics, states
 
     def on_token(self, req: Request, seq: Sequence, tok: int, lp) -> None:
@@ -112,7 +116,7 @@ class OutputProcessor:
                     stop = self._cut_at_stop(seq, st.text)
                     if stop is not None:
                         if st.logprobs is not None:
-                            del st.logprobs[st.detokenized:]
+                            del st.logprobs[st.detokenized :]
                         hits.append((seq, st.detokenized, stop))
                         break
         return hits
@@ -141,12 +145,11 @@ class OutputProcessor:
         ids = seq.output_token_ids
         if st.detokenized < len(ids):
             ignore_eos = seq.params.ignore_eos
-            for tok in ids[st.detokenized:]:
+            for tok in ids[st.detokenized :]:
                 if ignore_eos or tok not in self.eos_token_ids:
                     st.text.add(st.detok.add([tok]))
             st.detokenized = len(ids)
-        if (seq.finish_reason in ("stop", "length") and not isinstance(seq.stop_reason, str)
-                and not st.flushed):
+        if seq.finish_reason in ("stop", "length") and not isinstance(seq.stop_reason, str) and not st.flushed:
             st.flushed = True
             st.text.add(st.detok.flush())
 
@@ -159,19 +162,26 @@ class OutputProcessor:
             text = st.text
             # While running, hold back what could be the start of a stop string.
             upto = text.length if seq.is_finished else max(st.emitted, text.length - hold)
-            delta = text.since(st.emitted)[:upto - st.emitted] if upto > st.emitted else ""
+            delta = text.since(st.emitted)[: upto - st.emitted] if upto > st.emitted else ""
             st.emitted = upto
-            new_tokens = seq.output_token_ids[st.emitted_tokens:]
+            new_tokens = seq.output_token_ids[st.emitted_tokens :]
             st.emitted_tokens = n = seq.num_output_tokens
             ids, lps = seq.output_token_ids, st.logprobs
             if seq.is_finished:  # nothing will be appended any more: hand out the state itself
-                out = CompletionOutput(seq.index, text.full(), ids, seq.finish_reason, seq.stop_reason,
-                                       lps, delta, new_tokens)
+                out = CompletionOutput(
+                    seq.index, text.full(), ids, seq.finish_reason, seq.stop_reason, lps, delta, new_tokens
+                )
             else:  # a snapshot of this step, built only if read
-                out = CompletionOutput(seq.index, lambda t=text, u=upto: t.full()[:u], lambda i=ids, m=n: i[:m],
-                                       seq.finish_reason, seq.stop_reason,
-                                       None if lps is None else (lambda l=lps, m=len(lps): l[:m]),
-                                       delta, new_tokens)
+                out = CompletionOutput(
+                    seq.index,
+                    lambda t=text, u=upto: t.full()[:u],
+                    lambda i=ids, m=n: i[:m],
+                    seq.finish_reason,
+                    seq.stop_reason,
+                    None if lps is None else (lambda lp=lps, m=len(lps): lp[:m]),
+                    delta,
+                    new_tokens,
+                )
             outs.append(out)
         m = req.metrics
         m.num_output_tokens = sum(s.num_output_tokens for s in req.seqs)
@@ -186,16 +196,31 @@ class OutputProcessor:
             m.finished_time = time.perf_counter()
             if logger.isEnabledFor(logging.DEBUG):
                 _log_finished(req)
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, finished, m,
-                             num_cached_tokens=min(s.num_cached_tokens for s in req.seqs),
-                             error=req.error, prompt_logprobs=req.prompt_logprobs, embedding=req.embedding)
+        return RequestOutput(
+            req.request_id,
+            req.prompt,
+            req.prompt_token_ids,
+            outs,
+            finished,
+            m,
+            num_cached_tokens=min(s.num_cached_tokens for s in req.seqs),
+            error=req.error,
+            prompt_logprobs=req.prompt_logprobs,
+            embedding=req.embedding,
+        )
 
 
 def _log_finished(req: Request) -> None:
     """One line per finished request (--log-level debug): where its time to first token went."""
     m, seq = req.metrics, req.seqs[0]
     ttft, queued = m.time_to_first_token, m.queue_time
-    logger.debug("request %s finished: prompt %d tokens, cached %d, preemptions %d, queued %s s, ttft %s s, "
-                 "output %d tokens", req.request_id, m.num_prompt_tokens, seq.num_cached_tokens,
-                 sum(s.num_preemptions for s in req.seqs), "-" if queued is None else f"{queued:.3f}",
-                 "-" if ttft is None else f"{ttft:.3f}", m.num_output_tokens)
+    logger.debug(
+        "request %s finished: prompt %d tokens, cached %d, preemptions %d, queued %s s, ttft %s s, output %d tokens",
+        req.request_id,
+        m.num_prompt_tokens,
+        seq.num_cached_tokens,
+        sum(s.num_preemptions for s in req.seqs),
+        "-" if queued is None else f"{queued:.3f}",
+        "-" if ttft is None else f"{ttft:.3f}",
+        m.num_output_tokens,
+    )

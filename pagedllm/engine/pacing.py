@@ -10,6 +10,7 @@ for free, many are compute-bound), so the limit is steered from the last step's 
 how far that step was from the target, and at most doubled a step. Without a decoding sequence
 prompts take the whole token budget, so a prefill alone runs as fast as it did.
 """
+
 from __future__ import annotations
 
 # The weight of the newest step in the moving average of a decode step's time.

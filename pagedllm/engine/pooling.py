@@ -12,6 +12,7 @@ reads them: modules.json (the module list: Transformer, Pooling, and Normalize o
 1_Pooling/config.json (last token, CLS or mean) and config_sentence_transformers.json (the
 instruction prompts, e.g. Qwen3-Embedding's "Instruct: ...\\nQuery:").
 """
+
 from __future__ import annotations
 
 import json
@@ -28,8 +29,7 @@ from .sequence import Sequence
 logger = logging.getLogger(__name__)
 
 POOLING_MODES = ("last", "cls", "mean")
-_ST_MODES = {"pooling_mode_lasttoken": "last", "pooling_mode_cls_token": "cls",
-             "pooling_mode_mean_tokens": "mean"}
+_ST_MODES = {"pooling_mode_lasttoken": "last", "pooling_mode_cls_token": "cls", "pooling_mode_mean_tokens": "mean"}
 
 
 @dataclass
@@ -68,13 +68,14 @@ class PoolingConfig:
             modes = [mode for key, mode in _ST_MODES.items() if pcfg.get(key)]
             others = [k for k, v in pcfg.items() if k.startswith("pooling_mode_") and v and k not in _ST_MODES]
             if others or len(modes) > 1:
-                raise ValueError(f"{path}: pooling {others or modes} is not supported; this server pools "
-                                 "by one of last token, CLS token or mean")
+                raise ValueError(
+                    f"{path}: pooling {others or modes} is not supported; this server pools "
+                    "by one of last token, CLS token or mean"
+                )
             if modes:
                 cfg.mode = modes[0]
             if pcfg.get("include_prompt") is False and cfg.mode == "mean":
-                raise ValueError(f"{path}: mean pooling without the prompt (include_prompt: false) "
-                                 "is not supported")
+                raise ValueError(f"{path}: mean pooling without the prompt (include_prompt: false) is not supported")
         st_file = folder / "config_sentence_transformers.json"
         if st_file.is_file():
             st = _read(st_file)

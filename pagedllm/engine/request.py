@@ -1,5 +1,6 @@
 """A request as the engine holds it: its prompt, its sequences (n of them), and the output
 processor's per-sequence state beside them."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

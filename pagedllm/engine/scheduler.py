@@ -6,6 +6,7 @@ admitted while the token budget, the sequence cap and free blocks allow.
 When blocks run out the most recently admitted sequence is preempted: its
 blocks are freed and it goes back to the front of the queue to be recomputed.
 """
+
 from __future__ import annotations
 
 import logging
@@ -47,8 +48,10 @@ class ScheduledSeq:
     def samples(self) -> bool:
         """True when this chunk reaches the end of the sequence, so it yields a token (a
         scoring-only request's prompt yields none)."""
-        return (self.seq.num_computed_tokens + self.num_new_tokens - len(self.spec_tokens) == self.seq.num_tokens
-                and not self.seq.scoring_only)
+        return (
+            self.seq.num_computed_tokens + self.num_new_tokens - len(self.spec_tokens) == self.seq.num_tokens
+            and not self.seq.scoring_only
+        )
 
     def ran(self) -> None:
         """The chunk's forward ran: the K/V of its tokens are in the cache."""
@@ -92,8 +95,13 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, encoder_cache=None,
-                 on_preempt: Callable[[Sequence], None] | None = None) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        block_manager: BlockManager,
+        encoder_cache=None,
+        on_preempt: Callable[[Sequence], None] | None = None,
+    ) -> None:
         """`encoder_cache`: a vision-language model's EncoderCache (pagedllm/multimodal), the
         runner's, which says what is encoded already; None for text-only models.
         `on_preempt`: called with each preempted sequence once its blocks are freed: a draft model
@@ -202,11 +210,13 @@ class Scheduler:
         try:
             return self.schedule(cap, held=len(every) - len(self.running), tokens=tokens)
         finally:  # the busy sequences back in their places; those admitted now after all
-            self.running = sorted([s for s in every if s.seq_id in busy] + self.running,
-                                  key=lambda s: order.get(s.seq_id, len(every)))
+            self.running = sorted(
+                [s for s in every if s.seq_id in busy] + self.running, key=lambda s: order.get(s.seq_id, len(every))
+            )
 
-    def schedule_micro_batch(self, busy: set[int], places: int, micro_batches: int,
-                             pair_with: int = 0) -> SchedulerOutput:
+    def schedule_micro_batch(
+        self, busy: set[int], places: int, micro_batches: int, pair_with: int = 0
+    ) -> SchedulerOutput:
         """One of `micro_batches` steps kept in flight (pipeline parallelism), beside those of
         `busy`, with `places` places in flight still free, this one's included: at most its
         share of the running and waiting sequences, and of the prompt tokens left, besides its
@@ -246,8 +256,9 @@ class Scheduler:
                     prompts += 1
         return prompt + sum(s.num_uncomputed_tokens for s in self.waiting), decode, prompts + len(self.waiting)
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int, vision: bool, cap: int,
-                          shares: dict[int, int] | None) -> int:
+    def _schedule_running(
+        self, out: SchedulerOutput, budget: int, vision: bool, cap: int, shares: dict[int, int] | None
+    ) -> int:
         """The running sequences' next tokens (proposals to verify, a decode, a prefill chunk),
         in order, preempting from the back when blocks run short; the budget left. `shares`: the
         prompt tokens each prompt may take (_prompt_shares), None: what the budget leaves."""
@@ -285,8 +296,12 @@ class Scheduler:
         blocks and the LoRA slots allow (after their cached prefix)."""
         # LoRA: the running sequences use at most max_loras adapters (the slots they run from).
         loras = {s.lora_id for s in self.running if s.lora_id} if self.config.max_loras else None
-        while (self.waiting and budget > 0
-               and len(self.running) + held < self.config.max_num_seqs and len(out.scheduled) < cap):
+        while (
+            self.waiting
+            and budget > 0
+            and len(self.running) + held < self.config.max_num_seqs
+            and len(out.scheduled) < cap
+        ):
             seq = self.waiting[0]
             if loras is not None and seq.lora_id and seq.lora_id not in loras:
                 if len(loras) >= self.config.max_loras:

@@ -7,6 +7,7 @@ the request asked for: whole rows, or each next token's logprob (and argmax) red
 The driver's loop runs the requests to the end; they leave no blocks, rows or sampler state
 behind. `LLM.prompt_logits` and `LLM.score_prompts` are these.
 """
+
 from __future__ import annotations
 
 from typing import Sequence as Seq
@@ -17,8 +18,9 @@ from .driver import EngineDriver
 from .sequence import Sequence
 
 
-def prompt_logits(driver: EngineDriver, token_ids: list[int], chunk_size: int | None = None,
-                  lora_request=None) -> torch.Tensor:
+def prompt_logits(
+    driver: EngineDriver, token_ids: list[int], chunk_size: int | None = None, lora_request=None
+) -> torch.Tensor:
     """Logits [T, vocab] (float32, on the CPU) at every position of a prompt, computed through the
     same KV cache and attention path as generation, `chunk_size` tokens a step (1 = token by token
     through the decode path; None = the scheduler's max_num_batched_tokens)."""
@@ -26,8 +28,9 @@ def prompt_logits(driver: EngineDriver, token_ids: list[int], chunk_size: int | 
     return torch.stack(seq.prompt_scores)
 
 
-def score_prompts(driver: EngineDriver, prompts: Seq[list[int]], chunk_size: int | None = 1,
-                  top1: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+def score_prompts(
+    driver: EngineDriver, prompts: Seq[list[int]], chunk_size: int | None = 1, top1: list[torch.Tensor] | None = None
+) -> list[torch.Tensor]:
     """For each prompt, log p(token[t+1] | tokens[:t+1]) for every t ([T-1] float32), with all
     prompts advancing together, `chunk_size` tokens each a step (1 = every token through the
     batched decode path, reading K/V back from the cache). For perplexity over many windows at
@@ -42,8 +45,9 @@ def score_prompts(driver: EngineDriver, prompts: Seq[list[int]], chunk_size: int
     return [torch.tensor([v for v, _ in p], dtype=torch.float32) for p in pairs]
 
 
-def _run(driver: EngineDriver, prompts: Seq[list[int]], keep: str, chunk_size: int | None,
-         lora_request=None) -> list[Sequence]:
+def _run(
+    driver: EngineDriver, prompts: Seq[list[int]], keep: str, chunk_size: int | None, lora_request=None
+) -> list[Sequence]:
     """Add a scoring request per prompt (all or none) and step until they are done (leaving
     early, an error or Ctrl-C included, aborts them); their sequences, with prompt_scores."""
     engine = driver.engine

@@ -1,4 +1,5 @@
 """A request's state as the scheduler sees it: tokens, progress, and its block table."""
+
 from __future__ import annotations
 
 import enum
@@ -133,5 +134,5 @@ class Sequence:
         drop = self.num_output_tokens - keep
         if drop > 0:
             del self.output_token_ids[keep:]
-            del self.token_ids[len(self.token_ids) - drop:]
+            del self.token_ids[len(self.token_ids) - drop :]
         return max(drop, 0)

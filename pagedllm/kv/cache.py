@@ -1,4 +1,5 @@
 """The physical KV cache: one pool of fixed-size blocks per layer, its scales, and its sizing."""
+
 from __future__ import annotations
 
 import logging
@@ -44,8 +45,7 @@ class KVCacheSpec:
     @property
     def bytes_per_token(self) -> int:
         """K and V of one token in every layer, per-token scales included."""
-        return self.mode.bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim,
-                                         self.compute_dtype)
+        return self.mode.bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, self.compute_dtype)
 
     @property
     def bytes_per_block(self) -> int:
@@ -58,10 +58,15 @@ class KVCacheSpec:
 
     def info(self) -> dict:
         m = self.mode
-        return {"kv_cache_dtype": m.name, "dtype": dtype_name(self.dtype),
-                "compute_dtype": dtype_name(self.compute_dtype), "quant_mode": m.quant_mode,
-                "scale_granularity": m.scale_granularity, "scale_source": self.scale_source,
-                "bytes_per_token": self.bytes_per_token}
+        return {
+            "kv_cache_dtype": m.name,
+            "dtype": dtype_name(self.dtype),
+            "compute_dtype": dtype_name(self.compute_dtype),
+            "quant_mode": m.quant_mode,
+            "scale_granularity": m.scale_granularity,
+            "scale_source": self.scale_source,
+            "bytes_per_token": self.bytes_per_token,
+        }
 
 
 @dataclass
@@ -72,20 +77,28 @@ class CachePlan:
     def info(self, spec: KVCacheSpec) -> dict:
         """What the trace reports: dtype, quantization, and capacity in tokens."""
         usable = self.num_blocks - 1  # block 0 is the null block
-        return {**spec.info(), "num_blocks": usable, "block_size": spec.block_size,
-                "capacity_tokens": usable * spec.block_size,
-                "memory_mb": (self.num_blocks * spec.bytes_per_block + spec.fixed_bytes) / 2**20,
-                "sized_by": self.source}
+        return {
+            **spec.info(),
+            "num_blocks": usable,
+            "block_size": spec.block_size,
+            "capacity_tokens": usable * spec.block_size,
+            "memory_mb": (self.num_blocks * spec.bytes_per_block + spec.fixed_bytes) / 2**20,
+            "sized_by": self.source,
+        }
 
     def describe(self, spec: KVCacheSpec) -> str:
         i = self.info(spec)
         quant = ""
         if spec.mode.quantized:
-            quant = (f", {i['quant_mode']}, scales {i['scale_granularity']} "
-                     f"({i['scale_source']}), compute {i['compute_dtype']}")
-        return (f"KV cache: ceiling {i['memory_mb']:.1f} MB, {i['num_blocks']} blocks of {spec.block_size} "
-                f"tokens = {i['capacity_tokens']} token slots ({self.source}); "
-                f"dtype {i['kv_cache_dtype']} ({i['dtype']}){quant}")
+            quant = (
+                f", {i['quant_mode']}, scales {i['scale_granularity']} "
+                f"({i['scale_source']}), compute {i['compute_dtype']}"
+            )
+        return (
+            f"KV cache: ceiling {i['memory_mb']:.1f} MB, {i['num_blocks']} blocks of {spec.block_size} "
+            f"tokens = {i['capacity_tokens']} token slots ({self.source}); "
+            f"dtype {i['kv_cache_dtype']} ({i['dtype']}){quant}"
+        )
 
 
 def dtype_name(dt: torch.dtype) -> str:
@@ -108,10 +121,16 @@ def available_memory_bytes(device: torch.device) -> int:
     return int(psutil.virtual_memory().available)
 
 
-def plan_cache(spec: KVCacheSpec, cfg: CacheConfig, device: torch.device,
-               max_model_len: int, max_num_seqs: int,
-               blocks_for: Callable[[int], int] | None = None, num_tables: int = 1,
-               also: KVCacheSpec | None = None) -> CachePlan:
+def plan_cache(
+    spec: KVCacheSpec,
+    cfg: CacheConfig,
+    device: torch.device,
+    max_model_len: int,
+    max_num_seqs: int,
+    blocks_for: Callable[[int], int] | None = None,
+    num_tables: int = 1,
+    also: KVCacheSpec | None = None,
+) -> CachePlan:
     """Turn exactly one of the three size settings (or the default) into a block count.
 
     A byte budget pays for the per-token scales too (int8), so it buys
@@ -151,13 +170,15 @@ def plan_cache(spec: KVCacheSpec, cfg: CacheConfig, device: torch.device,
         else:
             frac = DEFAULT_FRACTION.get(device.type, 0.15)
             n = int(avail * frac // bpb)
-            plan = CachePlan(min(n, cap), f"default: {frac:g} of {avail / 2**20:.0f} MB free, "
-                             f"capped at max_num_seqs x max_model_len")
+            plan = CachePlan(
+                min(n, cap), f"default: {frac:g} of {avail / 2**20:.0f} MB free, capped at max_num_seqs x max_model_len"
+            )
     plan.num_blocks += 1  # the null block
     if plan.num_blocks < 2:
         raise ValueError(
             f"the KV cache budget ({plan.source}) holds no block of {spec.block_size} tokens "
-            f"({bpb / 2**20:.3f} MB each); give it more memory")
+            f"({bpb / 2**20:.3f} MB each); give it more memory"
+        )
     return plan
 
 
@@ -168,8 +189,14 @@ class KVLayer:
     `write` quantizes the new tokens into their slots; `read` reads slots by id and
     dequantizes only those, straight into the compute dtype."""
 
-    def __init__(self, k: torch.Tensor, v: torch.Tensor, k_scale: torch.Tensor | None,
-                 v_scale: torch.Tensor | None, codec: KVCodec) -> None:
+    def __init__(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_scale: torch.Tensor | None,
+        v_scale: torch.Tensor | None,
+        codec: KVCodec,
+    ) -> None:
         self.k, self.v = k, v
         self.k_scale, self.v_scale = k_scale, v_scale
         self.codec = codec
@@ -238,8 +265,14 @@ class PagedKVCache:
     Elsewhere (CUDA, MPS) the pools are zero-filled as reserved up front.
     """
 
-    def __init__(self, spec: KVCacheSpec, num_blocks: int, device: torch.device,
-                 head_scales: torch.Tensor | None = None, layer_slots: list[int] | None = None) -> None:
+    def __init__(
+        self,
+        spec: KVCacheSpec,
+        num_blocks: int,
+        device: torch.device,
+        head_scales: torch.Tensor | None = None,
+        layer_slots: list[int] | None = None,
+    ) -> None:
         """`layer_slots[i]`: which of the spec's layer slots model layer i uses (KV groups,
         kv/groups.py: a page holds one group's layers); by default layer i is slot i."""
         self.spec = spec

@@ -27,6 +27,7 @@ dequantizing multiply exact.
 The forward that records the amax runs the model with an observing attention layer, so it
 lives with the attention layers (attention/calibration.py); this module is the arithmetic.
 """
+
 from __future__ import annotations
 
 import logging
@@ -43,7 +44,7 @@ CALIBRATION_TEXT = (
     "It was a bright cold day in early spring, and the market square was already full of people. "
     "Merchants called out the prices of apples, bread and wool, while children ran between the "
     "stalls. An old man sat by the fountain reading a letter twice, as if the words might change. "
-    "\"We will need more flour before the end of the week,\" said the baker to his daughter, who "
+    '"We will need more flour before the end of the week," said the baker to his daughter, who '
     "wrote the numbers carefully in a small book: 12 sacks, 3 barrels of oil, 250 eggs. "
     "Across the river, the new bridge was nearly finished; engineers argued about the last "
     "arch, and the mayor promised a celebration with music, speeches and fireworks. "
@@ -68,8 +69,9 @@ def kv_scale_key(name: str) -> tuple[int, int] | None:
     return None
 
 
-def checkpoint_fp8_scales(kv_scales: dict[tuple[int, int], torch.Tensor], num_layers: int,
-                          num_kv_heads: int) -> torch.Tensor | None:
+def checkpoint_fp8_scales(
+    kv_scales: dict[tuple[int, int], torch.Tensor], num_layers: int, num_kv_heads: int
+) -> torch.Tensor | None:
     """[num_layers, 2, H] from the checkpoint's scales, or None unless every layer has K and V."""
     if not kv_scales:
         return None
@@ -78,13 +80,17 @@ def checkpoint_fp8_scales(kv_scales: dict[tuple[int, int], torch.Tensor], num_la
         for kv in (0, 1):
             t = kv_scales.get((layer, kv), kv_scales.get((layer, 2)))
             if t is None:
-                logger.warning("checkpoint has KV scales for some layers but not K/V of layer %d: "
-                               "calibrating all f8e4m3 scales instead", layer)
+                logger.warning(
+                    "checkpoint has KV scales for some layers but not K/V of layer %d: "
+                    "calibrating all f8e4m3 scales instead",
+                    layer,
+                )
                 return None
             t = t.detach().float().reshape(-1)
             if t.numel() not in (1, num_kv_heads):
-                raise ValueError(f"layer {layer}: KV scale has {t.numel()} values; expected 1 or "
-                                 f"{num_kv_heads} (one per kv head)")
+                raise ValueError(
+                    f"layer {layer}: KV scale has {t.numel()} values; expected 1 or {num_kv_heads} (one per kv head)"
+                )
             out[layer, kv] = t.expand(num_kv_heads) if t.numel() == 1 else t
     return check_fp8_scales(out, "checkpoint")
 
@@ -109,5 +115,11 @@ def calibration_ids(tokenizer, vocab: int) -> list[int]:
     return [t % vocab for t in ids]
 
 
-__all__ = ["scales_from_amax", "checkpoint_fp8_scales", "kv_scale_key", "calibration_ids", "HEADROOM",
-           "CALIBRATION_TEXT"]
+__all__ = [
+    "scales_from_amax",
+    "checkpoint_fp8_scales",
+    "kv_scale_key",
+    "calibration_ids",
+    "HEADROOM",
+    "CALIBRATION_TEXT",
+]

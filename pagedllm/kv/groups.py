@@ -16,6 +16,7 @@ last with two layers and two idle slots). An 8,192-token sequence at window 512 
 blocks of 32 holds 256 global blocks + 6 x 17 sliding blocks of 4 layers, instead of 256
 blocks of 26 layers.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -48,8 +49,11 @@ class KVGroups:
             n = self.windows.count(w)
             layers = sum(len(ls) for ls, gw in zip(self.layers, self.windows) if gw == w)
             parts.append(f"{n} {'global' if w is None else f'sliding ({w})'} group(s), {layers} layers")
-        return (f"{self.num_groups} block tables per sequence: " + "; ".join(parts) +
-                f"; each block a page of {self.slots} layers")
+        return (
+            f"{self.num_groups} block tables per sequence: "
+            + "; ".join(parts)
+            + f"; each block a page of {self.slots} layers"
+        )
 
 
 def plan_groups(layer_windows: list[int | None], num_layers: int, hybrid: bool = True) -> KVGroups:
@@ -71,7 +75,7 @@ def plan_groups(layer_windows: list[int | None], num_layers: int, hybrid: bool =
         ls = kinds[w]
         for k in range(0, len(ls), size):
             out_w.append(w)
-            out_l.append(ls[k:k + size])
+            out_l.append(ls[k : k + size])
     return KVGroups(out_w, out_l, size)
 
 

@@ -27,6 +27,7 @@ Reading is fused into the gather: the attention path gathers the stored blocks
 dtype. float8 -> bfloat16/float32 conversion is scalar (slow) on CPU, so f8
 values are reinterpreted bit-wise instead (see `_fp8_as`).
 """
+
 from __future__ import annotations
 
 import logging
@@ -42,8 +43,8 @@ INT8_MAX = 127.0
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 SCALE_BYTES = 4  # scales are float32
 # f8e4m3 scales must keep `scale * 2**120` finite in bfloat16/float32 (see `_fp8_as`).
-FP8_SCALE_MAX = 2.0 ** 7
-FP8_SCALE_MIN = 2.0 ** -100
+FP8_SCALE_MAX = 2.0**7
+FP8_SCALE_MIN = 2.0**-100
 
 
 @dataclass(frozen=True)
@@ -76,8 +77,7 @@ class KVQuantMode:
     def head_scales(self) -> bool:
         return self.scale_granularity == "per-layer-head"
 
-    def bytes_per_token(self, num_layers: int, num_kv_heads: int, head_dim: int,
-                        compute_dtype: torch.dtype) -> int:
+    def bytes_per_token(self, num_layers: int, num_kv_heads: int, head_dim: int, compute_dtype: torch.dtype) -> int:
         """K and V of one token in every layer, with the per-token scales."""
         elem = torch.empty((), dtype=self.storage(compute_dtype)).element_size()
         n = 2 * num_layers * num_kv_heads * head_dim * elem
@@ -104,8 +104,7 @@ def get_mode(name: object) -> KVQuantMode:
     """The mode for a `kv_cache_dtype` value (a string or an enum with a string value)."""
     key = normalize_kv_cache_dtype(name)
     if key not in MODES:
-        raise ValueError(f"kv_cache_dtype={name!r} is not supported; use one of "
-                         f"{'|'.join(KV_CACHE_DTYPES)}")
+        raise ValueError(f"kv_cache_dtype={name!r} is not supported; use one of {'|'.join(KV_CACHE_DTYPES)}")
     return MODES[key]
 
 
@@ -141,9 +140,9 @@ def quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 # e4m3's exponent field (bias 7) copied into another format's exponent field gives a
 # number 2**(7 - bias) times the e4m3 value, subnormals included: (shift, int dtype, factor).
 _FP8_BITS = {
-    torch.bfloat16: (4, torch.int16, 2.0 ** 120),
-    torch.float16: (7, torch.int16, 2.0 ** 8),
-    torch.float32: (20, torch.int32, 2.0 ** 120),
+    torch.bfloat16: (4, torch.int16, 2.0**120),
+    torch.float16: (7, torch.int16, 2.0**8),
+    torch.float32: (20, torch.int32, 2.0**120),
 }
 
 
@@ -169,8 +168,9 @@ def fp8_multiplier(scale: torch.Tensor, dtype: torch.dtype, head_dim: int) -> to
     return (scale.float() * factor).to(dtype)[:, None].expand(-1, head_dim).contiguous()
 
 
-def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
-                   multiplier: torch.Tensor | None = None) -> torch.Tensor:
+def dequantize_fp8(
+    q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, multiplier: torch.Tensor | None = None
+) -> torch.Tensor:
     """q [..., H, D] float8_e4m3fn, scale [H] -> [..., H, D] in `dtype`."""
     mult = multiplier if multiplier is not None else fp8_multiplier(scale, dtype, q.shape[-1])
     if dtype not in _FP8_BITS:
@@ -184,8 +184,10 @@ def check_fp8_scales(scales: torch.Tensor, what: str) -> torch.Tensor:
     if not torch.isfinite(s).all() or (s <= 0).any():
         raise ValueError(f"{what}: f8e4m3 KV scales must be finite and > 0")
     if (s > FP8_SCALE_MAX).any():
-        raise ValueError(f"{what}: f8e4m3 KV scale {s.max().item():g} is above {FP8_SCALE_MAX:g} "
-                         f"(values up to {FP8_SCALE_MAX * FP8_MAX:g}); not supported")
+        raise ValueError(
+            f"{what}: f8e4m3 KV scale {s.max().item():g} is above {FP8_SCALE_MAX:g} "
+            f"(values up to {FP8_SCALE_MAX * FP8_MAX:g}); not supported"
+        )
     return s.clamp_min(FP8_SCALE_MIN)
 
 
@@ -212,8 +214,7 @@ class KVCodec:
             return quantize_fp8(x, self.head_scales[kv]), None
         return x, None
 
-    def decode(self, data: torch.Tensor, token_scale: torch.Tensor | None, kv: int,
-               dtype: torch.dtype) -> torch.Tensor:
+    def decode(self, data: torch.Tensor, token_scale: torch.Tensor | None, kv: int, dtype: torch.dtype) -> torch.Tensor:
         """Stored values [..., H, D] (+ their [..., H] scales) -> `dtype`."""
         name = self.mode.name
         if name == "int8":

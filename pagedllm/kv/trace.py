@@ -1,5 +1,6 @@
 """The KV-cache trace: what the cache is (layout, dtype, capacity) and what it does
 (occupancy, prefix-cache hits, preemptions, waste), as one dataclass."""
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
@@ -155,14 +156,20 @@ def build_trace(engine) -> KVCacheTrace:
         scale_source=info.get("scale_source", "none"),
         decode_attention=engine.backend.describe_decode(),
         block_size=bs,
-        physical_page_key=("(layer, block id): each layer's K and V pools hold a page of "
-                           f"[{bs} tokens, {spec.num_kv_heads} kv heads, {spec.head_dim}] per block id; "
-                           "a block's reusable content is keyed by the chained hash of "
-                           "(parent block hash, its token ids)" +
-                           ("" if engine.kv_groups.num_groups == 1 else
-                            f"; KV groups: a block belongs to one group's tables and holds "
-                            f"{engine.kv_groups.slots} layer slots, its hash keys the group too")) if paged else
-                          "(sequence id, layer): one contiguous growing K and V buffer per sequence",
+        physical_page_key=(
+            "(layer, block id): each layer's K and V pools hold a page of "
+            f"[{bs} tokens, {spec.num_kv_heads} kv heads, {spec.head_dim}] per block id; "
+            "a block's reusable content is keyed by the chained hash of "
+            "(parent block hash, its token ids)"
+            + (
+                ""
+                if engine.kv_groups.num_groups == 1
+                else f"; KV groups: a block belongs to one group's tables and holds "
+                f"{engine.kv_groups.slots} layer slots, its hash keys the group too"
+            )
+        )
+        if paged
+        else "(sequence id, layer): one contiguous growing K and V buffer per sequence",
         prefix_cache=engine.prefix_caching,
         prefix_cache_note=engine.prefix_caching_note,
         paged_attention=paged,
@@ -206,8 +213,12 @@ def _lora(engine) -> dict:
     mgr = getattr(engine, "lora", None)  # duck-typed: kv/ does not import the LoRA package
     if mgr is None:
         return {}
-    return dict(lora_slots=mgr.max_loras, lora_adapters=[r.lora_name for r in mgr.loaded.values()],
-                lora_memory_mb=mgr.memory_bytes / 2**20, lora_loads=mgr.num_loads)
+    return dict(
+        lora_slots=mgr.max_loras,
+        lora_adapters=[r.lora_name for r in mgr.loaded.values()],
+        lora_memory_mb=mgr.memory_bytes / 2**20,
+        lora_loads=mgr.num_loads,
+    )
 
 
 def _tp_fields(engine) -> dict:
@@ -226,21 +237,31 @@ def _speculative(engine) -> dict:
     st = spec.stats
     c = spec.config
     draft = spec.draft
-    how = (f"ngram (suffix {c.min_ngram}..{c.max_ngram} tokens)" if c.method == "ngram"
-           else f"draft model {draft.name if draft is not None else c.model} (greedy proposals)")
+    how = (
+        f"ngram (suffix {c.min_ngram}..{c.max_ngram} tokens)"
+        if c.method == "ngram"
+        else f"draft model {draft.name if draft is not None else c.model} (greedy proposals)"
+    )
     if c.ngram:
         how += f" and ngram lookup ({st.ngram_proposed} of the proposals)"
-    lengths = ("adaptive lengths (measured costs; "
-               f"{st.declined} declines)" if c.adaptive else "fixed lengths")
-    out = dict(speculative=f"{how}, up to {c.num_tokens} tokens a step, {lengths}; off above {c.max_batch} "
-                           f"decoding sequences; {st.paused} pauses for low acceptance",
-               spec_proposed_tokens=st.proposed, spec_accepted_tokens=st.accepted,
-               spec_acceptance_rate=st.acceptance_rate, spec_mean_accepted_length=st.mean_accepted_length)
+    lengths = f"adaptive lengths (measured costs; {st.declined} declines)" if c.adaptive else "fixed lengths"
+    out = dict(
+        speculative=f"{how}, up to {c.num_tokens} tokens a step, {lengths}; off above {c.max_batch} "
+        f"decoding sequences; {st.paused} pauses for low acceptance",
+        spec_proposed_tokens=st.proposed,
+        spec_accepted_tokens=st.accepted,
+        spec_acceptance_rate=st.acceptance_rate,
+        spec_mean_accepted_length=st.mean_accepted_length,
+    )
     if draft is not None:
         dbm = draft.block_manager
-        out.update(spec_draft_cache=draft.describe(), spec_draft_blocks_total=dbm.num_usable_blocks,
-                   spec_draft_blocks_used=dbm.num_held_blocks, spec_draft_memory_mb=draft.memory_mb,
-                   spec_draft_committed_mb=draft.committed_mb)
+        out.update(
+            spec_draft_cache=draft.describe(),
+            spec_draft_blocks_total=dbm.num_usable_blocks,
+            spec_draft_blocks_used=dbm.num_held_blocks,
+            spec_draft_memory_mb=draft.memory_mb,
+            spec_draft_committed_mb=draft.committed_mb,
+        )
     return out
 
 
@@ -250,8 +271,7 @@ def _moe(engine) -> dict:
     if not paths:
         return {}
     counts = [sum(c) for c in zip(*(m.last_counts for _, m in paths if m.last_counts))]
-    return dict(moe_experts=f"{len(paths)} sparse layers; {paths[0][1].path()}",
-                moe_last_step_rows_per_expert=counts)
+    return dict(moe_experts=f"{len(paths)} sparse layers; {paths[0][1].path()}", moe_last_step_rows_per_expert=counts)
 
 
 def _blocks_by_group(engine) -> list[int]:
@@ -287,8 +307,10 @@ def _huge_pages() -> str:
     except OSError:
         pass
     ahead = f", prefetched {m.prefetch / 1024:g} KiB ahead" if m.prefetch is not None else ""
-    return (f"; packed weights {m.live / 2**20:.1f} MB in slabs marked for 2 MiB pages{ahead}, "
-            f"the process holds {huge / 1024:.1f} MB in such pages")
+    return (
+        f"; packed weights {m.live / 2**20:.1f} MB in slabs marked for 2 MiB pages{ahead}, "
+        f"the process holds {huge / 1024:.1f} MB in such pages"
+    )
 
 
 def _weight_kernel(engine) -> str:
@@ -296,8 +318,17 @@ def _weight_kernel(engine) -> str:
     if w is None:
         return ""
     if w.kernel:
-        from ..quant.kernels import (X2_ROWS, X2_WIDTH, activation_mode, amx_rows, int_rows, narrow_steps_x2,
-                                     wide_mode, wide_steps_int, wide_x2_roles)
+        from ..quant.kernels import (
+            X2_ROWS,
+            X2_WIDTH,
+            activation_mode,
+            amx_rows,
+            int_rows,
+            narrow_steps_x2,
+            wide_mode,
+            wide_steps_int,
+            wide_x2_roles,
+        )
 
         mode = activation_mode()
         wide = wide_x2_roles()

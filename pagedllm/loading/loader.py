@@ -1,4 +1,5 @@
 """Build a model from a source: config -> model family -> weights -> tokenizer."""
+
 from __future__ import annotations
 
 import json
@@ -123,10 +124,18 @@ def _safetensors_bytes(path: Path) -> Iterator[tuple[str, int]]:
             yield name, end - start
 
 
-def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
-               max_positions: int | None = None, dequantize_weights: bool = False,
-               isq: str | None = None, tp=None, headless: bool = False,
-               keep_float_head: bool = False, stage=None) -> LoadedModel:
+def load_model(
+    source: ModelSource,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_positions: int | None = None,
+    dequantize_weights: bool = False,
+    isq: str | None = None,
+    tp=None,
+    headless: bool = False,
+    keep_float_head: bool = False,
+    stage=None,
+) -> LoadedModel:
     """`tp`: a TPInfo when this process is one rank of a tensor-parallel group: it builds and
     loads only its shard (models/parallel.py). `stage`: a models.stages.Stage when this process
     runs one pipeline stage: it builds and reads only that stage's layers (and the embedding on
@@ -138,12 +147,13 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
     mmproj = None
     if source.kind == "gguf":
         if isq:
-            raise ValueError(f"isq={isq!r} quantizes a safetensors model at load; {source.path.name} is a GGUF "
-                             "file whose weights are already quantized (drop isq)")
+            raise ValueError(
+                f"isq={isq!r} quantizes a safetensors model at load; {source.path.name} is a GGUF "
+                "file whose weights are already quantized (drop isq)"
+            )
         ckpt = _open_gguf(source.path, take=True)
         hf_config = ckpt.config
-        tokenizer = (Tokenizer.from_pretrained_dir(source.tokenizer_dir)
-                     if source.tokenizer_dir else ckpt.tokenizer)
+        tokenizer = Tokenizer.from_pretrained_dir(source.tokenizer_dir) if source.tokenizer_dir else ckpt.tokenizer
         weights = ckpt.tensors(dtype, keep_quantized=qpath is not None)
         quantized = ckpt.quantized_names() if qpath is not None else set()
         total = len(ckpt.tensor_names())
@@ -164,7 +174,8 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
         total = len(_safetensors_keys(files))
         if hf_config.get("quantization_config"):
             weights, quantized, total, qwhy = _quantized_checkpoint(
-                hf_config["quantization_config"], files, weights, qpath is not None, qwhy, isq, tp)
+                hf_config["quantization_config"], files, weights, qpath is not None, qwhy, isq, tp
+            )
 
     cfg = ModelConfig.from_hf_dict(hf_config)
     if not cfg.eos_token_ids and tokenizer.eos_token_id is not None:
@@ -174,10 +185,12 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
     staged = stage is not None and not stage.whole
     if staged:
         if not cls.pipeline_stages or mmproj is not None or headless:
-            raise ValueError(f"pipeline parallelism runs causal language models; {cfg.architecture}"
-                             f"{' with a vision tower' if mmproj is not None else ''}"
-                             f"{' as an embedding model' if headless else ''} is not split into stages yet "
-                             "(use pipeline_parallel_size=1)")
+            raise ValueError(
+                f"pipeline parallelism runs causal language models; {cfg.architecture}"
+                f"{' with a vision tower' if mmproj is not None else ''}"
+                f"{' as an embedding model' if headless else ''} is not split into stages yet "
+                "(use pipeline_parallel_size=1)"
+            )
         weights = ((n, t) for n, t in weights if stage.keeps_tensor(n, cfg.tie_word_embeddings))
     with torch.device("meta"):
         model = cls(cfg, positions, tp, stage) if staged else cls(cfg, positions, tp)
@@ -211,12 +224,10 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
     kv_scales: dict[tuple[int, int], torch.Tensor] = {}
     weights = _set_aside_kv_scales(weights, kv_scales)
     weights = ((n, t if isinstance(t, QuantTensor) else t.to(dtype)) for n, t in weights)
-    model.load_weights(tqdm(weights, total=total, desc=desc, unit="tensor", leave=False, disable=None),
-                       dtype)
+    model.load_weights(tqdm(weights, total=total, desc=desc, unit="tensor", leave=False, disable=None), dtype)
     model.eval()
     info = _weights_info(model, qpath if quantized else None, qwhy)
-    logger.info("loaded %s (%s, %d layers); weights: %s", source.name, cfg.architecture, cfg.num_layers,
-                info.summary())
+    logger.info("loaded %s (%s, %d layers); weights: %s", source.name, cfg.architecture, cfg.num_layers, info.summary())
     return LoadedModel(model, cfg, tokenizer, source, info.resident_bytes, kv_scales, info, mmproj)
 
 
@@ -228,12 +239,17 @@ def check_rank_memory(weight_bytes: int, limit_mb: float | None, rank: int = 0, 
         return
     mb = weight_bytes / 2**20
     need = max(pp + 1, math.ceil(mb * pp / limit_mb))  # the stages split the weights about evenly
-    where = "the model's weights" if pp * tp == 1 else f"rank {rank}'s weights" + (
-        f" (stage {rank // tp} of {pp})" if pp > 1 else "")
-    raise ValueError(f"{where} take {mb:.1f} MB, over max_rank_memory_mb={limit_mb:g} (--max-rank-memory-mb): "
-                     f"split the model into stages on several ranks or machines with "
-                     f"--pipeline-parallel-size (-pp) {need} or more (LLM(pipeline_parallel_size={need})), "
-                     "or raise the limit")
+    where = (
+        "the model's weights"
+        if pp * tp == 1
+        else f"rank {rank}'s weights" + (f" (stage {rank // tp} of {pp})" if pp > 1 else "")
+    )
+    raise ValueError(
+        f"{where} take {mb:.1f} MB, over max_rank_memory_mb={limit_mb:g} (--max-rank-memory-mb): "
+        f"split the model into stages on several ranks or machines with "
+        f"--pipeline-parallel-size (-pp) {need} or more (LLM(pipeline_parallel_size={need})), "
+        "or raise the limit"
+    )
 
 
 def _with_mmproj(source: ModelSource, ckpt, text_config: dict, tokenizer: Tokenizer, weights, dtype: torch.dtype):
@@ -247,13 +263,25 @@ def _with_mmproj(source: ModelSource, ckpt, text_config: dict, tokenizer: Tokeni
     mm = read_mmproj(source.mmproj)
     mm.check_text_model(source.path, ckpt.arch, int(text_config["hidden_size"]))
     config = mm.model_config(text_config, tokenizer.token_to_id)
-    logger.info("%s + %s: %s, %d image tokens an image", source.path.name, source.mmproj.name,
-                config["architectures"][0], config["mm_tokens_per_image"])
+    logger.info(
+        "%s + %s: %s, %d image tokens an image",
+        source.path.name,
+        source.mmproj.name,
+        config["architectures"][0],
+        config["mm_tokens_per_image"],
+    )
     return mm, config, itertools.chain(weights, mm.tensors(dtype))
 
 
-def _quantized_checkpoint(qcfg: dict, files: list[Path], weights: Iterator[tuple[str, torch.Tensor]],
-                          keep_quantized: bool, qwhy: str, isq: str | None, tp):
+def _quantized_checkpoint(
+    qcfg: dict,
+    files: list[Path],
+    weights: Iterator[tuple[str, torch.Tensor]],
+    keep_quantized: bool,
+    qwhy: str,
+    isq: str | None,
+    tp,
+):
     """A GPTQ / AWQ / compressed-tensors folder: its quantized weights gathered and repacked into
     block formats (quant/checkpoint.py), or dequantized where the kernels are not in use.
     Returns the stream, the names that arrive quantized, the tensor count and the path's reason."""
@@ -261,11 +289,14 @@ def _quantized_checkpoint(qcfg: dict, files: list[Path], weights: Iterator[tuple
 
     scheme = qc.read_scheme(qcfg)
     if isq:
-        raise ValueError(f"isq={isq!r} quantizes float weights at load; this checkpoint is already quantized "
-                         f"({scheme.describe()}): drop isq")
+        raise ValueError(
+            f"isq={isq!r} quantizes float weights at load; this checkpoint is already quantized "
+            f"({scheme.describe()}): drop isq"
+        )
     if tp is not None and getattr(tp, "size", 1) > 1:
-        raise ValueError(f"a {scheme.method} checkpoint does not run under tensor parallelism yet "
-                         "(use tensor_parallel_size=1)")
+        raise ValueError(
+            f"a {scheme.method} checkpoint does not run under tensor parallelism yet (use tensor_parallel_size=1)"
+        )
     keys = _safetensors_keys(files)
     cp = qc.plan(scheme, keys, *_safetensors_readers(files))
     logger.info("%s checkpoint: %s", scheme.method, cp.summary())
@@ -277,8 +308,12 @@ def _quantized_checkpoint(qcfg: dict, files: list[Path], weights: Iterator[tuple
         path = "repacked losslessly at load"
     else:
         path = "no block format holds them exactly: float at load"
-    return (qc.convert_stream(weights, cp, keep_quantized), cp.weight_names(keep_quantized), total,
-            f"{qwhy}; {cp.summary()}, {path}")
+    return (
+        qc.convert_stream(weights, cp, keep_quantized),
+        cp.weight_names(keep_quantized),
+        total,
+        f"{qwhy}; {cp.summary()}, {path}",
+    )
 
 
 # The format a quantized checkpoint's float LM head is quantized to at load: a GPTQ / AWQ tool
@@ -305,8 +340,9 @@ def _float_head(model: torch.nn.Module, files: list[Path], quantized: set[str]) 
             continue
         shape = shape_of(key)
         if len(shape) != 2 or shape[1] % FORMATS[HEAD_FORMAT][1]:
-            logger.info("%s (shape %s): its rows are not whole %s blocks; the head stays float", key, shape,
-                        HEAD_FORMAT)
+            logger.info(
+                "%s (shape %s): its rows are not whole %s blocks; the head stays float", key, shape, HEAD_FORMAT
+            )
             return None
         return key
     return None
@@ -363,8 +399,9 @@ def _span(t: torch.Tensor) -> tuple[int, int]:
     return t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
 
 
-def _set_aside_kv_scales(weights: Iterator[tuple[str, torch.Tensor]],
-                         out: dict[tuple[int, int], torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+def _set_aside_kv_scales(
+    weights: Iterator[tuple[str, torch.Tensor]], out: dict[tuple[int, int], torch.Tensor]
+) -> Iterator[tuple[str, torch.Tensor]]:
     """KV-cache scales are not weights: keep them for the cache (kv/calibration.py)."""
     for name, t in weights:
         key = kv_scale_key(name)
@@ -401,4 +438,3 @@ def _safetensors_keys(files: list[Path]) -> list[str]:
         with safe_open(str(f), framework="pt", device="cpu") as st:
             keys.extend(st.keys())
     return keys
-

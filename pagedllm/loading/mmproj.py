@@ -10,6 +10,7 @@ mapped with gguf's own table (gguf.get_tensor_name_map), the converter's inverse
 
 Supported: Gemma 3 (projector type "gemma3": SigLIP, average pool, RMSNorm, matmul).
 """
+
 from __future__ import annotations
 
 import logging
@@ -22,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .gguf import GGUFError, _check_tensors, _scan_file
+from .gguf.container import GGUFError, _check_tensors, _scan_file
 
 logger = logging.getLogger(__name__)
 
@@ -38,9 +39,13 @@ class _Projector:
 
 
 _PROJECTORS = {
-    "gemma3": _Projector("gemma3", "Gemma3ForConditionalGeneration", "gemma3",
-                         {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>",
-                          "image_token": "<image_soft_token>"}, default_scale=4),
+    "gemma3": _Projector(
+        "gemma3",
+        "Gemma3ForConditionalGeneration",
+        "gemma3",
+        {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"},
+        default_scale=4,
+    ),
 }
 _VISION_PREFIX = "vision_tower.vision_model."  # the Hub's names for SigLIP's weights
 _PROJECTOR_PREFIX = "multi_modal_projector."
@@ -70,14 +75,18 @@ class MMProj:
         """Refuses a language model this projector does not feed, naming both files."""
         want = self.projector.text_arch
         if text_arch != want:
-            raise MMProjError(f"the mmproj {self.path.name} is a {self.projector_type!r} projector, for a {want!r} "
-                              f"language model, but {text_path.name} is a {text_arch!r} model; give the mmproj "
-                              "file made from the same model as the text GGUF")
+            raise MMProjError(
+                f"the mmproj {self.path.name} is a {self.projector_type!r} projector, for a {want!r} "
+                f"language model, but {text_path.name} is a {text_arch!r} model; give the mmproj "
+                "file made from the same model as the text GGUF"
+            )
         dim = int(self._meta("clip.vision.projection_dim"))
         if dim != hidden_size:
-            raise MMProjError(f"the mmproj {self.path.name} projects images to {dim} dimensions but the language "
-                              f"model {text_path.name} has hidden size {hidden_size}: they come from different "
-                              "models; give the mmproj file made from the same model as the text GGUF")
+            raise MMProjError(
+                f"the mmproj {self.path.name} projects images to {dim} dimensions but the language "
+                f"model {text_path.name} has hidden size {hidden_size}: they come from different "
+                "models; give the mmproj file made from the same model as the text GGUF"
+            )
 
     def image_settings(self) -> dict[str, Any]:
         """What the image processor needs: square image size, normalisation mean and std."""
@@ -112,15 +121,19 @@ class MMProj:
         patches = vision["image_size"] // vision["patch_size"]
         scale = int(self.metadata.get("clip.vision.projector.scale_factor") or self.projector.default_scale)
         if scale < 1 or patches % scale:
-            raise MMProjError(f"{self.path}: {patches} patches a side do not pool by clip.vision.projector."
-                              f"scale_factor = {scale}; the file is corrupt")
+            raise MMProjError(
+                f"{self.path}: {patches} patches a side do not pool by clip.vision.projector."
+                f"scale_factor = {scale}; the file is corrupt"
+            )
         ids = {}
         for attr, tok in self.projector.tokens.items():
             tid = token_id(tok)
             if tid is None:
-                raise MMProjError(f"the language model's vocabulary has no {tok} token, which "
-                                  f"{self.projector.architecture}'s image prompts need; is the text GGUF the "
-                                  f"language model of the model {self.path.name} was made from?")
+                raise MMProjError(
+                    f"the language model's vocabulary has no {tok} token, which "
+                    f"{self.projector.architecture}'s image prompts need; is the text GGUF the "
+                    f"language model of the model {self.path.name} was made from?"
+                )
             ids[attr.replace("_token", "_token_index")] = tid
         text = {k: v for k, v in text_config.items() if k != "architectures"}
         return {
@@ -143,10 +156,15 @@ class MMProj:
         wanted = _checkpoint_names(self.vision_config(), n_blocks)
         by_file = {}
         for hf in wanted:
-            base, suffix = (hf[:-len(".weight")], ".weight") if hf.endswith(".weight") else \
-                (hf[:-len(".bias")], ".bias") if hf.endswith(".bias") else (hf, "")
+            base, suffix = (
+                (hf[: -len(".weight")], ".weight")
+                if hf.endswith(".weight")
+                else (hf[: -len(".bias")], ".bias")
+                if hf.endswith(".bias")
+                else (hf, "")
+            )
             if base.endswith("_weight"):  # Gemma 3's projection is a bare parameter, written as .weight
-                base, suffix = base[:-len("_weight")], ".weight"
+                base, suffix = base[: -len("_weight")], ".weight"
             name = tmap.get_name(base)
             if name is not None:
                 by_file[name + suffix] = hf
@@ -156,8 +174,10 @@ class MMProj:
             raise MMProjError(f"{self.path}: tensors {missing[:6]} are missing; the mmproj file is incomplete")
         extra = sorted(present - set(by_file))
         if extra:
-            raise MMProjError(f"{self.path}: tensors {extra[:6]} have no place in a {self.projector_type!r} "
-                              "projector; the file is not one pagedllm can read")
+            raise MMProjError(
+                f"{self.path}: tensors {extra[:6]} have no place in a {self.projector_type!r} "
+                "projector; the file is not one pagedllm can read"
+            )
         return by_file
 
     def tensors(self, dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
@@ -194,10 +214,22 @@ def _checkpoint_names(vision: dict[str, Any], n_blocks: int) -> list[str]:
     """The Hub checkpoint names of a SigLIP tower (no pooling head) and Gemma 3's projector."""
     names = [f"{_VISION_PREFIX}embeddings.patch_embedding.{s}" for s in ("weight", "bias")]
     names.append(f"{_VISION_PREFIX}embeddings.position_embedding.weight")
-    parts = ("layer_norm1", "layer_norm2", "mlp.fc1", "mlp.fc2", "self_attn.q_proj", "self_attn.k_proj",
-             "self_attn.v_proj", "self_attn.out_proj")
-    names += [f"{_VISION_PREFIX}encoder.layers.{i}.{p}.{s}" for i in range(n_blocks) for p in parts
-              for s in ("weight", "bias")]
+    parts = (
+        "layer_norm1",
+        "layer_norm2",
+        "mlp.fc1",
+        "mlp.fc2",
+        "self_attn.q_proj",
+        "self_attn.k_proj",
+        "self_attn.v_proj",
+        "self_attn.out_proj",
+    )
+    names += [
+        f"{_VISION_PREFIX}encoder.layers.{i}.{p}.{s}"
+        for i in range(n_blocks)
+        for p in parts
+        for s in ("weight", "bias")
+    ]
     names += [f"{_VISION_PREFIX}post_layernorm.{s}" for s in ("weight", "bias")]
     names += [f"{_PROJECTOR_PREFIX}mm_input_projection_weight", f"{_PROJECTOR_PREFIX}mm_soft_emb_norm.weight"]
     return names
@@ -218,16 +250,22 @@ def read_mmproj(path: str | os.PathLike) -> MMProj:
     meta = file.metadata
     arch, kind = meta.get("general.architecture"), meta.get("general.type")
     if arch != "clip" or kind not in (None, "mmproj"):
-        raise MMProjError(f"{path}: general.architecture is {arch!r} (general.type {kind!r}), not an mmproj file "
-                          "('clip'); give llama.cpp's projector file (convert_hf_to_gguf.py --mmproj) as mmproj and "
-                          "the language model as the model")
+        raise MMProjError(
+            f"{path}: general.architecture is {arch!r} (general.type {kind!r}), not an mmproj file "
+            "('clip'); give llama.cpp's projector file (convert_hf_to_gguf.py --mmproj) as mmproj and "
+            "the language model as the model"
+        )
     if not meta.get("clip.has_vision_encoder", False):
-        raise MMProjError(f"{path}: the mmproj file has no vision encoder (clip.has_vision_encoder); only "
-                          "image projectors are supported")
+        raise MMProjError(
+            f"{path}: the mmproj file has no vision encoder (clip.has_vision_encoder); only "
+            "image projectors are supported"
+        )
     ptype = meta.get("clip.projector_type")
     if ptype not in _PROJECTORS:
-        raise MMProjError(f"{path}: projector type {ptype!r} (clip.projector_type) is not supported; supported: "
-                          f"{', '.join(sorted(_PROJECTORS))} (for other families, use the model's Hugging Face folder)")
+        raise MMProjError(
+            f"{path}: projector type {ptype!r} (clip.projector_type) is not supported; supported: "
+            f"{', '.join(sorted(_PROJECTORS))} (for other families, use the model's Hugging Face folder)"
+        )
     mm = MMProj(path, ptype, meta, file)
     mm.tensor_names()  # every tensor accounted for before any weight is read
     logger.info("opened mmproj %s: %s projector, %d tensors", path, ptype, len(file.tensors))

@@ -1,4 +1,5 @@
 """Where a model comes from: the embedded default, a GGUF file, a folder, or a hub id."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -37,31 +38,36 @@ def default_model_path() -> Path:
     __init__ needs the `llm` package)."""
     spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            "the default model is not installed; install it with: " + DEFAULT_MODEL_INSTALL)
+        raise FileNotFoundError("the default model is not installed; install it with: " + DEFAULT_MODEL_INSTALL)
     path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_MODEL_FILE
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing; reinstall it with: {DEFAULT_MODEL_INSTALL}")
     return path
 
 
-def resolve(model: str | os.PathLike, tokenizer: str | os.PathLike | None = None,
-            gguf_file: str | None = None, mmproj: str | os.PathLike | None = None) -> ModelSource:
+def resolve(
+    model: str | os.PathLike,
+    tokenizer: str | os.PathLike | None = None,
+    gguf_file: str | None = None,
+    mmproj: str | os.PathLike | None = None,
+) -> ModelSource:
     source = _resolve(model, tokenizer, gguf_file)
     if mmproj is not None:
         path = Path(mmproj).expanduser()
         if not path.is_file():
-            raise FileNotFoundError(f"mmproj file {path} not found (give the .gguf file llama.cpp's "
-                                    "convert_hf_to_gguf.py --mmproj wrote)")
+            raise FileNotFoundError(
+                f"mmproj file {path} not found (give the .gguf file llama.cpp's convert_hf_to_gguf.py --mmproj wrote)"
+            )
         if source.kind != "gguf":
-            raise ValueError(f"mmproj goes with a GGUF language model; {source.name} is a model folder, whose "
-                             "vision tower is in its own weights: drop mmproj")
+            raise ValueError(
+                f"mmproj goes with a GGUF language model; {source.name} is a model folder, whose "
+                "vision tower is in its own weights: drop mmproj"
+            )
         source.mmproj = path
     return source
 
 
-def _resolve(model: str | os.PathLike, tokenizer: str | os.PathLike | None,
-             gguf_file: str | None) -> ModelSource:
+def _resolve(model: str | os.PathLike, tokenizer: str | os.PathLike | None, gguf_file: str | None) -> ModelSource:
     name = str(model)
     tok_dir = Path(tokenizer) if tokenizer else None
     if name == "default":
@@ -80,7 +86,8 @@ def _resolve(model: str | os.PathLike, tokenizer: str | os.PathLike | None,
         if not (path / "config.json").is_file():
             raise FileNotFoundError(
                 f"{path} has no config.json; a model folder needs config.json, *.safetensors and "
-                "tokenizer.json (or pass a .gguf file)")
+                "tokenizer.json (or pass a .gguf file)"
+            )
         return ModelSource("hf", path, name, tok_dir)
     if name.count("/") == 1 and not name.startswith((".", "/")):
         local = _hub_snapshot(name, gguf_file)
@@ -105,11 +112,11 @@ def _hub_snapshot(repo_id: str, gguf_file: str | None) -> Path:
         return Path(snapshot_download(repo_id, allow_patterns=patterns, local_files_only=True))
     except Exception:
         if os.environ.get("HF_HUB_OFFLINE") == "1":
-            raise FileNotFoundError(
-                f"{repo_id} is not in the local Hugging Face cache and HF_HUB_OFFLINE=1") from None
+            raise FileNotFoundError(f"{repo_id} is not in the local Hugging Face cache and HF_HUB_OFFLINE=1") from None
     try:
         return Path(snapshot_download(repo_id, allow_patterns=patterns))
     except Exception as e:
         raise FileNotFoundError(
             f"could not fetch {repo_id} from the Hugging Face hub ({type(e).__name__}: {e}); "
-            "download it on a connected machine or pass a local folder") from None
+            "download it on a connected machine or pass a local folder"
+        ) from None

@@ -10,6 +10,7 @@
 The models see none of this by import: the manager sets `lora` on their linear layers and
 `lora_state` on the model, which they consult only where it is set.
 """
+
 from .request import LoRARequest
 
 __all__ = ["LoRARequest"]

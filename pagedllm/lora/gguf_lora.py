@@ -5,6 +5,7 @@ The file is read by pagedllm/loading/gguf.py (HF module names, float32 A/B, q/k'
 HF order); here each pair is scaled as llama.cpp scales it (adapter.lora.alpha / the pair's rank;
 by 1 when the file has no alpha) and checked against the base like a PEFT adapter's.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -26,12 +27,16 @@ def load_gguf_adapter(path: str | Path, model, max_rank: int) -> AdapterWeights:
     cfg = model.config
     ok = {lora.hf_architecture} | _ALSO.get(lora.arch, set())
     if cfg.architecture not in ok:
-        raise ValueError(f"LoRA adapter {str(path)!r} is for a {lora.arch!r} model, but the base model is "
-                         f"{cfg.architecture}: the adapter is for another base model")
+        raise ValueError(
+            f"LoRA adapter {str(path)!r} is for a {lora.arch!r} model, but the base model is "
+            f"{cfg.architecture}: the adapter is for another base model"
+        )
     rank = max(a.shape[0] for a, _ in lora.pairs.values())
     if rank > max_rank:
-        raise ValueError(f"adapter {str(path)!r} has rank {rank}, above max_lora_rank={max_rank}; "
-                         f"start the engine with max_lora_rank >= {rank}")
+        raise ValueError(
+            f"adapter {str(path)!r} has rank {rank}, above max_lora_rank={max_rank}; "
+            f"start the engine with max_lora_rank >= {rank}"
+        )
     try:
         pairs = lora.hf_pairs(cfg.num_heads, cfg.num_kv_heads)
     except GGUFError as e:

@@ -5,6 +5,7 @@ turns that into groups once per step (a slot and the rows that use it); each lin
 an adapter then adds, per group, (x[rows] @ A^T) @ B^T to its output rows. A step whose rows all
 run the base sets `active` False, and the layers do nothing more than read that flag.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -36,8 +37,7 @@ class LoRAState:
             self.active, self.groups = True, [(int(used[0]), None)]
         else:
             self.active = True
-            self.groups = [(int(s), torch.from_numpy(np.flatnonzero(slots == s)).to(device or "cpu"))
-                           for s in used]
+            self.groups = [(int(s), torch.from_numpy(np.flatnonzero(slots == s)).to(device or "cpu")) for s in used]
 
     def clear(self) -> None:
         self.active, self.groups = False, []
@@ -82,8 +82,11 @@ class LinearLoRA:
 
     def slot_nbytes(self, slot: int) -> int:
         """What the adapter in `slot` holds in this layer."""
-        held = {id(t): t for t in (self.a[slot], self.bt[slot], self.a_native[slot], self.panels[slot],
-                                   self.panel_index[slot]) if t is not None}  # (a_native may be a itself)
+        held = {
+            id(t): t
+            for t in (self.a[slot], self.bt[slot], self.a_native[slot], self.panels[slot], self.panel_index[slot])
+            if t is not None
+        }  # (a_native may be a itself)
         return sum(t.numel() * t.element_size() for t in held.values())
 
     def add(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,6 @@
 """Adapter slots: at most `max_loras` adapters in memory, least recently used evicted beyond
 that and read again from disk when a request needs it back."""
+
 from __future__ import annotations
 
 import logging
@@ -20,8 +21,9 @@ TARGET_LEAVES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
 class LoRAManager:
-    def __init__(self, model: nn.Module, max_loras: int, max_lora_rank: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+    def __init__(
+        self, model: nn.Module, max_loras: int, max_lora_rank: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
         if not isinstance(max_loras, int) or max_loras < 1:
             raise ValueError(f"max_loras must be an integer >= 1, got {max_loras!r}")
         if not isinstance(max_lora_rank, int) or max_lora_rank < 1:
@@ -35,8 +37,9 @@ class LoRAManager:
                 module.lora = self.layers[name] = LinearLoRA(self.state, max_loras)
         if not self.layers:
             raise ValueError(f"{type(model).__name__} has no projections LoRA adapters can apply to")
-        logger.info("LoRA: %d adapter slots of rank <= %d over %d projections", max_loras, max_lora_rank,
-                    len(self.layers))
+        logger.info(
+            "LoRA: %d adapter slots of rank <= %d over %d projections", max_loras, max_lora_rank, len(self.layers)
+        )
         model.lora_state = self.state
         self.slots: OrderedDict[int, int] = OrderedDict()  # lora_int_id -> slot, least recent first
         self.loaded: dict[int, LoRARequest] = {}
@@ -50,8 +53,10 @@ class LoRAManager:
         if req.lora_int_id in self.slots:
             known = self.loaded[req.lora_int_id]
             if str(known.lora_path) != str(req.lora_path):
-                raise ValueError(f"lora_int_id {req.lora_int_id} is held by adapter {known.lora_name!r} "
-                                 f"({known.lora_path}); give {req.lora_name!r} another id")
+                raise ValueError(
+                    f"lora_int_id {req.lora_int_id} is held by adapter {known.lora_name!r} "
+                    f"({known.lora_path}); give {req.lora_name!r} another id"
+                )
             return
         weights = load_adapter(req.lora_path, self.model, self.max_rank)
         if len(self.slots) < self.max_loras:
@@ -97,14 +102,22 @@ class LoRAManager:
     def _place(self, req: LoRARequest, w: AdapterWeights, slot: int) -> None:
         for name, layer in self.layers.items():
             pair = w.pairs.get(name)
-            layer.set_slot(slot, None if pair is None else
-                           tuple(t.to(self.device, self.dtype).contiguous() for t in pair))
+            layer.set_slot(
+                slot, None if pair is None else tuple(t.to(self.device, self.dtype).contiguous() for t in pair)
+            )
         self.slots[req.lora_int_id] = slot
         self.loaded[req.lora_int_id] = req
         self.bytes[req.lora_int_id] = sum(layer.slot_nbytes(slot) for layer in self.layers.values())
         self.num_loads += 1
-        logger.info("LoRA adapter %r (rank %d, %d layers, %.2f MB) loaded into slot %d of %d",
-                    req.lora_name, w.rank, len(w.pairs), self.bytes[req.lora_int_id] / 2**20, slot, self.max_loras)
+        logger.info(
+            "LoRA adapter %r (rank %d, %d layers, %.2f MB) loaded into slot %d of %d",
+            req.lora_name,
+            w.rank,
+            len(w.pairs),
+            self.bytes[req.lora_int_id] / 2**20,
+            slot,
+            self.max_loras,
+        )
 
     @property
     def memory_bytes(self) -> int:

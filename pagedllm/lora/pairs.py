@@ -2,6 +2,7 @@
 from (a PEFT folder: peft.py; a llama.cpp GGUF LoRA file: gguf_lora.py): each targeted HF module
 mapped to our layer, every shape checked against the base, fused parts stacked, the scale
 folded into B once."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -30,8 +31,10 @@ def target_of(folder: Path, model, hf: str) -> tuple[str, int | None]:
     adapter targets, or a ValueError when LoRA cannot apply there."""
     leaf = hf.rsplit(".", 1)[-1]
     if leaf in ("lm_head", "embed_tokens"):
-        raise ValueError(f"adapter {str(folder)!r} targets {leaf}; LoRA on {leaf} is not supported "
-                         "(target the attention and MLP projections)")
+        raise ValueError(
+            f"adapter {str(folder)!r} targets {leaf}; LoRA on {leaf} is not supported "
+            "(target the attention and MLP projections)"
+        )
     mapped = model.map_weight_name(hf + ".weight")
     if mapped is None:
         raise ValueError(f"adapter {str(folder)!r}: {hf} has no place in the base model")
@@ -42,13 +45,16 @@ def target_of(folder: Path, model, hf: str) -> tuple[str, int | None]:
     except AttributeError:
         module = None
     if module is None or getattr(module, "lora", None) is None:
-        raise ValueError(f"adapter {str(folder)!r} targets {hf}, which is not a projection LoRA can "
-                         "apply to in this model (q/k/v/o and gate/up/down of dense layers)")
+        raise ValueError(
+            f"adapter {str(folder)!r} targets {hf}, which is not a projection LoRA can "
+            "apply to in this model (q/k/v/o and gate/up/down of dense layers)"
+        )
     return mod_name, shard
 
 
-def stack_adapter(folder: Path, model, parts: dict[str, dict[int | None, list]], rank: int, alpha: float,
-                  scale: float, max_rank: int) -> AdapterWeights:
+def stack_adapter(
+    folder: Path, model, parts: dict[str, dict[int | None, list]], rank: int, alpha: float, scale: float, max_rank: int
+) -> AdapterWeights:
     """The adapter's pairs on our layers from `parts` (our module -> fused part -> [A, B]), B
     times `scale`."""
     if not parts:
@@ -59,8 +65,9 @@ def stack_adapter(folder: Path, model, parts: dict[str, dict[int | None, list]],
     return out
 
 
-def _stack(folder: Path, model, mod_name: str, shards: dict, scale: float,
-           max_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _stack(
+    folder: Path, model, mod_name: str, shards: dict, scale: float, max_rank: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One layer's (A, B): its parts' A rows stacked, each part's scaled B in its own rows and
     columns (zero elsewhere), after checking each shape against the base layer."""
     module = model.get_submodule(mod_name)
@@ -75,11 +82,15 @@ def _stack(folder: Path, model, mod_name: str, shards: dict, scale: float,
             raise ValueError(f"adapter {str(folder)!r}: {where} has lora_{'A' if a is None else 'B'} missing")
         out_rows = sizes[0 if shard is None else shard]
         if a.dim() != 2 or a.shape[1] != module.in_features:
-            raise ValueError(f"adapter {str(folder)!r}: {where} lora_A has shape {tuple(a.shape)}, but the base "
-                             f"layer takes {module.in_features} inputs: the adapter is for another base model")
+            raise ValueError(
+                f"adapter {str(folder)!r}: {where} lora_A has shape {tuple(a.shape)}, but the base "
+                f"layer takes {module.in_features} inputs: the adapter is for another base model"
+            )
         if b.dim() != 2 or b.shape != (out_rows, a.shape[0]):
-            raise ValueError(f"adapter {str(folder)!r}: {where} lora_B has shape {tuple(b.shape)}, expected "
-                             f"{(out_rows, a.shape[0])} for this base model: the adapter is for another base model")
+            raise ValueError(
+                f"adapter {str(folder)!r}: {where} lora_B has shape {tuple(b.shape)}, expected "
+                f"{(out_rows, a.shape[0])} for this base model: the adapter is for another base model"
+            )
         if a.shape[0] > max_rank:
             raise ValueError(f"adapter {str(folder)!r}: {where} has rank {a.shape[0]}, above max_lora_rank={max_rank}")
         start = 0 if shard is None else sum(sizes[:shard])
@@ -89,5 +100,5 @@ def _stack(folder: Path, model, mod_name: str, shards: dict, scale: float,
     big_a = torch.cat(a_rows, 0)
     big_b = torch.zeros(module.out_features, col)
     for start, rows, c0, b in b_blocks:
-        big_b[start:start + rows, c0:c0 + b.shape[1]] = b
+        big_b[start : start + rows, c0 : c0 + b.shape[1]] = b
     return big_a, big_b

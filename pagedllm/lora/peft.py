@@ -7,6 +7,7 @@ a fused q|k|v or gate|up layer stacks its parts' A rows and places each part's B
 (its output rows, its A's columns), so one grouped product serves the whole fused layer. The
 scale (lora_alpha / r, or / sqrt(r) with use_rslora) is folded into B once, here.
 """
+
 from __future__ import annotations
 
 import json
@@ -38,8 +39,10 @@ def read_config(path: str | Path) -> dict:
     """The adapter's config, checked: a LoRA, with no feature this loader would silently drop."""
     folder = Path(path)
     if not folder.is_dir():
-        raise ValueError(f"LoRA adapter {str(path)!r} is not a folder or a file; give a PEFT adapter folder "
-                         f"holding {CONFIG} and {WEIGHTS}, or a llama.cpp GGUF LoRA (.gguf)")
+        raise ValueError(
+            f"LoRA adapter {str(path)!r} is not a folder or a file; give a PEFT adapter folder "
+            f"holding {CONFIG} and {WEIGHTS}, or a llama.cpp GGUF LoRA (.gguf)"
+        )
     cfg_file = folder / CONFIG
     if not cfg_file.is_file():
         raise ValueError(f"LoRA adapter folder {str(folder)!r} has no {CONFIG}: is it a PEFT adapter?")
@@ -52,11 +55,12 @@ def read_config(path: str | Path) -> dict:
         raise ValueError(f"adapter {str(folder)!r} is a {kind} adapter; only LoRA adapters are supported")
     for key, what in _UNSUPPORTED.items():
         if cfg.get(key):
-            raise ValueError(f"adapter {str(folder)!r} uses {what}, which pagedllm does not support; "
-                             "merge it into the base model (peft's merge_and_unload) instead")
+            raise ValueError(
+                f"adapter {str(folder)!r} uses {what}, which pagedllm does not support; "
+                "merge it into the base model (peft's merge_and_unload) instead"
+            )
     if cfg.get("bias", "none") != "none":
-        raise ValueError(f"adapter {str(folder)!r} trains biases (bias={cfg['bias']!r}); only bias='none' "
-                         "is supported")
+        raise ValueError(f"adapter {str(folder)!r} trains biases (bias={cfg['bias']!r}); only bias='none' is supported")
     if not isinstance(cfg.get("r"), int) or cfg["r"] < 1:
         raise ValueError(f"{cfg_file}: 'r' must be a positive integer, got {cfg.get('r')!r}")
     return cfg
@@ -79,12 +83,17 @@ def load_adapter(path: str | Path, model, max_rank: int) -> AdapterWeights:
     folder = Path(path)
     r = cfg["r"]
     if r > max_rank:
-        raise ValueError(f"adapter {str(folder)!r} has rank {r}, above max_lora_rank={max_rank}; "
-                         f"start the engine with max_lora_rank >= {r}")
+        raise ValueError(
+            f"adapter {str(folder)!r} has rank {r}, above max_lora_rank={max_rank}; "
+            f"start the engine with max_lora_rank >= {r}"
+        )
     wfile = folder / WEIGHTS
     if not wfile.is_file():
-        extra = " (adapter_model.bin is not read: save it with safe_serialization)" \
-            if (folder / "adapter_model.bin").exists() else ""
+        extra = (
+            " (adapter_model.bin is not read: save it with safe_serialization)"
+            if (folder / "adapter_model.bin").exists()
+            else ""
+        )
         raise ValueError(f"LoRA adapter folder {str(folder)!r} has no {WEIGHTS}{extra}")
     tensors = load_file(str(wfile))
     parts: dict[str, dict[int | None, list]] = {}  # our module -> shard -> [A, B]
@@ -94,8 +103,10 @@ def load_adapter(path: str | Path, model, max_rank: int) -> AdapterWeights:
         elif key.endswith(".lora_B.weight"):
             which, base = 1, key[: -len(".lora_B.weight")]
         else:
-            raise ValueError(f"adapter {str(folder)!r}: tensor {key!r} is not a LoRA A/B weight "
-                             "(embedding LoRA, DoRA magnitudes and saved modules are not supported)")
+            raise ValueError(
+                f"adapter {str(folder)!r}: tensor {key!r} is not a LoRA A/B weight "
+                "(embedding LoRA, DoRA magnitudes and saved modules are not supported)"
+            )
         mod_name, shard = target_of(folder, model, base.removeprefix("base_model.model."))
         parts.setdefault(mod_name, {}).setdefault(shard, [None, None])[which] = t.float()
     return stack_adapter(folder, model, parts, r, cfg.get("lora_alpha", 8), scale_of(cfg), max_rank)

@@ -1,4 +1,5 @@
 """What a request names its adapter by, as vLLM's `LoRARequest(lora_name, lora_int_id, lora_path)`."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -13,11 +14,14 @@ class LoRARequest:
 
     def __post_init__(self) -> None:
         if not isinstance(self.lora_int_id, int) or self.lora_int_id < 1:
-            raise ValueError(f"LoRARequest {self.lora_name!r}: lora_int_id must be an integer >= 1 "
-                             f"(0 is the base model), got {self.lora_int_id!r}")
+            raise ValueError(
+                f"LoRARequest {self.lora_name!r}: lora_int_id must be an integer >= 1 "
+                f"(0 is the base model), got {self.lora_int_id!r}"
+            )
         if not self.lora_path:
-            raise ValueError(f"LoRARequest {self.lora_name!r}: lora_path is empty; give the adapter's folder "
-                             "or .gguf file")
+            raise ValueError(
+                f"LoRARequest {self.lora_name!r}: lora_path is empty; give the adapter's folder or .gguf file"
+            )
 
     @property
     def cache_key(self) -> tuple:

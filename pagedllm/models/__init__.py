@@ -1,4 +1,5 @@
 """Model families by the architecture name found in config.json."""
+
 from __future__ import annotations
 
 import torch

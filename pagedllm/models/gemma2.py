@@ -13,6 +13,7 @@ o_proj's and down_proj's all-reduced outputs, the score cap and Gemma 3's q/k no
 a rank's own heads, the embedding scale on the all-reduced lookup and the logit cap on the
 gathered row.
 """
+
 from __future__ import annotations
 
 import torch
@@ -26,8 +27,9 @@ from .parallel import ShardLayout
 
 
 class GemmaMLP(MLP):
-    def forward(self, x: torch.Tensor, norm: nn.Module | None = None,
-                residual: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, norm: nn.Module | None = None, residual: torch.Tensor | None = None
+    ) -> torch.Tensor:
         gate, up = self.gate_up_proj.fused(x, norm=norm).chunk(2, dim=-1)
         return self.down_proj.fused(F.gelu(gate, approximate="tanh") * up, residual=residual)
 
@@ -38,8 +40,10 @@ class Gemma2DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int, shard: ShardLayout | None = None, tp=None) -> None:
         super().__init__()
         if cfg.hidden_activation not in ("gelu_pytorch_tanh", "gelu_tanh"):
-            raise ValueError(f"Gemma with hidden_activation={cfg.hidden_activation!r} is not supported "
-                             "(supported: gelu_pytorch_tanh)")
+            raise ValueError(
+                f"Gemma with hidden_activation={cfg.hidden_activation!r} is not supported "
+                "(supported: gelu_pytorch_tanh)"
+            )
         # Row-parallel o_proj / down_proj all-reduce before returning, so the post-norms below
         # see the whole sum.
         self.self_attn = Attention(cfg, layer_idx, self.qk_norm, shard, tp)
@@ -50,8 +54,7 @@ class Gemma2DecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps)
         self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps)
 
-    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], h: torch.Tensor,
-                meta: AttentionContext) -> torch.Tensor:
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], h: torch.Tensor, meta: AttentionContext) -> torch.Tensor:
         h = h + self.post_attention_layernorm(self.self_attn(rope, h, meta, norm=self.input_layernorm))
         return h + self.post_feedforward_layernorm(self.mlp(h, norm=self.pre_feedforward_layernorm))
 
@@ -61,7 +64,7 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
 
     def __init__(self, cfg: ModelConfig, max_positions: int, tp=None, stage=None) -> None:
         super().__init__(cfg, max_positions, tp, stage)
-        self.embed_scale = cfg.hidden_size ** 0.5
+        self.embed_scale = cfg.hidden_size**0.5
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         h = self.embed_tokens(input_ids)

@@ -13,6 +13,7 @@ matrix [placeholder tokens, hidden] per image) and `bidirectional_images` (image
 to each other both ways, as the reference's token_type_ids mask does: the scheduler then
 never ends a prefill chunk inside an image).
 """
+
 from __future__ import annotations
 
 import logging
@@ -42,7 +43,7 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
         # transformers saves the language model as language_model.model.* (or model.language_model.*)
         for old in ("model.language_model.", "language_model.model."):
             if name.startswith(old):
-                return super().map_weight_name("model." + name[len(old):])
+                return super().map_weight_name("model." + name[len(old) :])
         if name == "language_model.lm_head.weight":
             return super().map_weight_name("lm_head.weight")
         return super().map_weight_name(name)
@@ -81,16 +82,23 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
             try:
                 missing, unexpected = mod.load_state_dict(sd, strict=False, assign=True)
             except RuntimeError as e:  # torch's "size mismatch for <name>: ..." lines
-                raise ValueError(f"checkpoint's {what} does not fit its config: "
-                                 f"{str(e).split(':', 1)[-1].strip()}") from None
+                raise ValueError(
+                    f"checkpoint's {what} does not fit its config: {str(e).split(':', 1)[-1].strip()}"
+                ) from None
             if missing or unexpected:
-                raise ValueError(f"checkpoint's {what} does not fit {self.config.architecture}: missing "
-                                 f"{missing[:4]}, unexpected {unexpected[:4]}")
+                raise ValueError(
+                    f"checkpoint's {what} does not fit {self.config.architecture}: missing "
+                    f"{missing[:4]}, unexpected {unexpected[:4]}"
+                )
         emb = tower.embeddings  # its one buffer is not in the checkpoint
         emb.position_ids = torch.arange(emb.num_positions, device=device).expand((1, -1))
         self.__dict__["_vision"] = (tower.eval(), projector.eval())
-        logger.info("vision tower: SigLIP %d layers, %d px images, %d tokens an image", vcfg.num_hidden_layers,
-                    vcfg.image_size, full.mm_tokens_per_image)
+        logger.info(
+            "vision tower: SigLIP %d layers, %d px images, %d tokens an image",
+            vcfg.num_hidden_layers,
+            vcfg.image_size,
+            full.mm_tokens_per_image,
+        )
 
     @torch.inference_mode()
     def encode_images(self, pixels: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
@@ -112,8 +120,8 @@ def _tower_layout(sd: dict, keys: set[str]) -> dict:
     out = {}
     for k, v in sd.items():
         if k not in keys:
-            if k.startswith("vision_model.") and k[len("vision_model."):] in keys:
-                k = k[len("vision_model."):]
+            if k.startswith("vision_model.") and k[len("vision_model.") :] in keys:
+                k = k[len("vision_model.") :]
             elif "vision_model." + k in keys:
                 k = "vision_model." + k
         out[k] = v

@@ -11,6 +11,7 @@ The language model is the Llama family's, reading `model.text_model.*`; the visi
 and connector are transformers' own modules (Idefics3VisionTransformer, Idefics3Connector),
 built at load beside the text model as gemma3_vl.py does.
 """
+
 from __future__ import annotations
 
 import logging
@@ -35,7 +36,7 @@ class Idefics3ForConditionalGeneration(LlamaForCausalLM):
 
     def map_weight_name(self, name: str) -> tuple[str, int | None] | None:
         if name.startswith("model.text_model."):
-            name = "model." + name[len("model.text_model."):]
+            name = "model." + name[len("model.text_model.") :]
         return super().map_weight_name(name)
 
     def load_weights(self, weights, dtype: torch.dtype = torch.float32) -> None:
@@ -44,9 +45,9 @@ class Idefics3ForConditionalGeneration(LlamaForCausalLM):
         def text_only():
             for name, t in weights:
                 if name.startswith("model.vision_model."):
-                    tower[name[len("model.vision_model."):]] = t
+                    tower[name[len("model.vision_model.") :]] = t
                 elif name.startswith("model.connector."):
-                    connector[name[len("model.connector."):]] = t
+                    connector[name[len("model.connector.") :]] = t
                 else:
                     yield name, t
 
@@ -66,11 +67,17 @@ class Idefics3ForConditionalGeneration(LlamaForCausalLM):
             sd = {k: v.to(device=device, dtype=dtype) for k, v in sd.items()}
             missing, unexpected = mod.load_state_dict(sd, strict=False, assign=True)
             if missing or unexpected:
-                raise ValueError(f"checkpoint's {what} does not fit {self.config.architecture}: missing "
-                                 f"{missing[:4]}, unexpected {unexpected[:4]}")
+                raise ValueError(
+                    f"checkpoint's {what} does not fit {self.config.architecture}: missing "
+                    f"{missing[:4]}, unexpected {unexpected[:4]}"
+                )
         self.__dict__["_vision"] = (tower.eval(), connector.eval(), full.vision_config.patch_size)
-        logger.info("vision transformer: %d layers, %d px tiles, pixel shuffle x%d",
-                    full.vision_config.num_hidden_layers, full.vision_config.image_size, full.scale_factor)
+        logger.info(
+            "vision transformer: %d layers, %d px tiles, pixel shuffle x%d",
+            full.vision_config.num_hidden_layers,
+            full.vision_config.image_size,
+            full.scale_factor,
+        )
 
     @torch.inference_mode()
     def encode_images(self, pixels: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:

@@ -11,6 +11,7 @@
   product, all-reduces it, then adds the bias and the residual once; a vocab-parallel
   embedding looks up only its rows and all-reduces.
 """
+
 from __future__ import annotations
 
 from typing import Iterable
@@ -45,8 +46,9 @@ class Linear(nn.Linear):
         """Hold `parts` (stacked by rows) as the weight; the float parameter goes away."""
         rows = sum(p.shape[0] for p in parts)
         if rows != self.out_features or any(p.shape[1] != self.in_features for p in parts):
-            raise ValueError(f"quantized weight of {rows}x{parts[0].shape[1]} for a "
-                             f"{self.out_features}x{self.in_features} layer")
+            raise ValueError(
+                f"quantized weight of {rows}x{parts[0].shape[1]} for a {self.out_features}x{self.in_features} layer"
+            )
         self.qparts = qk.pack(parts)
         self.weight = None  # nn.Module keeps the slot; parameters() skips it
         perms = [p.col_perm for p in parts]
@@ -63,8 +65,13 @@ class Linear(nn.Linear):
         """Whether the quantized weight reads its input's columns out of order."""
         return self.in_perm is not None or self.part_perms is not None
 
-    def fused(self, x: torch.Tensor, norm: nn.Module | None = None, residual: torch.Tensor | None = None,
-              silu_mul: bool = False) -> torch.Tensor:
+    def fused(
+        self,
+        x: torch.Tensor,
+        norm: nn.Module | None = None,
+        residual: torch.Tensor | None = None,
+        silu_mul: bool = False,
+    ) -> torch.Tensor:
         """residual + act(self(norm(x))), where act is silu(gate) * up over the output's halves.
         With quantized weights and few rows it is one native call (the norm, the bias, the
         activation and the residual folded into the projection); otherwise the plain ops."""
@@ -75,9 +82,13 @@ class Linear(nn.Linear):
             return y if residual is None else residual + y
         # Rows with an adapter take the plain ops below (forward adds their deltas before the
         # activation and the residual); the folded native call has no place for them yet.
-        if (self.qparts is not None and x.dim() == 2 and qk.integer_route(x.shape[0], self.qparts, self.act_role)
-                and self.part_perms is None
-                and (self.lora is None or not self.lora.active)):
+        if (
+            self.qparts is not None
+            and x.dim() == 2
+            and qk.integer_route(x.shape[0], self.qparts, self.act_role)
+            and self.part_perms is None
+            and (self.lora is None or not self.lora.active)
+        ):
             if self.in_perm is not None:  # the norm before the permutation (its weight is in x's order)
                 x = (norm(x) if norm is not None else x).index_select(1, self.in_perm)
                 norm = None
@@ -102,20 +113,32 @@ class Linear(nn.Linear):
         if self.qparts is not None:
             x2 = x.reshape(-1, x.shape[-1])
             if self.part_perms is not None:
-                y = torch.cat([qk.matmul(x2 if p is None else x2.index_select(1, p), [w], role=self.act_role)
-                               for w, p in zip(self.qparts, self.part_perms)], dim=1)
+                y = torch.cat(
+                    [
+                        qk.matmul(x2 if p is None else x2.index_select(1, p), [w], role=self.act_role)
+                        for w, p in zip(self.qparts, self.part_perms)
+                    ],
+                    dim=1,
+                )
             else:
-                y = qk.matmul(x2 if self.in_perm is None else x2.index_select(1, self.in_perm), self.qparts,
-                              role=self.act_role)
+                y = qk.matmul(
+                    x2 if self.in_perm is None else x2.index_select(1, self.in_perm), self.qparts, role=self.act_role
+                )
             return y.view(*x.shape[:-1], self.out_features)
         w = self.weight
-        if (x.dim() == 2 and x.shape[0] <= MAX_ROWS and w.dtype == torch.bfloat16
-                and w.device.type == "cpu" and w.is_contiguous() and not torch.is_grad_enabled()):
+        if (
+            x.dim() == 2
+            and x.shape[0] <= MAX_ROWS
+            and w.dtype == torch.bfloat16
+            and w.device.type == "cpu"
+            and w.is_contiguous()
+            and not torch.is_grad_enabled()
+        ):
             native = cpu_kernels()
             if native is not None:
                 return native.linear_small_m(x, w)
         if x.dim() == 2:  # (whole buckets of rows: qk.gemm_rows)
-            return F.linear(qk.pad_rows(x), w)[:x.shape[0]]
+            return F.linear(qk.pad_rows(x), w)[: x.shape[0]]
         return F.linear(x, w)
 
 
@@ -130,8 +153,7 @@ class Embedding(nn.Embedding):
 
     def set_quantized(self, w: QuantTensor, dtype: torch.dtype) -> None:
         if w.shape != (self.num_embeddings, self.embedding_dim):
-            raise ValueError(f"quantized embedding of {w.shape} for a "
-                             f"{self.num_embeddings}x{self.embedding_dim} table")
+            raise ValueError(f"quantized embedding of {w.shape} for a {self.num_embeddings}x{self.embedding_dim} table")
         self.qweight, self.out_dtype = qk.pack([w])[0], dtype
         self.weight = None
 

@@ -9,6 +9,7 @@ Under pipeline parallelism (`stage`, models/stages.py) a rank builds and loads o
 layers: the first stage embeds, the last applies the final norm and the head, and the others
 take and return hidden states.
 """
+
 from __future__ import annotations
 
 from typing import Iterable
@@ -39,8 +40,14 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, qk_norm: type[nn.Module] | None = None,
-                 shard: ShardLayout | None = None, tp=None) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        layer_idx: int,
+        qk_norm: type[nn.Module] | None = None,
+        shard: ShardLayout | None = None,
+        tp=None,
+    ) -> None:
         super().__init__()
         shard = shard or ShardLayout.of(cfg, 0, 1)
         # This rank's heads (all of them without tensor parallelism).
@@ -48,8 +55,9 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = Linear(self.q_size, cfg.hidden_size, 
-                                bias=cfg.attention_bias if cfg.o_proj_bias is None else cfg.o_proj_bias)
+        self.o_proj = Linear(
+            self.q_size, cfg.hidden_size, bias=cfg.attention_bias if cfg.o_proj_bias is None else cfg.o_proj_bias
+        )
         self.o_proj.tp = tp
         self.window = cfg.layer_windows[layer_idx] if cfg.layer_windows else None
         self.scale = (cfg.query_pre_attn_scalar or self.head_dim) ** -0.5
@@ -59,9 +67,14 @@ class Attention(nn.Module):
         self.k_norm = qk_norm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
         self.attn = None  # set by the model runner: an attention backend layer
 
-    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
-                meta: AttentionContext, norm: nn.Module | None = None,
-                residual: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        x: torch.Tensor,
+        meta: AttentionContext,
+        norm: nn.Module | None = None,
+        residual: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """residual + o_proj(attention(norm(x)))."""
         qkv = self.qkv_proj.fused(x, norm=norm)
         if self.q_norm is not None:
@@ -82,14 +95,21 @@ class Attention(nn.Module):
     def _native_qk_norm(self, qkv: torch.Tensor) -> bool:
         """Whether the q/k norms run as the native call the all-layer decode makes (`qk.qk_norm`):
         quantized projections (whose decode steps that call also serves), plain RMSNorms."""
-        return (self.qkv_proj.qparts is not None and type(self.q_norm) is RMSNorm and type(self.k_norm) is RMSNorm
-                and self.q_norm.eps == self.k_norm.eps and qkv.is_contiguous() and qkv.device.type == "cpu"
-                and qk.qk_norm_available())
+        return (
+            self.qkv_proj.qparts is not None
+            and type(self.q_norm) is RMSNorm
+            and type(self.k_norm) is RMSNorm
+            and self.q_norm.eps == self.k_norm.eps
+            and qkv.is_contiguous()
+            and qkv.device.type == "cpu"
+            and qk.qk_norm_available()
+        )
 
     def _norm_qk(self, qkv: torch.Tensor) -> torch.Tensor:
         if self._native_qk_norm(qkv):
-            return qk.qk_norm(qkv, self.q_norm.weight, self.k_norm.weight, self.num_heads, self.num_kv_heads,
-                              self.q_norm.eps)
+            return qk.qk_norm(
+                qkv, self.q_norm.weight, self.k_norm.weight, self.num_heads, self.num_kv_heads, self.q_norm.eps
+            )
         t = qkv.shape[0]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = self.q_norm(q.reshape(t, self.num_heads, self.head_dim)).view(t, self.q_size)
@@ -98,8 +118,7 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, shard: ShardLayout | None = None, tp=None,
-                 inter: int | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, shard: ShardLayout | None = None, tp=None, inter: int | None = None) -> None:
         """`inter`: the intermediate size where it is not the config's (an MoE expert)."""
         super().__init__()
         self.inter = inter or (shard.inter if shard is not None else cfg.intermediate_size)
@@ -107,8 +126,9 @@ class MLP(nn.Module):
         self.down_proj = Linear(self.inter, cfg.hidden_size, bias=cfg.mlp_bias)
         self.down_proj.tp = tp
 
-    def forward(self, x: torch.Tensor, norm: nn.Module | None = None,
-                residual: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, norm: nn.Module | None = None, residual: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """residual + down(silu(gate) * up), gate|up = gate_up(norm(x))."""
         return self.down_proj.fused(self.gate_up_proj.fused(x, norm=norm, silu_mul=True), residual=residual)
 
@@ -127,8 +147,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], h: torch.Tensor,
-                meta: AttentionContext) -> torch.Tensor:
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], h: torch.Tensor, meta: AttentionContext) -> torch.Tensor:
         # The norms and residual adds travel with the projections, which fold them into one
         # native call where they can (quantized weights, few rows).
         h = self.self_attn(rope, h, meta, norm=self.input_layernorm, residual=h)
@@ -146,8 +165,11 @@ class MissingLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     # HF checkpoint name fragment -> (our parameter fragment, shard index)
     packed = {
-        "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+        "q_proj": ("qkv_proj", 0),
+        "k_proj": ("qkv_proj", 1),
+        "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
     }
     layer_cls: type[nn.Module] = DecoderLayer
     norm_cls: type[nn.Module] = RMSNorm
@@ -163,8 +185,9 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         if stage is not None and not stage.whole and not self.pipeline_stages:
-            raise ValueError(f"pipeline parallelism does not split {type(self).__name__} yet "
-                             "(use pipeline_parallel_size=1)")
+            raise ValueError(
+                f"pipeline parallelism does not split {type(self).__name__} yet (use pipeline_parallel_size=1)"
+            )
         if stage is not None and stage.num_layers != cfg.num_layers:
             raise ValueError(f"stage {stage} was planned for {stage.num_layers} layers; the model has {cfg.num_layers}")
         self.stage = st = stage or whole(cfg)
@@ -174,28 +197,33 @@ class LlamaForCausalLM(nn.Module):
         # Sliding layers with their own rope (Gemma 3's local base frequency).
         self.rope_local = None
         if cfg.local_rope_theta is not None:
-            self.rope_local = RotaryEmbedding(cfg.head_dim, max_positions, cfg.local_rope_theta,
-                                              cfg.local_rope_scaling)
+            self.rope_local = RotaryEmbedding(cfg.head_dim, max_positions, cfg.local_rope_theta, cfg.local_rope_scaling)
         # An uninitialised table: the checkpoint fills it. (nn.Embedding's own init draws
         # normal_ values, whose meta-device kernel imports sympy: 2 s of startup.) The last
         # stage of a tied model keeps the table too, as its head's weight.
         self.embed_tokens = None
         if st.first or (st.last and cfg.tie_word_embeddings):
-            self.embed_tokens = Embedding(sh.vocab, cfg.hidden_size,
-                                          _weight=torch.empty(sh.vocab, cfg.hidden_size))
+            self.embed_tokens = Embedding(sh.vocab, cfg.hidden_size, _weight=torch.empty(sh.vocab, cfg.hidden_size))
             self.embed_tokens.tp, self.embed_tokens.vocab_start = self.tp, sh.vocab_start
         self.layers = nn.ModuleList(
-            MissingLayer() if not st.holds(i) else
-            self.layer_cls(cfg, i, sh, self.tp) if self.tp else self.layer_cls(cfg, i)
-            for i in range(cfg.num_layers))
+            MissingLayer()
+            if not st.holds(i)
+            else self.layer_cls(cfg, i, sh, self.tp)
+            if self.tp
+            else self.layer_cls(cfg, i)
+            for i in range(cfg.num_layers)
+        )
         # The layers this rank runs, kept once: slicing the ModuleList each step builds a new one.
-        self._run = tuple(self.layers[st.start:st.end])
+        self._run = tuple(self.layers[st.start : st.end])
         self.norm = self.norm_cls(cfg.hidden_size, cfg.rms_norm_eps) if st.last else None
         # The head's vocabulary rows this rank computes: all of them on the last stage, unless the
         # first stage shares them (models/stages.py `share_head`).
         self.head_rows = st.head_rows(sh.vocab)
-        self.lm_head = (Linear(cfg.hidden_size, self.head_rows[1] - self.head_rows[0], bias=False)
-                        if self.head_rows is not None else None)
+        self.lm_head = (
+            Linear(cfg.hidden_size, self.head_rows[1] - self.head_rows[0], bias=False)
+            if self.head_rows is not None
+            else None
+        )
 
     def stage_layers(self) -> list[nn.Module]:
         """The layers this rank runs, in order (all of them without pipeline parallelism)."""
@@ -222,8 +250,13 @@ class LlamaForCausalLM(nn.Module):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                meta: AttentionContext, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionContext,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """`inputs_embeds`: the step's input embeddings where images are among its tokens; on a
         pipeline stage after the first, the previous stage's hidden states (required). The last
         stage returns the final-norm hidden states, the others their last layer's output."""
@@ -247,8 +280,9 @@ class LlamaForCausalLM(nn.Module):
         # step (2% of a SmolLM2 step at batch 1; 14 us with warm caches).
         return qk.rms_norm(h, self.norm) if type(self.norm) is RMSNorm else self.norm(h)
 
-    def _decode_stack(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                      meta: AttentionContext) -> torch.Tensor | None:
+    def _decode_stack(
+        self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionContext
+    ) -> torch.Tensor | None:
         """A decode-only step with every projection quantized and few rows: all the layers in
         one native call (the same five calls a layer makes below, without the interpreter
         between them); None where that does not apply."""
@@ -285,8 +319,12 @@ class LlamaForCausalLM(nn.Module):
         if cached is None or cached[0] != (state.version, used):
             a, panels, index = [], [], []
             for layer in self.stage_layers():
-                for p in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
-                          layer.mlp.down_proj):
+                for p in (
+                    layer.self_attn.qkv_proj,
+                    layer.self_attn.o_proj,
+                    layer.mlp.gate_up_proj,
+                    layer.mlp.down_proj,
+                ):
                     a += [p.lora.a_native[s] for s in used]
                     panels += [p.lora.panels[s] for s in used]
                     index += [p.lora.panel_index[s] for s in used]
@@ -314,12 +352,19 @@ class LlamaForCausalLM(nn.Module):
         eps = {layer.input_layernorm.eps for layer in layers} | {layer.post_attention_layernorm.eps for layer in layers}
         clips = set()
         for layer in layers:
-            if not type(layer).__dict__.get("stack_decode") or type(layer.input_layernorm) is not RMSNorm \
-                    or type(layer.post_attention_layernorm) is not RMSNorm:
+            if (
+                not type(layer).__dict__.get("stack_decode")
+                or type(layer.input_layernorm) is not RMSNorm
+                or type(layer.post_attention_layernorm) is not RMSNorm
+            ):
                 return None
             a = layer.self_attn
             if a.q_norm is not None:  # Qwen3 (per head), OLMoE (whole projections): in the stack if it takes them
-                if type(a.q_norm) is not RMSNorm or type(a.k_norm) is not RMSNorm or not qk.decode_layers_take_qk_norms():
+                if (
+                    type(a.q_norm) is not RMSNorm
+                    or type(a.k_norm) is not RMSNorm
+                    or not qk.decode_layers_take_qk_norms()
+                ):
                     return None
                 if a.q_norm.weight.numel() != a.head_dim and not qk.decode_layers_take_moe():
                     return None
@@ -328,8 +373,11 @@ class LlamaForCausalLM(nn.Module):
             clips.add(getattr(a, "clip", None))
             # A sparse MoE block (models/moe.py) runs whole in the stack where it can; it then
             # has no dense MLP weights there.
-            entry = layer.mlp.stack_entry(type(layer.post_attention_layernorm)) if hasattr(layer.mlp, "stack_entry") \
+            entry = (
+                layer.mlp.stack_entry(type(layer.post_attention_layernorm))
+                if hasattr(layer.mlp, "stack_entry")
                 else False
+            )
             if entry is None or (entry is not False and not qk.decode_layers_take_moe()):
                 return None
             sparse.append(entry or None)
@@ -356,11 +404,22 @@ class LlamaForCausalLM(nn.Module):
             return None
         moe = qk.moe_stack(sparse) if any(e is not None for e in sparse) or clip is not None else None
         attn_modules = [layer.self_attn for layer in layers]
-        self._plan = {"attn_modules": attn_modules, "attns": [a.attn for a in attn_modules], "pools": {},
-                      "weights": weights, "types": types, "parts": parts, "kdims": kdims,
-                      "norms": norms, "eps": eps.pop(), "biases": biases, "qk_norms": qk_norms, "moe": moe,
-                      "qkv_clip": float(clip or 0.0),
-                      "moe_layers": [(i, layer.mlp) for i, layer in enumerate(layers) if sparse[i] is not None]}
+        self._plan = {
+            "attn_modules": attn_modules,
+            "attns": [a.attn for a in attn_modules],
+            "pools": {},
+            "weights": weights,
+            "types": types,
+            "parts": parts,
+            "kdims": kdims,
+            "norms": norms,
+            "eps": eps.pop(),
+            "biases": biases,
+            "qk_norms": qk_norms,
+            "moe": moe,
+            "qkv_clip": float(clip or 0.0),
+            "moe_layers": [(i, layer.mlp) for i, layer in enumerate(layers) if sparse[i] is not None],
+        }
         return self._plan
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
@@ -446,13 +505,18 @@ class LlamaForCausalLM(nn.Module):
             if mapped is not None:
                 module = self.get_submodule(mapped[0].rsplit(".", 1)[0])
                 module.weight = None
-        if (self.config.tie_word_embeddings and self.embed_tokens is not None and self.embed_tokens.weight is None
-                and self.lm_head is not None):
+        if (
+            self.config.tie_word_embeddings
+            and self.embed_tokens is not None
+            and self.embed_tokens.weight is None
+            and self.lm_head is not None
+        ):
             self.lm_head.weight = None
 
     @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantTensor]],
-                     dtype: torch.dtype = torch.float32) -> None:
+    def load_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor | QuantTensor]], dtype: torch.dtype = torch.float32
+    ) -> None:
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         seen_shards: dict[str, dict[int, QuantTensor | None]] = {}
@@ -494,12 +558,21 @@ class LlamaForCausalLM(nn.Module):
         """A float parameter for a weight expected quantized whose slice came dequantized
         (a row-parallel split off the format's blocks: models/parallel.py)."""
         module = self.get_submodule(name.rsplit(".", 1)[0])
-        module.weight = nn.Parameter(torch.empty(t.shape, dtype=dtype, device=self.rope.cos.device),
-                                     requires_grad=False)
+        module.weight = nn.Parameter(
+            torch.empty(t.shape, dtype=dtype, device=self.rope.cos.device), requires_grad=False
+        )
         return module.weight
 
-    def _place_quantized(self, name: str, shard: int | None, qt: QuantTensor, hf_name: str,
-                         dtype: torch.dtype, seen: dict, loaded: set[str]) -> None:
+    def _place_quantized(
+        self,
+        name: str,
+        shard: int | None,
+        qt: QuantTensor,
+        hf_name: str,
+        dtype: torch.dtype,
+        seen: dict,
+        loaded: set[str],
+    ) -> None:
         module = self.get_submodule(name.rsplit(".", 1)[0])
         if isinstance(module, Embedding):
             module.set_quantized(qt, dtype)
@@ -511,8 +584,9 @@ class LlamaForCausalLM(nn.Module):
         module.act_role = role if role in qk.ROLES else None
         if shard is None:
             if qt.shape != (module.out_features, module.in_features):
-                raise ValueError(f"weight {hf_name!r} has shape {qt.shape}, expected "
-                                 f"{(module.out_features, module.in_features)}")
+                raise ValueError(
+                    f"weight {hf_name!r} has shape {qt.shape}, expected {(module.out_features, module.in_features)}"
+                )
             module.set_quantized([qt])
             loaded.add(name)
             return

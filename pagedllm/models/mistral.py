@@ -3,6 +3,7 @@
 The window is read from the config into `ModelConfig.layer_windows`; the model
 code is Llama's unchanged.
 """
+
 from .llama import LlamaForCausalLM
 
 

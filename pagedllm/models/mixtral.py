@@ -4,6 +4,7 @@ MoE block in every layer: top-k of the router's softmax, renormalized (models/mo
 Checkpoints name the block `block_sparse_moe` and an expert's projections w1 (gate), w3 (up)
 and w2 (down); the name map turns them into the shared block's names.
 """
+
 from .moe import MoeDecoderLayer, MoeForCausalLM
 
 

@@ -20,6 +20,7 @@
   of each expert's intermediate rows (and of the shared expert's), as the dense MLP is split;
   the weighted sum of partial expert outputs is summed across ranks by one all-reduce.
 """
+
 from __future__ import annotations
 
 import re
@@ -49,8 +50,9 @@ def route(logits: torch.Tensor, k: int, renormalize: bool) -> tuple[torch.Tensor
 class SparseMoE(nn.Module):
     """The routed experts of one layer (plus Qwen2-MoE's shared expert): a drop-in for `MLP`."""
 
-    def __init__(self, cfg: ModelConfig, weights_in_compute_dtype: bool = True,
-                 shard: ShardLayout | None = None, tp=None) -> None:
+    def __init__(
+        self, cfg: ModelConfig, weights_in_compute_dtype: bool = True, shard: ShardLayout | None = None, tp=None
+    ) -> None:
         super().__init__()
         self.tp = tp  # set: this rank's experts are slices, summed after the weighted sum
         self.num_experts, self.top_k = cfg.num_experts, cfg.num_experts_per_tok
@@ -75,13 +77,22 @@ class SparseMoE(nn.Module):
         self._router32: torch.Tensor | None = None
         self.norm_type: type | None = None  # the type of forward's `norm` (set by the decoder layer)
 
-    def forward(self, x: torch.Tensor, norm: nn.Module | None = None,
-                residual: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, norm: nn.Module | None = None, residual: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """residual + sum over the row's top k experts of weight * expert(norm(x)) (+ the shared expert)."""
         self._stack_ids = None
         if x.shape[0] <= qk.int_rows() and residual is x and self._fused_block(type(norm)):
-            out, self._last_ids = qk.moe_block(x, norm.weight, norm.eps, self._router32, self.top_k,
-                                               self.renormalize, self.weights_in_compute_dtype, self._native)
+            out, self._last_ids = qk.moe_block(
+                x,
+                norm.weight,
+                norm.eps,
+                self._router32,
+                self.top_k,
+                self.renormalize,
+                self.weights_in_compute_dtype,
+                self._native,
+            )
             return out
         h = norm(x) if norm is not None else x
         weights, ids = route(self.router_logits(h), self.top_k, self.renormalize)
@@ -136,9 +147,9 @@ class SparseMoE(nn.Module):
         for e, n in enumerate(counts):
             if n == 0:
                 continue
-            idx = rows[start:start + n]
+            idx = rows[start : start + n]
             y = self.experts[e](h.index_select(0, idx))
-            out.index_add_(0, idx, (y * w[start:start + n]).to(out.dtype))
+            out.index_add_(0, idx, (y * w[start : start + n]).to(out.dtype))
             start += n
         return out
 
@@ -146,8 +157,14 @@ class SparseMoE(nn.Module):
         """Whether a step of few rows runs the whole block in one native call (`moe_block`): the
         experts quantized for `quant_moe_experts`, an RMSNorm before it and its input added
         after (as the decoder layer calls it), a float router, no shared expert, one rank."""
-        if norm_type is not RMSNorm or self.shared_expert is not None or self.tp is not None \
-                or self.gate.qparts is not None or self.gate.bias is not None or self._native_experts() is None:
+        if (
+            norm_type is not RMSNorm
+            or self.shared_expert is not None
+            or self.tp is not None
+            or self.gate.qparts is not None
+            or self.gate.bias is not None
+            or self._native_experts() is None
+        ):
             return False
         if self._router32 is None:  # the router's float32 weight, copied once
             self._router32 = self.gate.weight.detach().float().contiguous()
@@ -161,33 +178,46 @@ class SparseMoE(nn.Module):
         if plan is False:
             plan = self._native = None
             if qk.moe_experts_available() and all(
-                    p.qparts is not None and not p.permutes and (p is m.gate_up_proj or len(p.qparts) == 1)
-                    for m in self.experts for p in (m.gate_up_proj, m.down_proj)):
-                plan = self._native = qk.MoeExperts.of([m.gate_up_proj.qparts for m in self.experts],
-                                                       [m.down_proj.qparts[0] for m in self.experts])
+                p.qparts is not None and not p.permutes and (p is m.gate_up_proj or len(p.qparts) == 1)
+                for m in self.experts
+                for p in (m.gate_up_proj, m.down_proj)
+            ):
+                plan = self._native = qk.MoeExperts.of(
+                    [m.gate_up_proj.qparts for m in self.experts], [m.down_proj.qparts[0] for m in self.experts]
+                )
         return plan
 
     def path(self) -> str:
         """How the experts run (for `pagedllm trace`)."""
         mlp = self.experts[0]
         parts = mlp.gate_up_proj.qparts
-        head = (f"{self.num_experts} experts, top-{self.top_k}"
-                f"{', shared expert' if self.shared_expert is not None else ''}: ")
-        loop = ("rows sorted by expert id, one matmul chain per active expert (a Python loop over the "
-                "active experts; {}), scattered back with index_add_")
+        head = (
+            f"{self.num_experts} experts, top-{self.top_k}"
+            f"{', shared expert' if self.shared_expert is not None else ''}: "
+        )
+        loop = (
+            "rows sorted by expert id, one matmul chain per active expert (a Python loop over the "
+            "active experts; {}), scattered back with index_add_"
+        )
         if not parts:
             return head + loop.format(f"{mlp.gate_up_proj.weight.dtype} GEMMs")
         fmts = "/".join(sorted({p.fmt for p in parts}))
         if self._native_experts() is None:
-            return head + loop.format(f"quantized {fmts}, integer kernel up to {qk.int_rows()} rows an "
-                                      "expert, dequantize + GEMM beyond")
-        fused = ("the block from its norm to its residual add (router, softmax, top k too: quant_moe_block)"
-                 if self._fused_block(self.norm_type) else "the routed experts (quant_moe_experts)")
-        return (head + f"quantized {fmts}; steps of up to {qk.int_rows()} rows run {fused} in one native call: "
-                "rows grouped by expert id, every active expert's rows through the integer kernels, the "
-                "threads over all of them at once, summed by weight (a decode step runs it inside the all-layer "
-                "native decode, beside the attention halves, where every layer allows); wider steps "
-                + loop.format("dequantize + GEMM"))
+            return head + loop.format(
+                f"quantized {fmts}, integer kernel up to {qk.int_rows()} rows an expert, dequantize + GEMM beyond"
+            )
+        fused = (
+            "the block from its norm to its residual add (router, softmax, top k too: quant_moe_block)"
+            if self._fused_block(self.norm_type)
+            else "the routed experts (quant_moe_experts)"
+        )
+        return (
+            head + f"quantized {fmts}; steps of up to {qk.int_rows()} rows run {fused} in one native call: "
+            "rows grouped by expert id, every active expert's rows through the integer kernels, the "
+            "threads over all of them at once, summed by weight (a decode step runs it inside the all-layer "
+            "native decode, beside the attention halves, where every layer allows); wider steps "
+            + loop.format("dequantize + GEMM")
+        )
 
 
 class MoeDecoderLayer(DecoderLayer):
@@ -230,21 +260,29 @@ class MoeForCausalLM(LlamaForCausalLM):
         if cut is None or (".experts." not in name and ".shared_expert." not in name):
             return cut
         sh = self.shard
-        start, n = ((sh.expert_inter_start, sh.expert_inter) if ".experts." in name
-                    else (sh.shared_inter_start, sh.shared_inter))
+        start, n = (
+            (sh.expert_inter_start, sh.expert_inter)
+            if ".experts." in name
+            else (sh.shared_inter_start, sh.shared_inter)
+        )
         return cut[0], start, n
 
     def expert_paths(self) -> list[tuple[int, SparseMoE]]:
-        return [(i, layer.mlp) for i, layer in enumerate(self.layers)
-                if self.stage.holds(i) and isinstance(layer.mlp, SparseMoE)]
+        return [
+            (i, layer.mlp)
+            for i, layer in enumerate(self.layers)
+            if self.stage.holds(i) and isinstance(layer.mlp, SparseMoE)
+        ]
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantTensor]],
-                     dtype: torch.dtype = torch.float32) -> None:
+    def load_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor | QuantTensor]], dtype: torch.dtype = torch.float32
+    ) -> None:
         super().load_weights(_split_fused_experts(weights, self.config), dtype)
 
 
-def _split_fused_experts(weights: Iterable[tuple[str, torch.Tensor | QuantTensor]],
-                         cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor | QuantTensor]]:
+def _split_fused_experts(
+    weights: Iterable[tuple[str, torch.Tensor | QuantTensor]], cfg: ModelConfig
+) -> Iterator[tuple[str, torch.Tensor | QuantTensor]]:
     """transformers' 3-D `experts.gate_up_proj` [E, 2I, H] / `experts.down_proj` [E, H, I] as
     the per-expert matrices the model holds."""
     for name, t in weights:
@@ -256,8 +294,10 @@ def _split_fused_experts(weights: Iterable[tuple[str, torch.Tensor | QuantTensor
         e, inter, hidden = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
         want = (e, 2 * inter, hidden) if kind == "gate_up_proj" else (e, hidden, inter)
         if tuple(t.shape) != want:
-            raise ValueError(f"weight {name!r} has shape {tuple(t.shape)}, expected {want} "
-                             f"({e} experts of intermediate size {inter})")
+            raise ValueError(
+                f"weight {name!r} has shape {tuple(t.shape)}, expected {want} "
+                f"({e} experts of intermediate size {inter})"
+            )
         for i in range(e):
             if kind == "gate_up_proj":
                 yield f"{prefix}.{i}.gate_proj.weight", t[i, :inter]

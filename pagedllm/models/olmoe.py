@@ -1,5 +1,6 @@
 """OLMoE: sparse MoE blocks in every layer, and q/k RMSNorms over the whole q and k projections
 (not per head as Qwen3's); `clip_qkv` clamps q, k and v after those norms."""
+
 from __future__ import annotations
 
 import torch
@@ -19,8 +20,15 @@ class OlmoeAttention(Attention):
 
     def _norm_qk(self, qkv: torch.Tensor) -> torch.Tensor:
         if self._native_qk_norm(qkv):
-            return qk.qk_norm(qkv, self.q_norm.weight, self.k_norm.weight, self.num_heads, self.num_kv_heads,
-                              self.q_norm.eps, self.clip)
+            return qk.qk_norm(
+                qkv,
+                self.q_norm.weight,
+                self.k_norm.weight,
+                self.num_heads,
+                self.num_kv_heads,
+                self.q_norm.eps,
+                self.clip,
+            )
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         qkv = torch.cat((self.q_norm(q), self.k_norm(k), v), dim=-1)
         return qkv if self.clip is None else qkv.clamp_(-self.clip, self.clip)

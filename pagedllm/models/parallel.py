@@ -15,6 +15,7 @@
 - With fewer KV heads than ranks, each KV head is held by tp / num_kv_heads ranks (vLLM's
   replication), so a rank's query heads always find their KV head locally.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -33,20 +34,26 @@ def check_tp(cfg: ModelConfig, size: int) -> None:
         return
     if cfg.architecture == "OlmoeForCausalLM":
         # Its q/k RMSNorms run over the whole q and k projections, which a rank holds a slice of.
-        raise ValueError("tensor parallelism does not split OLMoE: its q/k norms span all heads, which the "
-                         "ranks hold apart; use tensor_parallel_size=1")
+        raise ValueError(
+            "tensor parallelism does not split OLMoE: its q/k norms span all heads, which the "
+            "ranks hold apart; use tensor_parallel_size=1"
+        )
     fits = [n for n in range(2, 17) if _fits(cfg, n)]
     hint = f"sizes that fit this model: {fits}" if fits else "this model cannot be split"
     if cfg.num_heads % size:
-        raise ValueError(f"tensor_parallel_size={size} does not divide the model's {cfg.num_heads} "
-                         f"attention heads; {hint}")
+        raise ValueError(
+            f"tensor_parallel_size={size} does not divide the model's {cfg.num_heads} attention heads; {hint}"
+        )
     kv = cfg.num_kv_heads
     if kv % size and size % kv:
-        raise ValueError(f"tensor_parallel_size={size} and the model's {kv} KV heads: one must divide "
-                         f"the other (KV heads are split, or replicated when fewer); {hint}")
+        raise ValueError(
+            f"tensor_parallel_size={size} and the model's {kv} KV heads: one must divide "
+            f"the other (KV heads are split, or replicated when fewer); {hint}"
+        )
     if cfg.intermediate_size % size:
-        raise ValueError(f"tensor_parallel_size={size} does not divide the MLP's intermediate size "
-                         f"{cfg.intermediate_size}; {hint}")
+        raise ValueError(
+            f"tensor_parallel_size={size} does not divide the MLP's intermediate size {cfg.intermediate_size}; {hint}"
+        )
     for what, n in _moe_sizes(cfg):
         if n % size:
             raise ValueError(f"tensor_parallel_size={size} does not divide the {what} intermediate size {n}; {hint}")
@@ -64,8 +71,12 @@ def _moe_sizes(cfg: ModelConfig) -> list[tuple[str, int]]:
 
 def _fits(cfg: ModelConfig, n: int) -> bool:
     kv = cfg.num_kv_heads
-    return (cfg.num_heads % n == 0 and (kv % n == 0 or n % kv == 0) and cfg.intermediate_size % n == 0
-            and all(size % n == 0 for _, size in _moe_sizes(cfg)))
+    return (
+        cfg.num_heads % n == 0
+        and (kv % n == 0 or n % kv == 0)
+        and cfg.intermediate_size % n == 0
+        and all(size % n == 0 for _, size in _moe_sizes(cfg))
+    )
 
 
 @dataclass(frozen=True)
@@ -103,33 +114,51 @@ class ShardLayout:
         per = -(-cfg.vocab_size // size)
         v_start = min(rank * per, cfg.vocab_size)
         e_inter, s_inter = cfg.moe_intermediate_size // size, cfg.shared_expert_intermediate_size // size
-        return cls(rank, size, q, rank * q, kv, kv_start, inter, rank * inter,
-                   min(per, cfg.vocab_size - v_start), v_start, cfg.vocab_size,
-                   e_inter, rank * e_inter, s_inter, rank * s_inter)
+        return cls(
+            rank,
+            size,
+            q,
+            rank * q,
+            kv,
+            kv_start,
+            inter,
+            rank * inter,
+            min(per, cfg.vocab_size - v_start),
+            v_start,
+            cfg.vocab_size,
+            e_inter,
+            rank * e_inter,
+            s_inter,
+            rank * s_inter,
+        )
 
     @property
     def sharded(self) -> bool:
         return self.size > 1
 
 
-def narrow(t: torch.Tensor | QuantTensor, dim: int, start: int, length: int,
-           name: str) -> torch.Tensor | QuantTensor:
+def narrow(t: torch.Tensor | QuantTensor, dim: int, start: int, length: int, name: str) -> torch.Tensor | QuantTensor:
     """t's slice [start, start + length) along dim. A quantized weight splits along rows freely;
     along columns only on its block boundaries, else it is dequantized (logged)."""
     if not isinstance(t, QuantTensor):
         return t.narrow(dim, start, length)
     rows, cols = t.shape
     if dim == 0:
-        return QuantTensor(t.fmt, t.data[start:start + length], (length, cols))
+        return QuantTensor(t.fmt, t.data[start : start + length], (length, cols))
     _, vals, nbytes = FORMATS[t.fmt]
     if start % vals == 0 and length % vals == 0:
-        data = t.data[:, start // vals * nbytes:(start + length) // vals * nbytes].contiguous()
+        data = t.data[:, start // vals * nbytes : (start + length) // vals * nbytes].contiguous()
         return QuantTensor(t.fmt, data, (rows, length))
     import logging
 
     logging.getLogger(__name__).info(
-        "%s: a %s weight's columns split at %d..%d, off its %d-value blocks; this rank holds "
-        "its slice dequantized", name, t.fmt, start, start + length, vals)
+        "%s: a %s weight's columns split at %d..%d, off its %d-value blocks; this rank holds its slice dequantized",
+        name,
+        t.fmt,
+        start,
+        start + length,
+        vals,
+    )
     from ..quant.kernels import dequantize_reference
 
     return dequantize_reference(t).narrow(1, start, length).contiguous()

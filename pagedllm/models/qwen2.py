@@ -1,4 +1,5 @@
 """Qwen2: Llama with biases on the q/k/v projections (none on o_proj)."""
+
 from ..config import ModelConfig
 from .llama import LlamaForCausalLM
 

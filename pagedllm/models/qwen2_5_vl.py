@@ -20,6 +20,7 @@ and a vision transformer over each image at its own resolution.
 - Image attention in the language model is causal, as the reference's: prefill chunks may cut
   through an image (layout "patches": one run of placeholders per image).
 """
+
 from __future__ import annotations
 
 import logging
@@ -46,8 +47,7 @@ class Qwen2_5_VLForConditionalGeneration(Qwen2ForCausalLM):
         if not cfg.mrope_section:
             raise ValueError("a Qwen2.5-VL config needs rope_parameters.mrope_section (M-RoPE); this one has none")
         super().__init__(cfg, max_positions, tp)
-        self.rope = MRotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling,
-                                     cfg.mrope_section)
+        self.rope = MRotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, cfg.mrope_section)
         self.image_token_id = int(cfg.vision["image_token_id"])
         self.merge = int(cfg.vision["vision_config"].get("spatial_merge_size", 2))
         self.__dict__["_vision"] = None  # the vision transformer once loaded; not a child module
@@ -55,7 +55,7 @@ class Qwen2_5_VLForConditionalGeneration(Qwen2ForCausalLM):
     def map_weight_name(self, name: str) -> tuple[str, int | None] | None:
         # transformers >= 5 saves model.language_model.*; the published checkpoints model.*
         if name.startswith("model.language_model."):
-            name = "model." + name[len("model.language_model."):]
+            name = "model." + name[len("model.language_model.") :]
         return super().map_weight_name(name)
 
     def load_weights(self, weights, dtype: torch.dtype = torch.float32) -> None:
@@ -76,20 +76,30 @@ class Qwen2_5_VLForConditionalGeneration(Qwen2ForCausalLM):
         from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as m
 
         device = self.norm.weight.device
-        vcfg = tf.Qwen2_5_VLConfig(**{k: v for k, v in self.config.vision.items() if k != "architectures"}).vision_config
+        vcfg = tf.Qwen2_5_VLConfig(
+            **{k: v for k, v in self.config.vision.items() if k != "architectures"}
+        ).vision_config
         with torch.device("meta"):
             tower = m.Qwen2_5_VisionTransformerPretrainedModel(vcfg)
         sd = {k: v.to(device=device, dtype=dtype) for k, v in sd.items()}
         missing, unexpected = tower.load_state_dict(sd, strict=False, assign=True)
         if missing or unexpected:
-            raise ValueError(f"checkpoint's vision transformer does not fit {self.config.architecture}: missing "
-                             f"{missing[:4]}, unexpected {unexpected[:4]}")
+            raise ValueError(
+                f"checkpoint's vision transformer does not fit {self.config.architecture}: missing "
+                f"{missing[:4]}, unexpected {unexpected[:4]}"
+            )
         rot = tower.rotary_pos_emb  # its buffers are not in the checkpoint
         inv, _ = rot.compute_axial_rope_parameters(vcfg, device=device)
         rot.inv_freq, rot.original_inv_freq = inv, inv.clone()
         self.__dict__["_vision"] = tower.eval()
-        logger.info("vision transformer: %d blocks (full attention at %s), %d px patches merged %dx%d",
-                    vcfg.depth, list(vcfg.fullatt_block_indexes), vcfg.patch_size, self.merge, self.merge)
+        logger.info(
+            "vision transformer: %d blocks (full attention at %s), %d px patches merged %dx%d",
+            vcfg.depth,
+            list(vcfg.fullatt_block_indexes),
+            vcfg.patch_size,
+            self.merge,
+            self.merge,
+        )
 
     @torch.inference_mode()
     def encode_images(self, pixels: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
@@ -101,14 +111,17 @@ class Qwen2_5_VLForConditionalGeneration(Qwen2ForCausalLM):
         pv = torch.cat([p["pixel_values"] for p in pixels]).to(device, dtype)
         grid = torch.cat([p["image_grid_thw"] for p in pixels]).to(device)
         feats = self._vision(pv, grid_thw=grid).pooler_output
-        sizes = (grid.prod(-1) // self.merge ** 2).tolist()
+        sizes = (grid.prod(-1) // self.merge**2).tolist()
         return [f.to(dtype) for f in feats.split(sizes)]
 
     def rope_index(self, mm) -> tuple[np.ndarray, int]:
         """A prompt's M-RoPE positions [3, tokens] and its delta (what a token after the prompt
         adds to its index), from its images' places and grids, as transformers' get_rope_index."""
-        return rope_index(len(mm.prompt_token_ids), [(im.offset, im.end, im.pixels["image_grid_thw"][0].tolist())
-                                                     for im in mm.images], self.merge)
+        return rope_index(
+            len(mm.prompt_token_ids),
+            [(im.offset, im.end, im.pixels["image_grid_thw"][0].tolist()) for im in mm.images],
+            self.merge,
+        )
 
 
 def rope_index(num_tokens: int, images: list[tuple[int, int, list[int]]], merge: int) -> tuple[np.ndarray, int]:

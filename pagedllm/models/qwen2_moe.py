@@ -1,5 +1,6 @@
 """Qwen2-MoE: Qwen2's attention (q/k/v biases, none on o_proj) with sparse MoE blocks beside a
 shared expert that every row runs, scaled by sigmoid(shared_expert_gate(x)) (models/moe.py)."""
+
 from ..config import ModelConfig
 from .moe import MoeForCausalLM
 

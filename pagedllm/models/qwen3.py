@@ -1,4 +1,5 @@
 """Qwen3: Llama with an RMSNorm over each q and k head before rope, and no q/k/v bias."""
+
 from .llama import DecoderLayer, LlamaForCausalLM, RMSNorm
 
 

@@ -1,4 +1,5 @@
 """Rotary position embeddings with the scalings Llama-family checkpoints use."""
+
 from __future__ import annotations
 
 import math
@@ -6,11 +7,12 @@ import math
 import torch
 
 
-def inv_frequencies(head_dim: int, theta: float, scaling: dict | None,
-                    max_positions: int | None = None) -> tuple[torch.Tensor, float]:
+def inv_frequencies(
+    head_dim: int, theta: float, scaling: dict | None, max_positions: int | None = None
+) -> tuple[torch.Tensor, float]:
     """Inverse frequencies and the attention factor applied to cos/sin."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
-    inv = 1.0 / (theta ** exponents)
+    inv = 1.0 / (theta**exponents)
     if not scaling:
         return inv, 1.0
     kind = scaling.get("rope_type") or scaling.get("type") or "default"
@@ -21,7 +23,7 @@ def inv_frequencies(head_dim: int, theta: float, scaling: dict | None,
     if kind == "llama3":
         return _llama3(inv, scaling), 1.0
     if kind in ("longrope", "su"):
-        return _longrope(theta ** exponents, scaling, max_positions)
+        return _longrope(theta**exponents, scaling, max_positions)
     raise ValueError(f"rope scaling type {kind!r} is not supported (supported: linear, llama3, longrope)")
 
 
@@ -106,11 +108,13 @@ class MRotaryEmbedding(RotaryEmbedding):
     each rotated by its own stream. Positions [T] are one stream for all three (text: plain
     rope, the same tables); positions [3, T] give each stream its own."""
 
-    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None,
-                 sections: list[int]) -> None:
+    def __init__(
+        self, head_dim: int, max_positions: int, theta: float, scaling: dict | None, sections: list[int]
+    ) -> None:
         if sum(sections) != head_dim // 2:
-            raise ValueError(f"mrope_section {sections} must add up to head_dim / 2 = {head_dim // 2} "
-                             "(rope frequencies per head)")
+            raise ValueError(
+                f"mrope_section {sections} must add up to head_dim / 2 = {head_dim // 2} (rope frequencies per head)"
+            )
         super().__init__(head_dim, max_positions, theta, scaling)
         self.sections = list(sections)
 

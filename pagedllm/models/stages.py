@@ -20,6 +20,7 @@ Hybrid-KV models (Gemma 2/3: sliding layers beside global ones) and mixtures of 
 cut the same way: a stage holds whole layers, whatever their attention window or experts, and
 its KV cache holds the groups its own layers fall in.
 """
+
 from __future__ import annotations
 
 import re
@@ -96,8 +97,10 @@ def check_pp(num_layers: int, size: int) -> None:
     if size < 1:
         raise ValueError(f"pipeline_parallel_size must be >= 1, got {size}")
     if size > num_layers:
-        raise ValueError(f"pipeline_parallel_size={size} is more stages than the model's {num_layers} layers "
-                         f"(each stage runs at least one layer); use at most {num_layers}")
+        raise ValueError(
+            f"pipeline_parallel_size={size} is more stages than the model's {num_layers} layers "
+            f"(each stage runs at least one layer); use at most {num_layers}"
+        )
 
 
 def plan_stages(layer_bytes: list[int], size: int, embed_bytes: int = 0, head_bytes: int = 0) -> list[Stage]:
@@ -144,8 +147,11 @@ def stage_load(stage: Stage, layer_bytes: list[int], embed_bytes: int = 0, head_
     """A stage's load as `plan_stages` weighs it: the mean of its share of the weight bytes and
     its share of the layers."""
     total = sum(layer_bytes) + embed_bytes + head_bytes
-    held = (sum(layer_bytes[stage.start:stage.end]) + (embed_bytes if stage.first else 0)
-            + (head_bytes if stage.last else 0))
+    held = (
+        sum(layer_bytes[stage.start : stage.end])
+        + (embed_bytes if stage.first else 0)
+        + (head_bytes if stage.last else 0)
+    )
     return (held / max(1, total) + len(stage.layers) / stage.num_layers) / 2
 
 
@@ -154,8 +160,9 @@ def stage_load(stage: Stage, layer_bytes: list[int], embed_bytes: int = 0, head_
 HEAD_SHARE_ROWS = 128
 
 
-def share_head(stages: list[Stage], layer_bytes: list[int], embed_bytes: int, head_bytes: int, vocab: int,
-               tied: bool) -> list[Stage]:
+def share_head(
+    stages: list[Stage], layer_bytes: list[int], embed_bytes: int, head_bytes: int, vocab: int, tied: bool
+) -> list[Stage]:
     """The stages with the LM head's vocabulary rows shared between the first and the last.
 
     A prefill chunk costs each stage about its layers, but a decode step costs the last stage
@@ -172,12 +179,14 @@ def share_head(stages: list[Stage], layer_bytes: list[int], embed_bytes: int, he
     if len(stages) < 2 or head_bytes <= 0 or vocab < 2 * HEAD_SHARE_ROWS:
         return stages
     first, last = stages[0], stages[-1]
-    mine = sum(layer_bytes[first.start:first.end])
-    theirs = sum(layer_bytes[last.start:last.end])
+    mine = sum(layer_bytes[first.start : first.end])
+    theirs = sum(layer_bytes[last.start : last.end])
     share = (theirs + head_bytes - mine) / (2 * head_bytes)
     if not tied:
-        loads = [sum(layer_bytes[s.start:s.end]) + (embed_bytes if s.first else 0) + (head_bytes if s.last else 0)
-                 for s in stages]
+        loads = [
+            sum(layer_bytes[s.start : s.end]) + (embed_bytes if s.first else 0) + (head_bytes if s.last else 0)
+            for s in stages
+        ]
         share = min(share, (max(loads) - loads[0]) / head_bytes)
     rows = int(max(0.0, min(share, 1.0)) * vocab) // HEAD_SHARE_ROWS * HEAD_SHARE_ROWS
     if rows <= 0 or rows >= vocab:
@@ -193,8 +202,9 @@ def whole(cfg: ModelConfig) -> Stage:
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
-def bytes_by_part(tensors: Iterable[tuple[str, int]], num_layers: int,
-                  tie_word_embeddings: bool) -> tuple[list[int], int, int]:
+def bytes_by_part(
+    tensors: Iterable[tuple[str, int]], num_layers: int, tie_word_embeddings: bool
+) -> tuple[list[int], int, int]:
     """(per-layer bytes, embedding bytes, final norm + head bytes) from a checkpoint's
     (HF tensor name, stored bytes) pairs: what the file holds, quantized or not. A tied head
     counts the embedding's bytes again on the last stage, which holds its own copy."""

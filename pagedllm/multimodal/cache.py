@@ -4,6 +4,7 @@ The runner fills it as the scheduled step encodes images and reads it for every 
 holds image tokens; the scheduler asks it what is cached to charge only the images still to
 encode against the step's encoder budget. A step holds the embeddings it uses by reference, so
 an eviction never takes one from under a running step: the cache only saves recomputation."""
+
 from __future__ import annotations
 
 from collections import OrderedDict

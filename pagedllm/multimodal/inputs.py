@@ -7,6 +7,7 @@ it. The hash names the image everywhere its content matters: the encoder cache's
 extra key of every KV block that holds any of its tokens (engine/block_manager.py), so two
 different images never share K/V and one image's blocks are found again on the next turn.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -78,8 +79,8 @@ class MultiModalInput:
         table = self.rope_positions
         k = max(start, min(end, table.shape[1]))
         rows = np.empty((3, end - start), dtype=np.int64)
-        rows[:, :k - start] = table[:, start:k]
-        rows[:, k - start:] = np.arange(k, end) + self.rope_delta
+        rows[:, : k - start] = table[:, start:k]
+        rows[:, k - start :] = np.arange(k, end) + self.rope_delta
         return rows
 
     def spans(self, start: int, end: int) -> list[tuple[int, int]]:

@@ -8,6 +8,7 @@ server answers 400 with its text).
 - Local paths are read only under the allowed directory (`--allowed-local-media-path`), after
   resolving links, so neither `..` nor a symlink leads out of it.
 """
+
 from __future__ import annotations
 
 import base64
@@ -69,8 +70,10 @@ def decode_image(data: bytes, policy: MediaPolicy, what: str):
     w, h = im.size
     limit = policy.pixel_limit()
     if w * h > limit:
-        raise MediaError(f"{what} is {w}x{h} = {w * h} pixels, over the limit of {limit} pixels "
-                         "(a decompression bomb, or an image to scale down before sending)")
+        raise MediaError(
+            f"{what} is {w}x{h} = {w * h} pixels, over the limit of {limit} pixels "
+            "(a decompression bomb, or an image to scale down before sending)"
+        )
     try:
         im.load()
     except Image.DecompressionBombError as e:
@@ -117,8 +120,10 @@ def _fetch(url: str, policy: MediaPolicy) -> bytes:
 
 def _local(path: str, policy: MediaPolicy) -> bytes:
     if policy.allowed_local_dir is None:
-        raise MediaError(f"local image paths are not allowed ({path}); start with --allowed-local-media-path DIR "
-                         "(LLM(allowed_local_media_path=DIR)) to read images under DIR")
+        raise MediaError(
+            f"local image paths are not allowed ({path}); start with --allowed-local-media-path DIR "
+            "(LLM(allowed_local_media_path=DIR)) to read images under DIR"
+        )
     root = Path(policy.allowed_local_dir).resolve()
     p = Path(path).expanduser().resolve()
     if not p.is_relative_to(root):

@@ -6,6 +6,7 @@ and the processor's tensors of that image are its ImageItem (inputs.py). Chat me
 OpenAI content parts (text, image_url) or transformers' (image); the processor's chat template
 writes the prompt with one image marker per image, which the processor then expands.
 """
+
 from __future__ import annotations
 
 import json
@@ -29,14 +30,23 @@ class ImageProcessor:
     its tensors [1, tiles, ...]) or "patches" (Qwen2.5-VL: one run per image; pixel_values is
     every image's patches one after another, image_grid_thw [images, 3] says how many each)."""
 
-    def __init__(self, folder: Path, image_token_id: int, bidirectional: bool, max_images: int,
-                 layout: str = "runs", hf: Any = None) -> None:
+    def __init__(
+        self,
+        folder: Path,
+        image_token_id: int,
+        bidirectional: bool,
+        max_images: int,
+        layout: str = "runs",
+        hf: Any = None,
+    ) -> None:
         """`hf`: the transformers processor when it does not come from `folder` (a GGUF model's,
         `gguf_processor`)."""
         self.hf = load_hf_processor(folder) if hf is None else hf
         if getattr(self.hf, "image_processor", None) is None:
-            raise ValueError(f"{folder} has no image processor config (preprocessor_config.json / "
-                             "processor_config.json); a vision-language model folder needs its processor files")
+            raise ValueError(
+                f"{folder} has no image processor config (preprocessor_config.json / "
+                "processor_config.json); a vision-language model folder needs its processor files"
+            )
         self.image_token_id = image_token_id
         self.bidirectional = bidirectional
         self.max_images = max_images
@@ -53,8 +63,10 @@ class ImageProcessor:
         holds one marker (`self.marker`) per image; a prompt with none gets them in front."""
         images = list(images)
         if len(images) > self.max_images:
-            raise ValueError(f"{len(images)} images in one prompt but this model takes at most "
-                             f"{self.max_images} (limit_mm_per_prompt)")
+            raise ValueError(
+                f"{len(images)} images in one prompt but this model takes at most "
+                f"{self.max_images} (limit_mm_per_prompt)"
+            )
         for i, im in enumerate(images):
             if not hasattr(im, "convert") or not hasattr(im, "tobytes"):
                 raise ValueError(f"image {i} is a {type(im).__name__}, not a PIL image")
@@ -62,8 +74,12 @@ class ImageProcessor:
             prompt = " ".join([self.marker] * len(images)) + "\n" + prompt
         images = [im.convert("RGB") if im.mode != "RGB" else im for im in images]
         try:
-            out = self.hf(text=[prompt], images=[images] if images else None, return_tensors="pt",
-                          add_special_tokens=add_special_tokens)
+            out = self.hf(
+                text=[prompt],
+                images=[images] if images else None,
+                return_tensors="pt",
+                add_special_tokens=add_special_tokens,
+            )
         except ValueError as e:
             raise ValueError(f"the model's processor refused the prompt and images: {e}") from None
         ids = out["input_ids"][0].tolist()
@@ -85,33 +101,41 @@ class ImageProcessor:
             if cur:
                 groups.append(cur)
         if len(groups) != len(images):
-            raise ValueError(f"the prompt has {len(groups)} image places after processing but {len(images)} "
-                             f"images were given; write one {self.marker!r} per image")
+            raise ValueError(
+                f"the prompt has {len(groups)} image places after processing but {len(images)} "
+                f"images were given; write one {self.marker!r} per image"
+            )
         items, tile, patch = [], 0, 0
         for i, (im, g) in enumerate(zip(images, groups)):
             a, b = g[0][0], g[-1][1]
             if self.layout == "runs":
-                pixels, pos = {k: v[i:i + 1] for k, v in tensors.items()}, None
+                pixels, pos = {k: v[i : i + 1] for k, v in tensors.items()}, None
             elif self.layout == "patches":
-                grid = tensors["image_grid_thw"][i:i + 1]
+                grid = tensors["image_grid_thw"][i : i + 1]
                 n = int(grid.prod())
-                pixels, pos = {"pixel_values": tensors["pixel_values"][patch:patch + n], "image_grid_thw": grid}, None
+                pixels, pos = {"pixel_values": tensors["pixel_values"][patch : patch + n], "image_grid_thw": grid}, None
                 patch += n
             else:
-                pixels = {k: v[:, tile:tile + len(g)] for k, v in tensors.items()}
+                pixels = {k: v[:, tile : tile + len(g)] for k, v in tensors.items()}
                 pos = [p - a for r0, r1 in g for p in range(r0, r1)]
                 tile += len(g)
             items.append(ImageItem(image_hash(im), a, b - a, pixels, pos))
         return items
 
-    def chat(self, messages: list[dict], add_generation_prompt: bool = True,
-             policy: MediaPolicy | None = None, **template_kwargs) -> MultiModalInput:
+    def chat(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        policy: MediaPolicy | None = None,
+        **template_kwargs,
+    ) -> MultiModalInput:
         """A conversation whose content parts may hold images (OpenAI image_url parts, or
         {"type": "image", "image": PIL image})."""
         images: list = []
         convo = [_hf_message(m, images, policy) for m in messages]
-        text = self.hf.apply_chat_template(convo, add_generation_prompt=add_generation_prompt, tokenize=False,
-                                           **template_kwargs)
+        text = self.hf.apply_chat_template(
+            convo, add_generation_prompt=add_generation_prompt, tokenize=False, **template_kwargs
+        )
         # The template writes the special tokens (BOS) itself, as transformers' tokenize=True does.
         return self.process(text, images, add_special_tokens=False)
 
@@ -144,8 +168,12 @@ def load_hf_processor(folder: Path | str):
                 return super().check_argument_for_proper_class(argument_name, argument)
 
         tok = tf.AutoTokenizer.from_pretrained(str(folder))
-        return ImagesOnly(image_processor=tf.AutoImageProcessor.from_pretrained(str(folder)), tokenizer=tok,
-                          video_processor=None, chat_template=_chat_template(Path(folder), tok))
+        return ImagesOnly(
+            image_processor=tf.AutoImageProcessor.from_pretrained(str(folder)),
+            tokenizer=tok,
+            video_processor=None,
+            chat_template=_chat_template(Path(folder), tok),
+        )
 
 
 def _processor_class(folder: Path) -> str | None:
@@ -183,14 +211,24 @@ def gguf_processor(settings: dict[str, Any], tokenizer, config: dict[str, Any]) 
     # A copy: the wrapper must not change the engine's own tokenizer (its post-processor adds BOS
     # as the GGUF says, and the wrapper keeps it).
     backend = HFTokenizer.from_str(tokenizer.backend.to_str())
-    hf_tok = tf.PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=tokenizer.bos_token,
-                                        eos_token=tokenizer.eos_token, unk_token=tokenizer.unk_token,
-                                        pad_token=tokenizer.pad_token, extra_special_tokens=names)
+    hf_tok = tf.PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token=tokenizer.bos_token,
+        eos_token=tokenizer.eos_token,
+        unk_token=tokenizer.unk_token,
+        pad_token=tokenizer.pad_token,
+        extra_special_tokens=names,
+    )
     size = int(settings["image_size"])
-    images = tf.Gemma3ImageProcessor(size={"height": size, "width": size}, image_mean=settings["image_mean"],
-                                     image_std=settings["image_std"])
-    return tf.Gemma3Processor(image_processor=images, tokenizer=hf_tok, chat_template=tokenizer.chat_template,
-                              image_seq_length=int(config["mm_tokens_per_image"]))
+    images = tf.Gemma3ImageProcessor(
+        size={"height": size, "width": size}, image_mean=settings["image_mean"], image_std=settings["image_std"]
+    )
+    return tf.Gemma3Processor(
+        image_processor=images,
+        tokenizer=hf_tok,
+        chat_template=tokenizer.chat_template,
+        image_seq_length=int(config["mm_tokens_per_image"]),
+    )
 
 
 def _hf_message(m: dict, images: list, policy: MediaPolicy | None) -> dict:

@@ -11,6 +11,7 @@ the library holds each kernel at several instruction-set levels and registers th
 CPU runs (csrc/isa.h, csrc/dispatch.cpp). `PAGEDLLM_NATIVE=0` turns the kernels off;
 `PAGEDLLM_NATIVE_ISA` caps the level (base, avx2, avxvnni, avx512vnni, avx512bf16).
 """
+
 from __future__ import annotations
 
 import logging
@@ -23,8 +24,7 @@ logger = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
 LEVELS = settings.choices("native_isa")  # as csrc/dispatch.cpp
-BUILD_HINT = ("build them with `make kernels` in a checkout, or reinstall with "
-              "`pip install --no-build-isolation .`")
+BUILD_HINT = "build them with `make kernels` in a checkout, or reinstall with `pip install --no-build-isolation .`"
 # The op set this code calls, as csrc/dispatch.cpp stamps it (NATIVE_ABI there; both bumped
 # together whenever an op or class is added, removed or changes its schema). A library with
 # another stamp, or none, is refused whole: callers then need only ask whether it loaded.
@@ -61,8 +61,9 @@ def cpu_kernels():
 
     lib = library_path()
     if lib is None:
-        logger.info("native CPU kernels not built (no _kernels*.so in %s): the PyTorch paths are used; %s",
-                    HERE, BUILD_HINT)
+        logger.info(
+            "native CPU kernels not built (no _kernels*.so in %s): the PyTorch paths are used; %s", HERE, BUILD_HINT
+        )
         return None
     try:
         torch.ops.load_library(str(lib))
@@ -71,19 +72,28 @@ def cpu_kernels():
         stamp = int(ops.native_abi()) if hasattr(ops, "native_abi") else None
     except (OSError, RuntimeError, AttributeError) as e:
         last = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
-        logger.info("native CPU kernels in %s do not load (%s): the PyTorch paths are used; %s",
-                    lib, last, BUILD_HINT)
+        logger.info("native CPU kernels in %s do not load (%s): the PyTorch paths are used; %s", lib, last, BUILD_HINT)
         return None
     running = torch.__version__.split("+")[0]
     if built_for.split(".")[:2] != running.split(".")[:2]:
         # Loaded but compiled against another torch's C++ ABI: calling them could crash.
-        logger.info("native CPU kernels in %s were built for torch %s, this is torch %s: the PyTorch "
-                    "paths are used; %s", lib, built_for, running, BUILD_HINT)
+        logger.info(
+            "native CPU kernels in %s were built for torch %s, this is torch %s: the PyTorch paths are used; %s",
+            lib,
+            built_for,
+            running,
+            BUILD_HINT,
+        )
         return None
     if stamp != NATIVE_ABI:
-        logger.warning("native CPU kernels in %s are a stale build (op set %s, this code calls op set %d): "
-                       "the PyTorch paths are used; %s", lib, "unstamped" if stamp is None else stamp,
-                       NATIVE_ABI, REBUILD_HINT)
+        logger.warning(
+            "native CPU kernels in %s are a stale build (op set %s, this code calls op set %d): "
+            "the PyTorch paths are used; %s",
+            lib,
+            "unstamped" if stamp is None else stamp,
+            NATIVE_ABI,
+            REBUILD_HINT,
+        )
         return None
     logger.debug("native CPU kernels loaded from %s (%s level)", lib, ops.native_isa())
     _warn_unbuilt_cap(ops)
@@ -97,9 +107,14 @@ def _warn_unbuilt_cap(ops) -> None:
     cap = settings.get("native_isa")
     built = str(ops.native_built_levels()).split(",")
     if cap is not None and cap not in built_levels(ops) and cap != level_of(str(ops.native_isa())):
-        logger.warning("PAGEDLLM_NATIVE_ISA=%s: these kernels were compiled at %s only, so they run at %s; "
-                       "rebuild with PAGEDLLM_ISA_LEVELS=all to run %s", cap, ", ".join(built),
-                       ops.native_isa(), cap)
+        logger.warning(
+            "PAGEDLLM_NATIVE_ISA=%s: these kernels were compiled at %s only, so they run at %s; "
+            "rebuild with PAGEDLLM_ISA_LEVELS=all to run %s",
+            cap,
+            ", ".join(built),
+            ops.native_isa(),
+            cap,
+        )
 
 
 def level_of(name: str) -> str:

@@ -13,6 +13,7 @@ format otherwise). Everything before the cursor comes first, so while a user typ
 other files and the current file's prefix up to the cursor are the same leading tokens from
 one request to the next: the prefix cache keeps them, and only the tail is prefilled again.
 """
+
 from __future__ import annotations
 
 import json
@@ -94,16 +95,24 @@ class InfillRequest(BaseModel):
     filename: str = "filename"
 
 
-def infill_ids(ctx: ServingContext, prefix: str, suffix: str, files: list[InfillFile] = (),
-               repo_name: str = "myproject", filename: str = "filename") -> list[int]:
+def infill_ids(
+    ctx: ServingContext,
+    prefix: str,
+    suffix: str,
+    files: list[InfillFile] = (),
+    repo_name: str = "myproject",
+    filename: str = "filename",
+) -> list[int]:
     """The FIM prompt's token ids (see the module docstring for the layout)."""
     tk = ctx.tokenizer
     fim = fim_tokens(tk)
     if fim is None:
-        raise ApiError(f"model {ctx.model_name!r} has no fill-in-the-middle tokens (none of "
-                       "tokenizer.ggml.fim_*_token_id, <|fim_prefix|>, <fim_prefix>, <PRE> ...): serve a "
-                       "code model trained for infilling, or send a plain completion without suffix",
-                       param="suffix")
+        raise ApiError(
+            f"model {ctx.model_name!r} has no fill-in-the-middle tokens (none of "
+            "tokenizer.ggml.fim_*_token_id, <|fim_prefix|>, <fim_prefix>, <PRE> ...): serve a "
+            "code model trained for infilling, or send a plain completion without suffix",
+            param="suffix",
+        )
 
     def enc(text: str) -> list[int]:
         return tk.encode(text, add_special_tokens=False) if text else []
@@ -124,14 +133,22 @@ def infill_ids(ctx: ServingContext, prefix: str, suffix: str, files: list[Infill
 
 def completion_request(req: InfillRequest, ctx: ServingContext) -> CompletionRequest:
     """/infill as a text completion over the FIM prompt's ids."""
-    ids = infill_ids(ctx, req.input_prefix + req.prompt, req.input_suffix, req.input_extra,
-                     req.repo_name, req.filename)
+    ids = infill_ids(ctx, req.input_prefix + req.prompt, req.input_suffix, req.input_extra, req.repo_name, req.filename)
     max_tokens = req.max_tokens or (req.n_predict if req.n_predict not in (None, -1) else None)
-    fields = {"prompt": ids, "max_tokens": max_tokens or ctx.default_max_tokens(len(ids), 1),
-              "temperature": req.temperature, "top_k": req.top_k, "top_p": req.top_p,
-              "min_p": req.min_p, "repetition_penalty": req.repeat_penalty,
-              "presence_penalty": req.presence_penalty, "frequency_penalty": req.frequency_penalty,
-              "seed": req.seed, "stop": req.stop, "stream": req.stream}
+    fields = {
+        "prompt": ids,
+        "max_tokens": max_tokens or ctx.default_max_tokens(len(ids), 1),
+        "temperature": req.temperature,
+        "top_k": req.top_k,
+        "top_p": req.top_p,
+        "min_p": req.min_p,
+        "repetition_penalty": req.repeat_penalty,
+        "presence_penalty": req.presence_penalty,
+        "frequency_penalty": req.frequency_penalty,
+        "seed": req.seed,
+        "stop": req.stop,
+        "stream": req.stream,
+    }
     try:
         return CompletionRequest(**{k: v for k, v in fields.items() if v is not None})
     except ValueError as e:
@@ -140,17 +157,21 @@ def completion_request(req: InfillRequest, ctx: ServingContext) -> CompletionReq
 
 def _ended(text: str, model: str, finish_reason: str | None, n_prompt: int, n_predicted: int) -> dict:
     """llama.cpp's last /infill object: the whole answer's, or a stream's closing event."""
-    return {"content": text, "model": model, "stop": True,
-            "stop_type": "eos" if finish_reason == "stop" else "limit",
-            "tokens_predicted": n_predicted, "tokens_evaluated": n_prompt,
-            "timings": {"prompt_n": n_prompt, "predicted_n": n_predicted}}
+    return {
+        "content": text,
+        "model": model,
+        "stop": True,
+        "stop_type": "eos" if finish_reason == "stop" else "limit",
+        "tokens_predicted": n_predicted,
+        "tokens_evaluated": n_prompt,
+        "timings": {"prompt_n": n_prompt, "predicted_n": n_predicted},
+    }
 
 
 def infill_response(resp: CompletionResponse) -> dict:
     """llama.cpp's /infill answer from the completion's."""
     choice = resp.choices[0]
-    return _ended(choice.text, resp.model, choice.finish_reason, resp.usage.prompt_tokens,
-                  resp.usage.completion_tokens)
+    return _ended(choice.text, resp.model, choice.finish_reason, resp.usage.prompt_tokens, resp.usage.completion_tokens)
 
 
 def _event(obj: dict) -> str:
@@ -178,8 +199,9 @@ class InfillStreamer:
         n_prompt, n = len(out.prompt_token_ids), len(c.token_ids)
         lines = []
         if c.delta_text:
-            lines.append(_event({"content": c.delta_text, "stop": False, "tokens_predicted": n,
-                                 "tokens_evaluated": n_prompt}))
+            lines.append(
+                _event({"content": c.delta_text, "stop": False, "tokens_predicted": n, "tokens_evaluated": n_prompt})
+            )
         if c.finish_reason is not None:
             lines.append(_event(_ended("", self.model, c.finish_reason, n_prompt, n)))
         return lines

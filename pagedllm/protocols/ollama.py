@@ -8,6 +8,7 @@ thinking (split by protocols/reasoning.py, through common/chat.py's `reasoning_o
 as `thinking`, and `think` switches it on or off where the template allows. Models are chosen
 when the server starts, so /api/pull, /api/create and /api/delete are refused.
 """
+
 from __future__ import annotations
 
 import json
@@ -26,8 +27,10 @@ from .common.call import Call
 from .common.context import ServingContext, new_id
 from .common.errors import ApiError
 
-MODEL_MANAGEMENT = ("models are chosen when pagedllm starts (`pagedllm serve MODEL`); this server "
-                    "cannot {what} models: restart it with the model you want")
+MODEL_MANAGEMENT = (
+    "models are chosen when pagedllm starts (`pagedllm serve MODEL`); this server "
+    "cannot {what} models: restart it with the model you want"
+)
 # What /api/version reports: the Ollama release whose API this server follows (clients such as
 # Codex's --oss mode compare it against the release they need), not pagedllm's own version.
 OLLAMA_API_VERSION = "0.13.4"
@@ -114,12 +117,17 @@ def sampling_params(body: _Body, ctx: ServingContext, n_prompt: int, structured:
     try:
         return SamplingParams(
             max_tokens=ctx.capped_max_tokens(n_prompt, max_tokens),
-            temperature=float(o.get("temperature", 0.8)), top_k=int(o.get("top_k", 40)) or -1,
-            top_p=float(o.get("top_p", 0.9)), min_p=float(o.get("min_p", 0.0)),
+            temperature=float(o.get("temperature", 0.8)),
+            top_k=int(o.get("top_k", 40)) or -1,
+            top_p=float(o.get("top_p", 0.9)),
+            min_p=float(o.get("min_p", 0.0)),
             repetition_penalty=float(o.get("repeat_penalty", 1.0)),
             presence_penalty=float(o.get("presence_penalty", 0.0)),
             frequency_penalty=float(o.get("frequency_penalty", 0.0)),
-            seed=o.get("seed"), stop=o.get("stop"), structured=structured)
+            seed=o.get("seed"),
+            stop=o.get("stop"),
+            structured=structured,
+        )
     except (SamplingParamsError, TypeError, ValueError) as e:
         raise ApiError(f"invalid options: {getattr(e, 'message', e)}", param="options") from None
 
@@ -132,7 +140,7 @@ def structured_format(fmt: str | dict | None) -> Any:
         return neutral.structured_spec({"type": "json_object"}, {})
     if isinstance(fmt, dict):
         return neutral.structured_spec({"type": "json_schema", "json_schema": {"name": "format", "schema": fmt}}, {})
-    raise ApiError(f"format {fmt!r} is not supported: use \"json\" or a JSON schema", param="format")
+    raise ApiError(f'format {fmt!r} is not supported: use "json" or a JSON schema', param="format")
 
 
 def _neutral_messages(req: ChatRequest) -> list[dict]:
@@ -141,8 +149,7 @@ def _neutral_messages(req: ChatRequest) -> list[dict]:
     out: list[dict] = []
     for i, m in enumerate(req.messages):
         if m.role not in ("system", "user", "assistant", "tool"):
-            raise ApiError(f"unknown role {m.role!r}; use system, user, assistant or tool",
-                           param=f"messages.{i}.role")
+            raise ApiError(f"unknown role {m.role!r}; use system, user, assistant or tool", param=f"messages.{i}.role")
         if m.images:
             raise ApiError("images are not supported on /api/chat yet", param=f"messages.{i}.images")
         msg: dict[str, Any] = {"role": m.role, "content": m.content}
@@ -150,10 +157,16 @@ def _neutral_messages(req: ChatRequest) -> list[dict]:
             msg["reasoning_content"] = m.thinking
         if m.tool_calls:
             msg["tool_calls"] = [
-                {"id": f"call_{i}_{j}", "type": "function",
-                 "function": {"name": c.get("function", {}).get("name"),
-                              "arguments": json.dumps(c.get("function", {}).get("arguments") or {})}}
-                for j, c in enumerate(m.tool_calls)]
+                {
+                    "id": f"call_{i}_{j}",
+                    "type": "function",
+                    "function": {
+                        "name": c.get("function", {}).get("name"),
+                        "arguments": json.dumps(c.get("function", {}).get("arguments") or {}),
+                    },
+                }
+                for j, c in enumerate(m.tool_calls)
+            ]
         if m.role == "tool":
             msg["tool_call_id"] = _answered_call(out, m.tool_name)
             if m.tool_name:
@@ -172,8 +185,9 @@ def think_kwargs(think: bool | str | None) -> dict:
         return {"enable_thinking": think}
     if think in THINK_LEVELS:
         return {"enable_thinking": True, "reasoning_effort": think}
-    raise ApiError(f"think {think!r} is not supported: use true, false, or one of {', '.join(THINK_LEVELS)}",
-                   param="think")
+    raise ApiError(
+        f"think {think!r} is not supported: use true, false, or one of {', '.join(THINK_LEVELS)}", param="think"
+    )
 
 
 def _answered_call(messages: list[dict], name: str | None) -> str:
@@ -206,9 +220,14 @@ def timings(final: RequestOutput) -> dict:
     end = m.finished_time or time.time()
     first = m.first_token_time or end
     ns = 1_000_000_000
-    return {"total_duration": int(max(0.0, end - m.arrival_time) * ns), "load_duration": 0,
-            "prompt_eval_count": m.num_prompt_tokens, "prompt_eval_duration": int(max(0.0, first - m.arrival_time) * ns),
-            "eval_count": len(final.outputs[0].token_ids), "eval_duration": int(max(0.0, end - first) * ns)}
+    return {
+        "total_duration": int(max(0.0, end - m.arrival_time) * ns),
+        "load_duration": 0,
+        "prompt_eval_count": m.num_prompt_tokens,
+        "prompt_eval_duration": int(max(0.0, first - m.arrival_time) * ns),
+        "eval_count": len(final.outputs[0].token_ids),
+        "eval_duration": int(max(0.0, end - first) * ns),
+    }
 
 
 def done_reason(reason: str | None) -> str:
@@ -266,39 +285,65 @@ class NDJSONStreamer:
             text = ""
         lines = []
         if text or thought:
-            lines.append(self._line({"model": self.model, "created_at": now_iso(),
-                                     **self._piece(text, thought=thought), "done": False}))
+            lines.append(
+                self._line(
+                    {"model": self.model, "created_at": now_iso(), **self._piece(text, thought=thought), "done": False}
+                )
+            )
         if c.finish_reason is not None:
             text, calls = "", []
             if self.plan is not None and self.plan.parses:
                 content, calls = neutral.parse_answer(self.text, self.plan)
                 text = content or ""
-            lines.append(self._line({"model": self.model, "created_at": now_iso(), **self._piece(text, calls),
-                                     "done": True, "done_reason": done_reason(c.finish_reason), **timings(out)}))
+            lines.append(
+                self._line(
+                    {
+                        "model": self.model,
+                        "created_at": now_iso(),
+                        **self._piece(text, calls),
+                        "done": True,
+                        "done_reason": done_reason(c.finish_reason),
+                        **timings(out),
+                    }
+                )
+            )
         return lines
 
 
-def _answer(model: str, final: RequestOutput, chat: bool, plan: Any,
-            reasoning: neutral.Reasoning | None = None) -> dict:
+def _answer(
+    model: str, final: RequestOutput, chat: bool, plan: Any, reasoning: neutral.Reasoning | None = None
+) -> dict:
     c = final.outputs[0]
     streamer = NDJSONStreamer(model, chat, plan)
     thought, text = reasoning.split(c.text) if reasoning is not None else (None, c.text)
     content, calls = neutral.parse_answer(text, plan)
-    return {"model": model, "created_at": now_iso(), **streamer._piece(content or "", calls, thought),
-            "done": True, "done_reason": done_reason(c.finish_reason), **timings(final)}
+    return {
+        "model": model,
+        "created_at": now_iso(),
+        **streamer._piece(content or "", calls, thought),
+        "done": True,
+        "done_reason": done_reason(c.finish_reason),
+        **timings(final),
+    }
 
 
-def _call(ctx: ServingContext, body: _Body, prompt: Any, structured: Any, plan: Any, chat: bool,
-          templated: bool) -> Call:
+def _call(
+    ctx: ServingContext, body: _Body, prompt: Any, structured: Any, plan: Any, chat: bool, templated: bool
+) -> Call:
     """`templated`: the prompt came through the chat template, so the answer may begin with the
     template's reasoning (the answer to a raw or fill-in-the-middle prompt is never split)."""
     params = sampling_params(body, ctx, neutral.prompt_len(prompt), structured)
     neutral.constrain_to_tools(params, plan)
     rid = new_id("ollama")
     reasoning = neutral.reasoning_of(ctx, prompt) if templated else None
-    return Call(rid, [Item(rid, prompt, params)], body.stream, neutral.grammar_param(plan, "format"),
-                NDJSONStreamer(ctx.model_name, chat, plan, reasoning),
-                lambda finals: _answer(ctx.model_name, finals[0], chat, plan, reasoning))
+    return Call(
+        rid,
+        [Item(rid, prompt, params)],
+        body.stream,
+        neutral.grammar_param(plan, "format"),
+        NDJSONStreamer(ctx.model_name, chat, plan, reasoning),
+        lambda finals: _answer(ctx.model_name, finals[0], chat, plan, reasoning),
+    )
 
 
 def chat_call(req: ChatRequest, ctx: ServingContext) -> Call:
@@ -322,9 +367,10 @@ def generate_call(req: GenerateRequest, ctx: ServingContext) -> Call:
             raise ApiError("prompt is empty", param="prompt")
         prompt = ctx.tokenizer.encode(req.prompt)
     else:
-        messages = ([{"role": "system", "content": req.system}] if req.system else [])
-        prompt = neutral.chat_prompt(ctx, [*messages, {"role": "user", "content": req.prompt}], None,
-                                     **think_kwargs(req.think))
+        messages = [{"role": "system", "content": req.system}] if req.system else []
+        prompt = neutral.chat_prompt(
+            ctx, [*messages, {"role": "user", "content": req.prompt}], None, **think_kwargs(req.think)
+        )
         templated = True
     return _call(ctx, req, prompt, structured_format(req.format), None, chat=False, templated=templated)
 
@@ -350,15 +396,31 @@ def capabilities(ctx: ServingContext, task: str) -> list[str]:
 
 def model_entry(name: str, ctx: ServingContext, family: str, size: int, modified: str) -> dict:
     """One model of /api/tags and /api/ps."""
-    details = {"parent_model": "", "format": "gguf", "family": family, "families": [family],
-               "parameter_size": "", "quantization_level": ""}
-    return {"name": name, "model": name, "modified_at": modified, "size": size,
-            "digest": "", "details": details}
+    details = {
+        "parent_model": "",
+        "format": "gguf",
+        "family": family,
+        "families": [family],
+        "parameter_size": "",
+        "quantization_level": "",
+    }
+    return {"name": name, "model": name, "modified_at": modified, "size": size, "digest": "", "details": details}
 
 
 def show(ctx: ServingContext, family: str, task: str, modified: str) -> dict:
-    return {"modelfile": "", "parameters": "", "template": getattr(ctx.tokenizer, "chat_template", None) or "",
-            "details": {"parent_model": "", "format": "gguf", "family": family, "families": [family],
-                        "parameter_size": "", "quantization_level": ""},
-            "model_info": {"general.architecture": family, f"{family}.context_length": ctx.max_model_len},
-            "capabilities": capabilities(ctx, task), "modified_at": modified}
+    return {
+        "modelfile": "",
+        "parameters": "",
+        "template": getattr(ctx.tokenizer, "chat_template", None) or "",
+        "details": {
+            "parent_model": "",
+            "format": "gguf",
+            "family": family,
+            "families": [family],
+            "parameter_size": "",
+            "quantization_level": "",
+        },
+        "model_info": {"general.architecture": family, f"{family}.context_length": ctx.max_model_len},
+        "capabilities": capabilities(ctx, task),
+        "modified_at": modified,
+    }

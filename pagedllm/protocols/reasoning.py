@@ -8,6 +8,7 @@ template without such a pair has no reasoning, and its answers pass through unto
 
 Every dialect shares the split: OpenAI chat's `reasoning_content`, Anthropic's thinking
 blocks, Ollama's `thinking`."""
+
 from __future__ import annotations
 
 import re
@@ -82,7 +83,7 @@ class ReasoningSplitter:
                 stripped = text.lstrip()
                 if stripped.startswith(self.markers.start):
                     self.state, self.seen = "reasoning", True
-                    text = stripped[len(self.markers.start):]
+                    text = stripped[len(self.markers.start) :]
                     continue
                 if not stripped or self.markers.start.startswith(stripped):
                     self.held = text  # may still become the marker
@@ -93,12 +94,12 @@ class ReasoningSplitter:
             at = text.find(self.markers.end)
             if at >= 0:
                 reasoning += text[:at]
-                text = text[at + len(self.markers.end):]
+                text = text[at + len(self.markers.end) :]
                 self.state = "content"
                 continue
             keep = _partial_suffix(text, self.markers.end)
-            reasoning += text[:len(text) - keep]
-            self.held = text[len(text) - keep:]
+            reasoning += text[: len(text) - keep]
+            self.held = text[len(text) - keep :]
             return reasoning, content
         return reasoning, content
 

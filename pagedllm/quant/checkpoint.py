@@ -16,6 +16,7 @@ float weight, logged. A group of 64 or 128 columns gives its scale to each of it
 to groups by `g_idx`, out of order. The repacked weight holds the columns sorted by group, and
 the layer permutes its input's columns to match, once per call (models/linear.py).
 """
+
 from __future__ import annotations
 
 import logging
@@ -57,26 +58,36 @@ def read_scheme(qcfg: dict) -> Scheme:
         bits, gs = _bits(qcfg, "bits", method), int(qcfg.get("group_size", -1))
         fmt = str(qcfg.get("checkpoint_format", qcfg.get("format", "gptq"))).lower()
         if fmt not in ("gptq", "gptq_v2"):
-            raise QuantFormatError(f"quantization_config.checkpoint_format = {fmt!r} is not supported; "
-                                   "GPTQ checkpoints load in the gptq (v1) and gptq_v2 formats")
-        return Scheme("gptq", bits, gs, bool(qcfg.get("sym", True)), zero_plus_one=fmt == "gptq",
-                      parts=("qweight", "qzeros", "scales", "g_idx"))
+            raise QuantFormatError(
+                f"quantization_config.checkpoint_format = {fmt!r} is not supported; "
+                "GPTQ checkpoints load in the gptq (v1) and gptq_v2 formats"
+            )
+        return Scheme(
+            "gptq",
+            bits,
+            gs,
+            bool(qcfg.get("sym", True)),
+            zero_plus_one=fmt == "gptq",
+            parts=("qweight", "qzeros", "scales", "g_idx"),
+        )
     if method == "awq":
         version = str(qcfg.get("version", "gemm")).lower()
         if version != "gemm":
-            raise QuantFormatError(f"quantization_config.version = {version!r} is not supported; AWQ "
-                                   "checkpoints load in the GEMM layout")
+            raise QuantFormatError(
+                f"quantization_config.version = {version!r} is not supported; AWQ checkpoints load in the GEMM layout"
+            )
         bits = _bits(qcfg, "bits" if "bits" in qcfg else "w_bit", method)
         if bits != 4:
             raise QuantFormatError(f"quantization_config.bits = {bits}: AWQ's GEMM layout packs 4-bit codes")
         gs = int(qcfg.get("group_size", qcfg.get("q_group_size", 128)))
-        return Scheme("awq", bits, gs, not bool(qcfg.get("zero_point", True)),
-                      parts=("qweight", "qzeros", "scales"))
+        return Scheme("awq", bits, gs, not bool(qcfg.get("zero_point", True)), parts=("qweight", "qzeros", "scales"))
     if method == "compressed-tensors":
         return _ct_scheme(qcfg)
-    raise QuantFormatError(f"quantization_config.quant_method = {qcfg.get('quant_method')!r} is not supported; "
-                           f"pagedllm loads {', '.join(METHODS)} (pack-quantized) checkpoints, or use a GGUF "
-                           "file or float weights")
+    raise QuantFormatError(
+        f"quantization_config.quant_method = {qcfg.get('quant_method')!r} is not supported; "
+        f"pagedllm loads {', '.join(METHODS)} (pack-quantized) checkpoints, or use a GGUF "
+        "file or float weights"
+    )
 
 
 def _bits(qcfg: dict, key: str, method: str) -> int:
@@ -90,31 +101,49 @@ def _ct_scheme(qcfg: dict) -> Scheme:
     fmt = qcfg.get("format")
     groups = qcfg.get("config_groups") or {}
     if len(groups) != 1:
-        raise QuantFormatError(f"quantization_config.config_groups has {len(groups)} groups; pagedllm loads "
-                               "compressed-tensors checkpoints with one scheme for every linear layer")
-    (gname, group), = groups.items()
+        raise QuantFormatError(
+            f"quantization_config.config_groups has {len(groups)} groups; pagedllm loads "
+            "compressed-tensors checkpoints with one scheme for every linear layer"
+        )
+    ((gname, group),) = groups.items()
     fmt = group.get("format", fmt)
     if fmt != "pack-quantized":
-        raise QuantFormatError(f"quantization_config.format = {fmt!r} is not supported; compressed-tensors "
-                               "checkpoints load in the pack-quantized (W4A16, W8A16) format")
+        raise QuantFormatError(
+            f"quantization_config.format = {fmt!r} is not supported; compressed-tensors "
+            "checkpoints load in the pack-quantized (W4A16, W8A16) format"
+        )
     w = group.get("weights") or {}
     if group.get("input_activations"):
-        raise QuantFormatError(f"quantization_config.config_groups.{gname}.input_activations is set; only "
-                               "weight-only schemes (W4A16, W8A16) are supported")
+        raise QuantFormatError(
+            f"quantization_config.config_groups.{gname}.input_activations is set; only "
+            "weight-only schemes (W4A16, W8A16) are supported"
+        )
     if w.get("type", "int") != "int":
-        raise QuantFormatError(f"quantization_config.config_groups.{gname}.weights.type = {w.get('type')!r}; "
-                               "only int weights are supported")
+        raise QuantFormatError(
+            f"quantization_config.config_groups.{gname}.weights.type = {w.get('type')!r}; "
+            "only int weights are supported"
+        )
     bits = int(w.get("num_bits", 4))
     if bits not in (4, 8):
-        raise QuantFormatError(f"quantization_config.config_groups.{gname}.weights.num_bits = {bits}: "
-                               "compressed-tensors checkpoints load with 4 or 8 bits")
+        raise QuantFormatError(
+            f"quantization_config.config_groups.{gname}.weights.num_bits = {bits}: "
+            "compressed-tensors checkpoints load with 4 or 8 bits"
+        )
     strategy = w.get("strategy", "group")
     if strategy not in ("group", "channel"):
-        raise QuantFormatError(f"quantization_config.config_groups.{gname}.weights.strategy = {strategy!r}; "
-                               "group and channel are supported")
+        raise QuantFormatError(
+            f"quantization_config.config_groups.{gname}.weights.strategy = {strategy!r}; "
+            "group and channel are supported"
+        )
     gs = int(w.get("group_size") or -1) if strategy == "group" else -1
-    return Scheme("compressed-tensors", bits, gs, bool(w.get("symmetric", True)), marker="weight_packed",
-                  parts=("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx"))
+    return Scheme(
+        "compressed-tensors",
+        bits,
+        gs,
+        bool(w.get("symmetric", True)),
+        marker="weight_packed",
+        parts=("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx"),
+    )
 
 
 @dataclass
@@ -184,8 +213,9 @@ def _unpack_gptq(scheme: Scheme, prefix: str, tensors: dict[str, torch.Tensor]) 
         ones = sum(1 << s for s in range(0, 32, scheme.bits))  # (a zero of 0 borrowed from its neighbour)
         qzeros = (qzeros.long() + ones) & 0xFFFFFFFF
     zeros = _unpack_cols(qzeros, scheme.bits)[:, :out].to(torch.int16)  # [groups, out]
-    return _checked(scheme, prefix, "qweight", codes, zeros.t().contiguous(), scales.t().contiguous(),
-                    tensors.get("g_idx"))
+    return _checked(
+        scheme, prefix, "qweight", codes, zeros.t().contiguous(), scales.t().contiguous(), tensors.get("g_idx")
+    )
 
 
 def _unpack_awq(scheme: Scheme, prefix: str, tensors: dict[str, torch.Tensor]) -> Unpacked:
@@ -201,8 +231,9 @@ def _unpack_awq(scheme: Scheme, prefix: str, tensors: dict[str, torch.Tensor]) -
     if scheme.sym:
         zeros = torch.full(scales.shape, 8, dtype=torch.int16)
     else:
-        qzeros = _int32(_need(tensors, prefix, "qzeros", "an AWQ weight with zero_point needs qzeros"),
-                        f"{prefix}.qzeros")
+        qzeros = _int32(
+            _need(tensors, prefix, "qzeros", "an AWQ weight with zero_point needs qzeros"), f"{prefix}.qzeros"
+        )
         zeros = unpack_awq(qzeros).to(torch.int16)
     return _checked(scheme, prefix, "qweight", codes, zeros.t().contiguous(), scales.t().contiguous(), None)
 
@@ -219,35 +250,54 @@ def _unpack_ct(scheme: Scheme, prefix: str, tensors: dict[str, torch.Tensor]) ->
     if scheme.sym:
         zeros = torch.full(scales.shape, 1 << (scheme.bits - 1), dtype=torch.int16)
     else:
-        zp = _int32(_need(tensors, prefix, "weight_zero_point", "an asymmetric scheme needs weight_zero_point"),
-                    f"{prefix}.weight_zero_point")
+        zp = _int32(
+            _need(tensors, prefix, "weight_zero_point", "an asymmetric scheme needs weight_zero_point"),
+            f"{prefix}.weight_zero_point",
+        )
         zeros = _unpack_cols(zp.t().contiguous(), scheme.bits)[:, :out].t().to(torch.int16)  # packed along rows
     if scales.dim() == 1:
         scales = scales.unsqueeze(1)
     return _checked(scheme, prefix, "weight_packed", codes, zeros.contiguous(), scales, tensors.get("weight_g_idx"))
 
 
-def _checked(scheme: Scheme, prefix: str, marker: str, codes: torch.Tensor, zeros: torch.Tensor,
-             scales: torch.Tensor, g_idx: torch.Tensor | None) -> Unpacked:
+def _checked(
+    scheme: Scheme,
+    prefix: str,
+    marker: str,
+    codes: torch.Tensor,
+    zeros: torch.Tensor,
+    scales: torch.Tensor,
+    g_idx: torch.Tensor | None,
+) -> Unpacked:
     out, cols = codes.shape
     groups = scales.shape[1] if scales.dim() == 2 else 0
     gs = cols if scheme.group_size == -1 else scheme.group_size
     if gs <= 0 or cols % gs:
-        raise QuantFormatError(f"{prefix}.{marker}: group_size {scheme.group_size} (quantization_config) does not "
-                               f"divide its {cols} input columns")
+        raise QuantFormatError(
+            f"{prefix}.{marker}: group_size {scheme.group_size} (quantization_config) does not "
+            f"divide its {cols} input columns"
+        )
     if scales.shape != (out, cols // gs) and not (scheme.group_size == -1 and scales.shape == (out, 1)):
-        raise QuantFormatError(f"{prefix} scales have shape {tuple(scales.shape)}, expected {(out, cols // gs)} "
-                               f"for a {out}x{cols} weight in groups of {gs}")
+        raise QuantFormatError(
+            f"{prefix} scales have shape {tuple(scales.shape)}, expected {(out, cols // gs)} "
+            f"for a {out}x{cols} weight in groups of {gs}"
+        )
     if zeros.shape != scales.shape:
         raise QuantFormatError(f"{prefix} zeros have shape {tuple(zeros.shape)}, expected {tuple(scales.shape)}")
     if g_idx is not None:
         g_idx = g_idx.long()
         groups = scales.shape[1]
-        if g_idx.shape != (cols,) or g_idx.min() < 0 or g_idx.max() >= groups \
-                or not bool((torch.bincount(g_idx, minlength=groups) == cols // groups).all()):
+        if (
+            g_idx.shape != (cols,)
+            or g_idx.min() < 0
+            or g_idx.max() >= groups
+            or not bool((torch.bincount(g_idx, minlength=groups) == cols // groups).all())
+        ):
             name = "g_idx" if scheme.method == "gptq" else "weight_g_idx"
-            raise QuantFormatError(f"{prefix}.{name} is not a permutation of groups: each of the {groups} groups "
-                                   f"must hold {cols // groups} of the {cols} columns")
+            raise QuantFormatError(
+                f"{prefix}.{name} is not a permutation of groups: each of the {groups} groups "
+                f"must hold {cols // groups} of the {cols} columns"
+            )
         if bool((g_idx == torch.arange(cols) // (cols // groups)).all()):
             g_idx = None  # groups in column order (GPTQ without desc_act still writes g_idx)
     return Unpacked(prefix, codes, zeros, scales, g_idx)
@@ -319,8 +369,9 @@ def plan(scheme: Scheme, keys: list[str], read, shape_of) -> CheckpointPlan:
             prefix = key[: -len(scheme.marker) - 1]
             prefixes[prefix] = {s for s in scheme.parts if f"{prefix}.{s}" in keyset}
     if not prefixes:
-        raise QuantFormatError(f"the checkpoint's quantization_config names {scheme.method}, but no tensor ends "
-                               f"in .{scheme.marker}")
+        raise QuantFormatError(
+            f"the checkpoint's quantization_config names {scheme.method}, but no tensor ends in .{scheme.marker}"
+        )
     formats: dict[str, str | None] = {}
     for prefix, present in prefixes.items():
         small = {s: read(f"{prefix}.{s}") for s in present if s != scheme.marker}
@@ -333,8 +384,9 @@ def plan(scheme: Scheme, keys: list[str], read, shape_of) -> CheckpointPlan:
     return CheckpointPlan(scheme, prefixes, formats)
 
 
-def convert_stream(weights: Iterator[tuple[str, torch.Tensor]], cp: CheckpointPlan,
-                   quantized: bool) -> Iterator[tuple[str, torch.Tensor | QuantTensor]]:
+def convert_stream(
+    weights: Iterator[tuple[str, torch.Tensor]], cp: CheckpointPlan, quantized: bool
+) -> Iterator[tuple[str, torch.Tensor | QuantTensor]]:
     """The checkpoint's tensors with each quantized weight's parts gathered into one `.weight`:
     a QuantTensor (`quantized` and a format fits) or its float32 values."""
     owner: dict[str, tuple[str, str]] = {}

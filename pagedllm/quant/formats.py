@@ -5,6 +5,7 @@ row, exactly as a GGUF file stores them (a uint8 tensor [rows, row_bytes], often
 the mmap'd file). Blocks run along a row, so stacking rows (fusing q/k/v, gate/up) or
 permuting them (undoing llama.cpp's rope permutation) keeps every block whole.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -76,7 +77,8 @@ class QuantTensor:
         if self.data.dtype != torch.uint8 or tuple(self.data.shape) != want:
             raise QuantFormatError(
                 f"{self.fmt} data for a {rows}x{cols} weight must be uint8 {want}, got "
-                f"{self.data.dtype} {tuple(self.data.shape)}")
+                f"{self.data.dtype} {tuple(self.data.shape)}"
+            )
 
     @property
     def type_id(self) -> int:
@@ -86,7 +88,9 @@ class QuantTensor:
     @property
     def can_pack(self) -> bool:
         # (PAGEDLLM_QUANT_PACK=0 keeps the file's layout: the reference for comparisons)
-        return settings.get("quant_pack") and not self.packed and self.fmt in PACKABLE and self.shape[0] % PACK_ROWS == 0
+        return (
+            settings.get("quant_pack") and not self.packed and self.fmt in PACKABLE and self.shape[0] % PACK_ROWS == 0
+        )
 
     def pack(self) -> "QuantTensor":
         """The same weight in the packed layout (a copy; the file's pages are handed back)."""
@@ -108,8 +112,9 @@ class QuantTensor:
         if self.packed:
             if lo % PACK_ROWS or hi % PACK_ROWS:
                 raise ValueError(f"a packed weight splits on {PACK_ROWS}-row groups, not at rows {lo}..{hi}")
-            return QuantTensor(self.fmt, self.data[lo // PACK_ROWS:hi // PACK_ROWS], (hi - lo, self.shape[1]),
-                               packed=True)
+            return QuantTensor(
+                self.fmt, self.data[lo // PACK_ROWS : hi // PACK_ROWS], (hi - lo, self.shape[1]), packed=True
+            )
         return QuantTensor(self.fmt, self.data[lo:hi], (hi - lo, self.shape[1]))
 
     def permute_rows(self, index: torch.Tensor) -> "QuantTensor":

@@ -1,5 +1,6 @@
 """The native calls around the quantized projections that choose no route: the per-head q/k
 and whole-row RMSNorms, and the LoRA and MoE stacks the all-layer decode (kernels.decode_layers) takes."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -24,8 +25,13 @@ class MoeExperts:
     @classmethod
     def of(cls, gate_up: list[list[QuantTensor]], down: list[QuantTensor]) -> "MoeExperts":
         flat = [p for parts in gate_up for p in parts]
-        return cls([p.data for p in flat], [p.type_id for p in flat], [len(parts) for parts in gate_up],
-                   [d.data for d in down], [d.type_id for d in down])
+        return cls(
+            [p.data for p in flat],
+            [p.type_id for p in flat],
+            [len(parts) for parts in gate_up],
+            [d.data for d in down],
+            [d.type_id for d in down],
+        )
 
 
 def qk_norm_available() -> bool:
@@ -38,14 +44,20 @@ def rms_norm(x: torch.Tensor, norm) -> torch.Tensor:
     projections' norms compute it (within a few float32 ulps of F.rms_norm); the module itself
     elsewhere (no native kernels, another device, a weight in another dtype)."""
     ops = cpu_kernels()
-    if (ops is None or x.dim() != 2 or x.device.type != "cpu"
-            or norm.weight.dtype != x.dtype):
+    if ops is None or x.dim() != 2 or x.device.type != "cpu" or norm.weight.dtype != x.dtype:
         return norm(x)
     return ops.rms_norm(x, norm.weight, norm.eps)
 
 
-def qk_norm(qkv: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, num_heads: int, num_kv_heads: int, eps: float,
-            clip: float | None = None) -> torch.Tensor:
+def qk_norm(
+    qkv: torch.Tensor,
+    wq: torch.Tensor,
+    wk: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    eps: float,
+    clip: float | None = None,
+) -> torch.Tensor:
     """qkv [T, (hq + 2 hkv) d] with its q and k RMSNorms applied in place (over each head where
     the weights are head_dim long, else over the whole q and k parts), then clamped to +-clip
     where given: the quantized decode path's q/k norms, one native call instead of ATen's chain
@@ -63,8 +75,17 @@ def moe_stack(entries: list[tuple | None]):
             stack.add_dense()
         else:
             router, ex, top_k, renormalize, round_weights = e
-            stack.add_sparse(router, ex.gate_up, ex.gate_up_types, ex.gate_up_parts, ex.down, ex.down_types,
-                             top_k, renormalize, round_weights)
+            stack.add_sparse(
+                router,
+                ex.gate_up,
+                ex.gate_up_types,
+                ex.gate_up_parts,
+                ex.down,
+                ex.down_types,
+                top_k,
+                renormalize,
+                round_weights,
+            )
     return stack
 
 

@@ -1,4 +1,5 @@
 """The integer kernels' instruction sets on this CPU, and its int8 dot-product peak."""
+
 from __future__ import annotations
 
 import time

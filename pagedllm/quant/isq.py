@@ -13,6 +13,7 @@ type that does, as llama.cpp's quantizer does (Q4_K's 256-value blocks -> Q5_0's
 mistral.rs's numeric form picks the type a CPU gets there: `--isq 4` is Q4_K, `--isq 5` Q5_K,
 `--isq 6` Q6_K, `--isq 8` Q8_0.
 """
+
 from __future__ import annotations
 
 import logging
@@ -38,22 +39,29 @@ def check_isq_type(fmt: str) -> str:
     if name.isdigit():
         bits = int(name)
         if bits not in ISQ_BITS:
-            raise ValueError(f"unsupported ISQ bit width {fmt!r}; mistral.rs's numeric form takes "
-                             f"{', '.join(map(str, ISQ_BITS))} (on a CPU: "
-                             f"{', '.join(f'{b} = {t}' for b, t in ISQ_BITS.items())})")
+            raise ValueError(
+                f"unsupported ISQ bit width {fmt!r}; mistral.rs's numeric form takes "
+                f"{', '.join(map(str, ISQ_BITS))} (on a CPU: "
+                f"{', '.join(f'{b} = {t}' for b, t in ISQ_BITS.items())})"
+            )
         name = ISQ_BITS[bits]
         if name not in ISQ_TYPES:
-            raise ValueError(f"--isq {bits} means {name} (mistral.rs's choice on a CPU), which pagedllm cannot "
-                             f"quantize to at load yet; supported: {', '.join(ISQ_TYPES)}, or 4, 5, 6 and 8")
+            raise ValueError(
+                f"--isq {bits} means {name} (mistral.rs's choice on a CPU), which pagedllm cannot "
+                f"quantize to at load yet; supported: {', '.join(ISQ_TYPES)}, or 4, 5, 6 and 8"
+            )
         return name
     if name not in ISQ_TYPES:
-        raise ValueError(f"unsupported ISQ type {fmt!r}; supported: {', '.join(ISQ_TYPES)}, or a bit count "
-                         "4, 5, 6 or 8 as mistral.rs takes it")
+        raise ValueError(
+            f"unsupported ISQ type {fmt!r}; supported: {', '.join(ISQ_TYPES)}, or a bit count "
+            "4, 5, 6 or 8 as mistral.rs takes it"
+        )
     return name
 
 
-def isq_stream(weights: Iterator[tuple[str, torch.Tensor]], fmt: str,
-               names: set[str]) -> Iterator[tuple[str, torch.Tensor | QuantTensor]]:
+def isq_stream(
+    weights: Iterator[tuple[str, torch.Tensor]], fmt: str, names: set[str]
+) -> Iterator[tuple[str, torch.Tensor | QuantTensor]]:
     fmt = check_isq_type(fmt)
     for name, t in weights:
         yield name, (quantize(t, fmt, name) if name in names else t)
@@ -69,18 +77,28 @@ def quantize(w: torch.Tensor, fmt: str, name: str = "weight") -> QuantTensor:
     if cols % vals:
         back = FALLBACK.get(fmt)
         if back is not None and cols % FORMATS[back][1] == 0:
-            logger.info("%s: %d columns are not whole %s blocks of %d; quantized to %s instead",
-                        name, cols, fmt, vals, back)
+            logger.info(
+                "%s: %d columns are not whole %s blocks of %d; quantized to %s instead", name, cols, fmt, vals, back
+            )
             return quantize(w, back, name)
         fits = [t for t in ISQ_TYPES if cols % FORMATS[t][1] == 0]
         raise QuantFormatError(
             f"{name}: ISQ type {fmt} packs rows in blocks of {vals} values, but this weight has {cols} "
-            f"columns; {'use ' + ' or '.join(fits) if fits else 'no ISQ type fits it'}")
+            f"columns; {'use ' + ' or '.join(fits) if fits else 'no ISQ type fits it'}"
+        )
     x = w.detach().to(torch.float32).reshape(-1, vals)
     if not torch.isfinite(x).all():
         raise QuantFormatError(f"{name}: holds NaN or inf values; refusing to quantize it")
-    blocks = {"Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q4_K": _q4_k,
-              "Q5_K": _q5_k, "Q6_K": _q6_k}[fmt](x)
+    blocks = {
+        "Q8_0": _q8_0,
+        "Q4_0": _q4_0,
+        "Q4_1": _q4_1,
+        "Q5_0": _q5_0,
+        "Q5_1": _q5_1,
+        "Q4_K": _q4_k,
+        "Q5_K": _q5_k,
+        "Q6_K": _q6_k,
+    }[fmt](x)
     return QuantTensor(fmt, blocks.reshape(rows, -1).contiguous(), (rows, cols))
 
 
@@ -96,8 +114,10 @@ def requantize(w: QuantTensor, fmt: str, rows: int | None = None, name: str = "w
     (a speculative draft's), not for output."""
     rows = w.shape[0] if rows is None else rows
     step = max(1, (1 << 24) // w.shape[1])  # rows per chunk: 64 MB of float32
-    chunks = [quantize(qk.embedding(w, torch.arange(r, min(rows, r + step)), torch.float32), fmt, name)
-              for r in range(0, rows, step)]  # (a type that does not tile the rows falls back alike in each)
+    chunks = [
+        quantize(qk.embedding(w, torch.arange(r, min(rows, r + step)), torch.float32), fmt, name)
+        for r in range(0, rows, step)
+    ]  # (a type that does not tile the rows falls back alike in each)
     out = QuantTensor(chunks[0].fmt, torch.cat([c.data for c in chunks]), (rows, w.shape[1]))
     return out.pack() if w.packed and out.can_pack else out
 
@@ -191,11 +211,14 @@ def _k_scales_mins(x: torch.Tensor, levels: int) -> tuple[torch.Tensor, ...]:
 def _k_header(d16: torch.Tensor, dmin16: torch.Tensor, sc: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     """d, dmin and the 12 bytes of 6-bit scales and mins that Q4_K and Q5_K share."""
     n = sc.shape[0]
-    packed = torch.cat([
-        (sc[:, :4] & 63) | ((sc[:, 4:] >> 4) << 6),
-        (m[:, :4] & 63) | ((m[:, 4:] >> 4) << 6),
-        (sc[:, 4:] & 15) | ((m[:, 4:] & 15) << 4),
-    ], dim=1)
+    packed = torch.cat(
+        [
+            (sc[:, :4] & 63) | ((sc[:, 4:] >> 4) << 6),
+            (m[:, :4] & 63) | ((m[:, 4:] >> 4) << 6),
+            (sc[:, 4:] & 15) | ((m[:, 4:] & 15) << 4),
+        ],
+        dim=1,
+    )
     return torch.cat([d16.view(torch.uint8).reshape(n, 2), dmin16.view(torch.uint8).reshape(n, 2), packed], dim=1)
 
 
@@ -231,8 +254,9 @@ def _q6_k(x: torch.Tensor) -> torch.Tensor:
     s_eff = (dq * sc).unsqueeze(2)
     q = torch.where(s_eff != 0, torch.round(sub / torch.where(s_eff != 0, s_eff, 1)), 0).clamp(-32, 31)
     q = (q + 32).to(torch.uint8).view(n, 2, 4, 32)  # [half of 128, quarter j, l]: value 128h + 32j + l
-    ql = torch.cat([(q[:, :, 0] & 15) | ((q[:, :, 2] & 15) << 4),
-                    (q[:, :, 1] & 15) | ((q[:, :, 3] & 15) << 4)], dim=2).reshape(n, 128)
+    ql = torch.cat(
+        [(q[:, :, 0] & 15) | ((q[:, :, 2] & 15) << 4), (q[:, :, 1] & 15) | ((q[:, :, 3] & 15) << 4)], dim=2
+    ).reshape(n, 128)
     hi = q >> 4
     qh = (hi[:, :, 0] | (hi[:, :, 1] << 2) | (hi[:, :, 2] << 4) | (hi[:, :, 3] << 6)).reshape(n, 64)
     scales = sc.to(torch.int8).view(torch.uint8)

@@ -7,6 +7,7 @@ dequantized a tile of rows at a time into the compute dtype and the GEMM does th
 in models 1536+ wide on CPUs without AMX (PAGEDLLM_QUANT_WIDE), the integer kernel takes them
 too, chunk by chunk.
 """
+
 from __future__ import annotations
 
 import logging
@@ -19,6 +20,7 @@ import torch
 from .. import settings
 from ..native import cpu_kernels, disabled_reason
 from .formats import PACKED_ID, QuantTensor
+
 # (re-exported: callers reach every quantized-weight call through this module)
 from .fused import MoeExperts, lora_stack, moe_stack, qk_norm, qk_norm_available, rms_norm  # noqa: F401
 from .isa import ISA_IDS, ISA_NAMES, available_isas, int8_peak_gmacs  # noqa: F401
@@ -33,6 +35,7 @@ logger = logging.getLogger(__name__)
 def int_rows() -> int:
     """INT_ROWS, above: the most rows a step may have and always take the integer kernel."""
     return settings.get("quant_int_rows")
+
 
 # The GEMM route dequantizes a weight a tile of rows at a time: up to TILE_ROWS rows and about
 # TILE_VALUES values (8 MB in bf16), so the tile is still in cache when the GEMM reads it. One
@@ -171,7 +174,9 @@ def wide_int_here(width: int) -> bool:
     """Whether "auto" sends steps past INT_ROWS through the integer kernel in a model `width`
     wide on this machine (INT_WIDE_WIDTH, above; any width inside `proposals_only`)."""
     wide_enough = width >= INT_WIDE_WIDTH or getattr(_route, "proposals_only", False)
-    return wide_enough and _path_id() in (ISA_IDS["avx512-vnni"], ISA_IDS["avxvnni"], ISA_IDS["avx2"]) and amx_rows() == 0
+    return (
+        wide_enough and _path_id() in (ISA_IDS["avx512-vnni"], ISA_IDS["avxvnni"], ISA_IDS["avx2"]) and amx_rows() == 0
+    )
 
 
 @contextmanager
@@ -216,8 +221,9 @@ def _x2(rows: int, role: str | None, width: int = 0) -> bool:
     mode, wide = activation_mode(), wide_x2_roles()  # (both checked on every step)
     if mode == "auto" and getattr(_route, "proposals_only", False):
         return False  # a draft's proposals: one level (see proposals_only)
-    return mode == "int8x2" or (mode == "auto" and ((rows <= X2_ROWS and narrow_steps_x2(width))
-                                                    or (role is not None and role in wide)))
+    return mode == "int8x2" or (
+        mode == "auto" and ((rows <= X2_ROWS and narrow_steps_x2(width)) or (role is not None and role in wide))
+    )
 
 
 def narrow_steps_x2(width: int) -> bool:
@@ -256,8 +262,13 @@ def _stack_isa_id(rows: int, width: int) -> int:
     return isa
 
 
-def matmul(x: torch.Tensor, parts: list[QuantTensor], isa: str | None = None,
-           out_dtype: torch.dtype | None = None, role: str | None = None) -> torch.Tensor:
+def matmul(
+    x: torch.Tensor,
+    parts: list[QuantTensor],
+    isa: str | None = None,
+    out_dtype: torch.dtype | None = None,
+    role: str | None = None,
+) -> torch.Tensor:
     """x [M, K] @ W^T -> [M, N] in `out_dtype` (default x's), W the row-wise concatenation of
     `parts`, the projection `role` (ROLES) if known. The integer kernel accumulates in float32,
     so asking for float32 loses nothing."""
@@ -265,8 +276,14 @@ def matmul(x: torch.Tensor, parts: list[QuantTensor], isa: str | None = None,
     out_dtype = out_dtype or x.dtype
     if isa is not None or integer_route(x.shape[0], parts, role):
         isa_id = _isa_id(isa, x.shape[0], role, _width(parts))
-        y = _chunked(x, sum(p.shape[0] for p in parts), torch.float32, lambda rows: ops.quant_matmul(
-            x[rows], [p.data for p in parts], [p.type_id for p in parts], parts[0].shape[1], isa_id))
+        y = _chunked(
+            x,
+            sum(p.shape[0] for p in parts),
+            torch.float32,
+            lambda rows: ops.quant_matmul(
+                x[rows], [p.data for p in parts], [p.type_id for p in parts], parts[0].shape[1], isa_id
+            ),
+        )
         return y if out_dtype == torch.float32 else y.to(out_dtype)
     # Tile by tile into one output (no list of partial products and no cat: at prefill sizes
     # those doubled the step's peak memory).
@@ -279,12 +296,13 @@ def matmul(x: torch.Tensor, parts: list[QuantTensor], isa: str | None = None,
         for start in range(0, w.shape[0], rows):
             count = min(rows, w.shape[0] - start)
             if w.packed:  # a [K, count] tile: the packed groups' lanes are its rows' runs
-                tile = ops.quant_dequant_packed(w.data, w.type_id - PACKED_ID, k, None, start, count,
-                                                x.dtype, True, scratch)
-                torch.mm(x, tile, out=y[:, col:col + count])
+                tile = ops.quant_dequant_packed(
+                    w.data, w.type_id - PACKED_ID, k, None, start, count, x.dtype, True, scratch
+                )
+                torch.mm(x, tile, out=y[:, col : col + count])
             else:
                 tile = ops.quant_dequant(w.data, w.type_id, k, None, start, count, x.dtype, 0, scratch)
-                torch.mm(x, tile.t(), out=y[:, col:col + count])
+                torch.mm(x, tile.t(), out=y[:, col : col + count])
             col += count
     return y[:m].to(out_dtype)
 
@@ -307,20 +325,50 @@ def _moe_x2(rows: int, width: int) -> int:
 def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: MoeExperts) -> torch.Tensor:
     """[T, H] float32: each row's routed experts (ids, weights [T, k]) run and summed by weight, in
     one native call, the experts' inputs rounded as the step's width decides (`_moe_x2`)."""
-    return cpu_kernels().quant_moe_experts(x, ids, weights, experts.gate_up, experts.gate_up_types,
-                                           experts.gate_up_parts, experts.down, experts.down_types,
-                                           _path_id(), _moe_x2(x.shape[0], x.shape[1]))
+    return cpu_kernels().quant_moe_experts(
+        x,
+        ids,
+        weights,
+        experts.gate_up,
+        experts.gate_up_types,
+        experts.gate_up_parts,
+        experts.down,
+        experts.down_types,
+        _path_id(),
+        _moe_x2(x.shape[0], x.shape[1]),
+    )
 
 
-def moe_block(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, router: torch.Tensor, top_k: int,
-              renormalize: bool, round_weights: bool, experts: MoeExperts) -> tuple[torch.Tensor, torch.Tensor]:
+def moe_block(
+    x: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    router: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    round_weights: bool,
+    experts: MoeExperts,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(x + the routed experts of rms_norm(x) in x's dtype, expert ids [T, k]): a whole MoE block
     (norm, float32 router, softmax, top k, `moe_experts`, residual) in one native call.
     `router`: its float32 [E, H] weight; `round_weights`: the routing weights rounded to x's
     dtype before they scale (Qwen, OLMoE) rather than kept in float32 (Mixtral)."""
-    return cpu_kernels().quant_moe_block(x, norm_weight, eps, router, top_k, renormalize, round_weights,
-                                         experts.gate_up, experts.gate_up_types, experts.gate_up_parts,
-                                         experts.down, experts.down_types, _path_id(), _moe_x2(x.shape[0], x.shape[1]))
+    return cpu_kernels().quant_moe_block(
+        x,
+        norm_weight,
+        eps,
+        router,
+        top_k,
+        renormalize,
+        round_weights,
+        experts.gate_up,
+        experts.gate_up_types,
+        experts.gate_up_parts,
+        experts.down,
+        experts.down_types,
+        _path_id(),
+        _moe_x2(x.shape[0], x.shape[1]),
+    )
 
 
 # Where a step's head runs with single-level (int8) activations, each row's HEAD_RECHECK best
@@ -337,14 +385,18 @@ def head_recheck() -> int:
     return settings.get("quant_head_recheck")
 
 
-
 def head_logits(hidden: torch.Tensor, parts: list[QuantTensor]) -> torch.Tensor:
     """The LM head's [rows, vocab] float32 logits for hidden [rows, K] ("auto" rechecks the best
     of a single-level step; PAGEDLLM_QUANT_ACT=int8 is llama.cpp's rounding, unrechecked)."""
     logits = matmul(hidden, parts, out_dtype=torch.float32, role="lm_head")
     rows, recheck = hidden.shape[0], head_recheck()
-    if (rows > int_rows() or activation_mode() != "auto" or _x2(rows, "lm_head", _width(parts)) or len(parts) != 1
-            or recheck < 1):
+    if (
+        rows > int_rows()
+        or activation_mode() != "auto"
+        or _x2(rows, "lm_head", _width(parts))
+        or len(parts) != 1
+        or recheck < 1
+    ):
         return logits  # exact already (the GEMM route), two-level, or a rounding chosen by hand
     k = min(recheck, logits.shape[1])
     ops = cpu_kernels()
@@ -384,16 +436,33 @@ def _chunked(x: torch.Tensor, n_out: int, dtype: torch.dtype, call) -> torch.Ten
     return y
 
 
-def linear(x: torch.Tensor, parts: list[QuantTensor], norm, bias: torch.Tensor | None,
-           residual: torch.Tensor | None, silu_mul: bool, role: str | None = None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor,
+    parts: list[QuantTensor],
+    norm,
+    bias: torch.Tensor | None,
+    residual: torch.Tensor | None,
+    silu_mul: bool,
+    role: str | None = None,
+) -> torch.Tensor:
     """The integer path with the layer's RMSNorm (`norm`: weight and eps), bias, silu(gate) * up
     and residual folded into one native call; output in x's dtype."""
     ops, k, act = cpu_kernels(), parts[0].shape[1], 1 if silu_mul else 0
-    data, types, isa_id = [p.data for p in parts], [p.type_id for p in parts], _isa_id(None, x.shape[0], role, _width(parts))
+    data, types, isa_id = (
+        [p.data for p in parts],
+        [p.type_id for p in parts],
+        _isa_id(None, x.shape[0], role, _width(parts)),
+    )
     w, eps = (None, 0.0) if norm is None else (norm.weight, norm.eps)
     n_out = sum(p.shape[0] for p in parts) // (2 if silu_mul else 1)
-    return _chunked(x, n_out, x.dtype, lambda rows: ops.quant_linear(
-        x[rows], data, types, k, w, eps, bias, None if residual is None else residual[rows], act, isa_id))
+    return _chunked(
+        x,
+        n_out,
+        x.dtype,
+        lambda rows: ops.quant_linear(
+            x[rows], data, types, k, w, eps, bias, None if residual is None else residual[rows], act, isa_id
+        ),
+    )
 
 
 def decode_layers_available() -> bool:
@@ -418,8 +487,16 @@ def decode_layers_take_moe() -> bool:
     return decode_layers_available()
 
 
-def decode_layers(h: torch.Tensor, plan: dict, kv, rope: tuple[torch.Tensor, torch.Tensor], num_heads: int,
-                  num_kv_heads: int, scale: float, lora: tuple | None = None) -> torch.Tensor:
+def decode_layers(
+    h: torch.Tensor,
+    plan: dict,
+    kv,
+    rope: tuple[torch.Tensor, torch.Tensor],
+    num_heads: int,
+    num_kv_heads: int,
+    scale: float,
+    lora: tuple | None = None,
+) -> torch.Tensor:
     """Every decoder layer of a decode-only step in one native call: per layer the fused
     projections of `plan` (the flattened quantized weights, norms and biases), rope, the paged
     cache write and attention over `kv` (an attention.backend.DecodeStack, read here only).
@@ -429,18 +506,38 @@ def decode_layers(h: torch.Tensor, plan: dict, kv, rope: tuple[torch.Tensor, tor
     cos, sin = rope
     op = cpu_kernels().quant_decode_layers
     return op(
-        h, plan["weights"], plan["types"], plan["parts"], plan["kdims"], plan["norms"], plan["eps"],
-        plan["biases"], kv.k, kv.v, kv.windows, cos, sin, kv.slot_mapping, kv.block_tables, kv.context_lens,
-        num_heads, num_kv_heads, scale, *(lora or (None, [], [])), _stack_isa_id(h.shape[0], h.shape[1]), kv.k_scales, kv.v_scales,
+        h,
+        plan["weights"],
+        plan["types"],
+        plan["parts"],
+        plan["kdims"],
+        plan["norms"],
+        plan["eps"],
+        plan["biases"],
+        kv.k,
+        kv.v,
+        kv.windows,
+        cos,
+        sin,
+        kv.slot_mapping,
+        kv.block_tables,
+        kv.context_lens,
+        num_heads,
+        num_kv_heads,
+        scale,
+        *(lora or (None, [], [])),
+        _stack_isa_id(h.shape[0], h.shape[1]),
+        kv.k_scales,
+        kv.v_scales,
         plan.get("qk_norms", []),
-        *((plan["moe"], _path_id(), _moe_x2(*h.shape), plan["qkv_clip"]) if plan.get("moe") is not None else ()))
+        *((plan["moe"], _path_id(), _moe_x2(*h.shape), plan["qkv_clip"]) if plan.get("moe") is not None else ()),
+    )
 
 
 def embedding(w: QuantTensor, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Rows `ids` of w as `dtype`: the embedding lookup reads only the rows it needs."""
     if w.packed:
-        return cpu_kernels().quant_dequant_packed(w.data, w.type_id - PACKED_ID, w.shape[1], ids, 0, -1, dtype,
-                                                  False)
+        return cpu_kernels().quant_dequant_packed(w.data, w.type_id - PACKED_ID, w.shape[1], ids, 0, -1, dtype, False)
     return cpu_kernels().quant_dequant(w.data, w.type_id, w.shape[1], ids, 0, -1, dtype, 0)
 
 

@@ -1,5 +1,6 @@
 """Where packed and large dense weights live: the native library's 2 MiB-aligned slabs
 (native/csrc/weight_memory.cpp)."""
+
 from __future__ import annotations
 
 import math

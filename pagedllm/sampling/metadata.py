@@ -3,6 +3,7 @@
 Plain per-row data, no engine objects: the sampler never sees a `Sequence`. Row i of the
 logits belongs to entry i of every list here.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -1,4 +1,5 @@
 """Per-request sampling settings, named as in vLLM so user code ports over."""
+
 from __future__ import annotations
 
 import math
@@ -88,11 +89,19 @@ class SamplingParams:
     def validate(self) -> None:
         # max_tokens=0 scores the prompt only (echo + logprobs), so it needs prompt_logprobs.
         scoring_only = _is_int(self.max_tokens) and self.max_tokens == 0 and self.prompt_logprobs is not None
-        check_limits(n=self.n, max_tokens=None if scoring_only else self.max_tokens,
-                     temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
-                     presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-                     repetition_penalty=self.repetition_penalty, logprobs=self.logprobs,
-                     prompt_logprobs=self.prompt_logprobs)
+        check_limits(
+            n=self.n,
+            max_tokens=None if scoring_only else self.max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            logprobs=self.logprobs,
+            prompt_logprobs=self.prompt_logprobs,
+        )
         if any(not s for s in self.stop):
             raise SamplingParamsError("stop", "stop strings must be non-empty")
 
@@ -112,11 +121,7 @@ class SamplingParams:
 
     @property
     def needs_penalties(self) -> bool:
-        return (
-            self.presence_penalty != 0.0
-            or self.frequency_penalty != 0.0
-            or self.repetition_penalty != 1.0
-        )
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
 
 def _check_logit_bias(bias: dict | None) -> dict[int, float] | None:
@@ -134,7 +139,8 @@ def _check_logit_bias(bias: dict | None) -> dict[int, float] | None:
         if isinstance(k, bool) or tid < 0 or isinstance(k, float):
             raise SamplingParamsError("logit_bias", f"logit_bias keys must be token ids (integers >= 0), got {k!r}")
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not -100 <= v <= 100:
-            raise SamplingParamsError("logit_bias", f"logit_bias values must be numbers in [-100, 100], "
-                                                    f"got {v!r} for token {k}")
+            raise SamplingParamsError(
+                "logit_bias", f"logit_bias values must be numbers in [-100, 100], got {v!r} for token {k}"
+            )
         out[tid] = float(v)
     return out

@@ -10,6 +10,7 @@ sibling starts its own slot from its prompt, a prefix-cache hit changes no token
 penalised logits are gathered and scattered at `hist` only, so a step costs O(tokens seen),
 not O(vocabulary) per row.
 """
+
 from __future__ import annotations
 
 import torch
@@ -88,11 +89,15 @@ class PenaltyState:
             slots.append(slot)
         dev = self.device
         if h_tok:
-            self.hist[torch.tensor(h_slot, device=dev), torch.tensor(h_pos, device=dev)] = \
-                torch.tensor(h_tok, dtype=torch.int64, device=dev)
+            self.hist[torch.tensor(h_slot, device=dev), torch.tensor(h_pos, device=dev)] = torch.tensor(
+                h_tok, dtype=torch.int64, device=dev
+            )
         if c_tok:
-            self.counts.index_put_((torch.tensor(c_slot, device=dev), torch.tensor(c_tok, device=dev)),
-                                   torch.ones(len(c_tok), dtype=torch.int32, device=dev), accumulate=True)
+            self.counts.index_put_(
+                (torch.tensor(c_slot, device=dev), torch.tensor(c_tok, device=dev)),
+                torch.ones(len(c_tok), dtype=torch.int32, device=dev),
+                accumulate=True,
+            )
         return slots
 
     def _new_slot(self, seq_id: int) -> int:

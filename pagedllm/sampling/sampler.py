@@ -17,6 +17,7 @@ finally with the whole vocabulary, so the filters are exact. Rows with no filter
 draw from the candidates with probability equal to their mass, else from the rest of the
 vocabulary (an exact two-stage draw). Greedy rows take an argmax and nothing else.
 """
+
 from __future__ import annotations
 
 import random
@@ -166,8 +167,9 @@ class Sampler:
         h = mix32_t(v[ids] ^ keys[:, None])
         return -torch.log(-torch.log(uniform_from_hash(h)))
 
-    def _sample(self, batch_logits: torch.Tensor, meta: SamplingMetadata, rows: list[int],
-                sel: torch.Tensor | None = None) -> torch.Tensor:
+    def _sample(
+        self, batch_logits: torch.Tensor, meta: SamplingMetadata, rows: list[int], sel: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Tokens for `rows` (non-greedy), whose logits are the rows `sel` of `batch_logits`
         (all of them when None; a row may be overwritten)."""
         n, v = len(rows), batch_logits.shape[1]
@@ -226,21 +228,47 @@ class Sampler:
             todo = todo[keep_todo]
         # Filtered rows first: the free rows' tail draw scales the logits in place.
         if native is not None:
-            self._filtered_native(native, batch_logits, sel, temps.view(-1), total, top_k, top_p, min_p, keys,
-                                  top_vals, top_ids, todo, tokens)
+            self._filtered_native(
+                native,
+                batch_logits,
+                sel,
+                temps.view(-1),
+                total,
+                top_k,
+                top_p,
+                min_p,
+                keys,
+                top_vals,
+                top_ids,
+                todo,
+                tokens,
+            )
         else:
             for rows_t, cand, ids, keep in self.filtered(candidates, total, top_k, top_p, min_p, todo, first, v):
                 score = (cand.log() + self._gumbel(keys[rows_t], ids)).masked_fill(~keep, float("-inf"))
                 tokens[rows_t] = ids.gather(1, score.argmax(dim=-1, keepdim=True))[:, 0]
         if free_rows:  # no filter: the two-stage draw, on the first candidates
-            tokens[free] = self._sample_free(scaled, free, first[0][free], first[1][free], keys[free],
-                                             [keys_l[i] for i in free_rows])
+            tokens[free] = self._sample_free(
+                scaled, free, first[0][free], first[1][free], keys[free], [keys_l[i] for i in free_rows]
+            )
         return tokens
 
-    def _filtered_native(self, native, batch_logits: torch.Tensor, sel: torch.Tensor | None, temps: torch.Tensor,
-                         total: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
-                         keys: torch.Tensor, top_vals: torch.Tensor, top_ids: torch.Tensor, todo: torch.Tensor,
-                         tokens: torch.Tensor) -> None:
+    def _filtered_native(
+        self,
+        native,
+        batch_logits: torch.Tensor,
+        sel: torch.Tensor | None,
+        temps: torch.Tensor,
+        total: torch.Tensor,
+        top_k: torch.Tensor,
+        top_p: torch.Tensor,
+        min_p: torch.Tensor,
+        keys: torch.Tensor,
+        top_vals: torch.Tensor,
+        top_ids: torch.Tensor,
+        todo: torch.Tensor,
+        tokens: torch.Tensor,
+    ) -> None:
         """`filtered` and the draw for the rows `todo` on the CPU: per candidate level one native
         call filters every row, draws the decided ones (the same rules and noise as the torch
         path) and bounds what the others need, so flat rows skip the levels that cannot hold
@@ -258,10 +286,19 @@ class Sampler:
                 if k < v and not bool(ready.any()):
                     continue
                 now = todo if k == v or bool(ready.all()) else todo[ready]
-                vals, ids, _ = native.sample_topk(batch_logits, temps[now], k, now if sel is None else sel[now],
-                                                  False)
-            got, short = native.sample_candidates(vals, ids, temps[now], total[now], top_k[now], top_p[now],
-                                                  min_p[now], keys[now], self._token_hash, k == v)
+                vals, ids, _ = native.sample_topk(batch_logits, temps[now], k, now if sel is None else sel[now], False)
+            got, short = native.sample_candidates(
+                vals,
+                ids,
+                temps[now],
+                total[now],
+                top_k[now],
+                top_p[now],
+                min_p[now],
+                keys[now],
+                self._token_hash,
+                k == v,
+            )
             decided = got >= 0
             tokens[now[decided]] = got[decided]
             need[now] = short
@@ -275,8 +312,17 @@ class Sampler:
             buf = self._exp_buf = torch.empty(n * v, device=dev)
         return buf[: n * v].view(n, v)
 
-    def filtered(self, exps, total: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                 min_p: torch.Tensor, todo: torch.Tensor, first=None, vocab: int | None = None):
+    def filtered(
+        self,
+        exps,
+        total: torch.Tensor,
+        top_k: torch.Tensor,
+        top_p: torch.Tensor,
+        min_p: torch.Tensor,
+        todo: torch.Tensor,
+        first=None,
+        vocab: int | None = None,
+    ):
         """Yields (rows, candidate probabilities, token ids, kept) for the rows `todo` of `exps`
         (softmax numerators with row sums `total`, or a callable (rows, k) -> the k best
         candidates' probabilities and ids, for a vocabulary of `vocab`), each row once, at the
@@ -290,6 +336,7 @@ class Sampler:
             def pick(rows: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
                 cand, ids = (exps if rows.numel() == n else exps[rows]).topk(k, dim=-1)
                 return cand / total[rows][:, None], ids
+
         # Per row, a lower bound on the candidates its filters need (0: unknown): after a level
         # falls short, every later token is at most as likely as its last candidate, so at least
         # (top_p - mass so far) / p_last more are needed (or top_k), and levels below that are
@@ -325,13 +372,15 @@ class Sampler:
                 left[now[done]] = False
                 todo = todo[left[todo]]
 
-    def _sample_free(self, scaled, rows: torch.Tensor, cand: torch.Tensor, ids: torch.Tensor,
-                     keys: torch.Tensor, keys_l: list[int]) -> torch.Tensor:
+    def _sample_free(
+        self, scaled, rows: torch.Tensor, cand: torch.Tensor, ids: torch.Tensor, keys: torch.Tensor, keys_l: list[int]
+    ) -> torch.Tensor:
         """Unfiltered rows: a candidate with probability equal to the candidates' mass (a race
         among them), otherwise a race among all other tokens (`scaled()`: logits / T, all rows)."""
         mass = cand.sum(dim=-1)
-        u = uniform_from_hash(torch.tensor([mix32(key ^ _BRANCH_SALT) for key in keys_l],
-                                           dtype=torch.int64, device=cand.device))
+        u = uniform_from_hash(
+            torch.tensor([mix32(key ^ _BRANCH_SALT) for key in keys_l], dtype=torch.int64, device=cand.device)
+        )
         tokens = ids.gather(1, (cand.log() + self._gumbel(keys, ids)).argmax(dim=-1, keepdim=True))[:, 0]
         tail = (u >= mass).nonzero()[:, 0]
         if tail.numel():  # rare when the distribution is peaked; costs one pass over the row
@@ -351,8 +400,11 @@ def _apply_logit_bias(logits: torch.Tensor, meta: SamplingMetadata, rows: list[i
         t += bias.keys()
         v += bias.values()
     dev = logits.device
-    logits.index_put_((torch.tensor(r, device=dev), torch.tensor(t, device=dev)),
-                      torch.tensor(v, dtype=logits.dtype, device=dev), accumulate=True)
+    logits.index_put_(
+        (torch.tensor(r, device=dev), torch.tensor(t, device=dev)),
+        torch.tensor(v, dtype=logits.dtype, device=dev),
+        accumulate=True,
+    )
 
 
 def filter_tensors(ps: list, vocab: int, device) -> tuple[torch.Tensor, ...]:
@@ -365,8 +417,9 @@ def filter_tensors(ps: list, vocab: int, device) -> tuple[torch.Tensor, ...]:
     return temps, top_k, top_p, min_p
 
 
-def _filter(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
-            complete: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _filter(
+    probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor, complete: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Which of the k most likely tokens (probabilities, descending) survive top-k, top-p and
     min-p, and whether that is final for the row: every token beyond the k would be dropped too
     (the kept tokens always form a prefix of the ranking)."""
@@ -381,8 +434,9 @@ def _filter(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p
     return keep, done
 
 
-def _with_logprobs(tokens: torch.Tensor, raw: torch.Tensor, lp_rows: list[int],
-                   meta: SamplingMetadata, ids: torch.Tensor) -> SamplerOutput:
+def _with_logprobs(
+    tokens: torch.Tensor, raw: torch.Tensor, lp_rows: list[int], meta: SamplingMetadata, ids: torch.Tensor
+) -> SamplerOutput:
     """Token ids (`ids`: tokens, failed rows -1) and logprobs for `lp_rows` (raw holds their
     logits), in one host transfer."""
     dev = raw.device
@@ -397,12 +451,12 @@ def _with_logprobs(tokens: torch.Tensor, raw: torch.Tensor, lp_rows: list[int],
     flat = torch.cat(parts).tolist()  # one copy to the host (ids are exact in float64)
     b, m = tokens.shape[0], len(lp_rows)
     token_ids = [int(t) for t in flat[:b]]
-    chosen_l = flat[b:b + m]
+    chosen_l = flat[b : b + m]
     out: list = [None] * b
     for j, r in enumerate(lp_rows):
         n = meta.params[r].logprobs
         base = b + m
-        tv = flat[base + j * k: base + j * k + n]
-        ti = flat[base + m * k + j * k: base + m * k + j * k + n]
+        tv = flat[base + j * k : base + j * k + n]
+        ti = flat[base + m * k + j * k : base + m * k + j * k + n]
         out[r] = (chosen_l[j], [(int(t), lp) for t, lp in zip(ti, tv)])
     return SamplerOutput(token_ids, out)

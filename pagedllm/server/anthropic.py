@@ -1,6 +1,7 @@
 """Anthropic's Messages routes: POST /v1/messages (streamed and not) and
 /v1/messages/count_tokens, over pagedllm/protocols/anthropic/messages.py, run by the same
 `Generation` as OpenAI's chat. Every refusal on them is in Anthropic's error shape."""
+
 from __future__ import annotations
 
 import functools
@@ -25,6 +26,7 @@ def error_response(status: int, message: str) -> JSONResponse:
 
 def anthropic_errors(route: Callable) -> Callable:
     """A route's refusals (and unexpected failures) as Anthropic's error body."""
+
     @functools.wraps(route)
     async def wrapped(request: Request) -> Response:
         try:
@@ -34,6 +36,7 @@ def anthropic_errors(route: Callable) -> Callable:
         except Exception:  # the trace goes to the log, never to the client
             logger.exception("unhandled error")
             return error_response(500, "internal server error")
+
     return wrapped
 
 
@@ -60,5 +63,6 @@ def install(app: FastAPI, s: Served, gen: Generation, keep_attribution: bool) ->
         req: dialect.CountTokensRequest = await read(request, dialect.CountTokensRequest)
         return JSONResponse(await s.run(dialect.count_tokens, req, s.ctx, keep_attribution))
 
-    document_bodies(app, {"/v1/messages": dialect.MessagesRequest,
-                          "/v1/messages/count_tokens": dialect.CountTokensRequest})
+    document_bodies(
+        app, {"/v1/messages": dialect.MessagesRequest, "/v1/messages/count_tokens": dialect.CountTokensRequest}
+    )

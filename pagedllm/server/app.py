@@ -5,6 +5,7 @@ away (streaming or not) aborts its requests, which frees their KV blocks at the
 next engine step. Errors always use OpenAI's error body; bad input gets a 4xx and
 nothing ever returns a stack trace.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -70,7 +71,7 @@ def route_path(scope: Scope) -> str:
     """The path the routes match: behind --root-path, ASGI's `path` begins with the proxy's
     prefix (uvicorn puts it there, as the spec asks), which the router leaves out."""
     path, root = scope.get("path", ""), scope.get("root_path", "")
-    return path[len(root):] if root and path.startswith(root + "/") else path
+    return path[len(root) :] if root and path.startswith(root + "/") else path
 
 
 class AuthMiddleware:
@@ -93,13 +94,15 @@ class AuthMiddleware:
             x_key = headers.get(b"x-api-key", b"")
             ok = hmac.compare_digest(given, self.bearer) or (bool(x_key) and hmac.compare_digest(x_key, self.key))
             if not ok and not preflight:
-                msg = ("missing API key: send 'Authorization: Bearer KEY' (or 'x-api-key: KEY')"
-                       if not given and not x_key else "invalid API key")
+                msg = (
+                    "missing API key: send 'Authorization: Bearer KEY' (or 'x-api-key: KEY')"
+                    if not given and not x_key
+                    else "invalid API key"
+                )
                 if path.startswith("/v1/messages"):  # Anthropic's error shape
                     resp = anthropic.error_response(401, msg)
                 else:
-                    resp = error_response(401, msg, code="invalid_api_key",
-                                          headers={"WWW-Authenticate": "Bearer"})
+                    resp = error_response(401, msg, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
                 await resp(scope, receive, send)
                 return
         await self.app(scope, receive, send)
@@ -126,8 +129,9 @@ class ShutdownGate:
             await self.app(scope, receive, send)
             return
         if self.draining or self.closing:
-            await error_response(503, str(ShuttingDown()), "server_error",
-                                 headers={"Connection": "close"})(scope, receive, send)
+            await error_response(503, str(ShuttingDown()), "server_error", headers={"Connection": "close"})(
+                scope, receive, send
+            )
             return
         self.loop = asyncio.get_running_loop()
         self.tasks.add(task)
@@ -185,8 +189,15 @@ def create_app(llm: Any, config: ServerConfig | None = None) -> FastAPI:
     models = ModelNames(names, adapters)
     gen = Generation(llm, engine, trimmer, work, adapters)
 
-    app = FastAPI(title="pagedllm", version=__version__, lifespan=_lifespan(engine, ctx, trimmer, work),
-                  docs_url=None, redoc_url=None, openapi_url="/openapi.json", root_path=cfg.root_path)
+    app = FastAPI(
+        title="pagedllm",
+        version=__version__,
+        lifespan=_lifespan(engine, ctx, trimmer, work),
+        docs_url=None,
+        redoc_url=None,
+        openapi_url="/openapi.json",
+        root_path=cfg.root_path,
+    )
     app.state.engine = engine
     app.state.metrics = metrics
     install_error_handlers(app)
@@ -221,25 +232,35 @@ class ModelNames:
     def check(self, name: str | None) -> None:
         if name is not None and name not in self.names and self.adapters.get(name) is None:
             served = ", ".join(f"`{n}`" for n in self.all_names())
-            raise ApiError(f"the model `{name}` does not exist; this server serves {served}",
-                           status=404, param="model", code="model_not_found")
+            raise ApiError(
+                f"the model `{name}` does not exist; this server serves {served}",
+                status=404,
+                param="model",
+                code="model_not_found",
+            )
 
     def check_base(self, name: str | None) -> None:
         """The other routes (responses, embeddings, tokenize, a model's card) run the base model
         only: an adapter's name there is refused rather than answered by the base."""
         if self.adapters.get(name) is not None:
-            raise ApiError(f"`{name}` is a LoRA adapter; adapters are served on /v1/completions and "
-                           "/v1/chat/completions only", param="model")
+            raise ApiError(
+                f"`{name}` is a LoRA adapter; adapters are served on /v1/completions and /v1/chat/completions only",
+                param="model",
+            )
         self.check(name)
 
 
-def _lifespan(engine: AsyncEngine, ctx: ServingContext, trimmer: limits.IdleTrimmer,
-              work: limits.WorkPool) -> Callable:
+def _lifespan(engine: AsyncEngine, ctx: ServingContext, trimmer: limits.IdleTrimmer, work: limits.WorkPool) -> Callable:
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         engine.start()
-        logger.info("serving %s (max_model_len %d, %d KV blocks of %d tokens)", ctx.model_name,
-                    ctx.max_model_len, ctx.usable_blocks, ctx.block_size)
+        logger.info(
+            "serving %s (max_model_len %d, %d KV blocks of %d tokens)",
+            ctx.model_name,
+            ctx.max_model_len,
+            ctx.usable_blocks,
+            ctx.block_size,
+        )
         trimming = asyncio.ensure_future(trimmer.run())
         try:
             yield
@@ -251,8 +272,9 @@ def _lifespan(engine: AsyncEngine, ctx: ServingContext, trimmer: limits.IdleTrim
     return lifespan
 
 
-def _install_basics(app: FastAPI, engine: AsyncEngine, metrics: ServerMetrics, ctx: ServingContext,
-                    models: ModelNames) -> None:
+def _install_basics(
+    app: FastAPI, engine: AsyncEngine, metrics: ServerMetrics, ctx: ServingContext, models: ModelNames
+) -> None:
     """The chat page, /health, /v1/models and /metrics."""
 
     @app.get("/")
@@ -271,8 +293,10 @@ def _install_basics(app: FastAPI, engine: AsyncEngine, metrics: ServerMetrics, c
         if anthropic_dialect.wants_anthropic(request.headers):
             return JSONResponse(anthropic_dialect.model_list(models.all_names(), ctx.started))
         cards = [ModelCard(id=n, max_model_len=ctx.max_model_len) for n in models.names]
-        cards += [ModelCard(id=a.lora_name, root=a.lora_path, parent=ctx.model_name, max_model_len=ctx.max_model_len)
-                  for a in list(models.adapters.by_name.values())]
+        cards += [
+            ModelCard(id=a.lora_name, root=a.lora_path, parent=ctx.model_name, max_model_len=ctx.max_model_len)
+            for a in list(models.adapters.by_name.values())
+        ]
         return JSONResponse(ModelList(data=cards).model_dump(exclude_none=True))
 
     @app.get("/metrics")
@@ -286,8 +310,15 @@ class ServeResult:
     requests_ended: int  # requests in flight that the shutdown ended with an error
 
 
-def run_server(llm: Any, host: str = "127.0.0.1", port: int = 8000, config: ServerConfig | None = None,
-               log_level: str = "info", access_log: bool = False, sock: socket.socket | None = None) -> ServeResult:
+def run_server(
+    llm: Any,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    config: ServerConfig | None = None,
+    log_level: str = "info",
+    access_log: bool = False,
+    sock: socket.socket | None = None,
+) -> ServeResult:
     """Serve `llm` until SIGINT or SIGTERM. The first one stops admitting requests (new ones
     get a 503), lets those in flight run for up to `config.shutdown_timeout` seconds, then ends
     the rest (streams get an error event and [DONE], the others a 503), so the connections
@@ -310,8 +341,9 @@ def run_server(llm: Any, host: str = "127.0.0.1", port: int = 8000, config: Serv
             if timeout > 0 and gate.loop is not None and gate.tasks and not gate.draining:
                 gate.draining = True
                 engine.stop_admitting()
-                logger.info("%s: waiting up to %.0f s for %d request(s) in flight", self.stopped_by,
-                            timeout, len(gate.tasks))
+                logger.info(
+                    "%s: waiting up to %.0f s for %d request(s) in flight", self.stopped_by, timeout, len(gate.tasks)
+                )
                 # (A signal handler may interrupt the loop anywhere: start the wait from it.)
                 gate.loop.call_soon_threadsafe(self._start_drain, timeout)
                 return
@@ -336,9 +368,18 @@ def run_server(llm: Any, host: str = "127.0.0.1", port: int = 8000, config: Serv
     # Requests end within a step of the signal; the timeout only guards against a stuck client.
     cfg = config or ServerConfig()
     http = type("HTTP", (limits.HeaderTimeoutH11Protocol,), {"header_timeout": cfg.header_timeout})
-    uv = uvicorn.Config(gate, host=host, port=port, log_level=log_level, access_log=access_log,
-                        timeout_graceful_shutdown=1, http=http, timeout_keep_alive=cfg.keep_alive_timeout,
-                        limit_concurrency=cfg.max_connections, root_path=cfg.root_path)
+    uv = uvicorn.Config(
+        gate,
+        host=host,
+        port=port,
+        log_level=log_level,
+        access_log=access_log,
+        timeout_graceful_shutdown=1,
+        http=http,
+        timeout_keep_alive=cfg.keep_alive_timeout,
+        limit_concurrency=cfg.max_connections,
+        root_path=cfg.root_path,
+    )
     server = Server(uv)
     server.run(sockets=[sock] if sock is not None else None)
     return ServeResult(server.stopped_by, engine.num_ended_at_shutdown)

@@ -7,6 +7,7 @@ hands each step's outputs back to the handler's event loop through a
 per-submission asyncio queue. With no work the thread blocks on the
 command queue, so an idle server costs no CPU.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -161,8 +162,9 @@ class AsyncEngine:
         return self._thread is not None and self._thread.is_alive()
 
     # -- handler side (any thread with a running event loop) ----------------------------
-    async def submit(self, items: list[tuple[str, str | list[int], SamplingParams | None]],
-                     pooling: Any = None) -> Submission:
+    async def submit(
+        self, items: list[tuple[str, str | list[int], SamplingParams | None]], pooling: Any = None
+    ) -> Submission:
         """Add the requests atomically (all or none); raises ValueError for bad input. With
         `pooling`, they are embedding requests (token ids, params None).
 
@@ -172,7 +174,9 @@ class AsyncEngine:
         if self._closing:
             raise ShuttingDown()
         if not self.alive:
-            raise EngineError("the engine is not running" + (f": {self.stopped_because}" if self.stopped_because else ""))
+            raise EngineError(
+                "the engine is not running" + (f": {self.stopped_because}" if self.stopped_because else "")
+            )
         loop = asyncio.get_running_loop()
         sub = Submission([it.request_id for it in items], asyncio.Queue(), self)
         accepted = loop.create_future()
@@ -284,8 +288,9 @@ class AsyncEngine:
             if getattr(getattr(self.engine, "executor", None), "dead", None):
                 # A pipeline stage or tensor-parallel rank died or hung: every later step would
                 # fail too, so the thread stops and new requests get a 503 instead.
-                self.stopped_because = ("a rank of the distributed engine failed (the server log says which "
-                                        "and how); restart the server")
+                self.stopped_because = (
+                    "a rank of the distributed engine failed (the server log says which and how); restart the server"
+                )
                 self._fail_all(EngineError(f"the engine stopped: {self.stopped_because}"))
                 return False
             self._fail_all(EngineError(f"internal engine error ({type(e).__name__})"))

@@ -1,5 +1,6 @@
 """Request bodies: read within the size limit (parsed off the event loop), validated into a
 request model with OpenAI's error for a bad field."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -46,8 +47,6 @@ def parse(model: type[BaseModel], body: dict) -> Any:
     except ValidationError as e:
         msg, param = validation_message(e)
         raise ApiError(msg, param=param) from None
-
-
 
 
 async def read_body(request: Request, model: type[BaseModel], limit: int) -> Any:

@@ -4,6 +4,7 @@ Texts are tokenized after the model's sentence-transformers prompt (`prompt_name
 extension, picks one; the folder's default_prompt_name applies otherwise), then prefilled
 through the engine (engine/pooling.py). A generative model answers a clear 400.
 """
+
 from __future__ import annotations
 
 import math
@@ -25,10 +26,18 @@ def install(app: FastAPI, s: Served) -> None:
         req: EmbeddingRequest = await s.read_request(request, EmbeddingRequest)
         vecs, ids = await embed(s, req)
         n_tokens = sum(len(p) for p in ids)
-        data = [{"object": "embedding", "index": i, "embedding": encode_vector(v, req.encoding_format)}
-                for i, v in enumerate(vecs)]
-        return JSONResponse({"object": "list", "data": data, "model": s.ctx.model_name,
-                             "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens}})
+        data = [
+            {"object": "embedding", "index": i, "embedding": encode_vector(v, req.encoding_format)}
+            for i, v in enumerate(vecs)
+        ]
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": data,
+                "model": s.ctx.model_name,
+                "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens},
+            }
+        )
 
     document_bodies(app, {"/v1/embeddings": EmbeddingRequest})
 
@@ -37,10 +46,13 @@ async def embed(s: Served, req: EmbeddingRequest) -> tuple[list, list[list[int]]
     """The vectors of `req`'s inputs and their token ids (OpenAI's checks; any route's face)."""
     llm = s.llm
     if getattr(llm, "task", "generate") != "embed":
-        raise ApiError(f"the model `{s.ctx.model_name}` is a generative model, not an embedding "
-                       "model; serve an embedding model (e.g. a Qwen3-Embedding folder) with "
-                       "`pagedllm serve MODEL --task embed` for embeddings", param="model",
-                       code="model_not_supported")
+        raise ApiError(
+            f"the model `{s.ctx.model_name}` is a generative model, not an embedding "
+            "model; serve an embedding model (e.g. a Qwen3-Embedding folder) with "
+            "`pagedllm serve MODEL --task embed` for embeddings",
+            param="model",
+            code="model_not_supported",
+        )
     inputs = embedding_inputs(req.input)
     if len(inputs) > MAX_INPUTS:
         raise ApiError(f"at most {MAX_INPUTS} inputs per request, got {len(inputs)}", param="input")
@@ -55,9 +67,12 @@ async def embed(s: Served, req: EmbeddingRequest) -> tuple[list, list[list[int]]
         if not p:
             raise ApiError(f"input {i} is empty: it has no tokens", param="input")
         if len(p) > s.ctx.max_model_len:
-            raise ApiError(f"input {i} has {len(p)} tokens, more than this model's maximum context "
-                           f"length of {s.ctx.max_model_len} tokens; shorten it", param="input",
-                           code="context_length_exceeded")
+            raise ApiError(
+                f"input {i} has {len(p)} tokens, more than this model's maximum context "
+                f"length of {s.ctx.max_model_len} tokens; shorten it",
+                param="input",
+                code="context_length_exceeded",
+            )
     try:
         vecs = await s.engine.embed(ids, llm.pooling)
     except ValueError as e:
@@ -67,13 +82,15 @@ async def embed(s: Served, req: EmbeddingRequest) -> tuple[list, list[list[int]]
     hidden = vecs[0].shape[-1]
     if req.dimensions is not None:
         if req.dimensions > hidden:
-            raise ApiError(f"dimensions {req.dimensions} is more than the model's {hidden}",
-                           param="dimensions")
+            raise ApiError(f"dimensions {req.dimensions} is more than the model's {hidden}", param="dimensions")
         # Matryoshka: the leading dimensions, normalised again.
-        vecs = [v[:req.dimensions] for v in vecs]
+        vecs = [v[: req.dimensions] for v in vecs]
         if llm.pooling.normalize:
             vecs = [F.normalize(v, dim=-1) for v in vecs]
     if any(not math.isfinite(float(v.sum())) for v in vecs):
-        raise ApiError("the model produced non-finite embeddings (NaN or inf); check the model file",
-                       status=500, type="server_error")
+        raise ApiError(
+            "the model produced non-finite embeddings (NaN or inf); check the model file",
+            status=500,
+            type="server_error",
+        )
     return vecs, ids

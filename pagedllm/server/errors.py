@@ -1,5 +1,6 @@
 """Errors in OpenAI's body: the error response, and the handlers that turn every failure
 (a refused request, a validation error, an unexpected one) into it, never a stack trace."""
+
 from __future__ import annotations
 
 import logging
@@ -16,12 +17,22 @@ from ..protocols.openai.models import ErrorInfo, ErrorResponse
 
 logger = logging.getLogger(__name__)
 
-_STATUS_TYPES = {401: "authentication_error", 404: "not_found_error", 413: "invalid_request_error",
-                 429: "rate_limit_error"}
+_STATUS_TYPES = {
+    401: "authentication_error",
+    404: "not_found_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+}
 
 
-def error_response(status: int, message: str, type: str | None = None, param: str | None = None,
-                   code: str | None = None, headers: dict | None = None) -> JSONResponse:
+def error_response(
+    status: int,
+    message: str,
+    type: str | None = None,
+    param: str | None = None,
+    code: str | None = None,
+    headers: dict | None = None,
+) -> JSONResponse:
     if type is None:
         type = _STATUS_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
     body = ErrorResponse(error=ErrorInfo(message=message, type=type, param=param, code=code))
@@ -71,5 +82,3 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error")  # the trace goes to the log, never to the client
         return error_response(500, "internal server error", "server_error")
-
-

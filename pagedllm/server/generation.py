@@ -1,6 +1,7 @@
 """Generation on the engine thread for the routes: a call's grammar checked off the engine
 thread, its requests submitted (aborted if the client leaves first), then streamed or
 collected; and the two OpenAI generation routes, /v1/chat/completions and /v1/completions."""
+
 from __future__ import annotations
 
 import asyncio
@@ -31,8 +32,9 @@ logger = logging.getLogger(__name__)
 class Generation:
     """Runs prepared calls (pagedllm/protocols/common/call.py) on the engine for any route."""
 
-    def __init__(self, llm: Any, engine: AsyncEngine, trimmer: limits.IdleTrimmer, work: limits.WorkPool,
-                 adapters: Any) -> None:
+    def __init__(
+        self, llm: Any, engine: AsyncEngine, trimmer: limits.IdleTrimmer, work: limits.WorkPool, adapters: Any
+    ) -> None:
         self.llm, self.engine, self.trimmer, self.work, self.adapters = llm, engine, trimmer, work, adapters
 
     async def submit(self, items: list, request: Request, grammar_param: str = "response_format") -> Submission:
@@ -50,17 +52,17 @@ class Generation:
     async def _submit(self, items: list, grammar_param: str) -> Submission:
         # A grammar is checked (and llguidance's token trie built, once) off the engine thread.
         self.trimmer.note_work()
-        specs = {id(it.params.structured): it.params.structured for it in items
-                 if it.params.structured is not None}
+        specs = {id(it.params.structured): it.params.structured for it in items if it.params.structured is not None}
         for spec in specs.values():
             try:
-                await self.work.run(self.llm.engine.structured.prepare, spec,
-                                    timeout=grammar_limits.COMPILE_TIMEOUT_S)
+                await self.work.run(self.llm.engine.structured.prepare, spec, timeout=grammar_limits.COMPILE_TIMEOUT_S)
             except ValueError as e:
                 raise ApiError(str(e), param=grammar_param) from None
             except asyncio.TimeoutError:
-                raise ApiError(f"the grammar did not compile within {grammar_limits.COMPILE_TIMEOUT_S:.0f} "
-                               "s; simplify it", param=grammar_param) from None
+                raise ApiError(
+                    f"the grammar did not compile within {grammar_limits.COMPILE_TIMEOUT_S:.0f} s; simplify it",
+                    param=grammar_param,
+                ) from None
         try:
             return await self.engine.submit(items)
         except ValueError as e:
@@ -90,8 +92,14 @@ class Generation:
         return JSONResponse(answer.model_dump(exclude_none=False) if isinstance(answer, BaseModel) else answer)
 
 
-def install(app: FastAPI, gen: Generation, ctx: ServingContext, token_text: TokenText,
-            check_model: Callable[[str | None], None], max_body_bytes: int) -> None:
+def install(
+    app: FastAPI,
+    gen: Generation,
+    ctx: ServingContext,
+    token_text: TokenText,
+    check_model: Callable[[str | None], None],
+    max_body_bytes: int,
+) -> None:
     """POST /v1/chat/completions and /v1/completions: OpenAI's translation, run by `gen`."""
 
     @app.post("/v1/chat/completions")
@@ -142,6 +150,7 @@ async def unless_gone(work: Any, request: Request) -> Any:
 
 async def collect(sub: Submission, request: Request) -> list | None:
     """Wait for every request of `sub` to finish; None if the client left first (then abort)."""
+
     async def consume() -> None:
         async for _ in sub:
             pass

@@ -6,6 +6,7 @@
   lone surrogates, each refused with a 400 that names the field.
 - `HeaderTimeoutH11Protocol`: uvicorn's h11 protocol, plus a deadline for a request's headers.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -88,9 +89,12 @@ def check_prompt_chars(chars: int, max_model_len: int, param: str) -> None:
     """Refuse, before tokenizing, text that cannot fit the context whatever its tokens."""
     limit = max_model_len * MAX_CHARS_PER_TOKEN
     if chars > limit:
-        raise ApiError(f"{param}: {chars} characters, more than this model's context of {max_model_len} "
-                       f"tokens can hold ({limit}, at {MAX_CHARS_PER_TOKEN} per token); shorten it",
-                       param=param, code="context_length_exceeded")
+        raise ApiError(
+            f"{param}: {chars} characters, more than this model's context of {max_model_len} "
+            f"tokens can hold ({limit}, at {MAX_CHARS_PER_TOKEN} per token); shorten it",
+            param=param,
+            code="context_length_exceeded",
+        )
 
 
 def chat_chars(req: Any) -> int:
@@ -134,11 +138,11 @@ def _load_json_slowly(raw: bytes) -> Any:
     try:
         return json.loads(raw, parse_int=_parse_int)
     except _BigInt as e:
-        raise ApiError(f"request body holds an integer of {e.args[0]} digits; at most "
-                       f"{MAX_INT_DIGITS} are allowed") from None
+        raise ApiError(
+            f"request body holds an integer of {e.args[0]} digits; at most {MAX_INT_DIGITS} are allowed"
+        ) from None
     except RecursionError:
-        raise ApiError(f"request body is nested deeper than the limit of {MAX_JSON_DEPTH} "
-                       "arrays/objects") from None
+        raise ApiError(f"request body is nested deeper than the limit of {MAX_JSON_DEPTH} arrays/objects") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ApiError(f"request body is not valid JSON: {e}") from None
 
@@ -157,8 +161,10 @@ def _check_tree(body: Any) -> None:
         node, path, depth = stack.pop()
         if isinstance(node, (dict, list)):
             if depth >= MAX_JSON_DEPTH:
-                raise ApiError(f"request body is nested deeper than the limit of {MAX_JSON_DEPTH} "
-                               "arrays/objects", param=_param(path) or None)
+                raise ApiError(
+                    f"request body is nested deeper than the limit of {MAX_JSON_DEPTH} arrays/objects",
+                    param=_param(path) or None,
+                )
             items = node.items() if isinstance(node, dict) else enumerate(node)
             for k, v in items:
                 if isinstance(k, str):
@@ -173,8 +179,11 @@ def _check_text(s: str, path: tuple) -> None:
         s.encode("utf-8")
     except UnicodeEncodeError as e:
         where = _param(path) or "request body"
-        raise ApiError(f"{where} holds a lone UTF-16 surrogate ({s[e.start]!r} at position {e.start}), "
-                       "which is not valid Unicode text", param=_param(path) or None) from None
+        raise ApiError(
+            f"{where} holds a lone UTF-16 surrogate ({s[e.start]!r} at position {e.start}), "
+            "which is not valid Unicode text",
+            param=_param(path) or None,
+        ) from None
 
 
 def _param(path: tuple) -> str:
@@ -265,8 +274,7 @@ class HeaderTimeoutH11Protocol(H11Protocol):
     def _header_timed_out(self) -> None:
         self._header_timer = None
         if self._waiting_for_headers():
-            logger.debug("closing a connection whose request headers took over %.0f s",
-                         self.header_timeout)
+            logger.debug("closing a connection whose request headers took over %.0f s", self.header_timeout)
             self.transport.close()
 
     def connection_lost(self, exc: Exception | None) -> None:

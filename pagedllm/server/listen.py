@@ -1,6 +1,7 @@
 """The server's listening socket, opened before the model loads: a busy port is reported at
 once, not after a load of seconds or minutes, and uvicorn serves on this socket once ready
 (connections made meanwhile wait in the backlog)."""
+
 from __future__ import annotations
 
 import errno
@@ -27,8 +28,10 @@ def listen_socket(host: str, port: int, backlog: int = 2048) -> socket.socket:
     except OSError as e:
         sock.close()
         if e.errno == errno.EADDRINUSE:
-            raise PortInUse(e.errno, f"port {port} on {host} is already in use (another server?): "
-                                     f"stop it or pick another with --port N") from None
+            raise PortInUse(
+                e.errno,
+                f"port {port} on {host} is already in use (another server?): stop it or pick another with --port N",
+            ) from None
         raise OSError(f"cannot listen on {host}:{port}: {e.strerror}") from None
     sock.set_inheritable(True)
     return sock

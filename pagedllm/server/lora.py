@@ -4,6 +4,7 @@ request's `model` picks one, `/v1/models` lists them with their `parent`, and wi
 
 Unloading takes the name away from new requests; requests already running keep their adapter
 to the end (their sequences hold its LoRARequest; the slot is reused when the LRU wants it)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -89,8 +90,10 @@ def install(app: FastAPI, adapters: Adapters, allow_runtime: bool) -> None:
         data = await body(request)
         name, path = data.get("lora_name"), data.get("lora_path")
         if not isinstance(name, str) or not isinstance(path, str):
-            raise ApiError("give lora_name and lora_path (strings)", param="lora_name" if not isinstance(name, str)
-                           else "lora_path")
+            raise ApiError(
+                "give lora_name and lora_path (strings)",
+                param="lora_name" if not isinstance(name, str) else "lora_path",
+            )
         try:
             await asyncio.to_thread(adapters.add, name, path)
         except ValueError as e:
@@ -102,6 +105,7 @@ def install(app: FastAPI, adapters: Adapters, allow_runtime: bool) -> None:
         data = await body(request)
         name = data.get("lora_name")
         if not adapters.remove(name):
-            raise ApiError(f"the LoRA adapter `{name}` is not loaded", status=404, param="lora_name",
-                           code="model_not_found")
+            raise ApiError(
+                f"the LoRA adapter `{name}` is not loaded", status=404, param="lora_name", code="model_not_found"
+            )
         return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")

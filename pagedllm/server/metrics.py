@@ -3,6 +3,7 @@
 Engine-state gauges are written by the engine thread after each step, so a
 scrape never reads the (not thread-safe) engine directly.
 """
+
 from __future__ import annotations
 
 import time
@@ -31,64 +32,85 @@ class ServerMetrics:
         r = self.registry = CollectorRegistry()
         ProcessCollector(registry=r)  # process_resident_memory_bytes and friends
         p = "pagedllm_"
-        self.running = Gauge(p + "num_requests_running", "Sequences the scheduler is running "
-                             "(one per choice of a request)", registry=r)
+        self.running = Gauge(
+            p + "num_requests_running", "Sequences the scheduler is running (one per choice of a request)", registry=r
+        )
         self.waiting = Gauge(p + "num_requests_waiting", "Sequences waiting to be scheduled", registry=r)
-        self.in_flight = Gauge(p + "num_http_requests_in_flight",
-                               "Engine requests the server is waiting on", registry=r)
+        self.in_flight = Gauge(
+            p + "num_http_requests_in_flight", "Engine requests the server is waiting on", registry=r
+        )
         self.blocks_used = Gauge(p + "kv_blocks_used", "KV cache blocks in use", registry=r)
         self.blocks_free = Gauge(p + "kv_blocks_free", "KV cache blocks free", registry=r)
         self.blocks_total = Gauge(p + "kv_blocks_total", "Usable KV cache blocks", registry=r)
-        self.blocks_touched = Gauge(p + "kv_blocks_touched", "Distinct KV blocks ever handed out: with "
-                                    "lazily allocated CPU pools, the blocks whose memory is committed",
-                                    registry=r)
-        self.blocks_peak_used = Gauge(p + "kv_blocks_peak_used", "Most KV blocks in use at once",
-                                      registry=r)
-        self.blocks_cached = Gauge(p + "kv_blocks_cached",
-                                   "Blocks held by the prefix cache (0 without prefix caching)", registry=r)
+        self.blocks_touched = Gauge(
+            p + "kv_blocks_touched",
+            "Distinct KV blocks ever handed out: with lazily allocated CPU pools, the blocks whose memory is committed",
+            registry=r,
+        )
+        self.blocks_peak_used = Gauge(p + "kv_blocks_peak_used", "Most KV blocks in use at once", registry=r)
+        self.blocks_cached = Gauge(
+            p + "kv_blocks_cached", "Blocks held by the prefix cache (0 without prefix caching)", registry=r
+        )
         self.kv_usage = Gauge(p + "kv_cache_usage_ratio", "Share of KV cache blocks in use", registry=r)
         # Tensor or pipeline parallelism: what each rank holds (one rank without either; a
         # pipeline stage's KV cache holds its own layers of every block, so the ranks' sum is
         # the whole cache's bytes).
-        self.rank_kv_bytes = Gauge(p + "rank_kv_cache_bytes", "KV cache bytes a rank holds (its pools' "
-                                   "ceiling)", ["rank"], registry=r)
-        self.rank_weight_bytes = Gauge(p + "rank_weight_bytes", "Resident weight bytes a rank holds",
-                                       ["rank"], registry=r)
+        self.rank_kv_bytes = Gauge(
+            p + "rank_kv_cache_bytes", "KV cache bytes a rank holds (its pools' ceiling)", ["rank"], registry=r
+        )
+        self.rank_weight_bytes = Gauge(
+            p + "rank_weight_bytes", "Resident weight bytes a rank holds", ["rank"], registry=r
+        )
         self._ranks_set = False
-        self.prefix_hit_rate = Gauge(p + "prefix_cache_hit_rate",
-                                     "Prompt tokens served from the prefix cache / prompt tokens "
-                                     "looked up", registry=r)
+        self.prefix_hit_rate = Gauge(
+            p + "prefix_cache_hit_rate",
+            "Prompt tokens served from the prefix cache / prompt tokens looked up",
+            registry=r,
+        )
         self.preemptions = Counter(p + "preemptions", "Sequences preempted for lack of blocks", registry=r)
         self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens admitted", registry=r)
-        self.cached_prompt_tokens = Counter(p + "cached_prompt_tokens",
-                                            "Prompt tokens found in the prefix cache", registry=r)
+        self.cached_prompt_tokens = Counter(
+            p + "cached_prompt_tokens", "Prompt tokens found in the prefix cache", registry=r
+        )
         self.generation_tokens = Counter(p + "generation_tokens", "Tokens generated", registry=r)
-        self.requests_finished = Counter(p + "requests_finished",
-                                         "Sequences (choices) that ended, by finish reason",
-                                         ["reason"], registry=r)
+        self.requests_finished = Counter(
+            p + "requests_finished", "Sequences (choices) that ended, by finish reason", ["reason"], registry=r
+        )
         self.aborts = Counter(p + "requests_aborted", "Requests aborted (client gone or error)", registry=r)
-        self.abort_delay_steps = Histogram(p + "abort_delay_steps",
-                                           "Engine steps between an abort being asked and done",
-                                           buckets=(0, 1, 2, 5, 10), registry=r)
-        self.spec_proposed = Counter(p + "spec_decode_num_draft_tokens",
-                                     "Speculative draft tokens verified", registry=r)
-        self.spec_accepted = Counter(p + "spec_decode_num_accepted_tokens",
-                                     "Speculative draft tokens accepted", registry=r)
-        self.spec_acceptance = Gauge(p + "spec_decode_acceptance_rate",
-                                     "Accepted / verified draft tokens so far", registry=r)
-        self.spec_mean_len = Gauge(p + "spec_decode_mean_accepted_length",
-                                   "Draft tokens accepted per verification so far", registry=r)
+        self.abort_delay_steps = Histogram(
+            p + "abort_delay_steps",
+            "Engine steps between an abort being asked and done",
+            buckets=(0, 1, 2, 5, 10),
+            registry=r,
+        )
+        self.spec_proposed = Counter(
+            p + "spec_decode_num_draft_tokens", "Speculative draft tokens verified", registry=r
+        )
+        self.spec_accepted = Counter(
+            p + "spec_decode_num_accepted_tokens", "Speculative draft tokens accepted", registry=r
+        )
+        self.spec_acceptance = Gauge(
+            p + "spec_decode_acceptance_rate", "Accepted / verified draft tokens so far", registry=r
+        )
+        self.spec_mean_len = Gauge(
+            p + "spec_decode_mean_accepted_length", "Draft tokens accepted per verification so far", registry=r
+        )
         self._spec_seen = (0, 0)
         self.steps = Counter(p + "engine_steps", "Engine steps run", registry=r)
         self.engine_errors = Counter(p + "engine_errors", "Engine steps that raised", registry=r)
-        self.ttft = Histogram(p + "time_to_first_token_seconds", "Time to first token",
-                              buckets=TTFT_BUCKETS, registry=r)
-        self.queue_time = Histogram(p + "request_queue_time_seconds", "Arrival to the first scheduled step "
-                                    "(time spent waiting behind other requests)", buckets=TTFT_BUCKETS, registry=r)
-        self.itl = Histogram(p + "inter_token_latency_seconds", "Time between tokens of a sequence",
-                             buckets=ITL_BUCKETS, registry=r)
-        self.e2e = Histogram(p + "request_latency_seconds", "Arrival to last token",
-                             buckets=E2E_BUCKETS, registry=r)
+        self.ttft = Histogram(
+            p + "time_to_first_token_seconds", "Time to first token", buckets=TTFT_BUCKETS, registry=r
+        )
+        self.queue_time = Histogram(
+            p + "request_queue_time_seconds",
+            "Arrival to the first scheduled step (time spent waiting behind other requests)",
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            p + "inter_token_latency_seconds", "Time between tokens of a sequence", buckets=ITL_BUCKETS, registry=r
+        )
+        self.e2e = Histogram(p + "request_latency_seconds", "Arrival to last token", buckets=E2E_BUCKETS, registry=r)
         self._last_token: dict[str, dict[int, float]] = {}  # request -> choice -> time
         self._seen_first: set[str] = set()
         self._preempt_seen = 0

@@ -1,5 +1,6 @@
 """Ollama's API routes (/api/...): thin installers over protocols/ollama.py, run on the engine
 like the OpenAI routes; streams are NDJSON lines."""
+
 from __future__ import annotations
 
 import functools
@@ -21,12 +22,14 @@ from .routes import Served, document_bodies
 
 def ollama_errors(handler: Any) -> Any:
     """Ollama's error body, {"error": "..."}, for a refused request (its client reads that)."""
+
     @functools.wraps(handler)
     async def wrapped(*args: Any, **kwargs: Any) -> Response:
         try:
             return await handler(*args, **kwargs)
         except ApiError as e:
             return JSONResponse({"error": e.message}, status_code=e.status)
+
     return wrapped
 
 
@@ -53,8 +56,11 @@ def install(app: FastAPI, s: Served, gen: Generation, names: list[str]) -> None:
         try:
             s.check_model(name)
         except ApiError:
-            raise ApiError(ollama.MODEL_MANAGEMENT.format(what="pull") + f" (asked for {name!r}; "
-                           f"this server serves {', '.join(names)})", status=404) from None
+            raise ApiError(
+                ollama.MODEL_MANAGEMENT.format(what="pull") + f" (asked for {name!r}; "
+                f"this server serves {', '.join(names)})",
+                status=404,
+            ) from None
         lines = ollama.pull_lines(req)
         if not req.stream:
             return JSONResponse(lines[-1])
@@ -66,9 +72,19 @@ def install(app: FastAPI, s: Served, gen: Generation, names: list[str]) -> None:
 
     @app.get("/api/ps")
     async def ps() -> Response:
-        return JSONResponse({"models": [{**ollama.model_entry(n, s.ctx, family, size, modified),
-                                         "expires_at": "0001-01-01T00:00:00Z", "size_vram": 0,
-                                         "context_length": s.ctx.max_model_len} for n in names]})
+        return JSONResponse(
+            {
+                "models": [
+                    {
+                        **ollama.model_entry(n, s.ctx, family, size, modified),
+                        "expires_at": "0001-01-01T00:00:00Z",
+                        "size_vram": 0,
+                        "context_length": s.ctx.max_model_len,
+                    }
+                    for n in names
+                ]
+            }
+        )
 
     @app.post("/api/show")
     @ollama_errors
@@ -88,8 +104,15 @@ def install(app: FastAPI, s: Served, gen: Generation, names: list[str]) -> None:
     async def generate(request: Request) -> Response:
         req: ollama.GenerateRequest = await s.read_request(request, ollama.GenerateRequest)
         if not req.prompt and req.suffix is None:  # Ollama's way to load a model: nothing to do here
-            return JSONResponse({"model": s.ctx.model_name, "created_at": ollama.now_iso(), "response": "",
-                                 "done": True, "done_reason": "load"})
+            return JSONResponse(
+                {
+                    "model": s.ctx.model_name,
+                    "created_at": ollama.now_iso(),
+                    "response": "",
+                    "done": True,
+                    "done_reason": "load",
+                }
+            )
         return await gen.answer(await s.run(ollama.generate_call, req, s.ctx), request)
 
     @app.post("/api/embed")
@@ -97,18 +120,37 @@ def install(app: FastAPI, s: Served, gen: Generation, names: list[str]) -> None:
     async def embed_route(request: Request) -> Response:
         req: ollama.EmbedRequest = await s.read_request(request, ollama.EmbedRequest)
         vecs, ids = await embed(s, EmbeddingRequest(input=req.input, dimensions=req.dimensions))
-        return JSONResponse({"model": s.ctx.model_name, "embeddings": [v.tolist() for v in vecs],
-                             "prompt_eval_count": sum(len(p) for p in ids)})
+        return JSONResponse(
+            {
+                "model": s.ctx.model_name,
+                "embeddings": [v.tolist() for v in vecs],
+                "prompt_eval_count": sum(len(p) for p in ids),
+            }
+        )
 
-    for route, what in (("/api/create", "create"), ("/api/delete", "delete"),
-                        ("/api/copy", "copy"), ("/api/push", "push")):
+    for route, what in (
+        ("/api/create", "create"),
+        ("/api/delete", "delete"),
+        ("/api/copy", "copy"),
+        ("/api/push", "push"),
+    ):
+
         def refuse(what: str = what) -> Any:
             @ollama_errors
             async def handler() -> Response:
                 raise ApiError(ollama.MODEL_MANAGEMENT.format(what=what), status=400)
+
             return handler
+
         app.add_api_route(route, refuse(), methods=["DELETE"] if what == "delete" else ["POST"])
 
-    document_bodies(app, {"/api/chat": ollama.ChatRequest, "/api/generate": ollama.GenerateRequest,
-                          "/api/embed": ollama.EmbedRequest, "/api/show": ollama.ShowRequest,
-                          "/api/pull": ollama.PullRequest})
+    document_bodies(
+        app,
+        {
+            "/api/chat": ollama.ChatRequest,
+            "/api/generate": ollama.GenerateRequest,
+            "/api/embed": ollama.EmbedRequest,
+            "/api/show": ollama.ShowRequest,
+            "/api/pull": ollama.PullRequest,
+        },
+    )

@@ -2,6 +2,7 @@
 as one JSON file, so the session can be replayed later against any server
 (`pagedllm bench agent`) or in tests. Plain ASGI, so streams and disconnects pass through
 untouched; credentials are never written."""
+
 from __future__ import annotations
 
 import itertools
@@ -68,9 +69,15 @@ class RequestRecorder:
             parsed = body.decode("utf-8", "replace")
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers") or []}
         path = scope.get("path", "") + (f"?{scope['query_string'].decode()}" if scope.get("query_string") else "")
-        record = {"at_s": round(arrived - (self.t0 or arrived), 3), "took_s": round(time.time() - arrived, 3),
-                  "method": scope.get("method"), "path": path, "status": status,
-                  "headers": {k: headers[k] for k in KEPT_HEADERS if k in headers}, "body": parsed}
+        record = {
+            "at_s": round(arrived - (self.t0 or arrived), 3),
+            "took_s": round(time.time() - arrived, 3),
+            "method": scope.get("method"),
+            "path": path,
+            "status": status,
+            "headers": {k: headers[k] for k in KEPT_HEADERS if k in headers},
+            "body": parsed,
+        }
         with self.lock:
             target = self.folder / f"{next(self.numbers):05d}.json"
         tmp = target.with_suffix(".tmp")

@@ -5,6 +5,7 @@ Routing, retries, circuit breaking and health checks are the gateway's; this mod
 with pagedllm's settings, starts and restarts the local replicas (each its own `pagedllm serve`
 process, pinned to its share of the cores), and stops them all on SIGTERM/SIGINT.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -23,7 +24,9 @@ from typing import Sequence
 logger = logging.getLogger(__name__)
 
 POLICIES = ("cache_aware", "round_robin", "power_of_two", "random")
-INSTALL_HINT = "the gateway is SGLang's sglang-router: pip install 'pagedllm[router]' (or pip install sglang-router==0.3.2)"
+INSTALL_HINT = (
+    "the gateway is SGLang's sglang-router: pip install 'pagedllm[router]' (or pip install sglang-router==0.3.2)"
+)
 
 
 def require_gateway() -> None:
@@ -48,27 +51,66 @@ class FaultOptions:
     request_timeout_s: int = 1800
 
     def argv(self) -> list[str]:
-        return ["--retry-max-retries", str(self.retries),
-                "--retry-initial-backoff-ms", str(self.retry_backoff_ms),
-                "--retry-max-backoff-ms", str(max(self.retry_backoff_ms, 500)),
-                "--health-check-interval-secs", str(self.health_interval),
-                "--health-check-timeout-secs", str(self.health_timeout),
-                "--health-failure-threshold", str(self.health_failures),
-                "--health-success-threshold", str(self.health_successes),
-                "--health-check-endpoint", "/health",
-                "--cb-failure-threshold", str(self.breaker_failures),
-                "--cb-timeout-duration-secs", str(self.breaker_open_s),
-                "--request-timeout-secs", str(self.request_timeout_s)]
+        return [
+            "--retry-max-retries",
+            str(self.retries),
+            "--retry-initial-backoff-ms",
+            str(self.retry_backoff_ms),
+            "--retry-max-backoff-ms",
+            str(max(self.retry_backoff_ms, 500)),
+            "--health-check-interval-secs",
+            str(self.health_interval),
+            "--health-check-timeout-secs",
+            str(self.health_timeout),
+            "--health-failure-threshold",
+            str(self.health_failures),
+            "--health-success-threshold",
+            str(self.health_successes),
+            "--health-check-endpoint",
+            "/health",
+            "--cb-failure-threshold",
+            str(self.breaker_failures),
+            "--cb-timeout-duration-secs",
+            str(self.breaker_open_s),
+            "--request-timeout-secs",
+            str(self.request_timeout_s),
+        ]
 
 
-def gateway_command(workers: Sequence[str], host: str, port: int, policy: str, faults: FaultOptions,
-                    prometheus_port: int, log_level: str = "warn", api_key: str | None = None) -> list[str]:
+def gateway_command(
+    workers: Sequence[str],
+    host: str,
+    port: int,
+    policy: str,
+    faults: FaultOptions,
+    prometheus_port: int,
+    log_level: str = "warn",
+    api_key: str | None = None,
+) -> list[str]:
     if policy not in POLICIES:
         raise ValueError(f"--routing {policy!r}: choose one of {', '.join(POLICIES)}")
-    cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", host, "--port", str(port),
-           "--worker-urls", *workers, "--policy", policy, "--prometheus-host", "127.0.0.1",
-           "--prometheus-port", str(prometheus_port), "--log-level", log_level,
-           "--worker-startup-timeout-secs", "600", *faults.argv()]
+    cmd = [
+        sys.executable,
+        "-m",
+        "sglang_router.launch_router",
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--worker-urls",
+        *workers,
+        "--policy",
+        policy,
+        "--prometheus-host",
+        "127.0.0.1",
+        "--prometheus-port",
+        str(prometheus_port),
+        "--log-level",
+        log_level,
+        "--worker-startup-timeout-secs",
+        "600",
+        *faults.argv(),
+    ]
     if api_key:
         cmd += ["--api-key", api_key]
     return cmd
@@ -114,7 +156,7 @@ def split_cores(n: int, cores: Sequence[int] | None = None) -> list[list[int]]:
         shares, at = [], 0
         for i in range(n):
             size = k + (1 if i < extra else 0)
-            shares.append(cores[at:at + size])
+            shares.append(cores[at : at + size])
             at += size
         return shares
     return [[cores[i % len(cores)]] for i in range(n)]
@@ -123,12 +165,10 @@ def split_cores(n: int, cores: Sequence[int] | None = None) -> list[list[int]]:
 class Replica:
     """One `pagedllm serve` process on 127.0.0.1:port, pinned to `cores`."""
 
-    def __init__(self, index: int, serve_args: Sequence[str], port: int, cores: Sequence[int],
-                 log_dir: Path) -> None:
+    def __init__(self, index: int, serve_args: Sequence[str], port: int, cores: Sequence[int], log_dir: Path) -> None:
         self.index, self.port, self.cores = index, port, list(cores)
         self.url = f"http://127.0.0.1:{port}"
-        self.cmd = [sys.executable, "-m", "pagedllm", "serve", *serve_args, "--host", "127.0.0.1",
-                    "--port", str(port)]
+        self.cmd = [sys.executable, "-m", "pagedllm", "serve", *serve_args, "--host", "127.0.0.1", "--port", str(port)]
         self.log_path = log_dir / f"replica-{index}.log"
         self.proc: subprocess.Popen | None = None
         self.restarts = 0
@@ -137,8 +177,14 @@ class Replica:
         env = dict(os.environ, OMP_NUM_THREADS=str(len(self.cores)))
         cores = self.cores
         with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(self.cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env,
-                                         preexec_fn=lambda: _child_setup(cores))
+            self.proc = subprocess.Popen(
+                self.cmd,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=log,
+                env=env,
+                preexec_fn=lambda: _child_setup(cores),
+            )
 
     def died(self) -> bool:
         return self.proc is not None and self.proc.poll() is not None
@@ -147,15 +193,25 @@ class Replica:
 class Fleet:
     """The gateway and, for `serve --data-parallel-size`, the local replicas it routes to."""
 
-    def __init__(self, replicas: list[Replica], remote: Sequence[str], host: str, port: int, policy: str,
-                 faults: FaultOptions, log_dir: Path, api_key: str | None = None,
-                 log_level: str = "warn") -> None:
+    def __init__(
+        self,
+        replicas: list[Replica],
+        remote: Sequence[str],
+        host: str,
+        port: int,
+        policy: str,
+        faults: FaultOptions,
+        log_dir: Path,
+        api_key: str | None = None,
+        log_level: str = "warn",
+    ) -> None:
         require_gateway()
         self.replicas, self.host, self.port = replicas, host, port
         self.workers = [r.url for r in replicas] + list(remote)
         self.prometheus_port = free_port()
-        self.gateway_cmd = gateway_command(self.workers, host, port, policy, faults, self.prometheus_port,
-                                           log_level, api_key)
+        self.gateway_cmd = gateway_command(
+            self.workers, host, port, policy, faults, self.prometheus_port, log_level, api_key
+        )
         self.gateway_log = log_dir / "gateway.log"
         self.gateway: subprocess.Popen | None = None
         self.stopping = False
@@ -170,8 +226,13 @@ class Fleet:
         for r in self.replicas:
             wait_healthy(r.url, r.proc, timeout)
         with open(self.gateway_log, "ab") as log:
-            self.gateway = subprocess.Popen(self.gateway_cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                                            preexec_fn=lambda: _child_setup(None))
+            self.gateway = subprocess.Popen(
+                self.gateway_cmd,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=log,
+                preexec_fn=lambda: _child_setup(None),
+            )
         wait_healthy(self.url, self.gateway, 120, path="/readiness")
 
     def watch(self, poll_s: float = 0.5) -> None:
@@ -179,13 +240,17 @@ class Fleet:
         back into routing once it answers); the gateway dying ends the fleet."""
         while not self.stopping:
             if self.gateway is not None and self.gateway.poll() is not None and not self.stopping:
-                raise RuntimeError(f"the gateway exited with status {self.gateway.returncode}; "
-                                   f"see {self.gateway_log}")
+                raise RuntimeError(f"the gateway exited with status {self.gateway.returncode}; see {self.gateway_log}")
             for r in self.replicas:
                 if r.died() and not self.stopping:
                     r.restarts += 1
-                    logger.warning("replica %d (%s) exited with status %s: restarting it (restart %d)",
-                                   r.index, r.url, r.proc.returncode, r.restarts)
+                    logger.warning(
+                        "replica %d (%s) exited with status %s: restarting it (restart %d)",
+                        r.index,
+                        r.url,
+                        r.proc.returncode,
+                        r.restarts,
+                    )
                     r.start()
             time.sleep(poll_s)
 
@@ -228,6 +293,7 @@ def read_backends(values: Sequence[str]) -> list[str]:
 
 def run_until_signal(fleet: Fleet) -> int:
     """Start the fleet, watch it, stop everything on SIGTERM/SIGINT."""
+
     def on_signal(sig: int, _frame: object) -> None:
         fleet.stopping = True
 
@@ -235,9 +301,12 @@ def run_until_signal(fleet: Fleet) -> int:
     try:
         fleet.start()
         local = ", ".join(f"{r.url} (cores {r.cores})" for r in fleet.replicas)
-        print(f"gateway on {fleet.url}/v1 (metrics on http://127.0.0.1:{fleet.prometheus_port}/metrics) "
-              f"routing to {', '.join(fleet.workers)}" + (f"; replicas: {local}" if local else ""),
-              file=sys.stderr, flush=True)
+        print(
+            f"gateway on {fleet.url}/v1 (metrics on http://127.0.0.1:{fleet.prometheus_port}/metrics) "
+            f"routing to {', '.join(fleet.workers)}" + (f"; replicas: {local}" if local else ""),
+            file=sys.stderr,
+            flush=True,
+        )
         fleet.watch()
         return 0
     except RuntimeError as e:

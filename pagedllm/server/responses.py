@@ -3,6 +3,7 @@
 The translation (request to a chat request, chat answer and stream to response objects and
 typed events, the `previous_response_id` store) is pagedllm/protocols/openai/responses.py.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -46,9 +47,12 @@ def install(app: FastAPI, s: Served, gen: Generation, store_size: int = DEFAULT_
         if req.previous_response_id is not None:
             prev = store.get(req.previous_response_id)
             if prev is None:
-                raise ApiError(f"Previous response with id '{req.previous_response_id}' not found (this "
-                               f"server keeps the latest {store.size} responses in memory)",
-                               status=404, param="previous_response_id")
+                raise ApiError(
+                    f"Previous response with id '{req.previous_response_id}' not found (this "
+                    f"server keeps the latest {store.size} responses in memory)",
+                    status=404,
+                    param="previous_response_id",
+                )
             history = prev[0]
         tools = ResponseTools.of(req.tools)
         new = input_messages(req.input, tools)
@@ -72,8 +76,12 @@ def install(app: FastAPI, s: Served, gen: Generation, store_size: int = DEFAULT_
             keep(resp)
             return resp
 
-        answer = dataclasses.replace(call, framing=ResponseEvents(resp, call.streamer, tools, keep), respond=respond,
-                                     grammar_param=call.grammar_param.replace("response_format", "text.format"))
+        answer = dataclasses.replace(
+            call,
+            framing=ResponseEvents(resp, call.streamer, tools, keep),
+            respond=respond,
+            grammar_param=call.grammar_param.replace("response_format", "text.format"),
+        )
         return await gen.answer(answer, request)
 
     @app.get("/v1/responses/{response_id}")

@@ -4,6 +4,7 @@
 `Served` carries what every route module needs from `create_app` (the model, its serving
 context, the engine thread, the request helpers), so the route modules stay out of app.py.
 """
+
 from __future__ import annotations
 
 import json
@@ -94,8 +95,10 @@ def document_bodies(app: FastAPI, bodies: dict[str, type[BaseModel]]) -> None:
                 components.update(body.pop("$defs", {}))
                 components[model.__name__] = body
                 for op in schema.get("paths", {}).get(path, {}).values():
-                    op["requestBody"] = {"required": True, "content": {"application/json": {
-                        "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
+                    op["requestBody"] = {
+                        "required": True,
+                        "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}},
+                    }
             app.openapi_schema = schema
         return app.openapi_schema
 
@@ -107,8 +110,13 @@ def add_cors(app: FastAPI, origins: list[str] | tuple[str, ...]) -> None:
     so it wraps it: a preflight (which carries no key) is answered here, and error answers
     carry the CORS headers too, so the page can read them."""
     if origins:
-        app.add_middleware(CORSMiddleware, allow_origins=list(origins), allow_methods=["*"],
-                           allow_headers=["*"], allow_credentials=False)
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(origins),
+            allow_methods=["*"],
+            allow_headers=["*"],
+            allow_credentials=False,
+        )
 
 
 def parse_origins(values: list[str] | None) -> tuple[str, ...]:
@@ -127,4 +135,3 @@ def parse_origins(values: list[str] | None) -> tuple[str, ...]:
         elif v:
             out.append(v)
     return tuple(dict.fromkeys(out))
-

@@ -1,5 +1,6 @@
 """Streamed answers: the streaming response that stops when its client goes away, and the
 stream of one submission in any dialect, written through the dialect's framing."""
+
 from __future__ import annotations
 
 import asyncio
@@ -18,15 +19,18 @@ class StreamResponse(StreamingResponse):
     soon as the client goes away, even while no token is being sent, so queued requests are
     aborted too."""
 
-    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None],
-                 media_type: str = "text/event-stream") -> None:
-        super().__init__(content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-                         media_type=media_type)
+    def __init__(
+        self, content: AsyncIterator[str], on_close: Callable[[], None], media_type: str = "text/event-stream"
+    ) -> None:
+        super().__init__(
+            content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}, media_type=media_type
+        )
         self.on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             async with anyio.create_task_group() as tg:
+
                 async def stream() -> None:
                     try:
                         await self.stream_response(send)

@@ -17,6 +17,7 @@ the KV-event and token-id interfaces are on its gRPC path only, which speaks SGL
 protocol, not HTTP. `/get_load` carries what the prefix cache holds (`num_cached_tokens`,
 `prefix_cache_hit_rate`) for the operator and `pagedllm bench router`.
 """
+
 from __future__ import annotations
 
 import uuid
@@ -42,24 +43,39 @@ def load_report(llm: Any) -> dict[str, Any]:
     block = eng.cache_config.block_size
     stats = getattr(bm, "stats", None)
     hit = getattr(stats, "hit_rate", None)
-    return {"dp_rank": 0, "num_reqs": sched.num_running + sched.num_waiting,
-            "num_running_reqs": sched.num_running, "num_waiting_reqs": sched.num_waiting,
-            "num_tokens": used * block, "kv_cache_usage": used / total if total else 0.0,
-            "num_cached_tokens": (getattr(bm, "num_cached_blocks", 0) or 0) * block,
-            "prefix_cache_hit_rate": hit if isinstance(hit, (int, float)) else None}
+    return {
+        "dp_rank": 0,
+        "num_reqs": sched.num_running + sched.num_waiting,
+        "num_running_reqs": sched.num_running,
+        "num_waiting_reqs": sched.num_waiting,
+        "num_tokens": used * block,
+        "kv_cache_usage": used / total if total else 0.0,
+        "num_cached_tokens": (getattr(bm, "num_cached_blocks", 0) or 0) * block,
+        "prefix_cache_hit_rate": hit if isinstance(hit, (int, float)) else None,
+    }
 
 
-def install(app: FastAPI, llm: Any, engine: AsyncEngine, ctx: ServingContext, names: list[str],
-            tokenizer_path: str | None) -> None:
+def install(
+    app: FastAPI, llm: Any, engine: AsyncEngine, ctx: ServingContext, names: list[str], tokenizer_path: str | None
+) -> None:
     eng = llm.engine
-    server_info = {"model_path": ctx.model_name, "served_model_name": names[0], "version": __version__,
-                   "dp_size": 1, "max_running_requests": eng.sched_config.max_num_seqs,
-                   "max_total_tokens": ctx.usable_blocks * ctx.block_size,
-                   "max_prefill_tokens": eng.sched_config.max_num_batched_tokens,
-                   "context_length": ctx.max_model_len, "engine": "pagedllm"}
-    model_info = {"model_path": ctx.model_name, "is_generation": True,
-                  "model_type": getattr(eng.model_config, "model_type", None),
-                  "architectures": [eng.model_config.architecture]}
+    server_info = {
+        "model_path": ctx.model_name,
+        "served_model_name": names[0],
+        "version": __version__,
+        "dp_size": 1,
+        "max_running_requests": eng.sched_config.max_num_seqs,
+        "max_total_tokens": ctx.usable_blocks * ctx.block_size,
+        "max_prefill_tokens": eng.sched_config.max_num_batched_tokens,
+        "context_length": ctx.max_model_len,
+        "engine": "pagedllm",
+    }
+    model_info = {
+        "model_path": ctx.model_name,
+        "is_generation": True,
+        "model_type": getattr(eng.model_config, "model_type", None),
+        "architectures": [eng.model_config.architecture],
+    }
     if tokenizer_path:
         model_info["tokenizer_path"] = tokenizer_path
 
@@ -82,8 +98,15 @@ def install(app: FastAPI, llm: Any, engine: AsyncEngine, ctx: ServingContext, na
     async def health_generate() -> Response:
         if not engine.alive:
             return error_response(503, "the engine is not running", "server_error")
-        sub = await engine.submit([Item(f"health-{uuid.uuid4().hex}", ctx.tokenizer.encode("ping"),
-                                    SamplingParams(max_tokens=1, temperature=0.0))])
+        sub = await engine.submit(
+            [
+                Item(
+                    f"health-{uuid.uuid4().hex}",
+                    ctx.tokenizer.encode("ping"),
+                    SamplingParams(max_tokens=1, temperature=0.0),
+                )
+            ]
+        )
         try:
             async for _ in sub:
                 pass

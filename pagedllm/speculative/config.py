@@ -1,4 +1,5 @@
 """What the user asks of speculative decoding, checked once."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
@@ -49,8 +50,9 @@ class SpeculativeConfig:
                 value.validate()
             return value
         if not isinstance(value, dict):
-            raise TypeError(f"speculative must be a dict such as {{'method': 'ngram', 'num_tokens': 5}}, "
-                            f"got {type(value).__name__}")
+            raise TypeError(
+                f"speculative must be a dict such as {{'method': 'ngram', 'num_tokens': 5}}, got {type(value).__name__}"
+            )
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(value) - known)
         if unknown:
@@ -75,20 +77,22 @@ class SpeculativeConfig:
         if not 0 <= self.min_acceptance < 1:
             raise ValueError(f"speculative min_acceptance must be in [0, 1), got {self.min_acceptance}")
         if self.method == "draft" and not (isinstance(self.model, str) and self.model):
-            raise ValueError("speculative method 'draft' needs 'model': the path (or hub id) of a small "
-                             "draft model with the target's tokenizer, e.g. "
-                             "{'method': 'draft', 'model': 'path/to/draft', 'num_tokens': 4}")
+            raise ValueError(
+                "speculative method 'draft' needs 'model': the path (or hub id) of a small "
+                "draft model with the target's tokenizer, e.g. "
+                "{'method': 'draft', 'model': 'path/to/draft', 'num_tokens': 4}"
+            )
         for name in ("adaptive", "ngram"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"speculative {name} must be true or false, got {getattr(self, name)!r}")
         dv = self.draft_vocab
         if dv is not None and (not isinstance(dv, int) or isinstance(dv, bool) or dv < 0):
-            raise ValueError(f"speculative draft_vocab must be an integer >= 0 (0: the whole vocabulary), "
-                             f"got {dv!r}")
+            raise ValueError(f"speculative draft_vocab must be an integer >= 0 (0: the whole vocabulary), got {dv!r}")
         if dv is not None and self.method != "draft":
             raise ValueError("speculative 'draft_vocab' cuts a draft model's head; method 'ngram' has none")
         if self.draft_weights not in ("auto", "file"):
             from ..quant.isq import check_isq_type
+
             try:
                 self.draft_weights = check_isq_type(self.draft_weights)
             except ValueError as e:
@@ -96,7 +100,9 @@ class SpeculativeConfig:
         if self.draft_weights != "auto" and self.method != "draft":
             raise ValueError("speculative 'draft_weights' sets a draft model's weights; method 'ngram' has none")
         if self.ngram and self.method != "draft":
-            raise ValueError("speculative 'ngram': true combines n-gram lookup with a draft model (method "
-                             "'draft'); method 'ngram' looks up n-grams already")
+            raise ValueError(
+                "speculative 'ngram': true combines n-gram lookup with a draft model (method "
+                "'draft'); method 'ngram' looks up n-grams already"
+            )
         if self.method == "ngram" and self.model:
             raise ValueError("speculative method 'ngram' takes no 'model' (did you mean method 'draft'?)")

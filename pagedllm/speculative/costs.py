@@ -19,6 +19,7 @@ proposals one at a time, to the sequence where one more raises the step's expect
 unit of time most, and stops when none does: a sequence with low acceptance, or a draft whose
 forwards cost more than they bring, proposes nothing.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -140,14 +141,13 @@ def best_rate(c: Candidate, row_cost: RowCost, draft_cost: float) -> float:
     """A lone sequence's expected tokens per plain step's time at its best length (1.0: none pays)."""
     best = tokens = cost = 1.0
     for k in range(1, c.cap + 1):
-        tokens += c.acceptance ** k
+        tokens += c.acceptance**k
         cost += row_price(row_cost, k - 1) + (draft_cost if c.draft else 0.0)
         best = max(best, tokens / cost)
     return best
 
 
-def plan_lengths(cands: list[Candidate], plain_rows: int, room: int, row_cost: RowCost,
-                 draft_cost: float) -> list[int]:
+def plan_lengths(cands: list[Candidate], plain_rows: int, room: int, row_cost: RowCost, draft_cost: float) -> list[int]:
     """Proposals per candidate: greedily the next proposal that raises expected tokens per unit
     of step time most, while one does and the step has `room` rows for it. `plain_rows`: the
     step's decode rows without proposals (each adds one token for sure, at cost 1 in all)."""

@@ -22,6 +22,7 @@ earlier in it), which is where drafts are accepted.
 With a draft model and n-gram lookup both on, a sequence whose suffix has an earlier match
 takes the lookup's proposals (free), the others the draft's.
 """
+
 from __future__ import annotations
 
 import logging
@@ -98,6 +99,7 @@ class SpecStats:
 class Acceptance:
     """A proposer's per-token acceptance probability for one sequence: accepted proposals over
     trials (each accepted one, and the first rejection), older verifications decaying."""
+
     accepted: float = PRIOR_ACCEPTED
     trials: float = PRIOR_TRIALS
 
@@ -113,6 +115,7 @@ class Acceptance:
 @dataclass
 class SeqSpecState:
     """Per sequence: its n-gram index and how well each proposer has been doing."""
+
     index: NgramIndex | None = None
     ngram: Acceptance = field(default_factory=Acceptance)
     draft: Acceptance = field(default_factory=Acceptance)
@@ -174,7 +177,7 @@ class SpeculativeDecoder:
                     st.index = NgramIndex(c.min_ngram, c.max_ngram)
                 toks = st.index.propose(s.token_ids, cap)
                 if s.grammar is not None and toks:  # only what the grammar would accept
-                    toks = toks[:s.grammar.validate_tokens(toks)]
+                    toks = toks[: s.grammar.validate_tokens(toks)]
             if toks and not self._draft_pays_more(st, len(toks), cap, costs):
                 st.source, acc = "ngram", st.ngram
             elif self.draft is not None:
@@ -236,8 +239,9 @@ class SpeculativeDecoder:
         (with fixed lengths the lookup is always taken)."""
         if self.draft is None or not self.config.adaptive:
             return False
-        return (best_rate(Candidate(st.draft.rate, cap, True), *costs)
-                > best_rate(Candidate(st.ngram.rate, found, False), *costs))
+        return best_rate(Candidate(st.draft.rate, cap, True), *costs) > best_rate(
+            Candidate(st.ngram.rate, found, False), *costs
+        )
 
     def _lengths(self, cands: list[Candidate], plain: int, room: int, costs: tuple[float, float]) -> list[int]:
         """Each candidate's proposals: what is worth its measured cost (adaptive), or as many as

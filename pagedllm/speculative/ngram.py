@@ -5,6 +5,7 @@ Each sequence keeps an index from n-gram to where it last ended, extended by the
 added since the previous step, so a proposal costs O(max_ngram) dict operations, not a
 scan of the context.
 """
+
 from __future__ import annotations
 
 
@@ -21,10 +22,10 @@ class NgramIndex:
         # so a lookup of the suffix finds an earlier occurrence, never itself.
         for e in range(max(self.indexed, self.min_n), n_tok):
             for n in range(self.min_n, min(self.max_n, e) + 1):
-                self.end[tuple(tokens[e - n:e])] = e
+                self.end[tuple(tokens[e - n : e])] = e
         self.indexed = max(self.indexed, n_tok)
         for n in range(min(self.max_n, n_tok), self.min_n - 1, -1):
-            e = self.end.get(tuple(tokens[n_tok - n:]))
+            e = self.end.get(tuple(tokens[n_tok - n :]))
             if e is not None:
-                return tokens[e:e + k]
+                return tokens[e : e + k]
         return []

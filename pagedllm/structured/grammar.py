@@ -12,6 +12,7 @@ engine thread when the server validates a first request) and computes the allowe
 bitmasks of a step's constrained rows on a worker thread while the model's forward runs
 (llguidance drops the GIL), so constrained requests never hold up the others.
 """
+
 from __future__ import annotations
 
 import json
@@ -66,8 +67,7 @@ class GrammarEngine:
 
                 backend = self._hf_tokenizer.backend
                 n_vocab = max(self.vocab_size, backend.get_vocab_size(with_added_tokens=True))
-                self._lltok = llg.LLTokenizer(backend.to_str(), n_vocab=n_vocab,
-                                              eos_token=self.eos_token_ids or None)
+                self._lltok = llg.LLTokenizer(backend.to_str(), n_vocab=n_vocab, eos_token=self.eos_token_ids or None)
                 self._executor = llg.LLExecutor()
                 self._pool = ThreadPoolExecutor(1, thread_name_prefix="pagedllm-grammar")
             return self._lltok
@@ -103,8 +103,12 @@ class GrammarEngine:
         return [first] + [first.deep_copy() for _ in range(n - 1)]
 
     # -- per step ------------------------------------------------------------------
-    def start_masks(self, seqs: Sequence[Any], offsets: Sequence[int] | None = None,
-                    drafts: Sequence[Sequence[int] | None] | None = None) -> "MaskJob | None":
+    def start_masks(
+        self,
+        seqs: Sequence[Any],
+        offsets: Sequence[int] | None = None,
+        drafts: Sequence[Sequence[int] | None] | None = None,
+    ) -> "MaskJob | None":
         """Begin computing the masks of the constrained rows of `seqs` (the sampler's rows).
         A speculating sequence has consecutive rows at offsets 0..k; `drafts` gives, on its
         offset-0 row, the k proposals its grammar already accepted: row j is masked by the
@@ -113,8 +117,11 @@ class GrammarEngine:
         rows = [i for i, s in enumerate(seqs) if s.grammar is not None]
         if not rows:
             return None
-        jobs = [(seqs[i].grammar, pos, list(drafts[i]) if drafts and drafts[i] else [])
-                for pos, i in enumerate(rows) if offsets[i] == 0]
+        jobs = [
+            (seqs[i].grammar, pos, list(drafts[i]) if drafts and drafts[i] else [])
+            for pos, i in enumerate(rows)
+            if offsets[i] == 0
+        ]
         self.lltokenizer  # noqa: B018 (makes sure the executor exists)
         fut = self._pool.submit(self._fill, jobs, len(rows))
         return MaskJob(rows, fut)

@@ -8,6 +8,7 @@ thread, which compiles too when a request has no precompiled matcher, stays safe
 Nesting depth needs no limit of ours: llguidance refuses deep parentheses, regexes and inline
 schemas with a clean error.
 """
+
 from __future__ import annotations
 
 import re
@@ -41,12 +42,12 @@ def check(spec: StructuredOutputs) -> None:
     elif kind == "grammar":
         rules = len(_LARK_RULE.findall(spec.grammar))
         if rules > MAX_GRAMMAR_RULES:
-            raise GrammarLimitError(f"the grammar has {rules} rules; the limit is {MAX_GRAMMAR_RULES} "
-                                    "rules and terminals")
+            raise GrammarLimitError(
+                f"the grammar has {rules} rules; the limit is {MAX_GRAMMAR_RULES} rules and terminals"
+            )
         refs = spec.grammar.count('"$ref"')
         if refs > MAX_SCHEMA_REFS:
-            raise GrammarLimitError(f"the grammar's JSON schemas hold {refs} $refs; the limit is "
-                                    f"{MAX_SCHEMA_REFS}")
+            raise GrammarLimitError(f"the grammar's JSON schemas hold {refs} $refs; the limit is {MAX_SCHEMA_REFS}")
 
 
 def check_schema(schema: dict) -> None:
@@ -63,8 +64,9 @@ def check_schema(schema: dict) -> None:
             for key in ("enum", "anyOf", "oneOf"):
                 values = node.get(key)
                 if isinstance(values, list) and len(values) > MAX_ENUM_VALUES:
-                    raise GrammarLimitError(f"a schema `{key}` has {len(values)} entries; the limit is "
-                                            f"{MAX_ENUM_VALUES}")
+                    raise GrammarLimitError(
+                        f"a schema `{key}` has {len(values)} entries; the limit is {MAX_ENUM_VALUES}"
+                    )
             stack.extend(node.values())
         elif isinstance(node, list):
             stack.extend(node)
@@ -74,8 +76,7 @@ def check_schema(schema: dict) -> None:
         if nodes > MAX_SCHEMA_NODES:
             raise GrammarLimitError(f"the schema has more than {MAX_SCHEMA_NODES} objects and arrays")
     if defs > MAX_SCHEMA_DEFINITIONS:
-        raise GrammarLimitError(f"the schema has {defs} definitions ($defs); the limit is "
-                                f"{MAX_SCHEMA_DEFINITIONS}")
+        raise GrammarLimitError(f"the schema has {defs} definitions ($defs); the limit is {MAX_SCHEMA_DEFINITIONS}")
     if refs > MAX_SCHEMA_REFS:
         raise GrammarLimitError(f"the schema has {refs} $refs; the limit is {MAX_SCHEMA_REFS}")
 
@@ -87,4 +88,4 @@ def clean_error(msg: str) -> str:
     line = " ".join(part.strip() for part in msg.strip().splitlines() if part.strip())
     if line.startswith("panic: "):
         line = "the grammar engine failed: " + line.removeprefix("panic: ")
-    return line if len(line) <= _MAX_ERROR_CHARS else line[:_MAX_ERROR_CHARS - 3] + "..."
+    return line if len(line) <= _MAX_ERROR_CHARS else line[: _MAX_ERROR_CHARS - 3] + "..."

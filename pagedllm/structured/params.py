@@ -3,6 +3,7 @@ list of strings, or a Lark grammar (vLLM's `StructuredOutputsParams`, the same n
 
 Plain data with no dependency, so `SamplingParams` can hold it; `grammar.py` compiles it.
 """
+
 from __future__ import annotations
 
 import json
@@ -32,8 +33,10 @@ class StructuredOutputs:
     def validate(self) -> None:
         given = [k for k in KINDS if getattr(self, k) not in (None, False)]
         if len(given) != 1:
-            raise ValueError("structured outputs take exactly one of json, json_object, regex, "
-                             f"choice or grammar; got {given or 'none'}")
+            raise ValueError(
+                "structured outputs take exactly one of json, json_object, regex, "
+                f"choice or grammar; got {given or 'none'}"
+            )
         if isinstance(self.json, str):
             try:
                 self.json = json.loads(self.json)
@@ -42,8 +45,11 @@ class StructuredOutputs:
         if self.json is not None and not isinstance(self.json, (dict, bool)):
             raise ValueError(f"a JSON schema must be an object, not {type(self.json).__name__}")
         if self.choice is not None:
-            if not isinstance(self.choice, list) or not self.choice \
-                    or not all(isinstance(c, str) and c for c in self.choice):
+            if (
+                not isinstance(self.choice, list)
+                or not self.choice
+                or not all(isinstance(c, str) and c for c in self.choice)
+            ):
                 raise ValueError("choice must be a non-empty list of non-empty strings")
         for k in ("regex", "grammar"):
             v = getattr(self, k)
@@ -58,7 +64,6 @@ class StructuredOutputs:
         if isinstance(value, dict):
             unknown = set(value) - set(KINDS) - {"whitespace_flexible"}
             if unknown:
-                raise ValueError(f"unknown structured output fields {sorted(unknown)}; "
-                                 f"use one of {list(KINDS)}")
+                raise ValueError(f"unknown structured output fields {sorted(unknown)}; use one of {list(KINDS)}")
             return cls(**value)
         raise ValueError(f"structured must be StructuredOutputs or a dict, not {type(value).__name__}")

@@ -4,6 +4,7 @@ also takes a bare or fenced JSON call naming one of the request's tools). Both g
 calls for the same text, however it is cut into pieces. tools.py plans the calls and
 constrains forced ones; this module only reads what the model wrote.
 """
+
 from __future__ import annotations
 
 import json
@@ -152,9 +153,9 @@ class StreamParser:
         elif self.state in ("open", "obj", "plain") or self.state == "lead" and not self.calls:
             if self.state == "open":
                 self.ws = self.ws_before_tag
-            self._content(self.buf[self.held_from:], out)
+            self._content(self.buf[self.held_from :], out)
         elif self.state == "text":
-            self._content(self.buf[self.pos:], out)
+            self._content(self.buf[self.pos :], out)
         if not self.calls and self.ws:
             out.append(self.ws)
         self.ws = ""
@@ -169,7 +170,7 @@ class StreamParser:
         if body:
             out.append(self.ws + body)
             self.ws = ""
-        self.ws += text[len(body):]
+        self.ws += text[len(body) :]
 
     def _skip_ws(self) -> bool:
         while self.pos < len(self.buf) and self.buf[self.pos] in _WS:
@@ -182,11 +183,11 @@ class StreamParser:
         if st == "text":  # hermes: content until a call tag
             i = buf.find(HERMES_OPEN, self.pos)
             if i < 0:
-                keep = _partial_suffix(buf[self.pos:], HERMES_OPEN)
-                self._content(buf[self.pos: len(buf) - keep], out)
+                keep = _partial_suffix(buf[self.pos :], HERMES_OPEN)
+                self._content(buf[self.pos : len(buf) - keep], out)
                 self.pos = len(buf) - keep
                 return False
-            self._content(buf[self.pos:i], out)
+            self._content(buf[self.pos : i], out)
             self.ws_before_tag, self.ws = self.ws, ""
             self.held_from, self.pos, self.state = i, i + len(HERMES_OPEN), "open"
             return True
@@ -196,13 +197,13 @@ class StreamParser:
             if buf[self.pos] == "{":
                 return self._begin_object()
             self.ws = self.ws_before_tag
-            self._content(buf[self.held_from: self.pos], out)
+            self._content(buf[self.held_from : self.pos], out)
             self.state = "text"
             return True
         if st == "lead":  # llama3 / mistral: calls only where the answer starts like one
             if not self._skip_ws():
                 return False
-            rest = buf[self.pos:]
+            rest = buf[self.pos :]
             for tag in (MISTRAL_TAG, PYTHON_TAG):
                 if rest.startswith(tag):
                     self.pos += len(tag)
@@ -220,7 +221,7 @@ class StreamParser:
             self.state = "plain"
             return True
         if st == "plain":  # llama3 / mistral: content to the end
-            self._content(buf[self.held_from:], out)
+            self._content(buf[self.held_from :], out)
             self.held_from = self.pos = len(buf)
             return False
         if st == "obj":
@@ -228,7 +229,7 @@ class StreamParser:
         if st == "after":  # hermes: after a call object, its closing tag (which may be missing)
             if not self._skip_ws():
                 return False
-            rest = buf[self.pos:]
+            rest = buf[self.pos :]
             if rest.startswith(HERMES_CLOSE):
                 self.pos += len(HERMES_CLOSE)
             elif HERMES_CLOSE.startswith(rest):
@@ -254,8 +255,14 @@ class StreamParser:
                     name = json.loads(f'"{m.group(1)}"')
                 except json.JSONDecodeError:
                     name = m.group(1)
-                deltas.append({"index": self.calls, "id": new_call_id(), "type": "function",
-                               "function": {"name": name, "arguments": ""}})
+                deltas.append(
+                    {
+                        "index": self.calls,
+                        "id": new_call_id(),
+                        "type": "function",
+                        "function": {"name": name, "arguments": ""},
+                    }
+                )
                 self.args, self.sent_args = _JsonScan(m.end()), m.end()
         if self.args is not None:
             self._send_args(deltas)
@@ -263,18 +270,24 @@ class StreamParser:
             return False
         if self.args is None:  # a whole object that did not start with its name
             try:
-                call = _to_call(json.loads(self.buf[self.obj_start:end]))
+                call = _to_call(json.loads(self.buf[self.obj_start : end]))
             except json.JSONDecodeError:
                 call = None
             if call is None:  # not a call: it was content
                 if self.fmt == "hermes":
                     self.ws = self.ws_before_tag
-                self._content(self.buf[self.held_from:end], out)
+                self._content(self.buf[self.held_from : end], out)
                 self.pos = self.held_from = end
                 self.state = "text" if self.fmt == "hermes" else "plain"
                 return True
-            deltas.append({"index": self.calls, "id": call.id, "type": "function",
-                           "function": {"name": call.name, "arguments": call.arguments}})
+            deltas.append(
+                {
+                    "index": self.calls,
+                    "id": call.id,
+                    "type": "function",
+                    "function": {"name": call.name, "arguments": call.arguments},
+                }
+            )
         self.calls += 1
         self.obj = self.args = None
         self.pos = self.held_from = end
@@ -285,7 +298,7 @@ class StreamParser:
         end = self.args.advance(self.buf)
         upto = end if end is not None else len(self.buf)
         if upto > self.sent_args:
-            deltas.append({"index": self.calls, "function": {"arguments": self.buf[self.sent_args: upto]}})
+            deltas.append({"index": self.calls, "function": {"arguments": self.buf[self.sent_args : upto]}})
             self.sent_args = upto
 
 
@@ -338,8 +351,10 @@ class AutoStreamParser:
         if not calls:
             return text, deltas
         self.bare = len(calls)
-        return "", [{"index": i, "id": c.id, "type": "function",
-                     "function": {"name": c.name, "arguments": c.arguments}} for i, c in enumerate(calls)]
+        return "", [
+            {"index": i, "id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for i, c in enumerate(calls)
+        ]
 
 
 def _partial_suffix(text: str, tag: str) -> int:

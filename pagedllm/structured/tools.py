@@ -9,6 +9,7 @@ hermes format. `required` and named calls are constrained by a grammar built fro
 functions' JSON schemas, which ends after the call(s). Reading the calls out of an answer,
 whole or streamed, is tool_parser.py's.
 """
+
 from __future__ import annotations
 
 import copy
@@ -44,6 +45,7 @@ class ToolCall:
 @dataclass
 class ToolPlan:
     """What a request asks: the tools, how they may be called, and the template's format."""
+
     tools: list[dict]  # [{"type": "function", "function": {...}}]
     mode: str  # "none" | "auto" | "required" | "named"
     names: list[str]  # the functions a forced call may use
@@ -64,8 +66,7 @@ class ToolPlan:
     def grammar(self) -> StructuredOutputs | None:
         if not self.forced:
             return None
-        return StructuredOutputs(grammar=forced_grammar(self.tools, self.names, self.fmt, self.parallel,
-                                                        self.tag_ids))
+        return StructuredOutputs(grammar=forced_grammar(self.tools, self.names, self.fmt, self.parallel, self.tag_ids))
 
 
 def detect_format(template: str | None) -> str:
@@ -83,8 +84,13 @@ def tag_token_ids(tokenizer: Any) -> dict[str, int]:
     return {tag: added[tag] for tag in (HERMES_OPEN, HERMES_CLOSE, MISTRAL_TAG) if tag in added}
 
 
-def plan(tools: list[dict] | None, tool_choice: Any, parallel: bool | None, template: str | None,
-         tag_ids: dict[str, int] | None = None) -> ToolPlan | None:
+def plan(
+    tools: list[dict] | None,
+    tool_choice: Any,
+    parallel: bool | None,
+    template: str | None,
+    tag_ids: dict[str, int] | None = None,
+) -> ToolPlan | None:
     """Check `tools` and `tool_choice` (StructuredRequestError with the param at fault)."""
     if not tools:
         if tool_choice not in (None, "none", "auto"):
@@ -94,16 +100,17 @@ def plan(tools: list[dict] | None, tool_choice: Any, parallel: bool | None, temp
     for i, t in enumerate(tools):
         f = t.get("function") if isinstance(t, dict) else None
         if not isinstance(t, dict) or t.get("type", "function") != "function" or not isinstance(f, dict):
-            raise StructuredRequestError('each tool must be {"type": "function", "function": {...}}',
-                                         f"tools.{i}")
+            raise StructuredRequestError('each tool must be {"type": "function", "function": {...}}', f"tools.{i}")
         name = f.get("name")
         if not isinstance(name, str) or not NAME_RE.match(name):
-            raise StructuredRequestError("a function name must be 1 to 64 letters, digits, '_' or '-'",
-                                         f"tools.{i}.function.name")
+            raise StructuredRequestError(
+                "a function name must be 1 to 64 letters, digits, '_' or '-'", f"tools.{i}.function.name"
+            )
         params = f.get("parameters", {"type": "object", "properties": {}})
         if not isinstance(params, dict):
-            raise StructuredRequestError("function parameters must be a JSON schema object",
-                                         f"tools.{i}.function.parameters")
+            raise StructuredRequestError(
+                "function parameters must be a JSON schema object", f"tools.{i}.function.parameters"
+            )
         funcs.append({"type": "function", "function": {**f, "parameters": params}})
     names = [f["function"]["name"] for f in funcs]
     if len(set(names)) != len(names):
@@ -111,20 +118,24 @@ def plan(tools: list[dict] | None, tool_choice: Any, parallel: bool | None, temp
     choice = "auto" if tool_choice is None else tool_choice
     if isinstance(choice, str):
         if choice not in ("none", "auto", "required"):
-            raise StructuredRequestError(f"tool_choice {choice!r} is not one of 'none', 'auto', 'required' "
-                                         "or a named function", "tool_choice")
+            raise StructuredRequestError(
+                f"tool_choice {choice!r} is not one of 'none', 'auto', 'required' or a named function", "tool_choice"
+            )
         mode, chosen = choice, names
     else:
         name = (choice.get("function") or {}).get("name") if isinstance(choice, dict) else None
         if not isinstance(choice, dict) or choice.get("type", "function") != "function" or not name:
-            raise StructuredRequestError('a named tool_choice is {"type": "function", "function": '
-                                         '{"name": ...}}', "tool_choice")
+            raise StructuredRequestError(
+                'a named tool_choice is {"type": "function", "function": {"name": ...}}', "tool_choice"
+            )
         if name not in names:
-            raise StructuredRequestError(f"tool_choice names function {name!r}, which is not among "
-                                         f"the tools {names}", "tool_choice")
+            raise StructuredRequestError(
+                f"tool_choice names function {name!r}, which is not among the tools {names}", "tool_choice"
+            )
         mode, chosen = "named", [name]
-    return ToolPlan(funcs, mode, chosen, parallel is not False and mode != "named", detect_format(template),
-                    dict(tag_ids or {}))
+    return ToolPlan(
+        funcs, mode, chosen, parallel is not False and mode != "named", detect_format(template), dict(tag_ids or {})
+    )
 
 
 # -- the forced-call grammar ----------------------------------------------------------------
@@ -157,15 +168,21 @@ def _call_schema(tools: list[dict], names: list[str], args_key: str) -> dict:
             continue
         key = f"tool_{len(defs)}"
         defs[key] = _rebase_refs(copy.deepcopy(f["parameters"]), f"#/$defs/{key}")
-        options.append({"type": "object", "properties": {"name": {"const": f["name"]},
-                                                         args_key: {"$ref": f"#/$defs/{key}"}},
-                        "required": ["name", args_key], "additionalProperties": False})
+        options.append(
+            {
+                "type": "object",
+                "properties": {"name": {"const": f["name"]}, args_key: {"$ref": f"#/$defs/{key}"}},
+                "required": ["name", args_key],
+                "additionalProperties": False,
+            }
+        )
     schema = options[0] if len(options) == 1 else {"anyOf": options}
     return {**schema, "$defs": defs, "x-guidance": {"whitespace_flexible": False}}
 
 
-def forced_grammar(tools: list[dict], names: list[str], fmt: str, parallel: bool,
-                   tag_ids: dict[str, int] | None = None) -> str:
+def forced_grammar(
+    tools: list[dict], names: list[str], fmt: str, parallel: bool, tag_ids: dict[str, int] | None = None
+) -> str:
     """A Lark grammar (llguidance's, with %json) whose every sentence is a valid call, or up to
     MAX_PARALLEL_CALLS of them when `parallel`; it ends there, so generation stops."""
     ids = tag_ids or {}
@@ -178,24 +195,33 @@ def forced_grammar(tools: list[dict], names: list[str], fmt: str, parallel: bool
     call = _call_schema(tools, names, "arguments")
     if fmt == "mistral":
         defs = call.pop("$defs")
-        arr = {"type": "array", "items": call, "minItems": 1,
-               "maxItems": MAX_PARALLEL_CALLS if parallel else 1,
-               "$defs": defs, "x-guidance": {"whitespace_flexible": False}}
+        arr = {
+            "type": "array",
+            "items": call,
+            "minItems": 1,
+            "maxItems": MAX_PARALLEL_CALLS if parallel else 1,
+            "$defs": defs,
+            "x-guidance": {"whitespace_flexible": False},
+        }
         return f"start: {tag(MISTRAL_TAG)} %json " + json.dumps(arr)
     # With parallel calls a newline may follow the last one (then only another call or the end
     # may): a model that writes one after </tool_call> is not pushed into a call it did not mean.
     more = f' ("\\n" call){{0,{MAX_PARALLEL_CALLS - 1}}} "\\n"?' if parallel else ""
-    return (f"start: call{more}\n"
-            f'call: {tag(HERMES_OPEN)} "\\n" body "\\n" {tag(HERMES_CLOSE)}\n'
-            f"body: %json {json.dumps(call)}")
+    return (
+        f"start: call{more}\n"
+        f'call: {tag(HERMES_OPEN)} "\\n" body "\\n" {tag(HERMES_CLOSE)}\n'
+        f"body: %json {json.dumps(call)}"
+    )
 
 
 def system_prompt(tools: list[dict]) -> str:
     """Tools described for a template that has no place for them (answered in hermes format)."""
     lines = "\n".join(json.dumps(t) for t in tools)
-    return ("You may call functions to help with the user's request. The functions, as JSON "
-            f"schemas:\n<tools>\n{lines}\n</tools>\nTo call one, answer with\n{HERMES_OPEN}\n"
-            f'{{"name": <function name>, "arguments": <arguments as a JSON object>}}\n{HERMES_CLOSE}')
+    return (
+        "You may call functions to help with the user's request. The functions, as JSON "
+        f"schemas:\n<tools>\n{lines}\n</tools>\nTo call one, answer with\n{HERMES_OPEN}\n"
+        f'{{"name": <function name>, "arguments": <arguments as a JSON object>}}\n{HERMES_CLOSE}'
+    )
 
 
 # -- parsing ------------------------------------------------------------------------------------
@@ -219,8 +245,12 @@ def template_messages(messages: list[dict], plan_: ToolPlan | None, template: st
                 calls.append({**c, "function": f, **f})  # both nestings: templates read either
             m["tool_calls"] = calls
             if "tool_calls" not in (template or ""):  # the template would drop them: write them out
-                blocks = [f"{HERMES_OPEN}\n" + json.dumps({"name": c.get("name"), "arguments": c.get("arguments")})
-                          + f"\n{HERMES_CLOSE}" for c in calls]
+                blocks = [
+                    f"{HERMES_OPEN}\n"
+                    + json.dumps({"name": c.get("name"), "arguments": c.get("arguments")})
+                    + f"\n{HERMES_CLOSE}"
+                    for c in calls
+                ]
                 m["content"] = "\n".join(filter(None, [m.get("content") or "", *blocks]))
                 del m["tool_calls"]
         if m.get("content") is None:

@@ -2,6 +2,7 @@
 
 Kept here, beside the tokenizer, so every reader of token spellings (the GGUF tokenizer
 builder, the protocols' logprob bytes) shares one definition."""
+
 from __future__ import annotations
 
 from functools import lru_cache

@@ -9,6 +9,7 @@ methods and filters, `range`), and `render` bounds the whole rendering in time a
 size. A template that breaks a limit raises `TemplateLimitError` (a `jinja2.TemplateError`,
 so the server answers 400) naming where the template came from.
 """
+
 from __future__ import annotations
 
 import logging
@@ -105,16 +106,24 @@ class GuardedEnvironment(ImmutableSandboxedEnvironment):
                 n = _size(seq)
                 if n is not None and isinstance(count, int):
                     _check_size(n * max(count, 0), f"a {type(seq).__name__} by repetition")
-            if isinstance(left, int) and isinstance(right, int) \
-                    and abs(left).bit_length() + abs(right).bit_length() > MAX_INT_BITS:
+            if (
+                isinstance(left, int)
+                and isinstance(right, int)
+                and abs(left).bit_length() + abs(right).bit_length() > MAX_INT_BITS
+            ):
                 _fail(f"multiplied integers past {MAX_INT_BITS} bits")
         elif operator == "+":
             a, b = _size(left), _size(right)
             if a is not None and b is not None:
                 _check_size(a + b, f"a {type(left).__name__} by concatenation")
         elif operator == "**":
-            if isinstance(left, int) and isinstance(right, int) and right > 0 and abs(left) > 1 \
-                    and right * math.log2(abs(left)) > MAX_INT_BITS:
+            if (
+                isinstance(left, int)
+                and isinstance(right, int)
+                and right > 0
+                and abs(left) > 1
+                and right * math.log2(abs(left)) > MAX_INT_BITS
+            ):
                 _fail(f"raised an integer past {MAX_INT_BITS} bits ({left} ** {right})")
         elif operator == "%" and isinstance(left, str):
             _check_percent(left, right)
@@ -170,7 +179,7 @@ def _guard_filter(name: str, fn: Callable) -> Callable:
         first = 1 if passes_arg else 0
         if len(args) <= first:
             return fn(*args, **kwargs)
-        value, rest = args[first], args[first + 1:]
+        value, rest = args[first], args[first + 1 :]
         if name == "replace" and isinstance(value, str):
             _check_str_method(value, "replace", tuple(str(a) for a in rest[:2]))
         elif name == "indent" and isinstance(value, str):
@@ -231,8 +240,9 @@ def render(template: jinja2.Template, source: str | None, **variables: Any) -> s
     except MemoryError:
         _fail("ran out of memory")
     except (ArithmeticError, TypeError, LookupError) as e:  # a template bug, not a server error
-        raise jinja2.TemplateError(f"the chat template from {source or 'the model'} failed: "
-                                   f"{type(e).__name__}: {e}") from None
+        raise jinja2.TemplateError(
+            f"the chat template from {source or 'the model'} failed: {type(e).__name__}: {e}"
+        ) from None
     finally:
         if tracer is not None:
             sys.settrace(None)

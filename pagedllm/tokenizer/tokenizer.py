@@ -129,8 +129,12 @@ class Tokenizer:
         # is not its EOS; BERT adds [CLS] and [SEP]) is kept as it is, as transformers keeps it.
         keep = _adds_other_tokens(tk, bos, eos)
         if "add_bos_token" in config and bool(config["add_bos_token"]) != add_bos:
-            logger.info("%s: tokenizer_config add_bos_token=%s ignored; tokenizer.json decides (%s)",
-                        folder, config["add_bos_token"], add_bos)
+            logger.info(
+                "%s: tokenizer_config add_bos_token=%s ignored; tokenizer.json decides (%s)",
+                folder,
+                config["add_bos_token"],
+                add_bos,
+            )
 
         eos_ids = _as_id_list(generation.get("eos_token_id"))
         return cls(
@@ -212,7 +216,8 @@ class Tokenizer:
         variables.update({"tools": None, "documents": None})
         variables.update(kwargs)
         rendered = template_guard.render(
-            self._compiled_template, self.chat_template_source,
+            self._compiled_template,
+            self.chat_template_source,
             messages=_alias_reasoning_fields(messages),
             add_generation_prompt=add_generation_prompt,
             **variables,
@@ -417,8 +422,9 @@ def _compile_template(source: str) -> Any:
     def raise_exception(message: str) -> None:
         raise jinja2.exceptions.TemplateError(message)
 
-    def tojson(value: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None,
-               sort_keys: bool = False) -> str:
+    def tojson(
+        value: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None, sort_keys: bool = False
+    ) -> str:
         # Jinja's own tojson escapes HTML characters, which chat templates must not do.
         return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 

@@ -11,6 +11,7 @@ every request the agent made was answered 2xx, at least one tool call the model 
 the agent and was executed (the agent's own output shows the tool's result), and a later
 request read its prompt's prefix from the cache. Whether the file ended right is printed.
 The recorded requests stay in the run's folder, for `pagedllm bench agent`."""
+
 from __future__ import annotations
 
 import json
@@ -30,13 +31,20 @@ sys.path.insert(0, str(HERE.parent))
 from test_server import free_port  # noqa: E402
 
 HOME = Path(os.environ.get("PAGEDLLM_AGENTS_HOME", Path.home() / ".cache/pagedllm/agents"))
-MODEL = Path(os.environ.get("PAGEDLLM_AGENT_MODEL", Path.home() / ".cache/pagedllm/models/"
-                            "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"))
+MODEL = Path(
+    os.environ.get(
+        "PAGEDLLM_AGENT_MODEL", Path.home() / ".cache/pagedllm/models/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
+    )
+)
 INSTRUCTION = "Change 'a - b' to 'a + b' in calc.py."
 TURN_TIMEOUT_S = float(os.environ.get("PAGEDLLM_AGENT_TIMEOUT", "2400"))
 ATTEMPTS = int(os.environ.get("PAGEDLLM_AGENT_ATTEMPTS", "3"))
-NPM = {"claude": ("@anthropic-ai/claude-code", "2.1.337"), "codex": ("@openai/codex", "0.171.0"),
-       "opencode": ("opencode-ai", "1.18.33"), "qwen": ("@qwen-code/qwen-code", "0.24.4")}
+NPM = {
+    "claude": ("@anthropic-ai/claude-code", "2.1.337"),
+    "codex": ("@openai/codex", "0.171.0"),
+    "opencode": ("opencode-ai", "1.18.33"),
+    "qwen": ("@qwen-code/qwen-code", "0.24.4"),
+}
 AIDER = "aider-chat==0.86.2"
 
 
@@ -72,9 +80,24 @@ class Served:
         self.records = folder / "requests"
         self.log = folder / "server.log"
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pagedllm", "serve", str(MODEL), "--served-model-name", "qwen",
-             "--port", str(self.port), "--record-requests", str(self.records), "--log-level", "info"],
-            stdout=self.log.open("w"), stderr=subprocess.STDOUT)
+            [
+                sys.executable,
+                "-m",
+                "pagedllm",
+                "serve",
+                str(MODEL),
+                "--served-model-name",
+                "qwen",
+                "--port",
+                str(self.port),
+                "--record-requests",
+                str(self.records),
+                "--log-level",
+                "info",
+            ],
+            stdout=self.log.open("w"),
+            stderr=subprocess.STDOUT,
+        )
         import httpx
 
         for _ in range(600):
@@ -118,8 +141,18 @@ def scratch_repo(folder: Path) -> Path:
 
 
 def claude(server: Served, repo: Path, home: Path) -> tuple[list[str], dict]:
-    cmd = [str(npm_bin("claude")), "-p", INSTRUCTION, "--model", "qwen", "--permission-mode", "acceptEdits",
-           "--output-format", "stream-json", "--verbose"]
+    cmd = [
+        str(npm_bin("claude")),
+        "-p",
+        INSTRUCTION,
+        "--model",
+        "qwen",
+        "--permission-mode",
+        "acceptEdits",
+        "--output-format",
+        "stream-json",
+        "--verbose",
+    ]
     return cmd, {"ANTHROPIC_BASE_URL": server.url, "ANTHROPIC_API_KEY": "local", "HOME": str(home)}
 
 
@@ -128,8 +161,10 @@ def claude_ran_a_tool(out: str) -> bool:
         if line.startswith("{"):
             msg = json.loads(line)
             if msg.get("type") == "user" and any(
-                    c.get("type") == "tool_result" and not c.get("is_error")
-                    for c in msg["message"]["content"] if isinstance(c, dict)):
+                c.get("type") == "tool_result" and not c.get("is_error")
+                for c in msg["message"]["content"]
+                if isinstance(c, dict)
+            ):
                 return True
     return False
 
@@ -138,31 +173,67 @@ def codex(server: Served, repo: Path, home: Path) -> tuple[list[str], dict]:
     home.mkdir(parents=True, exist_ok=True)
     (home / "config.toml").write_text(
         'model = "qwen"\nmodel_provider = "pagedllm"\n[model_providers.pagedllm]\nname = "pagedllm"\n'
-        f'base_url = "{server.url}/v1"\nwire_api = "responses"\n')
+        f'base_url = "{server.url}/v1"\nwire_api = "responses"\n'
+    )
     cmd = [str(npm_bin("codex")), "exec", "--json", "--sandbox", "workspace-write", INSTRUCTION]
     return cmd, {"CODEX_HOME": str(home)}
 
 
 def codex_oss(server: Served, repo: Path, home: Path) -> tuple[list[str], dict]:
     home.mkdir(parents=True, exist_ok=True)
-    cmd = [str(npm_bin("codex")), "exec", "--oss", "--local-provider", "ollama", "-m", "qwen", "--json",
-           "--sandbox", "workspace-write", INSTRUCTION]
+    cmd = [
+        str(npm_bin("codex")),
+        "exec",
+        "--oss",
+        "--local-provider",
+        "ollama",
+        "-m",
+        "qwen",
+        "--json",
+        "--sandbox",
+        "workspace-write",
+        INSTRUCTION,
+    ]
     return cmd, {"CODEX_HOME": str(home), "CODEX_OSS_BASE_URL": f"{server.url}/v1"}
 
 
 def codex_ran_a_tool(out: str) -> bool:
-    return bool(re.search(r'"type":"item.completed","item":\{[^}]*"type":"(command_execution|file_change|'
-                          r'mcp_tool_call)"', out))
+    return bool(
+        re.search(
+            r'"type":"item.completed","item":\{[^}]*"type":"(command_execution|file_change|'
+            r'mcp_tool_call)"',
+            out,
+        )
+    )
 
 
 def opencode(server: Served, repo: Path, home: Path) -> tuple[list[str], dict]:
-    (repo / "opencode.json").write_text(json.dumps({
-        "$schema": "https://opencode.ai/config.json",
-        "provider": {"pagedllm": {"npm": "@ai-sdk/openai-compatible", "name": "pagedllm",
-                                  "options": {"baseURL": f"{server.url}/v1"},
-                                  "models": {"qwen": {"name": "qwen"}}}}}))
-    cmd = [str(npm_bin("opencode")), "run", "-m", "pagedllm/qwen", "--format", "json", "--auto", "--print-logs",
-           INSTRUCTION]
+    (repo / "opencode.json").write_text(
+        json.dumps(
+            {
+                "$schema": "https://opencode.ai/config.json",
+                "provider": {
+                    "pagedllm": {
+                        "npm": "@ai-sdk/openai-compatible",
+                        "name": "pagedllm",
+                        "options": {"baseURL": f"{server.url}/v1"},
+                        "models": {"qwen": {"name": "qwen"}},
+                    }
+                },
+            }
+        )
+    )
+    cmd = [
+        str(npm_bin("opencode")),
+        "run",
+        "-m",
+        "pagedllm/qwen",
+        "--format",
+        "json",
+        "--auto",
+        "--print-logs",
+        INSTRUCTION,
+    ]
     return cmd, {"HOME": str(home)}
 
 
@@ -174,8 +245,13 @@ def opencode_ran_a_tool(out: str) -> bool:
 
 def qwen_code(server: Served, repo: Path, home: Path) -> tuple[list[str], dict]:
     cmd = [str(npm_bin("qwen")), INSTRUCTION, "--yolo", "--output-format", "stream-json"]
-    return cmd, {"OPENAI_BASE_URL": f"{server.url}/v1", "OPENAI_API_KEY": "local", "OPENAI_MODEL": "qwen",
-                 "QWEN_CODE_API_TIMEOUT_MS": str(int(TURN_TIMEOUT_S * 1000)), "HOME": str(home)}
+    return cmd, {
+        "OPENAI_BASE_URL": f"{server.url}/v1",
+        "OPENAI_API_KEY": "local",
+        "OPENAI_MODEL": "qwen",
+        "QWEN_CODE_API_TIMEOUT_MS": str(int(TURN_TIMEOUT_S * 1000)),
+        "HOME": str(home),
+    }
 
 
 def qwen_ran_a_tool(out: str) -> bool:
@@ -183,8 +259,19 @@ def qwen_ran_a_tool(out: str) -> bool:
 
 
 def aider(server: Served, repo: Path, home: Path) -> tuple[list[str], dict]:
-    cmd = [str(aider_bin()), "--model", "openai/qwen", "--message", INSTRUCTION, "--yes-always",
-           "--no-auto-commits", "--no-show-model-warnings", "--no-check-update", "--no-analytics", "calc.py"]
+    cmd = [
+        str(aider_bin()),
+        "--model",
+        "openai/qwen",
+        "--message",
+        INSTRUCTION,
+        "--yes-always",
+        "--no-auto-commits",
+        "--no-show-model-warnings",
+        "--no-check-update",
+        "--no-analytics",
+        "calc.py",
+    ]
     return cmd, {"OPENAI_API_BASE": f"{server.url}/v1", "OPENAI_API_KEY": "local", "HOME": str(home)}
 
 
@@ -193,9 +280,14 @@ def aider_ran_a_tool(out: str) -> bool:
     return "Applied edit to calc.py" in out
 
 
-AGENTS = {"claude-code": (claude, claude_ran_a_tool), "codex": (codex, codex_ran_a_tool),
-          "codex-oss": (codex_oss, codex_ran_a_tool), "opencode": (opencode, opencode_ran_a_tool),
-          "qwen-code": (qwen_code, qwen_ran_a_tool), "aider": (aider, aider_ran_a_tool)}
+AGENTS = {
+    "claude-code": (claude, claude_ran_a_tool),
+    "codex": (codex, codex_ran_a_tool),
+    "codex-oss": (codex_oss, codex_ran_a_tool),
+    "opencode": (opencode, opencode_ran_a_tool),
+    "qwen-code": (qwen_code, qwen_ran_a_tool),
+    "aider": (aider, aider_ran_a_tool),
+}
 
 
 @pytest.mark.parametrize("agent", list(AGENTS))
@@ -219,19 +311,30 @@ def test_agent_loop(agent, tmp_path_factory):
             t0 = time.time()
             # (PWD as a shell would set it: opencode takes its project folder, where its
             # opencode.json is, from it rather than from the process's working directory)
-            proc = subprocess.run(cmd, cwd=repo, env={**os.environ, "PWD": str(repo), **env}, stdin=subprocess.DEVNULL,
-                                  capture_output=True, text=True, timeout=TURN_TIMEOUT_S * 4)
+            proc = subprocess.run(
+                cmd,
+                cwd=repo,
+                env={**os.environ, "PWD": str(repo), **env},
+                stdin=subprocess.DEVNULL,
+                capture_output=True,
+                text=True,
+                timeout=TURN_TIMEOUT_S * 4,
+            )
             out = proc.stdout + proc.stderr
             (folder / f"agent-run{attempt}.log").write_text(out)
             ran = ran_a_tool(out)
-            print(f"{agent} run {attempt}: exit {proc.returncode} after {time.time() - t0:.0f} s, a tool "
-                  f"executed: {ran}; calc.py now: {(repo / 'calc.py').read_text().strip()!r}")
+            print(
+                f"{agent} run {attempt}: exit {proc.returncode} after {time.time() - t0:.0f} s, a tool "
+                f"executed: {ran}; calc.py now: {(repo / 'calc.py').read_text().strip()!r}"
+            )
             if ran:
                 break
         requests = server.requests()
         statuses = [r["status"] for r in requests]
-        print(f"{agent}: {len(requests)} requests {statuses}, prompt tokens from the cache "
-              f"{server.cached_prompt_tokens():.0f}; logs and requests in {folder}")
+        print(
+            f"{agent}: {len(requests)} requests {statuses}, prompt tokens from the cache "
+            f"{server.cached_prompt_tokens():.0f}; logs and requests in {folder}"
+        )
         assert requests and all(s is not None and 200 <= s < 300 for s in statuses), statuses
         assert ran, f"no tool call of the model was executed in {ATTEMPTS} runs; the last run's output: {out[-3000:]}"
         if len(requests) > 1:  # (aider's one-turn edit has no later turn)

@@ -9,10 +9,8 @@ architectures and their tensor names), `config` (metadata to config), `tokenizer
 `checkpoint` (`read_gguf`: the model's tensors, quantized or not) and `lora` (adapter files).
 """
 
-from .arch import _hf_tensor_name
 from .checkpoint import GGUFCheckpoint, read_gguf
-from .container import GGUF_MAGIC, GGUFError, _check_tensors, _scan_file
+from .container import GGUF_MAGIC, GGUFError
 from .lora import GGUFLoRA, read_gguf_lora
-from .tokenizer import _bytes_to_unicode
 
 __all__ = ["GGUF_MAGIC", "GGUFCheckpoint", "GGUFError", "GGUFLoRA", "read_gguf", "read_gguf_lora"]

@@ -78,8 +78,10 @@ def _hf_tensor_names(tensor: Any, arch: str) -> list[tuple[str, int | None]]:
     match = _LAYER_TENSOR_RE.fullmatch(tensor.name)
     if match and match.group(2) in _EXPERT_TENSORS and len(tensor.shape) == 3:
         layer, part, _ = match.groups()
-        return [(f"model.layers.{layer}.mlp.experts.{e}.{_EXPERT_TENSORS[part]}.weight", e)
-                for e in range(int(tensor.shape[2]))]
+        return [
+            (f"model.layers.{layer}.mlp.experts.{e}.{_EXPERT_TENSORS[part]}.weight", e)
+            for e in range(int(tensor.shape[2]))
+        ]
     per_expert = _PER_EXPERT_RE.fullmatch(tensor.name)
     if per_expert:
         layer, part, e = per_expert.groups()

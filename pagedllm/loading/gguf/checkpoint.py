@@ -61,8 +61,9 @@ class GGUFCheckpoint:
         """HF names of the tensors `tensors(keep_quantized=True)` yields as QuantTensor."""
         return {hf for t in self._reader.tensors if _keeps_blocks(t) for hf, _ in _hf_tensor_names(t, self.arch)}
 
-    def tensors(self, dtype: torch.dtype = torch.float32,
-                keep_quantized: bool = False) -> Iterator[tuple[str, torch.Tensor | QuantTensor]]:
+    def tensors(
+        self, dtype: torch.dtype = torch.float32, keep_quantized: bool = False
+    ) -> Iterator[tuple[str, torch.Tensor | QuantTensor]]:
         """Yield (HF name, tensor in HF [out, in] orientation), one tensor at a time: `dtype`
         floats, or with `keep_quantized` the file's own blocks (QuantTensor, mmap'd) for every
         matrix in a format the kernels run."""
@@ -95,8 +96,10 @@ class GGUFCheckpoint:
             if heads is not None:
                 array = _undo_rope_permute(array, heads)
             if tensor.tensor_type.name not in ("F32", "F16", "BF16") and not np.isfinite(array).all():
-                raise GGUFError(f"{self.path}: tensor {tensor.name} ({tensor.tensor_type.name}) has blocks "
-                                "with a NaN or inf scale; the file is corrupt")
+                raise GGUFError(
+                    f"{self.path}: tensor {tensor.name} ({tensor.tensor_type.name}) has blocks "
+                    "with a NaN or inf scale; the file is corrupt"
+                )
             if arch in _GEMMA_ARCHS and hf_name.endswith("norm.weight"):
                 array = array - 1  # llama.cpp stores Gemma's 1 + weight; HF names mean weight
             if hf_name.endswith("shared_expert_gate.weight"):
@@ -105,8 +108,9 @@ class GGUFCheckpoint:
                 array = np.array(array)
             yield hf_name, torch.from_numpy(array).to(dtype)
 
-    def _expert_tensors(self, tensor: Any, dtype: torch.dtype,
-                        keep_quantized: bool) -> Iterator[tuple[str, torch.Tensor | QuantTensor]]:
+    def _expert_tensors(
+        self, tensor: Any, dtype: torch.dtype, keep_quantized: bool
+    ) -> Iterator[tuple[str, torch.Tensor | QuantTensor]]:
         """A 3-D expert tensor as one HF-named matrix per expert: views of the file's blocks, or
         dequantized (the whole tensor at once, then sliced)."""
         import gguf
@@ -126,8 +130,10 @@ class GGUFCheckpoint:
             for (hf_name, e), block in zip(names, data):
                 qt = QuantTensor(tensor.tensor_type.name, block, (rows, cols))
                 if bad_scale_blocks(qt):
-                    raise GGUFError(f"{self.path}: tensor {tensor.name} ({qt.fmt}) has blocks with a NaN or inf "
-                                    f"scale (expert {e}); the file is corrupt")
+                    raise GGUFError(
+                        f"{self.path}: tensor {tensor.name} ({qt.fmt}) has blocks with a NaN or inf "
+                        f"scale (expert {e}); the file is corrupt"
+                    )
                 qt.release = functools.partial(_release_pages, self._reader, int(tensor.data_offset) + e * per, per)
                 yield hf_name, qt
             return
@@ -137,8 +143,10 @@ class GGUFCheckpoint:
             raise GGUFError(f"{self.path}: cannot dequantize tensor {tensor.name}: {exc}") from exc
         array = array.reshape(experts, rows, cols)
         if tensor.tensor_type.name not in ("F32", "F16", "BF16") and not np.isfinite(array).all():
-            raise GGUFError(f"{self.path}: tensor {tensor.name} ({tensor.tensor_type.name}) has blocks "
-                            "with a NaN or inf scale; the file is corrupt")
+            raise GGUFError(
+                f"{self.path}: tensor {tensor.name} ({tensor.tensor_type.name}) has blocks "
+                "with a NaN or inf scale; the file is corrupt"
+            )
         for hf_name, e in names:
             yield hf_name, torch.from_numpy(np.array(array[e])).to(dtype)
 
@@ -152,8 +160,10 @@ class GGUFCheckpoint:
         qt = QuantTensor(tensor.tensor_type.name, data, (rows, cols))
         bad = bad_scale_blocks(qt)
         if bad:
-            raise GGUFError(f"{self.path}: tensor {tensor.name} ({qt.fmt}) has {bad} block(s) with a NaN or "
-                            "inf scale; the file is corrupt")
+            raise GGUFError(
+                f"{self.path}: tensor {tensor.name} ({qt.fmt}) has {bad} block(s) with a NaN or "
+                "inf scale; the file is corrupt"
+            )
         if heads is not None:
             # Undo llama.cpp's q/k row permutation on whole block rows; the copy replaces the
             # file's pages, which are handed back so they are not held twice.
@@ -162,8 +172,7 @@ class GGUFCheckpoint:
             qt = qt.permute_rows(index)
             _release_pages(self._reader, int(tensor.data_offset), int(tensor.n_bytes))
         else:  # packing at placement copies it: then its file pages are handed back too
-            qt.release = functools.partial(_release_pages, self._reader, int(tensor.data_offset),
-                                           int(tensor.n_bytes))
+            qt.release = functools.partial(_release_pages, self._reader, int(tensor.data_offset), int(tensor.n_bytes))
         return qt
 
 
@@ -211,7 +220,10 @@ def read_gguf(path: str | os.PathLike) -> GGUFCheckpoint:
         raise GGUFError(f"{path}: cannot build the tokenizer from the file's metadata: {exc}") from exc
     logger.info(
         "opened %s: %s, %d layers, %d tensors",
-        path, config["architectures"][0], config["num_hidden_layers"], len(reader.tensors),
+        path,
+        config["architectures"][0],
+        config["num_hidden_layers"],
+        len(reader.tensors),
     )
     # The vocabulary's lists live on in the tokenizer; as Python objects they would hold tens
     # of MB (a 152k vocabulary) for the life of the engine.

@@ -30,9 +30,7 @@ def _require(path: Path, meta: dict, key: str) -> Any:
 def _build_config(path: Path, meta: dict, tensor_names: set[str], reader: Any) -> dict[str, Any]:
     arch = meta["general.architecture"]
     if arch not in _ARCHITECTURES:
-        raise GGUFError(
-            f"{path}: unsupported architecture {arch!r}; supported: {', '.join(sorted(_ARCHITECTURES))}"
-        )
+        raise GGUFError(f"{path}: unsupported architecture {arch!r}; supported: {', '.join(sorted(_ARCHITECTURES))}")
 
     def get(name: str, default: Any = None) -> Any:
         return meta.get(f"{arch}.{name}", default)
@@ -102,10 +100,13 @@ def _build_config(path: Path, meta: dict, tensor_names: set[str], reader: Any) -
     if arch == "gemma3":
         # As llama.cpp runs these files: the attention scale is 1/sqrt(head_dim) (Gemma 3 27B,
         # whose query_pre_attn_scalar differs, is not told apart by the file).
-        config.update(hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=head_dim,
-                      sliding_window_pattern=_GEMMA3_SWA_PATTERN,
-                      rope_local_base_freq=_GEMMA3_LOCAL_ROPE_BASE,
-                      hidden_act="gelu_pytorch_tanh")
+        config.update(
+            hidden_activation="gelu_pytorch_tanh",
+            query_pre_attn_scalar=head_dim,
+            sliding_window_pattern=_GEMMA3_SWA_PATTERN,
+            rope_local_base_freq=_GEMMA3_LOCAL_ROPE_BASE,
+            hidden_act="gelu_pytorch_tanh",
+        )
     return config
 
 
@@ -119,16 +120,20 @@ def _moe_config(path: Path, meta: dict, arch: str, hidden: int, n_layers: int, r
         return {}
     used = int(meta.get(f"{arch}.expert_used_count") or 0)
     if not 1 <= used <= experts:
-        raise GGUFError(f"{path}: {arch}.expert_used_count = {used} must be between 1 and "
-                        f"{arch}.expert_count = {experts}")
+        raise GGUFError(
+            f"{path}: {arch}.expert_used_count = {used} must be between 1 and {arch}.expert_count = {experts}"
+        )
     if arch in ("qwen2moe", "qwen3moe"):
         inter = int(_require(path, meta, f"{arch}.expert_feed_forward_length"))
     else:
         inter = int(_require(path, meta, f"{arch}.feed_forward_length"))
     shared = int(meta.get(f"{arch}.expert_shared_feed_forward_length") or 0)
     by_name = {t.name: t for t in reader.tensors}
-    want = {"ffn_gate_exps": (hidden, inter, experts), "ffn_up_exps": (hidden, inter, experts),
-            "ffn_down_exps": (inter, hidden, experts)}
+    want = {
+        "ffn_gate_exps": (hidden, inter, experts),
+        "ffn_up_exps": (hidden, inter, experts),
+        "ffn_down_exps": (inter, hidden, experts),
+    }
     dense_layers = []
     for i in range(n_layers):
         found = [p for p in want if f"blk.{i}.{p}.weight" in by_name]
@@ -138,14 +143,18 @@ def _moe_config(path: Path, meta: dict, arch: str, hidden: int, n_layers: int, r
                 for p, shape in (("gate", (hidden, inter)), ("up", (hidden, inter)), ("down", (inter, hidden))):
                     t = by_name.get(f"blk.{i}.ffn_{p}.{e}.weight")
                     if t is None or tuple(t.shape) != shape:
-                        raise GGUFError(f"{path}: tensor blk.{i}.ffn_{p}.{e}.weight "
-                                        f"{'is missing' if t is None else f'has shape {tuple(t.shape)}'}; "
-                                        f"expected {shape} for {experts} experts of feed-forward length {inter}")
+                        raise GGUFError(
+                            f"{path}: tensor blk.{i}.ffn_{p}.{e}.weight "
+                            f"{'is missing' if t is None else f'has shape {tuple(t.shape)}'}; "
+                            f"expected {shape} for {experts} experts of feed-forward length {inter}"
+                        )
         for p in found if found != ["per-expert"] else []:
             t = by_name[f"blk.{i}.{p}.weight"]
             if tuple(t.shape) != want[p]:
-                raise GGUFError(f"{path}: tensor blk.{i}.{p}.weight has shape {tuple(t.shape)}, expected "
-                                f"{want[p]} ({arch}.expert_count = {experts}, expert feed-forward length {inter})")
+                raise GGUFError(
+                    f"{path}: tensor blk.{i}.{p}.weight has shape {tuple(t.shape)}, expected "
+                    f"{want[p]} ({arch}.expert_count = {experts}, expert feed-forward length {inter})"
+                )
         if found and found != ["per-expert"] and len(found) != 3:
             missing = sorted(set(want) - set(found))
             raise GGUFError(f"{path}: layer {i} has {', '.join(found)} but no {', '.join(missing)} tensor")
@@ -154,12 +163,16 @@ def _moe_config(path: Path, meta: dict, arch: str, hidden: int, n_layers: int, r
             continue
         router = by_name.get(f"blk.{i}.ffn_gate_inp.weight")
         if router is None or tuple(router.shape) != (hidden, experts):
-            raise GGUFError(f"{path}: tensor blk.{i}.ffn_gate_inp.weight (the router) "
-                            f"{'is missing' if router is None else f'has shape {tuple(router.shape)}'}; "
-                            f"expected {(hidden, experts)}")
+            raise GGUFError(
+                f"{path}: tensor blk.{i}.ffn_gate_inp.weight (the router) "
+                f"{'is missing' if router is None else f'has shape {tuple(router.shape)}'}; "
+                f"expected {(hidden, experts)}"
+            )
     if len(dense_layers) == n_layers:
-        raise GGUFError(f"{path}: {arch}.expert_count = {experts} but the file has no expert tensors "
-                        "(blk.N.ffn_gate_exps / ffn_up_exps / ffn_down_exps.weight)")
+        raise GGUFError(
+            f"{path}: {arch}.expert_count = {experts} but the file has no expert tensors "
+            "(blk.N.ffn_gate_exps / ffn_up_exps / ffn_down_exps.weight)"
+        )
     norm = meta.get(f"{arch}.expert_weights_norm")
     return {
         "num_experts": experts,
@@ -200,8 +213,11 @@ def _rope_scaling(path: Path, meta: dict, arch: str, head_dim: int, theta: float
     if original:
         scaling["original_max_position_embeddings"] = int(original)
     if scaling_type == "yarn":
-        for gguf_key, hf_key in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow"),
-                                 ("attn_factor", "attention_factor")):
+        for gguf_key, hf_key in (
+            ("yarn_beta_fast", "beta_fast"),
+            ("yarn_beta_slow", "beta_slow"),
+            ("attn_factor", "attention_factor"),
+        ):
             value = meta.get(f"{arch}.rope.scaling.{gguf_key}")
             if value is not None:
                 scaling[hf_key] = float(value)

@@ -116,7 +116,7 @@ def _read_strings(cur: _Cursor, count: int) -> list[str]:
         pos += 8
         if pos + n > end:
             raise _Truncated
-        append(str(buf[pos:pos + n], "utf-8"))
+        append(str(buf[pos : pos + n], "utf-8"))
         pos += n
     cur.pos = pos
     return out
@@ -226,7 +226,6 @@ def _supported_type_names() -> str:
 
 
 def _check_tensors(path: Path, infos: list["_Tensor"]) -> None:
-    import gguf
 
     size = path.stat().st_size
     supported = _supported_types()
@@ -242,4 +241,3 @@ def _check_tensors(path: Path, infos: list["_Tensor"]) -> None:
                 f"{path}: file is truncated: tensor {info.name} needs {info.n_bytes} bytes at offset "
                 f"{info.data_offset} but the file has {size}"
             )
-

@@ -46,8 +46,10 @@ class GGUFLoRA:
             heads = n_heads if name.endswith(".q_proj") else n_kv_heads if name.endswith(".k_proj") else None
             if heads is not None:
                 if b.shape[0] % (2 * heads):
-                    raise GGUFError(f"{self.path}: {name} lora_b has {b.shape[0]} rows, which {heads} heads "
-                                    "cannot share: the adapter is for another base model")
+                    raise GGUFError(
+                        f"{self.path}: {name} lora_b has {b.shape[0]} rows, which {heads} heads "
+                        "cannot share: the adapter is for another base model"
+                    )
                 b = torch.from_numpy(_undo_rope_permute(b.numpy(), heads).copy())
             out[name] = (a, b)
         return out
@@ -64,9 +66,11 @@ def read_gguf_lora(path: str | os.PathLike) -> GGUFLoRA:
         meta = reader.metadata
         kind, adapter = meta.get("general.type"), meta.get("adapter.type")
         if kind != "adapter":
-            raise GGUFError(f"{path}: general.type is {kind!r}, not 'adapter': this is a model file, not a "
-                            "LoRA adapter (give it as the model, or convert the adapter with llama.cpp's "
-                            "convert_lora_to_gguf.py)")
+            raise GGUFError(
+                f"{path}: general.type is {kind!r}, not 'adapter': this is a model file, not a "
+                "LoRA adapter (give it as the model, or convert the adapter with llama.cpp's "
+                "convert_lora_to_gguf.py)"
+            )
         if adapter != "lora":
             raise GGUFError(f"{path}: adapter.type is {adapter!r}; only LoRA adapters ('lora') are supported")
         arch = meta.get("general.architecture")
@@ -79,12 +83,16 @@ def read_gguf_lora(path: str | os.PathLike) -> GGUFLoRA:
         for t in reader.tensors:
             base, suffix = t.name[:-7], t.name[-7:]
             if suffix not in _LORA_SUFFIXES:
-                raise GGUFError(f"{path}: tensor {t.name} is not a LoRA A/B weight (*.weight.lora_a / "
-                                "*.weight.lora_b); this adapter holds weights pagedllm cannot apply")
+                raise GGUFError(
+                    f"{path}: tensor {t.name} is not a LoRA A/B weight (*.weight.lora_a / "
+                    "*.weight.lora_b); this adapter holds weights pagedllm cannot apply"
+                )
             hf = _hf_tensor_name(base, arch)
             if hf is None or not hf.endswith(".weight"):
-                raise GGUFError(f"{path}: tensor {t.name} targets {base}, which LoRA cannot apply to here "
-                                "(q/k/v/o and gate/up/down of dense layers)")
+                raise GGUFError(
+                    f"{path}: tensor {t.name} targets {base}, which LoRA cannot apply to here "
+                    "(q/k/v/o and gate/up/down of dense layers)"
+                )
             if len(t.shape) != 2:
                 raise GGUFError(f"{path}: tensor {t.name} has {len(t.shape)} dimensions, expected 2")
             try:

@@ -31,13 +31,11 @@ _QWEN2_SPLIT = (
 )
 _PRE_TOKENIZER_SPLITS = {
     **dict.fromkeys(
-        ("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2", "dbrx",
-         "smaug-bpe"),
+        ("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2", "dbrx", "smaug-bpe"),
         _LLAMA3_SPLIT,
     ),
     **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "kormo", "megrez"), _QWEN2_SPLIT),
 }
-
 
 
 def _build_tokenizer(path: Path, meta: dict) -> Tokenizer:
@@ -85,8 +83,11 @@ def _build_tokenizer(path: Path, meta: dict) -> Tokenizer:
         eos_token_ids=_eos_token_ids(meta),
         pad_token=pad,
         unk_token=unk,
-        fim_token_ids={k: int(meta[f"tokenizer.ggml.fim_{k}_token_id"]) for k in ("pre", "suf", "mid", "rep", "sep")
-                       if f"tokenizer.ggml.fim_{k}_token_id" in meta},
+        fim_token_ids={
+            k: int(meta[f"tokenizer.ggml.fim_{k}_token_id"])
+            for k in ("pre", "suf", "mid", "rep", "sep")
+            if f"tokenizer.ggml.fim_{k}_token_id" in meta
+        },
     )
     # A template is code, and this one came with a (maybe downloaded) file: check it runs.
     tokenizer.chat_template_source = f"GGUF metadata (tokenizer.chat_template of {path.name})"
@@ -112,24 +113,32 @@ def _byte_level_bpe(meta: dict, tokens: list[str]) -> Any:
     # token cost ~0.1 s of a cold start on a 49k vocabulary.
     outside = re.compile("[^" + re.escape("".join(spelling.values())) + "]").search
     vocab = {
-        "".join(spelling[b] for b in tok.encode("utf-8")) if outside(tok) else tok: i
-        for i, tok in enumerate(tokens)
+        "".join(spelling[b] for b in tok.encode("utf-8")) if outside(tok) else tok: i for i, tok in enumerate(tokens)
     }
     merges = _merge_pairs(meta.get("tokenizer.ggml.merges") or [])
     tk = HFTokenizer(
-        models.BPE(vocab=vocab, merges=merges, dropout=None, continuing_subword_prefix="", end_of_word_suffix="",
-                   fuse_unk=False)
+        models.BPE(
+            vocab=vocab,
+            merges=merges,
+            dropout=None,
+            continuing_subword_prefix="",
+            end_of_word_suffix="",
+            fuse_unk=False,
+        )
     )
     split = _PRE_TOKENIZER_SPLITS.get(meta.get("tokenizer.ggml.pre"))
     if split is None:
         tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     else:
         tk.pre_tokenizer = pre_tokenizers.Sequence(
-            [pre_tokenizers.Split(Regex(split), behavior="isolated"),
-             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+            [
+                pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
         )
     tk.decoder = decoders.ByteLevel()
     return tk
+
 
 def _sentencepiece_bpe(path: Path, meta: dict, tokens: list[str]) -> Any:
     from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
@@ -152,8 +161,9 @@ def _sentencepiece_bpe(path: Path, meta: dict, tokens: list[str]) -> Any:
     tk.normalizer = None
     # add_space_prefix false (Gemma): no "▁" before the text, and none to strip when decoding.
     prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
-    tk.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first" if prefix else "never",
-                                                split=False)
+    tk.pre_tokenizer = pre_tokenizers.Metaspace(
+        replacement="▁", prepend_scheme="first" if prefix else "never", split=False
+    )
     steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
     tk.decoder = decoders.Sequence(steps + [decoders.Strip(" ", 1, 0)] if prefix else steps)
     return tk
@@ -167,9 +177,7 @@ def _merges_from_scores(tokens: list[str], scores: list[float]) -> list[tuple[st
     ranked: list[tuple[str, str, float]] = []
     for piece, score in score_of.items():
         splits = [
-            (piece[:k], piece[k:], score)
-            for k in range(1, len(piece))
-            if piece[:k] in vocab and piece[k:] in vocab
+            (piece[:k], piece[k:], score) for k in range(1, len(piece)) if piece[:k] in vocab and piece[k:] in vocab
         ]
         splits.sort(key=lambda m: (vocab[m[0]], vocab[m[1]]))
         ranked.extend(splits)

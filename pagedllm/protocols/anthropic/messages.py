@@ -7,6 +7,7 @@ Claude Code's system prompt opens with an attribution line
 Left in the prompt it would change the first tokens, so no cached prefix would ever match; it
 is dropped before templating (it means nothing to a local model); `keep_attribution=True`
 (`pagedllm serve --keep-anthropic-attribution`) keeps it."""
+
 from __future__ import annotations
 
 import base64
@@ -100,8 +101,9 @@ def _text_of(blocks: str | list[dict], where: str) -> str:
     parts = []
     for j, b in enumerate(blocks):
         if b.get("type") != "text" or not isinstance(b.get("text"), str):
-            raise ApiError(f"{where}.{j}: only text blocks are allowed here, got {b.get('type')!r}",
-                           param=f"{where}.{j}")
+            raise ApiError(
+                f"{where}.{j}: only text blocks are allowed here, got {b.get('type')!r}", param=f"{where}.{j}"
+            )
         parts.append(b["text"])
     return "\n".join(parts)
 
@@ -124,8 +126,11 @@ def system_text(system: str | list[dict] | None, keep_attribution: bool) -> str 
 
 def _image_part(b: dict, ctx: ServingContext, where: str) -> dict:
     if ctx.processor is None:
-        raise ApiError(f"model {ctx.model_name!r} is text-only: it takes no image blocks; send text, "
-                       "or serve a vision-language model", param=where)
+        raise ApiError(
+            f"model {ctx.model_name!r} is text-only: it takes no image blocks; send text, "
+            "or serve a vision-language model",
+            param=where,
+        )
     src = b.get("source") or {}
     if src.get("type") == "base64":
         url = f"data:{src.get('media_type', 'image/png')};base64,{src.get('data', '')}"
@@ -171,14 +176,23 @@ def _assistant_message(i: int, content: list[dict]) -> dict:
         if kind == "text":
             text.append(b.get("text", ""))
         elif kind == "tool_use":
-            calls.append({"id": b.get("id") or new_id("toolu"), "type": "function",
-                          "function": {"name": b.get("name", ""),
-                                       "arguments": json.dumps(b.get("input") or {}, ensure_ascii=False)}})
+            calls.append(
+                {
+                    "id": b.get("id") or new_id("toolu"),
+                    "type": "function",
+                    "function": {
+                        "name": b.get("name", ""),
+                        "arguments": json.dumps(b.get("input") or {}, ensure_ascii=False),
+                    },
+                }
+            )
         elif kind == "thinking":
             thoughts.append(b.get("thinking") or thought_of(b.get("signature")))
         elif kind != "redacted_thinking":
-            raise ApiError(f"messages.{i}.content.{j}: unknown content block type {kind!r} in an "
-                           "assistant message", param=f"messages.{i}.content.{j}")
+            raise ApiError(
+                f"messages.{i}.content.{j}: unknown content block type {kind!r} in an assistant message",
+                param=f"messages.{i}.content.{j}",
+            )
     msg: dict[str, Any] = {"role": "assistant", "content": "".join(text)}
     if calls:
         msg["tool_calls"] = calls
@@ -187,8 +201,9 @@ def _assistant_message(i: int, content: list[dict]) -> dict:
     return msg
 
 
-def neutral_messages(req: MessagesRequest | CountTokensRequest, ctx: ServingContext,
-                     keep_attribution: bool) -> list[dict]:
+def neutral_messages(
+    req: MessagesRequest | CountTokensRequest, ctx: ServingContext, keep_attribution: bool
+) -> list[dict]:
     if not req.messages:
         raise ApiError("messages must hold at least one message", param="messages")
     out = []
@@ -215,8 +230,11 @@ def _referenced_tools(messages: list[MessageParam]) -> set[str]:
     for m in messages:
         for b in m.content if isinstance(m.content, list) else []:
             if isinstance(b, dict) and b.get("type") == "tool_result" and isinstance(b.get("content"), list):
-                names |= {r.get("tool_name") for r in b["content"]
-                          if isinstance(r, dict) and r.get("type") == "tool_reference"}
+                names |= {
+                    r.get("tool_name")
+                    for r in b["content"]
+                    if isinstance(r, dict) and r.get("type") == "tool_reference"
+                }
     return names
 
 
@@ -235,8 +253,11 @@ def client_tools(tools: list[dict] | None, loaded: set[str]) -> list[dict] | Non
         if kind not in (None, "custom"):
             if kind not in _warned_tools:
                 _warned_tools.add(kind)
-                logger.warning("tool type %r is not run by this server: left out of the prompt "
-                               "(client tools with an input_schema are offered to the model)", kind)
+                logger.warning(
+                    "tool type %r is not run by this server: left out of the prompt "
+                    "(client tools with an input_schema are offered to the model)",
+                    kind,
+                )
             continue
         if t.get("defer_loading") and t.get("name") not in loaded:
             continue
@@ -247,8 +268,9 @@ def client_tools(tools: list[dict] | None, loaded: set[str]) -> list[dict] | Non
 def openai_tools(tools: list[dict] | None, choice: dict | None) -> tuple[list[dict] | None, Any, bool | None]:
     """Anthropic's client tools and tool_choice as the seam's function tools, choice and parallelism."""
     if choice is not None and choice.get("type") not in ("auto", "any", "tool", "none"):
-        raise ApiError(f"tool_choice type {choice.get('type')!r} is unknown; use auto, any, tool or none",
-                       param="tool_choice")
+        raise ApiError(
+            f"tool_choice type {choice.get('type')!r} is unknown; use auto, any, tool or none", param="tool_choice"
+        )
     if not tools:
         if choice is not None and choice.get("type") in ("any", "tool"):
             raise ApiError("tool_choice any or tool needs tools", param="tool_choice")
@@ -257,9 +279,16 @@ def openai_tools(tools: list[dict] | None, choice: dict | None) -> tuple[list[di
     for j, t in enumerate(tools):
         if not t.get("name"):
             raise ApiError(f"tools.{j}: a tool needs a name", param=f"tools.{j}")
-        fns.append({"type": "function", "function": {
-            "name": t["name"], "description": t.get("description", ""),
-            "parameters": t.get("input_schema") or {"type": "object", "properties": {}}}})
+        fns.append(
+            {
+                "type": "function",
+                "function": {
+                    "name": t["name"],
+                    "description": t.get("description", ""),
+                    "parameters": t.get("input_schema") or {"type": "object", "properties": {}},
+                },
+            }
+        )
     kind = (choice or {}).get("type", "auto")
     oa_choice: Any = {"auto": "auto", "any": "required", "none": "none"}.get(kind)
     if kind == "tool":
@@ -279,13 +308,13 @@ def _thinking_kwargs(thinking: dict | None) -> dict:
     return {"enable_thinking": kind != "disabled"}
 
 
-def prompt_of(req: MessagesRequest | CountTokensRequest, ctx: ServingContext, keep_attribution: bool
-              ) -> tuple[list[int] | Any, tool_api.ToolPlan | None]:
+def prompt_of(
+    req: MessagesRequest | CountTokensRequest, ctx: ServingContext, keep_attribution: bool
+) -> tuple[list[int] | Any, tool_api.ToolPlan | None]:
     offered = client_tools(req.tools, _referenced_tools(req.messages))
     tools, choice, parallel = openai_tools(offered, req.tool_choice)
     plan = neutral.tool_plan(ctx, tools, choice, parallel)
-    ids = neutral.chat_prompt(ctx, neutral_messages(req, ctx, keep_attribution), plan,
-                              **_thinking_kwargs(req.thinking))
+    ids = neutral.chat_prompt(ctx, neutral_messages(req, ctx, keep_attribution), plan, **_thinking_kwargs(req.thinking))
     return ids, plan
 
 
@@ -300,15 +329,19 @@ def max_tokens_within(ctx: ServingContext, n_prompt: int, asked: int) -> int:
     (Claude Code asks for 32,000-64,000 whatever the model). Only a prompt that leaves no room
     for one token is refused."""
     if n_prompt >= ctx.max_model_len:
-        raise ApiError(f"prompt is too long: {n_prompt} tokens > {ctx.max_model_len - 1}, the most this "
-                       "model's context leaves room for; shorten the messages", param="messages")
+        raise ApiError(
+            f"prompt is too long: {n_prompt} tokens > {ctx.max_model_len - 1}, the most this "
+            "model's context leaves room for; shorten the messages",
+            param="messages",
+        )
     return ctx.capped_max_tokens(n_prompt, asked)
 
 
 def sampling_params(req: MessagesRequest, ctx: ServingContext, n_prompt: int) -> SamplingParams:
     if req.temperature is not None and not 0.0 <= req.temperature <= 1.0:
-        raise ApiError(f"temperature: {req.temperature} is out of range; it must be between 0 and 1",
-                       param="temperature")
+        raise ApiError(
+            f"temperature: {req.temperature} is out of range; it must be between 0 and 1", param="temperature"
+        )
     if req.top_p is not None and not 0.0 <= req.top_p <= 1.0:
         raise ApiError(f"top_p: {req.top_p} is out of range; it must be between 0 and 1", param="top_p")
     stops = req.stop_sequences or []
@@ -316,10 +349,13 @@ def sampling_params(req: MessagesRequest, ctx: ServingContext, n_prompt: int) ->
         raise ApiError(f"stop_sequences: at most {MAX_STOP_SEQUENCES} non-empty strings", param="stop_sequences")
     try:
         return SamplingParams(
-            max_tokens=max_tokens_within(ctx, n_prompt, req.max_tokens), temperature=1.0 if req.temperature is None else req.temperature,
+            max_tokens=max_tokens_within(ctx, n_prompt, req.max_tokens),
+            temperature=1.0 if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p,
-            top_k=-1 if not req.top_k else req.top_k, stop=stops or None,
-            structured=neutral.structured_spec(_output_format(req), dict(req.model_extra or {})))
+            top_k=-1 if not req.top_k else req.top_k,
+            stop=stops or None,
+            structured=neutral.structured_spec(_output_format(req), dict(req.model_extra or {})),
+        )
     except SamplingParamsError as e:
         raise ApiError(e.message, param=e.param) from None
 
@@ -328,14 +364,14 @@ def _output_format(req: MessagesRequest) -> dict | None:
     """Anthropic's structured output (`output_config.format`, or the older beta's
     `output_format`: {"type": "json_schema", "schema": ...}) as OpenAI's response_format."""
     extra = req.model_extra or {}
-    fmt = (extra.get("output_config") or {}).get("format") if isinstance(extra.get("output_config"), dict) \
-        else None
+    fmt = (extra.get("output_config") or {}).get("format") if isinstance(extra.get("output_config"), dict) else None
     fmt = fmt or extra.get("output_format")
     if fmt is None:
         return None
     if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
-        raise ApiError("output_config.format must be {\"type\": \"json_schema\", \"schema\": {...}}",
-                       param="output_config.format")
+        raise ApiError(
+            'output_config.format must be {"type": "json_schema", "schema": {...}}', param="output_config.format"
+        )
     return {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}
 
 
@@ -353,7 +389,7 @@ def thought_of(sig: Any) -> str:
     if not isinstance(sig, str) or not sig.startswith(SIGNATURE_PREFIX):
         return ""
     try:
-        return base64.urlsafe_b64decode(sig[len(SIGNATURE_PREFIX):]).decode()
+        return base64.urlsafe_b64decode(sig[len(SIGNATURE_PREFIX) :]).decode()
     except (binascii.Error, ValueError):
         return ""
 
@@ -371,8 +407,12 @@ def stop_reason(out: Any, called: bool) -> tuple[str, str | None]:
 def usage(final: RequestOutput) -> dict:
     n_prompt = final.metrics.num_prompt_tokens
     cached = final.num_cached_tokens
-    return {"input_tokens": n_prompt - cached, "output_tokens": len(final.outputs[0].token_ids),
-            "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}
+    return {
+        "input_tokens": n_prompt - cached,
+        "output_tokens": len(final.outputs[0].token_ids),
+        "cache_read_input_tokens": cached,
+        "cache_creation_input_tokens": 0,
+    }
 
 
 def _tool_use(call: tool_api.ToolCall) -> dict:
@@ -387,21 +427,36 @@ def _tool_id(openai_id: str) -> str:
     return "toolu_" + openai_id.removeprefix("call_").removeprefix("chatcmpl-tool-")
 
 
-def message(rid: str, model: str, final: RequestOutput, plan: tool_api.ToolPlan | None,
-            reasoning: neutral.Reasoning | None, show_thinking: bool = True) -> dict:
+def message(
+    rid: str,
+    model: str,
+    final: RequestOutput,
+    plan: tool_api.ToolPlan | None,
+    reasoning: neutral.Reasoning | None,
+    show_thinking: bool = True,
+) -> dict:
     out = final.outputs[0]
     thought, text = reasoning.split(out.text) if reasoning is not None else (None, out.text)
     content, calls = neutral.parse_answer(text, plan)
     blocks: list[dict] = []
     if thought is not None:
-        blocks.append({"type": "thinking", "thinking": thought if show_thinking else "",
-                       "signature": signature(thought)})
+        blocks.append(
+            {"type": "thinking", "thinking": thought if show_thinking else "", "signature": signature(thought)}
+        )
     if content:
         blocks.append({"type": "text", "text": content})
     blocks += [_tool_use(c) for c in calls]
     reason, seq = stop_reason(out, bool(calls))
-    return {"id": rid, "type": "message", "role": "assistant", "model": model, "content": blocks,
-            "stop_reason": reason, "stop_sequence": seq, "usage": usage(final)}
+    return {
+        "id": rid,
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": blocks,
+        "stop_reason": reason,
+        "stop_sequence": seq,
+        "usage": usage(final),
+    }
 
 
 def event(name: str, data: dict) -> str:
@@ -438,10 +493,21 @@ class MessageStreamer:
         self.splitter = self.reasoning.splitter() if self.reasoning is not None else None
 
     def start(self) -> list[str]:
-        msg = {"id": self.rid, "type": "message", "role": "assistant", "model": self.model, "content": [],
-               "stop_reason": None, "stop_sequence": None,
-               "usage": {"input_tokens": self.n_prompt, "output_tokens": 0,
-                         "cache_read_input_tokens": 0, "cache_creation_input_tokens": 0}}
+        msg = {
+            "id": self.rid,
+            "type": "message",
+            "role": "assistant",
+            "model": self.model,
+            "content": [],
+            "stop_reason": None,
+            "stop_sequence": None,
+            "usage": {
+                "input_tokens": self.n_prompt,
+                "output_tokens": 0,
+                "cache_read_input_tokens": 0,
+                "cache_creation_input_tokens": 0,
+            },
+        }
         return [event("message_start", {"type": "message_start", "message": msg}), event("ping", {"type": "ping"})]
 
     def _close(self) -> list[str]:
@@ -458,8 +524,9 @@ class MessageStreamer:
         lines = self._close()
         self.index += 1
         self.kind, self.thought = block["type"], ""
-        return lines + [event("content_block_start", {"type": "content_block_start", "index": self.index,
-                                                      "content_block": block})]
+        return lines + [
+            event("content_block_start", {"type": "content_block_start", "index": self.index, "content_block": block})
+        ]
 
     def _delta(self, delta: dict) -> str:
         return event("content_block_delta", {"type": "content_block_delta", "index": self.index, "delta": delta})
@@ -479,8 +546,14 @@ class MessageStreamer:
         fn = d.get("function") or {}
         lines = []
         if d.get("id") or fn.get("name"):
-            lines += self._open({"type": "tool_use", "id": _tool_id(d.get("id") or new_id("call")),
-                                 "name": fn.get("name", ""), "input": {}})
+            lines += self._open(
+                {
+                    "type": "tool_use",
+                    "id": _tool_id(d.get("id") or new_id("call")),
+                    "name": fn.get("name", ""),
+                    "input": {},
+                }
+            )
         if fn.get("arguments"):
             lines.append(self._delta({"type": "input_json_delta", "partial_json": fn["arguments"]}))
         return lines
@@ -522,9 +595,16 @@ class MessageStreamer:
             # The whole usage, as Anthropic's stream gives it at the end: message_start went out
             # before the prompt was scheduled, when the tokens read from the prefix cache were
             # not known yet, and clients (Claude Code, the SDK's accumulation) take these.
-            lines.append(event("message_delta", {"type": "message_delta",
-                                                 "delta": {"stop_reason": reason, "stop_sequence": seq},
-                                                 "usage": usage(final)}))
+            lines.append(
+                event(
+                    "message_delta",
+                    {
+                        "type": "message_delta",
+                        "delta": {"stop_reason": reason, "stop_sequence": seq},
+                        "usage": usage(final),
+                    },
+                )
+            )
             lines.append(event("message_stop", {"type": "message_stop"}))
         return lines
 
@@ -539,8 +619,14 @@ def messages_call(req: MessagesRequest, ctx: ServingContext, keep_attribution: b
     reasoning = neutral.reasoning_of(ctx, ids)
     show = (req.thinking or {}).get("display") != "omitted"
     streamer = MessageStreamer(rid, ctx.model_name, n_prompt, plan, reasoning, show)
-    return Call(rid, [Item(rid, ids, params)], req.stream, neutral.grammar_param(plan, "messages"), streamer,
-                lambda finals: message(rid, ctx.model_name, finals[0], plan, reasoning, show))
+    return Call(
+        rid,
+        [Item(rid, ids, params)],
+        req.stream,
+        neutral.grammar_param(plan, "messages"),
+        streamer,
+        lambda finals: message(rid, ctx.model_name, finals[0], plan, reasoning, show),
+    )
 
 
 # -- the model list ----------------------------------------------------------------------------
@@ -553,23 +639,37 @@ def wants_anthropic(headers: Any) -> bool:
 
 
 def model_info(name: str, created: float) -> dict:
-    return {"type": "model", "id": name, "display_name": name,
-            "created_at": datetime.fromtimestamp(created, timezone.utc).isoformat().replace("+00:00", "Z")}
+    return {
+        "type": "model",
+        "id": name,
+        "display_name": name,
+        "created_at": datetime.fromtimestamp(created, timezone.utc).isoformat().replace("+00:00", "Z"),
+    }
 
 
 def model_list(names: list[str], created: float) -> dict:
     """Anthropic's page of models: every model in one page."""
-    return {"data": [model_info(n, created) for n in names], "has_more": False,
-            "first_id": names[0] if names else None, "last_id": names[-1] if names else None}
+    return {
+        "data": [model_info(n, created) for n in names],
+        "has_more": False,
+        "first_id": names[0] if names else None,
+        "last_id": names[-1] if names else None,
+    }
 
 
 # Anthropic's error types by HTTP status
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-               404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
-               503: "overloaded_error", 529: "overloaded_error"}
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    529: "overloaded_error",
+}
 
 
 def error_body(status: int, message_text: str) -> dict:
     kind = ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
     return {"type": "error", "error": {"type": kind, "message": message_text}}
-

@@ -1,6 +1,7 @@
 """One request made ready for the engine, in any dialect: what the HTTP face (or the
 `Runner`) submits, what frames its stream, and what turns the engine's outputs back into the
 dialect's answer."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

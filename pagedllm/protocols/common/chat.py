@@ -12,6 +12,7 @@ the steps below are the same for all of them: `tool_plan`, then `chat_prompt`, t
 sampling parameters (the dialect's own names), then `constrain_to_tools`. Answers are
 parsed back with the plan (`structured.tools.parse` / `StreamParser`, fmt `plan.fmt`).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -30,19 +31,22 @@ from .errors import ApiError
 _RESERVED_TEMPLATE_KWARGS = {"messages", "tools", "add_generation_prompt", "tokenize", "processor", "media_policy"}
 
 
-def tool_plan(ctx: ServingContext, tools: list[dict] | None, tool_choice: Any,
-              parallel_tool_calls: bool | None) -> tool_api.ToolPlan | None:
+def tool_plan(
+    ctx: ServingContext, tools: list[dict] | None, tool_choice: Any, parallel_tool_calls: bool | None
+) -> tool_api.ToolPlan | None:
     """The tools' plan (how they are offered to the template, parsed and forced); None without tools."""
     try:
         tags = tool_api.tag_token_ids(ctx.tokenizer) if tools and hasattr(ctx.tokenizer, "backend") else {}
-        return tool_api.plan(tools, tool_choice, parallel_tool_calls,
-                             getattr(ctx.tokenizer, "chat_template", None), tags)
+        return tool_api.plan(
+            tools, tool_choice, parallel_tool_calls, getattr(ctx.tokenizer, "chat_template", None), tags
+        )
     except structured_api.StructuredRequestError as e:
         raise ApiError(str(e), param=e.param) from None
 
 
-def chat_prompt(ctx: ServingContext, messages: list[dict], plan: tool_api.ToolPlan | None = None,
-                **template_kwargs: Any) -> list[int] | Any:
+def chat_prompt(
+    ctx: ServingContext, messages: list[dict], plan: tool_api.ToolPlan | None = None, **template_kwargs: Any
+) -> list[int] | Any:
     """The prompt's token ids for neutral `messages`; a MultiModalInput (pagedllm/multimodal)
     when images are in them, made by the model's processor (its chat template and image
     processing)."""
@@ -50,8 +54,9 @@ def chat_prompt(ctx: ServingContext, messages: list[dict], plan: tool_api.ToolPl
         if plan is not None:
             raise ApiError("tools with images are not supported yet", param="tools")
         try:
-            return render_chat(ctx.tokenizer, messages, processor=ctx.processor, media_policy=ctx.media_policy,
-                               **template_kwargs)
+            return render_chat(
+                ctx.tokenizer, messages, processor=ctx.processor, media_policy=ctx.media_policy, **template_kwargs
+            )
         except (ValueError, jinja2.TemplateError) as e:
             raise ApiError(f"cannot use the messages' images: {e}", param="messages") from None
         finally:  # the image work ran on this request-preparation thread, not the engine's
@@ -63,8 +68,7 @@ def chat_prompt(ctx: ServingContext, messages: list[dict], plan: tool_api.ToolPl
     try:
         return render_chat(ctx.tokenizer, messages, **template_kwargs)
     except (ValueError, jinja2.TemplateError) as e:
-        raise ApiError(f"cannot format the messages with the model's chat template: {e}",
-                       param="messages") from None
+        raise ApiError(f"cannot format the messages with the model's chat template: {e}", param="messages") from None
 
 
 def template_kwargs(kwargs: dict | None, param: str) -> dict:
@@ -146,7 +150,9 @@ def parse_answer(text: str, plan: tool_api.ToolPlan | None) -> tuple[str | None,
     return content, calls
 
 
-def answer_stream_parser(plan: tool_api.ToolPlan | None) -> tool_parser.StreamParser | tool_parser.AutoStreamParser | None:
+def answer_stream_parser(
+    plan: tool_api.ToolPlan | None,
+) -> tool_parser.StreamParser | tool_parser.AutoStreamParser | None:
     """A parser that splits a streamed answer into text and tool-call deltas, as `parse_answer`
     splits it whole (under tool_choice=auto, bare or fenced JSON calls too); None when the
     answer holds no calls to parse."""

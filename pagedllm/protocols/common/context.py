@@ -1,4 +1,5 @@
 """What request translation needs to know about the loaded model and its cache."""
+
 from __future__ import annotations
 
 import time
@@ -27,13 +28,17 @@ class ServingContext:
     @classmethod
     def from_llm(cls, llm: Any, model_name: str | None = None, max_n: int | None = None) -> "ServingContext":
         eng = llm.engine
-        return cls(tokenizer=llm.tokenizer, model_name=model_name or llm.model_name,
-                   max_model_len=eng.sched_config.max_model_len,
-                   block_size=eng.cache_config.block_size,
-                   usable_blocks=eng.block_manager.num_usable_blocks,
-                   max_n=max_n or min(128, eng.sched_config.max_num_seqs),
-                   vocab_size=eng.model_config.vocab_size,
-                   processor=getattr(llm, "processor", None), media_policy=getattr(llm, "media_policy", None))
+        return cls(
+            tokenizer=llm.tokenizer,
+            model_name=model_name or llm.model_name,
+            max_model_len=eng.sched_config.max_model_len,
+            block_size=eng.cache_config.block_size,
+            usable_blocks=eng.block_manager.num_usable_blocks,
+            max_n=max_n or min(128, eng.sched_config.max_num_seqs),
+            vocab_size=eng.model_config.vocab_size,
+            processor=getattr(llm, "processor", None),
+            media_policy=getattr(llm, "media_policy", None),
+        )
 
     def default_max_tokens(self, prompt_len: int, n: int) -> int:
         """Without max_tokens a request may run to the context end, as far as the cache can hold

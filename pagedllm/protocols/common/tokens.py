@@ -1,4 +1,5 @@
 """Single tokens' exact bytes and printable text, for logprobs in any dialect."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -26,8 +27,12 @@ class TokenText:
 
     def _compute(self, tid: int) -> bytes:
         piece = self._tok.id_to_token(tid) if hasattr(self._tok, "id_to_token") else None
-        if piece is not None and self._byte_level and tid not in self._special \
-                and all(c in self._to_byte for c in piece):
+        if (
+            piece is not None
+            and self._byte_level
+            and tid not in self._special
+            and all(c in self._to_byte for c in piece)
+        ):
             return bytes(self._to_byte[c] for c in piece)
         return self._tok.decode([tid], skip_special_tokens=False).encode("utf-8")
 

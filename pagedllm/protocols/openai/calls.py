@@ -1,5 +1,6 @@
 """OpenAI's chat and text-completion calls: a request made ready for the engine (through
 translate.py), and the whole answer built from the engine's final outputs."""
+
 from __future__ import annotations
 
 from ...engine.driver import Item
@@ -24,29 +25,40 @@ from .translate import prepare_chat_plan, prepare_completion
 
 
 def _tool_call_dicts(calls: list[tool_api.ToolCall]) -> list[dict]:
-    return [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-            for c in calls]
+    return [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
 
 
-def chat_response(rid: str, model: str, final: RequestOutput, tt: TokenText | None,
-                  tools: tool_api.ToolPlan | None = None,
-                  reasoning: neutral.Reasoning | None = None) -> ChatCompletionResponse:
+def chat_response(
+    rid: str,
+    model: str,
+    final: RequestOutput,
+    tt: TokenText | None,
+    tools: tool_api.ToolPlan | None = None,
+    reasoning: neutral.Reasoning | None = None,
+) -> ChatCompletionResponse:
     choices = []
     for c in final.outputs:
         lp = chat_logprobs(c.logprobs or [], tt) if tt is not None else None
         thought, text = reasoning.split(c.text) if reasoning is not None else (None, c.text)
         content, calls = neutral.parse_answer(text, tools)
-        msg = ResponseMessage(content=content, reasoning_content=thought,
-                              tool_calls=_tool_call_dicts(calls) or None)
-        choices.append(ChatChoice(index=c.index, message=msg, logprobs=lp,
-                                  finish_reason=finish_reason(c.finish_reason, tools, bool(calls)),
-                                  stop_reason=c.stop_reason))
-    return ChatCompletionResponse(id=rid, model=model, choices=choices, usage=usage_from([final]),
-                                  system_fingerprint=SYSTEM_FINGERPRINT)
+        msg = ResponseMessage(content=content, reasoning_content=thought, tool_calls=_tool_call_dicts(calls) or None)
+        choices.append(
+            ChatChoice(
+                index=c.index,
+                message=msg,
+                logprobs=lp,
+                finish_reason=finish_reason(c.finish_reason, tools, bool(calls)),
+                stop_reason=c.stop_reason,
+            )
+        )
+    return ChatCompletionResponse(
+        id=rid, model=model, choices=choices, usage=usage_from([final]), system_fingerprint=SYSTEM_FINGERPRINT
+    )
 
 
-def completion_response(rid: str, model: str, finals: list[RequestOutput], n: int,
-                        tt: TokenText | None, echo: list[str] | None) -> CompletionResponse:
+def completion_response(
+    rid: str, model: str, finals: list[RequestOutput], n: int, tt: TokenText | None, echo: list[str] | None
+) -> CompletionResponse:
     choices = []
     for p, out in enumerate(finals):
         prefix = echo[p] if echo else ""
@@ -54,11 +66,18 @@ def completion_response(rid: str, model: str, finals: list[RequestOutput], n: in
             lp = completion_logprobs(c.logprobs or [], tt, len(prefix)) if tt is not None else None
             if lp is not None and echo and out.prompt_logprobs is not None:
                 lp = join_logprobs(prompt_logprobs(out, tt, len(prefix)), lp)
-            choices.append(CompletionChoice(index=p * n + c.index, text=prefix + c.text,
-                                            logprobs=lp, finish_reason=c.finish_reason,
-                                            stop_reason=c.stop_reason))
-    return CompletionResponse(id=rid, model=model, choices=choices, usage=usage_from(finals),
-                              system_fingerprint=SYSTEM_FINGERPRINT)
+            choices.append(
+                CompletionChoice(
+                    index=p * n + c.index,
+                    text=prefix + c.text,
+                    logprobs=lp,
+                    finish_reason=c.finish_reason,
+                    stop_reason=c.stop_reason,
+                )
+            )
+    return CompletionResponse(
+        id=rid, model=model, choices=choices, usage=usage_from(finals), system_fingerprint=SYSTEM_FINGERPRINT
+    )
 
 
 def _include_usage(req: ChatCompletionRequest | CompletionRequest) -> bool:
@@ -77,10 +96,16 @@ def chat_call(req: ChatCompletionRequest, ctx: ServingContext, token_text: Token
     reasoning = neutral.reasoning_of(ctx, ids)
     streamer = ChatStreamer(rid, ctx.model_name, req.n, tt, tools, reasoning)
     grammar_param = neutral.grammar_param(tools, "response_format")
-    return Call(rid, [Item(rid, ids, params)], bool(req.stream), grammar_param,
-                OpenAIFraming(streamer, _include_usage(req), _continuous_usage(req)),
-                lambda finals: chat_response(rid, ctx.model_name, finals[0], tt, tools, reasoning),
-                streamer, _include_usage(req))
+    return Call(
+        rid,
+        [Item(rid, ids, params)],
+        bool(req.stream),
+        grammar_param,
+        OpenAIFraming(streamer, _include_usage(req), _continuous_usage(req)),
+        lambda finals: chat_response(rid, ctx.model_name, finals[0], tt, tools, reasoning),
+        streamer,
+        _include_usage(req),
+    )
 
 
 def completion_call(req: CompletionRequest, ctx: ServingContext, token_text: TokenText) -> Call:
@@ -92,7 +117,13 @@ def completion_call(req: CompletionRequest, ctx: ServingContext, token_text: Tok
     tt = token_text if req.logprobs is not None else None
     echo = echo_texts(prompts, ctx.tokenizer) if req.echo else None
     streamer = CompletionStreamer(rid, ctx.model_name, req.n, {r: i for i, r in enumerate(rids)}, tt, echo)
-    return Call(rid, [Item(*it) for it in zip(rids, ids, params)], bool(req.stream), "response_format",
-                OpenAIFraming(streamer, _include_usage(req), _continuous_usage(req)),
-                lambda finals: completion_response(rid, ctx.model_name, finals, req.n, tt, echo),
-                streamer, _include_usage(req))
+    return Call(
+        rid,
+        [Item(*it) for it in zip(rids, ids, params)],
+        bool(req.stream),
+        "response_format",
+        OpenAIFraming(streamer, _include_usage(req), _continuous_usage(req)),
+        lambda finals: completion_response(rid, ctx.model_name, finals, req.n, tt, echo),
+        streamer,
+        _include_usage(req),
+    )

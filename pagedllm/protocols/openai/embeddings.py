@@ -1,4 +1,5 @@
 """OpenAI's /v1/embeddings shapes: the request, its inputs, and a vector as the client asked."""
+
 from __future__ import annotations
 
 import base64

@@ -1,4 +1,5 @@
 """OpenAI's logprobs (chat and text-completion shapes) and usage figures from engine outputs."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -7,13 +8,15 @@ from ...outputs import RequestOutput
 from ..common.tokens import TokenText
 from .models import ChatLogprobs, CompletionLogprobs, PromptTokensDetails, TokenLogprob, TopLogprob, Usage
 
+
 def chat_logprobs(entries: list[dict], tt: TokenText) -> ChatLogprobs:
     content = []
     for e in entries:
         tid = e["token_id"]
         tops = [TopLogprob(token=tt.text(t), logprob=lp, bytes=list(tt.bytes(t))) for t, lp in e["top"]]
-        content.append(TokenLogprob(token=tt.text(tid), logprob=e["logprob"],
-                                    bytes=list(tt.bytes(tid)), top_logprobs=tops))
+        content.append(
+            TokenLogprob(token=tt.text(tid), logprob=e["logprob"], bytes=list(tt.bytes(tid)), top_logprobs=tops)
+        )
     return ChatLogprobs(content=content)
 
 
@@ -39,9 +42,12 @@ def prompt_logprobs(out: RequestOutput, tt: TokenText, text_len: int | None = No
 
 
 def join_logprobs(a: CompletionLogprobs, b: CompletionLogprobs) -> CompletionLogprobs:
-    return CompletionLogprobs(tokens=a.tokens + b.tokens, token_logprobs=a.token_logprobs + b.token_logprobs,
-                              top_logprobs=a.top_logprobs + b.top_logprobs,
-                              text_offset=a.text_offset + b.text_offset)
+    return CompletionLogprobs(
+        tokens=a.tokens + b.tokens,
+        token_logprobs=a.token_logprobs + b.token_logprobs,
+        top_logprobs=a.top_logprobs + b.top_logprobs,
+        text_offset=a.text_offset + b.text_offset,
+    )
 
 
 def completion_logprobs(entries: list[dict], tt: TokenText, offset: int) -> CompletionLogprobs:
@@ -77,10 +83,15 @@ def usage_from(finals: list[RequestOutput]) -> Usage:
     def rate(n: int, t: float) -> float:
         return n / t if t > 0 else 0.0
 
-    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
-                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
-                 avg_tok_per_sec=rate(prompt + completion, total),
-                 avg_prompt_tok_per_sec=rate(prompt, prompt_time),
-                 avg_compl_tok_per_sec=rate(completion, compl_time),
-                 total_time_sec=total, total_prompt_time_sec=prompt_time,
-                 total_completion_time_sec=compl_time)
+    return Usage(
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        total_tokens=prompt + completion,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+        avg_tok_per_sec=rate(prompt + completion, total),
+        avg_prompt_tok_per_sec=rate(prompt, prompt_time),
+        avg_compl_tok_per_sec=rate(completion, compl_time),
+        total_time_sec=total,
+        total_prompt_time_sec=prompt_time,
+        total_completion_time_sec=compl_time,
+    )

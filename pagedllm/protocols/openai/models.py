@@ -5,14 +5,23 @@ The same models serve the HTTP server and the mistral.rs-style Python API, so a
 Numbers are checked strictly (no booleans, strings or NaN where a number is
 expected) because a lax coercion would turn a client bug into odd sampling.
 """
+
 from __future__ import annotations
 
 import math
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import (AliasChoices, BaseModel, ConfigDict, Field, PlainValidator, WithJsonSchema, model_serializer,
-                      model_validator)
+from pydantic import (
+    AliasChoices,
+    BaseModel,
+    ConfigDict,
+    Field,
+    PlainValidator,
+    WithJsonSchema,
+    model_serializer,
+    model_validator,
+)
 
 from ...sampling.params import check_limits
 
@@ -66,8 +75,7 @@ class _SamplingFields(_Model):
     repetition_penalty: Num | None = None
     n: Int = Field(default=1, validation_alias=AliasChoices("n", "n_choices"))
     seed: Int | None = Field(default=None, ge=-SEED_LIMIT, le=SEED_LIMIT)
-    stop: str | list[str] | None = Field(default=None,
-                                         validation_alias=AliasChoices("stop", "stop_seqs"))
+    stop: str | list[str] | None = Field(default=None, validation_alias=AliasChoices("stop", "stop_seqs"))
     stop_token_ids: list[Int] | None = None
     ignore_eos: bool = False
     stream: bool = False
@@ -80,9 +88,16 @@ class _SamplingFields(_Model):
 
     @model_validator(mode="after")
     def _check_limits(self):
-        check_limits(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
-                     presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-                     repetition_penalty=self.repetition_penalty, n=self.n)
+        check_limits(
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            n=self.n,
+        )
         lp = getattr(self, "top_logprobs", None) if isinstance(self, ChatCompletionRequest) else self.logprobs
         check_limits(logprobs=lp)
         return self
@@ -90,6 +105,7 @@ class _SamplingFields(_Model):
 
 class TextPart(_Model):
     """A content part: {"type": "text", "text": ...} or {"type": "image_url", "image_url": {"url": ...}}."""
+
     type: str
     text: str | None = None
     image_url: dict | str | None = None

@@ -13,6 +13,7 @@ Coding agents send more than function tools (Codex CLI does, on its first reques
   on OpenAI's servers, not here: they are left out of the prompt, with a warning logged once
   per type, so the request is answered rather than refused.
 """
+
 from __future__ import annotations
 
 import json
@@ -60,8 +61,9 @@ class ResponseTools:
                     raise ApiError("a namespace tool needs a name and a list of tools", param=where)
                 for j, f in enumerate(inner):
                     if _offered_kind(f, f"{where}.tools.{j}") is not None:
-                        entries.append((f"{where}.tools.{j}", f,
-                                        Origin(f["name"], t["name"], f.get("type") == "custom")))
+                        entries.append(
+                            (f"{where}.tools.{j}", f, Origin(f["name"], t["name"], f.get("type") == "custom"))
+                        )
             elif _offered_kind(t, where) is not None:
                 entries.append((where, t, Origin(t["name"], None, kind == "custom")))
         out = cls(chat=[])
@@ -100,17 +102,29 @@ class ResponseTools:
         fn = call["function"]
         origin = self.origins.get(fn["name"], Origin(fn["name"]))
         if origin.custom:
-            return {"type": "custom_tool_call", "id": item_id or new_item_id("ctc"), "call_id": call["id"],
-                    "name": origin.name, "input": custom_input(fn["arguments"]), "status": status}
-        item = {"type": "function_call", "id": item_id or new_item_id("fc"), "call_id": call["id"],
-                "name": origin.name, "arguments": fn["arguments"], "status": status}
+            return {
+                "type": "custom_tool_call",
+                "id": item_id or new_item_id("ctc"),
+                "call_id": call["id"],
+                "name": origin.name,
+                "input": custom_input(fn["arguments"]),
+                "status": status,
+            }
+        item = {
+            "type": "function_call",
+            "id": item_id or new_item_id("fc"),
+            "call_id": call["id"],
+            "name": origin.name,
+            "arguments": fn["arguments"],
+            "status": status,
+        }
         if origin.namespace is not None:
             item["namespace"] = origin.namespace
         return item
 
 
 def _offered_kind(t: Any, where: str) -> str | None:
-    """"function" or "custom" for a tool the model is offered; None for a hosted tool."""
+    """ "function" or "custom" for a tool the model is offered; None for a hosted tool."""
     kind = t.get("type") if isinstance(t, dict) else None
     if kind in ("function", "custom"):
         if not isinstance(t.get("name"), str) or not NAME_RE.match(t["name"]):
@@ -120,8 +134,11 @@ def _offered_kind(t: Any, where: str) -> str | None:
         raise ApiError("each tool needs a type", param=f"{where}.type")
     if kind not in _warned:
         _warned.add(kind)
-        logger.warning("tool type %r runs on OpenAI's servers, not here: left out of the prompt "
-                       "(function, custom and namespace tools are offered to the model)", kind)
+        logger.warning(
+            "tool type %r runs on OpenAI's servers, not here: left out of the prompt "
+            "(function, custom and namespace tools are offered to the model)",
+            kind,
+        )
     return None
 
 
@@ -134,16 +151,22 @@ def _function(t: dict, offered: str, origin: Origin) -> dict:
     if fmt.get("type") == "grammar":
         syntax, definition = fmt.get("syntax"), fmt.get("definition")
         if syntax not in ("lark", "regex") or not isinstance(definition, str):
-            raise ApiError("a custom tool's grammar is {\"syntax\": \"lark\" | \"regex\", \"definition\": ...}",
-                           param="tools")
+            raise ApiError('a custom tool\'s grammar is {"syntax": "lark" | "regex", "definition": ...}', param="tools")
         if syntax == "regex":  # the whole input matches (a JSON schema's pattern only searches)
             text["pattern"] = f"^(?:{definition})$"
         else:
             description += f"\n\nThe input must follow this Lark grammar:\n{definition}"
     text["description"] = "The tool's input, as free text."
-    return {"name": offered, "description": description,
-            "parameters": {"type": "object", "properties": {CUSTOM_INPUT: text}, "required": [CUSTOM_INPUT],
-                           "additionalProperties": False}}
+    return {
+        "name": offered,
+        "description": description,
+        "parameters": {
+            "type": "object",
+            "properties": {CUSTOM_INPUT: text},
+            "required": [CUSTOM_INPUT],
+            "additionalProperties": False,
+        },
+    }
 
 
 def custom_input(arguments: str) -> str:

@@ -6,6 +6,7 @@ stream of chunks) is turned back into a response object (or OpenAI's typed strea
 Responses are kept in a bounded in-memory store so a later request can continue one with
 `previous_response_id`.
 """
+
 from __future__ import annotations
 
 import json
@@ -28,19 +29,49 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_STORE_SIZE = 1000
 # Sampling fields a Responses request may carry (OpenAI's, then vLLM's extensions), passed on as is.
-_PASSED_ON = ("temperature", "top_p", "parallel_tool_calls", "user", "seed", "top_k", "min_p",
-              "presence_penalty", "frequency_penalty", "repetition_penalty", "stop", "stop_token_ids",
-              "ignore_eos")
+_PASSED_ON = (
+    "temperature",
+    "top_p",
+    "parallel_tool_calls",
+    "user",
+    "seed",
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+)
 # Input items of hosted tools and of state this server does not keep: they carry nothing the
 # model can read here, so they are passed over (Codex sends reasoning items back each turn).
-_PASSED_OVER = {"reasoning", "web_search_call", "image_generation_call", "file_search_call",
-                "code_interpreter_call", "computer_call", "computer_call_output", "mcp_list_tools",
-                "mcp_call", "mcp_approval_request", "mcp_approval_response", "compaction",
-                "tool_search_call", "tool_search_output", "local_shell_call", "local_shell_call_output",
-                "item_reference"}
+_PASSED_OVER = {
+    "reasoning",
+    "web_search_call",
+    "image_generation_call",
+    "file_search_call",
+    "code_interpreter_call",
+    "computer_call",
+    "computer_call_output",
+    "mcp_list_tools",
+    "mcp_call",
+    "mcp_approval_request",
+    "mcp_approval_response",
+    "compaction",
+    "tool_search_call",
+    "tool_search_output",
+    "local_shell_call",
+    "local_shell_call_output",
+    "item_reference",
+}
 # Chat parameter names -> the Responses names a client sent.
-_PARAM_NAMES = (("response_format", "text.format"), ("max_completion_tokens", "max_output_tokens"),
-                ("max_tokens", "max_output_tokens"), ("messages", "input"))
+_PARAM_NAMES = (
+    ("response_format", "text.format"),
+    ("max_completion_tokens", "max_output_tokens"),
+    ("max_tokens", "max_output_tokens"),
+    ("messages", "input"),
+)
 
 
 class ResponsesRequest(_Model):
@@ -108,8 +139,10 @@ def _text_of(content: Any, where: str, tool_output: bool = False) -> str:
         elif tool_output and kind in _MEDIA_PARTS:
             parts.append(f"[{kind} omitted: this server passes tool outputs to the model as text]")
         else:
-            raise ApiError(f"content part type {kind!r} is not supported: this server handles text "
-                           "only (input_text, output_text)", param=f"{where}.{j}")
+            raise ApiError(
+                f"content part type {kind!r} is not supported: this server handles text only (input_text, output_text)",
+                param=f"{where}.{j}",
+            )
     return ("\n" if tool_output else "").join(parts)
 
 
@@ -134,27 +167,44 @@ def input_messages(inp: str | list[dict], tools: ResponseTools | None = None) ->
         if kind == "message":
             role = item.get("role")
             if role not in ("user", "assistant", "system", "developer"):
-                raise ApiError(f"unknown role {role!r}; use user, assistant, system or developer",
-                               param=f"input.{i}.role")
+                raise ApiError(
+                    f"unknown role {role!r}; use user, assistant, system or developer", param=f"input.{i}.role"
+                )
             out.append({"role": role, "content": _text_of(item.get("content"), f"input.{i}.content")})
         elif kind in ("function_call", "custom_tool_call"):
             if not all(isinstance(item.get(k), str) for k in ("call_id", "name")):
                 raise ApiError(f"a {kind} item needs call_id and name", param=f"input.{i}")
-            args = item.get("arguments", "{}") if kind == "function_call" else \
-                json.dumps({"input": item.get("input", "")}, ensure_ascii=False)
-            _assistant_call(out, {"id": item["call_id"], "type": "function",
-                                  "function": {"name": tools.offered(item["name"], item.get("namespace")),
-                                               "arguments": args}})
+            args = (
+                item.get("arguments", "{}")
+                if kind == "function_call"
+                else json.dumps({"input": item.get("input", "")}, ensure_ascii=False)
+            )
+            _assistant_call(
+                out,
+                {
+                    "id": item["call_id"],
+                    "type": "function",
+                    "function": {"name": tools.offered(item["name"], item.get("namespace")), "arguments": args},
+                },
+            )
         elif kind in ("function_call_output", "custom_tool_call_output"):
             if not isinstance(item.get("call_id"), str):
                 raise ApiError(f"a {kind} item needs the call_id it answers", param=f"input.{i}.call_id")
-            out.append({"role": "tool", "tool_call_id": item["call_id"],
-                        "content": _text_of(item.get("output"), f"input.{i}.output", tool_output=True)})
+            out.append(
+                {
+                    "role": "tool",
+                    "tool_call_id": item["call_id"],
+                    "content": _text_of(item.get("output"), f"input.{i}.output", tool_output=True),
+                }
+            )
         elif kind in _PASSED_OVER:
             continue  # nothing the model can read here (another model's reasoning, a hosted tool)
         else:
-            raise ApiError(f"input item type {kind!r} is not supported; use message, function_call, "
-                           "custom_tool_call or their outputs", param=f"input.{i}.type")
+            raise ApiError(
+                f"input item type {kind!r} is not supported; use message, function_call, "
+                "custom_tool_call or their outputs",
+                param=f"input.{i}.type",
+            )
     return out
 
 
@@ -170,13 +220,18 @@ def _response_format(text: dict | None) -> dict | None:
     return {"type": fmt.get("type")}
 
 
-def chat_request(req: ResponsesRequest, history: list[dict], new: list[dict],
-                 tools: ResponseTools) -> ChatCompletionRequest:
+def chat_request(
+    req: ResponsesRequest, history: list[dict], new: list[dict], tools: ResponseTools
+) -> ChatCompletionRequest:
     messages = ([{"role": "system", "content": req.instructions}] if req.instructions else []) + history + new
-    body: dict[str, Any] = {"messages": messages, "tools": tools.chat or None,
-                            "tool_choice": tools.tool_choice(req.tool_choice) if tools.chat else None,
-                            "response_format": _response_format(req.text), "stream": bool(req.stream),
-                            "max_completion_tokens": req.max_output_tokens}
+    body: dict[str, Any] = {
+        "messages": messages,
+        "tools": tools.chat or None,
+        "tool_choice": tools.tool_choice(req.tool_choice) if tools.chat else None,
+        "response_format": _response_format(req.text),
+        "stream": bool(req.stream),
+        "max_completion_tokens": req.max_output_tokens,
+    }
     extra = req.model_extra or {}
     for key in _PASSED_ON:
         value = getattr(req, key, None) if key in type(req).model_fields else extra.get(key)
@@ -188,8 +243,9 @@ def chat_request(req: ResponsesRequest, history: list[dict], new: list[dict],
         err = e.errors()[0]
         param = str(err["loc"][0]) if err.get("loc") else None
         msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
-        raise renamed_error(ApiError(f"invalid request: {param}: {msg}" if param else f"invalid request: {msg}",
-                                param=param)) from None
+        raise renamed_error(
+            ApiError(f"invalid request: {param}: {msg}" if param else f"invalid request: {msg}", param=param)
+        ) from None
 
 
 def renamed_error(e: ApiError) -> ApiError:
@@ -197,7 +253,7 @@ def renamed_error(e: ApiError) -> ApiError:
     if e.param:
         for chat, ours in _PARAM_NAMES:
             if e.param == chat or e.param.startswith(chat + "."):
-                e.param = ours + e.param[len(chat):]
+                e.param = ours + e.param[len(chat) :]
         if e.param.startswith("tools.") and ".function." in e.param:
             e.param = e.param.replace(".function.", ".")
     for chat, ours in _PARAM_NAMES:
@@ -210,37 +266,62 @@ def renamed_error(e: ApiError) -> ApiError:
 
 
 def message_item(text: str, status: str = "completed", item_id: str | None = None) -> dict:
-    return {"type": "message", "id": item_id or new_item_id("msg"), "status": status, "role": "assistant",
-            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
+    return {
+        "type": "message",
+        "id": item_id or new_item_id("msg"),
+        "status": status,
+        "role": "assistant",
+        "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}],
+    }
 
 
 def usage_of(u: Any) -> dict:
-    return {"input_tokens": u.prompt_tokens, "output_tokens": u.completion_tokens,
-            "total_tokens": u.total_tokens,
-            "input_tokens_details": {"cached_tokens": u.prompt_tokens_details.cached_tokens,
-                                     "cache_write_tokens": 0},
-            "output_tokens_details": {"reasoning_tokens": 0}}
+    return {
+        "input_tokens": u.prompt_tokens,
+        "output_tokens": u.completion_tokens,
+        "total_tokens": u.total_tokens,
+        "input_tokens_details": {"cached_tokens": u.prompt_tokens_details.cached_tokens, "cache_write_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": 0},
+    }
 
 
 def skeleton(rid: str, model: str, req: ResponsesRequest) -> dict:
     """The response object before its output: what the request asked, as OpenAI echoes it."""
     fmt = (req.text or {}).get("format") or {"type": "text"}
-    return {"id": rid, "object": "response", "created_at": int(time.time()), "status": "in_progress",
-            "model": model, "output": [], "error": None, "incomplete_details": None,
-            "instructions": req.instructions, "previous_response_id": req.previous_response_id,
-            "max_output_tokens": req.max_output_tokens, "metadata": req.metadata or {},
-            "parallel_tool_calls": req.parallel_tool_calls is not False,
-            "temperature": 1.0 if req.temperature is None else req.temperature,
-            "top_p": 1.0 if req.top_p is None else req.top_p,
-            "tool_choice": req.tool_choice or "auto", "tools": req.tools or [],
-            "text": {"format": fmt}, "truncation": "disabled", "store": req.store is not False, "usage": None,
-            "user": req.user}
+    return {
+        "id": rid,
+        "object": "response",
+        "created_at": int(time.time()),
+        "status": "in_progress",
+        "model": model,
+        "output": [],
+        "error": None,
+        "incomplete_details": None,
+        "instructions": req.instructions,
+        "previous_response_id": req.previous_response_id,
+        "max_output_tokens": req.max_output_tokens,
+        "metadata": req.metadata or {},
+        "parallel_tool_calls": req.parallel_tool_calls is not False,
+        "temperature": 1.0 if req.temperature is None else req.temperature,
+        "top_p": 1.0 if req.top_p is None else req.top_p,
+        "tool_choice": req.tool_choice or "auto",
+        "tools": req.tools or [],
+        "text": {"format": fmt},
+        "truncation": "disabled",
+        "store": req.store is not False,
+        "usage": None,
+        "user": req.user,
+    }
 
 
 def finish(resp: dict, output: list[dict], finish_reason: str | None, usage: dict) -> dict:
     incomplete = finish_reason == "length"
-    resp.update(output=output, usage=usage, status="incomplete" if incomplete else "completed",
-                incomplete_details={"reason": "max_output_tokens"} if incomplete else None)
+    resp.update(
+        output=output,
+        usage=usage,
+        status="incomplete" if incomplete else "completed",
+        incomplete_details={"reason": "max_output_tokens"} if incomplete else None,
+    )
     if not incomplete:
         resp["completed_at"] = int(time.time())
     return resp
@@ -259,11 +340,20 @@ def output_of(chat: ChatCompletionResponse, tools: ResponseTools) -> tuple[list[
 def as_messages(output: list[dict], tools: ResponseTools) -> list[dict]:
     """A response's output items as the chat messages of its turn (for the next turn)."""
     text = "".join(p["text"] for it in output if it["type"] == "message" for p in it["content"])
-    calls = [{"id": it["call_id"], "type": "function",
-              "function": {"name": tools.offered(it["name"], it.get("namespace")),
-                           "arguments": it["arguments"] if it["type"] == "function_call" else
-                           json.dumps({"input": it["input"]}, ensure_ascii=False)}}
-             for it in output if it["type"] in ("function_call", "custom_tool_call")]
+    calls = [
+        {
+            "id": it["call_id"],
+            "type": "function",
+            "function": {
+                "name": tools.offered(it["name"], it.get("namespace")),
+                "arguments": it["arguments"]
+                if it["type"] == "function_call"
+                else json.dumps({"input": it["input"]}, ensure_ascii=False),
+            },
+        }
+        for it in output
+        if it["type"] in ("function_call", "custom_tool_call")
+    ]
     msg: dict[str, Any] = {"role": "assistant", "content": text or (None if calls else "")}
     if calls:
         msg["tool_calls"] = calls
@@ -279,8 +369,9 @@ class ResponseEvents:
 
     media_type = "text/event-stream"
 
-    def __init__(self, resp: dict, chat: ChatStreamer, tools: ResponseTools,
-                 on_done: Callable[[dict], None] = lambda resp: None) -> None:
+    def __init__(
+        self, resp: dict, chat: ChatStreamer, tools: ResponseTools, on_done: Callable[[dict], None] = lambda resp: None
+    ) -> None:
         self.resp = resp
         self.chat = chat
         self.tools = tools
@@ -298,8 +389,10 @@ class ResponseEvents:
         return f"event: {kind}\ndata: {json.dumps(body, ensure_ascii=False)}\n\n"
 
     def start(self) -> list[str]:
-        return [self.event("response.created", response=self.resp),
-                self.event("response.in_progress", response=self.resp)]
+        return [
+            self.event("response.created", response=self.resp),
+            self.event("response.in_progress", response=self.resp),
+        ]
 
     def events(self, out: Any) -> list[str]:
         events: list[str] = []
@@ -323,12 +416,26 @@ class ResponseEvents:
             idx = len(self.output) - 1
             events.append(self.event("response.output_item.added", output_index=idx, item=dict(self.text)))
             self.text["content"] = [{"type": "output_text", "text": "", "annotations": [], "logprobs": []}]
-            events.append(self.event("response.content_part.added", item_id=self.text["id"], output_index=idx,
-                                     content_index=0, part=dict(self.text["content"][0])))
+            events.append(
+                self.event(
+                    "response.content_part.added",
+                    item_id=self.text["id"],
+                    output_index=idx,
+                    content_index=0,
+                    part=dict(self.text["content"][0]),
+                )
+            )
         self.text["content"][0]["text"] += delta
-        events.append(self.event("response.output_text.delta", item_id=self.text["id"],
-                                 output_index=self.output.index(self.text), content_index=0, delta=delta,
-                                 logprobs=[]))
+        events.append(
+            self.event(
+                "response.output_text.delta",
+                item_id=self.text["id"],
+                output_index=self.output.index(self.text),
+                content_index=0,
+                delta=delta,
+                logprobs=[],
+            )
+        )
         return events
 
     def _close_text(self) -> list[str]:
@@ -338,30 +445,43 @@ class ResponseEvents:
         idx = self.output.index(item)
         part = item["content"][0]
         item["status"] = "completed"
-        return [self.event("response.output_text.done", item_id=item["id"], output_index=idx,
-                           content_index=0, text=part["text"], logprobs=[]),
-                self.event("response.content_part.done", item_id=item["id"], output_index=idx,
-                           content_index=0, part=part),
-                self.event("response.output_item.done", output_index=idx, item=item)]
+        return [
+            self.event(
+                "response.output_text.done",
+                item_id=item["id"],
+                output_index=idx,
+                content_index=0,
+                text=part["text"],
+                logprobs=[],
+            ),
+            self.event("response.content_part.done", item_id=item["id"], output_index=idx, content_index=0, part=part),
+            self.event("response.output_item.done", output_index=idx, item=item),
+        ]
 
     def _call(self, tc: dict) -> list[str]:
         events = self._close_text()  # (a call ends the text before it)
         fn = tc.get("function") or {}
         item = self.calls.get(tc["index"])
         if item is None:  # the chat stream names the function in its first delta of a call
-            item = self.tools.call_item({"id": tc.get("id"), "function": {"name": fn.get("name") or "",
-                                                                          "arguments": ""}}, "in_progress")
+            item = self.tools.call_item(
+                {"id": tc.get("id"), "function": {"name": fn.get("name") or "", "arguments": ""}}, "in_progress"
+            )
             self.calls[tc["index"]] = item
             self.arguments[tc["index"]] = ""
             self.output.append(item)
-            events.append(self.event("response.output_item.added", output_index=len(self.output) - 1,
-                                     item=dict(item)))
+            events.append(self.event("response.output_item.added", output_index=len(self.output) - 1, item=dict(item)))
         if fn.get("arguments"):
             self.arguments[tc["index"]] += fn["arguments"]
             if item["type"] == "function_call":  # a custom call's text is whole once its JSON is
                 item["arguments"] += fn["arguments"]
-                events.append(self.event("response.function_call_arguments.delta", item_id=item["id"],
-                                         output_index=self.output.index(item), delta=fn["arguments"]))
+                events.append(
+                    self.event(
+                        "response.function_call_arguments.delta",
+                        item_id=item["id"],
+                        output_index=self.output.index(item),
+                        delta=fn["arguments"],
+                    )
+                )
         return events
 
     def end(self, finals: list) -> list[str]:
@@ -371,11 +491,24 @@ class ResponseEvents:
             item["status"] = "completed"
             if item["type"] == "custom_tool_call":
                 item["input"] = custom_input(self.arguments[index])
-                events.append(self.event("response.custom_tool_call_input.done", item_id=item["id"],
-                                         output_index=idx, input=item["input"]))
+                events.append(
+                    self.event(
+                        "response.custom_tool_call_input.done",
+                        item_id=item["id"],
+                        output_index=idx,
+                        input=item["input"],
+                    )
+                )
             else:
-                events.append(self.event("response.function_call_arguments.done", item_id=item["id"],
-                                         output_index=idx, name=item["name"], arguments=item["arguments"]))
+                events.append(
+                    self.event(
+                        "response.function_call_arguments.done",
+                        item_id=item["id"],
+                        output_index=idx,
+                        name=item["name"],
+                        arguments=item["arguments"],
+                    )
+                )
             events.append(self.event("response.output_item.done", output_index=idx, item=item))
         self.calls = {}
         if not self.output:  # an empty answer is still one (empty) message, as without streaming
@@ -391,6 +524,5 @@ class ResponseEvents:
     def error(self, exc: Exception) -> list[str]:
         """An engine failure mid-stream: the response fails, as OpenAI's stream reports it
         (`response.failed`, which Codex reads, rather than a bare `error` event)."""
-        self.resp.update(status="failed", output=self.output,
-                         error={"code": "server_error", "message": str(exc)})
+        self.resp.update(status="failed", output=self.output, error={"code": "server_error", "message": str(exc)})
         return [self.event("response.failed", response=self.resp)]

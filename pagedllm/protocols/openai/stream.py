@@ -1,5 +1,6 @@
 """OpenAI's streamed chunks: chat and text-completion streamers over successive engine outputs,
 and their server-sent event lines."""
+
 from __future__ import annotations
 
 import json
@@ -44,14 +45,19 @@ def sse_line(chunk: Any, include_usage: bool) -> str:
 def with_running_usage(update: Any) -> Any:
     """A streamer's `events` whose chunks each carry the usage so far (vLLM's
     stream_options.continuous_usage_stats), from its `update`."""
+
     def events(out: RequestOutput, include_usage: bool) -> list[str]:
         done = sum(len(c.token_ids) for c in out.outputs)
-        usage = Usage(prompt_tokens=len(out.prompt_token_ids), completion_tokens=done,
-                      total_tokens=len(out.prompt_token_ids) + done)
+        usage = Usage(
+            prompt_tokens=len(out.prompt_token_ids),
+            completion_tokens=done,
+            total_tokens=len(out.prompt_token_ids) + done,
+        )
         chunks = update(out)
         for chunk in chunks:
             chunk.usage = usage
         return [sse_line(chunk, True) for chunk in chunks]
+
     return events
 
 
@@ -150,12 +156,12 @@ class ChatStreamer:
         self.splitters = [self.reasoning.splitter() for _ in range(self.n)] if self.reasoning else []
 
     def _chunk(self, choices: list[ChunkChoice], usage: Usage | None = None) -> ChatCompletionChunk:
-        return ChatCompletionChunk(id=self.rid, model=self.model, choices=choices, usage=usage,
-                                   system_fingerprint=SYSTEM_FINGERPRINT)
+        return ChatCompletionChunk(
+            id=self.rid, model=self.model, choices=choices, usage=usage, system_fingerprint=SYSTEM_FINGERPRINT
+        )
 
     def start(self) -> list[ChatCompletionChunk]:
-        return [self._chunk([ChunkChoice(index=i, delta=Delta(role="assistant", content=""))])
-                for i in range(self.n)]
+        return [self._chunk([ChunkChoice(index=i, delta=Delta(role="assistant", content=""))]) for i in range(self.n)]
 
     def update(self, out: RequestOutput) -> list[ChatCompletionChunk]:
         chunks = []
@@ -165,7 +171,7 @@ class ChatStreamer:
                 continue
             lp = None
             if self.tt is not None and c.logprobs and len(c.logprobs) > st.sent_logprobs:
-                lp = chat_logprobs(c.logprobs[st.sent_logprobs:], self.tt)
+                lp = chat_logprobs(c.logprobs[st.sent_logprobs :], self.tt)
                 st.sent_logprobs = len(c.logprobs)
             text, calls, reason, thought = c.delta_text, [], c.finish_reason, ""
             if self.splitters:  # the reasoning first; the rest is the answer
@@ -190,11 +196,13 @@ class ChatStreamer:
             # The calls' deltas first, one chunk each, as OpenAI sends them; then the text.
             chunks += [self._chunk([ChunkChoice(index=c.index, delta=Delta(tool_calls=[d]))]) for d in calls]
             if text or lp is not None:
-                chunks.append(self._chunk([ChunkChoice(index=c.index, delta=Delta(content=text or None),
-                                                       logprobs=lp)]))
+                chunks.append(self._chunk([ChunkChoice(index=c.index, delta=Delta(content=text or None), logprobs=lp)]))
             if reason is not None:  # its own chunk with an empty delta, as OpenAI ends a choice
-                chunks.append(self._chunk([ChunkChoice(index=c.index, delta=Delta(), finish_reason=reason,
-                                                       stop_reason=c.stop_reason)]))
+                chunks.append(
+                    self._chunk(
+                        [ChunkChoice(index=c.index, delta=Delta(), finish_reason=reason, stop_reason=c.stop_reason)]
+                    )
+                )
         return chunks
 
     def usage_chunk(self, finals: list[RequestOutput]) -> ChatCompletionChunk:
@@ -203,14 +211,22 @@ class ChatStreamer:
     def events(self, out: RequestOutput, include_usage: bool) -> list[str]:
         """`update(out)` as server-sent events; a plain text delta takes its template."""
         c = out.outputs[0] if len(out.outputs) == 1 else None
-        if (c is None or self.tt is not None or self.parsers or self.splitters or c.finish_reason is not None
-                or not c.delta_text or self.states[c.index].done):
+        if (
+            c is None
+            or self.tt is not None
+            or self.parsers
+            or self.splitters
+            or c.finish_reason is not None
+            or not c.delta_text
+            or self.states[c.index].done
+        ):
             return [sse_line(chunk, include_usage) for chunk in self.update(out)]
         key = (c.index, include_usage)
         tpl = self.templates.get(key)
         if tpl is None:
             tpl = self.templates[key] = TextChunkTemplate(
-                self._chunk([ChunkChoice(index=c.index, delta=Delta(content=_SLOT))]), include_usage)
+                self._chunk([ChunkChoice(index=c.index, delta=Delta(content=_SLOT))]), include_usage
+            )
         return [tpl.line(c.delta_text)]
 
 
@@ -228,8 +244,9 @@ class CompletionStreamer:
     templates: dict[tuple[int, bool], TextChunkTemplate] = field(default_factory=dict)
 
     def _chunk(self, choices: list[CompletionChoice], usage: Usage | None = None) -> CompletionResponse:
-        return CompletionResponse(id=self.rid, model=self.model, choices=choices, usage=usage,
-                                  system_fingerprint=SYSTEM_FINGERPRINT)
+        return CompletionResponse(
+            id=self.rid, model=self.model, choices=choices, usage=usage, system_fingerprint=SYSTEM_FINGERPRINT
+        )
 
     def start(self) -> list[CompletionResponse]:
         return []  # text completions have no opening chunk
@@ -250,7 +267,7 @@ class CompletionStreamer:
             text = prefix + c.delta_text
             lp = None
             if self.tt is not None and c.logprobs and len(c.logprobs) > st.sent_logprobs:
-                lp = completion_logprobs(c.logprobs[st.sent_logprobs:], self.tt, st.text_len + len(prefix))
+                lp = completion_logprobs(c.logprobs[st.sent_logprobs :], self.tt, st.text_len + len(prefix))
                 st.sent_logprobs = len(c.logprobs)
             if echoed_lp is not None:
                 lp = join_logprobs(echoed_lp, lp or CompletionLogprobs())
@@ -258,9 +275,15 @@ class CompletionStreamer:
                 continue
             st.text_len += len(text)
             st.done = c.finish_reason is not None
-            chunks.append(self._chunk([CompletionChoice(index=idx, text=text, logprobs=lp,
-                                                        finish_reason=c.finish_reason,
-                                                        stop_reason=c.stop_reason)]))
+            chunks.append(
+                self._chunk(
+                    [
+                        CompletionChoice(
+                            index=idx, text=text, logprobs=lp, finish_reason=c.finish_reason, stop_reason=c.stop_reason
+                        )
+                    ]
+                )
+            )
         return chunks
 
     def usage_chunk(self, finals: list[RequestOutput]) -> CompletionResponse:
@@ -271,13 +294,21 @@ class CompletionStreamer:
         c = out.outputs[0] if len(out.outputs) == 1 else None
         idx = self.prompt_index[out.request_id] * self.n + c.index if c is not None else -1
         st = self.states.get(idx)
-        if (c is None or self.tt is not None or st is None or st.done or (self.echo and not st.echoed)
-                or c.finish_reason is not None or not c.delta_text):
+        if (
+            c is None
+            or self.tt is not None
+            or st is None
+            or st.done
+            or (self.echo and not st.echoed)
+            or c.finish_reason is not None
+            or not c.delta_text
+        ):
             return [sse_line(chunk, include_usage) for chunk in self.update(out)]
         st.text_len += len(c.delta_text)
         key = (idx, include_usage)
         tpl = self.templates.get(key)
         if tpl is None:
             tpl = self.templates[key] = TextChunkTemplate(
-                self._chunk([CompletionChoice(index=idx, text=_SLOT)]), include_usage)
+                self._chunk([CompletionChoice(index=idx, text=_SLOT)]), include_usage
+            )
         return [tpl.line(c.delta_text)]

@@ -1,4 +1,5 @@
 """vLLM's /tokenize and /detokenize: their request shapes and answers."""
+
 from __future__ import annotations
 
 import jinja2
@@ -42,16 +43,16 @@ class DetokenizeResponse(BaseModel):
 def tokenize(req: TokenizeRequest, ctx: ServingContext) -> TokenizeResponse:
     tok = ctx.tokenizer
     if (req.prompt is None) == (req.messages is None):
-        raise ApiError("give exactly one of `prompt` (a string) and `messages` (chat messages)",
-                       param="prompt")
+        raise ApiError("give exactly one of `prompt` (a string) and `messages` (chat messages)", param="prompt")
     if req.messages is not None:
         # The chat route's message checks, without its image parts or tool_call_id demand.
         messages = chat_messages(req.messages, strict=False)
         try:
             text = render_chat(tok, messages, tokenize=False, add_generation_prompt=req.add_generation_prompt)
         except (ValueError, jinja2.TemplateError) as e:
-            raise ApiError(f"cannot format the messages with the model's chat template: {e}",
-                           param="messages") from None
+            raise ApiError(
+                f"cannot format the messages with the model's chat template: {e}", param="messages"
+            ) from None
         ids = tok.encode(text, add_special_tokens=bool(req.add_special_tokens))
     else:
         special = True if req.add_special_tokens is None else req.add_special_tokens
