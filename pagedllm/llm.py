@@ -5,7 +5,6 @@ from __future__ import annotations
 import inspect
 import logging
 import operator
-import os
 import re
 import weakref
 from contextlib import closing
@@ -41,7 +40,7 @@ def _start_executor(config: EngineConfig, source, dt: torch.dtype, dev: torch.de
     par = config.parallel
     if not par.split:
         return None
-    from .distributed.executor import check_size, usable_cores
+    from .distributed.executor import check_size, local_ranks, torchrun_rank, usable_cores
     from .distributed.worker import WorkerSpec
     from .loading.loader import read_config
     from .models.parallel import check_tp
@@ -57,9 +56,6 @@ def _start_executor(config: EngineConfig, source, dt: torch.dtype, dev: torch.de
         )
     cfg = read_config(source)
     check_tp(cfg, tp)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    # Under torchrun each node splits its own cores among its own ranks.
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", pp * tp)) if world > 1 else pp * tp
     spec = WorkerSpec(
         source,
         dt,
@@ -68,19 +64,20 @@ def _start_executor(config: EngineConfig, source, dt: torch.dtype, dev: torch.de
         config.load.dequantize_weights,
         config.load.isq,
         config.cache,
-        threads=max(1, usable_cores() // local),
+        threads=max(1, usable_cores() // local_ranks(pp * tp)),  # a node's cores among its ranks
         log_level=logging.getLogger("pagedllm").getEffectiveLevel(),
         max_rank_memory_mb=par.max_rank_memory_mb,
     )
-    rank = int(os.environ.get("RANK", "0")) if world > 1 else 0
+    rank = torchrun_rank()
     if pp == 1:
-        from .distributed.executor import TPExecutor
+        from .distributed.tensor_parallel import TPExecutor
         from .distributed.worker import worker_main
 
         if rank > 0:  # torchrun: this process is a worker for the rest of its life
             worker_main(rank, tp, None, spec)
         return TPExecutor.start(tp, spec)
-    from .distributed.pipeline import PipelineExecutor, pipeline_worker_main
+    from .distributed.pipeline import PipelineExecutor
+    from .distributed.stage import pipeline_worker_main
     from .distributed.stage_kv import check_cache
     from .models import model_class
     from .models.stages import check_pp

@@ -12,11 +12,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from test_pipeline_run import NEW, PROMPT, _plans, _spec  # noqa: E402
+from test_pipeline_run import NEW, PROMPT, Stage0, _plans, _spec  # noqa: E402
 
 
 def main() -> int:
-    from pagedllm.distributed.pipeline import PipelineExecutor, pipeline_worker_main
+    from pagedllm.distributed.pipeline import PipelineExecutor
+    from pagedllm.distributed.stage import pipeline_worker_main
     from pagedllm.loading.loader import read_config
 
     path, out, prompt = sys.argv[1], Path(sys.argv[2]), json.loads(sys.argv[3])
@@ -29,7 +30,7 @@ def main() -> int:
     ex = PipelineExecutor.start(2, spec, timeout_s=15)
     result: dict = {}
     try:
-        driver, stage, loaded = ex.build(spec, num_blocks)
+        driver = Stage0(ex, spec, num_blocks)
         tokens, ids, start = [], prompt, 0
         for step in range(NEW):
             logits = driver.forward(plan(ids, start, decode=step > 0))

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedllm.distributed.pipeline import argmax_summary, logits_from_argmax
+from pagedllm.distributed.stage import argmax_summary, logits_from_argmax
 from pagedllm.sampling.metadata import SamplingMetadata
 from pagedllm.sampling.params import SamplingParams
 from pagedllm.sampling.sampler import Sampler

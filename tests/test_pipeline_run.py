@@ -64,6 +64,27 @@ def _plans(cfg, prompt: list[int]):
     return plan, groups.num_groups * width
 
 
+class Stage0:
+    """Rank 0's stage of a pipeline driven without an engine: loaded, its cache built, each
+    plan's logits rows by `forward(plan)` (what the engine's ModelRunner does, minus sampling)."""
+
+    def __init__(self, ex, spec, num_blocks: int) -> None:
+        from pagedllm.distributed.worker import load_part, rank_device
+        from pagedllm.engine.model_runner import ModelRunner
+
+        device = rank_device(spec.device, ex.rank)
+        self.loaded = load_part(spec, device, **ex.load_args())
+        ex.wait_loaded()
+        ex.setup(num_blocks)
+        cache, backend, _ = ex.build_kv(self.loaded, None, spec.cache_cfg, num_blocks, device, spec.dtype)
+        ex.gather_sizes(self.loaded.weight_bytes, cache.nbytes)
+        self.ex, self.stage = ex, ex.stage
+        self.runner = ModelRunner(self.loaded.model, backend, spec.cache_cfg.block_size, device, sampler=None)
+
+    def forward(self, plan):
+        return self.ex.forward(plan, self.runner)[0]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["llama", "qwen2", "gemma3", "mixtral"])
 def test_two_stage_greedy_matches_transformers(family, tmp_path, hf_smollm2_tokenizer):
@@ -78,7 +99,8 @@ def test_two_stage_greedy_matches_transformers(family, tmp_path, hf_smollm2_toke
     try:
         pids = ex.pids
         assert len(alive(pids)) == 1
-        driver, stage, loaded = ex.build(_spec(path), num_blocks)
+        driver = Stage0(ex, _spec(path), num_blocks)
+        stage, loaded = driver.stage, driver.loaded
         assert stage.first and not stage.last and loaded.model.norm is None
         # It computes the first rows of the head (models/stages.py share_head), the last stage the rest.
         if stage.shares_head:
@@ -114,7 +136,7 @@ def test_killed_stage_fails_rank0_within_30s(tmp_path, hf_smollm2_tokenizer):
     plan, num_blocks = _plans(read_config(resolve(str(path))), prompt)
     ex = PipelineExecutor.start(2, _spec(path), timeout_s=15)
     try:
-        driver, stage, loaded = ex.build(_spec(path), num_blocks)
+        driver = Stage0(ex, _spec(path), num_blocks)
         driver.forward(plan(prompt, 0, decode=False))  # a healthy step first
         os.kill(ex.pids[0], 9)
         t0 = time.monotonic()

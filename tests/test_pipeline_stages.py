@@ -193,7 +193,7 @@ def test_real_q4_k_m_file_is_cut_by_its_own_bytes():
     at Q5_0 (94 MB): a plan from the config (equal tables) cuts 12/12 and leaves the stages' weights
     12% apart; one from the file's bytes gives the first stage a layer more (13/11), each stage's
     weights and layers (its KV pages) within 10% of half."""
-    from pagedllm.distributed.pipeline import plan_for
+    from pagedllm.distributed.stage import plan_for
     from pagedllm.loading.source import resolve
 
     src = resolve(str(QWEN_05B))

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.distributed.executor import TensorParallelError
+from pagedllm.distributed.tensor_parallel import TensorParallelError
 from models import build_checkpoint, reference_family
 from procs import alive
 

@@ -60,7 +60,7 @@ def _rank(rank: int, args: argparse.Namespace, port: int, out) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch.multiprocessing as mp
 
-    from ..distributed.executor import _free_port
+    from ..distributed.executor import free_port as _free_port
 
     ctx = mp.get_context("spawn")
     port, out = _free_port(), ctx.Queue()

@@ -41,10 +41,6 @@ class TPInfo:
     def enabled(self) -> bool:
         return self.size > 1
 
-    @property
-    def is_driver(self) -> bool:
-        return self.rank == 0
-
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """Sum `t` over the ranks, in place."""
         dist.all_reduce(t, group=self.group)

@@ -27,7 +27,7 @@ Ints = list[int] | np.ndarray  # int64 arrays for what the runner computes with 
 class StepPlan:
     """One forward pass as int sequences (lists, or int64 arrays for the per-token and table
     parts): what rank 0 decides and, under tensor parallelism, sends to the other ranks
-    (distributed/executor.py), so every rank builds the same tensors."""
+    (distributed/messages.py), so every rank builds the same tensors."""
 
     ids: list[int]
     pos: Ints
