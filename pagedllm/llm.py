@@ -298,7 +298,7 @@ class LLM:
         self.tokenizer = loaded.tokenizer
         self.model_name = source.short_name
         self.model_path = source.path  # the .gguf file or the model folder (its size for Ollama's /api/tags)
-        if hasattr(loaded.model, "encode_images"):
+        if loaded.model.vision:
             from .multimodal.processor import ImageProcessor, gguf_processor
 
             hf = None

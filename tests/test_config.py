@@ -73,3 +73,31 @@ def test_a_scheduler_config_takes_the_models_length_and_what_lora_and_images_ask
     assert (sched.max_model_len, sched.max_loras, sched.limit_images) == (4096, 3, 2)
     assert sched.max_num_batched_tokens == 1024  # unset: 1024, or max_num_seqs when that is more
     assert EngineConfig.from_kwargs(max_num_seqs=2000).scheduler.max_num_batched_tokens == 2000
+
+
+def test_every_family_declares_what_it_is_and_has_what_it_declares():
+    # The engine reads `vision` and `mrope` instead of probing for methods
+    # (models/contract.py); a family that declares them has the members that go with them.
+    from pagedllm.models import MODEL_REGISTRY
+    from pagedllm.models.contract import _members, CausalLM, VisionLM, MRopeLM
+
+    for name, cls in MODEL_REGISTRY.items():
+        kinds = [CausalLM] + ([VisionLM] if cls.vision else []) + ([MRopeLM] if cls.mrope else [])
+        for kind in kinds:
+            methods = [n for n in _members(kind) if callable(getattr(kind, n, None))]
+            assert all(callable(getattr(cls, n, None)) for n in methods), (name, kind.__name__)
+    assert {n for n, c in MODEL_REGISTRY.items() if c.vision} == {
+        "Gemma3ForConditionalGeneration",
+        "Idefics3ForConditionalGeneration",
+        "Qwen2_5_VLForConditionalGeneration",
+    }
+
+
+def test_a_model_lacking_what_it_declares_is_refused_where_it_is_built():
+    from pagedllm.models.contract import check_contract
+
+    class Half:
+        vision, mrope = True, False
+
+    with pytest.raises(TypeError, match="Half declares CausalLM but lacks"):
+        check_contract(Half())

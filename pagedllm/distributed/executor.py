@@ -78,6 +78,7 @@ class Executor:
     kind: ClassVar[str]  # what a rank is called in messages: "tensor-parallel worker"
     size_arg: ClassVar[str]  # the option that makes the ranks: "tensor_parallel_size"
     error: ClassVar[type[Exception]]
+    micro_batches = 1  # steps the engine keeps in flight at once (a pipeline: one a stage)
 
     def __init__(self, info: TPInfo, world: int, procs: list, conns: list, threads_before: int | None) -> None:
         self.info = info  # this rank's place in its tensor-parallel group, and the control group

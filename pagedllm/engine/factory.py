@@ -67,9 +67,7 @@ def build_engine(
     # Vision-language models: image embeddings cached by content hash, encoded in the step
     # within an encoder budget (pagedllm/multimodal).
     encoder_cache = (
-        EncoderCache(max(sched_cfg.encoder_cache_tokens, sched_cfg.encoder_budget))
-        if hasattr(model, "encode_images")
-        else None
+        EncoderCache(max(sched_cfg.encoder_cache_tokens, sched_cfg.encoder_budget)) if model.vision else None
     )
     output = OutputProcessor(loaded.tokenizer, set(cfg.eos_token_ids) | set(loaded.tokenizer.eos_token_ids))
     structured = GrammarEngine(loaded.tokenizer, cfg.vocab_size, sorted(output.eos_token_ids))

@@ -103,7 +103,7 @@ class LLMEngine:
         self.executor = executor
         # Pipeline parallelism keeps a step a stage in flight (micro-batches of disjoint
         # sequences, `_step_pipelined`); one rank, or tensor parallelism, runs a step at a time.
-        self.micro_batches = getattr(executor, "micro_batches", 1) if executor is not None else 1
+        self.micro_batches = executor.micro_batches if executor is not None else 1
         self.in_flight: deque[tuple[SchedulerOutput, Any]] = deque()  # (step, runner's PendingStep)
         self.busy: set[int] = set()  # seq ids of the steps in flight
         self.aborted_in_flight: list[Sequence] = []  # aborted while in flight: ended as their step returns
@@ -144,7 +144,7 @@ class LLMEngine:
                 )
             self.lora.check(lora_request)
         # (A pipeline's first stage has no head: the last stage's computes the logits.)
-        if getattr(self.model, "lm_head", True) is None and self.executor is None:
+        if self.model.lm_head is None and self.executor is None:
             raise ValueError(
                 f"{self.model_name} is an embedding model (no LM head): it cannot generate "
                 "text; ask it for embeddings (/v1/embeddings, LLM.embed)"
@@ -218,7 +218,7 @@ class LLMEngine:
                     f"an image of {im.length} tokens must be prefilled in one step, over "
                     f"max_num_batched_tokens={cfg.max_num_batched_tokens}; raise it"
                 )
-        if getattr(self.model, "mrope", False) and mm.images:  # M-RoPE: the prompt's own positions
+        if self.model.mrope and mm.images:  # M-RoPE: the prompt's own positions
             mm.rope_positions, mm.rope_delta = self.model.rope_index(mm)
         return mm
 

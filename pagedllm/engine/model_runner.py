@@ -130,7 +130,7 @@ class ModelRunner:
         self.encoder_stats = {"images_encoded": 0, "encoder_s": 0.0}
         # M-RoPE models rotate image prompts by positions of their own (StepPlan.rope_pos); for
         # every other model the step's positions are the rope's, with no per-sequence look.
-        self.mrope = bool(getattr(model, "mrope", False))
+        self.mrope = model.mrope
         # Per-sequence rows kept between steps: block tables of every KV group (input_batch.py).
         self.batch = InputBatch(getattr(backend, "num_groups", 1))
         for i, attn in enumerate(model.attention_modules()):

@@ -138,7 +138,7 @@ def build_trace(engine) -> KVCacheTrace:
     bm = engine.block_manager
     spec = engine.kv_spec
     plan = engine.cache_plan
-    info = plan.info(spec) if hasattr(plan, "info") else {}
+    info = plan.info(spec)
     bs = bm.block_size
     alloc, held = live_waste(engine.scheduler.running, bs)
     stats = bm.stats
@@ -210,7 +210,7 @@ def build_trace(engine) -> KVCacheTrace:
 
 
 def _lora(engine) -> dict:
-    mgr = getattr(engine, "lora", None)  # duck-typed: kv/ does not import the LoRA package
+    mgr = engine.lora  # (kv/ reads the engine's parts by name: it imports none of their packages)
     if mgr is None:
         return {}
     return dict(
@@ -222,16 +222,16 @@ def _lora(engine) -> dict:
 
 
 def _tp_fields(engine) -> dict:
-    ex = getattr(engine, "executor", None)
+    ex = engine.executor
     if ex is None:
-        w = engine.weights.resident_bytes if getattr(engine, "weights", None) else 0
+        w = engine.weights.resident_bytes if engine.weights else 0
         kv = engine.kv_cache.nbytes if engine.kv_cache is not None else 0
         return dict(rank_weight_mb=[w / 2**20], rank_kv_mb=[kv / 2**20])
     return ex.trace_fields()
 
 
 def _speculative(engine) -> dict:
-    spec = getattr(engine, "spec", None)
+    spec = engine.spec
     if spec is None:
         return {}
     st = spec.stats
@@ -266,8 +266,7 @@ def _speculative(engine) -> dict:
 
 
 def _moe(engine) -> dict:
-    model = getattr(engine, "model", None)
-    paths = model.expert_paths() if hasattr(model, "expert_paths") else []
+    paths = engine.model.expert_paths()
     if not paths:
         return {}
     counts = [sum(c) for c in zip(*(m.last_counts for _, m in paths if m.last_counts))]
@@ -285,7 +284,7 @@ def _blocks_by_group(engine) -> list[int]:
 
 
 def _weight_formats(engine) -> str:
-    w = getattr(engine, "weights", None)
+    w = engine.weights
     if w is None:
         return ""
     fmts = ", ".join(f"{n} x{c}" for n, c in sorted(w.formats.items(), key=lambda kv: -kv[1]))
@@ -314,7 +313,7 @@ def _huge_pages() -> str:
 
 
 def _weight_kernel(engine) -> str:
-    w = getattr(engine, "weights", None)
+    w = engine.weights
     if w is None:
         return ""
     if w.kernel:
@@ -332,7 +331,7 @@ def _weight_kernel(engine) -> str:
 
         mode = activation_mode()
         wide = wide_x2_roles()
-        hidden = getattr(getattr(engine, "model_config", None), "hidden_size", 0) or 0
+        hidden = engine.model_config.hidden_size
         except_wide = f" except {', '.join(wide)}" if wide else ""
         if mode != "auto":
             acts = f"activations {mode}"
@@ -341,7 +340,7 @@ def _weight_kernel(engine) -> str:
         else:
             acts = f"activations int8{except_wide} at every width, the model {hidden} >= {X2_WIDTH} wide"
         amx = amx_rows()
-        if amx and str(getattr(engine, "dtype", "")) == "torch.bfloat16":
+        if amx and dtype_name(engine.dtype) == "bfloat16":
             acts += f"; steps of {amx}+ rows on packed weights: AMX bf16 tile products"
         if wide_steps_int(hidden):
             why = "PAGEDLLM_QUANT_WIDE=int" if wide_mode() == "int" else f"the model {hidden} wide, no AMX"

@@ -17,6 +17,7 @@ from tqdm.auto import tqdm
 from ..config import ModelConfig
 from ..kv.calibration import kv_scale_key
 from ..models import materialize, model_class
+from ..models.contract import check_contract
 from ..quant.formats import QuantTensor
 from ..tokenizer import Tokenizer
 from .source import ModelSource
@@ -194,6 +195,7 @@ def load_model(
         weights = ((n, t) for n, t in weights if stage.keeps_tensor(n, cfg.tie_word_embeddings))
     with torch.device("meta"):
         model = cls(cfg, positions, tp, stage) if staged else cls(cfg, positions, tp)
+    check_contract(model)
     if headless:
         model.drop_head()
     if quantized and source.kind != "gguf" and hf_config.get("quantization_config") and not keep_float_head:
@@ -330,7 +332,7 @@ def _float_head(model: torch.nn.Module, files: list[Path], quantized: set[str]) 
     the model has a head, it arrives float and its rows are whole HEAD_FORMAT blocks; else None."""
     from ..quant.formats import FORMATS
 
-    if getattr(model, "lm_head", None) is None or not hasattr(model, "map_weight_name"):
+    if model.lm_head is None:
         return None
     target = "embed_tokens.weight" if model.config.tie_word_embeddings else "lm_head.weight"
     _, shape_of = _safetensors_readers(files)

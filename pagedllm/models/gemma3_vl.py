@@ -31,6 +31,7 @@ _PROJECTOR_PREFIXES = ("model.multi_modal_projector.", "multi_modal_projector.")
 
 class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
     pipeline_stages = False  # the image tower feeds the first stage's embeddings
+    vision = True
     bidirectional_images = True  # token_type_ids: each image's tokens attend to the whole image
     image_layout = "runs"  # one run of placeholders per image (multimodal/processor.py)
 

@@ -26,6 +26,7 @@ logger = logging.getLogger(__name__)
 
 class Idefics3ForConditionalGeneration(LlamaForCausalLM):
     pipeline_stages = False  # the image tower feeds the first stage's embeddings
+    vision = True
     bidirectional_images = False
     image_layout = "tiles"
 

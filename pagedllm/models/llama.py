@@ -175,9 +175,11 @@ class LlamaForCausalLM(nn.Module):
     norm_cls: type[nn.Module] = RMSNorm
     lora_state = None  # set by the LoRA manager (pagedllm/lora): the step's adapter row groups
 
-    # Whether the family can be cut into pipeline stages (the vision-language ones cannot yet:
-    # their image tower feeds the first stage's embeddings).
+    # What the family is (models/contract.py). Whether it can be cut into pipeline stages (the
+    # vision-language ones cannot yet: their image tower feeds the first stage's embeddings).
     pipeline_stages = True
+    vision = False
+    mrope = False
 
     def __init__(self, cfg: ModelConfig, max_positions: int, tp=None, stage: Stage | None = None) -> None:
         """`tp`: a TPInfo (pagedllm/distributed) when this is one rank's shard, else None.
@@ -432,6 +434,10 @@ class LlamaForCausalLM(nn.Module):
         if self.tp is None:
             return logits
         return self.tp.gather_columns(logits, self.shard.vocab_total)
+
+    def expert_paths(self) -> list:
+        """A mixture of experts' routed blocks (models/moe.py); a dense model has none."""
+        return []
 
     def attention_modules(self) -> list[Attention]:
         """This stage's attention layers in order (their KV cache holds only these)."""

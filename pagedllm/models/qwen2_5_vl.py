@@ -39,6 +39,7 @@ _VISION_PREFIXES = ("model.visual.", "visual.")
 
 class Qwen2_5_VLForConditionalGeneration(Qwen2ForCausalLM):
     pipeline_stages = False  # the image tower feeds the first stage's embeddings
+    vision = True
     bidirectional_images = False
     image_layout = "patches"
     mrope = True  # the runner gives image prompts' tokens their M-RoPE positions

@@ -114,8 +114,6 @@ class ServerMetrics:
         self._last_token: dict[str, dict[int, float]] = {}  # request -> choice -> time
         self._seen_first: set[str] = set()
         self._preempt_seen = 0
-        self._prompt_total = 0
-        self._cached_total = 0
 
     # -- called from the engine thread ------------------------------------------------
     def on_step_outputs(self, outs: list[RequestOutput]) -> None:
@@ -131,8 +129,6 @@ class ServerMetrics:
                 queued = out.metrics.queue_time
                 if queued is not None:
                     self.queue_time.observe(queued)
-                self._prompt_total += out.metrics.num_prompt_tokens
-                self._cached_total += out.num_cached_tokens
                 self.cached_prompt_tokens.inc(out.num_cached_tokens)
             for c in out.outputs:
                 k = len(c.delta_token_ids)
@@ -161,11 +157,10 @@ class ServerMetrics:
         sched, bm = engine.scheduler, engine.block_manager
         if not self._ranks_set:  # fixed once the engine is built
             self._ranks_set = True
-            ex = getattr(engine, "executor", None)
-            ranks = getattr(ex, "rank_bytes", None)
+            ranks = engine.executor.rank_bytes if engine.executor is not None else None
             if not ranks:
-                w = getattr(getattr(engine, "weights", None), "resident_bytes", 0) or 0
-                kv = getattr(getattr(engine, "kv_cache", None), "nbytes", 0) or 0
+                w = engine.weights.resident_bytes if engine.weights is not None else 0
+                kv = engine.kv_cache.nbytes if engine.kv_cache is not None else 0
                 ranks = [(w, kv)]
             for i, (w, kv) in enumerate(ranks):
                 self.rank_weight_bytes.labels(str(i)).set(w)
@@ -177,21 +172,18 @@ class ServerMetrics:
         self.blocks_used.set(used)
         self.blocks_free.set(bm.num_free_blocks)
         self.blocks_total.set(total)
-        self.blocks_touched.set(getattr(bm, "num_touched", 0))
-        self.blocks_peak_used.set(getattr(bm, "peak_used", 0))
+        self.blocks_touched.set(bm.num_touched)
+        self.blocks_peak_used.set(bm.peak_used)
         self.kv_usage.set(used / total if total else 0.0)
         # The block manager keeps this count as blocks gain and lose content: O(1), every step.
-        self.blocks_cached.set(getattr(bm, "num_cached_blocks", 0) or 0)
-        hit = getattr(getattr(bm, "stats", None), "hit_rate", None)
-        if not isinstance(hit, (int, float)):  # no engine figure: what requests reported
-            hit = self._cached_total / self._prompt_total if self._prompt_total else 0.0
-        self.prefix_hit_rate.set(hit)
+        self.blocks_cached.set(bm.num_cached_blocks)
+        self.prefix_hit_rate.set(bm.stats.hit_rate)
         pre = sched.num_preemptions
         if pre > self._preempt_seen:
             self.preemptions.inc(pre - self._preempt_seen)
             self._preempt_seen = pre
 
-        spec = getattr(engine, "spec", None)
+        spec = engine.spec
         if spec is not None:
             st = spec.stats
             seen_p, seen_a = self._spec_seen

@@ -41,8 +41,6 @@ def load_report(llm: Any) -> dict[str, Any]:
     sched, bm = eng.scheduler, eng.block_manager
     used, total = bm.num_used_blocks, bm.num_usable_blocks
     block = eng.cache_config.block_size
-    stats = getattr(bm, "stats", None)
-    hit = getattr(stats, "hit_rate", None)
     return {
         "dp_rank": 0,
         "num_reqs": sched.num_running + sched.num_waiting,
@@ -50,8 +48,8 @@ def load_report(llm: Any) -> dict[str, Any]:
         "num_waiting_reqs": sched.num_waiting,
         "num_tokens": used * block,
         "kv_cache_usage": used / total if total else 0.0,
-        "num_cached_tokens": (getattr(bm, "num_cached_blocks", 0) or 0) * block,
-        "prefix_cache_hit_rate": hit if isinstance(hit, (int, float)) else None,
+        "num_cached_tokens": bm.num_cached_blocks * block,
+        "prefix_cache_hit_rate": bm.stats.hit_rate,
     }
 
 
@@ -73,7 +71,7 @@ def install(
     model_info = {
         "model_path": ctx.model_name,
         "is_generation": True,
-        "model_type": getattr(eng.model_config, "model_type", None),
+        "model_type": None,  # (SGLang's field; ModelConfig keeps the architecture only)
         "architectures": [eng.model_config.architecture],
     }
     if tokenizer_path:
