@@ -66,6 +66,7 @@ class AttentionLayer(Protocol):
 class AttentionBackend(Protocol):
     name: str
     uses_block_tables: bool
+    num_groups: int  # KV groups whose block tables a step carries (kv/groups.py); 1 without groups
 
     def layer(self, index: int, window: int | None, scale: float, softcap: float | None = None) -> AttentionLayer: ...
 

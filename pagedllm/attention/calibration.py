@@ -61,7 +61,7 @@ def resolve_fp8_scales(
     KV heads on this rank (`num_kv_heads` is the checkpoint's total)."""
     ckpt = checkpoint_fp8_scales(kv_scales, num_layers, num_kv_heads)
     if ckpt is not None:
-        sh = getattr(model, "shard", None)  # tensor parallelism: this rank's KV heads
+        sh = model.shard  # tensor parallelism: this rank's KV heads
         if sh is not None:
             ckpt = ckpt[:, :, sh.kv_start : sh.kv_start + sh.kv_heads].contiguous()
         return ckpt, "checkpoint"

@@ -59,6 +59,7 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 class ContiguousBackend:
     name = "torch-contiguous"
     uses_block_tables = False
+    num_groups = 1  # one buffer per sequence holds every layer: no KV groups
 
     def __init__(
         self,

@@ -7,7 +7,6 @@ leaves. Works on a terminal and with stdin piped in.
 
 from __future__ import annotations
 
-import json
 import sys
 from dataclasses import asdict, dataclass, fields
 from typing import Any, TextIO
@@ -103,15 +102,7 @@ def kv_report(llm: Any) -> str:
         f"running {sched.num_running}, waiting {sched.num_waiting}, "
         f"preemptions {sched.num_preemptions}"
     ]
-    trace = getattr(llm, "kv_cache_trace", None)
-    if callable(trace):
-        result = trace()
-        if hasattr(result, "table"):
-            lines.append(result.table())
-        elif hasattr(result, "to_dict"):
-            lines.append(json.dumps(result.to_dict(), indent=2, default=str))
-        else:
-            lines.append(str(result))
+    lines.append(llm.kv_cache_trace().table())
     return "\n".join(lines)
 
 
@@ -221,7 +212,7 @@ class ChatSession:
         if not path:
             self.say("usage: /image PATH (a picture file, or an http(s) URL)")
             return
-        if getattr(self.llm, "processor", None) is None:
+        if self.llm.processor is None:
             self.say(f"error: {self.llm.model_name} is text-only; it takes no images")
             return
         from pathlib import Path
@@ -253,7 +244,7 @@ class ChatSession:
         eng, driver = self.llm.engine, self.llm.driver
         try:
             # A model's processor, where it has one, writes image turns.
-            ids = render_chat(self.llm.tokenizer, self.conversation(), processor=getattr(self.llm, "processor", None))
+            ids = render_chat(self.llm.tokenizer, self.conversation(), processor=self.llm.processor)
             from ..engine.driver import Item
 
             [rid] = driver.add([Item(None, ids, self.settings.sampling_params())])

@@ -4,6 +4,7 @@ engine options from the flags, then serve, chat and bench (generate and trace: c
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import logging
 import os
@@ -154,17 +155,9 @@ def cmd_chat(args: argparse.Namespace, config: EngineConfig) -> int:
     from .chat import ChatSession, ChatSettings
 
     llm = load_llm(config)
-    settings = ChatSettings(
-        max_tokens=getattr(args, "max_tokens", 512),
-        temperature=getattr(args, "temperature", 0.7),
-        top_p=getattr(args, "top_p", 1.0),
-        top_k=getattr(args, "top_k", -1),
-        min_p=getattr(args, "min_p", 0.0),
-        presence_penalty=getattr(args, "presence_penalty", 0.0),
-        frequency_penalty=getattr(args, "frequency_penalty", 0.0),
-        repetition_penalty=getattr(args, "repetition_penalty", 1.0),
-    )
-    return ChatSession(llm, settings, system=getattr(args, "system", None)).run()
+    # `chat` has the sampling flags; `-i` and the mistral.rs forms take ChatSettings' defaults.
+    given = {f.name: vars(args)[f.name] for f in dataclasses.fields(ChatSettings) if vars(args).get(f.name) is not None}
+    return ChatSession(llm, ChatSettings(**given), system=vars(args).get("system")).run()
 
 
 def _load_serve_args(server_args: list[str]) -> Any:

@@ -27,7 +27,7 @@ def cmd_generate(args: argparse.Namespace, config: EngineConfig) -> int:
     prompt = args.prompt
     if prompt is None or prompt == "-":
         prompt = sys.stdin.read()
-    suffix = getattr(args, "suffix", None)
+    suffix = args.suffix
     if not prompt.strip() and suffix is None:
         print("error: the prompt is empty (give it as an argument or on stdin)", file=sys.stderr)
         return 2
@@ -58,7 +58,7 @@ def cmd_generate(args: argparse.Namespace, config: EngineConfig) -> int:
         except ApiError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
-    elif args.raw or not getattr(tok, "chat_template", None):
+    elif args.raw or not tok.chat_template:
         inputs = prompt
     else:
         msgs = [{"role": "system", "content": args.system}] if args.system else []
@@ -108,7 +108,7 @@ def cmd_trace(args: argparse.Namespace, config: EngineConfig) -> int:
     eng = llm.engine
     tok = llm.tokenizer
     prompt: str | list[int] = args.prompt
-    if getattr(tok, "chat_template", None):
+    if tok.chat_template:
         prompt = render_chat(tok, [{"role": "user", "content": args.prompt}])
     params = SamplingParams(n=args.n, max_tokens=args.max_tokens, temperature=0.0)
     rows = [_snapshot(eng, 0)]
@@ -117,11 +117,8 @@ def cmd_trace(args: argparse.Namespace, config: EngineConfig) -> int:
     llm.driver.add([Item(None, prompt, params)])
     for step, _ in enumerate(llm.driver.steps(), 1):  # until the engine is idle
         rows.append(_snapshot(eng, step))
-    trace_fn = getattr(llm, "kv_cache_trace", None)
     if args.json:
-        out: dict[str, Any] = {"steps": rows}
-        if callable(trace_fn):
-            out["kv_cache_trace"] = _jsonable(trace_fn())
+        out: dict[str, Any] = {"steps": rows, "kv_cache_trace": llm.kv_cache_trace().to_dict()}
         print(json.dumps(out, indent=2, default=str))
         return 0
     draft = "draft_used_blocks" in rows[0]  # speculative draft model: of the used blocks, its own
@@ -148,17 +145,7 @@ def _snapshot(eng: Any, step: int) -> dict:
         "free_blocks": bm.num_free_blocks,
         "preemptions": sched.num_preemptions,
     }
-    draft = eng.spec.draft if getattr(eng, "spec", None) is not None else None
+    draft = eng.spec.draft if eng.spec is not None else None
     if draft is not None:  # one pool: the draft's share of the used blocks (free ones are shared)
         row.update(draft_used_blocks=draft.block_manager.num_held_blocks)
     return row
-
-
-def _jsonable(x: Any) -> Any:
-    if hasattr(x, "to_dict"):
-        return x.to_dict()
-    if hasattr(x, "__dataclass_fields__"):
-        import dataclasses
-
-        return dataclasses.asdict(x)
-    return x

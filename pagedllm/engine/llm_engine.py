@@ -21,6 +21,7 @@ import torch
 
 from ..config import CacheConfig, SchedulerConfig
 from ..device import KEEP_BUFFERS_BYTES, keep_freed_buffers, release_freed_memory
+from ..attention.backend import AttentionBackend
 from ..kv.cache import CachePlan, KVCacheSpec
 from ..kv.groups import KVGroups
 from ..kv.trace import committed_bytes
@@ -51,8 +52,8 @@ class KVParts:
     groups: KVGroups
     spec: KVCacheSpec
     plan: CachePlan
-    cache: Any
-    backend: Any
+    cache: Any  # a kv.cache.KVCache, or None for the contiguous backend
+    backend: AttentionBackend
     prefix_caching: bool
     prefix_caching_note: str
 

@@ -132,7 +132,7 @@ class ModelRunner:
         # every other model the step's positions are the rope's, with no per-sequence look.
         self.mrope = model.mrope
         # Per-sequence rows kept between steps: block tables of every KV group (input_batch.py).
-        self.batch = InputBatch(getattr(backend, "num_groups", 1))
+        self.batch = InputBatch(backend.num_groups)
         for i, attn in enumerate(model.attention_modules()):
             attn.attn = backend.layer(i, attn.window, attn.scale, attn.softcap)
 

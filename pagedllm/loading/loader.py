@@ -295,7 +295,7 @@ def _quantized_checkpoint(
             f"isq={isq!r} quantizes float weights at load; this checkpoint is already quantized "
             f"({scheme.describe()}): drop isq"
         )
-    if tp is not None and getattr(tp, "size", 1) > 1:
+    if tp is not None and tp.size > 1:
         raise ValueError(
             f"a {scheme.method} checkpoint does not run under tensor parallelism yet (use tensor_parallel_size=1)"
         )

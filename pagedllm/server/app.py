@@ -284,7 +284,7 @@ def _install_basics(
     @app.get("/health")
     async def health() -> Response:
         if not engine.alive:
-            why = getattr(engine, "stopped_because", None)
+            why = engine.stopped_because
             return error_response(503, "the engine is not running" + (f": {why}" if why else ""), "server_error")
         return JSONResponse({"status": "ok"})
 

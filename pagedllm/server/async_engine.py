@@ -285,7 +285,7 @@ class AsyncEngine:
             logger.exception("engine step failed; failing the requests in flight")
             if self.metrics is not None:
                 self.metrics.engine_errors.inc()
-            if getattr(getattr(self.engine, "executor", None), "dead", None):
+            if self.engine.executor is not None and self.engine.executor.dead:
                 # A pipeline stage or tensor-parallel rank died or hung: every later step would
                 # fail too, so the thread stops and new requests get a 503 instead.
                 self.stopped_because = (

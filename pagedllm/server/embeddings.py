@@ -45,7 +45,7 @@ def install(app: FastAPI, s: Served) -> None:
 async def embed(s: Served, req: EmbeddingRequest) -> tuple[list, list[list[int]]]:
     """The vectors of `req`'s inputs and their token ids (OpenAI's checks; any route's face)."""
     llm = s.llm
-    if getattr(llm, "task", "generate") != "embed":
+    if llm.task != "embed":
         raise ApiError(
             f"the model `{s.ctx.model_name}` is a generative model, not an embedding "
             "model; serve an embedding model (e.g. a Qwen3-Embedding folder) with "

@@ -34,7 +34,7 @@ class Adapters:
 
     @property
     def enabled(self) -> bool:
-        return getattr(self.llm.engine, "lora", None) is not None
+        return self.llm.engine.lora is not None
 
     def add(self, name: str, path: str) -> LoRARequest:
         """Check the adapter against the base model (a ValueError naming the mismatch) and serve it."""

@@ -34,15 +34,14 @@ def ollama_errors(handler: Any) -> Any:
 
 
 def _family(llm: Any) -> str:
-    cfg = getattr(getattr(llm, "engine", None), "model_config", None)
-    return str(getattr(cfg, "model_type", None) or getattr(cfg, "architecture", None) or "unknown")
+    return llm.engine.model_config.architecture
 
 
 def install(app: FastAPI, s: Served, gen: Generation, names: list[str]) -> None:
-    path = Path(str(getattr(s.llm, "model_path", "") or ""))
+    path = Path(s.llm.model_path)
     size = path.stat().st_size if path.is_file() else 0
     modified = datetime.fromtimestamp(path.stat().st_mtime if path.exists() else 0, timezone.utc).isoformat()
-    family, task = _family(s.llm), getattr(s.llm, "task", "generate")
+    family, task = _family(s.llm), s.llm.task
 
     @app.get("/api/version")
     async def version() -> Response:
