@@ -64,7 +64,7 @@ def _start_executor(config: EngineConfig, source, dt: torch.dtype, dev: torch.de
         config.load.dequantize_weights,
         config.load.isq,
         config.cache,
-        threads=max(1, usable_cores() // local_ranks(pp * tp)),  # a node's cores among its ranks
+        threads=max(1, (config.device.threads or usable_cores()) // local_ranks(pp * tp)),  # among its ranks
         log_level=logging.getLogger("pagedllm").getEffectiveLevel(),
         max_rank_memory_mb=par.max_rank_memory_mb,
     )
@@ -219,6 +219,8 @@ class LLM:
             _draft_source(spec_cfg.model, source) if spec_cfg is not None and spec_cfg.method == "draft" else None
         )
         torch.manual_seed(load.seed)
+        if config.device.threads:  # (a parallel run splits them among its ranks: _start_executor)
+            torch.set_num_threads(config.device.threads)
         self._finalizer = None
         executor = _start_executor(config, source, dt, dev)
         try:

@@ -90,6 +90,12 @@ class DeviceConfig:
 
     device: str = option("auto", "auto, cpu, cuda, cuda:N or mps")
     dtype: str = option("auto", "auto, float32, bfloat16 or float16")
+    threads: int | None = option(
+        None,
+        "CPU threads the engine computes with, split among the ranks of a parallel run on this machine "
+        "(llama.cpp's --threads; unset: every core this process may use)",
+        metavar="N",
+    )
 
 
 @dataclass
@@ -421,6 +427,7 @@ class EngineConfig:
             ("tensor_parallel_size", self.parallel.tensor_parallel_size),
             ("pipeline_parallel_size", self.parallel.pipeline_parallel_size),
             ("limit_mm_per_prompt", self.multimodal.limit_mm_per_prompt),
+            ("threads", 1 if self.device.threads is None else self.device.threads),
         ):
             if not isinstance(value, int) or isinstance(value, bool):
                 raise ValueError(f"{name} must be an integer, got {value!r}")
