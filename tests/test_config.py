@@ -101,3 +101,16 @@ def test_a_model_lacking_what_it_declares_is_refused_where_it_is_built():
 
     with pytest.raises(TypeError, match="Half declares CausalLM but lacks"):
         check_contract(Half())
+
+
+def test_the_threads_option_sets_the_threads_the_engine_computes_with():
+    import torch
+
+    from pagedllm import LLM
+
+    before = torch.get_num_threads()
+    try:
+        LLM("default", threads=1, kv_cache_memory_mb=8)
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
