@@ -235,6 +235,19 @@ def _parse(name: str, raw: str | None) -> Any:
     return raw
 
 
+def export_for_native() -> None:
+    """Write each variable the native library reads (layer "C++") back in the one spelling its
+    C++ reader knows ("1"/"0", a plain integer, a level's name), as parsed here: one parser for
+    both languages, so `PAGEDLLM_AMX=false` means off to the kernels as it does to Python. A bad
+    value is refused here, before the library loads. Unset variables stay unset."""
+    for name, f in _FIELDS.items():
+        m = f.metadata
+        if "C++" not in m["layer"] or os.environ.get(m["env"]) is None:
+            continue
+        value = get(name)
+        os.environ[m["env"]] = ("1" if value else "0") if m["kind"] is bool else str(value)
+
+
 def table() -> str:
     """The settings as docs/configuration.md's Markdown table."""
     rows = ["| Variable | Type | Default | Read by | What it is for |", "|---|---|---|---|---|"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import fields
 from pathlib import Path
@@ -79,3 +80,32 @@ def test_from_env_reads_a_given_mapping():
     assert (s.native, s.allow_long_max_model_len, s.tp_timeout_s, s.quant_act) == (False, True, 2.5, "auto")
     with pytest.raises(AttributeError):  # frozen
         s.native = True  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("off", ["0", "false", "off", "no"])
+def test_the_native_library_reads_a_variable_as_python_does(off):
+    # One parser: PAGEDLLM_AMX=false turned AMX off for Python and on for the C++ reader (which
+    # looked at the first character only); now Python writes the parsed value back as "0".
+    import subprocess
+    import sys
+
+    def amx_rows(value: str) -> str:
+        code = "from pagedllm.quant.kernels import amx_rows; print(amx_rows())"
+        env = {**os.environ, "PAGEDLLM_AMX": value}
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        return out.stdout.strip()
+
+    if amx_rows("true") == "0":
+        pytest.skip("no AMX here (or no native kernels): nothing to turn off")
+    assert amx_rows(off) == "0"
+
+
+def test_a_bad_value_for_the_native_library_is_refused_before_it_loads(monkeypatch):
+    monkeypatch.setenv("PAGEDLLM_AMX_ROWS", "sixteen")
+    with pytest.raises(ValueError, match="PAGEDLLM_AMX_ROWS='sixteen' is not an integer"):
+        settings.export_for_native()
+    monkeypatch.setenv("PAGEDLLM_AMX_ROWS", " 8")
+    monkeypatch.setenv("PAGEDLLM_HUGE_PAGES", "off")
+    settings.export_for_native()
+    assert (os.environ["PAGEDLLM_AMX_ROWS"], os.environ["PAGEDLLM_HUGE_PAGES"]) == ("8", "0")

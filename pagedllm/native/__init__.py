@@ -44,10 +44,6 @@ def library_path() -> Path | None:
     return found[0] if found else None
 
 
-def _check_level_cap() -> None:
-    settings.get("native_isa")  # (refuses a level not in LEVELS before C++ reads it)
-
-
 @lru_cache(maxsize=1)
 def cpu_kernels():
     """The op namespace `torch.ops.pagedllm` (`paged_decode`, `linear_small_m`, `quant_*`), or
@@ -56,7 +52,7 @@ def cpu_kernels():
     if why:
         logger.info("native CPU kernels off (%s): the PyTorch paths are used", why)
         return None
-    _check_level_cap()
+    settings.export_for_native()  # the C++ side reads these variables in Python's spelling
     import torch
 
     lib = library_path()
