@@ -87,7 +87,7 @@ class RotaryEmbedding(torch.nn.Module):
 
     def _tables(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """The tables rounded to `dtype` once (the same values as rounding the rows looked up:
-        a decode step then makes two small ops, not four; each cost some 20 us there). Made again
+        a decode step then makes two small ops, not four, each a fixed cost). Made again
         when the float32 tables are replaced (reset_buffers, a move to another device)."""
         key = (dtype, self.cos.device, self.cos.data_ptr(), self.sin.data_ptr())
         cached = self.__dict__.get("_rounded")

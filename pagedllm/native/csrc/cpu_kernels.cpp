@@ -31,7 +31,7 @@ inline void load_row(const T* src, float* dst, int64_t d) {
 
 #ifdef PQ_X86
 // float16 widened 8 at a time (exact, as the scalar conversion): c10::Half's bit-twiddling
-// conversion does not vectorize, and an f16 cache read that way ran 25% slower at 32 sequences.
+// conversion does not vectorize, and an f16 cache read that way was slower at 32 sequences.
 inline void load_row(const c10::Half* src, float* dst, int64_t d) {
   int64_t i = 0;
   for (; i + 8 <= d; i += 8)
@@ -223,8 +223,7 @@ std::vector<std::pair<int64_t, int64_t>> row_groups(const I* tables, int64_t max
 }
 
 // sg[t] = exp(sg[t] - m) for t < len. The loop of expf calls did not vectorize (glibc's vector
-// expf is declared only under -ffast-math): at 32 sequences of 160 keys, 40% of the kernel's time;
-// here 8 lanes at a time with the Cephes exp the fused epilogue and prefill attention use. The
+// expf is declared only under -ffast-math), and took a large share of the kernel's time; here 8 lanes at a time with the Cephes exp the fused epilogue and prefill attention use. The
 // last vector may write lanes past len: a row's scores have CHUNK (a multiple of 8) floats.
 inline void exp_shifted(float* sg, int64_t len, float m) {
 #ifdef PQ_X86

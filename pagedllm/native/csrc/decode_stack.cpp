@@ -311,8 +311,8 @@ struct LoRADeltas {
 #ifdef PQ_X86
     // This thread's run of A and its panels of B^T asked for at once, into L2 (a 32-row step
     // over four adapters asks for some 300 KB): the shrink then finds A on its way, and the
-    // panels arrive while the product streams the base weights (2-4% of a batch-1 step with
-    // an adapter, measured against no prefetch).
+    // panels arrive while the product streams the base weights (a batch-1 step with an adapter
+    // ran faster than without the prefetch: docs/benchmarks/lora.md).
     for (int64_t u = u0; u < u1; ++u) {
       const auto [gi, j] = s.units[u];
       const T* a = groups[gi].a->template data_ptr<T>();

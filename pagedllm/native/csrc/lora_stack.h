@@ -1,8 +1,7 @@
 // The adapters a decode step's rows use, for quant_decode_layers (decode_stack.cpp): made once
 // in Python (torch.classes.pagedllm.LoRAStack) whenever an adapter comes or goes or the step's
 // slots change, and then handed to every step as one object. Passed as three lists of tensors
-// instead, each step paid a conversion per element, 360 of them at one slot on a 30-layer
-// model: about 5% of a batch-1 step.
+// instead, each step paid a conversion per element, hundreds of them on a 30-layer model.
 //
 // Included by isa.h before its target pragmas (so its inline code keeps the baseline target in
 // every object), and by dispatch.cpp, which registers the class.

@@ -1,8 +1,7 @@
 // The sparse MoE blocks of a model, for quant_decode_layers (decode_stack.cpp): made once in
 // Python (torch.classes.pagedllm.MoeStack, models/moe.py) when the all-layer decode's plan is
 // made, and handed to every step as one object. An MoE layer holds 100-200 expert tensors;
-// passed as lists they cost a conversion per element every step (about 0.3 us each, some 3%
-// of a batch-1 OLMoE token).
+// passed as lists they would cost a conversion per element every step.
 //
 // Included by isa.h before its target pragmas (so its inline code keeps the baseline target in
 // every object), and by dispatch.cpp, which registers the class.

@@ -2,9 +2,9 @@
 // its whole context, read in place from the paged cache by block table (no gather copy of a
 // cached prefix), FlashAttention's recurrence per query row: scores and weighted values as
 // bf16 dot products accumulated in float32 (AVX-512 BF16, 32 multiply-adds an instruction),
-// softmax in float32 with a running max and sum. PyTorch's CPU flash attention ran at about
-// 100 GFLOP/s on these shapes (head dim 64-128, a few heads): 36% of a 512-token prefill of
-// SmolLM2 and 75% of a 4096-token one.
+// softmax in float32 with a running max and sum. PyTorch's CPU flash attention was slow on
+// these shapes (head dim 64-128, a few heads), a large share of a long prefill
+// (docs/benchmarks/native-kernels.md).
 //
 // Work items are (query tile of QT positions, KV head); a tile's G = Hq / Hkv query heads and
 // QT positions share every block of KB keys, packed once per block for all of them:

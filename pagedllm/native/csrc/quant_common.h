@@ -443,7 +443,7 @@ struct QAct {
   int64_t m = 0, k = 0;
   // Block-major: the index of row `row`'s 32-value block `c`. A kernel tile of rows reads one
   // contiguous run per block; row-major, each of its rows was a stream of its own, and tiles of
-  // 8+ rows starved the hardware prefetcher of the weights' stream (2.5x slower from DRAM).
+  // 8+ rows starved the hardware prefetcher of the weights' stream when read from DRAM.
   int64_t at(int64_t row, int64_t c) const { return c * m + row; }
 };
 
@@ -464,8 +464,8 @@ inline void quantize_block(const float* v, int8_t* dst, float& d, int32_t& s0, i
 #ifdef PQ_X86
 // quantize_block, 8 lanes at a time, from four vectors of the block's values: the same max, scale,
 // products and rounding (round to nearest even: the default mode nearbyint follows), so the same
-// bytes and sums. The scalar loops were about 100 cycles a block: a 8960-wide down projection's
-// input took 10 us at batch 1, twice that in two levels.
+// bytes and sums. The scalar loops made quantizing a wide projection's input a visible part of
+// a batch-1 step, twice that in two levels.
 inline void quantize_block8(const __m256 (&v)[4], int8_t* dst, float& d, int32_t& s0, int32_t& s1) {
   const __m256 sign = _mm256_set1_ps(-0.f);
   const __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
@@ -645,8 +645,8 @@ inline int64_t grain_for(int64_t rows) {
 // Runs f(b, e) on [0, n) in one parallel region, each thread one contiguous share, cut where
 // the summed cost is even rather than the unit count. The units come in runs of equal cost
 // (a fused projection's parts: bytes read per unit; run r ends at unit ends[r]). q|k|v with a
-// Q6_K v and Q4_K q and k gave the thread holding v 28% more bytes to read on OLMoE's shape,
-// and the other waited for it.
+// Q6_K v and Q4_K q and k gave the thread holding v more bytes to read than the other, which
+// waited for it.
 template <typename F>
 void parallel_by_cost(const std::vector<int64_t>& ends, const std::vector<double>& cost, int64_t min_units, F&& f) {
   const int64_t n = ends.empty() ? 0 : ends.back();

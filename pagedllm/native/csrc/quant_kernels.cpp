@@ -420,9 +420,8 @@ at::Tensor moe_experts(const float* xp, int64_t n_tok, int64_t hidden, const int
   for (int64_t e = 0; e < n_exp; ++e)
     if (!rows[e].empty()) active.push_back(e);
   if (active.empty()) return at::zeros({n_tok, hidden}, at::TensorOptions().dtype(at::kFloat));  // (no rows)
-  // Only the active experts' weights are checked: a step reads only those (at batch 1, 8 of
-  // OLMoE's 64), and checking all 64 cost about 10 us a layer (a top-1 block on 1 thread,
-  // 125 -> 114 us).
+  // Only the active experts' weights are checked: a step reads only those (at batch 1, a few of
+  // OLMoE's 64), and checking all of them every layer cost a visible share of the block.
   int64_t inter2 = -1;
   std::vector<std::vector<int64_t>> gu_row0(n_exp);
   for (int64_t e : active) {
@@ -783,7 +782,7 @@ std::tuple<at::Tensor, at::Tensor> quant_moe_block(const at::Tensor& x, const at
 // q|k|v rows [M, (hq + 2 hkv) d] with their q and k RMSNorms applied in place (qk_norm_rows),
 // then every value clamped to +-clip where clip > 0 (OLMoE's clip_qkv). The quantized decode
 // path's q/k norms, per layer (models/llama.py) and in the all-layer decode alike: ATen's
-// rms_norm on CPU is a chain of small ops, some 40 us a layer for the two norms at batch 1.
+// rms_norm on CPU is a chain of small ops, a fixed cost per layer that dominates at batch 1.
 void qk_norm(at::Tensor qkv, const at::Tensor& wq, const at::Tensor& wk, int64_t hq, int64_t hkv, double eps,
              double clip) {
   TORCH_CHECK(qkv.device().is_cpu() && qkv.dim() == 2 && qkv.is_contiguous() && hq > 0 && hkv > 0 &&
@@ -806,8 +805,8 @@ void qk_norm(at::Tensor qkv, const at::Tensor& wq, const at::Tensor& wk, int64_t
 
 // RMSNorm of the rows of x [M, K] in x's dtype, as the fused projections' norms compute it
 // (within a few float32 ulps of F.rms_norm, whose sum runs in another order): the model's final
-// norm. ATen's rms_norm on CPU is a chain of small ops; right after a decode step's weights
-// have streamed through the caches it took some 167 us at batch 1 on SmolLM2 (2% of the step).
+// norm. ATen's rms_norm on CPU is a chain of small ops, slow right after a decode step's weights
+// have streamed through the caches.
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && w.dim() == 1 && w.numel() == x.size(1) &&
                   w.scalar_type() == x.scalar_type(),

@@ -48,7 +48,7 @@ struct PLayout {
 
 // Software prefetch of the weights `ahead` bytes before the block being read (past a group's end
 // it reaches the next group, which follows in memory). With several rows a block takes long
-// enough that the hardware prefetcher fell behind: tiles of 8+ rows ran 2.5x slower streaming
+// enough that the hardware prefetcher fell behind: tiles of 8+ rows ran far slower streaming
 // from DRAM than from cache, and even 1-4 rows gained a little. The distance is
 // pagedllm::weight_prefetch_bytes(rows): nearer while the weights come from DRAM, farther while
 // they fit the cache, at least 2 KiB for tiles of 4+ rows (weight_memory.h and .cpp, where it
@@ -723,8 +723,7 @@ void group_vnni(const uint8_t* gp, const QAct& x, int64_t r0, float* y, int64_t 
 // ---------------------------------------------------------------------------------------------
 // AMX-BF16 (Sapphire Rapids and later), for steps of many rows. An integer tile product does
 // not fit these formats: every 32-value block has its own scales, so each block's 16 x 16 dots
-// would have to leave the tile to be scaled (a tile store, some 50 cycles: measured 0.3-0.9x
-// of vpdpbusd). Here each block is decoded to bfloat16 weights, scales applied (s * q + m,
+// would have to leave the tile to be scaled (a tile store each: slower than vpdpbusd). Here each block is decoded to bfloat16 weights, scales applied (s * q + m,
 // rounded to nearest even: the values the dequantize + GEMM route multiplies), as one
 // [16 pairs of values, 16 rows] tile; TDPBF16PS multiplies it with 16 activation rows and sums
 // in float32 inside the tile over the whole row, and the sums leave the tile once per group.

@@ -13,15 +13,10 @@
 // PAGEDLLM_HUGE_PAGES=0: plain memory, as before.
 //
 // The kernels' software prefetch distance follows the bytes of weights alive. While they exceed
-// half the last-level cache, a decode step reads them from DRAM, and 2 KiB ahead was fastest:
-// on Qwen2.5-Coder-1.5B Q4_K_M (980 MB a token; Intel Xeon with AMX, 480 MiB L3, 2 threads,
-// rounds of one process alternating the distance) 1-2.5 KiB ran the step 3-5% faster than the
-// former 8 blocks (2.3 KiB of Q4_K, 3.3 KiB of Q6_K: the Q6_K head took 8.2 against 6.7 ms)
-// and 3 KiB or more 4% slower; the 0.5B (491 MB file) 9% faster. While they fit, the step reads
-// them from cache, and farther was faster: SmolLM2-135M Q4_1 ran 5% faster at 6-12 KiB than at
-// 8 blocks, and 6% slower at 2 KiB. On AMD EPYC (Zen 4, 32 MiB L3 per CCD, no AMX) both models
-// ran fastest at 0-256 B: the 1.5B 4-8% faster than at 2 KiB, SmolLM2 (96 MB: DRAM there)
-// 6% faster than at 8 KiB and 8% than at 2 KiB; so AMD's CPUs get 256 B whatever the weights.
+// half the last-level cache, a decode step reads them from DRAM, and 2 KiB ahead was fastest on
+// Intel (nearer or farther, slower). While they fit, the step reads them from cache, and
+// farther was faster. AMD's cores (Zen 4) ran fastest with little or no software prefetch,
+// whatever the weights, so they get 256 B. The measurements: docs/benchmarks/quantized-kernels.md.
 // PAGEDLLM_PREFETCH_BYTES=n fixes the distance (0: none).
 #include "weight_memory.h"
 
@@ -66,9 +61,8 @@ int64_t llc_bytes() {
   return n > 0 ? n : 0;
 }
 
-// AMD's cores (Zen 4 measured) need no help beyond the next lines at batch 1: any distance
-// from 0 to 256 B ran as fast as any other or faster, 2 KiB up to 6% and 8 KiB 6-9% slower
-// (above). Tiles of 4+ rows still take 2 KiB (weight_memory.h).
+// AMD's cores (Zen 4) need no help beyond the next lines at batch 1: farther distances ran
+// slower (above). Tiles of 4+ rows still take 2 KiB (weight_memory.h).
 constexpr int AMD_DISTANCE = 256;
 
 bool amd_cpu() {
