@@ -74,7 +74,9 @@ def test_make_gguf_qwen3_shape(tmp_path, smollm2_gguf_path):
     assert tuple(tensors["blk.1.attn_q.weight"].shape) == (shape.hidden, shape.heads * shape.head_dim)
     assert not any(n.endswith(".bias") for n in tensors)
     llm = LLM(str(path), kv_cache_memory_mb=8)
-    assert llm.engine.model._stack_plan() is not None
+    from pagedllm.models.decode_stack import stack_plan
+
+    assert stack_plan(llm.engine.model) is not None
     out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4
 

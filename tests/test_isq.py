@@ -11,6 +11,7 @@ import torch
 from pagedllm import LLM
 from pagedllm.quant.formats import QuantFormatError
 from pagedllm.quant.isq import ISQ_TYPES, quantize, requantize
+from pagedllm.models.decode_stack import stack_plan
 from pagedllm.quant.kernels import available_isas
 
 Q = gguf.GGMLQuantizationType
@@ -279,7 +280,7 @@ def test_decode_stack_applies_qwen3_qk_norms(tmp_path, hf_smollm2_tokenizer, dty
     )
     assert stacked_steps >= 10, "the decode stack did not take Qwen3's layers"
     # The norms matter: the stack without them (as if the layers had none) goes elsewhere.
-    plan = llm.engine.model._stack_plan()
+    plan = stack_plan(llm.engine.model)
     norms, plan["qk_norms"] = plan["qk_norms"], []
     try:
         unnormed = llm.generate(prompts, sp)
@@ -312,7 +313,7 @@ def test_decode_stack_runs_sparse_moe_layers(tmp_path, hf_smollm2_tokenizer, fam
     )
     _, plain, stacked_steps, sp, prompts, llm = _stack_against_layers(path, monkeypatch, dtype="float32", isq="Q8_0")
     model = llm.engine.model
-    plan = model._stack_plan()
+    plan = stack_plan(model)
     assert stacked_steps >= 10 and plan["moe_layers"], "the decode stack did not take the sparse layers"
     assert (family == "qwen3_moe") == (len(plan["moe_layers"]) < len(model.layers))
     assert plan["qkv_clip"] == (4.0 if family == "olmoe" else 0.0)

@@ -15,28 +15,18 @@ from __future__ import annotations
 from typing import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..attention.backend import AttentionContext
 from ..config import ModelConfig
 from ..quant import kernels as qk
 from ..quant.formats import QuantTensor
+from .decode_stack import decode_stack
+from .norm import RMSNorm
 from .linear import Embedding, Linear
 from .parallel import ShardLayout, narrow
 from .rope import RotaryEmbedding, apply_rope
 from .stages import Stage, whole
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # One fused op (fp32 accumulation inside) instead of six.
-        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -278,151 +268,15 @@ class LlamaForCausalLM(nn.Module):
         if self.norm is None:  # a pipeline stage before the last: the next stage goes on from h
             return h
         # One native call where it is a plain RMSNorm, on both paths so the all-layer decode keeps
-        # the per-layer path's bits: ATen's chain of small ops took some 167 us after a decode
-        # step (2% of a SmolLM2 step at batch 1; 14 us with warm caches).
+        # the per-layer path's bits; ATen's chain of small ops is a visible share of a small
+        # model's decode step.
         return qk.rms_norm(h, self.norm) if type(self.norm) is RMSNorm else self.norm(h)
 
     def _decode_stack(
         self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionContext
     ) -> torch.Tensor | None:
-        """A decode-only step with every projection quantized and few rows: all the layers in
-        one native call (the same five calls a layer makes below, without the interpreter
-        between them); None where that does not apply."""
-        if h.dim() != 2 or h.shape[0] > qk.int_rows():
-            return None
-        plan = self._stack_plan()
-        if plan is None:
-            return None
-        lora = None
-        if self.lora_state is not None and self.lora_state.active:
-            # (adapters on MoE layers, or a test that asks for it: the layers one by one)
-            if not qk.decode_layers_take_lora() or plan["moe_layers"]:
-                return None
-            lora = self._stack_lora()
-        kv = meta.decode_stack(plan["attns"], h.dtype, plan["pools"])  # None: not a decode-only native paged step
-        if kv is None:
-            return None
-        a = self.layers[self.stage.start].self_attn
-        out = qk.decode_layers(h, plan, kv, rope, a.num_heads, a.num_kv_heads, a.scale, lora)
-        for i, mlp in plan["moe_layers"]:  # this step's expert ids are the stack's (trace)
-            mlp.ids_from(plan["moe"], i)
-        return out
-
-    def _stack_lora(self) -> tuple:
-        """The step's adapters for `_decode_stack`: a native LoRAStack of every projection's
-        used slots in its order (A's native copy, B^T's panels and their index; None where
-        that slot leaves the projection alone), made again only when an adapter came or went
-        or the step's slots changed, and the step's row groups. One object crosses into the
-        native call each step, not a list element per projection and slot (each costs a
-        conversion there); only the used slots are in it, as most steps use few of `max_loras`."""
-        state = self.lora_state
-        used = tuple(s for s, _ in state.groups)
-        cached = getattr(self, "_lora_flat", None)
-        if cached is None or cached[0] != (state.version, used):
-            a, panels, index = [], [], []
-            for layer in self.stage_layers():
-                for p in (
-                    layer.self_attn.qkv_proj,
-                    layer.self_attn.o_proj,
-                    layer.mlp.gate_up_proj,
-                    layer.mlp.down_proj,
-                ):
-                    a += [p.lora.a_native[s] for s in used]
-                    panels += [p.lora.panels[s] for s in used]
-                    index += [p.lora.panel_index[s] for s in used]
-            cached = self._lora_flat = ((state.version, used), qk.lora_stack(a, panels, index, len(used)))
-        return cached[1], list(range(len(used))), [rows for _, rows in state.groups]
-
-    def _stack_plan(self) -> dict | None:
-        """The flattened weights of `_decode_stack`, made once; None unless every layer is a
-        plain decoder layer whose four projections are quantized."""
-        plan = getattr(self, "_plan", False)
-        if plan is not False:
-            if plan is not None:
-                # The runner (or a calibration pass) may have set other attention layers since;
-                # then the pools found for the old ones go. (Plain attribute reads: going
-                # through the modules costs some 60 us a step on a 30-layer model.)
-                attns = [a.attn for a in plan["attn_modules"]]
-                if attns != plan["attns"]:
-                    plan["attns"], plan["pools"] = attns, {}
-            return plan
-        self._plan = None
-        layers = self.stage_layers()
-        if not qk.decode_layers_available() or not layers or self.tp is not None:
-            return None  # (tensor-parallel layers all-reduce between their projections)
-        weights, types, parts, kdims, norms, biases, qk_norms, sparse = [], [], [], [], [], [], [], []
-        eps = {layer.input_layernorm.eps for layer in layers} | {layer.post_attention_layernorm.eps for layer in layers}
-        clips = set()
-        for layer in layers:
-            if (
-                not type(layer).__dict__.get("stack_decode")
-                or type(layer.input_layernorm) is not RMSNorm
-                or type(layer.post_attention_layernorm) is not RMSNorm
-            ):
-                return None
-            a = layer.self_attn
-            if a.q_norm is not None:  # Qwen3 (per head), OLMoE (whole projections): in the stack if it takes them
-                if (
-                    type(a.q_norm) is not RMSNorm
-                    or type(a.k_norm) is not RMSNorm
-                    or not qk.decode_layers_take_qk_norms()
-                ):
-                    return None
-                if a.q_norm.weight.numel() != a.head_dim and not qk.decode_layers_take_moe():
-                    return None
-                qk_norms += [a.q_norm.weight, a.k_norm.weight]
-                eps |= {a.q_norm.eps, a.k_norm.eps}
-            clips.add(getattr(a, "clip", None))
-            # A sparse MoE block (models/moe.py) runs whole in the stack where it can; it then
-            # has no dense MLP weights there.
-            entry = (
-                layer.mlp.stack_entry(type(layer.post_attention_layernorm))
-                if hasattr(layer.mlp, "stack_entry")
-                else False
-            )
-            if entry is None or (entry is not False and not qk.decode_layers_take_moe()):
-                return None
-            sparse.append(entry or None)
-            projs = [a.qkv_proj, a.o_proj] + ([layer.mlp.gate_up_proj, layer.mlp.down_proj] if entry is False else [])
-            if any(type(p) is not Linear or p.qparts is None or p.permutes for p in projs):
-                return None
-            for p in projs:
-                weights += [q.data for q in p.qparts]
-                types += [q.type_id for q in p.qparts]
-                parts.append(len(p.qparts))
-                kdims.append(p.in_features)
-                biases.append(p.bias)
-            if entry is not False:
-                parts += [0, 0]
-                kdims += [0, 0]
-                biases += [None, None]
-            norms += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
-        if len(eps) != 1 or len(clips) != 1:
-            return None
-        if qk_norms and len(qk_norms) != 2 * len(layers):
-            return None
-        clip = clips.pop()
-        if clip is not None and (not qk_norms or not qk.decode_layers_take_moe()):
-            return None
-        moe = qk.moe_stack(sparse) if any(e is not None for e in sparse) or clip is not None else None
-        attn_modules = [layer.self_attn for layer in layers]
-        self._plan = {
-            "attn_modules": attn_modules,
-            "attns": [a.attn for a in attn_modules],
-            "pools": {},
-            "weights": weights,
-            "types": types,
-            "parts": parts,
-            "kdims": kdims,
-            "norms": norms,
-            "eps": eps.pop(),
-            "biases": biases,
-            "qk_norms": qk_norms,
-            "moe": moe,
-            "qkv_clip": float(clip or 0.0),
-            "moe_layers": [(i, layer.mlp) for i, layer in enumerate(layers) if sparse[i] is not None],
-        }
-        return self._plan
+        """All the layers of a decode-only step in one native call, or None (models/decode_stack.py)."""
+        return decode_stack(self, h, rope, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """[rows, vocab] float32 logits. Vocab-parallel: this rank's columns are gathered to
