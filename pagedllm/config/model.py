@@ -75,17 +75,7 @@ class ModelConfig:
             # Qwen2.5-VL's configs as published keep the language model's keys at the top level.
             d = {**d, "text_config": {k: v for k, v in d.items() if k != "vision_config"}}
         if isinstance(d.get("text_config"), dict) and isinstance(d.get("vision_config"), dict):
-            # A vision-language model: its language model's config, under the VLM's architecture.
-            # Top-level values the text config lacks (or that override it: tie_word_embeddings)
-            # come along.
-            text = {
-                **{k: d[k] for k in ("eos_token_id", "bos_token_id") if k in d},
-                **d["text_config"],
-                "architectures": archs,
-            }
-            if "tie_word_embeddings" in d:
-                text["tie_word_embeddings"] = d["tie_word_embeddings"]
-            cfg = cls.from_hf_dict(text)
+            cfg = cls.from_hf_dict(_language_model(d, archs))
             cfg.vision = d
             return cfg
         n_heads = int(d["num_attention_heads"])
@@ -96,19 +86,7 @@ class ModelConfig:
         layer_windows = _layer_windows(d, n_layers, window)
         eos = d.get("eos_token_id")
         eos_ids = [] if eos is None else ([int(eos)] if isinstance(eos, int) else [int(e) for e in eos])
-        rope_theta, rope_scaling = _rope(d, d.get("rope_theta"), d.get("rope_scaling"), "full_attention")
-        mrope_section = None
-        for rp in (d.get("rope_parameters"), d.get("rope_scaling")):
-            if isinstance(rp, dict) and rp.get("mrope_section"):
-                mrope_section = [int(x) for x in rp["mrope_section"]]
-                break
-        if (rope_scaling or {}).get("rope_type", (rope_scaling or {}).get("type")) == "mrope":
-            rope_scaling = None  # M-RoPE's frequencies are the default ones (mrope_section above)
-        local_theta, local_scaling = None, None
-        if "rope_local_base_freq" in d or _per_layer_type_rope(d):  # Gemma 3: sliding layers' own rope
-            local_theta, local_scaling = _rope(d, d.get("rope_local_base_freq"), None, "sliding_attention")
-        if (rope_scaling or {}).get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0)) != 1.0:
-            raise ValueError("partial_rotary_factor != 1 (rope on part of each head) is not supported")
+        rope = _rope_fields(d)
         moe = _moe(d, archs[0], n_layers)
         attention_bias = d.get("attention_bias", False)
         if archs[0] == "Qwen2MoeForCausalLM":  # q/k/v biases unless the config turns them off
@@ -123,8 +101,6 @@ class ModelConfig:
             num_kv_heads=int(d.get("num_key_value_heads") or n_heads),
             head_dim=int(head_dim),
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
-            rope_scaling=rope_scaling,
             max_position_embeddings=int(d.get("max_position_embeddings") or 4096),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_bias=bool(attention_bias),
@@ -133,16 +109,47 @@ class ModelConfig:
             layer_windows=layer_windows,
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
-            local_rope_theta=None if local_theta is None else float(local_theta),
-            local_rope_scaling=local_scaling,
             query_pre_attn_scalar=d.get("query_pre_attn_scalar"),
             attn_logit_softcapping=d.get("attn_logit_softcapping"),
             final_logit_softcapping=d.get("final_logit_softcapping"),
             hidden_activation=d.get("hidden_activation") or d.get("hidden_act") or "silu",
             clip_qkv=d.get("clip_qkv"),
-            mrope_section=mrope_section,
+            **rope,
             **moe,
         )
+
+
+def _language_model(d: dict, archs: list) -> dict:
+    """A vision-language model's language model config, under the VLM's architecture. Top-level
+    values the text config lacks (or that override it: tie_word_embeddings) come along."""
+    text = {**{k: d[k] for k in ("eos_token_id", "bos_token_id") if k in d}, **d["text_config"], "architectures": archs}
+    if "tie_word_embeddings" in d:
+        text["tie_word_embeddings"] = d["tie_word_embeddings"]
+    return text
+
+
+def _rope_fields(d: dict) -> dict[str, Any]:
+    """The rotary embedding's fields: global and sliding layers' theta and scaling, M-RoPE's sections."""
+    rope_theta, rope_scaling = _rope(d, d.get("rope_theta"), d.get("rope_scaling"), "full_attention")
+    mrope_section = None
+    for rp in (d.get("rope_parameters"), d.get("rope_scaling")):
+        if isinstance(rp, dict) and rp.get("mrope_section"):
+            mrope_section = [int(x) for x in rp["mrope_section"]]
+            break
+    if (rope_scaling or {}).get("rope_type", (rope_scaling or {}).get("type")) == "mrope":
+        rope_scaling = None  # M-RoPE's frequencies are the default ones (mrope_section above)
+    local_theta, local_scaling = None, None
+    if "rope_local_base_freq" in d or _per_layer_type_rope(d):  # Gemma 3: sliding layers' own rope
+        local_theta, local_scaling = _rope(d, d.get("rope_local_base_freq"), None, "sliding_attention")
+    if (rope_scaling or {}).get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise ValueError("partial_rotary_factor != 1 (rope on part of each head) is not supported")
+    return dict(
+        rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
+        rope_scaling=rope_scaling,
+        local_rope_theta=None if local_theta is None else float(local_theta),
+        local_rope_scaling=local_scaling,
+        mrope_section=mrope_section,
+    )
 
 
 def _moe(d: dict, arch: str, n_layers: int) -> dict[str, Any]:

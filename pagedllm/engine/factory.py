@@ -41,15 +41,10 @@ def build_engine(
     max_lora_rank: int = 16,
     runner_cls=ModelRunner,
 ) -> LLMEngine:
-    """`executor`: rank 0's side of tensor or pipeline parallelism (pagedllm/distributed), or
-    None. It prices a block for the per-rank KV budget (`kv_spec`), tells the other ranks the
-    pool's size (`setup`), builds rank 0's cache (`build_kv`), sees every cache operation
-    (`recorded`), collects the ranks' bytes (`gather_sizes`), and runs each step's plan
-    (`forward`, called by the ModelRunner). `draft`: the loaded draft model of speculative method "draft"
-    (its KV groups draw from this engine's block pool: one budget, each block a page of both
-    caches). LoRA adapters are enabled by `sched_cfg.max_loras` > 0 (that many slots, of rank up
-    to `max_lora_rank`). `runner_cls`: the ModelRunner, or a subclass that runs the step another
-    way (the planning benchmark's runner plans every step without the forward)."""
+    """`executor`: rank 0's side of tensor or pipeline parallelism (distributed/executor.py), or
+    None. `draft`: the loaded draft model of speculative method "draft" (its KV groups draw from
+    this engine's block pool). LoRA adapters: `sched_cfg.max_loras` > 0 slots of rank up to
+    `max_lora_rank`. `runner_cls`: the ModelRunner, or a subclass that runs the step another way."""
     cache_cfg.validate()
     sched_cfg.validate()
     check_draft_setup(speculative, draft)
@@ -57,12 +52,7 @@ def build_engine(
     groups, kv_spec, draft_spec, plan, kv_cache, backend, copy_fn = _build_kv(
         loaded, cache_cfg, sched_cfg, device, dtype, executor, draft
     )
-    prefix_caching, note = prefix_caching_mode(cache_cfg, cfg)
-    if cache_cfg.prefix_caching and not prefix_caching:
-        logger.info("prefix caching is off: %s", note)
-    block_manager = BlockManager(
-        plan.num_blocks, cache_cfg.block_size, prefix_caching, cache_cfg.prefix_cache_n, copy_fn, groups.windows
-    )
+    block_manager, prefix_caching, note = _block_manager(cache_cfg, cfg, plan.num_blocks, copy_fn, groups)
     lora = LoRAManager(model, sched_cfg.max_loras, max_lora_rank, dtype, device) if sched_cfg.max_loras else None
     # Vision-language models: image embeddings cached by content hash, encoded in the step
     # within an encoder budget (pagedllm/multimodal).
@@ -71,35 +61,11 @@ def build_engine(
     )
     output = OutputProcessor(loaded.tokenizer, set(cfg.eos_token_ids) | set(loaded.tokenizer.eos_token_ids))
     structured = GrammarEngine(loaded.tokenizer, cfg.vocab_size, sorted(output.eos_token_ids))
+    sampler = Sampler(device, seed)
     runner = runner_cls(
-        model,
-        backend,
-        cache_cfg.block_size,
-        device,
-        Sampler(device, seed),
-        structured=structured,
-        driver=executor,
-        lora=lora,
-        encoder_cache=encoder_cache,
+        model, backend, cache_cfg.block_size, device, sampler, structured, executor, lora, encoder_cache
     )
-    draft_model = (
-        DraftModel(
-            draft,
-            draft_spec,
-            cache_cfg,
-            block_manager,
-            device,
-            dtype,
-            sched_cfg.max_num_batched_tokens,
-            speculative.draft_vocab,
-            speculative.draft_weights,
-        )
-        if draft is not None
-        else None
-    )
-    spec = (
-        SpeculativeDecoder(speculative, sched_cfg.max_model_len, draft=draft_model) if speculative is not None else None
-    )
+    spec = _speculative_decoder(speculative, draft, draft_spec, cache_cfg, sched_cfg, block_manager, device, dtype)
     # A preempted sequence's draft blocks go back to the pool at once, so the scheduler's room
     # check sees them before it preempts another.
     scheduler = Scheduler(sched_cfg, block_manager, encoder_cache, on_preempt=spec.release if spec else None)
@@ -121,6 +87,40 @@ def build_engine(
         spec=spec,
         executor=executor,
     )
+
+
+def _block_manager(cache_cfg: CacheConfig, cfg, num_blocks: int, copy_fn, groups) -> tuple[BlockManager, bool, str]:
+    """The block manager, with prefix caching where it can run here (and why not, where not)."""
+    prefix_caching, note = prefix_caching_mode(cache_cfg, cfg)
+    if cache_cfg.prefix_caching and not prefix_caching:
+        logger.info("prefix caching is off: %s", note)
+    bm = BlockManager(
+        num_blocks, cache_cfg.block_size, prefix_caching, cache_cfg.prefix_cache_n, copy_fn, groups.windows
+    )
+    return bm, prefix_caching, note
+
+
+def _speculative_decoder(
+    speculative, draft, draft_spec, cache_cfg, sched_cfg, block_manager, device, dtype
+) -> SpeculativeDecoder | None:
+    """Speculative decoding as configured (None: off); a draft model's cache draws from the
+    engine's block pool."""
+    if speculative is None:
+        return None
+    draft_model = None
+    if draft is not None:
+        draft_model = DraftModel(
+            draft,
+            draft_spec,
+            cache_cfg,
+            block_manager,
+            device,
+            dtype,
+            sched_cfg.max_num_batched_tokens,
+            speculative.draft_vocab,
+            speculative.draft_weights,
+        )
+    return SpeculativeDecoder(speculative, sched_cfg.max_model_len, draft=draft_model)
 
 
 def _build_kv(

@@ -22,6 +22,7 @@ import torch
 from ..config import CacheConfig, SchedulerConfig
 from ..device import KEEP_BUFFERS_BYTES, keep_freed_buffers, release_freed_memory
 from ..attention.backend import AttentionBackend
+from .admission import RequestChecks
 from ..kv.cache import CachePlan, KVCacheSpec
 from ..kv.groups import KVGroups
 from ..kv.trace import committed_bytes
@@ -111,6 +112,7 @@ class LLMEngine:
         self.max_in_flight = 0  # the most steps in flight at once so far
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
+        self.checks = RequestChecks(self)  # what each request is checked against as it arrives
         self.stats = {"prompt_tokens": 0, "generated_tokens": 0, "steps": 0}
         # Running share of allocated-but-empty token slots, for the trace.
         self.waste_sum, self.waste_steps = 0.0, 0
@@ -135,37 +137,11 @@ class LLMEngine:
         params.validate()
         mm = None
         if isinstance(prompt, MultiModalInput):
-            mm = self._check_images(prompt)
+            mm = self.checks.images(prompt)
             prompt, prompt_token_ids = mm.prompt, mm.prompt_token_ids
-        if lora_request is not None:
-            if self.lora is None:
-                raise ValueError(
-                    f"request names LoRA adapter {lora_request.lora_name!r} but LoRA is not "
-                    "enabled: start the engine with enable_lora=True (--enable-lora)"
-                )
-            self.lora.check(lora_request)
-        # (A pipeline's first stage has no head: the last stage's computes the logits.)
-        if self.model.lm_head is None and self.executor is None:
-            raise ValueError(
-                f"{self.model_name} is an embedding model (no LM head): it cannot generate "
-                "text; ask it for embeddings (/v1/embeddings, LLM.embed)"
-            )
+        self.checks.can_generate(lora_request)
         text = prompt if isinstance(prompt, str) else None
-        if prompt_token_ids is None:
-            if isinstance(prompt, str):
-                if not prompt:
-                    raise ValueError("prompt is empty: give at least one character or token id")
-                prompt_token_ids = self.tokenizer.encode(prompt)
-            elif prompt is None:
-                raise ValueError("no prompt given: pass a string or a list of token ids")
-            else:
-                prompt_token_ids = list(prompt)
-        prompt_token_ids = self._check_prompt(prompt_token_ids, params)
-        if mm is None and self.encoder_cache is not None and self.model.image_token_id in prompt_token_ids:
-            raise ValueError(
-                f"the prompt holds the image placeholder token ({self.model.image_token_id}) but no "
-                "image; send images as image parts (or multi_modal_data), not as their tokens"
-            )
+        prompt_token_ids = self.checks.prompt_ids(prompt, prompt_token_ids, params, mm)
         if mm is not None and not mm.images:
             mm = None  # a prompt without images runs as text
         rid = self._new_request_id(request_id)
@@ -195,34 +171,6 @@ class LLMEngine:
         self.scheduler.add(seqs[0])
         return rid
 
-    def _check_images(self, mm: MultiModalInput) -> MultiModalInput:
-        """A prompt with images, checked against what this model and the scheduler can take."""
-        if self.encoder_cache is None:
-            raise ValueError(
-                f"model {self.model_name!r} is text-only ({self.model_config.architecture}); "
-                "it takes no images: send text, or serve a vision-language model"
-            )
-        cfg = self.sched_config
-        if len(mm.images) > cfg.limit_images:
-            raise ValueError(
-                f"{len(mm.images)} images in one prompt but at most {cfg.limit_images} are allowed "
-                "(limit_mm_per_prompt)"
-            )
-        for im in mm.images:
-            if im.num_embeds > cfg.encoder_budget:
-                raise ValueError(
-                    f"an image of {im.num_embeds} tokens does not fit the step's encoder budget of "
-                    f"{cfg.encoder_budget} tokens; raise max_num_batched_tokens"
-                )
-            if mm.bidirectional and im.length > cfg.max_num_batched_tokens:
-                raise ValueError(
-                    f"an image of {im.length} tokens must be prefilled in one step, over "
-                    f"max_num_batched_tokens={cfg.max_num_batched_tokens}; raise it"
-                )
-        if self.model.mrope and mm.images:  # M-RoPE: the prompt's own positions
-            mm.rope_positions, mm.rope_delta = self.model.rope_index(mm)
-        return mm
-
     def _score_prompt(self, seq: Sequence, first: int, logits: torch.Tensor) -> None:
         """vLLM's prompt_logprobs, for the positions first.. of a scoring chunk: each next prompt
         token's logprob and the k most likely tokens' at that place. The request gets the entries
@@ -244,33 +192,6 @@ class LLMEngine:
         req = self.requests.get(seq.request_id)
         if req is not None and not seq.scoring_prompt:
             req.prompt_logprobs = seq.prompt_scores
-
-    def _check_prompt(self, ids: list[int], params: SamplingParams) -> list[int]:
-        if len(ids) == 0:
-            raise ValueError("prompt is empty: give at least one character or token id")
-        vocab = self.model_config.vocab_size
-        if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
-            bad = next(t for t in ids if not (isinstance(t, int) and 0 <= t < vocab))
-            raise ValueError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})")
-        bad_bias = [t for t in params.logit_bias or () if t >= vocab]
-        if bad_bias:
-            raise ValueError(f"logit_bias token id {bad_bias[0]} is outside the vocabulary [0, {vocab})")
-        max_len = self.sched_config.max_model_len
-        if len(ids) >= max_len:
-            raise ValueError(
-                f"prompt has {len(ids)} tokens but max_model_len is {max_len}: it leaves no room "
-                f"to generate; shorten the prompt or raise max_model_len"
-            )
-        need = min(len(ids) + params.max_tokens, max_len)
-        blocks = self.block_manager.max_blocks(need, self.sched_config.max_num_batched_tokens)
-        usable = self.block_manager.num_usable_blocks
-        if blocks * params.n > usable:
-            raise ValueError(
-                f"request needs {need} tokens of KV cache ({blocks * params.n} blocks for n={params.n}) "
-                f"but the cache holds {usable} blocks of {self.cache_config.block_size} tokens; "
-                "lower max_tokens or give the KV cache more memory"
-            )
-        return list(ids)
 
     def abort(self, request_id: str) -> bool:
         """End the request now; a sequence in a step still in flight (pipeline parallelism) keeps

@@ -15,12 +15,11 @@ import torch
 from ..attention.metadata import AttentionMetadata
 from ..sampling.metadata import SamplingMetadata
 from ..sampling.sampler import Sampler, SamplerOutput
+from .host_upload import HostUpload, Ints
 from .input_batch import InputBatch
+from .scoring import KEEP_ROWS, next_token_scores
 from .scheduler import ScheduledSeq
 from .sequence import Sequence
-
-
-Ints = list[int] | np.ndarray  # int64 arrays for what the runner computes with numpy
 
 
 @dataclass
@@ -191,12 +190,8 @@ class ModelRunner:
             else:
                 seq_ids.append(seq.seq_id)
                 prefill_ends.append(start + n)
-            if images and item.images:  # each image's slice among this chunk's tokens
-                for im in item.images:
-                    lo, hi = max(start, im.offset), min(start + n, im.end)
-                    image_rows.append((t + lo - start, im, lo - im.offset, hi - im.offset))
-                if seq.mm.bidirectional and not item.is_decode:
-                    image_spans[len(seq_ids) - 1] = seq.mm.spans(start, start + n)
+            if images and item.images:
+                _image_slices(item, t, image_rows, image_spans, len(seq_ids) - 1)
             if item.scores:  # the positions that score the prompt, before the row it samples from
                 lo, hi = item.score_range()
                 logits_idx.extend(range(t + lo - start, t + hi - start))
@@ -206,18 +201,8 @@ class ModelRunner:
             t += n
             if item.samples and not spec:
                 logits_idx.append(t - 1)
-        plan = StepPlan(
-            ids,
-            None,
-            None,
-            None,
-            num_decodes,
-            seq_ids,
-            logits_rows=logits_idx,
-            hidden_rows=hidden_idx,
-            images=image_rows,
-            image_spans=image_spans,
-        )
+        rows_kw = dict(logits_rows=logits_idx, hidden_rows=hidden_idx, images=image_rows, image_spans=image_spans)
+        plan = StepPlan(ids, None, None, None, num_decodes, seq_ids, **rows_kw)
         return self._plan_arrays(plan, batch, starts, counts, rows if paged else None, decode_items, prefill_ends)
 
     def _plan_arrays(
@@ -532,6 +517,17 @@ class ModelRunner:
             self.lora.state.clear()
 
 
+def _image_slices(item: ScheduledSeq, t: int, image_rows: list, image_spans: dict, row: int) -> None:
+    """Each image's slice among a chunk's tokens (the chunk's first token at flat position `t`),
+    and where the images attend both ways, their spans for the chunk's attention row `row`."""
+    seq, start, n = item.seq, item.seq.num_computed_tokens, item.num_new_tokens
+    for im in item.images:
+        lo, hi = max(start, im.offset), min(start + n, im.end)
+        image_rows.append((t + lo - start, im, lo - im.offset, hi - im.offset))
+    if seq.mm.bidirectional and not item.is_decode:
+        image_spans[row] = seq.mm.spans(start, start + n)
+
+
 def _mrope_positions(batch: list[ScheduledSeq], pos: np.ndarray, first) -> np.ndarray | None:
     """M-RoPE's rope positions of a step (`pos`: each token's index; `first`: each item's first
     token in the flat batch): an image prompt's tokens take their rows of its position table
@@ -553,78 +549,6 @@ def _mrope_positions(batch: list[ScheduledSeq], pos: np.ndarray, first) -> np.nd
 def _rope_shape(positions: torch.Tensor, plan: StepPlan) -> torch.Tensor:
     """The uploaded rope positions as the model takes them: [3, T] for M-RoPE rows, else [T]."""
     return positions.view(3, -1) if plan.rope_pos is not None and plan.rope_pos.ndim == 2 else positions
-
-
-KEEP_ROWS = ("entries", "logits")  # score kinds whose logits rows go to the engine whole
-
-
-def next_token_scores(
-    logits: torch.Tensor, items: list[tuple[Sequence, int, int, int]]
-) -> list[tuple[Sequence, int, list]]:
-    """Next-token scoring's rows (items: sequence, first position, first row, rows), each
-    reduced to the next prompt token's logprob, with the argmax beside it where the sequence asks
-    ("logprob_top1"), so no whole row outlives the step. One reduction over all their rows at
-    once, as one [rows, vocab] block: a lone row's logsumexp may split the vocabulary among
-    threads and round otherwise."""
-    idx = [k for _, _, k0, c in items for k in range(k0, k0 + c)]
-    block = logits if len(idx) == logits.shape[0] else logits[torch.tensor(idx, device=logits.device)]
-    tgt = torch.tensor(
-        [t for seq, lo, _, c in items for t in seq.prompt_token_ids[lo + 1 : lo + 1 + c]], device=logits.device
-    )
-    lp = block.gather(1, tgt[:, None])[:, 0] - block.logsumexp(-1)
-    top1 = any(seq.score_kind == "logprob_top1" for seq, *_ in items)
-    if top1:  # carried beside the logprob, exactly as an integer
-        lp = torch.stack([lp.double(), block.argmax(-1).double()], dim=1)
-    vals = lp.cpu().tolist()
-    out, j = [], 0
-    for seq, lo, _, c in items:
-        part = vals[j : j + c]
-        if top1:
-            part = [(v, int(a)) for v, a in part] if seq.score_kind == "logprob_top1" else [v for v, _ in part]
-        out.append((seq, lo, part))
-        j += c
-    return out
-
-
-class HostUpload:
-    """Step inputs to the device. On CUDA: one copy per call from a reused pinned buffer,
-    non_blocking, waiting only before the buffer is refilled. Elsewhere: plain torch.tensor."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.pinned = device.type == "cuda"
-        self._buf: torch.Tensor | None = None
-        self._copied = None  # event: the last copy out of _buf has finished
-
-    def ints(self, parts: list[Ints]) -> list[torch.Tensor]:
-        """int64 tensors on the device, one per list or array (an int64 array is shared, not
-        copied, on the CPU)."""
-        if not self.pinned:
-            return [
-                torch.from_numpy(p).to(self.device)
-                if isinstance(p, np.ndarray)
-                else torch.tensor(p, dtype=torch.int64, device=self.device)
-                for p in parts
-            ]
-        sizes = [len(p) for p in parts]
-        total = sum(sizes)
-        if self._copied is not None:
-            self._copied.synchronize()
-        if self._buf is None or self._buf.numel() < total:
-            self._buf = torch.empty(
-                max(total, 4096, 2 * (0 if self._buf is None else self._buf.numel())),
-                dtype=torch.int64,
-                pin_memory=True,
-            )
-        host = self._buf.numpy()
-        off = 0
-        for p in parts:
-            host[off : off + len(p)] = p
-            off += len(p)
-        out = self._buf[:total].to(self.device, non_blocking=True)
-        self._copied = torch.cuda.Event()
-        self._copied.record()
-        return list(out.split(sizes))
 
 
 def sampling_metadata(seqs: list[Sequence], offsets: list[int] | None = None) -> SamplingMetadata:

@@ -61,3 +61,34 @@ def _run(
     for _ in driver.steps([s.request_id for s in seqs]):
         pass
     return seqs
+
+
+KEEP_ROWS = ("entries", "logits")  # score kinds whose logits rows go to the engine whole
+
+
+def next_token_scores(
+    logits: torch.Tensor, items: list[tuple[Sequence, int, int, int]]
+) -> list[tuple[Sequence, int, list]]:
+    """Next-token scoring's rows (items: sequence, first position, first row, rows), each
+    reduced to the next prompt token's logprob, with the argmax beside it where the sequence asks
+    ("logprob_top1"), so no whole row outlives the step. One reduction over all their rows at
+    once, as one [rows, vocab] block: a lone row's logsumexp may split the vocabulary among
+    threads and round otherwise."""
+    idx = [k for _, _, k0, c in items for k in range(k0, k0 + c)]
+    block = logits if len(idx) == logits.shape[0] else logits[torch.tensor(idx, device=logits.device)]
+    tgt = torch.tensor(
+        [t for seq, lo, _, c in items for t in seq.prompt_token_ids[lo + 1 : lo + 1 + c]], device=logits.device
+    )
+    lp = block.gather(1, tgt[:, None])[:, 0] - block.logsumexp(-1)
+    top1 = any(seq.score_kind == "logprob_top1" for seq, *_ in items)
+    if top1:  # carried beside the logprob, exactly as an integer
+        lp = torch.stack([lp.double(), block.argmax(-1).double()], dim=1)
+    vals = lp.cpu().tolist()
+    out, j = [], 0
+    for seq, lo, _, c in items:
+        part = vals[j : j + c]
+        if top1:
+            part = [(v, int(a)) for v, a in part] if seq.score_kind == "logprob_top1" else [v for v, _ in part]
+        out.append((seq, lo, part))
+        j += c
+    return out

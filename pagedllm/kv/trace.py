@@ -135,20 +135,37 @@ def committed_bytes(engine) -> tuple[int, str]:
 
 
 def build_trace(engine) -> KVCacheTrace:
-    bm = engine.block_manager
-    spec = engine.kv_spec
-    plan = engine.cache_plan
-    info = plan.info(spec)
-    bs = bm.block_size
-    alloc, held = live_waste(engine.scheduler.running, bs)
-    stats = bm.stats
-    cached_blocks = [b for b in bm.blocks[1:] if b.hash is not None or b.tokens]
-    max_len = engine.sched_config.max_model_len
-    per_seq = -(-max_len // bs)
-    paged = engine.cache_config.paged_attention
-    steps = max(1, engine.waste_steps)
-    committed, how = committed_bytes(engine)
     return KVCacheTrace(
+        **_layout(engine),
+        **_occupancy(engine),
+        weight_formats=_weight_formats(engine),
+        weight_kernel=_weight_kernel(engine),
+        **_tp_fields(engine),
+        **_speculative(engine),
+        **_moe(engine),
+        **_lora(engine),
+    )
+
+
+def _layout(engine) -> dict:
+    """What the cache is: its element types, pages, size and how it was sized."""
+    spec, plan, bs = engine.kv_spec, engine.cache_plan, engine.block_manager.block_size
+    info = plan.info(spec)
+    paged = engine.cache_config.paged_attention
+    committed, how = committed_bytes(engine)
+    groups = engine.kv_groups
+    page_key = (
+        "(layer, block id): each layer's K and V pools hold a page of "
+        f"[{bs} tokens, {spec.num_kv_heads} kv heads, {spec.head_dim}] per block id; "
+        "a block's reusable content is keyed by the chained hash of (parent block hash, its token ids)"
+        + (
+            ""
+            if groups.num_groups == 1
+            else f"; KV groups: a block belongs to one group's tables and holds "
+            f"{groups.slots} layer slots, its hash keys the group too"
+        )
+    )
+    return dict(
         dtype=info.get("dtype", dtype_name(spec.dtype)),
         compute_dtype=info.get("compute_dtype", dtype_name(engine.dtype)),
         quant_mode=info.get("quant_mode", "none"),
@@ -156,18 +173,7 @@ def build_trace(engine) -> KVCacheTrace:
         scale_source=info.get("scale_source", "none"),
         decode_attention=engine.backend.describe_decode(),
         block_size=bs,
-        physical_page_key=(
-            "(layer, block id): each layer's K and V pools hold a page of "
-            f"[{bs} tokens, {spec.num_kv_heads} kv heads, {spec.head_dim}] per block id; "
-            "a block's reusable content is keyed by the chained hash of "
-            "(parent block hash, its token ids)"
-            + (
-                ""
-                if engine.kv_groups.num_groups == 1
-                else f"; KV groups: a block belongs to one group's tables and holds "
-                f"{engine.kv_groups.slots} layer slots, its hash keys the group too"
-            )
-        )
+        physical_page_key=page_key
         if paged
         else "(sequence id, layer): one contiguous growing K and V buffer per sequence",
         prefix_cache=engine.prefix_caching,
@@ -175,23 +181,35 @@ def build_trace(engine) -> KVCacheTrace:
         paged_attention=paged,
         paged_attention_min_context=0 if paged else -1,
         entry_count=engine.model_config.num_layers,
-        cached_tokens=sum(bs if b.hash is not None else len(b.tokens) for b in cached_blocks),
-        resident_token_slots=(bm.num_used_blocks + len(bm.evictable)) * bs,
-        capacity_blocks=bm.num_usable_blocks,
-        capacity_tokens=bm.num_usable_blocks * bs,
         memory_mb=info.get("memory_mb", plan.num_blocks * spec.bytes_per_block / 2**20),
         committed_mb=committed / 2**20,
         committed_how=how,
         sized_by=plan.source,
+        kv_groups=groups.describe(),
+        kv_group_layers=groups.slots,
+    )
+
+
+def _occupancy(engine) -> dict:
+    """What the cache holds now and has done: blocks, cached prefixes, evictions, waste."""
+    bm, bs = engine.block_manager, engine.block_manager.block_size
+    alloc, held = live_waste(engine.scheduler.running, bs)
+    stats = bm.stats
+    cached_blocks = [b for b in bm.blocks[1:] if b.hash is not None or b.tokens]
+    max_len = engine.sched_config.max_model_len
+    steps = max(1, engine.waste_steps)
+    return dict(
+        cached_tokens=sum(bs if b.hash is not None else len(b.tokens) for b in cached_blocks),
+        resident_token_slots=(bm.num_used_blocks + len(bm.evictable)) * bs,
+        capacity_blocks=bm.num_usable_blocks,
+        capacity_tokens=bm.num_usable_blocks * bs,
         blocks_used=bm.num_used_blocks,
-        kv_groups=engine.kv_groups.describe(),
-        kv_group_layers=engine.kv_groups.slots,
         blocks_used_by_group=_blocks_by_group(engine),
         blocks_free=len(bm.free_ids),
         blocks_cached=len(cached_blocks),
         blocks_touched=bm.num_touched,
         blocks_peak_used=bm.peak_used,
-        max_seqs_at_max_model_len=bm.num_usable_blocks // per_seq,
+        max_seqs_at_max_model_len=bm.num_usable_blocks // -(-max_len // bs),
         max_model_len=max_len,
         prefix_cache_hit_rate=stats.hit_rate,
         prefix_tokens_saved=stats.hits,
@@ -200,12 +218,6 @@ def build_trace(engine) -> KVCacheTrace:
         preemptions=engine.scheduler.num_preemptions,
         waste=(1 - held / alloc) if alloc else 0.0,
         waste_avg=engine.waste_sum / steps if engine.waste_steps else 0.0,
-        weight_formats=_weight_formats(engine),
-        weight_kernel=_weight_kernel(engine),
-        **_tp_fields(engine),
-        **_speculative(engine),
-        **_moe(engine),
-        **_lora(engine),
     )
 
 

@@ -144,93 +144,122 @@ def load_model(
     the LM head (any head in the checkpoint is skipped). `keep_float_head`: a GPTQ / AWQ /
     compressed-tensors checkpoint's float LM head stays float instead of HEAD_FORMAT."""
     qpath, qwhy = quantized_path(device, dequantize_weights)
-    quantized: set[str] = set()
-    mmproj = None
-    if source.kind == "gguf":
-        if isq:
-            raise ValueError(
-                f"isq={isq!r} quantizes a safetensors model at load; {source.path.name} is a GGUF "
-                "file whose weights are already quantized (drop isq)"
-            )
-        ckpt = _open_gguf(source.path, take=True)
-        hf_config = ckpt.config
-        tokenizer = Tokenizer.from_pretrained_dir(source.tokenizer_dir) if source.tokenizer_dir else ckpt.tokenizer
-        weights = ckpt.tensors(dtype, keep_quantized=qpath is not None)
-        quantized = ckpt.quantized_names() if qpath is not None else set()
-        total = len(ckpt.tensor_names())
-        if source.mmproj is not None:
-            mmproj, hf_config, weights = _with_mmproj(source, ckpt, hf_config, tokenizer, weights, dtype)
-            total += mmproj.num_tensors()
-    else:
-        hf_config = _read_json(source.path / "config.json")
-        tokenizer = Tokenizer.from_pretrained_dir(source.tokenizer_dir or source.path)
-        files = sorted(source.path.glob("*.safetensors"))
-        if not files:
-            raise FileNotFoundError(f"{source.path} has no *.safetensors weight files")
-        keep = None
-        if stage is not None and not stage.whole:  # the other stages' tensors are never read
-            tied = ModelConfig.from_hf_dict(hf_config).tie_word_embeddings
-            keep = lambda name: stage.keeps_tensor(name, tied)  # noqa: E731
-        weights = _safetensors(files, keep)
-        total = len(_safetensors_keys(files))
-        if hf_config.get("quantization_config"):
-            weights, quantized, total, qwhy = _quantized_checkpoint(
-                hf_config["quantization_config"], files, weights, qpath is not None, qwhy, isq, tp
-            )
-
-    cfg = ModelConfig.from_hf_dict(hf_config)
-    if not cfg.eos_token_ids and tokenizer.eos_token_id is not None:
-        cfg.eos_token_ids = [tokenizer.eos_token_id]
-    cls = model_class(cfg.architecture)
-    positions = max_positions or cfg.max_position_embeddings
-    staged = stage is not None and not stage.whole
-    if staged:
-        if not cls.pipeline_stages or mmproj is not None or headless:
-            raise ValueError(
-                f"pipeline parallelism runs causal language models; {cfg.architecture}"
-                f"{' with a vision tower' if mmproj is not None else ''}"
-                f"{' as an embedding model' if headless else ''} is not split into stages yet "
-                "(use pipeline_parallel_size=1)"
-            )
-        weights = ((n, t) for n, t in weights if stage.keeps_tensor(n, cfg.tie_word_embeddings))
-    with torch.device("meta"):
-        model = cls(cfg, positions, tp, stage) if staged else cls(cfg, positions, tp)
-    check_contract(model)
-    if headless:
-        model.drop_head()
-    if quantized and source.kind != "gguf" and hf_config.get("quantization_config") and not keep_float_head:
-        head = _float_head(model, files, quantized)
+    ck = _read_checkpoint(source, dtype, qpath is not None, qwhy, isq, tp, stage)
+    cfg = ModelConfig.from_hf_dict(ck.hf_config)
+    if not cfg.eos_token_ids and ck.tokenizer.eos_token_id is not None:
+        cfg.eos_token_ids = [ck.tokenizer.eos_token_id]
+    model = _build(cfg, max_positions or cfg.max_position_embeddings, tp, stage, headless, ck)
+    if ck.quantized and source.kind != "gguf" and ck.hf_config.get("quantization_config") and not keep_float_head:
+        head = _float_head(model, ck.files, ck.quantized)
         if head is not None:
             from ..quant.isq import isq_stream
 
-            weights = isq_stream(weights, HEAD_FORMAT, {head})
-            quantized = quantized | {head}
-            qwhy = f"{qwhy}; float head {head} quantized to {HEAD_FORMAT} at load"
+            ck.weights = isq_stream(ck.weights, HEAD_FORMAT, {head})
+            ck.quantized = ck.quantized | {head}
+            ck.qwhy = f"{ck.qwhy}; float head {head} quantized to {HEAD_FORMAT} at load"
     if isq:
         from ..models.linear import linear_weight_names
         from ..quant.isq import isq_stream
 
         if qpath is None:
             raise ValueError(f"isq={isq!r} needs the quantized CPU kernels, which are not in use here: {qwhy}")
-        quantized = linear_weight_names(model, _safetensors_keys(files))
-        weights = isq_stream(weights, isq, quantized)
-        qwhy = f"{qwhy}; ISQ {isq} at load"
-    model.expect_quantized(quantized)
+        ck.quantized = linear_weight_names(model, _safetensors_keys(ck.files))
+        ck.weights = isq_stream(ck.weights, isq, ck.quantized)
+        ck.qwhy = f"{ck.qwhy}; ISQ {isq} at load"
+    model.expect_quantized(ck.quantized)
     model = materialize(model, device, dtype)
     for m in model.modules():
         if hasattr(m, "reset_buffers"):  # the rope tables
             m.reset_buffers()
             m.to(device)
     model.tie_weights()
-    desc = f"loading {source.path.name}"
     kv_scales: dict[tuple[int, int], torch.Tensor] = {}
-    weights = _set_aside_kv_scales(weights, kv_scales)
+    weights = _set_aside_kv_scales(ck.weights, kv_scales)
     weights = ((n, t if isinstance(t, QuantTensor) else t.to(dtype)) for n, t in weights)
-    model.load_weights(tqdm(weights, total=total, desc=desc, unit="tensor", leave=False, disable=None), dtype)
+    bar = tqdm(weights, total=ck.total, desc=f"loading {source.path.name}", unit="tensor", leave=False, disable=None)
+    model.load_weights(bar, dtype)
     model.eval()
-    info = _weights_info(model, qpath if quantized else None, qwhy)
+    info = _weights_info(model, qpath if ck.quantized else None, ck.qwhy)
     logger.info("loaded %s (%s, %d layers); weights: %s", source.name, cfg.architecture, cfg.num_layers, info.summary())
-    return LoadedModel(model, cfg, tokenizer, source, info.resident_bytes, kv_scales, info, mmproj)
+    return LoadedModel(model, cfg, ck.tokenizer, source, info.resident_bytes, kv_scales, info, ck.mmproj)
+
+
+@dataclass
+class _Checkpoint:
+    """A checkpoint opened for loading: its config, tokenizer and the stream of its tensors,
+    with which of them stay quantized (and why, or why not)."""
+
+    hf_config: dict
+    tokenizer: Tokenizer
+    weights: Iterator
+    quantized: set[str]
+    total: int  # tensors in the stream (the progress bar's length)
+    qwhy: str
+    mmproj: Any = None  # a GGUF model's vision tower and projector file
+    files: list[Path] = field(default_factory=list)  # a safetensors folder's files
+
+
+def _read_checkpoint(source: ModelSource, dtype, keep_quantized: bool, qwhy: str, isq, tp, stage) -> _Checkpoint:
+    if source.kind == "gguf":
+        if isq:
+            raise ValueError(
+                f"isq={isq!r} quantizes a safetensors model at load; {source.path.name} is a GGUF "
+                "file whose weights are already quantized (drop isq)"
+            )
+        gg = _open_gguf(source.path, take=True)
+        tokenizer = Tokenizer.from_pretrained_dir(source.tokenizer_dir) if source.tokenizer_dir else gg.tokenizer
+        quantized = gg.quantized_names() if keep_quantized else set()
+        ck = _Checkpoint(
+            gg.config,
+            tokenizer,
+            gg.tensors(dtype, keep_quantized=keep_quantized),
+            quantized,
+            len(gg.tensor_names()),
+            qwhy,
+        )
+        if source.mmproj is not None:
+            ck.mmproj, ck.hf_config, ck.weights = _with_mmproj(source, gg, ck.hf_config, tokenizer, ck.weights, dtype)
+            ck.total += ck.mmproj.num_tensors()
+        return ck
+    hf_config = _read_json(source.path / "config.json")
+    tokenizer = Tokenizer.from_pretrained_dir(source.tokenizer_dir or source.path)
+    files = sorted(source.path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{source.path} has no *.safetensors weight files")
+    keep = None
+    if stage is not None and not stage.whole:  # the other stages' tensors are never read
+        tied = ModelConfig.from_hf_dict(hf_config).tie_word_embeddings
+        keep = lambda name: stage.keeps_tensor(name, tied)  # noqa: E731
+    ck = _Checkpoint(
+        hf_config, tokenizer, _safetensors(files, keep), set(), len(_safetensors_keys(files)), qwhy, files=files
+    )
+    if hf_config.get("quantization_config"):
+        ck.weights, ck.quantized, ck.total, ck.qwhy = _quantized_checkpoint(
+            hf_config["quantization_config"], files, ck.weights, keep_quantized, qwhy, isq, tp
+        )
+    return ck
+
+
+def _build(cfg: ModelConfig, positions: int, tp, stage, headless: bool, ck: _Checkpoint) -> torch.nn.Module:
+    """The family's model on the meta device (its shard, its stage), held to its contract; a
+    stage's stream keeps only that stage's tensors."""
+    cls = model_class(cfg.architecture)
+    staged = stage is not None and not stage.whole
+    if staged:
+        if not cls.pipeline_stages or ck.mmproj is not None or headless:
+            raise ValueError(
+                f"pipeline parallelism runs causal language models; {cfg.architecture}"
+                f"{' with a vision tower' if ck.mmproj is not None else ''}"
+                f"{' as an embedding model' if headless else ''} is not split into stages yet "
+                "(use pipeline_parallel_size=1)"
+            )
+        ck.weights = ((n, t) for n, t in ck.weights if stage.keeps_tensor(n, cfg.tie_word_embeddings))
+    with torch.device("meta"):
+        model = cls(cfg, positions, tp, stage) if staged else cls(cfg, positions, tp)
+    check_contract(model)
+    if headless:
+        model.drop_head()
+    return model
 
 
 def check_rank_memory(weight_bytes: int, limit_mb: float | None, rank: int = 0, pp: int = 1, tp: int = 1) -> None:

@@ -64,8 +64,7 @@ def row_key(seed: int, output_pos: int) -> int:
 def greedy_ids(logits: torch.Tensor, check_finite: bool = False) -> list[int]:
     """Each row's argmax (the first of equal values), and -1 where `check_finite` and the row
     holds a NaN or an infinity. On the CPU one native call (`greedy_tokens`): torch's argmax
-    and the finite check cost 50 us a step on a 49k vocabulary, 210 us on 152k, 640 us for
-    a speculative verification's six rows; the native call a third to a tenth of that."""
+    and finite check are two passes over each row, the native call one, fused."""
     ops = cpu_kernels() if logits.device.type == "cpu" and logits.dtype == torch.float32 else None
     if ops is not None and logits.dim() == 2 and logits.shape[1] > 0:
         return ops.greedy_tokens(logits, check_finite).tolist()
@@ -80,6 +79,49 @@ class SamplerOutput:
     token_ids: list[int]
     # Per row, when asked for: (logprob of the chosen token, [(token, logprob), ...] top-k)
     logprobs: list[tuple[float, list[tuple[int, float]]] | None] | None = None
+
+
+class _RowCandidates:
+    """The rows' first candidates, straight from the logits (the order does not depend on T), and
+    softmax's denominator: on the CPU one native pass per row; elsewhere topk, then the
+    numerators in place into a reused buffer (torch.softmax is far slower on very wide rows).
+    The whole rows' numerators (and logits / T, in place) are made only when a row needs more
+    than the first candidates."""
+
+    def __init__(self, batch_logits: torch.Tensor, sel, temps: torch.Tensor, k0: int, native, buffer) -> None:
+        self.logits, self.sel, self.temps, self.native, self.buffer = batch_logits, sel, temps, native, buffer
+        self.made: list[torch.Tensor] = []  # [logits / T of the rows, softmax numerators], once made
+        if native is not None:
+            self.top_vals, self.top_ids, self.total = native.sample_topk(batch_logits, temps.view(-1), k0, sel)
+        else:
+            x = batch_logits if sel is None else batch_logits.index_select(0, sel)
+            self.top_vals, self.top_ids = x.topk(k0, dim=-1)
+            self.total = self.numerators().sum(dim=-1)
+        tv = self.top_vals
+        self.first = (((tv - tv[:, :1]) / temps).exp() / self.total[:, None], self.top_ids)
+
+    def numerators(self) -> torch.Tensor:
+        if not self.made:
+            x = self.logits if self.sel is None else self.logits.index_select(0, self.sel)
+            x.sub_(self.top_vals[:, :1]).div_(self.temps)  # scaled, max at 0
+            n, v = x.shape
+            self.made.extend([x, torch.exp(x, out=self.buffer(n, v, x.device))])
+        return self.made[1]
+
+    def scaled(self) -> torch.Tensor:
+        self.numerators()
+        return self.made[0]
+
+    def candidates(self, rows_t: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The k most likely tokens of rows `rows_t`: probabilities (descending) and ids."""
+        total, temps = self.total, self.temps
+        if self.native is not None and not self.made:  # logits still raw: one native pass per row
+            where = rows_t if self.sel is None else self.sel[rows_t]
+            vals, ids, _ = self.native.sample_topk(self.logits, temps[rows_t].view(-1), k, where, False)
+            return ((vals - self.top_vals[rows_t, :1]) / temps[rows_t]).exp() / total[rows_t][:, None], ids
+        x = self.numerators()
+        cand, ids = (x if rows_t.numel() == x.shape[0] else x[rows_t]).topk(k, dim=-1)
+        return cand / total[rows_t][:, None], ids
 
 
 class Sampler:
@@ -180,42 +222,9 @@ class Sampler:
         keys_l = self._keys(meta, rows)
         keys = torch.tensor(keys_l, dtype=torch.int64, device=dev)
         temps, top_k, top_p, min_p = filter_tensors(ps, v, dev)
-        # The first candidates straight from the logits (the order does not depend on T) and
-        # softmax's denominator: on the CPU one native pass per row; elsewhere topk, then the
-        # numerators in place into a reused buffer (torch.softmax is far slower on 262k-wide
-        # rows). The whole rows' numerators (and logits / T, in place) are made only when a row
-        # needs more than the first candidates.
-        k0 = min(self.candidate_levels[0], v)
         native = cpu_kernels() if dev.type == "cpu" else None
-        made: list[torch.Tensor] = []  # [logits / T of the rows, softmax numerators], once made
-
-        def numerators() -> torch.Tensor:
-            if not made:
-                x = batch_logits if sel is None else batch_logits.index_select(0, sel)
-                x.sub_(top_vals[:, :1]).div_(temps)  # scaled, max at 0
-                made.extend([x, torch.exp(x, out=self._buffer(n, v, dev))])
-            return made[1]
-
-        def scaled() -> torch.Tensor:
-            numerators()
-            return made[0]
-
-        if native is not None:
-            top_vals, top_ids, total = native.sample_topk(batch_logits, temps.view(-1), k0, sel)
-        else:
-            top_vals, top_ids = (batch_logits if sel is None else batch_logits.index_select(0, sel)).topk(k0, dim=-1)
-            total = numerators().sum(dim=-1)
-        first = (((top_vals - top_vals[:, :1]) / temps).exp() / total[:, None], top_ids)
-
-        def candidates(rows_t: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-            """The k most likely tokens of rows `rows_t`: probabilities (descending) and ids."""
-            if native is not None and not made:  # logits still raw: one native pass per row
-                where = rows_t if sel is None else sel[rows_t]
-                vals, ids, _ = native.sample_topk(batch_logits, temps[rows_t].view(-1), k, where, False)
-                return ((vals - top_vals[rows_t, :1]) / temps[rows_t]).exp() / total[rows_t][:, None], ids
-            x = numerators()
-            cand, ids = (x if rows_t.numel() == n else x[rows_t]).topk(k, dim=-1)
-            return cand / total[rows_t][:, None], ids
+        rows = _RowCandidates(batch_logits, sel, temps, min(self.candidate_levels[0], v), native, self._buffer)
+        top_vals, top_ids, total, first = rows.top_vals, rows.top_ids, rows.total, rows.first
 
         free_rows = [i for i, p in enumerate(ps) if p.top_k <= 0 and p.top_p >= 1.0 and p.min_p <= 0]
 
@@ -244,12 +253,12 @@ class Sampler:
                 tokens,
             )
         else:
-            for rows_t, cand, ids, keep in self.filtered(candidates, total, top_k, top_p, min_p, todo, first, v):
+            for rows_t, cand, ids, keep in self.filtered(rows.candidates, total, top_k, top_p, min_p, todo, first, v):
                 score = (cand.log() + self._gumbel(keys[rows_t], ids)).masked_fill(~keep, float("-inf"))
                 tokens[rows_t] = ids.gather(1, score.argmax(dim=-1, keepdim=True))[:, 0]
         if free_rows:  # no filter: the two-stage draw, on the first candidates
             tokens[free] = self._sample_free(
-                scaled, free, first[0][free], first[1][free], keys[free], [keys_l[i] for i in free_rows]
+                rows.scaled, free, first[0][free], first[1][free], keys[free], [keys_l[i] for i in free_rows]
             )
         return tokens
 

@@ -151,55 +151,68 @@ class SpeculativeDecoder:
         if len(decoding) > self.config.max_batch:
             self.stats.steps_off_batch += 1
             return
-        c = self.config
-        lookup = self.draft is None or c.ngram
         plain = sum(1 for s in running if s.num_uncomputed_tokens == 1)
         costs = self.costs.relative(plain)
         seqs, cands, found = [], [], []
         for s in decoding:
-            if not self.eligible(s):
-                continue
-            st = s.spec
-            if st is None:
-                st = s.spec = SeqSpecState(probe=True)  # its first step: propose once
-            if st.pause > 0:
-                st.pause -= 1
-                if st.pause == 0:
-                    st.probe = self._worth_probing(s, st)
-                    st.pause = 0 if st.probe else 1  # (no evidence: look again next step)
-                continue
-            cap = self._room(s)
-            if cap <= 0:
-                continue
-            toks: list[int] = []
-            if lookup:
-                if st.index is None:
-                    st.index = NgramIndex(c.min_ngram, c.max_ngram)
-                toks = st.index.propose(s.token_ids, cap)
-                if s.grammar is not None and toks:  # only what the grammar would accept
-                    toks = toks[: s.grammar.validate_tokens(toks)]
-            if toks and not self._draft_pays_more(st, len(toks), cap, costs):
-                st.source, acc = "ngram", st.ngram
-            elif self.draft is not None:
-                toks = []
-                st.source, acc = "draft", st.draft
-            else:
-                continue
-            if acc.rate < c.min_acceptance and not st.probe:
-                self._pause(st)
-                self.stats.paused += 1
-                continue
-            cand = Candidate(acc.rate, len(toks) if toks else cap, not toks)
-            if c.adaptive and not st.probe and best_rate(cand, *costs) < MIN_GAIN:
-                self._pause(st)  # no length is expected to pay (not for want of room)
-                self.stats.declined += 1
-                continue
-            seqs.append(s)
-            found.append(toks)
-            cands.append(cand)
+            got = self._candidate(s, costs) if self.eligible(s) else None
+            if got is not None:
+                seqs.append(s)
+                found.append(got[0])
+                cands.append(got[1])
         # Proposal rows the step may add (the step holds max_rows decode rows at most).
-        room = c.max_rows - plain
-        ks = self._lengths(cands, plain, room, costs)
+        room = self.config.max_rows - plain
+        want = self._assign(seqs, found, cands, self._lengths(cands, plain, room, costs), room)
+        if want:  # its blocks come from the pool the running sequences grow in
+            d = self.draft
+            n0, s0 = d.decode_forwards, d.decode_s
+            d.propose(want, running)
+            self.costs.observe_draft(d.decode_forwards - n0, d.decode_s - s0)
+
+    def _candidate(self, s, costs) -> tuple[list[int], Candidate] | None:
+        """What `s` could propose this step (n-gram tokens, or a draft's run) and its expected
+        acceptance; None where it pauses, has no room or nothing is expected to pay."""
+        c = self.config
+        st = s.spec
+        if st is None:
+            st = s.spec = SeqSpecState(probe=True)  # its first step: propose once
+        if st.pause > 0:
+            st.pause -= 1
+            if st.pause == 0:
+                st.probe = self._worth_probing(s, st)
+                st.pause = 0 if st.probe else 1  # (no evidence: look again next step)
+            return None
+        cap = self._room(s)
+        if cap <= 0:
+            return None
+        toks: list[int] = []
+        if self.draft is None or c.ngram:  # the sequence's own earlier text first
+            if st.index is None:
+                st.index = NgramIndex(c.min_ngram, c.max_ngram)
+            toks = st.index.propose(s.token_ids, cap)
+            if s.grammar is not None and toks:  # only what the grammar would accept
+                toks = toks[: s.grammar.validate_tokens(toks)]
+        if toks and not self._draft_pays_more(st, len(toks), cap, costs):
+            st.source, acc = "ngram", st.ngram
+        elif self.draft is not None:
+            toks = []
+            st.source, acc = "draft", st.draft
+        else:
+            return None
+        if acc.rate < c.min_acceptance and not st.probe:
+            self._pause(st)
+            self.stats.paused += 1
+            return None
+        cand = Candidate(acc.rate, len(toks) if toks else cap, not toks)
+        if c.adaptive and not st.probe and best_rate(cand, *costs) < MIN_GAIN:
+            self._pause(st)  # no length is expected to pay (not for want of room)
+            self.stats.declined += 1
+            return None
+        return toks, cand
+
+    def _assign(self, seqs: list, found: list, cands: list, ks: list[int], room: int) -> list:
+        """Give each candidate its proposal length: n-gram tokens are set at once; the sequences
+        the draft model proposes for are returned with their lengths."""
         want = []
         for s, toks, cand, k in zip(seqs, found, cands, ks):
             st = s.spec
@@ -217,11 +230,7 @@ class SpeculativeDecoder:
                 if self.draft is not None:
                     self.stats.ngram_proposed += k
             room -= k
-        if want:  # its blocks come from the pool the running sequences grow in
-            d = self.draft
-            n0, s0 = d.decode_forwards, d.decode_s
-            d.propose(want, running)
-            self.costs.observe_draft(d.decode_forwards - n0, d.decode_s - s0)
+        return want
 
     def _worth_probing(self, seq, st: SeqSpecState) -> bool:
         """A pause is over: probe now? An n-gram probe costs no forward, and a draft's whose

@@ -179,67 +179,78 @@ class StreamParser:
 
     def _step(self, out: list[str], deltas: list[dict]) -> bool:
         """Handle what the buffer allows in the current state; True when the state changed."""
-        buf, st = self.buf, self.state
-        if st == "text":  # hermes: content until a call tag
-            i = buf.find(HERMES_OPEN, self.pos)
-            if i < 0:
-                keep = _partial_suffix(buf[self.pos :], HERMES_OPEN)
-                self._content(buf[self.pos : len(buf) - keep], out)
-                self.pos = len(buf) - keep
-                return False
-            self._content(buf[self.pos : i], out)
-            self.ws_before_tag, self.ws = self.ws, ""
-            self.held_from, self.pos, self.state = i, i + len(HERMES_OPEN), "open"
-            return True
-        if st == "open":  # hermes: after the tag, a call object, or not a call after all
-            if not self._skip_ws():
-                return False
-            if buf[self.pos] == "{":
-                return self._begin_object()
-            self.ws = self.ws_before_tag
-            self._content(buf[self.held_from : self.pos], out)
-            self.state = "text"
-            return True
-        if st == "lead":  # llama3 / mistral: calls only where the answer starts like one
-            if not self._skip_ws():
-                return False
-            rest = buf[self.pos :]
-            for tag in (MISTRAL_TAG, PYTHON_TAG):
-                if rest.startswith(tag):
-                    self.pos += len(tag)
-                    return True
-                if tag.startswith(rest):
-                    return False
-            c = rest[0]
-            if c == "{":
-                return self._begin_object()
-            if c in "[,;]":
-                self.pos += 1
-                return True
-            if self.calls:
-                self.held_from = self.pos
-            self.state = "plain"
-            return True
-        if st == "plain":  # llama3 / mistral: content to the end
-            self._content(buf[self.held_from :], out)
-            self.held_from = self.pos = len(buf)
-            return False
-        if st == "obj":
+        if self.state == "obj":
             return self._object(out, deltas)
-        if st == "after":  # hermes: after a call object, its closing tag (which may be missing)
-            if not self._skip_ws():
+        step = _STATE_STEPS.get(self.state)
+        return step(self, out) if step is not None else False
+
+    def _in_text(self, out: list[str]) -> bool:
+        """hermes: content until a call tag."""
+        buf = self.buf
+        i = buf.find(HERMES_OPEN, self.pos)
+        if i < 0:
+            keep = _partial_suffix(buf[self.pos :], HERMES_OPEN)
+            self._content(buf[self.pos : len(buf) - keep], out)
+            self.pos = len(buf) - keep
+            return False
+        self._content(buf[self.pos : i], out)
+        self.ws_before_tag, self.ws = self.ws, ""
+        self.held_from, self.pos, self.state = i, i + len(HERMES_OPEN), "open"
+        return True
+
+    def _in_open(self, out: list[str]) -> bool:
+        """hermes: after the tag, a call object, or not a call after all."""
+        if not self._skip_ws():
+            return False
+        if self.buf[self.pos] == "{":
+            return self._begin_object()
+        self.ws = self.ws_before_tag
+        self._content(self.buf[self.held_from : self.pos], out)
+        self.state = "text"
+        return True
+
+    def _in_lead(self, out: list[str]) -> bool:
+        """llama3 / mistral: calls only where the answer starts like one."""
+        if not self._skip_ws():
+            return False
+        rest = self.buf[self.pos :]
+        for tag in (MISTRAL_TAG, PYTHON_TAG):
+            if rest.startswith(tag):
+                self.pos += len(tag)
+                return True
+            if tag.startswith(rest):
                 return False
-            rest = buf[self.pos :]
-            if rest.startswith(HERMES_CLOSE):
-                self.pos += len(HERMES_CLOSE)
-            elif HERMES_CLOSE.startswith(rest):
-                return False
-            elif rest[0] == "{":  # another call in the same block
-                self.held_from = self.pos
-                return self._begin_object()
-            self.state = "text"
+        c = rest[0]
+        if c == "{":
+            return self._begin_object()
+        if c in "[,;]":
+            self.pos += 1
             return True
+        if self.calls:
+            self.held_from = self.pos
+        self.state = "plain"
+        return True
+
+    def _in_plain(self, out: list[str]) -> bool:
+        """llama3 / mistral: content to the end."""
+        self._content(self.buf[self.held_from :], out)
+        self.held_from = self.pos = len(self.buf)
         return False
+
+    def _in_after(self, out: list[str]) -> bool:
+        """hermes: after a call object, its closing tag (which may be missing)."""
+        if not self._skip_ws():
+            return False
+        rest = self.buf[self.pos :]
+        if rest.startswith(HERMES_CLOSE):
+            self.pos += len(HERMES_CLOSE)
+        elif HERMES_CLOSE.startswith(rest):
+            return False
+        elif rest[0] == "{":  # another call in the same block
+            self.held_from = self.pos
+            return self._begin_object()
+        self.state = "text"
+        return True
 
     def _begin_object(self) -> bool:
         self.ws = ""
@@ -300,6 +311,15 @@ class StreamParser:
         if upto > self.sent_args:
             deltas.append({"index": self.calls, "function": {"arguments": self.buf[self.sent_args : upto]}})
             self.sent_args = upto
+
+
+_STATE_STEPS = {  # the parser's state -> what it does with the buffer there (obj: _object)
+    "text": StreamParser._in_text,
+    "open": StreamParser._in_open,
+    "lead": StreamParser._in_lead,
+    "plain": StreamParser._in_plain,
+    "after": StreamParser._in_after,
+}
 
 
 class AutoStreamParser:

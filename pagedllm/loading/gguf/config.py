@@ -36,14 +36,7 @@ def _build_config(path: Path, meta: dict, tensor_names: set[str], reader: Any) -
         return meta.get(f"{arch}.{name}", default)
 
     hidden = int(_require(path, meta, f"{arch}.embedding_length"))
-    n_heads = int(_require(path, meta, f"{arch}.attention.head_count"))
-    n_kv_heads = get("attention.head_count_kv", n_heads)
-    if isinstance(n_kv_heads, list):  # some archs store one count per layer
-        n_kv_heads = max(n_kv_heads)
-    head_dim = get("attention.key_length")
-    if head_dim is None and arch in _PERMUTED_QK_ARCHS:
-        head_dim = get("rope.dimension_count")
-    head_dim = int(head_dim) if head_dim is not None else hidden // n_heads
+    n_heads, n_kv_heads, head_dim = _heads(path, meta, arch, hidden)
     sliding_window = get("attention.sliding_window")
     rope_theta = float(get("rope.freq_base", 10000.0))
 
@@ -91,23 +84,43 @@ def _build_config(path: Path, meta: dict, tensor_names: set[str], reader: Any) -
         "mlp_bias": False,
         **moe,
     }
+    config.update(_family_fields(arch, model_type, meta, tensor_names, head_dim))
+    return config
+
+
+def _family_fields(arch: str, model_type: str, meta: dict, tensor_names: set[str], head_dim: int) -> dict[str, Any]:
+    """The config fields one family's files imply and its transformers config spells out."""
+    out: dict[str, Any] = {}
     if model_type == "qwen2_moe":
-        config["qkv_bias"] = "blk.0.attn_q.bias" in tensor_names
-    if arch == "olmoe" and get("attention.clamp_kqv"):
-        config["clip_qkv"] = float(get("attention.clamp_kqv"))
+        out["qkv_bias"] = "blk.0.attn_q.bias" in tensor_names
+    clamp = meta.get(f"{arch}.attention.clamp_kqv")
+    if arch == "olmoe" and clamp:
+        out["clip_qkv"] = float(clamp)
     if model_type == "qwen2":
-        config["use_sliding_window"] = bool(sliding_window)
+        out["use_sliding_window"] = bool(meta.get(f"{arch}.attention.sliding_window"))
     if arch == "gemma3":
         # As llama.cpp runs these files: the attention scale is 1/sqrt(head_dim) (Gemma 3 27B,
         # whose query_pre_attn_scalar differs, is not told apart by the file).
-        config.update(
+        out.update(
             hidden_activation="gelu_pytorch_tanh",
             query_pre_attn_scalar=head_dim,
             sliding_window_pattern=_GEMMA3_SWA_PATTERN,
             rope_local_base_freq=_GEMMA3_LOCAL_ROPE_BASE,
             hidden_act="gelu_pytorch_tanh",
         )
-    return config
+    return out
+
+
+def _heads(path: Path, meta: dict, arch: str, hidden: int) -> tuple[int, int, int]:
+    """(attention heads, KV heads, head size)."""
+    n_heads = int(_require(path, meta, f"{arch}.attention.head_count"))
+    n_kv_heads = meta.get(f"{arch}.attention.head_count_kv", n_heads)
+    if isinstance(n_kv_heads, list):  # some archs store one count per layer
+        n_kv_heads = max(n_kv_heads)
+    head_dim = meta.get(f"{arch}.attention.key_length")
+    if head_dim is None and arch in _PERMUTED_QK_ARCHS:
+        head_dim = meta.get(f"{arch}.rope.dimension_count")
+    return n_heads, int(n_kv_heads), int(head_dim) if head_dim is not None else hidden // n_heads
 
 
 def _moe_config(path: Path, meta: dict, arch: str, hidden: int, n_layers: int, reader: Any) -> dict[str, Any]:
@@ -134,40 +147,9 @@ def _moe_config(path: Path, meta: dict, arch: str, hidden: int, n_layers: int, r
         "ffn_up_exps": (hidden, inter, experts),
         "ffn_down_exps": (inter, hidden, experts),
     }
-    dense_layers = []
-    for i in range(n_layers):
-        found = [p for p in want if f"blk.{i}.{p}.weight" in by_name]
-        if not found and f"blk.{i}.ffn_gate.0.weight" in by_name:  # one tensor per expert
-            found = ["per-expert"]
-            for e in range(experts):
-                for p, shape in (("gate", (hidden, inter)), ("up", (hidden, inter)), ("down", (inter, hidden))):
-                    t = by_name.get(f"blk.{i}.ffn_{p}.{e}.weight")
-                    if t is None or tuple(t.shape) != shape:
-                        raise GGUFError(
-                            f"{path}: tensor blk.{i}.ffn_{p}.{e}.weight "
-                            f"{'is missing' if t is None else f'has shape {tuple(t.shape)}'}; "
-                            f"expected {shape} for {experts} experts of feed-forward length {inter}"
-                        )
-        for p in found if found != ["per-expert"] else []:
-            t = by_name[f"blk.{i}.{p}.weight"]
-            if tuple(t.shape) != want[p]:
-                raise GGUFError(
-                    f"{path}: tensor blk.{i}.{p}.weight has shape {tuple(t.shape)}, expected "
-                    f"{want[p]} ({arch}.expert_count = {experts}, expert feed-forward length {inter})"
-                )
-        if found and found != ["per-expert"] and len(found) != 3:
-            missing = sorted(set(want) - set(found))
-            raise GGUFError(f"{path}: layer {i} has {', '.join(found)} but no {', '.join(missing)} tensor")
-        if not found:
-            dense_layers.append(i)
-            continue
-        router = by_name.get(f"blk.{i}.ffn_gate_inp.weight")
-        if router is None or tuple(router.shape) != (hidden, experts):
-            raise GGUFError(
-                f"{path}: tensor blk.{i}.ffn_gate_inp.weight (the router) "
-                f"{'is missing' if router is None else f'has shape {tuple(router.shape)}'}; "
-                f"expected {(hidden, experts)}"
-            )
+    dense_layers = [
+        i for i in range(n_layers) if not _check_expert_layer(path, arch, i, by_name, want, experts, inter, hidden)
+    ]
     if len(dense_layers) == n_layers:
         raise GGUFError(
             f"{path}: {arch}.expert_count = {experts} but the file has no expert tensors "
@@ -184,6 +166,44 @@ def _moe_config(path: Path, meta: dict, arch: str, hidden: int, n_layers: int, r
         "decoder_sparse_step": 1,
         "mlp_only_layers": dense_layers,
     }
+
+
+def _check_expert_layer(
+    path: Path, arch: str, i: int, by_name: dict, want: dict, experts: int, inter: int, hidden: int
+) -> bool:
+    """Whether layer `i` is a sparse one (False: dense), its expert and router tensors checked."""
+    found = [p for p in want if f"blk.{i}.{p}.weight" in by_name]
+    if not found and f"blk.{i}.ffn_gate.0.weight" in by_name:  # one tensor per expert
+        found = ["per-expert"]
+        for e in range(experts):
+            for p, shape in (("gate", (hidden, inter)), ("up", (hidden, inter)), ("down", (inter, hidden))):
+                t = by_name.get(f"blk.{i}.ffn_{p}.{e}.weight")
+                if t is None or tuple(t.shape) != shape:
+                    raise GGUFError(
+                        f"{path}: tensor blk.{i}.ffn_{p}.{e}.weight "
+                        f"{'is missing' if t is None else f'has shape {tuple(t.shape)}'}; "
+                        f"expected {shape} for {experts} experts of feed-forward length {inter}"
+                    )
+    for p in found if found != ["per-expert"] else []:
+        t = by_name[f"blk.{i}.{p}.weight"]
+        if tuple(t.shape) != want[p]:
+            raise GGUFError(
+                f"{path}: tensor blk.{i}.{p}.weight has shape {tuple(t.shape)}, expected "
+                f"{want[p]} ({arch}.expert_count = {experts}, expert feed-forward length {inter})"
+            )
+    if found and found != ["per-expert"] and len(found) != 3:
+        missing = sorted(set(want) - set(found))
+        raise GGUFError(f"{path}: layer {i} has {', '.join(found)} but no {', '.join(missing)} tensor")
+    if not found:
+        return False
+    router = by_name.get(f"blk.{i}.ffn_gate_inp.weight")
+    if router is None or tuple(router.shape) != (hidden, experts):
+        raise GGUFError(
+            f"{path}: tensor blk.{i}.ffn_gate_inp.weight (the router) "
+            f"{'is missing' if router is None else f'has shape {tuple(router.shape)}'}; "
+            f"expected {(hidden, experts)}"
+        )
+    return True
 
 
 def _eos_token_ids(meta: dict) -> list[int]:
