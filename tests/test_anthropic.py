@@ -366,13 +366,14 @@ def test_claude_code_request_fields(client):
 
 
 def _signature(thought: str) -> str:
-    from pagedllm.protocols.anthropic.messages import signature
+    from pagedllm.protocols.anthropic.answer import signature
 
     return signature(thought)
 
 
 def test_thinking_signature_carries_its_text():
-    from pagedllm.protocols.anthropic.messages import MessagesRequest, neutral_messages, signature, thought_of
+    from pagedllm.protocols.anthropic.answer import signature, thought_of
+    from pagedllm.protocols.anthropic.messages import MessagesRequest, neutral_messages
 
     assert thought_of(signature("Let me think: é∑")) == "Let me think: é∑"
     assert thought_of("EqQBCkgIARABGAIiQL...") == ""  # another server's signature carries nothing here

@@ -64,7 +64,7 @@ def test_keepalive_while_no_output_comes():
 
 
 def test_each_dialect_keepalive_is_nothing_its_clients_read_as_data():
-    from pagedllm.protocols.anthropic.messages import MessageStreamer
+    from pagedllm.protocols.anthropic.answer import MessageStreamer
     from pagedllm.protocols.openai.stream import ChatStreamer, CompletionStreamer, OpenAIFraming
 
     [chunk] = OpenAIFraming(ChatStreamer("chatcmpl-1", "m", 1)).keepalive()

@@ -52,46 +52,85 @@ def _model_of(args: argparse.Namespace) -> str:
 # -- commands ---------------------------------------------------------------------------------
 
 
+class _BadFlag(ValueError):
+    """A server flag that cannot be served as given (exit code 2, before or right after the load)."""
+
+
 def cmd_serve(args: argparse.Namespace, config: EngineConfig) -> int:
-    from ..server.app import ServerConfig, run_server
+    from ..server.app import run_server
+
+    try:
+        origins, modules = _check_server_flags(args, config)  # before the slow load
+        llm = load_llm(config)
+        _check_adapters(llm, modules)
+    except _BadFlag as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    cfg = _server_config(args, config, llm, origins, modules)
+    eng = llm.engine
+    print(
+        f"serving {' = '.join((cfg.model_name, *cfg.aliases))} on http://{args.host}:{args.port}/v1 "
+        f"({eng.block_manager.num_usable_blocks} KV blocks of {eng.cache_config.block_size} tokens"
+        f"{', API key required' if cfg.api_key else ''})",
+        file=sys.stderr,
+        flush=True,
+    )
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not cfg.api_key:
+        logger.warning("serving on %s without --api-key: anyone who can reach it may use it", args.host)
+    sock = vars(args).get("listen_socket")  # bound by main() before the load, so a busy port fails at once
+    result = run_server(llm, args.host, args.port, cfg, log_level=args.log_level, access_log=args.access_log, sock=sock)
+    llm.shutdown()  # tensor-parallel workers or pipeline stages first: _exit_now skips every exit handler
+    if result.stopped_by:
+        print(
+            f"stopped by {result.stopped_by}: {result.requests_ended} request(s) in flight ended "
+            f"with an error; {eng.block_manager.num_used_blocks} KV blocks in use",
+            file=sys.stderr,
+        )
+        # Everything is stopped and said; tearing down torch's modules would add 1-2 s more.
+        _exit_now(0)
+    return 0
+
+
+def _check_server_flags(args: argparse.Namespace, config: EngineConfig) -> tuple[Any, list]:
+    """The CORS origins and the LoRA modules the flags name, checked as far as they can be
+    without the model."""
     from ..server.lora import parse_modules
     from ..server.routes import parse_origins
 
     try:
         modules = parse_modules(args.lora_modules or ())
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    if (modules or args.allow_runtime_lora) and not config.lora.enable_lora:
-        print("error: --lora-modules and --allow-runtime-lora need --enable-lora", file=sys.stderr)
-        return 2
-    llm = load_llm(config)
-    if modules:  # checked against the base model now: a bad adapter is a clear error, not a traceback
-        from ..lora.peft import load_adapter
-
-        for name, path in modules:
-            try:
-                load_adapter(path, llm.engine.lora.model, llm.engine.lora.max_rank)
-            except ValueError as e:
-                print(f"error: --lora-modules {name}: {e}", file=sys.stderr)
-                return 2
-    eng = llm.engine
-    from .. import settings
-
-    api_key = args.api_key or settings.get("api_key") or None
-    names = args.served_model_name or [llm.model_name]
-    try:
         origins = parse_origins(args.allowed_origins)
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        raise _BadFlag(str(e)) from None
+    if (modules or args.allow_runtime_lora) and not config.lora.enable_lora:
+        raise _BadFlag("--lora-modules and --allow-runtime-lora need --enable-lora")
     if args.shutdown_timeout < 0:
-        print("error: --shutdown-timeout must be 0 or more seconds", file=sys.stderr)
-        return 2
-    cfg = ServerConfig(
+        raise _BadFlag("--shutdown-timeout must be 0 or more seconds")
+    return origins, modules
+
+
+def _check_adapters(llm: Any, modules: list) -> None:
+    """Each --lora-modules adapter against the base model: a bad one is a clear error, not a traceback."""
+    if not modules:
+        return
+    from ..lora.peft import load_adapter
+
+    for name, path in modules:
+        try:
+            load_adapter(path, llm.engine.lora.model, llm.engine.lora.max_rank)
+        except ValueError as e:
+            raise _BadFlag(f"--lora-modules {name}: {e}") from None
+
+
+def _server_config(args: argparse.Namespace, config: EngineConfig, llm: Any, origins: Any, modules: list) -> Any:
+    from .. import settings
+    from ..server.app import ServerConfig
+
+    names = args.served_model_name or [llm.model_name]
+    return ServerConfig(
         model_name=names[0],
         aliases=tuple(names[1:]),
-        api_key=api_key,
+        api_key=args.api_key or settings.get("api_key") or None,
         max_body_bytes=args.max_body_bytes,
         allowed_origins=origins,
         shutdown_timeout=args.shutdown_timeout,
@@ -106,34 +145,6 @@ def cmd_serve(args: argparse.Namespace, config: EngineConfig) -> int:
         record_requests=args.record_requests,
         tokenizer_path=_tokenizer_path(config),
     )
-    print(
-        f"serving {' = '.join(names)} on http://{args.host}:{args.port}/v1 "
-        f"({eng.block_manager.num_usable_blocks} KV blocks of {eng.cache_config.block_size} tokens"
-        f"{', API key required' if api_key else ''})",
-        file=sys.stderr,
-        flush=True,
-    )
-    if args.host not in ("127.0.0.1", "localhost", "::1") and not api_key:
-        logger.warning("serving on %s without --api-key: anyone who can reach it may use it", args.host)
-    result = run_server(
-        llm,
-        args.host,
-        args.port,
-        cfg,
-        log_level=args.log_level,
-        access_log=args.access_log,
-        sock=getattr(args, "listen_socket", None),
-    )
-    llm.shutdown()  # tensor-parallel workers or pipeline stages first: _exit_now skips every exit handler
-    if result.stopped_by:
-        print(
-            f"stopped by {result.stopped_by}: {result.requests_ended} request(s) in flight ended "
-            f"with an error; {eng.block_manager.num_used_blocks} KV blocks in use",
-            file=sys.stderr,
-        )
-        # Everything is stopped and said; tearing down torch's modules would add 1-2 s more.
-        _exit_now(0)
-    return 0
 
 
 def _tokenizer_path(config: EngineConfig) -> str | None:

@@ -20,52 +20,22 @@ def load_llm(config: EngineConfig) -> Any:
 
 
 def cmd_generate(args: argparse.Namespace, config: EngineConfig) -> int:
-    from ..sampling.params import SamplingParams
-    from ..tokenizer.chat import render_chat
-    from .chat import cut_off_note
-
     prompt = args.prompt
     if prompt is None or prompt == "-":
         prompt = sys.stdin.read()
-    suffix = args.suffix
-    if not prompt.strip() and suffix is None:
+    if not prompt.strip() and args.suffix is None:
         print("error: the prompt is empty (give it as an argument or on stdin)", file=sys.stderr)
         return 2
-    llm = load_llm(config)
     try:
-        params = SamplingParams(
-            n=args.n,
-            max_tokens=args.max_tokens,
-            temperature=args.temperature,
-            top_p=args.top_p,
-            top_k=args.top_k,
-            min_p=args.min_p,
-            presence_penalty=args.presence_penalty,
-            frequency_penalty=args.frequency_penalty,
-            repetition_penalty=args.repetition_penalty,
-        )
-    except ValueError as e:
+        params = _sampling_params(args)  # before the slow load
+        llm = load_llm(config)
+        inputs = _inputs(llm, args, prompt)
+    except _BadInput as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    tok = llm.tokenizer
-    if suffix is not None:
-        from ..protocols import fim
-        from ..protocols.common.context import ServingContext
-        from ..protocols.common.errors import ApiError
-
-        try:
-            inputs: str | list[int] = fim.infill_ids(ServingContext.from_llm(llm), prompt, suffix)
-        except ApiError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
-    elif args.raw or not tok.chat_template:
-        inputs = prompt
-    else:
-        msgs = [{"role": "system", "content": args.system}] if args.system else []
-        inputs = render_chat(tok, msgs + [{"role": "user", "content": prompt.strip()}])
-    eng, driver = llm.engine, llm.driver
     from ..engine.driver import Item
 
+    driver = llm.driver
     [rid] = driver.add([Item(None, inputs, params)])
     final = None
     try:
@@ -79,11 +49,51 @@ def cmd_generate(args: argparse.Namespace, config: EngineConfig) -> int:
         driver.abort([rid])
         print(file=sys.stderr)
         return 130
+    _print_final(args, final, llm.engine.sched_config.max_model_len)
+    return 0
+
+
+class _BadInput(ValueError):
+    """A sampling flag or prompt the engine cannot take (exit code 2)."""
+
+
+def _sampling_params(args: argparse.Namespace) -> Any:
+    from ..sampling.params import SamplingParams
+
+    names = ("n", "max_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty")
+    try:
+        return SamplingParams(**{n: vars(args)[n] for n in names}, repetition_penalty=args.repetition_penalty)
+    except ValueError as e:
+        raise _BadInput(str(e)) from None
+
+
+def _inputs(llm: Any, args: argparse.Namespace, prompt: str) -> str | list[int]:
+    """The engine's prompt: a fill-in-the-middle prompt with --suffix, the text as it is with
+    --raw or without a chat template, else the chat template's rendering."""
+    from ..tokenizer.chat import render_chat
+
+    tok = llm.tokenizer
+    if args.suffix is not None:
+        from ..protocols import fim
+        from ..protocols.common.context import ServingContext
+        from ..protocols.common.errors import ApiError
+
+        try:
+            return fim.infill_ids(ServingContext.from_llm(llm), prompt, args.suffix)
+        except ApiError as e:
+            raise _BadInput(str(e)) from None
+    if args.raw or not tok.chat_template:
+        return prompt
+    msgs = [{"role": "system", "content": args.system}] if args.system else []
+    return render_chat(tok, msgs + [{"role": "user", "content": prompt.strip()}])
+
+
+def _print_final(args: argparse.Namespace, final: Any, max_model_len: int) -> None:
+    from .chat import cut_off_note
+
     if args.n == 1:
         print()
-        note = cut_off_note(
-            final, eng.sched_config.max_model_len, ("--max-tokens N allows more", "--max-model-len N allows more")
-        )
+        note = cut_off_note(final, max_model_len, ("--max-tokens N allows more", "--max-model-len N allows more"))
         if note:
             print(note, file=sys.stderr)
     else:
@@ -96,7 +106,6 @@ def cmd_generate(args: argparse.Namespace, config: EngineConfig) -> int:
             f"TTFT {m.time_to_first_token or 0:.2f} s, {m.decode_tokens_per_s or 0:.1f} tok/s]",
             file=sys.stderr,
         )
-    return 0
 
 
 def cmd_trace(args: argparse.Namespace, config: EngineConfig) -> int:

@@ -22,7 +22,7 @@ import argparse
 import difflib
 import importlib
 import sys
-from typing import Any
+from typing import Any, Callable
 
 from . import scaleout
 from .flags import add_engine_flags
@@ -81,8 +81,15 @@ def _log_flag(p: argparse.ArgumentParser, top: bool) -> None:
 
 
 def _server_flags(p: argparse.ArgumentParser, top: bool) -> None:
+    """On a subcommand a flag defaults to 'not given', so a value set before it stays."""
     d = (lambda v: v) if top else (lambda v: _UNSET)
-    g = p.add_argument_group("server")
+    _listen_flags(p.add_argument_group("server: where and for whom"), d)
+    _limit_flags(p.add_argument_group("server: limits"), d)
+    _request_flags(p.add_argument_group("server: requests"), d)
+
+
+def _listen_flags(g: argparse._ArgumentGroup, d: Callable[[Any], Any]) -> None:
+    """Where the server listens, under which names, for which callers."""
     g.add_argument(
         "--host", "--serve-ip", default=d("127.0.0.1"), help="address to bind (default 127.0.0.1: this machine only)"
     )
@@ -101,6 +108,24 @@ def _server_flags(p: argparse.ArgumentParser, top: bool) -> None:
         help="names requests may use for the model; responses carry the first "
         "(default: 'default', the GGUF file's stem or the folder's name)",
     )
+    g.add_argument(
+        "--root-path",
+        default=d(""),
+        metavar="PREFIX",
+        help="the path prefix a reverse proxy serves this server under (e.g. /llm)",
+    )
+    g.add_argument(
+        "--allowed-origins",
+        nargs="+",
+        metavar="ORIGIN",
+        default=d(None),
+        help="CORS: origins browser pages may call the API from ('*': any; vLLM's "
+        "JSON list is accepted too); default: none",
+    )
+
+
+def _limit_flags(g: argparse._ArgumentGroup, d: Callable[[Any], Any]) -> None:
+    """How much the server takes and keeps, and for how long."""
     g.add_argument("--max-body-bytes", type=int, default=d(4 * 2**20), help="request body size limit")
     g.add_argument(
         "--header-timeout",
@@ -123,15 +148,27 @@ def _server_flags(p: argparse.ArgumentParser, top: bool) -> None:
         metavar="N",
         help="connections and requests at once; past N new requests get a 503 (default: no limit)",
     )
-    g.add_argument("--access-log", action="store_true", default=d(False))
     g.add_argument(
-        "--allowed-origins",
-        nargs="+",
-        metavar="ORIGIN",
-        default=d(None),
-        help="CORS: origins browser pages may call the API from ('*': any; vLLM's "
-        "JSON list is accepted too); default: none",
+        "--responses-store-size",
+        type=int,
+        metavar="N",
+        default=d(1000),
+        help="/v1/responses: how many responses are kept in memory for "
+        "previous_response_id (default 1000; 0 keeps none)",
     )
+    g.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        metavar="S",
+        default=d(0.0),
+        help="on SIGTERM/SIGINT, let requests in flight finish for up to S seconds "
+        "(new ones get 503), then end the rest (default 0: end them at once)",
+    )
+
+
+def _request_flags(g: argparse._ArgumentGroup, d: Callable[[Any], Any]) -> None:
+    """What the server does with requests: logs, records, LoRA adapters."""
+    g.add_argument("--access-log", action="store_true", default=d(False))
     g.add_argument(
         "--keep-anthropic-attribution",
         action="store_true",
@@ -148,20 +185,6 @@ def _server_flags(p: argparse.ArgumentParser, top: bool) -> None:
         "DIR/NNNNN.json, e.g. an agent's session for `pagedllm bench agent`",
     )
     g.add_argument(
-        "--root-path",
-        default=d(""),
-        metavar="PREFIX",
-        help="the path prefix a reverse proxy serves this server under (e.g. /llm)",
-    )
-    g.add_argument(
-        "--responses-store-size",
-        type=int,
-        metavar="N",
-        default=d(1000),
-        help="/v1/responses: how many responses are kept in memory for "
-        "previous_response_id (default 1000; 0 keeps none)",
-    )
-    g.add_argument(
         "--lora-modules",
         nargs="+",
         metavar="NAME=PATH",
@@ -173,14 +196,6 @@ def _server_flags(p: argparse.ArgumentParser, top: bool) -> None:
         action="store_true",
         default=d(False),
         help="allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter",
-    )
-    g.add_argument(
-        "--shutdown-timeout",
-        type=float,
-        metavar="S",
-        default=d(0.0),
-        help="on SIGTERM/SIGINT, let requests in flight finish for up to S seconds "
-        "(new ones get 503), then end the rest (default 0: end them at once)",
     )
 
 
@@ -310,7 +325,27 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     add_engine_flags(p, top=True)
     _server_flags(p, top=True)
     sub = p.add_subparsers(dest="command", metavar="COMMAND", prog="pagedllm")
+    _serve_command(sub)
+    _chat_command(sub)
+    _generate_command(sub)
+    _trace_command(sub)
+    _bench_command(sub, argv)
+    dm = sub.add_parser("demo", help="a few chat requests served together")
+    if _wants(argv, "demo"):
+        _add_module_args(dm, "pagedllm.cli.demo")
+    else:
+        dm.add_argument("rest", nargs=argparse.REMAINDER)
+    ev = sub.add_parser(
+        "env", aliases=["collect-env"], help="versions, machine, native kernels' level: what a bug report needs"
+    )
+    from .env import add_arguments as env_arguments  # (the standard library only)
 
+    env_arguments(ev)
+    _mistralrs_forms(sub)
+    return p
+
+
+def _serve_command(sub: argparse._SubParsersAction) -> None:
     s = sub.add_parser(
         "serve",
         help="OpenAI- and Anthropic-compatible HTTP server",
@@ -325,6 +360,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     scaleout.add_serve_flags(s)
     scaleout.add_router_parser(sub)
 
+
+def _chat_command(sub: argparse._SubParsersAction) -> None:
     c = sub.add_parser(
         "chat",
         help="interactive chat in the terminal",
@@ -336,6 +373,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     c.add_argument("--system", default=None, help="system message to start with")
     _sampling_flags(c, max_tokens=512, temperature=0.7)
 
+
+def _generate_command(sub: argparse._SubParsersAction) -> None:
     g = sub.add_parser(
         "generate",
         help="one-shot generation (prompt argument or stdin)",
@@ -358,6 +397,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     )
     g.add_argument("--stats", action="store_true", help="print token counts and speed to stderr")
 
+
+def _trace_command(sub: argparse._SubParsersAction) -> None:
     t = sub.add_parser(
         "trace",
         help="run a request and show the KV cache as it fills and empties",
@@ -375,6 +416,9 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     )
     t.add_argument("--json", action="store_true", help="print the trace as JSON")
 
+
+def _bench_command(sub: argparse._SubParsersAction, argv: list[str]) -> None:
+    """Each benchmark's flags come from its module, imported only when that benchmark is asked for."""
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench", metavar="KIND", prog="pagedllm bench")
     for kind, text in BENCHES.items():
@@ -391,19 +435,9 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     else:
         bs.add_argument("rest", nargs=argparse.REMAINDER)
 
-    dm = sub.add_parser("demo", help="a few chat requests served together")
-    if _wants(argv, "demo"):
-        _add_module_args(dm, "pagedllm.cli.demo")
-    else:
-        dm.add_argument("rest", nargs=argparse.REMAINDER)
 
-    ev = sub.add_parser(
-        "env", aliases=["collect-env"], help="versions, machine, native kernels' level: what a bug report needs"
-    )
-    from .env import add_arguments as env_arguments  # (the standard library only)
-
-    env_arguments(ev)
-
+def _mistralrs_forms(sub: argparse._SubParsersAction) -> None:
+    """mistral.rs's `plain` and `gguf` forms; the global flags are accepted after them too."""
     pl = sub.add_parser(
         "plain",
         help="mistral.rs form: a safetensors model folder or hub id",
@@ -412,7 +446,6 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     pl.add_argument("-m", "--model-id", required=True, help=MODEL_HELP)
     pl.add_argument("-a", "--arch", default=None, help="architecture hint (read from the model anyway)")
     pl.add_argument("-t", "--tokenizer-json", "--tokenizer", default=None)
-
     gg = sub.add_parser(
         "gguf",
         help="mistral.rs form: a GGUF file in a folder or hub repo",
@@ -426,7 +459,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
         default=None,
         help="tokenizer folder (a hub id is ignored: the GGUF's tokenizer is used)",
     )
-    for form in (pl, gg):  # the global flags are accepted after the subcommand too
+    for form in (pl, gg):
         form.add_argument(
             "-i",
             "--interactive-mode",
@@ -437,7 +470,6 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
         _log_flag(form, top=False)
         add_engine_flags(form, top=False)
         _server_flags(form, top=False)
-    return p
 
 
 def _add_module_args(p: argparse.ArgumentParser, module: str) -> None:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from starlette.types import Receive, Scope, Send
@@ -325,48 +326,11 @@ def run_server(
     close and the engine thread stops; a second one exits at once.
     `sock`: a socket already listening on host:port (server/listen.py), opened before the
     model loaded; without it uvicorn opens its own."""
-    import uvicorn
-
-    class Server(uvicorn.Server):
-        stopped_by: str | None = None
-
-        def handle_exit(self, sig: int, frame: Any) -> None:
-            # Not recorded in uvicorn's captured signals: it would re-raise the signal after
-            # the shutdown and turn a clean stop into a KeyboardInterrupt.
-            if self.should_exit:
-                os.write(2, b"second interrupt: exiting now\n")
-                os._exit(130)
-            self.stopped_by = signal.Signals(sig).name
-            timeout = cfg.shutdown_timeout
-            if timeout > 0 and gate.loop is not None and gate.tasks and not gate.draining:
-                gate.draining = True
-                engine.stop_admitting()
-                logger.info(
-                    "%s: waiting up to %.0f s for %d request(s) in flight", self.stopped_by, timeout, len(gate.tasks)
-                )
-                # (A signal handler may interrupt the loop anywhere: start the wait from it.)
-                gate.loop.call_soon_threadsafe(self._start_drain, timeout)
-                return
-            self._stop_now()
-
-        def _start_drain(self, timeout: float) -> None:
-            self.drain_task = asyncio.ensure_future(self._drain_then_stop(timeout))
-
-        async def _drain_then_stop(self, timeout: float) -> None:
-            await gate.drain(timeout)
-            self._stop_now()
-
-        def _stop_now(self) -> None:
-            engine.drain()
-            gate.close()
-            self.should_exit = True
-
     cfg = config or ServerConfig()
     app = create_app(llm, cfg)
     engine: AsyncEngine = app.state.engine
     gate = ShutdownGate(app)
     # Requests end within a step of the signal; the timeout only guards against a stuck client.
-    cfg = config or ServerConfig()
     http = type("HTTP", (limits.HeaderTimeoutH11Protocol,), {"header_timeout": cfg.header_timeout})
     uv = uvicorn.Config(
         gate,
@@ -380,6 +344,47 @@ def run_server(
         limit_concurrency=cfg.max_connections,
         root_path=cfg.root_path,
     )
-    server = Server(uv)
+    server = _GracefulServer(uv, engine, gate, cfg.shutdown_timeout)
     server.run(sockets=[sock] if sock is not None else None)
     return ServeResult(server.stopped_by, engine.num_ended_at_shutdown)
+
+
+class _GracefulServer(uvicorn.Server):
+    """uvicorn's server, stopped as run_server says: the first signal drains, a second exits."""
+
+    stopped_by: str | None = None
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, gate: ShutdownGate, timeout: float) -> None:
+        super().__init__(config)
+        self.engine, self.gate, self.timeout = engine, gate, timeout
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        # Not recorded in uvicorn's captured signals: it would re-raise the signal after
+        # the shutdown and turn a clean stop into a KeyboardInterrupt.
+        if self.should_exit:
+            os.write(2, b"second interrupt: exiting now\n")
+            os._exit(130)
+        self.stopped_by = signal.Signals(sig).name
+        gate = self.gate
+        if self.timeout > 0 and gate.loop is not None and gate.tasks and not gate.draining:
+            gate.draining = True
+            self.engine.stop_admitting()
+            logger.info(
+                "%s: waiting up to %.0f s for %d request(s) in flight", self.stopped_by, self.timeout, len(gate.tasks)
+            )
+            # (A signal handler may interrupt the loop anywhere: start the wait from it.)
+            gate.loop.call_soon_threadsafe(self._start_drain, self.timeout)
+            return
+        self._stop_now()
+
+    def _start_drain(self, timeout: float) -> None:
+        self.drain_task = asyncio.ensure_future(self._drain_then_stop(timeout))
+
+    async def _drain_then_stop(self, timeout: float) -> None:
+        await self.gate.drain(timeout)
+        self._stop_now()
+
+    def _stop_now(self) -> None:
+        self.engine.drain()
+        self.gate.close()
+        self.should_exit = True

@@ -31,7 +31,15 @@ class ServerMetrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
         ProcessCollector(registry=r)  # process_resident_memory_bytes and friends
-        p = "pagedllm_"
+        self._declare_engine_state("pagedllm_", r)
+        self._declare_counts("pagedllm_", r)
+        self._declare_latency("pagedllm_", r)
+        self._last_token: dict[str, dict[int, float]] = {}  # request -> choice -> time
+        self._seen_first: set[str] = set()
+        self._preempt_seen = 0
+
+    def _declare_engine_state(self, p: str, r: CollectorRegistry) -> None:
+        """What the scheduler and the KV cache hold right now (gauges)."""
         self.running = Gauge(
             p + "num_requests_running", "Sequences the scheduler is running (one per choice of a request)", registry=r
         )
@@ -67,6 +75,9 @@ class ServerMetrics:
             "Prompt tokens served from the prefix cache / prompt tokens looked up",
             registry=r,
         )
+
+    def _declare_counts(self, p: str, r: CollectorRegistry) -> None:
+        """What has happened so far: tokens, finishes, aborts, preemptions, speculation (counters)."""
         self.preemptions = Counter(p + "preemptions", "Sequences preempted for lack of blocks", registry=r)
         self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens admitted", registry=r)
         self.cached_prompt_tokens = Counter(
@@ -96,6 +107,9 @@ class ServerMetrics:
             p + "spec_decode_mean_accepted_length", "Draft tokens accepted per verification so far", registry=r
         )
         self._spec_seen = (0, 0)
+
+    def _declare_latency(self, p: str, r: CollectorRegistry) -> None:
+        """How long things took: steps, first tokens, queueing, tokens, whole requests."""
         self.steps = Counter(p + "engine_steps", "Engine steps run", registry=r)
         self.engine_errors = Counter(p + "engine_errors", "Engine steps that raised", registry=r)
         self.ttft = Histogram(
@@ -111,9 +125,6 @@ class ServerMetrics:
             p + "inter_token_latency_seconds", "Time between tokens of a sequence", buckets=ITL_BUCKETS, registry=r
         )
         self.e2e = Histogram(p + "request_latency_seconds", "Arrival to last token", buckets=E2E_BUCKETS, registry=r)
-        self._last_token: dict[str, dict[int, float]] = {}  # request -> choice -> time
-        self._seen_first: set[str] = set()
-        self._preempt_seen = 0
 
     # -- called from the engine thread ------------------------------------------------
     def on_step_outputs(self, outs: list[RequestOutput]) -> None:

@@ -38,6 +38,23 @@ def _family(llm: Any) -> str:
 
 
 def install(app: FastAPI, s: Served, gen: Generation, names: list[str]) -> None:
+    _install_models(app, s, names)
+    _install_generation(app, s, gen)
+    _refuse_model_management(app)
+    document_bodies(
+        app,
+        {
+            "/api/chat": ollama.ChatRequest,
+            "/api/generate": ollama.GenerateRequest,
+            "/api/embed": ollama.EmbedRequest,
+            "/api/show": ollama.ShowRequest,
+            "/api/pull": ollama.PullRequest,
+        },
+    )
+
+
+def _install_models(app: FastAPI, s: Served, names: list[str]) -> None:
+    """The routes that describe the served model (as Ollama's list, show and pull it)."""
     path = Path(s.llm.model_path)
     size = path.stat().st_size if path.is_file() else 0
     modified = datetime.fromtimestamp(path.stat().st_mtime if path.exists() else 0, timezone.utc).isoformat()
@@ -92,6 +109,10 @@ def install(app: FastAPI, s: Served, gen: Generation, names: list[str]) -> None:
         s.check_model(req.model or req.name)
         return JSONResponse(ollama.show(s.ctx, family, task, modified))
 
+
+def _install_generation(app: FastAPI, s: Served, gen: Generation) -> None:
+    """Chat, generate and embed, answered through the one serving sequence (server/generation.py)."""
+
     @app.post("/api/chat")
     @ollama_errors
     async def chat(request: Request) -> Response:
@@ -127,6 +148,9 @@ def install(app: FastAPI, s: Served, gen: Generation, names: list[str]) -> None:
             }
         )
 
+
+def _refuse_model_management(app: FastAPI) -> None:
+    """Ollama's create, delete, copy and push: this server serves the model it was started with."""
     for route, what in (
         ("/api/create", "create"),
         ("/api/delete", "delete"),
@@ -142,14 +166,3 @@ def install(app: FastAPI, s: Served, gen: Generation, names: list[str]) -> None:
             return handler
 
         app.add_api_route(route, refuse(), methods=["DELETE"] if what == "delete" else ["POST"])
-
-    document_bodies(
-        app,
-        {
-            "/api/chat": ollama.ChatRequest,
-            "/api/generate": ollama.GenerateRequest,
-            "/api/embed": ollama.EmbedRequest,
-            "/api/show": ollama.ShowRequest,
-            "/api/pull": ollama.PullRequest,
-        },
-    )
