@@ -50,12 +50,12 @@ import tempfile
 from pathlib import Path
 
 from .common import machine_info, write_json
+from .compare_report import ENGINES, format_report
 from .llamacpp_peer import MISSING_HINT
 
 logger = logging.getLogger(__name__)
 
 MEASURES = ("decode1", "parallel", "prefill")
-ENGINES = ("pagedllm", "llama.cpp")
 ISA_LEVELS = ("base", "avx2", "avxvnni", "avx512vnni", "avx512bf16")  # as pagedllm/native/__init__.py
 CPU_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_tile", "amx_bf16", "amx_int8")
 # Our KV cache dtype -> llama.cpp's cache type that stores about as many bits.
@@ -81,6 +81,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "bandwidth are the medians of the rounds' (a machine whose speed drifts between "
         "runs: 3)",
     )
+    _workload_arguments(p)
+    _engine_arguments(p)
+    p.add_argument("--output", default=None, help="JSON file (default bench-results/compare-<model>.json)")
+
+
+def _workload_arguments(p: argparse.ArgumentParser) -> None:
+    """What each figure runs: tokens, sequences, lengths, the measures taken."""
     p.add_argument("--max-tokens", type=int, default=128, help="tokens generated per sequence")
     p.add_argument("--prompt-tokens", type=int, default=16, help="prompt length of the decode tests")
     p.add_argument(
@@ -107,6 +114,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help=f"our KV caches in the long-context test, each against llama.cpp's nearest "
         f"({', '.join(f'{k}: {v}' for k, v in PEER_CACHE.items())}); default auto,int8",
     )
+
+
+def _engine_arguments(p: argparse.ArgumentParser) -> None:
+    """Which engines run, how they are set up, and what the machine is measured for."""
     p.add_argument("--peer", choices=["llama.cpp", "none"], default="llama.cpp")
     p.add_argument(
         "--bandwidth-mib", type=int, default=1024, help="size of the tensor summed to measure read bandwidth (0: skip)"
@@ -138,7 +149,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="pagedllm keeps today's dequantized float weights (passed only when given)",
     )
-    p.add_argument("--output", default=None, help="JSON file (default bench-results/compare-<model>.json)")
 
 
 # -- the parent: plan, spawn, report --------------------------------------------------------------
@@ -166,7 +176,7 @@ def _run(args: argparse.Namespace) -> dict:
     vocab = weights.pop("vocab")
     result: dict = {
         "model": str(model),
-        "machine": {**machine_info(), **cpu_info()},
+        "machine": {**machine_info(), **cpu_info(), "threads": args.threads},
         "threads": args.threads,
         "repeats": args.repeats,
         "rounds": max(1, args.rounds),
@@ -175,16 +185,12 @@ def _run(args: argparse.Namespace) -> dict:
         "isa_cap": args.isa,
         "measures": {},
     }
-    result["machine"]["threads"] = args.threads
-    measure_bw = args.bandwidth_mib > 0 and "decode1" in measures
-    bandwidth = {"mib": args.bandwidth_mib, "threads": args.threads, "repeats": 7, "isa": args.isa}
-    bw_runs: list[dict] = []
     # (int8 products are what a quantized file's matrices run on; float ones take the GEMM)
-    measure_peak = (
-        args.peak_seconds > 0 and "parallel" in measures and weights["quantized"] and not args.dequantize_weights
+    machine = _MachineRuns(
+        args,
+        args.bandwidth_mib > 0 and "decode1" in measures,
+        args.peak_seconds > 0 and "parallel" in measures and weights["quantized"] and not args.dequantize_weights,
     )
-    peak_spec = {"threads": args.threads, "seconds": args.peak_seconds, "isa": args.isa}
-    peak_runs: list[dict] = []
     plan = [(kind, _spec(kind, args, str(model), vocab)) for kind in measures]
     plan += [
         (f"long-{n}-{cache}", _long_spec(n, cache, args, str(model), vocab))
@@ -194,60 +200,8 @@ def _run(args: argparse.Namespace) -> dict:
     for kind, spec in plan:
         spec["engine_kwargs"] = engine_kwargs | spec.pop("cache_kwargs", {})
         spec["isa"] = args.isa
-        row: dict = {
-            "kv_tokens": spec["kv_tokens"],
-            "sequences": len(spec["prompts"]),
-            "prompt_tokens": len(spec["prompts"][0]),
-            "max_tokens": spec["max_tokens"],
-        }
-        if spec["measure"] == "long":
-            row |= {"cache": spec["engine_kwargs"]["kv_cache_dtype"], "peer_cache": spec["peer_cache"]}
-        runs: dict[str, list[dict]] = {e: [] for e in ENGINES}
-        for rnd in range(max(1, args.rounds)):
-            for engine in ENGINES if rnd % 2 == 0 else ENGINES[::-1]:  # (the machine's speed drifts)
-                if engine == "llama.cpp" and not peer_ok:
-                    row[engine] = {"skipped": MISSING_HINT if args.peer == "llama.cpp" else "--peer none"}
-                    continue
-                bw = None
-                if measure_bw and kind == "decode1":
-                    bw = _spawn("bandwidth", bandwidth)
-                    bw_runs.append(bw)
-                pk = None
-                if measure_peak and kind == "parallel":
-                    pk = _spawn("int8peak", peak_spec)
-                    if pk.get("gmac_s"):
-                        peak_runs.append(pk)
-                tag = f" (round {rnd + 1} of {args.rounds})" if args.rounds > 1 else ""
-                print(f"{kind}: {engine}{tag} ...", file=sys.stderr, end=" ", flush=True)
-                got = _summarise(_spawn(engine, spec))
-                if bw is not None:
-                    got["read_bandwidth_gb_s"] = bw["gb_s"]
-                if pk is not None and pk.get("gmac_s"):
-                    got["int8_peak_gmac_s"] = pk["gmac_s"]
-                runs[engine].append(got)
-                extra = f", decode at depth {got['decode_tok_s']:.2f} tok/s" if "decode_tok_s" in got else ""
-                print(
-                    f"{got['tok_s']:.1f} tok/s{extra}, peak RSS {got['peak_rss_mb']:.0f} MB",
-                    file=sys.stderr,
-                    flush=True,
-                )
-        for engine, got in runs.items():
-            if got:
-                row[engine] = _over_rounds(got)
-        if all(runs.values()):
-            keys = [k for k in ("tok_s", "decode_tok_s") if k in runs["pagedllm"][0]]
-            row["ratio_rounds"] = {k: [a[k] / b[k] for a, b in zip(runs["pagedllm"], runs["llama.cpp"])] for k in keys}
-        result["measures"][kind] = row
-        if bw_runs:
-            result["read_bandwidth"] = _bandwidth_over(bw_runs)
-        if peak_runs:
-            result["int8_peak"] = {
-                "gmac_s": statistics.median(r["gmac_s"] for r in peak_runs),
-                "isa": peak_runs[0]["isa"],
-                "seconds": args.peak_seconds,
-                "amx_rows": peak_runs[0].get("amx_rows", 0),
-                "measurements": [r["gmac_s"] for r in peak_runs],
-            }
+        result["measures"][kind] = _measure(kind, spec, args, peer_ok, machine)
+        result.update(machine.summary())
         write_json(out, result)  # what is done so far survives an interrupted run
     if "decode1" in result["measures"]:
         result["streaming"] = streaming(result)
@@ -256,6 +210,79 @@ def _run(args: argparse.Namespace) -> dict:
     print(format_report(result))
     print(f"results written to {write_json(out, result)}")
     return result
+
+
+class _MachineRuns:
+    """The machine's read bandwidth and int8 dot-product peak, each measured in a process of
+    its own just before the engine run it is the ceiling of (the machine's speed drifts)."""
+
+    def __init__(self, args: argparse.Namespace, bandwidth: bool, peak: bool) -> None:
+        self.args, self.measure_bw, self.measure_peak = args, bandwidth, peak
+        self.bw_runs: list[dict] = []
+        self.peak_runs: list[dict] = []
+
+    def before(self, kind: str) -> tuple[dict | None, dict | None]:
+        a = self.args
+        bw = pk = None
+        if self.measure_bw and kind == "decode1":
+            bw = _spawn("bandwidth", {"mib": a.bandwidth_mib, "threads": a.threads, "repeats": 7, "isa": a.isa})
+            self.bw_runs.append(bw)
+        if self.measure_peak and kind == "parallel":
+            pk = _spawn("int8peak", {"threads": a.threads, "seconds": a.peak_seconds, "isa": a.isa})
+            if pk.get("gmac_s"):
+                self.peak_runs.append(pk)
+        return bw, pk
+
+    def summary(self) -> dict:
+        out: dict = {}
+        if self.bw_runs:
+            out["read_bandwidth"] = _bandwidth_over(self.bw_runs)
+        if self.peak_runs:
+            runs = self.peak_runs
+            out["int8_peak"] = {
+                "gmac_s": statistics.median(r["gmac_s"] for r in runs),
+                "isa": runs[0]["isa"],
+                "seconds": self.args.peak_seconds,
+                "amx_rows": runs[0].get("amx_rows", 0),
+                "measurements": [r["gmac_s"] for r in runs],
+            }
+        return out
+
+
+def _measure(kind: str, spec: dict, args: argparse.Namespace, peer_ok: bool, machine: _MachineRuns) -> dict:
+    """One figure: each engine in a fresh process per round, the engines' order alternating."""
+    row: dict = {
+        "kv_tokens": spec["kv_tokens"],
+        "sequences": len(spec["prompts"]),
+        "prompt_tokens": len(spec["prompts"][0]),
+        "max_tokens": spec["max_tokens"],
+    }
+    if spec["measure"] == "long":
+        row |= {"cache": spec["engine_kwargs"]["kv_cache_dtype"], "peer_cache": spec["peer_cache"]}
+    runs: dict[str, list[dict]] = {e: [] for e in ENGINES}
+    for rnd in range(max(1, args.rounds)):
+        for engine in ENGINES if rnd % 2 == 0 else ENGINES[::-1]:  # (the machine's speed drifts)
+            if engine == "llama.cpp" and not peer_ok:
+                row[engine] = {"skipped": MISSING_HINT if args.peer == "llama.cpp" else "--peer none"}
+                continue
+            bw, pk = machine.before(kind)
+            tag = f" (round {rnd + 1} of {args.rounds})" if args.rounds > 1 else ""
+            print(f"{kind}: {engine}{tag} ...", file=sys.stderr, end=" ", flush=True)
+            got = _summarise(_spawn(engine, spec))
+            if bw is not None:
+                got["read_bandwidth_gb_s"] = bw["gb_s"]
+            if pk is not None and pk.get("gmac_s"):
+                got["int8_peak_gmac_s"] = pk["gmac_s"]
+            runs[engine].append(got)
+            extra = f", decode at depth {got['decode_tok_s']:.2f} tok/s" if "decode_tok_s" in got else ""
+            print(f"{got['tok_s']:.1f} tok/s{extra}, peak RSS {got['peak_rss_mb']:.0f} MB", file=sys.stderr, flush=True)
+    for engine, got in runs.items():
+        if got:
+            row[engine] = _over_rounds(got)
+    if all(runs.values()):
+        keys = [k for k in ("tok_s", "decode_tok_s") if k in runs["pagedllm"][0]]
+        row["ratio_rounds"] = {k: [a[k] / b[k] for a, b in zip(runs["pagedllm"], runs["llama.cpp"])] for k in keys}
+    return row
 
 
 def pagedllm_kwargs(args: argparse.Namespace) -> dict:
@@ -555,131 +582,3 @@ def cpu_info() -> dict:
 
 
 # -- the report ----------------------------------------------------------------------------------
-
-_LABELS = {
-    "decode1": "decode, batch 1 (tok/s)",
-    "parallel": "{n} sequences decoded together (tok/s)",
-    "prefill": "prefill of {p} tokens (tok/s)",
-}
-
-
-def format_report(result: dict) -> str:
-    m, w = result["machine"], result["weights"]
-    lines = [
-        f"model: {result['model']} ({w['total_bytes'] / 1e6:.0f} MB of tensors, "
-        f"{w['per_token_bytes'] / 1e6:.0f} MB read per token)",
-        f"cpu: {m.get('cpu') or m.get('machine')}; flags: {' '.join(m['cpu_flags']) or 'none of note'}; "
-        f"{result['threads']} threads; medians of {result['repeats']}"
-        + (
-            f" runs in each of {result['rounds']} rounds (engines alternating; ratios: medians of the rounds')"
-            if result.get("rounds", 1) > 1
-            else ""
-        ),
-        "",
-    ]
-    head = f"{'':<42}{'pagedllm':>12}{'llama.cpp':>12}{'ratio':>9}"
-    lines += [head, "-" * len(head)]
-    for kind, row in result["measures"].items():
-        if "cache" in row:  # the long-context test: two rates a row
-            caches = f"cache {row['cache']} / {row['peer_cache']}"
-            lines.append(_row(f"prefill of {row['prompt_tokens']} tokens, {caches}", row, "tok_s", "{:.1f}"))
-            lines.append(_row("  then decode at that depth", row, "decode_tok_s", "{:.2f}"))
-            continue
-        label = _LABELS[kind].format(n=row["sequences"], p=row["prompt_tokens"])
-        lines.append(_row(label, row, "tok_s", "{:.1f}"))
-    for kind, row in result["measures"].items():
-        lines.append(_row(f"peak RSS, {kind} (MB; KV room {row['kv_tokens']} tokens)", row, "peak_rss_mb", "{:.0f}"))
-        if "torch_rss_mb" in row.get("pagedllm", {}):  # llama.cpp's cell: its whole peak again
-            lines.append(
-                _row(
-                    f"  ours less `import torch` ({row['pagedllm']['torch_rss_mb']:.0f} MB)",
-                    row,
-                    "engine_rss_mb",
-                    "{:.0f}",
-                )
-            )
-    s = result.get("streaming")
-    if s:
-        cells = [f"{s[e]['gb_s']:.1f}" if e in s else "-" for e in ENGINES]
-        lines.append(f"{'weights streamed at batch 1 (GB/s)':<42}{cells[0]:>12}{cells[1]:>12}")
-        if s["read_bandwidth_gb_s"]:
-            shares = ", ".join(f"{e} {s[e]['share_of_bandwidth']:.0%}" for e in ENGINES if e in s)
-            rb = result["read_bandwidth"]
-            pages = (
-                f"; in 4 KiB pages {rb['gb_s_4k']:.1f}, in 2 MiB pages {rb['gb_s_huge']:.1f}"
-                if rb.get("gb_s_huge")
-                else ""
-            )
-            many = (
-                f"; median of {len(rb['measurements'])} measurements, each just before an engine's "
-                f"batch-1 run, whose share is against it"
-                if rb.get("measurements")
-                else ""
-            )
-            lines.append(
-                f"read bandwidth {s['read_bandwidth_gb_s']:.1f} GB/s (sum of a {rb['mib']} MiB tensor, "
-                f"median of {len(rb['runs'])}{pages}{many}): batch-1 ceiling "
-                f"{s['ceiling_tok_s']:.0f} tok/s; share reached: {shares}"
-            )
-    c = result.get("compute")
-    if c and any(e in c for e in ENGINES):
-        pk = result["int8_peak"]
-        n = result["measures"]["parallel"]["sequences"]
-        shares = ", ".join(f"{e} {c[e]['share_of_peak']:.0%}" for e in ENGINES if e in c)
-        many = f", median of {len(pk['measurements'])}" if len(pk.get("measurements", [])) > 1 else ""
-        lines.append(
-            f"int8 dot-product peak {pk['gmac_s']:.0f} GMAC/s ({pk['isa']}, {result['threads']} threads, "
-            f"measured just before each {n}-sequence run{many}); {c['per_token_macs'] / 1e9:.2f} G "
-            f"multiply-adds of weights per token; share reached at {n} sequences: {shares}"
-            + (
-                f" (our bfloat16 steps of {pk['amx_rows']}+ rows multiply on AMX tiles here, which "
-                "this peak does not bound)"
-                if pk.get("amx_rows")
-                else ""
-            )
-        )
-    lines += isa_lines(result)
-    dtypes = {r["pagedllm"]["dtype"] for r in result["measures"].values() if "dtype" in r.get("pagedllm", {})}
-    opts = ", ".join(f"{k}={v}" for k, v in result.get("engine_kwargs", {}).items())
-    lines.append(
-        f"pagedllm compute dtype {'/'.join(sorted(dtypes)) or '?'}{'; ' + opts if opts else ''}; "
-        "ratio = pagedllm / llama.cpp (for RSS, lower is better)"
-    )
-    if any("cache" in r for r in result["measures"].values()):
-        lines.append(
-            "long context: llama.cpp with flash attention on; caches named ours / llama.cpp's "
-            "(auto = the compute dtype)"
-        )
-    for engine in ENGINES:
-        skipped = {r[engine]["skipped"] for r in result["measures"].values() if "skipped" in r.get(engine, {})}
-        lines += [f"{engine} not run: {why}" for why in skipped]
-    return "\n".join(lines)
-
-
-def isa_lines(result: dict) -> list[str]:
-    """The instruction sets each engine's kernels ran with: ours, the native level (and its
-    cap); llama.cpp's, the CPU features its build was compiled with (ggml's system info)."""
-
-    def seen(engine: str) -> list[str]:
-        return sorted({r[engine]["isa"] for r in result["measures"].values() if "isa" in r.get(engine, {})})
-
-    ours, peer = seen("pagedllm"), seen("llama.cpp")
-    if not ours and not peer:
-        return []
-    cap = result.get("isa_cap")
-    return [
-        f"instruction sets: pagedllm {'/'.join(ours) or '?'} kernels"
-        + (f" (capped with --isa {cap})" if cap else " (this CPU's best)")
-        + (f"; llama.cpp built with {'; '.join(peer)}" if peer else "")
-    ]
-
-
-def _row(label: str, row: dict, key: str, fmt: str) -> str:
-    vals = [row.get(e, {}).get(key) for e in ENGINES]
-    cells = [fmt.format(v) if v is not None else "-" for v in vals]
-    rounds = row.get("ratio_rounds", {}).get(key)
-    if rounds:  # the median of the rounds' ratios: each round ran both engines minutes apart
-        ratio = f"{statistics.median(rounds):.2f}x"
-    else:
-        ratio = f"{vals[0] / vals[1]:.2f}x" if None not in vals and vals[1] else "-"
-    return f"{label:<42}{cells[0]:>12}{cells[1]:>12}{ratio:>9}"

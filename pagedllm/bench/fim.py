@@ -91,7 +91,6 @@ def run(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
     from ..llm import LLM
-    from ..protocols import fim
     from ..protocols.common.context import ServingContext
     from ..server.app import ServerConfig, create_app
 
@@ -105,61 +104,16 @@ def run(args: argparse.Namespace) -> int:
     llm = LLM(str(gguf), max_model_len=2048, enable_prefix_caching=False)
     ctx = ServingContext.from_llm(llm, "fim")
     cases = snippets(args.snippets, args.seed)
-    rows, ids_equal, agree, restored = [], 0, 0, 0
     with TestClient(create_app(llm, ServerConfig(model_name="fim"))) as http:
-        for where, prefix, removed, suffix in cases:
-            ours = fim.infill_ids(ctx, prefix, suffix)
-            theirs = hf(f"<|fim_prefix|>{prefix}<|fim_suffix|>{suffix}<|fim_middle|>", add_special_tokens=False)[
-                "input_ids"
-            ]
-            same_ids = ours == theirs
-            c = http.post(
-                "/v1/completions",
-                json={
-                    "prompt": prefix,
-                    "suffix": suffix,
-                    "temperature": 0,
-                    "max_tokens": args.max_tokens,
-                    "stop": ["\n"],
-                },
-            ).json()
-            i = http.post(
-                "/infill",
-                json={
-                    "input_prefix": prefix,
-                    "input_suffix": suffix,
-                    "temperature": 0,
-                    "n_predict": args.max_tokens,
-                    "stop": ["\n"],
-                },
-            ).json()
-            text = c["choices"][0]["text"]
-            same_text = text == i["content"]
-            exact = text.split("\n")[0] == removed
-            ids_equal += same_ids
-            agree += same_text
-            restored += exact
-            rows.append(
-                {
-                    "where": where,
-                    "removed": removed,
-                    "completion": text,
-                    "ids_equal": same_ids,
-                    "infill_agrees": same_text,
-                    "restored": exact,
-                }
-            )
-            print(
-                f"{'OK ' if exact else '-- '}{where}: {removed.strip()!r} -> {text.split(chr(10))[0].strip()!r}"
-                f"{'' if same_ids else '  [PROMPT IDS DIFFER]'}{'' if same_text else '  [/infill DIFFERS]'}",
-                flush=True,
-            )
+        rows = [_one_case(http, ctx, hf, case, args.max_tokens) for case in cases]
+    ids_equal = sum(r["ids_equal"] for r in rows)
+    agree = sum(r["infill_agrees"] for r in rows)
     summary = {
         "model": gguf.name,
         "snippets": len(cases),
         "prompt_ids_equal": ids_equal,
         "infill_agrees": agree,
-        "restored_exactly": restored,
+        "restored_exactly": sum(r["restored"] for r in rows),
     }
     print(json.dumps(summary))
     if args.json:
@@ -175,3 +129,31 @@ def main() -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
+
+
+def _one_case(http, ctx, hf, case: tuple, max_tokens: int) -> dict:
+    """One held-out line: our prompt ids against transformers', and /v1/completions' suffix
+    against /infill, both greedy."""
+    from ..protocols import fim
+
+    where, prefix, removed, suffix = case
+    ours = fim.infill_ids(ctx, prefix, suffix)
+    theirs = hf(f"<|fim_prefix|>{prefix}<|fim_suffix|>{suffix}<|fim_middle|>", add_special_tokens=False)["input_ids"]
+    common = {"temperature": 0, "stop": ["\n"]}
+    c = http.post("/v1/completions", json={"prompt": prefix, "suffix": suffix, "max_tokens": max_tokens, **common})
+    i = http.post("/infill", json={"input_prefix": prefix, "input_suffix": suffix, "n_predict": max_tokens, **common})
+    text = c.json()["choices"][0]["text"]
+    row = {
+        "where": where,
+        "removed": removed,
+        "completion": text,
+        "ids_equal": ours == theirs,
+        "infill_agrees": text == i.json()["content"],
+        "restored": text.split("\n")[0] == removed,
+    }
+    print(
+        f"{'OK ' if row['restored'] else '-- '}{where}: {removed.strip()!r} -> {text.split(chr(10))[0].strip()!r}"
+        f"{'' if row['ids_equal'] else '  [PROMPT IDS DIFFER]'}{'' if row['infill_agrees'] else '  [/infill DIFFERS]'}",
+        flush=True,
+    )
+    return row

@@ -114,13 +114,22 @@ def run(args: argparse.Namespace) -> dict:
         rows["together, paced"].append(arm(True, True, args.decode_latency_factor))
         rows["together, not paced"].append(arm(True, True, 0.0))
 
+    result = {"machine": machine_info(), "args": vars(args), **_table(args, rows)}
+    path = write_json(args.output, result)
+    print(f"results written to {path}")
+    return result
+
+
+def _table(args: argparse.Namespace, rows: dict[str, list[dict]]) -> dict:
+    """Each arm's medians (TTFT, inter-token latency, prefill rate), each against alone; printed."""
+
     def itl(name: str, q: float) -> float:
         return statistics.median(percentile(r["itl"], q) for r in rows[name])
 
     def prefill_tps(name: str) -> float:
         return statistics.median(args.prefill_tokens / r["prefill_s"] for r in rows[name])
 
-    result = {"machine": machine_info(), "args": vars(args)}
+    result: dict = {}
     alone_p99 = itl("stream alone", 99)
     print(
         f"{args.model}: a {args.stream_tokens}-token stream beside a {args.prefill_tokens}-token prefill, "
@@ -148,6 +157,4 @@ def run(args: argparse.Namespace) -> dict:
             f"{line.get('itl_p99_vs_alone', float('nan')):11.2f}x {line.get('prefill_tok_s', float('nan')):14.1f} "
             f"{line.get('prefill_vs_alone', float('nan')):7.2f}x"
         )
-    path = write_json(args.output, result)
-    print(f"results written to {path}")
     return result

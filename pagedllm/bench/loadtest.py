@@ -81,7 +81,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--ignore-eos", action="store_true", help="every answer runs to its max_tokens (equal lengths for comparisons)"
     )
-    g = p.add_argument_group("--against-throughput: the server against the offline engine on one workload")
+    _against_throughput_arguments(
+        p.add_argument_group("--against-throughput: the server against the offline engine on one workload")
+    )
+
+
+def _against_throughput_arguments(g: argparse._ArgumentGroup) -> None:
     g.add_argument(
         "--against-throughput",
         action="store_true",

@@ -238,16 +238,7 @@ def write_random(path: Path, shape: Shape, seed: int, ftype: str = "F16", std: f
         if arch == "qwen3moe":
             w.add_expert_feed_forward_length(shape.intermediate)
     w.add_vocab_size(shape.vocab)
-    w.add_tokenizer_model(tok["tokenizer.ggml.model"])
-    w.add_tokenizer_pre(tok["tokenizer.ggml.pre"])
-    w.add_token_list(tok["tokenizer.ggml.tokens"])
-    w.add_token_types(tok["tokenizer.ggml.token_type"])
-    w.add_token_merges(tok["tokenizer.ggml.merges"])
-    w.add_bos_token_id(int(tok["tokenizer.ggml.bos_token_id"]))
-    w.add_eos_token_id(int(tok["tokenizer.ggml.eos_token_id"]))
-    w.add_add_bos_token(False)
-    if "tokenizer.chat_template" in tok:
-        w.add_chat_template(tok["tokenizer.chat_template"])
+    _add_tokenizer(w, tok)
 
     plan = tensor_plan(shape)  # (name, numpy shape, "matrix" | "norm" | "bias" | "router")
     for name, dims, kind in plan:
@@ -268,6 +259,19 @@ def write_random(path: Path, shape: Shape, seed: int, ftype: str = "F16", std: f
         w.write_tensor_data(a)
         del a
     w.close()
+
+
+def _add_tokenizer(w, tok: dict) -> None:
+    w.add_tokenizer_model(tok["tokenizer.ggml.model"])
+    w.add_tokenizer_pre(tok["tokenizer.ggml.pre"])
+    w.add_token_list(tok["tokenizer.ggml.tokens"])
+    w.add_token_types(tok["tokenizer.ggml.token_type"])
+    w.add_token_merges(tok["tokenizer.ggml.merges"])
+    w.add_bos_token_id(int(tok["tokenizer.ggml.bos_token_id"]))
+    w.add_eos_token_id(int(tok["tokenizer.ggml.eos_token_id"]))
+    w.add_add_bos_token(False)
+    if "tokenizer.chat_template" in tok:
+        w.add_chat_template(tok["tokenizer.chat_template"])
 
 
 def write_qwen2(path: Path, shape: Shape, seed: int, ftype: str = "F16", std: float = 0.02) -> None:

@@ -139,14 +139,8 @@ def run_cache_type(
     import torch
 
     from .. import LLM, SamplingParams
-    from ..quant.kernels import int_rows, kernel_path
 
-    n_seqs = max(len(windows), len(prompts))
-    if not args.dequantize_weights and kernel_path()[0] is not None:
-        # Quantized weights take the integer kernels only on steps of at most INT_ROWS rows (wider
-        # ones dequantize and GEMM, exactly): so many sequences a step at most, so that the decode
-        # path scored is the one serving runs, not the exact one.
-        n_seqs = min(n_seqs, int_rows())
+    n_seqs = _decode_width(args, max(len(windows), len(prompts)))
     ctx = max(
         len(windows) * (len(windows[0]) + args.block_size),
         len(prompts) * (len(prompts[0]) + args.new_tokens + args.block_size),
@@ -179,7 +173,7 @@ def run_cache_type(
         "compute_dtype": str(eng.dtype).removeprefix("torch."),
         "quant_mode": eng.kv_spec.mode.quant_mode,
         "max_num_seqs": n_seqs,
-        "weights": eng.weights.summary() if getattr(eng, "weights", None) else None,
+        "weights": eng.weights.summary() if eng.weights else None,
         "scale_granularity": eng.kv_spec.mode.scale_granularity,
         "scale_source": eng.kv_spec.scale_source,
         "bytes_per_token": eng.kv_spec.bytes_per_token,
@@ -190,6 +184,17 @@ def run_cache_type(
         "greedy_tokens": [list(o.outputs[0].token_ids) for o in outs],
         "seconds": {"load": load_s, "perplexity": ppl_s, "greedy": gen_s},
     }
+
+
+def _decode_width(args: argparse.Namespace, n_seqs: int) -> int:
+    """Quantized weights take the integer kernels only on steps of at most INT_ROWS rows (wider
+    ones dequantize and GEMM, exactly): so many sequences a step at most, so that the decode
+    path scored is the one serving runs, not the exact one."""
+    from ..quant.kernels import int_rows, kernel_path
+
+    if not args.dequantize_weights and kernel_path()[0] is not None:
+        return min(n_seqs, int_rows())
+    return n_seqs
 
 
 def positive_int(text: str) -> int:
@@ -274,7 +279,6 @@ def run_weights(args: argparse.Namespace) -> dict:
     the CPU (quant/kernels.py, wide_int_here)."""
     import torch
 
-    from .. import LLM
     from ..quant.kernels import int_rows
 
     INT_ROWS = int_rows()
@@ -295,10 +299,40 @@ def run_weights(args: argparse.Namespace) -> dict:
         flush=True,
     )
     ctx = len(windows) * (args.window_len + 1 + args.block_size)
+    results = _score_weight_runs(args, _weight_runs(args, len(windows)), windows, ctx, n)
+    peer = None if args.head else _llamacpp_scores(args.model, windows)
+    if peer is not None:
+        results.append(peer)
+    ref = results[0]
+    for r in results:
+        r["ppl_delta_pct"] = 100 * (r["perplexity"] / ref["perplexity"] - 1)
+        r["top1_agree_pct"] = 100 * (r["top1"] == ref["top1"]).double().mean().item()
+    w = max(44, *(len(r["run"]) for r in results))
+    head = f"{'run':<{w}} {'perplexity':>11} {'delta':>8} {'top-1 agree':>12}"
+    print(
+        "\n".join(
+            [head, "-" * len(head)]
+            + [
+                f"{r['run']:<{w}} {r['perplexity']:>11.4f} {r['ppl_delta_pct']:>+7.2f}% {r['top1_agree_pct']:>11.2f}%"
+                for r in results
+            ]
+        )
+    )
+    out = {
+        "machine": machine_info(),
+        "args": vars(args),
+        "results": [{k: v for k, v in r.items() if k != "top1"} for r in results],
+    }
+    print(f"results written to {write_json(args.output.replace('quality.json', 'quality-weights.json'), out)}")
+    return out
+
+
+def _weight_runs(args: argparse.Namespace, n_windows: int) -> list[tuple]:
+    """(label, LLM keywords, chunk, activation rounding) of each run, the reference first."""
     # The decode path once per activation rounding (quant/kernels.py): int8x2 (the default up to
     # X2_ROWS rows in models narrower than X2_WIDTH), the default at this run's width (steps of
-    # len(windows) rows) in this model, and one int8 level everywhere, llama.cpp's.
-    auto = (f"quantized fp32, decode, default ({len(windows)} rows)", dict(dtype="float32"), 1, "auto")
+    # n_windows rows) in this model, and one int8 level everywhere, llama.cpp's.
+    auto = (f"quantized fp32, decode, default ({n_windows} rows)", dict(dtype="float32"), 1, "auto")
     runs = [
         ("dequantized fp32 (reference)", dict(dtype="float32", dequantize_weights=True), 1, None),
         ("quantized fp32, decode, int8x2", dict(dtype="float32"), 1, "int8x2"),
@@ -318,6 +352,16 @@ def run_weights(args: argparse.Namespace) -> dict:
             (f"quantized {args.dtype}, decode, {act}", dict(dtype=args.dtype), 1, act)
             for act in ("int8x2", "auto", "int8")
         ]
+    return runs
+
+
+def _score_weight_runs(args: argparse.Namespace, runs: list[tuple], windows: list, ctx: int, n: int) -> list[dict]:
+    """Each run's perplexity and top-1 predictions over the windows, its kernel route and
+    activation rounding forced for the run (and restored after)."""
+    import torch
+
+    from .. import LLM
+
     results = []
     saved = {name: os.environ.get(name) for name in ("PAGEDLLM_QUANT_ACT", "PAGEDLLM_QUANT_WIDE")}
     for label, kw, chunk, act in runs:
@@ -356,31 +400,7 @@ def run_weights(args: argparse.Namespace) -> dict:
         del llm
     for name, value in saved.items():
         _set_env(name, value)
-    peer = None if args.head else _llamacpp_scores(args.model, windows)
-    if peer is not None:
-        results.append(peer)
-    ref = results[0]
-    for r in results:
-        r["ppl_delta_pct"] = 100 * (r["perplexity"] / ref["perplexity"] - 1)
-        r["top1_agree_pct"] = 100 * (r["top1"] == ref["top1"]).double().mean().item()
-    w = max(44, *(len(r["run"]) for r in results))
-    head = f"{'run':<{w}} {'perplexity':>11} {'delta':>8} {'top-1 agree':>12}"
-    print(
-        "\n".join(
-            [head, "-" * len(head)]
-            + [
-                f"{r['run']:<{w}} {r['perplexity']:>11.4f} {r['ppl_delta_pct']:>+7.2f}% {r['top1_agree_pct']:>11.2f}%"
-                for r in results
-            ]
-        )
-    )
-    out = {
-        "machine": machine_info(),
-        "args": vars(args),
-        "results": [{k: v for k, v in r.items() if k != "top1"} for r in results],
-    }
-    print(f"results written to {write_json(args.output.replace('quality.json', 'quality-weights.json'), out)}")
-    return out
+    return results
 
 
 def run(args: argparse.Namespace) -> dict:

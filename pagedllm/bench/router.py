@@ -304,7 +304,16 @@ def run(args: argparse.Namespace) -> int:
             f"TTFT p50 {v['last_ttft_p50_vs_round_robin']:.2f}x round robin's (bar <= 0.5x)",
             flush=True,
         )
-    results["setup"] = {
+    results["setup"] = _setup(args, log_dir)
+    if args.json:
+        write_json(args.json, results)
+    if args.plot:
+        _plot(results, args.plot)
+    return 0
+
+
+def _setup(args: argparse.Namespace, log_dir: Path) -> dict:
+    return {
         "model": args.model,
         "conversations": args.conversations,
         "turns": args.turns,
@@ -316,11 +325,6 @@ def run(args: argparse.Namespace) -> int:
         "replica_cores": 1,
         "logs": str(log_dir),
     }
-    if args.json:
-        write_json(args.json, results)
-    if args.plot:
-        _plot(results, args.plot)
-    return 0
 
 
 def _plot(results: dict, path: str) -> None:

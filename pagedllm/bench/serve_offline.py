@@ -79,7 +79,7 @@ def rate_name(rate: float) -> str:
 
 
 def make_requests(args: argparse.Namespace, vocab: int, avoid: set[int], seed: int, rate: float) -> list[Req]:
-    from .throughput import make_workload
+    from .workload import make_workload
 
     wl = make_workload(
         args.num_requests, vocab, seed, (args.min_prompt, args.max_prompt), (args.min_output, args.max_output), avoid
@@ -273,14 +273,7 @@ def run(args: argparse.Namespace) -> int:
     rates = parse_rates(args.request_rates)
     if getattr(args, "plot", None) and pyplot() is None:
         return 2
-    if args.runs < 1:
-        raise ValueError("--runs must be at least 1")
-    if args.threads is not None:
-        if args.threads < 1:
-            raise ValueError("--threads must be at least 1")
-        import torch
-
-        torch.set_num_threads(args.threads)
+    _check_counts(args)
     # A SIGTERM (a timeout, a CI cancel) must still stop the spawned server: run the finally below.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if getattr(args, "offline_llm", None) is None:
@@ -313,30 +306,7 @@ def run(args: argparse.Namespace) -> int:
         )
         run_offline(llm, warm, "warm")
         run_server(args.url, model, warm)
-        runs: dict[str, dict[str, list[dict]]] = {rate_name(r): {s: [] for s in SIDES} for r in rates}
-        loads = []
-        for k in range(args.runs):
-            load0 = os.getloadavg()[0]
-            for rate in rates:
-                reqs = make_requests(args, vocab, avoid, args.seed + k, rate)
-                sides = SIDES if k % 2 == 0 else SIDES[::-1]  # alternate who goes first
-                for side in sides:
-                    here, server = cpu_seconds(), cpu_seconds(proc.pid)
-                    traces = (
-                        run_offline(llm, reqs, f"r{k}-{rate_name(rate)}")
-                        if side == "offline"
-                        else run_server(args.url, model, reqs)
-                    )
-                    runs[rate_name(rate)][side].append(_with_cpu(summarize(traces), here, server, proc, side))
-                    _print_row(
-                        side, runs[rate_name(rate)][side][-1], f"run {k + 1} {rate_name(rate)} ", sys.stderr
-                    )  # as it comes: a loaded machine may not see the end
-            loads.append((load0, os.getloadavg()[0]))
-            print(
-                f"run {k + 1}/{args.runs} done (1-minute load average {loads[-1][0]:.2f} -> {loads[-1][1]:.2f})",
-                file=sys.stderr,
-                flush=True,
-            )
+        runs, loads = _measure_sides(args, llm, proc, model, rates, vocab, avoid)
     finally:
         proc.terminate()
         try:
@@ -345,6 +315,58 @@ def run(args: argparse.Namespace) -> int:
             proc.kill()
         llm.shutdown()
     result["load_average"] = loads
+    errors = _summarise_rates(args, runs, result)
+    print("1-minute load average per run (start -> end): " + ", ".join(f"{a:.2f} -> {b:.2f}" for a, b in loads))
+    if args.output:
+        print(f"results written to {write_json(args.output, result)}")
+    if getattr(args, "plot", None):
+        plot(result, args.plot)
+    return 0 if errors == 0 and all(r["same_tokens"] for r in result["by_rate"].values()) else 1
+
+
+def _check_counts(args: argparse.Namespace) -> None:
+    if args.runs < 1:
+        raise ValueError("--runs must be at least 1")
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError("--threads must be at least 1")
+        import torch
+
+        torch.set_num_threads(args.threads)
+
+
+def _measure_sides(args, llm, proc, model: str, rates: list[float], vocab: int, avoid: set) -> tuple[dict, list]:
+    """Each run, each rate: the same requests through the offline engine and the server, who goes
+    first alternating; (per rate, per side, the runs' summaries) and each run's load averages."""
+    runs: dict[str, dict[str, list[dict]]] = {rate_name(r): {s: [] for s in SIDES} for r in rates}
+    loads = []
+    for k in range(args.runs):
+        load0 = os.getloadavg()[0]
+        for rate in rates:
+            reqs = make_requests(args, vocab, avoid, args.seed + k, rate)
+            sides = SIDES if k % 2 == 0 else SIDES[::-1]  # alternate who goes first
+            for side in sides:
+                here, server = cpu_seconds(), cpu_seconds(proc.pid)
+                traces = (
+                    run_offline(llm, reqs, f"r{k}-{rate_name(rate)}")
+                    if side == "offline"
+                    else run_server(args.url, model, reqs)
+                )
+                runs[rate_name(rate)][side].append(_with_cpu(summarize(traces), here, server, proc, side))
+                _print_row(
+                    side, runs[rate_name(rate)][side][-1], f"run {k + 1} {rate_name(rate)} ", sys.stderr
+                )  # as it comes: a loaded machine may not see the end
+        loads.append((load0, os.getloadavg()[0]))
+        print(
+            f"run {k + 1}/{args.runs} done (1-minute load average {loads[-1][0]:.2f} -> {loads[-1][1]:.2f})",
+            file=sys.stderr,
+            flush=True,
+        )
+    return runs, loads
+
+
+def _summarise_rates(args: argparse.Namespace, runs: dict, result: dict) -> int:
+    """Each rate's medians and server/offline ratio into `result` (printed); the errors seen."""
     result["by_rate"] = {}
     errors = 0
     for name, by_side in runs.items():
@@ -363,12 +385,7 @@ def run(args: argparse.Namespace) -> int:
             f"  ratio server/offline output tok/s: {med['ratio_output_tokens_per_s']:.2f}x"
             + ("" if med["same_tokens"] else "  (the sides generated different token counts!)")
         )
-    print("1-minute load average per run (start -> end): " + ", ".join(f"{a:.2f} -> {b:.2f}" for a, b in loads))
-    if args.output:
-        print(f"results written to {write_json(args.output, result)}")
-    if getattr(args, "plot", None):
-        plot(result, args.plot)
-    return 0 if errors == 0 and all(r["same_tokens"] for r in result["by_rate"].values()) else 1
+    return errors
 
 
 def plot(result: dict, path: str) -> None:

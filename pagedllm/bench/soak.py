@@ -91,24 +91,7 @@ def soak(args: argparse.Namespace) -> dict:
         start = sample("start")
         _first_request(url, args.max_tokens)
         first = sample("first request")
-        load = subprocess.Popen(
-            _cli(
-                "bench",
-                "serve",
-                "--url",
-                url,
-                "--duration",
-                str(args.duration),
-                "--concurrency",
-                str(args.concurrency),
-                "--max-tokens",
-                str(args.max_tokens),
-                "--output",
-                args.load_output,
-            ),
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.STDOUT,
-        )
+        load = _start_load(args, url)
         while load.poll() is None:
             time.sleep(args.every)
             sample("load")
@@ -124,6 +107,17 @@ def soak(args: argparse.Namespace) -> dict:
         except subprocess.TimeoutExpired:
             server.kill()
         log.close()
+    return _report(args, rows, start, first, idle)
+
+
+def _start_load(args: argparse.Namespace, url: str) -> subprocess.Popen:
+    """`pagedllm bench serve` against the server, in a process of its own."""
+    load = ["--url", url, "--duration", str(args.duration), "--concurrency", str(args.concurrency)]
+    load += ["--max-tokens", str(args.max_tokens), "--output", args.load_output]
+    return subprocess.Popen(_cli("bench", "serve", *load), stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+
+
+def _report(args: argparse.Namespace, rows: list[dict], start: dict, first: dict, idle: dict) -> dict:
     loaded = [r["rss_mb"] for r in rows if r["phase"] == "load"] or [first["rss_mb"]]
     report = {
         "samples": rows,

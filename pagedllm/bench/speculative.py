@@ -170,9 +170,33 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> dict:
     from .. import LLM
-    from ..sampling.params import SamplingParams
 
-    specs = (
+    specs = _specs(args)
+    if args.fixed:
+        specs = {m: {**spec, "adaptive": False} for m, spec in specs.items()}
+    if not specs:
+        raise SystemExit("nothing to compare: --no-ngram needs --draft MODEL")
+    if args.plot and pyplot() is None:
+        raise SystemExit(2)
+    # Prefix caching off: the repeated runs must not get their prompts for free in one mode only.
+    common = dict(dtype=args.dtype, kv_cache_memory_mb=args.pa_gpu_mem, enable_prefix_caching=False)
+    llms = {"plain": LLM(args.model, **common)}
+    llms.update({m: LLM(args.model, speculative=spec, **common) for m, spec in specs.items()})
+    workloads = _workloads(args, llms["plain"])
+    result = {"machine": machine_info(), "args": vars(args), "speculative": specs}
+    for name in args.workloads.split(","):
+        result[name], line = _workload_figures(name, workloads[name], llms, specs, args.runs)
+        print(line)
+    path = write_json(args.output, result)
+    print(f"results written to {path}")
+    if args.plot:
+        plot(result, list(specs), args.workloads.split(","), args.plot)
+    return result
+
+
+def _specs(args: argparse.Namespace) -> dict[str, dict]:
+    """The speculative configs compared with plain decoding, by mode."""
+    specs: dict[str, dict] = (
         {}
         if args.no_ngram
         else {
@@ -199,17 +223,12 @@ def run(args: argparse.Namespace) -> dict:
             "max_ngram": args.max_ngram,
             "min_ngram": args.min_ngram,
         }
-    if args.fixed:
-        specs = {m: {**spec, "adaptive": False} for m, spec in specs.items()}
-    if not specs:
-        raise SystemExit("nothing to compare: --no-ngram needs --draft MODEL")
-    if args.plot and pyplot() is None:
-        raise SystemExit(2)
-    # Prefix caching off: the repeated runs must not get their prompts for free in one mode only.
-    common = dict(dtype=args.dtype, kv_cache_memory_mb=args.pa_gpu_mem, enable_prefix_caching=False)
-    llms = {"plain": LLM(args.model, **common)}
-    llms.update({m: LLM(args.model, speculative=spec, **common) for m, spec in specs.items()})
-    tok_llm = llms["plain"]
+    return specs
+
+
+def _workloads(args: argparse.Namespace, tok_llm) -> dict:
+    from ..sampling.params import SamplingParams
+
     workloads = {
         # (the batches each mode runs in turn, what one returns, its sums -> rates, the metric)
         "code": (
@@ -234,63 +253,61 @@ def run(args: argparse.Namespace) -> dict:
             "output_tok_s",
         ),
     }
-    result = {"machine": machine_info(), "args": vars(args), "speculative": specs}
-    for name in args.workloads.split(","):
-        batches, sp, fn, to_rates, key = workloads[name]
-        rates = {m: [] for m in llms}
-        whole = {m: [] for m in llms}
-        before = {m: _counts(llms[m]) for m in specs}
-        for _ in range(args.runs):
-            sums: dict = {m: {} for m in llms}
-            # Every batch (one request at a time, or all at once) in every mode before the next:
-            # the machine's speed drifts over seconds, and this way the drift hits the modes alike.
-            for batch in batches:
-                for mode, llm in llms.items():
-                    for k, v in fn(llm, batch, sp).items():
-                        sums[mode][k] = sums[mode].get(k, 0) + v
-            for mode in llms:
-                res = to_rates(sums[mode])
-                rates[mode].append(res[key])
-                if "request_tok_s" in res:
-                    whole[mode].append(res["request_tok_s"])
-        med = {m: statistics.median(v) for m, v in rates.items()}
-        r = {"metric": key, "plain": med["plain"], "runs": rates}
-        line = f"{name}: {key} plain {med['plain']:.1f}"
-        if whole["plain"]:
-            wmed = {m: statistics.median(v) for m, v in whole.items()}
-            r["request_tok_s"] = {
-                m: {"median": wmed[m], "speedup": wmed[m] / wmed["plain"], "runs": whole[m]} for m in llms
-            }
-            line += (
-                " (whole requests, prefill included: plain "
-                + f"{wmed['plain']:.1f}"
-                + "".join(f", {m} {wmed[m] / wmed['plain']:.2f}x" for m in specs)
-                + ")"
-            )
-        for m in specs:
-            prop, acc, ver = (x - y for x, y in zip(_counts(llms[m]), before[m]))
-            row = {
-                m: med[m],
-                "speedup": med[m] / med["plain"],
-                "proposed": prop,
-                "accepted": acc,
-                "acceptance_rate": acc / prop if prop else 0.0,
-                "mean_accepted_length": acc / ver if ver else 0.0,
-            }
-            # n-gram's figures keep their flat keys; the draft's go under "draft_*".
-            r.update(row if m == "ngram" else {m: med[m], **{f"{m}_{k}": v for k, v in row.items() if k != m}})
-            line += (
-                f"; {m} {med[m]:.1f} -> {row['speedup']:.2f}x, proposed {prop}, accepted {acc} "
-                f"(acceptance {row['acceptance_rate']:.1%}, mean accepted length "
-                f"{row['mean_accepted_length']:.2f})"
-            )
-        result[name] = r
-        print(line)
-    path = write_json(args.output, result)
-    print(f"results written to {path}")
-    if args.plot:
-        plot(result, list(specs), args.workloads.split(","), args.plot)
-    return result
+    return workloads
+
+
+def _workload_figures(name: str, workload: tuple, llms: dict, specs: dict, runs: int) -> tuple[dict, str]:
+    """One workload through every mode, `runs` times: the median rates, the speedups and the
+    proposers' counts, and the line that says them."""
+    batches, sp, fn, to_rates, key = workload
+    rates = {m: [] for m in llms}
+    whole = {m: [] for m in llms}
+    before = {m: _counts(llms[m]) for m in specs}
+    for _ in range(runs):
+        sums: dict = {m: {} for m in llms}
+        # Every batch (one request at a time, or all at once) in every mode before the next:
+        # the machine's speed drifts over seconds, and this way the drift hits the modes alike.
+        for batch in batches:
+            for mode, llm in llms.items():
+                for k, v in fn(llm, batch, sp).items():
+                    sums[mode][k] = sums[mode].get(k, 0) + v
+        for mode in llms:
+            res = to_rates(sums[mode])
+            rates[mode].append(res[key])
+            if "request_tok_s" in res:
+                whole[mode].append(res["request_tok_s"])
+    med = {m: statistics.median(v) for m, v in rates.items()}
+    r = {"metric": key, "plain": med["plain"], "runs": rates}
+    line = f"{name}: {key} plain {med['plain']:.1f}"
+    if whole["plain"]:
+        wmed = {m: statistics.median(v) for m, v in whole.items()}
+        r["request_tok_s"] = {
+            m: {"median": wmed[m], "speedup": wmed[m] / wmed["plain"], "runs": whole[m]} for m in llms
+        }
+        line += (
+            " (whole requests, prefill included: plain "
+            + f"{wmed['plain']:.1f}"
+            + "".join(f", {m} {wmed[m] / wmed['plain']:.2f}x" for m in specs)
+            + ")"
+        )
+    for m in specs:
+        prop, acc, ver = (x - y for x, y in zip(_counts(llms[m]), before[m]))
+        row = {
+            m: med[m],
+            "speedup": med[m] / med["plain"],
+            "proposed": prop,
+            "accepted": acc,
+            "acceptance_rate": acc / prop if prop else 0.0,
+            "mean_accepted_length": acc / ver if ver else 0.0,
+        }
+        # n-gram's figures keep their flat keys; the draft's go under "draft_*".
+        r.update(row if m == "ngram" else {m: med[m], **{f"{m}_{k}": v for k, v in row.items() if k != m}})
+        line += (
+            f"; {m} {med[m]:.1f} -> {row['speedup']:.2f}x, proposed {prop}, accepted {acc} "
+            f"(acceptance {row['acceptance_rate']:.1%}, mean accepted length "
+            f"{row['mean_accepted_length']:.2f})"
+        )
+    return r, line
 
 
 def _mode_figures(r: dict, mode: str) -> tuple[float, float, float]:

@@ -56,19 +56,7 @@ def upcycle(src: Path, dst: Path, experts: int = 4, used: int = 2, seed: int = 0
     if f"{arch}.expert_count" in reader.fields:
         raise ValueError(f"{src}: already a mixture of experts ({arch}.expert_count is set)")
     writer = gguf.GGUFWriter(str(dst), arch=moe)
-    hidden = ffn = 0
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF.") or key == "general.architecture":
-            continue  # (the writer writes its own header and architecture)
-        name = moe + key[len(arch) :] if key.startswith(arch + ".") else key
-        vtype = field.types[0]
-        sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
-        value = field.contents()
-        writer.add_key_value(name, value, vtype, sub)
-        if key == f"{arch}.embedding_length":
-            hidden = int(value)
-        elif key == f"{arch}.feed_forward_length":
-            ffn = int(value)
+    hidden, ffn = _copy_metadata(reader, writer, arch, moe)
     if not hidden or not ffn:
         raise ValueError(f"{src}: {arch}.embedding_length or {arch}.feed_forward_length is missing")
     writer.add_uint32(f"{moe}.expert_count", experts)
@@ -104,6 +92,26 @@ def upcycle(src: Path, dst: Path, experts: int = 4, used: int = 2, seed: int = 0
         "layers": len(layers_done),
         "bytes": dst.stat().st_size,
     }
+
+
+def _copy_metadata(reader, writer, arch: str, moe: str) -> tuple[int, int]:
+    """The dense file's metadata under the MoE architecture's names; (hidden size, MLP width)."""
+    import gguf
+
+    hidden = ffn = 0
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue  # (the writer writes its own header and architecture)
+        name = moe + key[len(arch) :] if key.startswith(arch + ".") else key
+        vtype = field.types[0]
+        sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        value = field.contents()
+        writer.add_key_value(name, value, vtype, sub)
+        if key == f"{arch}.embedding_length":
+            hidden = int(value)
+        elif key == f"{arch}.feed_forward_length":
+            ffn = int(value)
+    return hidden, ffn
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
