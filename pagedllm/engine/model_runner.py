@@ -107,12 +107,12 @@ class ModelRunner:
         device: torch.device,
         sampler: Sampler | None,
         structured=None,
-        driver=None,
+        executor=None,
         lora=None,
         encoder_cache=None,
     ) -> None:
         """`structured`: the GrammarEngine of constrained requests (None: none run here).
-        `driver`: under tensor or pipeline parallelism, rank 0's executor (distributed/), which
+        `executor`: under tensor or pipeline parallelism, rank 0's executor (distributed/), which
         sends each plan and runs rank 0's part of it (`forward(plan, runner)`).
         `lora`: a LoRAManager (pagedllm/lora) when adapters are enabled.
         `encoder_cache`: a vision-language model's EncoderCache (pagedllm/multimodal)."""
@@ -123,7 +123,7 @@ class ModelRunner:
         self.sampler = sampler
         self.upload = HostUpload(device)
         self.structured = structured
-        self.driver = driver
+        self.executor = executor
         self.lora = lora
         self.encoder_cache = encoder_cache
         self.encoder_stats = {"images_encoded": 0, "encoder_s": 0.0}
@@ -353,9 +353,9 @@ class ModelRunner:
         """`logits`, and the float32 final hidden states of the plan's `hidden_rows` (None when
         it asks for none; pooling is refused under tensor and pipeline parallelism, so rank 0
         alone keeps them). Under either, the executor sends the plan and runs rank 0's part."""
-        if self.driver is None:
+        if self.executor is None:
             return self._forward(plan)
-        return self.driver.forward(plan, self)
+        return self.executor.forward(plan, self)
 
     def _forward(self, plan: StepPlan) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         input_ids, positions, meta = self.tensors(plan)
@@ -419,16 +419,16 @@ class ModelRunner:
     @torch.inference_mode()
     def launch(self, batch: list[ScheduledSeq]) -> "PendingStep":
         """Pipeline parallelism's micro-batches: `execute`'s first half. The plan goes out and
-        the first stage runs (the driver's `launch`); the step's logits come back by `collect`,
+        the first stage runs (the executor's `launch`); the step's logits come back by `collect`,
         while later steps of other sequences are launched."""
         step = self._prepare(batch, False)
-        self.driver.launch(step.plan, self)
+        self.executor.launch(step.plan, self)
         return step
 
     @torch.inference_mode()
     def collect(self, step: "PendingStep") -> RunnerOutput | None:
         """The oldest launched step's logits, sampled: `execute`'s result for it."""
-        return self._sample(step, self.driver.collect(), None)
+        return self._sample(step, self.executor.collect(), None)
 
     def _prepare(self, batch: list[ScheduledSeq], images: bool) -> "PendingStep":
         """The step's plan, its sampling and scoring rows, and the grammar masks started."""
@@ -466,7 +466,7 @@ class ModelRunner:
         # Grammar masks are computed on another thread while the forward runs.
         masks = self.structured.start_masks(sampling_seqs, offsets, drafts) if self.structured else None
         plan.argmax_only = (
-            self.driver is not None
+            self.executor is not None
             and bool(sampling_seqs)
             and not scoring
             and masks is None
