@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import inspect
 import logging
 import operator
@@ -192,7 +193,8 @@ class LLM:
             config = EngineConfig.from_kwargs(model=model, **options)
         elif options or model != "default":
             raise TypeError("LLM takes config= or the model and options by name, not both")
-        else:
+        else:  # a copy: the engine fills in what it resolves (the task, the ISQ type's name)
+            config = copy.deepcopy(config)
             config.verify()
         self.config = config
         load, mm = config.load, config.multimodal

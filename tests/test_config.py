@@ -114,3 +114,13 @@ def test_the_threads_option_sets_the_threads_the_engine_computes_with():
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
+
+
+def test_llm_leaves_the_config_it_was_given_as_it_was():
+    # One EngineConfig may build several engines: what one LLM resolves (the task of its model,
+    # the ISQ type's spelling) stays in that LLM's copy.
+    from pagedllm import LLM
+
+    cfg = EngineConfig.from_kwargs(kv_cache_memory_mb=8)
+    llm = LLM(config=cfg)
+    assert cfg.load.task == "auto" and llm.config.load.task == "generate" and llm.config is not cfg
