@@ -95,10 +95,10 @@ class TPExecutor(Executor):
 
     def forward(self, plan, runner):
         """Send the plan, then run it on `runner` (the engine's ModelRunner over rank 0's shard):
-        (logits, kept hidden rows), as ModelRunner._forward gives them."""
+        (logits, kept hidden rows), as ModelRunner.forward gives them."""
         with self.guard():  # a failed rank fails the step with a clear error
             self.send_step(plan)
-            return runner._forward(plan)
+            return runner.forward(plan)
 
     def trace_fields(self) -> dict:
         """The KV trace's per-rank figures (kv/trace.py)."""

@@ -62,9 +62,7 @@ def build_engine(
     output = OutputProcessor(loaded.tokenizer, set(cfg.eos_token_ids) | set(loaded.tokenizer.eos_token_ids))
     structured = GrammarEngine(loaded.tokenizer, cfg.vocab_size, sorted(output.eos_token_ids))
     sampler = Sampler(device, seed)
-    runner = runner_cls(
-        model, backend, cache_cfg.block_size, device, sampler, structured, executor, lora, encoder_cache
-    )
+    runner = runner_cls(model, backend, cache_cfg.block_size, device, sampler, structured, lora, encoder_cache)
     spec = _speculative_decoder(speculative, draft, draft_spec, cache_cfg, sched_cfg, block_manager, device, dtype)
     # A preempted sequence's draft blocks go back to the pool at once, so the scheduler's room
     # check sees them before it preempts another.

@@ -82,7 +82,8 @@ class LLMEngine:
         spec: spec_decoder.SpeculativeDecoder | None,
         executor=None,
     ) -> None:
-        """`executor`: rank 0's side of tensor or pipeline parallelism, or None."""
+        """`executor`: rank 0's side of tensor or pipeline parallelism, or None. The runner
+        never sees it: the engine puts it between the runner's plan and sample (`_execute`)."""
         self.model, self.model_config = loaded.model, loaded.config
         self.tokenizer = loaded.tokenizer
         self.weights = loaded.weights  # formats, resident bytes, kernel path (for the trace)
@@ -306,7 +307,7 @@ class LLMEngine:
                     raise RuntimeError("scheduler made no progress although requests are waiting")
                 return []
         sched, pending = q.popleft()
-        out = self.runner.collect(pending)
+        out = self.runner.sample(pending, self.executor.collect(), None)
         for it in sched.scheduled:
             self.busy.discard(it.seq.seq_id)
         ended = [s for s in self.aborted_in_flight if s.seq_id not in self.busy]
@@ -333,8 +334,13 @@ class LLMEngine:
         self._drop_preempted(sched)
         return sched
 
+    @torch.inference_mode()
     def _launch(self, sched: SchedulerOutput) -> None:
-        pending = self.runner.launch(sched.scheduled)
+        """Pipeline parallelism's micro-batch: its plan sent and the first stage run (the
+        executor's `launch`); its logits come back by the executor's `collect` while later steps
+        of other sequences are launched."""
+        pending = self.runner.prepare_step(sched.scheduled)
+        self.executor.launch(pending.plan, self.runner)
         self.stats["steps"] += 1
         self.busy.update(it.seq.seq_id for it in sched.scheduled)
         self.in_flight.append((sched, pending))
@@ -400,7 +406,12 @@ class LLMEngine:
     def _execute(self, sched: SchedulerOutput) -> RunnerOutput | None:
         """The forward; a step of decode rows only also tells speculation what a step costs."""
         t0 = time.perf_counter()
-        out = self.runner.execute(sched.scheduled, sched.has_images)
+        if self.executor is None:
+            out = self.runner.execute(sched.scheduled, sched.has_images)
+        else:
+            with torch.inference_mode():
+                step = self.runner.prepare_step(sched.scheduled, sched.has_images)
+                out = self.runner.sample(step, *self.executor.forward(step.plan, self.runner))
         seconds = time.perf_counter() - t0
         self.scheduler.observe(sched, seconds)
         if self.spec is not None and all(it.is_decode for it in sched.scheduled):

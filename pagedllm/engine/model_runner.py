@@ -107,13 +107,10 @@ class ModelRunner:
         device: torch.device,
         sampler: Sampler | None,
         structured=None,
-        executor=None,
         lora=None,
         encoder_cache=None,
     ) -> None:
         """`structured`: the GrammarEngine of constrained requests (None: none run here).
-        `executor`: under tensor or pipeline parallelism, rank 0's executor (distributed/), which
-        sends each plan and runs rank 0's part of it (`forward(plan, runner)`).
         `lora`: a LoRAManager (pagedllm/lora) when adapters are enabled.
         `encoder_cache`: a vision-language model's EncoderCache (pagedllm/multimodal)."""
         self.model = model
@@ -123,7 +120,6 @@ class ModelRunner:
         self.sampler = sampler
         self.upload = HostUpload(device)
         self.structured = structured
-        self.executor = executor
         self.lora = lora
         self.encoder_cache = encoder_cache
         self.encoder_stats = {"images_encoded": 0, "encoder_s": 0.0}
@@ -338,26 +334,17 @@ class ModelRunner:
             meta.groups.append(m)
         return input_ids, positions, meta
 
-    def prepare(self, batch: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
-        plan = self.plan(batch)
-        return (*self.tensors(plan), plan.logits_rows)
-
     @torch.inference_mode()
     def logits(self, plan: StepPlan) -> torch.Tensor | None:
-        """Run the plan; the logits of its `logits_rows` (None when it asks for none). Under
-        tensor parallelism rank 0 first sends the plan, and every rank runs this."""
+        """Run the plan here; the logits of its `logits_rows` (None when it asks for none)."""
         return self.forward(plan)[0]
 
     @torch.inference_mode()
     def forward(self, plan: StepPlan) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """`logits`, and the float32 final hidden states of the plan's `hidden_rows` (None when
-        it asks for none; pooling is refused under tensor and pipeline parallelism, so rank 0
-        alone keeps them). Under either, the executor sends the plan and runs rank 0's part."""
-        if self.executor is None:
-            return self._forward(plan)
-        return self.executor.forward(plan, self)
-
-    def _forward(self, plan: StepPlan) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        it asks for none), of this process's model. Under tensor or pipeline parallelism the
+        engine's executor sends the plan to the other ranks first (engine/llm_engine.py); pooling
+        is refused there, so rank 0 alone keeps hidden rows."""
         input_ids, positions, meta = self.tensors(plan)
         embeds = self._image_embeds(plan, input_ids) if plan.images else None
         hidden = self._run_model(plan, input_ids, positions, meta, embeds)
@@ -409,28 +396,15 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: list[ScheduledSeq], images: bool = False) -> RunnerOutput | None:
-        """Run one step; returns the sequences whose chunk reached their end and their tokens,
-        and the logits of the prompt positions that scoring chunks keep (None: no logits).
-        `images`: some chunk holds image tokens (the scheduler's `has_images`)."""
-        step = self._prepare(batch, images)
+        """Run one step here: `prepare_step`, `forward`, `sample`. Returns the sequences whose
+        chunk reached their end and their tokens, and the logits of the prompt positions that
+        scoring chunks keep (None: no logits). `images`: some chunk holds image tokens (the
+        scheduler's `has_images`)."""
+        step = self.prepare_step(batch, images)
         logits, hidden = self.forward(step.plan)
-        return self._sample(step, logits, hidden)
+        return self.sample(step, logits, hidden)
 
-    @torch.inference_mode()
-    def launch(self, batch: list[ScheduledSeq]) -> "PendingStep":
-        """Pipeline parallelism's micro-batches: `execute`'s first half. The plan goes out and
-        the first stage runs (the executor's `launch`); the step's logits come back by `collect`,
-        while later steps of other sequences are launched."""
-        step = self._prepare(batch, False)
-        self.executor.launch(step.plan, self)
-        return step
-
-    @torch.inference_mode()
-    def collect(self, step: "PendingStep") -> RunnerOutput | None:
-        """The oldest launched step's logits, sampled: `execute`'s result for it."""
-        return self._sample(step, self.executor.collect(), None)
-
-    def _prepare(self, batch: list[ScheduledSeq], images: bool) -> "PendingStep":
+    def prepare_step(self, batch: list[ScheduledSeq], images: bool = False) -> "PendingStep":
         """The step's plan, its sampling and scoring rows, and the grammar masks started."""
         # Decodes go first so the attention backend can batch them.
         batch = sorted(batch, key=lambda it: not it.is_decode)
@@ -465,16 +439,13 @@ class ModelRunner:
                 k += 1
         # Grammar masks are computed on another thread while the forward runs.
         masks = self.structured.start_masks(sampling_seqs, offsets, drafts) if self.structured else None
+        # Only a step whose logits cross a process boundary reads this (distributed/stage.py).
         plan.argmax_only = (
-            self.executor is not None
-            and bool(sampling_seqs)
-            and not scoring
-            and masks is None
-            and all(s.params.argmax_only for s in sampling_seqs)
+            bool(sampling_seqs) and not scoring and masks is None and all(s.params.argmax_only for s in sampling_seqs)
         )
         return PendingStep(plan, sampling_seqs, rows, offsets, scoring, pooling, masks)
 
-    def _sample(
+    def sample(
         self, step: "PendingStep", logits: torch.Tensor | None, hidden: torch.Tensor | None
     ) -> RunnerOutput | None:
         """The step's record from its logits (and kept hidden rows): sampled tokens, prompt
