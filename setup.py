@@ -150,6 +150,7 @@ def level_sources() -> list[str]:
     )
     sources.append((CSRC / "dispatch.cpp").as_posix())
     sources.append((CSRC / "weight_memory.cpp").as_posix())  # (no SIMD: one copy)
+    sources.append((CSRC / "tuning.cpp").as_posix())
     return sources
 
 

@@ -7,6 +7,9 @@ that it lists exactly these fields). Python code reads a variable only through `
 point of use, so a variable changed after import (a test's monkeypatch.setenv, a benchmark
 trying both routes) takes effect; `Settings.from_env()` reads them all at once.
 
+Kernel routes and tuning constants that only benchmarks vary are not here: they are
+pagedllm/tuning.py's knobs, out of the environment.
+
 This module imports nothing of the package: every layer may ask it.
 """
 
@@ -39,34 +42,12 @@ class Settings:
         "caps the kernels' instruction-set level (default: the CPU's best; avxvnni only when named)",
         ("base", "avx2", "avxvnni", "avx512vnni", "avx512bf16"),
     )
-    amx: bool = _var(
-        "PAGEDLLM_AMX",
-        True,
-        bool,
-        "C++ (quant_packed.cpp)",
-        "0 keeps bfloat16 steps over packed weights off the AMX tile product",
-    )
-    amx_rows: int = _var(
-        "PAGEDLLM_AMX_ROWS",
-        16,
-        int,
-        "C++ (quant_packed.cpp)",
-        "rows from which a bfloat16 step over packed weights takes the AMX tile product",
-    )
     huge_pages: bool = _var(
         "PAGEDLLM_HUGE_PAGES",
         True,
         bool,
         "C++ (weight_memory.cpp)",
         "0 keeps weights out of the 2 MiB-aligned slabs marked for transparent huge pages",
-    )
-    prefetch_bytes: int | None = _var(
-        "PAGEDLLM_PREFETCH_BYTES",
-        None,
-        int,
-        "C++ (weight_memory.cpp)",
-        "how far ahead the packed kernels prefetch weights (default: by the "
-        "weights' size against the last-level cache, and the CPU's vendor)",
     )
     build_kernels: bool = _var(
         "PAGEDLLM_BUILD_KERNELS", True, bool, "setup.py", "0 builds the package without the native kernels"
@@ -79,60 +60,6 @@ class Settings:
         "the kernels' instruction-set levels to compile: native (the baseline and "
         "this CPU's best, and the avxvnni build it runs), all (every level, for a wheel), or a comma "
         "list of levels (avxvnni_evex: the avxvnni level's EVEX twin)",
-    )
-    # quantized weights (quant/)
-    quant_int_rows: int = _var(
-        "PAGEDLLM_QUANT_INT_ROWS",
-        32,
-        int,
-        "python",
-        "steps of up to this many rows take the integer kernel; wider ones dequantize a tile at a time for the GEMM",
-    )
-    quant_isa: str | None = _var(
-        "PAGEDLLM_QUANT_ISA",
-        None,
-        str,
-        "python",
-        "forces the integer kernels' instruction set (default: the best here)",
-        ("scalar", "avx2", "avxvnni", "avx512-vnni"),
-    )
-    quant_wide: str = _var(
-        "PAGEDLLM_QUANT_WIDE",
-        "auto",
-        str,
-        "python",
-        "the route of steps past PAGEDLLM_QUANT_INT_ROWS rows: the integer kernel "
-        "(int), the dequantize + GEMM route (gemm), or where measured faster (auto)",
-        ("auto", "gemm", "int"),
-    )
-    quant_act: str = _var(
-        "PAGEDLLM_QUANT_ACT",
-        "auto",
-        str,
-        "python",
-        "how the integer kernels round activations: one int8 level, two, or by the step's width (auto)",
-        ("auto", "int8", "int8x2"),
-    )
-    quant_x2_wide: str | None = _var(
-        "PAGEDLLM_QUANT_X2_WIDE",
-        None,
-        str,
-        "python",
-        "projection roles (comma-separated) that auto keeps in two levels on wide steps (default: qkv_proj)",
-    )
-    quant_head_recheck: int = _var(
-        "PAGEDLLM_QUANT_HEAD_RECHECK",
-        4,
-        int,
-        "python",
-        "the best logits of a single-level head computed again exactly (0: off)",
-    )
-    quant_pack: bool = _var(
-        "PAGEDLLM_QUANT_PACK",
-        True,
-        bool,
-        "python",
-        "0 keeps quantized weights in the file's layout (the reference for comparisons)",
     )
     # memory, limits, distribution, serving
     keep_buffers: bool = _var(
@@ -166,14 +93,6 @@ class Settings:
         "python",
         "seconds one pipeline stage-to-stage send or receive may wait for its peer",
     )
-    pp_share_head: bool = _var(
-        "PAGEDLLM_PP_SHARE_HEAD",
-        True,
-        bool,
-        "python",
-        "whether a pipeline's first stage computes part of the LM head's rows "
-        "(0: the last stage computes the whole head)",
-    )
     api_key: str | None = _var(
         "PAGEDLLM_API_KEY", None, str, "python", "the server's API key when --api-key is not given"
     )
@@ -197,7 +116,7 @@ _FIELDS = {f.name: f for f in fields(Settings)}
 
 
 def env_name(name: str) -> str:
-    """The variable of setting `name` ("quant_wide" -> "PAGEDLLM_QUANT_WIDE")."""
+    """The variable of setting `name` ("tp_timeout_s" -> "PAGEDLLM_TP_TIMEOUT_S")."""
     return _FIELDS[name].metadata["env"]
 
 
@@ -238,7 +157,7 @@ def _parse(name: str, raw: str | None) -> Any:
 def export_for_native() -> None:
     """Write each variable the native library reads (layer "C++") back in the one spelling its
     C++ reader knows ("1"/"0", a plain integer, a level's name), as parsed here: one parser for
-    both languages, so `PAGEDLLM_AMX=false` means off to the kernels as it does to Python. A bad
+    both languages, so `PAGEDLLM_HUGE_PAGES=false` means off to the kernels as it does to Python. A bad
     value is refused here, before the library loads. Unset variables stay unset."""
     for name, f in _FIELDS.items():
         m = f.metadata

@@ -138,3 +138,16 @@ def llama_cpp(request, tmp_path_factory) -> Path:
 
     cache = getattr(request.config, "cache", None)
     return find_llama_cpp(Path(cache.mkdir("llama_cpp")) if cache else tmp_path_factory.mktemp("llama_cpp"))
+
+
+@pytest.fixture
+def tune():
+    """`tune(knob=value, ...)` sets kernel routes and tuning knobs (pagedllm/tuning.py) for one
+    test; the ones before it come back after it."""
+    from dataclasses import asdict
+
+    from pagedllm import tuning
+
+    before = tuning.current()
+    yield tuning.configure
+    tuning.configure(**asdict(before))

@@ -244,7 +244,7 @@ def test_quantized_experts_stay_quantized_and_agree(tmp_path, qtype):
 
 
 @pytest.mark.parametrize("rows", [1, 5, 32])
-def test_few_rows_run_their_experts_in_one_native_call(tmp_path, monkeypatch, rows):
+def test_few_rows_run_their_experts_in_one_native_call(tmp_path, monkeypatch, rows, tune):
     """A step of up to INT_ROWS rows: every routed expert in one quant_moe_experts call, no
     Python matmul per expert; the values of the grouped path (one call chain per active
     expert), which the agreement test above holds to the dequantized model."""
@@ -272,7 +272,7 @@ def test_few_rows_run_their_experts_in_one_native_call(tmp_path, monkeypatch, ro
     # "auto" rounds the experts' inputs by the step's width, as a dense layer's gate|up and down:
     # two levels up to X2_ROWS rows, one beyond (where the grouped path goes by each expert's rows).
     for mode in ("int8x2", "int8"):
-        monkeypatch.setenv("PAGEDLLM_QUANT_ACT", mode)
+        tune(quant_act=mode)
         moe._native = plan
         one_call = moe.run_experts(h, weights, ids)
         if mode == ("int8x2" if rows <= qk.X2_ROWS else "int8"):
@@ -280,7 +280,7 @@ def test_few_rows_run_their_experts_in_one_native_call(tmp_path, monkeypatch, ro
         moe._native = None  # the grouped path, which rounds each expert's rows alike in these modes
         grouped = moe.run_experts(h, weights, ids)
         assert torch.allclose(one_call, grouped, rtol=1e-4, atol=1e-5), (mode, (one_call - grouped).abs().max())
-    monkeypatch.delenv("PAGEDLLM_QUANT_ACT")
+    tune(quant_act="auto")
     assert len(per_expert) == 2 * len(ids.unique())
     # The ids matter: each row's experts moved to the next ids gives another result.
     moe._native = False

@@ -260,7 +260,7 @@ def gptq_llm(gptq_model) -> LLM:
     return float_head_llm(gptq_model[0])
 
 
-def test_model_matches_transformers_on_gptqmodels_weights(gptq_model, gptq_llm, monkeypatch):
+def test_model_matches_transformers_on_gptqmodels_weights(gptq_model, gptq_llm, monkeypatch, tune):
     path, ref, (family, bits, gs, sym, desc_act) = gptq_model
     llm = gptq_llm  # exact: float head
     info = llm.engine.weights
@@ -276,7 +276,7 @@ def test_model_matches_transformers_on_gptqmodels_weights(gptq_model, gptq_llm, 
     # Greedy tokens against transformers' generate on the same weights, every step on the repacked
     # blocks' dequantize + GEMM route (the integer kernels round activations to int8: the next test).
 
-    monkeypatch.setenv("PAGEDLLM_QUANT_INT_ROWS", "0")
+    tune(quant_int_rows="0")
 
     p = _prompt(12, 7)
     _assert_greedy_equals(ref, llm, p)
@@ -288,7 +288,7 @@ def test_quantized_execution_against_our_float32(gptq_model, gptq_llm):
     assert exact.engine.weights.kernel is None and "dequantized to float" in exact.engine.weights.reason
 
 
-def test_wide_decode_steps_against_our_float32(gptq_model, gptq_llm, monkeypatch):
+def test_wide_decode_steps_against_our_float32(gptq_model, gptq_llm, monkeypatch, tune):
     """Many sequences decoding together: steps of 9-32 rows, whose activations are one int8
     level except at q|k|v (quant.kernels.X2_WIDE). Against our dequantize_weights=True float32,
     teacher-forced over the same windows: perplexity within 0.5%, and q|k|v's second level cuts
@@ -297,8 +297,8 @@ def test_wide_decode_steps_against_our_float32(gptq_model, gptq_llm, monkeypatch
     the wide layers; `bench quality --weights` holds a real GPTQ model to 98%: docs/design/activation-rounding.md.)"""
     from pagedllm.quant import kernels as qk
 
-    monkeypatch.delenv("PAGEDLLM_QUANT_ACT", raising=False)
-    monkeypatch.delenv("PAGEDLLM_QUANT_X2_WIDE", raising=False)
+    tune(quant_act="auto")
+    tune(quant_x2_wide=None)
     path, _, _ = gptq_model
     windows = [_prompt(40, 100 + i) for i in range(16)]
     assert qk.X2_ROWS < len(windows) <= qk.int_rows() and qk.X2_WIDE == ("qkv_proj",)
@@ -306,7 +306,7 @@ def test_wide_decode_steps_against_our_float32(gptq_model, gptq_llm, monkeypatch
     want = torch.cat(exact.score_prompts(windows, chunk_size=1))
     got = torch.cat(gptq_llm.score_prompts(windows, chunk_size=1))
     assert abs(float(torch.exp(want.double().mean() - got.double().mean())) - 1) <= 0.005
-    monkeypatch.setenv("PAGEDLLM_QUANT_X2_WIDE", "")
+    tune(quant_x2_wide="")
     one_level = torch.cat(gptq_llm.score_prompts(windows, chunk_size=1))
     err, err_one = (got - want).abs().mean().item(), (one_level - want).abs().mean().item()
     assert err <= 0.8 * err_one, (err, err_one)

@@ -101,7 +101,7 @@ def awq_llm(awq_model) -> LLM:
     return float_head_llm(awq_model[0])
 
 
-def test_model_matches_transformers_on_autoawqs_weights(awq_model, awq_llm, monkeypatch):
+def test_model_matches_transformers_on_autoawqs_weights(awq_model, awq_llm, monkeypatch, tune):
 
     path, ref = awq_model
     llm = awq_llm  # exact: float head
@@ -112,7 +112,7 @@ def test_model_matches_transformers_on_autoawqs_weights(awq_model, awq_llm, monk
         want = ref(torch.tensor([prompt])).logits[0]
     got = llm.prompt_logits(prompt)
     assert (got - want).abs().max().item() < 1e-3
-    monkeypatch.setenv("PAGEDLLM_QUANT_INT_ROWS", "0")
+    tune(quant_int_rows="0")
     p = _prompt(12, 8)
     _assert_greedy_equals(ref, llm, p)
 

@@ -119,7 +119,7 @@ def test_dequantization_equals_compressed_tensors(ct_model):
     assert fmts == {{"W4A16": "Q4_0", "W8A16": "Q8_0", "W4A16_ASYM": "Q5_0"}[scheme]}
 
 
-def test_model_matches_transformers_running_the_checkpoint(ct_model, ct_llm, monkeypatch):
+def test_model_matches_transformers_running_the_checkpoint(ct_model, ct_llm, monkeypatch, tune):
     import transformers as tf
 
     path, (family, scheme) = ct_model
@@ -141,7 +141,7 @@ def test_model_matches_transformers_running_the_checkpoint(ct_model, ct_llm, mon
         want = ref(torch.tensor([prompt])).logits[0]
     got = llm.prompt_logits(prompt)
     assert (got - want).abs().max().item() < 1e-3
-    monkeypatch.setenv("PAGEDLLM_QUANT_INT_ROWS", "0")  # every step on the blocks' dequantize + GEMM route
+    tune(quant_int_rows="0")  # every step on the blocks' dequantize + GEMM route
     p = _prompt(12, 4)
     _assert_greedy_equals(ref, llm, p)
 

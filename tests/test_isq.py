@@ -163,11 +163,11 @@ def test_isq_model_matches_transformers_on_the_rounded_weights(isq_ckpt, fmt):
     assert cos.min().item() > 0.995, cos.min().item()
 
 
-def test_batch1_decode_rounds_activations_in_two_levels(isq_ckpt, monkeypatch):
+def test_batch1_decode_rounds_activations_in_two_levels(isq_ckpt, monkeypatch, tune):
     """Token by token (batch 1, the integer kernels on every projection), the default rounds
     each activation block twice (int8x2): its logits sit far closer to the float model on the
     same quantized weights than one int8 level, the rounding llama.cpp uses, leaves them."""
-    monkeypatch.delenv("PAGEDLLM_QUANT_ACT", raising=False)
+    tune(quant_act="auto")
     path, _ = isq_ckpt
     llm = LLM(str(path), dtype="float32", isq="Q4_K", kv_cache_memory_mb=8)
     prompt = torch.randint(0, 49152, (48,), generator=torch.Generator().manual_seed(9)).tolist()
@@ -175,14 +175,13 @@ def test_batch1_decode_rounds_activations_in_two_levels(isq_ckpt, monkeypatch):
     assert "activations int8x2 up to 8 rows, int8 above except qkv_proj" in llm.engine.kv_cache_trace().weight_kernel
     errors = {"default": ((llm.prompt_logits(prompt, chunk_size=1) - exact).abs().max() / exact.abs().max()).item()}
     for mode in ("int8x2", "int8"):
-        monkeypatch.setenv("PAGEDLLM_QUANT_ACT", mode)
+        tune(quant_act=mode)
         got = llm.prompt_logits(prompt, chunk_size=1)
         errors[mode] = ((got - exact).abs().max() / exact.abs().max()).item()
     assert errors["default"] == errors["int8x2"]
     assert errors["int8x2"] < errors["int8"] / 20, errors
-    monkeypatch.setenv("PAGEDLLM_QUANT_ACT", "int4")
-    with pytest.raises(ValueError, match="PAGEDLLM_QUANT_ACT"):
-        llm.prompt_logits(prompt[:4], chunk_size=1)
+    with pytest.raises(ValueError, match="quant_act='int4' is not one of"):
+        tune(quant_act="int4")
 
 
 def _stack_against_layers(path, monkeypatch, **kw):
@@ -338,7 +337,7 @@ def test_decode_stack_runs_sparse_moe_layers(tmp_path, hf_smollm2_tokenizer, fam
     assert [o.outputs[0].token_ids for o in rerouted] != [o.outputs[0].token_ids for o in plain]
 
 
-def test_decode_stack_rounds_each_projection_as_the_layers_do(isq_ckpt, monkeypatch):
+def test_decode_stack_rounds_each_projection_as_the_layers_do(isq_ckpt, monkeypatch, tune):
     """Steps wider than X2_ROWS round only the X2_WIDE projections in two levels; the all-layer
     native call carries that per projection (bits of its isa argument) and must give the bits
     of the per-layer path for every choice, and the choice must change them."""
@@ -346,7 +345,7 @@ def test_decode_stack_rounds_each_projection_as_the_layers_do(isq_ckpt, monkeypa
     from pagedllm.models import llama
     from pagedllm.quant import kernels as qk
 
-    monkeypatch.delenv("PAGEDLLM_QUANT_ACT", raising=False)
+    tune(quant_act="auto")
     path, _ = isq_ckpt
     prompts = [
         torch.randint(0, 49152, (4 + n,), generator=torch.Generator().manual_seed(n)).tolist() for n in range(12)
@@ -357,7 +356,7 @@ def test_decode_stack_rounds_each_projection_as_the_layers_do(isq_ckpt, monkeypa
     real = llama.LlamaForCausalLM._decode_stack
     got = {}
     for wide in ("qkv_proj", "o_proj,down_proj", "gate_up_proj", ""):
-        monkeypatch.setenv("PAGEDLLM_QUANT_X2_WIDE", wide)
+        tune(quant_x2_wide=wide)
         calls = []
 
         def counted(self, h, rope, meta):
@@ -373,20 +372,20 @@ def test_decode_stack_rounds_each_projection_as_the_layers_do(isq_ckpt, monkeypa
         got[wide] = [o.outputs[0].logprobs for o in stacked]
         assert got[wide] == [o.outputs[0].logprobs for o in plain], wide
     assert len({repr(v) for v in got.values()}) == len(got), "an X2_WIDE choice changed nothing"
-    monkeypatch.setenv("PAGEDLLM_QUANT_X2_WIDE", "v_proj")
-    with pytest.raises(ValueError, match="PAGEDLLM_QUANT_X2_WIDE names v_proj"):
+    tune(quant_x2_wide="v_proj")
+    with pytest.raises(ValueError, match="tuning quant_x2_wide names v_proj"):
         llm.generate(prompts[:1], sp, use_tqdm=False)
 
 
-def test_wide_models_round_a_row_alike_at_every_step_width(isq_ckpt, monkeypatch):
+def test_wide_models_round_a_row_alike_at_every_step_width(isq_ckpt, monkeypatch, tune):
     """In a model at least X2_WIDTH wide, "auto" rounds narrow steps as wide ones (one level but
     X2_WIDE, the head rechecked): a sequence decoded alone gets the logprobs it gets among 11
     others. A narrower model rounds its batch-1 steps in two levels, so there they differ."""
     from pagedllm import SamplingParams
     from pagedllm.quant import kernels as qk
 
-    monkeypatch.delenv("PAGEDLLM_QUANT_ACT", raising=False)
-    monkeypatch.delenv("PAGEDLLM_QUANT_X2_WIDE", raising=False)
+    tune(quant_act="auto")
+    tune(quant_x2_wide=None)
     path, _ = isq_ckpt
     # (12 prompts of 2 tokens: their prefill, 24 rows, stays on the integer kernels too)
     prompts = [torch.randint(0, 49152, (2,), generator=torch.Generator().manual_seed(n)).tolist() for n in range(12)]
@@ -417,7 +416,7 @@ def test_wide_models_round_a_row_alike_at_every_step_width(isq_ckpt, monkeypatch
         f"activations int8 except qkv_proj at every width, the model {hidden} >= {hidden} wide"
         in llm.engine.kv_cache_trace().weight_kernel
     )
-    monkeypatch.setenv("PAGEDLLM_QUANT_ACT", "int8x2")  # the choice by hand still holds
+    tune(quant_act="int8x2")  # the choice by hand still holds
     alone_x2, _ = alone_and_among_others()
     assert gap(alone_x2, alone) > 1e-3
 

@@ -395,7 +395,12 @@ def test_wheel_carries_the_kernels_to_a_machine_without_compiler(tmp_path, smoll
 
     prompt = ["generate", "Name three colors.", "--max-tokens", "24"]
     default = run(*prompt)
-    forced = run(*prompt, PAGEDLLM_QUANT_ISA="avx2")
+    # The integer kernels' AVX2 path forced (a tuning knob: set in the process, not the environment).
+    forced_cli = "import sys; from pagedllm import tuning; from pagedllm.cli.main import main; "
+    forced_cli += "tuning.configure(quant_isa='avx2'); sys.exit(main(sys.argv[1:]))"
+    forced = subprocess.run(
+        [str(runner), "-c", forced_cli, *prompt], capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path
+    )
     assert default.returncode == 0 and forced.returncode == 0, default.stderr[-2000:] + forced.stderr[-2000:]
     assert default.stdout.strip() and forced.stdout == default.stdout
     # The wheel holds every level, and capped with PAGEDLLM_NATIVE_ISA it registers that level's

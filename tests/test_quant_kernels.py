@@ -356,19 +356,19 @@ def test_packed_and_file_layout_parts_mix_and_take_the_gemm_route():
 
 
 @pytest.mark.parametrize("role", [None, "qkv_proj"])
-def test_wide_steps_of_packed_weights_take_the_integer_kernel_in_chunks(monkeypatch, role):
-    """Past INT_ROWS, with PAGEDLLM_QUANT_WIDE=int, packed parts run the integer kernel in chunks
+def test_wide_steps_of_packed_weights_take_the_integer_kernel_in_chunks(monkeypatch, role, tune):
+    """Past INT_ROWS, with quant_wide=int, packed parts run the integer kernel in chunks
     of WIDE_CHUNK rows: one int8 level (two at q|k|v), close to gguf's float reference, and
     every row the same bits as in one kernel call over them all; the folded linear (norm,
     silu(gate) * up, residual) likewise. The LM head, parts in the file's layout, and every
     part by default keep the GEMM route."""
-    monkeypatch.delenv("PAGEDLLM_QUANT_WIDE", raising=False)
+    tune(quant_wide="auto")
     rng = np.random.default_rng(41)
     cols, sizes, m = 512, (64, 32), 2 * qk.WIDE_CHUNK + 37
     raws = [random_blocks("Q4_K", n, cols, rng) for n in sizes]
     parts = [packed(r, "Q4_K", n, cols) for r, n in zip(raws, sizes)]
     assert not qk.integer_route(m, parts) and qk.integer_route(qk.int_rows(), parts)
-    monkeypatch.setenv("PAGEDLLM_QUANT_WIDE", "int")
+    tune(quant_wide="int")
     assert m > qk.int_rows() and qk.integer_route(m, parts, role) and not qk.integer_route(m, parts, "lm_head")
     assert not qk.integer_route(m, [QuantTensor("Q4_K", torch.from_numpy(raws[0]), (64, cols))])
     x = torch.from_numpy(rng.standard_normal((m, cols)).astype(np.float32))
@@ -389,20 +389,19 @@ def test_wide_steps_of_packed_weights_take_the_integer_kernel_in_chunks(monkeypa
         x, [p.data for p in parts], [p.type_id for p in parts], cols, norm.weight, 1e-6, None, res, 1, isa_id
     )
     assert got.shape == (m, sum(sizes) // 2) and torch.equal(got, want)
-    monkeypatch.setenv("PAGEDLLM_QUANT_WIDE", "gemm")
+    tune(quant_wide="gemm")
     assert not qk.integer_route(m, parts, role)
-    monkeypatch.setenv("PAGEDLLM_QUANT_WIDE", "fast")
-    with pytest.raises(ValueError, match="PAGEDLLM_QUANT_WIDE='fast' is not one of auto, gemm, int"):
-        qk.integer_route(m, parts, role)
+    with pytest.raises(ValueError, match="quant_wide='fast' is not one of auto, gemm, int"):
+        tune(quant_wide="fast")
 
 
-def test_wide_steps_of_wide_models_take_the_integer_kernel_by_default_without_amx(monkeypatch):
+def test_wide_steps_of_wide_models_take_the_integer_kernel_by_default_without_amx(monkeypatch, tune):
     """ "auto" (the default) sends steps past INT_ROWS through the integer kernel in models
     INT_WIDE_WIDTH or more wide, where the kernel is AVX-512 VNNI or AVX2 and there is no AMX;
     narrower models, the head, the scalar path and AMX machines keep the GEMM route."""
-    monkeypatch.delenv("PAGEDLLM_QUANT_WIDE", raising=False)
-    monkeypatch.delenv("PAGEDLLM_QUANT_ISA", raising=False)
-    monkeypatch.setenv("PAGEDLLM_AMX", "0")
+    tune(quant_wide="auto")
+    tune(quant_isa=None)
+    tune(amx="0")
     rng = np.random.default_rng(43)
     wide, narrow = qk.INT_WIDE_WIDTH, qk.INT_WIDE_WIDTH - 256
     m = qk.int_rows() + 1
@@ -414,26 +413,24 @@ def test_wide_steps_of_wide_models_take_the_integer_kernel_by_default_without_am
     for forced, wide_int in (("avx2", True), ("scalar", False)):  # (the path is read once a process)
         if forced not in qk.available_isas():
             continue
-        monkeypatch.setenv("PAGEDLLM_QUANT_ISA", forced)
+        tune(quant_isa=forced)
         qk.kernel_path.cache_clear()
         try:
             assert qk.integer_route(m, parts, "o_proj") is wide_int
         finally:
-            monkeypatch.delenv("PAGEDLLM_QUANT_ISA")
+            tune(quant_isa=None)
             qk.kernel_path.cache_clear()
     if qk.cpu_kernels() is not None and hasattr(qk.cpu_kernels(), "quant_amx_rows"):
-        monkeypatch.delenv("PAGEDLLM_AMX")
+        tune(amx=True)
         assert qk.integer_route(m, parts, "o_proj") is (simd and qk.amx_rows() == 0)
 
 
-def test_proposals_take_the_integer_kernel_past_int_rows_at_any_width(monkeypatch):
+def test_proposals_take_the_integer_kernel_past_int_rows_at_any_width(monkeypatch, tune):
     """Inside proposals_only (a draft model's forwards) "auto" takes the integer kernel past
     INT_ROWS in narrow models too, where it does for wide ones (AVX-512 VNNI or AVX2, no AMX), and
     rounds activations in one level; the head keeps the GEMM, forced routes and modes stay
     forced, and the flag ends with the block."""
-    for env in ("PAGEDLLM_QUANT_WIDE", "PAGEDLLM_QUANT_ISA", "PAGEDLLM_QUANT_ACT", "PAGEDLLM_QUANT_X2_WIDE"):
-        monkeypatch.delenv(env, raising=False)
-    monkeypatch.setenv("PAGEDLLM_AMX", "0")
+    tune(quant_wide="auto", quant_isa=None, quant_act="auto", quant_x2_wide=None, amx=False)
     rng = np.random.default_rng(44)
     narrow = qk.INT_WIDE_WIDTH // 2
     m = qk.int_rows() + 8
@@ -446,29 +443,29 @@ def test_proposals_take_the_integer_kernel_past_int_rows_at_any_width(monkeypatc
         # and one level of activation rounding at every width (a draft's proposals are verified)
         assert not any(qk._isa_id(None, r, "qkv_proj", narrow) & qk.ACT_X2 for r in (1, m))
         assert not qk._stack_isa_id(1, narrow) & (qk.ACT_X2 | qk.ACT_X2_PROJ)
-        monkeypatch.setenv("PAGEDLLM_QUANT_ACT", "int8x2")  # a forced mode stays forced
+        tune(quant_act="int8x2")  # a forced mode stays forced
         assert qk._isa_id(None, 1, None, narrow) & qk.ACT_X2
-        monkeypatch.delenv("PAGEDLLM_QUANT_ACT")
-        monkeypatch.setenv("PAGEDLLM_QUANT_WIDE", "gemm")
+        tune(quant_act="auto")
+        tune(quant_wide="gemm")
         assert not qk.integer_route(m, few, "o_proj")
-        monkeypatch.delenv("PAGEDLLM_QUANT_WIDE")
+        tune(quant_wide="auto")
     assert not qk.integer_route(m, few, "o_proj")
     assert qk._isa_id(None, 1, None, narrow) & qk.ACT_X2  # outside: narrow steps two-level
 
 
-def test_amx_turns_off_by_environment(monkeypatch):
-    monkeypatch.setenv("PAGEDLLM_AMX", "0")
+def test_amx_turns_off_by_its_knob(monkeypatch, tune):
+    tune(amx="0")
     assert qk.amx_rows() == 0
 
 
-@pytest.mark.skipif(ops is None or qk.amx_rows() == 0, reason="no AMX-BF16 on this CPU (or PAGEDLLM_AMX=0)")
+@pytest.mark.skipif(ops is None or qk.amx_rows() == 0, reason="no AMX-BF16 on this CPU")
 @pytest.mark.parametrize("fmt", PACKABLE_FORMATS)
-def test_amx_steps_multiply_bf16_weights_with_bf16_activations(fmt, monkeypatch):
+def test_amx_steps_multiply_bf16_weights_with_bf16_activations(fmt, monkeypatch, tune):
     """A bfloat16 step of 16 or more rows over packed weights, on a CPU with AMX: the weights
     dequantized to bfloat16 (what the GEMM route multiplies) times the activations as they are,
     summed in float32. Against gguf's dequantization rounded to bfloat16, in float64; the int8
-    kernel (PAGEDLLM_AMX=0) is further off, so the test sees which path ran."""
-    monkeypatch.delenv("PAGEDLLM_AMX_ROWS", raising=False)
+    kernel (knob amx off) is further off, so the test sees which path ran."""
+    tune(amx_rows=16)
     rng = np.random.default_rng(40 + FORMATS[fmt][0])
     vals = FORMATS[fmt][1]
     isa = qk.ISA_IDS["avx512-vnni"]
@@ -480,14 +477,14 @@ def test_amx_steps_multiply_bf16_weights_with_bf16_activations(fmt, monkeypatch)
         w = gguf.quants.dequantize(raw, Q[fmt]).reshape(rows, cols).astype(np.float32)
         w16 = torch.from_numpy(w).to(torch.bfloat16).double().numpy()
         ref = x.double().numpy() @ w16.T
-        monkeypatch.delenv("PAGEDLLM_AMX", raising=False)
+        tune(amx=True)
         y = ops.quant_matmul(x, [qt.data], [qt.type_id], cols, isa).numpy()
         assert y.shape == (m, rows)
         assert_close(y, ref, 1e-5, f"AMX {fmt} {rows}x{cols} m={m}")
-        monkeypatch.setenv("PAGEDLLM_AMX", "0")
+        tune(amx="0")
         y8 = ops.quant_matmul(x, [qt.data], [qt.type_id], cols, isa).numpy()
         err8 = np.abs(y8 - ref).max() / np.abs(ref).max()
-        assert err8 > 1e-4, f"{fmt}: the int8 kernel matched bf16 to {err8:.1e}; did AMX run with PAGEDLLM_AMX=0?"
+        assert err8 > 1e-4, f"{fmt}: the int8 kernel matched bf16 to {err8:.1e}; did AMX run with the amx knob off?"
 
 
 @pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0", "Q4_K", "Q6_K"])
@@ -619,13 +616,13 @@ def test_packing_refuses_what_it_cannot_hold():
 
 
 @pytest.mark.parametrize("fmt", ["Q8_0", "Q6_K"])
-def test_head_rechecks_its_best_logits_on_single_level_steps(fmt, monkeypatch):
+def test_head_rechecks_its_best_logits_on_single_level_steps(fmt, monkeypatch, tune):
     """On steps wider than X2_ROWS the head's activations are one int8 level; each row's
     HEAD_RECHECK best logits are then computed again from the dequantized rows and the unrounded
     hidden state (gguf's dequantization and a float64 product here), and every other logit is the
     kernel's. Two-level steps are left as the kernel gives them."""
-    monkeypatch.delenv("PAGEDLLM_QUANT_ACT", raising=False)
-    monkeypatch.delenv("PAGEDLLM_QUANT_X2_WIDE", raising=False)
+    tune(quant_act="auto")
+    tune(quant_x2_wide=None)
     rng = np.random.default_rng(77)
     vocab, cols, k = 512, 256, qk.head_recheck()
     assert k >= 2

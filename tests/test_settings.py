@@ -53,23 +53,18 @@ def test_kernel_modules_read_no_environment_at_import():
 
 
 def test_a_variable_changed_after_import_takes_effect(monkeypatch):
-    from pagedllm.quant import kernels as qk
-
-    monkeypatch.setenv("PAGEDLLM_QUANT_WIDE", "int")
-    monkeypatch.setenv("PAGEDLLM_QUANT_INT_ROWS", "7")
-    assert qk.wide_mode() == "int" and qk.int_rows() == 7
-    assert Settings.from_env().quant_wide == "int" and Settings.from_env().quant_int_rows == 7
-    monkeypatch.delenv("PAGEDLLM_QUANT_WIDE")
-    monkeypatch.delenv("PAGEDLLM_QUANT_INT_ROWS")
-    assert qk.wide_mode() == "auto" and qk.int_rows() == 32
+    monkeypatch.setenv("PAGEDLLM_TP_TIMEOUT_S", "7")
+    assert settings.get("tp_timeout_s") == 7.0 and Settings.from_env().tp_timeout_s == 7.0
+    monkeypatch.delenv("PAGEDLLM_TP_TIMEOUT_S")
+    assert settings.get("tp_timeout_s") == 60.0
 
 
 def test_bad_values_are_refused_with_the_variable_named(monkeypatch):
-    monkeypatch.setenv("PAGEDLLM_QUANT_HEAD_RECHECK", "many")
-    with pytest.raises(ValueError, match="PAGEDLLM_QUANT_HEAD_RECHECK='many' is not an integer"):
-        settings.get("quant_head_recheck")
-    monkeypatch.setenv("PAGEDLLM_QUANT_ACT", "int4")
-    with pytest.raises(ValueError, match="PAGEDLLM_QUANT_ACT='int4' is not one of auto, int8, int8x2"):
+    monkeypatch.setenv("PAGEDLLM_PP_TIMEOUT_S", "many")
+    with pytest.raises(ValueError, match="PAGEDLLM_PP_TIMEOUT_S='many' is not a number"):
+        settings.get("pp_timeout_s")
+    monkeypatch.setenv("PAGEDLLM_NATIVE_ISA", "fast")
+    with pytest.raises(ValueError, match="PAGEDLLM_NATIVE_ISA='fast' is not one of base, avx2"):
         Settings.from_env()
 
 
@@ -77,35 +72,35 @@ def test_from_env_reads_a_given_mapping():
     s = Settings.from_env(
         {"PAGEDLLM_NATIVE": "off", "PAGEDLLM_ALLOW_LONG_MAX_MODEL_LEN": "1", "PAGEDLLM_TP_TIMEOUT_S": "2.5"}
     )
-    assert (s.native, s.allow_long_max_model_len, s.tp_timeout_s, s.quant_act) == (False, True, 2.5, "auto")
+    assert (s.native, s.allow_long_max_model_len, s.tp_timeout_s, s.huge_pages) == (False, True, 2.5, True)
     with pytest.raises(AttributeError):  # frozen
         s.native = True  # type: ignore[misc]
 
 
 @pytest.mark.parametrize("off", ["0", "false", "off", "no"])
 def test_the_native_library_reads_a_variable_as_python_does(off):
-    # One parser: PAGEDLLM_AMX=false turned AMX off for Python and on for the C++ reader (which
-    # looked at the first character only); now Python writes the parsed value back as "0".
+    # One parser: PAGEDLLM_HUGE_PAGES=false meant off to Python and on to the C++ reader (which
+    # compared with "0" only); Python writes the parsed value back as "0".
     import subprocess
     import sys
 
-    def amx_rows(value: str) -> str:
-        code = "from pagedllm.quant.kernels import amx_rows; print(amx_rows())"
-        env = {**os.environ, "PAGEDLLM_AMX": value}
+    def huge_pages(value: str) -> str:
+        code = "from pagedllm.quant.weight_memory import weight_memory as w; m = w(); print(m and m.huge_pages)"
+        env = {**os.environ, "PAGEDLLM_HUGE_PAGES": value}
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, out.stderr
         return out.stdout.strip()
 
-    if amx_rows("true") == "0":
-        pytest.skip("no AMX here (or no native kernels): nothing to turn off")
-    assert amx_rows(off) == "0"
+    if huge_pages("true") != "True":
+        pytest.skip("no native kernels, or not Linux: no huge-page slabs to turn off")
+    assert huge_pages(off) == "False"
 
 
 def test_a_bad_value_for_the_native_library_is_refused_before_it_loads(monkeypatch):
-    monkeypatch.setenv("PAGEDLLM_AMX_ROWS", "sixteen")
-    with pytest.raises(ValueError, match="PAGEDLLM_AMX_ROWS='sixteen' is not an integer"):
+    monkeypatch.setenv("PAGEDLLM_NATIVE_ISA", "avx9")
+    with pytest.raises(ValueError, match="PAGEDLLM_NATIVE_ISA='avx9' is not one of"):
         settings.export_for_native()
-    monkeypatch.setenv("PAGEDLLM_AMX_ROWS", " 8")
+    monkeypatch.setenv("PAGEDLLM_NATIVE_ISA", "avx2")
     monkeypatch.setenv("PAGEDLLM_HUGE_PAGES", "off")
     settings.export_for_native()
-    assert (os.environ["PAGEDLLM_AMX_ROWS"], os.environ["PAGEDLLM_HUGE_PAGES"]) == ("8", "0")
+    assert (os.environ["PAGEDLLM_NATIVE_ISA"], os.environ["PAGEDLLM_HUGE_PAGES"]) == ("avx2", "0")

@@ -655,13 +655,13 @@ def test_draft_lag_is_the_catch_up_it_then_computes(family_ckpt, drafts, monkeyp
     _assert_no_leak(llm)
 
 
-def test_draft_forwards_take_the_fastest_route_and_the_target_keeps_its_own(smollm2_gguf_path, monkeypatch):
+def test_draft_forwards_take_the_fastest_route_and_the_target_keeps_its_own(smollm2_gguf_path, monkeypatch, tune):
     """A quantized draft's forwards run inside proposals_only (its catch-up of a 40-token prompt
     through the integer kernel where the CPU's is AVX-512 VNNI), the target's never: the
     target's route and so its output are those of plain decoding, token for token."""
     from pagedllm.quant import kernels as qk
 
-    monkeypatch.delenv("PAGEDLLM_QUANT_WIDE", raising=False)
+    tune(quant_wide="auto")
     seen = []
     route = qk.integer_route
 

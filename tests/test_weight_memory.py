@@ -5,8 +5,6 @@ weights go."""
 from __future__ import annotations
 
 import gc
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -194,18 +192,13 @@ def test_the_prefetch_distance_follows_the_weights_alive(slabs, monkeypatch):
     assert (after.weights, after.prefetch) == (before.weights, before.prefetch)
 
 
-def test_a_fixed_prefetch_distance_holds():
-    """PAGEDLLM_PREFETCH_BYTES fixes the distance, whatever the weights."""
-    code = (
-        "from pagedllm.quant import kernels as qk; from pagedllm.native import cpu_kernels; "
-        "m0 = qk.weight_memory(); w = cpu_kernels().weight_buffer(4 << 30); m1 = qk.weight_memory(); "
-        "print(m0.prefetch, m1.prefetch)"
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        check=True,
-        env={**os.environ, "PAGEDLLM_PREFETCH_BYTES": "1000"},
-    )
-    assert out.stdout.split() == ["1000", "1000"], out
+def test_a_fixed_prefetch_distance_holds(tune):
+    """The tuning knob prefetch_bytes fixes the distance, whatever the weights; unset, it follows
+    them again."""
+    tune(prefetch_bytes=1000)
+    m0 = qk.weight_memory()
+    w = ops.weight_buffer(4 << 30)
+    assert (m0.prefetch, qk.weight_memory().prefetch) == (1000, 1000)
+    tune(prefetch_bytes=None)
+    assert qk.weight_memory().prefetch != 1000
+    del w

@@ -47,8 +47,10 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from dataclasses import asdict
 from pathlib import Path
 
+from .. import tuning
 from .common import machine_info, write_json
 from .compare_report import ENGINES, format_report
 from .llamacpp_peer import MISSING_HINT
@@ -200,6 +202,7 @@ def _run(args: argparse.Namespace) -> dict:
     for kind, spec in plan:
         spec["engine_kwargs"] = engine_kwargs | spec.pop("cache_kwargs", {})
         spec["isa"] = args.isa
+        spec["tuning"] = asdict(tuning.current())  # (a child process starts from the defaults)
         result["measures"][kind] = _measure(kind, spec, args, peer_ok, machine)
         result.update(machine.summary())
         write_json(out, result)  # what is done so far survives an interrupted run

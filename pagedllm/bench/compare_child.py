@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+from .. import tuning
 from .llamacpp_peer import peak_rss_mb, rss_mb
 
 
@@ -157,6 +158,7 @@ def main(argv: list[str]) -> int:
     engine, spec_path, out_path = argv
     spec = json.loads(Path(spec_path).read_text())
     logging.basicConfig(level=logging.WARNING)
+    tuning.configure(**spec.get("tuning", {}))
     children = {"bandwidth": bandwidth_child, "int8peak": int8_peak_child}
     result = children.get(engine, pagedllm_child)(spec)
     Path(out_path).write_text(json.dumps(result))

@@ -29,11 +29,11 @@ import argparse
 import importlib.util
 import logging
 import math
-import os
 import re
 import time
 from pathlib import Path
 
+from .. import tuning
 from .common import machine_info, write_json
 
 logger = logging.getLogger(__name__)
@@ -263,19 +263,11 @@ WIDE_INT = "int8 (WIDE=int)"
 WIDE_GEMM = "dequantize + GEMM (WIDE=gemm)"
 
 
-def _set_env(name: str, value: str | None) -> None:
-    """Set an environment variable, or remove it where `value` is None."""
-    if value is None:
-        os.environ.pop(name, None)
-    else:
-        os.environ[name] = value
-
-
 def run_weights(args: argparse.Namespace) -> dict:
     """Quantized weights against the dequantized float32 model on the same windows. Decode path:
     chunk 1, every window one row of a batch of at most 32 (the integer kernels). Prefill path:
     whole windows at once, by tile dequantize + GEMM and by the integer kernel, each forced
-    (PAGEDLLM_QUANT_WIDE=gemm, =int): which one a model takes by default depends on its width and
+    (tuning quant_wide=gemm, =int): which one a model takes by default depends on its width and
     the CPU (quant/kernels.py, wide_int_here)."""
     import torch
 
@@ -358,49 +350,45 @@ def _weight_runs(args: argparse.Namespace, n_windows: int) -> list[tuple]:
 def _score_weight_runs(args: argparse.Namespace, runs: list[tuple], windows: list, ctx: int, n: int) -> list[dict]:
     """Each run's perplexity and top-1 predictions over the windows, its kernel route and
     activation rounding forced for the run (and restored after)."""
+    results = []
+    start = tuning.current()
+    for label, kw, chunk, act in runs:
+        wide = "int" if label.endswith(WIDE_INT) else "gemm" if label.endswith(WIDE_GEMM) else start.quant_wide
+        with tuning.tuned(quant_wide=wide, quant_act=act or start.quant_act):
+            results.append(_score_weight_run(args, label, kw, chunk, windows, ctx, n))
+    return results
+
+
+def _score_weight_run(args: argparse.Namespace, label: str, kw: dict, chunk: int, windows: list, ctx: int, n: int):
+    """One run's perplexity and top-1 predictions, under the tuning its caller set."""
     import torch
 
     from .. import LLM
 
-    results = []
-    saved = {name: os.environ.get(name) for name in ("PAGEDLLM_QUANT_ACT", "PAGEDLLM_QUANT_WIDE")}
-    for label, kw, chunk, act in runs:
-        _set_env(
-            "PAGEDLLM_QUANT_WIDE",
-            "int"
-            if label.endswith(WIDE_INT)
-            else "gemm"
-            if label.endswith(WIDE_GEMM)
-            else saved["PAGEDLLM_QUANT_WIDE"],
-        )
-        _set_env("PAGEDLLM_QUANT_ACT", act or saved["PAGEDLLM_QUANT_ACT"])
-        llm = LLM(
-            args.model,
-            kv_cache_context_len=ctx,
-            max_num_seqs=len(windows),
-            block_size=args.block_size,
-            max_num_batched_tokens=max(2048, len(windows) * chunk),
-            isq=args.isq if "dequant" not in label else None,
-            **kw,
-        )
-        t0 = time.perf_counter()
-        top1: list[torch.Tensor] = []
-        lps = llm.score_prompts(windows, chunk_size=chunk, top1=top1)
-        nll = -torch.cat(lps).double().mean()
-        r = {
-            "run": label,
-            "weights": llm.engine.weights.summary(),
-            "perplexity": math.exp(float(nll)),
-            "scored_tokens": n,
-            "seconds": time.perf_counter() - t0,
-            "top1": torch.cat(top1),
-        }
-        print(f"  {label}: perplexity {r['perplexity']:.4f} ({r['seconds']:.0f} s); weights {r['weights']}", flush=True)
-        results.append(r)
-        del llm
-    for name, value in saved.items():
-        _set_env(name, value)
-    return results
+    llm = LLM(
+        args.model,
+        kv_cache_context_len=ctx,
+        max_num_seqs=len(windows),
+        block_size=args.block_size,
+        max_num_batched_tokens=max(2048, len(windows) * chunk),
+        isq=args.isq if "dequant" not in label else None,
+        **kw,
+    )
+    t0 = time.perf_counter()
+    top1: list[torch.Tensor] = []
+    lps = llm.score_prompts(windows, chunk_size=chunk, top1=top1)
+    nll = -torch.cat(lps).double().mean()
+    r = {
+        "run": label,
+        "weights": llm.engine.weights.summary(),
+        "perplexity": math.exp(float(nll)),
+        "scored_tokens": n,
+        "seconds": time.perf_counter() - t0,
+        "top1": torch.cat(top1),
+    }
+    print(f"  {label}: perplexity {r['perplexity']:.4f} ({r['seconds']:.0f} s); weights {r['weights']}", flush=True)
+    del llm
+    return r
 
 
 def run(args: argparse.Namespace) -> dict:

@@ -187,6 +187,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
         args.offline_llm = lambda server_args: _load_serve_args(server_args)
         return loadtest.run(args)
     if args.bench in BENCHES:
+        if args.tune:
+            from .. import tuning
+
+            try:
+                tuning.configure(**tuning.from_args(args.tune))
+            except ValueError as e:
+                print(f"error: {e}", file=sys.stderr)
+                return 2
         return _run_module(_bench_module(args.bench), args)
     print(f"usage: pagedllm bench {{{','.join([*BENCHES, 'serve'])}}} ...", file=sys.stderr)
     return 2

@@ -425,6 +425,13 @@ def _bench_command(sub: argparse._SubParsersAction, argv: list[str]) -> None:
         bt = bsub.add_parser(kind, help=text)
         if _wants(argv, "bench", kind):
             _add_module_args(bt, _bench_module(kind))
+            bt.add_argument(
+                "--tune",
+                action="append",
+                metavar="KNOB=VALUE",
+                help="set a kernel route or tuning knob for this run (repeatable; the knobs: "
+                "docs/benchmarks/tuning.md), e.g. --tune quant_wide=gemm",
+            )
         else:
             bt.add_argument("rest", nargs=argparse.REMAINDER)
     bs = bsub.add_parser("serve", help="load test of a running server (streaming clients)")

@@ -14,7 +14,7 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
-from .. import settings
+from .. import settings, tuning
 from . import messages
 from .group import CONTROL_TIMEOUT, RENDEZVOUS_TIMEOUT, TPInfo, destroy_groups
 from .p2p import StageLink
@@ -216,7 +216,7 @@ def plan_for(source, size: int, tp: int = 1) -> list:
     cfg = read_config(source)
     layers, embed, head = checkpoint_part_bytes(source, cfg)
     stages = plan_stages(layers, size, embed, head)
-    if tp > 1 or not settings.get("pp_share_head"):
+    if tp > 1 or not tuning.get("pp_share_head"):
         return stages
     return share_head(stages, layers, embed, head, cfg.vocab_size, cfg.tie_word_embeddings)
 

@@ -13,11 +13,12 @@ import logging
 import os
 import signal
 import sys
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Callable, NoReturn
 
 import torch
 
+from ..tuning import configure as configure_tuning, current as tuning_now
 from . import messages
 from .group import TPInfo, destroy_groups, init_groups
 
@@ -38,6 +39,9 @@ class WorkerSpec:
     threads: int
     log_level: int = logging.WARNING
     max_rank_memory_mb: float | None = None  # a rank's weights above it are refused (loader.check_rank_memory)
+    # rank 0's kernel routes and tuning (pagedllm/tuning.py), which a spawned process would not
+    # inherit: they are not in the environment
+    tuning: dict = field(default_factory=lambda: asdict(tuning_now()))
 
 
 def rank_device(device: str, rank: int) -> torch.device:
@@ -71,6 +75,7 @@ def rank_main(label: str, rank: int, spec: WorkerSpec, conn, body: Callable[[], 
         conn.send(("started", os.getpid()))
     logging.basicConfig(level=spec.log_level, format=f"[{label} rank {rank}] %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(spec.threads)
+    configure_tuning(**spec.tuning)
     code = 0
     try:
         body()

@@ -355,7 +355,7 @@ def _weight_kernel(engine) -> str:
         if amx and dtype_name(engine.dtype) == "bfloat16":
             acts += f"; steps of {amx}+ rows on packed weights: AMX bf16 tile products"
         if wide_steps_int(hidden):
-            why = "PAGEDLLM_QUANT_WIDE=int" if wide_mode() == "int" else f"the model {hidden} wide, no AMX"
+            why = "tuning quant_wide=int" if wide_mode() == "int" else f"the model {hidden} wide, no AMX"
             prefill = f"and past {int_rows()} rows too (prefill), the head aside ({why})"
         else:
             prefill = "tile dequantize + GEMM for long prefills"

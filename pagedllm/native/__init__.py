@@ -18,7 +18,7 @@ import logging
 from functools import lru_cache
 from pathlib import Path
 
-from .. import settings
+from .. import settings, tuning
 
 logger = logging.getLogger(__name__)
 
@@ -28,7 +28,7 @@ BUILD_HINT = "build them with `make kernels` in a checkout, or reinstall with `p
 # The op set this code calls, as csrc/dispatch.cpp stamps it (NATIVE_ABI there; both bumped
 # together whenever an op or class is added, removed or changes its schema). A library with
 # another stamp, or none, is refused whole: callers then need only ask whether it loaded.
-NATIVE_ABI = 2
+NATIVE_ABI = 3
 REBUILD_HINT = "rebuild with `make kernels` or `pip install --no-build-isolation -e .`"
 
 
@@ -48,6 +48,7 @@ def library_path() -> Path | None:
 def cpu_kernels():
     """The op namespace `torch.ops.pagedllm` (`paged_decode`, `linear_small_m`, `quant_*`), or
     None where the kernels are off, not built, or do not load."""
+    tuning.warn_retired()
     why = disabled_reason()
     if why:
         logger.info("native CPU kernels off (%s): the PyTorch paths are used", why)
@@ -92,6 +93,7 @@ def cpu_kernels():
         )
         return None
     logger.debug("native CPU kernels loaded from %s (%s level)", lib, ops.native_isa())
+    tuning.on_change(lambda t: ops.set_tuning(*tuning.native_values(t)))
     _warn_unbuilt_cap(ops)
     return ops
 

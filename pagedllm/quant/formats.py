@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .. import settings
+from .. import tuning
 
 # name -> (ggml type id, values per block, bytes per block): the formats the native kernels run.
 FORMATS: dict[str, tuple[int, int, int]] = {
@@ -87,10 +87,8 @@ class QuantTensor:
 
     @property
     def can_pack(self) -> bool:
-        # (PAGEDLLM_QUANT_PACK=0 keeps the file's layout: the reference for comparisons)
-        return (
-            settings.get("quant_pack") and not self.packed and self.fmt in PACKABLE and self.shape[0] % PACK_ROWS == 0
-        )
+        # (tuning quant_pack=0 keeps the file's layout: the reference for comparisons)
+        return tuning.get("quant_pack") and not self.packed and self.fmt in PACKABLE and self.shape[0] % PACK_ROWS == 0
 
     def pack(self) -> "QuantTensor":
         """The same weight in the packed layout (a copy; the file's pages are handed back)."""

@@ -4,7 +4,7 @@ Few rows (decode) take the integer path: the activation is quantized to int8 per
 and multiplied with the weight's blocks by integer dot products (AVX-512 VNNI, AVX2, or the
 scalar reference). Many rows (prefill, wide batches) are compute bound: the weight is
 dequantized a tile of rows at a time into the compute dtype and the GEMM does the rest, or,
-in models 1536+ wide on CPUs without AMX (PAGEDLLM_QUANT_WIDE), the integer kernel takes them
+in models 1536+ wide on CPUs without AMX (tuning quant_wide), the integer kernel takes them
 too, chunk by chunk.
 """
 
@@ -17,7 +17,7 @@ from functools import lru_cache
 
 import torch
 
-from .. import settings
+from .. import tuning
 from ..native import cpu_kernels, disabled_reason
 from .formats import PACKED_ID, QuantTensor
 
@@ -29,12 +29,12 @@ from .weight_memory import DENSE_SLAB_BYTES, WeightMemory, weight_buffer, weight
 logger = logging.getLogger(__name__)
 
 # Up to this many rows the integer kernel wins; above it the dequantize + GEMM route does
-# (measured on the CPU this was written on; PAGEDLLM_QUANT_INT_ROWS, default 32, overrides).
+# (measured on the CPU this was written on; tuning quant_int_rows, default 32, overrides).
 
 
 def int_rows() -> int:
     """INT_ROWS, above: the most rows a step may have and always take the integer kernel."""
-    return settings.get("quant_int_rows")
+    return tuning.get("quant_int_rows")
 
 
 # The GEMM route dequantizes a weight a tile of rows at a time: up to TILE_ROWS rows and about
@@ -55,9 +55,9 @@ TILE_PAD = 32  # a transposed tile's rows are this much longer (csrc/quant_packe
 # whose integer kernel is AVX-512 VNNI or AVX2 and which have no AMX (there the GEMM's bf16
 # products run on AMX, faster). On AVX2 the GEMM runs float32 FMAs, 8 products an instruction,
 # against maddubs' 32. The decision and its measurements: docs/design/integer-prefill.md.
-# PAGEDLLM_QUANT_WIDE=gemm | int forces a route.
+# tuning quant_wide=gemm | int forces a route.
 INT_WIDE_WIDTH = 1536
-WIDE_MODES = settings.choices("quant_wide")  # ("auto", "gemm", "int")
+WIDE_MODES = tuning.choices("quant_wide")  # ("auto", "gemm", "int")
 WIDE_CHUNK = 128
 _scratch = threading.local()
 _route = threading.local()  # proposals_only's flag, per thread
@@ -95,11 +95,11 @@ def kernel_path() -> tuple[str | None, str]:
     isas = available_isas()
     if not isas:
         return None, "the native CPU kernels are not built or do not load here (see the log)"
-    forced = settings.get("quant_isa")
+    forced = tuning.get("quant_isa")
     if forced:
         if forced not in isas:
-            raise ValueError(f"PAGEDLLM_QUANT_ISA={forced} is not available here; this CPU runs {isas}")
-        return forced, f"forced by PAGEDLLM_QUANT_ISA (available: {', '.join(isas)})"
+            raise ValueError(f"tuning quant_isa={forced} is not available here; this CPU runs {isas}")
+        return forced, f"forced by tuning quant_isa (available: {', '.join(isas)})"
     if "avx2" not in isas:
         return None, "this CPU has no AVX2; the scalar reference path is too slow to serve"
     best = isas[-1]
@@ -116,9 +116,9 @@ def kernel_path() -> tuple[str | None, str]:
 # round in one level except where that moves greedy tokens most for the least work: the
 # q|k|v projection stays two-level (X2_WIDE) and the head's best logits are computed again
 # (HEAD_RECHECK). A row's rounding therefore depends on its step's width, as the dequantize +
-# GEMM route past INT_ROWS already made it. PAGEDLLM_QUANT_ACT chooses. The decision and its
+# GEMM route past INT_ROWS already made it. tuning quant_act chooses. The decision and its
 # measurements: docs/design/activation-rounding.md.
-ACT_MODES = settings.choices("quant_act")  # ("auto", "int8", "int8x2")
+ACT_MODES = tuning.choices("quant_act")  # ("auto", "int8", "int8x2")
 ACT_X2 = 256  # or-ed into the kernels' isa argument (csrc/quant_common.h)
 X2_ROWS = 8
 # ... and only in models narrower than X2_WIDTH (hidden size; a projection's narrower side):
@@ -137,35 +137,35 @@ ACT_X2_PROJ = 512
 # The projections that "auto" keeps two-level on wider steps too, up to INT_ROWS. Chosen by
 # measurement (docs/design/activation-rounding.md, "Wide steps: one level, q|k|v two"): q|k|v
 # bought the most top-1 agreement for the least time; o, gate|up and down each bought less for
-# more. PAGEDLLM_QUANT_X2_WIDE (roles, comma-separated) overrides.
+# more. tuning quant_x2_wide (roles, comma-separated) overrides.
 X2_WIDE = ("qkv_proj",)
 
 
 def amx_rows() -> int:
     """Rows from which a bfloat16 step over packed weights takes the AMX tile product
-    (quant_packed.cpp; PAGEDLLM_AMX_ROWS, default 16), or 0: no AMX here, or PAGEDLLM_AMX=0."""
+    (quant_packed.cpp; tuning amx_rows, default 16), or 0: no AMX here, or tuning amx=0."""
     ops = cpu_kernels()
     return int(ops.quant_amx_rows()) if ops is not None else 0
 
 
 def wide_mode() -> str:
-    return settings.get("quant_wide")  # (one of WIDE_MODES: settings refuses any other)
+    return tuning.get("quant_wide")  # (one of WIDE_MODES: tuning refuses any other)
 
 
 def integer_route(rows: int, parts: list[QuantTensor], role: str | None = None) -> bool:
     """Whether a step of `rows` rows through `parts` (the projection `role`) takes the integer
     kernel: always up to INT_ROWS; past it, packed parts other than the head where
-    PAGEDLLM_QUANT_WIDE=int, or where "auto" (the default) finds it measured faster and exact
+    tuning quant_wide=int, or where "auto" (the default) finds it measured faster and exact
     enough (wide_int_here)."""
     if rows <= int_rows():
         return True
-    wide = wide_steps_int(_width(parts))  # (first: a bad PAGEDLLM_QUANT_WIDE is refused on any part)
+    wide = wide_steps_int(_width(parts))  # (first: a bad tuning quant_wide is refused on any part)
     return wide and role != "lm_head" and all(p.packed for p in parts)
 
 
 def wide_steps_int(width: int) -> bool:
     """Whether steps past INT_ROWS of packed projections (the head aside) in a model `width`
-    wide take the integer kernel: PAGEDLLM_QUANT_WIDE=int, or "auto" where wide_int_here."""
+    wide take the integer kernel: tuning quant_wide=int, or "auto" where wide_int_here."""
     mode = wide_mode()
     return mode == "int" or (mode == "auto" and wide_int_here(width))
 
@@ -196,12 +196,12 @@ def proposals_only():
 
 
 def activation_mode() -> str:
-    return settings.get("quant_act")  # (one of ACT_MODES: settings refuses any other)
+    return tuning.get("quant_act")  # (one of ACT_MODES: tuning refuses any other)
 
 
 def wide_x2_roles() -> tuple[str, ...]:
     """The roles "auto" rounds in two levels on steps wider than X2_ROWS."""
-    return _wide_roles(settings.get("quant_x2_wide"))
+    return _wide_roles(tuning.get("quant_x2_wide"))
 
 
 @lru_cache(maxsize=8)
@@ -211,7 +211,7 @@ def _wide_roles(env: str | None) -> tuple[str, ...]:
     roles = tuple(r.strip() for r in env.split(",") if r.strip())
     bad = [r for r in roles if r not in ROLES]
     if bad:
-        raise ValueError(f"PAGEDLLM_QUANT_X2_WIDE names {', '.join(bad)}; the roles are {', '.join(ROLES)}")
+        raise ValueError(f"tuning quant_x2_wide names {', '.join(bad)}; the roles are {', '.join(ROLES)}")
     return roles
 
 
@@ -376,18 +376,18 @@ def moe_block(
 # which token is greedy's then moves only when int8 rounding moves a logit past more than
 # HEAD_RECHECK - 1 others, instead of at every near-tie. It costs one top-k pass over the logits
 # (docs/benchmarks/from-code.md, "The head's best logits rechecked"), where rounding the head in two
-# levels costs as much again as the head itself. PAGEDLLM_QUANT_HEAD_RECHECK (default 4) sets
+# levels costs as much again as the head itself. tuning quant_head_recheck (default 4) sets
 # HEAD_RECHECK (0: off).
 
 
 def head_recheck() -> int:
     """HEAD_RECHECK, above: how many of a single-level head's best logits are computed again."""
-    return settings.get("quant_head_recheck")
+    return tuning.get("quant_head_recheck")
 
 
 def head_logits(hidden: torch.Tensor, parts: list[QuantTensor]) -> torch.Tensor:
     """The LM head's [rows, vocab] float32 logits for hidden [rows, K] ("auto" rechecks the best
-    of a single-level step; PAGEDLLM_QUANT_ACT=int8 is llama.cpp's rounding, unrechecked)."""
+    of a single-level step; tuning quant_act=int8 is llama.cpp's rounding, unrechecked)."""
     logits = matmul(hidden, parts, out_dtype=torch.float32, role="lm_head")
     rows, recheck = hidden.shape[0], head_recheck()
     if (

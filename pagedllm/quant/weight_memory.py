@@ -18,7 +18,7 @@ class WeightMemory:
     bytes mapped for them; `huge_pages` False where PAGEDLLM_HUGE_PAGES=0 or off Linux;
     `weights` bytes of all such weights alive, slabs or not, and `prefetch` how many bytes ahead
     the packed kernels prefetch them (2 KiB while they exceed half the last-level cache, else
-    8 KiB; 256 B on AMD's CPUs; PAGEDLLM_PREFETCH_BYTES fixes it)."""
+    8 KiB; 256 B on AMD's CPUs; tuning prefetch_bytes fixes it)."""
 
     live: int
     mapped: int

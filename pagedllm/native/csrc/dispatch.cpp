@@ -15,6 +15,7 @@
 #include "lora_stack.h"
 #include "pagedllm_built_levels.h"
 #include "moe_stack.h"
+#include "tuning.h"
 #include "weight_memory.h"
 
 #include <algorithm>
@@ -138,7 +139,7 @@ std::string native_isa() { return TWIN ? TWIN_NAME : LEVEL_NAMES[LEVEL]; }
 // The op set's stamp: bumped whenever an op or class is added, removed or changes its schema.
 // native/__init__.py expects one number (NATIVE_ABI there) and refuses a library with another,
 // so the Python side asks this once instead of probing for each op.
-constexpr int64_t NATIVE_ABI = 2;
+constexpr int64_t NATIVE_ABI = 3;
 int64_t native_abi() { return NATIVE_ABI; }
 // The levels compiled, comma-separated; the avxvnni level's twin by its name in native_isa().
 std::string native_built_levels() {
@@ -207,6 +208,7 @@ TORCH_LIBRARY(pagedllm, m) {
   m.def("release_omp_threads() -> int", &release_omp_threads);
   m.def("weight_memory_stats() -> int[]", &pagedllm::weight_memory_stats);
   m.def("weight_buffer(int bytes) -> Tensor", &pagedllm::weight_buffer);
+  m.def("set_tuning(int amx_rows, int prefetch_bytes) -> int", &pagedllm::set_tuning);
 #if defined(__x86_64__)
 #if PAGEDLLM_BUILT_AVX512VNNI
   if (LEVEL >= AVX512VNNI) {

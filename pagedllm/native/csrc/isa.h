@@ -23,6 +23,7 @@
 
 #include "lora_stack.h"
 #include "moe_stack.h"
+#include "tuning.h"
 #include "weight_memory.h"
 
 #if defined(__x86_64__)

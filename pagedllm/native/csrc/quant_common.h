@@ -689,7 +689,7 @@ void check_packed(const at::Tensor& w, int64_t type, int64_t k);
 void packed_matmul(int64_t type, int64_t isa, const uint8_t* w, int64_t gb, int64_t g0, int64_t g1, const QAct& x,
                    float* y, int64_t ldy);
 // AMX-BF16 (quant_packed.cpp): the rows from which a step of packed weights takes the tile
-// product, 0 where this CPU (or PAGEDLLM_AMX=0) has none; groups [g0, g1) of a packed weight
+// product, 0 where this CPU (or the amx tuning knob) has none; groups [g0, g1) of a packed weight
 // against xb, bfloat16 [mp, k] with mp a multiple of 16 (rows past m zero), into y's [m, 16 g].
 int64_t amx_rows();
 void amx_packed_matmul(int64_t type, const uint8_t* w, int64_t gb, int64_t g0, int64_t g1, const c10::BFloat16* xb,

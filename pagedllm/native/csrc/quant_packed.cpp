@@ -748,11 +748,7 @@ bool amx_hardware() {
 
 int64_t amx_rows() {
   static const bool hw = amx_hardware();
-  if (!hw) return 0;
-  const char* off = std::getenv("PAGEDLLM_AMX");
-  if (off != nullptr && off[0] == '0') return 0;
-  const char* m = std::getenv("PAGEDLLM_AMX_ROWS");
-  return m != nullptr ? std::max<int64_t>(1, std::atoll(m)) : 16;
+  return hw ? pagedllm::tuned_amx_rows.load(std::memory_order_relaxed) : 0;
 }
 
 // Tiles 0, 1: sums [16 rows, 16 floats]; 2, 3: activations [16 rows, 32 bf16]; 4: weights

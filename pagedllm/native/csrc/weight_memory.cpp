@@ -17,7 +17,7 @@
 // Intel (nearer or farther, slower). While they fit, the step reads them from cache, and
 // farther was faster. AMD's cores (Zen 4) ran fastest with little or no software prefetch,
 // whatever the weights, so they get 256 B. The measurements: docs/benchmarks/quantized-kernels.md.
-// PAGEDLLM_PREFETCH_BYTES=n fixes the distance (0: none).
+// A benchmark may fix the distance (pagedllm/tuning.py prefetch_bytes; 0: none).
 #include "weight_memory.h"
 
 #include <algorithm>
@@ -74,17 +74,19 @@ bool amd_cpu() {
 #endif
 }
 
-// A distance that does not follow the weights: PAGEDLLM_PREFETCH_BYTES, else AMD's; -1 otherwise.
+// A distance that does not follow the weights: the one set (set_weight_prefetch), else AMD's;
+// -1 otherwise.
+std::atomic<int> set_distance{-1};
 int fixed_prefetch() {
-  const char* env = std::getenv("PAGEDLLM_PREFETCH_BYTES");
-  if (env != nullptr) return std::max(0, std::atoi(env));
-  return amd_cpu() ? AMD_DISTANCE : -1;
+  static const bool amd = amd_cpu();
+  const int set = set_distance.load(std::memory_order_relaxed);
+  return set >= 0 ? set : (amd ? AMD_DISTANCE : -1);
 }
 
 // Weights of `delta` bytes came (> 0) or went (< 0): the prefetch distance follows.
 void account(int64_t delta) {
   static const int64_t llc = llc_bytes();
-  static const int fixed = fixed_prefetch();
+  const int fixed = fixed_prefetch();
   const int64_t now = weight_bytes += delta;
   weight_prefetch.store(fixed >= 0 ? fixed : (llc > 0 && now <= llc / 2 ? FAR : NEAR), std::memory_order_relaxed);
 }
@@ -177,6 +179,11 @@ at::Tensor weight_buffer(int64_t bytes) {
         slab.reset();
       },
       at::TensorOptions().dtype(at::kByte));
+}
+
+void set_weight_prefetch(int64_t bytes) {
+  set_distance.store(bytes < 0 ? -1 : static_cast<int>(std::min<int64_t>(bytes, 1 << 20)), std::memory_order_relaxed);
+  account(0);
 }
 
 std::vector<int64_t> weight_memory_stats() {

@@ -19,6 +19,10 @@ at::Tensor weight_buffer(int64_t bytes);
 // are used, bytes of every weight_buffer alive (slabs or not), the weight prefetch distance].
 std::vector<int64_t> weight_memory_stats();
 
+// `bytes` >= 0 fixes the distance below (0: no software prefetch); < 0 lets it follow the
+// weights alive and the CPU again (tuning.h's set_tuning calls it).
+void set_weight_prefetch(int64_t bytes);
+
 // How many bytes ahead of its reads a kernel streaming packed weights prefetches them, set
 // from the weights alive and the CPU (weight_memory.cpp) and read once per group of rows.
 extern std::atomic<int> weight_prefetch;
