@@ -180,6 +180,9 @@ bench-deps: $(STAMP)
 	else echo "using the kept wheel $$whl"; fi; \
 	$(PIP) install -q --no-deps --force-reinstall $(if $(LLAMA_TARGET),--target "$(LLAMA_TARGET)" --upgrade) "$$whl" || exit 1; \
 	$(PIP) install -q --no-deps $(if $(LLAMA_TARGET),--target "$(LLAMA_TARGET)" --upgrade) "diskcache>=5.6.1"
+	@# its OpenAI server's own needs (the peer of `pagedllm bench agent`); fastapi, uvicorn and
+	@# pydantic are ours already, and none of these pulls in torch
+	$(if $(LLAMA_TARGET),,$(PIP) install -q sse-starlette starlette-context pydantic-settings)
 	$(if $(LLAMA_TARGET),PYTHONPATH="$(LLAMA_TARGET)") $(PY) -c "import llama_cpp; print('llama_cpp', llama_cpp.__version__, 'ready:', llama_cpp.llama_print_system_info().decode())"
 
 clean:

@@ -286,6 +286,8 @@ BENCHES = {
     "lora": "LoRA adapters against the base model: 32 concurrent over 4 adapters, and batch 1 decode",
     "interleave": "a short stream beside a long prefill: its inter-token latency and the prefill's throughput, "
     "each against alone, with the scheduler's pacing on and off",
+    "agent": "a coding agent's recorded session replayed against pagedllm's server and llama.cpp's: "
+    "each turn's time to first token and the session's wall time",
     "vision": "a vision-language model's time to first token for a one-image question, and its encoder share, "
     "against transformers; then a second turn on the same image",
 }
@@ -304,7 +306,8 @@ SERVE_ROUTES = """HTTP routes (the full schema: GET /openapi.json):
              GET /v1/models, /v1/models/{id}
   Anthropic  POST /v1/messages (streamed and not), /v1/messages/count_tokens
              (key as 'x-api-key' or 'Authorization: Bearer')
-  vLLM       POST /tokenize, /detokenize, /v1/load_lora_adapter, /v1/unload_lora_adapter
+  vLLM       POST /tokenize, /detokenize, /v1/load_lora_adapter, /v1/unload_lora_adapter;
+             GET /tokenizer_info
   server     GET / (chat page), /health, /metrics, /version"""
 
 
