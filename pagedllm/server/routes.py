@@ -21,7 +21,7 @@ from .._version import __version__
 from ..protocols.anthropic import messages as anthropic_dialect
 from ..protocols.common.context import ServingContext
 from ..protocols.openai.models import ModelCard
-from ..protocols.openai.tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
+from ..protocols.openai.tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize, tokenizer_info
 from . import limits
 from .bodies import read_body
 
@@ -66,6 +66,10 @@ def install(app: FastAPI, s: Served) -> None:
         if req.prompt is not None:
             limits.check_prompt_chars(len(req.prompt), s.ctx.max_model_len, "prompt")
         return JSONResponse((await s.run(tokenize, req, s.ctx)).model_dump())
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info_route() -> Response:
+        return JSONResponse(tokenizer_info(s.ctx).model_dump())
 
     @app.post("/detokenize")
     async def detokenize_route(request: Request) -> Response:

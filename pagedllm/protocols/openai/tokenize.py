@@ -31,6 +31,21 @@ class TokenizeResponse(BaseModel):
     token_strs: list[str] | None = None
 
 
+class TokenizerInfo(BaseModel):
+    """vLLM's GET /tokenizer_info: the served tokenizer's special tokens and chat template, what a
+    client that tokenizes through the server (lm-evaluation-harness's remote tokenizer) reads."""
+
+    tokenizer_class: str = "PreTrainedTokenizerFast"
+    eos_token: str | None
+    bos_token: str | None
+    pad_token: str | None
+    unk_token: str | None
+    add_bos_token: bool
+    chat_template: str | None
+    model_max_length: int
+    vocab_size: int
+
+
 class DetokenizeRequest(_Model):
     model: str | None = None
     tokens: list[Int]
@@ -59,6 +74,20 @@ def tokenize(req: TokenizeRequest, ctx: ServingContext) -> TokenizeResponse:
         ids = tok.encode(req.prompt, add_special_tokens=special)
     strs = [tok.id_to_token(t) or "" for t in ids] if req.return_token_strs else None
     return TokenizeResponse(count=len(ids), max_model_len=ctx.max_model_len, tokens=ids, token_strs=strs)
+
+
+def tokenizer_info(ctx: ServingContext) -> TokenizerInfo:
+    tok = ctx.tokenizer
+    return TokenizerInfo(
+        eos_token=tok.eos_token,
+        bos_token=tok.bos_token,
+        pad_token=tok.pad_token,
+        unk_token=tok.unk_token,
+        add_bos_token=tok.add_bos_token,
+        chat_template=tok.chat_template,
+        model_max_length=ctx.max_model_len,
+        vocab_size=len(tok),
+    )
 
 
 def detokenize(req: DetokenizeRequest, ctx: ServingContext) -> DetokenizeResponse:
