@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 from .agent_session import Turn, load_turns
-from .common import machine_info, write_json
+from .common import machine_info, stop_server, wait_ready, write_json
 
 ENGINES = ("pagedllm", "llama.cpp")
 LLAMA_HINT = (
@@ -106,22 +106,6 @@ def _command(engine: str, args: argparse.Namespace, port: int) -> list[str]:
     ]
 
 
-def _wait_ready(url: str, proc: subprocess.Popen, log: Path, timeout: float = 600) -> None:
-    import httpx
-
-    t0 = time.time()
-    while time.time() - t0 < timeout:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with code {proc.returncode}: {log.read_text()[-2000:]}")
-        try:
-            if httpx.get(f"{url}/v1/models", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"the server at {url} was not ready after {timeout:.0f} s")
-
-
 def _turn(url: str, turn: Turn, args: argparse.Namespace, forbid: dict) -> dict:
     """One streamed completion: time to the first token, the whole turn's time, usage."""
     import httpx
@@ -170,7 +154,10 @@ def _session(engine: str, args: argparse.Namespace, turns: list[Turn], forbid: d
     with open(log, "w") as out:
         proc = subprocess.Popen(_command(engine, args, port), stdout=out, stderr=subprocess.STDOUT, env=env)
     try:
-        _wait_ready(url, proc, log)
+        try:
+            wait_ready(url, proc, 600, "/v1/models")  # (llama-cpp-python's server has no /health)
+        except RuntimeError as e:
+            raise RuntimeError(f"{engine}: {e}; its log: {log}") from None
         # One short request first, sharing nothing with the session: a server a user points an
         # agent at has been up, its lazy start-up work done.
         _turn(url, Turn("/v1/completions", 0.0, [], "Hello"), args, forbid)
@@ -187,11 +174,7 @@ def _session(engine: str, args: argparse.Namespace, turns: list[Turn], forbid: d
             )
         return {"turns": rows, "wall_s": sum(r["turn_s"] for r in rows)}
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_server(proc)
 
 
 def _computed(engine: str, row: dict, log: Path, seen: int) -> int | None:

@@ -12,6 +12,7 @@ recorded against `pagedllm serve` on Qwen2.5-Coder-1.5B-Instruct Q4_K_M with the
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -98,9 +99,5 @@ def load_turns(session: str, model: str, max_model_len: int) -> tuple[list[Turn]
 
 
 def shared_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
+    """How many leading token ids two prompts share."""
+    return len(os.path.commonprefix([a, b]))

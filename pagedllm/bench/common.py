@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import subprocess
 import platform
 import statistics
 import time
@@ -54,8 +55,8 @@ def write_json(path: str | os.PathLike, data: dict) -> Path:
     return p
 
 
-def wait_ready(url: str, proc, timeout: float = 300) -> None:
-    """Wait until the server `proc` answers /health at `url`; an error when it exits or times out."""
+def wait_ready(url: str, proc, timeout: float = 300, path: str = "/health") -> None:
+    """Wait until the server `proc` answers `path` at `url`; an error when it exits or times out."""
     import httpx
 
     t0 = time.time()
@@ -63,12 +64,21 @@ def wait_ready(url: str, proc, timeout: float = 300) -> None:
         if proc.poll() is not None:
             raise RuntimeError(f"the server exited with code {proc.returncode}")
         try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+            if httpx.get(f"{url}{path}", timeout=2).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
         time.sleep(0.5)
     raise RuntimeError("the server did not become ready")
+
+
+def stop_server(proc) -> None:
+    """End a server process: SIGTERM, then SIGKILL if it is still there after 30 s."""
+    proc.terminate()
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
 
 
 def pyplot():

@@ -35,7 +35,16 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlparse
 
-from .common import machine_info, median_of_runs, percentile, pyplot, save_figure, wait_ready, write_json
+from .common import (
+    machine_info,
+    median_of_runs,
+    percentile,
+    pyplot,
+    save_figure,
+    stop_server,
+    wait_ready,
+    write_json,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -308,11 +317,7 @@ def run(args: argparse.Namespace) -> int:
         run_server(args.url, model, warm)
         runs, loads = _measure_sides(args, llm, proc, model, rates, vocab, avoid)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_server(proc)
         llm.shutdown()
     result["load_average"] = loads
     errors = _summarise_rates(args, runs, result)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import httpx
 
-from .common import wait_ready
+from .common import stop_server, wait_ready
 from .loadtest import parse_metrics
 
 FIELDS = {
@@ -101,11 +101,7 @@ def soak(args: argparse.Namespace) -> dict:
             sample("idle")
         idle = rows[-1]
     finally:
-        server.terminate()
-        try:
-            server.wait(30)
-        except subprocess.TimeoutExpired:
-            server.kill()
+        stop_server(server)
         log.close()
     return _report(args, rows, start, first, idle)
 
