@@ -139,8 +139,9 @@ def test_lm_eval_local_completions_equals_hf_backend(
     for name, text in (("mc", MC_TASK), ("ppl", ROLLING_TASK), ("gen", GEN_TASK)):
         (tmp_path / f"{name}.yaml").write_text(text)
     # No tokenizer argument: lm-eval's "auto" finds the server's /tokenizer_info and /tokenize.
+    # batch_size 4: the harness sends four prompts (token ids) in one request.
     args = {"base_url": f"{server.url}/v1/completions", "model": "default", "num_concurrent": 1, "max_retries": 1}
-    ours = _run("local-completions", args, TASKS, tmp_path)
+    ours = _run("local-completions", args | {"batch_size": 4}, TASKS, tmp_path)
     # lm-eval's hf backend on transformers' float32 model of the same GGUF: the session's copy
     # (conftest), not a second ~10 s load of the GGUF by lm-eval (what it would load is the same).
     from lm_eval.models.huggingface import HFLM
