@@ -404,6 +404,7 @@ class ModelRunner:
         logits, hidden = self.forward(step.plan)
         return self.sample(step, logits, hidden)
 
+    @torch.inference_mode()
     def prepare_step(self, batch: list[ScheduledSeq], images: bool = False) -> "PendingStep":
         """The step's plan, its sampling and scoring rows, and the grammar masks started."""
         # Decodes go first so the attention backend can batch them.
@@ -445,6 +446,7 @@ class ModelRunner:
         )
         return PendingStep(plan, sampling_seqs, rows, offsets, scoring, pooling, masks)
 
+    @torch.inference_mode()
     def sample(
         self, step: "PendingStep", logits: torch.Tensor | None, hidden: torch.Tensor | None
     ) -> RunnerOutput | None:
